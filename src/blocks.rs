@@ -1,0 +1,105 @@
+//! Request block sets (SPEC section 5): per request its token count and, per
+//! group, the blocks at consecutive positions from a first position.
+
+use std::collections::HashMap;
+
+use crate::error::{err, Result};
+
+/// One group's blocks of one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupBlocks {
+    /// The group.
+    pub group_id: u32,
+    /// Position of `block_ids[0]` in the request.
+    pub first_position: u64,
+    /// Block ids at positions `first_position ..`.
+    pub block_ids: Vec<u32>,
+}
+
+/// One request's blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestBlocks {
+    /// Caller's request id.
+    pub req_id: String,
+    /// Tokens whose KV the blocks hold.
+    pub num_tokens: u64,
+    /// Per group, in the order added.
+    pub groups: Vec<GroupBlocks>,
+}
+
+/// Valid tokens of the block at `position` (SPEC section 5):
+/// `min(block_size, max(0, num_tokens - position * block_size))`.
+pub fn valid_tokens(num_tokens: u64, block_size: u32, position: u64) -> u32 {
+    let start = (position as u128) * (block_size as u128);
+    let left = (num_tokens as u128).saturating_sub(start);
+    left.min(block_size as u128) as u32
+}
+
+/// The blocks of a batch of requests, in the order added.
+#[derive(Debug, Clone, Default)]
+pub struct BlockSet {
+    requests: Vec<RequestBlocks>,
+    index: HashMap<String, usize>,
+}
+
+impl BlockSet {
+    /// An empty set.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a request with no blocks yet.
+    pub fn add_request(&mut self, req_id: &str, num_tokens: u64) -> Result<()> {
+        if req_id.is_empty() {
+            return Err(err!(InvalidArgument, "req_id is empty"));
+        }
+        if self.index.contains_key(req_id) {
+            return Err(err!(InvalidArgument, "req_id \"{req_id}\" is already in the block set"));
+        }
+        self.index.insert(req_id.to_owned(), self.requests.len());
+        self.requests.push(RequestBlocks {
+            req_id: req_id.to_owned(),
+            num_tokens,
+            groups: Vec::new(),
+        });
+        Ok(())
+    }
+
+    /// Adds one group's blocks to a request added before.
+    pub fn add_group(&mut self, req_id: &str, group_id: u32, first_position: u64, block_ids: &[u32]) -> Result<()> {
+        let &index = self
+            .index
+            .get(req_id)
+            .ok_or_else(|| err!(NotFound, "req_id \"{req_id}\" is not in the block set"))?;
+        let request = &mut self.requests[index];
+        if request.groups.iter().any(|g| g.group_id == group_id) {
+            return Err(err!(
+                InvalidArgument,
+                "group_id {group_id} already has blocks in req_id \"{req_id}\""
+            ));
+        }
+        if first_position.checked_add(block_ids.len() as u64).is_none() {
+            return Err(err!(
+                InvalidArgument,
+                "first_position {first_position} + {} blocks overflows (req_id \"{req_id}\", group_id {group_id})",
+                block_ids.len()
+            ));
+        }
+        request.groups.push(GroupBlocks {
+            group_id,
+            first_position,
+            block_ids: block_ids.to_vec(),
+        });
+        Ok(())
+    }
+
+    /// The requests, in the order added.
+    pub fn requests(&self) -> &[RequestBlocks] {
+        &self.requests
+    }
+
+    /// The request `req_id`, if present.
+    pub fn request(&self, req_id: &str) -> Option<&RequestBlocks> {
+        self.index.get(req_id).map(|&i| &self.requests[i])
+    }
+}

@@ -1,0 +1,52 @@
+//! Errors of the engine. Each message names what was wrong, with which
+//! argument and value; the C boundary maps each variant to one `kvcs_status`
+//! in one place (`src/ffi/status.rs`).
+
+/// An engine error, by the category a caller acts on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    /// An argument is malformed or inconsistent.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// An index (block id, column) is at or past its end.
+    #[error("{0}")]
+    OutOfBounds(String),
+    /// Valid input that kvcsum cannot checksum (alignment, head count).
+    #[error("{0}")]
+    Unsupported(String),
+    /// An unknown request, group or layer.
+    #[error("{0}")]
+    NotFound(String),
+    /// Bytes that do not decode.
+    #[error("{0}")]
+    Malformed(String),
+    /// A result that is not ready yet.
+    #[error("{0}")]
+    NotReady(String),
+    /// The CUDA driver, NVRTC or the device failed or is absent.
+    #[error("{0}")]
+    Device(String),
+    /// An output buffer is too small; `needed` bytes are.
+    #[error("{message}")]
+    BufferTooSmall {
+        /// What was too small.
+        message: String,
+        /// The size that would do.
+        needed: usize,
+    },
+    /// A bug in kvcsum.
+    #[error("{0}")]
+    Internal(String),
+}
+
+/// Builds an [`Error`] variant with a formatted message:
+/// `err!(NotFound, "group_id {} is not registered", id)`.
+macro_rules! err {
+    ($variant:ident, $($fmt:tt)+) => {
+        $crate::error::Error::$variant(format!($($fmt)+))
+    };
+}
+pub(crate) use err;
+
+/// The result type of the engine.
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,131 @@
+//! `kvcs_result`: a worker's partial checksums of one call.
+
+use std::ffi::c_char;
+
+use super::panic::ffi_boundary;
+use super::status::kvcs_status;
+use super::{c_str, try_engine, try_ref, write_out};
+use crate::result::Checksums;
+
+/// The partial checksums of one `kvcs_worker_checksum` call: per request and
+/// group, one column per replica key, one value per block position.
+///
+/// Ownership: made by `kvcs_worker_checksum`, freed by `kvcs_result_destroy`
+/// (also while a device is still computing it: the values are then dropped
+/// once the device is done). Independent of its worker.
+/// Thread safety: `const kvcs_result *` calls may run concurrently;
+/// `kvcs_result_wait` and `kvcs_result_destroy` need exclusive access.
+#[allow(non_camel_case_types)]
+pub struct kvcs_result {
+    _private: [u8; 0],
+}
+
+/// Moves a result behind a new handle.
+pub(crate) fn result_into_handle(result: Checksums) -> *mut kvcs_result {
+    Box::into_raw(Box::new(result)).cast()
+}
+
+fn result_ref(result: *const kvcs_result) -> *const Checksums {
+    result.cast()
+}
+
+/// `KVCS_OK` once the values are readable, `KVCS_ERR_NOT_READY` while a
+/// device is computing them; never blocks. Host results are ready at once.
+#[no_mangle]
+pub extern "C" fn kvcs_result_query(result: *const kvcs_result) -> kvcs_status {
+    ffi_boundary! {
+        let result = try_ref!(result_ref(result), "result");
+        match try_engine!(result.is_ready()) {
+            true => kvcs_status::KVCS_OK,
+            false => super::status::fail(&crate::error::Error::NotReady(
+                "the result is still being computed on the device".to_owned(),
+            )),
+        }
+    }
+}
+
+/// Blocks until the values are readable.
+#[no_mangle]
+pub extern "C" fn kvcs_result_wait(result: *mut kvcs_result) -> kvcs_status {
+    ffi_boundary! {
+        let result = try_ref!(result_ref(result), "result");
+        try_engine!(result.wait());
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// The shape of group `group_id` of request `req_id`: its first position,
+/// its number of positions and of columns. Any out-pointer may be NULL.
+/// `KVCS_ERR_NOT_FOUND` for a request or group not in the result (a skipped
+/// group too, with the worker's reason). Readable before the values are.
+#[no_mangle]
+pub extern "C" fn kvcs_result_group(
+    result: *const kvcs_result,
+    req_id: *const c_char,
+    group_id: u32,
+    first_position: *mut u64,
+    num_positions: *mut usize,
+    num_columns: *mut usize,
+) -> kvcs_status {
+    ffi_boundary! {
+        let result = try_ref!(result_ref(result), "result");
+        // SAFETY: NULL or a NUL-terminated string per the contract.
+        let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
+        let group = try_engine!(result.group(req_id, group_id));
+        // SAFETY: each is NULL or writable per the contract.
+        unsafe {
+            write_out(first_position, group.first_position);
+            write_out(num_positions, group.num_positions);
+            write_out(num_columns, group.columns.len());
+        }
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// Column `column` of group `group_id` of request `req_id`: its replica key
+/// and its `num_positions` values, copied to `values` (which may be NULL only
+/// when `num_positions` is 0). `replicas` and `replica_index` may be NULL.
+/// `KVCS_ERR_NOT_READY` while a device is computing,
+/// `KVCS_ERR_OUT_OF_BOUNDS` for a column at or past `num_columns`.
+#[no_mangle]
+pub extern "C" fn kvcs_result_column(
+    result: *const kvcs_result,
+    req_id: *const c_char,
+    group_id: u32,
+    column: usize,
+    replicas: *mut u32,
+    replica_index: *mut u32,
+    values: *mut u64,
+) -> kvcs_status {
+    ffi_boundary! {
+        let result = try_ref!(result_ref(result), "result");
+        // SAFETY: NULL or a NUL-terminated string per the contract.
+        let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
+        let (key, column_values) = try_engine!(result.column(req_id, group_id, column));
+        if values.is_null() && !column_values.is_empty() {
+            return super::status::fail(&crate::error::Error::InvalidArgument(format!(
+                "values is NULL for {} positions", column_values.len()
+            )));
+        }
+        // SAFETY: the contract gives `num_positions` writable values.
+        unsafe {
+            if !column_values.is_empty() {
+                std::ptr::copy_nonoverlapping(column_values.as_ptr(), values, column_values.len());
+            }
+            write_out(replicas, key.replicas);
+            write_out(replica_index, key.replica_index);
+        }
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// Frees a result. NULL is a no-op. Safe while a device is still computing.
+#[no_mangle]
+pub extern "C" fn kvcs_result_destroy(result: *mut kvcs_result) {
+    ffi_boundary! {
+        if !result.is_null() {
+            // SAFETY: made by `kvcs_worker_checksum` and not freed before.
+            drop(unsafe { Box::from_raw(result.cast::<Checksums>()) });
+        }
+    }
+}

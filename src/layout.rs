@@ -1,0 +1,362 @@
+//! Layout registration: the memory a worker may read, its groups, and where
+//! each attention layer's cells live (SPEC section 1), validated so that the
+//! engines never read a byte outside a registered region.
+
+use std::collections::BTreeMap;
+
+use crate::checksum::{MAX_KV_HEADS_PER_LAYER, PIECE_BYTES};
+use crate::error::{err, Result};
+
+/// A range of memory the worker may read: `address .. address + length`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Region {
+    /// First byte.
+    pub address: u64,
+    /// Bytes in the region.
+    pub length: u64,
+}
+
+/// One region of a cache (a layer's whole cell, or its K or V part).
+/// Strides are in bytes and may be negative or zero.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    /// Address of block 0, kernel block 0, head 0, token 0.
+    pub address: u64,
+    /// Between logical blocks.
+    pub block_stride: i64,
+    /// Between kernel blocks of one logical block.
+    pub kernel_block_stride: i64,
+    /// Between heads.
+    pub head_stride: i64,
+    /// Between tokens of one kernel block.
+    pub token_stride: i64,
+    /// Contiguous bytes of one (head, token) in this segment; a multiple of 8.
+    pub bytes_per_token: u32,
+}
+
+/// The replica key of SPEC section 4: heads held by `replicas` consecutive
+/// ranks, this copy being number `replica_index`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ReplicaKey {
+    /// Ranks holding the same heads; 1 = not replicated.
+    pub replicas: u32,
+    /// This copy, in `0 .. replicas`.
+    pub replica_index: u32,
+}
+
+/// Which columns a worker computes (SPEC section 4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Only columns with `replica_index == 0`: any copy describes the KV.
+    Producer,
+    /// Every column, so that every copy is checked.
+    Consumer,
+}
+
+impl ReplicaKey {
+    /// Whether a worker in `role` computes this key's column.
+    pub fn computed_in(self, role: Role) -> bool {
+        role == Role::Consumer || self.replica_index == 0
+    }
+}
+
+/// An attention layer's cache as a caller registers it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerSpec {
+    /// The group whose block table indexes this cache.
+    pub group_id: u32,
+    /// Model-wide layer number.
+    pub layer_number: u32,
+    /// Global number of the first head held here.
+    pub first_head: u32,
+    /// Heads held here.
+    pub num_heads: u32,
+    /// Replica key of these heads.
+    pub replica: ReplicaKey,
+    /// Logical blocks in the cache.
+    pub num_blocks: u32,
+    /// Kernel blocks per logical block.
+    pub kernel_blocks: u32,
+    /// Tokens per kernel block.
+    pub tokens_per_kernel_block: u32,
+    /// One segment (cell in one place) or two (K then V).
+    pub segments: Vec<Segment>,
+    /// Bytes hashed into the group fingerprint (SPEC section 7).
+    pub identity: Vec<u8>,
+}
+
+/// A registered layer: its spec and what follows from it.
+#[derive(Debug, Clone)]
+pub struct Layer {
+    /// As registered.
+    pub spec: LayerSpec,
+    /// Pieces per token of one slice (`P` of SPEC section 2).
+    pub pieces_per_token: u64,
+    /// Per segment, the index of its first piece within a token's cell.
+    pub segment_piece_offsets: Vec<u64>,
+}
+
+/// Layers sharing one block table and block size.
+#[derive(Debug, Clone)]
+pub struct Group {
+    /// Caller's group id.
+    pub group_id: u32,
+    /// Tokens per logical block.
+    pub block_size: u32,
+    /// Registered layers, in registration order.
+    pub layers: Vec<Layer>,
+}
+
+impl Group {
+    /// The smallest block count of the group's caches: block ids must be below it.
+    pub fn num_blocks(&self) -> u32 {
+        self.layers
+            .iter()
+            .map(|layer| layer.spec.num_blocks)
+            .min()
+            .unwrap_or(u32::MAX)
+    }
+
+    /// The replica keys of the columns computed in `role`, sorted.
+    pub fn columns(&self, role: Role) -> Vec<ReplicaKey> {
+        let mut keys: Vec<ReplicaKey> = self
+            .layers
+            .iter()
+            .map(|layer| layer.spec.replica)
+            .filter(|key| key.computed_in(role))
+            .collect();
+        keys.sort_unstable();
+        keys.dedup();
+        keys
+    }
+}
+
+/// Everything a worker has registered.
+#[derive(Debug, Clone, Default)]
+pub struct Layout {
+    regions: Vec<Region>,
+    groups: BTreeMap<u32, Group>,
+    skipped: BTreeMap<u32, String>,
+}
+
+impl Layout {
+    /// Registers memory the worker may read.
+    pub fn add_region(&mut self, region: Region) -> Result<()> {
+        if region.length == 0 {
+            return Err(err!(InvalidArgument, "length is 0 (region at address {:#x})", region.address));
+        }
+        if region.address.checked_add(region.length).is_none() {
+            return Err(err!(
+                InvalidArgument,
+                "address {:#x} + length {} wraps past the end of the address space",
+                region.address,
+                region.length
+            ));
+        }
+        self.regions.push(region);
+        Ok(())
+    }
+
+    /// Registers a group of layers sharing a block table.
+    pub fn add_group(&mut self, group_id: u32, block_size: u32) -> Result<()> {
+        if block_size == 0 {
+            return Err(err!(InvalidArgument, "block_size is 0 (group_id {group_id})"));
+        }
+        if self.groups.contains_key(&group_id) {
+            return Err(err!(InvalidArgument, "group_id {group_id} is already registered"));
+        }
+        self.groups.insert(
+            group_id,
+            Group {
+                group_id,
+                block_size,
+                layers: Vec::new(),
+            },
+        );
+        Ok(())
+    }
+
+    /// Declares that this worker cannot checksum `group_id` (SPEC section 7).
+    pub fn skip_group(&mut self, group_id: u32, reason: &str) -> Result<()> {
+        if reason.is_empty() {
+            return Err(err!(InvalidArgument, "reason is empty (group_id {group_id})"));
+        }
+        if self.skipped.contains_key(&group_id) {
+            return Err(err!(InvalidArgument, "group_id {group_id} is already skipped"));
+        }
+        self.skipped.insert(group_id, reason.to_owned());
+        Ok(())
+    }
+
+    /// Registers an attention layer's cache after checking every constraint;
+    /// on error nothing changes.
+    pub fn add_layer(&mut self, spec: LayerSpec) -> Result<()> {
+        let layer = self.check_layer(spec)?;
+        self.groups
+            .get_mut(&layer.spec.group_id)
+            .expect("checked above")
+            .layers
+            .push(layer);
+        Ok(())
+    }
+
+    fn check_layer(&self, spec: LayerSpec) -> Result<Layer> {
+        let layer_number = spec.layer_number;
+        let group = self.groups.get(&spec.group_id).ok_or_else(|| {
+            err!(NotFound, "group_id {} is not registered (layer_number {layer_number})", spec.group_id)
+        })?;
+        if spec.num_heads == 0 {
+            return Err(err!(InvalidArgument, "num_heads is 0 (layer_number {layer_number})"));
+        }
+        let head_end = spec.first_head as u64 + spec.num_heads as u64;
+        if head_end > MAX_KV_HEADS_PER_LAYER {
+            return Err(err!(
+                Unsupported,
+                "first_head {} + num_heads {} exceeds {MAX_KV_HEADS_PER_LAYER} heads per layer (layer_number {layer_number})",
+                spec.first_head,
+                spec.num_heads
+            ));
+        }
+        let replica = spec.replica;
+        if replica.replicas == 0 {
+            return Err(err!(InvalidArgument, "replicas is 0 (layer_number {layer_number})"));
+        }
+        if replica.replica_index >= replica.replicas {
+            return Err(err!(
+                InvalidArgument,
+                "replica_index {} is not below replicas {} (layer_number {layer_number})",
+                replica.replica_index,
+                replica.replicas
+            ));
+        }
+        if spec.num_blocks == 0 {
+            return Err(err!(InvalidArgument, "num_blocks is 0 (layer_number {layer_number})"));
+        }
+        let tiled = spec.kernel_blocks as u64 * spec.tokens_per_kernel_block as u64;
+        if spec.kernel_blocks == 0 || spec.tokens_per_kernel_block == 0 || tiled != group.block_size as u64 {
+            return Err(err!(
+                InvalidArgument,
+                "kernel_blocks {} x tokens_per_kernel_block {} does not tile block_size {} of group_id {} (layer_number {layer_number})",
+                spec.kernel_blocks,
+                spec.tokens_per_kernel_block,
+                group.block_size,
+                spec.group_id
+            ));
+        }
+        if !(1..=2).contains(&spec.segments.len()) {
+            return Err(err!(
+                InvalidArgument,
+                "num_segments is {}, not 1 or 2 (layer_number {layer_number})",
+                spec.segments.len()
+            ));
+        }
+        let mut segment_piece_offsets = Vec::with_capacity(spec.segments.len());
+        let mut pieces_per_token = 0u64;
+        for (index, segment) in spec.segments.iter().enumerate() {
+            self.check_segment(&spec, index, segment)?;
+            segment_piece_offsets.push(pieces_per_token);
+            pieces_per_token += segment.bytes_per_token as u64 / PIECE_BYTES;
+        }
+        for other in self.groups.values().flat_map(|g| g.layers.iter()) {
+            let other = &other.spec;
+            if other.layer_number != layer_number {
+                continue;
+            }
+            let other_end = other.first_head as u64 + other.num_heads as u64;
+            if (spec.first_head as u64) < other_end && (other.first_head as u64) < head_end {
+                return Err(err!(
+                    InvalidArgument,
+                    "heads {}..{} of layer_number {layer_number} overlap heads {}..{} registered before",
+                    spec.first_head,
+                    head_end,
+                    other.first_head,
+                    other_end
+                ));
+            }
+        }
+        Ok(Layer {
+            spec,
+            pieces_per_token,
+            segment_piece_offsets,
+        })
+    }
+
+    fn check_segment(&self, spec: &LayerSpec, index: usize, segment: &Segment) -> Result<()> {
+        let layer_number = spec.layer_number;
+        let bytes = segment.bytes_per_token;
+        if bytes == 0 || bytes as u64 % PIECE_BYTES != 0 {
+            return Err(err!(
+                InvalidArgument,
+                "segments[{index}].bytes_per_token {bytes} is not a positive multiple of 8 (layer_number {layer_number})"
+            ));
+        }
+        let fields = [
+            ("address", segment.address as i128),
+            ("block_stride", segment.block_stride as i128),
+            ("kernel_block_stride", segment.kernel_block_stride as i128),
+            ("head_stride", segment.head_stride as i128),
+            ("token_stride", segment.token_stride as i128),
+        ];
+        for (name, value) in fields {
+            if value % PIECE_BYTES as i128 != 0 {
+                return Err(err!(
+                    Unsupported,
+                    "segments[{index}].{name} {value} is not a multiple of 8 (layer_number {layer_number})"
+                ));
+            }
+        }
+        let (low, high) = reachable_bytes(spec, segment);
+        let inside = self
+            .regions
+            .iter()
+            .any(|r| low >= r.address as i128 && high <= r.address as i128 + r.length as i128);
+        if !inside {
+            return Err(err!(
+                OutOfBounds,
+                "segments[{index}] of layer_number {layer_number} reaches bytes {low:#x}..{high:#x}, which no registered region holds"
+            ));
+        }
+        Ok(())
+    }
+
+    /// The group `group_id`, if registered.
+    pub fn group(&self, group_id: u32) -> Option<&Group> {
+        self.groups.get(&group_id)
+    }
+
+    /// Registered groups, by id.
+    pub fn groups(&self) -> impl Iterator<Item = &Group> {
+        self.groups.values()
+    }
+
+    /// Why `group_id` is skipped, if it is.
+    pub fn skip_reason(&self, group_id: u32) -> Option<&str> {
+        self.skipped.get(&group_id).map(String::as_str)
+    }
+
+    /// Registered regions.
+    pub fn regions(&self) -> &[Region] {
+        &self.regions
+    }
+}
+
+/// The half-open byte range `[low, high)` that a segment of `spec` can reach.
+fn reachable_bytes(spec: &LayerSpec, segment: &Segment) -> (i128, i128) {
+    let dims = [
+        (segment.block_stride, spec.num_blocks),
+        (segment.kernel_block_stride, spec.kernel_blocks),
+        (segment.head_stride, spec.num_heads),
+        (segment.token_stride, spec.tokens_per_kernel_block),
+    ];
+    let mut low = segment.address as i128;
+    let mut high = low + segment.bytes_per_token as i128;
+    for (stride, count) in dims {
+        let span = stride as i128 * (count as i128 - 1);
+        if span < 0 {
+            low += span;
+        } else {
+            high += span;
+        }
+    }
+    (low, high)
+}

@@ -1,0 +1,25 @@
+//! kvcsum: connector-agnostic checksums of LLM KV-cache blocks.
+//!
+//! The engine (this crate's modules outside `ffi`) is plain Rust: layouts
+//! ([`layout`]), request block sets ([`blocks`]), the definition
+//! ([`checksum`]), the host and device engines, and results. [`ffi`] is the C
+//! boundary and nothing else.
+
+#![warn(missing_docs)]
+
+pub mod blocks;
+pub mod checksum;
+pub mod cuda;
+pub mod error;
+pub mod ffi;
+pub mod host;
+pub mod layout;
+pub mod plan;
+pub mod result;
+pub mod worker;
+
+pub use blocks::BlockSet;
+pub use error::{Error, Result};
+pub use layout::{LayerSpec, Layout, Region, ReplicaKey, Role, Segment};
+pub use result::Checksums;
+pub use worker::{StreamHandle, Worker, WorkerOptions};

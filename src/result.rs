@@ -1,0 +1,146 @@
+//! Checksum results: per request and group, one column of partial checksums
+//! per replica key, one value per block position (SPEC section 4).
+
+use crate::error::{err, Result};
+use crate::layout::ReplicaKey;
+
+/// One group's partial checksums of one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupChecksums {
+    /// The group.
+    pub group_id: u32,
+    /// Position of the first value.
+    pub first_position: u64,
+    /// Values per column.
+    pub num_positions: usize,
+    /// Replica keys of the columns, sorted.
+    pub columns: Vec<ReplicaKey>,
+    /// Index of column 0, position 0 in the value array; column `c` follows
+    /// at `values_offset + c * num_positions`.
+    pub values_offset: usize,
+}
+
+/// A group this worker does not checksum, and why (SPEC section 7).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SkippedGroup {
+    /// The group.
+    pub group_id: u32,
+    /// The worker's reason.
+    pub reason: String,
+}
+
+/// One request's partial checksums.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestChecksums {
+    /// Caller's request id.
+    pub req_id: String,
+    /// Tokens whose KV the blocks hold.
+    pub num_tokens: u64,
+    /// Groups checksummed, in the order the block set gave them.
+    pub groups: Vec<GroupChecksums>,
+    /// Groups of the request this worker skipped.
+    pub skipped: Vec<SkippedGroup>,
+}
+
+/// Values that a device computes and that become readable later.
+pub trait PendingValues: Send + Sync {
+    /// Whether the values are ready, without blocking.
+    fn is_ready(&self) -> Result<bool>;
+    /// Blocks until the values are ready.
+    fn wait(&self) -> Result<()>;
+    /// The values; only called once ready.
+    fn values(&self) -> &[u64];
+}
+
+/// Where the values of a result are.
+pub enum Values {
+    /// Computed (host engine).
+    Ready(Vec<u64>),
+    /// Queued on a device.
+    Pending(Box<dyn PendingValues>),
+}
+
+/// A worker's partial checksums of one `checksum` call.
+pub struct Checksums {
+    requests: Vec<RequestChecksums>,
+    values: Values,
+}
+
+impl Checksums {
+    /// A result of the given shape and values.
+    pub fn new(requests: Vec<RequestChecksums>, values: Values) -> Self {
+        Checksums { requests, values }
+    }
+
+    /// Whether the values can be read, without blocking.
+    pub fn is_ready(&self) -> Result<bool> {
+        match &self.values {
+            Values::Ready(_) => Ok(true),
+            Values::Pending(pending) => pending.is_ready(),
+        }
+    }
+
+    /// Blocks until the values can be read.
+    pub fn wait(&self) -> Result<()> {
+        match &self.values {
+            Values::Ready(_) => Ok(()),
+            Values::Pending(pending) => pending.wait(),
+        }
+    }
+
+    /// The requests, in block-set order.
+    pub fn requests(&self) -> &[RequestChecksums] {
+        &self.requests
+    }
+
+    /// The checksums of `group_id` in `req_id`.
+    pub fn group(&self, req_id: &str, group_id: u32) -> Result<&GroupChecksums> {
+        let request = self
+            .requests
+            .iter()
+            .find(|r| r.req_id == req_id)
+            .ok_or_else(|| err!(NotFound, "req_id \"{req_id}\" is not in this result"))?;
+        if let Some(skipped) = request.skipped.iter().find(|s| s.group_id == group_id) {
+            return Err(err!(
+                NotFound,
+                "group_id {group_id} of req_id \"{req_id}\" was skipped by this worker: {}",
+                skipped.reason
+            ));
+        }
+        request
+            .groups
+            .iter()
+            .find(|g| g.group_id == group_id)
+            .ok_or_else(|| err!(NotFound, "group_id {group_id} is not in req_id \"{req_id}\" of this result"))
+    }
+
+    /// Column `column` of `group_id` in `req_id`: its replica key and values.
+    /// Fails with `NotReady` while a device is still computing.
+    pub fn column(&self, req_id: &str, group_id: u32, column: usize) -> Result<(ReplicaKey, &[u64])> {
+        let group = self.group(req_id, group_id)?;
+        let key = *group.columns.get(column).ok_or_else(|| {
+            err!(
+                OutOfBounds,
+                "column {column} is not below num_columns {} (req_id \"{req_id}\", group_id {group_id})",
+                group.columns.len()
+            )
+        })?;
+        let values = self.values()?;
+        let start = group.values_offset + column * group.num_positions;
+        Ok((key, &values[start..start + group.num_positions]))
+    }
+
+    /// All values, once ready.
+    pub fn values(&self) -> Result<&[u64]> {
+        match &self.values {
+            Values::Ready(values) => Ok(values),
+            Values::Pending(pending) => {
+                if pending.is_ready()? {
+                    Ok(pending.values())
+                } else {
+                    Err(err!(NotReady, "the result is still being computed on the device"))
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,131 @@
+//! A worker: one TP rank / PP stage's registered layout and the engine that
+//! computes its partial checksums.
+
+use crate::blocks::BlockSet;
+use crate::cuda;
+use crate::error::{err, Result};
+use crate::host;
+use crate::layout::{LayerSpec, Layout, Region, Role};
+use crate::plan::Plan;
+use crate::result::{Checksums, Values};
+
+/// Where a worker's caches live and how it is placed in the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerOptions {
+    /// This worker's tensor-parallel rank.
+    pub tp_rank: u32,
+    /// Tensor-parallel size.
+    pub tp_size: u32,
+    /// Pipeline-parallel stage.
+    pub pp_rank: u32,
+    /// CUDA device ordinal, or `None` for host memory.
+    pub device: Option<u32>,
+    /// Host engine threads; 0 = the available cores.
+    pub num_threads: u32,
+}
+
+enum Engine {
+    Host { threads: usize },
+    Device(cuda::DeviceEngine),
+}
+
+/// One worker's layout and engine.
+pub struct Worker {
+    options: WorkerOptions,
+    layout: Layout,
+    engine: Engine,
+}
+
+/// A CUDA stream handle (`CUstream`) as the caller gives it; null means the
+/// worker's own stream. Meaningless for host workers.
+#[derive(Debug, Clone, Copy)]
+pub struct StreamHandle(pub *mut std::ffi::c_void);
+
+impl StreamHandle {
+    /// No stream: the worker's own.
+    pub fn none() -> Self {
+        StreamHandle(std::ptr::null_mut())
+    }
+}
+
+impl Worker {
+    /// A worker with nothing registered. A device worker fails with
+    /// `Error::Device` where no CUDA driver or NVRTC is present.
+    pub fn new(options: WorkerOptions) -> Result<Worker> {
+        if options.tp_size == 0 {
+            return Err(err!(InvalidArgument, "tp_size is 0"));
+        }
+        if options.tp_rank >= options.tp_size {
+            return Err(err!(
+                InvalidArgument,
+                "tp_rank {} is not below tp_size {}",
+                options.tp_rank,
+                options.tp_size
+            ));
+        }
+        let engine = match options.device {
+            None => {
+                let threads = match options.num_threads {
+                    0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+                    n => n as usize,
+                };
+                Engine::Host { threads }
+            }
+            Some(ordinal) => Engine::Device(cuda::DeviceEngine::new(ordinal)?),
+        };
+        Ok(Worker {
+            options,
+            layout: Layout::default(),
+            engine,
+        })
+    }
+
+    /// As created.
+    pub fn options(&self) -> &WorkerOptions {
+        &self.options
+    }
+
+    /// What has been registered.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Registers memory the worker may read (host or device addresses, as the
+    /// worker's kind). The caller keeps it readable while the worker lives.
+    pub fn add_region(&mut self, region: Region) -> Result<()> {
+        self.layout.add_region(region)
+    }
+
+    /// Registers a group of layers sharing one block table.
+    pub fn add_group(&mut self, group_id: u32, block_size: u32) -> Result<()> {
+        self.layout.add_group(group_id, block_size)
+    }
+
+    /// Declares a group this worker cannot checksum.
+    pub fn skip_group(&mut self, group_id: u32, reason: &str) -> Result<()> {
+        self.layout.skip_group(group_id, reason)
+    }
+
+    /// Registers an attention layer's cache; on error nothing changes.
+    pub fn add_layer(&mut self, spec: LayerSpec) -> Result<()> {
+        let mut layout = self.layout.clone();
+        layout.add_layer(spec)?;
+        if let Engine::Device(device) = &mut self.engine {
+            device.upload_layout(&layout)?;
+        }
+        self.layout = layout;
+        Ok(())
+    }
+
+    /// Computes (host) or queues (device, on `stream`) the partial checksums
+    /// of every block in `blocks`. Fails before any work when a block id or
+    /// group is bad.
+    pub fn checksum(&self, blocks: &BlockSet, role: Role, stream: StreamHandle) -> Result<Checksums> {
+        let plan = Plan::new(&self.layout, blocks, role)?;
+        let values = match &self.engine {
+            Engine::Host { threads } => Values::Ready(host::compute(&self.layout, &plan, role, *threads)),
+            Engine::Device(device) => device.compute(&self.layout, &plan, role, stream)?,
+        };
+        Ok(Checksums::new(plan.requests, values))
+    }
+}
