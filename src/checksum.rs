@@ -71,8 +71,7 @@ fn run_sums(pieces: &[u64]) -> (u64, u64) {
     let tail_start = steps * LANES as u64;
     for (offset, &piece) in tail.iter().enumerate() {
         total = total.wrapping_add(piece);
-        index_weighted =
-            index_weighted.wrapping_add(piece.wrapping_mul(tail_start + offset as u64));
+        index_weighted = index_weighted.wrapping_add(piece.wrapping_mul(tail_start + offset as u64));
     }
     (total, index_weighted)
 }

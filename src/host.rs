@@ -37,10 +37,8 @@ pub fn compute(layout: &Layout, plan: &Plan, role: Role, num_threads: usize) -> 
         for layer in &group.layers {
             if let Ok(column) = columns.binary_search(&layer.spec.replica) {
                 items.push(Item { row, layer, column });
-                total_bytes += row.valid_tokens as u64
-                    * layer.spec.num_heads as u64
-                    * layer.pieces_per_token
-                    * PIECE_BYTES;
+                total_bytes +=
+                    row.valid_tokens as u64 * layer.spec.num_heads as u64 * layer.pieces_per_token * PIECE_BYTES;
             }
         }
     }

@@ -143,7 +143,11 @@ impl Layout {
     /// Registers memory the worker may read.
     pub fn add_region(&mut self, region: Region) -> Result<()> {
         if region.length == 0 {
-            return Err(err!(InvalidArgument, "length is 0 (region at address {:#x})", region.address));
+            return Err(err!(
+                InvalidArgument,
+                "length is 0 (region at address {:#x})",
+                region.address
+            ));
         }
         if region.address.checked_add(region.length).is_none() {
             return Err(err!(
@@ -203,7 +207,11 @@ impl Layout {
     fn check_layer(&self, spec: LayerSpec) -> Result<Layer> {
         let layer_number = spec.layer_number;
         let group = self.groups.get(&spec.group_id).ok_or_else(|| {
-            err!(NotFound, "group_id {} is not registered (layer_number {layer_number})", spec.group_id)
+            err!(
+                NotFound,
+                "group_id {} is not registered (layer_number {layer_number})",
+                spec.group_id
+            )
         })?;
         if spec.num_heads == 0 {
             return Err(err!(InvalidArgument, "num_heads is 0 (layer_number {layer_number})"));

@@ -55,7 +55,10 @@ impl Plan {
                     continue;
                 }
                 let group = layout.group(group_id).ok_or_else(|| {
-                    err!(NotFound, "group_id {group_id} of req_id \"{req_id}\" is not registered on this worker")
+                    err!(
+                        NotFound,
+                        "group_id {group_id} of req_id \"{req_id}\" is not registered on this worker"
+                    )
                 })?;
                 let num_blocks = group.num_blocks();
                 let num_positions = group_blocks.block_ids.len();

@@ -107,11 +107,12 @@ impl Checksums {
                 skipped.reason
             ));
         }
-        request
-            .groups
-            .iter()
-            .find(|g| g.group_id == group_id)
-            .ok_or_else(|| err!(NotFound, "group_id {group_id} is not in req_id \"{req_id}\" of this result"))
+        request.groups.iter().find(|g| g.group_id == group_id).ok_or_else(|| {
+            err!(
+                NotFound,
+                "group_id {group_id} is not in req_id \"{req_id}\" of this result"
+            )
+        })
     }
 
     /// Column `column` of `group_id` in `req_id`: its replica key and values.

@@ -33,9 +33,13 @@ impl DeviceEngine {
                 "device {ordinal}: the CUDA driver (libcuda) or NVRTC (libnvrtc) cannot be loaded on this machine"
             ));
         }
-        let count = CudaContext::device_count().map_err(|e| err!(Device, "device {ordinal}: cuDeviceGetCount failed: {e}"))?;
+        let count =
+            CudaContext::device_count().map_err(|e| err!(Device, "device {ordinal}: cuDeviceGetCount failed: {e}"))?;
         if ordinal as i64 >= count as i64 {
-            return Err(err!(Device, "device {ordinal} is not below the {count} CUDA devices present"));
+            return Err(err!(
+                Device,
+                "device {ordinal} is not below the {count} CUDA devices present"
+            ));
         }
         let context = CudaContext::new(ordinal as usize)
             .map_err(|e| err!(Device, "device {ordinal}: retaining the primary context failed: {e}"))?;

@@ -53,7 +53,11 @@ pub extern "C" fn kvcs_blocks_destroy(blocks: *mut kvcs_blocks) {
 /// Adds request `req_id` (a non-empty UTF-8 string, new to this set) whose
 /// blocks hold `num_tokens` tokens.
 #[no_mangle]
-pub extern "C" fn kvcs_blocks_add_request(blocks: *mut kvcs_blocks, req_id: *const c_char, num_tokens: u64) -> kvcs_status {
+pub extern "C" fn kvcs_blocks_add_request(
+    blocks: *mut kvcs_blocks,
+    req_id: *const c_char,
+    num_tokens: u64,
+) -> kvcs_status {
     ffi_boundary! {
         let blocks = try_mut!(blocks_mut(blocks), "blocks");
         // SAFETY: NULL or a NUL-terminated string per the contract.

@@ -162,7 +162,11 @@ pub extern "C" fn kvcs_worker_add_group(worker: *mut kvcs_worker, group_id: u32,
 /// (a non-empty string). The group is then never computed and results list
 /// it as skipped (SPEC section 7).
 #[no_mangle]
-pub extern "C" fn kvcs_worker_skip_group(worker: *mut kvcs_worker, group_id: u32, reason: *const c_char) -> kvcs_status {
+pub extern "C" fn kvcs_worker_skip_group(
+    worker: *mut kvcs_worker,
+    group_id: u32,
+    reason: *const c_char,
+) -> kvcs_status {
     ffi_boundary! {
         let worker = try_mut!(worker_mut(worker), "worker");
         // SAFETY: NULL or a NUL-terminated string per the contract.
