@@ -45,7 +45,7 @@ pub struct ReplicaKey {
 }
 
 /// Which columns a worker computes (SPEC section 4).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Role {
     /// Only columns with `replica_index == 0`: any copy describes the KV.
     Producer,

@@ -1,0 +1,353 @@
+//! GPU benchmark: in one run on one device, a plain streaming-read kernel
+//! over exactly the bytes a case checksums (the read ceiling) and kvcsum's
+//! device engine on the same bytes, for a Llama-3.1-8B-like cache (32 layers,
+//! 8 KV heads, head size 128, bf16, 16-token blocks) in HND, NHD and K/V-split
+//! layouts, plus an MLA-like cache and an fp8 cache; then the latency of one
+//! block and the host time of a 128-request call.
+//!
+//! Build here: `cargo build --release --example gpu_bench`; run on a GPU
+//! machine: `target/release/examples/gpu_bench [device]`. It prints a
+//! Markdown table for BENCHMARKS.md.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{result as cu, sys, CudaContext};
+use cudarc::nvrtc::CompileOptions;
+use kvcsum::{BlockSet, LayerSpec, Region, ReplicaKey, Role, Segment, StreamHandle, Worker, WorkerOptions};
+
+const READ_KERNEL: &str = r#"
+struct chunk { unsigned long long address; unsigned long long bytes; };
+// Reads every 16-byte vector of every chunk once; one block per chunk at a time.
+extern "C" __global__ void read_chunks(const chunk *chunks, unsigned long long count, unsigned long long *sink) {
+    unsigned long long acc = 0;
+    for (unsigned long long c = blockIdx.x; c < count; c += gridDim.x) {
+        const ulonglong2 *p = (const ulonglong2 *)chunks[c].address;
+        const unsigned long long n = chunks[c].bytes / 16;
+        unsigned long long i = threadIdx.x;
+        for (; i + 3 * blockDim.x < n; i += 4 * blockDim.x) {
+            ulonglong2 a = __ldcs(p + i), b = __ldcs(p + i + blockDim.x);
+            ulonglong2 d = __ldcs(p + i + 2 * blockDim.x), e = __ldcs(p + i + 3 * blockDim.x);
+            acc ^= a.x ^ a.y ^ b.x ^ b.y ^ d.x ^ d.y ^ e.x ^ e.y;
+        }
+        for (; i < n; i += blockDim.x) { ulonglong2 a = __ldcs(p + i); acc ^= a.x ^ a.y; }
+    }
+    if (acc == 0x9e3779b97f4a7c15ull) *sink = acc;  // keeps the loads alive
+}
+extern "C" __global__ void fill(unsigned long long *p, unsigned long long n, unsigned long long seed) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        unsigned long long z = (i + seed) * 0x9e3779b97f4a7c15ull;
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull; z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        p[i] = z ^ (z >> 31);
+    }
+}
+"#;
+
+/// A cache shape: layers x heads x cell bytes, tokens per block.
+#[derive(Clone, Copy)]
+struct Model {
+    name: &'static str,
+    layers: u32,
+    heads: u32,
+    k_bytes: u32,
+    v_bytes: u32,
+    block_size: u32,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Layout {
+    Hnd,
+    Nhd,
+    KvSplit,
+}
+
+struct Device {
+    _context: Arc<CudaContext>,
+    stream: sys::CUstream,
+    read_chunks: sys::CUfunction,
+    fill: sys::CUfunction,
+    _module: Arc<cudarc::driver::CudaModule>,
+    sink: u64,
+}
+
+fn check<T>(r: Result<T, cu::DriverError>, what: &str) -> T {
+    r.unwrap_or_else(|e| panic!("{what}: {e}"))
+}
+
+impl Device {
+    fn new(ordinal: usize) -> Device {
+        let context = check(CudaContext::new(ordinal), "context");
+        check(context.bind_to_thread(), "bind");
+        let (major, minor) = check(context.compute_capability(), "capability");
+        let options = CompileOptions {
+            options: vec![format!("--gpu-architecture=sm_{major}{minor}")],
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(READ_KERNEL, options).expect("compile read kernel");
+        let module = check(context.load_module(ptx), "load");
+        let read_chunks = check(module.load_function("read_chunks"), "read_chunks").cu_function();
+        let fill = check(module.load_function("fill"), "fill").cu_function();
+        let stream = check(cu::stream::create(cu::stream::StreamKind::NonBlocking), "stream");
+        let sink = unsafe { check(cu::malloc_sync(8), "sink") };
+        Device { _context: context, stream, read_chunks, fill, _module: module, sink }
+    }
+
+    fn launch(&self, f: sys::CUfunction, blocks: u32, params: &mut [*mut std::ffi::c_void]) {
+        unsafe { check(cu::launch_kernel(f, (blocks, 1, 1), (256, 1, 1), 0, self.stream, params), "launch") };
+    }
+
+    fn sync(&self) {
+        unsafe { check(cu::stream::synchronize(self.stream), "sync") };
+    }
+
+    /// Milliseconds per run of `work` on the stream: median of `reps` timed batches of `inner`.
+    fn time(&self, reps: usize, inner: usize, mut work: impl FnMut()) -> f64 {
+        work();
+        self.sync();
+        let start = check(cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT), "event");
+        let stop = check(cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT), "event");
+        let mut times = Vec::new();
+        for _ in 0..reps {
+            unsafe { check(cu::event::record(start, self.stream), "record") };
+            for _ in 0..inner {
+                work();
+            }
+            unsafe { check(cu::event::record(stop, self.stream), "record") };
+            self.sync();
+            times.push(unsafe { check(cu::event::elapsed(start, stop), "elapsed") } as f64 / inner as f64);
+        }
+        times.sort_by(f64::total_cmp);
+        times[times.len() / 2]
+    }
+}
+
+/// Segments and ceiling chunks of one layer of `model` in `layout`.
+fn layer_layout(model: &Model, layout: Layout, base: u64, num_blocks: u64) -> (Vec<Segment>, u64) {
+    let (h, b) = (model.heads as i64, model.block_size as i64);
+    let (k, v) = (model.k_bytes as i64, model.v_bytes as i64);
+    let block_bytes = h * b * (k + v);
+    let seg = |address: u64, block_stride: i64, head_stride: i64, token_stride: i64, bytes: i64| Segment {
+        address,
+        block_stride,
+        kernel_block_stride: 0,
+        head_stride,
+        token_stride,
+        bytes_per_token: bytes as u32,
+    };
+    let segments = match (layout, v) {
+        (Layout::Hnd, 0) => vec![seg(base, block_bytes, b * k, k, k)],
+        (Layout::Nhd, 0) | (Layout::KvSplit, 0) => vec![seg(base, block_bytes, k, h * k, k)],
+        (Layout::Hnd, _) => vec![
+            seg(base, block_bytes, b * k, k, k),
+            seg(base + (h * b * k) as u64, block_bytes, b * v, v, v),
+        ],
+        (Layout::Nhd, _) => vec![
+            seg(base, block_bytes, k, h * k, k),
+            seg(base + (h * b * k) as u64, block_bytes, v, h * v, v),
+        ],
+        (Layout::KvSplit, _) => vec![
+            seg(base, h * b * k, k, h * k, k),
+            seg(base + num_blocks * (h * b * k) as u64, h * b * v, v, h * v, v),
+        ],
+    };
+    (segments, block_bytes as u64 * num_blocks)
+}
+
+struct Case {
+    worker: Worker,
+    blocks: BlockSet,
+    chunks_device: u64,
+    num_chunks: u64,
+    bytes: u64,
+}
+
+/// Registers `model` in `layout` over the cache buffer and picks `requests`
+/// requests of `blocks_per_request` random blocks each.
+fn build_case(
+    dev: &Device,
+    cache: u64,
+    cache_bytes: u64,
+    model: &Model,
+    layout: Layout,
+    requests: usize,
+    blocks_per_request: usize,
+    seed: u64,
+) -> Case {
+    let block_bytes = (model.heads * model.block_size * (model.k_bytes + model.v_bytes)) as u64;
+    let num_blocks = cache_bytes / model.layers as u64 / block_bytes;
+    assert!(num_blocks as usize >= requests * blocks_per_request, "cache too small");
+    let mut worker = Worker::new(WorkerOptions { tp_rank: 0, tp_size: 1, pp_rank: 0, device: Some(0), num_threads: 0 })
+        .expect("device worker");
+    worker.add_region(Region { address: cache, length: cache_bytes }).unwrap();
+    worker.add_group(0, model.block_size).unwrap();
+    let mut chunks: Vec<[u64; 2]> = Vec::new();
+    let mut layer_segments = Vec::new();
+    for layer in 0..model.layers {
+        let base = cache + layer as u64 * num_blocks * block_bytes;
+        let (segments, _) = layer_layout(model, layout, base, num_blocks);
+        worker
+            .add_layer(LayerSpec {
+                group_id: 0,
+                layer_number: layer,
+                first_head: 0,
+                num_heads: model.heads,
+                replica: ReplicaKey { replicas: 1, replica_index: 0 },
+                num_blocks: num_blocks as u32,
+                kernel_blocks: 1,
+                tokens_per_kernel_block: model.block_size,
+                segments: segments.clone(),
+                identity: format!("layer.{layer}").into_bytes(),
+            })
+            .unwrap();
+        layer_segments.push(segments);
+    }
+    // Random distinct block ids (a partial Fisher-Yates over all blocks).
+    let mut state = seed | 1;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
+    let picked = requests * blocks_per_request;
+    for i in 0..picked {
+        let j = i + (next() % (ids.len() - i) as u64) as usize;
+        ids.swap(i, j);
+    }
+    let mut blocks = BlockSet::new();
+    for r in 0..requests {
+        let req = format!("req-{r}");
+        let ids = &ids[r * blocks_per_request..(r + 1) * blocks_per_request];
+        blocks.add_request(&req, (blocks_per_request as u64) * model.block_size as u64).unwrap();
+        blocks.add_group(&req, 0, 0, ids).unwrap();
+        // The ceiling reads the same bytes: each block's contiguous runs in each layer.
+        for segments in &layer_segments {
+            for &id in ids {
+                if segments.len() == 2 && layout == Layout::KvSplit {
+                    let run = (model.heads * model.block_size) as u64;
+                    chunks.push([segments[0].address + id as u64 * segments[0].block_stride as u64, run * model.k_bytes as u64]);
+                    chunks.push([segments[1].address + id as u64 * segments[1].block_stride as u64, run * model.v_bytes as u64]);
+                } else {
+                    chunks.push([segments[0].address + id as u64 * block_bytes, block_bytes]);
+                }
+            }
+        }
+    }
+    let bytes = chunks.iter().map(|c| c[1]).sum();
+    let chunks_device = unsafe {
+        let p = check(cu::malloc_sync(chunks.len() * 16), "chunks");
+        check(cu::memcpy_htod_sync(p, &chunks), "chunks copy");
+        p
+    };
+    let _ = dev;
+    Case { worker, blocks, chunks_device, num_chunks: chunks.len() as u64, bytes }
+}
+
+fn ceiling_ms(dev: &Device, case: &Case) -> f64 {
+    let mut chunks = case.chunks_device;
+    let mut count = case.num_chunks;
+    let mut sink = dev.sink;
+    dev.time(7, 3, || {
+        let mut params = [
+            (&mut chunks as *mut u64).cast(),
+            (&mut count as *mut u64).cast(),
+            (&mut sink as *mut u64).cast(),
+        ];
+        dev.launch(dev.read_chunks, 132 * 8, &mut params);
+    })
+}
+
+fn checksum_ms(dev: &Device, case: &Case) -> f64 {
+    let mut results = Vec::new();
+    let ms = dev.time(7, 3, || {
+        results.push(case.worker.checksum(&case.blocks, Role::Consumer, StreamHandle(dev.stream.cast())).unwrap());
+    });
+    for r in &results {
+        r.wait().unwrap();
+    }
+    ms
+}
+
+fn main() {
+    let ordinal: usize = std::env::args().nth(1).map_or(0, |a| a.parse().expect("device ordinal"));
+    let dev = Device::new(ordinal);
+    let name = cudarc::driver::result::device::get_name(check(cu::device::get(ordinal as i32), "device")).unwrap();
+    let cache_bytes: u64 = 9 << 30;
+    let cache = unsafe { check(cu::malloc_sync(cache_bytes as usize), "cache") };
+    {
+        let mut p = cache;
+        let mut n = cache_bytes / 8;
+        let mut seed = 0x1234_5678u64;
+        dev.launch(dev.fill, 132 * 16, &mut [(&mut p as *mut u64).cast(), (&mut n as *mut u64).cast(), (&mut seed as *mut u64).cast()]);
+        dev.sync();
+    }
+    let llama = Model { name: "Llama-3.1-8B bf16", layers: 32, heads: 8, k_bytes: 256, v_bytes: 256, block_size: 16 };
+    let fp8 = Model { name: "Llama-3.1-8B fp8", layers: 32, heads: 8, k_bytes: 128, v_bytes: 128, block_size: 16 };
+    let mla = Model { name: "MLA 61x576 bf16", layers: 61, heads: 1, k_bytes: 1152, v_bytes: 0, block_size: 16 };
+    println!("device: {name}; cache buffer {} GiB; date-stamped by the caller", cache_bytes >> 30);
+    println!();
+    println!("| cache | layout | case | bytes read | read ceiling GB/s | kvcsum GB/s | fraction |");
+    println!("|---|---|---|---:|---:|---:|---:|");
+    let cases: [(&Model, Layout, &str, usize, usize); 9] = [
+        (&llama, Layout::Hnd, "2048 blocks (128 req x 16)", 128, 16),
+        (&llama, Layout::Nhd, "2048 blocks (128 req x 16)", 128, 16),
+        (&llama, Layout::KvSplit, "2048 blocks (128 req x 16)", 128, 16),
+        (&llama, Layout::Hnd, "1 request, 2048 tokens", 1, 128),
+        (&llama, Layout::Nhd, "1 request, 2048 tokens", 1, 128),
+        (&llama, Layout::KvSplit, "1 request, 2048 tokens", 1, 128),
+        (&mla, Layout::Hnd, "2048 blocks (128 req x 16)", 128, 16),
+        (&fp8, Layout::Hnd, "2048 blocks (128 req x 16)", 128, 16),
+        (&fp8, Layout::KvSplit, "2048 blocks (128 req x 16)", 128, 16),
+    ];
+    for (i, (model, layout, label, requests, per_request)) in cases.into_iter().enumerate() {
+        let case = build_case(&dev, cache, cache_bytes, model, layout, requests, per_request, 0x9E37 + i as u64);
+        let ceiling = ceiling_ms(&dev, &case);
+        let ours = checksum_ms(&dev, &case);
+        let gbs = |ms: f64| case.bytes as f64 / ms / 1e6;
+        let layout_name = match layout {
+            Layout::Hnd => "HND",
+            Layout::Nhd => "NHD",
+            Layout::KvSplit => "K/V split",
+        };
+        println!(
+            "| {} | {layout_name} | {label} | {:.0} MiB | {:.0} | {:.0} | {:.3} |",
+            model.name,
+            case.bytes as f64 / (1 << 20) as f64,
+            gbs(ceiling),
+            gbs(ours),
+            ceiling / ours
+        );
+    }
+
+    // Latency of one block x 32 layers: GPU time from before the call's work
+    // to its event, and host wall time from the call to a ready result.
+    let one = build_case(&dev, cache, cache_bytes, &llama, Layout::Hnd, 1, 1, 7);
+    let gpu_us = checksum_ms(&dev, &one) * 1e3;
+    let mut wall = Vec::new();
+    for _ in 0..200 {
+        let t = Instant::now();
+        let r = one.worker.checksum(&one.blocks, Role::Consumer, StreamHandle(dev.stream.cast())).unwrap();
+        while !r.is_ready().unwrap() {}
+        wall.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    wall.sort_by(f64::total_cmp);
+    println!();
+    println!("| measurement | median |");
+    println!("|---|---:|");
+    println!("| 1 block x 32 layers (2 MiB), GPU time per call, stream-ordered | {gpu_us:.2} us |");
+    println!("| 1 block x 32 layers, host wall time call -> result ready | {:.2} us |", wall[wall.len() / 2]);
+
+    // Host time inside checksum for 128 requests of 16 blocks.
+    let many = build_case(&dev, cache, cache_bytes, &llama, Layout::Hnd, 128, 16, 11);
+    let mut host = Vec::new();
+    for _ in 0..200 {
+        let t = Instant::now();
+        let r = many.worker.checksum(&many.blocks, Role::Consumer, StreamHandle(dev.stream.cast())).unwrap();
+        host.push(t.elapsed().as_secs_f64() * 1e6);
+        r.wait().unwrap();
+    }
+    host.sort_by(f64::total_cmp);
+    println!("| 128 requests x 16 blocks, host time inside checksum | {:.2} us |", host[host.len() / 2]);
+}

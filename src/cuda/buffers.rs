@@ -1,0 +1,247 @@
+//! Per-call buffers. A slot pairs mapped pinned host memory (row staging and
+//! the values the kernel publishes) with device memory (accumulators, the
+//! finished-block counter, rows) and an event. Slots are reused once their
+//! event completed; a result dropped while its work is in flight parks its
+//! slot until then, so destroying a pending result is safe.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{result as cu, sys, CudaContext};
+
+use super::descriptors::DevRow;
+use crate::error::{err, Result};
+
+/// Maps a driver error to `Error::Device` with what was being done.
+pub fn device_error(what: &str) -> impl FnOnce(cu::DriverError) -> crate::error::Error + '_ {
+    move |e| err!(Device, "{what} failed: {e}")
+}
+
+/// Buffers for one call in flight.
+pub struct Slot {
+    /// Rows the slot holds.
+    pub row_capacity: usize,
+    /// Values the slot holds.
+    pub value_capacity: usize,
+    /// Pinned, mapped host memory: `value_capacity` values then `row_capacity` rows.
+    host: *mut u8,
+    /// The same memory as the device sees it.
+    host_on_device: sys::CUdeviceptr,
+    /// Device memory: accumulators, then the counter (8 bytes), then rows.
+    device: sys::CUdeviceptr,
+    /// Recorded after the call's work.
+    pub event: sys::CUevent,
+    /// The layer table the call's kernel reads, kept until the call is done.
+    pub table: Option<Arc<DeviceTable>>,
+}
+
+// SAFETY: the pointers are owned by the slot; access is serialised by the
+// pool's lock or by the one result holding the slot.
+unsafe impl Send for Slot {}
+// SAFETY: shared access only reads the published values after the event.
+unsafe impl Sync for Slot {}
+
+impl Slot {
+    fn new(row_capacity: usize, value_capacity: usize) -> Result<Slot> {
+        let host_bytes = value_capacity * 8 + row_capacity * std::mem::size_of::<DevRow>();
+        let device_bytes = value_capacity * 8 + 8 + row_capacity * std::mem::size_of::<DevRow>();
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // Drop frees whatever was allocated when a later step fails.
+        let mut slot = Slot {
+            row_capacity,
+            value_capacity,
+            host: std::ptr::null_mut(),
+            host_on_device: 0,
+            device: 0,
+            event: std::ptr::null_mut(),
+            table: None,
+        };
+        // SAFETY: plain allocations on the bound context, owned by the slot.
+        unsafe {
+            slot.host = cu::malloc_host(host_bytes, flags).map_err(device_error("cuMemHostAlloc"))?.cast();
+            sys::cuMemHostGetDevicePointer_v2(&mut slot.host_on_device, slot.host.cast(), 0)
+                .result()
+                .map_err(device_error("cuMemHostGetDevicePointer"))?;
+            slot.device = cu::malloc_sync(device_bytes).map_err(device_error("cuMemAlloc"))?;
+            // Accumulators and counter start at zero; the kernel leaves them so.
+            cu::memset_d8_sync(slot.device, 0, value_capacity * 8 + 8).map_err(device_error("cuMemsetD8"))?;
+            slot.event =
+                cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(device_error("cuEventCreate"))?;
+        }
+        Ok(slot)
+    }
+
+    /// Pinned staging for `n` rows (host side).
+    pub fn host_rows(&mut self, n: usize) -> &mut [DevRow] {
+        assert!(n <= self.row_capacity);
+        // SAFETY: the rows follow the values in the pinned allocation, which
+        // is suitably aligned (page-aligned base, 8-byte multiples).
+        unsafe { std::slice::from_raw_parts_mut(self.host.add(self.value_capacity * 8).cast(), n) }
+    }
+
+    /// The first `n` published values (read only after the event completed).
+    pub fn values(&self, n: usize) -> &[u64] {
+        assert!(n <= self.value_capacity);
+        // SAFETY: the values start the pinned allocation.
+        unsafe { std::slice::from_raw_parts(self.host.cast(), n) }
+    }
+
+    /// Device address of the published values (mapped host memory).
+    pub fn host_values_on_device(&self) -> u64 {
+        self.host_on_device
+    }
+
+    /// Device address of the accumulators.
+    pub fn accumulators(&self) -> u64 {
+        self.device
+    }
+
+    /// Device address of the finished-block counter.
+    pub fn finished_blocks(&self) -> u64 {
+        self.device + self.value_capacity as u64 * 8
+    }
+
+    /// Device address of the rows.
+    pub fn device_rows(&self) -> u64 {
+        self.finished_blocks() + 8
+    }
+
+    /// Whether the slot's last work completed.
+    pub fn is_idle(&self) -> Result<bool> {
+        // SAFETY: the event is live while the slot is.
+        match unsafe { cu::event::query(self.event) } {
+            Ok(()) => Ok(true),
+            Err(cu::DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
+            Err(e) => Err(device_error("cuEventQuery")(e)),
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        // SAFETY: owned allocations (null where never made); a slot is only
+        // dropped when idle (the pool waits for parked slots first).
+        unsafe {
+            if !self.event.is_null() {
+                let _ = cu::event::destroy(self.event);
+            }
+            if self.device != 0 {
+                let _ = cu::free_sync(self.device);
+            }
+            if !self.host.is_null() {
+                let _ = cu::free_host(self.host.cast());
+            }
+        }
+    }
+}
+
+/// A device's free and parked slots.
+pub struct SlotPool {
+    context: Arc<CudaContext>,
+    free: Mutex<Vec<Slot>>,
+    parked: Mutex<Vec<Slot>>,
+}
+
+impl SlotPool {
+    /// An empty pool on `context`.
+    pub fn new(context: Arc<CudaContext>) -> SlotPool {
+        SlotPool {
+            context,
+            free: Mutex::new(Vec::new()),
+            parked: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// A slot holding at least `rows` rows and `values` values.
+    pub fn take(&self, rows: usize, values: usize) -> Result<Slot> {
+        self.reap()?;
+        let mut free = self.free.lock().map_err(|_| err!(Internal, "slot pool lock poisoned"))?;
+        if let Some(i) = free.iter().position(|s| s.row_capacity >= rows && s.value_capacity >= values) {
+            return Ok(free.swap_remove(i));
+        }
+        drop(free);
+        Slot::new(rows.max(64).next_power_of_two(), values.max(256).next_power_of_two())
+    }
+
+    /// Gives back a slot: free if its work is done, parked otherwise.
+    pub fn give_back(&self, mut slot: Slot) {
+        let idle = slot.is_idle().unwrap_or(false);
+        if idle {
+            slot.table = None;
+        }
+        let list = if idle { &self.free } else { &self.parked };
+        if let Ok(mut list) = list.lock() {
+            list.push(slot);
+        } else {
+            // A poisoned pool: never free memory the device may still use.
+            std::mem::forget(slot);
+        }
+    }
+
+    /// Moves parked slots whose work completed to the free list.
+    fn reap(&self) -> Result<()> {
+        let mut parked = self.parked.lock().map_err(|_| err!(Internal, "slot pool lock poisoned"))?;
+        let mut done = Vec::new();
+        let mut i = 0;
+        while i < parked.len() {
+            if parked[i].is_idle()? {
+                let mut slot = parked.swap_remove(i);
+                slot.table = None;
+                done.push(slot);
+            } else {
+                i += 1;
+            }
+        }
+        drop(parked);
+        if !done.is_empty() {
+            let mut free = self.free.lock().map_err(|_| err!(Internal, "slot pool lock poisoned"))?;
+            free.extend(done);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for SlotPool {
+    fn drop(&mut self) {
+        if self.context.bind_to_thread().is_err() {
+            return;
+        }
+        if let Ok(parked) = self.parked.get_mut() {
+            for slot in parked.iter() {
+                // SAFETY: the event is live; wait so its memory is no longer in use.
+                let _ = unsafe { cu::event::synchronize(slot.event) };
+            }
+        }
+    }
+}
+
+/// A layout's layer descriptors in device memory.
+pub struct DeviceTable {
+    context: Arc<CudaContext>,
+    /// Device address of the first descriptor.
+    pub address: sys::CUdeviceptr,
+}
+
+impl DeviceTable {
+    /// Uploads `bytes` (blocking: registration may wait, checksums never do).
+    pub fn upload(context: &Arc<CudaContext>, bytes: &[u8]) -> Result<DeviceTable> {
+        let mut table = DeviceTable {
+            context: context.clone(),
+            address: 0,
+        };
+        // SAFETY: a plain allocation and copy on the bound context.
+        unsafe {
+            table.address = cu::malloc_sync(bytes.len().max(8)).map_err(device_error("cuMemAlloc"))?;
+            cu::memcpy_htod_sync(table.address, bytes).map_err(device_error("cuMemcpyHtoD"))?;
+        }
+        Ok(table)
+    }
+}
+
+impl Drop for DeviceTable {
+    fn drop(&mut self) {
+        // SAFETY: owned; every call that read it holds an Arc until it is done.
+        if self.address != 0 && self.context.bind_to_thread().is_ok() {
+            let _ = unsafe { cu::free_sync(self.address) };
+        }
+    }
+}

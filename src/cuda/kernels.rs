@@ -1,0 +1,71 @@
+//! The kernels: embedded CUDA sources compiled by NVRTC once per device, for
+//! that device's own architecture.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::{CompileError, CompileOptions};
+
+use crate::error::{err, Result};
+
+/// Shared descriptors, prepended to every kernel source.
+const DESCRIPTORS: &str = include_str!("../../kernels/descriptors.cuh");
+/// The checksum kernel.
+const CHECKSUM: &str = include_str!("../../kernels/checksum.cu");
+
+/// A compiled module and the entry points taken from it.
+pub struct Kernels {
+    /// Keeps the functions' module loaded.
+    _module: Arc<CudaModule>,
+    /// `kvcs_checksum`.
+    pub checksum: CudaFunction,
+}
+
+/// Compiled modules by device ordinal; filled once per device.
+static KERNELS: OnceLock<Mutex<HashMap<usize, Arc<Kernels>>>> = OnceLock::new();
+
+/// The kernels of `context`'s device, compiled on first use.
+pub fn kernels(context: &Arc<CudaContext>) -> Result<Arc<Kernels>> {
+    let ordinal = context.ordinal();
+    let cache = KERNELS.get_or_init(Default::default);
+    let mut cache = cache.lock().map_err(|_| err!(Internal, "the kernel cache lock is poisoned"))?;
+    if let Some(kernels) = cache.get(&ordinal) {
+        return Ok(kernels.clone());
+    }
+    let module = compile(context, &[DESCRIPTORS, CHECKSUM].concat(), "kvcsum_checksum.cu")?;
+    let checksum = module
+        .load_function("kvcs_checksum")
+        .map_err(|e| err!(Device, "device {ordinal}: loading kvcs_checksum failed: {e}"))?;
+    let kernels = Arc::new(Kernels {
+        _module: module,
+        checksum,
+    });
+    cache.insert(ordinal, kernels.clone());
+    Ok(kernels)
+}
+
+/// Compiles `source` for `context`'s device and loads it. NVRTC's log goes
+/// into the error (and so into `kvcs_last_error`).
+pub fn compile(context: &Arc<CudaContext>, source: &str, name: &str) -> Result<Arc<CudaModule>> {
+    let ordinal = context.ordinal();
+    let (major, minor) = context
+        .compute_capability()
+        .map_err(|e| err!(Device, "device {ordinal}: reading the compute capability failed: {e}"))?;
+    let options = CompileOptions {
+        options: vec![format!("--gpu-architecture=sm_{major}{minor}"), "--std=c++17".to_owned()],
+        name: Some(name.to_owned()),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, options).map_err(|e| match e {
+        CompileError::CompileError { log, options, .. } => err!(
+            Device,
+            "device {ordinal}: NVRTC failed to compile {name} with {options:?}:\n{}",
+            log.to_string_lossy()
+        ),
+        other => err!(Device, "device {ordinal}: NVRTC failed on {name}: {other}"),
+    })?;
+    context
+        .load_module(ptx)
+        .map_err(|e| err!(Device, "device {ordinal}: loading {name} failed: {e}"))
+}
