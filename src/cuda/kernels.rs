@@ -52,20 +52,35 @@ pub fn compile(context: &Arc<CudaContext>, source: &str, name: &str) -> Result<A
     let (major, minor) = context
         .compute_capability()
         .map_err(|e| err!(Device, "device {ordinal}: reading the compute capability failed: {e}"))?;
-    let options = CompileOptions {
-        options: vec![format!("--gpu-architecture=sm_{major}{minor}"), "--std=c++17".to_owned()],
-        name: Some(name.to_owned()),
-        ..Default::default()
-    };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, options).map_err(|e| match e {
-        CompileError::CompileError { log, options, .. } => err!(
-            Device,
-            "device {ordinal}: NVRTC failed to compile {name} with {options:?}:\n{}",
-            log.to_string_lossy()
-        ),
-        other => err!(Device, "device {ordinal}: NVRTC failed on {name}: {other}"),
-    })?;
+    let ptx = nvrtc(source, name, &format!("sm_{major}{minor}"))
+        .map_err(|message| err!(Device, "device {ordinal}: {message}"))?;
     context
         .load_module(ptx)
         .map_err(|e| err!(Device, "device {ordinal}: loading {name} failed: {e}"))
+}
+
+/// The checksum kernel's PTX for `arch` (`"sm_90"`, say), compiled by NVRTC
+/// without a device: lets a machine with NVRTC but no GPU check the kernels.
+pub fn checksum_ptx(arch: &str) -> Result<String> {
+    // SAFETY: only tries to dlopen the library.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(err!(Device, "NVRTC (libnvrtc) cannot be loaded on this machine"));
+    }
+    let ptx = nvrtc(&[DESCRIPTORS, CHECKSUM].concat(), "kvcsum_checksum.cu", arch).map_err(|m| err!(Device, "{m}"))?;
+    Ok(ptx.to_src())
+}
+
+/// Runs NVRTC on `source` for `arch`; the error carries NVRTC's log.
+fn nvrtc(source: &str, name: &str, arch: &str) -> std::result::Result<cudarc::nvrtc::Ptx, String> {
+    let options = CompileOptions {
+        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".to_owned()],
+        name: Some(name.to_owned()),
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(source, options).map_err(|e| match e {
+        CompileError::CompileError { log, options, .. } => {
+            format!("NVRTC failed to compile {name} with {options:?}:\n{}", log.to_string_lossy())
+        }
+        other => format!("NVRTC failed on {name}: {other}"),
+    })
 }

@@ -11,6 +11,8 @@ mod buffers;
 mod descriptors;
 mod kernels;
 
+pub use self::kernels::checksum_ptx;
+
 use std::sync::Arc;
 
 use cudarc::driver::{result as cu, sys, CudaContext};

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Builds the GPU test binary and the GPU benchmark here (no GPU needed) and
+# copies them, stripped, to .device/bin for the device machine:
+#   scripts/gpu-prepare.sh && (on the GPU machine) scripts/gpu-run.sh OUTDIR
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --release --example gpu_bench
+test_binary=$(cargo test --release --test gpu --no-run --message-format=json 2>/dev/null |
+  python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
+        print(m["executable"])')
+mkdir -p .device/bin
+cp "$test_binary" .device/bin/gpu-tests
+cp target/release/examples/gpu_bench .device/bin/gpu_bench
+strip --strip-debug .device/bin/gpu-tests .device/bin/gpu_bench
+ls -la .device/bin

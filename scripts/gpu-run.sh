@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the repository root, after gpu-prepare.sh:
+# every GPU test, compute-sanitizer (memcheck, racecheck) on the test
+# binary, and the benchmark. Logs go to $1 (default ./gpu-logs).
+set -uo pipefail
+out=${1:-gpu-logs}
+mkdir -p "$out"
+status=0
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
+echo "== GPU tests" | tee -a "$out/summary.txt"
+.device/bin/gpu-tests --include-ignored --test-threads=1 2>&1 | tee "$out/tests.log" || status=1
+tail -3 "$out/tests.log" >> "$out/summary.txt"
+for tool in memcheck racecheck; do
+  echo "== compute-sanitizer $tool" | tee -a "$out/summary.txt"
+  timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+    .device/bin/gpu-tests --include-ignored --test-threads=1 2>&1 | tee "$out/$tool.log" || status=1
+  tail -4 "$out/$tool.log" >> "$out/summary.txt"
+done
+echo "== benchmark" | tee -a "$out/summary.txt"
+.device/bin/gpu_bench 2>&1 | tee "$out/bench.md" || status=1
+cat "$out/summary.txt"
+exit $status

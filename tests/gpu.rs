@@ -1,0 +1,326 @@
+//! GPU tests: the device engine gives the host engine's values bit for bit
+//! (and so the naive reference's) on every layout, TP split, replica and
+//! role, and rejects bad input as the host engine does.
+//!
+//! They need a CUDA device, so they are `#[ignore]`d and reported as ignored
+//! where none is; on a GPU machine run `cargo test --release --test gpu --
+//! --include-ignored` (scripts/gpu-run.sh also runs them under
+//! compute-sanitizer memcheck and racecheck).
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use cudarc::driver::{result as cu, sys, CudaContext};
+use kvcsum::{BlockSet, Error, ReplicaKey, Role, StreamHandle, Worker, WorkerOptions};
+use support::*;
+
+const NEEDS_GPU: &str = "needs a CUDA device";
+
+/// A placement's buffers copied to device memory (freed on drop).
+struct DeviceCopy {
+    context: Arc<CudaContext>,
+    bases: Vec<u64>,
+}
+
+impl DeviceCopy {
+    fn new(placement: &Placement) -> DeviceCopy {
+        let context = CudaContext::new(0).expect("primary context of device 0");
+        context.bind_to_thread().expect("bind");
+        let bases = placement
+            .buffers()
+            .iter()
+            .map(|buffer| {
+                // Keep the host buffer's address modulo 16, so layouts that are 8-
+                // but not 16-byte aligned stay that way on the device.
+                let skew = buffer.address() % 16;
+                // SAFETY: a fresh allocation, filled from a host buffer of the same length.
+                unsafe {
+                    let base = cu::malloc_sync(buffer.len() + 16).expect("cuMemAlloc") + skew;
+                    cu::memcpy_htod_sync(base, buffer.bytes()).expect("copy to device");
+                    base
+                }
+            })
+            .collect();
+        DeviceCopy { context, bases }
+    }
+}
+
+impl Drop for DeviceCopy {
+    fn drop(&mut self) {
+        let _ = self.context.bind_to_thread();
+        for &base in &self.bases {
+            // SAFETY: allocated in `new` (minus its skew); no call reads it any more.
+            let _ = unsafe { cu::free_sync(base - base % 16) };
+        }
+    }
+}
+
+fn device_worker(tp_rank: u32, tp_size: u32) -> Worker {
+    Worker::new(WorkerOptions { tp_rank, tp_size, pp_rank: 0, device: Some(0), num_threads: 0 }).expect("device worker")
+}
+
+/// Every column of every request and group of a result.
+fn all_columns(result: &kvcsum::Checksums) -> BTreeMap<(String, u32), BTreeMap<ReplicaKey, Vec<u64>>> {
+    let mut all = BTreeMap::new();
+    for request in result.requests() {
+        for group in &request.groups {
+            all.insert((request.req_id.clone(), group.group_id), columns_of(result, &request.req_id, group.group_id));
+        }
+    }
+    all
+}
+
+/// Host and device workers over the same placements (host buffers / device copies).
+struct Pair {
+    host: Worker,
+    device: Worker,
+    _copies: Vec<DeviceCopy>,
+}
+
+impl Pair {
+    fn new(tp_rank: u32, tp_size: u32, placements: &[&Placement]) -> Pair {
+        let mut host = host_worker(tp_rank, tp_size, 0, 2);
+        let mut device = device_worker(tp_rank, tp_size);
+        let mut copies = Vec::new();
+        for placement in placements {
+            register_host(&mut host, placement);
+            let copy = DeviceCopy::new(placement);
+            register_at(&mut device, placement, &copy.bases).expect("register on the device worker");
+            copies.push(copy);
+        }
+        Pair { host, device, _copies: copies }
+    }
+
+    /// Both engines' values for `blocks` in `role`, asserted equal.
+    fn compare(&self, blocks: &BlockSet, role: Role, what: &str) -> BTreeMap<(String, u32), BTreeMap<ReplicaKey, Vec<u64>>> {
+        let host = all_columns(&checksum(&self.host, blocks, role));
+        let device = all_columns(&checksum(&self.device, blocks, role));
+        assert_eq!(device, host, "{what}: device and host values differ (seed {})", run_seed_note());
+        host
+    }
+}
+
+fn run_seed_note() -> String {
+    std::env::var("KVCS_TEST_SEED").unwrap_or_else(|_| "printed at the start of the test".to_owned())
+}
+
+/// Requests over `placement`'s group: non-zero first positions, partial last
+/// blocks, positions past num_tokens, the cache's last block id in use.
+fn requests_for(rng: &mut Rng, kv: &LogicalKv, placements: &mut [&mut Placement], count: usize) -> Vec<TestRequest> {
+    let spec = placements[0].spec().clone();
+    let mut allocator = BlockAllocator::new(rng, spec.num_blocks);
+    let last = allocator.reserve(spec.num_blocks - 1);
+    let mut requests = Vec::new();
+    for r in 0..count {
+        let first_position = rng.below(2);
+        let positions = positions_for(kv.num_tokens(), spec.block_size, first_position, 1);
+        let mut block_ids = allocator.take(positions);
+        if r == 0 {
+            block_ids[0] = last;
+        }
+        for placement in placements.iter_mut() {
+            placement.write_request(kv, first_position, &block_ids);
+        }
+        requests.push(TestRequest {
+            req_id: format!("req-{r}"),
+            num_tokens: kv.num_tokens(),
+            tables: vec![GroupTable { group_id: spec.group_id, first_position, block_ids }],
+        });
+    }
+    requests
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_equals_host_and_reference_on_every_layout() {
+    let mut rng = Rng::for_test("device_equals_host_and_reference_on_every_layout");
+    println!("seed {} ({NEEDS_GPU})", rng.seed());
+    for kind in all_kinds() {
+        let kv = LogicalKv::random(&mut rng, KvShape::gqa(3, 4, 64, 71));
+        for tp_size in [1, 2] {
+            let tp_rank = tp_size - 1;
+            let shard = shard(&kv, tp_rank, tp_size, 0, 1);
+            let mut placement = Placement::for_shard(&mut rng, &kv, &shard, kind, 0, 16, 24);
+            let requests = requests_for(&mut rng, &kv, &mut [&mut placement], 2);
+            let pair = Pair::new(tp_rank, tp_size, &[&placement]);
+            let values = pair.compare(&block_set(&requests), Role::Consumer, &format!("{kind:?} tp {tp_size}"));
+            for request in &requests {
+                let table = request.table(0);
+                let naive = naive_positions(&kv, &shard.layer_numbers, &shard.heads(), 16, table.first_position, table.block_ids.len());
+                let ours = &values[&(request.req_id.clone(), 0)][&shard.replica];
+                assert_eq!(ours, &naive, "{kind:?} tp {tp_size} {}: not the naive reference (seed {})", request.req_id, rng.seed());
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_equals_host_for_tp_splits_replicas_and_roles() {
+    let mut rng = Rng::for_test("device_equals_host_for_tp_splits_replicas_and_roles");
+    println!("seed {} ({NEEDS_GPU})", rng.seed());
+    // GQA with 2 KV heads over TP 1, 2, 4, 8 (replicated from 4 on), and an
+    // MLA-like latent (576 bf16 elements) replicated on every rank of TP 4.
+    let cases = [
+        (KvShape::gqa(2, 2, 128, 40), LayoutKind::Nhd, vec![1, 2, 4, 8]),
+        (KvShape::mla(3, 1152, 37), LayoutKind::Hnd, vec![4]),
+    ];
+    for (shape, kind, tp_sizes) in cases {
+        let kv = LogicalKv::random(&mut rng, shape);
+        for tp_size in tp_sizes {
+            let mut checks = BTreeMap::new();
+            let mut producer_total: Option<Vec<u64>> = None;
+            let mut first_position = 0;
+            let mut num_positions = 0;
+            for tp_rank in 0..tp_size {
+                let shard = shard(&kv, tp_rank, tp_size, 0, 1);
+                let mut placement = Placement::for_shard(&mut rng, &kv, &shard, kind, 0, 16, 8);
+                first_position = 1;
+                let positions = positions_for(kv.num_tokens(), 16, first_position, 0);
+                num_positions = positions;
+                let block_ids = BlockAllocator::new(&mut rng, 8).take(positions);
+                placement.write_request(&kv, first_position, &block_ids);
+                let requests = [TestRequest {
+                    req_id: "r".to_owned(),
+                    num_tokens: kv.num_tokens(),
+                    tables: vec![GroupTable { group_id: 0, first_position, block_ids }],
+                }];
+                let pair = Pair::new(tp_rank, tp_size, &[&placement]);
+                let what = format!("{kind:?} tp {tp_rank}/{tp_size}");
+                let consumer = pair.compare(&block_set(&requests), Role::Consumer, &what);
+                let producer = pair.compare(&block_set(&requests), Role::Producer, &what);
+                add_columns(&mut checks, &consumer[&("r".to_owned(), 0)]);
+                let produced = &producer[&("r".to_owned(), 0)];
+                assert!(produced.keys().all(|k| k.replica_index == 0), "{what}: producer computed a replica column");
+                let sum = sum_of_columns(produced, positions);
+                match &mut producer_total {
+                    Some(total) => add_values(total, &sum),
+                    None => producer_total = Some(sum),
+                }
+            }
+            let c = naive_full(&kv, 16, first_position, num_positions);
+            assert_eq!(producer_total.as_ref(), Some(&c), "tp {tp_size}: producers do not sum to c (seed {})", rng.seed());
+            // SPEC section 4: check k sums key (R, k % R) over the distinct R.
+            let max_replicas = checks.keys().map(|k| k.replicas).max().unwrap();
+            for k in 0..max_replicas {
+                let mut check = vec![0u64; num_positions];
+                let mut counts: Vec<u32> = checks.keys().map(|key| key.replicas).collect();
+                counts.dedup();
+                for r in counts {
+                    add_values(&mut check, &checks[&ReplicaKey { replicas: r, replica_index: k % r }]);
+                }
+                assert_eq!(check, c, "tp {tp_size}: consumer check {k} differs from c (seed {})", rng.seed());
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_handles_many_requests_and_groups_in_one_call() {
+    let mut rng = Rng::for_test("device_handles_many_requests_and_groups_in_one_call");
+    println!("seed {} ({NEEDS_GPU})", rng.seed());
+    // Two groups (block sizes 16 and 32, different layouts); 40 requests give
+    // rows well past the inline limit, 1 request stays inside it.
+    let kv = LogicalKv::random(&mut rng, KvShape::gqa(2, 2, 64, 45));
+    let shard = shard(&kv, 0, 1, 0, 1);
+    let mut first = Placement::for_shard(&mut rng, &kv, &shard, LayoutKind::HndKvSplit, 0, 16, 160);
+    let mut second = Placement::for_shard(&mut rng, &kv, &shard, LayoutKind::KernelBlocks { kernel_blocks: 2 }, 1, 32, 90);
+    let mut requests = requests_for(&mut rng, &kv, &mut [&mut first], 40);
+    let mut allocator = BlockAllocator::new(&mut rng, 90);
+    for request in &mut requests {
+        let block_ids = allocator.take(positions_for(kv.num_tokens(), 32, 0, 0));
+        second.write_request(&kv, 0, &block_ids);
+        request.tables.push(GroupTable { group_id: 1, first_position: 0, block_ids });
+    }
+    let pair = Pair::new(0, 1, &[&first, &second]);
+    let values = pair.compare(&block_set(&requests), Role::Consumer, "40 requests, 2 groups");
+    pair.compare(&block_set(&requests[..1]), Role::Producer, "1 request, 2 groups");
+    for request in &requests {
+        let t = request.table(1);
+        let naive = naive_full(&kv, 32, t.first_position, t.block_ids.len());
+        assert_eq!(values[&(request.req_id.clone(), 1)][&shard.replica], naive, "group 1 (seed {})", rng.seed());
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_runs_on_the_callers_stream_and_survives_early_destroy() {
+    let mut rng = Rng::for_test("device_runs_on_the_callers_stream_and_survives_early_destroy");
+    println!("seed {} ({NEEDS_GPU})", rng.seed());
+    let kv = LogicalKv::random(&mut rng, KvShape::gqa(4, 2, 128, 500));
+    let shard = shard(&kv, 0, 1, 0, 1);
+    let mut placement = Placement::for_shard(&mut rng, &kv, &shard, LayoutKind::Hnd, 0, 16, 80);
+    let requests = requests_for(&mut rng, &kv, &mut [&mut placement], 2);
+    let pair = Pair::new(0, 1, &[&placement]);
+    let blocks = block_set(&requests);
+    let expected = pair.compare(&blocks, Role::Consumer, "reference call");
+    let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).expect("stream");
+    for round in 0..20 {
+        // Drop pending results at once: their buffers must outlive the work.
+        for _ in 0..3 {
+            drop(pair.device.checksum(&blocks, Role::Consumer, StreamHandle(stream.cast())).expect("checksum"));
+        }
+        let result = pair.device.checksum(&blocks, Role::Consumer, StreamHandle(stream.cast())).expect("checksum");
+        result.wait().expect("wait");
+        assert!(result.is_ready().unwrap());
+        assert_eq!(all_columns(&result), expected, "round {round} on the caller's stream (seed {})", rng.seed());
+    }
+    // SAFETY: our stream, no work left on it after the waits.
+    unsafe { cu::stream::synchronize(stream).unwrap() };
+    let _ = unsafe { cu::stream::destroy(stream as sys::CUstream) };
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_gives_zeros_where_nothing_is_valid() {
+    let mut rng = Rng::for_test("device_gives_zeros_where_nothing_is_valid");
+    println!("seed {} ({NEEDS_GPU})", rng.seed());
+    let kv = LogicalKv::random(&mut rng, KvShape::gqa(1, 1, 64, 16));
+    let shard = shard(&kv, 0, 1, 0, 1);
+    let placement = Placement::for_shard(&mut rng, &kv, &shard, LayoutKind::Hnd, 0, 16, 8);
+    let pair = Pair::new(0, 1, &[&placement]);
+    let requests = [TestRequest {
+        req_id: "past-the-end".to_owned(),
+        num_tokens: 16,
+        tables: vec![GroupTable { group_id: 0, first_position: 3, block_ids: vec![2, 5] }],
+    }];
+    let values = pair.compare(&block_set(&requests), Role::Consumer, "positions past num_tokens");
+    assert_eq!(values[&("past-the-end".to_owned(), 0)][&shard.replica], vec![0, 0]);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_rejects_bad_input_like_the_host() {
+    let mut rng = Rng::for_test("device_rejects_bad_input_like_the_host");
+    println!("seed {} ({NEEDS_GPU})", rng.seed());
+    let kv = LogicalKv::random(&mut rng, KvShape::gqa(1, 2, 64, 20));
+    let shard = shard(&kv, 0, 1, 0, 1);
+    let placement = Placement::for_shard(&mut rng, &kv, &shard, LayoutKind::Nhd, 0, 16, 8);
+    let mut pair = Pair::new(0, 1, &[&placement]);
+    let bad_blocks = [
+        TestRequest { req_id: "r".into(), num_tokens: 20, tables: vec![GroupTable { group_id: 0, first_position: 0, block_ids: vec![1, 8] }] },
+        TestRequest { req_id: "r".into(), num_tokens: 20, tables: vec![GroupTable { group_id: 7, first_position: 0, block_ids: vec![1] }] },
+    ];
+    for requests in bad_blocks {
+        let blocks = block_set(&[requests]);
+        let host = pair.host.checksum(&blocks, Role::Consumer, StreamHandle::none()).err().expect("host rejects");
+        let device = pair.device.checksum(&blocks, Role::Consumer, StreamHandle::none()).err().expect("device rejects");
+        assert_eq!(device, host, "same error on both engines");
+        assert!(matches!(device, Error::OutOfBounds(_) | Error::NotFound(_)), "{device:?}");
+    }
+    // Registration errors: unaligned address, reach outside every region.
+    let mut layer = placement.host_layer_specs().remove(0);
+    layer.layer_number = 99;
+    let mut unaligned = layer.clone();
+    unaligned.segments[0].address += 4;
+    let mut outside = layer.clone();
+    outside.num_blocks += 1000;
+    for (bad, what) in [(unaligned, "unaligned"), (outside, "outside")] {
+        let host = pair.host.add_layer(bad.clone()).err().expect("host rejects");
+        let device = pair.device.add_layer(bad).err().expect("device rejects");
+        assert_eq!(std::mem::discriminant(&device), std::mem::discriminant(&host), "{what}: {device:?} vs {host:?}");
+    }
+}
