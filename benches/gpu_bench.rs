@@ -90,11 +90,23 @@ impl Device {
         let fill = check(module.load_function("fill"), "fill").cu_function();
         let stream = check(cu::stream::create(cu::stream::StreamKind::NonBlocking), "stream");
         let sink = unsafe { check(cu::malloc_sync(8), "sink") };
-        Device { _context: context, stream, read_chunks, fill, _module: module, sink }
+        Device {
+            _context: context,
+            stream,
+            read_chunks,
+            fill,
+            _module: module,
+            sink,
+        }
     }
 
     fn launch(&self, f: sys::CUfunction, blocks: u32, params: &mut [*mut std::ffi::c_void]) {
-        unsafe { check(cu::launch_kernel(f, (blocks, 1, 1), (256, 1, 1), 0, self.stream, params), "launch") };
+        unsafe {
+            check(
+                cu::launch_kernel(f, (blocks, 1, 1), (256, 1, 1), 0, self.stream, params),
+                "launch",
+            )
+        };
     }
 
     fn sync(&self) {
@@ -177,9 +189,20 @@ fn build_case(
     let block_bytes = (model.heads * model.block_size * (model.k_bytes + model.v_bytes)) as u64;
     let num_blocks = cache_bytes / model.layers as u64 / block_bytes;
     assert!(num_blocks as usize >= requests * blocks_per_request, "cache too small");
-    let mut worker = Worker::new(WorkerOptions { tp_rank: 0, tp_size: 1, pp_rank: 0, device: Some(0), num_threads: 0 })
-        .expect("device worker");
-    worker.add_region(Region { address: cache, length: cache_bytes }).unwrap();
+    let mut worker = Worker::new(WorkerOptions {
+        tp_rank: 0,
+        tp_size: 1,
+        pp_rank: 0,
+        device: Some(0),
+        num_threads: 0,
+    })
+    .expect("device worker");
+    worker
+        .add_region(Region {
+            address: cache,
+            length: cache_bytes,
+        })
+        .unwrap();
     worker.add_group(0, model.block_size).unwrap();
     let mut chunks: Vec<[u64; 2]> = Vec::new();
     let mut layer_segments = Vec::new();
@@ -192,7 +215,10 @@ fn build_case(
                 layer_number: layer,
                 first_head: 0,
                 num_heads: model.heads,
-                replica: ReplicaKey { replicas: 1, replica_index: 0 },
+                replica: ReplicaKey {
+                    replicas: 1,
+                    replica_index: 0,
+                },
                 num_blocks: num_blocks as u32,
                 kernel_blocks: 1,
                 tokens_per_kernel_block: model.block_size,
@@ -220,15 +246,23 @@ fn build_case(
     for r in 0..requests {
         let req = format!("req-{r}");
         let ids = &ids[r * blocks_per_request..(r + 1) * blocks_per_request];
-        blocks.add_request(&req, (blocks_per_request as u64) * model.block_size as u64).unwrap();
+        blocks
+            .add_request(&req, (blocks_per_request as u64) * model.block_size as u64)
+            .unwrap();
         blocks.add_group(&req, 0, 0, ids).unwrap();
         // The ceiling reads the same bytes: each block's contiguous runs in each layer.
         for segments in &layer_segments {
             for &id in ids {
                 if segments.len() == 2 && layout == Layout::KvSplit {
                     let run = (model.heads * model.block_size) as u64;
-                    chunks.push([segments[0].address + id as u64 * segments[0].block_stride as u64, run * model.k_bytes as u64]);
-                    chunks.push([segments[1].address + id as u64 * segments[1].block_stride as u64, run * model.v_bytes as u64]);
+                    chunks.push([
+                        segments[0].address + id as u64 * segments[0].block_stride as u64,
+                        run * model.k_bytes as u64,
+                    ]);
+                    chunks.push([
+                        segments[1].address + id as u64 * segments[1].block_stride as u64,
+                        run * model.v_bytes as u64,
+                    ]);
                 } else {
                     chunks.push([segments[0].address + id as u64 * block_bytes, block_bytes]);
                 }
@@ -242,7 +276,13 @@ fn build_case(
         p
     };
     let _ = dev;
-    Case { worker, blocks, chunks_device, num_chunks: chunks.len() as u64, bytes }
+    Case {
+        worker,
+        blocks,
+        chunks_device,
+        num_chunks: chunks.len() as u64,
+        bytes,
+    }
 }
 
 fn ceiling_ms(dev: &Device, case: &Case) -> f64 {
@@ -260,18 +300,21 @@ fn ceiling_ms(dev: &Device, case: &Case) -> f64 {
 }
 
 fn checksum_ms(dev: &Device, case: &Case) -> f64 {
-    let mut results = Vec::new();
-    let ms = dev.time(7, 3, || {
-        results.push(case.worker.checksum(&case.blocks, Role::Consumer, StreamHandle(dev.stream.cast())).unwrap());
-    });
-    for r in &results {
-        r.wait().unwrap();
-    }
-    ms
+    // Results are dropped at once (safe while pending); their buffers return
+    // to the worker's pool when the work is done.
+    dev.time(7, 3, || {
+        drop(
+            case.worker
+                .checksum(&case.blocks, Role::Consumer, StreamHandle(dev.stream.cast()))
+                .unwrap(),
+        );
+    })
 }
 
 fn main() {
-    let ordinal: usize = std::env::args().nth(1).map_or(0, |a| a.parse().expect("device ordinal"));
+    let ordinal: usize = std::env::args()
+        .nth(1)
+        .map_or(0, |a| a.parse().expect("device ordinal"));
     let dev = Device::new(ordinal);
     let name = cudarc::driver::result::device::get_name(check(cu::device::get(ordinal as i32), "device")).unwrap();
     let cache_bytes: u64 = 9 << 30;
@@ -280,13 +323,45 @@ fn main() {
         let mut p = cache;
         let mut n = cache_bytes / 8;
         let mut seed = 0x1234_5678u64;
-        dev.launch(dev.fill, 132 * 16, &mut [(&mut p as *mut u64).cast(), (&mut n as *mut u64).cast(), (&mut seed as *mut u64).cast()]);
+        dev.launch(
+            dev.fill,
+            132 * 16,
+            &mut [
+                (&mut p as *mut u64).cast(),
+                (&mut n as *mut u64).cast(),
+                (&mut seed as *mut u64).cast(),
+            ],
+        );
         dev.sync();
     }
-    let llama = Model { name: "Llama-3.1-8B bf16", layers: 32, heads: 8, k_bytes: 256, v_bytes: 256, block_size: 16 };
-    let fp8 = Model { name: "Llama-3.1-8B fp8", layers: 32, heads: 8, k_bytes: 128, v_bytes: 128, block_size: 16 };
-    let mla = Model { name: "MLA 61x576 bf16", layers: 61, heads: 1, k_bytes: 1152, v_bytes: 0, block_size: 16 };
-    println!("device: {name}; cache buffer {} GiB; date-stamped by the caller", cache_bytes >> 30);
+    let llama = Model {
+        name: "Llama-3.1-8B bf16",
+        layers: 32,
+        heads: 8,
+        k_bytes: 256,
+        v_bytes: 256,
+        block_size: 16,
+    };
+    let fp8 = Model {
+        name: "Llama-3.1-8B fp8",
+        layers: 32,
+        heads: 8,
+        k_bytes: 128,
+        v_bytes: 128,
+        block_size: 16,
+    };
+    let mla = Model {
+        name: "MLA 61x576 bf16",
+        layers: 61,
+        heads: 1,
+        k_bytes: 1152,
+        v_bytes: 0,
+        block_size: 16,
+    };
+    println!(
+        "device: {name}; cache buffer {} GiB; date-stamped by the caller",
+        cache_bytes >> 30
+    );
     println!();
     println!("| cache | layout | case | bytes read | read ceiling GB/s | kvcsum GB/s | fraction |");
     println!("|---|---|---|---:|---:|---:|---:|");
@@ -302,7 +377,16 @@ fn main() {
         (&fp8, Layout::KvSplit, "2048 blocks (128 req x 16)", 128, 16),
     ];
     for (i, (model, layout, label, requests, per_request)) in cases.into_iter().enumerate() {
-        let case = build_case(&dev, cache, cache_bytes, model, layout, requests, per_request, 0x9E37 + i as u64);
+        let case = build_case(
+            &dev,
+            cache,
+            cache_bytes,
+            model,
+            layout,
+            requests,
+            per_request,
+            0x9E37 + i as u64,
+        );
         let ceiling = ceiling_ms(&dev, &case);
         let ours = checksum_ms(&dev, &case);
         let gbs = |ms: f64| case.bytes as f64 / ms / 1e6;
@@ -321,33 +405,128 @@ fn main() {
         );
     }
 
-    // Latency of one block x 32 layers: GPU time from before the call's work
-    // to its event, and host wall time from the call to a ready result.
+    // One block x 32 layers. (a) Call to event: a timing event, the call,
+    // its work, a timing event, on an idle stream (so the host's part of the
+    // call is in it). (b) The same work queued behind a busy stream (GPU time
+    // only). (c) Host wall time from the call to a ready result. (d) Host
+    // time inside the call.
     let one = build_case(&dev, cache, cache_bytes, &llama, Layout::Hnd, 1, 1, 7);
-    let gpu_us = checksum_ms(&dev, &one) * 1e3;
+    let busy = build_case(&dev, cache, cache_bytes, &llama, Layout::Hnd, 128, 16, 8);
+    let call_to_event_us = dev.time(200, 1, || {
+        drop(
+            one.worker
+                .checksum(&one.blocks, Role::Consumer, StreamHandle(dev.stream.cast()))
+                .unwrap(),
+        );
+    }) * 1e3;
+    let queued_us = {
+        let queued = 50;
+        let mut chunks = busy.chunks_device;
+        let mut count = busy.num_chunks;
+        let mut sink = dev.sink;
+        let mut times = Vec::new();
+        for _ in 0..5 {
+            let mut params = [
+                (&mut chunks as *mut u64).cast(),
+                (&mut count as *mut u64).cast(),
+                (&mut sink as *mut u64).cast(),
+            ];
+            dev.launch(dev.read_chunks, 132 * 8, &mut params);
+            times.push(dev.time(1, queued, || {
+                drop(
+                    one.worker
+                        .checksum(&one.blocks, Role::Consumer, StreamHandle(dev.stream.cast()))
+                        .unwrap(),
+                );
+            }));
+        }
+        times.sort_by(f64::total_cmp);
+        times[times.len() / 2] * 1e3
+    };
+    // The read ceiling of the same 2 MiB, queued the same way.
+    let read_queued_us = {
+        let mut chunks = busy.chunks_device;
+        let mut count = busy.num_chunks;
+        let mut one_chunks = one.chunks_device;
+        let mut one_count = one.num_chunks;
+        let mut sink = dev.sink;
+        let mut times = Vec::new();
+        for _ in 0..5 {
+            let mut params = [
+                (&mut chunks as *mut u64).cast(),
+                (&mut count as *mut u64).cast(),
+                (&mut sink as *mut u64).cast(),
+            ];
+            dev.launch(dev.read_chunks, 132 * 8, &mut params);
+            times.push(dev.time(1, 50, || {
+                let mut params = [
+                    (&mut one_chunks as *mut u64).cast(),
+                    (&mut one_count as *mut u64).cast(),
+                    (&mut sink as *mut u64).cast(),
+                ];
+                dev.launch(dev.read_chunks, one_count as u32, &mut params);
+            }));
+        }
+        times.sort_by(f64::total_cmp);
+        times[times.len() / 2] * 1e3
+    };
     let mut wall = Vec::new();
+    let mut inside = Vec::new();
     for _ in 0..200 {
         let t = Instant::now();
-        let r = one.worker.checksum(&one.blocks, Role::Consumer, StreamHandle(dev.stream.cast())).unwrap();
+        let r = one
+            .worker
+            .checksum(&one.blocks, Role::Consumer, StreamHandle(dev.stream.cast()))
+            .unwrap();
+        inside.push(t.elapsed().as_secs_f64() * 1e6);
         while !r.is_ready().unwrap() {}
         wall.push(t.elapsed().as_secs_f64() * 1e6);
     }
     wall.sort_by(f64::total_cmp);
+    inside.sort_by(f64::total_cmp);
     println!();
     println!("| measurement | median |");
     println!("|---|---:|");
-    println!("| 1 block x 32 layers (2 MiB), GPU time per call, stream-ordered | {gpu_us:.2} us |");
-    println!("| 1 block x 32 layers, host wall time call -> result ready | {:.2} us |", wall[wall.len() / 2]);
+    println!(
+        "| 1 block x 32 layers (2 MiB): call to event, GPU timeline of an idle stream | {call_to_event_us:.2} us |"
+    );
+    println!("| 1 block x 32 layers: GPU time per call, queued behind busy work | {queued_us:.2} us |");
+    println!("| the read ceiling kernel over the same 2 MiB, queued the same way | {read_queued_us:.2} us |");
+    println!(
+        "| 1 block x 32 layers: host wall time, call to result ready | {:.2} us |",
+        wall[wall.len() / 2]
+    );
+    println!(
+        "| 1 block x 32 layers: host time inside checksum | {:.2} us |",
+        inside[inside.len() / 2]
+    );
 
-    // Host time inside checksum for 128 requests of 16 blocks.
+    // Host time inside checksum for 128 requests of 16 blocks, and the part
+    // of it that checks and lays out the blocks (the plan).
     let many = build_case(&dev, cache, cache_bytes, &llama, Layout::Hnd, 128, 16, 11);
     let mut host = Vec::new();
+    let mut plan = Vec::new();
     for _ in 0..200 {
         let t = Instant::now();
-        let r = many.worker.checksum(&many.blocks, Role::Consumer, StreamHandle(dev.stream.cast())).unwrap();
+        let r = many
+            .worker
+            .checksum(&many.blocks, Role::Consumer, StreamHandle(dev.stream.cast()))
+            .unwrap();
         host.push(t.elapsed().as_secs_f64() * 1e6);
         r.wait().unwrap();
+        let t = Instant::now();
+        let p = kvcsum::plan::Plan::new(many.worker.layout(), &many.blocks, Role::Consumer).unwrap();
+        plan.push(t.elapsed().as_secs_f64() * 1e6);
+        drop(p);
     }
     host.sort_by(f64::total_cmp);
-    println!("| 128 requests x 16 blocks, host time inside checksum | {:.2} us |", host[host.len() / 2]);
+    plan.sort_by(f64::total_cmp);
+    println!(
+        "| 128 requests x 16 blocks, host time inside checksum | {:.2} us |",
+        host[host.len() / 2]
+    );
+    println!(
+        "| of which: checking and laying out the blocks (Plan::new) | {:.2} us |",
+        plan[plan.len() / 2]
+    );
 }

@@ -22,11 +22,32 @@
 // `H` of SPEC section 3: no layer may have more heads than this.
 #define KVCS_MAX_KV_HEADS_PER_LAYER 65536
 
+// Rows that travel inside the launch parameters (`KVCS_INLINE_ROWS`).
+#define INLINE_ROWS 24
+
+// Tokens a lane loads before it adds them (`KVCS_BATCH` of the kernel).
+#define BATCH 4
+
+// Group descriptors that travel inside the launch parameters (`KVCS_INLINE_GROUPS`).
+#define INLINE_GROUPS 8
+
+// The `group_id` of a finding about the whole load rather than one group.
+#define KVCS_WHOLE_LOAD UINT32_MAX
+
 // The C ABI version; a loader checks it equals `kvcs_abi_version()`.
 #define KVCS_ABI_VERSION 1
 
 // The `device` of a worker whose caches are in host memory.
 #define KVCS_HOST -1
+
+// The payload version this library writes and reads.
+#define PAYLOAD_VERSION 1
+
+// The extension version this library writes and reads.
+#define EXTENSION_VERSION 1
+
+// The record encoding this library writes and reads.
+#define RECORD_VERSION 1
 
 // The outcome of a call. Values are fixed and never renumbered; a retired
 // value stays reserved. Calls that take a status from C take `uint32_t`.
@@ -83,6 +104,82 @@ typedef uint32_t kvcs_role;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// What a verifier does with an unverified load.
+enum kvcs_policy
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // Unverified loads pass (the report's message is the warning to log).
+  KVCS_POLICY_FAIL_OPEN = 0,
+  // Unverified loads fail like mismatches (the default).
+  KVCS_POLICY_FAIL_CLOSED = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvcs_policy kvcs_policy;
+#else
+typedef uint32_t kvcs_policy;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+// The verdict of a report. Values are fixed and never renumbered.
+enum kvcs_verdict
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // Every compared block position is equal.
+  KVCS_VERDICT_MATCH = 0,
+  // Some compared block position differs.
+  KVCS_VERDICT_MISMATCH = 1,
+  // The load could not be compared; see the reasons.
+  KVCS_VERDICT_UNVERIFIED = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvcs_verdict kvcs_verdict;
+#else
+typedef uint32_t kvcs_verdict;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+// Why a load or a group could not be compared (SPEC section 10). Values are
+// fixed and never renumbered; a retired value stays reserved.
+enum kvcs_unverified_reason
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // No reason: the report is not unverified for any cause.
+  KVCS_UNVERIFIED_NONE = 0,
+  // The producer sent no checksums.
+  KVCS_UNVERIFIED_NO_CHECKSUMS = 1,
+  // The producer's checksums do not decode (bad base64 or payload).
+  KVCS_UNVERIFIED_INVALID_CHECKSUMS = 2,
+  // Not every worker reported its checksums of the request.
+  KVCS_UNVERIFIED_WORKERS_MISSING = 3,
+  // A worker checksummed other blocks (or tokens) than scheduled.
+  KVCS_UNVERIFIED_OTHER_BLOCKS = 4,
+  // A group is checksummed by one side only.
+  KVCS_UNVERIFIED_ONE_SIDED_GROUP = 5,
+  // A group's fingerprint differs.
+  KVCS_UNVERIFIED_FINGERPRINT_DIFFERS = 6,
+  // No block position in common (with equal valid tokens).
+  KVCS_UNVERIFIED_NO_COMMON_POSITION = 7,
+  // A replica was not checksummed.
+  KVCS_UNVERIFIED_REPLICA_MISSING = 8,
+  // TP sizes differ (or are unknown) for shard-keyed state.
+  KVCS_UNVERIFIED_STATE_TP_DIFFERS = 9,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvcs_unverified_reason kvcs_unverified_reason;
+#else
+typedef uint32_t kvcs_unverified_reason;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // A request block set (SPEC section 5): per request its token count and,
 // per group, the block ids at consecutive positions.
 //
@@ -91,6 +188,15 @@ typedef uint32_t kvcs_role;
 // Thread safety: `kvcs_blocks *` calls need exclusive access; `const
 // kvcs_blocks *` calls (checksum, expect) may run concurrently.
 typedef struct kvcs_blocks kvcs_blocks;
+
+// A verifier's judgement of one finished load: match, mismatch (groups and
+// block positions, with layers in detail mode) or unverified (reasons).
+//
+// Ownership: made by `kvcs_verifier_check*`, freed by
+// `kvcs_report_destroy`; independent of its verifier. Strings it gives stay
+// valid until it is destroyed.
+// Thread safety: immutable; every accessor may run concurrently.
+typedef struct kvcs_report kvcs_report;
 
 // The partial checksums of one `kvcs_worker_checksum` call: per request and
 // group, one column per replica key, one value per block position.
@@ -102,6 +208,18 @@ typedef struct kvcs_blocks kvcs_blocks;
 // `kvcs_result_wait` and `kvcs_result_destroy` need exclusive access.
 typedef struct kvcs_result kvcs_result;
 
+// Collects every worker's records of requests and verifies loads (SPEC
+// sections 4, 9, 10): a producer's verifier builds payloads, a consumer's
+// judges finished loads against them.
+//
+// Ownership: created by `kvcs_verifier_create`, freed by
+// `kvcs_verifier_destroy`. Reports it makes are independent of it.
+// Thread safety: unlike other handles, every call except
+// `kvcs_verifier_destroy` may run concurrently with any other on the same
+// verifier, from any thread: one mutex inside serialises them (each call
+// holds it for its duration; a record is decoded before it is taken).
+typedef struct kvcs_verifier kvcs_verifier;
+
 // A worker context: the layout one TP rank / PP stage registered and the
 // engine (host threads or one CUDA device) that checksums it.
 //
@@ -110,6 +228,41 @@ typedef struct kvcs_result kvcs_result;
 // Thread safety: calls taking `kvcs_worker *` need exclusive access; it may
 // move between threads.
 typedef struct kvcs_worker kvcs_worker;
+
+// Block positions of one group that differ (`kvcs_report_mismatch`).
+// Positions are the consumer's; where block sizes differ one entry can
+// span several (runs of the two block sizes' least common multiple).
+typedef struct {
+  // The group.
+  uint32_t group_id;
+  // 1 if both sides sent per-layer partials (detail mode), so the layer
+  // differences name the layers; 0 otherwise.
+  uint32_t localised;
+  // The consumer's first differing block position.
+  uint64_t first_position;
+  // Consecutive consumer positions covered.
+  uint64_t num_positions;
+  // Request position of the first token compared.
+  uint64_t first_token;
+  // Tokens compared.
+  uint64_t num_tokens;
+  // Replica checks that differ (`kvcs_report_failed_check`).
+  size_t num_failed_checks;
+  // Layer differences (`kvcs_report_layer_difference`).
+  size_t num_layers;
+} kvcs_mismatch;
+
+// A layer head range whose partial checksums differ in one replica check.
+typedef struct {
+  // Model-wide layer number.
+  uint32_t layer_number;
+  // Global number of the first head of the range.
+  uint32_t first_head;
+  // Heads in the range.
+  uint32_t num_heads;
+  // The replica check (SPEC section 4) in which it differs.
+  uint32_t check;
+} kvcs_layer_difference;
 
 // Options of `kvcs_worker_create`.
 typedef struct {
@@ -197,6 +350,69 @@ kvcs_status kvcs_blocks_add_group(kvcs_blocks *blocks,
                                   const uint32_t *block_ids,
                                   size_t n);
 
+// The verdict, a `kvcs_verdict` value.
+kvcs_status kvcs_report_verdict(const kvcs_report *report, uint32_t *verdict);
+
+// 1 if the load may proceed under the verifier's policy (a match, or
+// unverified under fail-open), 0 if it failed.
+kvcs_status kvcs_report_passed(const kvcs_report *report, uint32_t *passed);
+
+// The reason of the first finding (a `kvcs_unverified_reason`);
+// `KVCS_UNVERIFIED_NONE` when there is none. An unverified report always
+// has one; a mismatch may list some for other groups.
+kvcs_status kvcs_report_reason(const kvcs_report *report, uint32_t *reason);
+
+// One line saying the verdict, the differing positions (and layers) and
+// the findings, for a log; valid until the report is destroyed.
+kvcs_status kvcs_report_message(const kvcs_report *report, const char **message);
+
+// Block positions compared, over all groups (in runs where block sizes
+// differ).
+kvcs_status kvcs_report_compared_positions(const kvcs_report *report, uint64_t *positions);
+
+// The number of mismatch entries.
+kvcs_status kvcs_report_num_mismatches(const kvcs_report *report, size_t *count);
+
+// Mismatch entry `index` (below `kvcs_report_num_mismatches`).
+kvcs_status kvcs_report_mismatch(const kvcs_report *report, size_t index, kvcs_mismatch *out);
+
+// Replica check `index` that differs in mismatch entry `mismatch`. Check
+// `k` compares copy `k % R` of every layer replicated on `R` ranks.
+kvcs_status kvcs_report_failed_check(const kvcs_report *report,
+                                     size_t mismatch,
+                                     size_t index,
+                                     uint32_t *check);
+
+// Layer difference `index` of mismatch entry `mismatch` (detail mode).
+kvcs_status kvcs_report_layer_difference(const kvcs_report *report,
+                                         size_t mismatch,
+                                         size_t index,
+                                         kvcs_layer_difference *out);
+
+// The number of findings (reasons the load or a group was not compared).
+kvcs_status kvcs_report_num_unverified(const kvcs_report *report, size_t *count);
+
+// Finding `index`: its reason (a `kvcs_unverified_reason`), its group
+// (`KVCS_WHOLE_LOAD` for the whole load) and its message (valid until the
+// report is destroyed). Any out-pointer may be NULL.
+kvcs_status kvcs_report_unverified(const kvcs_report *report,
+                                   size_t index,
+                                   uint32_t *reason,
+                                   uint32_t *group_id,
+                                   const char **message);
+
+// Frees a report. NULL is a no-op.
+void kvcs_report_destroy(kvcs_report *report);
+
+// The name of a verdict ("KVCS_VERDICT_MATCH", ...), a static string;
+// "unknown kvcs_verdict" for a value that is none. Never NULL.
+const char *kvcs_verdict_name(uint32_t verdict);
+
+// The name of an unverified reason ("KVCS_UNVERIFIED_WORKERS_MISSING",
+// ...), a static string; "unknown kvcs_unverified_reason" for a value that
+// is none. Never NULL.
+const char *kvcs_unverified_reason_name(uint32_t reason);
+
 // `KVCS_OK` once the values are readable, `KVCS_ERR_NOT_READY` while a
 // device is computing them; never blocks. Host results are ready at once.
 kvcs_status kvcs_result_query(const kvcs_result *result);
@@ -231,6 +447,14 @@ kvcs_status kvcs_result_column(const kvcs_result *result,
 // Frees a result. NULL is a no-op. Safe while a device is still computing.
 void kvcs_result_destroy(kvcs_result *result);
 
+// The worker's record of this result (its rank, every request's columns
+// with replica keys and first positions, skipped groups, group
+// fingerprints; layer partials in detail mode) as versioned bytes for
+// `kvcs_verifier_add_record`, into `(buf, cap)` with the length in `*len`;
+// `(NULL, 0)` asks for the size (`KVCS_ERR_BUFFER_TOO_SMALL` with `*len`
+// set). `KVCS_ERR_NOT_READY` while a device is computing the values.
+kvcs_status kvcs_result_encode(const kvcs_result *result, uint8_t *buf, size_t cap, size_t *len);
+
 // The message of the last failed call on this thread: what failed, which
 // argument, which value. Never NULL; valid until the next failing call on
 // this thread. "no error" before any call failed.
@@ -246,6 +470,116 @@ uint32_t kvcs_abi_version(void);
 
 // The library's version ("0.1.0"), a static string. Never NULL.
 const char *kvcs_version(void);
+
+// Creates a verifier for an engine of `num_workers` workers (TP size x PP
+// stages; at least 1), fail-closed, with plain payloads. `*out` owns it.
+kvcs_status kvcs_verifier_create(uint32_t num_workers, kvcs_verifier **out);
+
+// Frees a verifier and every request's state. NULL is a no-op.
+void kvcs_verifier_destroy(kvcs_verifier *verifier);
+
+// Sets what unverified loads do: `policy` is a `kvcs_policy` value.
+kvcs_status kvcs_verifier_set_policy(kvcs_verifier *verifier, uint32_t policy);
+
+// Producer: `on` = 1 makes payloads carry the kvcsum extension (the
+// producer's TP size and block sizes, and per-layer partials where every
+// worker is in detail mode), which only kvcsum consumers read; 0 (the
+// default) gives the plain payload vLLM reads.
+kvcs_status kvcs_verifier_set_extension(kvcs_verifier *verifier, uint32_t on);
+
+// Consumer: the producer's TP size, for payloads that do not carry it
+// (plain ones). Shard-keyed state groups (SPEC section 6) are compared
+// only when it is known and equal to the consumer's.
+kvcs_status kvcs_verifier_set_producer_tp_size(kvcs_verifier *verifier, uint32_t tp_size);
+
+// Consumer: the producer's block size of group `group_id`, for payloads
+// that do not carry it (plain ones); otherwise it is taken to equal the
+// consumer's. Different block sizes are compared in runs of their least
+// common multiple of tokens.
+kvcs_status kvcs_verifier_set_producer_block_size(kvcs_verifier *verifier,
+                                                  uint32_t group_id,
+                                                  uint32_t block_size);
+
+// Registers every request of `scheduled` in `role` (a `kvcs_role` value)
+// with the blocks its workers were scheduled to checksum; a request
+// expected before starts over. The block set is copied.
+kvcs_status kvcs_verifier_expect(kvcs_verifier *verifier,
+                                 const kvcs_blocks *scheduled,
+                                 uint32_t role);
+
+// Drops the state of request `req_id`; `KVCS_ERR_NOT_FOUND` if it was not
+// expected.
+kvcs_status kvcs_verifier_forget(kvcs_verifier *verifier, const char *req_id);
+
+// Adds a worker's record (`len` bytes from `kvcs_result_encode`). Parts of
+// requests not expected are ignored; a worker's newer record of a request
+// replaces its older one. `KVCS_ERR_MALFORMED` (with a message) for bytes
+// that are not a valid record; `KVCS_ERR_INVALID_ARGUMENT` for a rank that
+// does not fit `num_workers` or the TP size of earlier records. On error
+// nothing is kept.
+kvcs_status kvcs_verifier_add_record(kvcs_verifier *verifier, const uint8_t *record, size_t len);
+
+// Producer: the payload of request `req_id` (SPEC section 9), into
+// `(buf, cap)` with its length in `*len`; `(NULL, 0)` asks for the size
+// (`KVCS_ERR_BUFFER_TOO_SMALL` with `*len` set). `KVCS_ERR_NOT_READY` until
+// every worker reported the request; `KVCS_ERR_INVALID_ARGUMENT` when the
+// records cannot make a payload (the message says why: a worker
+// checksummed other blocks than scheduled, ...); `KVCS_ERR_NOT_FOUND` for a
+// request not expected. Send nothing when this fails: the consumer then
+// reports "the producer sent no checksums".
+kvcs_status kvcs_verifier_payload(kvcs_verifier *verifier,
+                                  const char *req_id,
+                                  uint8_t *buf,
+                                  size_t cap,
+                                  size_t *len);
+
+// Consumer: judges the finished load of request `req_id` against the
+// producer's payload bytes `(payload, len)`; `*out` owns the report (free
+// with `kvcs_report_destroy`). Bytes that are not a payload give an
+// unverified report (invalid checksums), not an error. Use
+// `kvcs_verifier_check_no_payload` when the producer sent nothing.
+// `KVCS_ERR_NOT_FOUND` for a request not expected,
+// `KVCS_ERR_INVALID_ARGUMENT` for one expected as a producer.
+kvcs_status kvcs_verifier_check(kvcs_verifier *verifier,
+                                const char *req_id,
+                                const uint8_t *payload,
+                                size_t len,
+                                kvcs_report **out);
+
+// Like `kvcs_verifier_check`, with the payload as the NUL-terminated
+// base64 text of `kv_transfer_params["kv_checksums"]`; text that is not
+// standard padded base64 gives an unverified report (invalid checksums).
+kvcs_status kvcs_verifier_check_base64(kvcs_verifier *verifier,
+                                       const char *req_id,
+                                       const char *payload_base64,
+                                       kvcs_report **out);
+
+// Consumer: judges the finished load of request `req_id` for which the
+// producer sent no checksums: an unverified report ("the producer sent no
+// checksums") once every worker reported, else "not every worker
+// reported". `*out` owns the report.
+kvcs_status kvcs_verifier_check_no_payload(kvcs_verifier *verifier,
+                                           const char *req_id,
+                                           kvcs_report **out);
+
+// Writes `(bytes, len)` as standard padded base64 text followed by a NUL
+// into `(buf, cap)`; `*text_len` receives the bytes used, NUL included
+// (on `KVCS_ERR_BUFFER_TOO_SMALL`: the bytes needed). `(NULL, 0)` asks for
+// the size.
+kvcs_status kvcs_base64_encode(const uint8_t *bytes,
+                               size_t len,
+                               char *buf,
+                               size_t cap,
+                               size_t *text_len);
+
+// Decodes `text_len` bytes of standard padded base64 `text` (no NUL needed)
+// into `(buf, cap)`, the decoded length in `*len`; `(NULL, 0)` asks for the
+// size. `KVCS_ERR_MALFORMED` for text that is not standard padded base64.
+kvcs_status kvcs_base64_decode(const char *text,
+                               size_t text_len,
+                               uint8_t *buf,
+                               size_t cap,
+                               size_t *len);
 
 // Creates a worker. A device worker uses the device's primary context;
 // where no CUDA driver or NVRTC is present it fails with `KVCS_ERR_DEVICE`.
@@ -285,6 +619,13 @@ kvcs_status kvcs_worker_checksum(kvcs_worker *worker,
                                  uint32_t role,
                                  void *cuda_stream,
                                  kvcs_result **out);
+
+// Detail mode (`on` = 1; 0 turns it off): the worker's results then also
+// carry per-layer partial checksums, which its records and a producer's
+// payload extension pass on, so that a consumer's report names the layers
+// (and head ranges) that differ. It reads the KV a second time. Host
+// workers only for now (`KVCS_ERR_UNSUPPORTED` on a device worker).
+kvcs_status kvcs_worker_set_detail(kvcs_worker *worker, uint32_t on);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -1,24 +1,24 @@
 // The checksum kernel: one launch per kvcs_worker_checksum call.
 //
-// Work is cut into units of (row, layer, head, chunk of tokens) of about
-// 2 KiB; every warp takes a contiguous range of units, so a small call still
-// spreads over the whole card while a large one streams long runs per warp.
-// Each lane accumulates sum(x_j * (2j + 1)) over its pieces, weighted per head
-// by m (SPEC sections 2-3); a warp adds its total to the output with one
-// 64-bit atomic whenever its output slot changes (exact: addition mod 2^64).
-// The last block to finish copies the values to mapped host memory and
-// re-zeroes the accumulators, so one launch is all a call needs.
+// Work is cut into units of (row, layer, head, kernel block, chunk, segment);
+// the call picks the chunks per kernel block (`split`) so that small calls
+// still spread over the whole card while large ones read long runs. Every warp
+// takes a contiguous range of units. Within a unit a lane's pieces have
+// indices that advance by a fixed step per token, so the inner loop mostly
+// adds: it keeps a few sums from which `sum x_j (2j + 1)` (SPEC section 2) is
+// rebuilt once per unit, then weighs the unit by its head's m (section 3). A warp adds its total to the
+// output with one 64-bit atomic whenever its output slot changes (exact:
+// addition mod 2^64). The last block to finish copies the values to mapped
+// host memory and re-zeroes the accumulators, so a call is one launch.
 //
 // descriptors.cuh is prepended to this file by the library.
 
 #define KVCS_WARP 32
-// Loads each lane keeps in flight before it uses them.
+// Tokens a lane loads before it adds any of them (loads in flight); units
+// with enough tokens use twice as many.
+#ifndef KVCS_BATCH
 #define KVCS_BATCH 4
-
-__device__ __forceinline__ kvcs_u32 kvcs_divide(kvcs_u32 value, kvcs_u64 divisor) {
-    // Exact for value * d < 2^32, which unit sizes guarantee (see cuda/mod.rs).
-    return (kvcs_u32)(((kvcs_u64)value * divisor) >> 32);
-}
+#endif
 
 __device__ __forceinline__ kvcs_u64 kvcs_warp_sum(kvcs_u64 value) {
     for (int offset = KVCS_WARP / 2; offset > 0; offset /= 2)
@@ -26,52 +26,102 @@ __device__ __forceinline__ kvcs_u64 kvcs_warp_sum(kvcs_u64 value) {
     return value;
 }
 
-// sum over the unit's pieces in one segment of x_j * (2j + 1), this lane's share.
-__device__ __forceinline__ kvcs_u64 kvcs_segment_unit(
-    const struct kvcs_dev_layer *layer, const struct kvcs_dev_segment *segment,
-    const struct kvcs_dev_row *row, kvcs_u32 head, kvcs_u32 first_token_in_block,
-    kvcs_u32 tokens, kvcs_u32 lane)
+// Sums over one lane's vectors of a unit, from which sum x_j (2j + 1) follows.
+struct kvcs_lane_sums {
+    kvcs_u64 total;          // sum of y = lo + hi (the vector's two pieces)
+    kvcs_u64 high;           // sum of hi
+    kvcs_u64 round_weighted; // sum of i * y, i = the vector's round within a token
+    kvcs_u64 step_weighted;  // sum of k * y, k = the token's step
+};
+
+// Reads a lane's vectors BATCH steps at a time: all loads of a batch are in
+// flight before any is used. Products by b are by constants; the rest is one
+// multiply per batch.
+template <int BATCH>
+__device__ __forceinline__ void kvcs_accumulate(
+    struct kvcs_lane_sums &sums, kvcs_i64 lane_address, kvcs_i64 step_bytes, kvcs_u32 steps,
+    kvcs_u32 first_vector, kvcs_u32 vectors, kvcs_u32 lanes, kvcs_u32 vector_shift)
 {
-    const kvcs_u32 per_token = segment->vectors_per_token;
-    const kvcs_u32 count = tokens * per_token;
-    const kvcs_i64 head_base = (kvcs_i64)segment->address
-        + (kvcs_i64)row->block_id * segment->block_stride
-        + (kvcs_i64)head * segment->head_stride;
-    const kvcs_u32 pieces_per_vector = 1u << (segment->vector_shift - 3);
-    kvcs_u64 sum = 0;
-    for (kvcs_u32 first = lane; first < count; first += KVCS_WARP * KVCS_BATCH) {
-        kvcs_u64 lo[KVCS_BATCH], hi[KVCS_BATCH], index[KVCS_BATCH];
+    const bool wide = vector_shift == 4;
+    for (kvcs_u32 k = 0; k < steps; k += BATCH) {
+        kvcs_u32 round = 0;
+        for (kvcs_u32 vector = first_vector; vector < vectors; vector += lanes, ++round) {
+            const kvcs_i64 base = lane_address + (kvcs_i64)k * step_bytes
+                + ((kvcs_i64)(vector - first_vector) << vector_shift);
+            kvcs_u64 lo[BATCH], hi[BATCH];
 #pragma unroll
-        for (int b = 0; b < KVCS_BATCH; ++b) {
-            const kvcs_u32 i = first + b * KVCS_WARP;
-            lo[b] = 0; hi[b] = 0; index[b] = 0;
-            if (i < count) {
-                const kvcs_u32 token_in_unit = kvcs_divide(i, segment->vector_divisor);
-                const kvcs_u32 vector = i - token_in_unit * per_token;
-                const kvcs_u32 token = first_token_in_block + token_in_unit;
-                const kvcs_u32 kernel_block = kvcs_divide(token, layer->kernel_block_divisor);
-                const kvcs_u32 slot = token - kernel_block * layer->tokens_per_kernel_block;
-                const kvcs_i64 address = head_base
-                    + (kvcs_i64)kernel_block * segment->kernel_block_stride
-                    + (kvcs_i64)slot * segment->token_stride
-                    + ((kvcs_i64)vector << segment->vector_shift);
-                if (segment->vector_shift == 4) {
-                    const ulonglong2 v = __ldcs((const ulonglong2 *)address);
-                    lo[b] = v.x; hi[b] = v.y;
-                } else {
-                    lo[b] = __ldcs((const kvcs_u64 *)address);
+            for (int b = 0; b < BATCH; ++b) {
+                lo[b] = 0; hi[b] = 0;
+                if (k + b < steps) {
+                    if (wide) {
+                        const ulonglong2 v = __ldcs((const ulonglong2 *)(base + b * step_bytes));
+                        lo[b] = v.x; hi[b] = v.y;
+                    } else {
+                        lo[b] = __ldcs((const kvcs_u64 *)(base + b * step_bytes));
+                    }
                 }
-                index[b] = (row->first_token + token) * layer->pieces_per_token
-                    + segment->piece_offset + (kvcs_u64)vector * pieces_per_vector;
             }
-        }
+            kvcs_u64 batch_total = 0;
 #pragma unroll
-        for (int b = 0; b < KVCS_BATCH; ++b) {
-            // Weights 2j + 1 and 2j + 3; absent pieces are zero.
-            sum += lo[b] * (2 * index[b] + 1) + hi[b] * (2 * index[b] + 3);
+            for (int b = 0; b < BATCH; ++b) {
+                const kvcs_u64 y = lo[b] + hi[b];
+                sums.high += hi[b];
+                batch_total += y;
+                // Step k + b weighs (k + b) * y: b * y here, k * y below.
+                sums.step_weighted += (kvcs_u64)b * y;
+            }
+            sums.total += batch_total;
+            sums.round_weighted += (kvcs_u64)round * batch_total;
+            sums.step_weighted += (kvcs_u64)k * batch_total;
         }
     }
-    return sum;
+}
+
+// This lane's share of sum x_j (2j + 1) over `tokens` tokens of one head in
+// one segment, the first at `address` (kernel block and slot resolved) with
+// request token `first_token`.
+__device__ __forceinline__ kvcs_u64 kvcs_segment_unit(
+    const struct kvcs_dev_segment *segment, kvcs_u64 pieces_per_token,
+    kvcs_i64 address, kvcs_u64 first_token, kvcs_u32 tokens, kvcs_u32 lane)
+{
+    const kvcs_u32 lanes = 1u << segment->lane_shift;
+    const kvcs_u32 tokens_per_step = KVCS_WARP >> segment->lane_shift;
+    const kvcs_u32 token = lane >> segment->lane_shift;
+    const kvcs_u32 first_vector = lane & (lanes - 1);
+    const kvcs_u32 vectors = segment->vectors_per_token;
+    if (token >= tokens || first_vector >= vectors) return 0;
+    const kvcs_u32 steps = (tokens - token + tokens_per_step - 1) >> (5 - segment->lane_shift);
+    const kvcs_u64 pieces_per_vector = segment->vector_shift == 4 ? 2 : 1;
+    const kvcs_i64 step_bytes = (kvcs_i64)tokens_per_step * segment->token_stride;
+    const kvcs_i64 lane_address = address + (kvcs_i64)token * segment->token_stride
+        + ((kvcs_i64)first_vector << segment->vector_shift);
+
+    struct kvcs_lane_sums sums = {0, 0, 0, 0};
+    if (steps >= 2 * KVCS_BATCH)
+        kvcs_accumulate<2 * KVCS_BATCH>(sums, lane_address, step_bytes, steps, first_vector, vectors, lanes, segment->vector_shift);
+    else
+        kvcs_accumulate<KVCS_BATCH>(sums, lane_address, step_bytes, steps, first_vector, vectors, lanes, segment->vector_shift);
+
+    // Piece index of (step k, round i, half h):
+    //   j = j0 + k * P * tokens_per_step + i * lanes * pieces_per_vector + h,
+    // so sum x_j (2j + 1) = (2 j0 + 1) total + 2 high + 2 lanes ppv round_weighted
+    //                       + 2 P tokens_per_step step_weighted.
+    const kvcs_u64 j0 = (first_token + token) * pieces_per_token + segment->piece_offset
+        + first_vector * pieces_per_vector;
+    const kvcs_u64 step_pieces = (kvcs_u64)tokens_per_step * pieces_per_token;
+    return (2 * j0 + 1) * sums.total + 2 * sums.high
+        + 2 * (kvcs_u64)lanes * pieces_per_vector * sums.round_weighted
+        + 2 * step_pieces * sums.step_weighted;
+}
+
+// Index of the last entry of starts[0 .. count) (ascending) at or below value.
+__device__ __forceinline__ kvcs_u32 kvcs_last_at_or_below(const kvcs_u64 *starts, kvcs_u32 count, kvcs_u64 value) {
+    kvcs_u32 low = 0, high = count - 1;
+    while (low < high) {
+        const kvcs_u32 mid = (low + high + 1) / 2;
+        if (starts[mid] <= value) low = mid; else high = mid - 1;
+    }
+    return low;
 }
 
 extern "C" __global__ void __launch_bounds__(256)
@@ -81,51 +131,86 @@ kvcs_checksum(const __grid_constant__ struct kvcs_dev_call call)
     const kvcs_u64 warps = (kvcs_u64)gridDim.x * (blockDim.x / KVCS_WARP);
     const kvcs_u64 warp = (kvcs_u64)blockIdx.x * (blockDim.x / KVCS_WARP) + threadIdx.x / KVCS_WARP;
     const struct kvcs_dev_row *rows = call.rows ? call.rows : call.inline_rows;
+    const kvcs_u32 split = call.split;
 
     kvcs_u64 unit = call.total_units * warp / warps;
     const kvcs_u64 end = call.total_units * (warp + 1) / warps;
 
     if (unit < end) {
-        // The row holding `unit`: the last whose unit_start <= unit.
-        kvcs_u32 low = 0, high = call.num_rows - 1;
-        while (low < high) {
-            const kvcs_u32 mid = (low + high + 1) / 2;
-            if (rows[mid].unit_start <= unit) low = mid; else high = mid - 1;
-        }
-        kvcs_u32 row_index = low;
+        kvcs_u32 row_index = call.row_units ? (kvcs_u32)(unit / call.row_units)
+                                            : kvcs_last_at_or_below(call.row_starts, call.num_rows, unit);
         kvcs_u64 total = 0;
         kvcs_u64 out = ~0ull;
-        while (unit < end) {
-            const struct kvcs_dev_row *row = &rows[row_index];
-            kvcs_u64 in_row = unit - row->unit_start;
-            kvcs_u32 layer_index = row->layers_begin;
-            while (layer_index + 1 < row->layers_end && call.layers[layer_index + 1].unit_start <= in_row)
-                ++layer_index;
-            for (; layer_index < row->layers_end && unit < end; ++layer_index) {
+        for (; unit < end; ++row_index) {
+            const struct kvcs_dev_row row = rows[row_index];
+            const struct kvcs_dev_group group = row.group_slot < KVCS_INLINE_GROUPS
+                ? call.inline_groups[row.group_slot] : call.groups[row.group_slot];
+            const kvcs_u64 row_start = call.row_units ? (kvcs_u64)row_index * call.row_units : call.row_starts[row_index];
+            const kvcs_u32 in_row = (kvcs_u32)(unit - row_start);
+            // The layer holding the unit: direct when the group's layers are alike.
+            kvcs_u32 layer_index;
+            if (group.layer_units) {
+                layer_index = group.layers_begin + in_row / (group.layer_units * split);
+            } else {
+                kvcs_u32 low = group.layers_begin, high = group.layers_end - 1;
+                while (low < high) {
+                    const kvcs_u32 mid = (low + high + 1) / 2;
+                    if (call.layers[mid].unit_start * split <= in_row) low = mid; else high = mid - 1;
+                }
+                layer_index = low;
+            }
+            for (; layer_index < group.layers_end && unit < end; ++layer_index) {
                 const struct kvcs_dev_layer *layer = &call.layers[layer_index];
-                const kvcs_u64 layer_out = row->out + (kvcs_u64)layer->column * row->column_stride;
+                const kvcs_u64 layer_out = row.out + (kvcs_u64)layer->column * row.column_stride;
                 if (layer_out != out) {
                     total = kvcs_warp_sum(total);
                     if (lane == 0 && out != ~0ull && total != 0) atomicAdd(&call.accumulators[out], total);
                     total = 0;
                     out = layer_out;
                 }
-                const kvcs_u32 in_layer = (kvcs_u32)(unit - row->unit_start - layer->unit_start);
-                kvcs_u32 head = in_layer / layer->chunks;
-                kvcs_u32 chunk = in_layer - head * layer->chunks;
-                for (; head < layer->num_heads && unit < end; ++head, chunk = 0) {
-                    kvcs_u64 head_sum = 0;
-                    for (; chunk < layer->chunks && unit < end; ++chunk, ++unit) {
-                        const kvcs_u32 first = chunk * layer->tokens_per_unit;
-                        if (first >= row->valid_tokens) continue;
-                        const kvcs_u32 tokens = min(layer->tokens_per_unit, row->valid_tokens - first);
-                        for (kvcs_u32 s = 0; s < layer->num_segments; ++s)
-                            head_sum += kvcs_segment_unit(layer, &layer->segments[s], row, head, first, tokens, lane);
+                const kvcs_u32 segments = layer->num_segments;
+                const kvcs_u32 kernel_blocks = layer->kernel_blocks;
+                const kvcs_u32 per_head = kernel_blocks * split * segments;
+                const kvcs_u32 in_layer = (kvcs_u32)(unit - row_start) - layer->unit_start * split;
+                // in_layer = ((head * kernel_blocks + kernel_block) * split + chunk) * segments + s;
+                // divide once, then count.
+                kvcs_u32 head = in_layer / per_head;
+                kvcs_u32 rest = in_layer - head * per_head;
+                kvcs_u32 s = rest % segments;
+                rest /= segments;
+                kvcs_u32 chunk = rest % split;
+                kvcs_u32 kernel_block = rest / split;
+                const kvcs_u32 per_kernel_block = layer->tokens_per_kernel_block;
+                const kvcs_u32 per_unit = (per_kernel_block + split - 1) / split;
+                kvcs_u64 head_sum = 0;
+                while (head < layer->num_heads && unit < end) {
+                    const kvcs_u32 slot = chunk * per_unit;
+                    const kvcs_u32 first = kernel_block * per_kernel_block + slot;
+                    if (slot < per_kernel_block && first < row.valid_tokens) {
+                        const kvcs_u32 tokens = min(min(per_unit, per_kernel_block - slot), row.valid_tokens - first);
+                        const struct kvcs_dev_segment *segment = &layer->segments[s];
+                        const kvcs_i64 address = (kvcs_i64)segment->address
+                            + (kvcs_i64)row.block_id * segment->block_stride
+                            + (kvcs_i64)kernel_block * segment->kernel_block_stride
+                            + (kvcs_i64)head * segment->head_stride
+                            + (kvcs_i64)slot * segment->token_stride;
+                        head_sum += kvcs_segment_unit(segment, layer->pieces_per_token, address,
+                                                      row.first_token + first, tokens, lane);
                     }
+                    ++unit;
+                    if (++s < segments) continue;
+                    s = 0;
+                    if (++chunk < split) continue;
+                    chunk = 0;
+                    if (++kernel_block < kernel_blocks) continue;
+                    kernel_block = 0;
                     total += (layer->first_slice_weight + 2ull * head) * head_sum;
+                    head_sum = 0;
+                    ++head;
                 }
+                // A head this warp only began: its share so far.
+                total += (layer->first_slice_weight + 2ull * head) * head_sum;
             }
-            ++row_index;
         }
         total = kvcs_warp_sum(total);
         if (lane == 0 && total != 0) atomicAdd(&call.accumulators[out], total);

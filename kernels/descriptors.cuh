@@ -9,60 +9,76 @@ typedef long long kvcs_i64;
 typedef unsigned int kvcs_u32;
 
 // One region of a layer's cache (SPEC: a cell is K then V, maybe in two regions).
+// A warp reads a unit's tokens `tokens_per_step` at a time: lane l reads
+// token (l >> lane_shift) of the step, vectors (l & (lanes - 1)) + i * lanes.
 struct kvcs_dev_segment {
     kvcs_u64 address;             // block 0, kernel block 0, head 0, token 0
     kvcs_i64 block_stride;        // bytes between logical blocks
     kvcs_i64 kernel_block_stride; // bytes between kernel blocks of a block
     kvcs_i64 head_stride;         // bytes between heads
     kvcs_i64 token_stride;        // bytes between tokens of a kernel block
+    kvcs_u64 piece_offset;        // index of the segment's first piece in a token's cell
     kvcs_u32 vectors_per_token;   // bytes_per_token >> vector_shift
     kvcs_u32 vector_shift;        // 4: 16-byte loads; 3: 8-byte loads
-    kvcs_u64 vector_divisor;      // ceil(2^32 / vectors_per_token): q = (i * d) >> 32
-    kvcs_u64 piece_offset;        // index of the segment's first piece in a token's cell
-};
-
-// An attention layer as one (group, role) computes it. Its units are
-// (head, chunk) pairs: `chunks` chunks of `tokens_per_unit` tokens per head.
-struct kvcs_dev_layer {
-    struct kvcs_dev_segment segments[2];
-    kvcs_u64 first_slice_weight;  // 2 * (layer * 65536 + first_head) + 1
-    kvcs_u64 pieces_per_token;    // P of SPEC section 2
-    kvcs_u64 kernel_block_divisor;// ceil(2^32 / tokens_per_kernel_block)
-    kvcs_u32 num_segments;
-    kvcs_u32 num_heads;
-    kvcs_u32 tokens_per_kernel_block;
-    kvcs_u32 tokens_per_unit;
-    kvcs_u32 chunks;              // ceil(block_size / tokens_per_unit)
-    kvcs_u32 column;              // column of this layer's replica key in the role
-    kvcs_u32 unit_start;          // units of the (group, role) layers before this one
+    kvcs_u32 lane_shift;          // log2(lanes per token): min(32, next power of 2 of vectors_per_token)
     kvcs_u32 reserved;
 };
 
-// One block position of one call: every active layer of its group, every head.
+// An attention layer as one (group, role) computes it. Its units are
+// (head, kernel block, chunk, segment): a call cuts each kernel block into
+// `split` chunks; a unit reads one segment of one chunk of one head.
+struct kvcs_dev_layer {
+    struct kvcs_dev_segment segments[2];
+    kvcs_u64 first_slice_weight;  // 2 * (layer * 65536 + first_head) + 1; head h adds 2h
+    kvcs_u64 pieces_per_token;    // P of SPEC section 2
+    kvcs_u32 num_segments;
+    kvcs_u32 num_heads;
+    kvcs_u32 kernel_blocks;
+    kvcs_u32 tokens_per_kernel_block;
+    kvcs_u32 column;              // column of this layer's replica key in the role
+    kvcs_u32 unit_start;          // units (at split 1) of the group's layers before this one
+};
+
+// A group's layers in one role, by group slot.
+struct kvcs_dev_group {
+    kvcs_u32 layers_begin;        // in the layer table
+    kvcs_u32 layers_end;
+    kvcs_u32 units;               // units of one row at split 1
+    kvcs_u32 layer_units;         // units of each layer at split 1 when all are equal, else 0
+};
+
+// One block position of one call (the host's plan::Row, uploaded as is).
 struct kvcs_dev_row {
     kvcs_u64 first_token;         // request position of the block's first token
-    kvcs_u64 unit_start;          // units of the call's rows before this one
     kvcs_u32 block_id;
     kvcs_u32 valid_tokens;
     kvcs_u32 out;                 // value index of column 0
     kvcs_u32 column_stride;       // value distance between columns
-    kvcs_u32 layers_begin;        // this (group, role)'s layers in the layer table
-    kvcs_u32 layers_end;
+    kvcs_u32 group_slot;
+    kvcs_u32 reserved;
 };
 
 // Rows passed inside the launch's parameters, so a small call needs no copy.
-#define KVCS_INLINE_ROWS 48
+#define KVCS_INLINE_ROWS 24
+// Group descriptors passed inside the launch's parameters (the rest are read
+// from `groups`), saving a dependent load at the start of every warp.
+#define KVCS_INLINE_GROUPS 8
 
 // The one parameter of the checksum kernel.
 struct kvcs_dev_call {
     const struct kvcs_dev_layer *layers;
-    const struct kvcs_dev_row *rows;  // NULL: use inline_rows
-    kvcs_u64 *accumulators;           // num_values zeros; left zeroed after the call
-    kvcs_u64 *host_values;            // mapped pinned host memory receiving the values
-    kvcs_u32 *finished_blocks;        // zero; left zero after the call
+    const struct kvcs_dev_group *groups;  // this role's, by slot
+    const struct kvcs_dev_row *rows;      // device or mapped host memory; NULL: use inline_rows
+    const kvcs_u64 *row_starts;           // first unit of each row; NULL when row_units is set
+    kvcs_u64 *accumulators;               // num_values zeros; left zeroed after the call
+    kvcs_u64 *host_values;                // mapped pinned host memory receiving the values
+    kvcs_u32 *finished_blocks;            // zero; left zero after the call
     kvcs_u64 total_units;
     kvcs_u32 num_rows;
     kvcs_u32 num_values;
+    kvcs_u32 split;                       // chunks per kernel block
+    kvcs_u32 row_units;                   // units of every row (split included) when equal, else 0
+    struct kvcs_dev_group inline_groups[KVCS_INLINE_GROUPS];  // slots below KVCS_INLINE_GROUPS
     struct kvcs_dev_row inline_rows[KVCS_INLINE_ROWS];
 };
 

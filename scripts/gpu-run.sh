@@ -18,5 +18,14 @@ for tool in memcheck racecheck; do
 done
 echo "== benchmark" | tee -a "$out/summary.txt"
 .device/bin/gpu_bench 2>&1 | tee "$out/bench.md" || status=1
+if [ -n "${KVCS_BENCH_VARIANTS:-}" ]; then
+  # Tuning runs: the same benchmark with kernel compile options, e.g.
+  # KVCS_BENCH_VARIANTS="-DKVCS_BATCH=8;-DKVCS_BATCH=2"
+  IFS=';' read -ra variants <<< "$KVCS_BENCH_VARIANTS"
+  for v in "${variants[@]}"; do
+    echo "== benchmark with $v" | tee -a "$out/summary.txt"
+    KVCSUM_NVRTC_OPTIONS="$v" .device/bin/gpu_bench 2>&1 | tee -a "$out/variants.md"
+  done
+fi
 cat "$out/summary.txt"
 exit $status

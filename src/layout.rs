@@ -3,6 +3,7 @@
 //! engines never read a byte outside a registered region.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use crate::checksum::{MAX_KV_HEADS_PER_LAYER, PIECE_BYTES};
 use crate::error::{err, Result};
@@ -101,33 +102,65 @@ pub struct Layer {
 pub struct Group {
     /// Caller's group id.
     pub group_id: u32,
+    /// Dense index of the group on its worker, in registration order; what
+    /// engines index their per-group tables with.
+    pub slot: u32,
     /// Tokens per logical block.
     pub block_size: u32,
-    /// Registered layers, in registration order.
-    pub layers: Vec<Layer>,
+    /// Registered layers, in registration order (added only through
+    /// `push`, which keeps the fields below in step).
+    pub(crate) layers: Vec<Layer>,
+    /// Sorted replica keys of the columns computed as producer, then as
+    /// consumer; shared with every result of the group.
+    columns: [Arc<[ReplicaKey]>; 2],
+    /// The smallest block count of the layers' caches.
+    num_blocks: u32,
 }
 
 impl Group {
+    fn new(group_id: u32, slot: u32, block_size: u32) -> Group {
+        Group {
+            group_id,
+            slot,
+            block_size,
+            layers: Vec::new(),
+            columns: [Arc::from([]), Arc::from([])],
+            num_blocks: u32::MAX,
+        }
+    }
+
+    /// Adds a checked layer and updates what follows from the layers.
+    fn push(&mut self, layer: Layer) {
+        self.num_blocks = self.num_blocks.min(layer.spec.num_blocks);
+        for (columns, role) in self.columns.iter_mut().zip([Role::Producer, Role::Consumer]) {
+            let key = layer.spec.replica;
+            if key.computed_in(role) {
+                if let Err(at) = columns.binary_search(&key) {
+                    let mut keys = columns.to_vec();
+                    keys.insert(at, key);
+                    *columns = keys.into();
+                }
+            }
+        }
+        self.layers.push(layer);
+    }
+
+    /// Registered layers, in registration order.
+    pub fn layers(&self) -> &[Layer] {
+        &self.layers
+    }
+
     /// The smallest block count of the group's caches: block ids must be below it.
     pub fn num_blocks(&self) -> u32 {
-        self.layers
-            .iter()
-            .map(|layer| layer.spec.num_blocks)
-            .min()
-            .unwrap_or(u32::MAX)
+        self.num_blocks
     }
 
     /// The replica keys of the columns computed in `role`, sorted.
-    pub fn columns(&self, role: Role) -> Vec<ReplicaKey> {
-        let mut keys: Vec<ReplicaKey> = self
-            .layers
-            .iter()
-            .map(|layer| layer.spec.replica)
-            .filter(|key| key.computed_in(role))
-            .collect();
-        keys.sort_unstable();
-        keys.dedup();
-        keys
+    pub fn columns(&self, role: Role) -> &Arc<[ReplicaKey]> {
+        match role {
+            Role::Producer => &self.columns[0],
+            Role::Consumer => &self.columns[1],
+        }
     }
 }
 
@@ -135,7 +168,10 @@ impl Group {
 #[derive(Debug, Clone, Default)]
 pub struct Layout {
     regions: Vec<Region>,
-    groups: BTreeMap<u32, Group>,
+    /// Groups by slot (registration order).
+    groups: Vec<Group>,
+    /// Slot of each group id.
+    slots: BTreeMap<u32, u32>,
     skipped: BTreeMap<u32, String>,
 }
 
@@ -166,17 +202,12 @@ impl Layout {
         if block_size == 0 {
             return Err(err!(InvalidArgument, "block_size is 0 (group_id {group_id})"));
         }
-        if self.groups.contains_key(&group_id) {
+        if self.slots.contains_key(&group_id) {
             return Err(err!(InvalidArgument, "group_id {group_id} is already registered"));
         }
-        self.groups.insert(
-            group_id,
-            Group {
-                group_id,
-                block_size,
-                layers: Vec::new(),
-            },
-        );
+        let slot = self.groups.len() as u32;
+        self.slots.insert(group_id, slot);
+        self.groups.push(Group::new(group_id, slot, block_size));
         Ok(())
     }
 
@@ -196,17 +227,15 @@ impl Layout {
     /// on error nothing changes.
     pub fn add_layer(&mut self, spec: LayerSpec) -> Result<()> {
         let layer = self.check_layer(spec)?;
-        self.groups
-            .get_mut(&layer.spec.group_id)
-            .expect("checked above")
-            .layers
-            .push(layer);
+        // check_layer found the group.
+        let slot = self.slots[&layer.spec.group_id];
+        self.groups[slot as usize].push(layer);
         Ok(())
     }
 
     fn check_layer(&self, spec: LayerSpec) -> Result<Layer> {
         let layer_number = spec.layer_number;
-        let group = self.groups.get(&spec.group_id).ok_or_else(|| {
+        let group = self.group(spec.group_id).ok_or_else(|| {
             err!(
                 NotFound,
                 "group_id {} is not registered (layer_number {layer_number})",
@@ -265,7 +294,7 @@ impl Layout {
             segment_piece_offsets.push(pieces_per_token);
             pieces_per_token += segment.bytes_per_token as u64 / PIECE_BYTES;
         }
-        for other in self.groups.values().flat_map(|g| g.layers.iter()) {
+        for other in self.groups.iter().flat_map(|g| g.layers.iter()) {
             let other = &other.spec;
             if other.layer_number != layer_number {
                 continue;
@@ -329,12 +358,17 @@ impl Layout {
 
     /// The group `group_id`, if registered.
     pub fn group(&self, group_id: u32) -> Option<&Group> {
-        self.groups.get(&group_id)
+        self.slots.get(&group_id).map(|&slot| &self.groups[slot as usize])
     }
 
-    /// Registered groups, by id.
+    /// The group in `slot` (see [`Group::slot`]).
+    pub fn group_in_slot(&self, slot: u32) -> &Group {
+        &self.groups[slot as usize]
+    }
+
+    /// Registered groups, in registration order (by slot).
     pub fn groups(&self) -> impl Iterator<Item = &Group> {
-        self.groups.values()
+        self.groups.iter()
     }
 
     /// Why `group_id` is skipped, if it is.

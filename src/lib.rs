@@ -10,12 +10,18 @@
 pub mod blocks;
 pub mod checksum;
 pub mod cuda;
+pub mod detail;
 pub mod error;
 pub mod ffi;
+pub mod fingerprint;
 pub mod host;
 pub mod layout;
+pub(crate) mod msgpack;
+pub mod payload;
 pub mod plan;
+pub mod record;
 pub mod result;
+pub mod verify;
 pub mod worker;
 
 pub use blocks::BlockSet;

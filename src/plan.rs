@@ -6,21 +6,25 @@ use crate::error::{err, Result};
 use crate::layout::{Layout, Role};
 use crate::result::{GroupChecksums, RequestChecksums, SkippedGroup};
 
-/// One block position to checksum in every layer of its group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// One block position to checksum in every layer of its group. `repr(C)`
+/// because the device engine uploads rows as they are (`struct kvcs_dev_row`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Row {
-    /// The group whose layers hold the block.
-    pub group_id: u32,
+    /// Request position of the block's first token.
+    pub first_token: u64,
     /// Block id in the group's caches.
     pub block_id: u32,
     /// Tokens of the block to read, from its first slot.
     pub valid_tokens: u32,
-    /// Request position of the block's first token.
-    pub first_token: u64,
     /// Value index of column 0 at this position.
-    pub out: usize,
+    pub out: u32,
     /// Value distance between columns (the group's positions in the request).
-    pub column_stride: usize,
+    pub column_stride: u32,
+    /// The group's slot on the worker ([`crate::layout::Group::slot`]).
+    pub group_slot: u32,
+    /// Zero.
+    pub reserved: u32,
 }
 
 /// The work of one call and the shape of its result.
@@ -39,7 +43,13 @@ impl Plan {
     /// id or unknown group fails the whole call.
     pub fn new(layout: &Layout, blocks: &BlockSet, role: Role) -> Result<Plan> {
         let mut requests = Vec::with_capacity(blocks.requests().len());
-        let mut rows = Vec::new();
+        let total_blocks = blocks
+            .requests()
+            .iter()
+            .flat_map(|r| &r.groups)
+            .map(|g| g.block_ids.len())
+            .sum();
+        let mut rows = Vec::with_capacity(total_blocks);
         let mut num_values = 0usize;
         for request in blocks.requests() {
             let req_id = &request.req_id;
@@ -79,20 +89,29 @@ impl Plan {
                     // valid > 0 means position * block_size < num_tokens: no overflow.
                     let first_token = position * group.block_size as u64;
                     rows.push(Row {
-                        group_id,
+                        first_token,
                         block_id,
                         valid_tokens: valid,
-                        first_token,
-                        out: values_offset + i,
-                        column_stride: num_positions,
+                        // Both below num_values, checked against u32 below.
+                        out: (values_offset + i) as u32,
+                        column_stride: num_positions as u32,
+                        group_slot: group.slot,
+                        reserved: 0,
                     });
                 }
                 num_values += columns.len() * num_positions;
+                if num_values > u32::MAX as usize {
+                    return Err(err!(
+                        Unsupported,
+                        "one call would hold {num_values} values (req_id \"{req_id}\", group_id {group_id}); at most {} are supported",
+                        u32::MAX
+                    ));
+                }
                 groups.push(GroupChecksums {
                     group_id,
                     first_position: group_blocks.first_position,
                     num_positions,
-                    columns,
+                    columns: columns.clone(),
                     values_offset,
                 });
             }

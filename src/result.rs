@@ -1,8 +1,11 @@
 //! Checksum results: per request and group, one column of partial checksums
 //! per replica key, one value per block position (SPEC section 4).
 
+use std::sync::Arc;
+
 use crate::error::{err, Result};
 use crate::layout::ReplicaKey;
+use crate::record::RecordInfo;
 
 /// One group's partial checksums of one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -13,8 +16,8 @@ pub struct GroupChecksums {
     pub first_position: u64,
     /// Values per column.
     pub num_positions: usize,
-    /// Replica keys of the columns, sorted.
-    pub columns: Vec<ReplicaKey>,
+    /// Replica keys of the columns, sorted (shared with the layout).
+    pub columns: Arc<[ReplicaKey]>,
     /// Index of column 0, position 0 in the value array; column `c` follows
     /// at `values_offset + c * num_positions`.
     pub values_offset: usize,
@@ -64,12 +67,29 @@ pub enum Values {
 pub struct Checksums {
     requests: Vec<RequestChecksums>,
     values: Values,
+    /// The worker's rank, role and group facts at checksum time, for its record.
+    record_info: Option<RecordInfo>,
 }
 
 impl Checksums {
     /// A result of the given shape and values.
     pub fn new(requests: Vec<RequestChecksums>, values: Values) -> Self {
-        Checksums { requests, values }
+        Checksums {
+            requests,
+            values,
+            record_info: None,
+        }
+    }
+
+    /// The same result, carrying what its worker record needs (set by `Worker::checksum`).
+    pub fn with_record_info(mut self, info: RecordInfo) -> Self {
+        self.record_info = Some(info);
+        self
+    }
+
+    /// What the worker record needs besides the values, if set.
+    pub fn record_info(&self) -> Option<&RecordInfo> {
+        self.record_info.as_ref()
     }
 
     /// Whether the values can be read, without blocking.

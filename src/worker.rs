@@ -1,12 +1,16 @@
 //! A worker: one TP rank / PP stage's registered layout and the engine that
 //! computes its partial checksums.
 
+use std::sync::{Arc, OnceLock};
+
 use crate::blocks::BlockSet;
 use crate::cuda;
+use crate::detail;
 use crate::error::{err, Result};
 use crate::host;
 use crate::layout::{LayerSpec, Layout, Region, Role};
 use crate::plan::Plan;
+use crate::record::{self, GroupInfo, Rank, RecordInfo};
 use crate::result::{Checksums, Values};
 
 /// Where a worker's caches live and how it is placed in the model.
@@ -34,6 +38,10 @@ pub struct Worker {
     options: WorkerOptions,
     layout: Layout,
     engine: Engine,
+    /// Detail mode: results also carry per-layer partials (see `set_detail`).
+    detail: bool,
+    /// The record's group facts (fingerprints hashed once), reset when the layout changes.
+    group_infos: OnceLock<Arc<[GroupInfo]>>,
 }
 
 /// A CUDA stream handle (`CUstream`) as the caller gives it; null means the
@@ -77,6 +85,8 @@ impl Worker {
             options,
             layout: Layout::default(),
             engine,
+            detail: false,
+            group_infos: OnceLock::new(),
         })
     }
 
@@ -98,6 +108,7 @@ impl Worker {
 
     /// Registers a group of layers sharing one block table.
     pub fn add_group(&mut self, group_id: u32, block_size: u32) -> Result<()> {
+        self.group_infos = OnceLock::new();
         self.layout.add_group(group_id, block_size)
     }
 
@@ -114,6 +125,7 @@ impl Worker {
             device.upload_layout(&layout)?;
         }
         self.layout = layout;
+        self.group_infos = OnceLock::new();
         Ok(())
     }
 
@@ -126,6 +138,32 @@ impl Worker {
             Engine::Host { threads } => Values::Ready(host::compute(&self.layout, &plan, role, *threads)),
             Engine::Device(device) => device.compute(&self.layout, &plan, role, stream)?,
         };
-        Ok(Checksums::new(plan.requests, values))
+        let detail = match (&self.engine, self.detail) {
+            (Engine::Host { threads }, true) => Some(detail::compute(&self.layout, blocks, role, *threads)?),
+            _ => None,
+        };
+        let groups = self
+            .group_infos
+            .get_or_init(|| record::group_infos(&self.layout).into())
+            .clone();
+        let info = RecordInfo {
+            rank: Rank::of(&self.options),
+            role,
+            groups,
+            detail,
+        };
+        Ok(Checksums::new(plan.requests, values).with_record_info(info))
+    }
+
+    /// Turns detail mode on or off: results then also carry per-layer partial
+    /// checksums, which records and payloads pass on so that a verifier names
+    /// the layers that differ. It reads the KV a second time. Host workers
+    /// only for now (`Unsupported` on a device worker).
+    pub fn set_detail(&mut self, on: bool) -> Result<()> {
+        if on && matches!(self.engine, Engine::Device(_)) {
+            return Err(err!(Unsupported, "detail mode is not supported on a device worker yet"));
+        }
+        self.detail = on;
+        Ok(())
     }
 }

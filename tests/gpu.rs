@@ -58,7 +58,14 @@ impl Drop for DeviceCopy {
 }
 
 fn device_worker(tp_rank: u32, tp_size: u32) -> Worker {
-    Worker::new(WorkerOptions { tp_rank, tp_size, pp_rank: 0, device: Some(0), num_threads: 0 }).expect("device worker")
+    Worker::new(WorkerOptions {
+        tp_rank,
+        tp_size,
+        pp_rank: 0,
+        device: Some(0),
+        num_threads: 0,
+    })
+    .expect("device worker")
 }
 
 /// Every column of every request and group of a result.
@@ -66,7 +73,10 @@ fn all_columns(result: &kvcsum::Checksums) -> BTreeMap<(String, u32), BTreeMap<R
     let mut all = BTreeMap::new();
     for request in result.requests() {
         for group in &request.groups {
-            all.insert((request.req_id.clone(), group.group_id), columns_of(result, &request.req_id, group.group_id));
+            all.insert(
+                (request.req_id.clone(), group.group_id),
+                columns_of(result, &request.req_id, group.group_id),
+            );
         }
     }
     all
@@ -90,14 +100,28 @@ impl Pair {
             register_at(&mut device, placement, &copy.bases).expect("register on the device worker");
             copies.push(copy);
         }
-        Pair { host, device, _copies: copies }
+        Pair {
+            host,
+            device,
+            _copies: copies,
+        }
     }
 
     /// Both engines' values for `blocks` in `role`, asserted equal.
-    fn compare(&self, blocks: &BlockSet, role: Role, what: &str) -> BTreeMap<(String, u32), BTreeMap<ReplicaKey, Vec<u64>>> {
+    fn compare(
+        &self,
+        blocks: &BlockSet,
+        role: Role,
+        what: &str,
+    ) -> BTreeMap<(String, u32), BTreeMap<ReplicaKey, Vec<u64>>> {
         let host = all_columns(&checksum(&self.host, blocks, role));
         let device = all_columns(&checksum(&self.device, blocks, role));
-        assert_eq!(device, host, "{what}: device and host values differ (seed {})", run_seed_note());
+        assert_eq!(
+            device,
+            host,
+            "{what}: device and host values differ (seed {})",
+            run_seed_note()
+        );
         host
     }
 }
@@ -126,7 +150,11 @@ fn requests_for(rng: &mut Rng, kv: &LogicalKv, placements: &mut [&mut Placement]
         requests.push(TestRequest {
             req_id: format!("req-{r}"),
             num_tokens: kv.num_tokens(),
-            tables: vec![GroupTable { group_id: spec.group_id, first_position, block_ids }],
+            tables: vec![GroupTable {
+                group_id: spec.group_id,
+                first_position,
+                block_ids,
+            }],
         });
     }
     requests
@@ -148,9 +176,22 @@ fn device_equals_host_and_reference_on_every_layout() {
             let values = pair.compare(&block_set(&requests), Role::Consumer, &format!("{kind:?} tp {tp_size}"));
             for request in &requests {
                 let table = request.table(0);
-                let naive = naive_positions(&kv, &shard.layer_numbers, &shard.heads(), 16, table.first_position, table.block_ids.len());
+                let naive = naive_positions(
+                    &kv,
+                    &shard.layer_numbers,
+                    &shard.heads(),
+                    16,
+                    table.first_position,
+                    table.block_ids.len(),
+                );
                 let ours = &values[&(request.req_id.clone(), 0)][&shard.replica];
-                assert_eq!(ours, &naive, "{kind:?} tp {tp_size} {}: not the naive reference (seed {})", request.req_id, rng.seed());
+                assert_eq!(
+                    ours,
+                    &naive,
+                    "{kind:?} tp {tp_size} {}: not the naive reference (seed {})",
+                    request.req_id,
+                    rng.seed()
+                );
             }
         }
     }
@@ -185,7 +226,11 @@ fn device_equals_host_for_tp_splits_replicas_and_roles() {
                 let requests = [TestRequest {
                     req_id: "r".to_owned(),
                     num_tokens: kv.num_tokens(),
-                    tables: vec![GroupTable { group_id: 0, first_position, block_ids }],
+                    tables: vec![GroupTable {
+                        group_id: 0,
+                        first_position,
+                        block_ids,
+                    }],
                 }];
                 let pair = Pair::new(tp_rank, tp_size, &[&placement]);
                 let what = format!("{kind:?} tp {tp_rank}/{tp_size}");
@@ -193,7 +238,10 @@ fn device_equals_host_for_tp_splits_replicas_and_roles() {
                 let producer = pair.compare(&block_set(&requests), Role::Producer, &what);
                 add_columns(&mut checks, &consumer[&("r".to_owned(), 0)]);
                 let produced = &producer[&("r".to_owned(), 0)];
-                assert!(produced.keys().all(|k| k.replica_index == 0), "{what}: producer computed a replica column");
+                assert!(
+                    produced.keys().all(|k| k.replica_index == 0),
+                    "{what}: producer computed a replica column"
+                );
                 let sum = sum_of_columns(produced, positions);
                 match &mut producer_total {
                     Some(total) => add_values(total, &sum),
@@ -201,7 +249,12 @@ fn device_equals_host_for_tp_splits_replicas_and_roles() {
                 }
             }
             let c = naive_full(&kv, 16, first_position, num_positions);
-            assert_eq!(producer_total.as_ref(), Some(&c), "tp {tp_size}: producers do not sum to c (seed {})", rng.seed());
+            assert_eq!(
+                producer_total.as_ref(),
+                Some(&c),
+                "tp {tp_size}: producers do not sum to c (seed {})",
+                rng.seed()
+            );
             // SPEC section 4: check k sums key (R, k % R) over the distinct R.
             let max_replicas = checks.keys().map(|k| k.replicas).max().unwrap();
             for k in 0..max_replicas {
@@ -209,9 +262,20 @@ fn device_equals_host_for_tp_splits_replicas_and_roles() {
                 let mut counts: Vec<u32> = checks.keys().map(|key| key.replicas).collect();
                 counts.dedup();
                 for r in counts {
-                    add_values(&mut check, &checks[&ReplicaKey { replicas: r, replica_index: k % r }]);
+                    add_values(
+                        &mut check,
+                        &checks[&ReplicaKey {
+                            replicas: r,
+                            replica_index: k % r,
+                        }],
+                    );
                 }
-                assert_eq!(check, c, "tp {tp_size}: consumer check {k} differs from c (seed {})", rng.seed());
+                assert_eq!(
+                    check,
+                    c,
+                    "tp {tp_size}: consumer check {k} differs from c (seed {})",
+                    rng.seed()
+                );
             }
         }
     }
@@ -225,23 +289,49 @@ fn device_handles_many_requests_and_groups_in_one_call() {
     // Two groups (block sizes 16 and 32, different layouts); 40 requests give
     // rows well past the inline limit, 1 request stays inside it.
     let kv = LogicalKv::random(&mut rng, KvShape::gqa(2, 2, 64, 45));
+    // The second group's layers are other layers of the model.
+    let kv2 = LogicalKv::random(
+        &mut rng,
+        KvShape {
+            first_layer: 10,
+            ..KvShape::gqa(2, 2, 64, 45)
+        },
+    );
     let shard = shard(&kv, 0, 1, 0, 1);
+    let shard2 = support::shard(&kv2, 0, 1, 0, 1);
     let mut first = Placement::for_shard(&mut rng, &kv, &shard, LayoutKind::HndKvSplit, 0, 16, 160);
-    let mut second = Placement::for_shard(&mut rng, &kv, &shard, LayoutKind::KernelBlocks { kernel_blocks: 2 }, 1, 32, 90);
+    let mut second = Placement::for_shard(
+        &mut rng,
+        &kv2,
+        &shard2,
+        LayoutKind::KernelBlocks { kernel_blocks: 2 },
+        1,
+        32,
+        90,
+    );
     let mut requests = requests_for(&mut rng, &kv, &mut [&mut first], 40);
     let mut allocator = BlockAllocator::new(&mut rng, 90);
     for request in &mut requests {
-        let block_ids = allocator.take(positions_for(kv.num_tokens(), 32, 0, 0));
-        second.write_request(&kv, 0, &block_ids);
-        request.tables.push(GroupTable { group_id: 1, first_position: 0, block_ids });
+        let block_ids = allocator.take(positions_for(kv2.num_tokens(), 32, 0, 0));
+        second.write_request(&kv2, 0, &block_ids);
+        request.tables.push(GroupTable {
+            group_id: 1,
+            first_position: 0,
+            block_ids,
+        });
     }
     let pair = Pair::new(0, 1, &[&first, &second]);
     let values = pair.compare(&block_set(&requests), Role::Consumer, "40 requests, 2 groups");
     pair.compare(&block_set(&requests[..1]), Role::Producer, "1 request, 2 groups");
     for request in &requests {
         let t = request.table(1);
-        let naive = naive_full(&kv, 32, t.first_position, t.block_ids.len());
-        assert_eq!(values[&(request.req_id.clone(), 1)][&shard.replica], naive, "group 1 (seed {})", rng.seed());
+        let naive = naive_full(&kv2, 32, t.first_position, t.block_ids.len());
+        assert_eq!(
+            values[&(request.req_id.clone(), 1)][&shard.replica],
+            naive,
+            "group 1 (seed {})",
+            rng.seed()
+        );
     }
 }
 
@@ -261,12 +351,24 @@ fn device_runs_on_the_callers_stream_and_survives_early_destroy() {
     for round in 0..20 {
         // Drop pending results at once: their buffers must outlive the work.
         for _ in 0..3 {
-            drop(pair.device.checksum(&blocks, Role::Consumer, StreamHandle(stream.cast())).expect("checksum"));
+            drop(
+                pair.device
+                    .checksum(&blocks, Role::Consumer, StreamHandle(stream.cast()))
+                    .expect("checksum"),
+            );
         }
-        let result = pair.device.checksum(&blocks, Role::Consumer, StreamHandle(stream.cast())).expect("checksum");
+        let result = pair
+            .device
+            .checksum(&blocks, Role::Consumer, StreamHandle(stream.cast()))
+            .expect("checksum");
         result.wait().expect("wait");
         assert!(result.is_ready().unwrap());
-        assert_eq!(all_columns(&result), expected, "round {round} on the caller's stream (seed {})", rng.seed());
+        assert_eq!(
+            all_columns(&result),
+            expected,
+            "round {round} on the caller's stream (seed {})",
+            rng.seed()
+        );
     }
     // SAFETY: our stream, no work left on it after the waits.
     unsafe { cu::stream::synchronize(stream).unwrap() };
@@ -285,7 +387,11 @@ fn device_gives_zeros_where_nothing_is_valid() {
     let requests = [TestRequest {
         req_id: "past-the-end".to_owned(),
         num_tokens: 16,
-        tables: vec![GroupTable { group_id: 0, first_position: 3, block_ids: vec![2, 5] }],
+        tables: vec![GroupTable {
+            group_id: 0,
+            first_position: 3,
+            block_ids: vec![2, 5],
+        }],
     }];
     let values = pair.compare(&block_set(&requests), Role::Consumer, "positions past num_tokens");
     assert_eq!(values[&("past-the-end".to_owned(), 0)][&shard.replica], vec![0, 0]);
@@ -301,15 +407,42 @@ fn device_rejects_bad_input_like_the_host() {
     let placement = Placement::for_shard(&mut rng, &kv, &shard, LayoutKind::Nhd, 0, 16, 8);
     let mut pair = Pair::new(0, 1, &[&placement]);
     let bad_blocks = [
-        TestRequest { req_id: "r".into(), num_tokens: 20, tables: vec![GroupTable { group_id: 0, first_position: 0, block_ids: vec![1, 8] }] },
-        TestRequest { req_id: "r".into(), num_tokens: 20, tables: vec![GroupTable { group_id: 7, first_position: 0, block_ids: vec![1] }] },
+        TestRequest {
+            req_id: "r".into(),
+            num_tokens: 20,
+            tables: vec![GroupTable {
+                group_id: 0,
+                first_position: 0,
+                block_ids: vec![1, 8],
+            }],
+        },
+        TestRequest {
+            req_id: "r".into(),
+            num_tokens: 20,
+            tables: vec![GroupTable {
+                group_id: 7,
+                first_position: 0,
+                block_ids: vec![1],
+            }],
+        },
     ];
     for requests in bad_blocks {
         let blocks = block_set(&[requests]);
-        let host = pair.host.checksum(&blocks, Role::Consumer, StreamHandle::none()).err().expect("host rejects");
-        let device = pair.device.checksum(&blocks, Role::Consumer, StreamHandle::none()).err().expect("device rejects");
+        let host = pair
+            .host
+            .checksum(&blocks, Role::Consumer, StreamHandle::none())
+            .err()
+            .expect("host rejects");
+        let device = pair
+            .device
+            .checksum(&blocks, Role::Consumer, StreamHandle::none())
+            .err()
+            .expect("device rejects");
         assert_eq!(device, host, "same error on both engines");
-        assert!(matches!(device, Error::OutOfBounds(_) | Error::NotFound(_)), "{device:?}");
+        assert!(
+            matches!(device, Error::OutOfBounds(_) | Error::NotFound(_)),
+            "{device:?}"
+        );
     }
     // Registration errors: unaligned address, reach outside every region.
     let mut layer = placement.host_layer_specs().remove(0);
@@ -321,6 +454,70 @@ fn device_rejects_bad_input_like_the_host() {
     for (bad, what) in [(unaligned, "unaligned"), (outside, "outside")] {
         let host = pair.host.add_layer(bad.clone()).err().expect("host rejects");
         let device = pair.device.add_layer(bad).err().expect("device rejects");
-        assert_eq!(std::mem::discriminant(&device), std::mem::discriminant(&host), "{what}: {device:?} vs {host:?}");
+        assert_eq!(
+            std::mem::discriminant(&device),
+            std::mem::discriminant(&host),
+            "{what}: {device:?} vs {host:?}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_handles_unlike_layers_in_one_group() {
+    let mut rng = Rng::for_test("device_handles_unlike_layers_in_one_group");
+    println!("seed {} ({NEEDS_GPU})", rng.seed());
+    // One group holding an attention cache (2 heads, K and V) and, for the
+    // same layers, a one-head K-only cache numbered after it (an indexer):
+    // layers of the group differ in heads and segments.
+    let kv = LogicalKv::random(&mut rng, KvShape::gqa(3, 2, 32, 50));
+    let indexer = LogicalKv::random(
+        &mut rng,
+        KvShape {
+            first_head: 2,
+            total_kv_heads: 1,
+            v_bytes: 0,
+            k_bytes: 16,
+            ..kv.shape
+        },
+    );
+    let shard_kv = shard(&kv, 0, 1, 0, 1);
+    let shard_indexer = shard(&indexer, 0, 1, 0, 1);
+    let mut attention = Placement::for_shard(&mut rng, &kv, &shard_kv, LayoutKind::KvSplit, 0, 16, 64);
+    let mut index = Placement::for_shard(&mut rng, &indexer, &shard_indexer, LayoutKind::Nhd, 0, 16, 64);
+    let mut allocator = BlockAllocator::new(&mut rng, 64);
+    let mut requests = Vec::new();
+    for r in 0..12 {
+        let first_position = r % 2;
+        let block_ids = allocator.take(positions_for(kv.num_tokens(), 16, first_position, 0));
+        attention.write_request(&kv, first_position, &block_ids);
+        index.write_request(&indexer, first_position, &block_ids);
+        requests.push(TestRequest {
+            req_id: format!("r{r}"),
+            num_tokens: kv.num_tokens(),
+            tables: vec![GroupTable {
+                group_id: 0,
+                first_position,
+                block_ids,
+            }],
+        });
+    }
+    let pair = Pair::new(0, 1, &[&attention, &index]);
+    for count in [1, requests.len()] {
+        let values = pair.compare(&block_set(&requests[..count]), Role::Consumer, "unlike layers");
+        for request in &requests[..count] {
+            let t = request.table(0);
+            let mut expected = naive_full(&kv, 16, t.first_position, t.block_ids.len());
+            add_values(
+                &mut expected,
+                &naive_full(&indexer, 16, t.first_position, t.block_ids.len()),
+            );
+            assert_eq!(
+                values[&(request.req_id.clone(), 0)][&shard_kv.replica],
+                expected,
+                "seed {}",
+                rng.seed()
+            );
+        }
     }
 }

@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result as cu, sys, CudaContext};
 
-use super::descriptors::DevRow;
 use crate::error::{err, Result};
+use crate::plan::Row;
 
 /// Maps a driver error to `Error::Device` with what was being done.
 pub fn device_error(what: &str) -> impl FnOnce(cu::DriverError) -> crate::error::Error + '_ {
@@ -22,11 +22,12 @@ pub struct Slot {
     pub row_capacity: usize,
     /// Values the slot holds.
     pub value_capacity: usize,
-    /// Pinned, mapped host memory: `value_capacity` values then `row_capacity` rows.
+    /// Pinned, mapped host memory: `value_capacity` values, then
+    /// `row_capacity` rows and as many row starts (the staging of uploads).
     host: *mut u8,
     /// The same memory as the device sees it.
     host_on_device: sys::CUdeviceptr,
-    /// Device memory: accumulators, then the counter (8 bytes), then rows.
+    /// Device memory: accumulators, the counter (8 bytes), rows, row starts.
     device: sys::CUdeviceptr,
     /// Recorded after the call's work.
     pub event: sys::CUevent,
@@ -42,8 +43,9 @@ unsafe impl Sync for Slot {}
 
 impl Slot {
     fn new(row_capacity: usize, value_capacity: usize) -> Result<Slot> {
-        let host_bytes = value_capacity * 8 + row_capacity * std::mem::size_of::<DevRow>();
-        let device_bytes = value_capacity * 8 + 8 + row_capacity * std::mem::size_of::<DevRow>();
+        let staging_bytes = row_capacity * (std::mem::size_of::<Row>() + 8);
+        let host_bytes = value_capacity * 8 + staging_bytes;
+        let device_bytes = value_capacity * 8 + 8 + staging_bytes;
         let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
         // Drop frees whatever was allocated when a later step fails.
         let mut slot = Slot {
@@ -57,25 +59,52 @@ impl Slot {
         };
         // SAFETY: plain allocations on the bound context, owned by the slot.
         unsafe {
-            slot.host = cu::malloc_host(host_bytes, flags).map_err(device_error("cuMemHostAlloc"))?.cast();
+            slot.host = cu::malloc_host(host_bytes, flags)
+                .map_err(device_error("cuMemHostAlloc"))?
+                .cast();
             sys::cuMemHostGetDevicePointer_v2(&mut slot.host_on_device, slot.host.cast(), 0)
                 .result()
                 .map_err(device_error("cuMemHostGetDevicePointer"))?;
             slot.device = cu::malloc_sync(device_bytes).map_err(device_error("cuMemAlloc"))?;
             // Accumulators and counter start at zero; the kernel leaves them so.
             cu::memset_d8_sync(slot.device, 0, value_capacity * 8 + 8).map_err(device_error("cuMemsetD8"))?;
-            slot.event =
-                cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(device_error("cuEventCreate"))?;
+            slot.event = cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(device_error("cuEventCreate"))?;
         }
         Ok(slot)
     }
 
-    /// Pinned staging for `n` rows (host side).
-    pub fn host_rows(&mut self, n: usize) -> &mut [DevRow] {
+    /// Pinned staging for `n` rows and their `n` unit starts (host side);
+    /// uploaded together by one copy of [`Slot::staging_bytes`] bytes.
+    pub fn staging(&mut self, n: usize) -> (&mut [Row], &mut [u64]) {
         assert!(n <= self.row_capacity);
-        // SAFETY: the rows follow the values in the pinned allocation, which
-        // is suitably aligned (page-aligned base, 8-byte multiples).
-        unsafe { std::slice::from_raw_parts_mut(self.host.add(self.value_capacity * 8).cast(), n) }
+        // SAFETY: rows follow the values in the pinned allocation and the
+        // starts follow the rows; both are 8-byte aligned (page-aligned base,
+        // 8-byte multiples) and lie inside it.
+        unsafe {
+            let rows = self.host.add(self.value_capacity * 8);
+            let starts = rows.add(self.row_capacity * std::mem::size_of::<Row>());
+            (
+                std::slice::from_raw_parts_mut(rows.cast(), n),
+                std::slice::from_raw_parts_mut(starts.cast(), n),
+            )
+        }
+    }
+
+    /// Host address of the staging (rows, then row starts).
+    pub fn staging_host(&self) -> *const u8 {
+        // SAFETY: inside the pinned allocation.
+        unsafe { self.host.add(self.value_capacity * 8) }
+    }
+
+    /// Device address of the staging (mapped pinned memory).
+    pub fn staging_on_device(&self) -> u64 {
+        self.host_on_device + self.value_capacity as u64 * 8
+    }
+
+    /// Bytes from the staging's start to the end of the first `n` row starts.
+    pub fn staging_bytes(&self, n: usize) -> usize {
+        self.row_capacity * std::mem::size_of::<Row>() + n * 8
     }
 
     /// The first `n` published values (read only after the event completed).
@@ -100,9 +129,14 @@ impl Slot {
         self.device + self.value_capacity as u64 * 8
     }
 
-    /// Device address of the rows.
+    /// Device address of the rows (the staging's device twin).
     pub fn device_rows(&self) -> u64 {
         self.finished_blocks() + 8
+    }
+
+    /// Device address of the row starts.
+    pub fn device_row_starts(&self) -> u64 {
+        self.device_rows() + (self.row_capacity * std::mem::size_of::<Row>()) as u64
     }
 
     /// Whether the slot's last work completed.
@@ -151,11 +185,30 @@ impl SlotPool {
         }
     }
 
+    /// Makes `count` free slots ahead of use, so that the first calls do not
+    /// allocate (allocation may synchronise the device).
+    pub fn reserve(&self, count: usize, rows: usize, values: usize) -> Result<()> {
+        let slots = (0..count)
+            .map(|_| Slot::new(rows, values))
+            .collect::<Result<Vec<_>>>()?;
+        self.free
+            .lock()
+            .map_err(|_| err!(Internal, "slot pool lock poisoned"))?
+            .extend(slots);
+        Ok(())
+    }
+
     /// A slot holding at least `rows` rows and `values` values.
     pub fn take(&self, rows: usize, values: usize) -> Result<Slot> {
         self.reap()?;
-        let mut free = self.free.lock().map_err(|_| err!(Internal, "slot pool lock poisoned"))?;
-        if let Some(i) = free.iter().position(|s| s.row_capacity >= rows && s.value_capacity >= values) {
+        let mut free = self
+            .free
+            .lock()
+            .map_err(|_| err!(Internal, "slot pool lock poisoned"))?;
+        if let Some(i) = free
+            .iter()
+            .position(|s| s.row_capacity >= rows && s.value_capacity >= values)
+        {
             return Ok(free.swap_remove(i));
         }
         drop(free);
@@ -179,7 +232,10 @@ impl SlotPool {
 
     /// Moves parked slots whose work completed to the free list.
     fn reap(&self) -> Result<()> {
-        let mut parked = self.parked.lock().map_err(|_| err!(Internal, "slot pool lock poisoned"))?;
+        let mut parked = self
+            .parked
+            .lock()
+            .map_err(|_| err!(Internal, "slot pool lock poisoned"))?;
         let mut done = Vec::new();
         let mut i = 0;
         while i < parked.len() {
@@ -193,7 +249,10 @@ impl SlotPool {
         }
         drop(parked);
         if !done.is_empty() {
-            let mut free = self.free.lock().map_err(|_| err!(Internal, "slot pool lock poisoned"))?;
+            let mut free = self
+                .free
+                .lock()
+                .map_err(|_| err!(Internal, "slot pool lock poisoned"))?;
             free.extend(done);
         }
         Ok(())

@@ -29,7 +29,9 @@ static KERNELS: OnceLock<Mutex<HashMap<usize, Arc<Kernels>>>> = OnceLock::new();
 pub fn kernels(context: &Arc<CudaContext>) -> Result<Arc<Kernels>> {
     let ordinal = context.ordinal();
     let cache = KERNELS.get_or_init(Default::default);
-    let mut cache = cache.lock().map_err(|_| err!(Internal, "the kernel cache lock is poisoned"))?;
+    let mut cache = cache
+        .lock()
+        .map_err(|_| err!(Internal, "the kernel cache lock is poisoned"))?;
     if let Some(kernels) = cache.get(&ordinal) {
         return Ok(kernels.clone());
     }
@@ -71,15 +73,25 @@ pub fn checksum_ptx(arch: &str) -> Result<String> {
 }
 
 /// Runs NVRTC on `source` for `arch`; the error carries NVRTC's log.
+/// `KVCSUM_NVRTC_OPTIONS` (whitespace-separated, e.g. `-DKVCS_BATCH=8`) adds
+/// options, for tuning experiments.
 fn nvrtc(source: &str, name: &str, arch: &str) -> std::result::Result<cudarc::nvrtc::Ptx, String> {
+    let mut extra: Vec<String> = std::env::var("KVCSUM_NVRTC_OPTIONS")
+        .map(|v| v.split_whitespace().map(str::to_owned).collect())
+        .unwrap_or_default();
+    let mut all = vec![format!("--gpu-architecture={arch}"), "--std=c++17".to_owned()];
+    all.append(&mut extra);
     let options = CompileOptions {
-        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".to_owned()],
+        options: all,
         name: Some(name.to_owned()),
         ..Default::default()
     };
     cudarc::nvrtc::compile_ptx_with_opts(source, options).map_err(|e| match e {
         CompileError::CompileError { log, options, .. } => {
-            format!("NVRTC failed to compile {name} with {options:?}:\n{}", log.to_string_lossy())
+            format!(
+                "NVRTC failed to compile {name} with {options:?}:\n{}",
+                log.to_string_lossy()
+            )
         }
         other => format!("NVRTC failed on {name}: {other}"),
     })

@@ -18,16 +18,22 @@ use std::sync::Arc;
 use cudarc::driver::{result as cu, sys, CudaContext};
 
 use self::buffers::{device_error, DeviceTable, Slot, SlotPool};
-use self::descriptors::{DevCall, DevLayer, DevRow, LayerTable, INLINE_ROWS};
+use self::descriptors::{role_index, DevCall, DevGroup, DevLayer, LayerTable, INLINE_GROUPS, INLINE_ROWS};
 use self::kernels::Kernels;
 use crate::error::{err, Result};
 use crate::layout::{Layout, Role};
-use crate::plan::Plan;
+use crate::plan::{Plan, Row};
 use crate::result::{PendingValues, Values};
 use crate::worker::StreamHandle;
 
 /// Threads per block of the checksum kernel (its `__launch_bounds__`).
 const THREADS_PER_BLOCK: u32 = 256;
+
+/// Call buffers made with the engine (more are made when more calls are in flight).
+const RESERVED_SLOTS: usize = 4;
+
+/// Most chunks a call cuts a kernel block into.
+const MAX_SPLIT: u32 = 8;
 
 /// Whether the CUDA driver and NVRTC libraries can be loaded.
 pub fn libraries_present() -> bool {
@@ -43,9 +49,13 @@ pub fn primary_context(ordinal: u32) -> Result<Arc<CudaContext>> {
             "device {ordinal}: the CUDA driver (libcuda) or NVRTC (libnvrtc) cannot be loaded on this machine"
         ));
     }
-    let count = CudaContext::device_count().map_err(|e| err!(Device, "device {ordinal}: cuDeviceGetCount failed: {e}"))?;
+    let count =
+        CudaContext::device_count().map_err(|e| err!(Device, "device {ordinal}: cuDeviceGetCount failed: {e}"))?;
     if ordinal as i64 >= count as i64 {
-        return Err(err!(Device, "device {ordinal} is not below the {count} CUDA devices present"));
+        return Err(err!(
+            Device,
+            "device {ordinal} is not below the {count} CUDA devices present"
+        ));
     }
     CudaContext::new(ordinal as usize)
         .map_err(|e| err!(Device, "device {ordinal}: retaining the primary context failed: {e}"))
@@ -58,7 +68,7 @@ pub struct DeviceEngine {
     pool: Arc<SlotPool>,
     /// Used when the caller passes no stream.
     own_stream: sys::CUstream,
-    /// Host copy of the layer table (ranges per group and role).
+    /// Host copy of the layer table (groups per role, layers).
     table: LayerTable,
     /// Its device copy; None before the first layer.
     device_table: Option<Arc<DeviceTable>>,
@@ -98,8 +108,10 @@ impl DeviceEngine {
             (processors.max(1) as u64) * (blocks_per_processor.max(1) as u64) * (THREADS_PER_BLOCK as u64 / 32);
         let own_stream =
             cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(device_error("cuStreamCreate"))?;
+        let pool = Arc::new(SlotPool::new(context.clone()));
+        pool.reserve(RESERVED_SLOTS, 4096, 4096)?;
         Ok(DeviceEngine {
-            pool: Arc::new(SlotPool::new(context.clone())),
+            pool,
             context,
             kernels,
             own_stream,
@@ -113,77 +125,110 @@ impl DeviceEngine {
     pub fn upload_layout(&mut self, layout: &Layout) -> Result<()> {
         self.context.bind_to_thread().map_err(device_error("cuCtxSetCurrent"))?;
         let table = LayerTable::new(layout)?;
-        // SAFETY: DevLayer is plain old data (repr(C), no padding holes read).
-        let bytes = unsafe {
-            std::slice::from_raw_parts(
-                table.layers.as_ptr().cast::<u8>(),
-                std::mem::size_of_val(table.layers.as_slice()),
-            )
-        };
-        let device_table = DeviceTable::upload(&self.context, bytes)?;
+        let device_table = DeviceTable::upload(&self.context, &table.to_bytes())?;
         self.table = table;
         self.device_table = Some(Arc::new(device_table));
         Ok(())
     }
 
     /// Queues the plan's checksums on `stream` (or the worker's own) and
-    /// returns without waiting: one kernel launch, one event.
+    /// returns without waiting: at most one upload, one launch, one event.
     pub fn compute(&self, _layout: &Layout, plan: &Plan, role: Role, stream: StreamHandle) -> Result<Values> {
         let num_values = plan.num_values;
-        if num_values > u32::MAX as usize {
-            return Err(err!(Unsupported, "{num_values} values in one call is more than the device engine takes"));
-        }
         let (Some(device_table), false) = (&self.device_table, plan.rows.is_empty()) else {
             // Nothing to read: every value is the empty sum.
             return Ok(Values::Ready(vec![0; num_values]));
         };
         self.context.bind_to_thread().map_err(device_error("cuCtxSetCurrent"))?;
-        let stream = if stream.0.is_null() { self.own_stream } else { stream.0 as sys::CUstream };
-        let rows_on_device = plan.rows.len() > INLINE_ROWS;
-        let mut slot = self.pool.take(if rows_on_device { plan.rows.len() } else { 0 }, num_values)?;
+        let stream = if stream.0.is_null() {
+            self.own_stream
+        } else {
+            stream.0 as sys::CUstream
+        };
+        let groups = &self.table.groups[role_index(role)];
+        let rows = &plan.rows;
+
+        // Units per row, and whether every row has the same (one group, the
+        // usual case): then the kernel finds a unit's row by a division.
+        let max_splits = &self.table.max_split[role_index(role)];
+        let first_units = groups[rows[0].group_slot as usize].units as u64;
+        let mut base_units = 0u64;
+        let mut uniform = true;
+        let mut max_split = MAX_SPLIT;
+        for row in rows {
+            let units = groups[row.group_slot as usize].units as u64;
+            uniform &= units == first_units;
+            base_units += units;
+            max_split = max_split.min(max_splits[row.group_slot as usize]);
+        }
+        // Chunks per kernel block: enough that the call fills the card several
+        // times over, so that even one block spreads across it, but no more
+        // than keeps every lane's batch of loads full.
+        let mut split = 1u32;
+        while split < max_split && base_units * (split as u64) < 4 * self.resident_warps {
+            split *= 2;
+        }
+        let total_units = base_units * split as u64;
+
+        let on_device = rows.len() > INLINE_ROWS || !uniform;
+        let mut slot = self.pool.take(if on_device { rows.len() } else { 0 }, num_values)?;
         let mut call = DevCall {
-            layers: device_table.address,
+            layers: device_table.address + self.table.layers_offset(),
+            groups: device_table.address + self.table.groups_offset(role),
             rows: 0,
+            row_starts: 0,
             accumulators: slot.accumulators(),
             host_values: slot.host_values_on_device(),
             finished_blocks: slot.finished_blocks(),
-            total_units: 0,
-            num_rows: plan.rows.len() as u32,
+            total_units,
+            num_rows: rows.len() as u32,
             num_values: num_values as u32,
-            inline_rows: [DevRow::default(); INLINE_ROWS],
+            split,
+            row_units: if uniform {
+                (first_units * split as u64) as u32
+            } else {
+                0
+            },
+            inline_groups: [DevGroup::default(); INLINE_GROUPS],
+            inline_rows: [Row::default(); INLINE_ROWS],
         };
-        let rows: &mut [DevRow] = if rows_on_device {
-            call.rows = slot.device_rows();
-            slot.host_rows(plan.rows.len())
+        let inline_groups = groups.len().min(INLINE_GROUPS);
+        call.inline_groups[..inline_groups].copy_from_slice(&groups[..inline_groups]);
+        let mut upload = 0;
+        if on_device {
+            if uniform {
+                // The kernel reads each row once per warp: straight from
+                // mapped pinned memory, with no copy to queue.
+                call.rows = slot.staging_on_device();
+            } else {
+                // Row starts are binary-searched: worth a copy to the device.
+                call.rows = slot.device_rows();
+                call.row_starts = slot.device_row_starts();
+                upload = slot.staging_bytes(rows.len());
+            }
+            let (staged_rows, starts) = slot.staging(rows.len());
+            staged_rows.copy_from_slice(rows);
+            if !uniform {
+                let mut start = 0u64;
+                for (row, row_start) in rows.iter().zip(starts.iter_mut()) {
+                    *row_start = start;
+                    start += groups[row.group_slot as usize].units as u64 * split as u64;
+                }
+            }
         } else {
-            &mut call.inline_rows[..plan.rows.len()]
-        };
-        let mut total_units = 0u64;
-        for (device_row, row) in rows.iter_mut().zip(&plan.rows) {
-            let range = self.table.ranges[&(row.group_id, role)];
-            *device_row = DevRow {
-                first_token: row.first_token,
-                unit_start: total_units,
-                block_id: row.block_id,
-                valid_tokens: row.valid_tokens,
-                out: row.out as u32,
-                column_stride: row.column_stride as u32,
-                layers_begin: range.begin,
-                layers_end: range.end,
-            };
-            total_units += range.units_per_row;
+            call.inline_rows[..rows.len()].copy_from_slice(rows);
         }
-        call.total_units = total_units;
         let warps = total_units.min(self.resident_warps).max(1);
         let blocks = warps.div_ceil(THREADS_PER_BLOCK as u64 / 32) as u32;
         // SAFETY: every address in `call` is live until the slot's event
-        // completes (the slot and table stay held until then); the rows in
-        // pinned memory are not touched again before that; the kernel reads
+        // completes (the slot and table stay held until then); the staging in
+        // pinned memory is not touched again before that; the kernel reads
         // cache bytes that registration proved lie in registered regions.
         unsafe {
-            if rows_on_device {
-                let staged: &[DevRow] = slot.host_rows(plan.rows.len());
-                cu::memcpy_htod_async(call.rows, staged, stream).map_err(device_error("cuMemcpyHtoDAsync"))?;
+            if upload > 0 {
+                sys::cuMemcpyHtoDAsync_v2(call.rows, slot.staging_host().cast(), upload, stream)
+                    .result()
+                    .map_err(device_error("cuMemcpyHtoDAsync"))?;
             }
             let mut params = [(&mut call as *mut DevCall).cast::<std::ffi::c_void>()];
             cu::launch_kernel(
@@ -257,6 +302,7 @@ impl Drop for DevicePending {
 
 /// Size check: the kernel reads these with the layout of descriptors.cuh.
 const _: () = {
-    assert!(std::mem::size_of::<DevLayer>() == 184);
-    assert!(std::mem::size_of::<DevRow>() == 40);
+    assert!(std::mem::size_of::<DevLayer>() == 168);
+    assert!(std::mem::size_of::<DevGroup>() == 16);
+    assert!(std::mem::size_of::<Row>() == 32);
 };

@@ -3,9 +3,12 @@
 //! from here except a registered address.
 
 pub mod blocks;
+pub mod buffer;
 pub mod panic;
+pub mod report;
 pub mod result;
 pub mod status;
+pub mod verifier;
 pub mod worker;
 
 use std::ffi::{c_char, CStr};

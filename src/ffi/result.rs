@@ -129,3 +129,25 @@ pub extern "C" fn kvcs_result_destroy(result: *mut kvcs_result) {
         }
     }
 }
+
+/// The worker's record of this result (its rank, every request's columns
+/// with replica keys and first positions, skipped groups, group
+/// fingerprints; layer partials in detail mode) as versioned bytes for
+/// `kvcs_verifier_add_record`, into `(buf, cap)` with the length in `*len`;
+/// `(NULL, 0)` asks for the size (`KVCS_ERR_BUFFER_TOO_SMALL` with `*len`
+/// set). `KVCS_ERR_NOT_READY` while a device is computing the values.
+#[no_mangle]
+pub extern "C" fn kvcs_result_encode(
+    result: *const kvcs_result,
+    buf: *mut u8,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status {
+    ffi_boundary! {
+        let result = try_ref!(result_ref(result), "result");
+        super::not_null!(len, "len");
+        let bytes = try_engine!(crate::record::Record::from_checksums(result)).encode();
+        // SAFETY: `buf` has `cap` writable bytes and `len` is writable per the contract.
+        unsafe { super::buffer::write_bytes(&bytes, buf, cap, len) }
+    }
+}

@@ -259,3 +259,22 @@ pub extern "C" fn kvcs_worker_checksum(
         kvcs_status::KVCS_OK
     }
 }
+
+/// Detail mode (`on` = 1; 0 turns it off): the worker's results then also
+/// carry per-layer partial checksums, which its records and a producer's
+/// payload extension pass on, so that a consumer's report names the layers
+/// (and head ranges) that differ. It reads the KV a second time. Host
+/// workers only for now (`KVCS_ERR_UNSUPPORTED` on a device worker).
+#[no_mangle]
+pub extern "C" fn kvcs_worker_set_detail(worker: *mut kvcs_worker, on: u32) -> kvcs_status {
+    ffi_boundary! {
+        let worker = try_mut!(worker_mut(worker), "worker");
+        let on = match on {
+            0 => false,
+            1 => true,
+            v => return fail(&err!(InvalidArgument, "on {v} is neither 0 nor 1")),
+        };
+        try_engine!(worker.set_detail(on));
+        kvcs_status::KVCS_OK
+    }
+}

@@ -1,0 +1,408 @@
+//! `kvcs_report`: the verdict on one finished load (SPEC section 10).
+
+// C entry points take raw pointers by design; their documented contract,
+// not `unsafe fn`, is what C callers see.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
+
+use std::ffi::{c_char, CStr, CString};
+
+use super::panic::ffi_boundary;
+use super::status::{fail, kvcs_status};
+use super::{not_null, try_ref, write_out};
+use crate::error::err;
+use crate::verify::{Reason, Report, Verdict};
+
+/// A verifier's judgement of one finished load: match, mismatch (groups and
+/// block positions, with layers in detail mode) or unverified (reasons).
+///
+/// Ownership: made by `kvcs_verifier_check*`, freed by
+/// `kvcs_report_destroy`; independent of its verifier. Strings it gives stay
+/// valid until it is destroyed.
+/// Thread safety: immutable; every accessor may run concurrently.
+#[allow(non_camel_case_types)]
+pub struct kvcs_report {
+    _private: [u8; 0],
+}
+
+/// The verdict of a report. Values are fixed and never renumbered.
+#[allow(non_camel_case_types)]
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum kvcs_verdict {
+    /// Every compared block position is equal.
+    KVCS_VERDICT_MATCH = 0,
+    /// Some compared block position differs.
+    KVCS_VERDICT_MISMATCH = 1,
+    /// The load could not be compared; see the reasons.
+    KVCS_VERDICT_UNVERIFIED = 2,
+}
+
+/// Why a load or a group could not be compared (SPEC section 10). Values are
+/// fixed and never renumbered; a retired value stays reserved.
+#[allow(non_camel_case_types)]
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum kvcs_unverified_reason {
+    /// No reason: the report is not unverified for any cause.
+    KVCS_UNVERIFIED_NONE = 0,
+    /// The producer sent no checksums.
+    KVCS_UNVERIFIED_NO_CHECKSUMS = 1,
+    /// The producer's checksums do not decode (bad base64 or payload).
+    KVCS_UNVERIFIED_INVALID_CHECKSUMS = 2,
+    /// Not every worker reported its checksums of the request.
+    KVCS_UNVERIFIED_WORKERS_MISSING = 3,
+    /// A worker checksummed other blocks (or tokens) than scheduled.
+    KVCS_UNVERIFIED_OTHER_BLOCKS = 4,
+    /// A group is checksummed by one side only.
+    KVCS_UNVERIFIED_ONE_SIDED_GROUP = 5,
+    /// A group's fingerprint differs.
+    KVCS_UNVERIFIED_FINGERPRINT_DIFFERS = 6,
+    /// No block position in common (with equal valid tokens).
+    KVCS_UNVERIFIED_NO_COMMON_POSITION = 7,
+    /// A replica was not checksummed.
+    KVCS_UNVERIFIED_REPLICA_MISSING = 8,
+    /// TP sizes differ (or are unknown) for shard-keyed state.
+    KVCS_UNVERIFIED_STATE_TP_DIFFERS = 9,
+}
+
+/// The `group_id` of a finding about the whole load rather than one group.
+pub const KVCS_WHOLE_LOAD: u32 = u32::MAX;
+
+/// Block positions of one group that differ (`kvcs_report_mismatch`).
+/// Positions are the consumer's; where block sizes differ one entry can
+/// span several (runs of the two block sizes' least common multiple).
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct kvcs_mismatch {
+    /// The group.
+    pub group_id: u32,
+    /// 1 if both sides sent per-layer partials (detail mode), so the layer
+    /// differences name the layers; 0 otherwise.
+    pub localised: u32,
+    /// The consumer's first differing block position.
+    pub first_position: u64,
+    /// Consecutive consumer positions covered.
+    pub num_positions: u64,
+    /// Request position of the first token compared.
+    pub first_token: u64,
+    /// Tokens compared.
+    pub num_tokens: u64,
+    /// Replica checks that differ (`kvcs_report_failed_check`).
+    pub num_failed_checks: usize,
+    /// Layer differences (`kvcs_report_layer_difference`).
+    pub num_layers: usize,
+}
+
+/// A layer head range whose partial checksums differ in one replica check.
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct kvcs_layer_difference {
+    /// Model-wide layer number.
+    pub layer_number: u32,
+    /// Global number of the first head of the range.
+    pub first_head: u32,
+    /// Heads in the range.
+    pub num_heads: u32,
+    /// The replica check (SPEC section 4) in which it differs.
+    pub check: u32,
+}
+
+/// A report and the C strings it hands out.
+struct ReportHandle {
+    report: Report,
+    message: CString,
+    findings: Vec<CString>,
+}
+
+fn c_string(text: &str) -> CString {
+    CString::new(text.replace('\0', "\\0")).expect("NULs were replaced")
+}
+
+/// Moves a report behind a new handle.
+pub(crate) fn report_into_handle(report: Report) -> *mut kvcs_report {
+    let message = c_string(&report.message);
+    let findings = report.unverified.iter().map(|f| c_string(&f.message)).collect();
+    Box::into_raw(Box::new(ReportHandle {
+        report,
+        message,
+        findings,
+    }))
+    .cast()
+}
+
+fn report_ref(report: *const kvcs_report) -> *const ReportHandle {
+    report.cast()
+}
+
+fn reason_code(reason: Reason) -> kvcs_unverified_reason {
+    use kvcs_unverified_reason::*;
+    match reason {
+        Reason::NoChecksums => KVCS_UNVERIFIED_NO_CHECKSUMS,
+        Reason::InvalidChecksums => KVCS_UNVERIFIED_INVALID_CHECKSUMS,
+        Reason::WorkersMissing => KVCS_UNVERIFIED_WORKERS_MISSING,
+        Reason::OtherBlocks => KVCS_UNVERIFIED_OTHER_BLOCKS,
+        Reason::OneSidedGroup => KVCS_UNVERIFIED_ONE_SIDED_GROUP,
+        Reason::FingerprintDiffers => KVCS_UNVERIFIED_FINGERPRINT_DIFFERS,
+        Reason::NoCommonPosition => KVCS_UNVERIFIED_NO_COMMON_POSITION,
+        Reason::ReplicaMissing => KVCS_UNVERIFIED_REPLICA_MISSING,
+        Reason::StateTpDiffers => KVCS_UNVERIFIED_STATE_TP_DIFFERS,
+    }
+}
+
+fn index_error(what: &str, index: usize, count: usize) -> kvcs_status {
+    fail(&err!(OutOfBounds, "{what} {index} is not below {count}"))
+}
+
+/// The verdict, a `kvcs_verdict` value.
+#[no_mangle]
+pub extern "C" fn kvcs_report_verdict(report: *const kvcs_report, verdict: *mut u32) -> kvcs_status {
+    ffi_boundary! {
+        let handle = try_ref!(report_ref(report), "report");
+        not_null!(verdict, "verdict");
+        let code = match handle.report.verdict {
+            Verdict::Match => kvcs_verdict::KVCS_VERDICT_MATCH,
+            Verdict::Mismatch => kvcs_verdict::KVCS_VERDICT_MISMATCH,
+            Verdict::Unverified => kvcs_verdict::KVCS_VERDICT_UNVERIFIED,
+        };
+        // SAFETY: non-NULL (checked) and writable per the contract.
+        unsafe { write_out(verdict, code as u32) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// 1 if the load may proceed under the verifier's policy (a match, or
+/// unverified under fail-open), 0 if it failed.
+#[no_mangle]
+pub extern "C" fn kvcs_report_passed(report: *const kvcs_report, passed: *mut u32) -> kvcs_status {
+    ffi_boundary! {
+        let handle = try_ref!(report_ref(report), "report");
+        not_null!(passed, "passed");
+        // SAFETY: non-NULL (checked) and writable per the contract.
+        unsafe { write_out(passed, handle.report.passed as u32) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// The reason of the first finding (a `kvcs_unverified_reason`);
+/// `KVCS_UNVERIFIED_NONE` when there is none. An unverified report always
+/// has one; a mismatch may list some for other groups.
+#[no_mangle]
+pub extern "C" fn kvcs_report_reason(report: *const kvcs_report, reason: *mut u32) -> kvcs_status {
+    ffi_boundary! {
+        let handle = try_ref!(report_ref(report), "report");
+        not_null!(reason, "reason");
+        let code = handle.report.reason().map_or(kvcs_unverified_reason::KVCS_UNVERIFIED_NONE, reason_code);
+        // SAFETY: non-NULL (checked) and writable per the contract.
+        unsafe { write_out(reason, code as u32) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// One line saying the verdict, the differing positions (and layers) and
+/// the findings, for a log; valid until the report is destroyed.
+#[no_mangle]
+pub extern "C" fn kvcs_report_message(report: *const kvcs_report, message: *mut *const c_char) -> kvcs_status {
+    ffi_boundary! {
+        let handle = try_ref!(report_ref(report), "report");
+        not_null!(message, "message");
+        // SAFETY: non-NULL (checked) and writable per the contract.
+        unsafe { write_out(message, handle.message.as_ptr()) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// Block positions compared, over all groups (in runs where block sizes
+/// differ).
+#[no_mangle]
+pub extern "C" fn kvcs_report_compared_positions(report: *const kvcs_report, positions: *mut u64) -> kvcs_status {
+    ffi_boundary! {
+        let handle = try_ref!(report_ref(report), "report");
+        not_null!(positions, "positions");
+        // SAFETY: non-NULL (checked) and writable per the contract.
+        unsafe { write_out(positions, handle.report.compared_positions) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// The number of mismatch entries.
+#[no_mangle]
+pub extern "C" fn kvcs_report_num_mismatches(report: *const kvcs_report, count: *mut usize) -> kvcs_status {
+    ffi_boundary! {
+        let handle = try_ref!(report_ref(report), "report");
+        not_null!(count, "count");
+        // SAFETY: non-NULL (checked) and writable per the contract.
+        unsafe { write_out(count, handle.report.mismatches.len()) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// Mismatch entry `index` (below `kvcs_report_num_mismatches`).
+#[no_mangle]
+pub extern "C" fn kvcs_report_mismatch(
+    report: *const kvcs_report,
+    index: usize,
+    out: *mut kvcs_mismatch,
+) -> kvcs_status {
+    ffi_boundary! {
+        let handle = try_ref!(report_ref(report), "report");
+        not_null!(out, "out");
+        let mismatches = &handle.report.mismatches;
+        let Some(m) = mismatches.get(index) else {
+            return index_error("index", index, mismatches.len());
+        };
+        let entry = kvcs_mismatch {
+            group_id: m.group_id,
+            localised: m.localised as u32,
+            first_position: m.first_position,
+            num_positions: m.num_positions,
+            first_token: m.first_token,
+            num_tokens: m.num_tokens,
+            num_failed_checks: m.failed_checks.len(),
+            num_layers: m.layers.len(),
+        };
+        // SAFETY: non-NULL (checked) and writable per the contract.
+        unsafe { write_out(out, entry) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// Replica check `index` that differs in mismatch entry `mismatch`. Check
+/// `k` compares copy `k % R` of every layer replicated on `R` ranks.
+#[no_mangle]
+pub extern "C" fn kvcs_report_failed_check(
+    report: *const kvcs_report,
+    mismatch: usize,
+    index: usize,
+    check: *mut u32,
+) -> kvcs_status {
+    ffi_boundary! {
+        let handle = try_ref!(report_ref(report), "report");
+        not_null!(check, "check");
+        let mismatches = &handle.report.mismatches;
+        let Some(m) = mismatches.get(mismatch) else {
+            return index_error("mismatch", mismatch, mismatches.len());
+        };
+        let Some(&value) = m.failed_checks.get(index) else {
+            return index_error("index", index, m.failed_checks.len());
+        };
+        // SAFETY: non-NULL (checked) and writable per the contract.
+        unsafe { write_out(check, value) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// Layer difference `index` of mismatch entry `mismatch` (detail mode).
+#[no_mangle]
+pub extern "C" fn kvcs_report_layer_difference(
+    report: *const kvcs_report,
+    mismatch: usize,
+    index: usize,
+    out: *mut kvcs_layer_difference,
+) -> kvcs_status {
+    ffi_boundary! {
+        let handle = try_ref!(report_ref(report), "report");
+        not_null!(out, "out");
+        let mismatches = &handle.report.mismatches;
+        let Some(m) = mismatches.get(mismatch) else {
+            return index_error("mismatch", mismatch, mismatches.len());
+        };
+        let Some(layer) = m.layers.get(index) else {
+            return index_error("index", index, m.layers.len());
+        };
+        let entry = kvcs_layer_difference {
+            layer_number: layer.layer_number,
+            first_head: layer.first_head,
+            num_heads: layer.num_heads,
+            check: layer.check,
+        };
+        // SAFETY: non-NULL (checked) and writable per the contract.
+        unsafe { write_out(out, entry) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// The number of findings (reasons the load or a group was not compared).
+#[no_mangle]
+pub extern "C" fn kvcs_report_num_unverified(report: *const kvcs_report, count: *mut usize) -> kvcs_status {
+    ffi_boundary! {
+        let handle = try_ref!(report_ref(report), "report");
+        not_null!(count, "count");
+        // SAFETY: non-NULL (checked) and writable per the contract.
+        unsafe { write_out(count, handle.report.unverified.len()) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// Finding `index`: its reason (a `kvcs_unverified_reason`), its group
+/// (`KVCS_WHOLE_LOAD` for the whole load) and its message (valid until the
+/// report is destroyed). Any out-pointer may be NULL.
+#[no_mangle]
+pub extern "C" fn kvcs_report_unverified(
+    report: *const kvcs_report,
+    index: usize,
+    reason: *mut u32,
+    group_id: *mut u32,
+    message: *mut *const c_char,
+) -> kvcs_status {
+    ffi_boundary! {
+        let handle = try_ref!(report_ref(report), "report");
+        let findings = &handle.report.unverified;
+        let Some(finding) = findings.get(index) else {
+            return index_error("index", index, findings.len());
+        };
+        // SAFETY: each is NULL or writable per the contract.
+        unsafe {
+            write_out(reason, reason_code(finding.reason) as u32);
+            write_out(group_id, finding.group_id.unwrap_or(KVCS_WHOLE_LOAD));
+            write_out(message, handle.findings[index].as_ptr());
+        }
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// Frees a report. NULL is a no-op.
+#[no_mangle]
+pub extern "C" fn kvcs_report_destroy(report: *mut kvcs_report) {
+    ffi_boundary! {
+        if !report.is_null() {
+            // SAFETY: made by `kvcs_verifier_check*` and not freed before.
+            drop(unsafe { Box::from_raw(report.cast::<ReportHandle>()) });
+        }
+    }
+}
+
+/// The name of a verdict ("KVCS_VERDICT_MATCH", ...), a static string;
+/// "unknown kvcs_verdict" for a value that is none. Never NULL.
+#[no_mangle]
+pub extern "C" fn kvcs_verdict_name(verdict: u32) -> *const c_char {
+    let name: &'static CStr = match verdict {
+        0 => c"KVCS_VERDICT_MATCH",
+        1 => c"KVCS_VERDICT_MISMATCH",
+        2 => c"KVCS_VERDICT_UNVERIFIED",
+        _ => c"unknown kvcs_verdict",
+    };
+    name.as_ptr()
+}
+
+/// The name of an unverified reason ("KVCS_UNVERIFIED_WORKERS_MISSING",
+/// ...), a static string; "unknown kvcs_unverified_reason" for a value that
+/// is none. Never NULL.
+#[no_mangle]
+pub extern "C" fn kvcs_unverified_reason_name(reason: u32) -> *const c_char {
+    let name: &'static CStr = match reason {
+        0 => c"KVCS_UNVERIFIED_NONE",
+        1 => c"KVCS_UNVERIFIED_NO_CHECKSUMS",
+        2 => c"KVCS_UNVERIFIED_INVALID_CHECKSUMS",
+        3 => c"KVCS_UNVERIFIED_WORKERS_MISSING",
+        4 => c"KVCS_UNVERIFIED_OTHER_BLOCKS",
+        5 => c"KVCS_UNVERIFIED_ONE_SIDED_GROUP",
+        6 => c"KVCS_UNVERIFIED_FINGERPRINT_DIFFERS",
+        7 => c"KVCS_UNVERIFIED_NO_COMMON_POSITION",
+        8 => c"KVCS_UNVERIFIED_REPLICA_MISSING",
+        9 => c"KVCS_UNVERIFIED_STATE_TP_DIFFERS",
+        _ => c"unknown kvcs_unverified_reason",
+    };
+    name.as_ptr()
+}

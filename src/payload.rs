@@ -1,0 +1,330 @@
+//! The payload of SPEC section 9: a producer's checksums of one request, as
+//! sent to its consumer.
+//!
+//! The plain payload is the msgpack array
+//! `[1, num_tokens, [[group_id, fingerprint, first_position, values], ...]]`,
+//! byte for byte what Python's `msgspec.msgpack.encode` gives for the tuple
+//! `(1, num_tokens, [(group_id, fingerprint, start, values_bytes), ...])`
+//! (vLLM's `KVChecksumPayload.to_bytes()`): integers in their shortest form,
+//! `values` a `bin` of little-endian `u64`s, one per block position. In
+//! `kv_transfer_params` it travels as standard padded base64 under
+//! [`TRANSFER_PARAMS_KEY`].
+//!
+//! # Extension (kvcsum to kvcsum only)
+//!
+//! A kvcsum producer may append a fourth element, which vLLM's decoder
+//! rejects, so it is opt-in and only for kvcsum consumers:
+//!
+//! ```text
+//! [1, producer_tp_size,
+//!  [[group_id, block_size, [[layer_number, first_head, num_heads, values], ...]], ...]]
+//! ```
+//!
+//! It tells the consumer the producer's TP size (shard-keyed state groups
+//! are comparable only between equal TP sizes) and, per group, its block
+//! size (so positions of different block sizes can be lined up) and, in
+//! detail mode, per-layer partial checksums (so a mismatch names layers).
+//!
+//! [`Payload::decode`] accepts any valid msgpack of these shapes (integers in
+//! any width) and rejects everything else with `Error::Malformed` and a
+//! message, allocating at most in proportion to its input.
+
+use std::collections::HashSet;
+
+use base64::Engine as _;
+
+use crate::checksum::MAX_KV_HEADS_PER_LAYER;
+use crate::error::{err, Result};
+use crate::msgpack::{Reader, Writer};
+
+/// The payload version this library writes and reads.
+pub const PAYLOAD_VERSION: u64 = 1;
+
+/// The extension version this library writes and reads.
+pub const EXTENSION_VERSION: u64 = 1;
+
+/// The `kv_transfer_params` key of the base64 payload.
+pub const TRANSFER_PARAMS_KEY: &str = "kv_checksums";
+
+/// One group's checksums in a payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PayloadGroup {
+    /// The group.
+    pub group_id: u32,
+    /// The producer's fingerprint of the group (summed over PP stages).
+    pub fingerprint: u64,
+    /// Block position of `values[0]`.
+    pub first_position: u64,
+    /// One checksum per block position.
+    pub values: Vec<u64>,
+}
+
+/// One layer entry's partial checksums in the extension.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PayloadLayer {
+    /// Model-wide layer number.
+    pub layer_number: u32,
+    /// Global number of the first head covered.
+    pub first_head: u32,
+    /// Heads covered.
+    pub num_heads: u32,
+    /// One value per block position of the group.
+    pub values: Vec<u64>,
+}
+
+/// What the extension says of one group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExtensionGroup {
+    /// A group of the plain payload.
+    pub group_id: u32,
+    /// The producer's block size of the group.
+    pub block_size: u32,
+    /// Detail mode: layer partials, sorted by (layer, first head), not
+    /// overlapping; empty otherwise.
+    pub layers: Vec<PayloadLayer>,
+}
+
+/// The optional fourth element of a payload (kvcsum to kvcsum).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Extension {
+    /// The producer's TP size.
+    pub producer_tp_size: u32,
+    /// Per group of the payload (any subset, each at most once).
+    pub groups: Vec<ExtensionGroup>,
+}
+
+/// A producer's checksums of one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Payload {
+    /// Tokens whose KV the checksummed blocks hold.
+    pub num_tokens: u64,
+    /// Per group, in the producer's order.
+    pub groups: Vec<PayloadGroup>,
+    /// The kvcsum extension, if sent.
+    pub extension: Option<Extension>,
+}
+
+impl Payload {
+    /// The payload's bytes; without an extension, identical to vLLM's.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::new();
+        w.array(if self.extension.is_some() { 4 } else { 3 });
+        w.uint(PAYLOAD_VERSION);
+        w.uint(self.num_tokens);
+        w.array(self.groups.len());
+        for group in &self.groups {
+            w.array(4);
+            w.uint(group.group_id as u64);
+            w.uint(group.fingerprint);
+            w.uint(group.first_position);
+            w.u64s(&group.values);
+        }
+        if let Some(extension) = &self.extension {
+            w.array(3);
+            w.uint(EXTENSION_VERSION);
+            w.uint(extension.producer_tp_size as u64);
+            w.array(extension.groups.len());
+            for group in &extension.groups {
+                w.array(3);
+                w.uint(group.group_id as u64);
+                w.uint(group.block_size as u64);
+                w.array(group.layers.len());
+                for layer in &group.layers {
+                    w.array(4);
+                    w.uint(layer.layer_number as u64);
+                    w.uint(layer.first_head as u64);
+                    w.uint(layer.num_heads as u64);
+                    w.u64s(&layer.values);
+                }
+            }
+        }
+        w.into_bytes()
+    }
+
+    /// Decodes and validates a payload (plain or with the extension).
+    pub fn decode(bytes: &[u8]) -> Result<Payload> {
+        let mut r = Reader::new(bytes, "payload");
+        let at = r.position();
+        let len = r.array("the payload")?;
+        if len != 3 && len != 4 {
+            return Err(err!(
+                Malformed,
+                "payload: byte {at}: expected an array of 3 elements (4 with the kvcsum extension), found {len}"
+            ));
+        }
+        let at = r.position();
+        let version = r.uint("version")?;
+        if version != PAYLOAD_VERSION {
+            return Err(err!(
+                Malformed,
+                "payload: byte {at}: version {version} is not supported (this library reads version {PAYLOAD_VERSION})"
+            ));
+        }
+        let num_tokens = r.uint("num_tokens")?;
+        let num_groups = r.array("groups")?;
+        let mut groups = Vec::with_capacity(num_groups);
+        for _ in 0..num_groups {
+            r.array_of("a group", 4)?;
+            groups.push(PayloadGroup {
+                group_id: r.u32("group_id")?,
+                fingerprint: r.uint("fingerprint")?,
+                first_position: r.uint("first_position")?,
+                values: r.u64s("values")?,
+            });
+        }
+        let extension = if len == 4 {
+            Some(decode_extension(&mut r)?)
+        } else {
+            None
+        };
+        r.finish()?;
+        let payload = Payload {
+            num_tokens,
+            groups,
+            extension,
+        };
+        payload.validate()?;
+        Ok(payload)
+    }
+
+    /// Checks what the encoding cannot express; `Error::Malformed` naming the
+    /// first problem.
+    pub fn validate(&self) -> Result<()> {
+        let mut seen = HashSet::with_capacity(self.groups.len());
+        for group in &self.groups {
+            if !seen.insert(group.group_id) {
+                return Err(err!(Malformed, "payload: group {} appears twice", group.group_id));
+            }
+            if group.first_position.checked_add(group.values.len() as u64).is_none() {
+                return Err(err!(
+                    Malformed,
+                    "payload: group {}: first_position {} + {} values overflows",
+                    group.group_id,
+                    group.first_position,
+                    group.values.len()
+                ));
+            }
+        }
+        let Some(extension) = &self.extension else {
+            return Ok(());
+        };
+        if extension.producer_tp_size == 0 {
+            return Err(err!(Malformed, "payload extension: producer_tp_size is 0"));
+        }
+        let mut extended = HashSet::with_capacity(extension.groups.len());
+        for group in &extension.groups {
+            let group_id = group.group_id;
+            let Some(plain) = self.groups.iter().find(|g| g.group_id == group_id) else {
+                return Err(err!(
+                    Malformed,
+                    "payload extension: group {group_id} is not in the payload"
+                ));
+            };
+            if !extended.insert(group_id) {
+                return Err(err!(Malformed, "payload extension: group {group_id} appears twice"));
+            }
+            if group.block_size == 0 {
+                return Err(err!(Malformed, "payload extension: group {group_id} has block_size 0"));
+            }
+            let mut previous: Option<&PayloadLayer> = None;
+            for layer in &group.layers {
+                let what = format!(
+                    "group {group_id}, layer {} heads from {}",
+                    layer.layer_number, layer.first_head
+                );
+                let end = layer.first_head as u64 + layer.num_heads as u64;
+                if layer.num_heads == 0 || end > MAX_KV_HEADS_PER_LAYER {
+                    return Err(err!(
+                        Malformed,
+                        "payload extension: {what}: num_heads {} is 0 or reaches past head {MAX_KV_HEADS_PER_LAYER}",
+                        layer.num_heads
+                    ));
+                }
+                if let Some(p) = previous {
+                    let ordered = (p.layer_number, p.first_head) < (layer.layer_number, layer.first_head);
+                    let overlaps = p.layer_number == layer.layer_number
+                        && p.first_head as u64 + p.num_heads as u64 > layer.first_head as u64;
+                    if !ordered || overlaps {
+                        return Err(err!(
+                            Malformed,
+                            "payload extension: {what}: layers are out of order or overlap"
+                        ));
+                    }
+                }
+                previous = Some(layer);
+                if layer.values.len() != plain.values.len() {
+                    return Err(err!(
+                        Malformed,
+                        "payload extension: {what}: {} values, but the group has {}",
+                        layer.values.len(),
+                        plain.values.len()
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The payload's group `group_id`, if present.
+    pub fn group(&self, group_id: u32) -> Option<&PayloadGroup> {
+        self.groups.iter().find(|g| g.group_id == group_id)
+    }
+
+    /// The extension's entry of group `group_id`, if any.
+    pub fn extension_group(&self, group_id: u32) -> Option<&ExtensionGroup> {
+        self.extension.as_ref()?.groups.iter().find(|g| g.group_id == group_id)
+    }
+}
+
+fn decode_extension(r: &mut Reader<'_>) -> Result<Extension> {
+    r.array_of("the extension", 3)?;
+    let at = r.position();
+    let version = r.uint("extension version")?;
+    if version != EXTENSION_VERSION {
+        return Err(err!(
+            Malformed,
+            "payload: byte {at}: extension version {version} is not supported (this library reads version {EXTENSION_VERSION})"
+        ));
+    }
+    let producer_tp_size = r.u32("producer_tp_size")?;
+    let num_groups = r.array("extension groups")?;
+    let mut groups = Vec::with_capacity(num_groups);
+    for _ in 0..num_groups {
+        r.array_of("an extension group", 3)?;
+        let group_id = r.u32("group_id")?;
+        let block_size = r.u32("block_size")?;
+        let num_layers = r.array("layers")?;
+        let mut layers = Vec::with_capacity(num_layers);
+        for _ in 0..num_layers {
+            r.array_of("a layer", 4)?;
+            layers.push(PayloadLayer {
+                layer_number: r.u32("layer_number")?,
+                first_head: r.u32("first_head")?,
+                num_heads: r.u32("num_heads")?,
+                values: r.u64s("layer values")?,
+            });
+        }
+        groups.push(ExtensionGroup {
+            group_id,
+            block_size,
+            layers,
+        });
+    }
+    Ok(Extension {
+        producer_tp_size,
+        groups,
+    })
+}
+
+/// `bytes` as standard padded base64 (the `kv_checksums` value).
+pub fn encode_base64(bytes: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// The bytes of standard padded base64 `text`; `Error::Malformed` for
+/// anything else (other alphabets, missing padding, whitespace).
+pub fn decode_base64(text: &[u8]) -> Result<Vec<u8>> {
+    base64::engine::general_purpose::STANDARD
+        .decode(text)
+        .map_err(|e| err!(Malformed, "base64: {e} (in {} bytes of text)", text.len()))
+}

@@ -1,0 +1,626 @@
+//! Worker records: what one worker's `checksum` call gives the verifier,
+//! usually in another process, as versioned, self-describing bytes.
+//!
+//! A record says who the worker is (its TP rank and size, its PP stage), the
+//! role it computed in, what it knows of each registered group (block size,
+//! fingerprint of SPEC section 7, whether its checksums are shard-keyed
+//! state of SPEC section 6), and per request: the token count, per group the
+//! first position, the number of positions and one column of partial
+//! checksums per replica key, the groups it skipped and why, and in detail
+//! mode the per-layer partial checksums.
+//!
+//! # Encoding (version 1)
+//!
+//! A msgpack array, so that any msgpack reader (Python's `msgspec` included)
+//! can inspect a record; integers are unsigned, values are `bin`s of
+//! little-endian `u64`s, one per block position:
+//!
+//! ```text
+//! ["kvcsum.record", 1,
+//!  [tp_rank, tp_size, pp_rank], role (0 producer, 1 consumer), detail (bool),
+//!  [[group_id, block_size, fingerprint, shard_keyed (bool)], ...],   # sorted by group_id
+//!  [[req_id (str), num_tokens,
+//!    [[group_id, first_position, num_positions,
+//!      [[replicas, replica_index, values], ...],                       # sorted by key
+//!      [[layer_number, first_head, num_heads, replicas, replica_index, values], ...]],  # detail only
+//!     ...],
+//!    [[group_id, reason (str)], ...]],                                 # skipped groups
+//!   ...]]
+//! ```
+//!
+//! [`Record::decode`] accepts exactly this shape and version and validates
+//! every value (ranks, keys, orders, lengths, uniqueness); anything else is
+//! `Error::Malformed` with a message naming the field and byte offset.
+
+use std::collections::HashSet;
+
+use crate::checksum::MAX_KV_HEADS_PER_LAYER;
+use crate::error::{err, Result};
+use crate::fingerprint::group_fingerprint;
+use crate::layout::{Layout, ReplicaKey, Role};
+use crate::msgpack::{Reader, Writer};
+use crate::result::{Checksums, SkippedGroup};
+use crate::worker::WorkerOptions;
+
+/// The first element of every record.
+pub const RECORD_MAGIC: &str = "kvcsum.record";
+
+/// The record encoding this library writes and reads.
+pub const RECORD_VERSION: u64 = 1;
+
+/// Where a worker sits in the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Rank {
+    /// Tensor-parallel rank, below `tp_size`.
+    pub tp_rank: u32,
+    /// Tensor-parallel size.
+    pub tp_size: u32,
+    /// Pipeline-parallel stage.
+    pub pp_rank: u32,
+}
+
+/// What a worker knows about one of its registered groups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupInfo {
+    /// The group.
+    pub group_id: u32,
+    /// Tokens per logical block on this worker.
+    pub block_size: u32,
+    /// The worker's fingerprint of the group (SPEC section 7).
+    pub fingerprint: u64,
+    /// Whether the group's checksums are shard-keyed state (SPEC section 6:
+    /// TP split unknown), comparable only between equal TP sizes. Attention
+    /// groups never are; state layers set it when the split is unknown.
+    pub shard_keyed: bool,
+}
+
+/// The per-layer partial checksums of one layer entry of a worker (detail
+/// mode): the heads `first_head .. first_head + num_heads` of layer
+/// `layer_number` in the column of `replica`, one value per block position.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerPartial {
+    /// Model-wide layer number.
+    pub layer_number: u32,
+    /// Global number of the first head.
+    pub first_head: u32,
+    /// Heads covered.
+    pub num_heads: u32,
+    /// The column the heads belong to.
+    pub replica: ReplicaKey,
+    /// One value per block position of the group.
+    pub values: Vec<u64>,
+}
+
+/// Per group of one request (in the result's group order), its layer
+/// partials.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RequestLayers {
+    /// Aligned with the request's groups in the result.
+    pub groups: Vec<Vec<LayerPartial>>,
+}
+
+/// What a result needs besides its values to become a record: set by
+/// `Worker::checksum` at checksum time.
+#[derive(Debug, Clone)]
+pub struct RecordInfo {
+    /// The worker's place.
+    pub rank: Rank,
+    /// The role the values were computed in.
+    pub role: Role,
+    /// Every registered group, sorted by id.
+    pub groups: std::sync::Arc<[GroupInfo]>,
+    /// Detail mode: per request (in result order) its layer partials.
+    pub detail: Option<Vec<RequestLayers>>,
+}
+
+/// The group facts of a layout, sorted by group id (fingerprints hashed now).
+pub fn group_infos(layout: &Layout) -> Vec<GroupInfo> {
+    layout
+        .groups()
+        .map(|group| GroupInfo {
+            group_id: group.group_id,
+            block_size: group.block_size,
+            fingerprint: group_fingerprint(group),
+            shard_keyed: false,
+        })
+        .collect()
+}
+
+impl Rank {
+    /// The rank of a worker created with `options`.
+    pub fn of(options: &WorkerOptions) -> Rank {
+        Rank {
+            tp_rank: options.tp_rank,
+            tp_size: options.tp_size,
+            pp_rank: options.pp_rank,
+        }
+    }
+}
+
+/// One column of a group in a record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Column {
+    /// Its replica key.
+    pub replica: ReplicaKey,
+    /// One partial checksum per block position.
+    pub values: Vec<u64>,
+}
+
+/// One group of one request in a record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordGroup {
+    /// The group.
+    pub group_id: u32,
+    /// Position of the first value.
+    pub first_position: u64,
+    /// Block positions checksummed (values per column).
+    pub num_positions: u64,
+    /// Columns, sorted by replica key.
+    pub columns: Vec<Column>,
+    /// Detail mode: the worker's layer partials, sorted by (layer, first head,
+    /// replica key); empty otherwise.
+    pub layers: Vec<LayerPartial>,
+}
+
+/// One request in a record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordRequest {
+    /// Caller's request id.
+    pub req_id: String,
+    /// Tokens whose KV the blocks hold.
+    pub num_tokens: u64,
+    /// Groups checksummed.
+    pub groups: Vec<RecordGroup>,
+    /// Groups this worker skipped, with its reasons.
+    pub skipped: Vec<SkippedGroup>,
+}
+
+/// A worker's record: its place, its groups and its partial checksums.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    /// The worker's place.
+    pub rank: Rank,
+    /// The role the values were computed in.
+    pub role: Role,
+    /// Whether layer partials are included.
+    pub detail: bool,
+    /// Every group the worker registered, sorted by id.
+    pub groups: Vec<GroupInfo>,
+    /// The requests of the call.
+    pub requests: Vec<RecordRequest>,
+}
+
+impl Record {
+    /// The record of a result made by `Worker::checksum`; `NotReady` while a
+    /// device is still computing it.
+    pub fn from_checksums(checksums: &Checksums) -> Result<Record> {
+        let info = checksums.record_info().ok_or_else(|| {
+            err!(
+                InvalidArgument,
+                "the result carries no worker record information (it was not made by a worker's checksum call)"
+            )
+        })?;
+        let values = checksums.values()?;
+        let mut requests = Vec::with_capacity(checksums.requests().len());
+        for (request_index, request) in checksums.requests().iter().enumerate() {
+            let detail = info.detail.as_ref().and_then(|d| d.get(request_index));
+            let mut groups = Vec::with_capacity(request.groups.len());
+            for (group_index, group) in request.groups.iter().enumerate() {
+                let columns = group
+                    .columns
+                    .iter()
+                    .enumerate()
+                    .map(|(column, &replica)| {
+                        let start = group.values_offset + column * group.num_positions;
+                        Column {
+                            replica,
+                            values: values[start..start + group.num_positions].to_vec(),
+                        }
+                    })
+                    .collect();
+                let layers = detail
+                    .and_then(|d| d.groups.get(group_index))
+                    .cloned()
+                    .unwrap_or_default();
+                groups.push(RecordGroup {
+                    group_id: group.group_id,
+                    first_position: group.first_position,
+                    num_positions: group.num_positions as u64,
+                    columns,
+                    layers,
+                });
+            }
+            requests.push(RecordRequest {
+                req_id: request.req_id.clone(),
+                num_tokens: request.num_tokens,
+                groups,
+                skipped: request.skipped.clone(),
+            });
+        }
+        let record = Record {
+            rank: info.rank,
+            role: info.role,
+            detail: info.detail.is_some(),
+            groups: info.groups.to_vec(),
+            requests,
+        };
+        record
+            .validate()
+            .map_err(|e| err!(Internal, "a worker's own record does not validate: {e}"))?;
+        Ok(record)
+    }
+
+    /// The record's bytes (see the module documentation).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::new();
+        w.array(7);
+        w.str(RECORD_MAGIC);
+        w.uint(RECORD_VERSION);
+        w.array(3);
+        w.uint(self.rank.tp_rank as u64);
+        w.uint(self.rank.tp_size as u64);
+        w.uint(self.rank.pp_rank as u64);
+        w.uint(role_code(self.role));
+        w.bool(self.detail);
+        w.array(self.groups.len());
+        for group in &self.groups {
+            w.array(4);
+            w.uint(group.group_id as u64);
+            w.uint(group.block_size as u64);
+            w.uint(group.fingerprint);
+            w.bool(group.shard_keyed);
+        }
+        w.array(self.requests.len());
+        for request in &self.requests {
+            w.array(4);
+            w.str(&request.req_id);
+            w.uint(request.num_tokens);
+            w.array(request.groups.len());
+            for group in &request.groups {
+                w.array(5);
+                w.uint(group.group_id as u64);
+                w.uint(group.first_position);
+                w.uint(group.num_positions);
+                w.array(group.columns.len());
+                for column in &group.columns {
+                    w.array(3);
+                    w.uint(column.replica.replicas as u64);
+                    w.uint(column.replica.replica_index as u64);
+                    w.u64s(&column.values);
+                }
+                w.array(group.layers.len());
+                for layer in &group.layers {
+                    w.array(6);
+                    w.uint(layer.layer_number as u64);
+                    w.uint(layer.first_head as u64);
+                    w.uint(layer.num_heads as u64);
+                    w.uint(layer.replica.replicas as u64);
+                    w.uint(layer.replica.replica_index as u64);
+                    w.u64s(&layer.values);
+                }
+            }
+            w.array(request.skipped.len());
+            for skipped in &request.skipped {
+                w.array(2);
+                w.uint(skipped.group_id as u64);
+                w.str(&skipped.reason);
+            }
+        }
+        w.into_bytes()
+    }
+
+    /// Decodes and validates a record; `Error::Malformed` with a message for
+    /// anything but a valid version-1 record. Allocates at most in proportion
+    /// to `bytes.len()`.
+    pub fn decode(bytes: &[u8]) -> Result<Record> {
+        let mut r = Reader::new(bytes, "record");
+        r.array_of("the record", 7)?;
+        let at = r.position();
+        let magic = r.str("the record's first element")?;
+        if magic != RECORD_MAGIC {
+            return Err(err!(
+                Malformed,
+                "record: byte {at}: the first element is {magic:?}, not {RECORD_MAGIC:?} (not a kvcsum record)"
+            ));
+        }
+        let at = r.position();
+        let version = r.uint("version")?;
+        if version != RECORD_VERSION {
+            return Err(err!(
+                Malformed,
+                "record: byte {at}: version {version} is not supported (this library reads version {RECORD_VERSION})"
+            ));
+        }
+        r.array_of("rank", 3)?;
+        let rank = Rank {
+            tp_rank: r.u32("tp_rank")?,
+            tp_size: r.u32("tp_size")?,
+            pp_rank: r.u32("pp_rank")?,
+        };
+        let at = r.position();
+        let role = match r.uint("role")? {
+            0 => Role::Producer,
+            1 => Role::Consumer,
+            other => {
+                return Err(err!(
+                    Malformed,
+                    "record: byte {at}: role {other} is neither 0 (producer) nor 1 (consumer)"
+                ))
+            }
+        };
+        let detail = r.bool("detail")?;
+        let num_groups = r.array("groups")?;
+        let mut groups = Vec::with_capacity(num_groups);
+        for _ in 0..num_groups {
+            r.array_of("a group", 4)?;
+            groups.push(GroupInfo {
+                group_id: r.u32("group_id")?,
+                block_size: r.u32("block_size")?,
+                fingerprint: r.uint("fingerprint")?,
+                shard_keyed: r.bool("shard_keyed")?,
+            });
+        }
+        let num_requests = r.array("requests")?;
+        let mut requests = Vec::with_capacity(num_requests);
+        for _ in 0..num_requests {
+            r.array_of("a request", 4)?;
+            let req_id = r.str("req_id")?.to_owned();
+            let num_tokens = r.uint("num_tokens")?;
+            let num_request_groups = r.array("the request's groups")?;
+            let mut request_groups = Vec::with_capacity(num_request_groups);
+            for _ in 0..num_request_groups {
+                r.array_of("a request group", 5)?;
+                let group_id = r.u32("group_id")?;
+                let first_position = r.uint("first_position")?;
+                let num_positions = r.uint("num_positions")?;
+                let num_columns = r.array("columns")?;
+                let mut columns = Vec::with_capacity(num_columns);
+                for _ in 0..num_columns {
+                    r.array_of("a column", 3)?;
+                    let replica = ReplicaKey {
+                        replicas: r.u32("replicas")?,
+                        replica_index: r.u32("replica_index")?,
+                    };
+                    let values = r.u64s("column values")?;
+                    columns.push(Column { replica, values });
+                }
+                let num_layers = r.array("layers")?;
+                let mut layers = Vec::with_capacity(num_layers);
+                for _ in 0..num_layers {
+                    r.array_of("a layer", 6)?;
+                    layers.push(LayerPartial {
+                        layer_number: r.u32("layer_number")?,
+                        first_head: r.u32("first_head")?,
+                        num_heads: r.u32("num_heads")?,
+                        replica: ReplicaKey {
+                            replicas: r.u32("replicas")?,
+                            replica_index: r.u32("replica_index")?,
+                        },
+                        values: r.u64s("layer values")?,
+                    });
+                }
+                request_groups.push(RecordGroup {
+                    group_id,
+                    first_position,
+                    num_positions,
+                    columns,
+                    layers,
+                });
+            }
+            let num_skipped = r.array("skipped groups")?;
+            let mut skipped = Vec::with_capacity(num_skipped);
+            for _ in 0..num_skipped {
+                r.array_of("a skipped group", 2)?;
+                skipped.push(SkippedGroup {
+                    group_id: r.u32("group_id")?,
+                    reason: r.str("reason")?.to_owned(),
+                });
+            }
+            requests.push(RecordRequest {
+                req_id,
+                num_tokens,
+                groups: request_groups,
+                skipped,
+            });
+        }
+        r.finish()?;
+        let record = Record {
+            rank,
+            role,
+            detail,
+            groups,
+            requests,
+        };
+        record.validate()?;
+        Ok(record)
+    }
+
+    /// Checks everything the encoding cannot express: ranks, keys, orders,
+    /// lengths, uniqueness. `Error::Malformed` naming the first problem.
+    pub fn validate(&self) -> Result<()> {
+        let rank = self.rank;
+        if rank.tp_size == 0 || rank.tp_rank >= rank.tp_size {
+            return Err(err!(
+                Malformed,
+                "record: tp_rank {} is not below tp_size {}",
+                rank.tp_rank,
+                rank.tp_size
+            ));
+        }
+        for pair in self.groups.windows(2) {
+            if pair[0].group_id >= pair[1].group_id {
+                return Err(err!(
+                    Malformed,
+                    "record: group {} follows group {}: groups must be sorted by id and distinct",
+                    pair[1].group_id,
+                    pair[0].group_id
+                ));
+            }
+        }
+        if let Some(group) = self.groups.iter().find(|g| g.block_size == 0) {
+            return Err(err!(Malformed, "record: group {} has block_size 0", group.group_id));
+        }
+        let mut req_ids = HashSet::with_capacity(self.requests.len());
+        for request in &self.requests {
+            let req_id = &request.req_id;
+            if req_id.is_empty() {
+                return Err(err!(Malformed, "record: a request has an empty req_id"));
+            }
+            if !req_ids.insert(req_id.as_str()) {
+                return Err(err!(Malformed, "record: req_id {req_id:?} appears twice"));
+            }
+            let mut seen = HashSet::with_capacity(request.groups.len() + request.skipped.len());
+            for group in &request.groups {
+                self.validate_group(req_id, group)?;
+                if !seen.insert(group.group_id) {
+                    return Err(err!(
+                        Malformed,
+                        "record: group {} appears twice in req_id {req_id:?}",
+                        group.group_id
+                    ));
+                }
+            }
+            for skipped in &request.skipped {
+                if skipped.reason.is_empty() {
+                    return Err(err!(
+                        Malformed,
+                        "record: skipped group {} of req_id {req_id:?} has an empty reason",
+                        skipped.group_id
+                    ));
+                }
+                if !seen.insert(skipped.group_id) {
+                    return Err(err!(
+                        Malformed,
+                        "record: group {} of req_id {req_id:?} is listed twice (checksummed or skipped)",
+                        skipped.group_id
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_group(&self, req_id: &str, group: &RecordGroup) -> Result<()> {
+        let group_id = group.group_id;
+        let place = format!("group {group_id} of req_id {req_id:?}");
+        if self.group_info(group_id).is_none() {
+            return Err(err!(
+                Malformed,
+                "record: {place} is not among the record's registered groups"
+            ));
+        }
+        if group.first_position.checked_add(group.num_positions).is_none() {
+            return Err(err!(
+                Malformed,
+                "record: {place}: first_position {} + num_positions {} overflows",
+                group.first_position,
+                group.num_positions
+            ));
+        }
+        let mut previous: Option<ReplicaKey> = None;
+        for column in &group.columns {
+            let key = column.replica;
+            check_key(key, &place)?;
+            if !key.computed_in(self.role) {
+                return Err(err!(
+                    Malformed,
+                    "record: {place}: a producer record has a column of replica_index {}",
+                    key.replica_index
+                ));
+            }
+            if previous.is_some_and(|p| p >= key) {
+                return Err(err!(
+                    Malformed,
+                    "record: {place}: column ({}, {}) is out of order or repeated",
+                    key.replicas,
+                    key.replica_index
+                ));
+            }
+            previous = Some(key);
+            if column.values.len() as u64 != group.num_positions {
+                return Err(err!(
+                    Malformed,
+                    "record: {place}: column ({}, {}) has {} values for num_positions {}",
+                    key.replicas,
+                    key.replica_index,
+                    column.values.len(),
+                    group.num_positions
+                ));
+            }
+        }
+        if !self.detail && !group.layers.is_empty() {
+            return Err(err!(
+                Malformed,
+                "record: {place} has layer values but the record is not in detail mode"
+            ));
+        }
+        let mut previous: Option<&LayerPartial> = None;
+        for layer in &group.layers {
+            let what = format!("{place}, layer {} heads from {}", layer.layer_number, layer.first_head);
+            check_key(layer.replica, &what)?;
+            if !layer.replica.computed_in(self.role) {
+                return Err(err!(
+                    Malformed,
+                    "record: {what}: a producer record has replica_index {}",
+                    layer.replica.replica_index
+                ));
+            }
+            if !group.columns.iter().any(|c| c.replica == layer.replica) {
+                return Err(err!(Malformed, "record: {what}: no column has its replica key"));
+            }
+            let end = layer.first_head as u64 + layer.num_heads as u64;
+            if layer.num_heads == 0 || end > MAX_KV_HEADS_PER_LAYER {
+                return Err(err!(
+                    Malformed,
+                    "record: {what}: num_heads {} is 0 or reaches past head {MAX_KV_HEADS_PER_LAYER}",
+                    layer.num_heads
+                ));
+            }
+            if let Some(p) = previous {
+                let ordered = (p.layer_number, p.first_head) < (layer.layer_number, layer.first_head);
+                let overlaps = p.layer_number == layer.layer_number
+                    && p.first_head as u64 + p.num_heads as u64 > layer.first_head as u64;
+                if !ordered || overlaps {
+                    return Err(err!(Malformed, "record: {what}: layers are out of order or overlap"));
+                }
+            }
+            previous = Some(layer);
+            if layer.values.len() as u64 != group.num_positions {
+                return Err(err!(
+                    Malformed,
+                    "record: {what}: {} values for num_positions {}",
+                    layer.values.len(),
+                    group.num_positions
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// What the record says of group `group_id`, if it is registered.
+    pub fn group_info(&self, group_id: u32) -> Option<&GroupInfo> {
+        self.groups
+            .binary_search_by_key(&group_id, |g| g.group_id)
+            .ok()
+            .map(|i| &self.groups[i])
+    }
+}
+
+fn check_key(key: ReplicaKey, place: &str) -> Result<()> {
+    if key.replicas == 0 || key.replica_index >= key.replicas {
+        return Err(err!(
+            Malformed,
+            "record: {place}: replica key ({}, {}) is invalid (replicas >= 1, replica_index < replicas)",
+            key.replicas,
+            key.replica_index
+        ));
+    }
+    Ok(())
+}
+
+fn role_code(role: Role) -> u64 {
+    match role {
+        Role::Producer => 0,
+        Role::Consumer => 1,
+    }
+}

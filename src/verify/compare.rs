@@ -1,0 +1,265 @@
+//! Lining up two sides' block positions and naming differing layers.
+//!
+//! # Positions of different block sizes
+//!
+//! SPEC section 10 compares "only positions present on both sides with the
+//! same number of valid tokens". With equal block sizes that is position by
+//! position, comparing position `q` when both sides hold it and
+//! `valid_tokens(num_tokens, block_size, q)` is the same for both (only a
+//! last block can hold fewer tokens on one side).
+//!
+//! With block sizes `b_p` and `b_c`, positions are compared in runs of
+//! `G = lcm(b_p, b_c)` tokens: run `Q` covers tokens `Q*G .. (Q+1)*G`, which
+//! are whole blocks on both sides. By SPEC property 2 the checksums of
+//! consecutive blocks add up to the checksum of the tokens they hold, so a
+//! side's value of run `Q` is the sum of its blocks in the run that hold
+//! valid tokens. Run `Q` is compared when each side holds all of those
+//! blocks and both sides' valid tokens of the run, `min(G, max(0,
+//! num_tokens - Q*G))`, are equal and not zero. With equal block sizes this
+//! is exactly the position-by-position rule.
+
+use std::collections::BTreeSet;
+
+use crate::payload::PayloadLayer;
+use crate::record::LayerPartial;
+use crate::verify::report::LayerDifference;
+
+/// One side's values of a group: block positions of its own block size.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Series<'a> {
+    /// Tokens per block on this side.
+    pub block_size: u32,
+    /// Position of `values[0]`.
+    pub first_position: u64,
+    /// One value per block position.
+    pub values: &'a [u64],
+    /// This side's token count of the request.
+    pub num_tokens: u64,
+}
+
+impl<'a> Series<'a> {
+    /// The same positions with other values (a layer's, a check's).
+    pub fn with_values(self, values: &'a [u64]) -> Series<'a> {
+        Series { values, ..self }
+    }
+
+    /// This side's blocks of run `q` that hold valid tokens: `lo .. hi`.
+    pub fn blocks_of_run(&self, run_tokens: u128, q: u128) -> (u128, u128) {
+        let block_size = self.block_size as u128;
+        let per_run = run_tokens / block_size;
+        let lo = q * per_run;
+        let valid_end = (self.num_tokens as u128).div_ceil(block_size);
+        (lo, (lo + per_run).min(valid_end).max(lo))
+    }
+
+    /// The sum of this side's values over run `q`, if it holds every block
+    /// of the run that holds valid tokens.
+    pub fn run_value(&self, run_tokens: u128, q: u128) -> Option<u64> {
+        let (lo, hi) = self.blocks_of_run(run_tokens, q);
+        let start = self.first_position as u128;
+        let end = start + self.values.len() as u128;
+        if lo < start || hi > end {
+            return None;
+        }
+        let slice = &self.values[(lo - start) as usize..(hi - start) as usize];
+        Some(slice.iter().fold(0u64, |sum, &v| sum.wrapping_add(v)))
+    }
+
+    /// Valid tokens of run `q` on this side.
+    pub fn run_valid_tokens(&self, run_tokens: u128, q: u128) -> u128 {
+        (self.num_tokens as u128).saturating_sub(q * run_tokens).min(run_tokens)
+    }
+
+    /// The runs that may hold this side's positions: `q_lo .. q_hi`.
+    pub fn runs(&self, run_tokens: u128) -> (u128, u128) {
+        let block_size = self.block_size as u128;
+        let start = self.first_position as u128 * block_size;
+        let end = (self.first_position as u128 + self.values.len() as u128) * block_size;
+        (start / run_tokens, end.div_ceil(run_tokens))
+    }
+}
+
+/// `lcm(a, b)` of two positive block sizes.
+pub(crate) fn run_tokens(a: u32, b: u32) -> u128 {
+    let (mut x, mut y) = (a as u128, b as u128);
+    while y != 0 {
+        (x, y) = (y, x % y);
+    }
+    a as u128 / x * b as u128
+}
+
+/// A head range of one layer with its value at one run.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HeadRange {
+    pub layer_number: u32,
+    pub first_head: u32,
+    pub num_heads: u32,
+    pub value: u64,
+}
+
+impl HeadRange {
+    fn end(&self) -> u64 {
+        self.first_head as u64 + self.num_heads as u64
+    }
+}
+
+/// The producer's layer ranges at run `q` (`None` where a layer's blocks are
+/// not all present, which cannot happen when the group's are).
+pub(crate) fn producer_ranges(layers: &[PayloadLayer], series: Series<'_>, run: u128, q: u128) -> Vec<HeadRange> {
+    layers
+        .iter()
+        .filter_map(|layer| {
+            Some(HeadRange {
+                layer_number: layer.layer_number,
+                first_head: layer.first_head,
+                num_heads: layer.num_heads,
+                value: series.with_values(&layer.values).run_value(run, q)?,
+            })
+        })
+        .collect()
+}
+
+/// The consumer's layer ranges of check `check` at run `q`: each layer
+/// partial whose replica key `(R, i)` has `i == check % R`, as the check
+/// itself sums them (SPEC section 4).
+pub(crate) fn consumer_ranges<'a>(
+    layers: impl Iterator<Item = (&'a LayerPartial, Series<'a>)>,
+    check: u32,
+    run: u128,
+    q: u128,
+) -> Vec<HeadRange> {
+    layers
+        .filter(|(layer, _)| layer.replica.replica_index == check % layer.replica.replicas)
+        .filter_map(|(layer, series)| {
+            Some(HeadRange {
+                layer_number: layer.layer_number,
+                first_head: layer.first_head,
+                num_heads: layer.num_heads,
+                value: series.with_values(&layer.values).run_value(run, q)?,
+            })
+        })
+        .collect()
+}
+
+/// The head ranges whose sums differ between the sides, per layer.
+///
+/// The two sides may split a layer's heads differently (other TP sizes).
+/// Head boundaries present on both sides cut each layer into the finest
+/// ranges both can sum; a range whose sums differ is reported. Heads that
+/// only one side covers are reported as they are.
+pub(crate) fn differing_ranges(producer: &[HeadRange], consumer: &[HeadRange], check: u32) -> Vec<LayerDifference> {
+    let layers: BTreeSet<u32> = producer.iter().chain(consumer).map(|r| r.layer_number).collect();
+    let mut differences = Vec::new();
+    for layer_number in layers {
+        let p: Vec<&HeadRange> = producer.iter().filter(|r| r.layer_number == layer_number).collect();
+        let c: Vec<&HeadRange> = consumer.iter().filter(|r| r.layer_number == layer_number).collect();
+        let bounds = |side: &[&HeadRange]| -> BTreeSet<u64> {
+            side.iter().flat_map(|r| [r.first_head as u64, r.end()]).collect()
+        };
+        let common: Vec<u64> = bounds(&p).intersection(&bounds(&c)).copied().collect();
+        let mut covered_p = vec![false; p.len()];
+        let mut covered_c = vec![false; c.len()];
+        for window in common.windows(2) {
+            let (lo, hi) = (window[0], window[1]);
+            let sum = |side: &[&HeadRange], covered: &mut [bool]| -> (u64, bool) {
+                let mut total = 0u64;
+                let mut any = false;
+                for (range, seen) in side.iter().zip(covered.iter_mut()) {
+                    if range.first_head as u64 >= lo && range.end() <= hi {
+                        total = total.wrapping_add(range.value);
+                        *seen = true;
+                        any = true;
+                    }
+                }
+                (total, any)
+            };
+            let (sum_p, any_p) = sum(&p, &mut covered_p);
+            let (sum_c, any_c) = sum(&c, &mut covered_c);
+            if (any_p || any_c) && sum_p != sum_c {
+                differences.push(LayerDifference {
+                    layer_number,
+                    first_head: lo as u32,
+                    num_heads: (hi - lo) as u32,
+                    check,
+                });
+            }
+        }
+        for (side, covered) in [(&p, &covered_p), (&c, &covered_c)] {
+            for (range, &seen) in side.iter().zip(covered.iter()) {
+                if !seen {
+                    differences.push(LayerDifference {
+                        layer_number,
+                        first_head: range.first_head,
+                        num_heads: range.num_heads,
+                        check,
+                    });
+                }
+            }
+        }
+    }
+    differences
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_are_the_lcm_of_block_sizes() {
+        assert_eq!(run_tokens(16, 16), 16);
+        assert_eq!(run_tokens(16, 32), 32);
+        assert_eq!(run_tokens(12, 8), 24);
+        assert_eq!(
+            run_tokens(u32::MAX, u32::MAX - 1),
+            u32::MAX as u128 * (u32::MAX - 1) as u128
+        );
+    }
+
+    #[test]
+    fn a_run_needs_every_block_with_valid_tokens() {
+        let values = [1u64, 2, 3, 4, 5];
+        // Blocks of 16 at positions 1..6, 70 tokens: position 4 holds 6 tokens, 5 none.
+        let series = Series {
+            block_size: 16,
+            first_position: 1,
+            values: &values,
+            num_tokens: 70,
+        };
+        assert_eq!(series.run_value(32, 0), None, "position 0 is missing");
+        assert_eq!(series.run_value(32, 1), Some(2 + 3));
+        assert_eq!(series.run_value(32, 2), Some(4), "position 5 holds no valid tokens");
+        assert_eq!(series.run_valid_tokens(32, 2), 6);
+        assert_eq!(series.runs(32), (0, 3));
+    }
+
+    #[test]
+    fn differing_ranges_line_up_other_head_splits() {
+        let range = |layer_number, first_head, num_heads, value| HeadRange {
+            layer_number,
+            first_head,
+            num_heads,
+            value,
+        };
+        // Producer: heads 0..4 and 4..8 of layer 3; consumer: four ranges of two.
+        let producer = [range(3, 0, 4, 10), range(3, 4, 4, 20)];
+        let consumer = [
+            range(3, 0, 2, 4),
+            range(3, 2, 2, 6),
+            range(3, 4, 2, 5),
+            range(3, 6, 2, 16),
+        ];
+        let differences = differing_ranges(&producer, &consumer, 1);
+        assert_eq!(
+            differences,
+            vec![LayerDifference {
+                layer_number: 3,
+                first_head: 4,
+                num_heads: 4,
+                check: 1
+            }]
+        );
+        // A layer on one side only is reported whole.
+        let differences = differing_ranges(&producer, &[], 0);
+        assert_eq!(differences.len(), 2);
+    }
+}

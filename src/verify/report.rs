@@ -1,0 +1,253 @@
+//! What a verification says (SPEC section 10): match, mismatch (the groups
+//! and block positions that differ, with the layers in detail mode), or
+//! unverified with its reasons, and whether the load passes under the
+//! verifier's policy.
+
+use std::fmt::Write as _;
+
+/// The outcome of comparing a finished load with the producer's checksums.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Every compared block position is equal.
+    Match,
+    /// Some compared block position differs.
+    Mismatch,
+    /// The load could not be compared (see the findings' reasons).
+    Unverified,
+}
+
+/// Why a load, or one of its groups, could not be compared (SPEC section 10).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// The producer sent no checksums.
+    NoChecksums,
+    /// The producer's checksums do not decode.
+    InvalidChecksums,
+    /// Not every worker reported its checksums of the request.
+    WorkersMissing,
+    /// A worker checksummed other blocks (or tokens) than scheduled.
+    OtherBlocks,
+    /// A group is checksummed by one side only.
+    OneSidedGroup,
+    /// A group's fingerprint differs between the sides (or between the TP
+    /// ranks of one stage).
+    FingerprintDiffers,
+    /// No block position is present on both sides with the same valid tokens.
+    NoCommonPosition,
+    /// A replica copy was not checksummed, so a check misses it.
+    ReplicaMissing,
+    /// Shard-keyed state checksummed under different (or unknown) TP sizes.
+    StateTpDiffers,
+}
+
+impl Reason {
+    /// The reason in words, as SPEC section 10 lists it.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Reason::NoChecksums => "the producer sent no checksums",
+            Reason::InvalidChecksums => "the producer's checksums are invalid",
+            Reason::WorkersMissing => "not every worker reported its checksums",
+            Reason::OtherBlocks => "a worker checksummed other blocks than scheduled",
+            Reason::OneSidedGroup => "a group is checksummed by one side only",
+            Reason::FingerprintDiffers => "a group's fingerprint differs",
+            Reason::NoCommonPosition => "no block position in common",
+            Reason::ReplicaMissing => "a replica was not checksummed",
+            Reason::StateTpDiffers => "TP sizes differ for shard-keyed state",
+        }
+    }
+}
+
+/// What the verifier does with an unverified load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// Unverified loads pass, with the report's message as a warning.
+    FailOpen,
+    /// Unverified loads fail like mismatches.
+    FailClosed,
+}
+
+/// One reason a load or a group could not be compared.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Finding {
+    /// The reason.
+    pub reason: Reason,
+    /// The group concerned; `None` for the whole load.
+    pub group_id: Option<u32>,
+    /// The details: which worker, group, positions or values.
+    pub message: String,
+}
+
+/// A layer whose partial checksums differ at a mismatching position (detail
+/// mode): heads `first_head .. first_head + num_heads` of `layer_number`, in
+/// replica check `check`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerDifference {
+    /// Model-wide layer number.
+    pub layer_number: u32,
+    /// Global number of the first head of the range compared.
+    pub first_head: u32,
+    /// Heads in the range.
+    pub num_heads: u32,
+    /// The replica check (SPEC section 4) that differs.
+    pub check: u32,
+}
+
+/// Block positions of one group whose checksums differ.
+///
+/// Positions are the consumer's block positions. Where the two sides' block
+/// sizes differ, positions are compared in runs of `lcm` tokens, so one
+/// mismatch can span several consumer positions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mismatch {
+    /// The group.
+    pub group_id: u32,
+    /// The consumer's first block position that differs.
+    pub first_position: u64,
+    /// Consecutive consumer positions covered (1 with equal block sizes).
+    pub num_positions: u64,
+    /// The request position of the first token compared.
+    pub first_token: u64,
+    /// Tokens compared.
+    pub num_tokens: u64,
+    /// The replica checks that differ, ascending.
+    pub failed_checks: Vec<u32>,
+    /// Whether both sides sent per-layer partials, so `layers` is meaningful.
+    pub localised: bool,
+    /// Detail mode: the layer (head) ranges that differ.
+    pub layers: Vec<LayerDifference>,
+}
+
+/// The verdict on one finished load and everything behind it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Report {
+    /// Match, mismatch or unverified.
+    pub verdict: Verdict,
+    /// The policy it was judged under.
+    pub policy: Policy,
+    /// Whether the load may proceed: a match, or unverified under fail-open.
+    pub passed: bool,
+    /// Block positions compared (in the compared granularity), all groups.
+    pub compared_positions: u64,
+    /// Positions that differ, by group.
+    pub mismatches: Vec<Mismatch>,
+    /// Why the load or some groups could not be compared. A mismatch wins
+    /// over these, but they are still listed.
+    pub unverified: Vec<Finding>,
+    /// One line for a log.
+    pub message: String,
+}
+
+impl Report {
+    /// Judges the comparison's outcome under `policy`.
+    pub fn new(
+        req_id: &str,
+        policy: Policy,
+        compared_positions: u64,
+        mismatches: Vec<Mismatch>,
+        unverified: Vec<Finding>,
+    ) -> Report {
+        let verdict = if !mismatches.is_empty() {
+            Verdict::Mismatch
+        } else if !unverified.is_empty() {
+            Verdict::Unverified
+        } else {
+            Verdict::Match
+        };
+        let passed = match verdict {
+            Verdict::Match => true,
+            Verdict::Mismatch => false,
+            Verdict::Unverified => policy == Policy::FailOpen,
+        };
+        let mut message = String::new();
+        match verdict {
+            Verdict::Match => {
+                let _ = write!(
+                    message,
+                    "req_id {req_id:?}: match ({compared_positions} block positions compared)"
+                );
+            }
+            Verdict::Mismatch => {
+                let _ = write!(message, "req_id {req_id:?}: KV checksum mismatch:");
+                for (index, mismatch) in mismatches.iter().enumerate() {
+                    let _ = write!(
+                        message,
+                        "{} {}",
+                        if index == 0 { "" } else { ";" },
+                        describe_mismatch(mismatch)
+                    );
+                }
+            }
+            Verdict::Unverified => {
+                let _ = write!(message, "req_id {req_id:?}: KV checksums not verified");
+            }
+        }
+        for finding in &unverified {
+            let _ = write!(message, "; unverified: {}", finding.reason.describe());
+            if let Some(group_id) = finding.group_id {
+                let _ = write!(message, " (group {group_id})");
+            }
+            let _ = write!(message, ": {}", finding.message);
+        }
+        if verdict == Verdict::Unverified {
+            let _ = write!(
+                message,
+                "; {}",
+                match policy {
+                    Policy::FailOpen => "fail-open: the load passes (warning)",
+                    Policy::FailClosed => "fail-closed: the load fails",
+                }
+            );
+        }
+        Report {
+            verdict,
+            policy,
+            passed,
+            compared_positions,
+            mismatches,
+            unverified,
+            message,
+        }
+    }
+
+    /// The reason of the first finding, if any.
+    pub fn reason(&self) -> Option<Reason> {
+        self.unverified.first().map(|f| f.reason)
+    }
+}
+
+/// "group 0 position 2 (tokens 32..48, check 1: layer 3 heads 0..1)".
+fn describe_mismatch(mismatch: &Mismatch) -> String {
+    let mut text = format!("group {} ", mismatch.group_id);
+    if mismatch.num_positions == 1 {
+        let _ = write!(text, "position {}", mismatch.first_position);
+    } else {
+        let _ = write!(
+            text,
+            "positions {}..{}",
+            mismatch.first_position,
+            mismatch.first_position + mismatch.num_positions
+        );
+    }
+    let checks: Vec<String> = mismatch.failed_checks.iter().map(u32::to_string).collect();
+    let _ = write!(
+        text,
+        " (tokens {}..{}, replica check {}",
+        mismatch.first_token,
+        mismatch.first_token + mismatch.num_tokens,
+        checks.join(",")
+    );
+    if mismatch.localised {
+        for layer in &mismatch.layers {
+            let _ = write!(
+                text,
+                "; check {}: layer {} heads {}..{}",
+                layer.check,
+                layer.layer_number,
+                layer.first_head,
+                layer.first_head as u64 + layer.num_heads as u64
+            );
+        }
+    }
+    text.push(')');
+    text
+}

@@ -1,0 +1,423 @@
+/*
+ * Every C API call's error paths: each status a call can give, that the
+ * message names the argument and value, and that out-parameters stay as
+ * they were on failure.
+ */
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <threads.h>
+
+#include "check.h"
+
+/* Never dereferenced: an out-parameter's value before a failing call,
+ * which must be unchanged after it. */
+static char sentinel_byte;
+#define SENTINEL ((void *)&sentinel_byte)
+
+/* A small HND cache: 2 blocks x 2 heads x 4 tokens x 16 bytes. */
+enum { BLOCK_SIZE = 4, NUM_BLOCKS = 2, NUM_HEADS = 2, CELL_BYTES = 16 };
+enum { CACHE_BYTES = NUM_BLOCKS * NUM_HEADS * BLOCK_SIZE * CELL_BYTES };
+static uint64_t cache[CACHE_BYTES / 8];
+
+static kvcs_segment good_segment(void) {
+  kvcs_segment segment = {
+      .address = (uint64_t)(uintptr_t)cache,
+      .block_stride = NUM_HEADS * BLOCK_SIZE * CELL_BYTES,
+      .kernel_block_stride = 0,
+      .head_stride = BLOCK_SIZE * CELL_BYTES,
+      .token_stride = CELL_BYTES,
+      .bytes_per_token = CELL_BYTES,
+  };
+  return segment;
+}
+
+/* A valid layer of group 0 over `cache`, its segment in `segment`. */
+static kvcs_layer good_layer(const kvcs_segment *segment) {
+  static const uint8_t identity[] = "model.layers.0.self_attn.attn";
+  kvcs_layer layer = {
+      .group_id = 0,
+      .layer_number = 0,
+      .first_head = 0,
+      .num_heads = NUM_HEADS,
+      .replicas = 1,
+      .replica_index = 0,
+      .num_blocks = NUM_BLOCKS,
+      .kernel_blocks = 1,
+      .tokens_per_kernel_block = BLOCK_SIZE,
+      .num_segments = 1,
+      .segments = segment,
+      .identity = identity,
+      .identity_len = sizeof identity - 1,
+  };
+  return layer;
+}
+
+static kvcs_worker_options host_options(void) {
+  kvcs_worker_options options = {.tp_rank = 0, .tp_size = 1, .pp_rank = 0, .device = KVCS_HOST, .num_threads = 1};
+  return options;
+}
+
+static void test_versions_and_names(void) {
+  CHECK(kvcs_abi_version() == KVCS_ABI_VERSION);
+  CHECK(kvcs_version() != NULL && strcmp(kvcs_version(), "0.1.0") == 0);
+  static const char *const names[] = {
+      "KVCS_OK",          "KVCS_ERR_INVALID_ARGUMENT", "KVCS_ERR_OUT_OF_BOUNDS",    "KVCS_ERR_UNSUPPORTED",
+      "KVCS_ERR_NOT_FOUND", "KVCS_ERR_MALFORMED",      "KVCS_ERR_NOT_READY",        "KVCS_ERR_DEVICE",
+      "KVCS_ERR_BUFFER_TOO_SMALL", "KVCS_ERR_INTERNAL",
+  };
+  for (uint32_t code = 0; code < sizeof names / sizeof names[0]; code++) {
+    CHECK(strcmp(kvcs_status_name(code), names[code]) == 0);
+  }
+  CHECK(KVCS_ERR_INTERNAL == 9 && KVCS_ERR_DEVICE == 7);
+  CHECK(strcmp(kvcs_status_name(10), "unknown kvcs_status") == 0);
+  CHECK(strcmp(kvcs_status_name(UINT32_MAX), "unknown kvcs_status") == 0);
+}
+
+/* Copies the thread's last error (which lives as long as the thread). */
+static int thread_reads_last_error(void *arg) {
+  char *message = arg;
+  snprintf(message, 64, "%s", kvcs_last_error());
+  return 0;
+}
+
+/* The last error belongs to the thread whose call failed. */
+static void test_last_error_is_per_thread(void) {
+  EXPECT(kvcs_worker_create(NULL, NULL), KVCS_ERR_INVALID_ARGUMENT, "options is NULL");
+  char message[64] = "";
+  thrd_t thread;
+  CHECK(thrd_create(&thread, thread_reads_last_error, message) == thrd_success);
+  CHECK(thrd_join(thread, NULL) == thrd_success);
+  CHECK(strcmp(message, "no error") == 0);
+  CHECK(strstr(kvcs_last_error(), "options is NULL") != NULL);
+}
+
+static int cuda_driver_present(void) {
+  void *driver = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+  if (driver == NULL) {
+    return 0;
+  }
+  dlclose(driver);
+  return 1;
+}
+
+static void test_worker_create(void) {
+  kvcs_worker_options options = host_options();
+  kvcs_worker *worker = SENTINEL;
+  EXPECT(kvcs_worker_create(NULL, &worker), KVCS_ERR_INVALID_ARGUMENT, "options");
+  EXPECT(kvcs_worker_create(&options, NULL), KVCS_ERR_INVALID_ARGUMENT, "out");
+
+  options.tp_size = 0;
+  EXPECT(kvcs_worker_create(&options, &worker), KVCS_ERR_INVALID_ARGUMENT, "tp_size is 0");
+  options = host_options();
+  options.tp_rank = 2;
+  options.tp_size = 2;
+  EXPECT(kvcs_worker_create(&options, &worker), KVCS_ERR_INVALID_ARGUMENT, "tp_rank 2");
+  options = host_options();
+  options.device = -2;
+  EXPECT(kvcs_worker_create(&options, &worker), KVCS_ERR_INVALID_ARGUMENT, "options.device -2");
+
+  /* No machine has this many devices: a device error with or without CUDA. */
+  options = host_options();
+  options.device = 9999;
+  EXPECT(kvcs_worker_create(&options, &worker), KVCS_ERR_DEVICE, "device 9999");
+  if (!cuda_driver_present()) {
+    options.device = 0;
+    EXPECT(kvcs_worker_create(&options, &worker), KVCS_ERR_DEVICE, "device 0");
+  }
+  CHECK(worker == SENTINEL);
+
+  options = host_options();
+  options.num_threads = 0; /* the available cores */
+  EXPECT_OK(kvcs_worker_create(&options, &worker));
+  CHECK(worker != SENTINEL && worker != NULL);
+  kvcs_worker_destroy(worker);
+  kvcs_worker_destroy(NULL);
+  CHECK(1); /* destroying NULL returned */
+}
+
+static void test_registration(void) {
+  kvcs_worker_options options = host_options();
+  kvcs_worker *worker = NULL;
+  EXPECT_OK(kvcs_worker_create(&options, &worker));
+  const uint64_t address = (uint64_t)(uintptr_t)cache;
+
+  EXPECT(kvcs_worker_add_region(NULL, address, CACHE_BYTES), KVCS_ERR_INVALID_ARGUMENT, "worker");
+  EXPECT(kvcs_worker_add_region(worker, address, 0), KVCS_ERR_INVALID_ARGUMENT, "length is 0");
+  EXPECT(kvcs_worker_add_region(worker, UINT64_MAX - 7, 16), KVCS_ERR_INVALID_ARGUMENT, "wraps");
+
+  EXPECT(kvcs_worker_add_group(NULL, 0, BLOCK_SIZE), KVCS_ERR_INVALID_ARGUMENT, "worker");
+  EXPECT(kvcs_worker_add_group(worker, 0, 0), KVCS_ERR_INVALID_ARGUMENT, "block_size is 0");
+  EXPECT_OK(kvcs_worker_add_group(worker, 0, BLOCK_SIZE));
+  EXPECT(kvcs_worker_add_group(worker, 0, BLOCK_SIZE), KVCS_ERR_INVALID_ARGUMENT, "group_id 0 is already");
+
+  EXPECT(kvcs_worker_skip_group(NULL, 5, "no reason"), KVCS_ERR_INVALID_ARGUMENT, "worker");
+  EXPECT(kvcs_worker_skip_group(worker, 5, NULL), KVCS_ERR_INVALID_ARGUMENT, "reason is NULL");
+  EXPECT(kvcs_worker_skip_group(worker, 5, ""), KVCS_ERR_INVALID_ARGUMENT, "reason is empty");
+  EXPECT(kvcs_worker_skip_group(worker, 5, "\xff\xfe"), KVCS_ERR_INVALID_ARGUMENT, "reason is not UTF-8");
+  EXPECT_OK(kvcs_worker_skip_group(worker, 5, "state layout unknown"));
+  EXPECT(kvcs_worker_skip_group(worker, 5, "again"), KVCS_ERR_INVALID_ARGUMENT, "group_id 5 is already skipped");
+
+  kvcs_segment segment = good_segment();
+  kvcs_layer layer = good_layer(&segment);
+  /* Before the region exists, the layer's bytes are unregistered memory. */
+  EXPECT(kvcs_worker_add_layer(worker, &layer), KVCS_ERR_OUT_OF_BOUNDS, "no registered region");
+  EXPECT_OK(kvcs_worker_add_region(worker, address, CACHE_BYTES));
+
+  EXPECT(kvcs_worker_add_layer(NULL, &layer), KVCS_ERR_INVALID_ARGUMENT, "worker");
+  EXPECT(kvcs_worker_add_layer(worker, NULL), KVCS_ERR_INVALID_ARGUMENT, "layer is NULL");
+
+  kvcs_layer bad = layer;
+  bad.num_segments = 0;
+  EXPECT(kvcs_worker_add_layer(worker, &bad), KVCS_ERR_INVALID_ARGUMENT, "num_segments is 0");
+  bad.num_segments = 3;
+  EXPECT(kvcs_worker_add_layer(worker, &bad), KVCS_ERR_INVALID_ARGUMENT, "num_segments is 3");
+  bad = layer;
+  bad.segments = NULL;
+  EXPECT(kvcs_worker_add_layer(worker, &bad), KVCS_ERR_INVALID_ARGUMENT, "layer.segments is NULL");
+  bad = layer;
+  bad.identity = NULL;
+  EXPECT(kvcs_worker_add_layer(worker, &bad), KVCS_ERR_INVALID_ARGUMENT, "layer.identity is NULL");
+  bad = layer;
+  bad.group_id = 7;
+  EXPECT(kvcs_worker_add_layer(worker, &bad), KVCS_ERR_NOT_FOUND, "group_id 7");
+  bad = layer;
+  bad.num_heads = 0;
+  EXPECT(kvcs_worker_add_layer(worker, &bad), KVCS_ERR_INVALID_ARGUMENT, "num_heads is 0");
+  bad = layer;
+  bad.first_head = KVCS_MAX_KV_HEADS_PER_LAYER - 1; /* heads 65535 and 65536: one too many */
+  EXPECT(kvcs_worker_add_layer(worker, &bad), KVCS_ERR_UNSUPPORTED, "exceeds 65536 heads");
+  bad = layer;
+  bad.replicas = 0;
+  EXPECT(kvcs_worker_add_layer(worker, &bad), KVCS_ERR_INVALID_ARGUMENT, "replicas is 0");
+  bad = layer;
+  bad.replicas = 2;
+  bad.replica_index = 2;
+  EXPECT(kvcs_worker_add_layer(worker, &bad), KVCS_ERR_INVALID_ARGUMENT, "replica_index 2");
+  bad = layer;
+  bad.num_blocks = 0;
+  EXPECT(kvcs_worker_add_layer(worker, &bad), KVCS_ERR_INVALID_ARGUMENT, "num_blocks is 0");
+  bad = layer;
+  bad.kernel_blocks = 3;
+  EXPECT(kvcs_worker_add_layer(worker, &bad), KVCS_ERR_INVALID_ARGUMENT, "does not tile block_size 4");
+  bad = layer;
+  bad.kernel_blocks = 0;
+  EXPECT(kvcs_worker_add_layer(worker, &bad), KVCS_ERR_INVALID_ARGUMENT, "kernel_blocks 0");
+  bad = layer;
+  bad.num_blocks = NUM_BLOCKS + 1; /* reaches past the registered region */
+  EXPECT(kvcs_worker_add_layer(worker, &bad), KVCS_ERR_OUT_OF_BOUNDS, "no registered region");
+
+  /* Segment fields: sizes are invalid, misalignment unsupported. */
+  struct {
+    kvcs_segment segment;
+    kvcs_status want;
+    const char *needle;
+  } bad_segments[] = {
+      {good_segment(), KVCS_ERR_INVALID_ARGUMENT, "segments[0].bytes_per_token 12"},
+      {good_segment(), KVCS_ERR_INVALID_ARGUMENT, "segments[0].bytes_per_token 0"},
+      {good_segment(), KVCS_ERR_UNSUPPORTED, "segments[0].address"},
+      {good_segment(), KVCS_ERR_UNSUPPORTED, "segments[0].block_stride 132"},
+      {good_segment(), KVCS_ERR_UNSUPPORTED, "segments[0].kernel_block_stride 4"},
+      {good_segment(), KVCS_ERR_UNSUPPORTED, "segments[0].head_stride 68"},
+      {good_segment(), KVCS_ERR_UNSUPPORTED, "segments[0].token_stride 20"},
+  };
+  bad_segments[0].segment.bytes_per_token = 12;
+  bad_segments[1].segment.bytes_per_token = 0;
+  bad_segments[2].segment.address += 4;
+  bad_segments[3].segment.block_stride += 4;
+  bad_segments[4].segment.kernel_block_stride = 4;
+  bad_segments[5].segment.head_stride += 4;
+  bad_segments[6].segment.token_stride += 4;
+  for (size_t i = 0; i < sizeof bad_segments / sizeof bad_segments[0]; i++) {
+    bad = layer;
+    bad.segments = &bad_segments[i].segment;
+    EXPECT(kvcs_worker_add_layer(worker, &bad), bad_segments[i].want, bad_segments[i].needle);
+  }
+  /* The second segment is checked too, and named by its index. */
+  kvcs_segment two[2] = {good_segment(), good_segment()};
+  two[0].bytes_per_token = 8;
+  two[1].bytes_per_token = 8;
+  two[1].address += 8;
+  two[1].token_stride = 12;
+  bad = layer;
+  bad.num_segments = 2;
+  bad.segments = two;
+  EXPECT(kvcs_worker_add_layer(worker, &bad), KVCS_ERR_UNSUPPORTED, "segments[1].token_stride 12");
+
+  EXPECT_OK(kvcs_worker_add_layer(worker, &layer));
+  /* Heads 1..2 of layer 0 overlap heads 0..1 registered above. */
+  bad = layer;
+  bad.first_head = 1;
+  EXPECT(kvcs_worker_add_layer(worker, &bad), KVCS_ERR_INVALID_ARGUMENT, "overlap");
+  /* Other heads of the same layer are fine: (NULL, 0) identity too. */
+  bad = layer;
+  bad.first_head = NUM_HEADS;
+  bad.identity = NULL;
+  bad.identity_len = 0;
+  EXPECT_OK(kvcs_worker_add_layer(worker, &bad));
+  kvcs_worker_destroy(worker);
+}
+
+static void test_blocks(void) {
+  kvcs_blocks *blocks = SENTINEL;
+  EXPECT(kvcs_blocks_create(NULL), KVCS_ERR_INVALID_ARGUMENT, "out");
+  EXPECT_OK(kvcs_blocks_create(&blocks));
+  CHECK(blocks != SENTINEL && blocks != NULL);
+
+  EXPECT(kvcs_blocks_add_request(NULL, "r", 4), KVCS_ERR_INVALID_ARGUMENT, "blocks");
+  EXPECT(kvcs_blocks_add_request(blocks, NULL, 4), KVCS_ERR_INVALID_ARGUMENT, "req_id is NULL");
+  EXPECT(kvcs_blocks_add_request(blocks, "", 4), KVCS_ERR_INVALID_ARGUMENT, "req_id is empty");
+  EXPECT(kvcs_blocks_add_request(blocks, "\xc3\x28", 4), KVCS_ERR_INVALID_ARGUMENT, "req_id is not UTF-8");
+  EXPECT_OK(kvcs_blocks_add_request(blocks, "r", 4));
+  EXPECT(kvcs_blocks_add_request(blocks, "r", 4), KVCS_ERR_INVALID_ARGUMENT, "\"r\" is already");
+
+  const uint32_t ids[] = {1, 0};
+  EXPECT(kvcs_blocks_add_group(NULL, "r", 0, 0, ids, 2), KVCS_ERR_INVALID_ARGUMENT, "blocks");
+  EXPECT(kvcs_blocks_add_group(blocks, NULL, 0, 0, ids, 2), KVCS_ERR_INVALID_ARGUMENT, "req_id is NULL");
+  EXPECT(kvcs_blocks_add_group(blocks, "nope", 0, 0, ids, 2), KVCS_ERR_NOT_FOUND, "req_id \"nope\"");
+  EXPECT(kvcs_blocks_add_group(blocks, "r", 0, 0, NULL, 2), KVCS_ERR_INVALID_ARGUMENT, "block_ids is NULL");
+  EXPECT(kvcs_blocks_add_group(blocks, "r", 0, UINT64_MAX, ids, 2), KVCS_ERR_INVALID_ARGUMENT, "overflows");
+  EXPECT_OK(kvcs_blocks_add_group(blocks, "r", 0, 0, ids, 1));
+  EXPECT(kvcs_blocks_add_group(blocks, "r", 0, 0, ids, 1), KVCS_ERR_INVALID_ARGUMENT, "group_id 0 already");
+  EXPECT_OK(kvcs_blocks_add_group(blocks, "r", 1, 0, NULL, 0)); /* (NULL, 0) is empty */
+  kvcs_blocks_destroy(blocks);
+  kvcs_blocks_destroy(NULL);
+  CHECK(1); /* destroying NULL returned */
+}
+
+static void test_checksum_and_result(void) {
+  kvcs_worker_options options = host_options();
+  kvcs_worker *worker = NULL;
+  EXPECT_OK(kvcs_worker_create(&options, &worker));
+  EXPECT_OK(kvcs_worker_add_region(worker, (uint64_t)(uintptr_t)cache, CACHE_BYTES));
+  EXPECT_OK(kvcs_worker_add_group(worker, 0, BLOCK_SIZE));
+  EXPECT_OK(kvcs_worker_add_group(worker, 1, BLOCK_SIZE));
+  EXPECT_OK(kvcs_worker_skip_group(worker, 2, "mamba state layout not known"));
+  kvcs_segment segment = good_segment();
+  kvcs_layer layer = good_layer(&segment);
+  EXPECT_OK(kvcs_worker_add_layer(worker, &layer));
+  /* Group 1: one layer whose heads are the second copy of a replica pair,
+   * so a producer computes no column for it and a consumer one. */
+  layer.group_id = 1;
+  layer.layer_number = 1;
+  layer.replicas = 2;
+  layer.replica_index = 1;
+  EXPECT_OK(kvcs_worker_add_layer(worker, &layer));
+
+  kvcs_blocks *blocks = NULL;
+  const uint32_t ids[] = {1, 0};
+  EXPECT_OK(kvcs_blocks_create(&blocks));
+  EXPECT_OK(kvcs_blocks_add_request(blocks, "r", 6));
+  EXPECT_OK(kvcs_blocks_add_group(blocks, "r", 0, 0, ids, 2));
+  EXPECT_OK(kvcs_blocks_add_group(blocks, "r", 1, 0, ids, 2));
+  EXPECT_OK(kvcs_blocks_add_group(blocks, "r", 2, 0, ids, 2));
+  EXPECT_OK(kvcs_blocks_add_request(blocks, "empty", 0));
+  EXPECT_OK(kvcs_blocks_add_group(blocks, "empty", 0, 3, NULL, 0));
+
+  kvcs_result *result = SENTINEL;
+  EXPECT(kvcs_worker_checksum(NULL, blocks, KVCS_ROLE_PRODUCER, NULL, &result), KVCS_ERR_INVALID_ARGUMENT,
+         "worker");
+  EXPECT(kvcs_worker_checksum(worker, NULL, KVCS_ROLE_PRODUCER, NULL, &result), KVCS_ERR_INVALID_ARGUMENT,
+         "blocks");
+  EXPECT(kvcs_worker_checksum(worker, blocks, KVCS_ROLE_PRODUCER, NULL, NULL), KVCS_ERR_INVALID_ARGUMENT, "out");
+  EXPECT(kvcs_worker_checksum(worker, blocks, 2, NULL, &result), KVCS_ERR_INVALID_ARGUMENT, "role 2");
+  EXPECT(kvcs_worker_checksum(worker, blocks, UINT32_MAX, NULL, &result), KVCS_ERR_INVALID_ARGUMENT,
+         "role 4294967295");
+
+  /* A block id at num_blocks fails the whole call. */
+  kvcs_blocks *bad_blocks = NULL;
+  const uint32_t bad_ids[] = {0, NUM_BLOCKS};
+  EXPECT_OK(kvcs_blocks_create(&bad_blocks));
+  EXPECT_OK(kvcs_blocks_add_request(bad_blocks, "r", 6));
+  EXPECT_OK(kvcs_blocks_add_group(bad_blocks, "r", 0, 0, bad_ids, 2));
+  EXPECT(kvcs_worker_checksum(worker, bad_blocks, KVCS_ROLE_PRODUCER, NULL, &result), KVCS_ERR_OUT_OF_BOUNDS,
+         "block id 2 at position 1");
+  kvcs_blocks_destroy(bad_blocks);
+  /* A group the worker does not know. */
+  EXPECT_OK(kvcs_blocks_create(&bad_blocks));
+  EXPECT_OK(kvcs_blocks_add_request(bad_blocks, "r", 6));
+  EXPECT_OK(kvcs_blocks_add_group(bad_blocks, "r", 9, 0, ids, 2));
+  EXPECT(kvcs_worker_checksum(worker, bad_blocks, KVCS_ROLE_PRODUCER, NULL, &result), KVCS_ERR_NOT_FOUND,
+         "group_id 9");
+  kvcs_blocks_destroy(bad_blocks);
+  CHECK(result == SENTINEL);
+
+  EXPECT_OK(kvcs_worker_checksum(worker, blocks, KVCS_ROLE_PRODUCER, NULL, &result));
+  EXPECT(kvcs_result_query(NULL), KVCS_ERR_INVALID_ARGUMENT, "result");
+  EXPECT_OK(kvcs_result_query(result));
+  EXPECT(kvcs_result_wait(NULL), KVCS_ERR_INVALID_ARGUMENT, "result");
+  EXPECT_OK(kvcs_result_wait(result));
+
+  uint64_t first_position = 77;
+  size_t num_positions = 77, num_columns = 77;
+  EXPECT(kvcs_result_group(NULL, "r", 0, &first_position, &num_positions, &num_columns), KVCS_ERR_INVALID_ARGUMENT,
+         "result");
+  EXPECT(kvcs_result_group(result, NULL, 0, &first_position, &num_positions, &num_columns),
+         KVCS_ERR_INVALID_ARGUMENT, "req_id is NULL");
+  EXPECT(kvcs_result_group(result, "nope", 0, &first_position, &num_positions, &num_columns), KVCS_ERR_NOT_FOUND,
+         "req_id \"nope\"");
+  EXPECT(kvcs_result_group(result, "r", 4, &first_position, &num_positions, &num_columns), KVCS_ERR_NOT_FOUND,
+         "group_id 4");
+  EXPECT(kvcs_result_group(result, "r", 2, &first_position, &num_positions, &num_columns), KVCS_ERR_NOT_FOUND,
+         "mamba state layout not known");
+  CHECK(first_position == 77 && num_positions == 77 && num_columns == 77);
+  EXPECT_OK(kvcs_result_group(result, "r", 0, NULL, NULL, NULL));
+  EXPECT_OK(kvcs_result_group(result, "r", 0, &first_position, &num_positions, &num_columns));
+  CHECK(first_position == 0 && num_positions == 2 && num_columns == 1);
+  /* The producer computes no column for a replica_index 1 layer. */
+  EXPECT_OK(kvcs_result_group(result, "r", 1, &first_position, &num_positions, &num_columns));
+  CHECK(num_positions == 2 && num_columns == 0);
+
+  uint64_t values[2] = {77, 77};
+  uint32_t replicas = 77, replica_index = 77;
+  EXPECT(kvcs_result_column(NULL, "r", 0, 0, &replicas, &replica_index, values), KVCS_ERR_INVALID_ARGUMENT,
+         "result");
+  EXPECT(kvcs_result_column(result, NULL, 0, 0, &replicas, &replica_index, values), KVCS_ERR_INVALID_ARGUMENT,
+         "req_id is NULL");
+  EXPECT(kvcs_result_column(result, "nope", 0, 0, &replicas, &replica_index, values), KVCS_ERR_NOT_FOUND,
+         "req_id \"nope\"");
+  EXPECT(kvcs_result_column(result, "r", 4, 0, &replicas, &replica_index, values), KVCS_ERR_NOT_FOUND,
+         "group_id 4");
+  EXPECT(kvcs_result_column(result, "r", 2, 0, &replicas, &replica_index, values), KVCS_ERR_NOT_FOUND,
+         "skipped");
+  EXPECT(kvcs_result_column(result, "r", 0, 1, &replicas, &replica_index, values), KVCS_ERR_OUT_OF_BOUNDS,
+         "column 1 is not below num_columns 1");
+  EXPECT(kvcs_result_column(result, "r", 1, 0, &replicas, &replica_index, values), KVCS_ERR_OUT_OF_BOUNDS,
+         "column 0 is not below num_columns 0");
+  EXPECT(kvcs_result_column(result, "r", 0, 0, &replicas, &replica_index, NULL), KVCS_ERR_INVALID_ARGUMENT,
+         "values is NULL");
+  CHECK(values[0] == 77 && values[1] == 77 && replicas == 77 && replica_index == 77);
+  EXPECT_OK(kvcs_result_column(result, "r", 0, 0, NULL, NULL, values));
+  EXPECT_OK(kvcs_result_column(result, "r", 0, 0, &replicas, &replica_index, values));
+  CHECK(replicas == 1 && replica_index == 0);
+  /* An all-zero cache checksums to zero; the random-data tests are in checksums.c. */
+  CHECK(values[0] == 0 && values[1] == 0);
+  /* A group with no positions: values may be NULL. */
+  EXPECT_OK(kvcs_result_group(result, "empty", 0, &first_position, &num_positions, &num_columns));
+  CHECK(first_position == 3 && num_positions == 0 && num_columns == 1);
+  EXPECT_OK(kvcs_result_column(result, "empty", 0, 0, &replicas, &replica_index, NULL));
+  kvcs_result_destroy(result);
+
+  /* The consumer computes every column, the second copy's too. */
+  EXPECT_OK(kvcs_worker_checksum(worker, blocks, KVCS_ROLE_CONSUMER, NULL, &result));
+  EXPECT_OK(kvcs_result_group(result, "r", 1, &first_position, &num_positions, &num_columns));
+  CHECK(num_columns == 1);
+  EXPECT_OK(kvcs_result_column(result, "r", 1, 0, &replicas, &replica_index, values));
+  CHECK(replicas == 2 && replica_index == 1);
+
+  /* A result outlives its worker and block set. */
+  kvcs_worker_destroy(worker);
+  kvcs_blocks_destroy(blocks);
+  EXPECT_OK(kvcs_result_column(result, "r", 0, 0, &replicas, &replica_index, values));
+  kvcs_result_destroy(result);
+  kvcs_result_destroy(NULL);
+  CHECK(1); /* destroying NULL returned */
+}
+
+void test_errors(void) {
+  test_versions_and_names();
+  test_last_error_is_per_thread();
+  test_worker_create();
+  test_registration();
+  test_blocks();
+  test_checksum_and_result();
+}

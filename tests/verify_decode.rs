@@ -1,0 +1,734 @@
+//! The record and payload decoders: round trips, and every class of
+//! malformed input rejected with `Error::Malformed` and a message that says
+//! what was wrong, without panics or large allocations. Inputs are built
+//! with a small msgpack writer of this file (independent of the crate's).
+//!
+//! Reproduce a failure with the seed it printed:
+//! `KVCS_TEST_SEED=<seed> cargo test --test verify_decode <name>`.
+
+mod support;
+
+use kvcsum::payload::{decode_base64, encode_base64, Extension, ExtensionGroup, Payload, PayloadGroup, PayloadLayer};
+use kvcsum::record::Record;
+use kvcsum::{Error, Role};
+use support::*;
+
+/// A msgpack value, written in the shortest form unless `Raw`.
+#[derive(Debug, Clone)]
+enum V {
+    U(u64),
+    /// A signed integer in the `int 64` form.
+    I64(i64),
+    S(String),
+    B(Vec<u8>),
+    A(Vec<V>),
+    Bool(bool),
+    Nil,
+    F64(f64),
+    /// Bytes as they are (crafted headers).
+    Raw(Vec<u8>),
+}
+
+fn s(text: &str) -> V {
+    V::S(text.to_owned())
+}
+
+fn values(v: &[u64]) -> V {
+    V::B(v.iter().flat_map(|x| x.to_le_bytes()).collect())
+}
+
+impl V {
+    fn encode(&self, out: &mut Vec<u8>) {
+        fn header(out: &mut Vec<u8>, len: usize, fix: Option<(u8, usize)>, codes: [u8; 3]) {
+            match fix {
+                Some((base, max)) if len <= max => out.push(base | len as u8),
+                _ if len <= 0xff && codes[0] != 0 => out.extend([codes[0], len as u8]),
+                _ if len <= 0xffff => {
+                    out.push(codes[1]);
+                    out.extend((len as u16).to_be_bytes());
+                }
+                _ => {
+                    out.push(codes[2]);
+                    out.extend((len as u32).to_be_bytes());
+                }
+            }
+        }
+        match self {
+            V::U(x) if *x < 128 => out.push(*x as u8),
+            V::U(x) if *x <= 0xff => out.extend([0xcc, *x as u8]),
+            V::U(x) if *x <= 0xffff => {
+                out.push(0xcd);
+                out.extend((*x as u16).to_be_bytes());
+            }
+            V::U(x) if *x <= 0xffff_ffff => {
+                out.push(0xce);
+                out.extend((*x as u32).to_be_bytes());
+            }
+            V::U(x) => {
+                out.push(0xcf);
+                out.extend(x.to_be_bytes());
+            }
+            V::I64(x) => {
+                out.push(0xd3);
+                out.extend(x.to_be_bytes());
+            }
+            V::S(text) => {
+                header(out, text.len(), Some((0xa0, 31)), [0xd9, 0xda, 0xdb]);
+                out.extend(text.as_bytes());
+            }
+            V::B(bytes) => {
+                header(out, bytes.len(), None, [0xc4, 0xc5, 0xc6]);
+                out.extend(bytes);
+            }
+            V::A(items) => {
+                header(out, items.len(), Some((0x90, 15)), [0, 0xdc, 0xdd]);
+                for item in items {
+                    item.encode(out);
+                }
+            }
+            V::Bool(b) => out.push(if *b { 0xc3 } else { 0xc2 }),
+            V::Nil => out.push(0xc0),
+            V::F64(x) => {
+                out.push(0xcb);
+                out.extend(x.to_be_bytes());
+            }
+            V::Raw(bytes) => out.extend(bytes),
+        }
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.encode(&mut out);
+        out
+    }
+
+    /// The element at `path` (indices into nested arrays).
+    fn at(&mut self, path: &[usize]) -> &mut V {
+        let mut value = self;
+        for &index in path {
+            match value {
+                V::A(items) => value = &mut items[index],
+                other => panic!("no array at {path:?}: {other:?}"),
+            }
+        }
+        value
+    }
+}
+
+/// A valid consumer record in detail mode: TP rank 1 of 2, stage 0, group 3
+/// (block size 16) with columns (1,0) and (2,1), one layer partial each, and
+/// group 5 skipped.
+fn record_value() -> V {
+    V::A(vec![
+        s("kvcsum.record"),
+        V::U(1),
+        V::A(vec![V::U(1), V::U(2), V::U(0)]),
+        V::U(1),
+        V::Bool(true),
+        V::A(vec![V::A(vec![V::U(3), V::U(16), V::U(u64::MAX - 5), V::Bool(false)])]),
+        V::A(vec![V::A(vec![
+            s("req-1"),
+            V::U(40),
+            V::A(vec![V::A(vec![
+                V::U(3),
+                V::U(0),
+                V::U(3),
+                V::A(vec![
+                    V::A(vec![V::U(1), V::U(0), values(&[1, 2, 3])]),
+                    V::A(vec![V::U(2), V::U(1), values(&[4, 5, 6])]),
+                ]),
+                V::A(vec![
+                    V::A(vec![V::U(0), V::U(2), V::U(2), V::U(1), V::U(0), values(&[1, 2, 3])]),
+                    V::A(vec![V::U(1), V::U(0), V::U(1), V::U(2), V::U(1), values(&[4, 5, 6])]),
+                ]),
+            ])]),
+            V::A(vec![V::A(vec![V::U(5), s("mamba state")])]),
+        ])]),
+    ])
+}
+
+/// A valid payload with the extension.
+fn payload_value() -> V {
+    V::A(vec![
+        V::U(1),
+        V::U(40),
+        V::A(vec![
+            V::A(vec![V::U(0), V::U(u64::MAX), V::U(0), values(&[7, 8, 9])]),
+            V::A(vec![V::U(2), V::U(17), V::U(1), values(&[10, 11])]),
+        ]),
+        V::A(vec![
+            V::U(1),
+            V::U(2),
+            V::A(vec![V::A(vec![
+                V::U(0),
+                V::U(16),
+                V::A(vec![
+                    V::A(vec![V::U(0), V::U(0), V::U(4), values(&[1, 1, 1])]),
+                    V::A(vec![V::U(0), V::U(4), V::U(4), values(&[6, 7, 8])]),
+                ]),
+            ])]),
+        ]),
+    ])
+}
+
+fn malformed(result: kvcsum::Result<impl std::fmt::Debug>, needle: &str, case: &str) {
+    match result {
+        Err(Error::Malformed(message)) => assert!(
+            message.contains(needle),
+            "{case}: the message {message:?} should contain {needle:?}"
+        ),
+        other => panic!("{case}: expected Malformed containing {needle:?}, got {other:?}"),
+    }
+}
+
+#[test]
+fn valid_inputs_decode() {
+    let record = Record::decode(&record_value().bytes()).expect("valid record");
+    assert_eq!(record.rank.tp_rank, 1);
+    assert_eq!(record.role, Role::Consumer);
+    assert_eq!(record.requests[0].groups[0].columns[1].values, vec![4, 5, 6]);
+    assert_eq!(record.requests[0].skipped[0].reason, "mamba state");
+    assert_eq!(Record::decode(&record.encode()).unwrap(), record, "round trip");
+    let payload = Payload::decode(&payload_value().bytes()).expect("valid payload");
+    assert_eq!(payload.groups[1].values, vec![10, 11]);
+    assert_eq!(payload.extension.as_ref().unwrap().groups[0].layers[1].first_head, 4);
+    assert_eq!(payload.encode(), payload_value().bytes(), "shortest forms, same bytes");
+    // Integers in wider or signed forms are valid msgpack of the same shape.
+    let mut wide = payload_value();
+    *wide.at(&[1]) = V::Raw(vec![0xcf, 0, 0, 0, 0, 0, 0, 0, 40]);
+    *wide.at(&[2, 0, 0]) = V::I64(0);
+    assert_eq!(Payload::decode(&wide.bytes()).unwrap(), payload);
+}
+
+#[test]
+fn records_of_real_workers_round_trip() {
+    let mut rng = Rng::for_test("records_of_real_workers_round_trip");
+    let kv = LogicalKv::random(&mut rng, KvShape::gqa(3, 2, 16, 50));
+    let table = GroupTable {
+        group_id: 4,
+        first_position: 1,
+        block_ids: vec![3, 0, 2],
+    };
+    let mut ranks = deploy_host(
+        &mut rng,
+        Deploy {
+            tp_size: 4,
+            pp_size: 1,
+            kind: LayoutKind::Nhd,
+            group_id: 4,
+            block_size: 16,
+            num_blocks: 5,
+            num_threads: 1,
+        },
+        &[(&kv, &table)],
+    );
+    let blocks = block_set(&[TestRequest {
+        req_id: "r".to_owned(),
+        num_tokens: 50,
+        tables: vec![table.clone()],
+    }]);
+    let rank = &mut ranks[3];
+    rank.worker.set_detail(true).unwrap();
+    for role in [Role::Producer, Role::Consumer] {
+        let result = checksum(&rank.worker, &blocks, role);
+        let record = Record::from_checksums(&result).unwrap();
+        let decoded = Record::decode(&record.encode()).unwrap();
+        assert_eq!(decoded, record, "seed {}", rng.seed());
+        assert_eq!((decoded.rank.tp_rank, decoded.rank.tp_size), (3, 4));
+        assert_eq!(decoded.groups[0].block_size, 16);
+        let group = &decoded.requests[0].groups[0];
+        assert_eq!((group.first_position, group.num_positions), (1, 3));
+        // Rank 3 holds head 1 as replica 1 of 2: a producer computes nothing.
+        assert_eq!(group.columns.len(), if role == Role::Consumer { 1 } else { 0 });
+        if role == Role::Consumer {
+            assert_eq!(
+                group.columns[0].values,
+                naive_positions(&kv, &kv.layer_numbers(), &[1], 16, 1, 3),
+                "seed {}",
+                rng.seed()
+            );
+            assert_eq!(group.layers.len(), 3, "one partial per layer");
+        }
+    }
+}
+
+#[test]
+fn every_malformed_record_class_is_rejected_with_a_message() {
+    let valid = record_value();
+    type Edit = (&'static str, Box<dyn Fn(&mut V)>, &'static str);
+    let cases: Vec<Edit> = vec![
+        ("not an array", Box::new(|v| *v = V::Nil), "expected an array"),
+        ("a map", Box::new(|v| *v = V::Raw(vec![0x80])), "found a map"),
+        (
+            "other magic",
+            Box::new(|v| *v.at(&[0]) = s("kvcsum.payload")),
+            "not a kvcsum record",
+        ),
+        (
+            "version 2",
+            Box::new(|v| *v.at(&[1]) = V::U(2)),
+            "version 2 is not supported",
+        ),
+        (
+            "too few elements",
+            Box::new(|v| {
+                if let V::A(items) = v {
+                    items.pop();
+                }
+            }),
+            "expected an array of 7 elements",
+        ),
+        (
+            "tp_rank past tp_size",
+            Box::new(|v| *v.at(&[2, 0]) = V::U(2)),
+            "tp_rank 2 is not below tp_size 2",
+        ),
+        ("tp_size 0", Box::new(|v| *v.at(&[2, 1]) = V::U(0)), "tp_size 0"),
+        (
+            "rank past 32 bits",
+            Box::new(|v| *v.at(&[2, 2]) = V::U(1 << 32)),
+            "does not fit in 32 bits",
+        ),
+        (
+            "negative rank",
+            Box::new(|v| *v.at(&[2, 2]) = V::I64(-1)),
+            "-1 is negative",
+        ),
+        ("role 2", Box::new(|v| *v.at(&[3]) = V::U(2)), "role 2"),
+        (
+            "detail not a bool",
+            Box::new(|v| *v.at(&[4]) = V::U(1)),
+            "expected a boolean",
+        ),
+        ("float", Box::new(|v| *v.at(&[5, 0, 1]) = V::F64(16.0)), "found a float"),
+        (
+            "block size 0",
+            Box::new(|v| *v.at(&[5, 0, 1]) = V::U(0)),
+            "block_size 0",
+        ),
+        (
+            "groups unsorted",
+            Box::new(|v| {
+                let group = v.at(&[5, 0]).clone();
+                *v.at(&[5]) = V::A(vec![group.clone(), group]);
+            }),
+            "sorted by id and distinct",
+        ),
+        ("empty req_id", Box::new(|v| *v.at(&[6, 0, 0]) = s("")), "empty req_id"),
+        (
+            "req_id not UTF-8",
+            Box::new(|v| *v.at(&[6, 0, 0]) = V::Raw(vec![0xa2, 0xff, 0xfe])),
+            "not UTF-8",
+        ),
+        (
+            "req_id a bin",
+            Box::new(|v| *v.at(&[6, 0, 0]) = V::B(b"r".to_vec())),
+            "expected a string",
+        ),
+        (
+            "duplicate request",
+            Box::new(|v| {
+                let request = v.at(&[6, 0]).clone();
+                *v.at(&[6]) = V::A(vec![request.clone(), request]);
+            }),
+            "appears twice",
+        ),
+        (
+            "unregistered group",
+            Box::new(|v| *v.at(&[6, 0, 2, 0, 0]) = V::U(4)),
+            "not among the record's registered groups",
+        ),
+        (
+            "position overflow",
+            Box::new(|v| *v.at(&[6, 0, 2, 0, 1]) = V::U(u64::MAX - 1)),
+            "overflows",
+        ),
+        (
+            "too few values",
+            Box::new(|v| *v.at(&[6, 0, 2, 0, 2]) = V::U(4)),
+            "has 3 values for num_positions 4",
+        ),
+        (
+            "replicas 0",
+            Box::new(|v| *v.at(&[6, 0, 2, 0, 3, 0, 0]) = V::U(0)),
+            "replica key (0, 0) is invalid",
+        ),
+        (
+            "replica index past replicas",
+            Box::new(|v| *v.at(&[6, 0, 2, 0, 3, 1, 1]) = V::U(2)),
+            "is invalid",
+        ),
+        (
+            "columns unsorted",
+            Box::new(|v| {
+                let columns = v.at(&[6, 0, 2, 0, 3]).clone();
+                if let V::A(mut items) = columns {
+                    items.reverse();
+                    *v.at(&[6, 0, 2, 0, 3]) = V::A(items);
+                }
+            }),
+            "out of order or repeated",
+        ),
+        (
+            "producer with replica 1",
+            Box::new(|v| *v.at(&[3]) = V::U(0)),
+            "a producer record has a column of replica_index 1",
+        ),
+        (
+            "values not whole u64s",
+            Box::new(|v| *v.at(&[6, 0, 2, 0, 3, 0, 2]) = V::B(vec![0; 23])),
+            "not a whole number of 8-byte values",
+        ),
+        (
+            "values a string",
+            Box::new(|v| *v.at(&[6, 0, 2, 0, 3, 0, 2]) = s("12345678")),
+            "expected a bin",
+        ),
+        (
+            "layers without detail",
+            Box::new(|v| *v.at(&[4]) = V::Bool(false)),
+            "not in detail mode",
+        ),
+        (
+            "layer without its column",
+            Box::new(|v| *v.at(&[6, 0, 2, 0, 4, 1, 3]) = V::U(3)),
+            "no column has its replica key",
+        ),
+        (
+            "layer of no heads",
+            Box::new(|v| *v.at(&[6, 0, 2, 0, 4, 0, 2]) = V::U(0)),
+            "num_heads 0",
+        ),
+        (
+            "layer past head 65536",
+            Box::new(|v| *v.at(&[6, 0, 2, 0, 4, 0, 1]) = V::U(65535)),
+            "reaches past head 65536",
+        ),
+        (
+            "layers out of order",
+            Box::new(|v| {
+                let layers = v.at(&[6, 0, 2, 0, 4]).clone();
+                if let V::A(mut items) = layers {
+                    items.reverse();
+                    *v.at(&[6, 0, 2, 0, 4]) = V::A(items);
+                }
+            }),
+            "out of order or overlap",
+        ),
+        (
+            "layer values short",
+            Box::new(|v| *v.at(&[6, 0, 2, 0, 4, 0, 5]) = values(&[1])),
+            "1 values for num_positions 3",
+        ),
+        (
+            "empty skip reason",
+            Box::new(|v| *v.at(&[6, 0, 3, 0, 1]) = s("")),
+            "empty reason",
+        ),
+        (
+            "skipped and checksummed",
+            Box::new(|v| *v.at(&[6, 0, 3, 0, 0]) = V::U(3)),
+            "listed twice",
+        ),
+        (
+            "group array of 4",
+            Box::new(|v| {
+                if let V::A(items) = v.at(&[6, 0, 2, 0]) {
+                    items.pop();
+                }
+            }),
+            "expected an array of 5 elements",
+        ),
+        (
+            "huge declared request count",
+            Box::new(|v| *v.at(&[6]) = V::Raw(vec![0xdd, 0xff, 0xff, 0xff, 0xff])),
+            "cannot fit",
+        ),
+        (
+            "huge declared bin",
+            Box::new(|v| *v.at(&[6, 0, 2, 0, 3, 0, 2]) = V::Raw(vec![0xc6, 0xff, 0xff, 0xff, 0xf8])),
+            "truncated",
+        ),
+        (
+            "huge declared string",
+            Box::new(|v| *v.at(&[6, 0, 0]) = V::Raw(vec![0xdb, 0x7f, 0xff, 0xff, 0xff])),
+            "truncated",
+        ),
+        (
+            "nil for an integer",
+            Box::new(|v| *v.at(&[6, 0, 1]) = V::Nil),
+            "found nil",
+        ),
+    ];
+    for (case, edit, needle) in cases {
+        let mut value = valid.clone();
+        edit(&mut value);
+        malformed(Record::decode(&value.bytes()), needle, case);
+    }
+    malformed(Record::decode(&[]), "truncated", "empty input");
+    let mut trailing = valid.bytes();
+    trailing.push(0);
+    malformed(Record::decode(&trailing), "1 trailing bytes", "trailing byte");
+    let bytes = valid.bytes();
+    for len in 0..bytes.len() {
+        let result = Record::decode(&bytes[..len]);
+        assert!(
+            matches!(&result, Err(Error::Malformed(m)) if m.starts_with("record: ")),
+            "prefix {len}: {result:?}"
+        );
+    }
+}
+
+#[test]
+fn every_malformed_payload_class_is_rejected_with_a_message() {
+    let valid = payload_value();
+    type Edit = (&'static str, Box<dyn Fn(&mut V)>, &'static str);
+    let cases: Vec<Edit> = vec![
+        ("not an array", Box::new(|v| *v = V::U(1)), "expected an array"),
+        (
+            "two elements",
+            Box::new(|v| *v = V::A(vec![V::U(1), V::U(40)])),
+            "found 2",
+        ),
+        (
+            "five elements",
+            Box::new(|v| {
+                if let V::A(items) = v {
+                    items.push(V::Nil);
+                }
+            }),
+            "found 5",
+        ),
+        (
+            "version 2",
+            Box::new(|v| *v.at(&[0]) = V::U(2)),
+            "version 2 is not supported",
+        ),
+        (
+            "version a string",
+            Box::new(|v| *v.at(&[0]) = s("1")),
+            "expected an integer, found a string",
+        ),
+        (
+            "negative num_tokens",
+            Box::new(|v| *v.at(&[1]) = V::I64(-40)),
+            "-40 is negative",
+        ),
+        (
+            "float num_tokens",
+            Box::new(|v| *v.at(&[1]) = V::F64(40.0)),
+            "found a float",
+        ),
+        (
+            "groups a map",
+            Box::new(|v| *v.at(&[2]) = V::Raw(vec![0x80])),
+            "found a map",
+        ),
+        (
+            "group of 3",
+            Box::new(|v| {
+                if let V::A(items) = v.at(&[2, 0]) {
+                    items.pop();
+                }
+            }),
+            "expected an array of 4 elements",
+        ),
+        (
+            "group_id past 32 bits",
+            Box::new(|v| *v.at(&[2, 0, 0]) = V::U(1 << 40)),
+            "does not fit in 32 bits",
+        ),
+        (
+            "duplicate group",
+            Box::new(|v| *v.at(&[2, 1, 0]) = V::U(0)),
+            "group 0 appears twice",
+        ),
+        (
+            "values a string",
+            Box::new(|v| *v.at(&[2, 0, 3]) = s("abcdefgh")),
+            "expected a bin",
+        ),
+        (
+            "values a list",
+            Box::new(|v| *v.at(&[2, 0, 3]) = V::A(vec![V::U(7)])),
+            "expected a bin",
+        ),
+        (
+            "values not whole u64s",
+            Box::new(|v| *v.at(&[2, 0, 3]) = V::B(vec![1; 12])),
+            "not a whole number of 8-byte values",
+        ),
+        (
+            "position overflow",
+            Box::new(|v| *v.at(&[2, 1, 2]) = V::U(u64::MAX)),
+            "overflows",
+        ),
+        (
+            "huge declared group count",
+            Box::new(|v| *v.at(&[2]) = V::Raw(vec![0xdd, 0xff, 0xff, 0xff, 0xff])),
+            "cannot fit",
+        ),
+        (
+            "huge declared bin",
+            Box::new(|v| *v.at(&[2, 0, 3]) = V::Raw(vec![0xc6, 0xff, 0xff, 0xff, 0xf8, 1, 2])),
+            "truncated",
+        ),
+        (
+            "extension version 9",
+            Box::new(|v| *v.at(&[3, 0]) = V::U(9)),
+            "extension version 9",
+        ),
+        (
+            "extension tp 0",
+            Box::new(|v| *v.at(&[3, 1]) = V::U(0)),
+            "producer_tp_size is 0",
+        ),
+        (
+            "extension of an unknown group",
+            Box::new(|v| *v.at(&[3, 2, 0, 0]) = V::U(7)),
+            "group 7 is not in the payload",
+        ),
+        (
+            "extension block size 0",
+            Box::new(|v| *v.at(&[3, 2, 0, 1]) = V::U(0)),
+            "block_size 0",
+        ),
+        (
+            "extension layers overlap",
+            Box::new(|v| *v.at(&[3, 2, 0, 2, 1, 1]) = V::U(2)),
+            "out of order or overlap",
+        ),
+        (
+            "extension layer values",
+            Box::new(|v| *v.at(&[3, 2, 0, 2, 0, 3]) = values(&[1])),
+            "1 values, but the group has 3",
+        ),
+        (
+            "extension group twice",
+            Box::new(|v| {
+                let group = v.at(&[3, 2, 0]).clone();
+                *v.at(&[3, 2]) = V::A(vec![group.clone(), group]);
+            }),
+            "appears twice",
+        ),
+        (
+            "extension not an array",
+            Box::new(|v| *v.at(&[3]) = V::Nil),
+            "expected an array",
+        ),
+    ];
+    for (case, edit, needle) in cases {
+        let mut value = valid.clone();
+        edit(&mut value);
+        malformed(Payload::decode(&value.bytes()), needle, case);
+    }
+    let mut trailing = valid.bytes();
+    trailing.extend([0x90, 0x90]);
+    malformed(Payload::decode(&trailing), "2 trailing bytes", "trailing bytes");
+    let bytes = valid.bytes();
+    for len in 0..bytes.len() {
+        let result = Payload::decode(&bytes[..len]);
+        assert!(
+            matches!(&result, Err(Error::Malformed(m)) if m.starts_with("payload: ")),
+            "prefix {len}: {result:?}"
+        );
+    }
+}
+
+#[test]
+fn base64_is_standard_and_padded() {
+    assert_eq!(encode_base64(b"\x93\x01\x28\x90"), "kwEokA==");
+    assert_eq!(decode_base64(b"kwEokA==").unwrap(), b"\x93\x01\x28\x90");
+    for bad in [
+        &b"kwEokA"[..],
+        b"kwEokA=",
+        b"kwE-kA==",
+        b"kwEo kA==",
+        b"kwEokA==\n",
+        b"kwEokA====",
+    ] {
+        malformed(decode_base64(bad), "base64", &String::from_utf8_lossy(bad));
+    }
+}
+
+/// Valid encodings mutated many ways (bit flips, byte changes, insertions,
+/// deletions, truncations, huge lengths) never panic and always decode or
+/// fail with a `Malformed` message. A short, seeded pass for every test run;
+/// `scripts/fuzz.sh` runs the long, coverage-guided version.
+#[test]
+fn mutated_encodings_never_panic() {
+    let mut rng = Rng::for_test("mutated_encodings_never_panic");
+    let seed = rng.seed();
+    let payload = Payload {
+        num_tokens: 300,
+        groups: vec![PayloadGroup {
+            group_id: 1,
+            fingerprint: rng.next_u64(),
+            first_position: 2,
+            values: (0..20).map(|_| rng.next_u64()).collect(),
+        }],
+        extension: Some(Extension {
+            producer_tp_size: 2,
+            groups: vec![ExtensionGroup {
+                group_id: 1,
+                block_size: 16,
+                layers: vec![PayloadLayer {
+                    layer_number: 3,
+                    first_head: 0,
+                    num_heads: 8,
+                    values: (0..20).map(|_| rng.next_u64()).collect(),
+                }],
+            }],
+        }),
+    };
+    let seeds = [record_value().bytes(), payload.encode()];
+    for iteration in 0..20_000u32 {
+        let mut bytes = seeds[iteration as usize % 2].clone();
+        for _ in 0..=rng.below(4) {
+            let at = rng.below(bytes.len() as u64 + 1) as usize;
+            match rng.below(6) {
+                0 if at < bytes.len() => bytes[at] ^= 1 << rng.below(8),
+                1 if at < bytes.len() => bytes[at] = rng.next_u64() as u8,
+                2 => bytes.insert(at, *rng.pick(&[0xdd, 0xc6, 0xdb, 0xcf, 0xff, 0x00, 0x9f])),
+                3 if at < bytes.len() => {
+                    bytes.remove(at);
+                }
+                4 => bytes.truncate(at),
+                _ => bytes.splice(at..at, [0xff; 4]).for_each(drop),
+            }
+        }
+        for result in [Record::decode(&bytes).map(|_| ()), Payload::decode(&bytes).map(|_| ())] {
+            if let Err(error) = result {
+                assert!(
+                    matches!(&error, Error::Malformed(m) if m.len() > 10),
+                    "seed {seed}, iteration {iteration}: {error:?} for {bytes:02x?}"
+                );
+            }
+        }
+    }
+}
+
+/// The checked-in fuzz seeds (written with Python's msgspec) are valid
+/// inputs, so the fuzzers start from the full format.
+#[test]
+fn fuzz_seeds_decode() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds");
+    let mut count = 0;
+    for target in ["record", "payload"] {
+        for entry in std::fs::read_dir(root.join(target)).expect("fuzz/seeds") {
+            let path = entry.unwrap().path();
+            let bytes = std::fs::read(&path).unwrap();
+            let bytes = if path.extension().is_some_and(|e| e == "b64") {
+                decode_base64(&bytes).unwrap()
+            } else {
+                bytes
+            };
+            match target {
+                "record" => drop(Record::decode(&bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()))),
+                _ => drop(Payload::decode(&bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()))),
+            }
+            count += 1;
+        }
+    }
+    assert!(count >= 8, "{count} seeds");
+}
