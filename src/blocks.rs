@@ -2,6 +2,7 @@
 //! group, the blocks at consecutive positions from a first position.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use crate::error::{err, Result};
 
@@ -36,9 +37,12 @@ pub fn valid_tokens(num_tokens: u64, block_size: u32, position: u64) -> u32 {
 }
 
 /// The blocks of a batch of requests, in the order added.
+///
+/// The requests are shared (copy on write) with the results made from them,
+/// so a checksum call copies none of them.
 #[derive(Debug, Clone, Default)]
 pub struct BlockSet {
-    requests: Vec<RequestBlocks>,
+    requests: Arc<Vec<RequestBlocks>>,
     index: HashMap<String, usize>,
 }
 
@@ -57,7 +61,7 @@ impl BlockSet {
             return Err(err!(InvalidArgument, "req_id \"{req_id}\" is already in the block set"));
         }
         self.index.insert(req_id.to_owned(), self.requests.len());
-        self.requests.push(RequestBlocks {
+        Arc::make_mut(&mut self.requests).push(RequestBlocks {
             req_id: req_id.to_owned(),
             num_tokens,
             groups: Vec::new(),
@@ -71,7 +75,7 @@ impl BlockSet {
             .index
             .get(req_id)
             .ok_or_else(|| err!(NotFound, "req_id \"{req_id}\" is not in the block set"))?;
-        let request = &mut self.requests[index];
+        let request = &self.requests[index];
         if request.groups.iter().any(|g| g.group_id == group_id) {
             return Err(err!(
                 InvalidArgument,
@@ -85,7 +89,8 @@ impl BlockSet {
                 block_ids.len()
             ));
         }
-        request.groups.push(GroupBlocks {
+        // Checked: now copy the requests if a result still shares them.
+        Arc::make_mut(&mut self.requests)[index].groups.push(GroupBlocks {
             group_id,
             first_position,
             block_ids: block_ids.to_vec(),
@@ -96,6 +101,11 @@ impl BlockSet {
     /// The requests, in the order added.
     pub fn requests(&self) -> &[RequestBlocks] {
         &self.requests
+    }
+
+    /// The requests, shared: what a result keeps of its block set.
+    pub fn shared_requests(&self) -> Arc<Vec<RequestBlocks>> {
+        self.requests.clone()
     }
 
     /// The request `req_id`, if present.

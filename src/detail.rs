@@ -58,7 +58,8 @@ pub fn compute(layout: &Layout, blocks: &BlockSet, role: Role, threads: usize) -
     let plan = Plan::new(&shadow, &shadow_blocks, role)?;
     let values = host::compute(&shadow, &plan, role, threads);
     let mut requests = Vec::with_capacity(blocks.requests().len());
-    for (request, shadow_request) in blocks.requests().iter().zip(&plan.requests) {
+    let shadow_requests = plan.shape.build();
+    for (request, shadow_request) in blocks.requests().iter().zip(&shadow_requests) {
         let mut groups = Vec::with_capacity(request.groups.len());
         for group_blocks in &request.groups {
             if layout.skip_reason(group_blocks.group_id).is_some() {

@@ -371,6 +371,11 @@ impl Layout {
         self.groups.iter()
     }
 
+    /// The skipped groups and their reasons, by group id.
+    pub fn skipped_groups(&self) -> impl Iterator<Item = (u32, &str)> {
+        self.skipped.iter().map(|(&id, reason)| (id, reason.as_str()))
+    }
+
     /// Why `group_id` is skipped, if it is.
     pub fn skip_reason(&self, group_id: u32) -> Option<&str> {
         self.skipped.get(&group_id).map(String::as_str)

@@ -1,10 +1,10 @@
 //! What one `checksum` call computes: the result's shape and the rows of work
 //! (one per block position with valid tokens), shared by every engine.
 
-use crate::blocks::{valid_tokens, BlockSet};
+use crate::blocks::BlockSet;
 use crate::error::{err, Result};
 use crate::layout::{Layout, Role};
-use crate::result::{GroupChecksums, RequestChecksums, SkippedGroup};
+use crate::result::{Placement, Shape, SkippedGroup};
 
 /// One block position to checksum in every layer of its group. `repr(C)`
 /// because the device engine uploads rows as they are (`struct kvcs_dev_row`).
@@ -30,8 +30,8 @@ pub struct Row {
 /// The work of one call and the shape of its result.
 #[derive(Debug, Clone)]
 pub struct Plan {
-    /// Result shape, in block-set order.
-    pub requests: Vec<RequestChecksums>,
+    /// Result shape.
+    pub shape: Shape,
     /// Positions with valid tokens.
     pub rows: Vec<Row>,
     /// Length of the value array.
@@ -42,26 +42,24 @@ impl Plan {
     /// Checks `blocks` against `layout` and lays out the work; any bad block
     /// id or unknown group fails the whole call.
     pub fn new(layout: &Layout, blocks: &BlockSet, role: Role) -> Result<Plan> {
-        let mut requests = Vec::with_capacity(blocks.requests().len());
-        let total_blocks = blocks
-            .requests()
-            .iter()
-            .flat_map(|r| &r.groups)
-            .map(|g| g.block_ids.len())
-            .sum();
+        let requests = blocks.shared_requests();
+        let total_blocks = requests.iter().flat_map(|r| &r.groups).map(|g| g.block_ids.len()).sum();
         let mut rows = Vec::with_capacity(total_blocks);
+        let mut placements = Vec::with_capacity(requests.iter().map(|r| r.groups.len()).sum());
+        let skipped: Vec<SkippedGroup> = layout
+            .skipped_groups()
+            .map(|(group_id, reason)| SkippedGroup {
+                group_id,
+                reason: reason.to_owned(),
+            })
+            .collect();
         let mut num_values = 0usize;
-        for request in blocks.requests() {
+        for request in requests.iter() {
             let req_id = &request.req_id;
-            let mut groups = Vec::with_capacity(request.groups.len());
-            let mut skipped = Vec::new();
             for group_blocks in &request.groups {
                 let group_id = group_blocks.group_id;
-                if let Some(reason) = layout.skip_reason(group_id) {
-                    skipped.push(SkippedGroup {
-                        group_id,
-                        reason: reason.to_owned(),
-                    });
+                if let Some(index) = skipped.iter().position(|s| s.group_id == group_id) {
+                    placements.push(Placement::Skipped { index: index as u32 });
                     continue;
                 }
                 let group = layout.group(group_id).ok_or_else(|| {
@@ -70,36 +68,21 @@ impl Plan {
                         "group_id {group_id} of req_id \"{req_id}\" is not registered on this worker"
                     )
                 })?;
+                let block_ids = &group_blocks.block_ids;
                 let num_blocks = group.num_blocks();
-                let num_positions = group_blocks.block_ids.len();
-                let columns = group.columns(role);
-                let values_offset = num_values;
-                for (i, &block_id) in group_blocks.block_ids.iter().enumerate() {
+                // One pass that vectorises; the error path finds the culprit.
+                if block_ids.iter().fold(0, |max, &id| max.max(id)) >= num_blocks && !block_ids.is_empty() {
+                    let (i, block_id) = block_ids.iter().enumerate().find(|(_, &id)| id >= num_blocks).expect("max");
                     let position = group_blocks.first_position + i as u64;
-                    if block_id >= num_blocks {
-                        return Err(err!(
-                            OutOfBounds,
-                            "block id {block_id} at position {position} of req_id \"{req_id}\", group_id {group_id} is not below num_blocks {num_blocks}"
-                        ));
-                    }
-                    let valid = valid_tokens(request.num_tokens, group.block_size, position);
-                    if valid == 0 || columns.is_empty() {
-                        continue;
-                    }
-                    // valid > 0 means position * block_size < num_tokens: no overflow.
-                    let first_token = position * group.block_size as u64;
-                    rows.push(Row {
-                        first_token,
-                        block_id,
-                        valid_tokens: valid,
-                        // Both below num_values, checked against u32 below.
-                        out: (values_offset + i) as u32,
-                        column_stride: num_positions as u32,
-                        group_slot: group.slot,
-                        reserved: 0,
-                    });
+                    return Err(err!(
+                        OutOfBounds,
+                        "block id {block_id} at position {position} of req_id \"{req_id}\", group_id {group_id} is not below num_blocks {num_blocks}"
+                    ));
                 }
-                num_values += columns.len() * num_positions;
+                let num_positions = block_ids.len();
+                let columns = group.columns(role).len();
+                let values_offset = num_values;
+                num_values += columns * num_positions;
                 if num_values > u32::MAX as usize {
                     return Err(err!(
                         Unsupported,
@@ -107,23 +90,41 @@ impl Plan {
                         u32::MAX
                     ));
                 }
-                groups.push(GroupChecksums {
-                    group_id,
-                    first_position: group_blocks.first_position,
-                    num_positions,
-                    columns: columns.clone(),
+                placements.push(Placement::Computed {
+                    slot: group.slot,
                     values_offset,
                 });
+                if columns == 0 {
+                    continue;
+                }
+                // Positions before `end` hold valid tokens (SPEC section 5).
+                let block_size = group.block_size as u64;
+                let end = request.num_tokens.div_ceil(block_size);
+                let first = group_blocks.first_position;
+                let with_tokens = end.saturating_sub(first).min(num_positions as u64) as usize;
+                rows.extend(block_ids[..with_tokens].iter().enumerate().map(|(i, &block_id)| {
+                    // position < end, so position * block_size < num_tokens: no overflow.
+                    let first_token = (first + i as u64) * block_size;
+                    Row {
+                        first_token,
+                        block_id,
+                        valid_tokens: (request.num_tokens - first_token).min(block_size) as u32,
+                        out: (values_offset + i) as u32,
+                        column_stride: num_positions as u32,
+                        group_slot: group.slot,
+                        reserved: 0,
+                    }
+                }));
             }
-            requests.push(RequestChecksums {
-                req_id: req_id.clone(),
-                num_tokens: request.num_tokens,
-                groups,
-                skipped,
-            });
         }
-        Ok(Plan {
+        let shape = Shape {
             requests,
+            placements,
+            columns: layout.groups().map(|group| group.columns(role).clone()).collect(),
+            skipped,
+        };
+        Ok(Plan {
+            shape,
             rows,
             num_values,
         })

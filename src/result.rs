@@ -1,8 +1,9 @@
 //! Checksum results: per request and group, one column of partial checksums
 //! per replica key, one value per block position (SPEC section 4).
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
+use crate::blocks::RequestBlocks;
 use crate::error::{err, Result};
 use crate::layout::ReplicaKey;
 use crate::record::RecordInfo;
@@ -63,9 +64,75 @@ pub enum Values {
     Pending(Box<dyn PendingValues>),
 }
 
+/// Where one (request, group) of a block set went in a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    /// Computed: the group's slot on the worker and its values' offset.
+    Computed {
+        /// [`crate::layout::Group::slot`].
+        slot: u32,
+        /// Index of column 0, position 0 in the value array.
+        values_offset: usize,
+    },
+    /// Skipped by the worker: index into [`Shape::skipped`].
+    Skipped {
+        /// Which skipped group.
+        index: u32,
+    },
+}
+
+/// The shape of a result in the compact form a call builds: the block set's
+/// requests (shared, not copied) and where each (request, group) went. The
+/// per-request form ([`RequestChecksums`]) is built from it on first use,
+/// off the checksum call's path.
+#[derive(Debug, Clone)]
+pub struct Shape {
+    /// The block set's requests.
+    pub requests: Arc<Vec<RequestBlocks>>,
+    /// Per (request, group), in block-set order.
+    pub placements: Vec<Placement>,
+    /// Sorted replica keys of each group's columns, by group slot.
+    pub columns: Vec<Arc<[ReplicaKey]>>,
+    /// The worker's skipped groups.
+    pub skipped: Vec<SkippedGroup>,
+}
+
+impl Shape {
+    /// The per-request form of the shape.
+    pub(crate) fn build(&self) -> Vec<RequestChecksums> {
+        let mut placements = self.placements.iter();
+        self.requests
+            .iter()
+            .map(|request| {
+                let mut groups = Vec::with_capacity(request.groups.len());
+                let mut skipped = Vec::new();
+                for blocks in &request.groups {
+                    match placements.next().expect("one placement per (request, group)") {
+                        &Placement::Computed { slot, values_offset } => groups.push(GroupChecksums {
+                            group_id: blocks.group_id,
+                            first_position: blocks.first_position,
+                            num_positions: blocks.block_ids.len(),
+                            columns: self.columns[slot as usize].clone(),
+                            values_offset,
+                        }),
+                        &Placement::Skipped { index } => skipped.push(self.skipped[index as usize].clone()),
+                    }
+                }
+                RequestChecksums {
+                    req_id: request.req_id.clone(),
+                    num_tokens: request.num_tokens,
+                    groups,
+                    skipped,
+                }
+            })
+            .collect()
+    }
+}
+
 /// A worker's partial checksums of one `checksum` call.
 pub struct Checksums {
-    requests: Vec<RequestChecksums>,
+    shape: Shape,
+    requests: OnceLock<Vec<RequestChecksums>>,
     values: Values,
     /// The worker's rank, role and group facts at checksum time, for its record.
     record_info: Option<RecordInfo>,
@@ -73,9 +140,10 @@ pub struct Checksums {
 
 impl Checksums {
     /// A result of the given shape and values.
-    pub fn new(requests: Vec<RequestChecksums>, values: Values) -> Self {
+    pub fn new(shape: Shape, values: Values) -> Self {
         Checksums {
-            requests,
+            shape,
+            requests: OnceLock::new(),
             values,
             record_info: None,
         }
@@ -110,13 +178,13 @@ impl Checksums {
 
     /// The requests, in block-set order.
     pub fn requests(&self) -> &[RequestChecksums] {
-        &self.requests
+        self.requests.get_or_init(|| self.shape.build())
     }
 
     /// The checksums of `group_id` in `req_id`.
     pub fn group(&self, req_id: &str, group_id: u32) -> Result<&GroupChecksums> {
         let request = self
-            .requests
+            .requests()
             .iter()
             .find(|r| r.req_id == req_id)
             .ok_or_else(|| err!(NotFound, "req_id \"{req_id}\" is not in this result"))?;

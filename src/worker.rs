@@ -152,7 +152,7 @@ impl Worker {
             groups,
             detail,
         };
-        Ok(Checksums::new(plan.requests, values).with_record_info(info))
+        Ok(Checksums::new(plan.shape, values).with_record_info(info))
     }
 
     /// Turns detail mode on or off: results then also carry per-layer partial
