@@ -14,10 +14,18 @@
 // descriptors.cuh is prepended to this file by the library.
 
 #define KVCS_WARP 32
-// Tokens a lane loads before it adds any of them (loads in flight); units
-// with enough tokens use twice as many.
+// Tokens a lane loads before it adds any of them (loads in flight).
 #ifndef KVCS_BATCH
 #define KVCS_BATCH 4
+#endif
+// Units with at least this many steps batch this many loads (tuning; equal to
+// KVCS_BATCH by default: measured no faster for bf16, slower for fp8).
+#ifndef KVCS_WIDE_BATCH
+#define KVCS_WIDE_BATCH KVCS_BATCH
+#endif
+// Blocks per SM the compiler must leave room for (registers), 0 = its choice.
+#ifndef KVCS_MIN_BLOCKS
+#define KVCS_MIN_BLOCKS 0
 #endif
 
 __device__ __forceinline__ kvcs_u64 kvcs_warp_sum(kvcs_u64 value) {
@@ -97,9 +105,11 @@ __device__ __forceinline__ kvcs_u64 kvcs_segment_unit(
         + ((kvcs_i64)first_vector << segment->vector_shift);
 
     struct kvcs_lane_sums sums = {0, 0, 0, 0};
-    if (steps >= 2 * KVCS_BATCH)
-        kvcs_accumulate<2 * KVCS_BATCH>(sums, lane_address, step_bytes, steps, first_vector, vectors, lanes, segment->vector_shift);
+#if KVCS_WIDE_BATCH != KVCS_BATCH
+    if (steps >= KVCS_WIDE_BATCH)
+        kvcs_accumulate<KVCS_WIDE_BATCH>(sums, lane_address, step_bytes, steps, first_vector, vectors, lanes, segment->vector_shift);
     else
+#endif
         kvcs_accumulate<KVCS_BATCH>(sums, lane_address, step_bytes, steps, first_vector, vectors, lanes, segment->vector_shift);
 
     // Piece index of (step k, round i, half h):
@@ -124,7 +134,7 @@ __device__ __forceinline__ kvcs_u32 kvcs_last_at_or_below(const kvcs_u64 *starts
     return low;
 }
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(256, KVCS_MIN_BLOCKS)
 kvcs_checksum(const __grid_constant__ struct kvcs_dev_call call)
 {
     const kvcs_u32 lane = threadIdx.x % KVCS_WARP;

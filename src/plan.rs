@@ -34,6 +34,8 @@ pub struct Plan {
     pub shape: Shape,
     /// Positions with valid tokens.
     pub rows: Vec<Row>,
+    /// Rows of each group, by group slot.
+    pub rows_per_slot: Vec<u64>,
     /// Length of the value array.
     pub num_values: usize,
 }
@@ -54,6 +56,7 @@ impl Plan {
             })
             .collect();
         let mut num_values = 0usize;
+        let mut rows_per_slot = vec![0u64; layout.groups().count()];
         for request in requests.iter() {
             let req_id = &request.req_id;
             for group_blocks in &request.groups {
@@ -72,7 +75,11 @@ impl Plan {
                 let num_blocks = group.num_blocks();
                 // One pass that vectorises; the error path finds the culprit.
                 if block_ids.iter().fold(0, |max, &id| max.max(id)) >= num_blocks && !block_ids.is_empty() {
-                    let (i, block_id) = block_ids.iter().enumerate().find(|(_, &id)| id >= num_blocks).expect("max");
+                    let (i, block_id) = block_ids
+                        .iter()
+                        .enumerate()
+                        .find(|(_, &id)| id >= num_blocks)
+                        .expect("max");
                     let position = group_blocks.first_position + i as u64;
                     return Err(err!(
                         OutOfBounds,
@@ -102,6 +109,7 @@ impl Plan {
                 let end = request.num_tokens.div_ceil(block_size);
                 let first = group_blocks.first_position;
                 let with_tokens = end.saturating_sub(first).min(num_positions as u64) as usize;
+                rows_per_slot[group.slot as usize] += with_tokens as u64;
                 rows.extend(block_ids[..with_tokens].iter().enumerate().map(|(i, &block_id)| {
                     // position < end, so position * block_size < num_tokens: no overflow.
                     let first_token = (first + i as u64) * block_size;
@@ -126,6 +134,7 @@ impl Plan {
         Ok(Plan {
             shape,
             rows,
+            rows_per_slot,
             num_values,
         })
     }

@@ -95,6 +95,15 @@ impl Worker {
         &self.options
     }
 
+    /// What the worker's engine runs on, for logs: host threads, or the
+    /// device and its kernel's registers and occupancy.
+    pub fn engine_description(&self) -> String {
+        match &self.engine {
+            Engine::Host { threads } => format!("host engine, {threads} threads"),
+            Engine::Device(device) => device.description().to_owned(),
+        }
+    }
+
     /// What has been registered.
     pub fn layout(&self) -> &Layout {
         &self.layout

@@ -74,6 +74,8 @@ pub struct DeviceEngine {
     device_table: Option<Arc<DeviceTable>>,
     /// Warps the card runs at once with this kernel.
     resident_warps: u64,
+    /// What the engine runs on, for logs.
+    description: String,
 }
 
 // SAFETY: the stream handle is only used with the context bound, and CUDA
@@ -106,6 +108,15 @@ impl DeviceEngine {
         }
         let resident_warps =
             (processors.max(1) as u64) * (blocks_per_processor.max(1) as u64) * (THREADS_PER_BLOCK as u64 / 32);
+        let registers = kernels
+            .checksum
+            .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS)
+            .unwrap_or(0);
+        let (major, minor) = context.compute_capability().unwrap_or((0, 0));
+        let description = format!(
+            "device {ordinal} (sm_{major}{minor}, {processors} SMs): kvcs_checksum uses {registers} registers, \
+             {blocks_per_processor} blocks of {THREADS_PER_BLOCK} threads per SM"
+        );
         let own_stream =
             cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(device_error("cuStreamCreate"))?;
         let pool = Arc::new(SlotPool::new(context.clone()));
@@ -118,7 +129,13 @@ impl DeviceEngine {
             table: LayerTable::default(),
             device_table: None,
             resident_warps,
+            description,
         })
+    }
+
+    /// The device, the kernel's registers and occupancy, for logs.
+    pub fn description(&self) -> &str {
+        &self.description
     }
 
     /// Uploads every group's layer descriptors after a registration.
@@ -150,17 +167,21 @@ impl DeviceEngine {
 
         // Units per row, and whether every row has the same (one group, the
         // usual case): then the kernel finds a unit's row by a division.
+        // Units of all rows, whether every row has the same (one group with
+        // rows, the usual case: the kernel then finds a unit's row by a
+        // division), and the most useful split of the groups with rows.
         let max_splits = &self.table.max_split[role_index(role)];
-        let first_units = groups[rows[0].group_slot as usize].units as u64;
         let mut base_units = 0u64;
-        let mut uniform = true;
+        let mut slots_with_rows = 0;
+        let mut first_units = 0u64;
         let mut max_split = MAX_SPLIT;
-        for row in rows {
-            let units = groups[row.group_slot as usize].units as u64;
-            uniform &= units == first_units;
-            base_units += units;
-            max_split = max_split.min(max_splits[row.group_slot as usize]);
+        for (slot, &count) in plan.rows_per_slot.iter().enumerate().filter(|(_, &count)| count > 0) {
+            slots_with_rows += 1;
+            first_units = groups[slot].units as u64;
+            base_units += count * first_units;
+            max_split = max_split.min(max_splits[slot]);
         }
+        let uniform = slots_with_rows == 1;
         // Chunks per kernel block: enough that the call fills the card several
         // times over, so that even one block spreads across it, but no more
         // than keeps every lane's batch of loads full.
