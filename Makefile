@@ -1,7 +1,9 @@
 # kvcsum: build, test and demo commands (see README.md).
 #
 #   make demo    build the library (release) and examples/c/demo.c, run it
-#   make test    Rust tests, then the C tests and the demo under ASan/UBSan
+#   make test    every test: Rust tests, the kernel compile test (NVRTC from
+#                PyPI), the C tests and the demo under ASan/UBSan, and a
+#                bounded fuzz run of the decoders; installs what they need
 #   make header  regenerate include/kvcsum.h from src/ffi (cbindgen)
 #   make bench   the host engine benchmark (BENCHMARKS.md)
 #   make clean   remove build/ (the C programs); `cargo clean` removes target/
@@ -32,7 +34,17 @@ ASAN_ENV := ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_sta
 C_TEST_SOURCES := $(wildcard tests/c/*.c)
 C_TEST_HEADERS := $(wildcard tests/c/*.h)
 
-.PHONY: all lib demo test rust-test c-test demo-test header bench clean FORCE
+# NVRTC from PyPI, so that a machine with no CUDA still checks that the
+# kernels compile (tests/kernels.rs); pinned to the CUDA 13.0 the GPU
+# machines run.
+NVRTC_VERSION := 13.0.88
+NVRTC_DIR := $(BUILD)/nvrtc
+NVRTC_LIB := $(abspath $(NVRTC_DIR))/nvidia/cu13/lib
+MSGSPEC_VERSION := 0.22.0
+CARGO_FUZZ_VERSION := 0.13.2
+FUZZ_SECONDS ?= 30
+
+.PHONY: all lib demo test test-deps rust-test kernel-test c-test demo-test fuzz header bench clean FORCE
 
 all: lib
 
@@ -46,10 +58,30 @@ $(LIB): FORCE
 demo: $(BUILD)/demo
 	$(BUILD)/demo
 
-test: rust-test c-test demo-test
+test: test-deps rust-test kernel-test c-test demo-test fuzz
+
+# What the tests need beyond the toolchain: msgspec for the payload
+# compatibility test, NVRTC for the kernel compile test.
+test-deps: $(NVRTC_LIB)/libnvrtc.so.13
+	python3 -c 'import msgspec' 2>/dev/null || python3 -m pip install --quiet msgspec==$(MSGSPEC_VERSION) \
+	  || python3 -m pip install --quiet --break-system-packages msgspec==$(MSGSPEC_VERSION)
+
+$(NVRTC_LIB)/libnvrtc.so.13: | $(BUILD)
+	rm -rf $(NVRTC_DIR) && mkdir -p $(NVRTC_DIR)
+	python3 -m pip download --quiet --no-deps --only-binary=:all: -d $(NVRTC_DIR) nvidia-cuda-nvrtc==$(NVRTC_VERSION)
+	python3 -m zipfile -e $(NVRTC_DIR)/nvidia_cuda_nvrtc-*.whl $(NVRTC_DIR)
 
 rust-test:
 	$(CARGO) test --$(PROFILE)
+
+# The GPU tests stay ignored here (no device); the kernels must still compile.
+kernel-test: $(NVRTC_LIB)/libnvrtc.so.13
+	LD_LIBRARY_PATH=$(NVRTC_LIB) $(CARGO) test --$(PROFILE) --test kernels -- --ignored
+
+# The record and payload decoders under libFuzzer, FUZZ_SECONDS per target.
+fuzz:
+	cargo fuzz --version >/dev/null 2>&1 || $(CARGO) install cargo-fuzz --locked --version $(CARGO_FUZZ_VERSION)
+	scripts/fuzz.sh $(FUZZ_SECONDS)
 
 c-test: $(BUILD)/c_tests
 	$(ASAN_ENV) $(BUILD)/c_tests

@@ -176,6 +176,7 @@ struct Case {
 
 /// Registers `model` in `layout` over the cache buffer and picks `requests`
 /// requests of `blocks_per_request` random blocks each.
+#[allow(clippy::too_many_arguments)]
 fn build_case(
     dev: &Device,
     cache: u64,

@@ -28,6 +28,14 @@
 #define KVCS_MIN_BLOCKS 0
 #endif
 
+// Orders this block's accumulator updates before its finished-block count
+// (release), and the last block's reads after every count (acquire). An
+// acquire-release fence is enough for that and measured ~0.8 us faster per
+// call than __threadfence (a sequentially consistent fence).
+__device__ __forceinline__ void kvcs_fence() {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
+
 __device__ __forceinline__ kvcs_u64 kvcs_warp_sum(kvcs_u64 value) {
     for (int offset = KVCS_WARP / 2; offset > 0; offset /= 2)
         value += __shfl_xor_sync(0xffffffffu, value, offset);
@@ -230,12 +238,12 @@ kvcs_checksum(const __grid_constant__ struct kvcs_dev_call call)
     __shared__ bool last_block;
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
+        kvcs_fence();
         last_block = atomicAdd(call.finished_blocks, 1u) == gridDim.x - 1;
     }
     __syncthreads();
     if (!last_block) return;
-    __threadfence();
+    kvcs_fence();
     for (kvcs_u32 i = threadIdx.x; i < call.num_values; i += blockDim.x)
         call.host_values[i] = atomicExch(&call.accumulators[i], 0ull);
     if (threadIdx.x == 0) *call.finished_blocks = 0;

@@ -107,15 +107,15 @@ impl Shape {
                 let mut groups = Vec::with_capacity(request.groups.len());
                 let mut skipped = Vec::new();
                 for blocks in &request.groups {
-                    match placements.next().expect("one placement per (request, group)") {
-                        &Placement::Computed { slot, values_offset } => groups.push(GroupChecksums {
+                    match *placements.next().expect("one placement per (request, group)") {
+                        Placement::Computed { slot, values_offset } => groups.push(GroupChecksums {
                             group_id: blocks.group_id,
                             first_position: blocks.first_position,
                             num_positions: blocks.block_ids.len(),
                             columns: self.columns[slot as usize].clone(),
                             values_offset,
                         }),
-                        &Placement::Skipped { index } => skipped.push(self.skipped[index as usize].clone()),
+                        Placement::Skipped { index } => skipped.push(self.skipped[index as usize].clone()),
                     }
                 }
                 RequestChecksums {

@@ -452,8 +452,8 @@ fn device_rejects_bad_input_like_the_host() {
     let mut outside = layer.clone();
     outside.num_blocks += 1000;
     for (bad, what) in [(unaligned, "unaligned"), (outside, "outside")] {
-        let host = pair.host.add_layer(bad.clone()).err().expect("host rejects");
-        let device = pair.device.add_layer(bad).err().expect("device rejects");
+        let host = pair.host.add_layer(bad.clone()).expect_err("host rejects");
+        let device = pair.device.add_layer(bad).expect_err("device rejects");
         assert_eq!(
             std::mem::discriminant(&device),
             std::mem::discriminant(&host),

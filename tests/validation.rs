@@ -524,7 +524,7 @@ fn bad_block_ids_fail_the_whole_call() {
     let good = fixture.request();
     for (bad_id, position_past_end) in [(4u32, false), (u32::MAX, false), (4, true)] {
         // The valid request first: nothing of it may come back either.
-        let mut blocks = block_set(&[good.clone()]);
+        let mut blocks = block_set(std::slice::from_ref(&good));
         blocks.add_request("b", 40).unwrap();
         let (first_position, ids) = if position_past_end {
             // Position 5 holds no tokens of 40 but its id is still checked.
@@ -553,7 +553,7 @@ fn bad_block_ids_fail_the_whole_call() {
         }
     }
     // An unknown group fails the call as well.
-    let mut blocks = block_set(&[good.clone()]);
+    let mut blocks = block_set(std::slice::from_ref(&good));
     blocks.add_request("g", 40).unwrap();
     blocks.add_group("g", 42, 0, &[0]).unwrap();
     let needles = ["group_id 42", "req_id \"g\"", "not registered"];

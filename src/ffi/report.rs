@@ -2,7 +2,6 @@
 
 // C entry points take raw pointers by design; their documented contract,
 // not `unsafe fn`, is what C callers see.
-#![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 use std::ffi::{c_char, CStr, CString};
 
