@@ -221,14 +221,12 @@ impl<'a> Reader<'a> {
             0xdd => self.big_endian(field, 4)? as usize,
             _ => return Err(self.wrong_kind(field, start, marker, "an array")),
         };
-        if len > self.remaining() {
+        let left = self.remaining();
+        if len > left {
             self.pos = start;
             return Err(self.error(
                 field,
-                format_args!(
-                    "truncated: an array of {len} elements cannot fit in the {} bytes left",
-                    self.remaining() - 1
-                ),
+                format_args!("truncated: an array of {len} elements cannot fit in the {left} bytes left"),
             ));
         }
         Ok(len)

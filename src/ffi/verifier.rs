@@ -318,6 +318,7 @@ pub extern "C" fn kvcs_base64_encode(
     ffi_boundary! {
         // SAFETY: the contract gives `len` readable bytes.
         let bytes = try_engine!(unsafe { c_array(bytes, len, "bytes") });
+        not_null!(text_len, "text_len");
         let mut text = encode_base64(bytes).into_bytes();
         text.push(0);
         // SAFETY: `buf` has `cap` writable bytes and `text_len` is writable per the contract.

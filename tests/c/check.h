@@ -35,5 +35,6 @@ void check_status(kvcs_status got, kvcs_status want, const char *needle, const c
 /* The test groups, one per file. */
 void test_errors(void);
 void test_checksums(uint64_t seed);
+void test_verify(uint64_t seed);
 
 #endif /* KVCSUM_TEST_CHECK_H */
