@@ -1,7 +1,7 @@
 //! What one `checksum` call computes: the result's shape and the rows of work
 //! (one per block position with valid tokens), shared by every engine.
 
-use crate::blocks::BlockSet;
+use crate::blocks::{valid_tokens, BlockSet};
 use crate::error::{err, Result};
 use crate::layout::{Layout, Role};
 use crate::result::{Placement, Shape, SkippedGroup};
@@ -111,12 +111,12 @@ impl Plan {
                 let with_tokens = end.saturating_sub(first).min(num_positions as u64) as usize;
                 rows_per_slot[group.slot as usize] += with_tokens as u64;
                 rows.extend(block_ids[..with_tokens].iter().enumerate().map(|(i, &block_id)| {
-                    // position < end, so position * block_size < num_tokens: no overflow.
-                    let first_token = (first + i as u64) * block_size;
+                    let position = first + i as u64;
                     Row {
-                        first_token,
+                        // position < end, so position * block_size < num_tokens: no overflow.
+                        first_token: position * block_size,
                         block_id,
-                        valid_tokens: (request.num_tokens - first_token).min(block_size) as u32,
+                        valid_tokens: valid_tokens(request.num_tokens, group.block_size, position),
                         out: (values_offset + i) as u32,
                         column_stride: num_positions as u32,
                         group_slot: group.slot,
