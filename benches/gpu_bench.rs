@@ -449,6 +449,20 @@ fn main() {
         times[times.len() / 2] * 1e3
     };
     // The read ceiling of the same 2 MiB, queued the same way.
+    // The read ceiling's own launch to event, on an idle stream.
+    let read_call_to_event_us = {
+        let mut one_chunks = one.chunks_device;
+        let mut one_count = one.num_chunks;
+        let mut sink = dev.sink;
+        dev.time(200, 1, || {
+            let mut params = [
+                (&mut one_chunks as *mut u64).cast(),
+                (&mut one_count as *mut u64).cast(),
+                (&mut sink as *mut u64).cast(),
+            ];
+            dev.launch(dev.read_chunks, one_count as u32, &mut params);
+        }) * 1e3
+    };
     let read_queued_us = {
         let mut chunks = busy.chunks_device;
         let mut count = busy.num_chunks;
@@ -497,6 +511,9 @@ fn main() {
     );
     println!("| 1 block x 32 layers: GPU time per call, queued behind busy work | {queued_us:.2} us |");
     println!("| the read ceiling kernel over the same 2 MiB, queued the same way | {read_queued_us:.2} us |");
+    println!(
+        "| the read ceiling kernel over the same 2 MiB: launch to event, idle stream | {read_call_to_event_us:.2} us |"
+    );
     println!(
         "| 1 block x 32 layers: host wall time, call to result ready | {:.2} us |",
         wall[wall.len() / 2]
