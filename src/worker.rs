@@ -117,8 +117,9 @@ impl Worker {
 
     /// Registers a group of layers sharing one block table.
     pub fn add_group(&mut self, group_id: u32, block_size: u32) -> Result<()> {
+        self.layout.add_group(group_id, block_size)?;
         self.group_infos = OnceLock::new();
-        self.layout.add_group(group_id, block_size)
+        Ok(())
     }
 
     /// Declares a group this worker cannot checksum.
@@ -145,7 +146,7 @@ impl Worker {
         let plan = Plan::new(&self.layout, blocks, role)?;
         let values = match &self.engine {
             Engine::Host { threads } => Values::Ready(host::compute(&self.layout, &plan, role, *threads)),
-            Engine::Device(device) => device.compute(&self.layout, &plan, role, stream)?,
+            Engine::Device(device) => device.compute(&plan, role, stream)?,
         };
         let detail = match (&self.engine, self.detail) {
             (Engine::Host { threads }, true) => Some(detail::compute(&self.layout, blocks, role, *threads)?),

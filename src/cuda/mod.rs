@@ -150,7 +150,7 @@ impl DeviceEngine {
 
     /// Queues the plan's checksums on `stream` (or the worker's own) and
     /// returns without waiting: at most one upload, one launch, one event.
-    pub fn compute(&self, _layout: &Layout, plan: &Plan, role: Role, stream: StreamHandle) -> Result<Values> {
+    pub fn compute(&self, plan: &Plan, role: Role, stream: StreamHandle) -> Result<Values> {
         let num_values = plan.num_values;
         let (Some(device_table), false) = (&self.device_table, plan.rows.is_empty()) else {
             // Nothing to read: every value is the empty sum.
