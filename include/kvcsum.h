@@ -592,6 +592,10 @@ void kvcs_worker_destroy(kvcs_worker *worker);
 // Registers `length` bytes at `address` (host or device memory, as the
 // worker) that the worker may read. The caller keeps them readable, and the
 // bytes being checksummed unchanged during a call, while the worker lives.
+// A device worker checks the range against CUDA: memory CUDA does not know
+// (a plain host pointer) gives `KVCS_ERR_INVALID_ARGUMENT`, a range past
+// the end of its allocation `KVCS_ERR_OUT_OF_BOUNDS`. A host worker cannot
+// check host memory and trusts the caller.
 kvcs_status kvcs_worker_add_region(kvcs_worker *worker, uint64_t address, uint64_t length);
 
 // Registers group `group_id` with `block_size` tokens per logical block.

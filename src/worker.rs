@@ -111,7 +111,15 @@ impl Worker {
 
     /// Registers memory the worker may read (host or device addresses, as the
     /// worker's kind). The caller keeps it readable while the worker lives.
+    /// A device worker checks that the range lies in one CUDA allocation of
+    /// its device (or in pinned host memory); a host worker cannot check host
+    /// memory and trusts the caller.
     pub fn add_region(&mut self, region: Region) -> Result<()> {
+        if let Engine::Device(device) = &self.engine {
+            if region.length > 0 {
+                device.check_region(region.address, region.length)?;
+            }
+        }
         self.layout.add_region(region)
     }
 

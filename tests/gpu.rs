@@ -521,3 +521,48 @@ fn device_handles_unlike_layers_in_one_group() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_worker_rejects_memory_it_cannot_read() {
+    let mut worker = device_worker(0, 1);
+    // A plain host allocation is not memory the device can read.
+    let host = vec![7u64; 1024];
+    let error = worker
+        .add_region(kvcsum::Region {
+            address: host.as_ptr() as u64,
+            length: 8192,
+        })
+        .expect_err("host memory on a device worker");
+    assert!(matches!(error, Error::InvalidArgument(_)), "{error:?}");
+    assert!(error.to_string().contains("address"), "{error}");
+    // A range running far past its allocation, over memory nothing maps
+    // (64 TiB: more than any neighbouring allocations can cover).
+    let context = CudaContext::new(0).expect("context");
+    context.bind_to_thread().expect("bind");
+    // SAFETY: a fresh allocation, freed below.
+    let base = unsafe { cu::malloc_sync(4096).expect("cuMemAlloc") };
+    let error = worker
+        .add_region(kvcsum::Region {
+            address: base,
+            length: 1 << 46,
+        })
+        .expect_err("past the allocation");
+    assert!(matches!(error, Error::OutOfBounds(_)), "{error:?}");
+    // The allocation itself, and a range inside it, are accepted.
+    worker
+        .add_region(kvcsum::Region {
+            address: base,
+            length: 4096,
+        })
+        .expect("whole allocation");
+    worker
+        .add_region(kvcsum::Region {
+            address: base + 1024,
+            length: 512,
+        })
+        .expect("inside");
+    drop(worker);
+    // SAFETY: allocated above; the worker that registered it is gone.
+    unsafe { cu::free_sync(base).expect("free") };
+}

@@ -138,6 +138,81 @@ impl DeviceEngine {
         &self.description
     }
 
+    /// Checks that `address .. address + length` is memory this device can
+    /// read: device memory of this device or pinned host memory, mapped
+    /// without gaps (it may span several allocations, as with PyTorch's
+    /// expandable segments). A host pointer or a range running past what is
+    /// mapped would otherwise fault the kernel and poison the context.
+    pub fn check_region(&self, address: u64, length: u64) -> Result<()> {
+        self.context.bind_to_thread().map_err(device_error("cuCtxSetCurrent"))?;
+        let end = address as u128 + length as u128;
+        let mut cursor = address;
+        while (cursor as u128) < end {
+            let (start, size) = self.allocation_at(cursor).map_err(|reason| {
+                if cursor == address {
+                    err!(InvalidArgument, "address {address:#x} {reason}")
+                } else {
+                    err!(
+                        OutOfBounds,
+                        "address {address:#x} + length {length} runs past mapped memory at {cursor:#x}, which {reason}"
+                    )
+                }
+            })?;
+            cursor = start.saturating_add(size as u64).max(cursor + 1);
+        }
+        Ok(())
+    }
+
+    /// The CUDA allocation holding `pointer` (start, size), if it is one this
+    /// device reads; otherwise why not.
+    fn allocation_at(&self, pointer: u64) -> std::result::Result<(u64, usize), String> {
+        let ordinal = self.context.ordinal();
+        let mut start: sys::CUdeviceptr = 0;
+        let mut size: usize = 0;
+        let mut memory_type: u32 = 0;
+        let mut device: i32 = -1;
+        // SAFETY: each call writes one value of the attribute's documented
+        // type (CUdeviceptr, size_t, CUmemorytype, int) to the given place.
+        unsafe {
+            let attributes: [(*mut std::ffi::c_void, sys::CUpointer_attribute); 4] = [
+                (
+                    (&mut start as *mut u64).cast(),
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                ),
+                (
+                    (&mut size as *mut usize).cast(),
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                ),
+                (
+                    (&mut memory_type as *mut u32).cast(),
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                ),
+                (
+                    (&mut device as *mut i32).cast(),
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                ),
+            ];
+            for (place, attribute) in attributes {
+                sys::cuPointerGetAttribute(place, attribute, pointer)
+                    .result()
+                    .map_err(|e| {
+                        format!(
+                        "is not memory that CUDA knows ({e}); a device worker reads device memory or pinned host memory"
+                    )
+                    })?;
+            }
+        }
+        if memory_type == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 && device != ordinal as i32 {
+            return Err(format!(
+                "is memory of device {device}, not of this worker's device {ordinal}"
+            ));
+        }
+        if size == 0 {
+            return Err("lies in an empty CUDA range".to_owned());
+        }
+        Ok((start, size))
+    }
+
     /// Uploads every group's layer descriptors after a registration.
     pub fn upload_layout(&mut self, layout: &Layout) -> Result<()> {
         self.context.bind_to_thread().map_err(device_error("cuCtxSetCurrent"))?;

@@ -139,6 +139,10 @@ pub extern "C" fn kvcs_worker_destroy(worker: *mut kvcs_worker) {
 /// Registers `length` bytes at `address` (host or device memory, as the
 /// worker) that the worker may read. The caller keeps them readable, and the
 /// bytes being checksummed unchanged during a call, while the worker lives.
+/// A device worker checks the range against CUDA: memory CUDA does not know
+/// (a plain host pointer) gives `KVCS_ERR_INVALID_ARGUMENT`, a range past
+/// the end of its allocation `KVCS_ERR_OUT_OF_BOUNDS`. A host worker cannot
+/// check host memory and trusts the caller.
 #[no_mangle]
 pub extern "C" fn kvcs_worker_add_region(worker: *mut kvcs_worker, address: u64, length: u64) -> kvcs_status {
     ffi_boundary! {
