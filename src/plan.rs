@@ -3,7 +3,7 @@
 
 use crate::blocks::{valid_tokens, BlockSet};
 use crate::error::{err, Result};
-use crate::layout::{Layout, Role};
+use crate::layout::{Group, Layout, Role};
 use crate::result::{Placement, Shape, SkippedGroup};
 
 /// One block position to checksum in every layer of its group. `repr(C)`
@@ -57,6 +57,7 @@ impl Plan {
             .collect();
         let mut num_values = 0usize;
         let mut rows_per_slot = vec![0u64; layout.groups().count()];
+        let mut last_group: Option<&Group> = None;
         for request in requests.iter() {
             let req_id = &request.req_id;
             for group_blocks in &request.groups {
@@ -65,16 +66,21 @@ impl Plan {
                     placements.push(Placement::Skipped { index: index as u32 });
                     continue;
                 }
-                let group = layout.group(group_id).ok_or_else(|| {
-                    err!(
-                        NotFound,
-                        "group_id {group_id} of req_id \"{req_id}\" is not registered on this worker"
-                    )
-                })?;
+                // Consecutive requests mostly name the same groups.
+                let group = match last_group {
+                    Some(group) if group.group_id == group_id => group,
+                    _ => layout.group(group_id).ok_or_else(|| {
+                        err!(
+                            NotFound,
+                            "group_id {group_id} of req_id \"{req_id}\" is not registered on this worker"
+                        )
+                    })?,
+                };
+                last_group = Some(group);
                 let block_ids = &group_blocks.block_ids;
                 let num_blocks = group.num_blocks();
-                // One pass that vectorises; the error path finds the culprit.
-                if block_ids.iter().fold(0, |max, &id| max.max(id)) >= num_blocks && !block_ids.is_empty() {
+                // One cheap pass; the error path finds the culprit.
+                if block_ids.iter().any(|&id| id >= num_blocks) {
                     let (i, block_id) = block_ids
                         .iter()
                         .enumerate()
@@ -110,18 +116,28 @@ impl Plan {
                 let first = group_blocks.first_position;
                 let with_tokens = end.saturating_sub(first).min(num_positions as u64) as usize;
                 rows_per_slot[group.slot as usize] += with_tokens as u64;
-                rows.extend(block_ids[..with_tokens].iter().enumerate().map(|(i, &block_id)| {
-                    let position = first + i as u64;
-                    Row {
-                        // position < end, so position * block_size < num_tokens: no overflow.
-                        first_token: position * block_size,
+                // position < end, so position * block_size < num_tokens: no
+                // overflow, and valid_tokens() is the plain difference, capped.
+                let mut first_token = first.wrapping_mul(block_size);
+                let num_tokens = request.num_tokens;
+                let slot = group.slot;
+                let out = values_offset as u32..;
+                rows.extend(block_ids[..with_tokens].iter().zip(out).map(|(&block_id, out)| {
+                    let row = Row {
+                        first_token,
                         block_id,
-                        valid_tokens: valid_tokens(request.num_tokens, group.block_size, position),
-                        out: (values_offset + i) as u32,
+                        valid_tokens: (num_tokens - first_token).min(block_size) as u32,
+                        out,
                         column_stride: num_positions as u32,
-                        group_slot: group.slot,
+                        group_slot: slot,
                         reserved: 0,
-                    }
+                    };
+                    first_token += block_size;
+                    row
+                }));
+                debug_assert!(rows.iter().rev().take(with_tokens).all(|row| {
+                    let position = row.first_token / block_size;
+                    row.valid_tokens == valid_tokens(num_tokens, group.block_size, position)
                 }));
             }
         }
