@@ -114,13 +114,20 @@ impl Device {
     }
 
     /// Milliseconds per run of `work` on the stream: median of `reps` timed batches of `inner`.
-    fn time(&self, reps: usize, inner: usize, mut work: impl FnMut()) -> f64 {
+    fn time(&self, reps: usize, inner: usize, work: impl FnMut()) -> f64 {
+        self.time_after(reps, inner, || {}, work)
+    }
+
+    /// As `time`, with `before` queued ahead of each timed batch (after one
+    /// untimed warm-up run of `work`).
+    fn time_after(&self, reps: usize, inner: usize, mut before: impl FnMut(), mut work: impl FnMut()) -> f64 {
         work();
         self.sync();
         let start = check(cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT), "event");
         let stop = check(cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT), "event");
         let mut times = Vec::new();
         for _ in 0..reps {
+            before();
             unsafe { check(cu::event::record(start, self.stream), "record") };
             for _ in 0..inner {
                 work();
@@ -128,6 +135,10 @@ impl Device {
             unsafe { check(cu::event::record(stop, self.stream), "record") };
             self.sync();
             times.push(unsafe { check(cu::event::elapsed(start, stop), "elapsed") } as f64 / inner as f64);
+        }
+        unsafe {
+            let _ = cu::event::destroy(start);
+            let _ = cu::event::destroy(stop);
         }
         times.sort_by(f64::total_cmp);
         times[times.len() / 2]
@@ -286,18 +297,28 @@ fn build_case(
     }
 }
 
-fn ceiling_ms(dev: &Device, case: &Case) -> f64 {
+/// Queues the read kernel over `case`'s chunks: `blocks` blocks (grid-stride).
+fn read_case(dev: &Device, case: &Case, blocks: u32) {
     let mut chunks = case.chunks_device;
     let mut count = case.num_chunks;
     let mut sink = dev.sink;
-    dev.time(7, 3, || {
-        let mut params = [
-            (&mut chunks as *mut u64).cast(),
-            (&mut count as *mut u64).cast(),
-            (&mut sink as *mut u64).cast(),
-        ];
-        dev.launch(dev.read_chunks, 132 * 8, &mut params);
-    })
+    let mut params = [
+        (&mut chunks as *mut u64).cast(),
+        (&mut count as *mut u64).cast(),
+        (&mut sink as *mut u64).cast(),
+    ];
+    dev.launch(dev.read_chunks, blocks, &mut params);
+}
+
+fn ceiling_ms(dev: &Device, case: &Case) -> f64 {
+    dev.time(7, 3, || read_case(dev, case, 132 * 8))
+}
+
+/// Milliseconds per run of `work` queued 50 times behind a read of `busy`
+/// (which takes far longer than queueing them, so the host's part of each
+/// call is hidden and the events time the device alone): median of 5.
+fn queued_ms(dev: &Device, busy: &Case, work: impl FnMut()) -> f64 {
+    dev.time_after(5, 50, || read_case(dev, busy, 132 * 8), work)
 }
 
 fn checksum_ms(dev: &Device, case: &Case) -> f64 {
@@ -424,71 +445,19 @@ fn main() {
                 .unwrap(),
         );
     }) * 1e3;
-    let queued_us = {
-        let queued = 50;
-        let mut chunks = busy.chunks_device;
-        let mut count = busy.num_chunks;
-        let mut sink = dev.sink;
-        let mut times = Vec::new();
-        for _ in 0..5 {
-            let mut params = [
-                (&mut chunks as *mut u64).cast(),
-                (&mut count as *mut u64).cast(),
-                (&mut sink as *mut u64).cast(),
-            ];
-            dev.launch(dev.read_chunks, 132 * 8, &mut params);
-            times.push(dev.time(1, queued, || {
-                drop(
-                    one.worker
-                        .checksum(&one.blocks, Role::Consumer, StreamHandle(dev.stream.cast()))
-                        .unwrap(),
-                );
-            }));
-        }
-        times.sort_by(f64::total_cmp);
-        times[times.len() / 2] * 1e3
+    let checksum_one = || {
+        drop(
+            one.worker
+                .checksum(&one.blocks, Role::Consumer, StreamHandle(dev.stream.cast()))
+                .unwrap(),
+        )
     };
-    // The read ceiling of the same 2 MiB, queued the same way.
-    // The read ceiling's own launch to event, on an idle stream.
-    let read_call_to_event_us = {
-        let mut one_chunks = one.chunks_device;
-        let mut one_count = one.num_chunks;
-        let mut sink = dev.sink;
-        dev.time(200, 1, || {
-            let mut params = [
-                (&mut one_chunks as *mut u64).cast(),
-                (&mut one_count as *mut u64).cast(),
-                (&mut sink as *mut u64).cast(),
-            ];
-            dev.launch(dev.read_chunks, one_count as u32, &mut params);
-        }) * 1e3
-    };
-    let read_queued_us = {
-        let mut chunks = busy.chunks_device;
-        let mut count = busy.num_chunks;
-        let mut one_chunks = one.chunks_device;
-        let mut one_count = one.num_chunks;
-        let mut sink = dev.sink;
-        let mut times = Vec::new();
-        for _ in 0..5 {
-            let mut params = [
-                (&mut chunks as *mut u64).cast(),
-                (&mut count as *mut u64).cast(),
-                (&mut sink as *mut u64).cast(),
-            ];
-            dev.launch(dev.read_chunks, 132 * 8, &mut params);
-            times.push(dev.time(1, 50, || {
-                let mut params = [
-                    (&mut one_chunks as *mut u64).cast(),
-                    (&mut one_count as *mut u64).cast(),
-                    (&mut sink as *mut u64).cast(),
-                ];
-                dev.launch(dev.read_chunks, one_count as u32, &mut params);
-            }));
-        }
-        times.sort_by(f64::total_cmp);
-        times[times.len() / 2] * 1e3
-    };
+    let queued_us = queued_ms(&dev, &busy, checksum_one) * 1e3;
+    // The read ceiling of the same 2 MiB: its own launch to event on an idle
+    // stream, and queued the same way.
+    let one_blocks = one.num_chunks as u32;
+    let read_call_to_event_us = dev.time(200, 1, || read_case(&dev, &one, one_blocks)) * 1e3;
+    let read_queued_us = queued_ms(&dev, &busy, || read_case(&dev, &one, one_blocks)) * 1e3;
     let mut wall = Vec::new();
     let mut inside = Vec::new();
     for _ in 0..200 {
