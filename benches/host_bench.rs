@@ -224,7 +224,7 @@ fn main() {
             for (index, worker) in workers.iter().enumerate() {
                 let start = Instant::now();
                 let result = worker
-                    .checksum(&blocks, Role::Producer, StreamHandle::none())
+                    .checksum(&blocks, Role::Producer, StreamHandle::legacy_default())
                     .expect("checksum");
                 let seconds = start.elapsed().as_secs_f64();
                 let values = result.values().expect("host values are ready").to_vec();

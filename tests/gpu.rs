@@ -430,12 +430,12 @@ fn device_rejects_bad_input_like_the_host() {
         let blocks = block_set(&[requests]);
         let host = pair
             .host
-            .checksum(&blocks, Role::Consumer, StreamHandle::none())
+            .checksum(&blocks, Role::Consumer, StreamHandle::legacy_default())
             .err()
             .expect("host rejects");
         let device = pair
             .device
-            .checksum(&blocks, Role::Consumer, StreamHandle::none())
+            .checksum(&blocks, Role::Consumer, StreamHandle::legacy_default())
             .err()
             .expect("device rejects");
         assert_eq!(device, host, "same error on both engines");
@@ -565,4 +565,111 @@ fn device_worker_rejects_memory_it_cannot_read() {
     drop(worker);
     // SAFETY: allocated above; the worker that registered it is gone.
     unsafe { cu::free_sync(base).expect("free") };
+}
+
+/// A kernel that keeps a stream busy: one thread spins for `cycles` clocks.
+const SPIN_KERNEL: &str = r#"
+extern "C" __global__ void spin(unsigned long long cycles) {
+    long long start = clock64();
+    while ((unsigned long long)(clock64() - start) < cycles) {
+    }
+}
+"#;
+
+/// The stream rule: the checksum runs after everything already queued on the
+/// stream the caller names, which is the KV being written there behind a
+/// long kernel. NULL is the legacy default stream, 0x2 the per-thread
+/// default stream; an explicit stream is the third case. Were the work put
+/// on any other stream, it would read the stale bytes the cache held before.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_orders_after_work_queued_on_the_callers_stream() {
+    let mut rng = Rng::for_test("device_orders_after_work_queued_on_the_callers_stream");
+    println!("seed {} ({NEEDS_GPU})", rng.seed());
+    let kv = LogicalKv::random(&mut rng, KvShape::gqa(4, 2, 128, 500));
+    let shard = shard(&kv, 0, 1, 0, 1);
+    let mut placement = Placement::for_shard(&mut rng, &kv, &shard, LayoutKind::Hnd, 0, 16, 80);
+    let requests = requests_for(&mut rng, &kv, &mut [&mut placement], 2);
+    let pair = Pair::new(0, 1, &[&placement]);
+    let blocks = block_set(&requests);
+    let expected = pair.compare(&blocks, Role::Consumer, "reference call");
+
+    let context = pair._copies[0].context.clone();
+    context.bind_to_thread().expect("bind");
+    let (major, minor) = context.compute_capability().expect("capability");
+    let options = cudarc::nvrtc::CompileOptions {
+        options: vec![format!("--gpu-architecture=sm_{major}{minor}")],
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(SPIN_KERNEL, options).expect("compile spin kernel");
+    let module = context.load_module(ptx).expect("load spin kernel");
+    let spin = module.load_function("spin").expect("spin").cu_function();
+    let clock_khz = context
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
+        .expect("clock rate") as u64;
+
+    // The true KV, kept aside in device memory: the cache is overwritten with
+    // other random bytes, and each case copies the true KV back on its stream.
+    let cache = &pair._copies[0];
+    let lengths: Vec<usize> = placement.buffers().iter().map(|b| b.len()).collect();
+    // SAFETY: fresh allocations of the cache buffers' lengths, copied from them.
+    let sources: Vec<u64> = cache
+        .bases
+        .iter()
+        .zip(&lengths)
+        .map(|(&base, &len)| unsafe {
+            let source = cu::malloc_sync(len).expect("cuMemAlloc");
+            cu::memcpy_dtod_sync(source, base, len).expect("copy aside");
+            source
+        })
+        .collect();
+    let explicit = cu::stream::create(cu::stream::StreamKind::NonBlocking).expect("stream");
+    let cases: [(&str, sys::CUstream); 3] = [
+        ("NULL (legacy default stream)", std::ptr::null_mut()),
+        ("CU_STREAM_PER_THREAD", 0x2 as sys::CUstream),
+        ("an explicit non-blocking stream", explicit),
+    ];
+    for (name, stream) in cases {
+        for (&base, &len) in cache.bases.iter().zip(&lengths) {
+            let stale: Vec<u8> = (0..len).map(|_| rng.next_u64() as u8).collect();
+            // SAFETY: `base` holds `len` bytes; the copy is synchronous.
+            unsafe { cu::memcpy_htod_sync(base, &stale).expect("stale bytes") };
+        }
+        // SAFETY: the spin kernel takes one u64 by value; the copies stay in
+        // allocations of `len` bytes that outlive the work (synchronised below).
+        unsafe {
+            let mut cycles = clock_khz * 200; // about 200 ms
+            let mut params = [(&mut cycles as *mut u64).cast::<std::ffi::c_void>()];
+            cu::launch_kernel(spin, (1, 1, 1), (1, 1, 1), 0, stream, &mut params).expect("spin");
+            for ((&base, &source), &len) in cache.bases.iter().zip(&sources).zip(&lengths) {
+                sys::cuMemcpyDtoDAsync_v2(base, source, len, stream)
+                    .result()
+                    .expect("write the KV on the stream");
+            }
+        }
+        let result = pair
+            .device
+            .checksum(&blocks, Role::Consumer, StreamHandle(stream.cast()))
+            .expect("checksum");
+        assert!(
+            !result.is_ready().expect("query"),
+            "{name}: the result was ready while the stream was still busy"
+        );
+        result.wait().expect("wait");
+        assert_eq!(
+            all_columns(&result),
+            expected,
+            "{name}: the checksum did not see the KV written on the caller's stream (seed {})",
+            rng.seed()
+        );
+        // SAFETY: the stream's work is done once synchronised.
+        unsafe { cu::stream::synchronize(stream).expect("sync") };
+    }
+    // SAFETY: nothing is queued any more; these are ours.
+    unsafe {
+        let _ = cu::stream::destroy(explicit);
+        for source in sources {
+            let _ = cu::free_sync(source);
+        }
+    }
 }

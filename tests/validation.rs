@@ -545,7 +545,7 @@ fn bad_block_ids_fail_the_whole_call() {
         let context = format!("block id {bad_id} at position {position}");
         for role in [Role::Producer, Role::Consumer] {
             expect_error(
-                worker.checksum(&blocks, role, StreamHandle::none()),
+                worker.checksum(&blocks, role, StreamHandle::legacy_default()),
                 "OutOfBounds",
                 &needles,
                 &context,
@@ -558,7 +558,7 @@ fn bad_block_ids_fail_the_whole_call() {
     blocks.add_group("g", 42, 0, &[0]).unwrap();
     let needles = ["group_id 42", "req_id \"g\"", "not registered"];
     expect_error(
-        worker.checksum(&blocks, Role::Producer, StreamHandle::none()),
+        worker.checksum(&blocks, Role::Producer, StreamHandle::legacy_default()),
         "NotFound",
         &needles,
         "group",
@@ -600,7 +600,7 @@ fn block_ids_are_checked_against_the_smallest_cache_of_the_group() {
     blocks.add_group("r", 0, 0, &[3, 4]).unwrap();
     let needles = ["block id 4", "num_blocks 4"];
     expect_error(
-        worker.checksum(&blocks, Role::Consumer, StreamHandle::none()),
+        worker.checksum(&blocks, Role::Consumer, StreamHandle::legacy_default()),
         "OutOfBounds",
         &needles,
         "min",

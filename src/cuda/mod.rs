@@ -66,8 +66,6 @@ pub struct DeviceEngine {
     context: Arc<CudaContext>,
     kernels: Arc<Kernels>,
     pool: Arc<SlotPool>,
-    /// Used when the caller passes no stream.
-    own_stream: sys::CUstream,
     /// Host copy of the layer table (groups per role, layers).
     table: LayerTable,
     /// Its device copy; None before the first layer.
@@ -78,8 +76,9 @@ pub struct DeviceEngine {
     description: String,
 }
 
-// SAFETY: the stream handle is only used with the context bound, and CUDA
-// streams may be used from any thread.
+// SAFETY: the engine holds CUDA handles (context, module, device memory)
+// that the driver lets any thread use once the context is bound, which every
+// call does first.
 unsafe impl Send for DeviceEngine {}
 // SAFETY: as above; shared calls only enqueue work.
 unsafe impl Sync for DeviceEngine {}
@@ -117,15 +116,12 @@ impl DeviceEngine {
             "device {ordinal} (sm_{major}{minor}, {processors} SMs): kvcs_checksum uses {registers} registers, \
              {blocks_per_processor} blocks of {THREADS_PER_BLOCK} threads per SM"
         );
-        let own_stream =
-            cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(device_error("cuStreamCreate"))?;
         let pool = Arc::new(SlotPool::new(context.clone()));
         pool.reserve(RESERVED_SLOTS, 4096, 4096)?;
         Ok(DeviceEngine {
             pool,
             context,
             kernels,
-            own_stream,
             table: LayerTable::default(),
             device_table: None,
             resident_warps,
@@ -223,8 +219,9 @@ impl DeviceEngine {
         Ok(())
     }
 
-    /// Queues the plan's checksums on `stream` (or the worker's own) and
-    /// returns without waiting: at most one upload, one launch, one event.
+    /// Queues the plan's checksums on `stream`, the caller's handle passed to
+    /// the driver unchanged (null is the legacy default stream), and returns
+    /// without waiting: at most one upload, one launch, one event.
     pub fn compute(&self, plan: &Plan, role: Role, stream: StreamHandle) -> Result<Values> {
         let num_values = plan.num_values;
         let (Some(device_table), false) = (&self.device_table, plan.rows.is_empty()) else {
@@ -232,11 +229,9 @@ impl DeviceEngine {
             return Ok(Values::Ready(vec![0; num_values]));
         };
         self.context.bind_to_thread().map_err(device_error("cuCtxSetCurrent"))?;
-        let stream = if stream.0.is_null() {
-            self.own_stream
-        } else {
-            stream.0 as sys::CUstream
-        };
+        // Null stays null: CUDA's legacy default stream, never a private
+        // one, so the work is ordered after what the caller queued there.
+        let stream = stream.0 as sys::CUstream;
         let groups = &self.table.groups[role_index(role)];
         let rows = &plan.rows;
 
@@ -345,16 +340,6 @@ impl DeviceEngine {
             slot: Some(slot),
             num_values,
         })))
-    }
-}
-
-impl Drop for DeviceEngine {
-    fn drop(&mut self) {
-        // Work still queued on the stream finishes first; the driver frees it then.
-        if self.context.bind_to_thread().is_ok() {
-            // SAFETY: our own stream, destroyed once.
-            let _ = unsafe { cu::stream::destroy(self.own_stream) };
-        }
     }
 }
 

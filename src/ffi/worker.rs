@@ -235,7 +235,10 @@ pub enum kvcs_role {
 
 /// Computes (host worker) or queues (device worker) the partial checksums of
 /// every block in `blocks`, in `role` (a `kvcs_role` value). A device worker
-/// queues its work on `cuda_stream` (a `CUstream`; NULL = its own stream) and
+/// queues its work on `cuda_stream`, a `CUstream` that NULL names as it does
+/// to CUDA: the legacy default stream, so the work runs after everything
+/// already queued there (PyTorch's default stream passes 0); a per-thread
+/// default stream (`CU_STREAM_PER_THREAD`) is passed through as well. It
 /// never blocks the host; read the values once `kvcs_result_query` says
 /// ready. Any block id at or past its cache's `num_blocks` fails the call
 /// with `KVCS_ERR_OUT_OF_BOUNDS` and nothing is computed. On success `*out`

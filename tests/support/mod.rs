@@ -1067,7 +1067,9 @@ pub fn register_host(worker: &mut Worker, placement: &Placement) {
 
 /// Runs a checksum call and waits for its values.
 pub fn checksum(worker: &Worker, blocks: &BlockSet, role: Role) -> Checksums {
-    let result = worker.checksum(blocks, role, StreamHandle::none()).expect("checksum");
+    let result = worker
+        .checksum(blocks, role, StreamHandle::legacy_default())
+        .expect("checksum");
     result.wait().expect("wait");
     result
 }
