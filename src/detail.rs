@@ -13,7 +13,7 @@ use crate::error::{err, Result};
 use crate::host;
 use crate::layout::{Layout, Role};
 use crate::plan::Plan;
-use crate::record::{LayerPartial, RequestLayers};
+use crate::result::{LayerPartial, RequestLayers};
 
 /// The layer partials of every request and group of `blocks`, computed on
 /// the host engine with `threads` threads. `blocks` must already have passed

@@ -54,6 +54,25 @@ pub enum Role {
     Consumer,
 }
 
+impl Role {
+    /// The role's number in records and the C API (`KVCS_ROLE_*`): 0 producer, 1 consumer.
+    pub fn code(self) -> u32 {
+        match self {
+            Role::Producer => 0,
+            Role::Consumer => 1,
+        }
+    }
+
+    /// The role numbered `code` (see [`Role::code`]), or `None`.
+    pub fn from_code(code: u64) -> Option<Role> {
+        match code {
+            0 => Some(Role::Producer),
+            1 => Some(Role::Consumer),
+            _ => None,
+        }
+    }
+}
+
 impl ReplicaKey {
     /// Whether a worker in `role` computes this key's column.
     pub fn computed_in(self, role: Role) -> bool {

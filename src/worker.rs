@@ -7,11 +7,12 @@ use crate::blocks::BlockSet;
 use crate::cuda;
 use crate::detail;
 use crate::error::{err, Result};
+use crate::fingerprint::group_fingerprint;
 use crate::host;
 use crate::layout::{LayerSpec, Layout, Region, Role};
 use crate::plan::Plan;
-use crate::record::{self, GroupInfo, Rank, RecordInfo};
-use crate::result::{Checksums, Values};
+use crate::result::{Checksums, GroupInfo, Rank, RecordInfo, Values};
+use crate::stream::StreamHandle;
 
 /// Where a worker's caches live and how it is placed in the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,6 +29,30 @@ pub struct WorkerOptions {
     pub num_threads: u32,
 }
 
+impl WorkerOptions {
+    /// The place of a worker created with these options.
+    pub fn rank(&self) -> Rank {
+        Rank {
+            tp_rank: self.tp_rank,
+            tp_size: self.tp_size,
+            pp_rank: self.pp_rank,
+        }
+    }
+}
+
+/// The group facts of a layout, sorted by group id (fingerprints hashed now).
+fn group_infos(layout: &Layout) -> Vec<GroupInfo> {
+    layout
+        .groups()
+        .map(|group| GroupInfo {
+            group_id: group.group_id,
+            block_size: group.block_size,
+            fingerprint: group_fingerprint(group),
+            shard_keyed: false,
+        })
+        .collect()
+}
+
 enum Engine {
     Host { threads: usize },
     Device(cuda::DeviceEngine),
@@ -42,26 +67,6 @@ pub struct Worker {
     detail: bool,
     /// The record's group facts (fingerprints hashed once), reset when the layout changes.
     group_infos: OnceLock<Arc<[GroupInfo]>>,
-}
-
-/// A CUDA stream handle (`CUstream`) as the caller gives it, passed to the
-/// driver unchanged: null is CUDA's legacy default stream, `0x2`
-/// (`CU_STREAM_PER_THREAD`) the calling thread's default stream. A device
-/// worker's work is ordered after everything already queued on that stream.
-/// Meaningless for host workers.
-#[derive(Debug, Clone, Copy)]
-pub struct StreamHandle(pub *mut std::ffi::c_void);
-
-impl StreamHandle {
-    /// CUDA's legacy default stream (a null `CUstream`); host workers take it too.
-    pub fn legacy_default() -> Self {
-        StreamHandle(std::ptr::null_mut())
-    }
-
-    /// The calling thread's per-thread default stream (`CU_STREAM_PER_THREAD`).
-    pub fn per_thread_default() -> Self {
-        StreamHandle(0x2 as *mut std::ffi::c_void)
-    }
 }
 
 impl Worker {
@@ -170,10 +175,10 @@ impl Worker {
         };
         let groups = self
             .group_infos
-            .get_or_init(|| record::group_infos(&self.layout).into())
+            .get_or_init(|| group_infos(&self.layout).into())
             .clone();
         let info = RecordInfo {
-            rank: Rank::of(&self.options),
+            rank: self.options.rank(),
             role,
             groups,
             detail,

@@ -2,14 +2,16 @@
 
 use std::ffi::{c_char, c_void};
 
-use super::blocks::{blocks_ref, kvcs_blocks};
+use super::blocks::kvcs_blocks;
+use super::handle::{free, handle, into_handle, try_handle, try_handle_mut};
 use super::panic::ffi_boundary;
-use super::result::{kvcs_result, result_into_handle};
+use super::result::kvcs_result;
 use super::status::{fail, kvcs_status, KVCS_HOST};
-use super::{c_array, c_str, not_null, try_engine, try_mut, try_ref, write_out};
+use super::{c_array, c_str, not_null, try_engine, try_ref, write_out};
 use crate::error::err;
-use crate::layout::{LayerSpec, Region, ReplicaKey, Role, Segment};
-use crate::worker::{StreamHandle, Worker, WorkerOptions};
+use crate::layout::{LayerSpec, Region, ReplicaKey, Segment};
+use crate::stream::StreamHandle;
+use crate::worker::{Worker, WorkerOptions};
 
 /// A worker context: the layout one TP rank / PP stage registered and the
 /// engine (host threads or one CUDA device) that checksums it.
@@ -94,10 +96,7 @@ pub struct kvcs_layer {
     pub identity_len: usize,
 }
 
-/// The worker behind a handle (a `Box<Worker>` made by `kvcs_worker_create`).
-fn worker_mut(worker: *mut kvcs_worker) -> *mut Worker {
-    worker.cast()
-}
+handle!(kvcs_worker => Worker);
 
 /// Creates a worker. A device worker uses the device's primary context;
 /// where no CUDA driver or NVRTC is present it fails with `KVCS_ERR_DEVICE`.
@@ -120,7 +119,7 @@ pub extern "C" fn kvcs_worker_create(options: *const kvcs_worker_options, out: *
             num_threads: options.num_threads,
         }));
         // SAFETY: `out` is non-NULL (checked above) and writable per the contract.
-        unsafe { out.write(Box::into_raw(Box::new(worker)).cast()) };
+        unsafe { out.write(into_handle(worker)) };
         kvcs_status::KVCS_OK
     }
 }
@@ -129,10 +128,8 @@ pub extern "C" fn kvcs_worker_create(options: *const kvcs_worker_options, out: *
 #[no_mangle]
 pub extern "C" fn kvcs_worker_destroy(worker: *mut kvcs_worker) {
     ffi_boundary! {
-        if !worker.is_null() {
-            // SAFETY: made by `kvcs_worker_create` and not freed before.
-            drop(unsafe { Box::from_raw(worker_mut(worker)) });
-        }
+        // SAFETY: NULL, or made by `kvcs_worker_create` and not freed before (the contract).
+        unsafe { free(worker) };
     }
 }
 
@@ -146,7 +143,7 @@ pub extern "C" fn kvcs_worker_destroy(worker: *mut kvcs_worker) {
 #[no_mangle]
 pub extern "C" fn kvcs_worker_add_region(worker: *mut kvcs_worker, address: u64, length: u64) -> kvcs_status {
     ffi_boundary! {
-        let worker = try_mut!(worker_mut(worker), "worker");
+        let worker = try_handle_mut!(worker, "worker");
         try_engine!(worker.add_region(Region { address, length }));
         kvcs_status::KVCS_OK
     }
@@ -156,7 +153,7 @@ pub extern "C" fn kvcs_worker_add_region(worker: *mut kvcs_worker, address: u64,
 #[no_mangle]
 pub extern "C" fn kvcs_worker_add_group(worker: *mut kvcs_worker, group_id: u32, block_size: u32) -> kvcs_status {
     ffi_boundary! {
-        let worker = try_mut!(worker_mut(worker), "worker");
+        let worker = try_handle_mut!(worker, "worker");
         try_engine!(worker.add_group(group_id, block_size));
         kvcs_status::KVCS_OK
     }
@@ -172,7 +169,7 @@ pub extern "C" fn kvcs_worker_skip_group(
     reason: *const c_char,
 ) -> kvcs_status {
     ffi_boundary! {
-        let worker = try_mut!(worker_mut(worker), "worker");
+        let worker = try_handle_mut!(worker, "worker");
         // SAFETY: NULL or a NUL-terminated string per the contract.
         let reason = try_engine!(unsafe { c_str(reason, "reason") });
         try_engine!(worker.skip_group(group_id, reason));
@@ -186,7 +183,7 @@ pub extern "C" fn kvcs_worker_skip_group(
 #[no_mangle]
 pub extern "C" fn kvcs_worker_add_layer(worker: *mut kvcs_worker, layer: *const kvcs_layer) -> kvcs_status {
     ffi_boundary! {
-        let worker = try_mut!(worker_mut(worker), "worker");
+        let worker = try_handle_mut!(worker, "worker");
         let layer = try_ref!(layer, "layer");
         if !(1..=2).contains(&layer.num_segments) {
             return fail(&err!(InvalidArgument, "layer.num_segments is {}, not 1 or 2", layer.num_segments));
@@ -252,17 +249,13 @@ pub extern "C" fn kvcs_worker_checksum(
     out: *mut *mut kvcs_result,
 ) -> kvcs_status {
     ffi_boundary! {
-        let worker = try_mut!(worker_mut(worker), "worker");
-        let blocks = try_ref!(blocks_ref(blocks), "blocks");
+        let worker = try_handle_mut!(worker, "worker");
+        let blocks = try_handle!(blocks, "blocks");
         not_null!(out, "out");
-        let role = match role {
-            0 => Role::Producer,
-            1 => Role::Consumer,
-            r => return fail(&err!(InvalidArgument, "role {r} is neither KVCS_ROLE_PRODUCER (0) nor KVCS_ROLE_CONSUMER (1)")),
-        };
+        let role = try_engine!(super::role_arg(role));
         let result = try_engine!(worker.checksum(blocks, role, StreamHandle(cuda_stream)));
         // SAFETY: `out` is non-NULL (checked above) and writable per the contract.
-        unsafe { write_out(out, result_into_handle(result)) };
+        unsafe { write_out(out, into_handle(result)) };
         kvcs_status::KVCS_OK
     }
 }
@@ -275,7 +268,7 @@ pub extern "C" fn kvcs_worker_checksum(
 #[no_mangle]
 pub extern "C" fn kvcs_worker_set_detail(worker: *mut kvcs_worker, on: u32) -> kvcs_status {
     ffi_boundary! {
-        let worker = try_mut!(worker_mut(worker), "worker");
+        let worker = try_handle_mut!(worker, "worker");
         let on = match on {
             0 => false,
             1 => true,
