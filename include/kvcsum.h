@@ -611,6 +611,24 @@ kvcs_status kvcs_worker_skip_group(kvcs_worker *worker, uint32_t group_id, const
 // nothing is registered. A device worker uploads the descriptors here.
 kvcs_status kvcs_worker_add_layer(kvcs_worker *worker, const kvcs_layer *layer);
 
+// Registers layer `layer_number` of group `group_id` as one that reads the
+// cache of the registered layer `target_layer_number` of the same group
+// (vLLM's KV sharing) instead of a cache of its own. Its `identity`
+// (`identity_len` bytes, as for `kvcs_layer.identity`) counts in the group
+// fingerprint, so that the fingerprint names every layer of the group as
+// vLLM's does; it adds no checksum, since the shared cache is checksummed
+// once, as its target's. Register it after its target, on every worker
+// that registers the target. `KVCS_ERR_NOT_FOUND` when the group or the
+// target is not registered; `KVCS_ERR_INVALID_ARGUMENT` when
+// `layer_number` is already registered (as a layer or an alias) or names
+// itself. On any error nothing is registered.
+kvcs_status kvcs_worker_add_alias(kvcs_worker *worker,
+                                  uint32_t group_id,
+                                  uint32_t layer_number,
+                                  uint32_t target_layer_number,
+                                  const uint8_t *identity,
+                                  size_t identity_len);
+
 // Computes (host worker) or queues (device worker) the partial checksums of
 // every block in `blocks`, in `role` (a `kvcs_role` value). A device worker
 // queues its work on `cuda_stream`, a `CUstream` that NULL names as it does

@@ -116,6 +116,19 @@ pub struct Layer {
     pub segment_piece_offsets: Vec<u64>,
 }
 
+/// A layer that reads another layer's cache (vLLM's KV sharing): it counts
+/// in its group's fingerprint (SPEC section 7) and adds no checksum, since
+/// the cache it reads is checksummed once, as its target's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Alias {
+    /// Model-wide layer number of the sharing layer.
+    pub layer_number: u32,
+    /// Layer number of the registered layer whose cache it reads.
+    pub target_layer_number: u32,
+    /// Bytes hashed into the group fingerprint.
+    pub identity: Vec<u8>,
+}
+
 /// Layers sharing one block table and block size.
 #[derive(Debug, Clone)]
 pub struct Group {
@@ -129,6 +142,8 @@ pub struct Group {
     /// Registered layers, in registration order (added only through
     /// `push`, which keeps the fields below in step).
     pub(crate) layers: Vec<Layer>,
+    /// Layers that read another layer's cache, in registration order.
+    pub(crate) aliases: Vec<Alias>,
     /// Sorted replica keys of the columns computed as producer, then as
     /// consumer; shared with every result of the group.
     columns: [Arc<[ReplicaKey]>; 2],
@@ -143,6 +158,7 @@ impl Group {
             slot,
             block_size,
             layers: Vec::new(),
+            aliases: Vec::new(),
             columns: [Arc::from([]), Arc::from([])],
             num_blocks: u32::MAX,
         }
@@ -167,6 +183,11 @@ impl Group {
     /// Registered layers, in registration order.
     pub fn layers(&self) -> &[Layer] {
         &self.layers
+    }
+
+    /// Registered aliases (layers reading another layer's cache).
+    pub fn aliases(&self) -> &[Alias] {
+        &self.aliases
     }
 
     /// The smallest block count of the group's caches: block ids must be below it.
@@ -252,6 +273,47 @@ impl Layout {
         Ok(())
     }
 
+    /// Registers `alias.layer_number` as a layer of `group_id` that reads the
+    /// cache of the registered layer `alias.target_layer_number` of the same
+    /// group: its identity counts in the group fingerprint, and it adds no
+    /// checksum. On error nothing changes.
+    pub fn add_alias(&mut self, group_id: u32, alias: Alias) -> Result<()> {
+        let layer_number = alias.layer_number;
+        let target = alias.target_layer_number;
+        let slot = *self.slots.get(&group_id).ok_or_else(|| {
+            err!(
+                NotFound,
+                "group_id {group_id} is not registered (alias layer_number {layer_number})"
+            )
+        })?;
+        if layer_number == target {
+            return Err(err!(
+                InvalidArgument,
+                "layer_number {layer_number} names itself as target_layer_number"
+            ));
+        }
+        let group = &self.groups[slot as usize];
+        if !group.layers.iter().any(|layer| layer.spec.layer_number == target) {
+            return Err(err!(
+                NotFound,
+                "target_layer_number {target} is not a registered layer of group_id {group_id} (alias layer_number {layer_number})"
+            ));
+        }
+        for other in &self.groups {
+            let registered = other.layers.iter().any(|layer| layer.spec.layer_number == layer_number)
+                || other.aliases.iter().any(|a| a.layer_number == layer_number);
+            if registered {
+                return Err(err!(
+                    InvalidArgument,
+                    "layer_number {layer_number} is already registered (in group_id {}); an alias is a layer without a cache of its own",
+                    other.group_id
+                ));
+            }
+        }
+        self.groups[slot as usize].aliases.push(alias);
+        Ok(())
+    }
+
     fn check_layer(&self, spec: LayerSpec) -> Result<Layer> {
         let layer_number = spec.layer_number;
         let group = self.group(spec.group_id).ok_or_else(|| {
@@ -312,6 +374,17 @@ impl Layout {
             self.check_segment(&spec, index, segment)?;
             segment_piece_offsets.push(pieces_per_token);
             pieces_per_token += segment.bytes_per_token as u64 / PIECE_BYTES;
+        }
+        if let Some(group) = self
+            .groups
+            .iter()
+            .find(|g| g.aliases.iter().any(|a| a.layer_number == layer_number))
+        {
+            return Err(err!(
+                InvalidArgument,
+                "layer_number {layer_number} is registered as an alias in group_id {}",
+                group.group_id
+            ));
         }
         for other in self.groups.iter().flat_map(|g| g.layers.iter()) {
             let other = &other.spec;

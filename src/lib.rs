@@ -40,7 +40,7 @@ pub(crate) mod worker;
 pub use blocks::{BlockSet, GroupBlocks, RequestBlocks};
 pub use cuda::{checksum_ptx, libraries_present};
 pub use error::{Error, Result};
-pub use layout::{LayerSpec, Layout, Region, ReplicaKey, Role, Segment};
+pub use layout::{Alias, LayerSpec, Layout, Region, ReplicaKey, Role, Segment};
 /// A call's blocks checked and laid out; public so that benchmarks can time it.
 pub use plan::Plan;
 pub use result::{Checksums, GroupChecksums, RequestChecksums, SkippedGroup};

@@ -9,7 +9,7 @@ use crate::detail;
 use crate::error::{err, Result};
 use crate::fingerprint::group_fingerprint;
 use crate::host;
-use crate::layout::{LayerSpec, Layout, Region, Role};
+use crate::layout::{Alias, LayerSpec, Layout, Region, Role};
 use crate::plan::Plan;
 use crate::result::{Checksums, GroupInfo, Rank, RecordInfo, Values};
 use crate::stream::StreamHandle;
@@ -156,6 +156,14 @@ impl Worker {
             device.upload_layout(&layout)?;
         }
         self.layout = layout;
+        self.group_infos = OnceLock::new();
+        Ok(())
+    }
+
+    /// Registers a layer that reads another layer's cache (see
+    /// [`Layout::add_alias`]); on error nothing changes.
+    pub fn add_alias(&mut self, group_id: u32, alias: Alias) -> Result<()> {
+        self.layout.add_alias(group_id, alias)?;
         self.group_infos = OnceLock::new();
         Ok(())
     }

@@ -9,7 +9,7 @@ use super::result::kvcs_result;
 use super::status::{fail, kvcs_status, KVCS_HOST};
 use super::{c_array, c_str, not_null, try_engine, try_ref, write_out};
 use crate::error::err;
-use crate::layout::{LayerSpec, Region, ReplicaKey, Segment};
+use crate::layout::{Alias, LayerSpec, Region, ReplicaKey, Segment};
 use crate::stream::StreamHandle;
 use crate::worker::{Worker, WorkerOptions};
 
@@ -215,6 +215,36 @@ pub extern "C" fn kvcs_worker_add_layer(worker: *mut kvcs_worker, layer: *const 
             identity: identity.to_vec(),
         };
         try_engine!(worker.add_layer(spec));
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// Registers layer `layer_number` of group `group_id` as one that reads the
+/// cache of the registered layer `target_layer_number` of the same group
+/// (vLLM's KV sharing) instead of a cache of its own. Its `identity`
+/// (`identity_len` bytes, as for `kvcs_layer.identity`) counts in the group
+/// fingerprint, so that the fingerprint names every layer of the group as
+/// vLLM's does; it adds no checksum, since the shared cache is checksummed
+/// once, as its target's. Register it after its target, on every worker
+/// that registers the target. `KVCS_ERR_NOT_FOUND` when the group or the
+/// target is not registered; `KVCS_ERR_INVALID_ARGUMENT` when
+/// `layer_number` is already registered (as a layer or an alias) or names
+/// itself. On any error nothing is registered.
+#[no_mangle]
+pub extern "C" fn kvcs_worker_add_alias(
+    worker: *mut kvcs_worker,
+    group_id: u32,
+    layer_number: u32,
+    target_layer_number: u32,
+    identity: *const u8,
+    identity_len: usize,
+) -> kvcs_status {
+    ffi_boundary! {
+        let worker = try_handle_mut!(worker, "worker");
+        // SAFETY: the contract gives `identity_len` readable bytes.
+        let identity = try_engine!(unsafe { c_array(identity, identity_len, "identity") });
+        let alias = Alias { layer_number, target_layer_number, identity: identity.to_vec() };
+        try_engine!(worker.add_alias(group_id, alias));
         kvcs_status::KVCS_OK
     }
 }
