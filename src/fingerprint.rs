@@ -34,7 +34,8 @@ pub fn group_fingerprint(group: &Group) -> u64 {
         .layers
         .iter()
         .map(|layer| &layer.spec.identity)
-        .chain(group.aliases.iter().map(|alias| &alias.identity));
+        .chain(group.aliases.iter().map(|alias| &alias.identity))
+        .chain(group.states.iter().map(|state| &state.spec.identity));
     identities.fold(0u64, |sum, identity| sum.wrapping_add(layer_fingerprint(identity)))
 }
 

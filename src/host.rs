@@ -71,7 +71,20 @@ pub fn compute(layout: &Layout, plan: &Plan, role: Role, num_threads: usize) -> 
             work();
         });
     }
-    values.into_iter().map(AtomicU64::into_inner).collect()
+    let mut values: Vec<u64> = values.into_iter().map(AtomicU64::into_inner).collect();
+    add_states(layout, plan, &mut values);
+    values
+}
+
+/// Adds the state layers' checksums (SPEC section 6) of the plan's rows of
+/// state groups, on the calling thread.
+fn add_states(layout: &Layout, plan: &Plan, values: &mut [u64]) {
+    for row in &plan.rows {
+        for state in layout.group_in_slot(row.group_slot).states() {
+            let value = &mut values[row.out as usize];
+            *value = value.wrapping_add(state.block_checksum(row.block_id));
+        }
+    }
 }
 
 /// `sum over heads of m * s` for one block position of one layer.

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use crate::checksum::{MAX_KV_HEADS_PER_LAYER, PIECE_BYTES};
 use crate::error::{err, Result};
+use crate::state::{StateLayer, StateSpec};
 
 /// A range of memory the worker may read: `address .. address + length`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -144,6 +145,9 @@ pub struct Group {
     pub(crate) layers: Vec<Layer>,
     /// Layers that read another layer's cache, in registration order.
     pub(crate) aliases: Vec<Alias>,
+    /// State layers (SPEC section 6), in registration order; a group holds
+    /// attention layers or state layers, never both.
+    pub(crate) states: Vec<StateLayer>,
     /// Sorted replica keys of the columns computed as producer, then as
     /// consumer; shared with every result of the group.
     columns: [Arc<[ReplicaKey]>; 2],
@@ -159,6 +163,7 @@ impl Group {
             block_size,
             layers: Vec::new(),
             aliases: Vec::new(),
+            states: Vec::new(),
             columns: [Arc::from([]), Arc::from([])],
             num_blocks: u32::MAX,
         }
@@ -183,6 +188,32 @@ impl Group {
     /// Registered layers, in registration order.
     pub fn layers(&self) -> &[Layer] {
         &self.layers
+    }
+
+    /// Adds a checked state layer: its one column is `(1, 0)` in either role.
+    fn push_state(&mut self, state: StateLayer) {
+        self.num_blocks = self.num_blocks.min(state.spec.num_blocks);
+        let key = ReplicaKey {
+            replicas: 1,
+            replica_index: 0,
+        };
+        self.columns = [Arc::from([key]), Arc::from([key])];
+        self.states.push(state);
+    }
+
+    /// Registered state layers, in registration order.
+    pub fn states(&self) -> &[StateLayer] {
+        &self.states
+    }
+
+    /// Whether this is a state group (its layers are state layers).
+    pub fn is_state(&self) -> bool {
+        !self.states.is_empty()
+    }
+
+    /// Whether the group's checksums are shard-keyed state (TP split unknown).
+    pub fn is_shard_keyed(&self) -> bool {
+        self.states.iter().any(|state| !state.spec.split_known)
     }
 
     /// Registered aliases (layers reading another layer's cache).
@@ -314,6 +345,57 @@ impl Layout {
         Ok(())
     }
 
+    /// Registers a state layer (SPEC section 6) of a worker of TP rank
+    /// `tp_rank` after checking every constraint; on error nothing changes.
+    pub fn add_state(&mut self, spec: StateSpec, tp_rank: u32) -> Result<()> {
+        let layer_number = spec.layer_number;
+        let group_id = spec.group_id;
+        let slot = *self.slots.get(&group_id).ok_or_else(|| {
+            err!(
+                NotFound,
+                "group_id {group_id} is not registered (state layer_number {layer_number})"
+            )
+        })?;
+        let group = &self.groups[slot as usize];
+        if !group.layers.is_empty() {
+            return Err(err!(
+                InvalidArgument,
+                "group_id {group_id} holds attention layers; state layer_number {layer_number} needs a group of its own"
+            ));
+        }
+        if let Some(first) = group.states.first() {
+            if first.spec.split_known != spec.split_known {
+                return Err(err!(
+                    InvalidArgument,
+                    "split_known is {} for state layer_number {layer_number} but {} for layer_number {} of group_id {group_id}; a group's state layers agree",
+                    spec.split_known as u32,
+                    first.spec.split_known as u32,
+                    first.spec.layer_number
+                ));
+            }
+        }
+        let taken = self.groups.iter().find(|g| {
+            g.states.iter().any(|state| state.spec.layer_number == layer_number)
+                || g.aliases.iter().any(|alias| alias.layer_number == layer_number)
+        });
+        if let Some(other) = taken {
+            return Err(err!(
+                InvalidArgument,
+                "state layer_number {layer_number} is already registered (in group_id {})",
+                other.group_id
+            ));
+        }
+        let regions = &self.regions;
+        let readable = |low: i128, high: i128| {
+            regions
+                .iter()
+                .any(|r| low >= r.address as i128 && high <= r.address as i128 + r.length as i128)
+        };
+        let state = StateLayer::new(spec, tp_rank, readable)?;
+        self.groups[slot as usize].push_state(state);
+        Ok(())
+    }
+
     fn check_layer(&self, spec: LayerSpec) -> Result<Layer> {
         let layer_number = spec.layer_number;
         let group = self.group(spec.group_id).ok_or_else(|| {
@@ -323,6 +405,13 @@ impl Layout {
                 spec.group_id
             )
         })?;
+        if group.is_state() {
+            return Err(err!(
+                InvalidArgument,
+                "group_id {} is a state group; attention layer_number {layer_number} needs a group of its own",
+                spec.group_id
+            ));
+        }
         if spec.num_heads == 0 {
             return Err(err!(InvalidArgument, "num_heads is 0 (layer_number {layer_number})"));
         }

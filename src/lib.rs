@@ -4,7 +4,7 @@
 //! `tests/layers.rs`, fails on an import that runs back up):
 //!
 //! 1. arithmetic and plumbing: `error`, `checksum` (the definition), `msgpack`;
-//! 2. inputs: `layout`, `blocks`, `fingerprint`, `stream`;
+//! 2. inputs: `state` (state layers), `layout`, `blocks`, `fingerprint`, `stream`;
 //! 3. results: `result` (also the facts a record carries);
 //! 4. `plan`: a call's blocks checked and laid out as rows;
 //! 5. engines: `host`, `cuda` (the device), `detail` (per-layer partials);
@@ -33,6 +33,7 @@ pub mod payload;
 pub(crate) mod plan;
 pub mod record;
 pub(crate) mod result;
+pub(crate) mod state;
 pub(crate) mod stream;
 pub mod verify;
 pub(crate) mod worker;
@@ -44,5 +45,6 @@ pub use layout::{Alias, LayerSpec, Layout, Region, ReplicaKey, Role, Segment};
 /// A call's blocks checked and laid out; public so that benchmarks can time it.
 pub use plan::Plan;
 pub use result::{Checksums, GroupChecksums, RequestChecksums, SkippedGroup};
+pub use state::{StateSpec, StateTensor};
 pub use stream::StreamHandle;
 pub use worker::{Worker, WorkerOptions};

@@ -12,6 +12,7 @@ use crate::host;
 use crate::layout::{Alias, LayerSpec, Layout, Region, Role};
 use crate::plan::Plan;
 use crate::result::{Checksums, GroupInfo, Rank, RecordInfo, Values};
+use crate::state::StateSpec;
 use crate::stream::StreamHandle;
 
 /// Where a worker's caches live and how it is placed in the model.
@@ -48,7 +49,7 @@ fn group_infos(layout: &Layout) -> Vec<GroupInfo> {
             group_id: group.group_id,
             block_size: group.block_size,
             fingerprint: group_fingerprint(group),
-            shard_keyed: false,
+            shard_keyed: group.is_shard_keyed(),
         })
         .collect()
 }
@@ -164,6 +165,22 @@ impl Worker {
     /// [`Layout::add_alias`]); on error nothing changes.
     pub fn add_alias(&mut self, group_id: u32, alias: Alias) -> Result<()> {
         self.layout.add_alias(group_id, alias)?;
+        self.group_infos = OnceLock::new();
+        Ok(())
+    }
+
+    /// Registers a state layer (SPEC section 6) of a state group; on error
+    /// nothing changes. Host workers only for now (`Unsupported` on a device
+    /// worker).
+    pub fn add_state(&mut self, spec: StateSpec) -> Result<()> {
+        if matches!(self.engine, Engine::Device(_)) {
+            return Err(err!(
+                Unsupported,
+                "state layers (layer_number {}) are not supported on a device worker yet",
+                spec.layer_number
+            ));
+        }
+        self.layout.add_state(spec, self.options.tp_rank)?;
         self.group_infos = OnceLock::new();
         Ok(())
     }

@@ -12,7 +12,8 @@ const ORDER: &[&str] = &[
     "error",
     "checksum",
     "msgpack",
-    // inputs: layouts, block sets, fingerprints, the caller's stream
+    // inputs: state layers, layouts, block sets, fingerprints, the caller's stream
+    "state",
     "layout",
     "blocks",
     "fingerprint",

@@ -10,6 +10,7 @@ use super::status::{fail, kvcs_status, KVCS_HOST};
 use super::{c_array, c_str, not_null, try_engine, try_ref, write_out};
 use crate::error::err;
 use crate::layout::{Alias, LayerSpec, Region, ReplicaKey, Segment};
+use crate::state::{StateSpec, StateTensor, MAX_STATE_TENSORS};
 use crate::stream::StreamHandle;
 use crate::worker::{Worker, WorkerOptions};
 
@@ -215,6 +216,108 @@ pub extern "C" fn kvcs_worker_add_layer(worker: *mut kvcs_worker, layer: *const 
             identity: identity.to_vec(),
         };
         try_engine!(worker.add_layer(spec));
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// One state tensor of a state layer (SPEC section 6) as this worker holds
+/// it; strides in bytes (negative allowed), addresses and strides multiples
+/// of `element_size`.
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct kvcs_state_tensor {
+    /// Address of block (state slot) 0, row 0 (the first row held here).
+    pub address: u64,
+    /// Between blocks.
+    pub block_stride: i64,
+    /// Between rows held here.
+    pub row_stride: i64,
+    /// Global index, among the tensor's rows across TP, of the first row
+    /// held here (when the split is known).
+    pub first_row: u32,
+    /// Rows held here, at least 1.
+    pub num_rows: u32,
+    /// The tensor's rows across all TP ranks (when the split is known); the
+    /// next tensor's rows are numbered after them.
+    pub total_rows: u32,
+    /// Bytes of one row: a positive multiple of `element_size`.
+    pub bytes_per_row: u32,
+    /// 2 or 4: elements are read as unsigned little-endian integers.
+    pub element_size: u32,
+}
+
+/// A state (Mamba) layer on this worker: its tensors (conv, then ssm, say),
+/// whose rows are numbered consecutively in this order.
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct kvcs_state {
+    /// A group registered with `kvcs_worker_add_group` that holds no
+    /// attention layers.
+    pub group_id: u32,
+    /// Model-wide layer number.
+    pub layer_number: u32,
+    /// 1: each global row along the TP split is a slice, its head number the
+    /// row's global index. 0: the split is unknown; the worker's shard of
+    /// the layer is one slice with head number `tp_rank`, comparable only
+    /// between equal TP sizes. All state layers of a group agree.
+    pub split_known: u32,
+    /// Blocks (state slots) in the tensors.
+    pub num_blocks: u32,
+    /// Tensors, 1 to 16.
+    pub num_tensors: u32,
+    /// `num_tensors` tensors.
+    pub tensors: *const kvcs_state_tensor,
+    /// Hashed into the group fingerprint, as `kvcs_layer.identity`.
+    pub identity: *const u8,
+    /// Bytes of `identity`.
+    pub identity_len: usize,
+}
+
+/// Registers a state layer (SPEC section 6). A request's state is one block
+/// at position 0 of its state group (`kvcs_blocks_add_group` with
+/// `first_position` 0 and one block id); `num_tokens` does not limit it.
+/// Every byte a tensor can reach must lie in one registered region (else
+/// `KVCS_ERR_OUT_OF_BOUNDS`); a group holds attention layers or state
+/// layers, never both. Host workers only for now: `KVCS_ERR_UNSUPPORTED` on
+/// a device worker. On any error nothing is registered.
+#[no_mangle]
+pub extern "C" fn kvcs_worker_add_state(worker: *mut kvcs_worker, state: *const kvcs_state) -> kvcs_status {
+    ffi_boundary! {
+        let worker = try_handle_mut!(worker, "worker");
+        let state = try_ref!(state, "state");
+        if state.split_known > 1 {
+            return fail(&err!(InvalidArgument, "state.split_known is {}, not 0 or 1", state.split_known));
+        }
+        if state.num_tensors as usize > MAX_STATE_TENSORS || state.num_tensors == 0 {
+            return fail(&err!(InvalidArgument, "state.num_tensors is {}, not 1 to {MAX_STATE_TENSORS}", state.num_tensors));
+        }
+        // SAFETY: the contract gives `num_tensors` readable tensors.
+        let tensors = try_engine!(unsafe { c_array(state.tensors, state.num_tensors as usize, "state.tensors") });
+        // SAFETY: the contract gives `identity_len` readable bytes.
+        let identity = try_engine!(unsafe { c_array(state.identity, state.identity_len, "state.identity") });
+        let spec = StateSpec {
+            group_id: state.group_id,
+            layer_number: state.layer_number,
+            split_known: state.split_known == 1,
+            num_blocks: state.num_blocks,
+            tensors: tensors
+                .iter()
+                .map(|t| StateTensor {
+                    address: t.address,
+                    block_stride: t.block_stride,
+                    row_stride: t.row_stride,
+                    first_row: t.first_row,
+                    num_rows: t.num_rows,
+                    total_rows: t.total_rows,
+                    bytes_per_row: t.bytes_per_row,
+                    element_size: t.element_size,
+                })
+                .collect(),
+            identity: identity.to_vec(),
+        };
+        try_engine!(worker.add_state(spec));
         kvcs_status::KVCS_OK
     }
 }
