@@ -399,6 +399,18 @@ kvcs_status kvcs_blocks_add_group(kvcs_blocks *blocks,
                                   const uint32_t *block_ids,
                                   size_t n);
 
+// Gives the block hashes of group `group_id`'s blocks in request `req_id`
+// (added before with `kvcs_blocks_add_group`): `n` hashes, one per block id
+// in order, of `hash_bytes` bytes each (at least 8; only the first 8 are
+// used), for stored checksums (SPEC section 8). `n` must equal the group's
+// number of block ids. A later call replaces them.
+kvcs_status kvcs_blocks_set_hashes(kvcs_blocks *blocks,
+                                   const char *req_id,
+                                   uint32_t group_id,
+                                   const uint8_t *hashes,
+                                   size_t hash_bytes,
+                                   size_t n);
+
 // The verdict, a `kvcs_verdict` value.
 kvcs_status kvcs_report_verdict(const kvcs_report *report, uint32_t *verdict);
 
@@ -492,6 +504,16 @@ kvcs_status kvcs_result_column(const kvcs_result *result,
                                uint32_t *replicas,
                                uint32_t *replica_index,
                                uint64_t *values);
+
+// A load check's verdicts (`kvcs_worker_check_stored`) on group `group_id`
+// of request `req_id`: one `kvcs_stored_outcome` value per block position
+// (`num_positions` of `kvcs_result_group`) written to `outcomes`.
+// `KVCS_ERR_NOT_FOUND` when the result is not a load check's or the group
+// is not in it, `KVCS_ERR_NOT_READY` while a device computes.
+kvcs_status kvcs_result_stored(const kvcs_result *result,
+                               const char *req_id,
+                               uint32_t group_id,
+                               uint8_t *outcomes);
 
 // Frees a result. NULL is a no-op. Safe while a device is still computing.
 void kvcs_result_destroy(kvcs_result *result);
@@ -702,6 +724,54 @@ kvcs_status kvcs_worker_checksum(kvcs_worker *worker,
                                  uint32_t role,
                                  void *cuda_stream,
                                  kvcs_result **out);
+
+// Registers the buffer of stored checksums of group `group_id` (SPEC
+// section 8): 8 bytes per block id, `num_blocks` of them at `address`
+// (a multiple of 8), memory the worker writes (`kvcs_worker_store`) and
+// reads (`kvcs_worker_check_stored`) while it lives; the caller keeps it so
+// and copies each block's 8 bytes with the block when offloading. A later
+// call replaces the buffer. Host workers only for now
+// (`KVCS_ERR_UNSUPPORTED` on a device worker). On error nothing changes.
+kvcs_status kvcs_worker_add_stored(kvcs_worker *worker,
+                                   uint32_t group_id,
+                                   uint64_t address,
+                                   uint64_t num_blocks);
+
+// Checksums `blocks` (every column, as `KVCS_ROLE_CONSUMER`) and writes,
+// for each block holding a valid token, its stored checksum `sum XOR tag`
+// into its group's buffer, `tag` binding it to the block hash given with
+// `kvcs_blocks_set_hashes` and to the group (SPEC section 8). Every group of
+// `blocks` that the worker does not skip needs a buffer and block hashes,
+// and every block id must be inside the buffer: checked before anything is
+// computed or written. `*out` gets the checksums, as
+// `kvcs_worker_checksum` gives them. Host workers only for now.
+kvcs_status kvcs_worker_store(kvcs_worker *worker,
+                              const kvcs_blocks *blocks,
+                              void *cuda_stream,
+                              kvcs_result **out);
+
+// The load check of SPEC section 8: checksums the loaded `blocks` (every
+// column) and reads back their stored checksums (with the block hashes of
+// `kvcs_blocks_set_hashes`); `kvcs_result_stored` on `*out` then says, per
+// block position, whether they match. Same requirements as
+// `kvcs_worker_store`. Host workers only for now.
+kvcs_status kvcs_worker_check_stored(kvcs_worker *worker,
+                                     const kvcs_blocks *blocks,
+                                     void *cuda_stream,
+                                     kvcs_result **out);
+
+// The tags of SPEC section 8 for `n` blocks of group `group_id`, for
+// connectors that keep stored checksums themselves: `tags[i] =
+// LE_u64(hash_i[0..8]) XOR` the worker's fingerprint of the group, for the
+// `n` hashes of `hash_bytes` bytes (at least 8) at `hashes`. Store `sum XOR
+// tag`, where `sum` adds a block's columns in a `kvcs_worker_checksum`
+// result (as `KVCS_ROLE_CONSUMER`).
+kvcs_status kvcs_block_tags(const kvcs_worker *worker,
+                            uint32_t group_id,
+                            const uint8_t *hashes,
+                            size_t hash_bytes,
+                            size_t n,
+                            uint64_t *tags);
 
 // Detail mode (`on` = 1; 0 turns it off): the worker's results then also
 // carry per-layer partial checksums, which its records and a producer's

@@ -130,6 +130,17 @@ pub struct Alias {
     pub identity: Vec<u8>,
 }
 
+/// A group's buffer of stored checksums (SPEC section 8): 8 bytes per block
+/// id, in memory of the worker's kind, written by stores and read by load
+/// checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoredBuffer {
+    /// Address of block id 0's value; a multiple of 8.
+    pub address: u64,
+    /// Values in the buffer: block ids below it have one.
+    pub num_blocks: u64,
+}
+
 /// Layers sharing one block table and block size.
 #[derive(Debug, Clone)]
 pub struct Group {
@@ -148,6 +159,8 @@ pub struct Group {
     /// State layers (SPEC section 6), in registration order; a group holds
     /// attention layers or state layers, never both.
     pub(crate) states: Vec<StateLayer>,
+    /// Where its stored checksums live, if registered.
+    pub(crate) stored: Option<StoredBuffer>,
     /// Sorted replica keys of the columns computed as producer, then as
     /// consumer; shared with every result of the group.
     columns: [Arc<[ReplicaKey]>; 2],
@@ -164,6 +177,7 @@ impl Group {
             layers: Vec::new(),
             aliases: Vec::new(),
             states: Vec::new(),
+            stored: None,
             columns: [Arc::from([]), Arc::from([])],
             num_blocks: u32::MAX,
         }
@@ -214,6 +228,11 @@ impl Group {
     /// Whether the group's checksums are shard-keyed state (TP split unknown).
     pub fn is_shard_keyed(&self) -> bool {
         self.states.iter().any(|state| !state.spec.split_known)
+    }
+
+    /// The buffer of stored checksums, if registered.
+    pub fn stored(&self) -> Option<StoredBuffer> {
+        self.stored
     }
 
     /// Registered aliases (layers reading another layer's cache).
@@ -342,6 +361,42 @@ impl Layout {
             }
         }
         self.groups[slot as usize].aliases.push(alias);
+        Ok(())
+    }
+
+    /// Registers `group_id`'s buffer of stored checksums (replacing any
+    /// before); on error nothing changes.
+    pub fn set_stored(&mut self, group_id: u32, stored: StoredBuffer) -> Result<()> {
+        let slot = *self
+            .slots
+            .get(&group_id)
+            .ok_or_else(|| err!(NotFound, "group_id {group_id} is not registered"))?;
+        if stored.address % 8 != 0 {
+            return Err(err!(
+                Unsupported,
+                "address {:#x} of group_id {group_id}'s stored checksums is not a multiple of 8",
+                stored.address
+            ));
+        }
+        if stored.num_blocks == 0 {
+            return Err(err!(
+                InvalidArgument,
+                "num_blocks is 0 (stored checksums of group_id {group_id})"
+            ));
+        }
+        let end = stored
+            .num_blocks
+            .checked_mul(8)
+            .and_then(|bytes| stored.address.checked_add(bytes));
+        if end.is_none() {
+            return Err(err!(
+                InvalidArgument,
+                "address {:#x} + 8 x num_blocks {} wraps past the end of the address space",
+                stored.address,
+                stored.num_blocks
+            ));
+        }
+        self.groups[slot as usize].stored = Some(stored);
         Ok(())
     }
 

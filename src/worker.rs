@@ -9,10 +9,11 @@ use crate::detail;
 use crate::error::{err, Result};
 use crate::fingerprint::group_fingerprint;
 use crate::host;
-use crate::layout::{Alias, LayerSpec, Layout, Region, Role};
+use crate::layout::{Alias, LayerSpec, Layout, Region, Role, StoredBuffer};
 use crate::plan::Plan;
 use crate::result::{Checksums, GroupInfo, Rank, RecordInfo, Values};
 use crate::state::StateSpec;
+use crate::stored;
 use crate::stream::StreamHandle;
 
 /// Where a worker's caches live and how it is placed in the model.
@@ -209,6 +210,54 @@ impl Worker {
             detail,
         };
         Ok(Checksums::new(plan.shape, values).with_record_info(info))
+    }
+
+    /// Registers `group_id`'s buffer of stored checksums (SPEC section 8): 8
+    /// bytes per block id for `num_blocks` block ids at `address`, memory the
+    /// worker may write and read while it lives. Host workers only for now
+    /// (`Unsupported` on a device worker).
+    pub fn add_stored(&mut self, group_id: u32, address: u64, num_blocks: u64) -> Result<()> {
+        if matches!(self.engine, Engine::Device(_)) {
+            return Err(err!(
+                Unsupported,
+                "stored checksums (group_id {group_id}) are not supported on a device worker yet"
+            ));
+        }
+        self.layout.set_stored(group_id, StoredBuffer { address, num_blocks })
+    }
+
+    /// Checksums `blocks` (every column) and writes each block's stored
+    /// checksum, `sum XOR tag`, into its group's buffer (SPEC section 8).
+    /// Every group of `blocks` needs a buffer and block hashes, checked
+    /// before anything is computed or written.
+    pub fn store(&self, blocks: &BlockSet, stream: StreamHandle) -> Result<Checksums> {
+        stored::check_blocks(&self.layout, blocks)?;
+        let result = self.checksum(blocks, Role::Consumer, stream)?;
+        stored::store(&self.layout, blocks, &result)?;
+        Ok(result)
+    }
+
+    /// Checksums loaded `blocks` (every column) and keeps, in the result,
+    /// the stored checksums read back: `Checksums::stored_outcomes` then says
+    /// per position whether they match.
+    pub fn check_stored(&self, blocks: &BlockSet, stream: StreamHandle) -> Result<Checksums> {
+        let expectations = stored::expectations(&self.layout, blocks)?;
+        Ok(self.checksum(blocks, Role::Consumer, stream)?.with_stored(expectations))
+    }
+
+    /// The tags of SPEC section 8 for blocks of `group_id` with the given
+    /// block hashes (first 8 bytes, little-endian), for connectors that keep
+    /// stored checksums themselves.
+    pub fn block_tags(&self, group_id: u32, hashes: &[u64]) -> Result<Vec<u64>> {
+        let group = self
+            .layout
+            .group(group_id)
+            .ok_or_else(|| err!(NotFound, "group_id {group_id} is not registered"))?;
+        let fingerprint = group_fingerprint(group);
+        Ok(hashes
+            .iter()
+            .map(|&hash| stored::block_tag(hash, fingerprint))
+            .collect())
     }
 
     /// Turns detail mode on or off: results then also carry per-layer partial
