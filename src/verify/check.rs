@@ -1,0 +1,387 @@
+//! Checking: a consumer's finished load against the producer's payload
+//! (SPEC sections 4 and 10), group by group.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use crate::blocks::GroupBlocks;
+use crate::error::Result;
+use crate::layout::ReplicaKey;
+use crate::payload::{ExtensionGroup, Payload, PayloadGroup};
+use crate::record::RecordGroup;
+
+use super::collect::{add_into, Judged, Pending, Unverified, WorkerPart};
+use super::compare::{consumer_ranges, differing_ranges, producer_ranges, run_tokens, Series};
+use super::report::{Finding, LayerDifference, Mismatch, Policy, Reason, Report};
+
+/// What the verifier was told about producers, and how it judges.
+#[derive(Debug, Clone)]
+pub(super) struct Settings {
+    pub policy: Policy,
+    pub producer_tp_size: Option<u32>,
+    pub producer_block_sizes: HashMap<u32, u32>,
+}
+
+/// The consumer's load of one request, ready to be compared.
+pub(super) struct Load<'a> {
+    pub req_id: &'a str,
+    pub settings: &'a Settings,
+    pub pending: &'a Pending,
+    pub num_workers: u32,
+    /// The consumer's TP size (of its records).
+    pub tp_size: u32,
+}
+
+/// A compared group's positions and mismatches.
+struct GroupOutcome {
+    compared: u64,
+    mismatches: Vec<Mismatch>,
+}
+
+/// Both sides' facts of one group that decide how it is compared.
+struct GroupSides<'a> {
+    scheduled: &'a GroupBlocks,
+    sent: &'a PayloadGroup,
+    extension: Option<&'a ExtensionGroup>,
+    parts: Vec<(&'a WorkerPart, &'a RecordGroup)>,
+    consumer_block_size: u32,
+    producer_block_size: u32,
+    shard_keyed: bool,
+    producer_tp_size: Option<u32>,
+}
+
+impl Load<'_> {
+    /// The report on the load, given the decoded payload (`None`: none sent).
+    pub fn judge(&self, decoded: Option<Result<Payload>>) -> Report {
+        if let Err(Unverified(reason, message)) = self.pending.check_complete(self.num_workers) {
+            return self.whole(reason, message);
+        }
+        let payload = match decoded {
+            None => return self.whole(Reason::NoChecksums, "no payload was given for the request".to_owned()),
+            Some(Err(error)) => return self.whole(Reason::InvalidChecksums, error.to_string()),
+            Some(Ok(payload)) => payload,
+        };
+        if let Err(Unverified(reason, message)) = self.pending.check_tokens() {
+            return self.whole(reason, message);
+        }
+        self.compare(&payload)
+    }
+
+    /// A report unverified as a whole.
+    fn whole(&self, reason: Reason, message: String) -> Report {
+        let finding = Finding {
+            reason,
+            group_id: None,
+            message,
+        };
+        Report::new(self.req_id, self.settings.policy, 0, Vec::new(), vec![finding])
+    }
+
+    /// Compares every scheduled group and gathers the outcomes.
+    fn compare(&self, payload: &Payload) -> Report {
+        let mut compared = 0u64;
+        let mut mismatches = Vec::new();
+        let mut findings = Vec::new();
+        let mut any_group_compared = false;
+        for scheduled in &self.pending.scheduled.groups {
+            match self.compare_group(payload, scheduled) {
+                Ok(Some(outcome)) => {
+                    any_group_compared = true;
+                    compared += outcome.compared;
+                    mismatches.extend(outcome.mismatches);
+                }
+                Ok(None) => {}
+                Err(Unverified(reason, message)) => findings.push(Finding {
+                    reason,
+                    group_id: Some(scheduled.group_id),
+                    message,
+                }),
+            }
+        }
+        if !any_group_compared && findings.is_empty() {
+            findings.push(Finding {
+                reason: Reason::NoCommonPosition,
+                group_id: None,
+                message: "no loaded group can be checksummed (every group is skipped on both sides)".to_owned(),
+            });
+        }
+        Report::new(self.req_id, self.settings.policy, compared, mismatches, findings)
+    }
+
+    /// Compares one scheduled group; `Ok(None)` when it is skipped on both
+    /// sides (nothing to compare, nothing wrong).
+    fn compare_group(&self, payload: &Payload, scheduled: &GroupBlocks) -> Judged<Option<GroupOutcome>> {
+        let Some(sent) = self.sent_group(payload, scheduled.group_id)? else {
+            return Ok(None);
+        };
+        let sides = self.group_sides(payload, scheduled, sent)?;
+        sides.check_state_tp(self.tp_size)?;
+        let checks = replica_checks(&sides.parts, scheduled.block_ids.len())?;
+        let outcome = sides.compare_runs(self.pending.scheduled.num_tokens, payload.num_tokens, &checks);
+        if outcome.compared == 0 {
+            return Err(sides.no_common_position(self.pending.scheduled.num_tokens, payload.num_tokens));
+        }
+        if sides.shard_keyed && sides.producer_tp_size.is_none() && !outcome.mismatches.is_empty() {
+            // Shard-keyed state of another TP size checksums differently; with
+            // the producer's TP size unknown a difference proves nothing.
+            return Err(Unverified(
+                Reason::StateTpDiffers,
+                format!(
+                    "group {} is shard-keyed state, differs at {} positions, and the producer's TP size is unknown",
+                    scheduled.group_id,
+                    outcome.mismatches.len()
+                ),
+            ));
+        }
+        Ok(Some(outcome))
+    }
+
+    /// The producer's entry of the group; `None` when both sides skipped it,
+    /// unverified when only one side has it.
+    fn sent_group<'p>(&self, payload: &'p Payload, group_id: u32) -> Judged<Option<&'p PayloadGroup>> {
+        let skipped_by = self.pending.skipped_by(group_id);
+        match (skipped_by, payload.group(group_id)) {
+            (Some(_), None) => Ok(None),
+            (Some((worker, reason)), Some(_)) => Err(Unverified(
+                Reason::OneSidedGroup,
+                format!("the producer sent group {group_id}, which {worker} skipped: {reason}"),
+            )),
+            (None, None) => Err(Unverified(
+                Reason::OneSidedGroup,
+                format!("the consumer checksummed group {group_id}, which the producer did not send"),
+            )),
+            (None, Some(sent)) => Ok(Some(sent)),
+        }
+    }
+
+    /// Gathers both sides' facts of a group both sides checksummed; the
+    /// fingerprints must agree.
+    fn group_sides<'a>(
+        &'a self,
+        payload: &'a Payload,
+        scheduled: &'a GroupBlocks,
+        sent: &'a PayloadGroup,
+    ) -> Judged<GroupSides<'a>> {
+        let group_id = scheduled.group_id;
+        let parts = self.pending.group_parts(scheduled)?;
+        let ours = self.pending.fingerprint(group_id)?;
+        if ours != sent.fingerprint {
+            return Err(Unverified(
+                Reason::FingerprintDiffers,
+                format!(
+                    "group {group_id}: the producer's fingerprint is {:#018x}, the consumer's {ours:#018x} (other layers or identities)",
+                    sent.fingerprint
+                ),
+            ));
+        }
+        let consumer_block_size = self.pending.block_size(group_id)?;
+        let extension = payload.extension_group(group_id);
+        let producer_block_size = extension
+            .map(|e| e.block_size)
+            .or_else(|| self.settings.producer_block_sizes.get(&group_id).copied())
+            .unwrap_or(consumer_block_size);
+        let shard_keyed = parts
+            .iter()
+            .any(|(part, _)| part.group_info(group_id).is_some_and(|g| g.shard_keyed));
+        let producer_tp_size = payload
+            .extension
+            .as_ref()
+            .map(|e| e.producer_tp_size)
+            .or(self.settings.producer_tp_size);
+        Ok(GroupSides {
+            scheduled,
+            sent,
+            extension,
+            parts,
+            consumer_block_size,
+            producer_block_size,
+            shard_keyed,
+            producer_tp_size,
+        })
+    }
+}
+
+impl GroupSides<'_> {
+    /// Shard-keyed state is comparable only between equal TP sizes.
+    fn check_state_tp(&self, consumer_tp_size: u32) -> Judged<()> {
+        match self.producer_tp_size {
+            Some(producer_tp_size) if self.shard_keyed && producer_tp_size != consumer_tp_size => Err(Unverified(
+                Reason::StateTpDiffers,
+                format!(
+                    "group {} is shard-keyed state; producer TP size {producer_tp_size}, consumer {consumer_tp_size}",
+                    self.scheduled.group_id
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether both sides sent per-layer partials, so mismatches name layers.
+    fn localised(&self) -> bool {
+        self.parts.iter().all(|(part, _)| part.detail) && self.extension.is_some_and(|e| !e.layers.is_empty())
+    }
+
+    /// Compares every run both sides hold with equal valid tokens.
+    fn compare_runs(&self, consumer_tokens: u64, producer_tokens: u64, checks: &[(u32, Vec<u64>)]) -> GroupOutcome {
+        let consumer = Series {
+            block_size: self.consumer_block_size,
+            first_position: self.scheduled.first_position,
+            values: &[],
+            num_tokens: consumer_tokens,
+        };
+        let producer = Series {
+            block_size: self.producer_block_size,
+            first_position: self.sent.first_position,
+            values: &self.sent.values,
+            num_tokens: producer_tokens,
+        };
+        let run = run_tokens(self.producer_block_size, self.consumer_block_size);
+        let (q_lo, q_hi) = consumer.with_values(&checks[0].1).runs(run);
+        let localised = self.localised();
+        let mut outcome = GroupOutcome {
+            compared: 0,
+            mismatches: Vec::new(),
+        };
+        for q in q_lo..q_hi {
+            let valid = consumer.run_valid_tokens(run, q);
+            if valid == 0 || valid != producer.run_valid_tokens(run, q) {
+                continue;
+            }
+            let Some(expected) = producer.run_value(run, q) else {
+                continue;
+            };
+            let Some(failed_checks) = failed_checks(consumer, checks, expected, run, q) else {
+                continue;
+            };
+            outcome.compared += 1;
+            if failed_checks.is_empty() {
+                continue;
+            }
+            let (lo, hi) = consumer.blocks_of_run(run, q);
+            let layers = if localised {
+                self.differing_layers(producer, consumer, &failed_checks, run, q)
+            } else {
+                Vec::new()
+            };
+            outcome.mismatches.push(Mismatch {
+                group_id: self.scheduled.group_id,
+                first_position: lo as u64,
+                num_positions: (hi - lo) as u64,
+                first_token: (q * run) as u64,
+                num_tokens: valid as u64,
+                failed_checks,
+                localised,
+                layers,
+            });
+        }
+        outcome
+    }
+
+    /// Detail mode: the layer head ranges that differ at run `q`, per
+    /// failed check.
+    fn differing_layers(
+        &self,
+        producer: Series<'_>,
+        consumer: Series<'_>,
+        failed_checks: &[u32],
+        run: u128,
+        q: u128,
+    ) -> Vec<LayerDifference> {
+        let sent_layers = &self.extension.expect("localised needs it").layers;
+        let producer_layers = producer_ranges(sent_layers, producer, run, q);
+        let mut layers = Vec::new();
+        for &check in failed_checks {
+            let consumer_layers = consumer_ranges(
+                self.parts
+                    .iter()
+                    .flat_map(|(_, group)| group.layers.iter().map(move |layer| (layer, consumer))),
+                check,
+                run,
+                q,
+            );
+            layers.extend(differing_ranges(&producer_layers, &consumer_layers, check));
+        }
+        layers
+    }
+
+    /// Why a group with no compared run is unverified.
+    fn no_common_position(&self, consumer_tokens: u64, producer_tokens: u64) -> Unverified {
+        let scheduled = self.scheduled;
+        Unverified(
+            Reason::NoCommonPosition,
+            format!(
+                "group {}: the consumer's positions {}..{} (block size {}, {consumer_tokens} tokens) and the producer's {}..{} (block size {}, {producer_tokens} tokens) share no position with equal valid tokens",
+                scheduled.group_id,
+                scheduled.first_position,
+                scheduled.first_position + scheduled.block_ids.len() as u64,
+                self.consumer_block_size,
+                self.sent.first_position,
+                self.sent.first_position + self.sent.values.len() as u64,
+                self.producer_block_size,
+            ),
+        )
+    }
+}
+
+/// The checks that differ from `expected` at run `q`, ascending; `None`
+/// when some check does not hold the whole run.
+fn failed_checks(
+    consumer: Series<'_>,
+    checks: &[(u32, Vec<u64>)],
+    expected: u64,
+    run: u128,
+    q: u128,
+) -> Option<Vec<u32>> {
+    let mut failed = Vec::new();
+    for (check, values) in checks {
+        if consumer.with_values(values).run_value(run, q)? != expected {
+            failed.push(*check);
+        }
+    }
+    Some(failed)
+}
+
+/// The consumer's checks of SPEC section 4, at its positions: check `k` sums,
+/// over the distinct replica counts `R`, the total of key `(R, k % R)`.
+fn replica_checks(parts: &[(&WorkerPart, &RecordGroup)], num_positions: usize) -> Judged<Vec<(u32, Vec<u64>)>> {
+    let mut totals: BTreeMap<ReplicaKey, Vec<u64>> = BTreeMap::new();
+    for (_, group) in parts {
+        for column in &group.columns {
+            let total = totals
+                .entry(column.replica)
+                .or_insert_with(|| vec![0u64; num_positions]);
+            add_into(total, &column.values);
+        }
+    }
+    let replica_counts: BTreeSet<u32> = totals.keys().map(|k| k.replicas).collect();
+    // Each count R needs keys (R, 0) .. (R, R-1); checking that first also
+    // bounds the number of checks by the number of columns.
+    for &replicas in &replica_counts {
+        let missing = (0..replicas).find(|&replica_index| {
+            !totals.contains_key(&ReplicaKey {
+                replicas,
+                replica_index,
+            })
+        });
+        if let Some(missing) = missing {
+            return Err(Unverified(
+                Reason::ReplicaMissing,
+                format!("no worker checksummed replica {missing} of {replicas}"),
+            ));
+        }
+    }
+    let max_replicas = replica_counts.last().copied().unwrap_or(1);
+    let checks = (0..max_replicas)
+        .map(|check| {
+            let mut values = vec![0u64; num_positions];
+            for &replicas in &replica_counts {
+                let key = ReplicaKey {
+                    replicas,
+                    replica_index: check % replicas,
+                };
+                add_into(&mut values, &totals[&key]);
+            }
+            (check, values)
+        })
+        .collect();
+    Ok(checks)
+}
