@@ -113,9 +113,10 @@ pub struct RecordInfo {
     pub detail: Option<Vec<RequestLayers>>,
 }
 
-/// The group facts of a layout, sorted by group id (fingerprints hashed now).
+/// The group facts of a layout, sorted by group id (fingerprints hashed now),
+/// whatever order the groups were registered in: records list groups by id.
 pub fn group_infos(layout: &Layout) -> Vec<GroupInfo> {
-    layout
+    let mut infos: Vec<GroupInfo> = layout
         .groups()
         .map(|group| GroupInfo {
             group_id: group.group_id,
@@ -123,7 +124,9 @@ pub fn group_infos(layout: &Layout) -> Vec<GroupInfo> {
             fingerprint: group_fingerprint(group),
             shard_keyed: false,
         })
-        .collect()
+        .collect();
+    infos.sort_by_key(|info| info.group_id);
+    infos
 }
 
 impl Rank {

@@ -1,0 +1,622 @@
+//! The C ABI under hostile and careless callers (issue 9): one regression
+//! test per defect found, each through the `extern "C"` functions as C
+//! would call them, so that the class of defect stays caught.
+//!
+//! - Registration order of groups does not matter (records list groups by id).
+//! - Declared lengths in payloads and records cannot make the decoders
+//!   allocate beyond their input: the calls return normally under an
+//!   address-space limit (the test re-runs itself in a child process with
+//!   `RLIMIT_AS` set).
+//! - Inputs built to be quadratic (many groups, layers, columns, requests,
+//!   differing positions) take time in proportion to their size: each bound
+//!   is generous (seconds) where the quadratic code took many times longer.
+//! - A record's role is compared with the role its request is expected in.
+//! - Records of requests not expected change nothing.
+//! - Out-of-bounds messages print negative addresses with a sign.
+//! - Reports count the loaded positions that were not compared, and an
+//!   option makes such loads unverified.
+//!
+//! Hand-made records and payloads are written by the small msgpack writer
+//! below, independently of the library's encoder (layouts per the record and
+//! payload module documentation).
+//!
+//! Reproduce a failure with the seed it printed:
+//! `KVCS_TEST_SEED=<seed> cargo test --release --test robustness <name>`.
+
+mod support;
+
+use std::ffi::{c_char, CStr, CString};
+use std::ptr::{null, null_mut};
+use std::time::{Duration, Instant};
+
+use kvcsum::ffi::blocks::*;
+use kvcsum::ffi::report::*;
+use kvcsum::ffi::result::*;
+use kvcsum::ffi::status::kvcs_status::*;
+use kvcsum::ffi::status::*;
+use kvcsum::ffi::verifier::*;
+use kvcsum::ffi::worker::*;
+use support::Rng;
+
+fn last_error() -> String {
+    // SAFETY: kvcs_last_error never returns NULL.
+    unsafe { CStr::from_ptr(kvcs_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn text(ptr: *const c_char) -> String {
+    assert!(!ptr.is_null());
+    // SAFETY: the library's strings are NUL-terminated and live long enough.
+    unsafe { CStr::from_ptr(ptr) }.to_string_lossy().into_owned()
+}
+
+/// A generous bound on work the fixed code does in a small fraction of it;
+/// the quadratic code took many times longer on the same input.
+fn assert_fast(what: &str, elapsed: Duration, bound_s: f64) {
+    assert!(
+        elapsed.as_secs_f64() < bound_s,
+        "{what} took {:.2} s (bound {bound_s} s): work is not linear in the input",
+        elapsed.as_secs_f64()
+    );
+}
+
+// ---------------------------------------------------------------------------
+// msgpack, written by hand
+
+#[derive(Default)]
+struct Mp(Vec<u8>);
+
+impl Mp {
+    fn array(&mut self, len: usize) -> &mut Self {
+        match len {
+            0..=15 => self.0.push(0x90 | len as u8),
+            16..=0xffff => {
+                self.0.push(0xdc);
+                self.0.extend_from_slice(&(len as u16).to_be_bytes());
+            }
+            _ => {
+                self.0.push(0xdd);
+                self.0.extend_from_slice(&(len as u32).to_be_bytes());
+            }
+        }
+        self
+    }
+
+    /// Every integer as `uint 64`: any width is valid msgpack.
+    fn uint(&mut self, value: u64) -> &mut Self {
+        if value < 0x80 {
+            self.0.push(value as u8);
+        } else {
+            self.0.push(0xcf);
+            self.0.extend_from_slice(&value.to_be_bytes());
+        }
+        self
+    }
+
+    fn bool(&mut self, value: bool) -> &mut Self {
+        self.0.push(if value { 0xc3 } else { 0xc2 });
+        self
+    }
+
+    fn str(&mut self, text: &str) -> &mut Self {
+        self.0.push(0xdb);
+        self.0.extend_from_slice(&(text.len() as u32).to_be_bytes());
+        self.0.extend_from_slice(text.as_bytes());
+        self
+    }
+
+    fn u64s(&mut self, values: &[u64]) -> &mut Self {
+        self.0.push(0xc6);
+        self.0.extend_from_slice(&((values.len() * 8) as u32).to_be_bytes());
+        for value in values {
+            self.0.extend_from_slice(&value.to_le_bytes());
+        }
+        self
+    }
+}
+
+/// One layer entry of a hand-made record: (layer, first head, heads, replica
+/// key, values).
+type TLayer = (u32, u32, u32, (u32, u32), Vec<u64>);
+
+struct TGroup {
+    group_id: u32,
+    first_position: u64,
+    num_positions: u64,
+    columns: Vec<((u32, u32), Vec<u64>)>,
+    layers: Vec<TLayer>,
+}
+
+struct TRequest {
+    req_id: String,
+    num_tokens: u64,
+    groups: Vec<TGroup>,
+}
+
+/// A hand-made worker record.
+struct TRecord {
+    rank: (u32, u32, u32),
+    /// 0 producer, 1 consumer.
+    role: u64,
+    detail: bool,
+    /// (group id, block size, fingerprint), sorted by id.
+    groups: Vec<(u32, u32, u64)>,
+    requests: Vec<TRequest>,
+}
+
+impl TRecord {
+    fn encode(&self) -> Vec<u8> {
+        let mut w = Mp::default();
+        w.array(7).str("kvcsum.record").uint(1);
+        w.array(3)
+            .uint(self.rank.0 as u64)
+            .uint(self.rank.1 as u64)
+            .uint(self.rank.2 as u64);
+        w.uint(self.role).bool(self.detail);
+        w.array(self.groups.len());
+        for &(id, block_size, fingerprint) in &self.groups {
+            w.array(4)
+                .uint(id as u64)
+                .uint(block_size as u64)
+                .uint(fingerprint)
+                .bool(false);
+        }
+        w.array(self.requests.len());
+        for request in &self.requests {
+            w.array(4).str(&request.req_id).uint(request.num_tokens);
+            w.array(request.groups.len());
+            for group in &request.groups {
+                w.array(5)
+                    .uint(group.group_id as u64)
+                    .uint(group.first_position)
+                    .uint(group.num_positions);
+                w.array(group.columns.len());
+                for ((replicas, index), values) in &group.columns {
+                    w.array(3).uint(*replicas as u64).uint(*index as u64).u64s(values);
+                }
+                w.array(group.layers.len());
+                for (layer, first_head, num_heads, (replicas, index), values) in &group.layers {
+                    w.array(6)
+                        .uint(*layer as u64)
+                        .uint(*first_head as u64)
+                        .uint(*num_heads as u64)
+                        .uint(*replicas as u64)
+                        .uint(*index as u64)
+                        .u64s(values);
+                }
+            }
+            w.array(0);
+        }
+        w.0
+    }
+}
+
+/// One layer entry of a hand-made payload extension.
+type PLayer = (u32, u32, u32, Vec<u64>);
+
+/// A hand-made payload: (group id, fingerprint, first position, values) per
+/// group, and the extension's producer TP size and (group id, block size,
+/// layers) per group.
+struct TPayload {
+    num_tokens: u64,
+    groups: Vec<(u32, u64, u64, Vec<u64>)>,
+    extension: Option<(u32, Vec<(u32, u32, Vec<PLayer>)>)>,
+}
+
+impl TPayload {
+    fn encode(&self) -> Vec<u8> {
+        let mut w = Mp::default();
+        w.array(if self.extension.is_some() { 4 } else { 3 })
+            .uint(1)
+            .uint(self.num_tokens);
+        w.array(self.groups.len());
+        for (id, fingerprint, first_position, values) in &self.groups {
+            w.array(4)
+                .uint(*id as u64)
+                .uint(*fingerprint)
+                .uint(*first_position)
+                .u64s(values);
+        }
+        if let Some((tp_size, groups)) = &self.extension {
+            w.array(3).uint(1).uint(*tp_size as u64).array(groups.len());
+            for (id, block_size, layers) in groups {
+                w.array(3).uint(*id as u64).uint(*block_size as u64).array(layers.len());
+                for (layer, first_head, num_heads, values) in layers {
+                    w.array(4)
+                        .uint(*layer as u64)
+                        .uint(*first_head as u64)
+                        .uint(*num_heads as u64)
+                        .u64s(values);
+                }
+            }
+        }
+        w.0
+    }
+}
+
+// ---------------------------------------------------------------------------
+// handles
+
+struct Verifier(*mut kvcs_verifier);
+
+impl Drop for Verifier {
+    fn drop(&mut self) {
+        kvcs_verifier_destroy(self.0);
+    }
+}
+
+// SAFETY: a verifier may be used from any thread (its documented contract).
+unsafe impl Send for Verifier {}
+// SAFETY: every call but destroy may run concurrently (its documented contract).
+unsafe impl Sync for Verifier {}
+
+struct Blocks(*mut kvcs_blocks);
+
+impl Drop for Blocks {
+    fn drop(&mut self) {
+        kvcs_blocks_destroy(self.0);
+    }
+}
+
+struct Report(*mut kvcs_report);
+
+// SAFETY: a report is immutable; every accessor may run from any thread.
+unsafe impl Send for Report {}
+
+impl Drop for Report {
+    fn drop(&mut self) {
+        kvcs_report_destroy(self.0);
+    }
+}
+
+const PRODUCER: u32 = kvcs_role::KVCS_ROLE_PRODUCER as u32;
+const CONSUMER: u32 = kvcs_role::KVCS_ROLE_CONSUMER as u32;
+
+/// A block set of `(req_id, num_tokens, [(group id, first position, block ids)])`.
+fn blocks(requests: &[(&str, u64, Vec<(u32, u64, Vec<u32>)>)]) -> Blocks {
+    let mut handle = null_mut();
+    assert_eq!(kvcs_blocks_create(&mut handle), KVCS_OK);
+    let blocks = Blocks(handle);
+    for (req_id, num_tokens, groups) in requests {
+        let req_id = CString::new(*req_id).unwrap();
+        assert_eq!(kvcs_blocks_add_request(blocks.0, req_id.as_ptr(), *num_tokens), KVCS_OK);
+        for (group_id, first_position, ids) in groups {
+            assert_eq!(
+                kvcs_blocks_add_group(
+                    blocks.0,
+                    req_id.as_ptr(),
+                    *group_id,
+                    *first_position,
+                    ids.as_ptr(),
+                    ids.len()
+                ),
+                KVCS_OK,
+                "{}",
+                last_error()
+            );
+        }
+    }
+    blocks
+}
+
+impl Verifier {
+    fn new(num_workers: u32) -> Verifier {
+        let mut handle = null_mut();
+        assert_eq!(kvcs_verifier_create(num_workers, &mut handle), KVCS_OK);
+        Verifier(handle)
+    }
+
+    fn expect(&self, blocks: &Blocks, role: u32) {
+        assert_eq!(
+            kvcs_verifier_expect(self.0, blocks.0, role),
+            KVCS_OK,
+            "{}",
+            last_error()
+        );
+    }
+
+    fn add(&self, record: &[u8]) -> kvcs_status {
+        kvcs_verifier_add_record(self.0, record.as_ptr(), record.len())
+    }
+
+    fn check(&self, req_id: &str, payload: &[u8]) -> Report {
+        let req_id = CString::new(req_id).unwrap();
+        let mut out = null_mut();
+        assert_eq!(
+            kvcs_verifier_check(self.0, req_id.as_ptr(), payload.as_ptr(), payload.len(), &mut out),
+            KVCS_OK,
+            "{}",
+            last_error()
+        );
+        Report(out)
+    }
+
+    fn payload(&self, req_id: &str) -> Result<Vec<u8>, (kvcs_status, String)> {
+        let req_id = CString::new(req_id).unwrap();
+        let mut len = 0usize;
+        match kvcs_verifier_payload(self.0, req_id.as_ptr(), null_mut(), 0, &mut len) {
+            KVCS_ERR_BUFFER_TOO_SMALL => {}
+            status => return Err((status, last_error())),
+        }
+        let mut bytes = vec![0u8; len];
+        assert_eq!(
+            kvcs_verifier_payload(self.0, req_id.as_ptr(), bytes.as_mut_ptr(), len, &mut len),
+            KVCS_OK
+        );
+        Ok(bytes)
+    }
+}
+
+impl Report {
+    fn verdict(&self) -> kvcs_verdict {
+        let mut verdict = 99u32;
+        assert_eq!(kvcs_report_verdict(self.0, &mut verdict), KVCS_OK);
+        match verdict {
+            0 => kvcs_verdict::KVCS_VERDICT_MATCH,
+            1 => kvcs_verdict::KVCS_VERDICT_MISMATCH,
+            2 => kvcs_verdict::KVCS_VERDICT_UNVERIFIED,
+            v => panic!("verdict {v}"),
+        }
+    }
+
+    fn reason(&self) -> String {
+        let mut reason = 99u32;
+        assert_eq!(kvcs_report_reason(self.0, &mut reason), KVCS_OK);
+        text(kvcs_unverified_reason_name(reason))
+    }
+
+    fn message(&self) -> String {
+        let mut message = null();
+        assert_eq!(kvcs_report_message(self.0, &mut message), KVCS_OK);
+        text(message)
+    }
+
+    fn compared(&self) -> u64 {
+        let mut n = u64::MAX;
+        assert_eq!(kvcs_report_compared_positions(self.0, &mut n), KVCS_OK);
+        n
+    }
+
+    fn mismatches(&self) -> Vec<kvcs_mismatch> {
+        let mut count = 0usize;
+        assert_eq!(kvcs_report_num_mismatches(self.0, &mut count), KVCS_OK);
+        (0..count)
+            .map(|i| {
+                // SAFETY: all-zero bytes are a valid kvcs_mismatch (integers only).
+                let mut entry: kvcs_mismatch = unsafe { std::mem::zeroed() };
+                assert_eq!(kvcs_report_mismatch(self.0, i, &mut entry), KVCS_OK);
+                entry
+            })
+            .collect()
+    }
+
+    fn layer_differences(&self, mismatch: usize, count: usize) -> Vec<(u32, u32, u32, u32)> {
+        (0..count)
+            .map(|j| {
+                // SAFETY: all-zero bytes are a valid kvcs_layer_difference.
+                let mut d: kvcs_layer_difference = unsafe { std::mem::zeroed() };
+                assert_eq!(kvcs_report_layer_difference(self.0, mismatch, j, &mut d), KVCS_OK);
+                (d.layer_number, d.first_head, d.num_heads, d.check)
+            })
+            .collect()
+    }
+}
+
+// ---------------------------------------------------------------------------
+// a host worker on random KV: one head per layer, NHD, K and V in one
+// 16-byte cell per token
+
+struct HostWorker {
+    handle: *mut kvcs_worker,
+    cache: Vec<u64>,
+}
+
+impl Drop for HostWorker {
+    fn drop(&mut self) {
+        kvcs_worker_destroy(self.handle);
+    }
+}
+
+const CELL: u64 = 16;
+
+impl HostWorker {
+    /// A TP=1 host worker whose region holds `num_layers` caches of
+    /// `num_blocks` blocks of `block_size` tokens, filled from `rng`.
+    fn new(rng: &mut Rng, num_layers: u32, num_blocks: u32, block_size: u32) -> HostWorker {
+        let options = kvcs_worker_options {
+            tp_rank: 0,
+            tp_size: 1,
+            pp_rank: 0,
+            device: KVCS_HOST,
+            num_threads: 1,
+        };
+        let mut handle = null_mut();
+        assert_eq!(kvcs_worker_create(&options, &mut handle), KVCS_OK);
+        let words = num_layers as usize * num_blocks as usize * block_size as usize * (CELL as usize / 8);
+        let cache: Vec<u64> = (0..words).map(|_| rng.next_u64()).collect();
+        let worker = HostWorker { handle, cache };
+        assert_eq!(
+            kvcs_worker_add_region(worker.handle, worker.base(), words as u64 * 8),
+            KVCS_OK
+        );
+        worker
+    }
+
+    fn base(&self) -> u64 {
+        self.cache.as_ptr() as u64
+    }
+
+    fn add_layer(&self, group_id: u32, layer_number: u32, slot: u32, num_blocks: u32, block_size: u32) -> kvcs_status {
+        let layer_bytes = num_blocks as u64 * block_size as u64 * CELL;
+        let segment = kvcs_segment {
+            address: self.base() + slot as u64 * layer_bytes,
+            block_stride: (block_size as u64 * CELL) as i64,
+            kernel_block_stride: 0,
+            head_stride: CELL as i64,
+            token_stride: CELL as i64,
+            bytes_per_token: CELL as u32,
+        };
+        self.add_segment(group_id, layer_number, num_blocks, block_size, segment)
+    }
+
+    fn add_segment(
+        &self,
+        group_id: u32,
+        layer_number: u32,
+        num_blocks: u32,
+        block_size: u32,
+        segment: kvcs_segment,
+    ) -> kvcs_status {
+        let identity = format!("model.layers.{layer_number}");
+        let layer = kvcs_layer {
+            group_id,
+            layer_number,
+            first_head: 0,
+            num_heads: 1,
+            replicas: 1,
+            replica_index: 0,
+            num_blocks,
+            kernel_blocks: 1,
+            tokens_per_kernel_block: block_size,
+            num_segments: 1,
+            segments: &segment,
+            identity: identity.as_ptr(),
+            identity_len: identity.len(),
+        };
+        kvcs_worker_add_layer(self.handle, &layer)
+    }
+
+    fn checksum(&self, blocks: &Blocks, role: u32) -> *mut kvcs_result {
+        let mut result = null_mut();
+        assert_eq!(
+            kvcs_worker_checksum(self.handle, blocks.0, role, null_mut(), &mut result),
+            KVCS_OK,
+            "{}",
+            last_error()
+        );
+        result
+    }
+
+    /// The record of a checksum call, or the status and message of
+    /// `kvcs_result_encode`.
+    fn record(&self, blocks: &Blocks, role: u32) -> Result<Vec<u8>, (kvcs_status, String)> {
+        let result = self.checksum(blocks, role);
+        let mut len = 0usize;
+        let status = kvcs_result_encode(result, null_mut(), 0, &mut len);
+        if status != KVCS_ERR_BUFFER_TOO_SMALL {
+            let error = last_error();
+            kvcs_result_destroy(result);
+            return Err((status, error));
+        }
+        let mut bytes = vec![0u8; len];
+        assert_eq!(kvcs_result_encode(result, bytes.as_mut_ptr(), len, &mut len), KVCS_OK);
+        kvcs_result_destroy(result);
+        Ok(bytes)
+    }
+}
+
+/// Column 0 of a group of `num_positions` positions.
+fn column(result: *mut kvcs_result, req_id: &CStr, group_id: u32, num_positions: usize) -> Vec<u64> {
+    let mut values = vec![0u64; num_positions];
+    assert_eq!(
+        kvcs_result_column(
+            result,
+            req_id.as_ptr(),
+            group_id,
+            0,
+            null_mut(),
+            null_mut(),
+            values.as_mut_ptr()
+        ),
+        KVCS_OK,
+        "{}",
+        last_error()
+    );
+    values
+}
+
+/// A one-worker consumer verifier expecting `req` (group 0, blocks 0..n at
+/// position 0, `num_tokens`), with a hand-made consumer record of it.
+fn consumer_with_record(record: &TRecord, n: u32, num_tokens: u64) -> (Verifier, Blocks) {
+    let verifier = Verifier::new(1);
+    let scheduled = blocks(&[("req", num_tokens, vec![(0, 0, (0..n).collect())])]);
+    verifier.expect(&scheduled, CONSUMER);
+    assert_eq!(verifier.add(&record.encode()), KVCS_OK, "{}", last_error());
+    (verifier, scheduled)
+}
+
+/// A consumer record of `req`: group 0 (block size 16, fingerprint 7) at
+/// positions 0..values.len(), one column.
+fn simple_record(values: Vec<u64>, num_tokens: u64) -> TRecord {
+    TRecord {
+        rank: (0, 1, 0),
+        role: 1,
+        detail: false,
+        groups: vec![(0, 16, 7)],
+        requests: vec![TRequest {
+            req_id: "req".to_owned(),
+            num_tokens,
+            groups: vec![TGroup {
+                group_id: 0,
+                first_position: 0,
+                num_positions: values.len() as u64,
+                columns: vec![((1, 0), values)],
+                layers: Vec::new(),
+            }],
+        }],
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Defect 1: groups registered out of id order
+
+#[test]
+fn groups_registered_out_of_id_order_give_valid_records_that_match() {
+    let mut rng = Rng::for_test("groups_registered_out_of_id_order_give_valid_records_that_match");
+    let seed = rng.seed();
+    let (num_blocks, block_size) = (4, 16);
+    let worker = HostWorker::new(&mut rng, 3, num_blocks, block_size);
+    // Group 1 first, then group 0; layers in both.
+    assert_eq!(kvcs_worker_add_group(worker.handle, 1, block_size), KVCS_OK);
+    assert_eq!(kvcs_worker_add_group(worker.handle, 0, block_size), KVCS_OK);
+    assert_eq!(
+        worker.add_layer(0, 0, 0, num_blocks, block_size),
+        KVCS_OK,
+        "{}",
+        last_error()
+    );
+    assert_eq!(
+        worker.add_layer(1, 1, 1, num_blocks, block_size),
+        KVCS_OK,
+        "{}",
+        last_error()
+    );
+    assert_eq!(
+        worker.add_layer(0, 2, 2, num_blocks, block_size),
+        KVCS_OK,
+        "{}",
+        last_error()
+    );
+    let scheduled = blocks(&[("req", 40, vec![(0, 0, vec![2, 0, 3]), (1, 0, vec![1, 3, 0])])]);
+    let producer_record = worker.record(&scheduled, PRODUCER).unwrap_or_else(|(status, message)| {
+        panic!("seed {seed}: kvcs_result_encode gave {status:?}: {message}");
+    });
+    let consumer_record = worker.record(&scheduled, CONSUMER).unwrap();
+    let producer = Verifier::new(1);
+    producer.expect(&scheduled, PRODUCER);
+    assert_eq!(producer.add(&producer_record), KVCS_OK, "{}", last_error());
+    let payload = producer.payload("req").unwrap();
+    let consumer = Verifier::new(1);
+    consumer.expect(&scheduled, CONSUMER);
+    assert_eq!(consumer.add(&consumer_record), KVCS_OK, "{}", last_error());
+    let report = consumer.check("req", &payload);
+    assert_eq!(
+        report.verdict(),
+        kvcs_verdict::KVCS_VERDICT_MATCH,
+        "seed {seed}: {}",
+        report.message()
+    );
+    assert_eq!(report.compared(), 6, "seed {seed}");
+}
+
