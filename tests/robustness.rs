@@ -620,3 +620,167 @@ fn groups_registered_out_of_id_order_give_valid_records_that_match() {
     assert_eq!(report.compared(), 6, "seed {seed}");
 }
 
+// ---------------------------------------------------------------------------
+// Defect 2: declared lengths under an address-space limit
+
+/// Runs `body` in a child process (this test binary, this test only) whose
+/// address space is limited to 2 GiB; the child must exit normally.
+fn under_address_space_limit(name: &str, body: fn()) {
+    const CHILD: &str = "KVCS_ROBUSTNESS_CHILD";
+    if std::env::var(CHILD).as_deref() == Ok(name) {
+        let limit = libc::rlimit {
+            rlim_cur: 2 << 30,
+            rlim_max: 2 << 30,
+        };
+        // SAFETY: setrlimit reads the struct given; no memory is shared.
+        assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &limit) }, 0);
+        body();
+        return;
+    }
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--test-threads=1", "--nocapture"])
+        .env(CHILD, name)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success() && stdout.contains("1 passed"),
+        "{name} under a 2 GiB address-space limit: {:?}\n{stdout}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// `prefix`, then `filler` zero bytes: every declared element would be an
+/// integer 0, so nothing but the declared length is large.
+fn padded(prefix: &[u8], filler: usize) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(prefix.len() + filler);
+    bytes.extend_from_slice(prefix);
+    bytes.resize(prefix.len() + filler, 0);
+    bytes
+}
+
+fn array32(len: usize) -> Vec<u8> {
+    let mut bytes = vec![0xdd];
+    bytes.extend_from_slice(&(len as u32).to_be_bytes());
+    bytes
+}
+
+#[test]
+fn payloads_declaring_huge_lengths_give_unverified_reports_under_a_memory_limit() {
+    under_address_space_limit(
+        "payloads_declaring_huge_lengths_give_unverified_reports_under_a_memory_limit",
+        || {
+            let (verifier, _blocks) = consumer_with_record(&simple_record(vec![5], 16), 1, 16);
+            let n = 100 << 20;
+            let mut cases: Vec<(&str, Vec<u8>)> = Vec::new();
+            // [1, 100, array32 of n groups] + n zero bytes.
+            let mut prefix = vec![0x93, 1, 100];
+            prefix.extend(array32(n));
+            cases.push(("groups", padded(&prefix, n)));
+            // The extension's groups: [1, 16, [], [1, 1, array32 of n]].
+            let mut prefix = vec![0x94, 1, 16, 0x90, 0x93, 1, 1];
+            prefix.extend(array32(n));
+            cases.push(("extension groups", padded(&prefix, n)));
+            // One extension group's layers.
+            let mut prefix = vec![0x94, 1, 16, 0x91, 0x94, 0, 7, 0, 0xc4, 8, 5, 0, 0, 0, 0, 0, 0, 0];
+            prefix.extend([0x93, 1, 1, 0x91, 0x93, 0, 16]);
+            prefix.extend(array32(n));
+            cases.push(("extension layers", padded(&prefix, n)));
+            for (what, payload) in &cases {
+                let report = verifier.check("req", payload);
+                assert_eq!(report.verdict(), kvcs_verdict::KVCS_VERDICT_UNVERIFIED, "{what}");
+                assert_eq!(report.reason(), "KVCS_UNVERIFIED_INVALID_CHECKSUMS", "{what}");
+            }
+            // The same as base64 text.
+            let mut text = vec![0u8; (cases[0].1.len() + 2) / 3 * 4 + 1];
+            let mut len = 0usize;
+            assert_eq!(
+                kvcs_base64_encode(
+                    cases[0].1.as_ptr(),
+                    cases[0].1.len(),
+                    text.as_mut_ptr().cast(),
+                    text.len(),
+                    &mut len
+                ),
+                KVCS_OK
+            );
+            drop(cases);
+            let req_id = CString::new("req").unwrap();
+            let mut out = null_mut();
+            assert_eq!(
+                kvcs_verifier_check_base64(verifier.0, req_id.as_ptr(), text.as_ptr().cast(), &mut out),
+                KVCS_OK
+            );
+            let report = Report(out);
+            assert_eq!(report.reason(), "KVCS_UNVERIFIED_INVALID_CHECKSUMS");
+            // Many real elements: a million one-value groups decode and compare.
+            let mut w = Mp::default();
+            w.array(3).uint(1).uint(16).array(1 << 20);
+            for id in 0..1u64 << 20 {
+                w.array(4).uint(id).uint(7).uint(0).u64s(&[5]);
+            }
+            let report = verifier.check("req", &w.0);
+            assert_eq!(
+                report.verdict(),
+                kvcs_verdict::KVCS_VERDICT_MATCH,
+                "{}",
+                report.message()
+            );
+        },
+    );
+}
+
+#[test]
+fn records_declaring_huge_lengths_are_malformed_under_a_memory_limit() {
+    under_address_space_limit(
+        "records_declaring_huge_lengths_are_malformed_under_a_memory_limit",
+        || {
+            let verifier = Verifier::new(1);
+            let n = 60 << 20;
+            let head = |w: &mut Mp| {
+                w.array(7).str("kvcsum.record").uint(1);
+                w.array(3).uint(0).uint(1).uint(0);
+                w.uint(1).bool(true);
+            };
+            let mut prefixes: Vec<(&str, Vec<u8>)> = Vec::new();
+            // The record's groups.
+            let mut w = Mp::default();
+            head(&mut w);
+            prefixes.push(("groups", w.0));
+            // Its requests.
+            let mut w = Mp::default();
+            head(&mut w);
+            w.array(1).array(4).uint(0).bool(false);
+            prefixes.push(("requests", w.0));
+            // A request's groups, a group's columns and layers, skipped groups.
+            let mut w = Mp::default();
+            head(&mut w);
+            w.array(1)
+                .array(4)
+                .uint(0)
+                .bool(false)
+                .array(1)
+                .array(4)
+                .str("req")
+                .uint(16);
+            let request = w.0.clone();
+            prefixes.push(("request groups", request.clone()));
+            let mut w = Mp(request.clone());
+            w.array(1).array(5).uint(0).uint(0).uint(0);
+            prefixes.push(("columns", w.0.clone()));
+            w.array(0);
+            prefixes.push(("layers", w.0));
+            let mut w = Mp(request);
+            w.array(0);
+            prefixes.push(("skipped groups", w.0));
+            for (what, prefix) in prefixes {
+                let mut prefix = prefix;
+                prefix.extend(array32(n));
+                let record = padded(&prefix, n);
+                assert_eq!(verifier.add(&record), KVCS_ERR_MALFORMED, "{what}");
+            }
+        },
+    );
+}
+
