@@ -190,9 +190,10 @@ impl Payload {
     /// Checks what the encoding cannot express; `Error::Malformed` naming the
     /// first problem.
     pub fn validate(&self) -> Result<()> {
-        let mut seen = HashSet::with_capacity(self.groups.len());
+        // Group id -> the group: one lookup per extension group, not a search.
+        let mut plain_groups: HashMap<u32, &PayloadGroup> = HashMap::with_capacity(self.groups.len());
         for group in &self.groups {
-            if !seen.insert(group.group_id) {
+            if plain_groups.insert(group.group_id, group).is_some() {
                 return Err(err!(Malformed, "payload: group {} appears twice", group.group_id));
             }
             if group.first_position.checked_add(group.values.len() as u64).is_none() {
@@ -214,7 +215,7 @@ impl Payload {
         let mut extended = HashSet::with_capacity(extension.groups.len());
         for group in &extension.groups {
             let group_id = group.group_id;
-            let Some(plain) = self.groups.iter().find(|g| g.group_id == group_id) else {
+            let Some(plain) = plain_groups.get(&group_id) else {
                 return Err(err!(
                     Malformed,
                     "payload extension: group {group_id} is not in the payload"

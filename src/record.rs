@@ -568,7 +568,12 @@ impl Record {
                     layer.replica.replica_index
                 ));
             }
-            if !group.columns.iter().any(|c| c.replica == layer.replica) {
+            // Columns are sorted by key (checked above).
+            if group
+                .columns
+                .binary_search_by_key(&layer.replica, |c| c.replica)
+                .is_err()
+            {
                 return Err(err!(Malformed, "record: {what}: no column has its replica key"));
             }
             let end = layer.first_head as u64 + layer.num_heads as u64;

@@ -784,3 +784,79 @@ fn records_declaring_huge_lengths_are_malformed_under_a_memory_limit() {
     );
 }
 
+// ---------------------------------------------------------------------------
+// Defect 3: validation linear in payloads and records
+
+#[test]
+fn a_payload_of_many_extension_groups_validates_in_linear_time() {
+    let (verifier, _blocks) = consumer_with_record(&simple_record(vec![5], 16), 1, 16);
+    let n = 160_000u32;
+    // Plain groups ascending, extension groups descending: a search of the
+    // plain groups per extension group walks most of them.
+    let payload = TPayload {
+        num_tokens: 16,
+        groups: (0..n).map(|id| (id, 7, 0, vec![5])).collect(),
+        extension: Some((1, (0..n).rev().map(|id| (id, 16, Vec::new())).collect())),
+    }
+    .encode();
+    let start = Instant::now();
+    let report = verifier.check("req", &payload);
+    assert_fast("checking a payload of 160k extension groups", start.elapsed(), 3.0);
+    assert_eq!(
+        report.verdict(),
+        kvcs_verdict::KVCS_VERDICT_MATCH,
+        "{}",
+        report.message()
+    );
+    // A duplicate extension group is still found.
+    let mut duplicate = TPayload {
+        num_tokens: 16,
+        groups: (0..n).map(|id| (id, 7, 0, vec![5])).collect(),
+        extension: Some((1, (0..n).rev().map(|id| (id, 16, Vec::new())).collect())),
+    };
+    duplicate.extension.as_mut().unwrap().1.push((n / 2, 16, Vec::new()));
+    let report = verifier.check("req", &duplicate.encode());
+    assert_eq!(report.reason(), "KVCS_UNVERIFIED_INVALID_CHECKSUMS");
+    assert!(
+        report.message().contains(&format!("group {} appears twice", n / 2)),
+        "{}",
+        report.message()
+    );
+}
+
+#[test]
+fn a_record_of_many_columns_and_layers_validates_in_linear_time() {
+    let n = 60_000u32;
+    let record = TRecord {
+        rank: (0, 1, 0),
+        role: 1,
+        detail: true,
+        groups: vec![(0, 16, 7)],
+        requests: vec![TRequest {
+            req_id: "elsewhere".to_owned(),
+            num_tokens: 0,
+            groups: vec![TGroup {
+                group_id: 0,
+                first_position: 0,
+                num_positions: 0,
+                columns: (0..n).map(|i| ((n, i), Vec::new())).collect(),
+                layers: (0..n).rev().map(|i| (n - 1 - i, 0, 1, (n, i), Vec::new())).collect(),
+            }],
+        }],
+    };
+    let verifier = Verifier::new(1);
+    let bytes = record.encode();
+    let start = Instant::now();
+    assert_eq!(verifier.add(&bytes), KVCS_OK, "{}", last_error());
+    assert_fast("adding a record of 60k columns and 60k layers", start.elapsed(), 3.0);
+    // A layer whose key no column has is still refused.
+    let mut bad = record;
+    bad.requests[0].groups[0].columns.pop();
+    assert_eq!(verifier.add(&bad.encode()), KVCS_ERR_MALFORMED);
+    assert!(
+        last_error().contains("no column has its replica key"),
+        "{}",
+        last_error()
+    );
+}
+
