@@ -378,6 +378,12 @@ impl Report {
         n
     }
 
+    fn uncompared(&self) -> u64 {
+        let mut n = u64::MAX;
+        assert_eq!(kvcs_report_uncompared_positions(self.0, &mut n), KVCS_OK);
+        n
+    }
+
     fn mismatches(&self) -> Vec<kvcs_mismatch> {
         let mut count = 0usize;
         assert_eq!(kvcs_report_num_mismatches(self.0, &mut count), KVCS_OK);
@@ -617,7 +623,7 @@ fn groups_registered_out_of_id_order_give_valid_records_that_match() {
         "seed {seed}: {}",
         report.message()
     );
-    assert_eq!(report.compared(), 6, "seed {seed}");
+    assert_eq!((report.compared(), report.uncompared()), (6, 0), "seed {seed}");
 }
 
 // ---------------------------------------------------------------------------
@@ -860,3 +866,292 @@ fn a_record_of_many_columns_and_layers_validates_in_linear_time() {
     );
 }
 
+// ---------------------------------------------------------------------------
+// Defect 4: naming differing layers, outside the lock and linear
+
+/// A detail-mode consumer record and a payload with the extension whose
+/// layer `q % num_layers` differs at each position `q`.
+fn every_position_differs_in_one_layer(rng: &mut Rng, num_layers: u32, positions: u64) -> (TRecord, Vec<u8>) {
+    let layer_values: Vec<Vec<u64>> = (0..num_layers)
+        .map(|_| (0..positions).map(|_| rng.next_u64()).collect())
+        .collect();
+    let sum = |layers: &[Vec<u64>]| -> Vec<u64> {
+        (0..positions as usize)
+            .map(|q| layers.iter().fold(0u64, |s, l| s.wrapping_add(l[q])))
+            .collect()
+    };
+    let mut sent = layer_values.clone();
+    for q in 0..positions as usize {
+        let layer = q % num_layers as usize;
+        sent[layer][q] = sent[layer][q].wrapping_add(1 + rng.below(1000));
+    }
+    let record = TRecord {
+        rank: (0, 1, 0),
+        role: 1,
+        detail: true,
+        groups: vec![(0, 16, 7)],
+        requests: vec![TRequest {
+            req_id: "req".to_owned(),
+            num_tokens: positions * 16,
+            groups: vec![TGroup {
+                group_id: 0,
+                first_position: 0,
+                num_positions: positions,
+                columns: vec![((1, 0), sum(&layer_values))],
+                layers: layer_values
+                    .iter()
+                    .enumerate()
+                    .map(|(l, values)| (l as u32, 0, 1, (1, 0), values.clone()))
+                    .collect(),
+            }],
+        }],
+    };
+    let payload = TPayload {
+        num_tokens: positions * 16,
+        groups: vec![(0, 7, 0, sum(&sent))],
+        extension: Some((
+            1,
+            vec![(
+                0,
+                16,
+                sent.into_iter()
+                    .enumerate()
+                    .map(|(l, values)| (l as u32, 0, 1, values))
+                    .collect(),
+            )],
+        )),
+    };
+    (record, payload.encode())
+}
+
+#[test]
+fn naming_differing_layers_is_linear_and_never_holds_the_lock() {
+    let mut rng = Rng::for_test("naming_differing_layers_is_linear_and_never_holds_the_lock");
+    let seed = rng.seed();
+    let (num_layers, positions) = (3000u32, 100u64);
+    let (record, payload) = every_position_differs_in_one_layer(&mut rng, num_layers, positions);
+    let (verifier, _blocks) = consumer_with_record(&record, positions as u32, positions * 16);
+    let start = Instant::now();
+    let (report, longest_wait) = std::thread::scope(|scope| {
+        let checking = scope.spawn(|| verifier.check("req", &payload));
+        // set_policy from another thread, while the check runs.
+        let mut longest = Duration::ZERO;
+        while !checking.is_finished() {
+            let asked = Instant::now();
+            assert_eq!(kvcs_verifier_set_policy(verifier.0, 1), KVCS_OK);
+            longest = longest.max(asked.elapsed());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        (checking.join().unwrap(), longest)
+    });
+    assert_fast(
+        "a detail-mode check with every position differing",
+        start.elapsed(),
+        5.0,
+    );
+    assert!(
+        longest_wait < Duration::from_millis(500),
+        "kvcs_verifier_set_policy waited {longest_wait:?} for a check"
+    );
+    assert_eq!(report.verdict(), kvcs_verdict::KVCS_VERDICT_MISMATCH, "seed {seed}");
+    let mismatches = report.mismatches();
+    assert_eq!(mismatches.len() as u64, positions, "seed {seed}");
+    for (i, mismatch) in mismatches.iter().enumerate() {
+        assert_eq!(mismatch.localised, 1, "seed {seed}");
+        let q = mismatch.first_position;
+        let layers = report.layer_differences(i, mismatch.num_layers);
+        assert_eq!(
+            layers,
+            vec![((q % num_layers as u64) as u32, 0, 1, 0)],
+            "seed {seed}: position {q}"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Defect 5: a record computed in the other role
+
+#[test]
+fn a_record_of_the_other_role_is_unverified_not_corrupt() {
+    let mut rng = Rng::for_test("a_record_of_the_other_role_is_unverified_not_corrupt");
+    let seed = rng.seed();
+    let (num_blocks, block_size) = (8, 16);
+    let worker = HostWorker::new(&mut rng, 2, num_blocks, block_size);
+    assert_eq!(kvcs_worker_add_group(worker.handle, 0, block_size), KVCS_OK);
+    for layer in 0..2 {
+        assert_eq!(worker.add_layer(0, layer, layer, num_blocks, block_size), KVCS_OK);
+    }
+    let scheduled = blocks(&[("req", 100, vec![(0, 0, vec![3, 1, 4, 0, 5, 2, 6])])]);
+    let producer = Verifier::new(1);
+    producer.expect(&scheduled, PRODUCER);
+    assert_eq!(producer.add(&worker.record(&scheduled, PRODUCER).unwrap()), KVCS_OK);
+    let payload = producer.payload("req").unwrap();
+    // The consumer rank ran its checksum with KVCS_ROLE_PRODUCER by mistake.
+    let consumer = Verifier::new(1);
+    consumer.expect(&scheduled, CONSUMER);
+    assert_eq!(consumer.add(&worker.record(&scheduled, PRODUCER).unwrap()), KVCS_OK);
+    let report = consumer.check("req", &payload);
+    assert_eq!(
+        report.verdict(),
+        kvcs_verdict::KVCS_VERDICT_UNVERIFIED,
+        "seed {seed}: {}",
+        report.message()
+    );
+    assert_eq!(report.reason(), "KVCS_UNVERIFIED_ROLE_DIFFERS", "seed {seed}");
+    assert!(report.message().contains("as a producer"), "{}", report.message());
+    // The right role matches.
+    assert_eq!(consumer.add(&worker.record(&scheduled, CONSUMER).unwrap()), KVCS_OK);
+    let report = consumer.check("req", &payload);
+    assert_eq!(
+        report.verdict(),
+        kvcs_verdict::KVCS_VERDICT_MATCH,
+        "seed {seed}: {}",
+        report.message()
+    );
+    // A producer's verifier given a consumer's record builds no payload.
+    let producer = Verifier::new(1);
+    producer.expect(&scheduled, PRODUCER);
+    assert_eq!(producer.add(&worker.record(&scheduled, CONSUMER).unwrap()), KVCS_OK);
+    let (status, message) = producer.payload("req").unwrap_err();
+    assert_eq!(status, KVCS_ERR_INVALID_ARGUMENT);
+    assert!(message.contains("as a consumer"), "{message}");
+}
+
+// ---------------------------------------------------------------------------
+// Defect 6: records of requests not expected
+
+fn tp_record(req_id: &str, tp_rank: u32, tp_size: u32, pp_rank: u32) -> Vec<u8> {
+    let mut record = simple_record(vec![5], 16);
+    record.rank = (tp_rank, tp_size, pp_rank);
+    record.requests[0].req_id = req_id.to_owned();
+    record.encode()
+}
+
+#[test]
+fn records_of_requests_not_expected_change_nothing() {
+    let verifier = Verifier::new(2);
+    // A stray record (TP size 1, two stages) is accepted and pins nothing.
+    assert_eq!(verifier.add(&tp_record("stray", 0, 1, 1)), KVCS_OK);
+    let scheduled = blocks(&[("req", 16, vec![(0, 0, vec![0])])]);
+    verifier.expect(&scheduled, CONSUMER);
+    assert_eq!(verifier.add(&tp_record("req", 0, 2, 0)), KVCS_OK, "{}", last_error());
+    assert_eq!(verifier.add(&tp_record("req", 1, 2, 0)), KVCS_OK, "{}", last_error());
+    // Every worker reported: the verdict is about the payload.
+    let req_id = CString::new("req").unwrap();
+    let mut out = null_mut();
+    assert_eq!(
+        kvcs_verifier_check_no_payload(verifier.0, req_id.as_ptr(), &mut out),
+        KVCS_OK
+    );
+    assert_eq!(Report(out).reason(), "KVCS_UNVERIFIED_NO_CHECKSUMS");
+    // While records are held, their TP size is enforced.
+    assert_eq!(verifier.add(&tp_record("req", 0, 1, 1)), KVCS_ERR_INVALID_ARGUMENT);
+    assert!(last_error().contains("differs from tp_size 2"), "{}", last_error());
+    // A stray record of another TP size is still fine, and changes nothing.
+    assert_eq!(verifier.add(&tp_record("stray", 0, 1, 1)), KVCS_OK);
+    // Once forgotten, a request's records pin nothing either.
+    assert_eq!(kvcs_verifier_forget(verifier.0, req_id.as_ptr()), KVCS_OK);
+    verifier.expect(&scheduled, CONSUMER);
+    assert_eq!(verifier.add(&tp_record("req", 0, 1, 0)), KVCS_OK, "{}", last_error());
+    assert_eq!(verifier.add(&tp_record("req", 0, 1, 1)), KVCS_OK, "{}", last_error());
+    // Expecting the request again drops its records: the TP size is free.
+    verifier.expect(&scheduled, CONSUMER);
+    assert_eq!(verifier.add(&tp_record("req", 1, 2, 0)), KVCS_OK, "{}", last_error());
+}
+
+// ---------------------------------------------------------------------------
+// Coverage: loaded positions that were not compared
+
+#[test]
+fn reports_count_loaded_positions_not_compared_and_may_require_them() {
+    let mut rng = Rng::for_test("reports_count_loaded_positions_not_compared_and_may_require_them");
+    let seed = rng.seed();
+    // Consumer: block size 16, positions 1..5 (tokens 16..80) of 80 tokens.
+    // Producer: block size 32, positions 0..3. Runs of 32 tokens: run 0
+    // needs the consumer's position 0, which it did not load, so its
+    // position 1 is never compared.
+    let c: Vec<u64> = (0..4).map(|_| rng.next_u64()).collect();
+    let record = |num_tokens: u64, values: Vec<u64>| {
+        let mut record = simple_record(values, num_tokens);
+        record.requests[0].groups[0].first_position = 1;
+        record.encode()
+    };
+    let first_run = rng.next_u64();
+    let payload = |num_tokens: u64| {
+        let mut values = vec![first_run, c[1].wrapping_add(c[2]), c[3]];
+        values.truncate(num_tokens.div_ceil(32) as usize);
+        TPayload {
+            num_tokens,
+            groups: vec![(0, 7, 0, values)],
+            extension: Some((1, vec![(0, 32, Vec::new())])),
+        }
+        .encode()
+    };
+    let verifier = Verifier::new(1);
+    let scheduled = blocks(&[("req", 80, vec![(0, 1, vec![0, 1, 2, 3])])]);
+    verifier.expect(&scheduled, CONSUMER);
+    let mut corrupted = c.clone();
+    corrupted[0] ^= 1 << 17;
+    for values in [c.clone(), corrupted] {
+        assert_eq!(verifier.add(&record(80, values)), KVCS_OK, "{}", last_error());
+        let report = verifier.check("req", &payload(80));
+        // By the definition a match, even with position 1 corrupted; the
+        // report says position 1 was not compared.
+        assert_eq!(
+            report.verdict(),
+            kvcs_verdict::KVCS_VERDICT_MATCH,
+            "seed {seed}: {}",
+            report.message()
+        );
+        assert_eq!((report.compared(), report.uncompared()), (2, 1), "seed {seed}");
+        assert!(
+            report.message().contains("1 loaded positions not compared"),
+            "{}",
+            report.message()
+        );
+    }
+    // A producer of fewer tokens (64): the consumer's position 4 is not
+    // compared either.
+    let report = verifier.check("req", &payload(64));
+    assert_eq!(
+        report.verdict(),
+        kvcs_verdict::KVCS_VERDICT_MATCH,
+        "seed {seed}: {}",
+        report.message()
+    );
+    assert_eq!((report.compared(), report.uncompared()), (1, 2), "seed {seed}");
+    // Required coverage: such a load is unverified with its own reason.
+    assert_eq!(
+        kvcs_verifier_set_require_coverage(verifier.0, 2),
+        KVCS_ERR_INVALID_ARGUMENT
+    );
+    assert_eq!(kvcs_verifier_set_require_coverage(verifier.0, 1), KVCS_OK);
+    let report = verifier.check("req", &payload(80));
+    assert_eq!(report.verdict(), kvcs_verdict::KVCS_VERDICT_UNVERIFIED, "seed {seed}");
+    assert_eq!(report.reason(), "KVCS_UNVERIFIED_UNCOMPARED_POSITIONS", "seed {seed}");
+    // A load that compares everything still matches under it.
+    let full = Verifier::new(1);
+    let scheduled = blocks(&[("req", 80, vec![(0, 0, vec![0, 1, 2, 3, 4])])]);
+    full.expect(&scheduled, CONSUMER);
+    assert_eq!(kvcs_verifier_set_require_coverage(full.0, 1), KVCS_OK);
+    let values: Vec<u64> = (0..5).map(|_| rng.next_u64()).collect();
+    assert_eq!(full.add(&simple_record(values.clone(), 80).encode()), KVCS_OK);
+    let sent = vec![
+        values[0].wrapping_add(values[1]),
+        values[2].wrapping_add(values[3]),
+        values[4],
+    ];
+    let payload = TPayload {
+        num_tokens: 80,
+        groups: vec![(0, 7, 0, sent)],
+        extension: Some((1, vec![(0, 32, Vec::new())])),
+    };
+    let report = full.check("req", &payload.encode());
+    assert_eq!(
+        report.verdict(),
+        kvcs_verdict::KVCS_VERDICT_MATCH,
+        "seed {seed}: {}",
+        report.message()
+    );
+    assert_eq!((report.compared(), report.uncompared()), (3, 0), "seed {seed}");
+}

@@ -2,12 +2,13 @@
 //! (SPEC sections 4 and 10), group by group.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 
 use crate::blocks::GroupBlocks;
 use crate::error::Result;
 use crate::layout::ReplicaKey;
-use crate::payload::{ExtensionGroup, Payload, PayloadGroup};
-use crate::record::RecordGroup;
+use crate::payload::{ExtensionGroup, Payload, PayloadGroup, PayloadLayer};
+use crate::record::{LayerPartial, RecordGroup};
 
 use super::collect::{add_into, Judged, Pending, Unverified, WorkerPart};
 use super::compare::{consumer_ranges, differing_ranges, producer_ranges, run_tokens, Series};
@@ -18,23 +19,48 @@ use super::report::{Finding, LayerDifference, Mismatch, Policy, Reason, Report};
 pub(super) struct Settings {
     pub policy: Policy,
     pub producer_tp_size: Option<u32>,
-    pub producer_block_sizes: HashMap<u32, u32>,
+    /// Shared, so that a check copies it cheaply before leaving the lock.
+    pub producer_block_sizes: Arc<HashMap<u32, u32>>,
+    /// Loads with uncompared positions are unverified (off by default).
+    pub require_coverage: bool,
 }
 
-/// The consumer's load of one request, ready to be compared.
+/// The consumer's load of one request, ready to be compared: copies taken
+/// under the verifier's lock, compared outside it.
 pub(super) struct Load<'a> {
     pub req_id: &'a str,
-    pub settings: &'a Settings,
-    pub pending: &'a Pending,
+    pub settings: Settings,
+    pub pending: Pending,
     pub num_workers: u32,
-    /// The consumer's TP size (of its records).
-    pub tp_size: u32,
 }
 
 /// A compared group's positions and mismatches.
 struct GroupOutcome {
     compared: u64,
+    /// The consumer's loaded positions no compared run covers.
+    uncompared: u64,
     mismatches: Vec<Mismatch>,
+}
+
+/// The payload's groups and extension groups by id.
+struct SentGroups<'p> {
+    groups: HashMap<u32, &'p PayloadGroup>,
+    extension: HashMap<u32, &'p ExtensionGroup>,
+}
+
+impl<'p> SentGroups<'p> {
+    /// The payload validated that each id appears once.
+    fn of(payload: &'p Payload) -> SentGroups<'p> {
+        SentGroups {
+            groups: payload.groups.iter().map(|g| (g.group_id, g)).collect(),
+            extension: payload
+                .extension
+                .iter()
+                .flat_map(|e| e.groups.iter())
+                .map(|g| (g.group_id, g))
+                .collect(),
+        }
+    }
 }
 
 /// Both sides' facts of one group that decide how it is compared.
@@ -52,7 +78,11 @@ struct GroupSides<'a> {
 impl Load<'_> {
     /// The report on the load, given the decoded payload (`None`: none sent).
     pub fn judge(&self, decoded: Option<Result<Payload>>) -> Report {
-        if let Err(Unverified(reason, message)) = self.pending.check_complete(self.num_workers) {
+        let whole_load = self
+            .pending
+            .check_complete(self.num_workers)
+            .and_then(|()| self.pending.check_roles());
+        if let Err(Unverified(reason, message)) = whole_load {
             return self.whole(reason, message);
         }
         let payload = match decoded {
@@ -73,20 +103,32 @@ impl Load<'_> {
             group_id: None,
             message,
         };
-        Report::new(self.req_id, self.settings.policy, 0, Vec::new(), vec![finding])
+        Report::new(self.req_id, self.settings.policy, (0, 0), Vec::new(), vec![finding])
     }
 
     /// Compares every scheduled group and gathers the outcomes.
     fn compare(&self, payload: &Payload) -> Report {
-        let mut compared = 0u64;
+        let sent = SentGroups::of(payload);
+        let (mut compared, mut uncompared) = (0u64, 0u64);
         let mut mismatches = Vec::new();
         let mut findings = Vec::new();
         let mut any_group_compared = false;
         for scheduled in &self.pending.scheduled.groups {
-            match self.compare_group(payload, scheduled) {
+            match self.compare_group(payload, &sent, scheduled) {
                 Ok(Some(outcome)) => {
                     any_group_compared = true;
                     compared += outcome.compared;
+                    uncompared += outcome.uncompared;
+                    if outcome.uncompared > 0 && self.settings.require_coverage && outcome.mismatches.is_empty() {
+                        findings.push(Finding {
+                            reason: Reason::UncomparedPositions,
+                            group_id: Some(scheduled.group_id),
+                            message: format!(
+                                "group {}: {} loaded positions were not compared ({} compared)",
+                                scheduled.group_id, outcome.uncompared, outcome.compared
+                            ),
+                        });
+                    }
                     mismatches.extend(outcome.mismatches);
                 }
                 Ok(None) => {}
@@ -104,17 +146,29 @@ impl Load<'_> {
                 message: "no loaded group can be checksummed (every group is skipped on both sides)".to_owned(),
             });
         }
-        Report::new(self.req_id, self.settings.policy, compared, mismatches, findings)
+        Report::new(
+            self.req_id,
+            self.settings.policy,
+            (compared, uncompared),
+            mismatches,
+            findings,
+        )
     }
 
     /// Compares one scheduled group; `Ok(None)` when it is skipped on both
     /// sides (nothing to compare, nothing wrong).
-    fn compare_group(&self, payload: &Payload, scheduled: &GroupBlocks) -> Judged<Option<GroupOutcome>> {
-        let Some(sent) = self.sent_group(payload, scheduled.group_id)? else {
+    fn compare_group(
+        &self,
+        payload: &Payload,
+        sent: &SentGroups<'_>,
+        scheduled: &GroupBlocks,
+    ) -> Judged<Option<GroupOutcome>> {
+        let Some(sent_group) = self.sent_group(sent, scheduled.group_id)? else {
             return Ok(None);
         };
-        let sides = self.group_sides(payload, scheduled, sent)?;
-        sides.check_state_tp(self.tp_size)?;
+        let extension = sent.extension.get(&scheduled.group_id).copied();
+        let sides = self.group_sides(payload, scheduled, sent_group, extension)?;
+        sides.check_state_tp(self.pending.tp_size().unwrap_or(1))?;
         let checks = replica_checks(&sides.parts, scheduled.block_ids.len())?;
         let outcome = sides.compare_runs(self.pending.scheduled.num_tokens, payload.num_tokens, &checks);
         if outcome.compared == 0 {
@@ -137,9 +191,9 @@ impl Load<'_> {
 
     /// The producer's entry of the group; `None` when both sides skipped it,
     /// unverified when only one side has it.
-    fn sent_group<'p>(&self, payload: &'p Payload, group_id: u32) -> Judged<Option<&'p PayloadGroup>> {
+    fn sent_group<'p>(&self, sent: &SentGroups<'p>, group_id: u32) -> Judged<Option<&'p PayloadGroup>> {
         let skipped_by = self.pending.skipped_by(group_id);
-        match (skipped_by, payload.group(group_id)) {
+        match (skipped_by, sent.groups.get(&group_id).copied()) {
             (Some(_), None) => Ok(None),
             (Some((worker, reason)), Some(_)) => Err(Unverified(
                 Reason::OneSidedGroup,
@@ -160,6 +214,7 @@ impl Load<'_> {
         payload: &'a Payload,
         scheduled: &'a GroupBlocks,
         sent: &'a PayloadGroup,
+        extension: Option<&'a ExtensionGroup>,
     ) -> Judged<GroupSides<'a>> {
         let group_id = scheduled.group_id;
         let parts = self.pending.group_parts(scheduled)?;
@@ -174,7 +229,6 @@ impl Load<'_> {
             ));
         }
         let consumer_block_size = self.pending.block_size(group_id)?;
-        let extension = payload.extension_group(group_id);
         let producer_block_size = extension
             .map(|e| e.block_size)
             .or_else(|| self.settings.producer_block_sizes.get(&group_id).copied())
@@ -239,8 +293,11 @@ impl GroupSides<'_> {
         let localised = self.localised();
         let mut outcome = GroupOutcome {
             compared: 0,
+            uncompared: 0,
             mismatches: Vec::new(),
         };
+        let mut covered = 0u128;
+        let mut namer = localised.then(|| LayerNamer::new(self, producer, consumer, run));
         for q in q_lo..q_hi {
             let valid = consumer.run_valid_tokens(run, q);
             if valid == 0 || valid != producer.run_valid_tokens(run, q) {
@@ -253,15 +310,12 @@ impl GroupSides<'_> {
                 continue;
             };
             outcome.compared += 1;
+            let (lo, hi) = consumer.blocks_of_run(run, q);
+            covered += hi - lo;
             if failed_checks.is_empty() {
                 continue;
             }
-            let (lo, hi) = consumer.blocks_of_run(run, q);
-            let layers = if localised {
-                self.differing_layers(producer, consumer, &failed_checks, run, q)
-            } else {
-                Vec::new()
-            };
+            let layers = namer.as_mut().and_then(|namer| namer.name(&failed_checks, q));
             outcome.mismatches.push(Mismatch {
                 group_id: self.scheduled.group_id,
                 first_position: lo as u64,
@@ -269,38 +323,12 @@ impl GroupSides<'_> {
                 first_token: (q * run) as u64,
                 num_tokens: valid as u64,
                 failed_checks,
-                localised,
-                layers,
+                localised: layers.is_some(),
+                layers: layers.unwrap_or_default(),
             });
         }
+        outcome.uncompared = (consumer_loaded(consumer, self.scheduled.block_ids.len()) - covered) as u64;
         outcome
-    }
-
-    /// Detail mode: the layer head ranges that differ at run `q`, per
-    /// failed check.
-    fn differing_layers(
-        &self,
-        producer: Series<'_>,
-        consumer: Series<'_>,
-        failed_checks: &[u32],
-        run: u128,
-        q: u128,
-    ) -> Vec<LayerDifference> {
-        let sent_layers = &self.extension.expect("localised needs it").layers;
-        let producer_layers = producer_ranges(sent_layers, producer, run, q);
-        let mut layers = Vec::new();
-        for &check in failed_checks {
-            let consumer_layers = consumer_ranges(
-                self.parts
-                    .iter()
-                    .flat_map(|(_, group)| group.layers.iter().map(move |layer| (layer, consumer))),
-                check,
-                run,
-                q,
-            );
-            layers.extend(differing_ranges(&producer_layers, &consumer_layers, check));
-        }
-        layers
     }
 
     /// Why a group with no compared run is unverified.
@@ -319,6 +347,73 @@ impl GroupSides<'_> {
                 self.producer_block_size,
             ),
         )
+    }
+}
+
+/// The consumer's positions holding valid tokens among the `count` it
+/// loaded from its first position.
+fn consumer_loaded(consumer: Series<'_>, count: usize) -> u128 {
+    let start = consumer.first_position as u128;
+    let valid_end = (consumer.num_tokens as u128).div_ceil(consumer.block_size as u128);
+    valid_end.min(start + count as u128).saturating_sub(start)
+}
+
+/// Names the layer head ranges that differ at mismatching runs (detail
+/// mode), within a budget of work in proportion to the layer values both
+/// sides sent: each run costs a pass over both sides' layers per failed
+/// check, and replica checks could multiply that past the input's size.
+struct LayerNamer<'a> {
+    producer_layers: &'a [PayloadLayer],
+    consumer_layers: Vec<&'a LayerPartial>,
+    producer: Series<'a>,
+    consumer: Series<'a>,
+    run: u128,
+    budget: u64,
+}
+
+impl<'a> LayerNamer<'a> {
+    fn new(sides: &'a GroupSides<'a>, producer: Series<'a>, consumer: Series<'a>, run: u128) -> LayerNamer<'a> {
+        let producer_layers = &sides.extension.expect("localised needs it").layers;
+        let consumer_layers: Vec<&LayerPartial> =
+            sides.parts.iter().flat_map(|(_, group)| group.layers.iter()).collect();
+        let values: u64 = producer_layers
+            .iter()
+            .map(|l| l.values.len() as u64)
+            .chain(consumer_layers.iter().map(|l| l.values.len() as u64))
+            .sum();
+        LayerNamer {
+            producer_layers,
+            consumer_layers,
+            producer,
+            consumer,
+            run,
+            budget: 4 * values + 4096,
+        }
+    }
+
+    /// The differing ranges at run `q` per failed check; `None` once the
+    /// budget is spent.
+    fn name(&mut self, failed_checks: &[u32], q: u128) -> Option<Vec<LayerDifference>> {
+        let per_check = (self.producer_layers.len() + self.consumer_layers.len()) as u64 + 1;
+        let cost = per_check.saturating_mul(failed_checks.len() as u64 + 1);
+        if cost > self.budget {
+            self.budget = 0;
+            return None;
+        }
+        self.budget -= cost;
+        let producer_layers = producer_ranges(self.producer_layers, self.producer, self.run, q);
+        let mut layers = Vec::new();
+        for &check in failed_checks {
+            let consumer = self.consumer;
+            let consumer_layers = consumer_ranges(
+                self.consumer_layers.iter().map(|&layer| (layer, consumer)),
+                check,
+                self.run,
+                q,
+            );
+            layers.extend(differing_ranges(&producer_layers, &consumer_layers, check));
+        }
+        Some(layers)
     }
 }
 

@@ -3,7 +3,7 @@
 //! request (who reported, which blocks and tokens they checksummed, the
 //! group fingerprint and block size).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use crate::blocks::{GroupBlocks, RequestBlocks};
@@ -20,39 +20,73 @@ pub(super) struct Unverified(pub Reason, pub String);
 /// The outcome of a step that can make a load or group unverified.
 pub(super) type Judged<T> = std::result::Result<T, Unverified>;
 
-/// A request whose records are being collected.
-#[derive(Debug)]
+/// A request whose records are being collected. Cheap to clone (its parts
+/// are shared), so that a check or payload works on a copy outside the
+/// verifier's lock.
+#[derive(Debug, Clone)]
 pub(super) struct Pending {
     pub role: Role,
-    pub scheduled: RequestBlocks,
+    pub scheduled: Arc<RequestBlocks>,
     /// Per worker (PP stage, TP rank): its part of the request.
-    pub reports: BTreeMap<(u32, u32), WorkerPart>,
+    pub reports: BTreeMap<(u32, u32), Arc<WorkerPart>>,
 }
 
-/// One worker's part of one request.
+/// One worker's part of one request, with its groups indexed by id.
 #[derive(Debug)]
 pub(super) struct WorkerPart {
     pub rank: Rank,
+    /// The role the worker computed in.
+    pub role: Role,
     pub detail: bool,
+    /// The record's groups, sorted by id (the record validated that).
     pub groups: Arc<[GroupInfo]>,
     pub request: RecordRequest,
+    /// Group id -> index in `request.groups`.
+    group_index: HashMap<u32, usize>,
+    /// Group id -> index in `request.skipped`.
+    skipped_index: HashMap<u32, usize>,
 }
 
 impl WorkerPart {
+    /// A worker's part, indexed (the record validated that each group
+    /// appears once).
+    pub fn new(rank: Rank, role: Role, detail: bool, groups: Arc<[GroupInfo]>, request: RecordRequest) -> WorkerPart {
+        let group_index = request
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(i, g)| (g.group_id, i))
+            .collect();
+        let skipped_index = request
+            .skipped
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.group_id, i))
+            .collect();
+        WorkerPart {
+            rank,
+            role,
+            detail,
+            groups,
+            request,
+            group_index,
+            skipped_index,
+        }
+    }
+
     pub fn group_info(&self, group_id: u32) -> Option<&GroupInfo> {
-        self.groups.iter().find(|g| g.group_id == group_id)
+        let index = self.groups.binary_search_by_key(&group_id, |g| g.group_id).ok()?;
+        Some(&self.groups[index])
     }
 
     pub fn group(&self, group_id: u32) -> Option<&RecordGroup> {
-        self.request.groups.iter().find(|g| g.group_id == group_id)
+        self.group_index.get(&group_id).map(|&i| &self.request.groups[i])
     }
 
     pub fn skipped(&self, group_id: u32) -> Option<&str> {
-        self.request
-            .skipped
-            .iter()
-            .find(|s| s.group_id == group_id)
-            .map(|s| s.reason.as_str())
+        self.skipped_index
+            .get(&group_id)
+            .map(|&i| self.request.skipped[i].reason.as_str())
     }
 
     pub fn name(&self) -> String {
@@ -65,8 +99,32 @@ impl Pending {
     pub fn new(role: Role, scheduled: RequestBlocks) -> Pending {
         Pending {
             role,
-            scheduled,
+            scheduled: Arc::new(scheduled),
             reports: BTreeMap::new(),
+        }
+    }
+
+    /// The workers' TP size (every record of a verifier has the same).
+    pub fn tp_size(&self) -> Option<u32> {
+        self.reports.values().next().map(|part| part.rank.tp_size)
+    }
+
+    /// Every worker computed in the role the request is expected in: a
+    /// worker of the other role checksums other columns, which says nothing
+    /// about the data.
+    pub fn check_roles(&self) -> Judged<()> {
+        match self.reports.values().find(|part| part.role != self.role) {
+            None => Ok(()),
+            Some(part) => Err(Unverified(
+                Reason::RoleDiffers,
+                format!(
+                    "{} checksummed req_id {:?} as a {}, but the request is expected as a {} (a configuration error, not corrupt data)",
+                    part.name(),
+                    self.scheduled.req_id,
+                    role_name(part.role),
+                    role_name(self.role)
+                ),
+            )),
         }
     }
 
@@ -141,7 +199,7 @@ impl Pending {
                     ),
                 ));
             }
-            parts.push((part, group));
+            parts.push((&**part, group));
         }
         Ok(parts)
     }
@@ -212,6 +270,13 @@ pub(super) fn check_rank(rank: Rank, num_workers: u32) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+fn role_name(role: Role) -> &'static str {
+    match role {
+        Role::Producer => "producer",
+        Role::Consumer => "consumer",
+    }
 }
 
 /// Adds `values` into `total`, wrapping, position by position.

@@ -9,7 +9,10 @@
 //! 2. [`Verifier::add_record`] takes each worker's record (bytes from
 //!    `kvcs_result_encode`, possibly from another process) and keeps, per
 //!    expected request, that worker's part. Requests not expected are
-//!    ignored; a worker's later record of a request replaces its earlier one.
+//!    ignored: a record of none of them is accepted and changes nothing (not
+//!    even the TP size records must agree on, which is pinned only while
+//!    some record is held). A worker's later record of a request replaces its
+//!    earlier one.
 //! 3. Producer: [`Verifier::payload`] sums the `replica_index == 0` columns
 //!    of all `num_workers` workers per group and position, with the group
 //!    fingerprints summed over PP stages (one TP rank per stage).
@@ -31,9 +34,11 @@
 //!
 //! One mutex inside guards all state: every method takes `&self`, so a
 //! verifier can be shared across threads (`Arc<Verifier>`, or one C handle
-//! used from several threads). Each call holds the lock for its whole
-//! duration and never calls out while holding it, so calls are serialised
-//! and cannot deadlock; decoding a record happens before taking the lock.
+//! used from several threads). A call holds the lock only to read or change
+//! the state (in time proportional to what it adds or copies, never calling
+//! out), so calls cannot deadlock and none waits on another's heavy work:
+//! records are decoded and indexed before taking it, and payloads are built
+//! and loads compared after it, on copies of the request's shared parts.
 
 mod check;
 mod collect;
@@ -65,8 +70,11 @@ pub struct Verifier {
 struct State {
     settings: Settings,
     extension: bool,
-    /// The TP size of the first record; every later record must agree.
+    /// The TP size of the records held; every record added must agree. It
+    /// is set by the first record kept and cleared when none is held.
     tp_size: Option<u32>,
+    /// Worker parts held over all requests.
+    parts_held: usize,
     requests: HashMap<String, Pending>,
 }
 
@@ -83,10 +91,12 @@ impl Verifier {
                 settings: Settings {
                     policy: Policy::FailClosed,
                     producer_tp_size: None,
-                    producer_block_sizes: HashMap::new(),
+                    producer_block_sizes: Arc::new(HashMap::new()),
+                    require_coverage: false,
                 },
                 extension: false,
                 tp_size: None,
+                parts_held: 0,
                 requests: HashMap::new(),
             }),
         })
@@ -134,7 +144,19 @@ impl Verifier {
         if block_size == 0 {
             return Err(err!(InvalidArgument, "block_size is 0 (group_id {group_id})"));
         }
-        self.lock()?.settings.producer_block_sizes.insert(group_id, block_size);
+        let mut state = self.lock()?;
+        Arc::make_mut(&mut state.settings.producer_block_sizes).insert(group_id, block_size);
+        Ok(())
+    }
+
+    /// Consumer: whether a load must compare every loaded position to
+    /// verify. On, a load whose report counts uncompared positions (see
+    /// [`Report::uncompared_positions`]) and no mismatch is unverified
+    /// ([`Reason::UncomparedPositions`]). Off by default: SPEC section 10
+    /// (and vLLM) compare only the positions both sides hold with equal
+    /// valid tokens.
+    pub fn set_require_coverage(&self, on: bool) -> Result<()> {
+        self.lock()?.settings.require_coverage = on;
         Ok(())
     }
 
@@ -144,16 +166,21 @@ impl Verifier {
     pub fn expect(&self, scheduled: &BlockSet, role: Role) -> Result<()> {
         let mut state = self.lock()?;
         for request in scheduled.requests() {
-            state
+            let replaced = state
                 .requests
                 .insert(request.req_id.clone(), Pending::new(role, request.clone()));
+            state.release(replaced);
         }
         Ok(())
     }
 
     /// Drops a request's state; whether it was there.
     pub fn forget(&self, req_id: &str) -> Result<bool> {
-        Ok(self.lock()?.requests.remove(req_id).is_some())
+        let mut state = self.lock()?;
+        let removed = state.requests.remove(req_id);
+        let found = removed.is_some();
+        state.release(removed);
+        Ok(found)
     }
 
     /// Decodes a worker's record (`Error::Malformed` for bad bytes) and adds it.
@@ -163,35 +190,51 @@ impl Verifier {
     }
 
     /// Adds a decoded record: each expected request's part is kept for its
-    /// worker. Fails, keeping nothing, when the record does not validate or
-    /// its rank does not fit this engine.
+    /// worker. Fails, keeping nothing, when the record does not validate,
+    /// its rank does not fit this engine, or its TP size differs from the
+    /// records held. A record of no expected request is accepted and
+    /// changes nothing (`Ok`): a worker's batch may hold other requests.
     pub fn add(&self, record: Record) -> Result<()> {
         record.validate()?;
         let rank = record.rank;
         check_rank(rank, self.num_workers)?;
+        // Index the parts before taking the lock.
+        let groups: Arc<[GroupInfo]> = record.groups.into();
+        let parts: Vec<Arc<WorkerPart>> = record
+            .requests
+            .into_iter()
+            .map(|request| {
+                Arc::new(WorkerPart::new(
+                    rank,
+                    record.role,
+                    record.detail,
+                    groups.clone(),
+                    request,
+                ))
+            })
+            .collect();
         let mut state = self.lock()?;
+        let expected: Vec<Arc<WorkerPart>> = parts
+            .into_iter()
+            .filter(|part| state.requests.contains_key(&part.request.req_id))
+            .collect();
+        if expected.is_empty() {
+            return Ok(());
+        }
         match state.tp_size {
             Some(tp_size) if tp_size != rank.tp_size => {
                 return Err(err!(
                     InvalidArgument,
-                    "record of tp_size {} differs from tp_size {tp_size} of earlier records",
+                    "record of tp_size {} differs from tp_size {tp_size} of the records held",
                     rank.tp_size
                 ));
             }
             _ => state.tp_size = Some(rank.tp_size),
         }
-        let groups: Arc<[GroupInfo]> = record.groups.into();
-        for request in record.requests {
-            if let Some(pending) = state.requests.get_mut(&request.req_id) {
-                pending.reports.insert(
-                    (rank.pp_rank, rank.tp_rank),
-                    WorkerPart {
-                        rank,
-                        detail: record.detail,
-                        groups: groups.clone(),
-                        request,
-                    },
-                );
+        for part in expected {
+            let pending = state.requests.get_mut(&part.request.req_id).expect("filtered above");
+            if pending.reports.insert((rank.pp_rank, rank.tp_rank), part).is_none() {
+                state.parts_held += 1;
             }
         }
         Ok(())
@@ -203,8 +246,10 @@ impl Verifier {
     /// checksummed other blocks than scheduled, fingerprints or block sizes
     /// of one stage disagree); `NotFound` for a request not expected.
     pub fn payload(&self, req_id: &str) -> Result<Payload> {
-        let state = self.lock()?;
-        let pending = state.pending(req_id)?;
+        let (pending, extension) = {
+            let state = self.lock()?;
+            (state.pending(req_id)?.clone(), state.extension)
+        };
         if pending.role != Role::Producer {
             return Err(err!(
                 InvalidArgument,
@@ -218,7 +263,15 @@ impl Verifier {
                 reason.describe()
             ));
         }
-        produce::build_payload(req_id, pending, state.extension, state.tp_size.unwrap_or(1))
+        if let Err(Unverified(reason, message)) = pending.check_roles() {
+            return Err(err!(
+                InvalidArgument,
+                "no payload for req_id {req_id:?}: {}: {message}",
+                reason.describe()
+            ));
+        }
+        let tp_size = pending.tp_size().unwrap_or(1);
+        produce::build_payload(req_id, &pending, extension, tp_size)
     }
 
     /// Consumer: judges the finished load of `req_id` against the producer's
@@ -238,8 +291,11 @@ impl Verifier {
     }
 
     fn check_decoded(&self, req_id: &str, decoded: Option<Result<Payload>>) -> Result<Report> {
-        let state = self.lock()?;
-        let pending = state.pending(req_id)?;
+        // Copies (of shared parts) under the lock; the comparison outside it.
+        let (pending, settings) = {
+            let state = self.lock()?;
+            (state.pending(req_id)?.clone(), state.settings.clone())
+        };
         if pending.role != Role::Consumer {
             return Err(err!(
                 InvalidArgument,
@@ -248,16 +304,26 @@ impl Verifier {
         }
         let load = Load {
             req_id,
-            settings: &state.settings,
+            settings,
             pending,
             num_workers: self.num_workers,
-            tp_size: state.tp_size.unwrap_or(1),
         };
         Ok(load.judge(decoded))
     }
 }
 
 impl State {
+    /// Accounts for a request's state that was dropped; with no part held,
+    /// the TP size is free again.
+    fn release(&mut self, dropped: Option<Pending>) {
+        if let Some(dropped) = dropped {
+            self.parts_held -= dropped.reports.len();
+            if self.parts_held == 0 {
+                self.tp_size = None;
+            }
+        }
+    }
+
     fn pending(&self, req_id: &str) -> Result<&Pending> {
         self.requests
             .get(req_id)
