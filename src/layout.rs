@@ -173,6 +173,9 @@ pub struct Layout {
     /// Slot of each group id.
     slots: BTreeMap<u32, u32>,
     skipped: BTreeMap<u32, String>,
+    /// Every registered head range, keyed by (layer number, first head),
+    /// with its end: finds an overlap in logarithmic time.
+    head_ranges: BTreeMap<(u32, u64), u64>,
 }
 
 impl Layout {
@@ -229,6 +232,11 @@ impl Layout {
         let layer = self.check_layer(spec)?;
         // check_layer found the group.
         let slot = self.slots[&layer.spec.group_id];
+        let first_head = layer.spec.first_head as u64;
+        self.head_ranges.insert(
+            (layer.spec.layer_number, first_head),
+            first_head + layer.spec.num_heads as u64,
+        );
         self.groups[slot as usize].push(layer);
         Ok(())
     }
@@ -294,20 +302,19 @@ impl Layout {
             segment_piece_offsets.push(pieces_per_token);
             pieces_per_token += segment.bytes_per_token as u64 / PIECE_BYTES;
         }
-        for other in self.groups.iter().flat_map(|g| g.layers.iter()) {
-            let other = &other.spec;
-            if other.layer_number != layer_number {
-                continue;
-            }
-            let other_end = other.first_head as u64 + other.num_heads as u64;
-            if (spec.first_head as u64) < other_end && (other.first_head as u64) < head_end {
+        // Registered ranges of a layer are disjoint, so the one starting last
+        // below `head_end` is the only one that can reach past `first_head`.
+        let before = self
+            .head_ranges
+            .range((layer_number, 0)..(layer_number, head_end))
+            .next_back();
+        if let Some((&(_, other_first), &other_end)) = before {
+            if (spec.first_head as u64) < other_end {
                 return Err(err!(
                     InvalidArgument,
-                    "heads {}..{} of layer_number {layer_number} overlap heads {}..{} registered before",
+                    "heads {}..{} of layer_number {layer_number} overlap heads {other_first}..{other_end} registered before",
                     spec.first_head,
-                    head_end,
-                    other.first_head,
-                    other_end
+                    head_end
                 ));
             }
         }

@@ -135,14 +135,19 @@ impl Worker {
         self.layout.skip_group(group_id, reason)
     }
 
-    /// Registers an attention layer's cache; on error nothing changes.
+    /// Registers an attention layer's cache; on error nothing changes. A
+    /// host worker adds it in place (the layout checks before it changes); a
+    /// device worker keeps its layout until the device has the new one.
     pub fn add_layer(&mut self, spec: LayerSpec) -> Result<()> {
-        let mut layout = self.layout.clone();
-        layout.add_layer(spec)?;
-        if let Engine::Device(device) = &mut self.engine {
-            device.upload_layout(&layout)?;
+        match &mut self.engine {
+            Engine::Host { .. } => self.layout.add_layer(spec)?,
+            Engine::Device(device) => {
+                let mut layout = self.layout.clone();
+                layout.add_layer(spec)?;
+                device.upload_layout(&layout)?;
+                self.layout = layout;
+            }
         }
-        self.layout = layout;
         self.group_infos = OnceLock::new();
         Ok(())
     }

@@ -1060,6 +1060,69 @@ fn records_of_requests_not_expected_change_nothing() {
 }
 
 // ---------------------------------------------------------------------------
+// Defect 7: lookups on the fast path
+
+#[test]
+fn adding_many_layers_takes_linear_time() {
+    let mut rng = Rng::for_test("adding_many_layers_takes_linear_time");
+    let layers = 16_000u32;
+    let worker = HostWorker::new(&mut rng, layers, 1, 1);
+    assert_eq!(kvcs_worker_add_group(worker.handle, 0, 1), KVCS_OK);
+    let start = Instant::now();
+    // Registered in a scattered order of layer numbers.
+    for slot in 0..layers {
+        let layer_number = (slot as u64 * 7919 % layers as u64) as u32;
+        assert_eq!(
+            worker.add_layer(0, layer_number, slot, 1, 1),
+            KVCS_OK,
+            "{}",
+            last_error()
+        );
+    }
+    assert_fast("adding 16k layers", start.elapsed(), 5.0);
+    // Overlapping heads are still refused, naming the range registered before.
+    assert_eq!(worker.add_layer(0, 4321, 0, 1, 1), KVCS_ERR_INVALID_ARGUMENT);
+    assert!(
+        last_error().contains("heads 0..1 of layer_number 4321 overlap heads 0..1 registered before"),
+        "{}",
+        last_error()
+    );
+}
+
+#[test]
+fn result_columns_are_found_in_constant_time() {
+    let mut rng = Rng::for_test("result_columns_are_found_in_constant_time");
+    let seed = rng.seed();
+    let worker = HostWorker::new(&mut rng, 1, 4, 16);
+    assert_eq!(kvcs_worker_add_group(worker.handle, 0, 16), KVCS_OK);
+    assert_eq!(worker.add_layer(0, 0, 0, 4, 16), KVCS_OK);
+    let requests = 40_000u32;
+    let names: Vec<CString> = (0..requests)
+        .map(|i| CString::new(format!("request-{i}")).unwrap())
+        .collect();
+    let mut handle = null_mut();
+    assert_eq!(kvcs_blocks_create(&mut handle), KVCS_OK);
+    let scheduled = Blocks(handle);
+    for (i, name) in names.iter().enumerate() {
+        assert_eq!(kvcs_blocks_add_request(scheduled.0, name.as_ptr(), 16), KVCS_OK);
+        let block = [(i % 4) as u32];
+        assert_eq!(
+            kvcs_blocks_add_group(scheduled.0, name.as_ptr(), 0, 0, block.as_ptr(), 1),
+            KVCS_OK
+        );
+    }
+    let result = worker.checksum(&scheduled, CONSUMER);
+    let first: Vec<Vec<u64>> = (0..4).map(|i| column(result, &names[i], 0, 1)).collect();
+    assert!(first.iter().all(|c| c[0] != 0), "seed {seed}");
+    let start = Instant::now();
+    for (i, name) in names.iter().enumerate().rev() {
+        assert_eq!(column(result, name, 0, 1), first[i % 4], "seed {seed}: request {i}");
+    }
+    assert_fast("40k kvcs_result_column calls", start.elapsed(), 3.0);
+    kvcs_result_destroy(result);
+}
+
+// ---------------------------------------------------------------------------
 // Coverage: loaded positions that were not compared
 
 #[test]
