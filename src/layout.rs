@@ -357,7 +357,9 @@ impl Layout {
         if !inside {
             return Err(err!(
                 OutOfBounds,
-                "segments[{index}] of layer_number {layer_number} reaches bytes {low:#x}..{high:#x}, which no registered region holds"
+                "segments[{index}] of layer_number {layer_number} reaches bytes {}..{}, which no registered region holds",
+                signed_hex(low),
+                signed_hex(high)
             ));
         }
         Ok(())
@@ -391,6 +393,15 @@ impl Layout {
     /// Registered regions.
     pub fn regions(&self) -> &[Region] {
         &self.regions
+    }
+}
+
+/// `value` in hex with its sign: `-0x40`, not the two's complement.
+fn signed_hex(value: i128) -> String {
+    if value < 0 {
+        format!("-{:#x}", value.unsigned_abs())
+    } else {
+        format!("{value:#x}")
     }
 }
 

@@ -1123,6 +1123,30 @@ fn result_columns_are_found_in_constant_time() {
 }
 
 // ---------------------------------------------------------------------------
+// Defect 8: negative addresses in messages
+
+#[test]
+fn out_of_bounds_messages_print_negative_bounds_with_a_sign() {
+    let mut rng = Rng::for_test("out_of_bounds_messages_print_negative_bounds_with_a_sign");
+    let worker = HostWorker::new(&mut rng, 1, 4, 16);
+    assert_eq!(kvcs_worker_add_group(worker.handle, 0, 16), KVCS_OK);
+    // Blocks run downwards from address 16: block 3 starts 768 bytes below;
+    // the 16 tokens of 16 bytes end at 16 + 256.
+    let segment = kvcs_segment {
+        address: 16,
+        block_stride: -256,
+        kernel_block_stride: 0,
+        head_stride: 16,
+        token_stride: 16,
+        bytes_per_token: 16,
+    };
+    assert_eq!(worker.add_segment(0, 0, 4, 16, segment), KVCS_ERR_OUT_OF_BOUNDS);
+    let message = last_error();
+    assert!(message.contains("reaches bytes -0x2f0..0x110"), "{message}");
+    assert!(!message.contains("0xffff"), "{message}");
+}
+
+// ---------------------------------------------------------------------------
 // Coverage: loaded positions that were not compared
 
 #[test]
