@@ -968,6 +968,80 @@ fn naming_differing_layers_is_linear_and_never_holds_the_lock() {
     }
 }
 
+/// A detail-mode consumer record whose `r` replica copies each hold one
+/// layer (key `(r, i)` holds layer `i`), and a payload whose value differs
+/// from every check: each of the `r` checks fails, and naming its layers
+/// compares all `r` producer layers. The report's size would be `r * r`.
+fn every_check_differs(rng: &mut Rng, r: u32) -> (TRecord, Vec<u8>) {
+    let values: Vec<u64> = (0..r).map(|_| rng.next_u64()).collect();
+    let record = TRecord {
+        rank: (0, 1, 0),
+        role: 1,
+        detail: true,
+        groups: vec![(0, 16, 7)],
+        requests: vec![TRequest {
+            req_id: "req".to_owned(),
+            num_tokens: 16,
+            groups: vec![TGroup {
+                group_id: 0,
+                first_position: 0,
+                num_positions: 1,
+                columns: (0..r).map(|i| ((r, i), vec![values[i as usize]])).collect(),
+                layers: (0..r).map(|i| (i, 0, 1, (r, i), vec![values[i as usize]])).collect(),
+            }],
+        }],
+    };
+    let differs = values.iter().fold(1u64, |s, &v| s.wrapping_add(v));
+    let payload = TPayload {
+        num_tokens: 16,
+        groups: vec![(0, 7, 0, vec![differs])],
+        extension: Some((
+            1,
+            vec![(0, 16, (0..r).map(|i| (i, 0, 1, vec![values[i as usize]])).collect())],
+        )),
+    };
+    (record, payload.encode())
+}
+
+#[test]
+fn naming_layers_of_many_failing_replica_checks_is_bounded_by_the_input() {
+    let mut rng = Rng::for_test("naming_layers_of_many_failing_replica_checks_is_bounded_by_the_input");
+    let seed = rng.seed();
+    // Small: every check names the other copies' layers.
+    let (record, payload) = every_check_differs(&mut rng, 8);
+    let (verifier, _blocks) = consumer_with_record(&record, 1, 16);
+    let report = verifier.check("req", &payload);
+    let mismatches = report.mismatches();
+    assert_eq!(mismatches.len(), 1, "seed {seed}: {}", report.message());
+    assert_eq!(
+        (mismatches[0].num_failed_checks, mismatches[0].localised),
+        (8, 1),
+        "seed {seed}"
+    );
+    let layers = report.layer_differences(0, mismatches[0].num_layers);
+    assert_eq!(layers.len(), 8 * 7, "seed {seed}");
+    for check in 0..8u32 {
+        let named: Vec<u32> = layers.iter().filter(|d| d.3 == check).map(|d| d.0).collect();
+        let others: Vec<u32> = (0..8).filter(|&l| l != check).collect();
+        assert_eq!(named, others, "seed {seed}: check {check}");
+    }
+    // Large: the mismatch is reported, without naming r * r layers.
+    let r = 5000;
+    let (record, payload) = every_check_differs(&mut rng, r);
+    let (verifier, _blocks) = consumer_with_record(&record, 1, 16);
+    let start = Instant::now();
+    let report = verifier.check("req", &payload);
+    assert_fast("a check with 5000 failing replica checks", start.elapsed(), 5.0);
+    let mismatches = report.mismatches();
+    assert_eq!(mismatches.len(), 1, "seed {seed}");
+    assert_eq!(mismatches[0].num_failed_checks, r as usize, "seed {seed}");
+    assert_eq!(
+        (mismatches[0].localised, mismatches[0].num_layers),
+        (0, 0),
+        "seed {seed}"
+    );
+}
+
 // ---------------------------------------------------------------------------
 // Defect 5: a record computed in the other role
 

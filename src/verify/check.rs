@@ -387,7 +387,7 @@ impl<'a> LayerNamer<'a> {
             producer,
             consumer,
             run,
-            budget: 4 * values + 4096,
+            budget: 16 * values + (1 << 20),
         }
     }
 
