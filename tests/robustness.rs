@@ -195,13 +195,21 @@ impl TRecord {
 /// One layer entry of a hand-made payload extension.
 type PLayer = (u32, u32, u32, Vec<u64>);
 
+/// The extension of a hand-made payload: producer TP size, and per group its
+/// id, block size and layers.
+type TExtension = (u32, Vec<(u32, u32, Vec<PLayer>)>);
+
+/// A request of a block set: id, token count, and per group its id, first
+/// position and block ids.
+type TBlocks<'a> = (&'a str, u64, Vec<(u32, u64, Vec<u32>)>);
+
 /// A hand-made payload: (group id, fingerprint, first position, values) per
 /// group, and the extension's producer TP size and (group id, block size,
 /// layers) per group.
 struct TPayload {
     num_tokens: u64,
     groups: Vec<(u32, u64, u64, Vec<u64>)>,
-    extension: Option<(u32, Vec<(u32, u32, Vec<PLayer>)>)>,
+    extension: Option<TExtension>,
 }
 
 impl TPayload {
@@ -274,7 +282,7 @@ const PRODUCER: u32 = kvcs_role::KVCS_ROLE_PRODUCER as u32;
 const CONSUMER: u32 = kvcs_role::KVCS_ROLE_CONSUMER as u32;
 
 /// A block set of `(req_id, num_tokens, [(group id, first position, block ids)])`.
-fn blocks(requests: &[(&str, u64, Vec<(u32, u64, Vec<u32>)>)]) -> Blocks {
+fn blocks(requests: &[TBlocks<'_>]) -> Blocks {
     let mut handle = null_mut();
     assert_eq!(kvcs_blocks_create(&mut handle), KVCS_OK);
     let blocks = Blocks(handle);
@@ -699,7 +707,7 @@ fn payloads_declaring_huge_lengths_give_unverified_reports_under_a_memory_limit(
                 assert_eq!(report.reason(), "KVCS_UNVERIFIED_INVALID_CHECKSUMS", "{what}");
             }
             // The same as base64 text.
-            let mut text = vec![0u8; (cases[0].1.len() + 2) / 3 * 4 + 1];
+            let mut text = vec![0u8; cases[0].1.len().div_ceil(3) * 4 + 1];
             let mut len = 0usize;
             assert_eq!(
                 kvcs_base64_encode(
@@ -882,8 +890,8 @@ fn every_position_differs_in_one_layer(rng: &mut Rng, num_layers: u32, positions
     };
     let mut sent = layer_values.clone();
     for q in 0..positions as usize {
-        let layer = q % num_layers as usize;
-        sent[layer][q] = sent[layer][q].wrapping_add(1 + rng.below(1000));
+        let layer = &mut sent[q % num_layers as usize][q];
+        *layer = layer.wrapping_add(1 + rng.below(1000));
     }
     let record = TRecord {
         rank: (0, 1, 0),
