@@ -31,6 +31,18 @@
 // Group descriptors that travel inside the launch parameters (`KVCS_INLINE_GROUPS`).
 #define INLINE_GROUPS 8
 
+// Threads per block of the checksum kernel (`KVCS_THREADS_PER_BLOCK`, its
+// `__launch_bounds__`).
+#define THREADS_PER_BLOCK 256
+
+// Threads per warp (`KVCS_WARP`).
+#define WARP 32
+
+// Most chunks a call cuts a kernel block into (`KVCS_MAX_SPLIT`): the
+// kernel counts a row's units in 32 bits, which the layer table checks
+// at this split.
+#define MAX_SPLIT 8
+
 // The `group_id` of a finding about the whole load rather than one group.
 #define KVCS_WHOLE_LOAD UINT32_MAX
 
@@ -171,6 +183,14 @@ enum kvcs_unverified_reason
   KVCS_UNVERIFIED_REPLICA_MISSING = 8,
   // TP sizes differ (or are unknown) for shard-keyed state.
   KVCS_UNVERIFIED_STATE_TP_DIFFERS = 9,
+  // A worker's record was computed in the other role than the request is
+  // expected in (e.g. a consumer rank checksummed as a producer): a
+  // configuration error, never reported as corrupt data.
+  KVCS_UNVERIFIED_ROLE_DIFFERS = 10,
+  // Loaded positions were not compared and the verifier requires full
+  // coverage (`kvcs_verifier_set_require_coverage`); see
+  // `kvcs_report_uncompared_positions`.
+  KVCS_UNVERIFIED_UNCOMPARED_POSITIONS = 11,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -216,8 +236,9 @@ typedef struct kvcs_result kvcs_result;
 // `kvcs_verifier_destroy`. Reports it makes are independent of it.
 // Thread safety: unlike other handles, every call except
 // `kvcs_verifier_destroy` may run concurrently with any other on the same
-// verifier, from any thread: one mutex inside serialises them (each call
-// holds it for its duration; a record is decoded before it is taken).
+// verifier, from any thread: one mutex inside guards its state, held only
+// to read or change it (records are decoded, payloads built and loads
+// compared outside it), so no call waits on another's heavy work.
 typedef struct kvcs_verifier kvcs_verifier;
 
 // A worker context: the layout one TP rank / PP stage registered and the
@@ -431,6 +452,13 @@ kvcs_status kvcs_report_message(const kvcs_report *report, const char **message)
 // differ).
 kvcs_status kvcs_report_compared_positions(const kvcs_report *report, uint64_t *positions);
 
+// The consumer's loaded block positions (holding valid tokens, in the
+// groups compared) that no compared position covers: where block sizes
+// differ, a leading partial run; positions past the producer's token count.
+// A match says nothing about them. Counted apart from
+// `kvcs_report_compared_positions`; 0 when everything loaded was compared.
+kvcs_status kvcs_report_uncompared_positions(const kvcs_report *report, uint64_t *positions);
+
 // The number of mismatch entries.
 kvcs_status kvcs_report_num_mismatches(const kvcs_report *report, size_t *count);
 
@@ -558,6 +586,13 @@ kvcs_status kvcs_verifier_set_policy(kvcs_verifier *verifier, uint32_t policy);
 // default) gives the plain payload vLLM reads.
 kvcs_status kvcs_verifier_set_extension(kvcs_verifier *verifier, uint32_t on);
 
+// Consumer: `on` = 1 makes a load unverified
+// (`KVCS_UNVERIFIED_UNCOMPARED_POSITIONS`) when some loaded position was
+// not compared (`kvcs_report_uncompared_positions` > 0) and none differs;
+// 0 (the default, as vLLM) compares only the positions both sides hold
+// with equal valid tokens and lets the rest pass.
+kvcs_status kvcs_verifier_set_require_coverage(kvcs_verifier *verifier, uint32_t on);
+
 // Consumer: the producer's TP size, for payloads that do not carry it
 // (plain ones). Shard-keyed state groups (SPEC section 6) are compared
 // only when it is known and equal to the consumer's.
@@ -583,11 +618,15 @@ kvcs_status kvcs_verifier_expect(kvcs_verifier *verifier,
 kvcs_status kvcs_verifier_forget(kvcs_verifier *verifier, const char *req_id);
 
 // Adds a worker's record (`len` bytes from `kvcs_result_encode`). Parts of
-// requests not expected are ignored; a worker's newer record of a request
-// replaces its older one. `KVCS_ERR_MALFORMED` (with a message) for bytes
-// that are not a valid record; `KVCS_ERR_INVALID_ARGUMENT` for a rank that
-// does not fit `num_workers` or the TP size of earlier records. On error
-// nothing is kept.
+// requests not expected are ignored; a record of no expected request gives
+// `KVCS_OK` and changes nothing (it pins no TP size). A worker's newer
+// record of a request replaces its older one. `KVCS_ERR_MALFORMED` (with a
+// message) for bytes that are not a valid record;
+// `KVCS_ERR_INVALID_ARGUMENT` for a rank that does not fit `num_workers`,
+// or a TP size other than that of the records held (for requests still
+// expected). On error nothing is kept. A record computed in the other role
+// than its request is expected in is kept, and makes the load unverified
+// (`KVCS_UNVERIFIED_ROLE_DIFFERS`) or the payload fail.
 kvcs_status kvcs_verifier_add_record(kvcs_verifier *verifier, const uint8_t *record, size_t len);
 
 // Producer: the payload of request `req_id` (SPEC section 9), into

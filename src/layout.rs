@@ -2,7 +2,7 @@
 //! each attention layer's cells live (SPEC section 1), validated so that the
 //! engines never read a byte outside a registered region.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use crate::checksum::{MAX_KV_HEADS_PER_LAYER, PIECE_BYTES};
@@ -263,6 +263,14 @@ pub struct Layout {
     /// Slot of each group id.
     slots: BTreeMap<u32, u32>,
     skipped: BTreeMap<u32, String>,
+    /// Every registered head range, keyed by (layer number, first head),
+    /// with its end: finds an overlap in logarithmic time.
+    head_ranges: BTreeMap<(u32, u64), u64>,
+    /// The group of each registered attention layer entry, keyed by (layer
+    /// number, group id).
+    attention: BTreeSet<(u32, u32)>,
+    /// The group of each layer registered as an alias or a state layer.
+    cacheless: BTreeMap<u32, u32>,
 }
 
 impl Layout {
@@ -319,6 +327,12 @@ impl Layout {
         let layer = self.check_layer(spec)?;
         // check_layer found the group.
         let slot = self.slots[&layer.spec.group_id];
+        let first_head = layer.spec.first_head as u64;
+        self.head_ranges.insert(
+            (layer.spec.layer_number, first_head),
+            first_head + layer.spec.num_heads as u64,
+        );
+        self.attention.insert((layer.spec.layer_number, layer.spec.group_id));
         self.groups[slot as usize].push(layer);
         Ok(())
     }
@@ -342,24 +356,14 @@ impl Layout {
                 "layer_number {layer_number} names itself as target_layer_number"
             ));
         }
-        let group = &self.groups[slot as usize];
-        if !group.layers.iter().any(|layer| layer.spec.layer_number == target) {
+        if !self.attention.contains(&(target, group_id)) {
             return Err(err!(
                 NotFound,
                 "target_layer_number {target} is not a registered layer of group_id {group_id} (alias layer_number {layer_number})"
             ));
         }
-        for other in &self.groups {
-            let registered = other.layers.iter().any(|layer| layer.spec.layer_number == layer_number)
-                || other.aliases.iter().any(|a| a.layer_number == layer_number);
-            if registered {
-                return Err(err!(
-                    InvalidArgument,
-                    "layer_number {layer_number} is already registered (in group_id {}); an alias is a layer without a cache of its own",
-                    other.group_id
-                ));
-            }
-        }
+        self.check_layer_number_free(layer_number, "an alias is a layer without a cache of its own")?;
+        self.cacheless.insert(layer_number, group_id);
         self.groups[slot as usize].aliases.push(alias);
         Ok(())
     }
@@ -429,17 +433,7 @@ impl Layout {
                 ));
             }
         }
-        let taken = self.groups.iter().find(|g| {
-            g.states.iter().any(|state| state.spec.layer_number == layer_number)
-                || g.aliases.iter().any(|alias| alias.layer_number == layer_number)
-        });
-        if let Some(other) = taken {
-            return Err(err!(
-                InvalidArgument,
-                "state layer_number {layer_number} is already registered (in group_id {})",
-                other.group_id
-            ));
-        }
+        self.check_layer_number_free(layer_number, "a state layer has no attention cache")?;
         let regions = &self.regions;
         let readable = |low: i128, high: i128| {
             regions
@@ -447,8 +441,27 @@ impl Layout {
                 .any(|r| low >= r.address as i128 && high <= r.address as i128 + r.length as i128)
         };
         let state = StateLayer::new(spec, tp_rank, readable)?;
+        self.cacheless.insert(layer_number, group_id);
         self.groups[slot as usize].push_state(state);
         Ok(())
+    }
+
+    /// Fails when `layer_number` is registered already, as an attention
+    /// layer, an alias or a state layer.
+    fn check_layer_number_free(&self, layer_number: u32, why: &str) -> Result<()> {
+        let owner = self.cacheless.get(&layer_number).copied().or_else(|| {
+            self.attention
+                .range((layer_number, 0)..=(layer_number, u32::MAX))
+                .next()
+                .map(|&(_, group_id)| group_id)
+        });
+        match owner {
+            Some(group_id) => Err(err!(
+                InvalidArgument,
+                "layer_number {layer_number} is already registered (in group_id {group_id}); {why}"
+            )),
+            None => Ok(()),
+        }
     }
 
     fn check_layer(&self, spec: LayerSpec) -> Result<Layer> {
@@ -519,31 +532,25 @@ impl Layout {
             segment_piece_offsets.push(pieces_per_token);
             pieces_per_token += segment.bytes_per_token as u64 / PIECE_BYTES;
         }
-        if let Some(group) = self
-            .groups
-            .iter()
-            .find(|g| g.aliases.iter().any(|a| a.layer_number == layer_number))
-        {
+        if let Some(&group_id) = self.cacheless.get(&layer_number) {
             return Err(err!(
                 InvalidArgument,
-                "layer_number {layer_number} is registered as an alias in group_id {}",
-                group.group_id
+                "layer_number {layer_number} is registered as an alias or a state layer in group_id {group_id}"
             ));
         }
-        for other in self.groups.iter().flat_map(|g| g.layers.iter()) {
-            let other = &other.spec;
-            if other.layer_number != layer_number {
-                continue;
-            }
-            let other_end = other.first_head as u64 + other.num_heads as u64;
-            if (spec.first_head as u64) < other_end && (other.first_head as u64) < head_end {
+        // Registered ranges of a layer are disjoint, so the one starting last
+        // below `head_end` is the only one that can reach past `first_head`.
+        let before = self
+            .head_ranges
+            .range((layer_number, 0)..(layer_number, head_end))
+            .next_back();
+        if let Some((&(_, other_first), &other_end)) = before {
+            if (spec.first_head as u64) < other_end {
                 return Err(err!(
                     InvalidArgument,
-                    "heads {}..{} of layer_number {layer_number} overlap heads {}..{} registered before",
+                    "heads {}..{} of layer_number {layer_number} overlap heads {other_first}..{other_end} registered before",
                     spec.first_head,
-                    head_end,
-                    other.first_head,
-                    other_end
+                    head_end
                 ));
             }
         }
@@ -586,7 +593,9 @@ impl Layout {
         if !inside {
             return Err(err!(
                 OutOfBounds,
-                "segments[{index}] of layer_number {layer_number} reaches bytes {low:#x}..{high:#x}, which no registered region holds"
+                "segments[{index}] of layer_number {layer_number} reaches bytes {}..{}, which no registered region holds",
+                signed_hex(low),
+                signed_hex(high)
             ));
         }
         Ok(())
@@ -620,6 +629,15 @@ impl Layout {
     /// Registered regions.
     pub fn regions(&self) -> &[Region] {
         &self.regions
+    }
+}
+
+/// `value` in hex with its sign: `-0x40`, not the two's complement.
+fn signed_hex(value: i128) -> String {
+    if value < 0 {
+        format!("-{:#x}", value.unsigned_abs())
+    } else {
+        format!("{value:#x}")
     }
 }
 

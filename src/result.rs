@@ -1,6 +1,7 @@
 //! Checksum results: per request and group, one column of partial checksums
 //! per replica key, one value per block position (SPEC section 4).
 
+use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
 use crate::blocks::RequestBlocks;
@@ -193,10 +194,50 @@ impl Shape {
     }
 }
 
+/// Where a (request, group) is in [`Checksums::requests`].
+#[derive(Debug, Clone, Copy)]
+enum GroupIndex {
+    /// `groups[i]` of the request.
+    Computed(usize),
+    /// `skipped[i]` of the request.
+    Skipped(usize),
+}
+
+/// Maps from ids to places in the per-request form, so that a lookup costs
+/// the same however many requests and groups a result holds.
+#[derive(Debug, Default)]
+struct Lookup {
+    requests: HashMap<String, usize>,
+    groups: HashMap<(usize, u32), GroupIndex>,
+}
+
+impl Lookup {
+    fn of(requests: &[RequestChecksums]) -> Lookup {
+        let mut lookup = Lookup::default();
+        for (index, request) in requests.iter().enumerate() {
+            lookup.requests.entry(request.req_id.clone()).or_insert(index);
+            for (g, group) in request.groups.iter().enumerate() {
+                lookup
+                    .groups
+                    .entry((index, group.group_id))
+                    .or_insert(GroupIndex::Computed(g));
+            }
+            for (s, skipped) in request.skipped.iter().enumerate() {
+                lookup
+                    .groups
+                    .entry((index, skipped.group_id))
+                    .or_insert(GroupIndex::Skipped(s));
+            }
+        }
+        lookup
+    }
+}
+
 /// A worker's partial checksums of one `checksum` call.
 pub struct Checksums {
     shape: Shape,
     requests: OnceLock<Vec<RequestChecksums>>,
+    lookup: OnceLock<Lookup>,
     values: Values,
     /// The worker's rank, role and group facts at checksum time, for its record.
     record_info: Option<RecordInfo>,
@@ -234,6 +275,7 @@ impl Checksums {
         Checksums {
             shape,
             requests: OnceLock::new(),
+            lookup: OnceLock::new(),
             values,
             record_info: None,
             stored: None,
@@ -328,24 +370,25 @@ impl Checksums {
 
     /// The checksums of `group_id` in `req_id`.
     pub fn group(&self, req_id: &str, group_id: u32) -> Result<&GroupChecksums> {
-        let request = self
-            .requests()
-            .iter()
-            .find(|r| r.req_id == req_id)
+        let requests = self.requests();
+        let lookup = self.lookup.get_or_init(|| Lookup::of(requests));
+        let index = *lookup
+            .requests
+            .get(req_id)
             .ok_or_else(|| err!(NotFound, "req_id \"{req_id}\" is not in this result"))?;
-        if let Some(skipped) = request.skipped.iter().find(|s| s.group_id == group_id) {
-            return Err(err!(
+        let request = &requests[index];
+        match lookup.groups.get(&(index, group_id)) {
+            Some(&GroupIndex::Computed(g)) => Ok(&request.groups[g]),
+            Some(&GroupIndex::Skipped(s)) => Err(err!(
                 NotFound,
                 "group_id {group_id} of req_id \"{req_id}\" was skipped by this worker: {}",
-                skipped.reason
-            ));
-        }
-        request.groups.iter().find(|g| g.group_id == group_id).ok_or_else(|| {
-            err!(
+                request.skipped[s].reason
+            )),
+            None => Err(err!(
                 NotFound,
                 "group_id {group_id} is not in req_id \"{req_id}\" of this result"
-            )
-        })
+            )),
+        }
     }
 
     /// Column `column` of `group_id` in `req_id`: its replica key and values.

@@ -42,9 +42,10 @@ impl WorkerOptions {
     }
 }
 
-/// The group facts of a layout, sorted by group id (fingerprints hashed now).
+/// The group facts of a layout, sorted by group id (fingerprints hashed now),
+/// whatever order the groups were registered in: records list groups by id.
 fn group_infos(layout: &Layout) -> Vec<GroupInfo> {
-    layout
+    let mut infos: Vec<GroupInfo> = layout
         .groups()
         .map(|group| GroupInfo {
             group_id: group.group_id,
@@ -52,7 +53,9 @@ fn group_infos(layout: &Layout) -> Vec<GroupInfo> {
             fingerprint: group_fingerprint(group),
             shard_keyed: group.is_shard_keyed(),
         })
-        .collect()
+        .collect();
+    infos.sort_by_key(|info| info.group_id);
+    infos
 }
 
 enum Engine {
@@ -150,14 +153,19 @@ impl Worker {
         self.layout.skip_group(group_id, reason)
     }
 
-    /// Registers an attention layer's cache; on error nothing changes.
+    /// Registers an attention layer's cache; on error nothing changes. A
+    /// host worker adds it in place (the layout checks before it changes); a
+    /// device worker keeps its layout until the device has the new one.
     pub fn add_layer(&mut self, spec: LayerSpec) -> Result<()> {
-        let mut layout = self.layout.clone();
-        layout.add_layer(spec)?;
-        if let Engine::Device(device) = &mut self.engine {
-            device.upload_layout(&layout)?;
+        match &mut self.engine {
+            Engine::Host { .. } => self.layout.add_layer(spec)?,
+            Engine::Device(device) => {
+                let mut layout = self.layout.clone();
+                layout.add_layer(spec)?;
+                device.upload_layout(&layout)?;
+                self.layout = layout;
+            }
         }
-        self.layout = layout;
         self.group_infos = OnceLock::new();
         Ok(())
     }

@@ -652,13 +652,13 @@ static void test_names(void) {
       "KVCS_UNVERIFIED_NONE",           "KVCS_UNVERIFIED_NO_CHECKSUMS",        "KVCS_UNVERIFIED_INVALID_CHECKSUMS",
       "KVCS_UNVERIFIED_WORKERS_MISSING", "KVCS_UNVERIFIED_OTHER_BLOCKS",       "KVCS_UNVERIFIED_ONE_SIDED_GROUP",
       "KVCS_UNVERIFIED_FINGERPRINT_DIFFERS", "KVCS_UNVERIFIED_NO_COMMON_POSITION", "KVCS_UNVERIFIED_REPLICA_MISSING",
-      "KVCS_UNVERIFIED_STATE_TP_DIFFERS",
+      "KVCS_UNVERIFIED_STATE_TP_DIFFERS", "KVCS_UNVERIFIED_ROLE_DIFFERS", "KVCS_UNVERIFIED_UNCOMPARED_POSITIONS",
   };
   for (uint32_t r = 0; r < sizeof reasons / sizeof reasons[0]; r++) {
     CHECK(strcmp(kvcs_unverified_reason_name(r), reasons[r]) == 0);
   }
   CHECK(KVCS_UNVERIFIED_WORKERS_MISSING == 3 && KVCS_UNVERIFIED_STATE_TP_DIFFERS == 9);
-  CHECK(strcmp(kvcs_unverified_reason_name(10), "unknown kvcs_unverified_reason") == 0);
+  CHECK(strcmp(kvcs_unverified_reason_name(12), "unknown kvcs_unverified_reason") == 0);
   CHECK(strcmp(kvcs_unverified_reason_name(UINT32_MAX), "unknown kvcs_unverified_reason") == 0);
 }
 
