@@ -200,6 +200,27 @@ typedef uint32_t kvcs_unverified_reason;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// A load check's verdict on one block position (`kvcs_result_stored`).
+enum kvcs_stored_outcome
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint8_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // The recomputed checksum differs from the stored one.
+  KVCS_STORED_FAILED = 0,
+  // The recomputed checksum equals the stored one.
+  KVCS_STORED_MATCHED = 1,
+  // Not checked: the position holds no valid token.
+  KVCS_STORED_NOT_CHECKED = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvcs_stored_outcome kvcs_stored_outcome;
+#else
+typedef uint8_t kvcs_stored_outcome;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // A request block set (SPEC section 5): per request its token count and,
 // per group, the block ids at consecutive positions.
 //
