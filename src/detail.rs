@@ -5,91 +5,83 @@
 //! (same block size, same caches), and the request blocks are repeated for
 //! each shadow group; one engine call over that shadow layout then gives
 //! every layer entry's partials, with the arithmetic of the plain call (a
-//! layer's partial is exactly its share of the group's column). Detail mode
-//! reads the KV a second time; it is opt-in, for diagnosing transfers.
+//! layer's partial is exactly its share of the group's column). Any engine
+//! runs that call: the host engine at once, a device engine as one more
+//! launch queued on the caller's stream. Detail mode reads the KV a second
+//! time; it is opt-in, for diagnosing transfers.
+
+use std::sync::Arc;
 
 use crate::blocks::BlockSet;
 use crate::error::{err, Result};
-use crate::host;
-use crate::layout::{Layout, Role};
-use crate::plan::Plan;
-use crate::result::{LayerPartial, RequestLayers};
+use crate::layout::Layout;
+use crate::result::DetailEntry;
 
-/// The layer partials of every request and group of `blocks`, computed on
-/// the host engine with `threads` threads. `blocks` must already have passed
-/// `Plan::new` against `layout` (ids in bounds, groups registered).
-pub fn compute(layout: &Layout, blocks: &BlockSet, role: Role, threads: usize) -> Result<Vec<RequestLayers>> {
-    // Shadow group `i` holds layer entry `entries[i]` = (group id, index in group).
-    let mut shadow = Layout::default();
-    for &region in layout.regions() {
-        shadow.add_region(region)?;
-    }
-    let mut entries = Vec::new();
-    for group in layout.groups() {
-        for (index, layer) in group.layers.iter().enumerate() {
-            let shadow_id = u32::try_from(entries.len())
-                .map_err(|_| err!(Unsupported, "detail mode supports at most 2^32 layer entries"))?;
-            shadow.add_group(shadow_id, group.block_size)?;
-            let mut spec = layer.spec.clone();
-            spec.group_id = shadow_id;
-            shadow.add_layer(spec)?;
-            entries.push((group.group_id, index));
+/// The shadow layout of a worker's layout: layer entry `entries[g]` is the
+/// one layer of shadow group `g`.
+#[derive(Debug, Clone)]
+pub struct Shadow {
+    /// One group per layer entry, over the same regions.
+    pub layout: Layout,
+    /// Per shadow group id, the entry it stands for.
+    pub entries: Arc<[DetailEntry]>,
+}
+
+impl Shadow {
+    /// The shadow of `layout` (its attention layer entries; state layers
+    /// have no per-layer partials).
+    pub fn new(layout: &Layout) -> Result<Shadow> {
+        let mut shadow = Layout::default();
+        for &region in layout.regions() {
+            shadow.add_region(region)?;
         }
-    }
-    let mut shadow_blocks = BlockSet::new();
-    for request in blocks.requests() {
-        shadow_blocks.add_request(&request.req_id, request.num_tokens)?;
-        for group_blocks in &request.groups {
-            if layout.skip_reason(group_blocks.group_id).is_some() {
-                continue;
-            }
-            for (shadow_id, &(group_id, _)) in entries.iter().enumerate() {
-                if group_id == group_blocks.group_id {
-                    shadow_blocks.add_group(
-                        &request.req_id,
-                        shadow_id as u32,
-                        group_blocks.first_position,
-                        &group_blocks.block_ids,
-                    )?;
-                }
-            }
-        }
-    }
-    let plan = Plan::new(&shadow, &shadow_blocks, role)?;
-    let values = host::compute(&shadow, &plan, role, threads);
-    let mut requests = Vec::with_capacity(blocks.requests().len());
-    let shadow_requests = plan.shape.build();
-    for (request, shadow_request) in blocks.requests().iter().zip(&shadow_requests) {
-        let mut groups = Vec::with_capacity(request.groups.len());
-        for group_blocks in &request.groups {
-            if layout.skip_reason(group_blocks.group_id).is_some() {
-                continue;
-            }
-            let group = layout
-                .group(group_blocks.group_id)
-                .expect("the plain plan checked the group");
-            let mut layers = Vec::new();
-            for shadow_group in &shadow_request.groups {
-                let (group_id, index) = entries[shadow_group.group_id as usize];
-                // A shadow group has one column, or none where the role does
-                // not compute its layer's replica.
-                if group_id != group.group_id || shadow_group.columns.is_empty() {
-                    continue;
-                }
-                let spec = &group.layers[index].spec;
-                let start = shadow_group.values_offset;
-                layers.push(LayerPartial {
+        let mut entries = Vec::new();
+        for group in layout.groups() {
+            for layer in group.layers() {
+                let shadow_id = u32::try_from(entries.len())
+                    .map_err(|_| err!(Unsupported, "detail mode supports at most 2^32 layer entries"))?;
+                shadow.add_group(shadow_id, group.block_size)?;
+                let mut spec = layer.spec.clone();
+                spec.group_id = shadow_id;
+                entries.push(DetailEntry {
+                    group_id: group.group_id,
                     layer_number: spec.layer_number,
                     first_head: spec.first_head,
                     num_heads: spec.num_heads,
                     replica: spec.replica,
-                    values: values[start..start + shadow_group.num_positions].to_vec(),
                 });
+                shadow.add_layer(spec)?;
             }
-            layers.sort_by_key(|l| (l.layer_number, l.first_head));
-            groups.push(layers);
         }
-        requests.push(RequestLayers { groups });
+        Ok(Shadow {
+            layout: shadow,
+            entries: entries.into(),
+        })
     }
-    Ok(requests)
+
+    /// The shadow call's blocks: every (request, group) of `blocks` that
+    /// `layout` does not skip, repeated for each of the group's entries.
+    /// `blocks` must already have passed `Plan::new` against `layout`.
+    pub fn blocks(&self, layout: &Layout, blocks: &BlockSet) -> Result<BlockSet> {
+        let mut shadow_blocks = BlockSet::new();
+        for request in blocks.requests() {
+            shadow_blocks.add_request(&request.req_id, request.num_tokens)?;
+            for group_blocks in &request.groups {
+                if layout.skip_reason(group_blocks.group_id).is_some() {
+                    continue;
+                }
+                for (shadow_id, entry) in self.entries.iter().enumerate() {
+                    if entry.group_id == group_blocks.group_id {
+                        shadow_blocks.add_group(
+                            &request.req_id,
+                            shadow_id as u32,
+                            group_blocks.first_position,
+                            &group_blocks.block_ids,
+                        )?;
+                    }
+                }
+            }
+        }
+        Ok(shadow_blocks)
+    }
 }

@@ -111,9 +111,13 @@ impl Record {
             )
         })?;
         let values = checksums.values()?;
+        let partials = match &info.detail {
+            Some(detail) => Some(detail.partials(checksums.requests())?),
+            None => None,
+        };
         let mut requests = Vec::with_capacity(checksums.requests().len());
         for (request_index, request) in checksums.requests().iter().enumerate() {
-            let detail = info.detail.as_ref().and_then(|d| d.get(request_index));
+            let detail = partials.as_ref().and_then(|d| d.get(request_index));
             let mut groups = Vec::with_capacity(request.groups.len());
             for (group_index, group) in request.groups.iter().enumerate() {
                 let columns = group

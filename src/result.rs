@@ -69,8 +69,98 @@ pub struct RecordInfo {
     pub role: Role,
     /// Every registered group, sorted by id.
     pub groups: Arc<[GroupInfo]>,
-    /// Detail mode: per request (in result order) its layer partials.
-    pub detail: Option<Vec<RequestLayers>>,
+    /// Detail mode: the per-layer partials, computed or being computed.
+    pub detail: Option<Arc<DetailValues>>,
+}
+
+/// One layer entry of a worker in detail mode: its group and heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DetailEntry {
+    /// The group the entry belongs to.
+    pub group_id: u32,
+    /// Model-wide layer number.
+    pub layer_number: u32,
+    /// Global number of the first head.
+    pub first_head: u32,
+    /// Heads covered.
+    pub num_heads: u32,
+    /// The column the heads belong to.
+    pub replica: ReplicaKey,
+}
+
+/// Detail mode's values: one call over the "shadow" layout in which each
+/// layer entry is its own group (`entries[g]` is shadow group `g`), whose
+/// values may still be on a device.
+pub struct DetailValues {
+    /// The shadow call's shape.
+    pub shape: Shape,
+    /// Per shadow group id, the layer entry it stands for.
+    pub entries: Arc<[DetailEntry]>,
+    /// The shadow call's values.
+    pub values: Values,
+}
+
+impl std::fmt::Debug for DetailValues {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DetailValues")
+            .field("entries", &self.entries.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl DetailValues {
+    /// Whether the values are ready, without blocking.
+    pub fn is_ready(&self) -> Result<bool> {
+        self.values.is_ready()
+    }
+
+    /// Blocks until the values are ready.
+    pub fn wait(&self) -> Result<()> {
+        self.values.wait()
+    }
+
+    /// Per request of `requests` (the plain call's, in order), per computed
+    /// group in order, its layer partials sorted by layer and first head.
+    /// `NotReady` while a device computes.
+    pub fn partials(&self, requests: &[RequestChecksums]) -> Result<Vec<RequestLayers>> {
+        let values = self.values.get()?;
+        let shadow_requests = self.shape.build();
+        Ok(requests
+            .iter()
+            .zip(&shadow_requests)
+            .map(|(request, shadow_request)| {
+                let groups = request
+                    .groups
+                    .iter()
+                    .map(|group| {
+                        let mut layers: Vec<LayerPartial> = shadow_request
+                            .groups
+                            .iter()
+                            .filter_map(|shadow| {
+                                let entry = self.entries[shadow.group_id as usize];
+                                // A shadow group has one column, or none where
+                                // the role does not compute its replica.
+                                if entry.group_id != group.group_id || shadow.columns.is_empty() {
+                                    return None;
+                                }
+                                let start = shadow.values_offset;
+                                Some(LayerPartial {
+                                    layer_number: entry.layer_number,
+                                    first_head: entry.first_head,
+                                    num_heads: entry.num_heads,
+                                    replica: entry.replica,
+                                    values: values[start..start + shadow.num_positions].to_vec(),
+                                })
+                            })
+                            .collect();
+                        layers.sort_by_key(|l| (l.layer_number, l.first_head));
+                        layers
+                    })
+                    .collect();
+                RequestLayers { groups }
+            })
+            .collect())
+    }
 }
 
 /// One group's partial checksums of one request.
@@ -127,6 +217,38 @@ pub enum Values {
     Ready(Vec<u64>),
     /// Queued on a device.
     Pending(Box<dyn PendingValues>),
+}
+
+impl Values {
+    /// Whether the values are ready, without blocking.
+    pub fn is_ready(&self) -> Result<bool> {
+        match self {
+            Values::Ready(_) => Ok(true),
+            Values::Pending(pending) => pending.is_ready(),
+        }
+    }
+
+    /// Blocks until the values are ready.
+    pub fn wait(&self) -> Result<()> {
+        match self {
+            Values::Ready(_) => Ok(()),
+            Values::Pending(pending) => pending.wait(),
+        }
+    }
+
+    /// The values once ready; `NotReady` while a device computes them.
+    pub fn get(&self) -> Result<&[u64]> {
+        match self {
+            Values::Ready(values) => Ok(values),
+            Values::Pending(pending) => {
+                if pending.is_ready()? {
+                    Ok(pending.values())
+                } else {
+                    Err(err!(NotReady, "the result is still being computed on the device"))
+                }
+            }
+        }
+    }
 }
 
 /// Where one (request, group) of a block set went in a call.
@@ -349,18 +471,20 @@ impl Checksums {
 
     /// Whether the values can be read, without blocking.
     pub fn is_ready(&self) -> Result<bool> {
-        match &self.values {
-            Values::Ready(_) => Ok(true),
-            Values::Pending(pending) => pending.is_ready(),
-        }
+        let detail_ready = match self.record_info.as_ref().and_then(|info| info.detail.as_ref()) {
+            Some(detail) => detail.is_ready()?,
+            None => true,
+        };
+        Ok(detail_ready && self.values.is_ready()?)
     }
 
-    /// Blocks until the values can be read.
+    /// Blocks until the values (and detail mode's) can be read.
     pub fn wait(&self) -> Result<()> {
-        match &self.values {
-            Values::Ready(_) => Ok(()),
-            Values::Pending(pending) => pending.wait(),
+        self.values.wait()?;
+        if let Some(detail) = self.record_info.as_ref().and_then(|info| info.detail.as_ref()) {
+            detail.wait()?;
         }
+        Ok(())
     }
 
     /// The requests, in block-set order.
@@ -409,15 +533,6 @@ impl Checksums {
 
     /// All values, once ready.
     pub fn values(&self) -> Result<&[u64]> {
-        match &self.values {
-            Values::Ready(values) => Ok(values),
-            Values::Pending(pending) => {
-                if pending.is_ready()? {
-                    Ok(pending.values())
-                } else {
-                    Err(err!(NotReady, "the result is still being computed on the device"))
-                }
-            }
-        }
+        self.values.get()
     }
 }

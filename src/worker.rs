@@ -5,13 +5,13 @@ use std::sync::{Arc, OnceLock};
 
 use crate::blocks::BlockSet;
 use crate::cuda;
-use crate::detail;
+use crate::detail::Shadow;
 use crate::error::{err, Result};
 use crate::fingerprint::group_fingerprint;
 use crate::host;
 use crate::layout::{Alias, LayerSpec, Layout, Region, Role, StoredBuffer};
 use crate::plan::Plan;
-use crate::result::{Checksums, GroupInfo, Rank, RecordInfo, Values};
+use crate::result::{Checksums, DetailValues, GroupInfo, Rank, RecordInfo, Values};
 use crate::state::StateSpec;
 use crate::stored;
 use crate::stream::StreamHandle;
@@ -58,6 +58,13 @@ fn group_infos(layout: &Layout) -> Vec<GroupInfo> {
     infos
 }
 
+/// Detail mode's shadow layout and, on a device worker, the engine that
+/// holds its descriptors.
+struct Detail {
+    shadow: Shadow,
+    engine: Option<cuda::DeviceEngine>,
+}
+
 enum Engine {
     Host { threads: usize },
     Device(cuda::DeviceEngine),
@@ -69,7 +76,7 @@ pub struct Worker {
     layout: Layout,
     engine: Engine,
     /// Detail mode: results also carry per-layer partials (see `set_detail`).
-    detail: bool,
+    detail: Option<Detail>,
     /// The record's group facts (fingerprints hashed once), reset when the layout changes.
     group_infos: OnceLock<Arc<[GroupInfo]>>,
 }
@@ -103,7 +110,7 @@ impl Worker {
             options,
             layout: Layout::default(),
             engine,
-            detail: false,
+            detail: None,
             group_infos: OnceLock::new(),
         })
     }
@@ -157,13 +164,26 @@ impl Worker {
     /// host worker adds it in place (the layout checks before it changes); a
     /// device worker keeps its layout until the device has the new one.
     pub fn add_layer(&mut self, spec: LayerSpec) -> Result<()> {
-        match &mut self.engine {
-            Engine::Host { .. } => self.layout.add_layer(spec)?,
-            Engine::Device(device) => {
-                let mut layout = self.layout.clone();
-                layout.add_layer(spec)?;
+        if self.detail.is_some() {
+            // Detail mode's shadow is built for the new layout before
+            // anything changes, so that a failure leaves both as they were.
+            let mut layout = self.layout.clone();
+            layout.add_layer(spec)?;
+            let detail = self.build_detail(&layout)?;
+            if let Engine::Device(device) = &mut self.engine {
                 device.upload_layout(&layout)?;
-                self.layout = layout;
+            }
+            self.layout = layout;
+            self.detail = Some(detail);
+        } else {
+            match &mut self.engine {
+                Engine::Host { .. } => self.layout.add_layer(spec)?,
+                Engine::Device(device) => {
+                    let mut layout = self.layout.clone();
+                    layout.add_layer(spec)?;
+                    device.upload_layout(&layout)?;
+                    self.layout = layout;
+                }
             }
         }
         self.group_infos = OnceLock::new();
@@ -203,9 +223,9 @@ impl Worker {
             Engine::Host { threads } => Values::Ready(host::compute(&self.layout, &plan, role, *threads)),
             Engine::Device(device) => device.compute(&plan, role, stream)?,
         };
-        let detail = match (&self.engine, self.detail) {
-            (Engine::Host { threads }, true) => Some(detail::compute(&self.layout, blocks, role, *threads)?),
-            _ => None,
+        let detail = match &self.detail {
+            Some(detail) => Some(Arc::new(self.detail_values(detail, blocks, role, stream)?)),
+            None => None,
         };
         let groups = self
             .group_infos
@@ -270,13 +290,56 @@ impl Worker {
 
     /// Turns detail mode on or off: results then also carry per-layer partial
     /// checksums, which records and payloads pass on so that a verifier names
-    /// the layers that differ. It reads the KV a second time. Host workers
-    /// only for now (`Unsupported` on a device worker).
+    /// the layers that differ. It reads the KV a second time: on a device
+    /// worker, one more launch queued on the same stream.
     pub fn set_detail(&mut self, on: bool) -> Result<()> {
-        if on && matches!(self.engine, Engine::Device(_)) {
-            return Err(err!(Unsupported, "detail mode is not supported on a device worker yet"));
-        }
-        self.detail = on;
+        self.detail = if on {
+            Some(self.build_detail(&self.layout)?)
+        } else {
+            None
+        };
         Ok(())
+    }
+
+    /// Detail mode's shadow of `layout`, and on a device worker an engine
+    /// holding its descriptors.
+    fn build_detail(&self, layout: &Layout) -> Result<Detail> {
+        let shadow = Shadow::new(layout)?;
+        let engine = match &self.engine {
+            Engine::Host { .. } => None,
+            Engine::Device(device) => {
+                let mut engine = cuda::DeviceEngine::new(device.ordinal())?;
+                if shadow.layout.groups().next().is_some() {
+                    engine.upload_layout(&shadow.layout)?;
+                }
+                Some(engine)
+            }
+        };
+        Ok(Detail { shadow, engine })
+    }
+
+    /// Computes (host) or queues (device) the per-layer partials of `blocks`.
+    fn detail_values(
+        &self,
+        detail: &Detail,
+        blocks: &BlockSet,
+        role: Role,
+        stream: StreamHandle,
+    ) -> Result<DetailValues> {
+        let shadow = &detail.shadow;
+        let shadow_blocks = shadow.blocks(&self.layout, blocks)?;
+        let plan = Plan::new(&shadow.layout, &shadow_blocks, role)?;
+        let values = match (&self.engine, &detail.engine) {
+            (Engine::Host { threads }, _) => Values::Ready(host::compute(&shadow.layout, &plan, role, *threads)),
+            (Engine::Device(_), Some(engine)) => engine.compute(&plan, role, stream)?,
+            (Engine::Device(_), None) => {
+                return Err(err!(Internal, "detail mode on a device worker has no shadow engine"))
+            }
+        };
+        Ok(DetailValues {
+            shape: plan.shape,
+            entries: shadow.entries.clone(),
+            values,
+        })
     }
 }

@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use cudarc::driver::{result as cu, sys, CudaContext};
+use kvcsum::record::Record;
 use kvcsum::{BlockSet, Error, ReplicaKey, Role, StreamHandle, Worker, WorkerOptions};
 use support::*;
 
@@ -670,6 +671,56 @@ fn device_orders_after_work_queued_on_the_callers_stream() {
         let _ = cu::stream::destroy(explicit);
         for source in sources {
             let _ = cu::free_sync(source);
+        }
+    }
+}
+
+/// Detail mode on a device worker (one more launch over the shadow layout,
+/// on the same stream) gives the host engine's per-layer partials, so the
+/// records are equal, on every layout, with replicas, in both roles; also
+/// when detail mode is turned on before the layers are registered.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_detail_mode_gives_the_host_layer_partials() {
+    let mut rng = Rng::for_test("device_detail_mode_gives_the_host_layer_partials");
+    println!("seed {} ({NEEDS_GPU})", rng.seed());
+    for kind in all_kinds() {
+        // 2 KV heads on TP 4: every head on 2 ranks (replica keys (2, k)).
+        let kv = LogicalKv::random(&mut rng, KvShape::gqa(4, 2, 64, 150));
+        let tp_rank = rng.below(4) as u32;
+        let shard = shard(&kv, tp_rank, 4, 0, 1);
+        let mut placement = Placement::for_shard(&mut rng, &kv, &shard, kind, 0, 16, 30);
+        let requests = requests_for(&mut rng, &kv, &mut [&mut placement], 3);
+        let blocks = block_set(&requests);
+        let mut pair = Pair::new(tp_rank, 4, &[&placement]);
+        pair.host.set_detail(true).expect("host detail");
+        pair.device.set_detail(true).expect("device detail");
+        // Detail mode first, layers after: the shadow follows each layer.
+        let copy = DeviceCopy::new(&placement);
+        let mut early = device_worker(tp_rank, 4);
+        early.set_detail(true).expect("detail before layers");
+        register_at(&mut early, &placement, &copy.bases).expect("register after detail");
+        for role in [Role::Producer, Role::Consumer] {
+            let host = Record::from_checksums(&checksum(&pair.host, &blocks, role)).expect("host record");
+            assert!(
+                host.requests
+                    .iter()
+                    .all(|r| r.groups.iter().all(|g| !g.layers.is_empty())),
+                "{kind:?} {role:?}: detail records carry layer partials"
+            );
+            for (name, worker) in [("device", &pair.device), ("device, detail first", &early)] {
+                let result = worker
+                    .checksum(&blocks, role, StreamHandle::legacy_default())
+                    .expect("checksum");
+                result.wait().expect("wait");
+                let device = Record::from_checksums(&result).expect("device record");
+                assert_eq!(
+                    device,
+                    host,
+                    "{kind:?} {role:?} {name}: records differ (seed {})",
+                    rng.seed()
+                );
+            }
         }
     }
 }

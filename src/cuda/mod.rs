@@ -127,6 +127,11 @@ impl DeviceEngine {
         })
     }
 
+    /// The CUDA device ordinal.
+    pub fn ordinal(&self) -> u32 {
+        self.context.ordinal() as u32
+    }
+
     /// The device, the kernel's registers and occupancy, for logs.
     pub fn description(&self) -> &str {
         &self.description

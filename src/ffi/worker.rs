@@ -509,8 +509,9 @@ pub extern "C" fn kvcs_block_tags(
 /// Detail mode (`on` = 1; 0 turns it off): the worker's results then also
 /// carry per-layer partial checksums, which its records and a producer's
 /// payload extension pass on, so that a consumer's report names the layers
-/// (and head ranges) that differ. It reads the KV a second time. Host
-/// workers only for now (`KVCS_ERR_UNSUPPORTED` on a device worker).
+/// (and head ranges) that differ. It reads the KV a second time: a device
+/// worker queues one more launch on the same stream, and its result is
+/// ready once both are done. State layers have no per-layer partials.
 #[no_mangle]
 pub extern "C" fn kvcs_worker_set_detail(worker: *mut kvcs_worker, on: u32) -> kvcs_status {
     ffi_boundary! {
