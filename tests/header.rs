@@ -215,3 +215,50 @@ const char *last_error(void);
         ["BATCH", "ROLE_CONSUMER", "segment_t", "worker", "last_error"]
     );
 }
+
+/// The C functions of the header that return a `kvcs_status`.
+fn fallible_functions(header: &str) -> Vec<String> {
+    header
+        .lines()
+        .filter_map(|line| line.strip_prefix("kvcs_status "))
+        .filter_map(|rest| rest.split_once('(').map(|(name, _)| name.trim().to_owned()))
+        .filter(|name| name.starts_with("kvcs_"))
+        .collect()
+}
+
+/// Every fallible C call has at least one error path tested from C
+/// (`EXPECT(kvcs_call(...), KVCS_ERR_..., ...)` in tests/c), so that the
+/// C tests follow the header as it grows.
+#[test]
+fn every_fallible_call_has_an_error_test_in_c() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let header = std::fs::read_to_string(root.join("include/kvcsum.h")).unwrap();
+    let functions = fallible_functions(&header);
+    assert!(functions.len() > 30, "found only {functions:?}");
+    let mut sources = String::new();
+    for entry in std::fs::read_dir(root.join("tests/c")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "c") {
+            sources += &std::fs::read_to_string(&path).unwrap();
+        }
+    }
+    // The first argument of each EXPECT(...) whose expected status is an error.
+    let mut tested = std::collections::BTreeSet::new();
+    for (at, _) in sources.match_indices("EXPECT(") {
+        let rest = &sources[at + "EXPECT(".len()..];
+        let statement = &rest[..rest.find(';').unwrap_or(rest.len())];
+        let name: String = statement
+            .trim_start()
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        if statement.contains("KVCS_ERR_") {
+            tested.insert(name);
+        }
+    }
+    let missing: Vec<&String> = functions.iter().filter(|f| !tested.contains(f.as_str())).collect();
+    assert!(
+        missing.is_empty(),
+        "C calls with no error path tested in tests/c: {missing:?}"
+    );
+}
