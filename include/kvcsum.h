@@ -19,47 +19,17 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// `H` of SPEC section 3: no layer may have more heads than this.
-#define KVCS_MAX_KV_HEADS_PER_LAYER 65536
-
-// Rows that travel inside the launch parameters (`KVCS_INLINE_ROWS`).
-#define INLINE_ROWS 24
-
-// Tokens a lane loads before it adds them (`KVCS_BATCH` of the kernel).
-#define BATCH 4
-
-// Group descriptors that travel inside the launch parameters (`KVCS_INLINE_GROUPS`).
-#define INLINE_GROUPS 8
-
-// Threads per block of the checksum kernel (`KVCS_THREADS_PER_BLOCK`, its
-// `__launch_bounds__`).
-#define THREADS_PER_BLOCK 256
-
-// Threads per warp (`KVCS_WARP`).
-#define WARP 32
-
-// Most chunks a call cuts a kernel block into (`KVCS_MAX_SPLIT`): the
-// kernel counts a row's units in 32 bits, which the layer table checks
-// at this split.
-#define MAX_SPLIT 8
-
 // The `group_id` of a finding about the whole load rather than one group.
 #define KVCS_WHOLE_LOAD UINT32_MAX
 
 // The C ABI version; a loader checks it equals `kvcs_abi_version()`.
 #define KVCS_ABI_VERSION 1
 
+// `H` of SPEC section 3: no layer may have more heads than this.
+#define KVCS_MAX_KV_HEADS_PER_LAYER 65536
+
 // The `device` of a worker whose caches are in host memory.
 #define KVCS_HOST -1
-
-// The payload version this library writes and reads.
-#define PAYLOAD_VERSION 1
-
-// The extension version this library writes and reads.
-#define EXTENSION_VERSION 1
-
-// The record encoding this library writes and reads.
-#define RECORD_VERSION 1
 
 // The outcome of a call. Values are fixed and never renumbered; a retired
 // value stays reserved. Calls that take a status from C take `uint32_t`.

@@ -130,14 +130,112 @@ __device__ __forceinline__ kvcs_u64 kvcs_segment_unit(
         + 2 * step_pieces * sums.step_weighted;
 }
 
-// Index of the last entry of starts[0 .. count) (ascending) at or below value.
-__device__ __forceinline__ kvcs_u32 kvcs_last_at_or_below(const kvcs_u64 *starts, kvcs_u32 count, kvcs_u64 value) {
-    kvcs_u32 low = 0, high = count - 1;
+// The last index i of [low, high] with key(i) <= value, for keys ascending in
+// i and key(low) <= value: the one search over rows (their first units) and
+// over a group's layers (theirs).
+template <typename T, typename Key>
+__device__ __forceinline__ kvcs_u32 kvcs_last_at_or_below(kvcs_u32 low, kvcs_u32 high, T value, Key key) {
     while (low < high) {
         const kvcs_u32 mid = (low + high + 1) / 2;
-        if (starts[mid] <= value) low = mid; else high = mid - 1;
+        if (key(mid) <= value) low = mid; else high = mid - 1;
     }
     return low;
+}
+
+// The row holding `unit`: a division when every row has `row_units` units,
+// else a search of the rows' first units.
+__device__ __forceinline__ kvcs_u32 kvcs_row_of(
+    const kvcs_u64 *row_starts, kvcs_u32 num_rows, kvcs_u32 row_units, kvcs_u64 unit)
+{
+    if (row_units) return (kvcs_u32)(unit / row_units);
+    return kvcs_last_at_or_below(0u, num_rows - 1, unit, [=](kvcs_u32 i) { return row_starts[i]; });
+}
+
+// The layer of `group` holding the row's unit `in_row`: a division when the
+// group's layers are alike.
+__device__ __forceinline__ kvcs_u32 kvcs_layer_of(
+    const struct kvcs_dev_layer *layers, const struct kvcs_dev_group &group, kvcs_u32 split, kvcs_u32 in_row)
+{
+    if (group.layer_units) return group.layers_begin + in_row / (group.layer_units * split);
+    return kvcs_last_at_or_below(group.layers_begin, group.layers_end - 1, in_row,
+                                 [=](kvcs_u32 i) { return layers[i].unit_start * split; });
+}
+
+// Address of token `slot` of kernel block `kernel_block` of block `block_id`,
+// head `head`, in `segment`.
+__device__ __forceinline__ kvcs_i64 kvcs_segment_address(
+    const struct kvcs_dev_segment *segment, kvcs_u32 block_id, kvcs_u32 kernel_block, kvcs_u32 head, kvcs_u32 slot)
+{
+    return (kvcs_i64)segment->address
+        + (kvcs_i64)block_id * segment->block_stride
+        + (kvcs_i64)kernel_block * segment->kernel_block_stride
+        + (kvcs_i64)head * segment->head_stride
+        + (kvcs_i64)slot * segment->token_stride;
+}
+
+// Adds to `total` this warp's units of `layer` in `row`, from the layer's
+// unit `in_layer` on, while `unit` is below `end` (`unit` advances past
+// them): each head's share weighed by its slice weight (SPEC section 3).
+__device__ __forceinline__ void kvcs_layer_units(
+    const struct kvcs_dev_layer *layer, const struct kvcs_dev_row &row, kvcs_u32 split, kvcs_u32 in_layer,
+    kvcs_u64 &unit, kvcs_u64 end, kvcs_u32 lane, kvcs_u64 &total)
+{
+    const kvcs_u32 segments = layer->num_segments;
+    const kvcs_u32 kernel_blocks = layer->kernel_blocks;
+    const kvcs_u32 per_head = kernel_blocks * split * segments;
+    // in_layer = ((head * kernel_blocks + kernel_block) * split + chunk) * segments + s;
+    // divide once, then count.
+    kvcs_u32 head = in_layer / per_head;
+    kvcs_u32 rest = in_layer - head * per_head;
+    kvcs_u32 s = rest % segments;
+    rest /= segments;
+    kvcs_u32 chunk = rest % split;
+    kvcs_u32 kernel_block = rest / split;
+    const kvcs_u32 per_kernel_block = layer->tokens_per_kernel_block;
+    const kvcs_u32 per_unit = (per_kernel_block + split - 1) / split;
+    kvcs_u64 head_sum = 0;
+    while (head < layer->num_heads && unit < end) {
+        const kvcs_u32 slot = chunk * per_unit;
+        const kvcs_u32 first = kernel_block * per_kernel_block + slot;
+        if (slot < per_kernel_block && first < row.valid_tokens) {
+            const kvcs_u32 tokens = min(min(per_unit, per_kernel_block - slot), row.valid_tokens - first);
+            const struct kvcs_dev_segment *segment = &layer->segments[s];
+            head_sum += kvcs_segment_unit(segment, layer->pieces_per_token,
+                                          kvcs_segment_address(segment, row.block_id, kernel_block, head, slot),
+                                          row.first_token + first, tokens, lane);
+        }
+        ++unit;
+        if (++s < segments) continue;
+        s = 0;
+        if (++chunk < split) continue;
+        chunk = 0;
+        if (++kernel_block < kernel_blocks) continue;
+        kernel_block = 0;
+        total += (layer->first_slice_weight + 2ull * head) * head_sum;
+        head_sum = 0;
+        ++head;
+    }
+    // A head this warp only began: its share so far.
+    total += (layer->first_slice_weight + 2ull * head) * head_sum;
+}
+
+// The last block to finish publishes the values to mapped host memory and
+// leaves zeros behind (accumulators and the finished-block count).
+__device__ __forceinline__ void kvcs_publish(
+    kvcs_u64 *host_values, kvcs_u64 *accumulators, kvcs_u32 *finished_blocks, kvcs_u32 num_values)
+{
+    __shared__ bool last_block;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        kvcs_fence();
+        last_block = atomicAdd(finished_blocks, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last_block) return;
+    kvcs_fence();
+    for (kvcs_u32 i = threadIdx.x; i < num_values; i += blockDim.x)
+        host_values[i] = atomicExch(&accumulators[i], 0ull);
+    if (threadIdx.x == 0) *finished_blocks = 0;
 }
 
 extern "C" __global__ void __launch_bounds__(KVCS_THREADS_PER_BLOCK, KVCS_MIN_BLOCKS)
@@ -153,30 +251,17 @@ kvcs_checksum(const __grid_constant__ struct kvcs_dev_call call)
     const kvcs_u64 end = call.total_units * (warp + 1) / warps;
 
     if (unit < end) {
-        kvcs_u32 row_index = call.row_units ? (kvcs_u32)(unit / call.row_units)
-                                            : kvcs_last_at_or_below(call.row_starts, call.num_rows, unit);
         kvcs_u64 total = 0;
         kvcs_u64 out = ~0ull;
-        for (; unit < end; ++row_index) {
+        for (kvcs_u32 row_index = kvcs_row_of(call.row_starts, call.num_rows, call.row_units, unit); unit < end; ++row_index) {
             const struct kvcs_dev_row row = rows[row_index];
             const struct kvcs_dev_group group = row.group_slot < KVCS_INLINE_GROUPS
                 ? call.inline_groups[row.group_slot] : call.groups[row.group_slot];
             const kvcs_u64 row_start = call.row_units ? (kvcs_u64)row_index * call.row_units : call.row_starts[row_index];
-            const kvcs_u32 in_row = (kvcs_u32)(unit - row_start);
-            // The layer holding the unit: direct when the group's layers are alike.
-            kvcs_u32 layer_index;
-            if (group.layer_units) {
-                layer_index = group.layers_begin + in_row / (group.layer_units * split);
-            } else {
-                kvcs_u32 low = group.layers_begin, high = group.layers_end - 1;
-                while (low < high) {
-                    const kvcs_u32 mid = (low + high + 1) / 2;
-                    if (call.layers[mid].unit_start * split <= in_row) low = mid; else high = mid - 1;
-                }
-                layer_index = low;
-            }
-            for (; layer_index < group.layers_end && unit < end; ++layer_index) {
+            for (kvcs_u32 layer_index = kvcs_layer_of(call.layers, group, split, (kvcs_u32)(unit - row_start));
+                 layer_index < group.layers_end && unit < end; ++layer_index) {
                 const struct kvcs_dev_layer *layer = &call.layers[layer_index];
+                // A warp adds its total with one atomic whenever its output slot changes.
                 const kvcs_u64 layer_out = row.out + (kvcs_u64)layer->column * row.column_stride;
                 if (layer_out != out) {
                     total = kvcs_warp_sum(total);
@@ -184,65 +269,12 @@ kvcs_checksum(const __grid_constant__ struct kvcs_dev_call call)
                     total = 0;
                     out = layer_out;
                 }
-                const kvcs_u32 segments = layer->num_segments;
-                const kvcs_u32 kernel_blocks = layer->kernel_blocks;
-                const kvcs_u32 per_head = kernel_blocks * split * segments;
                 const kvcs_u32 in_layer = (kvcs_u32)(unit - row_start) - layer->unit_start * split;
-                // in_layer = ((head * kernel_blocks + kernel_block) * split + chunk) * segments + s;
-                // divide once, then count.
-                kvcs_u32 head = in_layer / per_head;
-                kvcs_u32 rest = in_layer - head * per_head;
-                kvcs_u32 s = rest % segments;
-                rest /= segments;
-                kvcs_u32 chunk = rest % split;
-                kvcs_u32 kernel_block = rest / split;
-                const kvcs_u32 per_kernel_block = layer->tokens_per_kernel_block;
-                const kvcs_u32 per_unit = (per_kernel_block + split - 1) / split;
-                kvcs_u64 head_sum = 0;
-                while (head < layer->num_heads && unit < end) {
-                    const kvcs_u32 slot = chunk * per_unit;
-                    const kvcs_u32 first = kernel_block * per_kernel_block + slot;
-                    if (slot < per_kernel_block && first < row.valid_tokens) {
-                        const kvcs_u32 tokens = min(min(per_unit, per_kernel_block - slot), row.valid_tokens - first);
-                        const struct kvcs_dev_segment *segment = &layer->segments[s];
-                        const kvcs_i64 address = (kvcs_i64)segment->address
-                            + (kvcs_i64)row.block_id * segment->block_stride
-                            + (kvcs_i64)kernel_block * segment->kernel_block_stride
-                            + (kvcs_i64)head * segment->head_stride
-                            + (kvcs_i64)slot * segment->token_stride;
-                        head_sum += kvcs_segment_unit(segment, layer->pieces_per_token, address,
-                                                      row.first_token + first, tokens, lane);
-                    }
-                    ++unit;
-                    if (++s < segments) continue;
-                    s = 0;
-                    if (++chunk < split) continue;
-                    chunk = 0;
-                    if (++kernel_block < kernel_blocks) continue;
-                    kernel_block = 0;
-                    total += (layer->first_slice_weight + 2ull * head) * head_sum;
-                    head_sum = 0;
-                    ++head;
-                }
-                // A head this warp only began: its share so far.
-                total += (layer->first_slice_weight + 2ull * head) * head_sum;
+                kvcs_layer_units(layer, row, split, in_layer, unit, end, lane, total);
             }
         }
         total = kvcs_warp_sum(total);
         if (lane == 0 && total != 0) atomicAdd(&call.accumulators[out], total);
     }
-
-    // The last block to finish publishes the values and leaves zeros behind.
-    __shared__ bool last_block;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        kvcs_fence();
-        last_block = atomicAdd(call.finished_blocks, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!last_block) return;
-    kvcs_fence();
-    for (kvcs_u32 i = threadIdx.x; i < call.num_values; i += blockDim.x)
-        call.host_values[i] = atomicExch(&call.accumulators[i], 0ull);
-    if (threadIdx.x == 0) *call.finished_blocks = 0;
+    kvcs_publish(call.host_values, call.accumulators, call.finished_blocks, call.num_values);
 }

@@ -6,10 +6,10 @@
 //! same value.
 
 /// Bytes per piece: a piece is 8 bytes read as a little-endian `u64`.
-pub const PIECE_BYTES: u64 = 8;
+pub(crate) const PIECE_BYTES: u64 = 8;
 
 /// `H` of SPEC section 3: no layer may have more heads than this.
-pub const MAX_KV_HEADS_PER_LAYER: u64 = 65536;
+pub(crate) const MAX_KV_HEADS_PER_LAYER: u64 = 65536;
 
 /// The odd weight `m` of slice (layer, head) in a block checksum.
 #[inline]

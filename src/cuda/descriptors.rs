@@ -18,25 +18,25 @@ use crate::layout::{Layer, Layout, Role, Segment};
 use crate::plan::Row;
 
 /// Rows that travel inside the launch parameters (`KVCS_INLINE_ROWS`).
-pub const INLINE_ROWS: usize = 24;
+pub(crate) const INLINE_ROWS: usize = 24;
 
 /// Tokens a lane loads before it adds them (`KVCS_BATCH` of the kernel).
-pub const BATCH: u32 = 4;
+pub(crate) const BATCH: u32 = 4;
 
 /// Group descriptors that travel inside the launch parameters (`KVCS_INLINE_GROUPS`).
-pub const INLINE_GROUPS: usize = 8;
+pub(crate) const INLINE_GROUPS: usize = 8;
 
 /// Threads per block of the checksum kernel (`KVCS_THREADS_PER_BLOCK`, its
 /// `__launch_bounds__`).
-pub const THREADS_PER_BLOCK: u32 = 256;
+pub(crate) const THREADS_PER_BLOCK: u32 = 256;
 
 /// Threads per warp (`KVCS_WARP`).
-pub const WARP: u32 = 32;
+pub(crate) const WARP: u32 = 32;
 
 /// Most chunks a call cuts a kernel block into (`KVCS_MAX_SPLIT`): the
 /// kernel counts a row's units in 32 bits, which the layer table checks
 /// at this split.
-pub const MAX_SPLIT: u32 = 8;
+pub(crate) const MAX_SPLIT: u32 = 8;
 
 /// Device form of a [`Segment`] (`struct kvcs_dev_segment`).
 #[repr(C)]

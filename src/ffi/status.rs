@@ -8,6 +8,10 @@ use crate::error::Error;
 /// The C ABI version; a loader checks it equals `kvcs_abi_version()`.
 pub const KVCS_ABI_VERSION: u32 = 1;
 
+/// `H` of SPEC section 3: no layer may have more heads than this.
+pub const KVCS_MAX_KV_HEADS_PER_LAYER: u64 = 65536;
+const _: () = assert!(KVCS_MAX_KV_HEADS_PER_LAYER == crate::checksum::MAX_KV_HEADS_PER_LAYER);
+
 /// The `device` of a worker whose caches are in host memory.
 pub const KVCS_HOST: i32 = -1;
 

@@ -1,6 +1,10 @@
 /*
- * The C test program of kvcsum: every C API call and every error path
- * (errors.c), and checksums against a naive reference (checksums.c).
+ * The C test program of kvcsum, about the C ABI: every call's error paths
+ * (errors.c, verify.c), ownership, copies, lifetimes and output buffers
+ * (ownership.c), state layers, aliases and stored checksums (features.c),
+ * checksums against a naive reference through the C layout
+ * structs (checksums.c) and one end-to-end verification (verify.c). What
+ * the engine computes in each case is the Rust tests' business.
  *
  * Build and run: `make test` (or `make c-test` once the library is built);
  * it compiles with -std=c11 -Wall -Wextra -Wpedantic -Werror and
@@ -54,6 +58,8 @@ int main(int argc, char **argv) {
   test_errors();
   test_checksums(seed);
   test_verify(seed);
+  test_ownership();
+  test_features();
 
   if (checks_failed != 0) {
     fprintf(stderr, "random data seed: %#" PRIx64 " (rerun: c_tests %#" PRIx64 ")\n", seed, seed);

@@ -1,0 +1,254 @@
+/*
+ * The calls of SPEC sections 6-8 and of coverage reporting through the C
+ * ABI: aliases, state layers (one checked against a naive reference written
+ * here), stored checksums (store, load check, tags) and the verifier's
+ * uncompared positions; every call's error paths, with out-parameters
+ * unchanged on failure.
+ */
+#include <stdlib.h>
+
+#include "check.h"
+
+/* An HND cache of 4 blocks x 2 heads x 4 tokens x 16 bytes, layer 0 of group 0. */
+enum { F_BLOCK_SIZE = 4, F_BLOCKS = 4, F_HEADS = 2, F_CELL = 16 };
+static uint64_t kv_cache[F_BLOCKS * F_HEADS * F_BLOCK_SIZE * F_CELL / 8];
+
+/* A state tensor: 3 blocks x 2 rows x 6 two-byte elements (12 bytes, rows 16 apart). */
+enum { S_BLOCKS = 3, S_ROWS = 2, S_ELEMENTS = 6, S_ROW_STRIDE = 16 };
+static uint16_t state_cache[S_BLOCKS * S_ROWS * S_ROW_STRIDE / 2];
+
+/* Never dereferenced: a result out-parameter's value before failing calls. */
+static char result_sentinel;
+#define SENTINEL_RESULT ((kvcs_result *)(void *)&result_sentinel)
+
+static uint64_t feature_rng = 0x51a7e5eedull;
+
+static uint64_t next_feature_random(void) {
+  feature_rng ^= feature_rng << 13;
+  feature_rng ^= feature_rng >> 7;
+  feature_rng ^= feature_rng << 17;
+  return feature_rng;
+}
+
+static kvcs_worker *attention_worker(kvcs_segment *segment) {
+  static const uint8_t identity[] = "('model.layers.0.self_attn.attn', 'FullAttentionSpec', 'bfloat16')";
+  kvcs_worker_options options = {.tp_rank = 0, .tp_size = 1, .pp_rank = 0, .device = KVCS_HOST, .num_threads = 1};
+  kvcs_worker *worker = NULL;
+  EXPECT_OK(kvcs_worker_create(&options, &worker));
+  EXPECT_OK(kvcs_worker_add_region(worker, (uint64_t)(uintptr_t)kv_cache, sizeof kv_cache));
+  EXPECT_OK(kvcs_worker_add_group(worker, 0, F_BLOCK_SIZE));
+  *segment = (kvcs_segment){.address = (uint64_t)(uintptr_t)kv_cache,
+                            .block_stride = F_HEADS * F_BLOCK_SIZE * F_CELL,
+                            .kernel_block_stride = 0,
+                            .head_stride = F_BLOCK_SIZE * F_CELL,
+                            .token_stride = F_CELL,
+                            .bytes_per_token = F_CELL};
+  kvcs_layer layer = {.group_id = 0, .layer_number = 0, .first_head = 0, .num_heads = F_HEADS, .replicas = 1,
+                      .replica_index = 0, .num_blocks = F_BLOCKS, .kernel_blocks = 1,
+                      .tokens_per_kernel_block = F_BLOCK_SIZE, .num_segments = 1, .segments = segment,
+                      .identity = identity, .identity_len = sizeof identity - 1};
+  EXPECT_OK(kvcs_worker_add_layer(worker, &layer));
+  return worker;
+}
+
+static void test_aliases(void) {
+  kvcs_segment segment;
+  kvcs_worker *worker = attention_worker(&segment);
+  static const uint8_t identity[] = "('model.layers.1.self_attn.attn', 'FullAttentionSpec', 'bfloat16')";
+  EXPECT(kvcs_worker_add_alias(NULL, 0, 1, 0, identity, sizeof identity - 1), KVCS_ERR_INVALID_ARGUMENT, "worker");
+  EXPECT(kvcs_worker_add_alias(worker, 7, 1, 0, identity, sizeof identity - 1), KVCS_ERR_NOT_FOUND, "group_id 7");
+  EXPECT(kvcs_worker_add_alias(worker, 0, 1, 3, identity, sizeof identity - 1), KVCS_ERR_NOT_FOUND,
+         "target_layer_number 3");
+  EXPECT(kvcs_worker_add_alias(worker, 0, 0, 0, identity, 0), KVCS_ERR_INVALID_ARGUMENT, "names itself");
+  EXPECT(kvcs_worker_add_alias(worker, 0, 1, 0, NULL, 4), KVCS_ERR_INVALID_ARGUMENT, "identity");
+  EXPECT_OK(kvcs_worker_add_alias(worker, 0, 1, 0, identity, sizeof identity - 1));
+  EXPECT(kvcs_worker_add_alias(worker, 0, 1, 0, identity, sizeof identity - 1), KVCS_ERR_INVALID_ARGUMENT,
+         "layer_number 1 is already registered");
+  kvcs_worker_destroy(worker);
+}
+
+/* `sum_j x_j * (2j + 1)` over a row of two-byte elements. */
+static uint64_t naive_row(const uint16_t *row) {
+  uint64_t sum = 0;
+  for (uint64_t j = 0; j < S_ELEMENTS; j++) {
+    sum += (uint64_t)row[j] * (2 * j + 1);
+  }
+  return sum;
+}
+
+static void test_state_layers(void) {
+  for (size_t i = 0; i < sizeof state_cache / sizeof state_cache[0]; i++) {
+    state_cache[i] = (uint16_t)next_feature_random();
+  }
+  kvcs_worker_options options = {.tp_rank = 1, .tp_size = 2, .pp_rank = 0, .device = KVCS_HOST, .num_threads = 1};
+  kvcs_worker *worker = NULL;
+  EXPECT_OK(kvcs_worker_create(&options, &worker));
+  EXPECT_OK(kvcs_worker_add_region(worker, (uint64_t)(uintptr_t)state_cache, sizeof state_cache));
+  EXPECT_OK(kvcs_worker_add_group(worker, 4, 16));
+  /* Rank 1 of 2 holds rows 2 and 3 of 4. */
+  kvcs_state_tensor tensor = {.address = (uint64_t)(uintptr_t)state_cache,
+                              .block_stride = S_ROWS * S_ROW_STRIDE,
+                              .row_stride = S_ROW_STRIDE,
+                              .first_row = 2,
+                              .num_rows = S_ROWS,
+                              .total_rows = 4,
+                              .bytes_per_row = S_ELEMENTS * 2,
+                              .element_size = 2};
+  static const uint8_t identity[] = "('model.layers.9.mixer', 'MambaSpec', 'float32')";
+  kvcs_state state = {.group_id = 4, .layer_number = 9, .split_known = 1, .num_blocks = S_BLOCKS,
+                      .num_tensors = 1, .tensors = &tensor, .identity = identity,
+                      .identity_len = sizeof identity - 1};
+  EXPECT(kvcs_worker_add_state(worker, NULL), KVCS_ERR_INVALID_ARGUMENT, "state");
+  EXPECT(kvcs_worker_add_state(NULL, &state), KVCS_ERR_INVALID_ARGUMENT, "worker");
+  kvcs_state bad = state;
+  bad.split_known = 2;
+  EXPECT(kvcs_worker_add_state(worker, &bad), KVCS_ERR_INVALID_ARGUMENT, "split_known is 2");
+  bad = state;
+  bad.num_tensors = 0;
+  EXPECT(kvcs_worker_add_state(worker, &bad), KVCS_ERR_INVALID_ARGUMENT, "num_tensors is 0");
+  bad = state;
+  bad.group_id = 5;
+  EXPECT(kvcs_worker_add_state(worker, &bad), KVCS_ERR_NOT_FOUND, "group_id 5");
+  kvcs_state_tensor bad_tensor = tensor;
+  bad_tensor.element_size = 3;
+  bad.group_id = 4;
+  bad.tensors = &bad_tensor;
+  EXPECT(kvcs_worker_add_state(worker, &bad), KVCS_ERR_INVALID_ARGUMENT, "element_size is 3");
+  bad_tensor = tensor;
+  bad_tensor.block_stride = 4096;
+  EXPECT(kvcs_worker_add_state(worker, &bad), KVCS_ERR_OUT_OF_BOUNDS, "tensors[0]");
+  EXPECT_OK(kvcs_worker_add_state(worker, &state));
+
+  /* The request's state sits in block 1, at position 0 whatever num_tokens says. */
+  kvcs_blocks *blocks = NULL;
+  EXPECT_OK(kvcs_blocks_create(&blocks));
+  EXPECT_OK(kvcs_blocks_add_request(blocks, "s", 0));
+  const uint32_t block_id = 1;
+  EXPECT_OK(kvcs_blocks_add_group(blocks, "s", 4, 0, &block_id, 1));
+  kvcs_result *result = NULL;
+  EXPECT_OK(kvcs_worker_checksum(worker, blocks, KVCS_ROLE_PRODUCER, NULL, &result));
+  uint64_t value = 0;
+  EXPECT_OK(kvcs_result_column(result, "s", 4, 0, NULL, NULL, &value));
+  uint64_t expected = 0;
+  for (uint64_t row = 0; row < S_ROWS; row++) {
+    const uint16_t *elements = state_cache + (block_id * S_ROWS * S_ROW_STRIDE + row * S_ROW_STRIDE) / 2;
+    uint64_t weight = 2 * (9 * 65536ull + 2 + row) + 1; /* global rows 2 and 3 */
+    expected += weight * naive_row(elements);
+  }
+  CHECK(value == expected);
+  kvcs_result_destroy(result);
+  kvcs_blocks_destroy(blocks);
+  kvcs_worker_destroy(worker);
+}
+
+static void test_stored_checksums(void) {
+  enum { HASH_BYTES = 32 };
+  for (size_t i = 0; i < sizeof kv_cache / 8; i++) {
+    kv_cache[i] = next_feature_random();
+  }
+  kvcs_segment segment;
+  kvcs_worker *worker = attention_worker(&segment);
+  uint64_t stored[F_BLOCKS] = {0};
+  EXPECT(kvcs_worker_add_stored(NULL, 0, (uint64_t)(uintptr_t)stored, F_BLOCKS), KVCS_ERR_INVALID_ARGUMENT,
+         "worker");
+  EXPECT(kvcs_worker_add_stored(worker, 3, (uint64_t)(uintptr_t)stored, F_BLOCKS), KVCS_ERR_NOT_FOUND, "group_id 3");
+  EXPECT(kvcs_worker_add_stored(worker, 0, (uint64_t)(uintptr_t)stored + 4, F_BLOCKS), KVCS_ERR_UNSUPPORTED,
+         "multiple of 8");
+  EXPECT(kvcs_worker_add_stored(worker, 0, (uint64_t)(uintptr_t)stored, 0), KVCS_ERR_INVALID_ARGUMENT,
+         "num_blocks is 0");
+
+  kvcs_blocks *blocks = NULL;
+  EXPECT_OK(kvcs_blocks_create(&blocks));
+  EXPECT_OK(kvcs_blocks_add_request(blocks, "o", 10)); /* positions 0..2, the last one partial */
+  const uint32_t block_ids[3] = {2, 0, 3};
+  EXPECT_OK(kvcs_blocks_add_group(blocks, "o", 0, 0, block_ids, 3));
+  uint8_t hashes[3 * HASH_BYTES];
+  for (size_t i = 0; i < sizeof hashes; i++) {
+    hashes[i] = (uint8_t)next_feature_random();
+  }
+  kvcs_result *result = SENTINEL_RESULT;
+  /* No buffer yet; then no hashes yet. */
+  EXPECT(kvcs_worker_store(worker, blocks, NULL, &result), KVCS_ERR_NOT_FOUND, "kvcs_worker_add_stored");
+  CHECK(result == SENTINEL_RESULT);
+  EXPECT_OK(kvcs_worker_add_stored(worker, 0, (uint64_t)(uintptr_t)stored, F_BLOCKS));
+  EXPECT(kvcs_worker_store(worker, blocks, NULL, &result), KVCS_ERR_INVALID_ARGUMENT, "block hashes");
+  EXPECT(kvcs_worker_check_stored(worker, blocks, NULL, &result), KVCS_ERR_INVALID_ARGUMENT, "block hashes");
+  EXPECT(kvcs_worker_store(worker, blocks, NULL, NULL), KVCS_ERR_INVALID_ARGUMENT, "out");
+  EXPECT(kvcs_worker_check_stored(NULL, blocks, NULL, &result), KVCS_ERR_INVALID_ARGUMENT, "worker");
+  CHECK(result == SENTINEL_RESULT);
+
+  EXPECT(kvcs_blocks_set_hashes(blocks, "o", 0, hashes, 4, 3), KVCS_ERR_INVALID_ARGUMENT, "hash_bytes is 4");
+  EXPECT(kvcs_blocks_set_hashes(blocks, "o", 0, hashes, HASH_BYTES, 2), KVCS_ERR_INVALID_ARGUMENT, "not 3 hashes");
+  EXPECT(kvcs_blocks_set_hashes(blocks, "x", 0, hashes, HASH_BYTES, 3), KVCS_ERR_NOT_FOUND, "req_id");
+  EXPECT(kvcs_blocks_set_hashes(blocks, "o", 1, hashes, HASH_BYTES, 3), KVCS_ERR_NOT_FOUND, "group_id 1");
+  EXPECT(kvcs_blocks_set_hashes(blocks, "o", 0, NULL, HASH_BYTES, 3), KVCS_ERR_INVALID_ARGUMENT, "hashes");
+  EXPECT_OK(kvcs_blocks_set_hashes(blocks, "o", 0, hashes, HASH_BYTES, 3));
+
+  uint64_t tags[3] = {7, 7, 7};
+  EXPECT(kvcs_block_tags(worker, 0, hashes, 7, 3, tags), KVCS_ERR_INVALID_ARGUMENT, "hash_bytes is 7");
+  EXPECT(kvcs_block_tags(worker, 9, hashes, HASH_BYTES, 3, tags), KVCS_ERR_NOT_FOUND, "group_id 9");
+  EXPECT(kvcs_block_tags(worker, 0, hashes, HASH_BYTES, 3, NULL), KVCS_ERR_INVALID_ARGUMENT, "tags");
+  CHECK(tags[0] == 7 && tags[1] == 7 && tags[2] == 7);
+  EXPECT_OK(kvcs_block_tags(worker, 0, hashes, HASH_BYTES, 3, tags));
+
+  /* Store: each block's value untagged is its plain checksum. */
+  EXPECT_OK(kvcs_worker_store(worker, blocks, NULL, &result));
+  uint64_t values[3];
+  EXPECT_OK(kvcs_result_column(result, "o", 0, 0, NULL, NULL, values));
+  for (int q = 0; q < 3; q++) {
+    CHECK((stored[block_ids[q]] ^ tags[q]) == values[q]);
+  }
+  uint8_t outcomes[3] = {9, 9, 9};
+  EXPECT(kvcs_result_stored(result, "o", 0, outcomes), KVCS_ERR_NOT_FOUND, "not a load check");
+  CHECK(outcomes[0] == 9);
+  kvcs_result_destroy(result);
+
+  /* Load check: intact, then one byte of position 1 (block 0) flipped. */
+  EXPECT_OK(kvcs_worker_check_stored(worker, blocks, NULL, &result));
+  EXPECT(kvcs_result_stored(NULL, "o", 0, outcomes), KVCS_ERR_INVALID_ARGUMENT, "result");
+  EXPECT(kvcs_result_stored(result, "o", 0, NULL), KVCS_ERR_INVALID_ARGUMENT, "outcomes");
+  EXPECT(kvcs_result_stored(result, "o", 5, outcomes), KVCS_ERR_NOT_FOUND, "group_id 5");
+  EXPECT_OK(kvcs_result_stored(result, "o", 0, outcomes));
+  CHECK(outcomes[0] == KVCS_STORED_MATCHED && outcomes[1] == KVCS_STORED_MATCHED &&
+        outcomes[2] == KVCS_STORED_MATCHED);
+  kvcs_result_destroy(result);
+  ((uint8_t *)kv_cache)[0 * F_HEADS * F_BLOCK_SIZE * F_CELL + 5] ^= 0x40;
+  EXPECT_OK(kvcs_worker_check_stored(worker, blocks, NULL, &result));
+  EXPECT_OK(kvcs_result_stored(result, "o", 0, outcomes));
+  CHECK(outcomes[0] == KVCS_STORED_MATCHED && outcomes[1] == KVCS_STORED_FAILED &&
+        outcomes[2] == KVCS_STORED_MATCHED);
+  kvcs_result_destroy(result);
+  kvcs_blocks_destroy(blocks);
+  kvcs_worker_destroy(worker);
+}
+
+static void test_coverage_calls(void) {
+  kvcs_verifier *verifier = NULL;
+  EXPECT_OK(kvcs_verifier_create(1, &verifier));
+  EXPECT(kvcs_verifier_set_require_coverage(NULL, 1), KVCS_ERR_INVALID_ARGUMENT, "verifier");
+  EXPECT(kvcs_verifier_set_require_coverage(verifier, 2), KVCS_ERR_INVALID_ARGUMENT, "on");
+  EXPECT_OK(kvcs_verifier_set_require_coverage(verifier, 1));
+  kvcs_blocks *blocks = NULL;
+  EXPECT_OK(kvcs_blocks_create(&blocks));
+  EXPECT_OK(kvcs_blocks_add_request(blocks, "c", 16));
+  EXPECT_OK(kvcs_verifier_expect(verifier, blocks, KVCS_ROLE_CONSUMER));
+  kvcs_report *report = NULL;
+  EXPECT_OK(kvcs_verifier_check_no_payload(verifier, "c", &report));
+  uint64_t uncompared = 77;
+  EXPECT(kvcs_report_uncompared_positions(NULL, &uncompared), KVCS_ERR_INVALID_ARGUMENT, "report");
+  EXPECT(kvcs_report_uncompared_positions(report, NULL), KVCS_ERR_INVALID_ARGUMENT, "positions");
+  CHECK(report != NULL);
+  CHECK(uncompared == 77);
+  EXPECT_OK(kvcs_report_uncompared_positions(report, &uncompared));
+  CHECK(uncompared == 0);
+  kvcs_report_destroy(report);
+  kvcs_blocks_destroy(blocks);
+  kvcs_verifier_destroy(verifier);
+}
+
+void test_features(void) {
+  test_aliases();
+  test_state_layers();
+  test_stored_checksums();
+  test_coverage_calls();
+}
