@@ -393,7 +393,7 @@ pub enum StoredOutcome {
 
 impl Checksums {
     /// A result of the given shape and values.
-    pub fn new(shape: Shape, values: Values) -> Self {
+    pub(crate) fn new(shape: Shape, values: Values) -> Self {
         Checksums {
             shape,
             requests: OnceLock::new(),
@@ -405,7 +405,7 @@ impl Checksums {
     }
 
     /// The same result, carrying what its worker record needs (set by `Worker::checksum`).
-    pub fn with_record_info(mut self, info: RecordInfo) -> Self {
+    pub(crate) fn with_record_info(mut self, info: RecordInfo) -> Self {
         self.record_info = Some(info);
         self
     }
@@ -465,7 +465,7 @@ impl Checksums {
     }
 
     /// What the worker record needs besides the values, if set.
-    pub fn record_info(&self) -> Option<&RecordInfo> {
+    pub(crate) fn record_info(&self) -> Option<&RecordInfo> {
         self.record_info.as_ref()
     }
 
