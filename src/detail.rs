@@ -10,15 +10,15 @@
 
 use crate::blocks::BlockSet;
 use crate::error::{err, Result};
-use crate::host;
+use crate::host::HostEngine;
 use crate::layout::{Layout, Role};
 use crate::plan::Plan;
 use crate::record::{LayerPartial, RequestLayers};
 
 /// The layer partials of every request and group of `blocks`, computed on
-/// the host engine with `threads` threads. `blocks` must already have passed
+/// the worker's host engine. `blocks` must already have passed
 /// `Plan::new` against `layout` (ids in bounds, groups registered).
-pub fn compute(layout: &Layout, blocks: &BlockSet, role: Role, threads: usize) -> Result<Vec<RequestLayers>> {
+pub fn compute(layout: &Layout, blocks: &BlockSet, role: Role, engine: &HostEngine) -> Result<Vec<RequestLayers>> {
     // Shadow group `i` holds layer entry `entries[i]` = (group id, index in group).
     let mut shadow = Layout::default();
     for &region in layout.regions() {
@@ -56,7 +56,7 @@ pub fn compute(layout: &Layout, blocks: &BlockSet, role: Role, threads: usize) -
         }
     }
     let plan = Plan::new(&shadow, &shadow_blocks, role)?;
-    let values = host::compute(&shadow, &plan, role, threads);
+    let values = engine.compute(&shadow, &plan, role);
     let mut requests = Vec::with_capacity(blocks.requests().len());
     let shadow_requests = plan.shape.build();
     for (request, shadow_request) in blocks.requests().iter().zip(&shadow_requests) {

@@ -19,6 +19,7 @@ pub mod layout;
 pub(crate) mod msgpack;
 pub mod payload;
 pub mod plan;
+pub(crate) mod pool;
 pub mod record;
 pub mod result;
 pub mod verify;

@@ -24,12 +24,13 @@ pub struct WorkerOptions {
     pub pp_rank: u32,
     /// CUDA device ordinal, or `None` for host memory.
     pub device: Option<u32>,
-    /// Host engine threads; 0 = the available cores.
+    /// Host engine threads, at most 256; 0 = `KVCS_HOST_THREADS` when set,
+    /// else [`host::default_threads`].
     pub num_threads: u32,
 }
 
 enum Engine {
-    Host { threads: usize },
+    Host(host::HostEngine),
     Device(cuda::DeviceEngine),
 }
 
@@ -80,13 +81,7 @@ impl Worker {
             ));
         }
         let engine = match options.device {
-            None => {
-                let threads = match options.num_threads {
-                    0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-                    n => n as usize,
-                };
-                Engine::Host { threads }
-            }
+            None => Engine::Host(host::HostEngine::new(options.num_threads)?),
             Some(ordinal) => Engine::Device(cuda::DeviceEngine::new(ordinal)?),
         };
         Ok(Worker {
@@ -107,7 +102,11 @@ impl Worker {
     /// device and its kernel's registers and occupancy.
     pub fn engine_description(&self) -> String {
         match &self.engine {
-            Engine::Host { threads } => format!("host engine, {threads} threads"),
+            Engine::Host(host) => format!(
+                "host engine, {} threads ({} helper threads started)",
+                host.threads(),
+                host.helpers()
+            ),
             Engine::Device(device) => device.description().to_owned(),
         }
     }
@@ -161,11 +160,11 @@ impl Worker {
     pub fn checksum(&self, blocks: &BlockSet, role: Role, stream: StreamHandle) -> Result<Checksums> {
         let plan = Plan::new(&self.layout, blocks, role)?;
         let values = match &self.engine {
-            Engine::Host { threads } => Values::Ready(host::compute(&self.layout, &plan, role, *threads)),
+            Engine::Host(host) => Values::Ready(host.compute(&self.layout, &plan, role)),
             Engine::Device(device) => device.compute(&plan, role, stream)?,
         };
         let detail = match (&self.engine, self.detail) {
-            (Engine::Host { threads }, true) => Some(detail::compute(&self.layout, blocks, role, *threads)?),
+            (Engine::Host(host), true) => Some(detail::compute(&self.layout, blocks, role, host)?),
             _ => None,
         };
         let groups = self
