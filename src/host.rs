@@ -22,16 +22,20 @@ const ITEMS_PER_GRAB: usize = 16;
 /// Below this many bytes a call runs on the calling thread alone.
 const MIN_BYTES_PER_THREAD: u64 = 4 << 20;
 
-/// The most threads a host engine may use.
-pub const MAX_THREADS: u32 = 256;
+/// The most threads a host worker may use (`num_threads` or
+/// `KVCS_HOST_THREADS`); a bound, so that a wild value is an error rather
+/// than thousands of threads.
+pub const MAX_HOST_THREADS: u32 = 256;
 
 /// The environment variable that sets the thread count of workers created
 /// with `num_threads` 0.
 pub const THREADS_VARIABLE: &str = "KVCS_HOST_THREADS";
 
-/// At most this many threads by default, however many cores there are: a
-/// few cores already stream memory at the rate the memory system gives one
-/// process among several ranks.
+/// At most this many threads by default, however many cores there are:
+/// eight ranks of four threads are 32 streams reading memory at once, which
+/// is about what a server's memory channels feed; more would mostly wait on
+/// memory while taking cores from the serving engine. A host that wants
+/// more sets `KVCS_HOST_THREADS` or `num_threads`.
 const DEFAULT_MAX_THREADS: usize = 4;
 
 /// The default assumes this many rank processes share the host's cores
@@ -54,20 +58,20 @@ impl HostEngine {
         let threads = match num_threads {
             0 => match std::env::var(THREADS_VARIABLE) {
                 Ok(text) => match text.trim().parse::<u32>() {
-                    Ok(n) if (1..=MAX_THREADS).contains(&n) => n as usize,
+                    Ok(n) if (1..=MAX_HOST_THREADS).contains(&n) => n as usize,
                     _ => {
                         return Err(err!(
                             InvalidArgument,
-                            "{THREADS_VARIABLE} {text:?} is not a thread count from 1 to {MAX_THREADS}"
+                            "{THREADS_VARIABLE} {text:?} is not a thread count from 1 to {MAX_HOST_THREADS}"
                         ))
                     }
                 },
                 Err(_) => default_threads(),
             },
-            n if n > MAX_THREADS => {
+            n if n > MAX_HOST_THREADS => {
                 return Err(err!(
                     InvalidArgument,
-                    "num_threads {n} is above the maximum {MAX_THREADS}"
+                    "num_threads {n} is above the maximum {MAX_HOST_THREADS}"
                 ))
             }
             n => n as usize,

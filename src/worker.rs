@@ -24,8 +24,8 @@ pub struct WorkerOptions {
     pub pp_rank: u32,
     /// CUDA device ordinal, or `None` for host memory.
     pub device: Option<u32>,
-    /// Host engine threads, at most 256; 0 = `KVCS_HOST_THREADS` when set,
-    /// else [`host::default_threads`].
+    /// Host engine threads, at most [`host::MAX_HOST_THREADS`]; 0 =
+    /// `KVCS_HOST_THREADS` when set, else [`host::default_threads`].
     pub num_threads: u32,
 }
 
