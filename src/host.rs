@@ -5,7 +5,12 @@
 //!
 //! Each host worker owns one [`HostEngine`], whose helper threads are started
 //! on its first call that is large enough to split, parked between calls, and
-//! joined when the worker is dropped (see [`crate::pool`]).
+//! joined when the worker is dropped (see [`crate::pool`]). One pool per
+//! worker rather than one per process: no thread outlives the workers (so
+//! the library holds nothing once the last is destroyed, and can be
+//! unloaded), and each worker's `num_threads` means what it says. A process
+//! with several host workers that call at once could oversubscribe; it
+//! gives them fewer threads each.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
