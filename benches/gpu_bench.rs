@@ -506,7 +506,7 @@ fn main() {
         host.push(t.elapsed().as_secs_f64() * 1e6);
         r.wait().unwrap();
         let t = Instant::now();
-        let p = kvcsum::plan::Plan::new(many.worker.layout(), &many.blocks, Role::Consumer).unwrap();
+        let p = kvcsum::Plan::new(many.worker.layout(), &many.blocks, Role::Consumer).unwrap();
         plan.push(t.elapsed().as_secs_f64() * 1e6);
         drop(p);
     }

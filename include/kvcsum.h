@@ -340,6 +340,55 @@ typedef struct {
   size_t identity_len;
 } kvcs_layer;
 
+// One state tensor of a state layer (SPEC section 6) as this worker holds
+// it; strides in bytes (negative allowed), addresses and strides multiples
+// of `element_size`.
+typedef struct {
+  // Address of block (state slot) 0, row 0 (the first row held here).
+  uint64_t address;
+  // Between blocks.
+  int64_t block_stride;
+  // Between rows held here.
+  int64_t row_stride;
+  // Global index, among the tensor's rows across TP, of the first row
+  // held here (when the split is known).
+  uint32_t first_row;
+  // Rows held here, at least 1.
+  uint32_t num_rows;
+  // The tensor's rows across all TP ranks (when the split is known); the
+  // next tensor's rows are numbered after them.
+  uint32_t total_rows;
+  // Bytes of one row: a positive multiple of `element_size`.
+  uint32_t bytes_per_row;
+  // 2 or 4: elements are read as unsigned little-endian integers.
+  uint32_t element_size;
+} kvcs_state_tensor;
+
+// A state (Mamba) layer on this worker: its tensors (conv, then ssm, say),
+// whose rows are numbered consecutively in this order.
+typedef struct {
+  // A group registered with `kvcs_worker_add_group` that holds no
+  // attention layers.
+  uint32_t group_id;
+  // Model-wide layer number.
+  uint32_t layer_number;
+  // 1: each global row along the TP split is a slice, its head number the
+  // row's global index. 0: the split is unknown; the worker's shard of
+  // the layer is one slice with head number `tp_rank`, comparable only
+  // between equal TP sizes. All state layers of a group agree.
+  uint32_t split_known;
+  // Blocks (state slots) in the tensors.
+  uint32_t num_blocks;
+  // Tensors, 1 to 16.
+  uint32_t num_tensors;
+  // `num_tensors` tensors.
+  const kvcs_state_tensor *tensors;
+  // Hashed into the group fingerprint, as `kvcs_layer.identity`.
+  const uint8_t *identity;
+  // Bytes of `identity`.
+  size_t identity_len;
+} kvcs_state;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -624,6 +673,33 @@ kvcs_status kvcs_worker_skip_group(kvcs_worker *worker, uint32_t group_id, const
 // one registered region (else `KVCS_ERR_OUT_OF_BOUNDS`); on any error
 // nothing is registered. A device worker uploads the descriptors here.
 kvcs_status kvcs_worker_add_layer(kvcs_worker *worker, const kvcs_layer *layer);
+
+// Registers a state layer (SPEC section 6). A request's state is one block
+// at position 0 of its state group (`kvcs_blocks_add_group` with
+// `first_position` 0 and one block id); `num_tokens` does not limit it.
+// Every byte a tensor can reach must lie in one registered region (else
+// `KVCS_ERR_OUT_OF_BOUNDS`); a group holds attention layers or state
+// layers, never both. Host workers only for now: `KVCS_ERR_UNSUPPORTED` on
+// a device worker. On any error nothing is registered.
+kvcs_status kvcs_worker_add_state(kvcs_worker *worker, const kvcs_state *state);
+
+// Registers layer `layer_number` of group `group_id` as one that reads the
+// cache of the registered layer `target_layer_number` of the same group
+// (vLLM's KV sharing) instead of a cache of its own. Its `identity`
+// (`identity_len` bytes, as for `kvcs_layer.identity`) counts in the group
+// fingerprint, so that the fingerprint names every layer of the group as
+// vLLM's does; it adds no checksum, since the shared cache is checksummed
+// once, as its target's. Register it after its target, on every worker
+// that registers the target. `KVCS_ERR_NOT_FOUND` when the group or the
+// target is not registered; `KVCS_ERR_INVALID_ARGUMENT` when
+// `layer_number` is already registered (as a layer or an alias) or names
+// itself. On any error nothing is registered.
+kvcs_status kvcs_worker_add_alias(kvcs_worker *worker,
+                                  uint32_t group_id,
+                                  uint32_t layer_number,
+                                  uint32_t target_layer_number,
+                                  const uint8_t *identity,
+                                  size_t identity_len);
 
 // Computes (host worker) or queues (device worker) the partial checksums of
 // every block in `blocks`, in `role` (a `kvcs_role` value). A device worker

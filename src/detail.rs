@@ -13,7 +13,7 @@ use crate::error::{err, Result};
 use crate::host::HostEngine;
 use crate::layout::{Layout, Role};
 use crate::plan::Plan;
-use crate::record::{LayerPartial, RequestLayers};
+use crate::result::{LayerPartial, RequestLayers};
 
 /// The layer partials of every request and group of `blocks`, computed on
 /// the worker's host engine. `blocks` must already have passed

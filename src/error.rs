@@ -1,6 +1,7 @@
 //! Errors of the engine. Each message names what was wrong, with which
 //! argument and value; the C boundary maps each variant to one `kvcs_status`
-//! in one place (`src/ffi/status.rs`).
+//! in one place (`src/ffi/status.rs`). Notions that only C has (a caller's
+//! buffer too small, a NULL pointer) are the C boundary's own.
 
 /// An engine error, by the category a caller acts on.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -26,14 +27,6 @@ pub enum Error {
     /// The CUDA driver, NVRTC or the device failed or is absent.
     #[error("{0}")]
     Device(String),
-    /// An output buffer is too small; `needed` bytes are.
-    #[error("{message}")]
-    BufferTooSmall {
-        /// What was too small.
-        message: String,
-        /// The size that would do.
-        needed: usize,
-    },
     /// A bug in kvcsum.
     #[error("{0}")]
     Internal(String),

@@ -26,12 +26,17 @@ pub fn layer_fingerprint(identity: &[u8]) -> u64 {
 ///
 /// Every registered layer entry counts once: a layer whose caches are
 /// registered as several entries of one group (a KV cache and its indexer,
-/// say) adds the fingerprint of each entry's identity. Every TP rank of a
-/// stage registers the same entries, so each gives the same value.
+/// say) adds the fingerprint of each entry's identity, and a layer that
+/// reads another's cache (an alias) adds its own. Every TP rank of a stage
+/// registers the same entries, so each gives the same value.
 pub fn group_fingerprint(group: &Group) -> u64 {
-    group.layers.iter().fold(0u64, |sum, layer| {
-        sum.wrapping_add(layer_fingerprint(&layer.spec.identity))
-    })
+    let identities = group
+        .layers
+        .iter()
+        .map(|layer| &layer.spec.identity)
+        .chain(group.aliases.iter().map(|alias| &alias.identity))
+        .chain(group.states.iter().map(|state| &state.spec.identity));
+    identities.fold(0u64, |sum, identity| sum.wrapping_add(layer_fingerprint(identity)))
 }
 
 #[cfg(test)]

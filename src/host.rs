@@ -144,7 +144,9 @@ impl HostEngine {
             let pool = self.pool.get_or_init(|| Pool::new(self.threads - 1, "kvcsum-host"));
             pool.run(threads - 1, &work);
         }
-        values.into_iter().map(AtomicU64::into_inner).collect()
+        let mut values: Vec<u64> = values.into_iter().map(AtomicU64::into_inner).collect();
+        add_states(layout, plan, &mut values);
+        values
     }
 }
 
@@ -162,6 +164,17 @@ struct Item<'a> {
     row: &'a Row,
     layer: &'a Layer,
     column: usize,
+}
+
+/// Adds the state layers' checksums (SPEC section 6) of the plan's rows of
+/// state groups, on the calling thread.
+fn add_states(layout: &Layout, plan: &Plan, values: &mut [u64]) {
+    for row in &plan.rows {
+        for state in layout.group_in_slot(row.group_slot).states() {
+            let value = &mut values[row.out as usize];
+            *value = value.wrapping_add(state.block_checksum(row.block_id));
+        }
+    }
 }
 
 /// `sum over heads of m * s` for one block position of one layer.

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use crate::checksum::{MAX_KV_HEADS_PER_LAYER, PIECE_BYTES};
 use crate::error::{err, Result};
+use crate::state::{StateLayer, StateSpec};
 
 /// A range of memory the worker may read: `address .. address + length`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,6 +55,25 @@ pub enum Role {
     Consumer,
 }
 
+impl Role {
+    /// The role's number in records and the C API (`KVCS_ROLE_*`): 0 producer, 1 consumer.
+    pub fn code(self) -> u32 {
+        match self {
+            Role::Producer => 0,
+            Role::Consumer => 1,
+        }
+    }
+
+    /// The role numbered `code` (see [`Role::code`]), or `None`.
+    pub fn from_code(code: u64) -> Option<Role> {
+        match code {
+            0 => Some(Role::Producer),
+            1 => Some(Role::Consumer),
+            _ => None,
+        }
+    }
+}
+
 impl ReplicaKey {
     /// Whether a worker in `role` computes this key's column.
     pub fn computed_in(self, role: Role) -> bool {
@@ -97,6 +117,19 @@ pub struct Layer {
     pub segment_piece_offsets: Vec<u64>,
 }
 
+/// A layer that reads another layer's cache (vLLM's KV sharing): it counts
+/// in its group's fingerprint (SPEC section 7) and adds no checksum, since
+/// the cache it reads is checksummed once, as its target's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Alias {
+    /// Model-wide layer number of the sharing layer.
+    pub layer_number: u32,
+    /// Layer number of the registered layer whose cache it reads.
+    pub target_layer_number: u32,
+    /// Bytes hashed into the group fingerprint.
+    pub identity: Vec<u8>,
+}
+
 /// Layers sharing one block table and block size.
 #[derive(Debug, Clone)]
 pub struct Group {
@@ -110,6 +143,11 @@ pub struct Group {
     /// Registered layers, in registration order (added only through
     /// `push`, which keeps the fields below in step).
     pub(crate) layers: Vec<Layer>,
+    /// Layers that read another layer's cache, in registration order.
+    pub(crate) aliases: Vec<Alias>,
+    /// State layers (SPEC section 6), in registration order; a group holds
+    /// attention layers or state layers, never both.
+    pub(crate) states: Vec<StateLayer>,
     /// Sorted replica keys of the columns computed as producer, then as
     /// consumer; shared with every result of the group.
     columns: [Arc<[ReplicaKey]>; 2],
@@ -124,6 +162,8 @@ impl Group {
             slot,
             block_size,
             layers: Vec::new(),
+            aliases: Vec::new(),
+            states: Vec::new(),
             columns: [Arc::from([]), Arc::from([])],
             num_blocks: u32::MAX,
         }
@@ -148,6 +188,37 @@ impl Group {
     /// Registered layers, in registration order.
     pub fn layers(&self) -> &[Layer] {
         &self.layers
+    }
+
+    /// Adds a checked state layer: its one column is `(1, 0)` in either role.
+    fn push_state(&mut self, state: StateLayer) {
+        self.num_blocks = self.num_blocks.min(state.spec.num_blocks);
+        let key = ReplicaKey {
+            replicas: 1,
+            replica_index: 0,
+        };
+        self.columns = [Arc::from([key]), Arc::from([key])];
+        self.states.push(state);
+    }
+
+    /// Registered state layers, in registration order.
+    pub fn states(&self) -> &[StateLayer] {
+        &self.states
+    }
+
+    /// Whether this is a state group (its layers are state layers).
+    pub fn is_state(&self) -> bool {
+        !self.states.is_empty()
+    }
+
+    /// Whether the group's checksums are shard-keyed state (TP split unknown).
+    pub fn is_shard_keyed(&self) -> bool {
+        self.states.iter().any(|state| !state.spec.split_known)
+    }
+
+    /// Registered aliases (layers reading another layer's cache).
+    pub fn aliases(&self) -> &[Alias] {
+        &self.aliases
     }
 
     /// The smallest block count of the group's caches: block ids must be below it.
@@ -233,6 +304,98 @@ impl Layout {
         Ok(())
     }
 
+    /// Registers `alias.layer_number` as a layer of `group_id` that reads the
+    /// cache of the registered layer `alias.target_layer_number` of the same
+    /// group: its identity counts in the group fingerprint, and it adds no
+    /// checksum. On error nothing changes.
+    pub fn add_alias(&mut self, group_id: u32, alias: Alias) -> Result<()> {
+        let layer_number = alias.layer_number;
+        let target = alias.target_layer_number;
+        let slot = *self.slots.get(&group_id).ok_or_else(|| {
+            err!(
+                NotFound,
+                "group_id {group_id} is not registered (alias layer_number {layer_number})"
+            )
+        })?;
+        if layer_number == target {
+            return Err(err!(
+                InvalidArgument,
+                "layer_number {layer_number} names itself as target_layer_number"
+            ));
+        }
+        let group = &self.groups[slot as usize];
+        if !group.layers.iter().any(|layer| layer.spec.layer_number == target) {
+            return Err(err!(
+                NotFound,
+                "target_layer_number {target} is not a registered layer of group_id {group_id} (alias layer_number {layer_number})"
+            ));
+        }
+        for other in &self.groups {
+            let registered = other.layers.iter().any(|layer| layer.spec.layer_number == layer_number)
+                || other.aliases.iter().any(|a| a.layer_number == layer_number);
+            if registered {
+                return Err(err!(
+                    InvalidArgument,
+                    "layer_number {layer_number} is already registered (in group_id {}); an alias is a layer without a cache of its own",
+                    other.group_id
+                ));
+            }
+        }
+        self.groups[slot as usize].aliases.push(alias);
+        Ok(())
+    }
+
+    /// Registers a state layer (SPEC section 6) of a worker of TP rank
+    /// `tp_rank` after checking every constraint; on error nothing changes.
+    pub fn add_state(&mut self, spec: StateSpec, tp_rank: u32) -> Result<()> {
+        let layer_number = spec.layer_number;
+        let group_id = spec.group_id;
+        let slot = *self.slots.get(&group_id).ok_or_else(|| {
+            err!(
+                NotFound,
+                "group_id {group_id} is not registered (state layer_number {layer_number})"
+            )
+        })?;
+        let group = &self.groups[slot as usize];
+        if !group.layers.is_empty() {
+            return Err(err!(
+                InvalidArgument,
+                "group_id {group_id} holds attention layers; state layer_number {layer_number} needs a group of its own"
+            ));
+        }
+        if let Some(first) = group.states.first() {
+            if first.spec.split_known != spec.split_known {
+                return Err(err!(
+                    InvalidArgument,
+                    "split_known is {} for state layer_number {layer_number} but {} for layer_number {} of group_id {group_id}; a group's state layers agree",
+                    spec.split_known as u32,
+                    first.spec.split_known as u32,
+                    first.spec.layer_number
+                ));
+            }
+        }
+        let taken = self.groups.iter().find(|g| {
+            g.states.iter().any(|state| state.spec.layer_number == layer_number)
+                || g.aliases.iter().any(|alias| alias.layer_number == layer_number)
+        });
+        if let Some(other) = taken {
+            return Err(err!(
+                InvalidArgument,
+                "state layer_number {layer_number} is already registered (in group_id {})",
+                other.group_id
+            ));
+        }
+        let regions = &self.regions;
+        let readable = |low: i128, high: i128| {
+            regions
+                .iter()
+                .any(|r| low >= r.address as i128 && high <= r.address as i128 + r.length as i128)
+        };
+        let state = StateLayer::new(spec, tp_rank, readable)?;
+        self.groups[slot as usize].push_state(state);
+        Ok(())
+    }
+
     fn check_layer(&self, spec: LayerSpec) -> Result<Layer> {
         let layer_number = spec.layer_number;
         let group = self.group(spec.group_id).ok_or_else(|| {
@@ -242,6 +405,13 @@ impl Layout {
                 spec.group_id
             )
         })?;
+        if group.is_state() {
+            return Err(err!(
+                InvalidArgument,
+                "group_id {} is a state group; attention layer_number {layer_number} needs a group of its own",
+                spec.group_id
+            ));
+        }
         if spec.num_heads == 0 {
             return Err(err!(InvalidArgument, "num_heads is 0 (layer_number {layer_number})"));
         }
@@ -293,6 +463,17 @@ impl Layout {
             self.check_segment(&spec, index, segment)?;
             segment_piece_offsets.push(pieces_per_token);
             pieces_per_token += segment.bytes_per_token as u64 / PIECE_BYTES;
+        }
+        if let Some(group) = self
+            .groups
+            .iter()
+            .find(|g| g.aliases.iter().any(|a| a.layer_number == layer_number))
+        {
+            return Err(err!(
+                InvalidArgument,
+                "layer_number {layer_number} is registered as an alias in group_id {}",
+                group.group_id
+            ));
         }
         for other in self.groups.iter().flat_map(|g| g.layers.iter()) {
             let other = &other.spec;

@@ -1,32 +1,52 @@
 //! kvcsum: connector-agnostic checksums of LLM KV-cache blocks.
 //!
-//! The engine (this crate's modules outside `ffi`) is plain Rust: layouts
-//! ([`layout`]), request block sets ([`blocks`]), the definition
-//! ([`checksum`]), the host and device engines, and results. [`ffi`] is the C
-//! boundary and nothing else.
+//! The modules are layered, each importing only from those below it (a test,
+//! `tests/layers.rs`, fails on an import that runs back up):
+//!
+//! 1. arithmetic and plumbing: `error`, `checksum` (the definition), `msgpack`,
+//!    `pool` (the host engine's helper threads);
+//! 2. inputs: `state` (state layers), `layout`, `blocks`, `fingerprint`, `stream`;
+//! 3. results: `result` (also the facts a record carries);
+//! 4. `plan`: a call's blocks checked and laid out as rows;
+//! 5. engines: `host`, `cuda` (the device), `detail` (per-layer partials);
+//! 6. `worker`: a layout plus an engine;
+//! 7. records and payloads: [`record`], [`payload`];
+//! 8. [`verify`]: records and payloads compared;
+//! 9. [`ffi`]: the C boundary and nothing else.
+//!
+//! The Rust API is what is re-exported here plus the public modules
+//! [`record`], [`payload`], [`verify`] (verification from Rust) and [`ffi`]
+//! (the C ABI, callable from Rust for tests). The other modules are internal.
 
 #![warn(missing_docs)]
 
-pub mod blocks;
-pub mod checksum;
-pub mod cuda;
-pub mod detail;
-pub mod error;
+pub(crate) mod blocks;
+pub(crate) mod checksum;
+pub(crate) mod cuda;
+pub(crate) mod detail;
+pub(crate) mod error;
 pub mod ffi;
-pub mod fingerprint;
-pub mod host;
-pub mod layout;
+pub(crate) mod fingerprint;
+pub(crate) mod host;
+pub(crate) mod layout;
 pub(crate) mod msgpack;
 pub mod payload;
-pub mod plan;
+pub(crate) mod plan;
 pub(crate) mod pool;
 pub mod record;
-pub mod result;
+pub(crate) mod result;
+pub(crate) mod state;
+pub(crate) mod stream;
 pub mod verify;
-pub mod worker;
+pub(crate) mod worker;
 
-pub use blocks::BlockSet;
+pub use blocks::{BlockSet, GroupBlocks, RequestBlocks};
+pub use cuda::{checksum_ptx, libraries_present};
 pub use error::{Error, Result};
-pub use layout::{LayerSpec, Layout, Region, ReplicaKey, Role, Segment};
-pub use result::Checksums;
-pub use worker::{StreamHandle, Worker, WorkerOptions};
+pub use layout::{Alias, LayerSpec, Layout, Region, ReplicaKey, Role, Segment};
+/// A call's blocks checked and laid out; public so that benchmarks can time it.
+pub use plan::Plan;
+pub use result::{Checksums, GroupChecksums, RequestChecksums, SkippedGroup};
+pub use state::{StateSpec, StateTensor};
+pub use stream::StreamHandle;
+pub use worker::{Worker, WorkerOptions};

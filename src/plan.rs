@@ -110,10 +110,31 @@ impl Plan {
                 if columns == 0 {
                     continue;
                 }
+                let first = group_blocks.first_position;
+                if group.is_state() {
+                    // SPEC section 6: the state is one block at position 0,
+                    // whatever num_tokens says.
+                    if first != 0 || num_positions > 1 {
+                        return Err(err!(
+                            InvalidArgument,
+                            "group_id {group_id} of req_id \"{req_id}\" is a state group: its state is one block at position 0, not {num_positions} blocks from first_position {first}"
+                        ));
+                    }
+                    rows_per_slot[group.slot as usize] += num_positions as u64;
+                    rows.extend(block_ids.iter().map(|&block_id| Row {
+                        first_token: 0,
+                        block_id,
+                        valid_tokens: 0,
+                        out: values_offset as u32,
+                        column_stride: 1,
+                        group_slot: group.slot,
+                        reserved: 0,
+                    }));
+                    continue;
+                }
                 // Positions before `end` hold valid tokens (SPEC section 5).
                 let block_size = group.block_size as u64;
                 let end = request.num_tokens.div_ceil(block_size);
-                let first = group_blocks.first_position;
                 let with_tokens = end.saturating_sub(first).min(num_positions as u64) as usize;
                 rows_per_slot[group.slot as usize] += with_tokens as u64;
                 // position < end, so position * block_size < num_tokens: no

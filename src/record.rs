@@ -36,106 +36,16 @@ use std::collections::HashSet;
 
 use crate::checksum::MAX_KV_HEADS_PER_LAYER;
 use crate::error::{err, Result};
-use crate::fingerprint::group_fingerprint;
-use crate::layout::{Layout, ReplicaKey, Role};
+use crate::layout::{ReplicaKey, Role};
 use crate::msgpack::{Reader, Writer};
 use crate::result::{Checksums, SkippedGroup};
-use crate::worker::WorkerOptions;
+pub use crate::result::{GroupInfo, LayerPartial, Rank};
 
 /// The first element of every record.
 pub const RECORD_MAGIC: &str = "kvcsum.record";
 
 /// The record encoding this library writes and reads.
 pub const RECORD_VERSION: u64 = 1;
-
-/// Where a worker sits in the model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Rank {
-    /// Tensor-parallel rank, below `tp_size`.
-    pub tp_rank: u32,
-    /// Tensor-parallel size.
-    pub tp_size: u32,
-    /// Pipeline-parallel stage.
-    pub pp_rank: u32,
-}
-
-/// What a worker knows about one of its registered groups.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GroupInfo {
-    /// The group.
-    pub group_id: u32,
-    /// Tokens per logical block on this worker.
-    pub block_size: u32,
-    /// The worker's fingerprint of the group (SPEC section 7).
-    pub fingerprint: u64,
-    /// Whether the group's checksums are shard-keyed state (SPEC section 6:
-    /// TP split unknown), comparable only between equal TP sizes. Attention
-    /// groups never are; state layers set it when the split is unknown.
-    pub shard_keyed: bool,
-}
-
-/// The per-layer partial checksums of one layer entry of a worker (detail
-/// mode): the heads `first_head .. first_head + num_heads` of layer
-/// `layer_number` in the column of `replica`, one value per block position.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LayerPartial {
-    /// Model-wide layer number.
-    pub layer_number: u32,
-    /// Global number of the first head.
-    pub first_head: u32,
-    /// Heads covered.
-    pub num_heads: u32,
-    /// The column the heads belong to.
-    pub replica: ReplicaKey,
-    /// One value per block position of the group.
-    pub values: Vec<u64>,
-}
-
-/// Per group of one request (in the result's group order), its layer
-/// partials.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct RequestLayers {
-    /// Aligned with the request's groups in the result.
-    pub groups: Vec<Vec<LayerPartial>>,
-}
-
-/// What a result needs besides its values to become a record: set by
-/// `Worker::checksum` at checksum time.
-#[derive(Debug, Clone)]
-pub struct RecordInfo {
-    /// The worker's place.
-    pub rank: Rank,
-    /// The role the values were computed in.
-    pub role: Role,
-    /// Every registered group, sorted by id.
-    pub groups: std::sync::Arc<[GroupInfo]>,
-    /// Detail mode: per request (in result order) its layer partials.
-    pub detail: Option<Vec<RequestLayers>>,
-}
-
-/// The group facts of a layout, sorted by group id (fingerprints hashed now).
-pub fn group_infos(layout: &Layout) -> Vec<GroupInfo> {
-    layout
-        .groups()
-        .map(|group| GroupInfo {
-            group_id: group.group_id,
-            block_size: group.block_size,
-            fingerprint: group_fingerprint(group),
-            shard_keyed: false,
-        })
-        .collect()
-}
-
-impl Rank {
-    /// The rank of a worker created with `options`.
-    pub fn of(options: &WorkerOptions) -> Rank {
-        Rank {
-            tp_rank: options.tp_rank,
-            tp_size: options.tp_size,
-            pp_rank: options.pp_rank,
-        }
-    }
-}
 
 /// One column of a group in a record.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -338,16 +248,13 @@ impl Record {
             pp_rank: r.u32("pp_rank")?,
         };
         let at = r.position();
-        let role = match r.uint("role")? {
-            0 => Role::Producer,
-            1 => Role::Consumer,
-            other => {
-                return Err(err!(
-                    Malformed,
-                    "record: byte {at}: role {other} is neither 0 (producer) nor 1 (consumer)"
-                ))
-            }
-        };
+        let code = r.uint("role")?;
+        let role = Role::from_code(code).ok_or_else(|| {
+            err!(
+                Malformed,
+                "record: byte {at}: role {code} is neither 0 (producer) nor 1 (consumer)"
+            )
+        })?;
         let detail = r.bool("detail")?;
         let num_groups = r.array("groups")?;
         let mut groups = Vec::with_capacity(num_groups);
@@ -619,8 +526,5 @@ fn check_key(key: ReplicaKey, place: &str) -> Result<()> {
 }
 
 fn role_code(role: Role) -> u64 {
-    match role {
-        Role::Producer => 0,
-        Role::Consumer => 1,
-    }
+    role.code().into()
 }

@@ -5,8 +5,72 @@ use std::sync::{Arc, OnceLock};
 
 use crate::blocks::RequestBlocks;
 use crate::error::{err, Result};
-use crate::layout::ReplicaKey;
-use crate::record::RecordInfo;
+use crate::layout::{ReplicaKey, Role};
+
+/// Where a worker sits in the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Rank {
+    /// Tensor-parallel rank, below `tp_size`.
+    pub tp_rank: u32,
+    /// Tensor-parallel size.
+    pub tp_size: u32,
+    /// Pipeline-parallel stage.
+    pub pp_rank: u32,
+}
+
+/// What a worker knows about one of its registered groups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupInfo {
+    /// The group.
+    pub group_id: u32,
+    /// Tokens per logical block on this worker.
+    pub block_size: u32,
+    /// The worker's fingerprint of the group (SPEC section 7).
+    pub fingerprint: u64,
+    /// Whether the group's checksums are shard-keyed state (SPEC section 6:
+    /// TP split unknown), comparable only between equal TP sizes. Attention
+    /// groups never are; state layers set it when the split is unknown.
+    pub shard_keyed: bool,
+}
+
+/// The per-layer partial checksums of one layer entry of a worker (detail
+/// mode): the heads `first_head .. first_head + num_heads` of layer
+/// `layer_number` in the column of `replica`, one value per block position.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerPartial {
+    /// Model-wide layer number.
+    pub layer_number: u32,
+    /// Global number of the first head.
+    pub first_head: u32,
+    /// Heads covered.
+    pub num_heads: u32,
+    /// The column the heads belong to.
+    pub replica: ReplicaKey,
+    /// One value per block position of the group.
+    pub values: Vec<u64>,
+}
+
+/// Per group of one request (in the result's group order), its layer
+/// partials.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RequestLayers {
+    /// Aligned with the request's groups in the result.
+    pub groups: Vec<Vec<LayerPartial>>,
+}
+
+/// What a result needs besides its values to become a record: set by
+/// `Worker::checksum` at checksum time.
+#[derive(Debug, Clone)]
+pub struct RecordInfo {
+    /// The worker's place.
+    pub rank: Rank,
+    /// The role the values were computed in.
+    pub role: Role,
+    /// Every registered group, sorted by id.
+    pub groups: Arc<[GroupInfo]>,
+    /// Detail mode: per request (in result order) its layer partials.
+    pub detail: Option<Vec<RequestLayers>>,
+}
 
 /// One group's partial checksums of one request.
 #[derive(Debug, Clone, PartialEq, Eq)]

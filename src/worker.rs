@@ -7,11 +7,13 @@ use crate::blocks::BlockSet;
 use crate::cuda;
 use crate::detail;
 use crate::error::{err, Result};
+use crate::fingerprint::group_fingerprint;
 use crate::host;
-use crate::layout::{LayerSpec, Layout, Region, Role};
+use crate::layout::{Alias, LayerSpec, Layout, Region, Role};
 use crate::plan::Plan;
-use crate::record::{self, GroupInfo, Rank, RecordInfo};
-use crate::result::{Checksums, Values};
+use crate::result::{Checksums, GroupInfo, Rank, RecordInfo, Values};
+use crate::state::StateSpec;
+use crate::stream::StreamHandle;
 
 /// Where a worker's caches live and how it is placed in the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,9 +26,34 @@ pub struct WorkerOptions {
     pub pp_rank: u32,
     /// CUDA device ordinal, or `None` for host memory.
     pub device: Option<u32>,
-    /// Host engine threads, at most [`host::MAX_HOST_THREADS`]; 0 =
-    /// `KVCS_HOST_THREADS` when set, else [`host::default_threads`].
+    /// Host engine threads, at most 256; 0 = the environment variable
+    /// `KVCS_HOST_THREADS` when set, else the cores this process may run on
+    /// divided by 8, between 1 and 4 (see `kvcs_worker_options`).
     pub num_threads: u32,
+}
+
+impl WorkerOptions {
+    /// The place of a worker created with these options.
+    pub fn rank(&self) -> Rank {
+        Rank {
+            tp_rank: self.tp_rank,
+            tp_size: self.tp_size,
+            pp_rank: self.pp_rank,
+        }
+    }
+}
+
+/// The group facts of a layout, sorted by group id (fingerprints hashed now).
+fn group_infos(layout: &Layout) -> Vec<GroupInfo> {
+    layout
+        .groups()
+        .map(|group| GroupInfo {
+            group_id: group.group_id,
+            block_size: group.block_size,
+            fingerprint: group_fingerprint(group),
+            shard_keyed: group.is_shard_keyed(),
+        })
+        .collect()
 }
 
 enum Engine {
@@ -43,26 +70,6 @@ pub struct Worker {
     detail: bool,
     /// The record's group facts (fingerprints hashed once), reset when the layout changes.
     group_infos: OnceLock<Arc<[GroupInfo]>>,
-}
-
-/// A CUDA stream handle (`CUstream`) as the caller gives it, passed to the
-/// driver unchanged: null is CUDA's legacy default stream, `0x2`
-/// (`CU_STREAM_PER_THREAD`) the calling thread's default stream. A device
-/// worker's work is ordered after everything already queued on that stream.
-/// Meaningless for host workers.
-#[derive(Debug, Clone, Copy)]
-pub struct StreamHandle(pub *mut std::ffi::c_void);
-
-impl StreamHandle {
-    /// CUDA's legacy default stream (a null `CUstream`); host workers take it too.
-    pub fn legacy_default() -> Self {
-        StreamHandle(std::ptr::null_mut())
-    }
-
-    /// The calling thread's per-thread default stream (`CU_STREAM_PER_THREAD`).
-    pub fn per_thread_default() -> Self {
-        StreamHandle(0x2 as *mut std::ffi::c_void)
-    }
 }
 
 impl Worker {
@@ -154,6 +161,30 @@ impl Worker {
         Ok(())
     }
 
+    /// Registers a layer that reads another layer's cache (see
+    /// [`Layout::add_alias`]); on error nothing changes.
+    pub fn add_alias(&mut self, group_id: u32, alias: Alias) -> Result<()> {
+        self.layout.add_alias(group_id, alias)?;
+        self.group_infos = OnceLock::new();
+        Ok(())
+    }
+
+    /// Registers a state layer (SPEC section 6) of a state group; on error
+    /// nothing changes. Host workers only for now (`Unsupported` on a device
+    /// worker).
+    pub fn add_state(&mut self, spec: StateSpec) -> Result<()> {
+        if matches!(self.engine, Engine::Device(_)) {
+            return Err(err!(
+                Unsupported,
+                "state layers (layer_number {}) are not supported on a device worker yet",
+                spec.layer_number
+            ));
+        }
+        self.layout.add_state(spec, self.options.tp_rank)?;
+        self.group_infos = OnceLock::new();
+        Ok(())
+    }
+
     /// Computes (host) or queues (device, on `stream`) the partial checksums
     /// of every block in `blocks`. Fails before any work when a block id or
     /// group is bad.
@@ -169,10 +200,10 @@ impl Worker {
         };
         let groups = self
             .group_infos
-            .get_or_init(|| record::group_infos(&self.layout).into())
+            .get_or_init(|| group_infos(&self.layout).into())
             .clone();
         let info = RecordInfo {
-            rank: Rank::of(&self.options),
+            rank: self.options.rank(),
             role,
             groups,
             detail,

@@ -323,7 +323,6 @@ fn the_thread_count_default_and_bounds() {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let default = Worker::new(options(0)).expect("default worker");
     assert_eq!(threads_of(&default), (cores / 8).clamp(1, 4), "{cores} cores");
-    assert_eq!(kvcsum::host::default_threads(), (cores / 8).clamp(1, 4));
 
     std::env::set_var("KVCS_HOST_THREADS", "3");
     assert_eq!(threads_of(&Worker::new(options(0)).unwrap()), 3);

@@ -6,7 +6,7 @@
 #[ignore = "needs NVRTC (libnvrtc.so.13 on LD_LIBRARY_PATH); .ci/run runs it with --ignored"]
 fn checksum_kernel_compiles_with_nvrtc() {
     for arch in ["sm_90", "sm_80"] {
-        let ptx = kvcsum::cuda::checksum_ptx(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        let ptx = kvcsum::checksum_ptx(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
         assert!(
             ptx.contains(".entry kvcs_checksum"),
             "{arch}: no kvcs_checksum entry in the PTX"

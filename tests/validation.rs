@@ -5,7 +5,7 @@
 
 mod support;
 
-use kvcsum::result::SkippedGroup;
+use kvcsum::SkippedGroup;
 use kvcsum::{Error, LayerSpec, Region, ReplicaKey, Role, StreamHandle, Worker, WorkerOptions};
 use support::*;
 
@@ -784,7 +784,7 @@ fn a_device_worker_that_cannot_be_had_is_a_device_error() {
     // Without CUDA (CI) any device fails; with CUDA, device 4096 does not
     // exist. Either way: Error::Device naming the device, not a panic from
     // the CUDA bindings.
-    let ordinal = if kvcsum::cuda::libraries_present() { 4096 } else { 0 };
+    let ordinal = if kvcsum::libraries_present() { 4096 } else { 0 };
     let options = WorkerOptions {
         tp_rank: 0,
         tp_size: 1,

@@ -92,10 +92,7 @@ pub struct LayerTable {
 
 /// Index of `role` in [`LayerTable::groups`].
 pub fn role_index(role: Role) -> usize {
-    match role {
-        Role::Producer => 0,
-        Role::Consumer => 1,
-    }
+    role.code() as usize
 }
 
 impl LayerTable {

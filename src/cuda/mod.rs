@@ -24,7 +24,7 @@ use crate::error::{err, Result};
 use crate::layout::{Layout, Role};
 use crate::plan::{Plan, Row};
 use crate::result::{PendingValues, Values};
-use crate::worker::StreamHandle;
+use crate::stream::StreamHandle;
 
 /// Threads per block of the checksum kernel (its `__launch_bounds__`).
 const THREADS_PER_BLOCK: u32 = 256;

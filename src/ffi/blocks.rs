@@ -2,9 +2,10 @@
 
 use std::ffi::c_char;
 
+use super::handle::{free, handle, into_handle, try_handle_mut};
 use super::panic::ffi_boundary;
 use super::status::kvcs_status;
-use super::{c_array, c_str, not_null, try_engine, try_mut};
+use super::{c_array, c_str, not_null, try_engine};
 use crate::blocks::BlockSet;
 
 /// A request block set (SPEC section 5): per request its token count and,
@@ -19,22 +20,15 @@ pub struct kvcs_blocks {
     _private: [u8; 0],
 }
 
-/// The block set behind a handle (a `Box<BlockSet>`).
-pub(crate) fn blocks_ref(blocks: *const kvcs_blocks) -> *const BlockSet {
-    blocks.cast()
-}
-
-fn blocks_mut(blocks: *mut kvcs_blocks) -> *mut BlockSet {
-    blocks.cast()
-}
+handle!(kvcs_blocks => BlockSet);
 
 /// Creates an empty block set; `*out` owns it.
 #[no_mangle]
 pub extern "C" fn kvcs_blocks_create(out: *mut *mut kvcs_blocks) -> kvcs_status {
     ffi_boundary! {
         not_null!(out, "out");
-        // SAFETY: `out` is non-NULL and writable per the contract.
-        unsafe { out.write(Box::into_raw(Box::new(BlockSet::new())).cast()) };
+        // SAFETY: `out` is non-NULL (checked above) and writable per the contract.
+        unsafe { out.write(into_handle(BlockSet::new())) };
         kvcs_status::KVCS_OK
     }
 }
@@ -43,10 +37,8 @@ pub extern "C" fn kvcs_blocks_create(out: *mut *mut kvcs_blocks) -> kvcs_status 
 #[no_mangle]
 pub extern "C" fn kvcs_blocks_destroy(blocks: *mut kvcs_blocks) {
     ffi_boundary! {
-        if !blocks.is_null() {
-            // SAFETY: made by `kvcs_blocks_create` and not freed before.
-            drop(unsafe { Box::from_raw(blocks_mut(blocks)) });
-        }
+        // SAFETY: NULL, or made by `kvcs_blocks_create` and not freed before (the contract).
+        unsafe { free(blocks) };
     }
 }
 
@@ -59,7 +51,7 @@ pub extern "C" fn kvcs_blocks_add_request(
     num_tokens: u64,
 ) -> kvcs_status {
     ffi_boundary! {
-        let blocks = try_mut!(blocks_mut(blocks), "blocks");
+        let blocks = try_handle_mut!(blocks, "blocks");
         // SAFETY: NULL or a NUL-terminated string per the contract.
         let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
         try_engine!(blocks.add_request(req_id, num_tokens));
@@ -80,7 +72,7 @@ pub extern "C" fn kvcs_blocks_add_group(
     n: usize,
 ) -> kvcs_status {
     ffi_boundary! {
-        let blocks = try_mut!(blocks_mut(blocks), "blocks");
+        let blocks = try_handle_mut!(blocks, "blocks");
         // SAFETY: NULL or a NUL-terminated string per the contract.
         let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
         // SAFETY: the contract gives `n` readable ids.

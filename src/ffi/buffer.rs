@@ -1,7 +1,7 @@
 //! Variable-size output through `(uint8_t *buf, size_t cap, size_t *len)`.
 
-use super::status::{fail, kvcs_status};
-use crate::error::{err, Error};
+use super::status::{fail, fail_with, kvcs_status};
+use crate::error::err;
 
 /// Copies `bytes` to `buf` (capacity `cap`) and their length to `*len`.
 ///
@@ -21,13 +21,13 @@ pub(crate) unsafe fn write_bytes(bytes: &[u8], buf: *mut u8, cap: usize, len: *m
     }
     if bytes.len() > cap {
         len.write(bytes.len());
-        return fail(&Error::BufferTooSmall {
-            message: format!(
+        return fail_with(
+            kvcs_status::KVCS_ERR_BUFFER_TOO_SMALL,
+            &format!(
                 "cap {cap} is below the {} bytes needed (*len says how many)",
                 bytes.len()
             ),
-            needed: bytes.len(),
-        });
+        );
     }
     if !bytes.is_empty() {
         std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf, bytes.len());

@@ -9,6 +9,7 @@
 
 pub mod blocks;
 pub mod buffer;
+pub(crate) mod handle;
 pub mod panic;
 pub mod report;
 pub mod result;
@@ -19,10 +20,11 @@ pub mod worker;
 use std::ffi::{c_char, CStr};
 
 use crate::error::{err, Result};
+use crate::layout::Role;
 
-/// Turns a NULL pointer argument into `KVCS_ERR_INVALID_ARGUMENT` (with a
-/// message naming it) and returns from the guarded body; otherwise gives
-/// the reference.
+/// Turns a NULL pointer to a C struct argument (not a handle: see
+/// [`handle`]) into `KVCS_ERR_INVALID_ARGUMENT` (with a message naming it)
+/// and returns from the guarded body; otherwise gives the reference.
 macro_rules! try_ref {
     ($ptr:expr, $name:literal) => {{
         let ptr = $ptr;
@@ -50,21 +52,6 @@ macro_rules! not_null {
     };
 }
 pub(crate) use not_null;
-
-/// Like [`try_ref!`], for exclusive access.
-macro_rules! try_mut {
-    ($ptr:expr, $name:literal) => {{
-        let ptr = $ptr;
-        if ptr.is_null() {
-            return $crate::ffi::status::fail(&$crate::error::Error::InvalidArgument(
-                concat!($name, " is NULL").to_owned(),
-            ));
-        }
-        // SAFETY: non-NULL; the C contract gives this call exclusive access.
-        unsafe { &mut *ptr }
-    }};
-}
-pub(crate) use try_mut;
 
 /// Returns the error's status from the guarded body when `$result` fails.
 macro_rules! try_engine {
@@ -105,6 +92,16 @@ pub(crate) unsafe fn c_array<'a, T>(ptr: *const T, len: usize, name: &str) -> Re
         return Err(err!(InvalidArgument, "{name} length {len} is too large"));
     }
     Ok(std::slice::from_raw_parts(ptr, len))
+}
+
+/// The `role` argument (`KVCS_ROLE_*`).
+pub(crate) fn role_arg(role: u32) -> Result<Role> {
+    Role::from_code(role.into()).ok_or_else(|| {
+        err!(
+            InvalidArgument,
+            "role {role} is neither KVCS_ROLE_PRODUCER (0) nor KVCS_ROLE_CONSUMER (1)"
+        )
+    })
 }
 
 /// Writes `value` to the out-parameter `out` when it is not NULL.

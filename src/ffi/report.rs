@@ -5,9 +5,10 @@
 
 use std::ffi::{c_char, CStr, CString};
 
+use super::handle::{free, handle, into_handle, try_handle};
 use super::panic::ffi_boundary;
 use super::status::{fail, kvcs_status};
-use super::{not_null, try_ref, write_out};
+use super::{not_null, write_out};
 use crate::error::err;
 use crate::verify::{Reason, Report, Verdict};
 
@@ -109,7 +110,7 @@ pub struct kvcs_layer_difference {
 }
 
 /// A report and the C strings it hands out.
-struct ReportHandle {
+pub(crate) struct ReportHandle {
     report: Report,
     message: CString,
     findings: Vec<CString>,
@@ -119,20 +120,17 @@ fn c_string(text: &str) -> CString {
     CString::new(text.replace('\0', "\\0")).expect("NULs were replaced")
 }
 
+handle!(kvcs_report => ReportHandle);
+
 /// Moves a report behind a new handle.
 pub(crate) fn report_into_handle(report: Report) -> *mut kvcs_report {
     let message = c_string(&report.message);
     let findings = report.unverified.iter().map(|f| c_string(&f.message)).collect();
-    Box::into_raw(Box::new(ReportHandle {
+    into_handle(ReportHandle {
         report,
         message,
         findings,
-    }))
-    .cast()
-}
-
-fn report_ref(report: *const kvcs_report) -> *const ReportHandle {
-    report.cast()
+    })
 }
 
 fn reason_code(reason: Reason) -> kvcs_unverified_reason {
@@ -158,7 +156,7 @@ fn index_error(what: &str, index: usize, count: usize) -> kvcs_status {
 #[no_mangle]
 pub extern "C" fn kvcs_report_verdict(report: *const kvcs_report, verdict: *mut u32) -> kvcs_status {
     ffi_boundary! {
-        let handle = try_ref!(report_ref(report), "report");
+        let handle = try_handle!(report, "report");
         not_null!(verdict, "verdict");
         let code = match handle.report.verdict {
             Verdict::Match => kvcs_verdict::KVCS_VERDICT_MATCH,
@@ -176,7 +174,7 @@ pub extern "C" fn kvcs_report_verdict(report: *const kvcs_report, verdict: *mut 
 #[no_mangle]
 pub extern "C" fn kvcs_report_passed(report: *const kvcs_report, passed: *mut u32) -> kvcs_status {
     ffi_boundary! {
-        let handle = try_ref!(report_ref(report), "report");
+        let handle = try_handle!(report, "report");
         not_null!(passed, "passed");
         // SAFETY: non-NULL (checked) and writable per the contract.
         unsafe { write_out(passed, handle.report.passed as u32) };
@@ -190,7 +188,7 @@ pub extern "C" fn kvcs_report_passed(report: *const kvcs_report, passed: *mut u3
 #[no_mangle]
 pub extern "C" fn kvcs_report_reason(report: *const kvcs_report, reason: *mut u32) -> kvcs_status {
     ffi_boundary! {
-        let handle = try_ref!(report_ref(report), "report");
+        let handle = try_handle!(report, "report");
         not_null!(reason, "reason");
         let code = handle.report.reason().map_or(kvcs_unverified_reason::KVCS_UNVERIFIED_NONE, reason_code);
         // SAFETY: non-NULL (checked) and writable per the contract.
@@ -204,7 +202,7 @@ pub extern "C" fn kvcs_report_reason(report: *const kvcs_report, reason: *mut u3
 #[no_mangle]
 pub extern "C" fn kvcs_report_message(report: *const kvcs_report, message: *mut *const c_char) -> kvcs_status {
     ffi_boundary! {
-        let handle = try_ref!(report_ref(report), "report");
+        let handle = try_handle!(report, "report");
         not_null!(message, "message");
         // SAFETY: non-NULL (checked) and writable per the contract.
         unsafe { write_out(message, handle.message.as_ptr()) };
@@ -217,7 +215,7 @@ pub extern "C" fn kvcs_report_message(report: *const kvcs_report, message: *mut 
 #[no_mangle]
 pub extern "C" fn kvcs_report_compared_positions(report: *const kvcs_report, positions: *mut u64) -> kvcs_status {
     ffi_boundary! {
-        let handle = try_ref!(report_ref(report), "report");
+        let handle = try_handle!(report, "report");
         not_null!(positions, "positions");
         // SAFETY: non-NULL (checked) and writable per the contract.
         unsafe { write_out(positions, handle.report.compared_positions) };
@@ -229,7 +227,7 @@ pub extern "C" fn kvcs_report_compared_positions(report: *const kvcs_report, pos
 #[no_mangle]
 pub extern "C" fn kvcs_report_num_mismatches(report: *const kvcs_report, count: *mut usize) -> kvcs_status {
     ffi_boundary! {
-        let handle = try_ref!(report_ref(report), "report");
+        let handle = try_handle!(report, "report");
         not_null!(count, "count");
         // SAFETY: non-NULL (checked) and writable per the contract.
         unsafe { write_out(count, handle.report.mismatches.len()) };
@@ -245,7 +243,7 @@ pub extern "C" fn kvcs_report_mismatch(
     out: *mut kvcs_mismatch,
 ) -> kvcs_status {
     ffi_boundary! {
-        let handle = try_ref!(report_ref(report), "report");
+        let handle = try_handle!(report, "report");
         not_null!(out, "out");
         let mismatches = &handle.report.mismatches;
         let Some(m) = mismatches.get(index) else {
@@ -277,7 +275,7 @@ pub extern "C" fn kvcs_report_failed_check(
     check: *mut u32,
 ) -> kvcs_status {
     ffi_boundary! {
-        let handle = try_ref!(report_ref(report), "report");
+        let handle = try_handle!(report, "report");
         not_null!(check, "check");
         let mismatches = &handle.report.mismatches;
         let Some(m) = mismatches.get(mismatch) else {
@@ -301,7 +299,7 @@ pub extern "C" fn kvcs_report_layer_difference(
     out: *mut kvcs_layer_difference,
 ) -> kvcs_status {
     ffi_boundary! {
-        let handle = try_ref!(report_ref(report), "report");
+        let handle = try_handle!(report, "report");
         not_null!(out, "out");
         let mismatches = &handle.report.mismatches;
         let Some(m) = mismatches.get(mismatch) else {
@@ -326,7 +324,7 @@ pub extern "C" fn kvcs_report_layer_difference(
 #[no_mangle]
 pub extern "C" fn kvcs_report_num_unverified(report: *const kvcs_report, count: *mut usize) -> kvcs_status {
     ffi_boundary! {
-        let handle = try_ref!(report_ref(report), "report");
+        let handle = try_handle!(report, "report");
         not_null!(count, "count");
         // SAFETY: non-NULL (checked) and writable per the contract.
         unsafe { write_out(count, handle.report.unverified.len()) };
@@ -346,7 +344,7 @@ pub extern "C" fn kvcs_report_unverified(
     message: *mut *const c_char,
 ) -> kvcs_status {
     ffi_boundary! {
-        let handle = try_ref!(report_ref(report), "report");
+        let handle = try_handle!(report, "report");
         let findings = &handle.report.unverified;
         let Some(finding) = findings.get(index) else {
             return index_error("index", index, findings.len());
@@ -365,10 +363,8 @@ pub extern "C" fn kvcs_report_unverified(
 #[no_mangle]
 pub extern "C" fn kvcs_report_destroy(report: *mut kvcs_report) {
     ffi_boundary! {
-        if !report.is_null() {
-            // SAFETY: made by `kvcs_verifier_check*` and not freed before.
-            drop(unsafe { Box::from_raw(report.cast::<ReportHandle>()) });
-        }
+        // SAFETY: NULL, or made by `kvcs_verifier_check*` and not freed before (the contract).
+        unsafe { free(report) };
     }
 }
 

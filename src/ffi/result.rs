@@ -2,9 +2,10 @@
 
 use std::ffi::c_char;
 
+use super::handle::{free, handle, try_handle};
 use super::panic::ffi_boundary;
 use super::status::kvcs_status;
-use super::{c_str, try_engine, try_ref, write_out};
+use super::{c_str, try_engine, write_out};
 use crate::result::Checksums;
 
 /// The partial checksums of one `kvcs_worker_checksum` call: per request and
@@ -20,21 +21,14 @@ pub struct kvcs_result {
     _private: [u8; 0],
 }
 
-/// Moves a result behind a new handle.
-pub(crate) fn result_into_handle(result: Checksums) -> *mut kvcs_result {
-    Box::into_raw(Box::new(result)).cast()
-}
-
-fn result_ref(result: *const kvcs_result) -> *const Checksums {
-    result.cast()
-}
+handle!(kvcs_result => Checksums);
 
 /// `KVCS_OK` once the values are readable, `KVCS_ERR_NOT_READY` while a
 /// device is computing them; never blocks. Host results are ready at once.
 #[no_mangle]
 pub extern "C" fn kvcs_result_query(result: *const kvcs_result) -> kvcs_status {
     ffi_boundary! {
-        let result = try_ref!(result_ref(result), "result");
+        let result = try_handle!(result, "result");
         match try_engine!(result.is_ready()) {
             true => kvcs_status::KVCS_OK,
             false => super::status::fail(&crate::error::Error::NotReady(
@@ -48,7 +42,7 @@ pub extern "C" fn kvcs_result_query(result: *const kvcs_result) -> kvcs_status {
 #[no_mangle]
 pub extern "C" fn kvcs_result_wait(result: *mut kvcs_result) -> kvcs_status {
     ffi_boundary! {
-        let result = try_ref!(result_ref(result), "result");
+        let result = try_handle!(result, "result");
         try_engine!(result.wait());
         kvcs_status::KVCS_OK
     }
@@ -68,7 +62,7 @@ pub extern "C" fn kvcs_result_group(
     num_columns: *mut usize,
 ) -> kvcs_status {
     ffi_boundary! {
-        let result = try_ref!(result_ref(result), "result");
+        let result = try_handle!(result, "result");
         // SAFETY: NULL or a NUL-terminated string per the contract.
         let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
         let group = try_engine!(result.group(req_id, group_id));
@@ -98,7 +92,7 @@ pub extern "C" fn kvcs_result_column(
     values: *mut u64,
 ) -> kvcs_status {
     ffi_boundary! {
-        let result = try_ref!(result_ref(result), "result");
+        let result = try_handle!(result, "result");
         // SAFETY: NULL or a NUL-terminated string per the contract.
         let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
         let (key, column_values) = try_engine!(result.column(req_id, group_id, column));
@@ -123,10 +117,8 @@ pub extern "C" fn kvcs_result_column(
 #[no_mangle]
 pub extern "C" fn kvcs_result_destroy(result: *mut kvcs_result) {
     ffi_boundary! {
-        if !result.is_null() {
-            // SAFETY: made by `kvcs_worker_checksum` and not freed before.
-            drop(unsafe { Box::from_raw(result.cast::<Checksums>()) });
-        }
+        // SAFETY: NULL, or made by `kvcs_worker_checksum` and not freed before (the contract).
+        unsafe { free(result) };
     }
 }
 
@@ -144,7 +136,7 @@ pub extern "C" fn kvcs_result_encode(
     len: *mut usize,
 ) -> kvcs_status {
     ffi_boundary! {
-        let result = try_ref!(result_ref(result), "result");
+        let result = try_handle!(result, "result");
         super::not_null!(len, "len");
         let bytes = try_engine!(crate::record::Record::from_checksums(result)).encode();
         // SAFETY: `buf` has `cap` writable bytes and `len` is writable per the contract.

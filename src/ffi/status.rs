@@ -50,7 +50,6 @@ impl kvcs_status {
             Error::Malformed(_) => kvcs_status::KVCS_ERR_MALFORMED,
             Error::NotReady(_) => kvcs_status::KVCS_ERR_NOT_READY,
             Error::Device(_) => kvcs_status::KVCS_ERR_DEVICE,
-            Error::BufferTooSmall { .. } => kvcs_status::KVCS_ERR_BUFFER_TOO_SMALL,
             Error::Internal(_) => kvcs_status::KVCS_ERR_INTERNAL,
         }
     }
@@ -82,10 +81,16 @@ pub(crate) fn set_last_error(message: &str) {
     LAST_ERROR.with(|last| *last.borrow_mut() = text);
 }
 
-/// Records `error` and gives its status: the one way a call fails.
+/// Records `error` and gives its status: the way a call fails on an engine error.
 pub(crate) fn fail(error: &Error) -> kvcs_status {
-    set_last_error(&error.to_string());
-    kvcs_status::of(error)
+    fail_with(kvcs_status::of(error), &error.to_string())
+}
+
+/// Records `message` and gives `status`: the way a call fails on what only
+/// the C boundary knows (a caller's buffer that is too small).
+pub(crate) fn fail_with(status: kvcs_status, message: &str) -> kvcs_status {
+    set_last_error(message);
+    status
 }
 
 /// The message of the last failed call on this thread: what failed, which

@@ -6,14 +6,15 @@
 
 use std::ffi::c_char;
 
-use super::blocks::{blocks_ref, kvcs_blocks};
+use super::blocks::kvcs_blocks;
 use super::buffer::write_bytes;
+use super::handle::{free, handle, into_handle, try_handle};
 use super::panic::ffi_boundary;
 use super::report::{kvcs_report, report_into_handle};
 use super::status::{fail, kvcs_status};
-use super::{c_array, c_str, not_null, try_engine, try_ref, write_out};
+use super::{c_array, c_str, not_null, try_engine, write_out};
 use crate::error::err;
-use crate::layout::Role;
+
 use crate::payload::{decode_base64, encode_base64};
 use crate::verify::{Policy, Verifier};
 
@@ -43,21 +44,7 @@ pub enum kvcs_policy {
     KVCS_POLICY_FAIL_CLOSED = 1,
 }
 
-/// The verifier behind a handle (a `Box<Verifier>`).
-fn verifier_ref(verifier: *const kvcs_verifier) -> *const Verifier {
-    verifier.cast()
-}
-
-fn role_of(role: u32) -> crate::Result<Role> {
-    match role {
-        0 => Ok(Role::Producer),
-        1 => Ok(Role::Consumer),
-        r => Err(err!(
-            InvalidArgument,
-            "role {r} is neither KVCS_ROLE_PRODUCER (0) nor KVCS_ROLE_CONSUMER (1)"
-        )),
-    }
-}
+handle!(kvcs_verifier => Verifier);
 
 fn flag_of(value: u32, name: &str) -> crate::Result<bool> {
     match value {
@@ -75,7 +62,7 @@ pub extern "C" fn kvcs_verifier_create(num_workers: u32, out: *mut *mut kvcs_ver
         not_null!(out, "out");
         let verifier = try_engine!(Verifier::new(num_workers));
         // SAFETY: `out` is non-NULL (checked above) and writable per the contract.
-        unsafe { out.write(Box::into_raw(Box::new(verifier)).cast()) };
+        unsafe { out.write(into_handle(verifier)) };
         kvcs_status::KVCS_OK
     }
 }
@@ -84,11 +71,9 @@ pub extern "C" fn kvcs_verifier_create(num_workers: u32, out: *mut *mut kvcs_ver
 #[no_mangle]
 pub extern "C" fn kvcs_verifier_destroy(verifier: *mut kvcs_verifier) {
     ffi_boundary! {
-        if !verifier.is_null() {
-            // SAFETY: made by `kvcs_verifier_create` and not freed before; no
-            // other call is running on it (the contract).
-            drop(unsafe { Box::from_raw(verifier.cast::<Verifier>()) });
-        }
+        // SAFETY: NULL, or made by `kvcs_verifier_create` and not freed
+        // before; no other call is running on it (the contract).
+        unsafe { free(verifier) };
     }
 }
 
@@ -96,7 +81,7 @@ pub extern "C" fn kvcs_verifier_destroy(verifier: *mut kvcs_verifier) {
 #[no_mangle]
 pub extern "C" fn kvcs_verifier_set_policy(verifier: *mut kvcs_verifier, policy: u32) -> kvcs_status {
     ffi_boundary! {
-        let verifier = try_ref!(verifier_ref(verifier), "verifier");
+        let verifier = try_handle!(verifier, "verifier");
         let policy = match policy {
             0 => Policy::FailOpen,
             1 => Policy::FailClosed,
@@ -114,7 +99,7 @@ pub extern "C" fn kvcs_verifier_set_policy(verifier: *mut kvcs_verifier, policy:
 #[no_mangle]
 pub extern "C" fn kvcs_verifier_set_extension(verifier: *mut kvcs_verifier, on: u32) -> kvcs_status {
     ffi_boundary! {
-        let verifier = try_ref!(verifier_ref(verifier), "verifier");
+        let verifier = try_handle!(verifier, "verifier");
         let on = try_engine!(flag_of(on, "on"));
         try_engine!(verifier.set_extension(on));
         kvcs_status::KVCS_OK
@@ -127,7 +112,7 @@ pub extern "C" fn kvcs_verifier_set_extension(verifier: *mut kvcs_verifier, on: 
 #[no_mangle]
 pub extern "C" fn kvcs_verifier_set_producer_tp_size(verifier: *mut kvcs_verifier, tp_size: u32) -> kvcs_status {
     ffi_boundary! {
-        let verifier = try_ref!(verifier_ref(verifier), "verifier");
+        let verifier = try_handle!(verifier, "verifier");
         try_engine!(verifier.set_producer_tp_size(tp_size));
         kvcs_status::KVCS_OK
     }
@@ -144,7 +129,7 @@ pub extern "C" fn kvcs_verifier_set_producer_block_size(
     block_size: u32,
 ) -> kvcs_status {
     ffi_boundary! {
-        let verifier = try_ref!(verifier_ref(verifier), "verifier");
+        let verifier = try_handle!(verifier, "verifier");
         try_engine!(verifier.set_producer_block_size(group_id, block_size));
         kvcs_status::KVCS_OK
     }
@@ -160,9 +145,9 @@ pub extern "C" fn kvcs_verifier_expect(
     role: u32,
 ) -> kvcs_status {
     ffi_boundary! {
-        let verifier = try_ref!(verifier_ref(verifier), "verifier");
-        let scheduled = try_ref!(blocks_ref(scheduled), "scheduled");
-        let role = try_engine!(role_of(role));
+        let verifier = try_handle!(verifier, "verifier");
+        let scheduled = try_handle!(scheduled, "scheduled");
+        let role = try_engine!(super::role_arg(role));
         try_engine!(verifier.expect(scheduled, role));
         kvcs_status::KVCS_OK
     }
@@ -173,7 +158,7 @@ pub extern "C" fn kvcs_verifier_expect(
 #[no_mangle]
 pub extern "C" fn kvcs_verifier_forget(verifier: *mut kvcs_verifier, req_id: *const c_char) -> kvcs_status {
     ffi_boundary! {
-        let verifier = try_ref!(verifier_ref(verifier), "verifier");
+        let verifier = try_handle!(verifier, "verifier");
         // SAFETY: NULL or a NUL-terminated string per the contract.
         let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
         if !try_engine!(verifier.forget(req_id)) {
@@ -192,7 +177,7 @@ pub extern "C" fn kvcs_verifier_forget(verifier: *mut kvcs_verifier, req_id: *co
 #[no_mangle]
 pub extern "C" fn kvcs_verifier_add_record(verifier: *mut kvcs_verifier, record: *const u8, len: usize) -> kvcs_status {
     ffi_boundary! {
-        let verifier = try_ref!(verifier_ref(verifier), "verifier");
+        let verifier = try_handle!(verifier, "verifier");
         // SAFETY: the contract gives `len` readable bytes.
         let record = try_engine!(unsafe { c_array(record, len, "record") });
         try_engine!(verifier.add_record(record));
@@ -217,7 +202,7 @@ pub extern "C" fn kvcs_verifier_payload(
     len: *mut usize,
 ) -> kvcs_status {
     ffi_boundary! {
-        let verifier = try_ref!(verifier_ref(verifier), "verifier");
+        let verifier = try_handle!(verifier, "verifier");
         // SAFETY: NULL or a NUL-terminated string per the contract.
         let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
         not_null!(len, "len");
@@ -250,7 +235,7 @@ pub extern "C" fn kvcs_verifier_check(
     out: *mut *mut kvcs_report,
 ) -> kvcs_status {
     ffi_boundary! {
-        let verifier = try_ref!(verifier_ref(verifier), "verifier");
+        let verifier = try_handle!(verifier, "verifier");
         // SAFETY: NULL or a NUL-terminated string per the contract.
         let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
         // SAFETY: the contract gives `len` readable bytes.
@@ -271,7 +256,7 @@ pub extern "C" fn kvcs_verifier_check_base64(
     out: *mut *mut kvcs_report,
 ) -> kvcs_status {
     ffi_boundary! {
-        let verifier = try_ref!(verifier_ref(verifier), "verifier");
+        let verifier = try_handle!(verifier, "verifier");
         // SAFETY: NULL or a NUL-terminated string per the contract.
         let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
         if payload_base64.is_null() {
@@ -295,7 +280,7 @@ pub extern "C" fn kvcs_verifier_check_no_payload(
     out: *mut *mut kvcs_report,
 ) -> kvcs_status {
     ffi_boundary! {
-        let verifier = try_ref!(verifier_ref(verifier), "verifier");
+        let verifier = try_handle!(verifier, "verifier");
         // SAFETY: NULL or a NUL-terminated string per the contract.
         let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
         not_null!(out, "out");

@@ -2,14 +2,17 @@
 
 use std::ffi::{c_char, c_void};
 
-use super::blocks::{blocks_ref, kvcs_blocks};
+use super::blocks::kvcs_blocks;
+use super::handle::{free, handle, into_handle, try_handle, try_handle_mut};
 use super::panic::ffi_boundary;
-use super::result::{kvcs_result, result_into_handle};
+use super::result::kvcs_result;
 use super::status::{fail, kvcs_status, KVCS_HOST};
-use super::{c_array, c_str, not_null, try_engine, try_mut, try_ref, write_out};
+use super::{c_array, c_str, not_null, try_engine, try_ref, write_out};
 use crate::error::err;
-use crate::layout::{LayerSpec, Region, ReplicaKey, Role, Segment};
-use crate::worker::{StreamHandle, Worker, WorkerOptions};
+use crate::layout::{Alias, LayerSpec, Region, ReplicaKey, Segment};
+use crate::state::{StateSpec, StateTensor, MAX_STATE_TENSORS};
+use crate::stream::StreamHandle;
+use crate::worker::{Worker, WorkerOptions};
 
 /// A worker context: the layout one TP rank / PP stage registered and the
 /// engine (host threads or one CUDA device) that checksums it.
@@ -103,10 +106,7 @@ pub struct kvcs_layer {
     pub identity_len: usize,
 }
 
-/// The worker behind a handle (a `Box<Worker>` made by `kvcs_worker_create`).
-fn worker_mut(worker: *mut kvcs_worker) -> *mut Worker {
-    worker.cast()
-}
+handle!(kvcs_worker => Worker);
 
 /// Creates a worker. A device worker uses the device's primary context;
 /// where no CUDA driver or NVRTC is present it fails with `KVCS_ERR_DEVICE`.
@@ -129,7 +129,7 @@ pub extern "C" fn kvcs_worker_create(options: *const kvcs_worker_options, out: *
             num_threads: options.num_threads,
         }));
         // SAFETY: `out` is non-NULL (checked above) and writable per the contract.
-        unsafe { out.write(Box::into_raw(Box::new(worker)).cast()) };
+        unsafe { out.write(into_handle(worker)) };
         kvcs_status::KVCS_OK
     }
 }
@@ -138,10 +138,8 @@ pub extern "C" fn kvcs_worker_create(options: *const kvcs_worker_options, out: *
 #[no_mangle]
 pub extern "C" fn kvcs_worker_destroy(worker: *mut kvcs_worker) {
     ffi_boundary! {
-        if !worker.is_null() {
-            // SAFETY: made by `kvcs_worker_create` and not freed before.
-            drop(unsafe { Box::from_raw(worker_mut(worker)) });
-        }
+        // SAFETY: NULL, or made by `kvcs_worker_create` and not freed before (the contract).
+        unsafe { free(worker) };
     }
 }
 
@@ -155,7 +153,7 @@ pub extern "C" fn kvcs_worker_destroy(worker: *mut kvcs_worker) {
 #[no_mangle]
 pub extern "C" fn kvcs_worker_add_region(worker: *mut kvcs_worker, address: u64, length: u64) -> kvcs_status {
     ffi_boundary! {
-        let worker = try_mut!(worker_mut(worker), "worker");
+        let worker = try_handle_mut!(worker, "worker");
         try_engine!(worker.add_region(Region { address, length }));
         kvcs_status::KVCS_OK
     }
@@ -165,7 +163,7 @@ pub extern "C" fn kvcs_worker_add_region(worker: *mut kvcs_worker, address: u64,
 #[no_mangle]
 pub extern "C" fn kvcs_worker_add_group(worker: *mut kvcs_worker, group_id: u32, block_size: u32) -> kvcs_status {
     ffi_boundary! {
-        let worker = try_mut!(worker_mut(worker), "worker");
+        let worker = try_handle_mut!(worker, "worker");
         try_engine!(worker.add_group(group_id, block_size));
         kvcs_status::KVCS_OK
     }
@@ -181,7 +179,7 @@ pub extern "C" fn kvcs_worker_skip_group(
     reason: *const c_char,
 ) -> kvcs_status {
     ffi_boundary! {
-        let worker = try_mut!(worker_mut(worker), "worker");
+        let worker = try_handle_mut!(worker, "worker");
         // SAFETY: NULL or a NUL-terminated string per the contract.
         let reason = try_engine!(unsafe { c_str(reason, "reason") });
         try_engine!(worker.skip_group(group_id, reason));
@@ -195,7 +193,7 @@ pub extern "C" fn kvcs_worker_skip_group(
 #[no_mangle]
 pub extern "C" fn kvcs_worker_add_layer(worker: *mut kvcs_worker, layer: *const kvcs_layer) -> kvcs_status {
     ffi_boundary! {
-        let worker = try_mut!(worker_mut(worker), "worker");
+        let worker = try_handle_mut!(worker, "worker");
         let layer = try_ref!(layer, "layer");
         if !(1..=2).contains(&layer.num_segments) {
             return fail(&err!(InvalidArgument, "layer.num_segments is {}, not 1 or 2", layer.num_segments));
@@ -231,6 +229,138 @@ pub extern "C" fn kvcs_worker_add_layer(worker: *mut kvcs_worker, layer: *const 
     }
 }
 
+/// One state tensor of a state layer (SPEC section 6) as this worker holds
+/// it; strides in bytes (negative allowed), addresses and strides multiples
+/// of `element_size`.
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct kvcs_state_tensor {
+    /// Address of block (state slot) 0, row 0 (the first row held here).
+    pub address: u64,
+    /// Between blocks.
+    pub block_stride: i64,
+    /// Between rows held here.
+    pub row_stride: i64,
+    /// Global index, among the tensor's rows across TP, of the first row
+    /// held here (when the split is known).
+    pub first_row: u32,
+    /// Rows held here, at least 1.
+    pub num_rows: u32,
+    /// The tensor's rows across all TP ranks (when the split is known); the
+    /// next tensor's rows are numbered after them.
+    pub total_rows: u32,
+    /// Bytes of one row: a positive multiple of `element_size`.
+    pub bytes_per_row: u32,
+    /// 2 or 4: elements are read as unsigned little-endian integers.
+    pub element_size: u32,
+}
+
+/// A state (Mamba) layer on this worker: its tensors (conv, then ssm, say),
+/// whose rows are numbered consecutively in this order.
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct kvcs_state {
+    /// A group registered with `kvcs_worker_add_group` that holds no
+    /// attention layers.
+    pub group_id: u32,
+    /// Model-wide layer number.
+    pub layer_number: u32,
+    /// 1: each global row along the TP split is a slice, its head number the
+    /// row's global index. 0: the split is unknown; the worker's shard of
+    /// the layer is one slice with head number `tp_rank`, comparable only
+    /// between equal TP sizes. All state layers of a group agree.
+    pub split_known: u32,
+    /// Blocks (state slots) in the tensors.
+    pub num_blocks: u32,
+    /// Tensors, 1 to 16.
+    pub num_tensors: u32,
+    /// `num_tensors` tensors.
+    pub tensors: *const kvcs_state_tensor,
+    /// Hashed into the group fingerprint, as `kvcs_layer.identity`.
+    pub identity: *const u8,
+    /// Bytes of `identity`.
+    pub identity_len: usize,
+}
+
+/// Registers a state layer (SPEC section 6). A request's state is one block
+/// at position 0 of its state group (`kvcs_blocks_add_group` with
+/// `first_position` 0 and one block id); `num_tokens` does not limit it.
+/// Every byte a tensor can reach must lie in one registered region (else
+/// `KVCS_ERR_OUT_OF_BOUNDS`); a group holds attention layers or state
+/// layers, never both. Host workers only for now: `KVCS_ERR_UNSUPPORTED` on
+/// a device worker. On any error nothing is registered.
+#[no_mangle]
+pub extern "C" fn kvcs_worker_add_state(worker: *mut kvcs_worker, state: *const kvcs_state) -> kvcs_status {
+    ffi_boundary! {
+        let worker = try_handle_mut!(worker, "worker");
+        let state = try_ref!(state, "state");
+        if state.split_known > 1 {
+            return fail(&err!(InvalidArgument, "state.split_known is {}, not 0 or 1", state.split_known));
+        }
+        if state.num_tensors as usize > MAX_STATE_TENSORS || state.num_tensors == 0 {
+            return fail(&err!(InvalidArgument, "state.num_tensors is {}, not 1 to {MAX_STATE_TENSORS}", state.num_tensors));
+        }
+        // SAFETY: the contract gives `num_tensors` readable tensors.
+        let tensors = try_engine!(unsafe { c_array(state.tensors, state.num_tensors as usize, "state.tensors") });
+        // SAFETY: the contract gives `identity_len` readable bytes.
+        let identity = try_engine!(unsafe { c_array(state.identity, state.identity_len, "state.identity") });
+        let spec = StateSpec {
+            group_id: state.group_id,
+            layer_number: state.layer_number,
+            split_known: state.split_known == 1,
+            num_blocks: state.num_blocks,
+            tensors: tensors
+                .iter()
+                .map(|t| StateTensor {
+                    address: t.address,
+                    block_stride: t.block_stride,
+                    row_stride: t.row_stride,
+                    first_row: t.first_row,
+                    num_rows: t.num_rows,
+                    total_rows: t.total_rows,
+                    bytes_per_row: t.bytes_per_row,
+                    element_size: t.element_size,
+                })
+                .collect(),
+            identity: identity.to_vec(),
+        };
+        try_engine!(worker.add_state(spec));
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// Registers layer `layer_number` of group `group_id` as one that reads the
+/// cache of the registered layer `target_layer_number` of the same group
+/// (vLLM's KV sharing) instead of a cache of its own. Its `identity`
+/// (`identity_len` bytes, as for `kvcs_layer.identity`) counts in the group
+/// fingerprint, so that the fingerprint names every layer of the group as
+/// vLLM's does; it adds no checksum, since the shared cache is checksummed
+/// once, as its target's. Register it after its target, on every worker
+/// that registers the target. `KVCS_ERR_NOT_FOUND` when the group or the
+/// target is not registered; `KVCS_ERR_INVALID_ARGUMENT` when
+/// `layer_number` is already registered (as a layer or an alias) or names
+/// itself. On any error nothing is registered.
+#[no_mangle]
+pub extern "C" fn kvcs_worker_add_alias(
+    worker: *mut kvcs_worker,
+    group_id: u32,
+    layer_number: u32,
+    target_layer_number: u32,
+    identity: *const u8,
+    identity_len: usize,
+) -> kvcs_status {
+    ffi_boundary! {
+        let worker = try_handle_mut!(worker, "worker");
+        // SAFETY: the contract gives `identity_len` readable bytes.
+        let identity = try_engine!(unsafe { c_array(identity, identity_len, "identity") });
+        let alias = Alias { layer_number, target_layer_number, identity: identity.to_vec() };
+        try_engine!(worker.add_alias(group_id, alias));
+        kvcs_status::KVCS_OK
+    }
+}
+
 /// Which columns a `kvcs_worker_checksum` computes (SPEC section 4).
 #[allow(non_camel_case_types)]
 #[repr(u32)]
@@ -261,17 +391,13 @@ pub extern "C" fn kvcs_worker_checksum(
     out: *mut *mut kvcs_result,
 ) -> kvcs_status {
     ffi_boundary! {
-        let worker = try_mut!(worker_mut(worker), "worker");
-        let blocks = try_ref!(blocks_ref(blocks), "blocks");
+        let worker = try_handle_mut!(worker, "worker");
+        let blocks = try_handle!(blocks, "blocks");
         not_null!(out, "out");
-        let role = match role {
-            0 => Role::Producer,
-            1 => Role::Consumer,
-            r => return fail(&err!(InvalidArgument, "role {r} is neither KVCS_ROLE_PRODUCER (0) nor KVCS_ROLE_CONSUMER (1)")),
-        };
+        let role = try_engine!(super::role_arg(role));
         let result = try_engine!(worker.checksum(blocks, role, StreamHandle(cuda_stream)));
         // SAFETY: `out` is non-NULL (checked above) and writable per the contract.
-        unsafe { write_out(out, result_into_handle(result)) };
+        unsafe { write_out(out, into_handle(result)) };
         kvcs_status::KVCS_OK
     }
 }
@@ -284,7 +410,7 @@ pub extern "C" fn kvcs_worker_checksum(
 #[no_mangle]
 pub extern "C" fn kvcs_worker_set_detail(worker: *mut kvcs_worker, on: u32) -> kvcs_status {
     ffi_boundary! {
-        let worker = try_mut!(worker_mut(worker), "worker");
+        let worker = try_handle_mut!(worker, "worker");
         let on = match on {
             0 => false,
             1 => true,

@@ -21,7 +21,7 @@
 use std::collections::BTreeSet;
 
 use crate::payload::PayloadLayer;
-use crate::record::LayerPartial;
+use crate::result::LayerPartial;
 use crate::verify::report::LayerDifference;
 
 /// One side's values of a group: block positions of its own block size.

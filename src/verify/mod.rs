@@ -38,7 +38,8 @@ use crate::blocks::{BlockSet, GroupBlocks, RequestBlocks};
 use crate::error::{err, Result};
 use crate::layout::{ReplicaKey, Role};
 use crate::payload::{Extension, ExtensionGroup, Payload, PayloadGroup, PayloadLayer};
-use crate::record::{GroupInfo, Rank, Record, RecordGroup, RecordRequest};
+use crate::record::{Record, RecordGroup, RecordRequest};
+use crate::result::{GroupInfo, Rank};
 
 use compare::{consumer_ranges, differing_ranges, producer_ranges, run_tokens, Series};
 pub use report::{Finding, LayerDifference, Mismatch, Policy, Reason, Report, Verdict};
