@@ -31,6 +31,18 @@
 // Group descriptors that travel inside the launch parameters (`KVCS_INLINE_GROUPS`).
 #define INLINE_GROUPS 8
 
+// Threads per block of the checksum kernel (`KVCS_THREADS_PER_BLOCK`, its
+// `__launch_bounds__`).
+#define THREADS_PER_BLOCK 256
+
+// Threads per warp (`KVCS_WARP`).
+#define WARP 32
+
+// Most chunks a call cuts a kernel block into (`KVCS_MAX_SPLIT`): the
+// kernel counts a row's units in 32 bits, which the layer table checks
+// at this split.
+#define MAX_SPLIT 8
+
 // The `group_id` of a finding about the whole load rather than one group.
 #define KVCS_WHOLE_LOAD UINT32_MAX
 
@@ -176,12 +188,41 @@ enum kvcs_unverified_reason
   KVCS_UNVERIFIED_REPLICA_MISSING = 8,
   // TP sizes differ (or are unknown) for shard-keyed state.
   KVCS_UNVERIFIED_STATE_TP_DIFFERS = 9,
+  // A worker's record was computed in the other role than the request is
+  // expected in (e.g. a consumer rank checksummed as a producer): a
+  // configuration error, never reported as corrupt data.
+  KVCS_UNVERIFIED_ROLE_DIFFERS = 10,
+  // Loaded positions were not compared and the verifier requires full
+  // coverage (`kvcs_verifier_set_require_coverage`); see
+  // `kvcs_report_uncompared_positions`.
+  KVCS_UNVERIFIED_UNCOMPARED_POSITIONS = 11,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
 typedef enum kvcs_unverified_reason kvcs_unverified_reason;
 #else
 typedef uint32_t kvcs_unverified_reason;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+// A load check's verdict on one block position (`kvcs_result_stored`).
+enum kvcs_stored_outcome
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint8_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // The recomputed checksum differs from the stored one.
+  KVCS_STORED_FAILED = 0,
+  // The recomputed checksum equals the stored one.
+  KVCS_STORED_MATCHED = 1,
+  // Not checked: the position holds no valid token.
+  KVCS_STORED_NOT_CHECKED = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvcs_stored_outcome kvcs_stored_outcome;
+#else
+typedef uint8_t kvcs_stored_outcome;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
@@ -221,8 +262,9 @@ typedef struct kvcs_result kvcs_result;
 // `kvcs_verifier_destroy`. Reports it makes are independent of it.
 // Thread safety: unlike other handles, every call except
 // `kvcs_verifier_destroy` may run concurrently with any other on the same
-// verifier, from any thread: one mutex inside serialises them (each call
-// holds it for its duration; a record is decoded before it is taken).
+// verifier, from any thread: one mutex inside guards its state, held only
+// to read or change it (records are decoded, payloads built and loads
+// compared outside it), so no call waits on another's heavy work.
 typedef struct kvcs_verifier kvcs_verifier;
 
 // A worker context: the layout one TP rank / PP stage registered and the
@@ -413,6 +455,18 @@ kvcs_status kvcs_blocks_add_group(kvcs_blocks *blocks,
                                   const uint32_t *block_ids,
                                   size_t n);
 
+// Gives the block hashes of group `group_id`'s blocks in request `req_id`
+// (added before with `kvcs_blocks_add_group`): `n` hashes, one per block id
+// in order, of `hash_bytes` bytes each (at least 8; only the first 8 are
+// used), for stored checksums (SPEC section 8). `n` must equal the group's
+// number of block ids. A later call replaces them.
+kvcs_status kvcs_blocks_set_hashes(kvcs_blocks *blocks,
+                                   const char *req_id,
+                                   uint32_t group_id,
+                                   const uint8_t *hashes,
+                                   size_t hash_bytes,
+                                   size_t n);
+
 // The verdict, a `kvcs_verdict` value.
 kvcs_status kvcs_report_verdict(const kvcs_report *report, uint32_t *verdict);
 
@@ -432,6 +486,13 @@ kvcs_status kvcs_report_message(const kvcs_report *report, const char **message)
 // Block positions compared, over all groups (in runs where block sizes
 // differ).
 kvcs_status kvcs_report_compared_positions(const kvcs_report *report, uint64_t *positions);
+
+// The consumer's loaded block positions (holding valid tokens, in the
+// groups compared) that no compared position covers: where block sizes
+// differ, a leading partial run; positions past the producer's token count.
+// A match says nothing about them. Counted apart from
+// `kvcs_report_compared_positions`; 0 when everything loaded was compared.
+kvcs_status kvcs_report_uncompared_positions(const kvcs_report *report, uint64_t *positions);
 
 // The number of mismatch entries.
 kvcs_status kvcs_report_num_mismatches(const kvcs_report *report, size_t *count);
@@ -507,6 +568,16 @@ kvcs_status kvcs_result_column(const kvcs_result *result,
                                uint32_t *replica_index,
                                uint64_t *values);
 
+// A load check's verdicts (`kvcs_worker_check_stored`) on group `group_id`
+// of request `req_id`: one `kvcs_stored_outcome` value per block position
+// (`num_positions` of `kvcs_result_group`) written to `outcomes`.
+// `KVCS_ERR_NOT_FOUND` when the result is not a load check's or the group
+// is not in it, `KVCS_ERR_NOT_READY` while a device computes.
+kvcs_status kvcs_result_stored(const kvcs_result *result,
+                               const char *req_id,
+                               uint32_t group_id,
+                               uint8_t *outcomes);
+
 // Frees a result. NULL is a no-op. Safe while a device is still computing.
 void kvcs_result_destroy(kvcs_result *result);
 
@@ -550,6 +621,13 @@ kvcs_status kvcs_verifier_set_policy(kvcs_verifier *verifier, uint32_t policy);
 // default) gives the plain payload vLLM reads.
 kvcs_status kvcs_verifier_set_extension(kvcs_verifier *verifier, uint32_t on);
 
+// Consumer: `on` = 1 makes a load unverified
+// (`KVCS_UNVERIFIED_UNCOMPARED_POSITIONS`) when some loaded position was
+// not compared (`kvcs_report_uncompared_positions` > 0) and none differs;
+// 0 (the default, as vLLM) compares only the positions both sides hold
+// with equal valid tokens and lets the rest pass.
+kvcs_status kvcs_verifier_set_require_coverage(kvcs_verifier *verifier, uint32_t on);
+
 // Consumer: the producer's TP size, for payloads that do not carry it
 // (plain ones). Shard-keyed state groups (SPEC section 6) are compared
 // only when it is known and equal to the consumer's.
@@ -575,11 +653,15 @@ kvcs_status kvcs_verifier_expect(kvcs_verifier *verifier,
 kvcs_status kvcs_verifier_forget(kvcs_verifier *verifier, const char *req_id);
 
 // Adds a worker's record (`len` bytes from `kvcs_result_encode`). Parts of
-// requests not expected are ignored; a worker's newer record of a request
-// replaces its older one. `KVCS_ERR_MALFORMED` (with a message) for bytes
-// that are not a valid record; `KVCS_ERR_INVALID_ARGUMENT` for a rank that
-// does not fit `num_workers` or the TP size of earlier records. On error
-// nothing is kept.
+// requests not expected are ignored; a record of no expected request gives
+// `KVCS_OK` and changes nothing (it pins no TP size). A worker's newer
+// record of a request replaces its older one. `KVCS_ERR_MALFORMED` (with a
+// message) for bytes that are not a valid record;
+// `KVCS_ERR_INVALID_ARGUMENT` for a rank that does not fit `num_workers`,
+// or a TP size other than that of the records held (for requests still
+// expected). On error nothing is kept. A record computed in the other role
+// than its request is expected in is kept, and makes the load unverified
+// (`KVCS_UNVERIFIED_ROLE_DIFFERS`) or the payload fail.
 kvcs_status kvcs_verifier_add_record(kvcs_verifier *verifier, const uint8_t *record, size_t len);
 
 // Producer: the payload of request `req_id` (SPEC section 9), into
@@ -716,6 +798,54 @@ kvcs_status kvcs_worker_checksum(kvcs_worker *worker,
                                  uint32_t role,
                                  void *cuda_stream,
                                  kvcs_result **out);
+
+// Registers the buffer of stored checksums of group `group_id` (SPEC
+// section 8): 8 bytes per block id, `num_blocks` of them at `address`
+// (a multiple of 8), memory the worker writes (`kvcs_worker_store`) and
+// reads (`kvcs_worker_check_stored`) while it lives; the caller keeps it so
+// and copies each block's 8 bytes with the block when offloading. A later
+// call replaces the buffer. Host workers only for now
+// (`KVCS_ERR_UNSUPPORTED` on a device worker). On error nothing changes.
+kvcs_status kvcs_worker_add_stored(kvcs_worker *worker,
+                                   uint32_t group_id,
+                                   uint64_t address,
+                                   uint64_t num_blocks);
+
+// Checksums `blocks` (every column, as `KVCS_ROLE_CONSUMER`) and writes,
+// for each block holding a valid token, its stored checksum `sum XOR tag`
+// into its group's buffer, `tag` binding it to the block hash given with
+// `kvcs_blocks_set_hashes` and to the group (SPEC section 8). Every group of
+// `blocks` that the worker does not skip needs a buffer and block hashes,
+// and every block id must be inside the buffer: checked before anything is
+// computed or written. `*out` gets the checksums, as
+// `kvcs_worker_checksum` gives them. Host workers only for now.
+kvcs_status kvcs_worker_store(kvcs_worker *worker,
+                              const kvcs_blocks *blocks,
+                              void *cuda_stream,
+                              kvcs_result **out);
+
+// The load check of SPEC section 8: checksums the loaded `blocks` (every
+// column) and reads back their stored checksums (with the block hashes of
+// `kvcs_blocks_set_hashes`); `kvcs_result_stored` on `*out` then says, per
+// block position, whether they match. Same requirements as
+// `kvcs_worker_store`. Host workers only for now.
+kvcs_status kvcs_worker_check_stored(kvcs_worker *worker,
+                                     const kvcs_blocks *blocks,
+                                     void *cuda_stream,
+                                     kvcs_result **out);
+
+// The tags of SPEC section 8 for `n` blocks of group `group_id`, for
+// connectors that keep stored checksums themselves: `tags[i] =
+// LE_u64(hash_i[0..8]) XOR` the worker's fingerprint of the group, for the
+// `n` hashes of `hash_bytes` bytes (at least 8) at `hashes`. Store `sum XOR
+// tag`, where `sum` adds a block's columns in a `kvcs_worker_checksum`
+// result (as `KVCS_ROLE_CONSUMER`).
+kvcs_status kvcs_block_tags(const kvcs_worker *worker,
+                            uint32_t group_id,
+                            const uint8_t *hashes,
+                            size_t hash_bytes,
+                            size_t n,
+                            uint64_t *tags);
 
 // Detail mode (`on` = 1; 0 turns it off): the worker's results then also
 // carry per-layer partial checksums, which its records and a producer's

@@ -11,13 +11,11 @@
 // addition mod 2^64). The last block to finish copies the values to mapped
 // host memory and re-zeroes the accumulators, so a call is one launch.
 //
-// descriptors.cuh is prepended to this file by the library.
-
-#define KVCS_WARP 32
-// Tokens a lane loads before it adds any of them (loads in flight).
-#ifndef KVCS_BATCH
-#define KVCS_BATCH 4
-#endif
+// descriptors.cuh is prepended to this file by the library, with the shared
+// constants generated from src/cuda/descriptors.rs: KVCS_WARP,
+// KVCS_THREADS_PER_BLOCK, KVCS_MAX_SPLIT (a row's units at that split fit in
+// 32 bits), KVCS_INLINE_ROWS, KVCS_INLINE_GROUPS and KVCS_BATCH (tokens a
+// lane loads before it adds any of them: loads in flight; overridable by -D).
 // Units with at least this many steps batch this many loads (tuning; equal to
 // KVCS_BATCH by default: measured no faster for bf16, slower for fp8).
 #ifndef KVCS_WIDE_BATCH
@@ -142,7 +140,7 @@ __device__ __forceinline__ kvcs_u32 kvcs_last_at_or_below(const kvcs_u64 *starts
     return low;
 }
 
-extern "C" __global__ void __launch_bounds__(256, KVCS_MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(KVCS_THREADS_PER_BLOCK, KVCS_MIN_BLOCKS)
 kvcs_checksum(const __grid_constant__ struct kvcs_dev_call call)
 {
     const kvcs_u32 lane = threadIdx.x % KVCS_WARP;

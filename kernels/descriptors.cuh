@@ -1,6 +1,10 @@
 // Descriptors shared by the host (src/cuda/descriptors.rs, #[repr(C)] twins
 // of these) and the kernels. The library prepends this file to each kernel
-// source before NVRTC compiles it, so kernels do not #include it.
+// source before NVRTC compiles it, so kernels do not #include it. Before it
+// come the shared constants (KVCS_WARP, KVCS_THREADS_PER_BLOCK,
+// KVCS_MAX_SPLIT, KVCS_INLINE_ROWS, KVCS_INLINE_GROUPS, KVCS_BATCH) and
+// after it static_asserts of every struct's size and field offsets, both
+// generated from the Rust definitions (kernel_prelude in descriptors.rs).
 #ifndef KVCS_DESCRIPTORS_CUH
 #define KVCS_DESCRIPTORS_CUH
 
@@ -58,11 +62,9 @@ struct kvcs_dev_row {
     kvcs_u32 reserved;
 };
 
-// Rows passed inside the launch's parameters, so a small call needs no copy.
-#define KVCS_INLINE_ROWS 24
-// Group descriptors passed inside the launch's parameters (the rest are read
-// from `groups`), saving a dependent load at the start of every warp.
-#define KVCS_INLINE_GROUPS 8
+// KVCS_INLINE_ROWS rows pass inside the launch's parameters, so a small call
+// needs no copy; so do KVCS_INLINE_GROUPS group descriptors (the rest are
+// read from `groups`), saving a dependent load at the start of every warp.
 
 // The one parameter of the checksum kernel.
 struct kvcs_dev_call {

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Fuzzes the record and payload decoders with cargo-fuzz (libFuzzer), each for
-# a bounded time, and fails on any crash, hang, oversized allocation or
+# Fuzzes the record and payload decoders with cargo-fuzz (libFuzzer): on
+# bytes (targets record and payload) and on generated records and payloads
+# with large declared lengths and many elements (target shapes), each for a
+# bounded time, and fails on any crash, hang, oversized allocation or
 # decoder error that is not Malformed (the targets assert that).
 #
 #   scripts/fuzz.sh [SECONDS_PER_TARGET]      (default 60)
@@ -28,9 +30,12 @@ fi
 
 # A single allocation above 256 MiB (or 1 GiB in all) is a failure: inputs
 # are at most 64 KiB, and decoders allocate in proportion to their input.
+# The shapes target turns its input into a generated record or payload of up
+# to 16 MiB (large declared lengths, many elements): the same limits then
+# catch reserving by declared length, and the timeout quadratic validation.
 limits=(-max_total_time="$seconds" -timeout=10 -max_len=65536 -malloc_limit_mb=256 -rss_limit_mb=1024 -print_final_stats=1)
 
-for target in record payload; do
+for target in record payload shapes; do
     mkdir -p "fuzz/corpus/$target"
     cp -n fuzz/seeds/"$target"/* "fuzz/corpus/$target/" 2>/dev/null || true
     echo "== fuzzing $target for ${seconds}s (sanitizer: $sanitizer)"

@@ -15,6 +15,9 @@ pub struct GroupBlocks {
     pub first_position: u64,
     /// Block ids at positions `first_position ..`.
     pub block_ids: Vec<u32>,
+    /// Per block, the first 8 bytes of its block hash read as a
+    /// little-endian `u64`, when given (stored checksums, SPEC section 8).
+    pub hashes: Option<Vec<u64>>,
 }
 
 /// One request's blocks.
@@ -94,7 +97,44 @@ impl BlockSet {
             group_id,
             first_position,
             block_ids: block_ids.to_vec(),
+            hashes: None,
         });
+        Ok(())
+    }
+
+    /// Gives the block hashes of `group_id`'s blocks in `req_id`, one of
+    /// `hash_bytes` bytes (at least 8) per block id, in block order: what
+    /// binds a stored checksum to its block (SPEC section 8). Only the first
+    /// 8 bytes of each hash are used.
+    pub fn set_hashes(&mut self, req_id: &str, group_id: u32, hashes: &[u8], hash_bytes: usize) -> Result<()> {
+        let &index = self
+            .index
+            .get(req_id)
+            .ok_or_else(|| err!(NotFound, "req_id \"{req_id}\" is not in the block set"))?;
+        let group = self.requests[index]
+            .groups
+            .iter()
+            .position(|g| g.group_id == group_id)
+            .ok_or_else(|| err!(NotFound, "group_id {group_id} has no blocks in req_id \"{req_id}\""))?;
+        if hash_bytes < 8 {
+            return Err(err!(
+                InvalidArgument,
+                "hash_bytes is {hash_bytes}; a block hash has at least 8 bytes"
+            ));
+        }
+        let count = self.requests[index].groups[group].block_ids.len();
+        if hashes.len() != count.saturating_mul(hash_bytes) {
+            return Err(err!(
+                InvalidArgument,
+                "{} hash bytes are not {count} hashes of hash_bytes {hash_bytes} (req_id \"{req_id}\", group_id {group_id})",
+                hashes.len()
+            ));
+        }
+        let firsts = hashes
+            .chunks_exact(hash_bytes)
+            .map(|hash| u64::from_le_bytes(hash[..8].try_into().expect("8 bytes")))
+            .collect();
+        Arc::make_mut(&mut self.requests)[index].groups[group].hashes = Some(firsts);
         Ok(())
     }
 

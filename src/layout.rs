@@ -2,7 +2,7 @@
 //! each attention layer's cells live (SPEC section 1), validated so that the
 //! engines never read a byte outside a registered region.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use crate::checksum::{MAX_KV_HEADS_PER_LAYER, PIECE_BYTES};
@@ -130,6 +130,17 @@ pub struct Alias {
     pub identity: Vec<u8>,
 }
 
+/// A group's buffer of stored checksums (SPEC section 8): 8 bytes per block
+/// id, in memory of the worker's kind, written by stores and read by load
+/// checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoredBuffer {
+    /// Address of block id 0's value; a multiple of 8.
+    pub address: u64,
+    /// Values in the buffer: block ids below it have one.
+    pub num_blocks: u64,
+}
+
 /// Layers sharing one block table and block size.
 #[derive(Debug, Clone)]
 pub struct Group {
@@ -148,6 +159,8 @@ pub struct Group {
     /// State layers (SPEC section 6), in registration order; a group holds
     /// attention layers or state layers, never both.
     pub(crate) states: Vec<StateLayer>,
+    /// Where its stored checksums live, if registered.
+    pub(crate) stored: Option<StoredBuffer>,
     /// Sorted replica keys of the columns computed as producer, then as
     /// consumer; shared with every result of the group.
     columns: [Arc<[ReplicaKey]>; 2],
@@ -164,6 +177,7 @@ impl Group {
             layers: Vec::new(),
             aliases: Vec::new(),
             states: Vec::new(),
+            stored: None,
             columns: [Arc::from([]), Arc::from([])],
             num_blocks: u32::MAX,
         }
@@ -216,6 +230,11 @@ impl Group {
         self.states.iter().any(|state| !state.spec.split_known)
     }
 
+    /// The buffer of stored checksums, if registered.
+    pub fn stored(&self) -> Option<StoredBuffer> {
+        self.stored
+    }
+
     /// Registered aliases (layers reading another layer's cache).
     pub fn aliases(&self) -> &[Alias] {
         &self.aliases
@@ -244,6 +263,14 @@ pub struct Layout {
     /// Slot of each group id.
     slots: BTreeMap<u32, u32>,
     skipped: BTreeMap<u32, String>,
+    /// Every registered head range, keyed by (layer number, first head),
+    /// with its end: finds an overlap in logarithmic time.
+    head_ranges: BTreeMap<(u32, u64), u64>,
+    /// The group of each registered attention layer entry, keyed by (layer
+    /// number, group id).
+    attention: BTreeSet<(u32, u32)>,
+    /// The group of each layer registered as an alias or a state layer.
+    cacheless: BTreeMap<u32, u32>,
 }
 
 impl Layout {
@@ -300,6 +327,12 @@ impl Layout {
         let layer = self.check_layer(spec)?;
         // check_layer found the group.
         let slot = self.slots[&layer.spec.group_id];
+        let first_head = layer.spec.first_head as u64;
+        self.head_ranges.insert(
+            (layer.spec.layer_number, first_head),
+            first_head + layer.spec.num_heads as u64,
+        );
+        self.attention.insert((layer.spec.layer_number, layer.spec.group_id));
         self.groups[slot as usize].push(layer);
         Ok(())
     }
@@ -323,25 +356,51 @@ impl Layout {
                 "layer_number {layer_number} names itself as target_layer_number"
             ));
         }
-        let group = &self.groups[slot as usize];
-        if !group.layers.iter().any(|layer| layer.spec.layer_number == target) {
+        if !self.attention.contains(&(target, group_id)) {
             return Err(err!(
                 NotFound,
                 "target_layer_number {target} is not a registered layer of group_id {group_id} (alias layer_number {layer_number})"
             ));
         }
-        for other in &self.groups {
-            let registered = other.layers.iter().any(|layer| layer.spec.layer_number == layer_number)
-                || other.aliases.iter().any(|a| a.layer_number == layer_number);
-            if registered {
-                return Err(err!(
-                    InvalidArgument,
-                    "layer_number {layer_number} is already registered (in group_id {}); an alias is a layer without a cache of its own",
-                    other.group_id
-                ));
-            }
-        }
+        self.check_layer_number_free(layer_number, "an alias is a layer without a cache of its own")?;
+        self.cacheless.insert(layer_number, group_id);
         self.groups[slot as usize].aliases.push(alias);
+        Ok(())
+    }
+
+    /// Registers `group_id`'s buffer of stored checksums (replacing any
+    /// before); on error nothing changes.
+    pub fn set_stored(&mut self, group_id: u32, stored: StoredBuffer) -> Result<()> {
+        let slot = *self
+            .slots
+            .get(&group_id)
+            .ok_or_else(|| err!(NotFound, "group_id {group_id} is not registered"))?;
+        if stored.address % 8 != 0 {
+            return Err(err!(
+                Unsupported,
+                "address {:#x} of group_id {group_id}'s stored checksums is not a multiple of 8",
+                stored.address
+            ));
+        }
+        if stored.num_blocks == 0 {
+            return Err(err!(
+                InvalidArgument,
+                "num_blocks is 0 (stored checksums of group_id {group_id})"
+            ));
+        }
+        let end = stored
+            .num_blocks
+            .checked_mul(8)
+            .and_then(|bytes| stored.address.checked_add(bytes));
+        if end.is_none() {
+            return Err(err!(
+                InvalidArgument,
+                "address {:#x} + 8 x num_blocks {} wraps past the end of the address space",
+                stored.address,
+                stored.num_blocks
+            ));
+        }
+        self.groups[slot as usize].stored = Some(stored);
         Ok(())
     }
 
@@ -374,17 +433,7 @@ impl Layout {
                 ));
             }
         }
-        let taken = self.groups.iter().find(|g| {
-            g.states.iter().any(|state| state.spec.layer_number == layer_number)
-                || g.aliases.iter().any(|alias| alias.layer_number == layer_number)
-        });
-        if let Some(other) = taken {
-            return Err(err!(
-                InvalidArgument,
-                "state layer_number {layer_number} is already registered (in group_id {})",
-                other.group_id
-            ));
-        }
+        self.check_layer_number_free(layer_number, "a state layer has no attention cache")?;
         let regions = &self.regions;
         let readable = |low: i128, high: i128| {
             regions
@@ -392,8 +441,27 @@ impl Layout {
                 .any(|r| low >= r.address as i128 && high <= r.address as i128 + r.length as i128)
         };
         let state = StateLayer::new(spec, tp_rank, readable)?;
+        self.cacheless.insert(layer_number, group_id);
         self.groups[slot as usize].push_state(state);
         Ok(())
+    }
+
+    /// Fails when `layer_number` is registered already, as an attention
+    /// layer, an alias or a state layer.
+    fn check_layer_number_free(&self, layer_number: u32, why: &str) -> Result<()> {
+        let owner = self.cacheless.get(&layer_number).copied().or_else(|| {
+            self.attention
+                .range((layer_number, 0)..=(layer_number, u32::MAX))
+                .next()
+                .map(|&(_, group_id)| group_id)
+        });
+        match owner {
+            Some(group_id) => Err(err!(
+                InvalidArgument,
+                "layer_number {layer_number} is already registered (in group_id {group_id}); {why}"
+            )),
+            None => Ok(()),
+        }
     }
 
     fn check_layer(&self, spec: LayerSpec) -> Result<Layer> {
@@ -464,31 +532,25 @@ impl Layout {
             segment_piece_offsets.push(pieces_per_token);
             pieces_per_token += segment.bytes_per_token as u64 / PIECE_BYTES;
         }
-        if let Some(group) = self
-            .groups
-            .iter()
-            .find(|g| g.aliases.iter().any(|a| a.layer_number == layer_number))
-        {
+        if let Some(&group_id) = self.cacheless.get(&layer_number) {
             return Err(err!(
                 InvalidArgument,
-                "layer_number {layer_number} is registered as an alias in group_id {}",
-                group.group_id
+                "layer_number {layer_number} is registered as an alias or a state layer in group_id {group_id}"
             ));
         }
-        for other in self.groups.iter().flat_map(|g| g.layers.iter()) {
-            let other = &other.spec;
-            if other.layer_number != layer_number {
-                continue;
-            }
-            let other_end = other.first_head as u64 + other.num_heads as u64;
-            if (spec.first_head as u64) < other_end && (other.first_head as u64) < head_end {
+        // Registered ranges of a layer are disjoint, so the one starting last
+        // below `head_end` is the only one that can reach past `first_head`.
+        let before = self
+            .head_ranges
+            .range((layer_number, 0)..(layer_number, head_end))
+            .next_back();
+        if let Some((&(_, other_first), &other_end)) = before {
+            if (spec.first_head as u64) < other_end {
                 return Err(err!(
                     InvalidArgument,
-                    "heads {}..{} of layer_number {layer_number} overlap heads {}..{} registered before",
+                    "heads {}..{} of layer_number {layer_number} overlap heads {other_first}..{other_end} registered before",
                     spec.first_head,
-                    head_end,
-                    other.first_head,
-                    other_end
+                    head_end
                 ));
             }
         }
@@ -531,7 +593,9 @@ impl Layout {
         if !inside {
             return Err(err!(
                 OutOfBounds,
-                "segments[{index}] of layer_number {layer_number} reaches bytes {low:#x}..{high:#x}, which no registered region holds"
+                "segments[{index}] of layer_number {layer_number} reaches bytes {}..{}, which no registered region holds",
+                signed_hex(low),
+                signed_hex(high)
             ));
         }
         Ok(())
@@ -565,6 +629,15 @@ impl Layout {
     /// Registered regions.
     pub fn regions(&self) -> &[Region] {
         &self.regions
+    }
+}
+
+/// `value` in hex with its sign: `-0x40`, not the two's complement.
+fn signed_hex(value: i128) -> String {
+    if value < 0 {
+        format!("-{:#x}", value.unsigned_abs())
+    } else {
+        format!("{value:#x}")
     }
 }
 

@@ -8,7 +8,8 @@
 //! 2. inputs: `state` (state layers), `layout`, `blocks`, `fingerprint`, `stream`;
 //! 3. results: `result` (also the facts a record carries);
 //! 4. `plan`: a call's blocks checked and laid out as rows;
-//! 5. engines: `host`, `cuda` (the device), `detail` (per-layer partials);
+//! 5. engines: `host`, `cuda` (the device), `detail` (per-layer partials),
+//!    `stored` (stored checksums of offloaded KV);
 //! 6. `worker`: a layout plus an engine;
 //! 7. records and payloads: [`record`], [`payload`];
 //! 8. [`verify`]: records and payloads compared;
@@ -36,6 +37,7 @@ pub(crate) mod pool;
 pub mod record;
 pub(crate) mod result;
 pub(crate) mod state;
+pub(crate) mod stored;
 pub(crate) mod stream;
 pub mod verify;
 pub(crate) mod worker;
@@ -46,7 +48,7 @@ pub use error::{Error, Result};
 pub use layout::{Alias, LayerSpec, Layout, Region, ReplicaKey, Role, Segment};
 /// A call's blocks checked and laid out; public so that benchmarks can time it.
 pub use plan::Plan;
-pub use result::{Checksums, GroupChecksums, RequestChecksums, SkippedGroup};
+pub use result::{Checksums, GroupChecksums, RequestChecksums, SkippedGroup, StoredExpectation, StoredOutcome};
 pub use state::{StateSpec, StateTensor};
 pub use stream::StreamHandle;
 pub use worker::{Worker, WorkerOptions};

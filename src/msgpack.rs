@@ -4,8 +4,10 @@
 //!
 //! The reader is driven by the caller's schema, so it never recurses on
 //! untrusted structure, and it checks every declared length against the
-//! bytes that are left before using it: a decoder allocates at most in
-//! proportion to its input, whatever lengths the input declares.
+//! bytes that are left before using it, and decoders reserve room for
+//! arrays through [`initial_capacity`], not the declared length: a decoder
+//! allocates at most in proportion to its input, whatever lengths the input
+//! declares.
 
 use crate::error::{err, Error, Result};
 
@@ -128,6 +130,15 @@ fn kind(marker: u8) -> &'static str {
         0xd0..=0xd3 => "an integer",
         0xe0..=0xff => "a negative integer",
     }
+}
+
+/// Elements to reserve for an array whose header declares `len`. A declared
+/// length is a claim, not a fact: reserving it would let a few bytes ask for
+/// gigabytes (an element struct is larger than its smallest encoding), so a
+/// decoder reserves at most a few and grows with the elements it really
+/// reads, each of which takes input bytes.
+pub(crate) fn initial_capacity(len: usize) -> usize {
+    len.min(16)
 }
 
 /// Reads msgpack bytes against a schema the caller walks.

@@ -29,13 +29,13 @@
 //! any width) and rejects everything else with `Error::Malformed` and a
 //! message, allocating at most in proportion to its input.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use base64::Engine as _;
 
 use crate::checksum::MAX_KV_HEADS_PER_LAYER;
 use crate::error::{err, Result};
-use crate::msgpack::{Reader, Writer};
+use crate::msgpack::{initial_capacity, Reader, Writer};
 
 /// The payload version this library writes and reads.
 pub const PAYLOAD_VERSION: u64 = 1;
@@ -162,7 +162,7 @@ impl Payload {
         }
         let num_tokens = r.uint("num_tokens")?;
         let num_groups = r.array("groups")?;
-        let mut groups = Vec::with_capacity(num_groups);
+        let mut groups = Vec::with_capacity(initial_capacity(num_groups));
         for _ in 0..num_groups {
             r.array_of("a group", 4)?;
             groups.push(PayloadGroup {
@@ -190,9 +190,10 @@ impl Payload {
     /// Checks what the encoding cannot express; `Error::Malformed` naming the
     /// first problem.
     pub fn validate(&self) -> Result<()> {
-        let mut seen = HashSet::with_capacity(self.groups.len());
+        // Group id -> the group: one lookup per extension group, not a search.
+        let mut plain_groups: HashMap<u32, &PayloadGroup> = HashMap::with_capacity(self.groups.len());
         for group in &self.groups {
-            if !seen.insert(group.group_id) {
+            if plain_groups.insert(group.group_id, group).is_some() {
                 return Err(err!(Malformed, "payload: group {} appears twice", group.group_id));
             }
             if group.first_position.checked_add(group.values.len() as u64).is_none() {
@@ -214,7 +215,7 @@ impl Payload {
         let mut extended = HashSet::with_capacity(extension.groups.len());
         for group in &extension.groups {
             let group_id = group.group_id;
-            let Some(plain) = self.groups.iter().find(|g| g.group_id == group_id) else {
+            let Some(plain) = plain_groups.get(&group_id) else {
                 return Err(err!(
                     Malformed,
                     "payload extension: group {group_id} is not in the payload"
@@ -288,13 +289,13 @@ fn decode_extension(r: &mut Reader<'_>) -> Result<Extension> {
     }
     let producer_tp_size = r.u32("producer_tp_size")?;
     let num_groups = r.array("extension groups")?;
-    let mut groups = Vec::with_capacity(num_groups);
+    let mut groups = Vec::with_capacity(initial_capacity(num_groups));
     for _ in 0..num_groups {
         r.array_of("an extension group", 3)?;
         let group_id = r.u32("group_id")?;
         let block_size = r.u32("block_size")?;
         let num_layers = r.array("layers")?;
-        let mut layers = Vec::with_capacity(num_layers);
+        let mut layers = Vec::with_capacity(initial_capacity(num_layers));
         for _ in 0..num_layers {
             r.array_of("a layer", 4)?;
             layers.push(PayloadLayer {

@@ -37,7 +37,7 @@ use std::collections::HashSet;
 use crate::checksum::MAX_KV_HEADS_PER_LAYER;
 use crate::error::{err, Result};
 use crate::layout::{ReplicaKey, Role};
-use crate::msgpack::{Reader, Writer};
+use crate::msgpack::{initial_capacity, Reader, Writer};
 use crate::result::{Checksums, SkippedGroup};
 pub use crate::result::{GroupInfo, LayerPartial, Rank};
 
@@ -257,7 +257,7 @@ impl Record {
         })?;
         let detail = r.bool("detail")?;
         let num_groups = r.array("groups")?;
-        let mut groups = Vec::with_capacity(num_groups);
+        let mut groups = Vec::with_capacity(initial_capacity(num_groups));
         for _ in 0..num_groups {
             r.array_of("a group", 4)?;
             groups.push(GroupInfo {
@@ -268,20 +268,20 @@ impl Record {
             });
         }
         let num_requests = r.array("requests")?;
-        let mut requests = Vec::with_capacity(num_requests);
+        let mut requests = Vec::with_capacity(initial_capacity(num_requests));
         for _ in 0..num_requests {
             r.array_of("a request", 4)?;
             let req_id = r.str("req_id")?.to_owned();
             let num_tokens = r.uint("num_tokens")?;
             let num_request_groups = r.array("the request's groups")?;
-            let mut request_groups = Vec::with_capacity(num_request_groups);
+            let mut request_groups = Vec::with_capacity(initial_capacity(num_request_groups));
             for _ in 0..num_request_groups {
                 r.array_of("a request group", 5)?;
                 let group_id = r.u32("group_id")?;
                 let first_position = r.uint("first_position")?;
                 let num_positions = r.uint("num_positions")?;
                 let num_columns = r.array("columns")?;
-                let mut columns = Vec::with_capacity(num_columns);
+                let mut columns = Vec::with_capacity(initial_capacity(num_columns));
                 for _ in 0..num_columns {
                     r.array_of("a column", 3)?;
                     let replica = ReplicaKey {
@@ -292,7 +292,7 @@ impl Record {
                     columns.push(Column { replica, values });
                 }
                 let num_layers = r.array("layers")?;
-                let mut layers = Vec::with_capacity(num_layers);
+                let mut layers = Vec::with_capacity(initial_capacity(num_layers));
                 for _ in 0..num_layers {
                     r.array_of("a layer", 6)?;
                     layers.push(LayerPartial {
@@ -315,7 +315,7 @@ impl Record {
                 });
             }
             let num_skipped = r.array("skipped groups")?;
-            let mut skipped = Vec::with_capacity(num_skipped);
+            let mut skipped = Vec::with_capacity(initial_capacity(num_skipped));
             for _ in 0..num_skipped {
                 r.array_of("a skipped group", 2)?;
                 skipped.push(SkippedGroup {
@@ -472,7 +472,12 @@ impl Record {
                     layer.replica.replica_index
                 ));
             }
-            if !group.columns.iter().any(|c| c.replica == layer.replica) {
+            // Columns are sorted by key (checked above).
+            if group
+                .columns
+                .binary_search_by_key(&layer.replica, |c| c.replica)
+                .is_err()
+            {
                 return Err(err!(Malformed, "record: {what}: no column has its replica key"));
             }
             let end = layer.first_head as u64 + layer.num_heads as u64;

@@ -1,6 +1,7 @@
 //! Checksum results: per request and group, one column of partial checksums
 //! per replica key, one value per block position (SPEC section 4).
 
+use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
 use crate::blocks::RequestBlocks;
@@ -193,13 +194,79 @@ impl Shape {
     }
 }
 
+/// Where a (request, group) is in [`Checksums::requests`].
+#[derive(Debug, Clone, Copy)]
+enum GroupIndex {
+    /// `groups[i]` of the request.
+    Computed(usize),
+    /// `skipped[i]` of the request.
+    Skipped(usize),
+}
+
+/// Maps from ids to places in the per-request form, so that a lookup costs
+/// the same however many requests and groups a result holds.
+#[derive(Debug, Default)]
+struct Lookup {
+    requests: HashMap<String, usize>,
+    groups: HashMap<(usize, u32), GroupIndex>,
+}
+
+impl Lookup {
+    fn of(requests: &[RequestChecksums]) -> Lookup {
+        let mut lookup = Lookup::default();
+        for (index, request) in requests.iter().enumerate() {
+            lookup.requests.entry(request.req_id.clone()).or_insert(index);
+            for (g, group) in request.groups.iter().enumerate() {
+                lookup
+                    .groups
+                    .entry((index, group.group_id))
+                    .or_insert(GroupIndex::Computed(g));
+            }
+            for (s, skipped) in request.skipped.iter().enumerate() {
+                lookup
+                    .groups
+                    .entry((index, skipped.group_id))
+                    .or_insert(GroupIndex::Skipped(s));
+            }
+        }
+        lookup
+    }
+}
+
 /// A worker's partial checksums of one `checksum` call.
 pub struct Checksums {
     shape: Shape,
     requests: OnceLock<Vec<RequestChecksums>>,
+    lookup: OnceLock<Lookup>,
     values: Values,
     /// The worker's rank, role and group facts at checksum time, for its record.
     record_info: Option<RecordInfo>,
+    /// A load check's stored values (SPEC section 8), when the call was one.
+    stored: Option<Vec<StoredExpectation>>,
+}
+
+/// One (request, group) of a load check: per block position the sum that
+/// the stored checksum read back says the worker's columns must add up to
+/// (`None` where the position holds no valid token and is not checked).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredExpectation {
+    /// The request.
+    pub req_id: String,
+    /// The group.
+    pub group_id: u32,
+    /// One per block position of the group in the request.
+    pub expected: Vec<Option<u64>>,
+}
+
+/// A load check's verdict on one block position (SPEC section 8).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoredOutcome {
+    /// The recomputed checksum differs from the stored one.
+    Failed,
+    /// The recomputed checksum equals the stored one.
+    Matched,
+    /// Not checked: the position holds no valid token.
+    NotChecked,
 }
 
 impl Checksums {
@@ -208,8 +275,10 @@ impl Checksums {
         Checksums {
             shape,
             requests: OnceLock::new(),
+            lookup: OnceLock::new(),
             values,
             record_info: None,
+            stored: None,
         }
     }
 
@@ -217,6 +286,60 @@ impl Checksums {
     pub fn with_record_info(mut self, info: RecordInfo) -> Self {
         self.record_info = Some(info);
         self
+    }
+
+    /// The same result, carrying a load check's stored values.
+    pub fn with_stored(mut self, stored: Vec<StoredExpectation>) -> Self {
+        self.stored = Some(stored);
+        self
+    }
+
+    /// A load check's verdicts on `group_id` of `req_id`, one per block
+    /// position: whether the recomputed sum of the worker's columns equals
+    /// the stored checksum. `NotFound` when the result is no load check's or
+    /// the group is not in it; `NotReady` while a device computes.
+    pub fn stored_outcomes(&self, req_id: &str, group_id: u32) -> Result<Vec<StoredOutcome>> {
+        let stored = self.stored.as_ref().ok_or_else(|| {
+            err!(
+                NotFound,
+                "this result is not a load check's (kvcs_worker_check_stored makes those)"
+            )
+        })?;
+        let expectation = stored
+            .iter()
+            .find(|e| e.req_id == req_id && e.group_id == group_id)
+            .ok_or_else(|| {
+                err!(
+                    NotFound,
+                    "group_id {group_id} of req_id \"{req_id}\" was not checked against stored checksums"
+                )
+            })?;
+        let sums = self.position_sums(req_id, group_id)?;
+        Ok(expectation
+            .expected
+            .iter()
+            .zip(sums)
+            .map(|(expected, sum)| match expected {
+                None => StoredOutcome::NotChecked,
+                Some(value) if *value == sum => StoredOutcome::Matched,
+                Some(_) => StoredOutcome::Failed,
+            })
+            .collect())
+    }
+
+    /// Per block position of `group_id` in `req_id`, the sum of the worker's
+    /// columns: its partial checksum over every head it holds.
+    pub fn position_sums(&self, req_id: &str, group_id: u32) -> Result<Vec<u64>> {
+        let group = self.group(req_id, group_id)?;
+        let values = self.values()?;
+        let mut sums = vec![0u64; group.num_positions];
+        for column in 0..group.columns.len() {
+            let start = group.values_offset + column * group.num_positions;
+            for (sum, value) in sums.iter_mut().zip(&values[start..start + group.num_positions]) {
+                *sum = sum.wrapping_add(*value);
+            }
+        }
+        Ok(sums)
     }
 
     /// What the worker record needs besides the values, if set.
@@ -247,24 +370,25 @@ impl Checksums {
 
     /// The checksums of `group_id` in `req_id`.
     pub fn group(&self, req_id: &str, group_id: u32) -> Result<&GroupChecksums> {
-        let request = self
-            .requests()
-            .iter()
-            .find(|r| r.req_id == req_id)
+        let requests = self.requests();
+        let lookup = self.lookup.get_or_init(|| Lookup::of(requests));
+        let index = *lookup
+            .requests
+            .get(req_id)
             .ok_or_else(|| err!(NotFound, "req_id \"{req_id}\" is not in this result"))?;
-        if let Some(skipped) = request.skipped.iter().find(|s| s.group_id == group_id) {
-            return Err(err!(
+        let request = &requests[index];
+        match lookup.groups.get(&(index, group_id)) {
+            Some(&GroupIndex::Computed(g)) => Ok(&request.groups[g]),
+            Some(&GroupIndex::Skipped(s)) => Err(err!(
                 NotFound,
                 "group_id {group_id} of req_id \"{req_id}\" was skipped by this worker: {}",
-                skipped.reason
-            ));
-        }
-        request.groups.iter().find(|g| g.group_id == group_id).ok_or_else(|| {
-            err!(
+                request.skipped[s].reason
+            )),
+            None => Err(err!(
                 NotFound,
                 "group_id {group_id} is not in req_id \"{req_id}\" of this result"
-            )
-        })
+            )),
+        }
     }
 
     /// Column `column` of `group_id` in `req_id`: its replica key and values.

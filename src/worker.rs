@@ -9,10 +9,11 @@ use crate::detail;
 use crate::error::{err, Result};
 use crate::fingerprint::group_fingerprint;
 use crate::host;
-use crate::layout::{Alias, LayerSpec, Layout, Region, Role};
+use crate::layout::{Alias, LayerSpec, Layout, Region, Role, StoredBuffer};
 use crate::plan::Plan;
 use crate::result::{Checksums, GroupInfo, Rank, RecordInfo, Values};
 use crate::state::StateSpec;
+use crate::stored;
 use crate::stream::StreamHandle;
 
 /// Where a worker's caches live and how it is placed in the model.
@@ -43,9 +44,10 @@ impl WorkerOptions {
     }
 }
 
-/// The group facts of a layout, sorted by group id (fingerprints hashed now).
+/// The group facts of a layout, sorted by group id (fingerprints hashed now),
+/// whatever order the groups were registered in: records list groups by id.
 fn group_infos(layout: &Layout) -> Vec<GroupInfo> {
-    layout
+    let mut infos: Vec<GroupInfo> = layout
         .groups()
         .map(|group| GroupInfo {
             group_id: group.group_id,
@@ -53,7 +55,9 @@ fn group_infos(layout: &Layout) -> Vec<GroupInfo> {
             fingerprint: group_fingerprint(group),
             shard_keyed: group.is_shard_keyed(),
         })
-        .collect()
+        .collect();
+    infos.sort_by_key(|info| info.group_id);
+    infos
 }
 
 enum Engine {
@@ -149,14 +153,19 @@ impl Worker {
         self.layout.skip_group(group_id, reason)
     }
 
-    /// Registers an attention layer's cache; on error nothing changes.
+    /// Registers an attention layer's cache; on error nothing changes. A
+    /// host worker adds it in place (the layout checks before it changes); a
+    /// device worker keeps its layout until the device has the new one.
     pub fn add_layer(&mut self, spec: LayerSpec) -> Result<()> {
-        let mut layout = self.layout.clone();
-        layout.add_layer(spec)?;
-        if let Engine::Device(device) = &mut self.engine {
-            device.upload_layout(&layout)?;
+        match &mut self.engine {
+            Engine::Host { .. } => self.layout.add_layer(spec)?,
+            Engine::Device(device) => {
+                let mut layout = self.layout.clone();
+                layout.add_layer(spec)?;
+                device.upload_layout(&layout)?;
+                self.layout = layout;
+            }
         }
-        self.layout = layout;
         self.group_infos = OnceLock::new();
         Ok(())
     }
@@ -209,6 +218,54 @@ impl Worker {
             detail,
         };
         Ok(Checksums::new(plan.shape, values).with_record_info(info))
+    }
+
+    /// Registers `group_id`'s buffer of stored checksums (SPEC section 8): 8
+    /// bytes per block id for `num_blocks` block ids at `address`, memory the
+    /// worker may write and read while it lives. Host workers only for now
+    /// (`Unsupported` on a device worker).
+    pub fn add_stored(&mut self, group_id: u32, address: u64, num_blocks: u64) -> Result<()> {
+        if matches!(self.engine, Engine::Device(_)) {
+            return Err(err!(
+                Unsupported,
+                "stored checksums (group_id {group_id}) are not supported on a device worker yet"
+            ));
+        }
+        self.layout.set_stored(group_id, StoredBuffer { address, num_blocks })
+    }
+
+    /// Checksums `blocks` (every column) and writes each block's stored
+    /// checksum, `sum XOR tag`, into its group's buffer (SPEC section 8).
+    /// Every group of `blocks` needs a buffer and block hashes, checked
+    /// before anything is computed or written.
+    pub fn store(&self, blocks: &BlockSet, stream: StreamHandle) -> Result<Checksums> {
+        stored::check_blocks(&self.layout, blocks)?;
+        let result = self.checksum(blocks, Role::Consumer, stream)?;
+        stored::store(&self.layout, blocks, &result)?;
+        Ok(result)
+    }
+
+    /// Checksums loaded `blocks` (every column) and keeps, in the result,
+    /// the stored checksums read back: `Checksums::stored_outcomes` then says
+    /// per position whether they match.
+    pub fn check_stored(&self, blocks: &BlockSet, stream: StreamHandle) -> Result<Checksums> {
+        let expectations = stored::expectations(&self.layout, blocks)?;
+        Ok(self.checksum(blocks, Role::Consumer, stream)?.with_stored(expectations))
+    }
+
+    /// The tags of SPEC section 8 for blocks of `group_id` with the given
+    /// block hashes (first 8 bytes, little-endian), for connectors that keep
+    /// stored checksums themselves.
+    pub fn block_tags(&self, group_id: u32, hashes: &[u64]) -> Result<Vec<u64>> {
+        let group = self
+            .layout
+            .group(group_id)
+            .ok_or_else(|| err!(NotFound, "group_id {group_id} is not registered"))?;
+        let fingerprint = group_fingerprint(group);
+        Ok(hashes
+            .iter()
+            .map(|&hash| stored::block_tag(hash, fingerprint))
+            .collect())
     }
 
     /// Turns detail mode on or off: results then also carry per-layer partial

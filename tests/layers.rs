@@ -27,6 +27,7 @@ const ORDER: &[&str] = &[
     "host",
     "cuda",
     "detail",
+    "stored",
     // the worker
     "worker",
     // records and payloads

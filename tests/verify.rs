@@ -919,8 +919,17 @@ fn unverified_when_a_replica_was_not_checksummed() {
     let mut rng = Rng::for_test("unverified_when_a_replica_was_not_checksummed");
     let seed = rng.seed();
     let (_, producer, consumer) = transfer(&mut rng);
-    // Consumer workers that ran in the producer role computed replica 0 only.
-    let records = consumer.records(Role::Producer);
+    // Consumer workers computed replica 0 only (their records computed as a
+    // producer, relabelled as a consumer's so that the roles agree).
+    let records: Vec<Vec<u8>> = consumer
+        .records(Role::Producer)
+        .iter()
+        .map(|bytes| {
+            let mut record = Record::decode(bytes).unwrap();
+            record.role = Role::Consumer;
+            record.encode()
+        })
+        .collect();
     let report = consumer_verifier(&consumer, &records)
         .check(REQ, Some(&produce(&producer, false)))
         .unwrap();
@@ -1030,6 +1039,7 @@ fn requests_are_checked_in_their_role_and_forgotten_on_request() {
     );
     let producer_records = producer.records(Role::Producer);
     let verifier = Verifier::new(4).unwrap();
+    verifier.expect(&consumer.blocks, Role::Consumer).unwrap();
     verifier.add_record(&consumer.records(Role::Consumer)[0]).unwrap();
     let error = verifier.add_record(&producer_records[0]).unwrap_err();
     assert!(

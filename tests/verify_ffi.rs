@@ -546,7 +546,11 @@ fn bad_arguments_fail_with_a_status_and_a_message_and_write_nothing() {
     assert_eq!(text(kvcs_verdict_name(1)), "KVCS_VERDICT_MISMATCH");
     assert_eq!(text(kvcs_verdict_name(3)), "unknown kvcs_verdict");
     assert_eq!(text(kvcs_unverified_reason_name(9)), "KVCS_UNVERIFIED_STATE_TP_DIFFERS");
-    assert_eq!(text(kvcs_unverified_reason_name(10)), "unknown kvcs_unverified_reason");
+    assert_eq!(
+        text(kvcs_unverified_reason_name(11)),
+        "KVCS_UNVERIFIED_UNCOMPARED_POSITIONS"
+    );
+    assert_eq!(text(kvcs_unverified_reason_name(12)), "unknown kvcs_unverified_reason");
     kvcs_verifier_destroy(null_mut());
     kvcs_report_destroy(null_mut());
     kvcs_verifier_destroy(v);

@@ -29,6 +29,11 @@
  * its layer), one worker's record missing (unverified), a corrupted payload
  * (unverified, invalid checksums).
  *
+ * Then an offload round trip (SPEC section 8): the producer's blocks go to a
+ * host tier with their stored checksums (kvcs_worker_store) and come back
+ * into other block ids; one byte goes bad while offloaded, and the load
+ * check (kvcs_worker_check_stored) names its position.
+ *
  * It exits 0 only when all of that holds (1 otherwise; 2 when a call fails).
  */
 #include <inttypes.h>
@@ -533,6 +538,101 @@ static int verification_demo(void) {
   return ok;
 }
 
+/* ---------------------------------------------------------------------------
+ * Offload round trip with stored checksums (SPEC section 8)
+ * ------------------------------------------------------------------------- */
+
+/* The producer's blocks go to an offload tier (host memory) with their stored
+ * checksums and come back into other block ids; one byte is corrupted while
+ * offloaded, and the load check names its position. Returns whether it did. */
+static int offload_demo(side *s) {
+  enum { HASH_BYTES = 32, CORRUPT_POSITION = 3 };
+  printf("\n== offload: the producer's %u blocks to a host tier with their stored checksums and back\n",
+         s->num_positions);
+  const kv_place *p = &s->place[0]; /* HND: a block's K and V lie in one stretch per layer */
+  size_t block_bytes = p->block_stride;
+  uint8_t hashes[MAX_POSITIONS * HASH_BYTES];
+  for (size_t i = 0; i < sizeof hashes; i++) {
+    hashes[i] = (uint8_t)next_random(); /* stand-ins for vLLM's block hashes */
+  }
+  CALL(kvcs_blocks_set_hashes(s->blocks, REQ_ID, GROUP_ID, hashes, HASH_BYTES, s->num_positions));
+  uint64_t *stored[MAX_RANKS];
+  uint8_t *tier[MAX_RANKS];
+  uint64_t tier_stored[MAX_RANKS][MAX_POSITIONS];
+  uint32_t loaded_ids[MAX_POSITIONS];
+  for (uint32_t q = 0; q < s->num_positions; q++) {
+    loaded_ids[q] = (s->block_ids[q] + 1) % s->num_blocks; /* other ids: 10, 4, 15, 1, 8, 13, 6 */
+  }
+  kvcs_blocks *loaded;
+  CALL(kvcs_blocks_create(&loaded));
+  CALL(kvcs_blocks_add_request(loaded, REQ_ID, NUM_TOKENS));
+  CALL(kvcs_blocks_add_group(loaded, REQ_ID, GROUP_ID, 0, loaded_ids, s->num_positions));
+  CALL(kvcs_blocks_set_hashes(loaded, REQ_ID, GROUP_ID, hashes, HASH_BYTES, s->num_positions));
+  int ok = 1;
+  uint32_t failed_total[MAX_POSITIONS] = {0};
+  for (uint32_t rank = 0; rank < s->tp_size; rank++) {
+    stored[rank] = calloc(s->num_blocks, sizeof(uint64_t));
+    tier[rank] = malloc((size_t)s->num_positions * LAYERS * block_bytes);
+    if (stored[rank] == NULL || tier[rank] == NULL) {
+      fprintf(stderr, "out of memory\n");
+      exit(2);
+    }
+    CALL(kvcs_worker_add_stored(s->workers[rank], GROUP_ID, (uint64_t)(uintptr_t)stored[rank], s->num_blocks));
+    kvcs_result *result;
+    CALL(kvcs_worker_store(s->workers[rank], s->blocks, NULL, &result));
+    kvcs_result_destroy(result);
+    /* Offload: each block's bytes of every layer, and its 8 stored bytes. */
+    for (uint32_t q = 0; q < s->num_positions; q++) {
+      for (uint32_t layer = 0; layer < LAYERS; layer++) {
+        memcpy(tier[rank] + ((size_t)q * LAYERS + layer) * block_bytes,
+               s->buffers[rank][0] + layer * p->layer_stride + s->block_ids[q] * p->block_stride, block_bytes);
+      }
+      tier_stored[rank][q] = stored[rank][s->block_ids[q]];
+    }
+  }
+  /* One byte of position 3 goes bad in the tier (rank 1, layer 2, K of its first head, token 2 of the block). */
+  tier[1][((size_t)CORRUPT_POSITION * LAYERS + 2) * block_bytes + 2 * HEAD_BYTES + 17] ^= 0x08;
+  printf("flipped a byte of position %d on producer rank 1 while offloaded\n", CORRUPT_POSITION);
+  for (uint32_t rank = 0; rank < s->tp_size; rank++) {
+    /* Load back into other block ids, the stored values with them. */
+    for (uint32_t q = 0; q < s->num_positions; q++) {
+      for (uint32_t layer = 0; layer < LAYERS; layer++) {
+        memcpy(s->buffers[rank][0] + layer * p->layer_stride + loaded_ids[q] * p->block_stride,
+               tier[rank] + ((size_t)q * LAYERS + layer) * block_bytes, block_bytes);
+      }
+      stored[rank][loaded_ids[q]] = tier_stored[rank][q];
+    }
+    kvcs_result *result;
+    uint8_t outcomes[MAX_POSITIONS];
+    CALL(kvcs_worker_check_stored(s->workers[rank], loaded, NULL, &result));
+    CALL(kvcs_result_stored(result, REQ_ID, GROUP_ID, outcomes));
+    kvcs_result_destroy(result);
+    printf("rank %u load check:", rank);
+    for (uint32_t q = 0; q < s->num_positions; q++) {
+      printf(" %s", outcomes[q] == KVCS_STORED_MATCHED ? "ok" : outcomes[q] == KVCS_STORED_FAILED ? "FAILED" : "-");
+      failed_total[q] += outcomes[q] == KVCS_STORED_FAILED;
+    }
+    printf("\n");
+  }
+  for (uint32_t q = 0; q < s->num_positions; q++) {
+    int failed = failed_total[q] > 0;
+    if (failed) {
+      printf("position %u failed its load check (tokens %u..%u): re-fetch or recompute it\n", q, q * s->block_size,
+             (q + 1) * s->block_size - 1);
+    }
+    if (failed != (q == CORRUPT_POSITION)) {
+      printf("position %u: %s: FAILED\n", q, failed ? "failed unexpectedly" : "not caught");
+      ok = 0;
+    }
+  }
+  for (uint32_t rank = 0; rank < s->tp_size; rank++) {
+    free(stored[rank]);
+    free(tier[rank]);
+  }
+  kvcs_blocks_destroy(loaded);
+  return ok;
+}
+
 int main(void) {
   if (kvcs_abi_version() != KVCS_ABI_VERSION) {
     fprintf(stderr, "libkvcsum ABI %u, header ABI %u\n", kvcs_abi_version(), (unsigned)KVCS_ABI_VERSION);
@@ -582,6 +682,7 @@ int main(void) {
     }
   }
 
+  ok &= offload_demo(&producer);
   for (int i = 0; i < 2; i++) {
     free_side(sides[i]);
   }

@@ -7,12 +7,19 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{CompileError, CompileOptions};
 
+use super::descriptors::kernel_prelude;
 use crate::error::{err, Result};
 
 /// Shared descriptors, prepended to every kernel source.
 const DESCRIPTORS: &str = include_str!("../../kernels/descriptors.cuh");
 /// The checksum kernel.
 const CHECKSUM: &str = include_str!("../../kernels/checksum.cu");
+
+/// What NVRTC compiles: the generated constants, the descriptors and their
+/// generated layout checks, then the kernel.
+fn checksum_source() -> String {
+    kernel_prelude(DESCRIPTORS) + CHECKSUM
+}
 
 /// A compiled module and the entry points taken from it.
 pub struct Kernels {
@@ -35,7 +42,7 @@ pub fn kernels(context: &Arc<CudaContext>) -> Result<Arc<Kernels>> {
     if let Some(kernels) = cache.get(&ordinal) {
         return Ok(kernels.clone());
     }
-    let module = compile(context, &[DESCRIPTORS, CHECKSUM].concat(), "kvcsum_checksum.cu")?;
+    let module = compile(context, &checksum_source(), "kvcsum_checksum.cu")?;
     let checksum = module
         .load_function("kvcs_checksum")
         .map_err(|e| err!(Device, "device {ordinal}: loading kvcs_checksum failed: {e}"))?;
@@ -68,7 +75,7 @@ pub fn checksum_ptx(arch: &str) -> Result<String> {
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(err!(Device, "NVRTC (libnvrtc) cannot be loaded on this machine"));
     }
-    let ptx = nvrtc(&[DESCRIPTORS, CHECKSUM].concat(), "kvcsum_checksum.cu", arch).map_err(|m| err!(Device, "{m}"))?;
+    let ptx = nvrtc(&checksum_source(), "kvcsum_checksum.cu", arch).map_err(|m| err!(Device, "{m}"))?;
     Ok(ptx.to_src())
 }
 

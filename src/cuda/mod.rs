@@ -10,6 +10,7 @@
 mod buffers;
 mod descriptors;
 mod kernels;
+mod launch;
 
 pub use self::kernels::checksum_ptx;
 
@@ -18,22 +19,19 @@ use std::sync::Arc;
 use cudarc::driver::{result as cu, sys, CudaContext};
 
 use self::buffers::{device_error, DeviceTable, Slot, SlotPool};
-use self::descriptors::{role_index, DevCall, DevGroup, DevLayer, LayerTable, INLINE_GROUPS, INLINE_ROWS};
+use self::descriptors::{
+    role_index, DevCall, DevGroup, LayerTable, INLINE_GROUPS, INLINE_ROWS, THREADS_PER_BLOCK, WARP,
+};
 use self::kernels::Kernels;
+use self::launch::{launch_shape, row_starts};
 use crate::error::{err, Result};
 use crate::layout::{Layout, Role};
 use crate::plan::{Plan, Row};
 use crate::result::{PendingValues, Values};
 use crate::stream::StreamHandle;
 
-/// Threads per block of the checksum kernel (its `__launch_bounds__`).
-const THREADS_PER_BLOCK: u32 = 256;
-
 /// Call buffers made with the engine (more are made when more calls are in flight).
 const RESERVED_SLOTS: usize = 4;
-
-/// Most chunks a call cuts a kernel block into.
-const MAX_SPLIT: u32 = 8;
 
 /// Whether the CUDA driver and NVRTC libraries can be loaded.
 pub fn libraries_present() -> bool {
@@ -106,7 +104,7 @@ impl DeviceEngine {
             .map_err(device_error("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
         }
         let resident_warps =
-            (processors.max(1) as u64) * (blocks_per_processor.max(1) as u64) * (THREADS_PER_BLOCK as u64 / 32);
+            (processors.max(1) as u64) * (blocks_per_processor.max(1) as u64) * (THREADS_PER_BLOCK / WARP) as u64;
         let registers = kernels
             .checksum
             .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS)
@@ -229,40 +227,19 @@ impl DeviceEngine {
             return Ok(Values::Ready(vec![0; num_values]));
         };
         self.context.bind_to_thread().map_err(device_error("cuCtxSetCurrent"))?;
-        // Null stays null: CUDA's legacy default stream, never a private
-        // one, so the work is ordered after what the caller queued there.
-        let stream = stream.0 as sys::CUstream;
         let groups = &self.table.groups[role_index(role)];
         let rows = &plan.rows;
+        let shape = launch_shape(
+            &plan.rows_per_slot,
+            groups,
+            &self.table.max_split[role_index(role)],
+            rows.len(),
+            self.resident_warps,
+        );
 
-        // Units per row, and whether every row has the same (one group, the
-        // usual case): then the kernel finds a unit's row by a division.
-        // Units of all rows, whether every row has the same (one group with
-        // rows, the usual case: the kernel then finds a unit's row by a
-        // division), and the most useful split of the groups with rows.
-        let max_splits = &self.table.max_split[role_index(role)];
-        let mut base_units = 0u64;
-        let mut slots_with_rows = 0;
-        let mut first_units = 0u64;
-        let mut max_split = MAX_SPLIT;
-        for (slot, &count) in plan.rows_per_slot.iter().enumerate().filter(|(_, &count)| count > 0) {
-            slots_with_rows += 1;
-            first_units = groups[slot].units as u64;
-            base_units += count * first_units;
-            max_split = max_split.min(max_splits[slot]);
-        }
-        let uniform = slots_with_rows == 1;
-        // Chunks per kernel block: enough that the call fills the card several
-        // times over, so that even one block spreads across it, but no more
-        // than keeps every lane's batch of loads full.
-        let mut split = 1u32;
-        while split < max_split && base_units * (split as u64) < 4 * self.resident_warps {
-            split *= 2;
-        }
-        let total_units = base_units * split as u64;
-
-        let on_device = rows.len() > INLINE_ROWS || !uniform;
-        let mut slot = self.pool.take(if on_device { rows.len() } else { 0 }, num_values)?;
+        let mut slot = self
+            .pool
+            .take(if shape.rows_in_memory { rows.len() } else { 0 }, num_values)?;
         let mut call = DevCall {
             layers: device_table.address + self.table.layers_offset(),
             groups: device_table.address + self.table.groups_offset(role),
@@ -271,23 +248,19 @@ impl DeviceEngine {
             accumulators: slot.accumulators(),
             host_values: slot.host_values_on_device(),
             finished_blocks: slot.finished_blocks(),
-            total_units,
+            total_units: shape.total_units,
             num_rows: rows.len() as u32,
             num_values: num_values as u32,
-            split,
-            row_units: if uniform {
-                (first_units * split as u64) as u32
-            } else {
-                0
-            },
+            split: shape.split,
+            row_units: shape.row_units,
             inline_groups: [DevGroup::default(); INLINE_GROUPS],
             inline_rows: [Row::default(); INLINE_ROWS],
         };
         let inline_groups = groups.len().min(INLINE_GROUPS);
         call.inline_groups[..inline_groups].copy_from_slice(&groups[..inline_groups]);
         let mut upload = 0;
-        if on_device {
-            if uniform {
+        if shape.rows_in_memory {
+            if shape.uniform() {
                 // The kernel reads each row once per warp: straight from
                 // mapped pinned memory, with no copy to queue.
                 call.rows = slot.staging_on_device();
@@ -299,29 +272,53 @@ impl DeviceEngine {
             }
             let (staged_rows, starts) = slot.staging(rows.len());
             staged_rows.copy_from_slice(rows);
-            if !uniform {
-                let mut start = 0u64;
-                for (row, row_start) in rows.iter().zip(starts.iter_mut()) {
-                    *row_start = start;
-                    start += groups[row.group_slot as usize].units as u64 * split as u64;
-                }
+            if !shape.uniform() {
+                row_starts(rows, groups, shape.split, starts);
             }
         } else {
             call.inline_rows[..rows.len()].copy_from_slice(rows);
         }
-        let warps = total_units.min(self.resident_warps).max(1);
-        let blocks = warps.div_ceil(THREADS_PER_BLOCK as u64 / 32) as u32;
         // SAFETY: every address in `call` is live until the slot's event
         // completes (the slot and table stay held until then); the staging in
         // pinned memory is not touched again before that; the kernel reads
         // cache bytes that registration proved lie in registered regions.
+        unsafe { self.enqueue(&mut call, &slot, upload, shape.blocks, stream)? };
+        slot.table = Some(device_table.clone());
+        Ok(Values::Pending(Box::new(DevicePending {
+            context: self.context.clone(),
+            pool: self.pool.clone(),
+            slot: Some(slot),
+            num_values,
+        })))
+    }
+
+    /// Queues on `stream`: the upload of `upload` staged bytes to
+    /// `call.rows` (if any), the kernel on `blocks` blocks, and the slot's
+    /// event.
+    ///
+    /// # Safety
+    /// Every address in `call` stays valid until the slot's event completes,
+    /// and the slot's staging is not written before then.
+    unsafe fn enqueue(
+        &self,
+        call: &mut DevCall,
+        slot: &Slot,
+        upload: usize,
+        blocks: u32,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        // Null stays null: CUDA's legacy default stream, never a private
+        // one, so the work is ordered after what the caller queued there.
+        let stream = stream.0 as sys::CUstream;
+        // SAFETY: per this function's contract; the launch copies `call`
+        // (the kernel's one parameter) before it returns.
         unsafe {
             if upload > 0 {
                 sys::cuMemcpyHtoDAsync_v2(call.rows, slot.staging_host().cast(), upload, stream)
                     .result()
                     .map_err(device_error("cuMemcpyHtoDAsync"))?;
             }
-            let mut params = [(&mut call as *mut DevCall).cast::<std::ffi::c_void>()];
+            let mut params = [(call as *mut DevCall).cast::<std::ffi::c_void>()];
             cu::launch_kernel(
                 self.kernels.checksum.cu_function(),
                 (blocks, 1, 1),
@@ -331,15 +328,8 @@ impl DeviceEngine {
                 &mut params,
             )
             .map_err(device_error("launching kvcs_checksum"))?;
-            cu::event::record(slot.event, stream).map_err(device_error("cuEventRecord"))?;
+            cu::event::record(slot.event, stream).map_err(device_error("cuEventRecord"))
         }
-        slot.table = Some(device_table.clone());
-        Ok(Values::Pending(Box::new(DevicePending {
-            context: self.context.clone(),
-            pool: self.pool.clone(),
-            slot: Some(slot),
-            num_values,
-        })))
     }
 }
 
@@ -380,10 +370,3 @@ impl Drop for DevicePending {
         }
     }
 }
-
-/// Size check: the kernel reads these with the layout of descriptors.cuh.
-const _: () = {
-    assert!(std::mem::size_of::<DevLayer>() == 168);
-    assert!(std::mem::size_of::<DevGroup>() == 16);
-    assert!(std::mem::size_of::<Row>() == 32);
-};

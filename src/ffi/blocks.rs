@@ -81,3 +81,33 @@ pub extern "C" fn kvcs_blocks_add_group(
         kvcs_status::KVCS_OK
     }
 }
+
+/// Gives the block hashes of group `group_id`'s blocks in request `req_id`
+/// (added before with `kvcs_blocks_add_group`): `n` hashes, one per block id
+/// in order, of `hash_bytes` bytes each (at least 8; only the first 8 are
+/// used), for stored checksums (SPEC section 8). `n` must equal the group's
+/// number of block ids. A later call replaces them.
+#[no_mangle]
+pub extern "C" fn kvcs_blocks_set_hashes(
+    blocks: *mut kvcs_blocks,
+    req_id: *const c_char,
+    group_id: u32,
+    hashes: *const u8,
+    hash_bytes: usize,
+    n: usize,
+) -> kvcs_status {
+    ffi_boundary! {
+        let blocks = try_handle_mut!(blocks, "blocks");
+        // SAFETY: NULL or a NUL-terminated string per the contract.
+        let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
+        let Some(total) = n.checked_mul(hash_bytes) else {
+            return super::status::fail(&crate::error::Error::InvalidArgument(format!(
+                "n {n} x hash_bytes {hash_bytes} overflows"
+            )));
+        };
+        // SAFETY: the contract gives `n * hash_bytes` readable bytes.
+        let hashes = try_engine!(unsafe { c_array(hashes, total, "hashes") });
+        try_engine!(blocks.set_hashes(req_id, group_id, hashes, hash_bytes));
+        kvcs_status::KVCS_OK
+    }
+}

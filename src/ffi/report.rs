@@ -63,6 +63,14 @@ pub enum kvcs_unverified_reason {
     KVCS_UNVERIFIED_REPLICA_MISSING = 8,
     /// TP sizes differ (or are unknown) for shard-keyed state.
     KVCS_UNVERIFIED_STATE_TP_DIFFERS = 9,
+    /// A worker's record was computed in the other role than the request is
+    /// expected in (e.g. a consumer rank checksummed as a producer): a
+    /// configuration error, never reported as corrupt data.
+    KVCS_UNVERIFIED_ROLE_DIFFERS = 10,
+    /// Loaded positions were not compared and the verifier requires full
+    /// coverage (`kvcs_verifier_set_require_coverage`); see
+    /// `kvcs_report_uncompared_positions`.
+    KVCS_UNVERIFIED_UNCOMPARED_POSITIONS = 11,
 }
 
 /// The `group_id` of a finding about the whole load rather than one group.
@@ -145,6 +153,8 @@ fn reason_code(reason: Reason) -> kvcs_unverified_reason {
         Reason::NoCommonPosition => KVCS_UNVERIFIED_NO_COMMON_POSITION,
         Reason::ReplicaMissing => KVCS_UNVERIFIED_REPLICA_MISSING,
         Reason::StateTpDiffers => KVCS_UNVERIFIED_STATE_TP_DIFFERS,
+        Reason::RoleDiffers => KVCS_UNVERIFIED_ROLE_DIFFERS,
+        Reason::UncomparedPositions => KVCS_UNVERIFIED_UNCOMPARED_POSITIONS,
     }
 }
 
@@ -219,6 +229,22 @@ pub extern "C" fn kvcs_report_compared_positions(report: *const kvcs_report, pos
         not_null!(positions, "positions");
         // SAFETY: non-NULL (checked) and writable per the contract.
         unsafe { write_out(positions, handle.report.compared_positions) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// The consumer's loaded block positions (holding valid tokens, in the
+/// groups compared) that no compared position covers: where block sizes
+/// differ, a leading partial run; positions past the producer's token count.
+/// A match says nothing about them. Counted apart from
+/// `kvcs_report_compared_positions`; 0 when everything loaded was compared.
+#[no_mangle]
+pub extern "C" fn kvcs_report_uncompared_positions(report: *const kvcs_report, positions: *mut u64) -> kvcs_status {
+    ffi_boundary! {
+        let handle = try_handle!(report, "report");
+        not_null!(positions, "positions");
+        // SAFETY: non-NULL (checked) and writable per the contract.
+        unsafe { write_out(positions, handle.report.uncompared_positions) };
         kvcs_status::KVCS_OK
     }
 }
@@ -397,6 +423,8 @@ pub extern "C" fn kvcs_unverified_reason_name(reason: u32) -> *const c_char {
         7 => c"KVCS_UNVERIFIED_NO_COMMON_POSITION",
         8 => c"KVCS_UNVERIFIED_REPLICA_MISSING",
         9 => c"KVCS_UNVERIFIED_STATE_TP_DIFFERS",
+        10 => c"KVCS_UNVERIFIED_ROLE_DIFFERS",
+        11 => c"KVCS_UNVERIFIED_UNCOMPARED_POSITIONS",
         _ => c"unknown kvcs_unverified_reason",
     };
     name.as_ptr()

@@ -6,7 +6,7 @@ use super::handle::{free, handle, try_handle};
 use super::panic::ffi_boundary;
 use super::status::kvcs_status;
 use super::{c_str, try_engine, write_out};
-use crate::result::Checksums;
+use crate::result::{Checksums, StoredOutcome};
 
 /// The partial checksums of one `kvcs_worker_checksum` call: per request and
 /// group, one column per replica key, one value per block position.
@@ -108,6 +108,54 @@ pub extern "C" fn kvcs_result_column(
             }
             write_out(replicas, key.replicas);
             write_out(replica_index, key.replica_index);
+        }
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// A load check's verdict on one block position (`kvcs_result_stored`).
+#[allow(non_camel_case_types)]
+#[repr(u8)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum kvcs_stored_outcome {
+    /// The recomputed checksum differs from the stored one.
+    KVCS_STORED_FAILED = 0,
+    /// The recomputed checksum equals the stored one.
+    KVCS_STORED_MATCHED = 1,
+    /// Not checked: the position holds no valid token.
+    KVCS_STORED_NOT_CHECKED = 2,
+}
+
+/// A load check's verdicts (`kvcs_worker_check_stored`) on group `group_id`
+/// of request `req_id`: one `kvcs_stored_outcome` value per block position
+/// (`num_positions` of `kvcs_result_group`) written to `outcomes`.
+/// `KVCS_ERR_NOT_FOUND` when the result is not a load check's or the group
+/// is not in it, `KVCS_ERR_NOT_READY` while a device computes.
+#[no_mangle]
+pub extern "C" fn kvcs_result_stored(
+    result: *const kvcs_result,
+    req_id: *const c_char,
+    group_id: u32,
+    outcomes: *mut u8,
+) -> kvcs_status {
+    ffi_boundary! {
+        let result = try_handle!(result, "result");
+        // SAFETY: NULL or a NUL-terminated string per the contract.
+        let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
+        let verdicts = try_engine!(result.stored_outcomes(req_id, group_id));
+        if outcomes.is_null() && !verdicts.is_empty() {
+            return super::status::fail(&crate::error::Error::InvalidArgument(format!(
+                "outcomes is NULL for {} positions", verdicts.len()
+            )));
+        }
+        for (i, verdict) in verdicts.iter().enumerate() {
+            let code = match verdict {
+                StoredOutcome::Failed => kvcs_stored_outcome::KVCS_STORED_FAILED,
+                StoredOutcome::Matched => kvcs_stored_outcome::KVCS_STORED_MATCHED,
+                StoredOutcome::NotChecked => kvcs_stored_outcome::KVCS_STORED_NOT_CHECKED,
+            };
+            // SAFETY: the contract gives `num_positions` writable bytes.
+            unsafe { outcomes.add(i).write(code as u8) };
         }
         kvcs_status::KVCS_OK
     }

@@ -26,8 +26,9 @@ use crate::verify::{Policy, Verifier};
 /// `kvcs_verifier_destroy`. Reports it makes are independent of it.
 /// Thread safety: unlike other handles, every call except
 /// `kvcs_verifier_destroy` may run concurrently with any other on the same
-/// verifier, from any thread: one mutex inside serialises them (each call
-/// holds it for its duration; a record is decoded before it is taken).
+/// verifier, from any thread: one mutex inside guards its state, held only
+/// to read or change it (records are decoded, payloads built and loads
+/// compared outside it), so no call waits on another's heavy work.
 #[allow(non_camel_case_types)]
 pub struct kvcs_verifier {
     _private: [u8; 0],
@@ -106,6 +107,21 @@ pub extern "C" fn kvcs_verifier_set_extension(verifier: *mut kvcs_verifier, on: 
     }
 }
 
+/// Consumer: `on` = 1 makes a load unverified
+/// (`KVCS_UNVERIFIED_UNCOMPARED_POSITIONS`) when some loaded position was
+/// not compared (`kvcs_report_uncompared_positions` > 0) and none differs;
+/// 0 (the default, as vLLM) compares only the positions both sides hold
+/// with equal valid tokens and lets the rest pass.
+#[no_mangle]
+pub extern "C" fn kvcs_verifier_set_require_coverage(verifier: *mut kvcs_verifier, on: u32) -> kvcs_status {
+    ffi_boundary! {
+        let verifier = try_handle!(verifier, "verifier");
+        let on = try_engine!(flag_of(on, "on"));
+        try_engine!(verifier.set_require_coverage(on));
+        kvcs_status::KVCS_OK
+    }
+}
+
 /// Consumer: the producer's TP size, for payloads that do not carry it
 /// (plain ones). Shard-keyed state groups (SPEC section 6) are compared
 /// only when it is known and equal to the consumer's.
@@ -169,11 +185,15 @@ pub extern "C" fn kvcs_verifier_forget(verifier: *mut kvcs_verifier, req_id: *co
 }
 
 /// Adds a worker's record (`len` bytes from `kvcs_result_encode`). Parts of
-/// requests not expected are ignored; a worker's newer record of a request
-/// replaces its older one. `KVCS_ERR_MALFORMED` (with a message) for bytes
-/// that are not a valid record; `KVCS_ERR_INVALID_ARGUMENT` for a rank that
-/// does not fit `num_workers` or the TP size of earlier records. On error
-/// nothing is kept.
+/// requests not expected are ignored; a record of no expected request gives
+/// `KVCS_OK` and changes nothing (it pins no TP size). A worker's newer
+/// record of a request replaces its older one. `KVCS_ERR_MALFORMED` (with a
+/// message) for bytes that are not a valid record;
+/// `KVCS_ERR_INVALID_ARGUMENT` for a rank that does not fit `num_workers`,
+/// or a TP size other than that of the records held (for requests still
+/// expected). On error nothing is kept. A record computed in the other role
+/// than its request is expected in is kept, and makes the load unverified
+/// (`KVCS_UNVERIFIED_ROLE_DIFFERS`) or the payload fail.
 #[no_mangle]
 pub extern "C" fn kvcs_verifier_add_record(verifier: *mut kvcs_verifier, record: *const u8, len: usize) -> kvcs_status {
     ffi_boundary! {

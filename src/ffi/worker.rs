@@ -402,6 +402,119 @@ pub extern "C" fn kvcs_worker_checksum(
     }
 }
 
+/// Registers the buffer of stored checksums of group `group_id` (SPEC
+/// section 8): 8 bytes per block id, `num_blocks` of them at `address`
+/// (a multiple of 8), memory the worker writes (`kvcs_worker_store`) and
+/// reads (`kvcs_worker_check_stored`) while it lives; the caller keeps it so
+/// and copies each block's 8 bytes with the block when offloading. A later
+/// call replaces the buffer. Host workers only for now
+/// (`KVCS_ERR_UNSUPPORTED` on a device worker). On error nothing changes.
+#[no_mangle]
+pub extern "C" fn kvcs_worker_add_stored(
+    worker: *mut kvcs_worker,
+    group_id: u32,
+    address: u64,
+    num_blocks: u64,
+) -> kvcs_status {
+    ffi_boundary! {
+        let worker = try_handle_mut!(worker, "worker");
+        try_engine!(worker.add_stored(group_id, address, num_blocks));
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// Checksums `blocks` (every column, as `KVCS_ROLE_CONSUMER`) and writes,
+/// for each block holding a valid token, its stored checksum `sum XOR tag`
+/// into its group's buffer, `tag` binding it to the block hash given with
+/// `kvcs_blocks_set_hashes` and to the group (SPEC section 8). Every group of
+/// `blocks` that the worker does not skip needs a buffer and block hashes,
+/// and every block id must be inside the buffer: checked before anything is
+/// computed or written. `*out` gets the checksums, as
+/// `kvcs_worker_checksum` gives them. Host workers only for now.
+#[no_mangle]
+pub extern "C" fn kvcs_worker_store(
+    worker: *mut kvcs_worker,
+    blocks: *const kvcs_blocks,
+    cuda_stream: *mut c_void,
+    out: *mut *mut kvcs_result,
+) -> kvcs_status {
+    ffi_boundary! {
+        let worker = try_handle_mut!(worker, "worker");
+        let blocks = try_handle!(blocks, "blocks");
+        not_null!(out, "out");
+        let result = try_engine!(worker.store(blocks, StreamHandle(cuda_stream)));
+        // SAFETY: `out` is non-NULL (checked above) and writable per the contract.
+        unsafe { write_out(out, into_handle(result)) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// The load check of SPEC section 8: checksums the loaded `blocks` (every
+/// column) and reads back their stored checksums (with the block hashes of
+/// `kvcs_blocks_set_hashes`); `kvcs_result_stored` on `*out` then says, per
+/// block position, whether they match. Same requirements as
+/// `kvcs_worker_store`. Host workers only for now.
+#[no_mangle]
+pub extern "C" fn kvcs_worker_check_stored(
+    worker: *mut kvcs_worker,
+    blocks: *const kvcs_blocks,
+    cuda_stream: *mut c_void,
+    out: *mut *mut kvcs_result,
+) -> kvcs_status {
+    ffi_boundary! {
+        let worker = try_handle_mut!(worker, "worker");
+        let blocks = try_handle!(blocks, "blocks");
+        not_null!(out, "out");
+        let result = try_engine!(worker.check_stored(blocks, StreamHandle(cuda_stream)));
+        // SAFETY: `out` is non-NULL (checked above) and writable per the contract.
+        unsafe { write_out(out, into_handle(result)) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// The tags of SPEC section 8 for `n` blocks of group `group_id`, for
+/// connectors that keep stored checksums themselves: `tags[i] =
+/// LE_u64(hash_i[0..8]) XOR` the worker's fingerprint of the group, for the
+/// `n` hashes of `hash_bytes` bytes (at least 8) at `hashes`. Store `sum XOR
+/// tag`, where `sum` adds a block's columns in a `kvcs_worker_checksum`
+/// result (as `KVCS_ROLE_CONSUMER`).
+#[no_mangle]
+pub extern "C" fn kvcs_block_tags(
+    worker: *const kvcs_worker,
+    group_id: u32,
+    hashes: *const u8,
+    hash_bytes: usize,
+    n: usize,
+    tags: *mut u64,
+) -> kvcs_status {
+    ffi_boundary! {
+        let worker = try_handle!(worker, "worker");
+        if hash_bytes < 8 {
+            return fail(&err!(InvalidArgument, "hash_bytes is {hash_bytes}; a block hash has at least 8 bytes"));
+        }
+        let Some(total) = n.checked_mul(hash_bytes) else {
+            return fail(&err!(InvalidArgument, "n {n} x hash_bytes {hash_bytes} overflows"));
+        };
+        // SAFETY: the contract gives `n * hash_bytes` readable bytes.
+        let hashes = try_engine!(unsafe { c_array(hashes, total, "hashes") });
+        if tags.is_null() && n > 0 {
+            return fail(&err!(InvalidArgument, "tags is NULL for {n} blocks"));
+        }
+        let firsts: Vec<u64> = hashes
+            .chunks_exact(hash_bytes)
+            .map(|hash| u64::from_le_bytes(hash[..8].try_into().expect("8 bytes")))
+            .collect();
+        let values = try_engine!(worker.block_tags(group_id, &firsts));
+        // SAFETY: the contract gives `n` writable values; n > 0 means non-NULL (checked).
+        unsafe {
+            if n > 0 {
+                std::ptr::copy_nonoverlapping(values.as_ptr(), tags, n);
+            }
+        }
+        kvcs_status::KVCS_OK
+    }
+}
+
 /// Detail mode (`on` = 1; 0 turns it off): the worker's results then also
 /// carry per-layer partial checksums, which its records and a producer's
 /// payload extension pass on, so that a consumer's report names the layers

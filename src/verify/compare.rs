@@ -147,56 +147,83 @@ pub(crate) fn consumer_ranges<'a>(
 /// Head boundaries present on both sides cut each layer into the finest
 /// ranges both can sum; a range whose sums differ is reported. Heads that
 /// only one side covers are reported as they are.
+///
+/// Work is `O(n log n)` in the ranges given: both sides are sorted by
+/// layer, and each range is placed in the one window (between consecutive
+/// common boundaries) that can hold it by a binary search.
 pub(crate) fn differing_ranges(producer: &[HeadRange], consumer: &[HeadRange], check: u32) -> Vec<LayerDifference> {
-    let layers: BTreeSet<u32> = producer.iter().chain(consumer).map(|r| r.layer_number).collect();
+    let sorted = |side: &[HeadRange]| {
+        let mut side = side.to_vec();
+        side.sort_by_key(|r| (r.layer_number, r.first_head));
+        side
+    };
+    let (producer, consumer) = (sorted(producer), sorted(consumer));
     let mut differences = Vec::new();
-    for layer_number in layers {
-        let p: Vec<&HeadRange> = producer.iter().filter(|r| r.layer_number == layer_number).collect();
-        let c: Vec<&HeadRange> = consumer.iter().filter(|r| r.layer_number == layer_number).collect();
-        let bounds = |side: &[&HeadRange]| -> BTreeSet<u64> {
-            side.iter().flat_map(|r| [r.first_head as u64, r.end()]).collect()
+    let (mut p, mut c) = (0, 0);
+    while p < producer.len() || c < consumer.len() {
+        let layer_number = match (producer.get(p), consumer.get(c)) {
+            (Some(a), Some(b)) => a.layer_number.min(b.layer_number),
+            (Some(a), None) => a.layer_number,
+            (None, Some(b)) => b.layer_number,
+            (None, None) => unreachable!("loop condition"),
         };
-        let common: Vec<u64> = bounds(&p).intersection(&bounds(&c)).copied().collect();
-        let mut covered_p = vec![false; p.len()];
-        let mut covered_c = vec![false; c.len()];
-        for window in common.windows(2) {
-            let (lo, hi) = (window[0], window[1]);
-            let sum = |side: &[&HeadRange], covered: &mut [bool]| -> (u64, bool) {
-                let mut total = 0u64;
-                let mut any = false;
-                for (range, seen) in side.iter().zip(covered.iter_mut()) {
-                    if range.first_head as u64 >= lo && range.end() <= hi {
-                        total = total.wrapping_add(range.value);
-                        *seen = true;
-                        any = true;
-                    }
-                }
-                (total, any)
-            };
-            let (sum_p, any_p) = sum(&p, &mut covered_p);
-            let (sum_c, any_c) = sum(&c, &mut covered_c);
-            if (any_p || any_c) && sum_p != sum_c {
-                differences.push(LayerDifference {
-                    layer_number,
-                    first_head: lo as u32,
-                    num_heads: (hi - lo) as u32,
-                    check,
-                });
+        let p_end = p + producer[p..].partition_point(|r| r.layer_number == layer_number);
+        let c_end = c + consumer[c..].partition_point(|r| r.layer_number == layer_number);
+        differences.extend(layer_differences(
+            layer_number,
+            &producer[p..p_end],
+            &consumer[c..c_end],
+            check,
+        ));
+        (p, c) = (p_end, c_end);
+    }
+    differences
+}
+
+/// [`differing_ranges`] of one layer.
+fn layer_differences(layer_number: u32, p: &[HeadRange], c: &[HeadRange], check: u32) -> Vec<LayerDifference> {
+    let bounds =
+        |side: &[HeadRange]| -> BTreeSet<u64> { side.iter().flat_map(|r| [r.first_head as u64, r.end()]).collect() };
+    let common: Vec<u64> = bounds(p).intersection(&bounds(c)).copied().collect();
+    let windows = common.len().saturating_sub(1);
+    // Per window: (producer sum, consumer sum, whether any range lies in it).
+    let mut sums = vec![(0u64, 0u64, false); windows];
+    let mut uncovered = Vec::new();
+    for (side, range) in p.iter().map(|r| (0, r)).chain(c.iter().map(|r| (1, r))) {
+        // The window holding the range starts at the last common bound at
+        // or below its first head; it holds it if its end is not past.
+        let start = common.partition_point(|&b| b <= range.first_head as u64);
+        let window = start
+            .checked_sub(1)
+            .filter(|&w| w < windows && range.end() <= common[w + 1]);
+        match window {
+            Some(w) => {
+                let sum = if side == 0 { &mut sums[w].0 } else { &mut sums[w].1 };
+                *sum = sum.wrapping_add(range.value);
+                sums[w].2 = true;
             }
-        }
-        for (side, covered) in [(&p, &covered_p), (&c, &covered_c)] {
-            for (range, &seen) in side.iter().zip(covered.iter()) {
-                if !seen {
-                    differences.push(LayerDifference {
-                        layer_number,
-                        first_head: range.first_head,
-                        num_heads: range.num_heads,
-                        check,
-                    });
-                }
-            }
+            None => uncovered.push((side, range)),
         }
     }
+    let mut differences: Vec<LayerDifference> = sums
+        .iter()
+        .enumerate()
+        .filter(|(_, &(sum_p, sum_c, any))| any && sum_p != sum_c)
+        .map(|(w, _)| LayerDifference {
+            layer_number,
+            first_head: common[w] as u32,
+            num_heads: (common[w + 1] - common[w]) as u32,
+            check,
+        })
+        .collect();
+    // Producer's uncovered ranges first, then the consumer's.
+    uncovered.sort_by_key(|&(side, _)| side);
+    differences.extend(uncovered.into_iter().map(|(_, range)| LayerDifference {
+        layer_number,
+        first_head: range.first_head,
+        num_heads: range.num_heads,
+        check,
+    }));
     differences
 }
 
@@ -230,6 +257,85 @@ mod tests {
         assert_eq!(series.run_value(32, 2), Some(4), "position 5 holds no valid tokens");
         assert_eq!(series.run_valid_tokens(32, 2), 6);
         assert_eq!(series.runs(32), (0, 3));
+    }
+
+    /// The definition of [`differing_ranges`], quadratic: every window
+    /// scans every range of its layer.
+    fn naive_differing_ranges(producer: &[HeadRange], consumer: &[HeadRange], check: u32) -> Vec<LayerDifference> {
+        let layers: BTreeSet<u32> = producer.iter().chain(consumer).map(|r| r.layer_number).collect();
+        let mut differences = Vec::new();
+        for layer_number in layers {
+            let p: Vec<&HeadRange> = producer.iter().filter(|r| r.layer_number == layer_number).collect();
+            let c: Vec<&HeadRange> = consumer.iter().filter(|r| r.layer_number == layer_number).collect();
+            let bounds = |side: &[&HeadRange]| -> BTreeSet<u64> {
+                side.iter().flat_map(|r| [r.first_head as u64, r.end()]).collect()
+            };
+            let common: Vec<u64> = bounds(&p).intersection(&bounds(&c)).copied().collect();
+            let mut seen = vec![false; p.len() + c.len()];
+            for window in common.windows(2) {
+                let (lo, hi) = (window[0], window[1]);
+                let mut sums = [0u64; 2];
+                let mut any = false;
+                for (i, (side, range)) in p.iter().map(|r| (0, r)).chain(c.iter().map(|r| (1, r))).enumerate() {
+                    if range.first_head as u64 >= lo && range.end() <= hi {
+                        sums[side] = sums[side].wrapping_add(range.value);
+                        seen[i] = true;
+                        any = true;
+                    }
+                }
+                if any && sums[0] != sums[1] {
+                    differences.push(LayerDifference {
+                        layer_number,
+                        first_head: lo as u32,
+                        num_heads: (hi - lo) as u32,
+                        check,
+                    });
+                }
+            }
+            for (i, range) in p.iter().chain(c.iter()).enumerate() {
+                if !seen[i] {
+                    differences.push(LayerDifference {
+                        layer_number,
+                        first_head: range.first_head,
+                        num_heads: range.num_heads,
+                        check,
+                    });
+                }
+            }
+        }
+        differences
+    }
+
+    #[test]
+    fn differing_ranges_agree_with_the_naive_definition() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: u64| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 33) % n
+        };
+        for round in 0..2000 {
+            let (pc, cc) = (next(8), next(8));
+            let mut side = |count: u64| -> Vec<HeadRange> {
+                (0..count)
+                    .map(|_| HeadRange {
+                        layer_number: next(4) as u32,
+                        first_head: next(12) as u32,
+                        num_heads: 1 + next(5) as u32,
+                        value: next(3),
+                    })
+                    .collect()
+            };
+            let producer = side(pc);
+            let consumer = side(cc);
+            let mut fast = differing_ranges(&producer, &consumer, 0);
+            let mut naive = naive_differing_ranges(&producer, &consumer, 0);
+            let key = |d: &LayerDifference| (d.layer_number, d.first_head, d.num_heads);
+            fast.sort_by_key(key);
+            naive.sort_by_key(key);
+            assert_eq!(fast, naive, "round {round}: {producer:?} / {consumer:?}");
+        }
     }
 
     #[test]

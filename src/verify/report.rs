@@ -38,6 +38,12 @@ pub enum Reason {
     ReplicaMissing,
     /// Shard-keyed state checksummed under different (or unknown) TP sizes.
     StateTpDiffers,
+    /// A worker computed its record in the other role than the request is
+    /// expected in (a configuration error).
+    RoleDiffers,
+    /// Loaded positions were not compared, and the verifier requires every
+    /// loaded position to be ([`crate::verify::Verifier::set_require_coverage`]).
+    UncomparedPositions,
 }
 
 impl Reason {
@@ -53,6 +59,8 @@ impl Reason {
             Reason::NoCommonPosition => "no block position in common",
             Reason::ReplicaMissing => "a replica was not checksummed",
             Reason::StateTpDiffers => "TP sizes differ for shard-keyed state",
+            Reason::RoleDiffers => "a worker checksummed in the other role",
+            Reason::UncomparedPositions => "loaded positions were not compared",
         }
     }
 }
@@ -111,7 +119,10 @@ pub struct Mismatch {
     pub num_tokens: u64,
     /// The replica checks that differ, ascending.
     pub failed_checks: Vec<u32>,
-    /// Whether both sides sent per-layer partials, so `layers` is meaningful.
+    /// Whether both sides sent per-layer partials and the verifier named the
+    /// differing layers, so `layers` is meaningful. Naming layers is bounded
+    /// by work in proportion to the input; past that bound mismatches are
+    /// reported without layers.
     pub localised: bool,
     /// Detail mode: the layer (head) ranges that differ.
     pub layers: Vec<LayerDifference>,
@@ -128,6 +139,11 @@ pub struct Report {
     pub passed: bool,
     /// Block positions compared (in the compared granularity), all groups.
     pub compared_positions: u64,
+    /// The consumer's loaded block positions (holding valid tokens, in the
+    /// groups compared) that no compared position covers: a leading partial
+    /// run where block sizes differ, positions past the producer's tokens.
+    /// A match says nothing about them.
+    pub uncompared_positions: u64,
     /// Positions that differ, by group.
     pub mismatches: Vec<Mismatch>,
     /// Why the load or some groups could not be compared. A mismatch wins
@@ -142,7 +158,7 @@ impl Report {
     pub fn new(
         req_id: &str,
         policy: Policy,
-        compared_positions: u64,
+        (compared_positions, uncompared_positions): (u64, u64),
         mismatches: Vec<Mismatch>,
         unverified: Vec<Finding>,
     ) -> Report {
@@ -163,8 +179,12 @@ impl Report {
             Verdict::Match => {
                 let _ = write!(
                     message,
-                    "req_id {req_id:?}: match ({compared_positions} block positions compared)"
+                    "req_id {req_id:?}: match ({compared_positions} block positions compared"
                 );
+                if uncompared_positions > 0 {
+                    let _ = write!(message, "; {uncompared_positions} loaded positions not compared");
+                }
+                message.push(')');
             }
             Verdict::Mismatch => {
                 let _ = write!(message, "req_id {req_id:?}: KV checksum mismatch:");
@@ -203,6 +223,7 @@ impl Report {
             policy,
             passed,
             compared_positions,
+            uncompared_positions,
             mismatches,
             unverified,
             message,

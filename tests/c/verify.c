@@ -652,13 +652,13 @@ static void test_names(void) {
       "KVCS_UNVERIFIED_NONE",           "KVCS_UNVERIFIED_NO_CHECKSUMS",        "KVCS_UNVERIFIED_INVALID_CHECKSUMS",
       "KVCS_UNVERIFIED_WORKERS_MISSING", "KVCS_UNVERIFIED_OTHER_BLOCKS",       "KVCS_UNVERIFIED_ONE_SIDED_GROUP",
       "KVCS_UNVERIFIED_FINGERPRINT_DIFFERS", "KVCS_UNVERIFIED_NO_COMMON_POSITION", "KVCS_UNVERIFIED_REPLICA_MISSING",
-      "KVCS_UNVERIFIED_STATE_TP_DIFFERS",
+      "KVCS_UNVERIFIED_STATE_TP_DIFFERS", "KVCS_UNVERIFIED_ROLE_DIFFERS", "KVCS_UNVERIFIED_UNCOMPARED_POSITIONS",
   };
   for (uint32_t r = 0; r < sizeof reasons / sizeof reasons[0]; r++) {
     CHECK(strcmp(kvcs_unverified_reason_name(r), reasons[r]) == 0);
   }
   CHECK(KVCS_UNVERIFIED_WORKERS_MISSING == 3 && KVCS_UNVERIFIED_STATE_TP_DIFFERS == 9);
-  CHECK(strcmp(kvcs_unverified_reason_name(10), "unknown kvcs_unverified_reason") == 0);
+  CHECK(strcmp(kvcs_unverified_reason_name(12), "unknown kvcs_unverified_reason") == 0);
   CHECK(strcmp(kvcs_unverified_reason_name(UINT32_MAX), "unknown kvcs_unverified_reason") == 0);
 }
 
@@ -910,10 +910,11 @@ static void test_verifier_errors(const side *producer, const side *consumer) {
   EXPECT(kvcs_verifier_check_no_payload(verifier, NULL, &report), KVCS_ERR_INVALID_ARGUMENT, "req_id is NULL");
   EXPECT(kvcs_verifier_check_no_payload(verifier, REQ_ID, NULL), KVCS_ERR_INVALID_ARGUMENT, "out is NULL");
   CHECK(report == SENTINEL);
-  /* A record of another TP size than earlier records' (the producer's 2). */
+  /* A record of another TP size than the records held (the producer's 2). */
   records b = plain_records(consumer, KVCS_ROLE_CONSUMER);
   kvcs_verifier *four = NULL;
   EXPECT_OK(kvcs_verifier_create(4, &four));
+  EXPECT_OK(kvcs_verifier_expect(four, producer->blocks, KVCS_ROLE_PRODUCER));
   EXPECT_OK(kvcs_verifier_add_record(four, r.bytes[0], r.lens[0]));
   EXPECT(kvcs_verifier_add_record(four, b.bytes[0], b.lens[0]), KVCS_ERR_INVALID_ARGUMENT,
          "tp_size 4 differs from tp_size 2");
@@ -1365,11 +1366,11 @@ static void test_consumer_b(side *consumer, const side *producer, const uint8_t 
     }
   }
 
-  /* Records computed in the producer role lack the second copies. */
+  /* Records computed in the producer role: a configuration error. */
   records producer_role = plain_records(consumer, KVCS_ROLE_PRODUCER);
   report = judge(consumer, &producer_role, -1, producer->block_size, payload, len);
-  EXPECT_REPORT(report, KVCS_VERDICT_UNVERIFIED, KVCS_UNVERIFIED_REPLICA_MISSING, 0);
-  CHECK(only_finding(report, KVCS_UNVERIFIED_REPLICA_MISSING, GROUP, "replica 1 of 2"));
+  EXPECT_REPORT(report, KVCS_VERDICT_UNVERIFIED, KVCS_UNVERIFIED_ROLE_DIFFERS, 0);
+  CHECK(only_finding(report, KVCS_UNVERIFIED_ROLE_DIFFERS, KVCS_WHOLE_LOAD, "as a producer"));
   kvcs_report_destroy(report);
   free_records(&producer_role);
 

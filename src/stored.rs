@@ -1,0 +1,160 @@
+//! Stored checksums for offloaded KV (SPEC section 8), on the host engine.
+//!
+//! A group may have a buffer of 8 bytes per block id beside its caches, which
+//! an offload connector copies with each block. A store writes, for each
+//! block being offloaded, `stored[block] = sum XOR tag`, where `sum` adds the
+//! worker's columns at the block's position and `tag = LE_u64(block_hash[0..8])
+//! XOR fingerprint(group)`. A load check recomputes the loaded blocks and
+//! compares: another block's bytes, another shard's KV or another block hash
+//! give another value.
+
+use crate::blocks::{valid_tokens, BlockSet, GroupBlocks, RequestBlocks};
+use crate::error::{err, Result};
+use crate::fingerprint::group_fingerprint;
+use crate::layout::{Group, Layout, StoredBuffer};
+use crate::result::{Checksums, StoredExpectation};
+
+/// The tag that binds a stored checksum to its block hash and group.
+pub fn block_tag(block_hash: u64, group_fingerprint: u64) -> u64 {
+    block_hash ^ group_fingerprint
+}
+
+/// One (request, group) that a store or load check covers.
+struct Target<'a> {
+    request: &'a RequestBlocks,
+    blocks: &'a GroupBlocks,
+    hashes: &'a [u64],
+    group: &'a Group,
+    buffer: StoredBuffer,
+    fingerprint: u64,
+}
+
+impl Target<'_> {
+    /// Whether the block at index `i` holds a valid token (state groups
+    /// always do).
+    fn holds_tokens(&self, i: usize) -> bool {
+        let position = self.blocks.first_position + i as u64;
+        self.group.is_state() || valid_tokens(self.request.num_tokens, self.group.block_size, position) > 0
+    }
+
+    /// Where block `block_id`'s stored value lives.
+    fn slot(&self, block_id: u32) -> *mut u64 {
+        (self.buffer.address as usize as *mut u64).wrapping_add(block_id as usize)
+    }
+}
+
+/// Checks that every (request, group) of `blocks` that the worker does not
+/// skip has a stored buffer, block hashes, and block ids inside the buffer:
+/// all of it before anything is computed or written.
+fn targets<'a>(layout: &'a Layout, blocks: &'a BlockSet) -> Result<Vec<Target<'a>>> {
+    let mut targets = Vec::new();
+    for request in blocks.requests() {
+        let req_id = &request.req_id;
+        for group_blocks in &request.groups {
+            let group_id = group_blocks.group_id;
+            if layout.skip_reason(group_id).is_some() {
+                continue;
+            }
+            let group = layout.group(group_id).ok_or_else(|| {
+                err!(
+                    NotFound,
+                    "group_id {group_id} of req_id \"{req_id}\" is not registered on this worker"
+                )
+            })?;
+            let buffer = group.stored().ok_or_else(|| {
+                err!(
+                    NotFound,
+                    "group_id {group_id} has no buffer of stored checksums (kvcs_worker_add_stored) (req_id \"{req_id}\")"
+                )
+            })?;
+            let hashes = group_blocks.hashes.as_deref().ok_or_else(|| {
+                err!(
+                    InvalidArgument,
+                    "req_id \"{req_id}\", group_id {group_id} has no block hashes (kvcs_blocks_set_hashes)"
+                )
+            })?;
+            if let Some((i, &block_id)) = group_blocks
+                .block_ids
+                .iter()
+                .enumerate()
+                .find(|(_, &id)| id as u64 >= buffer.num_blocks)
+            {
+                return Err(err!(
+                    OutOfBounds,
+                    "block id {block_id} at position {} of req_id \"{req_id}\", group_id {group_id} is not below the {} values of its stored checksums",
+                    group_blocks.first_position + i as u64,
+                    buffer.num_blocks
+                ));
+            }
+            targets.push(Target {
+                request,
+                blocks: group_blocks,
+                hashes,
+                group,
+                buffer,
+                fingerprint: group_fingerprint(group),
+            });
+        }
+    }
+    Ok(targets)
+}
+
+/// Fails unless `blocks` can be stored or checked on `layout` (see [`targets`]).
+pub fn check_blocks(layout: &Layout, blocks: &BlockSet) -> Result<()> {
+    targets(layout, blocks).map(|_| ())
+}
+
+/// Writes `sum XOR tag` for every block of `blocks` that holds a valid
+/// token, from `result` (this worker's checksums of `blocks`, every column).
+///
+/// The caller of `add_stored` promised the buffers are writable host memory
+/// that nothing else writes meanwhile.
+pub fn store(layout: &Layout, blocks: &BlockSet, result: &Checksums) -> Result<()> {
+    let targets = targets(layout, blocks)?;
+    let mut writes = Vec::new();
+    for target in &targets {
+        let sums = result.position_sums(&target.request.req_id, target.blocks.group_id)?;
+        for (i, (&block_id, sum)) in target.blocks.block_ids.iter().zip(sums).enumerate() {
+            if target.holds_tokens(i) {
+                let tag = block_tag(target.hashes[i], target.fingerprint);
+                writes.push((target.slot(block_id), sum ^ tag));
+            }
+        }
+    }
+    for (slot, value) in writes {
+        // SAFETY: `targets` checked the block id is below the buffer's
+        // length; the buffer is 8-byte aligned and writable (the caller's
+        // promise at registration).
+        unsafe { slot.write(value.to_le()) };
+    }
+    Ok(())
+}
+
+/// Reads back the stored value of every block of `blocks` that holds a
+/// valid token: the sums a load check expects.
+pub fn expectations(layout: &Layout, blocks: &BlockSet) -> Result<Vec<StoredExpectation>> {
+    let targets = targets(layout, blocks)?;
+    Ok(targets
+        .iter()
+        .map(|target| {
+            let expected = target
+                .blocks
+                .block_ids
+                .iter()
+                .enumerate()
+                .map(|(i, &block_id)| {
+                    target.holds_tokens(i).then(|| {
+                        // SAFETY: as in `store`, readable host memory.
+                        let stored = u64::from_le(unsafe { target.slot(block_id).read() });
+                        stored ^ block_tag(target.hashes[i], target.fingerprint)
+                    })
+                })
+                .collect();
+            StoredExpectation {
+                req_id: target.request.req_id.clone(),
+                group_id: target.blocks.group_id,
+                expected,
+            }
+        })
+        .collect())
+}

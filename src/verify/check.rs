@@ -1,0 +1,482 @@
+//! Checking: a consumer's finished load against the producer's payload
+//! (SPEC sections 4 and 10), group by group.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+
+use crate::blocks::GroupBlocks;
+use crate::error::Result;
+use crate::layout::ReplicaKey;
+use crate::payload::{ExtensionGroup, Payload, PayloadGroup, PayloadLayer};
+use crate::record::{LayerPartial, RecordGroup};
+
+use super::collect::{add_into, Judged, Pending, Unverified, WorkerPart};
+use super::compare::{consumer_ranges, differing_ranges, producer_ranges, run_tokens, Series};
+use super::report::{Finding, LayerDifference, Mismatch, Policy, Reason, Report};
+
+/// What the verifier was told about producers, and how it judges.
+#[derive(Debug, Clone)]
+pub(super) struct Settings {
+    pub policy: Policy,
+    pub producer_tp_size: Option<u32>,
+    /// Shared, so that a check copies it cheaply before leaving the lock.
+    pub producer_block_sizes: Arc<HashMap<u32, u32>>,
+    /// Loads with uncompared positions are unverified (off by default).
+    pub require_coverage: bool,
+}
+
+/// The consumer's load of one request, ready to be compared: copies taken
+/// under the verifier's lock, compared outside it.
+pub(super) struct Load<'a> {
+    pub req_id: &'a str,
+    pub settings: Settings,
+    pub pending: Pending,
+    pub num_workers: u32,
+}
+
+/// A compared group's positions and mismatches.
+struct GroupOutcome {
+    compared: u64,
+    /// The consumer's loaded positions no compared run covers.
+    uncompared: u64,
+    mismatches: Vec<Mismatch>,
+}
+
+/// The payload's groups and extension groups by id.
+struct SentGroups<'p> {
+    groups: HashMap<u32, &'p PayloadGroup>,
+    extension: HashMap<u32, &'p ExtensionGroup>,
+}
+
+impl<'p> SentGroups<'p> {
+    /// The payload validated that each id appears once.
+    fn of(payload: &'p Payload) -> SentGroups<'p> {
+        SentGroups {
+            groups: payload.groups.iter().map(|g| (g.group_id, g)).collect(),
+            extension: payload
+                .extension
+                .iter()
+                .flat_map(|e| e.groups.iter())
+                .map(|g| (g.group_id, g))
+                .collect(),
+        }
+    }
+}
+
+/// Both sides' facts of one group that decide how it is compared.
+struct GroupSides<'a> {
+    scheduled: &'a GroupBlocks,
+    sent: &'a PayloadGroup,
+    extension: Option<&'a ExtensionGroup>,
+    parts: Vec<(&'a WorkerPart, &'a RecordGroup)>,
+    consumer_block_size: u32,
+    producer_block_size: u32,
+    shard_keyed: bool,
+    producer_tp_size: Option<u32>,
+}
+
+impl Load<'_> {
+    /// The report on the load, given the decoded payload (`None`: none sent).
+    pub fn judge(&self, decoded: Option<Result<Payload>>) -> Report {
+        let whole_load = self
+            .pending
+            .check_complete(self.num_workers)
+            .and_then(|()| self.pending.check_roles());
+        if let Err(Unverified(reason, message)) = whole_load {
+            return self.whole(reason, message);
+        }
+        let payload = match decoded {
+            None => return self.whole(Reason::NoChecksums, "no payload was given for the request".to_owned()),
+            Some(Err(error)) => return self.whole(Reason::InvalidChecksums, error.to_string()),
+            Some(Ok(payload)) => payload,
+        };
+        if let Err(Unverified(reason, message)) = self.pending.check_tokens() {
+            return self.whole(reason, message);
+        }
+        self.compare(&payload)
+    }
+
+    /// A report unverified as a whole.
+    fn whole(&self, reason: Reason, message: String) -> Report {
+        let finding = Finding {
+            reason,
+            group_id: None,
+            message,
+        };
+        Report::new(self.req_id, self.settings.policy, (0, 0), Vec::new(), vec![finding])
+    }
+
+    /// Compares every scheduled group and gathers the outcomes.
+    fn compare(&self, payload: &Payload) -> Report {
+        let sent = SentGroups::of(payload);
+        let (mut compared, mut uncompared) = (0u64, 0u64);
+        let mut mismatches = Vec::new();
+        let mut findings = Vec::new();
+        let mut any_group_compared = false;
+        for scheduled in &self.pending.scheduled.groups {
+            match self.compare_group(payload, &sent, scheduled) {
+                Ok(Some(outcome)) => {
+                    any_group_compared = true;
+                    compared += outcome.compared;
+                    uncompared += outcome.uncompared;
+                    if outcome.uncompared > 0 && self.settings.require_coverage && outcome.mismatches.is_empty() {
+                        findings.push(Finding {
+                            reason: Reason::UncomparedPositions,
+                            group_id: Some(scheduled.group_id),
+                            message: format!(
+                                "group {}: {} loaded positions were not compared ({} compared)",
+                                scheduled.group_id, outcome.uncompared, outcome.compared
+                            ),
+                        });
+                    }
+                    mismatches.extend(outcome.mismatches);
+                }
+                Ok(None) => {}
+                Err(Unverified(reason, message)) => findings.push(Finding {
+                    reason,
+                    group_id: Some(scheduled.group_id),
+                    message,
+                }),
+            }
+        }
+        if !any_group_compared && findings.is_empty() {
+            findings.push(Finding {
+                reason: Reason::NoCommonPosition,
+                group_id: None,
+                message: "no loaded group can be checksummed (every group is skipped on both sides)".to_owned(),
+            });
+        }
+        Report::new(
+            self.req_id,
+            self.settings.policy,
+            (compared, uncompared),
+            mismatches,
+            findings,
+        )
+    }
+
+    /// Compares one scheduled group; `Ok(None)` when it is skipped on both
+    /// sides (nothing to compare, nothing wrong).
+    fn compare_group(
+        &self,
+        payload: &Payload,
+        sent: &SentGroups<'_>,
+        scheduled: &GroupBlocks,
+    ) -> Judged<Option<GroupOutcome>> {
+        let Some(sent_group) = self.sent_group(sent, scheduled.group_id)? else {
+            return Ok(None);
+        };
+        let extension = sent.extension.get(&scheduled.group_id).copied();
+        let sides = self.group_sides(payload, scheduled, sent_group, extension)?;
+        sides.check_state_tp(self.pending.tp_size().unwrap_or(1))?;
+        let checks = replica_checks(&sides.parts, scheduled.block_ids.len())?;
+        let outcome = sides.compare_runs(self.pending.scheduled.num_tokens, payload.num_tokens, &checks);
+        if outcome.compared == 0 {
+            return Err(sides.no_common_position(self.pending.scheduled.num_tokens, payload.num_tokens));
+        }
+        if sides.shard_keyed && sides.producer_tp_size.is_none() && !outcome.mismatches.is_empty() {
+            // Shard-keyed state of another TP size checksums differently; with
+            // the producer's TP size unknown a difference proves nothing.
+            return Err(Unverified(
+                Reason::StateTpDiffers,
+                format!(
+                    "group {} is shard-keyed state, differs at {} positions, and the producer's TP size is unknown",
+                    scheduled.group_id,
+                    outcome.mismatches.len()
+                ),
+            ));
+        }
+        Ok(Some(outcome))
+    }
+
+    /// The producer's entry of the group; `None` when both sides skipped it,
+    /// unverified when only one side has it.
+    fn sent_group<'p>(&self, sent: &SentGroups<'p>, group_id: u32) -> Judged<Option<&'p PayloadGroup>> {
+        let skipped_by = self.pending.skipped_by(group_id);
+        match (skipped_by, sent.groups.get(&group_id).copied()) {
+            (Some(_), None) => Ok(None),
+            (Some((worker, reason)), Some(_)) => Err(Unverified(
+                Reason::OneSidedGroup,
+                format!("the producer sent group {group_id}, which {worker} skipped: {reason}"),
+            )),
+            (None, None) => Err(Unverified(
+                Reason::OneSidedGroup,
+                format!("the consumer checksummed group {group_id}, which the producer did not send"),
+            )),
+            (None, Some(sent)) => Ok(Some(sent)),
+        }
+    }
+
+    /// Gathers both sides' facts of a group both sides checksummed; the
+    /// fingerprints must agree.
+    fn group_sides<'a>(
+        &'a self,
+        payload: &'a Payload,
+        scheduled: &'a GroupBlocks,
+        sent: &'a PayloadGroup,
+        extension: Option<&'a ExtensionGroup>,
+    ) -> Judged<GroupSides<'a>> {
+        let group_id = scheduled.group_id;
+        let parts = self.pending.group_parts(scheduled)?;
+        let ours = self.pending.fingerprint(group_id)?;
+        if ours != sent.fingerprint {
+            return Err(Unverified(
+                Reason::FingerprintDiffers,
+                format!(
+                    "group {group_id}: the producer's fingerprint is {:#018x}, the consumer's {ours:#018x} (other layers or identities)",
+                    sent.fingerprint
+                ),
+            ));
+        }
+        let consumer_block_size = self.pending.block_size(group_id)?;
+        let producer_block_size = extension
+            .map(|e| e.block_size)
+            .or_else(|| self.settings.producer_block_sizes.get(&group_id).copied())
+            .unwrap_or(consumer_block_size);
+        let shard_keyed = parts
+            .iter()
+            .any(|(part, _)| part.group_info(group_id).is_some_and(|g| g.shard_keyed));
+        let producer_tp_size = payload
+            .extension
+            .as_ref()
+            .map(|e| e.producer_tp_size)
+            .or(self.settings.producer_tp_size);
+        Ok(GroupSides {
+            scheduled,
+            sent,
+            extension,
+            parts,
+            consumer_block_size,
+            producer_block_size,
+            shard_keyed,
+            producer_tp_size,
+        })
+    }
+}
+
+impl GroupSides<'_> {
+    /// Shard-keyed state is comparable only between equal TP sizes.
+    fn check_state_tp(&self, consumer_tp_size: u32) -> Judged<()> {
+        match self.producer_tp_size {
+            Some(producer_tp_size) if self.shard_keyed && producer_tp_size != consumer_tp_size => Err(Unverified(
+                Reason::StateTpDiffers,
+                format!(
+                    "group {} is shard-keyed state; producer TP size {producer_tp_size}, consumer {consumer_tp_size}",
+                    self.scheduled.group_id
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether both sides sent per-layer partials, so mismatches name layers.
+    fn localised(&self) -> bool {
+        self.parts.iter().all(|(part, _)| part.detail) && self.extension.is_some_and(|e| !e.layers.is_empty())
+    }
+
+    /// Compares every run both sides hold with equal valid tokens.
+    fn compare_runs(&self, consumer_tokens: u64, producer_tokens: u64, checks: &[(u32, Vec<u64>)]) -> GroupOutcome {
+        let consumer = Series {
+            block_size: self.consumer_block_size,
+            first_position: self.scheduled.first_position,
+            values: &[],
+            num_tokens: consumer_tokens,
+        };
+        let producer = Series {
+            block_size: self.producer_block_size,
+            first_position: self.sent.first_position,
+            values: &self.sent.values,
+            num_tokens: producer_tokens,
+        };
+        let run = run_tokens(self.producer_block_size, self.consumer_block_size);
+        let (q_lo, q_hi) = consumer.with_values(&checks[0].1).runs(run);
+        let localised = self.localised();
+        let mut outcome = GroupOutcome {
+            compared: 0,
+            uncompared: 0,
+            mismatches: Vec::new(),
+        };
+        let mut covered = 0u128;
+        let mut namer = localised.then(|| LayerNamer::new(self, producer, consumer, run));
+        for q in q_lo..q_hi {
+            let valid = consumer.run_valid_tokens(run, q);
+            if valid == 0 || valid != producer.run_valid_tokens(run, q) {
+                continue;
+            }
+            let Some(expected) = producer.run_value(run, q) else {
+                continue;
+            };
+            let Some(failed_checks) = failed_checks(consumer, checks, expected, run, q) else {
+                continue;
+            };
+            outcome.compared += 1;
+            let (lo, hi) = consumer.blocks_of_run(run, q);
+            covered += hi - lo;
+            if failed_checks.is_empty() {
+                continue;
+            }
+            let layers = namer.as_mut().and_then(|namer| namer.name(&failed_checks, q));
+            outcome.mismatches.push(Mismatch {
+                group_id: self.scheduled.group_id,
+                first_position: lo as u64,
+                num_positions: (hi - lo) as u64,
+                first_token: (q * run) as u64,
+                num_tokens: valid as u64,
+                failed_checks,
+                localised: layers.is_some(),
+                layers: layers.unwrap_or_default(),
+            });
+        }
+        outcome.uncompared = (consumer_loaded(consumer, self.scheduled.block_ids.len()) - covered) as u64;
+        outcome
+    }
+
+    /// Why a group with no compared run is unverified.
+    fn no_common_position(&self, consumer_tokens: u64, producer_tokens: u64) -> Unverified {
+        let scheduled = self.scheduled;
+        Unverified(
+            Reason::NoCommonPosition,
+            format!(
+                "group {}: the consumer's positions {}..{} (block size {}, {consumer_tokens} tokens) and the producer's {}..{} (block size {}, {producer_tokens} tokens) share no position with equal valid tokens",
+                scheduled.group_id,
+                scheduled.first_position,
+                scheduled.first_position + scheduled.block_ids.len() as u64,
+                self.consumer_block_size,
+                self.sent.first_position,
+                self.sent.first_position + self.sent.values.len() as u64,
+                self.producer_block_size,
+            ),
+        )
+    }
+}
+
+/// The consumer's positions holding valid tokens among the `count` it
+/// loaded from its first position.
+fn consumer_loaded(consumer: Series<'_>, count: usize) -> u128 {
+    let start = consumer.first_position as u128;
+    let valid_end = (consumer.num_tokens as u128).div_ceil(consumer.block_size as u128);
+    valid_end.min(start + count as u128).saturating_sub(start)
+}
+
+/// Names the layer head ranges that differ at mismatching runs (detail
+/// mode), within a budget of work in proportion to the layer values both
+/// sides sent: each run costs a pass over both sides' layers per failed
+/// check, and replica checks could multiply that past the input's size.
+struct LayerNamer<'a> {
+    producer_layers: &'a [PayloadLayer],
+    consumer_layers: Vec<&'a LayerPartial>,
+    producer: Series<'a>,
+    consumer: Series<'a>,
+    run: u128,
+    budget: u64,
+}
+
+impl<'a> LayerNamer<'a> {
+    fn new(sides: &'a GroupSides<'a>, producer: Series<'a>, consumer: Series<'a>, run: u128) -> LayerNamer<'a> {
+        let producer_layers = &sides.extension.expect("localised needs it").layers;
+        let consumer_layers: Vec<&LayerPartial> =
+            sides.parts.iter().flat_map(|(_, group)| group.layers.iter()).collect();
+        let values: u64 = producer_layers
+            .iter()
+            .map(|l| l.values.len() as u64)
+            .chain(consumer_layers.iter().map(|l| l.values.len() as u64))
+            .sum();
+        LayerNamer {
+            producer_layers,
+            consumer_layers,
+            producer,
+            consumer,
+            run,
+            budget: 16 * values + (1 << 20),
+        }
+    }
+
+    /// The differing ranges at run `q` per failed check; `None` once the
+    /// budget is spent.
+    fn name(&mut self, failed_checks: &[u32], q: u128) -> Option<Vec<LayerDifference>> {
+        let per_check = (self.producer_layers.len() + self.consumer_layers.len()) as u64 + 1;
+        let cost = per_check.saturating_mul(failed_checks.len() as u64 + 1);
+        if cost > self.budget {
+            self.budget = 0;
+            return None;
+        }
+        self.budget -= cost;
+        let producer_layers = producer_ranges(self.producer_layers, self.producer, self.run, q);
+        let mut layers = Vec::new();
+        for &check in failed_checks {
+            let consumer = self.consumer;
+            let consumer_layers = consumer_ranges(
+                self.consumer_layers.iter().map(|&layer| (layer, consumer)),
+                check,
+                self.run,
+                q,
+            );
+            layers.extend(differing_ranges(&producer_layers, &consumer_layers, check));
+        }
+        Some(layers)
+    }
+}
+
+/// The checks that differ from `expected` at run `q`, ascending; `None`
+/// when some check does not hold the whole run.
+fn failed_checks(
+    consumer: Series<'_>,
+    checks: &[(u32, Vec<u64>)],
+    expected: u64,
+    run: u128,
+    q: u128,
+) -> Option<Vec<u32>> {
+    let mut failed = Vec::new();
+    for (check, values) in checks {
+        if consumer.with_values(values).run_value(run, q)? != expected {
+            failed.push(*check);
+        }
+    }
+    Some(failed)
+}
+
+/// The consumer's checks of SPEC section 4, at its positions: check `k` sums,
+/// over the distinct replica counts `R`, the total of key `(R, k % R)`.
+fn replica_checks(parts: &[(&WorkerPart, &RecordGroup)], num_positions: usize) -> Judged<Vec<(u32, Vec<u64>)>> {
+    let mut totals: BTreeMap<ReplicaKey, Vec<u64>> = BTreeMap::new();
+    for (_, group) in parts {
+        for column in &group.columns {
+            let total = totals
+                .entry(column.replica)
+                .or_insert_with(|| vec![0u64; num_positions]);
+            add_into(total, &column.values);
+        }
+    }
+    let replica_counts: BTreeSet<u32> = totals.keys().map(|k| k.replicas).collect();
+    // Each count R needs keys (R, 0) .. (R, R-1); checking that first also
+    // bounds the number of checks by the number of columns.
+    for &replicas in &replica_counts {
+        let missing = (0..replicas).find(|&replica_index| {
+            !totals.contains_key(&ReplicaKey {
+                replicas,
+                replica_index,
+            })
+        });
+        if let Some(missing) = missing {
+            return Err(Unverified(
+                Reason::ReplicaMissing,
+                format!("no worker checksummed replica {missing} of {replicas}"),
+            ));
+        }
+    }
+    let max_replicas = replica_counts.last().copied().unwrap_or(1);
+    let checks = (0..max_replicas)
+        .map(|check| {
+            let mut values = vec![0u64; num_positions];
+            for &replicas in &replica_counts {
+                let key = ReplicaKey {
+                    replicas,
+                    replica_index: check % replicas,
+                };
+                add_into(&mut values, &totals[&key]);
+            }
+            (check, values)
+        })
+        .collect();
+    Ok(checks)
+}

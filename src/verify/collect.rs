@@ -1,0 +1,287 @@
+//! Collecting: each worker's part of each expected request, and the facts
+//! both the producer and the consumer side read from all the parts of one
+//! request (who reported, which blocks and tokens they checksummed, the
+//! group fingerprint and block size).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+
+use crate::blocks::{GroupBlocks, RequestBlocks};
+use crate::error::{err, Result};
+use crate::layout::Role;
+use crate::record::{GroupInfo, Rank, RecordGroup, RecordRequest};
+
+use super::report::Reason;
+
+/// A condition that makes a load (or group) unverified, or a payload
+/// impossible to build.
+pub(super) struct Unverified(pub Reason, pub String);
+
+/// The outcome of a step that can make a load or group unverified.
+pub(super) type Judged<T> = std::result::Result<T, Unverified>;
+
+/// A request whose records are being collected. Cheap to clone (its parts
+/// are shared), so that a check or payload works on a copy outside the
+/// verifier's lock.
+#[derive(Debug, Clone)]
+pub(super) struct Pending {
+    pub role: Role,
+    pub scheduled: Arc<RequestBlocks>,
+    /// Per worker (PP stage, TP rank): its part of the request.
+    pub reports: BTreeMap<(u32, u32), Arc<WorkerPart>>,
+}
+
+/// One worker's part of one request, with its groups indexed by id.
+#[derive(Debug)]
+pub(super) struct WorkerPart {
+    pub rank: Rank,
+    /// The role the worker computed in.
+    pub role: Role,
+    pub detail: bool,
+    /// The record's groups, sorted by id (the record validated that).
+    pub groups: Arc<[GroupInfo]>,
+    pub request: RecordRequest,
+    /// Group id -> index in `request.groups`.
+    group_index: HashMap<u32, usize>,
+    /// Group id -> index in `request.skipped`.
+    skipped_index: HashMap<u32, usize>,
+}
+
+impl WorkerPart {
+    /// A worker's part, indexed (the record validated that each group
+    /// appears once).
+    pub fn new(rank: Rank, role: Role, detail: bool, groups: Arc<[GroupInfo]>, request: RecordRequest) -> WorkerPart {
+        let group_index = request
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(i, g)| (g.group_id, i))
+            .collect();
+        let skipped_index = request
+            .skipped
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.group_id, i))
+            .collect();
+        WorkerPart {
+            rank,
+            role,
+            detail,
+            groups,
+            request,
+            group_index,
+            skipped_index,
+        }
+    }
+
+    pub fn group_info(&self, group_id: u32) -> Option<&GroupInfo> {
+        let index = self.groups.binary_search_by_key(&group_id, |g| g.group_id).ok()?;
+        Some(&self.groups[index])
+    }
+
+    pub fn group(&self, group_id: u32) -> Option<&RecordGroup> {
+        self.group_index.get(&group_id).map(|&i| &self.request.groups[i])
+    }
+
+    pub fn skipped(&self, group_id: u32) -> Option<&str> {
+        self.skipped_index
+            .get(&group_id)
+            .map(|&i| self.request.skipped[i].reason.as_str())
+    }
+
+    pub fn name(&self) -> String {
+        format!("worker (pp_rank {}, tp_rank {})", self.rank.pp_rank, self.rank.tp_rank)
+    }
+}
+
+impl Pending {
+    /// A request expected in `role` with the blocks it was scheduled with.
+    pub fn new(role: Role, scheduled: RequestBlocks) -> Pending {
+        Pending {
+            role,
+            scheduled: Arc::new(scheduled),
+            reports: BTreeMap::new(),
+        }
+    }
+
+    /// The workers' TP size (every record of a verifier has the same).
+    pub fn tp_size(&self) -> Option<u32> {
+        self.reports.values().next().map(|part| part.rank.tp_size)
+    }
+
+    /// Every worker computed in the role the request is expected in: a
+    /// worker of the other role checksums other columns, which says nothing
+    /// about the data.
+    pub fn check_roles(&self) -> Judged<()> {
+        match self.reports.values().find(|part| part.role != self.role) {
+            None => Ok(()),
+            Some(part) => Err(Unverified(
+                Reason::RoleDiffers,
+                format!(
+                    "{} checksummed req_id {:?} as a {}, but the request is expected as a {} (a configuration error, not corrupt data)",
+                    part.name(),
+                    self.scheduled.req_id,
+                    role_name(part.role),
+                    role_name(self.role)
+                ),
+            )),
+        }
+    }
+
+    /// Every worker reported the request.
+    pub fn check_complete(&self, num_workers: u32) -> Judged<()> {
+        let reported = self.reports.len() as u64;
+        if reported >= num_workers as u64 {
+            return Ok(());
+        }
+        let tp_size = self.reports.values().next().map_or(num_workers, |p| p.rank.tp_size);
+        let missing: Vec<String> = (0..num_workers)
+            .map(|worker| (worker / tp_size, worker % tp_size))
+            .filter(|key| !self.reports.contains_key(key))
+            .take(8)
+            .map(|(pp_rank, tp_rank)| format!("(pp_rank {pp_rank}, tp_rank {tp_rank})"))
+            .collect();
+        Err(Unverified(
+            Reason::WorkersMissing,
+            format!(
+                "{reported} of {num_workers} workers reported; missing {}",
+                missing.join(", ")
+            ),
+        ))
+    }
+
+    /// Every worker checksummed the request's scheduled token count.
+    pub fn check_tokens(&self) -> Judged<()> {
+        let scheduled = self.scheduled.num_tokens;
+        match self.reports.values().find(|part| part.request.num_tokens != scheduled) {
+            None => Ok(()),
+            Some(part) => Err(Unverified(
+                Reason::OtherBlocks,
+                format!(
+                    "{} checksummed {} tokens, {scheduled} were scheduled",
+                    part.name(),
+                    part.request.num_tokens
+                ),
+            )),
+        }
+    }
+
+    /// The first worker that skipped `group_id`, with its reason.
+    pub fn skipped_by(&self, group_id: u32) -> Option<(String, &str)> {
+        self.reports
+            .values()
+            .find_map(|part| part.skipped(group_id).map(|reason| (part.name(), reason)))
+    }
+
+    /// Every worker's entry of a scheduled group, each at the scheduled
+    /// positions.
+    pub fn group_parts(&self, scheduled: &GroupBlocks) -> Judged<Vec<(&WorkerPart, &RecordGroup)>> {
+        let group_id = scheduled.group_id;
+        let expected = (scheduled.first_position, scheduled.block_ids.len() as u64);
+        let mut parts = Vec::with_capacity(self.reports.len());
+        for part in self.reports.values() {
+            let Some(group) = part.group(group_id) else {
+                return Err(Unverified(
+                    Reason::OtherBlocks,
+                    format!("{} did not checksum group {group_id}", part.name()),
+                ));
+            };
+            if (group.first_position, group.num_positions) != expected {
+                return Err(Unverified(
+                    Reason::OtherBlocks,
+                    format!(
+                        "{} checksummed positions {}..{} of group {group_id}, {}..{} were scheduled",
+                        part.name(),
+                        group.first_position,
+                        group.first_position + group.num_positions,
+                        expected.0,
+                        expected.0 + expected.1
+                    ),
+                ));
+            }
+            parts.push((&**part, group));
+        }
+        Ok(parts)
+    }
+
+    /// The group's fingerprint for the whole model: per PP stage the value
+    /// of its TP ranks (which must agree), summed over stages.
+    pub fn fingerprint(&self, group_id: u32) -> Judged<u64> {
+        let mut stages: BTreeMap<u32, (u64, &WorkerPart)> = BTreeMap::new();
+        for part in self.reports.values() {
+            let value = part.group_info(group_id).map_or(0, |g| g.fingerprint);
+            let &mut (first, first_part) = stages.entry(part.rank.pp_rank).or_insert((value, part));
+            if first != value {
+                return Err(Unverified(
+                    Reason::FingerprintDiffers,
+                    format!(
+                        "{} and {} of one stage report fingerprints {first:#018x} and {value:#018x} for group {group_id}",
+                        first_part.name(),
+                        part.name()
+                    ),
+                ));
+            }
+        }
+        Ok(stages.values().fold(0u64, |sum, &(value, _)| sum.wrapping_add(value)))
+    }
+
+    /// The group's block size, on which every worker must agree.
+    pub fn block_size(&self, group_id: u32) -> Judged<u32> {
+        let sizes: BTreeSet<u32> = self
+            .reports
+            .values()
+            .filter_map(|part| part.group_info(group_id).map(|g| g.block_size))
+            .collect();
+        match sizes.len() {
+            1 => Ok(*sizes.first().expect("one")),
+            0 => Err(Unverified(
+                Reason::OtherBlocks,
+                format!("no worker registered group {group_id}"),
+            )),
+            _ => Err(Unverified(
+                Reason::OtherBlocks,
+                format!("the workers disagree on the block size of group {group_id}: {sizes:?}"),
+            )),
+        }
+    }
+
+    /// Whether every worker is in detail mode.
+    pub fn all_detail(&self) -> bool {
+        self.reports.values().all(|part| part.detail)
+    }
+}
+
+/// Checks that a record's rank fits an engine of `num_workers` workers.
+pub(super) fn check_rank(rank: Rank, num_workers: u32) -> Result<()> {
+    if num_workers % rank.tp_size != 0 {
+        return Err(err!(
+            InvalidArgument,
+            "record of tp_size {} does not fit num_workers {num_workers} (TP size x PP stages)",
+            rank.tp_size
+        ));
+    }
+    let stages = num_workers / rank.tp_size;
+    if rank.pp_rank >= stages {
+        return Err(err!(
+            InvalidArgument,
+            "record of pp_rank {} is not below the {stages} PP stages of num_workers {num_workers} with tp_size {}",
+            rank.pp_rank,
+            rank.tp_size
+        ));
+    }
+    Ok(())
+}
+
+fn role_name(role: Role) -> &'static str {
+    match role {
+        Role::Producer => "producer",
+        Role::Consumer => "consumer",
+    }
+}
+
+/// Adds `values` into `total`, wrapping, position by position.
+pub(super) fn add_into(total: &mut [u64], values: &[u64]) {
+    for (sum, &value) in total.iter_mut().zip(values) {
+        *sum = sum.wrapping_add(value);
+    }
+}

@@ -1,0 +1,104 @@
+//! Producing: the payload of SPEC section 9 from every worker's part of a
+//! producer's request.
+
+use crate::blocks::GroupBlocks;
+use crate::error::{err, Error, Result};
+use crate::payload::{Extension, ExtensionGroup, Payload, PayloadGroup, PayloadLayer};
+use crate::record::RecordGroup;
+
+use super::collect::{add_into, Judged, Pending, Unverified, WorkerPart};
+
+/// The payload of `req_id` from its complete parts; `with_extension` adds
+/// the kvcsum extension with `producer_tp_size`.
+pub(super) fn build_payload(
+    req_id: &str,
+    pending: &Pending,
+    with_extension: bool,
+    producer_tp_size: u32,
+) -> Result<Payload> {
+    let fail = |Unverified(reason, message): Unverified| -> Error {
+        err!(
+            InvalidArgument,
+            "no payload for req_id {req_id:?}: {}: {message}",
+            reason.describe()
+        )
+    };
+    pending.check_tokens().map_err(fail)?;
+    let detail = pending.all_detail();
+    let mut groups = Vec::new();
+    let mut extension_groups = Vec::new();
+    for scheduled in &pending.scheduled.groups {
+        if pending.skipped_by(scheduled.group_id).is_some() {
+            continue;
+        }
+        let (group, extension_group) = payload_group(pending, scheduled, detail).map_err(fail)?;
+        groups.push(group);
+        extension_groups.push(extension_group);
+    }
+    let payload = Payload {
+        num_tokens: pending.scheduled.num_tokens,
+        groups,
+        extension: with_extension.then_some(Extension {
+            producer_tp_size,
+            groups: extension_groups,
+        }),
+    };
+    payload.validate().map_err(|e| {
+        err!(
+            InvalidArgument,
+            "no payload for req_id {req_id:?}: the records give an invalid payload: {e}"
+        )
+    })?;
+    Ok(payload)
+}
+
+/// One scheduled group's payload entry and extension entry (with the layer
+/// partials when every worker sent them).
+fn payload_group(pending: &Pending, scheduled: &GroupBlocks, detail: bool) -> Judged<(PayloadGroup, ExtensionGroup)> {
+    let group_id = scheduled.group_id;
+    let parts = pending.group_parts(scheduled)?;
+    let fingerprint = pending.fingerprint(group_id)?;
+    let block_size = pending.block_size(group_id)?;
+    let group = PayloadGroup {
+        group_id,
+        fingerprint,
+        first_position: scheduled.first_position,
+        values: first_copy_sum(&parts, scheduled.block_ids.len()),
+    };
+    let extension_group = ExtensionGroup {
+        group_id,
+        block_size,
+        layers: if detail { first_copy_layers(&parts) } else { Vec::new() },
+    };
+    Ok((group, extension_group))
+}
+
+/// The sum of every worker's `replica_index == 0` columns: each head counted
+/// once (SPEC section 4).
+fn first_copy_sum(parts: &[(&WorkerPart, &RecordGroup)], num_positions: usize) -> Vec<u64> {
+    let mut values = vec![0u64; num_positions];
+    for (_, group) in parts {
+        for column in group.columns.iter().filter(|c| c.replica.replica_index == 0) {
+            add_into(&mut values, &column.values);
+        }
+    }
+    values
+}
+
+/// Every worker's `replica_index == 0` layer partials, sorted by (layer,
+/// first head).
+fn first_copy_layers(parts: &[(&WorkerPart, &RecordGroup)]) -> Vec<PayloadLayer> {
+    let mut layers: Vec<PayloadLayer> = parts
+        .iter()
+        .flat_map(|(_, group)| group.layers.iter())
+        .filter(|l| l.replica.replica_index == 0)
+        .map(|l| PayloadLayer {
+            layer_number: l.layer_number,
+            first_head: l.first_head,
+            num_heads: l.num_heads,
+            values: l.values.clone(),
+        })
+        .collect();
+    layers.sort_by_key(|l| (l.layer_number, l.first_head));
+    layers
+}

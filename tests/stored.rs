@@ -1,0 +1,514 @@
+//! Stored checksums for offloaded KV (SPEC section 8): a store writes `sum
+//! XOR tag` per block into the group's buffer, the buffer travels with the
+//! blocks, and a load check recomputes the loaded blocks and names each
+//! position whose stored value does not match: a corrupted byte, a block in
+//! another block's slot, another shard's KV, a wrong block hash. Compared
+//! with the naive reference of SPEC sections 2 and 3, on random data.
+//!
+//! Reproduce a failure with the seed it printed:
+//! `KVCS_TEST_SEED=<seed> cargo test --test stored <name>`.
+
+mod support;
+
+use std::ffi::{CStr, CString};
+
+use kvcsum::ffi::blocks::*;
+use kvcsum::ffi::result::*;
+use kvcsum::ffi::status::kvcs_last_error;
+use kvcsum::ffi::status::kvcs_status::*;
+use kvcsum::ffi::worker::*;
+use kvcsum::{BlockSet, Error, Role, StoredOutcome, StreamHandle, Worker};
+use sha2::{Digest, Sha256};
+use support::*;
+
+const REQ: &str = "offload-1";
+const HASH_BYTES: usize = 32;
+
+/// One TP rank: its worker, its cache and its buffer of stored checksums.
+struct Rank {
+    worker: Worker,
+    placement: Placement,
+    stored: Vec<u64>,
+}
+
+/// A TP deployment of one group with stored-checksum buffers.
+struct Side {
+    ranks: Vec<Rank>,
+}
+
+fn identity(layer: u32) -> Vec<u8> {
+    format!("('model.layers.{layer}.self_attn.attn', 'FullAttentionSpec', 'bfloat16')").into_bytes()
+}
+
+fn deploy(rng: &mut Rng, kv: &LogicalKv, tp_size: u32, kind: LayoutKind, num_blocks: u32) -> Side {
+    let ranks = (0..tp_size)
+        .map(|tp_rank| {
+            let mut worker = host_worker(tp_rank, tp_size, 0, 2);
+            let placement = Placement::for_shard(rng, kv, &shard(kv, tp_rank, tp_size, 0, 1), kind, 0, 16, num_blocks);
+            worker.add_group(0, 16).unwrap();
+            for region in placement.regions(&placement.host_bases()) {
+                worker.add_region(region).unwrap();
+            }
+            for mut spec in placement.host_layer_specs() {
+                spec.identity = identity(spec.layer_number);
+                worker.add_layer(spec).unwrap();
+            }
+            // Junk, so that a value never written cannot pass by chance.
+            let stored: Vec<u64> = (0..num_blocks).map(|_| rng.next_u64()).collect();
+            worker
+                .add_stored(0, stored.as_ptr() as u64, num_blocks as u64)
+                .expect("add_stored");
+            Rank {
+                worker,
+                placement,
+                stored,
+            }
+        })
+        .collect();
+    Side { ranks }
+}
+
+fn random_hashes(rng: &mut Rng, count: usize) -> Vec<u8> {
+    (0..count * HASH_BYTES).map(|_| rng.next_u64() as u8).collect()
+}
+
+fn blocks_with_hashes(num_tokens: u64, block_ids: &[u32], hashes: &[u8]) -> BlockSet {
+    let mut blocks = BlockSet::new();
+    blocks.add_request(REQ, num_tokens).unwrap();
+    blocks.add_group(REQ, 0, 0, block_ids).unwrap();
+    blocks.set_hashes(REQ, 0, hashes, HASH_BYTES).unwrap();
+    blocks
+}
+
+/// The group fingerprint of a rank (every rank registers the same layers).
+fn naive_fingerprint(kv: &LogicalKv) -> u64 {
+    (0..kv.shape.num_layers).fold(0u64, |sum, layer| {
+        let digest = Sha256::digest(identity(layer));
+        sum.wrapping_add(u64::from_le_bytes(digest[..8].try_into().unwrap()))
+    })
+}
+
+fn hash_of(hashes: &[u8], i: usize) -> u64 {
+    u64::from_le_bytes(hashes[i * HASH_BYTES..i * HASH_BYTES + 8].try_into().unwrap())
+}
+
+/// Per position, the verdicts of every rank's load check.
+fn load_check(side: &Side, blocks: &BlockSet) -> Vec<Vec<StoredOutcome>> {
+    side.ranks
+        .iter()
+        .map(|rank| {
+            let result = rank
+                .worker
+                .check_stored(blocks, StreamHandle::legacy_default())
+                .expect("check_stored");
+            result.stored_outcomes(REQ, 0).expect("outcomes")
+        })
+        .collect()
+}
+
+/// Positions where some rank failed.
+fn failed_positions(outcomes: &[Vec<StoredOutcome>]) -> Vec<usize> {
+    let positions = outcomes[0].len();
+    (0..positions)
+        .filter(|&q| outcomes.iter().any(|rank| rank[q] == StoredOutcome::Failed))
+        .collect()
+}
+
+struct Scenario {
+    kv: LogicalKv,
+    side: Side,
+    block_ids: Vec<u32>,
+    hashes: Vec<u8>,
+    count: usize,
+}
+
+/// Stores a random request's blocks, then "offloads and loads them back"
+/// into fresh block ids: the KV written again there and each block's stored
+/// value copied with it.
+fn stored_and_reloaded(rng: &mut Rng, num_tokens: u64) -> Scenario {
+    let kv = LogicalKv::random(rng, KvShape::gqa(3, 4, 64, num_tokens));
+    let count = positions_for(num_tokens, 16, 0, 0);
+    let num_blocks = 2 * count as u32 + 2;
+    let mut side = deploy(rng, &kv, 2, LayoutKind::Hnd, num_blocks);
+    let mut allocator = BlockAllocator::new(rng, num_blocks);
+    let first_ids = allocator.take(count);
+    let hashes = random_hashes(rng, count);
+    for rank in &mut side.ranks {
+        rank.placement.write_request(&kv, 0, &first_ids);
+    }
+    let blocks = blocks_with_hashes(num_tokens, &first_ids, &hashes);
+    for rank in &side.ranks {
+        rank.worker
+            .store(&blocks, StreamHandle::legacy_default())
+            .expect("store");
+    }
+    // The ranks' stored values, untagged, add up to the naive block checksums.
+    let tag = |i: usize| hash_of(&hashes, i) ^ naive_fingerprint(&kv);
+    let expected = naive_full(&kv, 16, 0, count);
+    for (i, &block_id) in first_ids.iter().enumerate() {
+        let total = side.ranks.iter().fold(0u64, |sum, rank| {
+            sum.wrapping_add(rank.stored[block_id as usize] ^ tag(i))
+        });
+        assert_eq!(total, expected[i], "stored value of position {i}");
+    }
+    // Load back elsewhere: the KV rewritten at new ids, stored values copied.
+    let block_ids = allocator.take(count);
+    for rank in &mut side.ranks {
+        rank.placement.write_request(&kv, 0, &block_ids);
+        for (&from, &to) in first_ids.iter().zip(&block_ids) {
+            rank.stored[to as usize] = rank.stored[from as usize];
+        }
+    }
+    Scenario {
+        kv,
+        side,
+        block_ids,
+        hashes,
+        count,
+    }
+}
+
+#[test]
+fn a_round_trip_matches_at_every_position() {
+    let mut rng = Rng::for_test("a_round_trip_matches_at_every_position");
+    let seed = rng.seed();
+    for num_tokens in [16, 75, 160] {
+        let s = stored_and_reloaded(&mut rng, num_tokens);
+        let blocks = blocks_with_hashes(num_tokens, &s.block_ids, &s.hashes);
+        let outcomes = load_check(&s.side, &blocks);
+        for rank in &outcomes {
+            assert!(
+                rank.iter().all(|&o| o == StoredOutcome::Matched),
+                "{num_tokens} tokens: {rank:?} (seed {seed})"
+            );
+        }
+        // The load check's values are the plain checksums.
+        let mut total = vec![0u64; s.count];
+        for rank in &s.side.ranks {
+            let result = checksum(&rank.worker, &blocks, Role::Consumer);
+            add_values(&mut total, &result.position_sums(REQ, 0).unwrap());
+        }
+        assert_eq!(total, naive_full(&s.kv, 16, 0, s.count), "seed {seed}");
+    }
+}
+
+#[test]
+fn each_fault_fails_at_its_position_and_nowhere_else() {
+    let mut rng = Rng::for_test("each_fault_fails_at_its_position_and_nowhere_else");
+    let seed = rng.seed();
+    let num_tokens = 120;
+
+    // A corrupted byte in one loaded block.
+    let mut s = stored_and_reloaded(&mut rng, num_tokens);
+    let q = rng.below(s.count as u64) as usize;
+    let (layer, head) = (rng.below(3) as u32, s.side.ranks[1].placement.spec().first_head);
+    s.side.ranks[1]
+        .placement
+        .xor_byte(layer, head, s.block_ids[q], 0, 5, 0x20);
+    let blocks = blocks_with_hashes(num_tokens, &s.block_ids, &s.hashes);
+    assert_eq!(
+        failed_positions(&load_check(&s.side, &blocks)),
+        vec![q],
+        "corrupted byte (seed {seed})"
+    );
+
+    // Two blocks' KV loaded into each other's slots.
+    let mut s = stored_and_reloaded(&mut rng, num_tokens);
+    let (a, b) = (1, 4);
+    let mut swapped = s.block_ids.clone();
+    swapped.swap(a, b);
+    for rank in &mut s.side.ranks {
+        rank.placement.write_request(&s.kv, 0, &swapped);
+    }
+    let blocks = blocks_with_hashes(num_tokens, &s.block_ids, &s.hashes);
+    assert_eq!(
+        failed_positions(&load_check(&s.side, &blocks)),
+        vec![a, b],
+        "swapped blocks (seed {seed})"
+    );
+
+    // Another shard's KV: rank 1's cache bytes in rank 0's cache.
+    let mut s = stored_and_reloaded(&mut rng, num_tokens);
+    let other: Vec<Vec<u8>> = s.side.ranks[1]
+        .placement
+        .buffers()
+        .iter()
+        .map(|b| b.bytes().to_vec())
+        .collect();
+    for (buffer, bytes) in s.side.ranks[0].placement.buffers_mut().iter_mut().zip(&other) {
+        buffer.bytes_mut().copy_from_slice(bytes);
+    }
+    let blocks = blocks_with_hashes(num_tokens, &s.block_ids, &s.hashes);
+    let outcomes = load_check(&s.side, &blocks);
+    assert!(
+        outcomes[0].iter().all(|&o| o == StoredOutcome::Failed),
+        "another shard fails everywhere on rank 0: {:?} (seed {seed})",
+        outcomes[0]
+    );
+    assert!(outcomes[1].iter().all(|&o| o == StoredOutcome::Matched), "seed {seed}");
+
+    // A wrong block hash for one position.
+    let s = stored_and_reloaded(&mut rng, num_tokens);
+    let q = rng.below(s.count as u64) as usize;
+    let mut hashes = s.hashes.clone();
+    hashes[q * HASH_BYTES + rng.below(8) as usize] ^= 0x01;
+    let blocks = blocks_with_hashes(num_tokens, &s.block_ids, &hashes);
+    assert_eq!(
+        failed_positions(&load_check(&s.side, &blocks)),
+        vec![q],
+        "wrong hash (seed {seed})"
+    );
+    // Bytes of the hash past the first 8 are not used.
+    let mut hashes = s.hashes.clone();
+    hashes[q * HASH_BYTES + 8 + rng.below(24) as usize] ^= 0x01;
+    let blocks = blocks_with_hashes(num_tokens, &s.block_ids, &hashes);
+    assert!(
+        failed_positions(&load_check(&s.side, &blocks)).is_empty(),
+        "seed {seed}"
+    );
+}
+
+#[test]
+fn positions_without_valid_tokens_are_neither_stored_nor_checked() {
+    let mut rng = Rng::for_test("positions_without_valid_tokens_are_neither_stored_nor_checked");
+    let kv = LogicalKv::random(&mut rng, KvShape::gqa(2, 2, 64, 40));
+    let mut side = deploy(&mut rng, &kv, 1, LayoutKind::Nhd, 6);
+    let block_ids = [4, 1, 3, 0]; // 40 tokens hold positions 0..2; 3 is empty
+    side.ranks[0].placement.write_request(&kv, 0, &block_ids[..3]);
+    let hashes = random_hashes(&mut rng, 4);
+    let blocks = blocks_with_hashes(40, &block_ids, &hashes);
+    let junk = side.ranks[0].stored[0];
+    side.ranks[0]
+        .worker
+        .store(&blocks, StreamHandle::legacy_default())
+        .unwrap();
+    assert_eq!(side.ranks[0].stored[0], junk, "block 0 (position 3) is not written");
+    let outcomes = load_check(&side, &blocks);
+    use StoredOutcome::*;
+    assert_eq!(outcomes[0], vec![Matched, Matched, Matched, NotChecked]);
+}
+
+#[test]
+fn bad_stores_fail_before_writing_anything() {
+    let mut rng = Rng::for_test("bad_stores_fail_before_writing_anything");
+    let kv = LogicalKv::random(&mut rng, KvShape::gqa(2, 2, 64, 64));
+    let mut side = deploy(&mut rng, &kv, 1, LayoutKind::Hnd, 8);
+    side.ranks[0].placement.write_request(&kv, 0, &[0, 1, 2, 3]);
+    let before = side.ranks[0].stored.clone();
+    let stream = StreamHandle::legacy_default();
+    // No hashes.
+    let mut blocks = BlockSet::new();
+    blocks.add_request(REQ, 64).unwrap();
+    blocks.add_group(REQ, 0, 0, &[0, 1, 2, 3]).unwrap();
+    let error = side.ranks[0].worker.store(&blocks, stream).err().expect("no hashes");
+    assert!(
+        matches!(error, Error::InvalidArgument(_)) && error.to_string().contains("block hashes"),
+        "{error}"
+    );
+    // Hashes of the wrong count or size.
+    let error = blocks
+        .set_hashes(REQ, 0, &random_hashes(&mut rng, 3), HASH_BYTES)
+        .unwrap_err();
+    assert!(error.to_string().contains("not 4 hashes"), "{error}");
+    let error = blocks.set_hashes(REQ, 0, &[0; 28], 7).unwrap_err();
+    assert!(error.to_string().contains("hash_bytes is 7"), "{error}");
+    // A second request's block id past the buffer: nothing of the first is written.
+    blocks
+        .set_hashes(REQ, 0, &random_hashes(&mut rng, 4), HASH_BYTES)
+        .unwrap();
+    let mut two = blocks.clone();
+    two.add_request("r2", 16).unwrap();
+    two.add_group("r2", 0, 0, &[7]).unwrap();
+    two.set_hashes("r2", 0, &random_hashes(&mut rng, 1), HASH_BYTES)
+        .unwrap();
+    let address = side.ranks[0].stored.as_ptr() as u64;
+    side.ranks[0].worker.add_stored(0, address, 7).unwrap();
+    let error = side.ranks[0]
+        .worker
+        .store(&two, stream)
+        .err()
+        .expect("block 7 is outside");
+    assert!(
+        matches!(error, Error::OutOfBounds(_)) && error.to_string().contains("block id 7"),
+        "{error}"
+    );
+    assert_eq!(side.ranks[0].stored, before, "nothing written");
+    // No buffer registered for the group.
+    let mut bare = host_worker(0, 1, 0, 1);
+    bare.add_group(0, 16).unwrap();
+    let error = bare.store(&blocks, stream).err().expect("no buffer");
+    assert!(
+        matches!(error, Error::NotFound(_)) && error.to_string().contains("kvcs_worker_add_stored"),
+        "{error}"
+    );
+    // A plain result is no load check.
+    let result = checksum(&side.ranks[0].worker, &blocks, Role::Consumer);
+    assert!(matches!(result.stored_outcomes(REQ, 0), Err(Error::NotFound(_))));
+    // Registration errors.
+    let worker = &mut side.ranks[0].worker;
+    assert!(matches!(worker.add_stored(5, 4096, 8), Err(Error::NotFound(_))));
+    assert!(matches!(worker.add_stored(0, 4100, 8), Err(Error::Unsupported(_))));
+    assert!(matches!(worker.add_stored(0, 4096, 0), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        worker.add_stored(0, u64::MAX - 7, 2),
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+fn last_error() -> String {
+    unsafe { CStr::from_ptr(kvcs_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+#[test]
+fn c_api_round_trip_tags_and_outcomes() {
+    let mut rng = Rng::for_test("c_api_round_trip_tags_and_outcomes");
+    let seed = rng.seed();
+    let kv = LogicalKv::random(&mut rng, KvShape::gqa(2, 2, 64, 50));
+    let mut placement = Placement::for_shard(&mut rng, &kv, &shard(&kv, 0, 1, 0, 1), LayoutKind::Hnd, 0, 16, 6);
+    let block_ids = [5u32, 2, 0, 3];
+    placement.write_request(&kv, 0, &block_ids);
+    let options = kvcs_worker_options {
+        tp_rank: 0,
+        tp_size: 1,
+        pp_rank: 0,
+        device: -1,
+        num_threads: 1,
+    };
+    let mut worker = std::ptr::null_mut();
+    assert_eq!(kvcs_worker_create(&options, &mut worker), KVCS_OK);
+    let mut host = host_worker(0, 1, 0, 1);
+    register_host(&mut host, &placement);
+    // Register the same layout through the C API.
+    for region in placement.regions(&placement.host_bases()) {
+        assert_eq!(kvcs_worker_add_region(worker, region.address, region.length), KVCS_OK);
+    }
+    assert_eq!(kvcs_worker_add_group(worker, 0, 16), KVCS_OK);
+    let identities: Vec<Vec<u8>> = placement
+        .host_layer_specs()
+        .iter()
+        .map(|s| s.identity.clone())
+        .collect();
+    for (spec, identity) in placement.host_layer_specs().iter().zip(&identities) {
+        let segments: Vec<kvcs_segment> = spec
+            .segments
+            .iter()
+            .map(|s| kvcs_segment {
+                address: s.address,
+                block_stride: s.block_stride,
+                kernel_block_stride: s.kernel_block_stride,
+                head_stride: s.head_stride,
+                token_stride: s.token_stride,
+                bytes_per_token: s.bytes_per_token,
+            })
+            .collect();
+        let layer = kvcs_layer {
+            group_id: 0,
+            layer_number: spec.layer_number,
+            first_head: spec.first_head,
+            num_heads: spec.num_heads,
+            replicas: spec.replica.replicas,
+            replica_index: spec.replica.replica_index,
+            num_blocks: spec.num_blocks,
+            kernel_blocks: spec.kernel_blocks,
+            tokens_per_kernel_block: spec.tokens_per_kernel_block,
+            num_segments: segments.len() as u32,
+            segments: segments.as_ptr(),
+            identity: identity.as_ptr(),
+            identity_len: identity.len(),
+        };
+        assert_eq!(kvcs_worker_add_layer(worker, &layer), KVCS_OK, "{}", last_error());
+    }
+    let mut stored = vec![0u64; 6];
+    assert_eq!(
+        kvcs_worker_add_stored(worker, 0, stored.as_mut_ptr() as u64, 6),
+        KVCS_OK
+    );
+    let mut blocks = std::ptr::null_mut();
+    assert_eq!(kvcs_blocks_create(&mut blocks), KVCS_OK);
+    let req = CString::new(REQ).unwrap();
+    assert_eq!(kvcs_blocks_add_request(blocks, req.as_ptr(), 50), KVCS_OK);
+    assert_eq!(
+        kvcs_blocks_add_group(blocks, req.as_ptr(), 0, 0, block_ids.as_ptr(), 4),
+        KVCS_OK
+    );
+    let hashes = random_hashes(&mut rng, 4);
+    assert_eq!(
+        kvcs_blocks_set_hashes(blocks, req.as_ptr(), 0, hashes.as_ptr(), HASH_BYTES, 3),
+        KVCS_ERR_INVALID_ARGUMENT
+    );
+    assert!(last_error().contains("not 4 hashes"), "{}", last_error());
+    assert_eq!(
+        kvcs_blocks_set_hashes(blocks, req.as_ptr(), 0, hashes.as_ptr(), HASH_BYTES, 4),
+        KVCS_OK
+    );
+    // Tags: the hash's first 8 bytes XOR the fingerprint of the layers' identities.
+    let fingerprint = identities.iter().fold(0u64, |sum, identity| {
+        sum.wrapping_add(u64::from_le_bytes(Sha256::digest(identity)[..8].try_into().unwrap()))
+    });
+    let mut tags = [0u64; 4];
+    assert_eq!(
+        kvcs_block_tags(worker, 0, hashes.as_ptr(), HASH_BYTES, 4, tags.as_mut_ptr()),
+        KVCS_OK
+    );
+    for (i, &tag) in tags.iter().enumerate() {
+        assert_eq!(tag, hash_of(&hashes, i) ^ fingerprint);
+    }
+    assert_eq!(
+        kvcs_block_tags(worker, 0, hashes.as_ptr(), 4, 4, tags.as_mut_ptr()),
+        KVCS_ERR_INVALID_ARGUMENT
+    );
+    assert_eq!(
+        kvcs_block_tags(worker, 9, hashes.as_ptr(), HASH_BYTES, 4, tags.as_mut_ptr()),
+        KVCS_ERR_NOT_FOUND
+    );
+    // Store, check, corrupt, check again.
+    let mut result = std::ptr::null_mut();
+    assert_eq!(
+        kvcs_worker_store(worker, blocks, std::ptr::null_mut(), &mut result),
+        KVCS_OK
+    );
+    kvcs_result_destroy(result);
+    let expected = naive_full(&kv, 16, 0, 4);
+    for (i, &block_id) in block_ids.iter().enumerate() {
+        assert_eq!(
+            stored[block_id as usize] ^ tags[i],
+            expected[i],
+            "position {i} (seed {seed})"
+        );
+    }
+    let mut outcomes = [9u8; 4];
+    assert_eq!(
+        kvcs_worker_check_stored(worker, blocks, std::ptr::null_mut(), &mut result),
+        KVCS_OK
+    );
+    assert_eq!(
+        kvcs_result_stored(result, req.as_ptr(), 0, outcomes.as_mut_ptr()),
+        KVCS_OK
+    );
+    assert_eq!(outcomes, [1, 1, 1, 1]);
+    assert_eq!(
+        kvcs_result_stored(result, req.as_ptr(), 0, std::ptr::null_mut()),
+        KVCS_ERR_INVALID_ARGUMENT
+    );
+    assert_eq!(
+        kvcs_result_stored(result, req.as_ptr(), 7, outcomes.as_mut_ptr()),
+        KVCS_ERR_NOT_FOUND
+    );
+    kvcs_result_destroy(result);
+    placement.xor_byte(1, 0, block_ids[2], 3, 0, 0x80);
+    assert_eq!(
+        kvcs_worker_check_stored(worker, blocks, std::ptr::null_mut(), &mut result),
+        KVCS_OK
+    );
+    assert_eq!(
+        kvcs_result_stored(result, req.as_ptr(), 0, outcomes.as_mut_ptr()),
+        KVCS_OK
+    );
+    assert_eq!(outcomes, [1, 1, 0, 1], "seed {seed}");
+    kvcs_result_destroy(result);
+    kvcs_blocks_destroy(blocks);
+    kvcs_worker_destroy(worker);
+    drop(host);
+}
