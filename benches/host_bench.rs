@@ -1,21 +1,42 @@
-//! Host engine benchmark: the host engine against a plain single-thread read
-//! of the same bytes (the ceiling), on a Llama-3.1-8B-like KV cache.
+//! Host engine benchmark: the host engine at several thread counts against a
+//! plain multi-threaded read of the same bytes with as many threads (the
+//! ceiling), on a Llama-3.1-8B-like KV cache.
 //!
-//! Run: `cargo run --release --example host_bench` (or `make bench`);
-//! `-- --reps N` sets the repetitions (default 9), `-- --read-blocks N` the
-//! blocks read (default 512). Prints one table row per
-//! (layout, threads): the median GB/s over the repetitions and its fraction
-//! of the median ceiling. Each repetition measures the ceiling and the
-//! engine back to back, so that load from other processes hits both alike.
+//! Run: `cargo run --release --example host_bench -- [options]` (or `make
+//! bench`):
+//!
+//! - `--gib G`: KV one call reads, in GiB (default 1; fractions such as
+//!   `0.25` are fine); the cache allocated is 5/4 of it, so the block ids
+//!   read are scattered.
+//! - `--threads 1,2,4,8,16`: the thread counts (default `1,2`).
+//! - `--reps N`: repetitions (default 9), after one warm-up.
+//! - `--read-blocks N`: read only N blocks (2 MiB each) of the cache; one
+//!   block fits in L2 and shows the engine's compute rate apart from memory.
+//!
+//! Prints a markdown table with one row per (layout, thread count): the
+//! median GB/s of the read and of the engine over the repetitions, the
+//! engine's fraction of the read (ratio of the medians) and the range of the
+//! per-repetition fractions. Each repetition measures, for each thread
+//! count in turn, the read and then the engine back to back, so that load
+//! from other processes hits both alike.
 //!
 //! The cache: 32 layers, 8 KV heads, head size 128, bf16, 16-token blocks,
-//! one tensor per layer, more blocks allocated than read; one request reads
-//! 512 distinct random block ids (1 GiB of KV). The same bytes are read as
-//! HND (`[num_blocks, 2, heads, 16, head_size]`, FlashInfer's shape) and as
-//! NHD with K and V in separate halves (`[2, num_blocks, 16, heads,
-//! head_size]`, FlashAttention's shape).
+//! one tensor per layer; one request reads distinct random block ids (2 MiB
+//! of KV per block). The same bytes are read as HND (`[num_blocks, 2, heads,
+//! 16, head_size]`, FlashInfer's shape) and as NHD with K and V in separate
+//! halves (`[2, num_blocks, 16, heads, head_size]`, FlashAttention's shape).
+//!
+//! The read splits the work as the engine does: one item per (block,
+//! layer), its K and V ranges, in the engine's order (block, then layer),
+//! handed out 16 items at a time from a shared counter to threads started
+//! once (the calling thread reads too). The engine's threads are those of
+//! a host worker created with `num_threads` set to the count.
 
 use std::hint::black_box;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::Instant;
 
 use kvcsum::{BlockSet, LayerSpec, Region, ReplicaKey, Role, Segment, StreamHandle, Worker, WorkerOptions};
@@ -25,13 +46,12 @@ const KV_HEADS: u32 = 8;
 /// Head size 128 in bf16: the bytes of one token's K (or V) of one head.
 const HEAD_BYTES: u64 = 128 * 2;
 const BLOCK_SIZE: u32 = 16;
-/// Blocks allocated per layer; more than are read, so ids are scattered.
-const CACHE_BLOCKS: u32 = 640;
-/// Blocks one request reads by default: 512 x 2 MiB = 1 GiB.
-const READ_BLOCKS: usize = 512;
 /// K or V of one block of one layer: 16 tokens x 8 heads x 256 bytes.
 const HALF_BLOCK_BYTES: u64 = BLOCK_SIZE as u64 * KV_HEADS as u64 * HEAD_BYTES;
-const LAYER_BYTES: u64 = 2 * HALF_BLOCK_BYTES * CACHE_BLOCKS as u64;
+/// A block of every layer: 2 MiB.
+const BLOCK_BYTES: u64 = 2 * HALF_BLOCK_BYTES * LAYERS as u64;
+/// Items (block, layer) a read thread takes at a time, as the engine does.
+const ITEMS_PER_GRAB: usize = 16;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Shape {
@@ -51,109 +71,203 @@ impl Rng {
     }
 }
 
-/// Layer `layer`'s K and V segments in `shape`, the cache at `base`.
-fn segments(shape: Shape, base: u64, layer: u32) -> Vec<Segment> {
-    let layer_base = base + layer as u64 * LAYER_BYTES;
-    let (k, v, block_stride, head_stride, token_stride) = match shape {
-        Shape::Hnd => (
-            layer_base,
-            layer_base + HALF_BLOCK_BYTES,
-            2 * HALF_BLOCK_BYTES,
-            BLOCK_SIZE as u64 * HEAD_BYTES,
-            HEAD_BYTES,
-        ),
-        Shape::Nhd => (
-            layer_base,
-            layer_base + HALF_BLOCK_BYTES * CACHE_BLOCKS as u64,
-            HALF_BLOCK_BYTES,
-            HEAD_BYTES,
-            KV_HEADS as u64 * HEAD_BYTES,
-        ),
-    };
-    [k, v]
-        .into_iter()
-        .map(|address| Segment {
-            address,
-            block_stride: block_stride as i64,
-            kernel_block_stride: 0,
-            head_stride: head_stride as i64,
-            token_stride: token_stride as i64,
-            bytes_per_token: HEAD_BYTES as u32,
-        })
-        .collect()
+/// The cache's size: blocks allocated per layer.
+#[derive(Clone, Copy)]
+struct Cache {
+    blocks: u32,
 }
 
-/// The `(offset, length)` in pieces of every contiguous range the checksum
-/// of `block_ids` reads, in the engine's order (block, then layer, K then V).
-fn read_ranges(shape: Shape, block_ids: &[u32]) -> Vec<(usize, usize)> {
-    let mut ranges = Vec::new();
-    for &block in block_ids {
+impl Cache {
+    fn layer_bytes(self) -> u64 {
+        2 * HALF_BLOCK_BYTES * self.blocks as u64
+    }
+
+    /// Layer `layer`'s K and V segments in `shape`, the cache at `base`.
+    fn segments(self, shape: Shape, base: u64, layer: u32) -> Vec<Segment> {
+        let layer_base = base + layer as u64 * self.layer_bytes();
+        let (k, v, block_stride, head_stride, token_stride) = match shape {
+            Shape::Hnd => (
+                layer_base,
+                layer_base + HALF_BLOCK_BYTES,
+                2 * HALF_BLOCK_BYTES,
+                BLOCK_SIZE as u64 * HEAD_BYTES,
+                HEAD_BYTES,
+            ),
+            Shape::Nhd => (
+                layer_base,
+                layer_base + HALF_BLOCK_BYTES * self.blocks as u64,
+                HALF_BLOCK_BYTES,
+                HEAD_BYTES,
+                KV_HEADS as u64 * HEAD_BYTES,
+            ),
+        };
+        [k, v]
+            .into_iter()
+            .map(|address| Segment {
+                address,
+                block_stride: block_stride as i64,
+                kernel_block_stride: 0,
+                head_stride: head_stride as i64,
+                token_stride: token_stride as i64,
+                bytes_per_token: HEAD_BYTES as u32,
+            })
+            .collect()
+    }
+
+    /// The `(offset, length)` in pieces of every contiguous range the
+    /// checksum of `block_ids` reads, item by item in the engine's order
+    /// (block, then layer; K then V), and the ranges per item.
+    fn read_ranges(self, shape: Shape, block_ids: &[u32]) -> (Vec<(usize, usize)>, usize) {
+        let mut ranges = Vec::new();
+        for &block in block_ids {
+            for layer in 0..LAYERS {
+                let layer_base = layer as u64 * self.layer_bytes();
+                match shape {
+                    Shape::Hnd => ranges.push((layer_base + block as u64 * 2 * HALF_BLOCK_BYTES, 2 * HALF_BLOCK_BYTES)),
+                    Shape::Nhd => {
+                        let v_base = layer_base + HALF_BLOCK_BYTES * self.blocks as u64;
+                        ranges.push((layer_base + block as u64 * HALF_BLOCK_BYTES, HALF_BLOCK_BYTES));
+                        ranges.push((v_base + block as u64 * HALF_BLOCK_BYTES, HALF_BLOCK_BYTES));
+                    }
+                }
+            }
+        }
+        let per_item = match shape {
+            Shape::Hnd => 1,
+            Shape::Nhd => 2,
+        };
+        let ranges = ranges
+            .into_iter()
+            .map(|(offset, len)| (offset as usize / 8, len as usize / 8))
+            .collect();
+        (ranges, per_item)
+    }
+
+    fn worker(self, shape: Shape, cache: &[u64], threads: u32) -> Worker {
+        let mut worker = Worker::new(WorkerOptions {
+            tp_rank: 0,
+            tp_size: 1,
+            pp_rank: 0,
+            device: None,
+            num_threads: threads,
+        })
+        .expect("host worker");
+        let base = cache.as_ptr() as u64;
+        worker
+            .add_region(Region {
+                address: base,
+                length: std::mem::size_of_val(cache) as u64,
+            })
+            .expect("region");
+        worker.add_group(0, BLOCK_SIZE).expect("group");
         for layer in 0..LAYERS {
-            let layer_base = layer as u64 * LAYER_BYTES;
-            match shape {
-                Shape::Hnd => ranges.push((layer_base + block as u64 * 2 * HALF_BLOCK_BYTES, 2 * HALF_BLOCK_BYTES)),
-                Shape::Nhd => {
-                    let v_base = layer_base + HALF_BLOCK_BYTES * CACHE_BLOCKS as u64;
-                    ranges.push((layer_base + block as u64 * HALF_BLOCK_BYTES, HALF_BLOCK_BYTES));
-                    ranges.push((v_base + block as u64 * HALF_BLOCK_BYTES, HALF_BLOCK_BYTES));
+            worker
+                .add_layer(LayerSpec {
+                    group_id: 0,
+                    layer_number: layer,
+                    first_head: 0,
+                    num_heads: KV_HEADS,
+                    replica: ReplicaKey {
+                        replicas: 1,
+                        replica_index: 0,
+                    },
+                    num_blocks: self.blocks,
+                    kernel_blocks: 1,
+                    tokens_per_kernel_block: BLOCK_SIZE,
+                    segments: self.segments(shape, base, layer),
+                    identity: format!("model.layers.{layer}.self_attn.attn").into_bytes(),
+                })
+                .expect("layer");
+        }
+        worker
+    }
+}
+
+/// One parallel read: the ranges, grouped `per_item` to an item, and the
+/// counter that hands items out.
+struct ReadJob {
+    ranges: Arc<Vec<(usize, usize)>>,
+    per_item: usize,
+    next: AtomicUsize,
+}
+
+impl ReadJob {
+    /// Takes items until none are left; the wrapping sum of their `u64`s.
+    fn read(&self, cache: &[u64]) -> u64 {
+        let items = self.ranges.len() / self.per_item;
+        let mut sum = 0u64;
+        loop {
+            let start = self.next.fetch_add(ITEMS_PER_GRAB, Ordering::Relaxed);
+            if start >= items {
+                return sum;
+            }
+            let end = (start + ITEMS_PER_GRAB).min(items);
+            for &(offset, len) in &self.ranges[start * self.per_item..end * self.per_item] {
+                for &piece in &cache[offset..offset + len] {
+                    sum = sum.wrapping_add(piece);
                 }
             }
         }
     }
-    ranges
-        .into_iter()
-        .map(|(offset, len)| (offset as usize / 8, len as usize / 8))
-        .collect()
 }
 
-/// The ceiling: a plain loop summing the u64s of `ranges`, one thread.
-fn plain_read(cache: &[u64], ranges: &[(usize, usize)]) -> u64 {
-    let mut sum = 0u64;
-    for &(offset, len) in ranges {
-        for &piece in &cache[offset..offset + len] {
-            sum = sum.wrapping_add(piece);
+/// The ceiling's threads: the caller and `threads - 1` helpers started
+/// once, each woken per read through its channel.
+struct ReadTeam {
+    cache: &'static [u64],
+    jobs: Vec<Sender<Arc<ReadJob>>>,
+    sums: Receiver<u64>,
+    helpers: Vec<JoinHandle<()>>,
+}
+
+impl ReadTeam {
+    fn new(cache: &'static [u64], threads: usize) -> ReadTeam {
+        let (sum_sender, sums) = channel();
+        let mut jobs = Vec::new();
+        let mut helpers = Vec::new();
+        for _ in 1..threads {
+            let (job_sender, job_receiver) = channel::<Arc<ReadJob>>();
+            let sum_sender = sum_sender.clone();
+            helpers.push(std::thread::spawn(move || {
+                for job in job_receiver {
+                    let _ = sum_sender.send(job.read(cache));
+                }
+            }));
+            jobs.push(job_sender);
+        }
+        ReadTeam {
+            cache,
+            jobs,
+            sums,
+            helpers,
         }
     }
-    sum
+
+    /// Reads every range once, split over the team; the wrapping sum.
+    fn read(&self, ranges: &Arc<Vec<(usize, usize)>>, per_item: usize) -> u64 {
+        let job = Arc::new(ReadJob {
+            ranges: Arc::clone(ranges),
+            per_item,
+            next: AtomicUsize::new(0),
+        });
+        for sender in &self.jobs {
+            sender.send(Arc::clone(&job)).expect("read helper alive");
+        }
+        let mut sum = job.read(self.cache);
+        for _ in &self.jobs {
+            sum = sum.wrapping_add(self.sums.recv().expect("read helper alive"));
+        }
+        sum
+    }
 }
 
-fn worker(shape: Shape, cache: &[u64], threads: u32) -> Worker {
-    let mut worker = Worker::new(WorkerOptions {
-        tp_rank: 0,
-        tp_size: 1,
-        pp_rank: 0,
-        device: None,
-        num_threads: threads,
-    })
-    .expect("host worker");
-    let base = cache.as_ptr() as u64;
-    worker
-        .add_region(Region {
-            address: base,
-            length: std::mem::size_of_val(cache) as u64,
-        })
-        .expect("region");
-    worker.add_group(0, BLOCK_SIZE).expect("group");
-    for layer in 0..LAYERS {
-        worker
-            .add_layer(LayerSpec {
-                group_id: 0,
-                layer_number: layer,
-                first_head: 0,
-                num_heads: KV_HEADS,
-                replica: ReplicaKey {
-                    replicas: 1,
-                    replica_index: 0,
-                },
-                num_blocks: CACHE_BLOCKS,
-                kernel_blocks: 1,
-                tokens_per_kernel_block: BLOCK_SIZE,
-                segments: segments(shape, base, layer),
-                identity: format!("model.layers.{layer}.self_attn.attn").into_bytes(),
-            })
-            .expect("layer");
+impl Drop for ReadTeam {
+    fn drop(&mut self) {
+        self.jobs.clear();
+        for helper in self.helpers.drain(..) {
+            helper.join().expect("read helper");
+        }
     }
-    worker
 }
 
 fn median(values: &mut [f64]) -> f64 {
@@ -161,30 +275,82 @@ fn median(values: &mut [f64]) -> f64 {
     values[values.len() / 2]
 }
 
+/// `len` random `u64`s, chunk by chunk in parallel (each chunk its own
+/// seed, so the bytes do not depend on the core count); faults every page in.
+fn random_cache(len: usize, seed: u64) -> Vec<u64> {
+    const CHUNK: usize = 1 << 23;
+    let mut cache = vec![0u64; len];
+    let chunks: Vec<(usize, &mut [u64])> = cache.chunks_mut(CHUNK).enumerate().collect();
+    let chunks = std::sync::Mutex::new(chunks);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    std::thread::scope(|scope| {
+        for _ in 0..cores {
+            scope.spawn(|| loop {
+                let Some((index, chunk)) = chunks.lock().unwrap().pop() else {
+                    return;
+                };
+                let mut rng = Rng(seed ^ (index as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                for piece in chunk {
+                    *piece = rng.next();
+                }
+            });
+        }
+    });
+    cache
+}
+
+fn usage() -> ! {
+    eprintln!("usage: host_bench [--gib G] [--threads 1,2,4] [--reps N] [--read-blocks N]");
+    std::process::exit(2)
+}
+
 fn main() {
     let mut args = std::env::args().skip(1);
     let mut reps = 9usize;
-    // Fewer blocks (one fits in L2) show the engine's compute rate apart
-    // from memory; the table in BENCHMARKS.md uses the default.
-    let mut read_blocks = READ_BLOCKS;
+    let mut gib = 1.0f64;
+    let mut thread_counts = vec![1u32, 2];
+    let mut read_blocks: Option<usize> = None;
     while let Some(arg) = args.next() {
-        let mut value = || args.next().and_then(|n| n.parse().ok());
+        let value = args.next().unwrap_or_else(|| usage());
         match arg.as_str() {
-            "--reps" => reps = value().expect("--reps N"),
-            "--read-blocks" => {
-                read_blocks = value()
-                    .filter(|&n| n > 0 && n <= CACHE_BLOCKS as usize)
-                    .expect("--read-blocks 1..=640")
+            "--reps" => reps = value.parse().ok().filter(|&n| n > 0).unwrap_or_else(|| usage()),
+            "--gib" => {
+                gib = value
+                    .parse()
+                    .ok()
+                    .filter(|&g: &f64| g > 0.0 && g <= 1024.0)
+                    .unwrap_or_else(|| usage())
             }
-            other => panic!("unknown argument {other} (usage: host_bench [--reps N] [--read-blocks N])"),
+            "--threads" => {
+                thread_counts = value
+                    .split(',')
+                    .map(|n| n.trim().parse().ok().filter(|&t| (1..=256).contains(&t)))
+                    .collect::<Option<Vec<u32>>>()
+                    .unwrap_or_else(|| usage())
+            }
+            "--read-blocks" => read_blocks = Some(value.parse().ok().filter(|&n| n > 0).unwrap_or_else(|| usage())),
+            _ => usage(),
         }
     }
+    // The blocks one call reads, and 5/4 of them allocated.
+    let default_read = ((gib * (1u64 << 30) as f64 / BLOCK_BYTES as f64).round() as usize).max(1);
+    let cache_shape = Cache {
+        blocks: (default_read + default_read / 4).max(1) as u32,
+    };
+    let read_blocks = read_blocks.unwrap_or(default_read);
+    if read_blocks > cache_shape.blocks as usize {
+        eprintln!(
+            "--read-blocks {read_blocks} is more than the {} blocks of the cache",
+            cache_shape.blocks
+        );
+        usage();
+    }
     let seed = 0x6b76_6373_756d_0001u64;
+    let pieces = (cache_shape.layer_bytes() * LAYERS as u64 / 8) as usize;
+    // Lives as long as the program: the read team's threads borrow it.
+    let cache: &'static [u64] = Vec::leak(random_cache(pieces, seed));
     let mut rng = Rng(seed);
-    let pieces = (LAYER_BYTES * LAYERS as u64 / 8) as usize;
-    // Random bytes, written once: this also faults every page in.
-    let cache: Vec<u64> = (0..pieces).map(|_| rng.next()).collect();
-    let mut ids: Vec<u32> = (0..CACHE_BLOCKS).collect();
+    let mut ids: Vec<u32> = (0..cache_shape.blocks).collect();
     for i in (1..ids.len()).rev() {
         ids.swap(i, (rng.next() % (i as u64 + 1)) as usize);
     }
@@ -195,57 +361,88 @@ fn main() {
         .expect("request");
     blocks.add_group("bench", 0, 0, block_ids).expect("group");
 
-    let read_bytes = read_blocks as u64 * LAYERS as u64 * 2 * HALF_BLOCK_BYTES;
+    let read_bytes = read_blocks as u64 * BLOCK_BYTES;
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
         "host_bench: {LAYERS} layers, {KV_HEADS} KV heads, head size 128, bf16, {BLOCK_SIZE}-token blocks; \
-         cache {:.2} GiB ({CACHE_BLOCKS} blocks), reading {read_blocks} random blocks = {:.2} GiB; \
-         median of {reps} repetitions (seed {seed:#x})",
-        (LAYER_BYTES * LAYERS as u64) as f64 / (1u64 << 30) as f64,
+         cache {:.2} GiB ({} blocks), reading {read_blocks} random blocks = {:.3} GiB per call; \
+         median of {reps} repetitions after a warm-up; {cores} cores available (seed {seed:#x})",
+        (cache_shape.layer_bytes() * LAYERS as u64) as f64 / (1u64 << 30) as f64,
+        cache_shape.blocks,
         read_bytes as f64 / (1u64 << 30) as f64,
     );
-    println!("{:<7} {:>8} {:>8} {:>12}", "layout", "threads", "GB/s", "of ceiling");
+    let mut rows = Vec::new();
+    let mut notes = Vec::new();
     for shape in [Shape::Hnd, Shape::Nhd] {
-        let ranges = read_ranges(shape, block_ids);
+        let (ranges, per_item) = cache_shape.read_ranges(shape, block_ids);
         let ranged: u64 = ranges.iter().map(|r| r.1 as u64 * 8).sum();
-        assert_eq!(ranged, read_bytes, "the ceiling reads the checksum's bytes");
-        let thread_counts = [1u32, 2];
-        let workers: Vec<Worker> = thread_counts.iter().map(|&t| worker(shape, &cache, t)).collect();
-        let mut ceiling = Vec::new();
-        let mut engine: Vec<Vec<f64>> = vec![Vec::new(); thread_counts.len()];
+        assert_eq!(ranged, read_bytes, "the read covers the checksum's bytes");
+        let ranges = Arc::new(ranges);
+        let teams: Vec<ReadTeam> = thread_counts
+            .iter()
+            .map(|&t| ReadTeam::new(cache, t as usize))
+            .collect();
+        let workers: Vec<Worker> = thread_counts
+            .iter()
+            .map(|&t| cache_shape.worker(shape, cache, t))
+            .collect();
+        let mut read_rates: Vec<Vec<f64>> = vec![Vec::new(); thread_counts.len()];
+        let mut engine_rates: Vec<Vec<f64>> = vec![Vec::new(); thread_counts.len()];
+        let mut fractions: Vec<Vec<f64>> = vec![Vec::new(); thread_counts.len()];
         let mut reference: Option<Vec<u64>> = None;
-        // Repetition 0 warms up and is not counted.
+        let mut read_sum: Option<u64> = None;
+        // Repetition 0 warms up (and starts the engine's helpers) and is not counted.
         for rep in 0..=reps {
-            let start = Instant::now();
-            black_box(plain_read(black_box(&cache), &ranges));
-            let seconds = start.elapsed().as_secs_f64();
-            if rep > 0 {
-                ceiling.push(read_bytes as f64 / seconds / 1e9);
-            }
-            for (index, worker) in workers.iter().enumerate() {
+            for (index, (team, worker)) in teams.iter().zip(&workers).enumerate() {
+                let start = Instant::now();
+                let sum = black_box(team.read(&ranges, per_item));
+                let read_seconds = start.elapsed().as_secs_f64();
+                assert_eq!(*read_sum.get_or_insert(sum), sum, "the read's sum changed");
+
                 let start = Instant::now();
                 let result = worker
                     .checksum(&blocks, Role::Producer, StreamHandle::legacy_default())
                     .expect("checksum");
-                let seconds = start.elapsed().as_secs_f64();
-                let values = result.values().expect("host values are ready").to_vec();
+                let engine_seconds = start.elapsed().as_secs_f64();
+                let values = result.values().expect("host values are ready");
                 match &reference {
-                    None => reference = Some(values),
-                    Some(expected) => assert_eq!(&values, expected, "thread counts agree"),
+                    None => reference = Some(values.to_vec()),
+                    Some(expected) => assert_eq!(values, expected.as_slice(), "thread counts agree"),
                 }
                 if rep > 0 {
-                    engine[index].push(read_bytes as f64 / seconds / 1e9);
+                    read_rates[index].push(read_bytes as f64 / read_seconds / 1e9);
+                    engine_rates[index].push(read_bytes as f64 / engine_seconds / 1e9);
+                    fractions[index].push(read_seconds / engine_seconds);
                 }
             }
         }
-        let ceiling = median(&mut ceiling);
         let name = format!("{shape:?}").to_uppercase();
-        println!("{name:<7} {:>8} {ceiling:>8.2} {:>12.2}", "read", 1.0);
         for (index, &threads) in thread_counts.iter().enumerate() {
-            let rate = median(&mut engine[index]);
-            println!("{name:<7} {threads:>8} {rate:>8.2} {:>12.2}", rate / ceiling);
+            let read = median(&mut read_rates[index]);
+            let engine = median(&mut engine_rates[index]);
+            let low = fractions[index].iter().copied().fold(f64::INFINITY, f64::min);
+            let high = fractions[index].iter().copied().fold(0.0, f64::max);
+            rows.push(format!(
+                "| {name} | {threads} | {read:.2} | {engine:.2} | {:.2} | {low:.2}-{high:.2} |",
+                engine / read
+            ));
         }
         let values = reference.expect("computed");
         let digest = values.iter().fold(0u64, |acc, &v| acc.rotate_left(5) ^ v);
-        println!("{name:<7} checksum digest {digest:#018x} ({} positions)", values.len());
+        notes.push(format!(
+            "{name}: checksum digest {digest:#018x} ({} positions); {}",
+            values.len(),
+            workers.last().expect("a thread count").engine_description()
+        ));
+    }
+    println!();
+    println!("| layout | threads | read GB/s | engine GB/s | of read | per-rep range |");
+    println!("|---|---:|---:|---:|---:|---|");
+    for row in rows {
+        println!("{row}");
+    }
+    println!();
+    for note in notes {
+        println!("{note}");
     }
 }

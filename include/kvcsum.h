@@ -31,6 +31,11 @@
 // The `device` of a worker whose caches are in host memory.
 #define KVCS_HOST -1
 
+// The most threads a host worker may use (`num_threads` or
+// `KVCS_HOST_THREADS`); a bound, so that a wild value is an error rather
+// than thousands of threads.
+#define KVCS_MAX_HOST_THREADS 256
+
 // The outcome of a call. Values are fixed and never renumbered; a retired
 // value stays reserved. Calls that take a status from C take `uint32_t`.
 enum kvcs_status
@@ -286,7 +291,16 @@ typedef struct {
   uint32_t pp_rank;
   // CUDA device ordinal, or `KVCS_HOST` for caches in host memory.
   int32_t device;
-  // Host engine threads; 0 = the available cores.
+  // Host engine threads per call, 1 to `KVCS_MAX_HOST_THREADS` (ignored
+  // by device workers). 0 picks a default that leaves room for the other
+  // rank processes on the host: the value of the environment variable
+  // `KVCS_HOST_THREADS` when it is set (a bad value fails creation with
+  // `KVCS_ERR_INVALID_ARGUMENT`), else the cores this process may run on
+  // (its CPU affinity and quota) divided by 8, between 1 and 4. The
+  // worker starts its helper threads (one fewer than this; the calling
+  // thread works too) on its first call large enough to split (4 MiB of
+  // KV per thread), keeps them parked between calls and joins them in
+  // `kvcs_worker_destroy`.
   uint32_t num_threads;
 } kvcs_worker_options;
 

@@ -2,12 +2,24 @@
 //! split over threads. Every slice is read once; contributions are added
 //! with wrapping arithmetic, so the order (and the thread count) does not
 //! change any value.
+//!
+//! Each host worker owns one [`HostEngine`], whose helper threads are started
+//! on its first call that is large enough to split, parked between calls, and
+//! joined when the worker is dropped (see [`crate::pool`]). One pool per
+//! worker rather than one per process: no thread outlives the workers (so
+//! the library holds nothing once the last is destroyed, and can be
+//! unloaded), and each worker's `num_threads` means what it says. A process
+//! with several host workers that call at once could oversubscribe; it
+//! gives them fewer threads each.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 use crate::checksum::{piece_weight, slice_weight, weighted_run, PIECE_BYTES};
+use crate::error::{err, Result};
 use crate::layout::{Layer, Layout, Role, Segment};
 use crate::plan::{Plan, Row};
+use crate::pool::Pool;
 
 /// Work items handed to a thread at a time.
 const ITEMS_PER_GRAB: usize = 16;
@@ -15,65 +27,143 @@ const ITEMS_PER_GRAB: usize = 16;
 /// Below this many bytes a call runs on the calling thread alone.
 const MIN_BYTES_PER_THREAD: u64 = 4 << 20;
 
+/// The most threads a host worker may use (`num_threads` or
+/// `KVCS_HOST_THREADS`); a bound, so that a wild value is an error rather
+/// than thousands of threads.
+pub const MAX_HOST_THREADS: u32 = 256;
+
+/// The environment variable that sets the thread count of workers created
+/// with `num_threads` 0.
+pub const THREADS_VARIABLE: &str = "KVCS_HOST_THREADS";
+
+/// At most this many threads by default, however many cores there are:
+/// eight ranks of four threads are 32 streams reading memory at once, which
+/// is about what a server's memory channels feed; more would mostly wait on
+/// memory while taking cores from the serving engine. A host that wants
+/// more sets `KVCS_HOST_THREADS` or `num_threads`.
+const DEFAULT_MAX_THREADS: usize = 4;
+
+/// The default assumes this many rank processes share the host's cores
+/// (one per GPU of a usual 8-GPU server), so that they do not oversubscribe it.
+const DEFAULT_RANKS_PER_HOST: usize = 8;
+
+/// The host engine of a worker: its thread count and, once a call needed
+/// more than one thread, its helper threads (one fewer than the thread
+/// count: the calling thread works too).
+pub struct HostEngine {
+    threads: usize,
+    pool: OnceLock<Pool>,
+}
+
+impl HostEngine {
+    /// An engine of `num_threads` threads; 0 picks the default: the value
+    /// of `KVCS_HOST_THREADS` when set, else a share of the cores this
+    /// process may run on (see [`default_threads`]). Starts no thread.
+    pub fn new(num_threads: u32) -> Result<HostEngine> {
+        let threads = match num_threads {
+            0 => match std::env::var(THREADS_VARIABLE) {
+                Ok(text) => match text.trim().parse::<u32>() {
+                    Ok(n) if (1..=MAX_HOST_THREADS).contains(&n) => n as usize,
+                    _ => {
+                        return Err(err!(
+                            InvalidArgument,
+                            "{THREADS_VARIABLE} {text:?} is not a thread count from 1 to {MAX_HOST_THREADS}"
+                        ))
+                    }
+                },
+                Err(_) => default_threads(),
+            },
+            n if n > MAX_HOST_THREADS => {
+                return Err(err!(
+                    InvalidArgument,
+                    "num_threads {n} is above the maximum {MAX_HOST_THREADS}"
+                ))
+            }
+            n => n as usize,
+        };
+        Ok(HostEngine {
+            threads,
+            pool: OnceLock::new(),
+        })
+    }
+
+    /// The most threads a call uses.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Helper threads running: 0 until a call needed more than one thread,
+    /// then one fewer than [`HostEngine::threads`] (fewer where the system
+    /// refused to start some).
+    pub fn helpers(&self) -> usize {
+        self.pool.get().map_or(0, Pool::helpers)
+    }
+
+    /// Computes the values of `plan`, on up to [`HostEngine::threads`]
+    /// threads. Calls may run concurrently; each gets what helpers are free.
+    ///
+    /// The layout's registration checks guarantee every address read lies in
+    /// a registered region; the caller of [`crate::Worker::add_region`]
+    /// promised those are readable host memory.
+    pub fn compute(&self, layout: &Layout, plan: &Plan, role: Role) -> Vec<u64> {
+        let mut items = Vec::new();
+        let mut total_bytes = 0u64;
+        for row in &plan.rows {
+            let group = layout.group_in_slot(row.group_slot);
+            let columns = group.columns(role);
+            for layer in &group.layers {
+                if let Ok(column) = columns.binary_search(&layer.spec.replica) {
+                    items.push(Item { row, layer, column });
+                    total_bytes +=
+                        row.valid_tokens as u64 * layer.spec.num_heads as u64 * layer.pieces_per_token * PIECE_BYTES;
+                }
+            }
+        }
+        let values: Vec<AtomicU64> = (0..plan.num_values).map(|_| AtomicU64::new(0)).collect();
+        let useful_threads = (total_bytes / MIN_BYTES_PER_THREAD).max(1) as usize;
+        let threads = self.threads.clamp(1, useful_threads);
+        let next = AtomicUsize::new(0);
+        let work = || {
+            // Per-head accumulators for token-outer walks, reused across items.
+            let mut scratch = Vec::new();
+            loop {
+                let start = next.fetch_add(ITEMS_PER_GRAB, Ordering::Relaxed);
+                if start >= items.len() {
+                    break;
+                }
+                for item in &items[start..(start + ITEMS_PER_GRAB).min(items.len())] {
+                    let sum = item_checksum(item.row, item.layer, &mut scratch);
+                    let out = item.row.out as usize + item.column * item.row.column_stride as usize;
+                    values[out].fetch_add(sum, Ordering::Relaxed);
+                }
+            }
+        };
+        if threads == 1 {
+            work();
+        } else {
+            let pool = self.pool.get_or_init(|| Pool::new(self.threads - 1, "kvcsum-host"));
+            pool.run(threads - 1, &work);
+        }
+        let mut values: Vec<u64> = values.into_iter().map(AtomicU64::into_inner).collect();
+        add_states(layout, plan, &mut values);
+        values
+    }
+}
+
+/// The thread count of `num_threads` 0 without `KVCS_HOST_THREADS`: the
+/// cores this process may run on (its affinity mask and CPU quota) divided
+/// by 8, the usual number of rank processes per host, between 1 and 4.
+pub fn default_threads() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / DEFAULT_RANKS_PER_HOST).clamp(1, DEFAULT_MAX_THREADS)
+}
+
 /// One (row, layer) pair: a block position in one layer.
 #[derive(Clone, Copy)]
 struct Item<'a> {
     row: &'a Row,
     layer: &'a Layer,
     column: usize,
-}
-
-/// Computes the values of `plan` on `num_threads` threads (at least 1).
-///
-/// The layout's registration checks guarantee every address read lies in a
-/// registered region; the caller of [`crate::Worker::add_region`] promised
-/// those are readable host memory.
-pub fn compute(layout: &Layout, plan: &Plan, role: Role, num_threads: usize) -> Vec<u64> {
-    let mut items = Vec::new();
-    let mut total_bytes = 0u64;
-    for row in &plan.rows {
-        let group = layout.group_in_slot(row.group_slot);
-        let columns = group.columns(role);
-        for layer in &group.layers {
-            if let Ok(column) = columns.binary_search(&layer.spec.replica) {
-                items.push(Item { row, layer, column });
-                total_bytes +=
-                    row.valid_tokens as u64 * layer.spec.num_heads as u64 * layer.pieces_per_token * PIECE_BYTES;
-            }
-        }
-    }
-    let values: Vec<AtomicU64> = (0..plan.num_values).map(|_| AtomicU64::new(0)).collect();
-    let useful_threads = (total_bytes / MIN_BYTES_PER_THREAD).max(1) as usize;
-    let threads = num_threads.clamp(1, useful_threads);
-    let next = AtomicUsize::new(0);
-    let work = || {
-        // Per-head accumulators for token-outer walks, reused across items.
-        let mut scratch = Vec::new();
-        loop {
-            let start = next.fetch_add(ITEMS_PER_GRAB, Ordering::Relaxed);
-            if start >= items.len() {
-                break;
-            }
-            for item in &items[start..(start + ITEMS_PER_GRAB).min(items.len())] {
-                let sum = item_checksum(item.row, item.layer, &mut scratch);
-                let out = item.row.out as usize + item.column * item.row.column_stride as usize;
-                values[out].fetch_add(sum, Ordering::Relaxed);
-            }
-        }
-    };
-    if threads == 1 {
-        work();
-    } else {
-        std::thread::scope(|scope| {
-            for _ in 1..threads {
-                scope.spawn(work);
-            }
-            work();
-        });
-    }
-    let mut values: Vec<u64> = values.into_iter().map(AtomicU64::into_inner).collect();
-    add_states(layout, plan, &mut values);
-    values
 }
 
 /// Adds the state layers' checksums (SPEC section 6) of the plan's rows of
@@ -187,8 +277,14 @@ fn segment_heads(layer: &Layer, segment: &Segment, tokens: &TokenRun, scratch: &
     } else if heads_outer {
         for head in 0..spec.num_heads {
             let mut sums = RowSums::default();
+            // The next head's rows, one head ahead (see PREFETCH_TOKENS).
+            let prefetch = head + 1 < spec.num_heads;
             for slot in 0..tokens.count {
-                sums.add_row(row(head, slot));
+                let pieces = row(head, slot);
+                if prefetch {
+                    prefetch_row(pieces, head_stride);
+                }
+                sums.add_row(pieces);
             }
             sum = sum.wrapping_add(weight(head).wrapping_mul(slice_sum(&sums)));
         }
@@ -216,8 +312,12 @@ fn segment_heads(layer: &Layer, segment: &Segment, tokens: &TokenRun, scratch: &
 /// are one short contiguous stretch (2 KiB for 8 heads of 256 bytes), too
 /// short for the hardware prefetchers to run far enough ahead on their own;
 /// fetching two tokens ahead lifted NHD from about 0.88 to 0.97 of the read
-/// ceiling in `benches/host_bench.rs`. Heads-outer walks read long
-/// contiguous runs and gained nothing measurable, so they do not prefetch.
+/// ceiling in `benches/host_bench.rs`. Heads-outer walks over rows of whole
+/// lanes prefetch the same row of the next head (4 KiB ahead for 16 tokens
+/// of 256 bytes): on the 2-core AMD machine that changed nothing, but on
+/// the GPU host's Xeon one thread went from 0.77 to 1.05 of the read (HND,
+/// K and V apart), where the hardware prefetchers alone did not keep enough
+/// lines in flight.
 const PREFETCH_TOKENS: u32 = 2;
 
 /// Asks for the cache lines of the row that lies `offset` bytes past `row`.

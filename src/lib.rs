@@ -3,7 +3,8 @@
 //! The modules are layered, each importing only from those below it (a test,
 //! `tests/layers.rs`, fails on an import that runs back up):
 //!
-//! 1. arithmetic and plumbing: `error`, `checksum` (the definition), `msgpack`;
+//! 1. arithmetic and plumbing: `error`, `checksum` (the definition), `msgpack`,
+//!    `pool` (the host engine's helper threads);
 //! 2. inputs: `state` (state layers), `layout`, `blocks`, `fingerprint`, `stream`;
 //! 3. results: `result` (also the facts a record carries);
 //! 4. `plan`: a call's blocks checked and laid out as rows;
@@ -32,6 +33,7 @@ pub(crate) mod layout;
 pub(crate) mod msgpack;
 pub mod payload;
 pub(crate) mod plan;
+pub(crate) mod pool;
 pub mod record;
 pub(crate) mod result;
 pub(crate) mod state;

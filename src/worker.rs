@@ -27,7 +27,9 @@ pub struct WorkerOptions {
     pub pp_rank: u32,
     /// CUDA device ordinal, or `None` for host memory.
     pub device: Option<u32>,
-    /// Host engine threads; 0 = the available cores.
+    /// Host engine threads, at most 256; 0 = the environment variable
+    /// `KVCS_HOST_THREADS` when set, else the cores this process may run on
+    /// divided by 8, between 1 and 4 (see `kvcs_worker_options`).
     pub num_threads: u32,
 }
 
@@ -66,7 +68,7 @@ struct Detail {
 }
 
 enum Engine {
-    Host { threads: usize },
+    Host(host::HostEngine),
     Device(cuda::DeviceEngine),
 }
 
@@ -97,13 +99,7 @@ impl Worker {
             ));
         }
         let engine = match options.device {
-            None => {
-                let threads = match options.num_threads {
-                    0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-                    n => n as usize,
-                };
-                Engine::Host { threads }
-            }
+            None => Engine::Host(host::HostEngine::new(options.num_threads)?),
             Some(ordinal) => Engine::Device(cuda::DeviceEngine::new(ordinal)?),
         };
         Ok(Worker {
@@ -124,7 +120,11 @@ impl Worker {
     /// device and its kernel's registers and occupancy.
     pub fn engine_description(&self) -> String {
         match &self.engine {
-            Engine::Host { threads } => format!("host engine, {threads} threads"),
+            Engine::Host(host) => format!(
+                "host engine, {} threads ({} helper threads started)",
+                host.threads(),
+                host.helpers()
+            ),
             Engine::Device(device) => device.description().to_owned(),
         }
     }
@@ -220,7 +220,7 @@ impl Worker {
     pub fn checksum(&self, blocks: &BlockSet, role: Role, stream: StreamHandle) -> Result<Checksums> {
         let plan = Plan::new(&self.layout, blocks, role)?;
         let values = match &self.engine {
-            Engine::Host { threads } => Values::Ready(host::compute(&self.layout, &plan, role, *threads)),
+            Engine::Host(host) => Values::Ready(host.compute(&self.layout, &plan, role)),
             Engine::Device(device) => device.compute(&plan, role, stream)?,
         };
         let detail = match &self.detail {
@@ -330,7 +330,7 @@ impl Worker {
         let shadow_blocks = shadow.blocks(&self.layout, blocks)?;
         let plan = Plan::new(&shadow.layout, &shadow_blocks, role)?;
         let values = match (&self.engine, &detail.engine) {
-            (Engine::Host { threads }, _) => Values::Ready(host::compute(&shadow.layout, &plan, role, *threads)),
+            (Engine::Host(host), _) => Values::Ready(host.compute(&shadow.layout, &plan, role)),
             (Engine::Device(_), Some(engine)) => engine.compute(&plan, role, stream)?,
             (Engine::Device(_), None) => {
                 return Err(err!(Internal, "detail mode on a device worker has no shadow engine"))

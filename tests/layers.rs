@@ -8,10 +8,11 @@ use std::path::{Path, PathBuf};
 
 /// The modules, lowest first. A module may use those before it.
 const ORDER: &[&str] = &[
-    // arithmetic, errors, msgpack
+    // arithmetic, errors, msgpack, the host engine's thread pool
     "error",
     "checksum",
     "msgpack",
+    "pool",
     // inputs: state layers, layouts, block sets, fingerprints, the caller's stream
     "state",
     "layout",

@@ -39,7 +39,16 @@ pub struct kvcs_worker_options {
     pub pp_rank: u32,
     /// CUDA device ordinal, or `KVCS_HOST` for caches in host memory.
     pub device: i32,
-    /// Host engine threads; 0 = the available cores.
+    /// Host engine threads per call, 1 to `KVCS_MAX_HOST_THREADS` (ignored
+    /// by device workers). 0 picks a default that leaves room for the other
+    /// rank processes on the host: the value of the environment variable
+    /// `KVCS_HOST_THREADS` when it is set (a bad value fails creation with
+    /// `KVCS_ERR_INVALID_ARGUMENT`), else the cores this process may run on
+    /// (its CPU affinity and quota) divided by 8, between 1 and 4. The
+    /// worker starts its helper threads (one fewer than this; the calling
+    /// thread works too) on its first call large enough to split (4 MiB of
+    /// KV per thread), keeps them parked between calls and joins them in
+    /// `kvcs_worker_destroy`.
     pub num_threads: u32,
 }
 

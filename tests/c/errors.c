@@ -115,6 +115,9 @@ static void test_worker_create(void) {
   options = host_options();
   options.device = -2;
   EXPECT(kvcs_worker_create(&options, &worker), KVCS_ERR_INVALID_ARGUMENT, "options.device -2");
+  options = host_options();
+  options.num_threads = KVCS_MAX_HOST_THREADS + 1;
+  EXPECT(kvcs_worker_create(&options, &worker), KVCS_ERR_INVALID_ARGUMENT, "num_threads 257");
 
   /* No machine has this many devices: a device error with or without CUDA. */
   options = host_options();
@@ -127,7 +130,7 @@ static void test_worker_create(void) {
   CHECK(worker == SENTINEL);
 
   options = host_options();
-  options.num_threads = 0; /* the available cores */
+  options.num_threads = 0; /* KVCS_HOST_THREADS, or a share of the cores */
   EXPECT_OK(kvcs_worker_create(&options, &worker));
   CHECK(worker != SENTINEL && worker != NULL);
   kvcs_worker_destroy(worker);
