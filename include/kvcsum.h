@@ -180,6 +180,26 @@ typedef uint32_t kvcs_unverified_reason;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// Which transfer a worker reports finished (`kvcs_completion_report`).
+// Values are fixed and never renumbered.
+enum kvcs_direction
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // The worker finished sending the request's KV.
+  KVCS_DIRECTION_SENDING = 0,
+  // The worker finished receiving the request's KV.
+  KVCS_DIRECTION_RECEIVING = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvcs_direction kvcs_direction;
+#else
+typedef uint32_t kvcs_direction;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // A request block set (SPEC section 5): per request its token count and,
 // per group, the block ids at consecutive positions.
 //
@@ -188,6 +208,16 @@ typedef uint32_t kvcs_unverified_reason;
 // Thread safety: `kvcs_blocks *` calls need exclusive access; `const
 // kvcs_blocks *` calls (checksum, expect) may run concurrently.
 typedef struct kvcs_blocks kvcs_blocks;
+
+// Counts, per request and direction, the workers that reported it
+// finished, and says when every expected worker has (SPEC section 11);
+// unites the invalid block ids workers report.
+//
+// Ownership: created by `kvcs_completion_create`, freed by
+// `kvcs_completion_destroy`.
+// Thread safety: `kvcs_completion *` calls need exclusive access; `const
+// kvcs_completion *` calls may run concurrently.
+typedef struct kvcs_completion kvcs_completion;
 
 // A verifier's judgement of one finished load: match, mismatch (groups and
 // block positions, with layers in detail mode) or unverified (reasons).
@@ -207,6 +237,15 @@ typedef struct kvcs_report kvcs_report;
 // Thread safety: `const kvcs_result *` calls may run concurrently;
 // `kvcs_result_wait` and `kvcs_result_destroy` need exclusive access.
 typedef struct kvcs_result kvcs_result;
+
+// One local worker's view of the engines it transfers with: per remote
+// engine id, what its handshake told (SPEC section 11).
+//
+// Ownership: created by `kvcs_topology_create`, freed by
+// `kvcs_topology_destroy`.
+// Thread safety: `kvcs_topology *` calls need exclusive access; `const
+// kvcs_topology *` calls may run concurrently.
+typedef struct kvcs_topology kvcs_topology;
 
 // Collects every worker's records of requests and verifies loads (SPEC
 // sections 4, 9, 10): a producer's verifier builds payloads, a consumer's
@@ -263,6 +302,47 @@ typedef struct {
   // The replica check (SPEC section 4) in which it differs.
   uint32_t check;
 } kvcs_layer_difference;
+
+// A run of a local rank's heads and the remote rank that supplies it
+// (`kvcs_head_sources`).
+typedef struct {
+  // The remote rank to read from.
+  uint32_t remote_rank;
+  // Global number of the first head of the run.
+  uint32_t first_head;
+  // Heads in the run.
+  uint32_t num_heads;
+  // Index of `first_head` among the local rank's heads.
+  uint32_t local_offset;
+  // Index of `first_head` among the remote rank's heads.
+  uint32_t remote_offset;
+} kvcs_head_source;
+
+// The local engine of a `kvcs_topology`.
+typedef struct {
+  // This worker's TP rank, below `tp_size`.
+  uint32_t tp_rank;
+  // The local TP size, at least 1.
+  uint32_t tp_size;
+  // KV heads of the model (1 for MLA).
+  uint32_t total_kv_heads;
+  // 1 if the cache is MLA (one latent head on every rank), else 0.
+  uint32_t is_mla;
+  // Local tokens per logical block.
+  uint32_t block_size;
+} kvcs_local_engine;
+
+// What a remote engine's handshake told (SPEC section 11).
+typedef struct {
+  // Bytes of one logical block of one layer on one of its ranks.
+  uint64_t block_bytes;
+  // Its TP size.
+  uint32_t tp_size;
+  // Its tokens per logical block.
+  uint32_t block_size;
+  // Physical (kernel) blocks per logical block.
+  uint32_t kernel_blocks;
+} kvcs_remote_engine;
 
 // Options of `kvcs_worker_create`.
 typedef struct {
@@ -325,6 +405,345 @@ typedef struct {
   // Length of `identity`.
   size_t identity_len;
 } kvcs_layer;
+
+// The type of `kvcs_blocks_create`.
+typedef kvcs_status (*kvcs_blocks_create_fn)(kvcs_blocks**);
+
+// The type of `kvcs_blocks_destroy`.
+typedef void (*kvcs_blocks_destroy_fn)(kvcs_blocks*);
+
+// The type of `kvcs_blocks_add_request`.
+typedef kvcs_status (*kvcs_blocks_add_request_fn)(kvcs_blocks*, const char*, uint64_t);
+
+// The type of `kvcs_blocks_add_group`.
+typedef kvcs_status (*kvcs_blocks_add_group_fn)(kvcs_blocks*,
+                                                const char*,
+                                                uint32_t,
+                                                uint64_t,
+                                                const uint32_t*,
+                                                size_t);
+
+// The type of `kvcs_report_verdict`.
+typedef kvcs_status (*kvcs_report_verdict_fn)(const kvcs_report*, uint32_t*);
+
+// The type of `kvcs_report_passed`.
+typedef kvcs_status (*kvcs_report_passed_fn)(const kvcs_report*, uint32_t*);
+
+// The type of `kvcs_report_reason`.
+typedef kvcs_status (*kvcs_report_reason_fn)(const kvcs_report*, uint32_t*);
+
+// The type of `kvcs_report_message`.
+typedef kvcs_status (*kvcs_report_message_fn)(const kvcs_report*, const char**);
+
+// The type of `kvcs_report_compared_positions`.
+typedef kvcs_status (*kvcs_report_compared_positions_fn)(const kvcs_report*, uint64_t*);
+
+// The type of `kvcs_report_num_mismatches`.
+typedef kvcs_status (*kvcs_report_num_mismatches_fn)(const kvcs_report*, size_t*);
+
+// The type of `kvcs_report_mismatch`.
+typedef kvcs_status (*kvcs_report_mismatch_fn)(const kvcs_report*, size_t, kvcs_mismatch*);
+
+// The type of `kvcs_report_failed_check`.
+typedef kvcs_status (*kvcs_report_failed_check_fn)(const kvcs_report*, size_t, size_t, uint32_t*);
+
+// The type of `kvcs_report_layer_difference`.
+typedef kvcs_status (*kvcs_report_layer_difference_fn)(const kvcs_report*,
+                                                       size_t,
+                                                       size_t,
+                                                       kvcs_layer_difference*);
+
+// The type of `kvcs_report_num_unverified`.
+typedef kvcs_status (*kvcs_report_num_unverified_fn)(const kvcs_report*, size_t*);
+
+// The type of `kvcs_report_unverified`.
+typedef kvcs_status (*kvcs_report_unverified_fn)(const kvcs_report*,
+                                                 size_t,
+                                                 uint32_t*,
+                                                 uint32_t*,
+                                                 const char**);
+
+// The type of `kvcs_report_destroy`.
+typedef void (*kvcs_report_destroy_fn)(kvcs_report*);
+
+// The type of `kvcs_verdict_name`.
+typedef const char *(*kvcs_verdict_name_fn)(uint32_t);
+
+// The type of `kvcs_unverified_reason_name`.
+typedef const char *(*kvcs_unverified_reason_name_fn)(uint32_t);
+
+// The type of `kvcs_result_query`.
+typedef kvcs_status (*kvcs_result_query_fn)(const kvcs_result*);
+
+// The type of `kvcs_result_wait`.
+typedef kvcs_status (*kvcs_result_wait_fn)(kvcs_result*);
+
+// The type of `kvcs_result_group`.
+typedef kvcs_status (*kvcs_result_group_fn)(const kvcs_result*,
+                                            const char*,
+                                            uint32_t,
+                                            uint64_t*,
+                                            size_t*,
+                                            size_t*);
+
+// The type of `kvcs_result_column`.
+typedef kvcs_status (*kvcs_result_column_fn)(const kvcs_result*,
+                                             const char*,
+                                             uint32_t,
+                                             size_t,
+                                             uint32_t*,
+                                             uint32_t*,
+                                             uint64_t*);
+
+// The type of `kvcs_result_destroy`.
+typedef void (*kvcs_result_destroy_fn)(kvcs_result*);
+
+// The type of `kvcs_result_encode`.
+typedef kvcs_status (*kvcs_result_encode_fn)(const kvcs_result*, uint8_t*, size_t, size_t*);
+
+// The type of `kvcs_worker_options_size`.
+typedef size_t (*kvcs_worker_options_size_fn)(void);
+
+// The type of `kvcs_segment_size`.
+typedef size_t (*kvcs_segment_size_fn)(void);
+
+// The type of `kvcs_layer_size`.
+typedef size_t (*kvcs_layer_size_fn)(void);
+
+// The type of `kvcs_mismatch_size`.
+typedef size_t (*kvcs_mismatch_size_fn)(void);
+
+// The type of `kvcs_layer_difference_size`.
+typedef size_t (*kvcs_layer_difference_size_fn)(void);
+
+// The type of `kvcs_local_engine_size`.
+typedef size_t (*kvcs_local_engine_size_fn)(void);
+
+// The type of `kvcs_remote_engine_size`.
+typedef size_t (*kvcs_remote_engine_size_fn)(void);
+
+// The type of `kvcs_head_source_size`.
+typedef size_t (*kvcs_head_source_size_fn)(void);
+
+// The type of `kvcs_last_error`.
+typedef const char *(*kvcs_last_error_fn)(void);
+
+// The type of `kvcs_status_name`.
+typedef const char *(*kvcs_status_name_fn)(uint32_t);
+
+// The type of `kvcs_abi_version`.
+typedef uint32_t (*kvcs_abi_version_fn)(void);
+
+// The type of `kvcs_version`.
+typedef const char *(*kvcs_version_fn)(void);
+
+// The type of `kvcs_tp_ratio`.
+typedef kvcs_status (*kvcs_tp_ratio_fn)(uint32_t, uint32_t, int64_t*);
+
+// The type of `kvcs_remote_ranks`.
+typedef kvcs_status (*kvcs_remote_ranks_fn)(uint32_t, uint32_t, uint32_t, uint32_t*, size_t, size_t*);
+
+// The type of `kvcs_handshake_targets`.
+typedef kvcs_status (*kvcs_handshake_targets_fn)(uint32_t,
+                                                 uint32_t,
+                                                 uint32_t,
+                                                 uint32_t*,
+                                                 size_t,
+                                                 size_t*);
+
+// The type of `kvcs_block_size_ratio`.
+typedef kvcs_status (*kvcs_block_size_ratio_fn)(uint32_t, uint32_t, uint32_t*);
+
+// The type of `kvcs_remote_kv_replicated`.
+typedef kvcs_status (*kvcs_remote_kv_replicated_fn)(uint32_t, uint32_t, uint32_t*);
+
+// The type of `kvcs_local_kv_replicated`.
+typedef kvcs_status (*kvcs_local_kv_replicated_fn)(uint32_t, uint32_t, uint32_t, uint32_t*);
+
+// The type of `kvcs_rank_heads`.
+typedef kvcs_status (*kvcs_rank_heads_fn)(uint32_t,
+                                          uint32_t,
+                                          uint32_t,
+                                          uint32_t,
+                                          uint32_t*,
+                                          uint32_t*);
+
+// The type of `kvcs_head_sources`.
+typedef kvcs_status (*kvcs_head_sources_fn)(uint32_t,
+                                            uint32_t,
+                                            uint32_t,
+                                            uint32_t,
+                                            uint32_t,
+                                            kvcs_head_source*,
+                                            size_t,
+                                            size_t*);
+
+// The type of `kvcs_topology_create`.
+typedef kvcs_status (*kvcs_topology_create_fn)(const char*,
+                                               const kvcs_local_engine*,
+                                               kvcs_topology**);
+
+// The type of `kvcs_topology_destroy`.
+typedef void (*kvcs_topology_destroy_fn)(kvcs_topology*);
+
+// The type of `kvcs_topology_add_remote`.
+typedef kvcs_status (*kvcs_topology_add_remote_fn)(kvcs_topology*,
+                                                   const char*,
+                                                   const kvcs_remote_engine*,
+                                                   uint32_t*);
+
+// The type of `kvcs_topology_remote`.
+typedef kvcs_status (*kvcs_topology_remote_fn)(const kvcs_topology*,
+                                               const char*,
+                                               kvcs_remote_engine*);
+
+// The type of `kvcs_topology_tp_ratio`.
+typedef kvcs_status (*kvcs_topology_tp_ratio_fn)(const kvcs_topology*, const char*, int64_t*);
+
+// The type of `kvcs_topology_block_size_ratio`.
+typedef kvcs_status (*kvcs_topology_block_size_ratio_fn)(const kvcs_topology*,
+                                                         const char*,
+                                                         uint32_t*);
+
+// The type of `kvcs_topology_remote_kv_replicated`.
+typedef kvcs_status (*kvcs_topology_remote_kv_replicated_fn)(const kvcs_topology*,
+                                                             const char*,
+                                                             uint32_t*);
+
+// The type of `kvcs_topology_remote_ranks`.
+typedef kvcs_status (*kvcs_topology_remote_ranks_fn)(const kvcs_topology*,
+                                                     const char*,
+                                                     uint32_t*,
+                                                     size_t,
+                                                     size_t*);
+
+// The type of `kvcs_topology_head_sources`.
+typedef kvcs_status (*kvcs_topology_head_sources_fn)(const kvcs_topology*,
+                                                     const char*,
+                                                     kvcs_head_source*,
+                                                     size_t,
+                                                     size_t*);
+
+// The type of `kvcs_completion_create`.
+typedef kvcs_status (*kvcs_completion_create_fn)(uint32_t, kvcs_completion**);
+
+// The type of `kvcs_completion_destroy`.
+typedef void (*kvcs_completion_destroy_fn)(kvcs_completion*);
+
+// The type of `kvcs_completion_set_expected`.
+typedef kvcs_status (*kvcs_completion_set_expected_fn)(kvcs_completion*, uint32_t);
+
+// The type of `kvcs_completion_report`.
+typedef kvcs_status (*kvcs_completion_report_fn)(kvcs_completion*,
+                                                 uint32_t,
+                                                 uint32_t,
+                                                 const char*const *,
+                                                 size_t,
+                                                 uint8_t*);
+
+// The type of `kvcs_completion_reported`.
+typedef kvcs_status (*kvcs_completion_reported_fn)(const kvcs_completion*,
+                                                   uint32_t,
+                                                   const char*,
+                                                   uint32_t*);
+
+// The type of `kvcs_completion_add_invalid_blocks`.
+typedef kvcs_status (*kvcs_completion_add_invalid_blocks_fn)(kvcs_completion*,
+                                                             const uint32_t*,
+                                                             size_t);
+
+// The type of `kvcs_completion_invalid_blocks`.
+typedef kvcs_status (*kvcs_completion_invalid_blocks_fn)(const kvcs_completion*,
+                                                         uint32_t*,
+                                                         size_t,
+                                                         size_t*);
+
+// The type of `kvcs_completion_clear_invalid_blocks`.
+typedef kvcs_status (*kvcs_completion_clear_invalid_blocks_fn)(kvcs_completion*);
+
+// The type of `kvcs_verifier_create`.
+typedef kvcs_status (*kvcs_verifier_create_fn)(uint32_t, kvcs_verifier**);
+
+// The type of `kvcs_verifier_destroy`.
+typedef void (*kvcs_verifier_destroy_fn)(kvcs_verifier*);
+
+// The type of `kvcs_verifier_set_policy`.
+typedef kvcs_status (*kvcs_verifier_set_policy_fn)(kvcs_verifier*, uint32_t);
+
+// The type of `kvcs_verifier_set_extension`.
+typedef kvcs_status (*kvcs_verifier_set_extension_fn)(kvcs_verifier*, uint32_t);
+
+// The type of `kvcs_verifier_set_producer_tp_size`.
+typedef kvcs_status (*kvcs_verifier_set_producer_tp_size_fn)(kvcs_verifier*, uint32_t);
+
+// The type of `kvcs_verifier_set_producer_block_size`.
+typedef kvcs_status (*kvcs_verifier_set_producer_block_size_fn)(kvcs_verifier*, uint32_t, uint32_t);
+
+// The type of `kvcs_verifier_expect`.
+typedef kvcs_status (*kvcs_verifier_expect_fn)(kvcs_verifier*, const kvcs_blocks*, uint32_t);
+
+// The type of `kvcs_verifier_forget`.
+typedef kvcs_status (*kvcs_verifier_forget_fn)(kvcs_verifier*, const char*);
+
+// The type of `kvcs_verifier_add_record`.
+typedef kvcs_status (*kvcs_verifier_add_record_fn)(kvcs_verifier*, const uint8_t*, size_t);
+
+// The type of `kvcs_verifier_payload`.
+typedef kvcs_status (*kvcs_verifier_payload_fn)(kvcs_verifier*,
+                                                const char*,
+                                                uint8_t*,
+                                                size_t,
+                                                size_t*);
+
+// The type of `kvcs_verifier_check`.
+typedef kvcs_status (*kvcs_verifier_check_fn)(kvcs_verifier*,
+                                              const char*,
+                                              const uint8_t*,
+                                              size_t,
+                                              kvcs_report**);
+
+// The type of `kvcs_verifier_check_base64`.
+typedef kvcs_status (*kvcs_verifier_check_base64_fn)(kvcs_verifier*,
+                                                     const char*,
+                                                     const char*,
+                                                     kvcs_report**);
+
+// The type of `kvcs_verifier_check_no_payload`.
+typedef kvcs_status (*kvcs_verifier_check_no_payload_fn)(kvcs_verifier*, const char*, kvcs_report**);
+
+// The type of `kvcs_base64_encode`.
+typedef kvcs_status (*kvcs_base64_encode_fn)(const uint8_t*, size_t, char*, size_t, size_t*);
+
+// The type of `kvcs_base64_decode`.
+typedef kvcs_status (*kvcs_base64_decode_fn)(const char*, size_t, uint8_t*, size_t, size_t*);
+
+// The type of `kvcs_worker_create`.
+typedef kvcs_status (*kvcs_worker_create_fn)(const kvcs_worker_options*, kvcs_worker**);
+
+// The type of `kvcs_worker_destroy`.
+typedef void (*kvcs_worker_destroy_fn)(kvcs_worker*);
+
+// The type of `kvcs_worker_add_region`.
+typedef kvcs_status (*kvcs_worker_add_region_fn)(kvcs_worker*, uint64_t, uint64_t);
+
+// The type of `kvcs_worker_add_group`.
+typedef kvcs_status (*kvcs_worker_add_group_fn)(kvcs_worker*, uint32_t, uint32_t);
+
+// The type of `kvcs_worker_skip_group`.
+typedef kvcs_status (*kvcs_worker_skip_group_fn)(kvcs_worker*, uint32_t, const char*);
+
+// The type of `kvcs_worker_add_layer`.
+typedef kvcs_status (*kvcs_worker_add_layer_fn)(kvcs_worker*, const kvcs_layer*);
+
+// The type of `kvcs_worker_checksum`.
+typedef kvcs_status (*kvcs_worker_checksum_fn)(kvcs_worker*,
+                                               const kvcs_blocks*,
+                                               uint32_t,
+                                               void*,
+                                               kvcs_result**);
+
+// The type of `kvcs_worker_set_detail`.
+typedef kvcs_status (*kvcs_worker_set_detail_fn)(kvcs_worker*, uint32_t);
 
 #ifdef __cplusplus
 extern "C" {
@@ -455,6 +874,30 @@ void kvcs_result_destroy(kvcs_result *result);
 // set). `KVCS_ERR_NOT_READY` while a device is computing the values.
 kvcs_status kvcs_result_encode(const kvcs_result *result, uint8_t *buf, size_t cap, size_t *len);
 
+// `sizeof(kvcs_worker_options)` in this library.
+size_t kvcs_worker_options_size(void);
+
+// `sizeof(kvcs_segment)` in this library.
+size_t kvcs_segment_size(void);
+
+// `sizeof(kvcs_layer)` in this library.
+size_t kvcs_layer_size(void);
+
+// `sizeof(kvcs_mismatch)` in this library.
+size_t kvcs_mismatch_size(void);
+
+// `sizeof(kvcs_layer_difference)` in this library.
+size_t kvcs_layer_difference_size(void);
+
+// `sizeof(kvcs_local_engine)` in this library.
+size_t kvcs_local_engine_size(void);
+
+// `sizeof(kvcs_remote_engine)` in this library.
+size_t kvcs_remote_engine_size(void);
+
+// `sizeof(kvcs_head_source)` in this library.
+size_t kvcs_head_source_size(void);
+
 // The message of the last failed call on this thread: what failed, which
 // argument, which value. Never NULL; valid until the next failing call on
 // this thread. "no error" before any call failed.
@@ -470,6 +913,175 @@ uint32_t kvcs_abi_version(void);
 
 // The library's version ("0.1.0"), a static string. Never NULL.
 const char *kvcs_version(void);
+
+// `local_tp / remote_tp` when `local_tp >= remote_tp`, else `-(remote_tp /
+// local_tp)`, into `*ratio`. `KVCS_ERR_INVALID_ARGUMENT` when a size is 0
+// or the larger is not a multiple of the smaller.
+kvcs_status kvcs_tp_ratio(uint32_t local_tp, uint32_t remote_tp, int64_t *ratio);
+
+// The remote ranks local rank `local_rank` reads from, ascending, into
+// `(ranks, cap)` with the count in `*len` (`(NULL, 0)` asks for it):
+// `local_rank / ratio` for a positive `kvcs_tp_ratio`, else the `|ratio|`
+// ranks from `local_rank * |ratio|`. `KVCS_ERR_OUT_OF_BOUNDS` for a rank
+// at or past `local_tp`.
+kvcs_status kvcs_remote_ranks(uint32_t local_rank,
+                              uint32_t local_tp,
+                              uint32_t remote_tp,
+                              uint32_t *ranks,
+                              size_t cap,
+                              size_t *len);
+
+// The remote ranks to handshake with before the remote engine is known:
+// the same as `kvcs_remote_ranks`, from the two TP sizes alone.
+kvcs_status kvcs_handshake_targets(uint32_t local_rank,
+                                   uint32_t local_tp,
+                                   uint32_t remote_tp,
+                                   uint32_t *ranks,
+                                   size_t cap,
+                                   size_t *len);
+
+// `local_block_size / remote_block_size` into `*ratio`;
+// `KVCS_ERR_INVALID_ARGUMENT` when a size is 0 or it is not whole.
+kvcs_status kvcs_block_size_ratio(uint32_t local_block_size,
+                                  uint32_t remote_block_size,
+                                  uint32_t *ratio);
+
+// `*replicated` = 1 if a remote engine of TP size `remote_tp` replicates
+// KV heads (`remote_tp > total_kv_heads`), else 0.
+kvcs_status kvcs_remote_kv_replicated(uint32_t remote_tp,
+                                      uint32_t total_kv_heads,
+                                      uint32_t *replicated);
+
+// `*replicated` = 1 if the local engine replicates KV heads (`is_mla` is
+// 1, or `tp > total_kv_heads`), else 0.
+kvcs_status kvcs_local_kv_replicated(uint32_t tp,
+                                     uint32_t total_kv_heads,
+                                     uint32_t is_mla,
+                                     uint32_t *replicated);
+
+// The global heads rank `rank` of an engine of TP size `tp` holds:
+// `[r*K/T, (r+1)*K/T)` when `T <= K`, else head `r / (T/K)`; with MLA
+// (`total_kv_heads` must be 1) head 0. Sizes that do not divide give
+// `KVCS_ERR_INVALID_ARGUMENT`. Either out-pointer may be NULL.
+kvcs_status kvcs_rank_heads(uint32_t rank,
+                            uint32_t tp,
+                            uint32_t total_kv_heads,
+                            uint32_t is_mla,
+                            uint32_t *first_head,
+                            uint32_t *num_heads);
+
+// For local rank `local_rank`, the runs of its heads in head order, each
+// with the remote rank that supplies it (one of `kvcs_remote_ranks`; the
+// lowest where the remote engine replicates a head), into `(sources,
+// cap)` with the count in `*len` (`(NULL, 0)` asks for it).
+kvcs_status kvcs_head_sources(uint32_t local_rank,
+                              uint32_t local_tp,
+                              uint32_t remote_tp,
+                              uint32_t total_kv_heads,
+                              uint32_t is_mla,
+                              kvcs_head_source *sources,
+                              size_t cap,
+                              size_t *len);
+
+// Creates a topology of local engine `local_engine_id` (a non-empty UTF-8
+// string) with no remote engine; `*out` owns it.
+kvcs_status kvcs_topology_create(const char *local_engine_id,
+                                 const kvcs_local_engine *local,
+                                 kvcs_topology **out);
+
+// Frees a topology. NULL is a no-op.
+void kvcs_topology_destroy(kvcs_topology *topology);
+
+// Records remote engine `engine_id`'s handshake. `*added` (may be NULL) is
+// 1, or 0 when the engine was registered before (the first is kept). The
+// local engine's own id, a size of 0, or sizes that do not divide the
+// local engine's (TP, block size, kernel blocks, heads) give
+// `KVCS_ERR_INVALID_ARGUMENT` and nothing is recorded.
+kvcs_status kvcs_topology_add_remote(kvcs_topology *topology,
+                                     const char *engine_id,
+                                     const kvcs_remote_engine *remote,
+                                     uint32_t *added);
+
+// What remote engine `engine_id`'s handshake told, into `*remote`;
+// `KVCS_ERR_NOT_FOUND` for an engine not registered.
+kvcs_status kvcs_topology_remote(const kvcs_topology *topology,
+                                 const char *engine_id,
+                                 kvcs_remote_engine *remote);
+
+// `kvcs_tp_ratio` of the local engine and `engine_id`.
+kvcs_status kvcs_topology_tp_ratio(const kvcs_topology *topology,
+                                   const char *engine_id,
+                                   int64_t *ratio);
+
+// `kvcs_block_size_ratio` of the local engine and `engine_id`.
+kvcs_status kvcs_topology_block_size_ratio(const kvcs_topology *topology,
+                                           const char *engine_id,
+                                           uint32_t *ratio);
+
+// `kvcs_remote_kv_replicated` for `engine_id`.
+kvcs_status kvcs_topology_remote_kv_replicated(const kvcs_topology *topology,
+                                               const char *engine_id,
+                                               uint32_t *replicated);
+
+// `kvcs_remote_ranks` of this worker's rank in `engine_id`.
+kvcs_status kvcs_topology_remote_ranks(const kvcs_topology *topology,
+                                       const char *engine_id,
+                                       uint32_t *ranks,
+                                       size_t cap,
+                                       size_t *len);
+
+// `kvcs_head_sources` of this worker's rank in `engine_id`.
+kvcs_status kvcs_topology_head_sources(const kvcs_topology *topology,
+                                       const char *engine_id,
+                                       kvcs_head_source *sources,
+                                       size_t cap,
+                                       size_t *len);
+
+// Creates a counter expecting `expected_workers` (at least 1) reports per
+// request and direction; `*out` owns it.
+kvcs_status kvcs_completion_create(uint32_t expected_workers, kvcs_completion **out);
+
+// Frees a counter. NULL is a no-op.
+void kvcs_completion_destroy(kvcs_completion *completion);
+
+// Changes the expected count (at least 1) for requests first reported
+// from now on; requests already counting keep the count they started with.
+kvcs_status kvcs_completion_set_expected(kvcs_completion *completion, uint32_t expected_workers);
+
+// Worker `worker` reports the `n` requests `req_ids` finished in
+// `direction` (a `kvcs_direction`). `completed[i]` is set to 1 when this
+// report completed request `i` (every expected worker has now reported
+// it), else 0. A request listed twice, or already reported by this worker
+// and not yet completed, gives `KVCS_ERR_INVALID_ARGUMENT` and nothing is
+// counted.
+kvcs_status kvcs_completion_report(kvcs_completion *completion,
+                                   uint32_t worker,
+                                   uint32_t direction,
+                                   const char *const *req_ids,
+                                   size_t n,
+                                   uint8_t *completed);
+
+// The number of workers that reported `req_id` finished in `direction`
+// so far, into `*count` (0 before any did and once it completed).
+kvcs_status kvcs_completion_reported(const kvcs_completion *completion,
+                                     uint32_t direction,
+                                     const char *req_id,
+                                     uint32_t *count);
+
+// Adds the `n` block ids a worker found invalid to the union.
+kvcs_status kvcs_completion_add_invalid_blocks(kvcs_completion *completion,
+                                               const uint32_t *block_ids,
+                                               size_t n);
+
+// The union of the invalid block ids added since the last clear, ascending,
+// into `(block_ids, cap)` with the count in `*len` (`(NULL, 0)` asks for it).
+kvcs_status kvcs_completion_invalid_blocks(const kvcs_completion *completion,
+                                           uint32_t *block_ids,
+                                           size_t cap,
+                                           size_t *len);
+
+// Forgets the invalid block ids.
+kvcs_status kvcs_completion_clear_invalid_blocks(kvcs_completion *completion);
 
 // Creates a verifier for an engine of `num_workers` workers (TP size x PP
 // stages; at least 1), fail-closed, with plain payloads. `*out` owns it.

@@ -21,6 +21,7 @@ pub mod payload;
 pub mod plan;
 pub mod record;
 pub mod result;
+pub mod topology;
 pub mod verify;
 pub mod worker;
 

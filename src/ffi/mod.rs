@@ -9,10 +9,13 @@
 
 pub mod blocks;
 pub mod buffer;
+pub mod loader;
 pub mod panic;
 pub mod report;
 pub mod result;
+pub mod sizes;
 pub mod status;
+pub mod topology;
 pub mod verifier;
 pub mod worker;
 
