@@ -72,8 +72,11 @@ lib: $(LIB)
 
 # cargo decides whether the library is stale, so it is always asked; make
 # relinks the C programs only when the file it leaves is newer than them.
+# The library's SONAME is libkvcsum.so.0 (build.rs), the name programs
+# linked against it look for, hence the link beside it.
 $(LIB): FORCE
 	$(CARGO) build --$(PROFILE) --lib
+	ln -sfn libkvcsum.so $(LIB_DIR)/libkvcsum.so.0
 
 demo: $(BUILD)/demo
 	$(BUILD)/demo

@@ -54,6 +54,7 @@ int main(int argc, char **argv) {
   test_errors();
   test_checksums(seed);
   test_verify(seed);
+  test_topology();
 
   if (checks_failed != 0) {
     fprintf(stderr, "random data seed: %#" PRIx64 " (rerun: c_tests %#" PRIx64 ")\n", seed, seed);
