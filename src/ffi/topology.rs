@@ -1,4 +1,4 @@
-//! Transfer topology (SPEC section 11): the free functions of TP and block
+//! Transfer topology (docs/SPEC.md#11-transfer-topology-for-transfer-agents): the free functions of TP and block
 //! size arithmetic, `kvcs_topology` (per remote engine, what its handshake
 //! told) and `kvcs_completion` (when every worker finished a request).
 
@@ -50,7 +50,7 @@ pub struct kvcs_local_engine {
     pub block_size: u32,
 }
 
-/// What a remote engine's handshake told (SPEC section 11).
+/// What a remote engine's handshake told (docs/SPEC.md#11-transfer-topology-for-transfer-agents).
 #[allow(non_camel_case_types)]
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -292,7 +292,7 @@ pub extern "C" fn kvcs_head_sources(
 }
 
 /// One local worker's view of the engines it transfers with: per remote
-/// engine id, what its handshake told (SPEC section 11).
+/// engine id, what its handshake told (docs/SPEC.md#11-transfer-topology-for-transfer-agents).
 ///
 /// Ownership: created by `kvcs_topology_create`, freed by
 /// `kvcs_topology_destroy`.
@@ -501,7 +501,7 @@ pub extern "C" fn kvcs_topology_head_sources(
 }
 
 /// Counts, per request and direction, the workers that reported it
-/// finished, and says when every expected worker has (SPEC section 11);
+/// finished, and says when every expected worker has (docs/SPEC.md#11-transfer-topology-for-transfer-agents);
 /// unites the invalid block ids workers report.
 ///
 /// Ownership: created by `kvcs_completion_create`, freed by
