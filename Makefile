@@ -108,9 +108,12 @@ kernel-test: $(NVRTC_LIB)/libnvrtc.so.13
 	LD_LIBRARY_PATH=$(NVRTC_LIB) $(CARGO) test --$(PROFILE) --test kernels -- --ignored
 
 # The record and payload decoders under libFuzzer, FUZZ_SECONDS per target.
+# cargo-fuzz, where the machine has none, is installed into build/tools.
+TOOLS := $(abspath $(BUILD))/tools
 fuzz:
-	cargo fuzz --version >/dev/null 2>&1 || $(CARGO) install cargo-fuzz --locked --version $(CARGO_FUZZ_VERSION)
-	scripts/fuzz.sh $(FUZZ_SECONDS)
+	PATH=$(TOOLS)/bin:$$PATH; cargo fuzz --version >/dev/null 2>&1 \
+	  || $(CARGO) install --quiet --root $(TOOLS) cargo-fuzz --locked --version $(CARGO_FUZZ_VERSION)
+	PATH=$(TOOLS)/bin:$$PATH scripts/fuzz.sh $(FUZZ_SECONDS)
 
 c-test: $(BUILD)/c_tests
 	$(ASAN_ENV) $(BUILD)/c_tests
