@@ -63,7 +63,7 @@ PREFIX ?= /usr/local
 DESTDIR ?=
 INSTALL_TEST_LIB := $(abspath $(BUILD))/install-test/prefix/lib/libkvcsum.so.0
 
-.PHONY: all lib demo test test-deps rust-test kernel-test c-test demo-test install install-test python-test fuzz \
+.PHONY: all lib demo test test-deps rust-test kernel-test c-test demo-test install install-test python-test python-wheel fuzz \
 	header bench clean FORCE
 
 all: lib
@@ -138,6 +138,23 @@ python-test: install-test $(VENV)/.installed
 	cd $(BUILD) && KVCSUM_LIBRARY=$(INSTALL_TEST_LIB) $(VENV_PY) -c \
 	  'import kvcsum, sys; print("kvcsum", kvcsum.version(), "from", kvcsum.__file__, "over", kvcsum.library().path)'
 	cd $(BUILD) && KVCSUM_LIBRARY=$(INSTALL_TEST_LIB) $(VENV_PY) -m pytest -q -p no:cacheprovider $(abspath python/tests)
+	$(MAKE) python-wheel
+	$(PIP) install --quiet --no-deps --force-reinstall $(BUILD)/wheel/kvcsum-*.whl
+	cd $(BUILD) && env -u KVCSUM_LIBRARY $(VENV_PY) -c 'import kvcsum, os; p = kvcsum.library().path; \
+	  assert os.path.dirname(p) == os.path.dirname(kvcsum.__file__), p; print("wheel: kvcsum over", p)'
+	cd $(BUILD) && env -u KVCSUM_LIBRARY $(VENV_PY) -m pytest -q -p no:cacheprovider $(abspath python/tests)
+
+# A wheel that carries the stripped library beside the package (so it needs
+# nothing else installed), tagged for this platform: build/wheel/.
+python-wheel: lib $(VENV)/.installed
+	scripts/install.sh $(abspath $(BUILD))/wheel-stage >/dev/null
+	rm -rf $(BUILD)/wheel python/build && mkdir -p $(BUILD)/wheel
+	cp $(BUILD)/dist/libkvcsum.so.*[0-9] python/kvcsum/libkvcsum.so
+	$(PIP) wheel --quiet --no-build-isolation --no-deps -w $(BUILD)/wheel ./python; \
+	  status=$$?; rm -f python/kvcsum/libkvcsum.so; exit $$status
+	cd $(BUILD)/wheel && $(VENV_PY) -m wheel tags --remove --python-tag py3 --abi-tag none \
+	  --platform-tag linux_$$(uname -m) kvcsum-*.whl
+	ls $(BUILD)/wheel
 
 header:
 	KVCS_BLESS=1 $(CARGO) test --test header
