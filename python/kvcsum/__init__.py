@@ -368,6 +368,9 @@ def layer(
         layer(cache, "BKHTD", layer_number=i)   # FlashInfer HND [blocks, 2, heads, 16, 128]
         layer(k_cache, "NHD", layer_number=i, v=v_cache)   # K and V in two tensors
 
+    Any strided view works: for a cross-layer cache [blocks, layers, ...]
+    pass `cache[:, i]` for layer i.
+
     With `kernel_blocks` > 1 the B dimension counts kernel blocks, that
     many making one logical block (block b holds kernel blocks
     b*kernel_blocks ...). `first_head` is the global number of the first

@@ -100,6 +100,16 @@ def test_kv_split_layouts_and_a_separate_v(rng):
     )
 
 
+def test_cross_layer_cache_through_views(rng):
+    kv = logical_kv(rng, layers=3)
+    want = reference(kv, BLOCK_IDS, NUM_TOKENS, [0, 1, 2])
+    # One tensor for every layer, [blocks, layers, tokens, heads, pieces];
+    # each layer is a strided view of it.
+    cross = np.ascontiguousarray(kv.transpose(1, 0, 3, 2, 4))
+    layers = [kvcsum.layer(cross[:, i], "NHD", layer_number=i) for i in range(3)]
+    np.testing.assert_array_equal(run(layers, [cross], BLOCK_IDS, NUM_TOKENS), want)
+
+
 def test_kernel_blocks_and_negative_strides(rng):
     kv = logical_kv(rng)
     want = reference(kv, BLOCK_IDS, NUM_TOKENS, [0])
