@@ -465,3 +465,7 @@ impl Completion {
         self.invalid_blocks.clear();
     }
 }
+
+#[cfg(test)]
+#[path = "topology_tests.rs"]
+mod tests;

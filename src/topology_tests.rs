@@ -1,12 +1,14 @@
-//! The transfer topology helpers and the completion counter (SPEC section
-//! 11): every rule against a naive reference (tables built head by head and
-//! rank by rank), and every error.
+//! Tests of the transfer topology helpers and the completion counter
+//! (docs/SPEC.md#11-transfer-topology-for-transfer-agents): every rule
+//! against a naive reference (tables built head by head and rank by rank),
+//! and every error. A unit-test module of `topology`, so that it does not
+//! depend on what the crate makes public.
 
-use kvcsum::topology::{
+use super::{
     block_size_ratio, head_sources, local_kv_replicated, rank_heads, remote_kv_replicated, remote_ranks, tp_ratio,
     Completion, Direction, HeadRange, LocalEngine, RemoteEngine, Topology,
 };
-use kvcsum::Error;
+use crate::error::Error;
 
 /// Naive: which ranks hold head `head`, by handing heads out one at a time.
 fn naive_holders(tp: u32, heads: u32, is_mla: bool) -> Vec<Vec<u32>> {
