@@ -931,9 +931,16 @@ class Completion(_Handle):
         """The expected count for requests first reported from now on."""
         _check(self._lib.kvcs_completion_set_expected(self.handle, expected_workers))
 
-    def report(self, worker: int, direction: int, req_ids: Sequence[str]) -> list[str]:
+    def report(
+        self, worker: int, direction: int, req_ids: Sequence[str], expected_workers: int | None = None
+    ) -> list[str]:
         """Worker `worker` finished `req_ids` in `direction` (SENDING or
-        RECEIVING); returns the requests this report completed."""
+        RECEIVING); returns the requests this report completed. A worker's
+        output may carry a new expected count (vLLM's
+        expected_finished_count): pass it as `expected_workers`; it applies
+        from this report's new requests on."""
+        if expected_workers:
+            self.set_expected(expected_workers)
         encoded = [_c(r) for r in req_ids]
         ids = (c_char_p * max(len(encoded), 1))(*encoded)
         done = (c_uint8 * max(len(encoded), 1))()

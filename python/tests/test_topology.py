@@ -122,6 +122,8 @@ def test_completion():
         completion.set_expected(3)
         assert completion.report(0, kvcsum.RECEIVING, ["a"]) == ["a"]  # "a" kept its count of 2
         assert completion.report(0, kvcsum.RECEIVING, ["c"]) == []
+        assert completion.report(0, kvcsum.RECEIVING, ["d"], expected_workers=1) == ["d"]
+        completion.set_expected(3)
         assert completion.report(1, kvcsum.RECEIVING, ["c"]) == []
         assert completion.report(2, kvcsum.RECEIVING, ["c"]) == ["c"]
         with pytest.raises(kvcsum.InvalidArgument, match="direction 7"):
