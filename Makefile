@@ -1,15 +1,24 @@
 # kvcsum: build, test and demo commands (see README.md).
 #
-#   make demo    build the library (release) and examples/c/demo.c, run it
-#   make test    every test: Rust tests, the kernel compile test (NVRTC from
-#                PyPI), the C tests and the demo under ASan/UBSan, and a
-#                bounded fuzz run of the decoders; installs what they need
-#   make header  regenerate include/kvcsum.h from src/ffi (cbindgen)
-#   make bench   the host engine benchmark (BENCHMARKS.md)
-#   make clean   remove build/ (the C programs); `cargo clean` removes target/
+#   make demo     build the library (release) and examples/c/demo.c, run it
+#   make test     every test: Rust tests, the kernel compile test (NVRTC from
+#                 PyPI), the C tests and the demo under ASan/UBSan, the
+#                 install test (C and C++ programs against an installed
+#                 tree, the dlopen example), the Python tests, and a bounded
+#                 fuzz run of the decoders; fetches what they need into build/
+#   make install  install under PREFIX (default /usr/local; DESTDIR honoured):
+#                 libkvcsum.so.X.Y.Z with SONAME libkvcsum.so.X, libkvcsum.a,
+#                 kvcsum.h, kvcsum.hpp, kvcsum.pc, kvcsum-static.pc and the
+#                 CMake package (find_package(kvcsum) -> kvcsum::kvcsum)
+#   make header   regenerate include/kvcsum.h from src/ffi (cbindgen)
+#   make bench    the host engine benchmark (BENCHMARKS.md)
+#   make clean    remove build/ (C programs, the venv, downloads); `cargo
+#                 clean` removes target/
 #
-# C programs are built in build/ against target/release/libkvcsum.so, found
-# at run time through an rpath, so nothing needs installing.
+# The C tests are built in build/ against target/release/libkvcsum.so, found
+# at run time through an rpath; the install test installs into
+# build/install-test/prefix. Nothing outside the repository is modified:
+# Python packages go into a venv under build/venv.
 
 CARGO ?= cargo
 ifeq ($(origin CC),default)
@@ -44,7 +53,18 @@ MSGSPEC_VERSION := 0.22.0
 CARGO_FUZZ_VERSION := 0.13.2
 FUZZ_SECONDS ?= 30
 
-.PHONY: all lib demo test test-deps rust-test kernel-test c-test demo-test fuzz header bench clean FORCE
+# Test-only Python packages, in a venv under build/ (pip's cache there too).
+VENV := $(BUILD)/venv
+VENV_PY := $(abspath $(VENV))/bin/python
+PIP := $(VENV_PY) -m pip --disable-pip-version-check --cache-dir $(abspath $(BUILD))/pip-cache
+PYTHON_TEST_PACKAGES := msgspec==$(MSGSPEC_VERSION) numpy==2.4.6 pytest==9.2.0 "setuptools>=61" wheel
+
+PREFIX ?= /usr/local
+DESTDIR ?=
+INSTALL_TEST_LIB := $(abspath $(BUILD))/install-test/prefix/lib/libkvcsum.so.0
+
+.PHONY: all lib demo test test-deps rust-test kernel-test c-test demo-test install install-test python-test python-wheel fuzz \
+	header bench clean FORCE
 
 all: lib
 
@@ -52,42 +72,89 @@ lib: $(LIB)
 
 # cargo decides whether the library is stale, so it is always asked; make
 # relinks the C programs only when the file it leaves is newer than them.
+# The library's SONAME is libkvcsum.so.0 (build.rs), the name programs
+# linked against it look for, hence the link beside it.
 $(LIB): FORCE
 	$(CARGO) build --$(PROFILE) --lib
+	ln -sfn libkvcsum.so $(LIB_DIR)/libkvcsum.so.0
 
 demo: $(BUILD)/demo
 	$(BUILD)/demo
 
-test: test-deps rust-test kernel-test c-test demo-test fuzz
+test: test-deps rust-test kernel-test c-test demo-test install-test python-test fuzz
 
-# What the tests need beyond the toolchain: msgspec for the payload
-# compatibility test, NVRTC for the kernel compile test.
-test-deps: $(NVRTC_LIB)/libnvrtc.so.13
-	python3 -c 'import msgspec' 2>/dev/null || python3 -m pip install --quiet msgspec==$(MSGSPEC_VERSION) \
-	  || python3 -m pip install --quiet --break-system-packages msgspec==$(MSGSPEC_VERSION)
+# What the tests need beyond the toolchain, all under build/: a venv with
+# msgspec (payload compatibility test), numpy and pytest (Python tests);
+# NVRTC (kernel compile test).
+test-deps: $(VENV)/.installed $(NVRTC_LIB)/libnvrtc.so.13
 
-$(NVRTC_LIB)/libnvrtc.so.13: | $(BUILD)
+$(VENV)/.installed: Makefile | $(BUILD)
+	rm -rf $(VENV)
+	python3 -m venv $(VENV)
+	$(PIP) install --quiet $(PYTHON_TEST_PACKAGES)
+	touch $@
+
+$(NVRTC_LIB)/libnvrtc.so.13: | $(VENV)/.installed $(BUILD)
 	rm -rf $(NVRTC_DIR) && mkdir -p $(NVRTC_DIR)
-	python3 -m pip download --quiet --no-deps --only-binary=:all: -d $(NVRTC_DIR) nvidia-cuda-nvrtc==$(NVRTC_VERSION)
-	python3 -m zipfile -e $(NVRTC_DIR)/nvidia_cuda_nvrtc-*.whl $(NVRTC_DIR)
+	$(PIP) download --quiet --no-deps --only-binary=:all: -d $(NVRTC_DIR) nvidia-cuda-nvrtc==$(NVRTC_VERSION)
+	$(VENV_PY) -m zipfile -e $(NVRTC_DIR)/nvidia_cuda_nvrtc-*.whl $(NVRTC_DIR)
+	rm -f $(NVRTC_DIR)/nvidia_cuda_nvrtc-*.whl
 
-rust-test:
-	$(CARGO) test --$(PROFILE)
+rust-test: $(VENV)/.installed
+	KVCS_PYTHON=$(VENV_PY) $(CARGO) test --$(PROFILE)
 
 # The GPU tests stay ignored here (no device); the kernels must still compile.
 kernel-test: $(NVRTC_LIB)/libnvrtc.so.13
 	LD_LIBRARY_PATH=$(NVRTC_LIB) $(CARGO) test --$(PROFILE) --test kernels -- --ignored
 
 # The record and payload decoders under libFuzzer, FUZZ_SECONDS per target.
+# cargo-fuzz, where the machine has none, is installed into build/tools.
+TOOLS := $(abspath $(BUILD))/tools
 fuzz:
-	cargo fuzz --version >/dev/null 2>&1 || $(CARGO) install cargo-fuzz --locked --version $(CARGO_FUZZ_VERSION)
-	scripts/fuzz.sh $(FUZZ_SECONDS)
+	PATH=$(TOOLS)/bin:$$PATH; cargo fuzz --version >/dev/null 2>&1 \
+	  || $(CARGO) install --quiet --root $(TOOLS) cargo-fuzz --locked --version $(CARGO_FUZZ_VERSION)
+	PATH=$(TOOLS)/bin:$$PATH scripts/fuzz.sh $(FUZZ_SECONDS)
 
 c-test: $(BUILD)/c_tests
 	$(ASAN_ENV) $(BUILD)/c_tests
 
 demo-test: $(BUILD)/demo_asan
 	$(ASAN_ENV) $(BUILD)/demo_asan
+
+install: lib
+	scripts/install.sh $(PREFIX) $(DESTDIR)
+
+# Installs into build/install-test/prefix and builds and runs C (pkg-config)
+# and C++ (CMake) programs against it, shared and static, and the dlopen
+# example (tests/install/run.sh).
+install-test: lib
+	tests/install/run.sh
+
+# The Python package, installed into the venv with pip, over the library
+# the install test installed (run from build/ so the source tree's package
+# is not the one imported).
+python-test: install-test $(VENV)/.installed
+	$(PIP) install --quiet --no-build-isolation --no-deps --force-reinstall ./python
+	cd $(BUILD) && KVCSUM_LIBRARY=$(INSTALL_TEST_LIB) $(VENV_PY) -c \
+	  'import kvcsum, sys; print("kvcsum", kvcsum.version(), "from", kvcsum.__file__, "over", kvcsum.library().path)'
+	cd $(BUILD) && KVCSUM_LIBRARY=$(INSTALL_TEST_LIB) $(VENV_PY) -m pytest -q -p no:cacheprovider $(abspath python/tests)
+	$(MAKE) python-wheel
+	$(PIP) install --quiet --no-deps --force-reinstall $(BUILD)/wheel/kvcsum-*.whl
+	cd $(BUILD) && env -u KVCSUM_LIBRARY $(VENV_PY) -c 'import kvcsum, os; p = kvcsum.library().path; \
+	  assert os.path.dirname(p) == os.path.dirname(kvcsum.__file__), p; print("wheel: kvcsum over", p)'
+	cd $(BUILD) && env -u KVCSUM_LIBRARY $(VENV_PY) -m pytest -q -p no:cacheprovider $(abspath python/tests)
+
+# A wheel that carries the stripped library beside the package (so it needs
+# nothing else installed), tagged for this platform: build/wheel/.
+python-wheel: lib $(VENV)/.installed
+	scripts/install.sh $(abspath $(BUILD))/wheel-stage >/dev/null
+	rm -rf $(BUILD)/wheel python/build && mkdir -p $(BUILD)/wheel
+	cp $(BUILD)/dist/libkvcsum.so.*[0-9] python/kvcsum/libkvcsum.so
+	$(PIP) wheel --quiet --no-build-isolation --no-deps -w $(BUILD)/wheel ./python; \
+	  status=$$?; rm -f python/kvcsum/libkvcsum.so; exit $$status
+	cd $(BUILD)/wheel && $(VENV_PY) -m wheel tags --remove --python-tag py3 --abi-tag none \
+	  --platform-tag linux_$$(uname -m) kvcsum-*.whl
+	ls $(BUILD)/wheel
 
 header:
 	KVCS_BLESS=1 $(CARGO) test --test header

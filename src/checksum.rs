@@ -8,7 +8,7 @@
 /// Bytes per piece: a piece is 8 bytes read as a little-endian `u64`.
 pub(crate) const PIECE_BYTES: u64 = 8;
 
-/// `H` of SPEC section 3: no layer may have more heads than this.
+/// `H` of docs/SPEC.md#3-block-checksum: no layer may have more heads than this.
 pub(crate) const MAX_KV_HEADS_PER_LAYER: u64 = 65536;
 
 /// The odd weight `m` of slice (layer, head) in a block checksum.

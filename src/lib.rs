@@ -16,7 +16,8 @@
 //! 9. [`ffi`]: the C boundary and nothing else.
 //!
 //! The Rust API is what is re-exported here plus the public modules
-//! [`record`], [`payload`], [`verify`] (verification from Rust) and [`ffi`]
+//! [`record`], [`payload`], [`verify`] (verification from Rust), [`topology`]
+//! (transfer topology for agents) and [`ffi`]
 //! (the C ABI, callable from Rust for tests). The other modules are internal.
 
 #![warn(missing_docs)]
@@ -39,6 +40,7 @@ pub(crate) mod result;
 pub(crate) mod state;
 pub(crate) mod stored;
 pub(crate) mod stream;
+pub mod topology;
 pub mod verify;
 pub(crate) mod worker;
 

@@ -12,6 +12,9 @@ const ORDER: &[&str] = &[
     "error",
     "checksum",
     "msgpack",
+    "topology",
+    // its unit tests (a file of their own)
+    "topology_tests",
     "pool",
     // inputs: state layers, layouts, block sets, fingerprints, the caller's stream
     "state",

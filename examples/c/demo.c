@@ -4,7 +4,7 @@
  *
  * Build and run: `make demo` (builds target/release/libkvcsum.so and this
  * file, then runs it). By hand, from the repository root:
- *   cargo build --release --lib
+ *   make lib   # cargo build --release --lib, plus the libkvcsum.so.0 link (its SONAME)
  *   gcc -std=c11 -Wall -Wextra -Wpedantic -Werror -Iinclude examples/c/demo.c \
  *       -Ltarget/release -lkvcsum -Wl,-rpath,$PWD/target/release -o demo && ./demo
  *

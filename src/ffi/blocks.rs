@@ -8,7 +8,7 @@ use super::status::kvcs_status;
 use super::{c_array, c_str, not_null, try_engine};
 use crate::blocks::BlockSet;
 
-/// A request block set (SPEC section 5): per request its token count and,
+/// A request block set (docs/SPEC.md#5-request-block-sets): per request its token count and,
 /// per group, the block ids at consecutive positions.
 ///
 /// Ownership: created by `kvcs_blocks_create`, freed by

@@ -10,10 +10,13 @@
 pub mod blocks;
 pub mod buffer;
 pub(crate) mod handle;
+pub mod loader;
 pub mod panic;
 pub mod report;
 pub mod result;
+pub mod sizes;
 pub mod status;
+pub mod topology;
 pub mod verifier;
 pub mod worker;
 

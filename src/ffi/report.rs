@@ -1,4 +1,4 @@
-//! `kvcs_report`: the verdict on one finished load (SPEC section 10).
+//! `kvcs_report`: the verdict on one finished load (docs/SPEC.md#10-verification).
 
 // C entry points take raw pointers by design; their documented contract,
 // not `unsafe fn`, is what C callers see.
@@ -37,7 +37,7 @@ pub enum kvcs_verdict {
     KVCS_VERDICT_UNVERIFIED = 2,
 }
 
-/// Why a load or a group could not be compared (SPEC section 10). Values are
+/// Why a load or a group could not be compared (docs/SPEC.md#10-verification). Values are
 /// fixed and never renumbered; a retired value stays reserved.
 #[allow(non_camel_case_types)]
 #[repr(u32)]
@@ -113,7 +113,7 @@ pub struct kvcs_layer_difference {
     pub first_head: u32,
     /// Heads in the range.
     pub num_heads: u32,
-    /// The replica check (SPEC section 4) in which it differs.
+    /// The replica check (docs/SPEC.md#4-partial-checksums-replicas-roles) in which it differs.
     pub check: u32,
 }
 

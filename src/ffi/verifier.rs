@@ -18,8 +18,10 @@ use crate::error::err;
 use crate::payload::{decode_base64, encode_base64};
 use crate::verify::{Policy, Verifier};
 
-/// Collects every worker's records of requests and verifies loads (SPEC
-/// sections 4, 9, 10): a producer's verifier builds payloads, a consumer's
+/// Collects every worker's records of requests and verifies loads
+/// (docs/SPEC.md#4-partial-checksums-replicas-roles,
+/// docs/SPEC.md#9-payload-producer-to-consumer,
+/// docs/SPEC.md#10-verification): a producer's verifier builds payloads, a consumer's
 /// judges finished loads against them.
 ///
 /// Ownership: created by `kvcs_verifier_create`, freed by
@@ -123,7 +125,7 @@ pub extern "C" fn kvcs_verifier_set_require_coverage(verifier: *mut kvcs_verifie
 }
 
 /// Consumer: the producer's TP size, for payloads that do not carry it
-/// (plain ones). Shard-keyed state groups (SPEC section 6) are compared
+/// (plain ones). Shard-keyed state groups (docs/SPEC.md#6-state-mamba-groups) are compared
 /// only when it is known and equal to the consumer's.
 #[no_mangle]
 pub extern "C" fn kvcs_verifier_set_producer_tp_size(verifier: *mut kvcs_verifier, tp_size: u32) -> kvcs_status {
@@ -205,7 +207,7 @@ pub extern "C" fn kvcs_verifier_add_record(verifier: *mut kvcs_verifier, record:
     }
 }
 
-/// Producer: the payload of request `req_id` (SPEC section 9), into
+/// Producer: the payload of request `req_id` (docs/SPEC.md#9-payload-producer-to-consumer), into
 /// `(buf, cap)` with its length in `*len`; `(NULL, 0)` asks for the size
 /// (`KVCS_ERR_BUFFER_TOO_SMALL` with `*len` set). `KVCS_ERR_NOT_READY` until
 /// every worker reported the request; `KVCS_ERR_INVALID_ARGUMENT` when the

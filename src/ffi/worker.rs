@@ -171,7 +171,7 @@ pub extern "C" fn kvcs_worker_add_group(worker: *mut kvcs_worker, group_id: u32,
 
 /// Declares that this worker cannot checksum group `group_id`, for `reason`
 /// (a non-empty string). The group is then never computed and results list
-/// it as skipped (SPEC section 7).
+/// it as skipped (docs/SPEC.md#7-group-fingerprint).
 #[no_mangle]
 pub extern "C" fn kvcs_worker_skip_group(
     worker: *mut kvcs_worker,
@@ -361,7 +361,7 @@ pub extern "C" fn kvcs_worker_add_alias(
     }
 }
 
-/// Which columns a `kvcs_worker_checksum` computes (SPEC section 4).
+/// Which columns a `kvcs_worker_checksum` computes (docs/SPEC.md#4-partial-checksums-replicas-roles).
 #[allow(non_camel_case_types)]
 #[repr(u32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -38,5 +38,6 @@ void test_checksums(uint64_t seed);
 void test_verify(uint64_t seed);
 void test_ownership(void);
 void test_features(void);
+void test_topology(void);
 
 #endif /* KVCSUM_TEST_CHECK_H */

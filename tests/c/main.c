@@ -60,6 +60,7 @@ int main(int argc, char **argv) {
   test_verify(seed);
   test_ownership();
   test_features();
+  test_topology();
 
   if (checks_failed != 0) {
     fprintf(stderr, "random data seed: %#" PRIx64 " (rerun: c_tests %#" PRIx64 ")\n", seed, seed);

@@ -1,0 +1,643 @@
+//! Transfer topology (docs/SPEC.md#11-transfer-topology-for-transfer-agents): the free functions of TP and block
+//! size arithmetic, `kvcs_topology` (per remote engine, what its handshake
+//! told) and `kvcs_completion` (when every worker finished a request).
+
+use std::ffi::c_char;
+
+use super::handle::{free, handle, into_handle, try_handle, try_handle_mut};
+use super::panic::ffi_boundary;
+use super::status::{fail, fail_with, kvcs_status};
+use super::{c_array, c_str, not_null, try_engine, try_ref, write_out};
+use crate::error::err;
+use crate::topology::{self, Completion, Direction, HeadSource, LocalEngine, RemoteEngine, Topology};
+
+/// Which transfer a worker reports finished (`kvcs_completion_report`).
+/// Values are fixed and never renumbered.
+#[allow(non_camel_case_types)]
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum kvcs_direction {
+    /// The worker finished sending the request's KV.
+    KVCS_DIRECTION_SENDING = 0,
+    /// The worker finished receiving the request's KV.
+    KVCS_DIRECTION_RECEIVING = 1,
+}
+
+fn direction(value: u32) -> crate::error::Result<Direction> {
+    match value {
+        0 => Ok(Direction::Sending),
+        1 => Ok(Direction::Receiving),
+        _ => Err(err!(
+            InvalidArgument,
+            "direction {value} is not a kvcs_direction (0 or 1)"
+        )),
+    }
+}
+
+/// The local engine of a `kvcs_topology`.
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct kvcs_local_engine {
+    /// This worker's TP rank, below `tp_size`.
+    pub tp_rank: u32,
+    /// The local TP size, at least 1.
+    pub tp_size: u32,
+    /// KV heads of the model (1 for MLA).
+    pub total_kv_heads: u32,
+    /// 1 if the cache is MLA (one latent head on every rank), else 0.
+    pub is_mla: u32,
+    /// Local tokens per logical block.
+    pub block_size: u32,
+}
+
+/// What a remote engine's handshake told (docs/SPEC.md#11-transfer-topology-for-transfer-agents).
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct kvcs_remote_engine {
+    /// Bytes of one logical block of one layer on one of its ranks.
+    pub block_bytes: u64,
+    /// Its TP size.
+    pub tp_size: u32,
+    /// Its tokens per logical block.
+    pub block_size: u32,
+    /// Physical (kernel) blocks per logical block.
+    pub kernel_blocks: u32,
+}
+
+impl From<RemoteEngine> for kvcs_remote_engine {
+    fn from(remote: RemoteEngine) -> Self {
+        kvcs_remote_engine {
+            block_bytes: remote.block_bytes,
+            tp_size: remote.tp_size,
+            block_size: remote.block_size,
+            kernel_blocks: remote.kernel_blocks,
+        }
+    }
+}
+
+/// A run of a local rank's heads and the remote rank that supplies it
+/// (`kvcs_head_sources`).
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct kvcs_head_source {
+    /// The remote rank to read from.
+    pub remote_rank: u32,
+    /// Global number of the first head of the run.
+    pub first_head: u32,
+    /// Heads in the run.
+    pub num_heads: u32,
+    /// Index of `first_head` among the local rank's heads.
+    pub local_offset: u32,
+    /// Index of `first_head` among the remote rank's heads.
+    pub remote_offset: u32,
+}
+
+impl From<HeadSource> for kvcs_head_source {
+    fn from(source: HeadSource) -> Self {
+        kvcs_head_source {
+            remote_rank: source.remote_rank,
+            first_head: source.heads.first,
+            num_heads: source.heads.count,
+            local_offset: source.local_offset,
+            remote_offset: source.remote_offset,
+        }
+    }
+}
+
+fn flag(value: u32, name: &str) -> crate::error::Result<bool> {
+    match value {
+        0 => Ok(false),
+        1 => Ok(true),
+        _ => Err(err!(InvalidArgument, "{name} {value} is not 0 or 1")),
+    }
+}
+
+/// Copies `items` to `(buf, cap)` and their count to `*len`; a size query
+/// `(NULL, 0)` or a short `cap` gives `KVCS_ERR_BUFFER_TOO_SMALL` with
+/// `*len` set and `buf` untouched.
+///
+/// # Safety
+/// `buf` is NULL or points to `cap` writable elements; `len` is NULL or
+/// writable.
+unsafe fn write_items<T: Copy>(items: &[T], buf: *mut T, cap: usize, len: *mut usize) -> kvcs_status {
+    if len.is_null() {
+        return fail(&err!(InvalidArgument, "len is NULL"));
+    }
+    if buf.is_null() && cap != 0 {
+        return fail(&err!(InvalidArgument, "buf is NULL with cap {cap}"));
+    }
+    if items.len() > cap {
+        len.write(items.len());
+        return fail_with(
+            kvcs_status::KVCS_ERR_BUFFER_TOO_SMALL,
+            &format!(
+                "cap {cap} is below the {} entries needed (*len says how many)",
+                items.len()
+            ),
+        );
+    }
+    if !items.is_empty() {
+        std::ptr::copy_nonoverlapping(items.as_ptr(), buf, items.len());
+    }
+    len.write(items.len());
+    kvcs_status::KVCS_OK
+}
+
+/// `local_tp / remote_tp` when `local_tp >= remote_tp`, else `-(remote_tp /
+/// local_tp)`, into `*ratio`. `KVCS_ERR_INVALID_ARGUMENT` when a size is 0
+/// or the larger is not a multiple of the smaller.
+#[no_mangle]
+pub extern "C" fn kvcs_tp_ratio(local_tp: u32, remote_tp: u32, ratio: *mut i64) -> kvcs_status {
+    ffi_boundary! {
+        not_null!(ratio, "ratio");
+        let value = try_engine!(topology::tp_ratio(local_tp, remote_tp));
+        // SAFETY: non-NULL and writable per the contract.
+        unsafe { ratio.write(value) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// The remote ranks local rank `local_rank` reads from, ascending, into
+/// `(ranks, cap)` with the count in `*len` (`(NULL, 0)` asks for it):
+/// `local_rank / ratio` for a positive `kvcs_tp_ratio`, else the `|ratio|`
+/// ranks from `local_rank * |ratio|`. `KVCS_ERR_OUT_OF_BOUNDS` for a rank
+/// at or past `local_tp`.
+#[no_mangle]
+pub extern "C" fn kvcs_remote_ranks(
+    local_rank: u32,
+    local_tp: u32,
+    remote_tp: u32,
+    ranks: *mut u32,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status {
+    ffi_boundary! {
+        let items = try_engine!(topology::remote_ranks(local_rank, local_tp, remote_tp));
+        // SAFETY: the contract gives `cap` writable ranks and a writable `len`.
+        unsafe { write_items(&items, ranks, cap, len) }
+    }
+}
+
+/// The remote ranks to handshake with before the remote engine is known:
+/// the same as `kvcs_remote_ranks`, from the two TP sizes alone.
+#[no_mangle]
+pub extern "C" fn kvcs_handshake_targets(
+    local_rank: u32,
+    local_tp: u32,
+    remote_tp: u32,
+    ranks: *mut u32,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status {
+    kvcs_remote_ranks(local_rank, local_tp, remote_tp, ranks, cap, len)
+}
+
+/// `local_block_size / remote_block_size` into `*ratio`;
+/// `KVCS_ERR_INVALID_ARGUMENT` when a size is 0 or it is not whole.
+#[no_mangle]
+pub extern "C" fn kvcs_block_size_ratio(local_block_size: u32, remote_block_size: u32, ratio: *mut u32) -> kvcs_status {
+    ffi_boundary! {
+        not_null!(ratio, "ratio");
+        let value = try_engine!(topology::block_size_ratio(local_block_size, remote_block_size));
+        // SAFETY: non-NULL and writable per the contract.
+        unsafe { ratio.write(value) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// `*replicated` = 1 if a remote engine of TP size `remote_tp` replicates
+/// KV heads (`remote_tp > total_kv_heads`), else 0.
+#[no_mangle]
+pub extern "C" fn kvcs_remote_kv_replicated(remote_tp: u32, total_kv_heads: u32, replicated: *mut u32) -> kvcs_status {
+    ffi_boundary! {
+        not_null!(replicated, "replicated");
+        let value = try_engine!(topology::remote_kv_replicated(remote_tp, total_kv_heads));
+        // SAFETY: non-NULL and writable per the contract.
+        unsafe { replicated.write(u32::from(value)) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// `*replicated` = 1 if the local engine replicates KV heads (`is_mla` is
+/// 1, or `tp > total_kv_heads`), else 0.
+#[no_mangle]
+pub extern "C" fn kvcs_local_kv_replicated(
+    tp: u32,
+    total_kv_heads: u32,
+    is_mla: u32,
+    replicated: *mut u32,
+) -> kvcs_status {
+    ffi_boundary! {
+        not_null!(replicated, "replicated");
+        let is_mla = try_engine!(flag(is_mla, "is_mla"));
+        let value = try_engine!(topology::local_kv_replicated(tp, total_kv_heads, is_mla));
+        // SAFETY: non-NULL and writable per the contract.
+        unsafe { replicated.write(u32::from(value)) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// The global heads rank `rank` of an engine of TP size `tp` holds:
+/// `[r*K/T, (r+1)*K/T)` when `T <= K`, else head `r / (T/K)`; with MLA
+/// (`total_kv_heads` must be 1) head 0. Sizes that do not divide give
+/// `KVCS_ERR_INVALID_ARGUMENT`. Either out-pointer may be NULL.
+#[no_mangle]
+pub extern "C" fn kvcs_rank_heads(
+    rank: u32,
+    tp: u32,
+    total_kv_heads: u32,
+    is_mla: u32,
+    first_head: *mut u32,
+    num_heads: *mut u32,
+) -> kvcs_status {
+    ffi_boundary! {
+        let is_mla = try_engine!(flag(is_mla, "is_mla"));
+        let heads = try_engine!(topology::rank_heads(rank, tp, total_kv_heads, is_mla));
+        // SAFETY: each is NULL or writable per the contract.
+        unsafe {
+            write_out(first_head, heads.first);
+            write_out(num_heads, heads.count);
+        }
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// For local rank `local_rank`, the runs of its heads in head order, each
+/// with the remote rank that supplies it (one of `kvcs_remote_ranks`; the
+/// lowest where the remote engine replicates a head), into `(sources,
+/// cap)` with the count in `*len` (`(NULL, 0)` asks for it).
+#[no_mangle]
+pub extern "C" fn kvcs_head_sources(
+    local_rank: u32,
+    local_tp: u32,
+    remote_tp: u32,
+    total_kv_heads: u32,
+    is_mla: u32,
+    sources: *mut kvcs_head_source,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status {
+    ffi_boundary! {
+        let is_mla = try_engine!(flag(is_mla, "is_mla"));
+        let items: Vec<kvcs_head_source> =
+            try_engine!(topology::head_sources(local_rank, local_tp, remote_tp, total_kv_heads, is_mla))
+                .into_iter()
+                .map(Into::into)
+                .collect();
+        // SAFETY: the contract gives `cap` writable entries and a writable `len`.
+        unsafe { write_items(&items, sources, cap, len) }
+    }
+}
+
+/// One local worker's view of the engines it transfers with: per remote
+/// engine id, what its handshake told (docs/SPEC.md#11-transfer-topology-for-transfer-agents).
+///
+/// Ownership: created by `kvcs_topology_create`, freed by
+/// `kvcs_topology_destroy`.
+/// Thread safety: `kvcs_topology *` calls need exclusive access; `const
+/// kvcs_topology *` calls may run concurrently.
+#[allow(non_camel_case_types)]
+pub struct kvcs_topology {
+    _private: [u8; 0],
+}
+
+handle!(kvcs_topology => Topology);
+
+/// Creates a topology of local engine `local_engine_id` (a non-empty UTF-8
+/// string) with no remote engine; `*out` owns it.
+#[no_mangle]
+pub extern "C" fn kvcs_topology_create(
+    local_engine_id: *const c_char,
+    local: *const kvcs_local_engine,
+    out: *mut *mut kvcs_topology,
+) -> kvcs_status {
+    ffi_boundary! {
+        // SAFETY: NULL or a NUL-terminated string per the contract.
+        let local_engine_id = try_engine!(unsafe { c_str(local_engine_id, "local_engine_id") });
+        let local = try_ref!(local, "local");
+        not_null!(out, "out");
+        let is_mla = try_engine!(flag(local.is_mla, "local->is_mla"));
+        let topology = try_engine!(Topology::new(
+            local_engine_id,
+            LocalEngine {
+                tp_rank: local.tp_rank,
+                tp_size: local.tp_size,
+                total_kv_heads: local.total_kv_heads,
+                is_mla,
+                block_size: local.block_size,
+            },
+        ));
+        // SAFETY: `out` is non-NULL and writable per the contract.
+        unsafe { out.write(into_handle(topology)) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// Frees a topology. NULL is a no-op.
+#[no_mangle]
+pub extern "C" fn kvcs_topology_destroy(topology: *mut kvcs_topology) {
+    ffi_boundary! {
+        // SAFETY: NULL, or made by `kvcs_topology_create` and not freed before (the contract).
+        unsafe { free(topology) };
+    }
+}
+
+/// Records remote engine `engine_id`'s handshake. `*added` (may be NULL) is
+/// 1, or 0 when the engine was registered before (the first is kept). The
+/// local engine's own id, a size of 0, or sizes that do not divide the
+/// local engine's (TP, block size, kernel blocks, heads) give
+/// `KVCS_ERR_INVALID_ARGUMENT` and nothing is recorded.
+#[no_mangle]
+pub extern "C" fn kvcs_topology_add_remote(
+    topology: *mut kvcs_topology,
+    engine_id: *const c_char,
+    remote: *const kvcs_remote_engine,
+    added: *mut u32,
+) -> kvcs_status {
+    ffi_boundary! {
+        let topology = try_handle_mut!(topology, "topology");
+        // SAFETY: NULL or a NUL-terminated string per the contract.
+        let engine_id = try_engine!(unsafe { c_str(engine_id, "engine_id") });
+        let remote = try_ref!(remote, "remote");
+        let was_added = try_engine!(topology.add_remote(
+            engine_id,
+            RemoteEngine {
+                tp_size: remote.tp_size,
+                block_bytes: remote.block_bytes,
+                block_size: remote.block_size,
+                kernel_blocks: remote.kernel_blocks,
+            },
+        ));
+        // SAFETY: NULL or writable per the contract.
+        unsafe { write_out(added, u32::from(was_added)) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// What remote engine `engine_id`'s handshake told, into `*remote`;
+/// `KVCS_ERR_NOT_FOUND` for an engine not registered.
+#[no_mangle]
+pub extern "C" fn kvcs_topology_remote(
+    topology: *const kvcs_topology,
+    engine_id: *const c_char,
+    remote: *mut kvcs_remote_engine,
+) -> kvcs_status {
+    ffi_boundary! {
+        let topology = try_handle!(topology, "topology");
+        // SAFETY: NULL or a NUL-terminated string per the contract.
+        let engine_id = try_engine!(unsafe { c_str(engine_id, "engine_id") });
+        not_null!(remote, "remote");
+        let value = try_engine!(topology.remote(engine_id));
+        // SAFETY: non-NULL and writable per the contract.
+        unsafe { remote.write(value.into()) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// `kvcs_tp_ratio` of the local engine and `engine_id`.
+#[no_mangle]
+pub extern "C" fn kvcs_topology_tp_ratio(
+    topology: *const kvcs_topology,
+    engine_id: *const c_char,
+    ratio: *mut i64,
+) -> kvcs_status {
+    ffi_boundary! {
+        let topology = try_handle!(topology, "topology");
+        // SAFETY: NULL or a NUL-terminated string per the contract.
+        let engine_id = try_engine!(unsafe { c_str(engine_id, "engine_id") });
+        not_null!(ratio, "ratio");
+        let value = try_engine!(topology.tp_ratio(engine_id));
+        // SAFETY: non-NULL and writable per the contract.
+        unsafe { ratio.write(value) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// `kvcs_block_size_ratio` of the local engine and `engine_id`.
+#[no_mangle]
+pub extern "C" fn kvcs_topology_block_size_ratio(
+    topology: *const kvcs_topology,
+    engine_id: *const c_char,
+    ratio: *mut u32,
+) -> kvcs_status {
+    ffi_boundary! {
+        let topology = try_handle!(topology, "topology");
+        // SAFETY: NULL or a NUL-terminated string per the contract.
+        let engine_id = try_engine!(unsafe { c_str(engine_id, "engine_id") });
+        not_null!(ratio, "ratio");
+        let value = try_engine!(topology.block_size_ratio(engine_id));
+        // SAFETY: non-NULL and writable per the contract.
+        unsafe { ratio.write(value) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// `kvcs_remote_kv_replicated` for `engine_id`.
+#[no_mangle]
+pub extern "C" fn kvcs_topology_remote_kv_replicated(
+    topology: *const kvcs_topology,
+    engine_id: *const c_char,
+    replicated: *mut u32,
+) -> kvcs_status {
+    ffi_boundary! {
+        let topology = try_handle!(topology, "topology");
+        // SAFETY: NULL or a NUL-terminated string per the contract.
+        let engine_id = try_engine!(unsafe { c_str(engine_id, "engine_id") });
+        not_null!(replicated, "replicated");
+        let value = try_engine!(topology.remote_kv_replicated(engine_id));
+        // SAFETY: non-NULL and writable per the contract.
+        unsafe { replicated.write(u32::from(value)) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// `kvcs_remote_ranks` of this worker's rank in `engine_id`.
+#[no_mangle]
+pub extern "C" fn kvcs_topology_remote_ranks(
+    topology: *const kvcs_topology,
+    engine_id: *const c_char,
+    ranks: *mut u32,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status {
+    ffi_boundary! {
+        let topology = try_handle!(topology, "topology");
+        // SAFETY: NULL or a NUL-terminated string per the contract.
+        let engine_id = try_engine!(unsafe { c_str(engine_id, "engine_id") });
+        let items = try_engine!(topology.remote_ranks(engine_id));
+        // SAFETY: the contract gives `cap` writable ranks and a writable `len`.
+        unsafe { write_items(&items, ranks, cap, len) }
+    }
+}
+
+/// `kvcs_head_sources` of this worker's rank in `engine_id`.
+#[no_mangle]
+pub extern "C" fn kvcs_topology_head_sources(
+    topology: *const kvcs_topology,
+    engine_id: *const c_char,
+    sources: *mut kvcs_head_source,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status {
+    ffi_boundary! {
+        let topology = try_handle!(topology, "topology");
+        // SAFETY: NULL or a NUL-terminated string per the contract.
+        let engine_id = try_engine!(unsafe { c_str(engine_id, "engine_id") });
+        let items: Vec<kvcs_head_source> =
+            try_engine!(topology.head_sources(engine_id)).into_iter().map(Into::into).collect();
+        // SAFETY: the contract gives `cap` writable entries and a writable `len`.
+        unsafe { write_items(&items, sources, cap, len) }
+    }
+}
+
+/// Counts, per request and direction, the workers that reported it
+/// finished, and says when every expected worker has (docs/SPEC.md#11-transfer-topology-for-transfer-agents);
+/// unites the invalid block ids workers report.
+///
+/// Ownership: created by `kvcs_completion_create`, freed by
+/// `kvcs_completion_destroy`.
+/// Thread safety: `kvcs_completion *` calls need exclusive access; `const
+/// kvcs_completion *` calls may run concurrently.
+#[allow(non_camel_case_types)]
+pub struct kvcs_completion {
+    _private: [u8; 0],
+}
+
+handle!(kvcs_completion => Completion);
+
+/// Creates a counter expecting `expected_workers` (at least 1) reports per
+/// request and direction; `*out` owns it.
+#[no_mangle]
+pub extern "C" fn kvcs_completion_create(expected_workers: u32, out: *mut *mut kvcs_completion) -> kvcs_status {
+    ffi_boundary! {
+        not_null!(out, "out");
+        let completion = try_engine!(Completion::new(expected_workers));
+        // SAFETY: `out` is non-NULL and writable per the contract.
+        unsafe { out.write(into_handle(completion)) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// Frees a counter. NULL is a no-op.
+#[no_mangle]
+pub extern "C" fn kvcs_completion_destroy(completion: *mut kvcs_completion) {
+    ffi_boundary! {
+        // SAFETY: NULL, or made by `kvcs_completion_create` and not freed before (the contract).
+        unsafe { free(completion) };
+    }
+}
+
+/// Changes the expected count (at least 1) for requests first reported
+/// from now on; requests already counting keep the count they started with.
+#[no_mangle]
+pub extern "C" fn kvcs_completion_set_expected(completion: *mut kvcs_completion, expected_workers: u32) -> kvcs_status {
+    ffi_boundary! {
+        let completion = try_handle_mut!(completion, "completion");
+        try_engine!(completion.set_expected(expected_workers));
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// Worker `worker` reports the `n` requests `req_ids` finished in
+/// `direction` (a `kvcs_direction`). `completed[i]` is set to 1 when this
+/// report completed request `i` (every expected worker has now reported
+/// it), else 0. A request listed twice, or already reported by this worker
+/// and not yet completed, gives `KVCS_ERR_INVALID_ARGUMENT` and nothing is
+/// counted.
+#[no_mangle]
+pub extern "C" fn kvcs_completion_report(
+    completion: *mut kvcs_completion,
+    worker: u32,
+    direction: u32,
+    req_ids: *const *const c_char,
+    n: usize,
+    completed: *mut u8,
+) -> kvcs_status {
+    ffi_boundary! {
+        let completion = try_handle_mut!(completion, "completion");
+        let direction = try_engine!(self::direction(direction));
+        // SAFETY: NULL or `n` readable pointers per the contract.
+        let pointers = try_engine!(unsafe { c_array(req_ids, n, "req_ids") });
+        if completed.is_null() && n != 0 {
+            return fail(&err!(InvalidArgument, "completed is NULL with n {n}"));
+        }
+        let mut ids = Vec::with_capacity(pointers.len());
+        for (i, &pointer) in pointers.iter().enumerate() {
+            // SAFETY: each is NULL or a NUL-terminated string per the contract.
+            ids.push(try_engine!(unsafe { c_str(pointer, &format!("req_ids[{i}]")) }));
+        }
+        let done = try_engine!(completion.report(worker, direction, &ids));
+        for (i, value) in done.into_iter().enumerate() {
+            // SAFETY: the contract gives `n` writable bytes at `completed`.
+            unsafe { completed.add(i).write(u8::from(value)) };
+        }
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// The number of workers that reported `req_id` finished in `direction`
+/// so far, into `*count` (0 before any did and once it completed).
+#[no_mangle]
+pub extern "C" fn kvcs_completion_reported(
+    completion: *const kvcs_completion,
+    direction: u32,
+    req_id: *const c_char,
+    count: *mut u32,
+) -> kvcs_status {
+    ffi_boundary! {
+        let completion = try_handle!(completion, "completion");
+        let direction = try_engine!(self::direction(direction));
+        // SAFETY: NULL or a NUL-terminated string per the contract.
+        let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
+        not_null!(count, "count");
+        // SAFETY: non-NULL and writable per the contract.
+        unsafe { count.write(completion.reported(direction, req_id)) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// Adds the `n` block ids a worker found invalid to the union.
+#[no_mangle]
+pub extern "C" fn kvcs_completion_add_invalid_blocks(
+    completion: *mut kvcs_completion,
+    block_ids: *const u32,
+    n: usize,
+) -> kvcs_status {
+    ffi_boundary! {
+        let completion = try_handle_mut!(completion, "completion");
+        // SAFETY: NULL or `n` readable ids per the contract.
+        let block_ids = try_engine!(unsafe { c_array(block_ids, n, "block_ids") });
+        completion.add_invalid_blocks(block_ids);
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// The union of the invalid block ids added since the last clear, ascending,
+/// into `(block_ids, cap)` with the count in `*len` (`(NULL, 0)` asks for it).
+#[no_mangle]
+pub extern "C" fn kvcs_completion_invalid_blocks(
+    completion: *const kvcs_completion,
+    block_ids: *mut u32,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status {
+    ffi_boundary! {
+        let completion = try_handle!(completion, "completion");
+        let items = completion.invalid_blocks();
+        // SAFETY: the contract gives `cap` writable ids and a writable `len`.
+        unsafe { write_items(&items, block_ids, cap, len) }
+    }
+}
+
+/// Forgets the invalid block ids.
+#[no_mangle]
+pub extern "C" fn kvcs_completion_clear_invalid_blocks(completion: *mut kvcs_completion) -> kvcs_status {
+    ffi_boundary! {
+        let completion = try_handle_mut!(completion, "completion");
+        completion.clear_invalid_blocks();
+        kvcs_status::KVCS_OK
+    }
+}

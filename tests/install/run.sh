@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# The install test (`make install-test`, part of `make test`): installs
+# kvcsum into a temporary prefix and uses it as C and C++ projects would.
+#
+#   - the installed tree: SONAME links, the shared library without debug info
+#     and under 2 MB, `nm` on the static library showing only kvcs_ global
+#     symbols, every header call having its kvcs_<call>_fn type
+#   - tests/install/consumer.c with pkg-config, against the shared library
+#     (`kvcsum`) and the static one (`kvcsum-static`), then run
+#   - tests/install/consumer.cpp (kvcsum.hpp) with CMake find_package(kvcsum),
+#     shared and static (KVCSUM_USE_STATIC_LIBS=ON), then run
+#   - examples/c/dlopen_agent.c against the installed library, and against
+#     paths that must fail with a clear message
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+work=$(pwd)/build/install-test
+prefix=$work/prefix
+rm -rf "$work" && mkdir -p "$work"
+strict=(-std=c11 -Wall -Wextra -Wpedantic -Werror)
+failures=0
+fail() { echo "install-test: FAIL: $*" >&2; failures=$((failures + 1)); }
+pass() { echo "install-test: ok: $*"; }
+
+scripts/install.sh "$prefix"
+version=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -n 1)
+major=${version%%.*}
+lib=$prefix/lib
+
+# --- The installed tree ------------------------------------------------------
+[ "$(readlink "$lib/libkvcsum.so")" = "libkvcsum.so.$major" ] && pass "libkvcsum.so -> libkvcsum.so.$major" ||
+    fail "libkvcsum.so does not point to libkvcsum.so.$major"
+[ "$(readlink "$lib/libkvcsum.so.$major")" = "libkvcsum.so.$version" ] &&
+    pass "libkvcsum.so.$major -> libkvcsum.so.$version" || fail "libkvcsum.so.$major does not point to .so.$version"
+soname=$(readelf -d "$lib/libkvcsum.so.$version" | sed -n 's/.*Library soname: \[\(.*\)\]/\1/p')
+[ "$soname" = "libkvcsum.so.$major" ] && pass "SONAME $soname" || fail "SONAME is '$soname'"
+size=$(stat -c %s "$lib/libkvcsum.so.$version")
+[ "$size" -lt $((2 * 1024 * 1024)) ] && pass "shared library is $size bytes (< 2 MiB)" ||
+    fail "shared library is $size bytes, not under 2 MiB"
+if readelf -SW "$lib/libkvcsum.so.$version" | grep -q '\.debug_'; then
+    fail "the installed shared library has debug sections"
+else
+    pass "no debug sections in the shared library"
+fi
+# Every global symbol the static library defines is a kvcs_ one, and it
+# defines every call of the header.
+others=$(nm -g --defined-only "$lib/libkvcsum.a" | awk 'NF == 3 && $3 !~ /^kvcs_/' | head -n 5)
+defined=$(nm -g --defined-only "$lib/libkvcsum.a" | awk 'NF == 3 && $3 ~ /^kvcs_/ { print $3 }' | sort -u)
+calls=$(sed -nE 's/^[a-zA-Z_][a-zA-Z0-9_ *]*[ *](kvcs_[a-z0-9_]+)\(.*/\1/p' include/kvcsum.h | sort -u)
+if [ -n "$others" ]; then
+    fail "libkvcsum.a defines global symbols other than kvcs_ ones: $others"
+elif [ "$defined" != "$calls" ]; then
+    fail "libkvcsum.a's kvcs_ symbols differ from the header's calls: $(diff <(echo "$defined") <(echo "$calls") | head)"
+else
+    pass "nm: libkvcsum.a defines only kvcs_ globals, the $(echo "$calls" | wc -l) calls of the header"
+fi
+dynamic=$(nm -D --defined-only "$lib/libkvcsum.so.$version" | awk 'NF == 3 && $3 ~ /^kvcs_/ { print $3 }' | sort -u)
+[ "$dynamic" = "$calls" ] && pass "the shared library exports exactly the header's calls" ||
+    fail "the shared library's kvcs_ exports differ from the header's calls"
+# Each call has its function-pointer type, and the type is the call's.
+{
+    echo '#include <kvcsum.h>'
+    echo 'int main(void) {'
+    for call in $calls; do echo "  kvcs_${call#kvcs_}_fn ${call}_p = ${call}; (void)${call}_p;"; done
+    echo '  return 0;'
+    echo '}'
+} >"$work/typedefs.c"
+if gcc "${strict[@]}" -I"$prefix/include" -c "$work/typedefs.c" -o "$work/typedefs.o"; then
+    pass "every call has a kvcs_<call>_fn type equal to its own"
+else
+    fail "a call lacks its kvcs_<call>_fn type, or the type differs (see above)"
+fi
+
+# --- C with pkg-config -------------------------------------------------------
+export PKG_CONFIG_PATH=$lib/pkgconfig
+# shellcheck disable=SC2046
+gcc "${strict[@]}" tests/install/consumer.c $(pkg-config --cflags --libs kvcsum) -Wl,-rpath,"$lib" \
+    -o "$work/consumer_shared"
+# shellcheck disable=SC2046
+gcc "${strict[@]}" tests/install/consumer.c $(pkg-config --cflags --libs kvcsum-static) -o "$work/consumer_static"
+if readelf -d "$work/consumer_shared" | grep -q "NEEDED.*\[libkvcsum.so.$major\]"; then
+    pass "the shared C program needs libkvcsum.so.$major"
+else
+    fail "the shared C program does not record libkvcsum.so.$major"
+fi
+if readelf -d "$work/consumer_static" | grep -q 'libkvcsum'; then
+    fail "the static C program still needs a libkvcsum shared library"
+else
+    pass "the static C program needs no libkvcsum shared library"
+fi
+"$work/consumer_shared" && pass "C, pkg-config kvcsum (shared)" || fail "C program against the shared library"
+"$work/consumer_static" && pass "C, pkg-config kvcsum-static" || fail "C program against the static library"
+
+# --- C++ with CMake find_package ----------------------------------------------
+for variant in shared static; do
+    use_static=OFF
+    [ "$variant" = static ] && use_static=ON
+    cmake -S tests/install -B "$work/cmake-$variant" -DCMAKE_PREFIX_PATH="$prefix" \
+        -DKVCSUM_USE_STATIC_LIBS=$use_static -DCMAKE_BUILD_TYPE=Release >"$work/cmake-$variant.log" 2>&1 ||
+        { cat "$work/cmake-$variant.log"; fail "cmake configure ($variant)"; continue; }
+    cmake --build "$work/cmake-$variant" >>"$work/cmake-$variant.log" 2>&1 ||
+        { cat "$work/cmake-$variant.log"; fail "cmake build ($variant)"; continue; }
+    needs=$(readelf -d "$work/cmake-$variant/consumer_cpp" | grep -c 'libkvcsum' || true)
+    if { [ "$variant" = shared ] && [ "$needs" -eq 1 ]; } || { [ "$variant" = static ] && [ "$needs" -eq 0 ]; }; then
+        pass "C++ program ($variant) links the $variant library"
+    else
+        fail "C++ program ($variant): libkvcsum NEEDED entries: $needs"
+    fi
+    "$work/cmake-$variant/consumer_cpp" && pass "C++17, CMake find_package(kvcsum) ($variant)" ||
+        fail "C++ program ($variant)"
+done
+
+# --- dlopen ------------------------------------------------------------------
+gcc "${strict[@]}" -I"$prefix/include" examples/c/dlopen_agent.c -ldl -o "$work/dlopen_agent"
+"$work/dlopen_agent" "$lib/libkvcsum.so.$major" && pass "dlopen_agent on the installed library" ||
+    fail "dlopen_agent on the installed library"
+expect_refusal() {
+    local path=$1 needle=$2 rc=0
+    "$work/dlopen_agent" "$path" >"$work/dlopen.out" 2>&1 || rc=$?
+    if [ "$rc" -eq 2 ] && grep -q "$needle" "$work/dlopen.out"; then
+        pass "dlopen_agent refuses $path: $(head -n 1 "$work/dlopen.out")"
+    else
+        fail "dlopen_agent on $path: exit $rc, output: $(cat "$work/dlopen.out")"
+    fi
+}
+expect_refusal "$work/no-such-libkvcsum.so" "cannot load"
+expect_refusal "$(gcc -print-file-name=libgcc_s.so.1)" "has no symbol kvcs_abi_version"
+
+if [ "$failures" -ne 0 ]; then
+    echo "install-test: $failures failed" >&2
+    exit 1
+fi
+echo "install-test: all passed"
