@@ -117,7 +117,7 @@ def test_tables_given_from_a_first_position_and_the_errors():
     with setup.report(setup.flipped([13])) as report:  # run 1: consumer positions 2 and 3
         mismatches = report.mismatches
         shifted = kvcsum.repair_plan(report, {0: (2, setup.consumer_ids[2:4])}, CONSUMER_BLOCK)
-        assert [(b.position, b.block_id) for b in shifted[0]] == [(2, setup.consumer_ids[2]), (3, setup.consumer_ids[3])]
+        assert [(b.position, b.block_id) for b in shifted[0]] == [(q, setup.consumer_ids[q]) for q in (2, 3)]
         assert kvcsum.repair_plan(mismatches, {0: setup.consumer_ids}, CONSUMER_BLOCK) == kvcsum.repair_plan(
             report, {0: setup.consumer_ids}, CONSUMER_BLOCK
         )

@@ -3,8 +3,9 @@
 A transfer agent here is one worker's endpoint: it registers that worker's
 KV memory, tells its peers how to reach it (metadata), writes batches of
 (source address, destination address, length) descriptors into a peer's
-registered memory with a notification attached, and hands over the
-notifications it received. NIXL is one implementation (nixl_agent.py);
+registered memory with a notification attached (or sends a notification
+alone), and hands over the notifications it received. Nothing blocks: the
+harness polls writes and notifications, as an engine's agent loop does. NIXL is one implementation (nixl_agent.py);
 another agent (Mooncake's transfer engine, say) is added as another
 subclass, and the harness (harness.py) runs unchanged over it.
 """
@@ -18,6 +19,15 @@ import numpy as np
 
 class TransferError(RuntimeError):
     """A transfer failed or did not finish in time."""
+
+
+class Transfer(abc.ABC):
+    """A write in flight."""
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """True once the write finished (polling also makes progress);
+        raises TransferError when it failed."""
 
 
 class TransferAgent(abc.ABC):
@@ -40,11 +50,12 @@ class TransferAgent(abc.ABC):
         """Learns a peer from its metadata; returns the peer's name."""
 
     @abc.abstractmethod
-    def write(self, peer: str, descriptors: np.ndarray, notification: bytes) -> None:
-        """Writes each (source address, destination address, length) row of
-        `descriptors` (uint64, N x 3) from this agent's memory into `peer`'s,
-        then delivers `notification` to the peer. Returns once done; raises
-        TransferError when the transfer fails or times out."""
+    def write(self, peer: str, descriptors: np.ndarray, notification: bytes) -> Transfer:
+        """Starts writing each (source address, destination address, length)
+        row of `descriptors` (uint64, N x 3) from this agent's memory into
+        `peer`'s; `notification` reaches the peer once the bytes are there.
+        Nothing is waited for: the caller polls the Transfer (and the peer's
+        notifications), so that an agent needs no progress thread of its own."""
 
     @abc.abstractmethod
     def notify(self, peer: str, notification: bytes) -> None:
@@ -52,7 +63,8 @@ class TransferAgent(abc.ABC):
 
     @abc.abstractmethod
     def notifications(self) -> list[tuple[str, bytes]]:
-        """The (sender, message) notifications received since the last call."""
+        """The (sender, message) notifications received since the last call
+        (polling also makes progress)."""
 
     def close(self) -> None:
         """Releases what the agent holds."""

@@ -47,6 +47,7 @@ CONSUMER_TP, CONSUMER_BLOCK, CONSUMER_BLOCKS = 4, 32, 16
 #: The batch: request id -> tokens. Faults are injected into the first.
 REQUESTS = {"req-a": 200, "req-b": 75}
 K, V = 0, 1
+VERDICTS = {kvcsum.MATCH: "MATCH", kvcsum.MISMATCH: "MISMATCH", kvcsum.UNVERIFIED: "UNVERIFIED"}
 WAIT_S = 30.0
 
 
@@ -249,11 +250,11 @@ class Harness:
             self.consumer_tables[req] = [consumer_ids.pop() for _ in range(positions(num_tokens, CONSUMER_BLOCK))]
         self.unused_producer_blocks = producer_ids
         # Each consumer rank hears from the producer ranks it reads from.
-        self.peers = {}
-        self.senders = []
+        self.peers, self.sources, self.senders = {}, [], []
         for rank, topology in enumerate(self.consumer.topologies):
             sources = sorted({s.remote_rank for s in topology.head_sources(PRODUCER_ID)})
             assert sources == topology.remote_ranks(PRODUCER_ID), (rank, sources)
+            self.sources.append(sources)
             self.senders.append({self.producer.agents[p].name for p in sources})
             for p in sources:
                 self.peers[p, rank] = self.producer.agents[p].connect(self.consumer.agents[rank].metadata())
@@ -274,45 +275,45 @@ class Harness:
 
     def transfer(self, runs: dict[str, list[Run]], texts: dict[str, str]) -> dict[str, str]:
         """Writes each request's runs (one write per producer and consumer
-        rank pair, the payload text in its notification) and waits until
-        every consumer rank heard from all its producer ranks of every
-        request; returns the payload text each request's notifications carried."""
+        rank pair, the payload text in its notification; a pair with nothing
+        to write sends the notification alone), then polls the writes and the
+        consumer ranks' notifications until every write is done and every
+        consumer rank heard from all its producer ranks of every request.
+        Returns the payload text each request's notifications carried."""
+        pending = []
         for req, req_runs in runs.items():
-            pairs = {}
+            pairs = {(p, c): [] for c in range(CONSUMER_TP) for p in self.sources[c]}
             for r in req_runs:
-                pairs.setdefault((r.producer_rank, r.consumer_rank), []).append(r)
-            for rank, senders in enumerate(self.senders):  # a rank whose runs were all dropped still hears
-                for p in range(PRODUCER_TP):
-                    if self.producer.agents[p].name in senders:
-                        pairs.setdefault((p, rank), [])
+                pairs[r.producer_rank, r.consumer_rank].append(r)
             for (p, c), pair_runs in sorted(pairs.items()):
                 agent, message = self.producer.agents[p], notification(req, texts[req])
                 if pair_runs:
-                    agent.write(self.peers[p, c], descriptors(self.producer, self.consumer, pair_runs), message)
-                else:  # nothing to write: the notification alone
+                    rows = descriptors(self.producer, self.consumer, pair_runs)
+                    pending.append(agent.write(self.peers[p, c], rows, message))
+                else:
                     agent.notify(self.peers[p, c], message)
-        return self.receive(list(runs))
 
-    def receive(self, reqs: list[str]) -> dict[str, str]:
+        reqs = list(runs)
         heard = [{req: set() for req in reqs} for _ in range(CONSUMER_TP)]
-        texts: dict[str, set] = {req: set() for req in reqs}
-        done: set[str] = set()
+        carried: dict[str, set] = {req: set() for req in reqs}
+        received: set[str] = set()
         deadline = time.monotonic() + WAIT_S
-        while len(done) < len(reqs):
+        while pending or len(received) < len(reqs):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"notifications missing after {WAIT_S} s: heard {heard}")
+                raise TimeoutError(f"after {WAIT_S} s: {len(pending)} writes pending, notifications heard {heard}")
+            pending = [transfer for transfer in pending if not transfer.done()]
             for rank, agent in enumerate(self.consumer.agents):
                 for sender, message in agent.notifications():
                     body = json.loads(message)
                     req = body["req_id"]
                     assert sender in self.senders[rank] and sender not in heard[rank][req], (rank, sender, req)
                     heard[rank][req].add(sender)
-                    texts[req].add(body["kv_transfer_params"]["kv_checksums"])
+                    carried[req].add(body["kv_transfer_params"]["kv_checksums"])
                     if heard[rank][req] == self.senders[rank]:
-                        done.update(self.consumer.completion.report(rank, kvcsum.RECEIVING, [req]))
-        for req, seen in texts.items():
+                        received.update(self.consumer.completion.report(rank, kvcsum.RECEIVING, [req]))
+        for req, seen in carried.items():
             assert len(seen) == 1, f"{req}: its notifications carried {len(seen)} different payloads"
-        return {req: seen.pop() for req, seen in texts.items()}
+        return {req: seen.pop() for req, seen in carried.items()}
 
 
 # --- The scenario: an intact load, each fault, each repair ---------------------------
@@ -450,7 +451,7 @@ def faults(h: Harness) -> list[Fault]:
     # producers agree on the block size and the first positions line up, so
     # the positions both hold with equal valid tokens (req-b's full ones)
     # are compared, and differ.
-    common = {q for q in range(positions(REQUESTS[second], CONSUMER_BLOCK)) if (q + 1) * CONSUMER_BLOCK <= REQUESTS[second]}
+    common = set(range(REQUESTS[second] // CONSUMER_BLOCK))
     out.append(
         Fault(
             "notification carries another request's payload",
@@ -493,7 +494,7 @@ def run(make_agent: Callable[[str], TransferAgent], seed: int) -> bool:
     expect(texts == h.payloads, "the notifications carry the producer's payloads")
     for req in REQUESTS:
         compared, differing = naive_differences(h, req)
-        expect(differing == 0, f"{req}: {differing} of {compared} cells differ from the producer's after the intact load")
+        expect(differing == 0, f"{req}: {differing} of {compared} cells differ from the producer's after the load")
     reports = h.consumer.check(h.consumer_tables, texts)
     print("intact load: " + "; ".join(f"{req} {describe(r, h.consumer_tables[req])}" for req, r in reports.items()))
     for req, report in reports.items():
@@ -505,7 +506,8 @@ def run(make_agent: Callable[[str], TransferAgent], seed: int) -> bool:
     for number, fault in enumerate(faults(h), 1):
         print(f"fault {number}, {fault.name}: {fault.detail}")
         h.consumer.scramble(h.rng)
-        received = h.transfer({first: fault.runs, second: h.runs[second]}, {first: fault.text or h.payloads[first], second: h.payloads[second]})
+        texts = {first: fault.text or h.payloads[first], second: h.payloads[second]}
+        received = h.transfer({first: fault.runs, second: h.runs[second]}, texts)
         if fault.after:
             fault.after()
         reports = h.consumer.check(h.consumer_tables, received)
@@ -514,24 +516,25 @@ def run(make_agent: Callable[[str], TransferAgent], seed: int) -> bool:
         print(f"  {second}: {describe(reports[second], h.consumer_tables[second])}")
         expect(reports[second].verdict == kvcsum.MATCH, f"{second} is untouched by a fault in {first}")
         expect(report.verdict != kvcsum.MATCH, f"{fault.name} is not a MATCH")
-        expect(report.verdict == fault.verdict, f"{fault.name} gives {kvcsum.library().kvcs_verdict_name(fault.verdict).decode()}")
+        expect(report.verdict == fault.verdict, f"{fault.name} gives {VERDICTS[fault.verdict]}")
         expect(
             mismatched(report) == fault.expected_positions,
-            f"{fault.name} is localised to positions {sorted(fault.expected_positions)}, got {sorted(mismatched(report))}",
+            f"{fault.name} is localised to {sorted(fault.expected_positions)}, got {sorted(mismatched(report))}",
         )
         if fault.text is not None:
             continue  # the KV is intact: nothing to re-send
 
         # Repair: re-send only the descriptors of the blocks the report names.
         plan = kvcsum.repair_plan(report, {GROUP: h.consumer_tables[first]}, CONSUMER_BLOCK)
-        wanted = {(b.block_id, t) for b in plan.get(GROUP, []) for t in range(b.first_token, b.first_token + b.num_tokens)}
+        blocks = plan.get(GROUP, [])
+        wanted = {(b.block_id, t) for b in blocks for t in range(b.first_token, b.first_token + b.num_tokens)}
         resend = [r for r in h.runs[first] if (r.consumer_block, r.token) in wanted]
         received = h.transfer({first: resend}, {first: h.payloads[first]})
         after = h.consumer.check(h.consumer_tables, received)[first]
         sent = h.bytes_of(resend)
         print(
-            f"  repair: positions {[b.position for b in plan.get(GROUP, [])]} (blocks "
-            f"{[b.block_id for b in plan.get(GROUP, [])]}), re-sent {sent} of {total} bytes "
+            f"  repair: positions {[b.position for b in blocks]} (blocks "
+            f"{[b.block_id for b in blocks]}), re-sent {sent} of {total} bytes "
             f"({100 * sent / total:.1f}%) -> {describe(after, h.consumer_tables[first])}"
         )
         expect(after.verdict == kvcsum.MATCH, f"{fault.name}: MATCH after the repair")

@@ -1,14 +1,14 @@
 """The NIXL adapter of the end-to-end harness (agent.TransferAgent over
-nixl_cu12, host memory, the UCX backend)."""
+nixl_cu12: host memory, the UCX backend, no progress thread: polling a
+write or the notifications makes progress)."""
 
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 
-from agent import TransferAgent, TransferError
+from agent import Transfer, TransferAgent, TransferError
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 try:
@@ -19,8 +19,23 @@ except ImportError as error:  # the test must not pass by not running
         "(pip install --no-deps nixl-cu12==1.5.1 numpy)"
     ) from error
 
-#: How long a write may take before it counts as failed.
-TIMEOUT_S = 30.0
+
+class NixlTransfer(Transfer):
+    """A posted NIXL transfer request."""
+
+    def __init__(self, agent, handle, state: str, what: str):
+        self._agent, self._handle, self._state, self._what = agent, handle, state, what
+
+    def done(self) -> bool:
+        if self._state == "PROC":
+            self._state = self._agent.check_xfer_state(self._handle)
+        if self._state == "ERR":
+            self._handle.release()
+            raise TransferError(f"{self._what} failed")
+        if self._state == "DONE" and self._handle is not None:
+            self._handle.release()
+            self._handle = None
+        return self._state == "DONE"
 
 
 class NixlAgent(TransferAgent):
@@ -28,7 +43,7 @@ class NixlAgent(TransferAgent):
 
     def __init__(self, name: str):
         super().__init__(name)
-        self._agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self._registered = []
 
     def register(self, arrays: list[np.ndarray]) -> None:
@@ -46,13 +61,13 @@ class NixlAgent(TransferAgent):
         peer = self._agent.add_remote_agent(metadata)
         return peer.decode() if isinstance(peer, bytes) else peer
 
-    def write(self, peer: str, descriptors: np.ndarray, notification: bytes) -> None:
+    def write(self, peer: str, descriptors: np.ndarray, notification: bytes) -> Transfer:
         descriptors = np.asarray(descriptors, dtype=np.uint64)
         if descriptors.ndim != 2 or descriptors.shape[1] != 3 or not len(descriptors):
             raise ValueError(f"{self.name}: descriptors must be a non-empty N x 3 array, got {descriptors.shape}")
-        zeros = np.zeros(len(descriptors), dtype=np.uint64)  # device id: 0 for host memory
-        source = np.ascontiguousarray(np.stack([descriptors[:, 0], descriptors[:, 2], zeros], axis=1))
-        target = np.ascontiguousarray(np.stack([descriptors[:, 1], descriptors[:, 2], zeros], axis=1))
+        device = np.zeros(len(descriptors), dtype=np.uint64)  # 0 for host memory
+        source = np.ascontiguousarray(np.stack([descriptors[:, 0], descriptors[:, 2], device], axis=1))
+        target = np.ascontiguousarray(np.stack([descriptors[:, 1], descriptors[:, 2], device], axis=1))
         handle = self._agent.initialize_xfer(
             "WRITE",
             self._agent.get_xfer_descs(source, "DRAM"),
@@ -60,15 +75,9 @@ class NixlAgent(TransferAgent):
             peer,
             notification,
         )
-        try:
-            state = self._agent.transfer(handle)
-            deadline = time.monotonic() + TIMEOUT_S
-            while state == "PROC" and time.monotonic() < deadline:
-                state = self._agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise TransferError(f"{self.name} -> {peer}: {len(descriptors)} descriptors ended in state {state}")
-        finally:
-            handle.release()
+        state = self._agent.transfer(handle)
+        what = f"{self.name} -> {peer}: WRITE of {len(descriptors)} descriptors"
+        return NixlTransfer(self._agent, handle, state, what)
 
     def notify(self, peer: str, notification: bytes) -> None:
         self._agent.send_notif(peer, notification)
