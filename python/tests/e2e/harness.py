@@ -229,13 +229,13 @@ def descriptors(producer: Producer, consumer: Consumer, runs: list[Run]) -> np.n
 
 
 def notification(req: str, text: str) -> bytes:
-    """What the producer's agent attaches to a request's last write."""
+    """What the producer's agents attach to each write of a request."""
     return json.dumps({"req_id": req, "kv_transfer_params": {"kv_checksums": text}}).encode()
 
 
 class Harness:
     """Both engines, the agents connected, the block tables and the
-    producer's payloads; `load` moves a batch and judges it."""
+    producer's payloads; `transfer` moves a batch of requests' runs."""
 
     def __init__(self, seed: int, make_agent: Callable[[str], TransferAgent]):
         self.rng = np.random.default_rng(seed)
