@@ -65,7 +65,7 @@ PREFIX ?= /usr/local
 DESTDIR ?=
 INSTALL_TEST_LIB := $(abspath $(BUILD))/install-test/prefix/lib/libkvcsum.so.0
 
-.PHONY: all lib demo test test-deps rust-test kernel-test c-test demo-test install install-test python-test e2e-test fuzz \
+.PHONY: all lib demo test test-deps rust-test kernel-test c-test demo-test install install-test python-test fuzz \
 	header bench clean FORCE
 
 all: lib
@@ -117,6 +117,24 @@ fuzz:
 	  || $(CARGO) install --quiet --root $(TOOLS) cargo-fuzz --locked --version $(CARGO_FUZZ_VERSION)
 	PATH=$(TOOLS)/bin:$$PATH scripts/fuzz.sh $(FUZZ_SECONDS)
 
+.PHONY: e2e-test
+
+# NIXL (nixl-cu12 from PyPI, about 70 MB) in the same venv, without the
+# dependencies it declares: the host test needs only numpy (already there),
+# not torch.
+$(VENV)/.nixl: $(VENV)/.installed
+	$(PIP) install --quiet --no-deps nixl-cu12==$(NIXL_VERSION)
+	touch $@
+
+# The host end-to-end test (python/tests/e2e/nixl_host.py): KV moved by NIXL
+# between a TP=2 HND producer and a TP=4 NHD consumer, both checksummed and
+# verified; each fault injected through the agent, localised and repaired.
+# Then examples/python/nixl_transfer.py, the happy path alone. Both use the
+# source tree's package over target/release/libkvcsum.so.
+e2e-test: lib $(VENV)/.nixl
+	PYTHONPATH=$(abspath python) KVCSUM_LIBRARY=$(LIB) $(VENV_PY) python/tests/e2e/nixl_host.py
+	PYTHONPATH=$(abspath python) KVCSUM_LIBRARY=$(LIB) NIXL_LOG_LEVEL=WARN $(VENV_PY) examples/python/nixl_transfer.py
+
 c-test: $(BUILD)/c_tests
 	$(ASAN_ENV) $(BUILD)/c_tests
 
@@ -140,22 +158,6 @@ python-test: install-test $(VENV)/.installed
 	cd $(BUILD) && KVCSUM_LIBRARY=$(INSTALL_TEST_LIB) $(VENV_PY) -c \
 	  'import kvcsum, sys; print("kvcsum", kvcsum.version(), "from", kvcsum.__file__, "over", kvcsum.library().path)'
 	cd $(BUILD) && KVCSUM_LIBRARY=$(INSTALL_TEST_LIB) $(VENV_PY) -m pytest -q -p no:cacheprovider $(abspath python/tests)
-
-# NIXL (nixl-cu12 from PyPI, about 70 MB) in the same venv, without the
-# dependencies it declares: the host test needs only numpy (already there),
-# not torch.
-$(VENV)/.nixl: $(VENV)/.installed
-	$(PIP) install --quiet --no-deps nixl-cu12==$(NIXL_VERSION)
-	touch $@
-
-# The host end-to-end test (python/tests/e2e/nixl_host.py): KV moved by NIXL
-# between a TP=2 HND producer and a TP=4 NHD consumer, both checksummed and
-# verified; each fault injected through the agent, localised and repaired.
-# Then examples/python/nixl_transfer.py, the happy path alone. Both use the
-# source tree's package over target/release/libkvcsum.so.
-e2e-test: lib $(VENV)/.nixl
-	PYTHONPATH=$(abspath python) KVCSUM_LIBRARY=$(LIB) $(VENV_PY) python/tests/e2e/nixl_host.py
-	PYTHONPATH=$(abspath python) KVCSUM_LIBRARY=$(LIB) NIXL_LOG_LEVEL=WARN $(VENV_PY) examples/python/nixl_transfer.py
 
 header:
 	KVCS_BLESS=1 $(CARGO) test --test header
