@@ -4,8 +4,9 @@
 #   make test     every test: Rust tests, the kernel compile test (NVRTC from
 #                 PyPI), the C tests and the demo under ASan/UBSan, the
 #                 install test (C and C++ programs against an installed
-#                 tree, the dlopen example), the Python tests, and a bounded
-#                 fuzz run of the decoders; fetches what they need into build/
+#                 tree, the dlopen example), the Python tests, the host
+#                 end-to-end test over NIXL, and a bounded fuzz run of the
+#                 decoders; fetches what they need into build/
 #   make install  install under PREFIX (default /usr/local; DESTDIR honoured):
 #                 libkvcsum.so.X.Y.Z with SONAME libkvcsum.so.X, libkvcsum.a,
 #                 kvcsum.h, kvcsum.hpp, kvcsum.pc, kvcsum-static.pc and the
@@ -50,6 +51,7 @@ NVRTC_VERSION := 13.0.88
 NVRTC_DIR := $(BUILD)/nvrtc
 NVRTC_LIB := $(abspath $(NVRTC_DIR))/nvidia/cu13/lib
 MSGSPEC_VERSION := 0.22.0
+NIXL_VERSION := 1.5.1
 CARGO_FUZZ_VERSION := 0.13.2
 FUZZ_SECONDS ?= 30
 
@@ -81,7 +83,7 @@ $(LIB): FORCE
 demo: $(BUILD)/demo
 	$(BUILD)/demo
 
-test: test-deps rust-test kernel-test c-test demo-test install-test python-test fuzz
+test: test-deps rust-test kernel-test c-test demo-test install-test python-test e2e-test fuzz
 
 # What the tests need beyond the toolchain, all under build/: a venv with
 # msgspec (payload compatibility test), numpy and pytest (Python tests);
@@ -114,6 +116,24 @@ fuzz:
 	PATH=$(TOOLS)/bin:$$PATH; cargo fuzz --version >/dev/null 2>&1 \
 	  || $(CARGO) install --quiet --root $(TOOLS) cargo-fuzz --locked --version $(CARGO_FUZZ_VERSION)
 	PATH=$(TOOLS)/bin:$$PATH scripts/fuzz.sh $(FUZZ_SECONDS)
+
+.PHONY: e2e-test
+
+# NIXL (nixl-cu12 from PyPI, about 70 MB) in the same venv, without the
+# dependencies it declares: the host test needs only numpy (already there),
+# not torch.
+$(VENV)/.nixl: $(VENV)/.installed
+	$(PIP) install --quiet --no-deps nixl-cu12==$(NIXL_VERSION)
+	touch $@
+
+# The host end-to-end test (python/tests/e2e/nixl_host.py): KV moved by NIXL
+# between a TP=2 HND producer and a TP=4 NHD consumer, both checksummed and
+# verified; each fault injected through the agent, localised and repaired.
+# Then examples/python/nixl_transfer.py, the happy path alone. Both use the
+# source tree's package over target/release/libkvcsum.so.
+e2e-test: lib $(VENV)/.nixl
+	PYTHONPATH=$(abspath python) KVCSUM_LIBRARY=$(LIB) $(VENV_PY) python/tests/e2e/nixl_host.py
+	PYTHONPATH=$(abspath python) KVCSUM_LIBRARY=$(LIB) NIXL_LOG_LEVEL=WARN $(VENV_PY) examples/python/nixl_transfer.py
 
 c-test: $(BUILD)/c_tests
 	$(ASAN_ENV) $(BUILD)/c_tests

@@ -26,7 +26,7 @@
 // The C ABI version; a loader checks it equals `kvcs_abi_version()`.
 #define KVCS_ABI_VERSION 1
 
-// `H` of SPEC section 3: no layer may have more heads than this.
+// `H` of docs/SPEC.md#3-block-checksum: no layer may have more heads than this.
 #define KVCS_MAX_KV_HEADS_PER_LAYER 65536
 
 // The `device` of a worker whose caches are in host memory.
@@ -444,7 +444,7 @@ typedef struct {
   size_t identity_len;
 } kvcs_layer;
 
-// One state tensor of a state layer (SPEC section 6) as this worker holds
+// One state tensor of a state layer (docs/SPEC.md#6-state-mamba-groups) as this worker holds
 // it; strides in bytes (negative allowed), addresses and strides multiples
 // of `element_size`.
 typedef struct {
@@ -913,7 +913,7 @@ kvcs_status kvcs_blocks_add_group(kvcs_blocks *blocks,
 // Gives the block hashes of group `group_id`'s blocks in request `req_id`
 // (added before with `kvcs_blocks_add_group`): `n` hashes, one per block id
 // in order, of `hash_bytes` bytes each (at least 8; only the first 8 are
-// used), for stored checksums (SPEC section 8). `n` must equal the group's
+// used), for stored checksums (docs/SPEC.md#8-stored-checksums-for-offloaded-kv). `n` must equal the group's
 // number of block ids. A later call replaces them.
 kvcs_status kvcs_blocks_set_hashes(kvcs_blocks *blocks,
                                    const char *req_id,
@@ -1410,7 +1410,7 @@ kvcs_status kvcs_worker_skip_group(kvcs_worker *worker, uint32_t group_id, const
 // nothing is registered. A device worker uploads the descriptors here.
 kvcs_status kvcs_worker_add_layer(kvcs_worker *worker, const kvcs_layer *layer);
 
-// Registers a state layer (SPEC section 6). A request's state is one block
+// Registers a state layer (docs/SPEC.md#6-state-mamba-groups). A request's state is one block
 // at position 0 of its state group (`kvcs_blocks_add_group` with
 // `first_position` 0 and one block id); `num_tokens` does not limit it.
 // Every byte a tensor can reach must lie in one registered region (else
@@ -1468,7 +1468,7 @@ kvcs_status kvcs_worker_add_stored(kvcs_worker *worker,
 // Checksums `blocks` (every column, as `KVCS_ROLE_CONSUMER`) and writes,
 // for each block holding a valid token, its stored checksum `sum XOR tag`
 // into its group's buffer, `tag` binding it to the block hash given with
-// `kvcs_blocks_set_hashes` and to the group (SPEC section 8). Every group of
+// `kvcs_blocks_set_hashes` and to the group (docs/SPEC.md#8-stored-checksums-for-offloaded-kv). Every group of
 // `blocks` that the worker does not skip needs a buffer and block hashes,
 // and every block id must be inside the buffer: checked before anything is
 // computed or written. `*out` gets the checksums, as
@@ -1478,7 +1478,7 @@ kvcs_status kvcs_worker_store(kvcs_worker *worker,
                               void *cuda_stream,
                               kvcs_result **out);
 
-// The load check of SPEC section 8: checksums the loaded `blocks` (every
+// The load check of docs/SPEC.md#8-stored-checksums-for-offloaded-kv: checksums the loaded `blocks` (every
 // column) and reads back their stored checksums (with the block hashes of
 // `kvcs_blocks_set_hashes`); `kvcs_result_stored` on `*out` then says, per
 // block position, whether they match. Same requirements as
@@ -1488,7 +1488,7 @@ kvcs_status kvcs_worker_check_stored(kvcs_worker *worker,
                                      void *cuda_stream,
                                      kvcs_result **out);
 
-// The tags of SPEC section 8 for `n` blocks of group `group_id`, for
+// The tags of docs/SPEC.md#8-stored-checksums-for-offloaded-kv for `n` blocks of group `group_id`, for
 // connectors that keep stored checksums themselves: `tags[i] =
 // LE_u64(hash_i[0..8]) XOR` the worker's fingerprint of the group, for the
 // `n` hashes of `hash_bytes` bytes (at least 8) at `hashes`. Store `sum XOR

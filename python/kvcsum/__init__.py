@@ -971,3 +971,71 @@ class Completion(_Handle):
     def clear_invalid_blocks(self) -> None:
         """Forgets the invalid block ids."""
         _check(self._lib.kvcs_completion_clear_invalid_blocks(self.handle))
+
+
+# --- Repair (reload only the blocks that differ) ---------------------------------
+
+__all__ += ["RepairBlock", "repair_plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RepairBlock:
+    """A consumer block to load again: its group, block position and block
+    id, and the request tokens `first_token .. first_token + num_tokens - 1`
+    of it that were compared and differ."""
+
+    group_id: int
+    position: int
+    block_id: int
+    first_token: int
+    num_tokens: int
+
+
+def repair_plan(report, block_tables: dict, block_size) -> dict[int, list[RepairBlock]]:
+    """The consumer blocks to transfer again after a MISMATCH, per group.
+
+    `report` is a Report (or a list of its Mismatch entries); `block_tables`
+    maps each group id to the consumer's block ids of the request, either
+    from position 0 (`{0: [7, 2, 9]}`) or as `(first_position, block_ids)`;
+    `block_size` is the consumer's tokens per block, one int or
+    `{group_id: block_size}`. Returns `{group_id: [RepairBlock, ...]}` in
+    position order, each position once; a MATCH gives `{}`.
+
+    Where the two sides' block sizes differ, a mismatch covers a run of
+    their least common multiple, so every consumer block of that run is
+    named. Raises ValueError for an UNVERIFIED report (it names no
+    positions: the load must be repeated whole) and for a mismatch that
+    does not fit the tables (a position without a block id, a group or block
+    size not given, tokens outside the position).
+    """
+    if hasattr(report, "mismatches"):
+        if report.verdict == UNVERIFIED:
+            raise ValueError(f"report is unverified ({report.message}); it names no positions to repair")
+        mismatches = report.mismatches
+    else:
+        mismatches = list(report)
+    plan: dict[int, dict[int, RepairBlock]] = {}
+    for m in mismatches:
+        if m.group_id not in block_tables:
+            raise ValueError(f"group {m.group_id} differs but block_tables has no table for it")
+        table = block_tables[m.group_id]
+        first_position, ids = table if isinstance(table, tuple) else (0, table)
+        size = block_size[m.group_id] if isinstance(block_size, dict) else block_size
+        if not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"block_size of group {m.group_id} is {size!r}; it must be a positive integer")
+        end_token = m.first_token + m.num_tokens
+        for q in range(m.first_position, m.first_position + m.num_positions):
+            index = q - first_position
+            if not 0 <= index < len(ids):
+                raise ValueError(
+                    f"group {m.group_id} position {q} differs but the block table holds positions "
+                    f"{first_position} .. {first_position + len(ids) - 1}"
+                )
+            low, high = max(q * size, m.first_token), min((q + 1) * size, end_token)
+            if high <= low:
+                raise ValueError(
+                    f"group {m.group_id} position {q} (block size {size}) holds none of the differing tokens "
+                    f"{m.first_token} .. {end_token - 1}"
+                )
+            plan.setdefault(m.group_id, {})[q] = RepairBlock(m.group_id, q, int(ids[index]), low, high - low)
+    return {group: [blocks[q] for q in sorted(blocks)] for group, blocks in sorted(plan.items())}

@@ -85,7 +85,7 @@ pub extern "C" fn kvcs_blocks_add_group(
 /// Gives the block hashes of group `group_id`'s blocks in request `req_id`
 /// (added before with `kvcs_blocks_add_group`): `n` hashes, one per block id
 /// in order, of `hash_bytes` bytes each (at least 8; only the first 8 are
-/// used), for stored checksums (SPEC section 8). `n` must equal the group's
+/// used), for stored checksums (docs/SPEC.md#8-stored-checksums-for-offloaded-kv). `n` must equal the group's
 /// number of block ids. A later call replaces them.
 #[no_mangle]
 pub extern "C" fn kvcs_blocks_set_hashes(

@@ -8,7 +8,7 @@ use crate::error::Error;
 /// The C ABI version; a loader checks it equals `kvcs_abi_version()`.
 pub const KVCS_ABI_VERSION: u32 = 1;
 
-/// `H` of SPEC section 3: no layer may have more heads than this.
+/// `H` of docs/SPEC.md#3-block-checksum: no layer may have more heads than this.
 pub const KVCS_MAX_KV_HEADS_PER_LAYER: u64 = 65536;
 const _: () = assert!(KVCS_MAX_KV_HEADS_PER_LAYER == crate::checksum::MAX_KV_HEADS_PER_LAYER);
 

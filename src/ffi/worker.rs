@@ -229,7 +229,7 @@ pub extern "C" fn kvcs_worker_add_layer(worker: *mut kvcs_worker, layer: *const 
     }
 }
 
-/// One state tensor of a state layer (SPEC section 6) as this worker holds
+/// One state tensor of a state layer (docs/SPEC.md#6-state-mamba-groups) as this worker holds
 /// it; strides in bytes (negative allowed), addresses and strides multiples
 /// of `element_size`.
 #[allow(non_camel_case_types)]
@@ -284,7 +284,7 @@ pub struct kvcs_state {
     pub identity_len: usize,
 }
 
-/// Registers a state layer (SPEC section 6). A request's state is one block
+/// Registers a state layer (docs/SPEC.md#6-state-mamba-groups). A request's state is one block
 /// at position 0 of its state group (`kvcs_blocks_add_group` with
 /// `first_position` 0 and one block id); `num_tokens` does not limit it.
 /// Every byte a tensor can reach must lie in one registered region (else
@@ -426,7 +426,7 @@ pub extern "C" fn kvcs_worker_add_stored(
 /// Checksums `blocks` (every column, as `KVCS_ROLE_CONSUMER`) and writes,
 /// for each block holding a valid token, its stored checksum `sum XOR tag`
 /// into its group's buffer, `tag` binding it to the block hash given with
-/// `kvcs_blocks_set_hashes` and to the group (SPEC section 8). Every group of
+/// `kvcs_blocks_set_hashes` and to the group (docs/SPEC.md#8-stored-checksums-for-offloaded-kv). Every group of
 /// `blocks` that the worker does not skip needs a buffer and block hashes,
 /// and every block id must be inside the buffer: checked before anything is
 /// computed or written. `*out` gets the checksums, as
@@ -449,7 +449,7 @@ pub extern "C" fn kvcs_worker_store(
     }
 }
 
-/// The load check of SPEC section 8: checksums the loaded `blocks` (every
+/// The load check of docs/SPEC.md#8-stored-checksums-for-offloaded-kv: checksums the loaded `blocks` (every
 /// column) and reads back their stored checksums (with the block hashes of
 /// `kvcs_blocks_set_hashes`); `kvcs_result_stored` on `*out` then says, per
 /// block position, whether they match. Same requirements as
@@ -472,7 +472,7 @@ pub extern "C" fn kvcs_worker_check_stored(
     }
 }
 
-/// The tags of SPEC section 8 for `n` blocks of group `group_id`, for
+/// The tags of docs/SPEC.md#8-stored-checksums-for-offloaded-kv for `n` blocks of group `group_id`, for
 /// connectors that keep stored checksums themselves: `tags[i] =
 /// LE_u64(hash_i[0..8]) XOR` the worker's fingerprint of the group, for the
 /// `n` hashes of `hash_bytes` bytes (at least 8) at `hashes`. Store `sum XOR
