@@ -35,6 +35,7 @@ use base64::Engine as _;
 
 use crate::checksum::MAX_KV_HEADS_PER_LAYER;
 use crate::error::{err, Result};
+use crate::layout::ReplicaKey;
 use crate::msgpack::{initial_capacity, Reader, Writer};
 
 /// The payload version this library writes and reads.
@@ -59,18 +60,17 @@ pub struct PayloadGroup {
     pub values: Vec<u64>,
 }
 
-/// One layer entry's partial checksums in the extension.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PayloadLayer {
-    /// Model-wide layer number.
-    pub layer_number: u32,
-    /// Global number of the first head covered.
-    pub first_head: u32,
-    /// Heads covered.
-    pub num_heads: u32,
-    /// One value per block position of the group.
-    pub values: Vec<u64>,
-}
+/// The payload extension's layers are [`LayerPartial`]s, the one type of
+/// per-layer partials: the first copy of each layer entry's heads. Their
+/// replica key is not sent, so a payload's layers carry
+/// [`FIRST_COPY`] whatever the producer's replication.
+pub use crate::result::LayerPartial;
+
+/// The replica key of a payload's layer partials: first copies, unreplicated.
+pub const FIRST_COPY: ReplicaKey = ReplicaKey {
+    replicas: 1,
+    replica_index: 0,
+};
 
 /// What the extension says of one group.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,7 +81,7 @@ pub struct ExtensionGroup {
     pub block_size: u32,
     /// Detail mode: layer partials, sorted by (layer, first head), not
     /// overlapping; empty otherwise.
-    pub layers: Vec<PayloadLayer>,
+    pub layers: Vec<LayerPartial>,
 }
 
 /// The optional fourth element of a payload (kvcsum to kvcsum).
@@ -227,7 +227,7 @@ impl Payload {
             if group.block_size == 0 {
                 return Err(err!(Malformed, "payload extension: group {group_id} has block_size 0"));
             }
-            let mut previous: Option<&PayloadLayer> = None;
+            let mut previous: Option<&LayerPartial> = None;
             for layer in &group.layers {
                 let what = format!(
                     "group {group_id}, layer {} heads from {}",
@@ -298,10 +298,11 @@ fn decode_extension(r: &mut Reader<'_>) -> Result<Extension> {
         let mut layers = Vec::with_capacity(initial_capacity(num_layers));
         for _ in 0..num_layers {
             r.array_of("a layer", 4)?;
-            layers.push(PayloadLayer {
+            layers.push(LayerPartial {
                 layer_number: r.u32("layer_number")?,
                 first_head: r.u32("first_head")?,
                 num_heads: r.u32("num_heads")?,
+                replica: FIRST_COPY,
                 values: r.u64s("layer values")?,
             });
         }

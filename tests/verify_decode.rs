@@ -8,7 +8,9 @@
 
 mod support;
 
-use kvcsum::payload::{decode_base64, encode_base64, Extension, ExtensionGroup, Payload, PayloadGroup, PayloadLayer};
+use kvcsum::payload::{
+    decode_base64, encode_base64, Extension, ExtensionGroup, LayerPartial, Payload, PayloadGroup, FIRST_COPY,
+};
 use kvcsum::record::Record;
 use kvcsum::{Error, Role};
 use support::*;
@@ -672,10 +674,11 @@ fn mutated_encodings_never_panic() {
             groups: vec![ExtensionGroup {
                 group_id: 1,
                 block_size: 16,
-                layers: vec![PayloadLayer {
+                layers: vec![LayerPartial {
                     layer_number: 3,
                     first_head: 0,
                     num_heads: 8,
+                    replica: FIRST_COPY,
                     values: (0..20).map(|_| rng.next_u64()).collect(),
                 }],
             }],

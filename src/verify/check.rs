@@ -7,7 +7,7 @@ use std::sync::Arc;
 use crate::blocks::GroupBlocks;
 use crate::error::Result;
 use crate::layout::ReplicaKey;
-use crate::payload::{ExtensionGroup, Payload, PayloadGroup, PayloadLayer};
+use crate::payload::{ExtensionGroup, Payload, PayloadGroup};
 use crate::record::{LayerPartial, RecordGroup};
 
 use super::collect::{add_into, Judged, Pending, Unverified, WorkerPart};
@@ -363,7 +363,7 @@ fn consumer_loaded(consumer: Series<'_>, count: usize) -> u128 {
 /// sides sent: each run costs a pass over both sides' layers per failed
 /// check, and replica checks could multiply that past the input's size.
 struct LayerNamer<'a> {
-    producer_layers: &'a [PayloadLayer],
+    producer_layers: &'a [LayerPartial],
     consumer_layers: Vec<&'a LayerPartial>,
     producer: Series<'a>,
     consumer: Series<'a>,

@@ -20,7 +20,6 @@
 
 use std::collections::BTreeSet;
 
-use crate::payload::PayloadLayer;
 use crate::result::LayerPartial;
 use crate::verify::report::LayerDifference;
 
@@ -105,7 +104,7 @@ impl HeadRange {
 
 /// The producer's layer ranges at run `q` (`None` where a layer's blocks are
 /// not all present, which cannot happen when the group's are).
-pub(crate) fn producer_ranges(layers: &[PayloadLayer], series: Series<'_>, run: u128, q: u128) -> Vec<HeadRange> {
+pub(crate) fn producer_ranges(layers: &[LayerPartial], series: Series<'_>, run: u128, q: u128) -> Vec<HeadRange> {
     layers
         .iter()
         .filter_map(|layer| {

@@ -3,7 +3,7 @@
 
 use crate::blocks::GroupBlocks;
 use crate::error::{err, Error, Result};
-use crate::payload::{Extension, ExtensionGroup, Payload, PayloadGroup, PayloadLayer};
+use crate::payload::{Extension, ExtensionGroup, LayerPartial, Payload, PayloadGroup, FIRST_COPY};
 use crate::record::RecordGroup;
 
 use super::collect::{add_into, Judged, Pending, Unverified, WorkerPart};
@@ -87,16 +87,14 @@ fn first_copy_sum(parts: &[(&WorkerPart, &RecordGroup)], num_positions: usize) -
 
 /// Every worker's `replica_index == 0` layer partials, sorted by (layer,
 /// first head).
-fn first_copy_layers(parts: &[(&WorkerPart, &RecordGroup)]) -> Vec<PayloadLayer> {
-    let mut layers: Vec<PayloadLayer> = parts
+fn first_copy_layers(parts: &[(&WorkerPart, &RecordGroup)]) -> Vec<LayerPartial> {
+    let mut layers: Vec<LayerPartial> = parts
         .iter()
         .flat_map(|(_, group)| group.layers.iter())
         .filter(|l| l.replica.replica_index == 0)
-        .map(|l| PayloadLayer {
-            layer_number: l.layer_number,
-            first_head: l.first_head,
-            num_heads: l.num_heads,
-            values: l.values.clone(),
+        .map(|l| LayerPartial {
+            replica: FIRST_COPY,
+            ..l.clone()
         })
         .collect();
     layers.sort_by_key(|l| (l.layer_number, l.first_head));
