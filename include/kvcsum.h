@@ -44,7 +44,7 @@
 #define KVCS_EXTENSION_VERSION 1
 
 // The record encoding this library writes and reads.
-#define KVCS_RECORD_VERSION 1
+#define KVCS_RECORD_VERSION 2
 
 // The outcome of a call. Values are fixed and never renumbered; a retired
 // value stays reserved. Calls that take a status from C take `uint32_t`.
@@ -176,6 +176,10 @@ enum kvcs_unverified_reason
   // coverage (`kvcs_verifier_set_require_coverage`); see
   // `kvcs_report_uncompared_positions`.
   KVCS_UNVERIFIED_UNCOMPARED_POSITIONS = 11,
+  // An offload load was judged (`kvcs_verifier_check_stored`) from a
+  // worker's record that is not a load check's (it came from
+  // `kvcs_worker_checksum`, not `kvcs_worker_check_stored`).
+  KVCS_UNVERIFIED_NOT_LOAD_CHECK = 12,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -821,6 +825,9 @@ typedef kvcs_status (*kvcs_verifier_check_base64_fn)(kvcs_verifier*,
 // The type of `kvcs_verifier_check_no_payload`.
 typedef kvcs_status (*kvcs_verifier_check_no_payload_fn)(kvcs_verifier*, const char*, kvcs_report**);
 
+// The type of `kvcs_verifier_check_stored`.
+typedef kvcs_status (*kvcs_verifier_check_stored_fn)(kvcs_verifier*, const char*, kvcs_report**);
+
 // The type of `kvcs_base64_encode`.
 typedef kvcs_status (*kvcs_base64_encode_fn)(const uint8_t*, size_t, char*, size_t, size_t*);
 
@@ -1360,6 +1367,22 @@ kvcs_status kvcs_verifier_check_base64(kvcs_verifier *verifier,
 kvcs_status kvcs_verifier_check_no_payload(kvcs_verifier *verifier,
                                            const char *req_id,
                                            kvcs_report **out);
+
+// Consumer: judges the finished offload load of request `req_id`
+// (docs/SPEC.md#8-stored-checksums-for-offloaded-kv) from its workers'
+// load-check records alone (`kvcs_worker_check_stored`, then
+// `kvcs_result_encode` and `kvcs_verifier_add_record`); an offload has no
+// producer payload. `*out` owns the report: a match when every worker's
+// stored checksums matched at every position it checked; a mismatch
+// naming each group and block position (with its tokens) where some
+// worker's failed (the message names the workers; entries have no replica
+// checks); unverified when not every worker reported, or some record is
+// not a load check's (`KVCS_UNVERIFIED_NOT_LOAD_CHECK`).
+// `KVCS_ERR_NOT_FOUND` for a request not expected,
+// `KVCS_ERR_INVALID_ARGUMENT` for one expected as a producer.
+kvcs_status kvcs_verifier_check_stored(kvcs_verifier *verifier,
+                                       const char *req_id,
+                                       kvcs_report **out);
 
 // Writes `(bytes, len)` as standard padded base64 text followed by a NUL
 // into `(buf, cap)`; `*text_len` receives the bytes used, NUL included

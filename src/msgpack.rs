@@ -86,9 +86,29 @@ impl Writer {
         self.bytes.extend_from_slice(text.as_bytes());
     }
 
+    /// `nil`.
+    pub fn nil(&mut self) {
+        self.bytes.push(0xc0);
+    }
+
+    /// A `bin` holding `bytes`.
+    pub fn bin(&mut self, bytes: &[u8]) {
+        self.bin_header(bytes.len());
+        self.bytes.extend_from_slice(bytes);
+    }
+
     /// A `bin` holding `values` as little-endian `u64`s.
     pub fn u64s(&mut self, values: &[u64]) {
         let len = values.len() * 8;
+        self.bin_header(len);
+        self.bytes.reserve(len);
+        for value in values {
+            self.bytes.extend_from_slice(&value.to_le_bytes());
+        }
+    }
+
+    /// The header of a `bin` of `len` bytes (bin 8, bin 16 or bin 32).
+    fn bin_header(&mut self, len: usize) {
         match len {
             0..=0xff => self.bytes.extend_from_slice(&[0xc4, len as u8]),
             0x100..=0xffff => {
@@ -99,10 +119,6 @@ impl Writer {
                 self.bytes.push(0xc6);
                 self.bytes.extend_from_slice(&checked_u32(len).to_be_bytes());
             }
-        }
-        self.bytes.reserve(len);
-        for value in values {
-            self.bytes.extend_from_slice(&value.to_le_bytes());
         }
     }
 }
@@ -330,6 +346,21 @@ impl<'a> Reader<'a> {
             _ => return Err(self.wrong_kind(field, start, marker, "a bin")),
         };
         self.take(field, len)
+    }
+
+    /// `nil` (`None`) or a `bin`.
+    pub fn nil_or_bin(&mut self, field: &str) -> Result<Option<&'a [u8]>> {
+        if self.bytes.get(self.pos) == Some(&0xc0) {
+            self.pos += 1;
+            return Ok(None);
+        }
+        match self.bytes.get(self.pos) {
+            Some(&marker) if !(0xc4..=0xc6).contains(&marker) => {
+                let start = self.pos;
+                Err(self.wrong_kind(field, start, marker, "nil or a bin"))
+            }
+            _ => self.bin(field).map(Some),
+        }
     }
 
     /// A `bin` of little-endian `u64`s.

@@ -6,27 +6,38 @@
 //! fingerprint of SPEC section 7, whether its checksums are shard-keyed
 //! state of SPEC section 6), and per request: the token count, per group the
 //! first position, the number of positions and one column of partial
-//! checksums per replica key, the groups it skipped and why, and in detail
-//! mode the per-layer partial checksums.
+//! checksums per replica key, the groups it skipped and why, in detail
+//! mode the per-layer partial checksums, and for a load check (SPEC section
+//! 8, `Worker::check_stored`) the verdict on each block position's stored
+//! checksum.
 //!
-//! # Encoding (version 1)
+//! # Encoding (version 2)
 //!
 //! A msgpack array, so that any msgpack reader (Python's `msgspec` included)
 //! can inspect a record; integers are unsigned, values are `bin`s of
 //! little-endian `u64`s, one per block position:
 //!
 //! ```text
-//! ["kvcsum.record", 1,
+//! ["kvcsum.record", 2,
 //!  [tp_rank, tp_size, pp_rank], role (0 producer, 1 consumer), detail (bool),
 //!  [[group_id, block_size, fingerprint, shard_keyed (bool)], ...],   # sorted by group_id
 //!  [[req_id (str), num_tokens,
 //!    [[group_id, first_position, num_positions,
 //!      [[replicas, replica_index, values], ...],                       # sorted by key
-//!      [[layer_number, first_head, num_heads, replicas, replica_index, values], ...]],  # detail only
+//!      [[layer_number, first_head, num_heads, replicas, replica_index, values], ...],  # detail only
+//!      stored],                                                        # nil, or a bin (load checks)
 //!     ...],
 //!    [[group_id, reason (str)], ...]],                                 # skipped groups
 //!   ...]]
 //! ```
+//!
+//! `stored` is `nil` in a record of any call but a load check. A load
+//! check's record has, in every group it computed, a `bin` of
+//! `num_positions` bytes, one per block position: 0 the stored checksum
+//! failed, 1 it matched, 2 not checked (the position holds no valid token);
+//! the numbers of `kvcs_stored_outcome`. Load checks compute in the
+//! consumer role, so only consumer records carry them. Version 1 had no
+//! `stored` element (groups of 5 elements).
 //!
 //! [`Record::decode`] accepts exactly this shape and version and validates
 //! every value (ranks, keys, orders, lengths, uniqueness); anything else is
@@ -38,14 +49,14 @@ use crate::checksum::MAX_KV_HEADS_PER_LAYER;
 use crate::error::{err, Result};
 use crate::layout::{ReplicaKey, Role};
 use crate::msgpack::{initial_capacity, Reader, Writer};
-use crate::result::{Checksums, SkippedGroup};
+use crate::result::{Checksums, SkippedGroup, StoredOutcome};
 pub use crate::result::{GroupInfo, LayerPartial, Rank};
 
 /// The first element of every record.
 pub const RECORD_MAGIC: &str = "kvcsum.record";
 
 /// The record encoding this library writes and reads.
-pub const RECORD_VERSION: u64 = 1;
+pub const RECORD_VERSION: u64 = 2;
 
 /// One column of a group in a record.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,6 +81,9 @@ pub struct RecordGroup {
     /// Detail mode: the worker's layer partials, sorted by (layer, first head,
     /// replica key); empty otherwise.
     pub layers: Vec<LayerPartial>,
+    /// A load check's verdict on each block position's stored checksum (SPEC
+    /// section 8), `num_positions` of them; `None` for any other call.
+    pub stored: Option<Vec<StoredOutcome>>,
 }
 
 /// One request in a record.
@@ -136,12 +150,17 @@ impl Record {
                     .and_then(|d| d.groups.get(group_index))
                     .cloned()
                     .unwrap_or_default();
+                let stored = match checksums.is_load_check() {
+                    true => Some(checksums.stored_outcomes(&request.req_id, group.group_id)?),
+                    false => None,
+                };
                 groups.push(RecordGroup {
                     group_id: group.group_id,
                     first_position: group.first_position,
                     num_positions: group.num_positions as u64,
                     columns,
                     layers,
+                    stored,
                 });
             }
             requests.push(RecordRequest {
@@ -191,7 +210,7 @@ impl Record {
             w.uint(request.num_tokens);
             w.array(request.groups.len());
             for group in &request.groups {
-                w.array(5);
+                w.array(6);
                 w.uint(group.group_id as u64);
                 w.uint(group.first_position);
                 w.uint(group.num_positions);
@@ -212,6 +231,13 @@ impl Record {
                     w.uint(layer.replica.replica_index as u64);
                     w.u64s(&layer.values);
                 }
+                match &group.stored {
+                    None => w.nil(),
+                    Some(outcomes) => {
+                        let codes: Vec<u8> = outcomes.iter().map(|o| o.code()).collect();
+                        w.bin(&codes);
+                    }
+                }
             }
             w.array(request.skipped.len());
             for skipped in &request.skipped {
@@ -224,7 +250,7 @@ impl Record {
     }
 
     /// Decodes and validates a record; `Error::Malformed` with a message for
-    /// anything but a valid version-1 record. Allocates at most in proportion
+    /// anything but a valid version-2 record. Allocates at most in proportion
     /// to `bytes.len()`.
     pub fn decode(bytes: &[u8]) -> Result<Record> {
         let mut r = Reader::new(bytes, "record");
@@ -280,7 +306,7 @@ impl Record {
             let num_request_groups = r.array("the request's groups")?;
             let mut request_groups = Vec::with_capacity(initial_capacity(num_request_groups));
             for _ in 0..num_request_groups {
-                r.array_of("a request group", 5)?;
+                r.array_of("a request group", 6)?;
                 let group_id = r.u32("group_id")?;
                 let first_position = r.uint("first_position")?;
                 let num_positions = r.uint("num_positions")?;
@@ -310,12 +336,18 @@ impl Record {
                         values: r.u64s("layer values")?,
                     });
                 }
+                let at = r.position();
+                let stored = match r.nil_or_bin("stored outcomes")? {
+                    None => None,
+                    Some(codes) => Some(stored_outcomes(codes, at)?),
+                };
                 request_groups.push(RecordGroup {
                     group_id,
                     first_position,
                     num_positions,
                     columns,
                     layers,
+                    stored,
                 });
             }
             let num_skipped = r.array("skipped groups")?;
@@ -372,6 +404,7 @@ impl Record {
             return Err(err!(Malformed, "record: group {} has block_size 0", group.group_id));
         }
         let mut req_ids = HashSet::with_capacity(self.requests.len());
+        let mut load_check: Option<(&str, u32, bool)> = None;
         for request in &self.requests {
             let req_id = &request.req_id;
             if req_id.is_empty() {
@@ -383,6 +416,21 @@ impl Record {
             let mut seen = HashSet::with_capacity(request.groups.len() + request.skipped.len());
             for group in &request.groups {
                 self.validate_group(req_id, group)?;
+                // A load check judges every group it computes; no other call any.
+                let checked = group.stored.is_some();
+                match load_check {
+                    Some((first_req, first_group, first_checked)) if first_checked != checked => {
+                        return Err(err!(
+                            Malformed,
+                            "record: group {} of req_id {req_id:?} {} stored outcomes, group {first_group} of req_id {first_req:?} {}",
+                            group.group_id,
+                            if checked { "has" } else { "has no" },
+                            if first_checked { "has" } else { "has none" }
+                        ));
+                    }
+                    Some(_) => {}
+                    None => load_check = Some((req_id, group.group_id, checked)),
+                }
                 if !seen.insert(group.group_id) {
                     return Err(err!(
                         Malformed,
@@ -455,6 +503,22 @@ impl Record {
                     key.replicas,
                     key.replica_index,
                     column.values.len(),
+                    group.num_positions
+                ));
+            }
+        }
+        if let Some(stored) = &group.stored {
+            if self.role != Role::Consumer {
+                return Err(err!(
+                    Malformed,
+                    "record: {place} has stored outcomes in a producer record (load checks compute as consumers)"
+                ));
+            }
+            if stored.len() as u64 != group.num_positions {
+                return Err(err!(
+                    Malformed,
+                    "record: {place}: {} stored outcomes for num_positions {}",
+                    stored.len(),
                     group.num_positions
                 ));
             }
@@ -532,6 +596,22 @@ fn check_key(key: ReplicaKey, place: &str) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// The outcomes of a `bin` of outcome numbers that starts at byte `at`.
+fn stored_outcomes(codes: &[u8], at: usize) -> Result<Vec<StoredOutcome>> {
+    codes
+        .iter()
+        .enumerate()
+        .map(|(i, &code)| {
+            StoredOutcome::from_code(code).ok_or_else(|| {
+                err!(
+                    Malformed,
+                    "record: stored outcomes (byte {at}): outcome {i} is {code}, not 0 (failed), 1 (matched) or 2 (not checked)"
+                )
+            })
+        })
+        .collect()
 }
 
 fn role_code(role: Role) -> u64 {

@@ -363,8 +363,9 @@ pub struct Checksums {
     values: Values,
     /// The worker's rank, role and group facts at checksum time, for its record.
     record_info: Option<RecordInfo>,
-    /// A load check's stored values (SPEC section 8), when the call was one.
-    stored: Option<Vec<StoredExpectation>>,
+    /// A load check's stored values (SPEC section 8), when the call was one:
+    /// per request id, per group id, the expected sums.
+    stored: Option<HashMap<String, HashMap<u32, Vec<Option<u64>>>>>,
 }
 
 /// One (request, group) of a load check: per block position the sum that
@@ -391,6 +392,28 @@ pub enum StoredOutcome {
     NotChecked,
 }
 
+impl StoredOutcome {
+    /// The outcome's number in records (and `kvcs_stored_outcome`): 0
+    /// failed, 1 matched, 2 not checked.
+    pub fn code(self) -> u8 {
+        match self {
+            StoredOutcome::Failed => 0,
+            StoredOutcome::Matched => 1,
+            StoredOutcome::NotChecked => 2,
+        }
+    }
+
+    /// The outcome of number `code`, if it is one.
+    pub fn from_code(code: u8) -> Option<StoredOutcome> {
+        match code {
+            0 => Some(StoredOutcome::Failed),
+            1 => Some(StoredOutcome::Matched),
+            2 => Some(StoredOutcome::NotChecked),
+            _ => None,
+        }
+    }
+}
+
 impl Checksums {
     /// A result of the given shape and values.
     pub(crate) fn new(shape: Shape, values: Values) -> Self {
@@ -412,8 +435,20 @@ impl Checksums {
 
     /// The same result, carrying a load check's stored values.
     pub fn with_stored(mut self, stored: Vec<StoredExpectation>) -> Self {
-        self.stored = Some(stored);
+        let mut by_request: HashMap<String, HashMap<u32, Vec<Option<u64>>>> = HashMap::new();
+        for expectation in stored {
+            by_request
+                .entry(expectation.req_id)
+                .or_default()
+                .insert(expectation.group_id, expectation.expected);
+        }
+        self.stored = Some(by_request);
         self
+    }
+
+    /// Whether the result is a load check's (`Worker::check_stored`).
+    pub fn is_load_check(&self) -> bool {
+        self.stored.is_some()
     }
 
     /// A load check's verdicts on `group_id` of `req_id`, one per block
@@ -427,9 +462,9 @@ impl Checksums {
                 "this result is not a load check's (kvcs_worker_check_stored makes those)"
             )
         })?;
-        let expectation = stored
-            .iter()
-            .find(|e| e.req_id == req_id && e.group_id == group_id)
+        let expected = stored
+            .get(req_id)
+            .and_then(|groups| groups.get(&group_id))
             .ok_or_else(|| {
                 err!(
                     NotFound,
@@ -437,8 +472,7 @@ impl Checksums {
                 )
             })?;
         let sums = self.position_sums(req_id, group_id)?;
-        Ok(expectation
-            .expected
+        Ok(expected
             .iter()
             .zip(sums)
             .map(|(expected, sum)| match expected {

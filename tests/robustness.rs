@@ -106,6 +106,11 @@ impl Mp {
         self
     }
 
+    fn nil(&mut self) -> &mut Self {
+        self.0.push(0xc0);
+        self
+    }
+
     fn u64s(&mut self, values: &[u64]) -> &mut Self {
         self.0.push(0xc6);
         self.0.extend_from_slice(&((values.len() * 8) as u32).to_be_bytes());
@@ -148,7 +153,7 @@ struct TRecord {
 impl TRecord {
     fn encode(&self) -> Vec<u8> {
         let mut w = Mp::default();
-        w.array(7).str("kvcsum.record").uint(1);
+        w.array(7).str("kvcsum.record").uint(2);
         w.array(3)
             .uint(self.rank.0 as u64)
             .uint(self.rank.1 as u64)
@@ -167,7 +172,7 @@ impl TRecord {
             w.array(4).str(&request.req_id).uint(request.num_tokens);
             w.array(request.groups.len());
             for group in &request.groups {
-                w.array(5)
+                w.array(6)
                     .uint(group.group_id as u64)
                     .uint(group.first_position)
                     .uint(group.num_positions);
@@ -185,6 +190,7 @@ impl TRecord {
                         .uint(*index as u64)
                         .u64s(values);
                 }
+                w.nil();
             }
             w.array(0);
         }
@@ -753,7 +759,7 @@ fn records_declaring_huge_lengths_are_malformed_under_a_memory_limit() {
             let verifier = Verifier::new(1);
             let n = 60 << 20;
             let head = |w: &mut Mp| {
-                w.array(7).str("kvcsum.record").uint(1);
+                w.array(7).str("kvcsum.record").uint(2);
                 w.array(3).uint(0).uint(1).uint(0);
                 w.uint(1).bool(true);
             };
@@ -781,7 +787,7 @@ fn records_declaring_huge_lengths_are_malformed_under_a_memory_limit() {
             let request = w.0.clone();
             prefixes.push(("request groups", request.clone()));
             let mut w = Mp(request.clone());
-            w.array(1).array(5).uint(0).uint(0).uint(0);
+            w.array(1).array(6).uint(0).uint(0).uint(0);
             prefixes.push(("columns", w.0.clone()));
             w.array(0);
             prefixes.push(("layers", w.0));

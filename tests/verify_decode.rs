@@ -123,7 +123,7 @@ impl V {
 fn record_value() -> V {
     V::A(vec![
         s("kvcsum.record"),
-        V::U(1),
+        V::U(2),
         V::A(vec![V::U(1), V::U(2), V::U(0)]),
         V::U(1),
         V::Bool(true),
@@ -143,6 +143,7 @@ fn record_value() -> V {
                     V::A(vec![V::U(0), V::U(2), V::U(2), V::U(1), V::U(0), values(&[1, 2, 3])]),
                     V::A(vec![V::U(1), V::U(0), V::U(1), V::U(2), V::U(1), values(&[4, 5, 6])]),
                 ]),
+                V::Nil,
             ])]),
             V::A(vec![V::A(vec![V::U(5), s("mamba state")])]),
         ])]),
@@ -267,9 +268,14 @@ fn every_malformed_record_class_is_rejected_with_a_message() {
             "not a kvcsum record",
         ),
         (
-            "version 2",
-            Box::new(|v| *v.at(&[1]) = V::U(2)),
-            "version 2 is not supported",
+            "version 1 (before stored outcomes)",
+            Box::new(|v| *v.at(&[1]) = V::U(1)),
+            "version 1 is not supported",
+        ),
+        (
+            "version 3",
+            Box::new(|v| *v.at(&[1]) = V::U(3)),
+            "version 3 is not supported",
         ),
         (
             "too few elements",
@@ -433,13 +439,13 @@ fn every_malformed_record_class_is_rejected_with_a_message() {
             "listed twice",
         ),
         (
-            "group array of 4",
+            "group array of 5 (version 1's)",
             Box::new(|v| {
                 if let V::A(items) = v.at(&[6, 0, 2, 0]) {
                     items.pop();
                 }
             }),
-            "expected an array of 5 elements",
+            "expected an array of 6 elements",
         ),
         (
             "huge declared request count",

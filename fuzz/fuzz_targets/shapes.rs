@@ -59,6 +59,11 @@ impl Out {
         self
     }
 
+    fn nil(&mut self) -> &mut Self {
+        self.0.push(0xc0);
+        self
+    }
+
     fn empty_bin(&mut self) -> &mut Self {
         self.0.extend_from_slice(&[0xc4, 0]);
         self
@@ -94,7 +99,7 @@ const SITES: [Site; 9] = [
 /// Writes the schema down to the site's array header (of `len` elements).
 fn prefix(out: &mut Out, site: Site, len: usize) {
     let record_head = |out: &mut Out| {
-        out.array(7).str("kvcsum.record").uint(1);
+        out.array(7).str("kvcsum.record").uint(2);
         out.array(3).uint(0).uint(1).uint(0);
         out.uint(1).bool(true);
     };
@@ -128,11 +133,11 @@ fn prefix(out: &mut Out, site: Site, len: usize) {
         }
         Site::Columns => {
             request_head(out);
-            out.array(1).array(5).uint(0).uint(0).uint(0).array(len);
+            out.array(1).array(6).uint(0).uint(0).uint(0).array(len);
         }
         Site::Layers => {
             request_head(out);
-            out.array(1).array(5).uint(0).uint(0).uint(0);
+            out.array(1).array(6).uint(0).uint(0).uint(0);
             out.array(1).array(3).uint(1).uint(0).empty_bin();
             out.array(len);
         }
@@ -163,7 +168,7 @@ fn element(out: &mut Out, site: Site, i: u64) {
             out.array(4).str(&format!("{i:x}")).uint(0).array(0).array(0);
         }
         Site::RequestGroups => {
-            out.array(5).uint(i).uint(0).uint(0).array(0).array(0);
+            out.array(6).uint(i).uint(0).uint(0).array(0).array(0).nil();
         }
         Site::Columns => {
             out.array(3).uint(1 << 20).uint(i).empty_bin();

@@ -748,6 +748,13 @@ class Verifier(_Handle):
         data, length = _bytes_of(payload)
         return self._report(self._lib.kvcs_verifier_check, _c(req_id), data, length)
 
+    def check_stored(self, req_id: str) -> Report:
+        """Consumer: judges the offload load of `req_id` from its workers'
+        load-check records alone (the encoded results of
+        kvcs_worker_check_stored, added with add_record): MATCH, MISMATCH at the positions whose stored checksum failed
+        on some worker, or UNVERIFIED (e.g. a record is not a load check's)."""
+        return self._report(self._lib.kvcs_verifier_check_stored, _c(req_id))
+
 
 def base64_encode(data: bytes) -> str:
     """Standard padded base64 of `data` (as kv_transfer_params carries it)."""

@@ -253,6 +253,7 @@ SIGNATURES = {
     "kvcs_verifier_check": (_status, [_p, c_char_p, _u8p, c_size_t, _pp]),
     "kvcs_verifier_check_base64": (_status, [_p, c_char_p, c_char_p, _pp]),
     "kvcs_verifier_check_no_payload": (_status, [_p, c_char_p, _pp]),
+    "kvcs_verifier_check_stored": (_status, [_p, c_char_p, _pp]),
     # report
     "kvcs_report_verdict": (_status, [_p, _u32p]),
     "kvcs_report_passed": (_status, [_p, _u32p]),

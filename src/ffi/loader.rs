@@ -197,6 +197,9 @@ pub type kvcs_verifier_check_base64_fn =
 /// The type of `kvcs_verifier_check_no_payload`.
 pub type kvcs_verifier_check_no_payload_fn =
     unsafe extern "C" fn(*mut kvcs_verifier, *const c_char, *mut *mut kvcs_report) -> kvcs_status;
+/// The type of `kvcs_verifier_check_stored`.
+pub type kvcs_verifier_check_stored_fn =
+    unsafe extern "C" fn(*mut kvcs_verifier, *const c_char, *mut *mut kvcs_report) -> kvcs_status;
 /// The type of `kvcs_base64_encode`.
 pub type kvcs_base64_encode_fn = unsafe extern "C" fn(*const u8, usize, *mut c_char, usize, *mut usize) -> kvcs_status;
 /// The type of `kvcs_base64_decode`.
@@ -316,6 +319,7 @@ const _: kvcs_verifier_payload_fn = super::verifier::kvcs_verifier_payload;
 const _: kvcs_verifier_check_fn = super::verifier::kvcs_verifier_check;
 const _: kvcs_verifier_check_base64_fn = super::verifier::kvcs_verifier_check_base64;
 const _: kvcs_verifier_check_no_payload_fn = super::verifier::kvcs_verifier_check_no_payload;
+const _: kvcs_verifier_check_stored_fn = super::verifier::kvcs_verifier_check_stored;
 const _: kvcs_base64_encode_fn = super::verifier::kvcs_base64_encode;
 const _: kvcs_base64_decode_fn = super::verifier::kvcs_base64_decode;
 const _: kvcs_worker_create_fn = super::worker::kvcs_worker_create;

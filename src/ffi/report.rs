@@ -71,6 +71,10 @@ pub enum kvcs_unverified_reason {
     /// coverage (`kvcs_verifier_set_require_coverage`); see
     /// `kvcs_report_uncompared_positions`.
     KVCS_UNVERIFIED_UNCOMPARED_POSITIONS = 11,
+    /// An offload load was judged (`kvcs_verifier_check_stored`) from a
+    /// worker's record that is not a load check's (it came from
+    /// `kvcs_worker_checksum`, not `kvcs_worker_check_stored`).
+    KVCS_UNVERIFIED_NOT_LOAD_CHECK = 12,
 }
 
 /// The `group_id` of a finding about the whole load rather than one group.
@@ -155,6 +159,7 @@ fn reason_code(reason: Reason) -> kvcs_unverified_reason {
         Reason::StateTpDiffers => KVCS_UNVERIFIED_STATE_TP_DIFFERS,
         Reason::RoleDiffers => KVCS_UNVERIFIED_ROLE_DIFFERS,
         Reason::UncomparedPositions => KVCS_UNVERIFIED_UNCOMPARED_POSITIONS,
+        Reason::NotLoadCheck => KVCS_UNVERIFIED_NOT_LOAD_CHECK,
     }
 }
 
@@ -425,6 +430,7 @@ pub extern "C" fn kvcs_unverified_reason_name(reason: u32) -> *const c_char {
         9 => c"KVCS_UNVERIFIED_STATE_TP_DIFFERS",
         10 => c"KVCS_UNVERIFIED_ROLE_DIFFERS",
         11 => c"KVCS_UNVERIFIED_UNCOMPARED_POSITIONS",
+        12 => c"KVCS_UNVERIFIED_NOT_LOAD_CHECK",
         _ => c"unknown kvcs_unverified_reason",
     };
     name.as_ptr()

@@ -310,6 +310,33 @@ pub extern "C" fn kvcs_verifier_check_no_payload(
     }
 }
 
+/// Consumer: judges the finished offload load of request `req_id`
+/// (docs/SPEC.md#8-stored-checksums-for-offloaded-kv) from its workers'
+/// load-check records alone (`kvcs_worker_check_stored`, then
+/// `kvcs_result_encode` and `kvcs_verifier_add_record`); an offload has no
+/// producer payload. `*out` owns the report: a match when every worker's
+/// stored checksums matched at every position it checked; a mismatch
+/// naming each group and block position (with its tokens) where some
+/// worker's failed (the message names the workers; entries have no replica
+/// checks); unverified when not every worker reported, or some record is
+/// not a load check's (`KVCS_UNVERIFIED_NOT_LOAD_CHECK`).
+/// `KVCS_ERR_NOT_FOUND` for a request not expected,
+/// `KVCS_ERR_INVALID_ARGUMENT` for one expected as a producer.
+#[no_mangle]
+pub extern "C" fn kvcs_verifier_check_stored(
+    verifier: *mut kvcs_verifier,
+    req_id: *const c_char,
+    out: *mut *mut kvcs_report,
+) -> kvcs_status {
+    ffi_boundary! {
+        let verifier = try_handle!(verifier, "verifier");
+        // SAFETY: NULL or a NUL-terminated string per the contract.
+        let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
+        not_null!(out, "out");
+        report_out(verifier.check_stored(req_id), out)
+    }
+}
+
 /// Writes `(bytes, len)` as standard padded base64 text followed by a NUL
 /// into `(buf, cap)`; `*text_len` receives the bytes used, NUL included
 /// (on `KVCS_ERR_BUFFER_TOO_SMALL`: the bytes needed). `(NULL, 0)` asks for

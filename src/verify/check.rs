@@ -325,6 +325,7 @@ impl GroupSides<'_> {
                 failed_checks,
                 localised: layers.is_some(),
                 layers: layers.unwrap_or_default(),
+                failed_workers: Vec::new(),
             });
         }
         outcome.uncompared = (consumer_loaded(consumer, self.scheduled.block_ids.len()) - covered) as u64;

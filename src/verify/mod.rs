@@ -19,6 +19,9 @@
 //! 4. Consumer: [`Verifier::check`] forms the replica checks of SPEC section
 //!    4 from every worker's columns and compares each with the payload,
 //!    giving a [`Report`].
+//! 5. Offload loads (SPEC section 8), which have no producer payload:
+//!    [`Verifier::check_stored`] judges a load from every worker's
+//!    load-check record (`Worker::check_stored`) alone.
 //!
 //! A request's state stays until [`Verifier::forget`] or a new `expect` of
 //! the same id.
@@ -28,7 +31,8 @@
 //! `collect` keeps each worker's part of each request and reads the facts
 //! all parts must agree on; `produce` builds the payload from them; `check`
 //! judges a load group by group, with `compare` lining up positions of other
-//! block sizes and naming differing layers; `report` is the verdict.
+//! block sizes and naming differing layers; `stored` judges an offload load
+//! from load-check records; `report` is the verdict.
 //!
 //! # Locking
 //!
@@ -45,6 +49,7 @@ mod collect;
 mod compare;
 mod produce;
 pub mod report;
+mod stored;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -58,6 +63,7 @@ use crate::record::{GroupInfo, Record};
 use check::{Load, Settings};
 use collect::{check_rank, Pending, Unverified, WorkerPart};
 pub use report::{Finding, LayerDifference, Mismatch, Policy, Reason, Report, Verdict};
+use stored::StoredLoad;
 
 /// Collects worker records and verifies loads; see the module documentation.
 #[derive(Debug)]
@@ -288,6 +294,36 @@ impl Verifier {
     pub fn check_base64(&self, req_id: &str, text: &[u8]) -> Result<Report> {
         let decoded = crate::payload::decode_base64(text).and_then(|bytes| Payload::decode(&bytes));
         self.check_decoded(req_id, Some(decoded))
+    }
+
+    /// Consumer: judges the finished offload load of `req_id` (SPEC section
+    /// 8) from its workers' load-check records alone (`Worker::check_stored`,
+    /// added with [`Verifier::add_record`]): a match when every worker
+    /// matched at every position it checked; a mismatch naming each group
+    /// and block position (with its tokens and workers) whose stored
+    /// checksum failed on some worker; unverified when not every worker
+    /// reported, or a record is not a load check's
+    /// ([`Reason::NotLoadCheck`]). `NotFound` for a request not expected,
+    /// `InvalidArgument` for one expected as a producer.
+    pub fn check_stored(&self, req_id: &str) -> Result<Report> {
+        // Copies (of shared parts) under the lock; the judging outside it.
+        let (pending, settings) = {
+            let state = self.lock()?;
+            (state.pending(req_id)?.clone(), state.settings.clone())
+        };
+        if pending.role != Role::Consumer {
+            return Err(err!(
+                InvalidArgument,
+                "req_id {req_id:?} is expected as a producer; loads are checked for consumers"
+            ));
+        }
+        let load = StoredLoad {
+            req_id,
+            settings,
+            pending,
+            num_workers: self.num_workers,
+        };
+        Ok(load.judge())
     }
 
     fn check_decoded(&self, req_id: &str, decoded: Option<Result<Payload>>) -> Result<Report> {

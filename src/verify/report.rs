@@ -5,6 +5,8 @@
 
 use std::fmt::Write as _;
 
+use crate::result::Rank;
+
 /// The outcome of comparing a finished load with the producer's checksums.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
@@ -44,6 +46,10 @@ pub enum Reason {
     /// Loaded positions were not compared, and the verifier requires every
     /// loaded position to be ([`crate::verify::Verifier::set_require_coverage`]).
     UncomparedPositions,
+    /// An offload load was judged from records that are not load checks
+    /// (a worker sent a plain checksum call's record, which says nothing
+    /// about stored checksums).
+    NotLoadCheck,
 }
 
 impl Reason {
@@ -61,6 +67,7 @@ impl Reason {
             Reason::StateTpDiffers => "TP sizes differ for shard-keyed state",
             Reason::RoleDiffers => "a worker checksummed in the other role",
             Reason::UncomparedPositions => "loaded positions were not compared",
+            Reason::NotLoadCheck => "a worker's record is not a load check",
         }
     }
 }
@@ -104,7 +111,11 @@ pub struct LayerDifference {
 ///
 /// Positions are the consumer's block positions. Where the two sides' block
 /// sizes differ, positions are compared in runs of `lcm` tokens, so one
-/// mismatch can span several consumer positions.
+/// mismatch can span several consumer positions. For an offload load
+/// ([`crate::verify::Verifier::check_stored`]) a mismatch is one position
+/// whose stored checksum failed on some worker: `failed_workers` names them
+/// and `failed_checks` is empty (each worker checks the sum of its own
+/// columns, not a replica check).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mismatch {
     /// The group.
@@ -126,6 +137,10 @@ pub struct Mismatch {
     pub localised: bool,
     /// Detail mode: the layer (head) ranges that differ.
     pub layers: Vec<LayerDifference>,
+    /// An offload load's mismatch: the workers whose stored check failed at
+    /// the position, by (PP stage, TP rank); empty for a comparison with a
+    /// producer's payload.
+    pub failed_workers: Vec<Rank>,
 }
 
 /// The verdict on one finished load and everything behind it.
@@ -249,14 +264,23 @@ fn describe_mismatch(mismatch: &Mismatch) -> String {
             mismatch.first_position + mismatch.num_positions
         );
     }
-    let checks: Vec<String> = mismatch.failed_checks.iter().map(u32::to_string).collect();
     let _ = write!(
         text,
-        " (tokens {}..{}, replica check {}",
+        " (tokens {}..{}, ",
         mismatch.first_token,
-        mismatch.first_token + mismatch.num_tokens,
-        checks.join(",")
+        mismatch.first_token.saturating_add(mismatch.num_tokens)
     );
+    if mismatch.failed_workers.is_empty() {
+        let checks: Vec<String> = mismatch.failed_checks.iter().map(u32::to_string).collect();
+        let _ = write!(text, "replica check {}", checks.join(","));
+    } else {
+        let workers: Vec<String> = mismatch
+            .failed_workers
+            .iter()
+            .map(|rank| format!("(pp_rank {}, tp_rank {})", rank.pp_rank, rank.tp_rank))
+            .collect();
+        let _ = write!(text, "stored checksum failed on worker {}", workers.join(", "));
+    }
     if mismatch.localised {
         for layer in &mismatch.layers {
             let _ = write!(

@@ -447,12 +447,14 @@ static void test_names(void) {
       "KVCS_UNVERIFIED_WORKERS_MISSING", "KVCS_UNVERIFIED_OTHER_BLOCKS",       "KVCS_UNVERIFIED_ONE_SIDED_GROUP",
       "KVCS_UNVERIFIED_FINGERPRINT_DIFFERS", "KVCS_UNVERIFIED_NO_COMMON_POSITION", "KVCS_UNVERIFIED_REPLICA_MISSING",
       "KVCS_UNVERIFIED_STATE_TP_DIFFERS", "KVCS_UNVERIFIED_ROLE_DIFFERS",  "KVCS_UNVERIFIED_UNCOMPARED_POSITIONS",
+      "KVCS_UNVERIFIED_NOT_LOAD_CHECK",
   };
   for (uint32_t r = 0; r < sizeof reasons / sizeof reasons[0]; r++) {
     CHECK(strcmp(kvcs_unverified_reason_name(r), reasons[r]) == 0);
   }
   CHECK(KVCS_UNVERIFIED_WORKERS_MISSING == 3 && KVCS_UNVERIFIED_STATE_TP_DIFFERS == 9);
-  CHECK(strcmp(kvcs_unverified_reason_name(12), "unknown kvcs_unverified_reason") == 0);
+  CHECK(KVCS_UNVERIFIED_UNCOMPARED_POSITIONS == 11 && KVCS_UNVERIFIED_NOT_LOAD_CHECK == 12);
+  CHECK(strcmp(kvcs_unverified_reason_name(13), "unknown kvcs_unverified_reason") == 0);
   CHECK(strcmp(kvcs_unverified_reason_name(UINT32_MAX), "unknown kvcs_unverified_reason") == 0);
 }
 
@@ -562,10 +564,10 @@ static void test_record_errors(const side *producer) {
   kvcs_result_destroy(result);
   kvcs_worker_destroy(worker);
 
-  /* The record is ["kvcsum.record", 1, ...]: a fixarray of 7, a 13-byte
+  /* The record is ["kvcsum.record", 2, ...]: a fixarray of 7, a 13-byte
    * fixstr, then the version at byte 15. */
   CHECK(record[0] == 0x97 && record[1] == 0xad && memcmp(record + 2, "kvcsum.record", 13) == 0 &&
-        record[15] == 0x01);
+        record[15] == 0x02);
 
   kvcs_verifier *verifier = make_verifier(producer, KVCS_ROLE_PRODUCER);
   EXPECT(kvcs_verifier_add_record(NULL, record, record_len), KVCS_ERR_INVALID_ARGUMENT, "verifier is NULL");

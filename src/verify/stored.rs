@@ -1,0 +1,195 @@
+//! Judging an offload load (SPEC section 8) from its workers' load-check
+//! records alone: no producer payload exists for an offload, each worker
+//! compared the blocks it loaded with the stored checksums copied with them,
+//! and its record says, per block position, whether they matched.
+
+use crate::blocks::{valid_tokens, GroupBlocks};
+use crate::record::Rank;
+use crate::result::StoredOutcome;
+
+use super::check::Settings;
+use super::collect::{Judged, Pending, Unverified};
+use super::report::{Finding, Mismatch, Reason, Report};
+
+/// The load-check records of one request, ready to be judged: copies taken
+/// under the verifier's lock, judged outside it.
+pub(super) struct StoredLoad<'a> {
+    pub req_id: &'a str,
+    pub settings: Settings,
+    pub pending: Pending,
+    pub num_workers: u32,
+}
+
+/// A judged group's positions and failures.
+struct GroupOutcome {
+    /// Positions every worker checked.
+    compared: u64,
+    /// Positions holding valid tokens that not every worker checked.
+    uncompared: u64,
+    mismatches: Vec<Mismatch>,
+}
+
+impl StoredLoad<'_> {
+    /// The report on the load.
+    pub fn judge(&self) -> Report {
+        let whole_load = self
+            .pending
+            .check_complete(self.num_workers)
+            .and_then(|()| self.pending.check_roles())
+            .and_then(|()| self.check_load_checks())
+            .and_then(|()| self.pending.check_tokens());
+        if let Err(Unverified(reason, message)) = whole_load {
+            let finding = Finding {
+                reason,
+                group_id: None,
+                message,
+            };
+            return Report::new(self.req_id, self.settings.policy, (0, 0), Vec::new(), vec![finding]);
+        }
+        let (mut compared, mut uncompared) = (0u64, 0u64);
+        let mut mismatches = Vec::new();
+        let mut findings = Vec::new();
+        let mut any_group_judged = false;
+        for scheduled in &self.pending.scheduled.groups {
+            let group_id = scheduled.group_id;
+            match self.judge_group(scheduled) {
+                Ok(Some(outcome)) => {
+                    any_group_judged = true;
+                    compared += outcome.compared;
+                    uncompared += outcome.uncompared;
+                    if outcome.uncompared > 0 && self.settings.require_coverage && outcome.mismatches.is_empty() {
+                        findings.push(Finding {
+                            reason: Reason::UncomparedPositions,
+                            group_id: Some(group_id),
+                            message: format!(
+                                "group {group_id}: {} loaded positions were not checked by every worker ({} were)",
+                                outcome.uncompared, outcome.compared
+                            ),
+                        });
+                    }
+                    mismatches.extend(outcome.mismatches);
+                }
+                Ok(None) => {}
+                Err(Unverified(reason, message)) => findings.push(Finding {
+                    reason,
+                    group_id: Some(group_id),
+                    message,
+                }),
+            }
+        }
+        if !any_group_judged && findings.is_empty() {
+            findings.push(Finding {
+                reason: Reason::NoCommonPosition,
+                group_id: None,
+                message: "no loaded group was checked (every group is skipped by every worker)".to_owned(),
+            });
+        }
+        Report::new(
+            self.req_id,
+            self.settings.policy,
+            (compared, uncompared),
+            mismatches,
+            findings,
+        )
+    }
+
+    /// Every worker's record of the request is a load check's: a plain
+    /// checksum call's record says nothing about stored checksums.
+    fn check_load_checks(&self) -> Judged<()> {
+        let plain = self
+            .pending
+            .reports
+            .values()
+            .find(|part| part.request.groups.iter().any(|group| group.stored.is_none()));
+        match plain {
+            None => Ok(()),
+            Some(part) => Err(Unverified(
+                Reason::NotLoadCheck,
+                format!(
+                    "{} sent the record of a plain checksum call for req_id {:?}, not of a load check (kvcs_worker_check_stored)",
+                    part.name(),
+                    self.req_id
+                ),
+            )),
+        }
+    }
+
+    /// Judges one scheduled group; `Ok(None)` when every worker skipped it
+    /// (nothing was stored or checked, nothing wrong).
+    fn judge_group(&self, scheduled: &GroupBlocks) -> Judged<Option<GroupOutcome>> {
+        let group_id = scheduled.group_id;
+        if let Some((worker, reason)) = self.pending.skipped_by(group_id) {
+            let all_skipped = self
+                .pending
+                .reports
+                .values()
+                .all(|part| part.skipped(group_id).is_some());
+            if all_skipped {
+                return Ok(None);
+            }
+            return Err(Unverified(
+                Reason::OtherBlocks,
+                format!("{worker} skipped group {group_id} ({reason}), which other workers checked"),
+            ));
+        }
+        let parts = self.pending.group_parts(scheduled)?;
+        let block_size = self.pending.block_size(group_id)?;
+        let num_tokens = self.pending.scheduled.num_tokens;
+        // Each worker's outcomes; the record validated one per position, and
+        // `check_load_checks` that every computed group has them.
+        let workers: Vec<(Rank, &[StoredOutcome])> = parts
+            .iter()
+            .map(|(part, group)| (part.rank, group.stored.as_deref().unwrap_or_default()))
+            .collect();
+        let mut outcome = GroupOutcome {
+            compared: 0,
+            uncompared: 0,
+            mismatches: Vec::new(),
+        };
+        for index in 0..scheduled.block_ids.len() {
+            let position = scheduled.first_position + index as u64;
+            let failed: Vec<Rank> = workers
+                .iter()
+                .filter(|(_, outcomes)| outcomes.get(index) == Some(&StoredOutcome::Failed))
+                .map(|&(rank, _)| rank)
+                .collect();
+            let tokens = valid_tokens(num_tokens, block_size, position);
+            if !failed.is_empty() {
+                let first_token = position as u128 * block_size as u128;
+                outcome.mismatches.push(Mismatch {
+                    group_id,
+                    first_position: position,
+                    num_positions: 1,
+                    first_token: u64::try_from(first_token).unwrap_or(u64::MAX),
+                    num_tokens: tokens as u64,
+                    failed_checks: Vec::new(),
+                    localised: false,
+                    layers: Vec::new(),
+                    failed_workers: failed,
+                });
+                continue;
+            }
+            let checked = workers
+                .iter()
+                .filter(|(_, outcomes)| outcomes.get(index) == Some(&StoredOutcome::Matched))
+                .count();
+            if checked == workers.len() {
+                outcome.compared += 1;
+            } else if checked > 0 || tokens > 0 {
+                // Some worker did not check a position that holds tokens.
+                outcome.uncompared += 1;
+            }
+        }
+        if outcome.compared == 0 && outcome.mismatches.is_empty() {
+            return Err(Unverified(
+                Reason::NoCommonPosition,
+                format!(
+                    "group {group_id}: no position of {}..{} was checked against its stored checksum by every worker",
+                    scheduled.first_position,
+                    scheduled.first_position + scheduled.block_ids.len() as u64
+                ),
+            ));
+        }
+        Ok(Some(outcome))
+    }
+}
