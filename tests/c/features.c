@@ -1,9 +1,10 @@
 /*
  * The calls of SPEC sections 6-8 and of coverage reporting through the C
  * ABI: aliases, state layers (one checked against a naive reference written
- * here), stored checksums (store, load check, tags) and the verifier's
- * uncompared positions; every call's error paths, with out-parameters
- * unchanged on failure.
+ * here), stored checksums (store, load check, tags, the verifier's judgement
+ * of an offload load from load-check records) and the verifier's uncompared
+ * positions; every call's error paths, with out-parameters unchanged on
+ * failure.
  */
 #include <stdlib.h>
 
@@ -141,6 +142,80 @@ static void test_state_layers(void) {
   kvcs_worker_destroy(worker);
 }
 
+/* A result's record bytes (free them). */
+static uint8_t *record_bytes(const kvcs_result *result, size_t *len) {
+  size_t needed = 0;
+  EXPECT(kvcs_result_encode(result, NULL, 0, &needed), KVCS_ERR_BUFFER_TOO_SMALL, "bytes needed");
+  uint8_t *bytes = malloc(needed);
+  CHECK(bytes != NULL);
+  EXPECT_OK(kvcs_result_encode(result, bytes, needed, len));
+  return bytes;
+}
+
+/* A one-worker verifier expecting `blocks` as a consumer, holding `result`'s record. */
+static kvcs_verifier *verifier_with(const kvcs_blocks *blocks, const kvcs_result *result) {
+  kvcs_verifier *verifier = NULL;
+  EXPECT_OK(kvcs_verifier_create(1, &verifier));
+  EXPECT_OK(kvcs_verifier_expect(verifier, blocks, KVCS_ROLE_CONSUMER));
+  size_t len = 0;
+  uint8_t *bytes = record_bytes(result, &len);
+  EXPECT_OK(kvcs_verifier_add_record(verifier, bytes, len));
+  free(bytes);
+  return verifier;
+}
+
+/* The verifier's judgement of the offload load "o" from load-check records:
+ * the failed position named (position 1: tokens 4..8), and each error path. */
+static void check_offload_reports(const kvcs_blocks *blocks, const kvcs_result *load_check,
+                                  const kvcs_result *plain) {
+  kvcs_verifier *verifier = verifier_with(blocks, load_check);
+  kvcs_report *report = (kvcs_report *)(void *)&result_sentinel;
+  EXPECT(kvcs_verifier_check_stored(NULL, "o", &report), KVCS_ERR_INVALID_ARGUMENT, "verifier");
+  EXPECT(kvcs_verifier_check_stored(verifier, NULL, &report), KVCS_ERR_INVALID_ARGUMENT, "req_id");
+  EXPECT(kvcs_verifier_check_stored(verifier, "o", NULL), KVCS_ERR_INVALID_ARGUMENT, "out");
+  EXPECT(kvcs_verifier_check_stored(verifier, "x", &report), KVCS_ERR_NOT_FOUND, "req_id \"x\"");
+  CHECK(report == (kvcs_report *)(void *)&result_sentinel);
+  EXPECT_OK(kvcs_verifier_check_stored(verifier, "o", &report));
+  uint32_t verdict = 9, passed = 9;
+  EXPECT_OK(kvcs_report_verdict(report, &verdict));
+  EXPECT_OK(kvcs_report_passed(report, &passed));
+  CHECK(verdict == KVCS_VERDICT_MISMATCH && passed == 0);
+  size_t count = 0;
+  EXPECT_OK(kvcs_report_num_mismatches(report, &count));
+  CHECK(count == 1);
+  kvcs_mismatch mismatch;
+  EXPECT_OK(kvcs_report_mismatch(report, 0, &mismatch));
+  CHECK(mismatch.group_id == 0 && mismatch.first_position == 1 && mismatch.num_positions == 1 &&
+        mismatch.first_token == 4 && mismatch.num_tokens == 4 && mismatch.num_failed_checks == 0);
+  uint64_t compared = 0;
+  EXPECT_OK(kvcs_report_compared_positions(report, &compared));
+  CHECK(compared == 2);
+  const char *message = NULL;
+  EXPECT_OK(kvcs_report_message(report, &message));
+  CHECK(strstr(message, "position 1 (tokens 4..8, stored checksum failed on worker (pp_rank 0, tp_rank 0))") != NULL);
+  kvcs_report_destroy(report);
+  /* Expected as a producer: loads are checked for consumers. */
+  kvcs_blocks *copy = NULL;
+  EXPECT_OK(kvcs_blocks_create(&copy));
+  EXPECT_OK(kvcs_blocks_add_request(copy, "p", 10));
+  EXPECT_OK(kvcs_verifier_expect(verifier, copy, KVCS_ROLE_PRODUCER));
+  report = NULL;
+  EXPECT(kvcs_verifier_check_stored(verifier, "p", &report), KVCS_ERR_INVALID_ARGUMENT, "producer");
+  CHECK(report == NULL);
+  kvcs_blocks_destroy(copy);
+  kvcs_verifier_destroy(verifier);
+
+  /* A plain checksum call's record is no load check. */
+  verifier = verifier_with(blocks, plain);
+  EXPECT_OK(kvcs_verifier_check_stored(verifier, "o", &report));
+  uint32_t reason = 0;
+  EXPECT_OK(kvcs_report_verdict(report, &verdict));
+  EXPECT_OK(kvcs_report_reason(report, &reason));
+  CHECK(verdict == KVCS_VERDICT_UNVERIFIED && reason == KVCS_UNVERIFIED_NOT_LOAD_CHECK);
+  kvcs_report_destroy(report);
+  kvcs_verifier_destroy(verifier);
+}
+
 static void test_stored_checksums(void) {
   enum { HASH_BYTES = 32 };
   for (size_t i = 0; i < sizeof kv_cache / 8; i++) {
@@ -217,6 +292,10 @@ static void test_stored_checksums(void) {
   EXPECT_OK(kvcs_result_stored(result, "o", 0, outcomes));
   CHECK(outcomes[0] == KVCS_STORED_MATCHED && outcomes[1] == KVCS_STORED_FAILED &&
         outcomes[2] == KVCS_STORED_MATCHED);
+  kvcs_result *plain = NULL;
+  EXPECT_OK(kvcs_worker_checksum(worker, blocks, KVCS_ROLE_CONSUMER, NULL, &plain));
+  check_offload_reports(blocks, result, plain);
+  kvcs_result_destroy(plain);
   kvcs_result_destroy(result);
   kvcs_blocks_destroy(blocks);
   kvcs_worker_destroy(worker);

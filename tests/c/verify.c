@@ -588,9 +588,11 @@ static void test_record_errors(const side *producer) {
   memcpy(changed, record, record_len);
   changed[record_len] = 0x00;
   EXPECT(kvcs_verifier_add_record(verifier, changed, record_len + 1), KVCS_ERR_MALFORMED, "1 trailing bytes");
-  changed[15] = 0x02;
-  EXPECT(kvcs_verifier_add_record(verifier, changed, record_len), KVCS_ERR_MALFORMED, "version 2 is not supported");
+  changed[15] = 0x03;
+  EXPECT(kvcs_verifier_add_record(verifier, changed, record_len), KVCS_ERR_MALFORMED, "version 3 is not supported");
   changed[15] = 0x01;
+  EXPECT(kvcs_verifier_add_record(verifier, changed, record_len), KVCS_ERR_MALFORMED, "version 1 is not supported");
+  changed[15] = 0x02;
   changed[2] = 'K';
   EXPECT(kvcs_verifier_add_record(verifier, changed, record_len), KVCS_ERR_MALFORMED, "not a kvcsum record");
   for (size_t i = 0; i < record_len; i++) {
