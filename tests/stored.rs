@@ -3,7 +3,9 @@
 //! blocks, and a load check recomputes the loaded blocks and names each
 //! position whose stored value does not match: a corrupted byte, a block in
 //! another block's slot, another shard's KV, a wrong block hash. Compared
-//! with the naive reference of SPEC sections 2 and 3, on random data.
+//! with the naive reference of SPEC sections 2 and 3, on random data. The
+//! load checks' records carry the verdicts to the verifier, which judges an
+//! offload load from them alone (`Verifier::check_stored`).
 //!
 //! Reproduce a failure with the seed it printed:
 //! `KVCS_TEST_SEED=<seed> cargo test --test stored <name>`.
@@ -17,6 +19,8 @@ use kvcsum::ffi::result::*;
 use kvcsum::ffi::status::kvcs_last_error;
 use kvcsum::ffi::status::kvcs_status::*;
 use kvcsum::ffi::worker::*;
+use kvcsum::record::{self, Record};
+use kvcsum::verify::{Policy, Reason, Verdict, Verifier};
 use kvcsum::{BlockSet, Error, Role, StoredOutcome, StreamHandle, Worker};
 use sha2::{Digest, Sha256};
 use support::*;
@@ -511,4 +515,254 @@ fn c_api_round_trip_tags_and_outcomes() {
     kvcs_blocks_destroy(blocks);
     kvcs_worker_destroy(worker);
     drop(host);
+}
+
+/// Each rank's load-check record of `blocks`, as bytes.
+fn load_check_records(side: &Side, blocks: &BlockSet) -> Vec<Vec<u8>> {
+    side.ranks
+        .iter()
+        .map(|rank| {
+            let result = rank
+                .worker
+                .check_stored(blocks, StreamHandle::legacy_default())
+                .expect("check_stored");
+            Record::from_checksums(&result).expect("record").encode()
+        })
+        .collect()
+}
+
+/// A verifier of `num_workers` expecting `blocks` as a consumer, holding `records`.
+fn verifier_holding(num_workers: u32, blocks: &BlockSet, records: &[Vec<u8>]) -> Verifier {
+    let verifier = Verifier::new(num_workers).unwrap();
+    verifier.expect(blocks, Role::Consumer).unwrap();
+    for record in records {
+        verifier.add_record(record).expect("add_record");
+    }
+    verifier
+}
+
+fn tp_rank(tp_rank: u32, tp_size: u32) -> record::Rank {
+    record::Rank {
+        tp_rank,
+        tp_size,
+        pp_rank: 0,
+    }
+}
+
+#[test]
+fn offload_loads_are_judged_from_load_check_records() {
+    let mut rng = Rng::for_test("offload_loads_are_judged_from_load_check_records");
+    let seed = rng.seed();
+    for num_tokens in [16, 75, 160] {
+        // Intact: every position of every rank matched.
+        let mut s = stored_and_reloaded(&mut rng, num_tokens);
+        let blocks = blocks_with_hashes(num_tokens, &s.block_ids, &s.hashes);
+        let report = verifier_holding(2, &blocks, &load_check_records(&s.side, &blocks))
+            .check_stored(REQ)
+            .unwrap();
+        assert_eq!(report.verdict, Verdict::Match, "{} (seed {seed})", report.message);
+        assert!(report.passed && report.mismatches.is_empty() && report.unverified.is_empty());
+        assert_eq!(
+            (report.compared_positions, report.uncompared_positions),
+            (s.count as u64, 0),
+            "seed {seed}"
+        );
+
+        // One byte of rank 1's KV at position q corrupted.
+        let q = rng.below(s.count as u64) as usize;
+        let (layer, head) = (rng.below(3) as u32, s.side.ranks[1].placement.spec().first_head);
+        let token = rng.below(valid_tokens_at(num_tokens, q) as u64) as u32;
+        s.side.ranks[1]
+            .placement
+            .xor_byte(layer, head, s.block_ids[q], token, rng.below(64) as u32, 0x10);
+        let report = verifier_holding(2, &blocks, &load_check_records(&s.side, &blocks))
+            .check_stored(REQ)
+            .unwrap();
+        assert_eq!(report.verdict, Verdict::Mismatch, "{} (seed {seed})", report.message);
+        assert!(!report.passed);
+        assert_eq!(report.mismatches.len(), 1, "{} (seed {seed})", report.message);
+        let mismatch = &report.mismatches[0];
+        assert_eq!(
+            (mismatch.group_id, mismatch.first_position, mismatch.num_positions),
+            (0, q as u64, 1),
+            "seed {seed}"
+        );
+        assert_eq!(
+            (mismatch.first_token, mismatch.num_tokens),
+            (16 * q as u64, valid_tokens_at(num_tokens, q) as u64),
+            "seed {seed}"
+        );
+        assert_eq!(mismatch.failed_workers, vec![tp_rank(1, 2)], "seed {seed}");
+        assert!(mismatch.failed_checks.is_empty() && !mismatch.localised);
+        assert_eq!(report.compared_positions, s.count as u64 - 1, "seed {seed}");
+        assert!(
+            report.message.contains(&format!("position {q} (tokens {}..", 16 * q)),
+            "{}",
+            report.message
+        );
+        assert!(report.message.contains("(pp_rank 0, tp_rank 1)"), "{}", report.message);
+
+        // And rank 0's KV at another position: both named, each with its rank.
+        if s.count > 1 {
+            let other = (q + 1 + rng.below(s.count as u64 - 1) as usize) % s.count;
+            let head = s.side.ranks[0].placement.spec().first_head;
+            s.side.ranks[0]
+                .placement
+                .xor_byte(0, head, s.block_ids[other], 0, 0, 0x01);
+            let report = verifier_holding(2, &blocks, &load_check_records(&s.side, &blocks))
+                .check_stored(REQ)
+                .unwrap();
+            let mut expected = vec![(q as u64, vec![tp_rank(1, 2)]), (other as u64, vec![tp_rank(0, 2)])];
+            expected.sort();
+            let found: Vec<(u64, Vec<record::Rank>)> = report
+                .mismatches
+                .iter()
+                .map(|m| (m.first_position, m.failed_workers.clone()))
+                .collect();
+            assert_eq!(found, expected, "seed {seed}");
+        }
+    }
+}
+
+/// Valid tokens of position `q` of a request of `num_tokens` (block size 16).
+fn valid_tokens_at(num_tokens: u64, q: usize) -> u32 {
+    num_tokens.saturating_sub(16 * q as u64).min(16) as u32
+}
+
+#[test]
+fn offload_loads_without_every_load_check_are_unverified() {
+    let mut rng = Rng::for_test("offload_loads_without_every_load_check_are_unverified");
+    let seed = rng.seed();
+    let num_tokens = 90;
+    let s = stored_and_reloaded(&mut rng, num_tokens);
+    let blocks = blocks_with_hashes(num_tokens, &s.block_ids, &s.hashes);
+    let load_checks = load_check_records(&s.side, &blocks);
+    let plain: Vec<Vec<u8>> = s
+        .side
+        .ranks
+        .iter()
+        .map(|rank| {
+            let result = checksum(&rank.worker, &blocks, Role::Consumer);
+            Record::from_checksums(&result).unwrap().encode()
+        })
+        .collect();
+
+    // Rank 1's record missing.
+    let verifier = verifier_holding(2, &blocks, &load_checks[..1]);
+    let report = verifier.check_stored(REQ).unwrap();
+    assert_eq!(report.verdict, Verdict::Unverified, "seed {seed}");
+    assert_eq!(report.reason(), Some(Reason::WorkersMissing), "{}", report.message);
+    assert!(report.message.contains("(pp_rank 0, tp_rank 1)"), "{}", report.message);
+    assert!(!report.passed, "fail-closed by default");
+    verifier.set_policy(Policy::FailOpen).unwrap();
+    assert!(verifier.check_stored(REQ).unwrap().passed, "fail-open passes");
+
+    // Plain checksum records, and one plain record beside a load check.
+    for (records, who) in [
+        (plain.clone(), "tp_rank 0"),
+        (vec![load_checks[0].clone(), plain[1].clone()], "tp_rank 1"),
+    ] {
+        let report = verifier_holding(2, &blocks, &records).check_stored(REQ).unwrap();
+        assert_eq!(report.verdict, Verdict::Unverified, "seed {seed}");
+        assert_eq!(report.reason(), Some(Reason::NotLoadCheck), "{}", report.message);
+        assert!(report.message.contains(who), "{}", report.message);
+        assert!(report.message.contains("not of a load check"), "{}", report.message);
+    }
+
+    // Producers' records say nothing of a consumer's load.
+    let verifier = Verifier::new(2).unwrap();
+    verifier.expect(&blocks, Role::Producer).unwrap();
+    let error = verifier.check_stored(REQ).unwrap_err();
+    assert!(matches!(error, Error::InvalidArgument(_)), "{error}");
+    let error = verifier.check_stored("never-expected").unwrap_err();
+    assert!(matches!(error, Error::NotFound(_)), "{error}");
+}
+
+#[test]
+fn load_check_records_round_trip_with_their_outcomes() {
+    let mut rng = Rng::for_test("load_check_records_round_trip_with_their_outcomes");
+    let seed = rng.seed();
+    let kv = LogicalKv::random(&mut rng, KvShape::gqa(2, 2, 64, 40));
+    let mut side = deploy(&mut rng, &kv, 1, LayoutKind::Nhd, 6);
+    let block_ids = [4, 1, 3, 0]; // 40 tokens hold positions 0..2; 3 is empty
+    side.ranks[0].placement.write_request(&kv, 0, &block_ids[..3]);
+    let blocks = blocks_with_hashes(40, &block_ids, &random_hashes(&mut rng, 4));
+    side.ranks[0]
+        .worker
+        .store(&blocks, StreamHandle::legacy_default())
+        .unwrap();
+    side.ranks[0].placement.xor_byte(1, 0, block_ids[2], 7, 3, 0x04);
+    let worker = &side.ranks[0].worker;
+    let result = worker.check_stored(&blocks, StreamHandle::legacy_default()).unwrap();
+    use StoredOutcome::*;
+    assert_eq!(
+        result.stored_outcomes(REQ, 0).unwrap(),
+        vec![Matched, Matched, Failed, NotChecked],
+        "seed {seed}"
+    );
+    let record = Record::from_checksums(&result).unwrap();
+    assert_eq!(
+        record.requests[0].groups[0].stored,
+        Some(vec![Matched, Matched, Failed, NotChecked])
+    );
+    let bytes = record.encode();
+    assert_eq!(Record::decode(&bytes).unwrap(), record, "round trip");
+    // The outcomes are the last group's last element: bin of 4, then no skipped groups.
+    assert_eq!(&bytes[bytes.len() - 7..], &[0xc4, 4, 1, 1, 0, 2, 0x90]);
+    // The verifier names position 2 (tokens 32..40); position 3 is neither compared nor not.
+    let report = verifier_holding(1, &blocks, &[bytes.clone()])
+        .check_stored(REQ)
+        .unwrap();
+    assert_eq!(report.verdict, Verdict::Mismatch, "{}", report.message);
+    assert_eq!(
+        (report.compared_positions, report.uncompared_positions),
+        (2, 0),
+        "{}",
+        report.message
+    );
+    let m = &report.mismatches[0];
+    assert_eq!((m.first_position, m.first_token, m.num_tokens), (2, 32, 8));
+
+    // A plain call's record carries none: nil, not an empty bin.
+    let plain = Record::from_checksums(&checksum(worker, &blocks, Role::Consumer)).unwrap();
+    assert_eq!(plain.requests[0].groups[0].stored, None);
+    let plain_bytes = plain.encode();
+    assert_eq!(&plain_bytes[plain_bytes.len() - 2..], &[0xc0, 0x90]);
+    assert_eq!(Record::decode(&plain_bytes).unwrap(), plain);
+
+    // Malformed: an outcome number that is none, a wrong count, nil in the
+    // place of a bin's type, outcomes in a producer record, and a load
+    // check's group beside a plain one.
+    let mut bad = bytes.clone();
+    let at = bad.len() - 3;
+    bad[at] = 3;
+    malformed(Record::decode(&bad), "outcome 2 is 3");
+    let mut bad = bytes.clone();
+    let at = bad.len() - 7;
+    bad[at] = 0xc2; // a boolean where the outcomes start
+    bad.drain(at + 1..bad.len() - 1);
+    malformed(Record::decode(&bad), "expected nil or a bin");
+    let mut short = record.clone();
+    short.requests[0].groups[0].stored.as_mut().unwrap().pop();
+    malformed(Record::decode(&short.encode()), "3 stored outcomes for num_positions 4");
+    let mut long = record.clone();
+    long.requests[0].groups[0].stored.as_mut().unwrap().push(Matched);
+    malformed(Record::decode(&long.encode()), "5 stored outcomes for num_positions 4");
+    let mut producer = Record::from_checksums(&checksum(worker, &blocks, Role::Producer)).unwrap();
+    producer.requests[0].groups[0].stored = Some(vec![Matched; 4]);
+    malformed(Record::decode(&producer.encode()), "producer record");
+    let mut mixed = record.clone();
+    let mut other = mixed.requests[0].clone();
+    other.req_id = "other".to_owned();
+    other.groups[0].stored = None;
+    mixed.requests.push(other);
+    malformed(Record::decode(&mixed.encode()), "has no stored outcomes");
+    assert!(matches!(mixed.validate(), Err(Error::Malformed(_))));
+}
+
+fn malformed(result: kvcsum::Result<Record>, needle: &str) {
+    match result {
+        Err(Error::Malformed(message)) => assert!(message.contains(needle), "{message:?} lacks {needle:?}"),
+        other => panic!("expected Malformed containing {needle:?}, got {other:?}"),
+    }
 }

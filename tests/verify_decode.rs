@@ -12,7 +12,7 @@ use kvcsum::payload::{
     decode_base64, encode_base64, Extension, ExtensionGroup, LayerPartial, Payload, PayloadGroup, FIRST_COPY,
 };
 use kvcsum::record::Record;
-use kvcsum::{Error, Role};
+use kvcsum::{Error, Role, StoredOutcome};
 use support::*;
 
 /// A msgpack value, written in the shortest form unless `Raw`.
@@ -192,6 +192,19 @@ fn valid_inputs_decode() {
     assert_eq!(record.requests[0].groups[0].columns[1].values, vec![4, 5, 6]);
     assert_eq!(record.requests[0].skipped[0].reason, "mamba state");
     assert_eq!(Record::decode(&record.encode()).unwrap(), record, "round trip");
+    assert_eq!(record.requests[0].groups[0].stored, None, "nil: not a load check");
+    let mut load_check = record_value();
+    *load_check.at(&[6, 0, 2, 0, 5]) = V::B(vec![0, 1, 2]);
+    let decoded = Record::decode(&load_check.bytes()).expect("a load check's record");
+    assert_eq!(
+        decoded.requests[0].groups[0].stored,
+        Some(vec![
+            StoredOutcome::Failed,
+            StoredOutcome::Matched,
+            StoredOutcome::NotChecked
+        ])
+    );
+    assert_eq!(decoded.encode(), load_check.bytes(), "shortest forms, same bytes");
     let payload = Payload::decode(&payload_value().bytes()).expect("valid payload");
     assert_eq!(payload.groups[1].values, vec![10, 11]);
     assert_eq!(payload.extension.as_ref().unwrap().groups[0].layers[1].first_head, 4);
@@ -427,6 +440,26 @@ fn every_malformed_record_class_is_rejected_with_a_message() {
             "layer values short",
             Box::new(|v| *v.at(&[6, 0, 2, 0, 4, 0, 5]) = values(&[1])),
             "1 values for num_positions 3",
+        ),
+        (
+            "stored outcomes of the wrong count",
+            Box::new(|v| *v.at(&[6, 0, 2, 0, 5]) = V::B(vec![1, 1])),
+            "2 stored outcomes for num_positions 3",
+        ),
+        (
+            "stored outcome that is none",
+            Box::new(|v| *v.at(&[6, 0, 2, 0, 5]) = V::B(vec![1, 3, 1])),
+            "outcome 1 is 3",
+        ),
+        (
+            "stored outcomes an integer",
+            Box::new(|v| *v.at(&[6, 0, 2, 0, 5]) = V::U(0)),
+            "expected nil or a bin",
+        ),
+        (
+            "stored outcomes declared huge",
+            Box::new(|v| *v.at(&[6, 0, 2, 0, 5]) = V::Raw(vec![0xc6, 0xff, 0xff, 0xff, 0xff])),
+            "truncated",
         ),
         (
             "empty skip reason",
