@@ -174,3 +174,22 @@ def test_abi_version_and_missing_library_are_refused(monkeypatch, tmp_path):
     if libc:
         with pytest.raises(kvcsum.AbiError, match="is not libkvcsum"):
             _lib.load(libc)
+
+
+def test_check_stored_judges_offload_loads_from_load_check_records_only(scheduled):
+    rng = np.random.default_rng(0x6F66666C)
+    record, _ = checksum(make_cache(rng), scheduled, kvcsum.CONSUMER)
+    with kvcsum.Verifier(1) as verifier:
+        verifier.expect(scheduled, kvcsum.CONSUMER)
+        with pytest.raises(kvcsum.NotFound, match="never"):
+            verifier.check_stored("never")
+        with verifier.check_stored("req") as report:
+            assert report.verdict == kvcsum.UNVERIFIED
+            assert [f.reason_name for f in report.findings] == ["KVCS_UNVERIFIED_WORKERS_MISSING"]
+        # A plain checksum call's record is no load check.
+        verifier.add_record(record)
+        with verifier.check_stored("req") as report:
+            assert report.verdict == kvcsum.UNVERIFIED and not report.passed
+            assert report.reason == 12
+            assert [f.reason_name for f in report.findings] == ["KVCS_UNVERIFIED_NOT_LOAD_CHECK"]
+            assert "not of a load check" in report.message
