@@ -150,9 +150,10 @@ impl Record {
                     .and_then(|d| d.groups.get(group_index))
                     .cloned()
                     .unwrap_or_default();
-                let stored = match checksums.is_load_check() {
-                    true => Some(checksums.stored_outcomes(&request.req_id, group.group_id)?),
-                    false => None,
+                let stored = if checksums.is_load_check() {
+                    Some(checksums.stored_outcomes(&request.req_id, group.group_id)?)
+                } else {
+                    None
                 };
                 groups.push(RecordGroup {
                     group_id: group.group_id,
