@@ -363,10 +363,13 @@ pub struct Checksums {
     values: Values,
     /// The worker's rank, role and group facts at checksum time, for its record.
     record_info: Option<RecordInfo>,
-    /// A load check's stored values (SPEC section 8), when the call was one:
-    /// per request id, per group id, the expected sums.
-    stored: Option<HashMap<String, HashMap<u32, Vec<Option<u64>>>>>,
+    /// A load check's stored values (SPEC section 8), when the call was one.
+    stored: Option<StoredSums>,
 }
+
+/// A load check's expected sums: per request id, per group id, one per
+/// block position (`None` where not checked).
+type StoredSums = HashMap<String, HashMap<u32, Vec<Option<u64>>>>;
 
 /// One (request, group) of a load check: per block position the sum that
 /// the stored checksum read back says the worker's columns must add up to
@@ -435,7 +438,7 @@ impl Checksums {
 
     /// The same result, carrying a load check's stored values.
     pub fn with_stored(mut self, stored: Vec<StoredExpectation>) -> Self {
-        let mut by_request: HashMap<String, HashMap<u32, Vec<Option<u64>>>> = HashMap::new();
+        let mut by_request = StoredSums::new();
         for expectation in stored {
             by_request
                 .entry(expectation.req_id)

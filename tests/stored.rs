@@ -710,7 +710,7 @@ fn load_check_records_round_trip_with_their_outcomes() {
     // The outcomes are the last group's last element: bin of 4, then no skipped groups.
     assert_eq!(&bytes[bytes.len() - 7..], &[0xc4, 4, 1, 1, 0, 2, 0x90]);
     // The verifier names position 2 (tokens 32..40); position 3 is neither compared nor not.
-    let report = verifier_holding(1, &blocks, &[bytes.clone()])
+    let report = verifier_holding(1, &blocks, std::slice::from_ref(&bytes))
         .check_stored(REQ)
         .unwrap();
     assert_eq!(report.verdict, Verdict::Mismatch, "{}", report.message);
