@@ -22,7 +22,8 @@ run contiguous on both sides is one token's K (or V) of one head: one
 descriptor each (checked: no descriptor continues another on both sides).
 The producer's rank agent WRITEs them into the consumer rank's memory; the
 notification carries the producer's payload as vLLM's connectors carry
-kv_transfer_params["kv_checksums"] (base64).
+kv_transfer_params["kv_checksums"] (base64): in the WRITE itself with NIXL,
+beside it on a side channel with Mooncake (the agent decides; see agent.py).
 """
 
 from __future__ import annotations
