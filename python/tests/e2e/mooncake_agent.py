@@ -94,6 +94,12 @@ class SideChannel:
             threading.Thread(target=self._read, args=(connection,), daemon=True).start()
 
     def _read(self, connection: socket.socket) -> None:
+        try:
+            self._frames(connection)
+        except OSError as error:  # a sender vanished mid-frame
+            self.errors.append(f"{self._owner}: side channel: {error}")
+
+    def _frames(self, connection: socket.socket) -> None:
         with connection, connection.makefile("rb") as stream:
             while header := stream.read(FRAME.size):
                 if len(header) != FRAME.size:
@@ -110,6 +116,10 @@ class SideChannel:
                 self.inbox.put((name.decode(), message))
 
     def close(self) -> None:
+        try:
+            self._server.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+        except OSError:
+            pass
         self._server.close()
         with self._lock:
             for connection in self._connections:
