@@ -5,8 +5,9 @@
 #                 PyPI), the C tests and the demo under ASan/UBSan, the
 #                 install test (C and C++ programs against an installed
 #                 tree, the dlopen example), the Python tests, the host
-#                 end-to-end test over NIXL, and a bounded fuzz run of the
-#                 decoders; fetches what they need into build/
+#                 end-to-end test over NIXL and over Mooncake's Transfer
+#                 Engine, and a bounded fuzz run of the decoders; fetches
+#                 what they need into build/
 #   make install  install under PREFIX (default /usr/local; DESTDIR honoured):
 #                 libkvcsum.so.X.Y.Z with SONAME libkvcsum.so.X, libkvcsum.a,
 #                 kvcsum.h, kvcsum.hpp, kvcsum.pc, kvcsum-static.pc and the
@@ -52,6 +53,7 @@ NVRTC_DIR := $(BUILD)/nvrtc
 NVRTC_LIB := $(abspath $(NVRTC_DIR))/nvidia/cu13/lib
 MSGSPEC_VERSION := 0.22.0
 NIXL_VERSION := 1.5.1
+MOONCAKE_VERSION := 0.3.13.post1
 CARGO_FUZZ_VERSION := 0.13.2
 FUZZ_SECONDS ?= 30
 
@@ -126,14 +128,29 @@ $(VENV)/.nixl: $(VENV)/.installed
 	$(PIP) install --quiet --no-deps nixl-cu12==$(NIXL_VERSION)
 	touch $@
 
-# The host end-to-end test (python/tests/e2e/nixl_host.py): KV moved by NIXL
-# between a TP=2 HND producer and a TP=4 NHD consumer, both checksummed and
-# verified; each fault injected through the agent, localised and repaired.
-# Then examples/python/nixl_transfer.py, the happy path alone. Both use the
-# source tree's package over target/release/libkvcsum.so.
-e2e-test: lib $(VENV)/.nixl
-	PYTHONPATH=$(abspath python) KVCSUM_LIBRARY=$(LIB) $(VENV_PY) python/tests/e2e/nixl_host.py
-	PYTHONPATH=$(abspath python) KVCSUM_LIBRARY=$(LIB) NIXL_LOG_LEVEL=WARN $(VENV_PY) examples/python/nixl_transfer.py
+# Mooncake's Transfer Engine (mooncake-transfer-engine-non-cuda from PyPI,
+# about 46 MB) in the same venv, also without the dependencies it declares:
+# aiohttp, requests and msgpack serve Mooncake's store and HTTP metadata
+# server, and mooncake.engine imports none of them. The engine links the
+# system's libibverbs.so.1 (Debian's libibverbs1; .ci/run installs it).
+$(VENV)/.mooncake: $(VENV)/.installed
+	$(PIP) install --quiet --no-deps mooncake-transfer-engine-non-cuda==$(MOONCAKE_VERSION)
+	touch $@
+
+# The host end-to-end test, one scenario (python/tests/e2e/harness.py) over
+# two transfer agents: KV moved between a TP=2 HND producer and a TP=4 NHD
+# consumer, both checksummed and verified; each fault injected through the
+# agent, localised and repaired. First NIXL (nixl_host.py) and its happy
+# path alone (examples/python/nixl_transfer.py), then Mooncake's Transfer
+# Engine (mooncake_host.py, examples/python/mooncake_transfer.py). Each
+# fails, never skips, when its agent cannot be imported. All use the source
+# tree's package over target/release/libkvcsum.so.
+E2E_ENV := PYTHONPATH=$(abspath python) KVCSUM_LIBRARY=$(LIB)
+e2e-test: lib $(VENV)/.nixl $(VENV)/.mooncake
+	$(E2E_ENV) $(VENV_PY) python/tests/e2e/nixl_host.py
+	$(E2E_ENV) NIXL_LOG_LEVEL=WARN $(VENV_PY) examples/python/nixl_transfer.py
+	$(E2E_ENV) $(VENV_PY) python/tests/e2e/mooncake_host.py
+	$(E2E_ENV) $(VENV_PY) examples/python/mooncake_transfer.py
 
 c-test: $(BUILD)/c_tests
 	$(ASAN_ENV) $(BUILD)/c_tests

@@ -226,7 +226,8 @@ fn bad_aliases_are_rejected_and_change_nothing() {
     let before = Record::from_checksums(&checksum(worker, &side.blocks, Role::Producer))
         .unwrap()
         .encode();
-    let cases: [(u32, Alias, fn(&Error) -> bool, &str); 5] = [
+    type Case = (u32, Alias, fn(&Error) -> bool, &'static str);
+    let cases: [Case; 5] = [
         (7, alias(4, 2), |e| matches!(e, Error::NotFound(_)), "group_id 7"),
         (
             0,

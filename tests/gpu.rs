@@ -727,3 +727,43 @@ fn device_detail_mode_gives_the_host_layer_partials() {
         }
     }
 }
+
+/// Aliases (layers reading another layer's cache) on a device worker: the
+/// record's fingerprint counts them and the values ignore them, exactly as
+/// on the host.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_aliases_count_in_the_fingerprint_only() {
+    let mut rng = Rng::for_test("device_aliases_count_in_the_fingerprint_only");
+    println!("seed {} ({NEEDS_GPU})", rng.seed());
+    let kv = LogicalKv::random(&mut rng, KvShape::gqa(3, 2, 64, 90));
+    let shard = shard(&kv, 0, 1, 0, 1);
+    let mut placement = Placement::for_shard(&mut rng, &kv, &shard, LayoutKind::Nhd, 0, 16, 24);
+    let requests = requests_for(&mut rng, &kv, &mut [&mut placement], 2);
+    let blocks = block_set(&requests);
+    let mut pair = Pair::new(0, 1, &[&placement]);
+    let plain = Record::from_checksums(&checksum(&pair.host, &blocks, Role::Consumer)).expect("record");
+    for worker in [&mut pair.host, &mut pair.device] {
+        for (layer_number, target) in [(7, 0), (8, 2)] {
+            let alias = kvcsum::Alias {
+                layer_number,
+                target_layer_number: target,
+                identity: format!("('model.layers.{layer_number}.attn', 'FullAttentionSpec', 'bf16')").into_bytes(),
+            };
+            worker.add_alias(0, alias).expect("alias");
+        }
+    }
+    let host = Record::from_checksums(&checksum(&pair.host, &blocks, Role::Consumer)).expect("host record");
+    let result = pair
+        .device
+        .checksum(&blocks, Role::Consumer, StreamHandle::legacy_default())
+        .expect("checksum");
+    result.wait().expect("wait");
+    let device = Record::from_checksums(&result).expect("device record");
+    assert_eq!(device, host, "seed {}", rng.seed());
+    assert_ne!(
+        host.groups[0].fingerprint, plain.groups[0].fingerprint,
+        "the aliases count"
+    );
+    assert_eq!(host.requests, plain.requests, "and add no checksum");
+}

@@ -113,6 +113,7 @@ struct RankCaches {
     specs: Vec<StateSpec>,
 }
 
+#[allow(clippy::too_many_arguments)] // a test helper: each argument is one knob of the placement
 fn place_rank(
     rng: &mut Rng,
     state: &LogicalState,

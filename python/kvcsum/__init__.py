@@ -66,6 +66,10 @@ __all__ = [
     "Layer",
     "layer",
     "Blocks",
+    "StateTensor",
+    "STORED_FAILED",
+    "STORED_MATCHED",
+    "STORED_NOT_CHECKED",
     "Worker",
     "Result",
     "Verifier",
@@ -431,6 +435,26 @@ def layer(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class StateTensor:
+    """One state tensor of a state layer as this worker holds it
+    (kvcs_state_tensor): strides in bytes."""
+
+    address: int
+    block_stride: int
+    row_stride: int
+    first_row: int
+    num_rows: int
+    total_rows: int
+    bytes_per_row: int
+    element_size: int
+
+
+STORED_FAILED = 0
+STORED_MATCHED = 1
+STORED_NOT_CHECKED = 2
+
+
 # --- Handles -------------------------------------------------------------------
 
 
@@ -452,6 +476,19 @@ class Blocks(_Handle):
         ids = _block_ids(block_ids)
         pointer = ids.ctypes.data_as(ctypes.POINTER(c_uint32)) if ids.size else None
         _check(self._lib.kvcs_blocks_add_group(self.handle, _c(req_id), group_id, first_position, pointer, ids.size))
+        return self
+
+    def set_hashes(self, req_id: str, group_id: int, hashes: Sequence[bytes]) -> "Blocks":
+        """Gives the block hashes of a group's blocks of `req_id` (one per
+        block id, in order, all of one length of at least 8 bytes), for
+        stored checksums (Worker.store / Worker.check_stored)."""
+        hashes = [bytes(h) for h in hashes]
+        size = len(hashes[0]) if hashes else 8
+        if any(len(h) != size for h in hashes):
+            raise InvalidArgument(1, "KVCS_ERR_INVALID_ARGUMENT", "hashes: every block hash must have the same length")
+        data = b"".join(hashes)
+        buffer = (c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
+        _check(self._lib.kvcs_blocks_set_hashes(self.handle, _c(req_id), group_id, buffer, size, len(hashes)))
         return self
 
 
@@ -505,6 +542,15 @@ class Result(_Handle):
         _, _, count = self.group(req_id, group_id)
         return dict(self.column_with_key(req_id, group_id, c) for c in range(count))
 
+    def stored(self, req_id: str, group_id: int) -> np.ndarray:
+        """A load check's verdicts (Worker.check_stored), one per block
+        position: STORED_MATCHED, STORED_FAILED or STORED_NOT_CHECKED."""
+        _, positions, _ = self.group(req_id, group_id)
+        outcomes = np.zeros(positions, dtype=np.uint8)
+        pointer = outcomes.ctypes.data_as(ctypes.POINTER(c_uint8)) if positions else None
+        _check(self._lib.kvcs_result_stored(self.handle, _c(req_id), group_id, pointer))
+        return outcomes
+
     def encode(self) -> bytes:
         """The worker's record of this result, for Verifier.add_record."""
         buffer, length = _sized(lambda buf, cap, n: self._lib.kvcs_result_encode(self.handle, buf, cap, n))
@@ -545,6 +591,80 @@ class Worker(_Handle):
     def set_detail(self, on: bool) -> None:
         """Detail mode: per-layer partials in results and records."""
         _check(self._lib.kvcs_worker_set_detail(self.handle, 1 if on else 0))
+
+    def add_alias(self, group_id: int, layer_number: int, target_layer_number: int, identity: bytes) -> None:
+        """Registers a layer that reads the cache of registered layer
+        `target_layer_number` (KV sharing): it counts in the group
+        fingerprint and adds no checksum."""
+        data = bytes(identity)
+        buffer = (c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
+        _check(self._lib.kvcs_worker_add_alias(self.handle, group_id, layer_number, target_layer_number, buffer, len(data)))
+
+    def add_state(
+        self,
+        group_id: int,
+        layer_number: int,
+        tensors: Sequence[StateTensor],
+        num_blocks: int,
+        split_known: bool = True,
+        identity: bytes = b"",
+    ) -> None:
+        """Registers a state (Mamba) layer: its tensors in the order their
+        rows are numbered (docs/SPEC.md section 6)."""
+        array = (_lib.StateTensorStruct * len(tensors))(
+            *[
+                _lib.StateTensorStruct(
+                    t.address, t.block_stride, t.row_stride, t.first_row, t.num_rows, t.total_rows,
+                    t.bytes_per_row, t.element_size,
+                )
+                for t in tensors
+            ]
+        )
+        data = bytes(identity)
+        identity_buffer = (c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
+        struct = _lib.StateStruct(
+            group_id, layer_number, 1 if split_known else 0, num_blocks, len(tensors),
+            ctypes.cast(array, ctypes.POINTER(_lib.StateTensorStruct)),
+            ctypes.cast(identity_buffer, ctypes.POINTER(c_uint8)), len(data),
+        )
+        _check(self._lib.kvcs_worker_add_state(self.handle, byref(struct)))
+
+    def add_stored(self, group_id: int, address: int, num_blocks: int) -> None:
+        """Registers the group's buffer of stored checksums: 8 bytes per
+        block id, `num_blocks` of them at `address` (docs/SPEC.md section 8)."""
+        _check(self._lib.kvcs_worker_add_stored(self.handle, group_id, address, num_blocks))
+
+    def add_stored_of(self, group_id: int, array) -> None:
+        """Registers a numpy uint64 array (one per block id) as the buffer."""
+        address, length = region_of(array)
+        self.add_stored(group_id, address, length // 8)
+
+    def _call_result(self, function, blocks: Blocks, cuda_stream) -> Result:
+        out = c_void_p()
+        _check(function(self.handle, blocks.handle, cuda_stream, byref(out)))
+        result = Result.__new__(Result)
+        _Handle.__init__(result, out.value)
+        return result
+
+    def store(self, blocks: Blocks, cuda_stream: int | None = None) -> Result:
+        """Checksums `blocks` and writes each block's stored checksum."""
+        return self._call_result(self._lib.kvcs_worker_store, blocks, cuda_stream)
+
+    def check_stored(self, blocks: Blocks, cuda_stream: int | None = None) -> Result:
+        """Checksums loaded `blocks` against their stored checksums; read the
+        verdicts with Result.stored."""
+        return self._call_result(self._lib.kvcs_worker_check_stored, blocks, cuda_stream)
+
+    def block_tags(self, group_id: int, hashes: Sequence[bytes]) -> np.ndarray:
+        """The tags of docs/SPEC.md section 8 for blocks with these hashes."""
+        hashes = [bytes(h) for h in hashes]
+        size = len(hashes[0]) if hashes else 8
+        data = b"".join(hashes)
+        buffer = (c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
+        tags = np.zeros(len(hashes), dtype=np.uint64)
+        pointer = tags.ctypes.data_as(ctypes.POINTER(c_uint64)) if len(hashes) else None
+        _check(self._lib.kvcs_block_tags(self.handle, group_id, buffer, size, len(hashes), pointer))
+        return tags
 
     def checksum(self, blocks: Blocks, role: int = PRODUCER, cuda_stream: int | None = None) -> Result:
         """Computes (host) or queues (device, on `cuda_stream`) the partial

@@ -13,25 +13,42 @@ use crate::error::err;
 /// `buf` is NULL or points to `cap` writable bytes; `len` is NULL or
 /// writable.
 pub(crate) unsafe fn write_bytes(bytes: &[u8], buf: *mut u8, cap: usize, len: *mut usize) -> kvcs_status {
+    // SAFETY: the caller's contract, as `write_items` asks it.
+    unsafe { write_items(bytes, buf, cap, len, "bytes") }
+}
+
+/// Copies `items` to `buf` (capacity `cap` items) and their count to `*len`,
+/// as [`write_bytes`] does; `unit` names them in the too-small message.
+///
+/// # Safety
+/// `buf` is NULL or points to `cap` writable items; `len` is NULL or
+/// writable.
+pub(crate) unsafe fn write_items<T: Copy>(
+    items: &[T],
+    buf: *mut T,
+    cap: usize,
+    len: *mut usize,
+    unit: &str,
+) -> kvcs_status {
     if len.is_null() {
         return fail(&err!(InvalidArgument, "len is NULL"));
     }
     if buf.is_null() && cap != 0 {
         return fail(&err!(InvalidArgument, "buf is NULL with cap {cap}"));
     }
-    if bytes.len() > cap {
-        len.write(bytes.len());
+    if items.len() > cap {
+        len.write(items.len());
         return fail_with(
             kvcs_status::KVCS_ERR_BUFFER_TOO_SMALL,
             &format!(
-                "cap {cap} is below the {} bytes needed (*len says how many)",
-                bytes.len()
+                "cap {cap} is below the {} {unit} needed (*len says how many)",
+                items.len()
             ),
         );
     }
-    if !bytes.is_empty() {
-        std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf, bytes.len());
+    if !items.is_empty() {
+        std::ptr::copy_nonoverlapping(items.as_ptr(), buf, items.len());
     }
-    len.write(bytes.len());
+    len.write(items.len());
     kvcs_status::KVCS_OK
 }

@@ -6,7 +6,7 @@ use std::ffi::c_char;
 
 use super::handle::{free, handle, into_handle, try_handle, try_handle_mut};
 use super::panic::ffi_boundary;
-use super::status::{fail, fail_with, kvcs_status};
+use super::status::{fail, kvcs_status};
 use super::{c_array, c_str, not_null, try_engine, try_ref, write_out};
 use crate::error::err;
 use crate::topology::{self, Completion, Direction, HeadSource, LocalEngine, RemoteEngine, Topology};
@@ -115,35 +115,15 @@ fn flag(value: u32, name: &str) -> crate::error::Result<bool> {
     }
 }
 
-/// Copies `items` to `(buf, cap)` and their count to `*len`; a size query
-/// `(NULL, 0)` or a short `cap` gives `KVCS_ERR_BUFFER_TOO_SMALL` with
-/// `*len` set and `buf` untouched.
+/// Copies `items` to `(buf, cap)` and their count to `*len` (see
+/// [`super::buffer::write_items`]).
 ///
 /// # Safety
 /// `buf` is NULL or points to `cap` writable elements; `len` is NULL or
 /// writable.
-unsafe fn write_items<T: Copy>(items: &[T], buf: *mut T, cap: usize, len: *mut usize) -> kvcs_status {
-    if len.is_null() {
-        return fail(&err!(InvalidArgument, "len is NULL"));
-    }
-    if buf.is_null() && cap != 0 {
-        return fail(&err!(InvalidArgument, "buf is NULL with cap {cap}"));
-    }
-    if items.len() > cap {
-        len.write(items.len());
-        return fail_with(
-            kvcs_status::KVCS_ERR_BUFFER_TOO_SMALL,
-            &format!(
-                "cap {cap} is below the {} entries needed (*len says how many)",
-                items.len()
-            ),
-        );
-    }
-    if !items.is_empty() {
-        std::ptr::copy_nonoverlapping(items.as_ptr(), buf, items.len());
-    }
-    len.write(items.len());
-    kvcs_status::KVCS_OK
+unsafe fn write_entries<T: Copy>(items: &[T], buf: *mut T, cap: usize, len: *mut usize) -> kvcs_status {
+    // SAFETY: the caller's contract.
+    unsafe { super::buffer::write_items(items, buf, cap, len, "entries") }
 }
 
 /// `local_tp / remote_tp` when `local_tp >= remote_tp`, else `-(remote_tp /
@@ -177,7 +157,7 @@ pub extern "C" fn kvcs_remote_ranks(
     ffi_boundary! {
         let items = try_engine!(topology::remote_ranks(local_rank, local_tp, remote_tp));
         // SAFETY: the contract gives `cap` writable ranks and a writable `len`.
-        unsafe { write_items(&items, ranks, cap, len) }
+        unsafe { write_entries(&items, ranks, cap, len) }
     }
 }
 
@@ -288,7 +268,7 @@ pub extern "C" fn kvcs_head_sources(
                 .map(Into::into)
                 .collect();
         // SAFETY: the contract gives `cap` writable entries and a writable `len`.
-        unsafe { write_items(&items, sources, cap, len) }
+        unsafe { write_entries(&items, sources, cap, len) }
     }
 }
 
@@ -469,7 +449,7 @@ pub extern "C" fn kvcs_topology_remote_ranks(
         let engine_id = try_engine!(unsafe { c_str(engine_id, "engine_id") });
         let items = try_engine!(topology.remote_ranks(engine_id));
         // SAFETY: the contract gives `cap` writable ranks and a writable `len`.
-        unsafe { write_items(&items, ranks, cap, len) }
+        unsafe { write_entries(&items, ranks, cap, len) }
     }
 }
 
@@ -489,7 +469,7 @@ pub extern "C" fn kvcs_topology_head_sources(
         let items: Vec<kvcs_head_source> =
             try_engine!(topology.head_sources(engine_id)).into_iter().map(Into::into).collect();
         // SAFETY: the contract gives `cap` writable entries and a writable `len`.
-        unsafe { write_items(&items, sources, cap, len) }
+        unsafe { write_entries(&items, sources, cap, len) }
     }
 }
 
@@ -628,7 +608,7 @@ pub extern "C" fn kvcs_completion_invalid_blocks(
         let completion = try_handle!(completion, "completion");
         let items = completion.invalid_blocks();
         // SAFETY: the contract gives `cap` writable ids and a writable `len`.
-        unsafe { write_items(&items, block_ids, cap, len) }
+        unsafe { write_entries(&items, block_ids, cap, len) }
     }
 }
 

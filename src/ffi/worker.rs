@@ -8,8 +8,10 @@ use super::panic::ffi_boundary;
 use super::result::kvcs_result;
 use super::status::{fail, kvcs_status, KVCS_HOST};
 use super::{c_array, c_str, not_null, try_engine, try_ref, write_out};
+use crate::blocks::BlockSet;
 use crate::error::err;
 use crate::layout::{Alias, LayerSpec, Region, ReplicaKey, Segment};
+use crate::result::Checksums;
 use crate::state::{StateSpec, StateTensor, MAX_STATE_TENSORS};
 use crate::stream::StreamHandle;
 use crate::worker::{Worker, WorkerOptions};
@@ -391,14 +393,9 @@ pub extern "C" fn kvcs_worker_checksum(
     out: *mut *mut kvcs_result,
 ) -> kvcs_status {
     ffi_boundary! {
-        let worker = try_handle_mut!(worker, "worker");
-        let blocks = try_handle!(blocks, "blocks");
-        not_null!(out, "out");
         let role = try_engine!(super::role_arg(role));
-        let result = try_engine!(worker.checksum(blocks, role, StreamHandle(cuda_stream)));
-        // SAFETY: `out` is non-NULL (checked above) and writable per the contract.
-        unsafe { write_out(out, into_handle(result)) };
-        kvcs_status::KVCS_OK
+        // SAFETY: the caller's contract for these arguments.
+        unsafe { call_into_result(worker, blocks, out, |w, b| w.checksum(b, role, StreamHandle(cuda_stream))) }
     }
 }
 
@@ -439,14 +436,31 @@ pub extern "C" fn kvcs_worker_store(
     out: *mut *mut kvcs_result,
 ) -> kvcs_status {
     ffi_boundary! {
-        let worker = try_handle_mut!(worker, "worker");
-        let blocks = try_handle!(blocks, "blocks");
-        not_null!(out, "out");
-        let result = try_engine!(worker.store(blocks, StreamHandle(cuda_stream)));
-        // SAFETY: `out` is non-NULL (checked above) and writable per the contract.
-        unsafe { write_out(out, into_handle(result)) };
-        kvcs_status::KVCS_OK
+        // SAFETY: the caller's contract for these arguments.
+        unsafe { call_into_result(worker, blocks, out, |w, b| w.store(b, StreamHandle(cuda_stream))) }
     }
+}
+
+/// The body of a call that runs `call` on a worker and a block set and hands
+/// its result to C through `*out`: NULL handles and a NULL `out` are
+/// `KVCS_ERR_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// `worker` and `blocks` are NULL or live handles of their types, `out` is
+/// NULL or writable (the C contract of the calls that use it).
+unsafe fn call_into_result(
+    worker: *mut kvcs_worker,
+    blocks: *const kvcs_blocks,
+    out: *mut *mut kvcs_result,
+    call: impl FnOnce(&Worker, &BlockSet) -> crate::error::Result<Checksums>,
+) -> kvcs_status {
+    let worker = try_handle_mut!(worker, "worker");
+    let blocks = try_handle!(blocks, "blocks");
+    not_null!(out, "out");
+    let result = try_engine!(call(worker, blocks));
+    // SAFETY: `out` is non-NULL (checked above) and writable per the contract.
+    unsafe { write_out(out, into_handle(result)) };
+    kvcs_status::KVCS_OK
 }
 
 /// The load check of docs/SPEC.md#8-stored-checksums-for-offloaded-kv: checksums the loaded `blocks` (every
@@ -462,13 +476,8 @@ pub extern "C" fn kvcs_worker_check_stored(
     out: *mut *mut kvcs_result,
 ) -> kvcs_status {
     ffi_boundary! {
-        let worker = try_handle_mut!(worker, "worker");
-        let blocks = try_handle!(blocks, "blocks");
-        not_null!(out, "out");
-        let result = try_engine!(worker.check_stored(blocks, StreamHandle(cuda_stream)));
-        // SAFETY: `out` is non-NULL (checked above) and writable per the contract.
-        unsafe { write_out(out, into_handle(result)) };
-        kvcs_status::KVCS_OK
+        // SAFETY: the caller's contract for these arguments.
+        unsafe { call_into_result(worker, blocks, out, |w, b| w.check_stored(b, StreamHandle(cuda_stream))) }
     }
 }
 

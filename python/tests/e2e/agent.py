@@ -5,9 +5,11 @@ KV memory, tells its peers how to reach it (metadata), writes batches of
 (source address, destination address, length) descriptors into a peer's
 registered memory with a notification attached (or sends a notification
 alone), and hands over the notifications it received. Nothing blocks: the
-harness polls writes and notifications, as an engine's agent loop does. NIXL is one implementation (nixl_agent.py);
-another agent (Mooncake's transfer engine, say) is added as another
-subclass, and the harness (harness.py) runs unchanged over it.
+harness polls writes and notifications, as an engine's agent loop does.
+Two implementations: NIXL (nixl_agent.py), whose WRITE carries the
+notification, and Mooncake's Transfer Engine (mooncake_agent.py), whose
+notification travels beside the write on a side channel. The harness
+(harness.py) runs unchanged over either; a third agent is a third subclass.
 """
 
 from __future__ import annotations

@@ -22,13 +22,16 @@ run contiguous on both sides is one token's K (or V) of one head: one
 descriptor each (checked: no descriptor continues another on both sides).
 The producer's rank agent WRITEs them into the consumer rank's memory; the
 notification carries the producer's payload as vLLM's connectors carry
-kv_transfer_params["kv_checksums"] (base64).
+kv_transfer_params["kv_checksums"] (base64): in the WRITE itself with NIXL,
+beside it on a side channel with Mooncake (the agent decides; see agent.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import sys
 import time
 from typing import Callable
 
@@ -464,9 +467,12 @@ def faults(h: Harness) -> list[Fault]:
     return out
 
 
-def run(make_agent: Callable[[str], TransferAgent], seed: int) -> bool:
-    """Runs the scenario, printing each verdict; True when every
-    expectation held."""
+def run(make_agent: Callable[[str], TransferAgent], seed: int, agent: str = "") -> bool:
+    """Runs the scenario over the agents `make_agent` makes (`agent` names
+    them in the output), printing each verdict; True when every expectation
+    held."""
+    if agent:
+        print(f"agent: {agent}")
     print(f"seed {seed} (KVCS_E2E_SEED={seed} repeats this run)")
     print(
         f"model: {LAYERS} layers, {KV_HEADS} KV heads of {HEAD_DIM} bf16-sized elements; "
@@ -551,3 +557,15 @@ def run(make_agent: Callable[[str], TransferAgent], seed: int) -> bool:
         return False
     print("all expectations held")
     return True
+
+
+def main(make_agent: Callable[[str], TransferAgent], agent: str) -> int:
+    """An entry point's body: the scenario with a seed from KVCS_E2E_SEED
+    (else random); 0 when every expectation held, else 1. The seed is
+    printed again when the run raises."""
+    seed = int(os.environ.get("KVCS_E2E_SEED") or int.from_bytes(os.urandom(4), "little"))
+    try:
+        return 0 if run(make_agent, seed, agent) else 1
+    except BaseException:
+        print(f"error ({agent}, seed {seed}):", file=sys.stderr)
+        raise

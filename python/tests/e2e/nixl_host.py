@@ -15,15 +15,15 @@ import sys
 import harness
 from nixl_agent import NixlAgent
 
-
-def main() -> int:
-    seed = int(os.environ.get("KVCS_E2E_SEED") or int.from_bytes(os.urandom(4), "little"))
-    try:
-        return 0 if harness.run(NixlAgent, seed) else 1
-    except BaseException:
-        print(f"error (seed {seed}):", file=sys.stderr)
-        raise
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    status = harness.main(NixlAgent, "NIXL (UCX, host memory, the payload in the WRITE's notification)")
+    # The nixl-cu12 1.5.1 wheel bundles libibverbs and libnl-route. Where the
+    # system's RDMA providers are installed (Debian's ibverbs-providers), the
+    # bundled libibverbs loads them, and with them the system's libnl-route
+    # beside the bundled one; a library destructor then crashes at process
+    # exit (SIGSEGV in rtnl_tc_unregister, called from _dl_fini, after every
+    # check had passed). The verdicts are printed by now, so leave without
+    # running library destructors.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

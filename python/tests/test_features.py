@@ -1,0 +1,95 @@
+"""State layers, aliases and stored checksums through the Python package,
+against naive references of docs/SPEC.md sections 6-8 written here with
+Python integers and hashlib, on seeded random data."""
+
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+import kvcsum
+
+MASK = (1 << 64) - 1
+SEED = int(os.environ.get("KVCS_SEED", "0x666561"), 0)
+
+
+@pytest.fixture
+def rng(request):
+    seed = SEED + sum(map(ord, request.node.name))
+    print(f"random data seed {seed:#x} (KVCS_SEED={SEED:#x})")
+    return np.random.default_rng(seed)
+
+
+def fingerprint_of(identities):
+    return sum(int.from_bytes(hashlib.sha256(i).digest()[:8], "little") for i in identities) & MASK
+
+
+def test_state_layer_rows_are_slices(rng):
+    # One layer, two tensors: conv [3 blocks, 4 rows, 6 uint16], ssm [3, 2 rows, 5 uint32].
+    conv = rng.integers(0, 2**16, (3, 4, 6), dtype=np.uint16)
+    ssm = rng.integers(0, 2**32, (3, 2, 5), dtype=np.uint32)
+    expected = 0
+    for head, row in enumerate([*conv[2], *ssm[2]]):
+        s = sum(int(x) * (2 * j + 1) for j, x in enumerate(row))
+        expected = (expected + (2 * (7 * 65536 + head) + 1) * s) & MASK
+    with kvcsum.Worker(num_threads=1) as worker, kvcsum.Blocks() as blocks:
+        for array in (conv, ssm):
+            worker.add_region_of(array)
+        worker.add_group(3, 16)
+        tensors = [
+            kvcsum.StateTensor(conv.ctypes.data, conv.strides[0], conv.strides[1], 0, 4, 4, 12, 2),
+            kvcsum.StateTensor(ssm.ctypes.data, ssm.strides[0], ssm.strides[1], 0, 2, 2, 20, 4),
+        ]
+        worker.add_state(3, 7, tensors, num_blocks=3, identity=b"mamba 7")
+        blocks.add_request("s", 0).add_group("s", 3, [2])
+        with worker.checksum(blocks) as result:
+            assert int(result.column("s", 3)[0]) == expected
+        with pytest.raises(kvcsum.InvalidArgument, match="element_size is 3"):
+            worker.add_state(3, 8, [kvcsum.StateTensor(conv.ctypes.data, 48, 12, 0, 4, 4, 12, 3)], num_blocks=3)
+
+
+def test_aliases_count_in_the_fingerprint_like_vllm(rng):
+    kv = rng.integers(0, 2**64, (4, 2, 8, 2), dtype=np.uint64)  # [blocks, heads, tokens, pieces]
+    own = repr(("model.layers.0.self_attn.attn", "FullAttentionSpec", "torch.bfloat16")).encode()
+    shared = repr(("model.layers.1.self_attn.attn", "FullAttentionSpec", "torch.bfloat16")).encode()
+    with kvcsum.Worker(num_threads=1) as worker, kvcsum.Blocks() as blocks, kvcsum.Verifier(1) as verifier:
+        worker.add_region_of(kv)
+        worker.add_group(0, 8)
+        worker.add_layer(kvcsum.layer(kv, "BHTD", layer_number=0, identity=own))
+        worker.add_alias(0, 1, 0, shared)
+        with pytest.raises(kvcsum.NotFound, match="target_layer_number 5"):
+            worker.add_alias(0, 2, 5, b"x")
+        blocks.add_request("r", 16).add_group("r", 0, [3, 1])
+        verifier.expect(blocks, kvcsum.PRODUCER)
+        with worker.checksum(blocks) as result:
+            verifier.add_record(result.encode())
+        payload = verifier.payload("r")
+    # [1, num_tokens, [[group_id, fingerprint, first_position, values]]]: the
+    # fingerprint is a uint64 (0xcf) after the group id 0.
+    at = payload.index(b"\xcf")
+    assert int.from_bytes(payload[at + 1 : at + 9], "big") == fingerprint_of([own, shared])
+
+
+def test_stored_checksums_round_trip_and_a_corrupted_block(rng):
+    kv = rng.integers(0, 2**64, (6, 2, 8, 2), dtype=np.uint64)
+    stored = np.zeros(6, dtype=np.uint64)
+    hashes = [bytes(rng.integers(0, 256, 32, dtype=np.uint8)) for _ in range(3)]
+    with kvcsum.Worker(num_threads=1) as worker, kvcsum.Blocks() as blocks:
+        worker.add_region_of(kv)
+        worker.add_group(0, 8)
+        worker.add_layer(kvcsum.layer(kv, "BHTD", layer_number=0, identity=b"layer 0"))
+        worker.add_stored_of(0, stored)
+        blocks.add_request("o", 24).add_group("o", 0, [4, 0, 5]).set_hashes("o", 0, hashes)
+        tags = worker.block_tags(0, hashes)
+        assert [int(t) for t in tags] == [int.from_bytes(h[:8], "little") ^ fingerprint_of([b"layer 0"]) for h in hashes]
+        with worker.store(blocks) as result:
+            values = result.column("o", 0)
+        assert [int(stored[b]) ^ int(t) for b, t in zip([4, 0, 5], tags)] == [int(v) for v in values]
+        with worker.check_stored(blocks) as result:
+            assert list(result.stored("o", 0)) == [kvcsum.STORED_MATCHED] * 3
+        kv[0, 1, 3, 0] ^= 1 << 17  # block 0 is position 1
+        with worker.check_stored(blocks) as result:
+            assert list(result.stored("o", 0)) == [kvcsum.STORED_MATCHED, kvcsum.STORED_FAILED, kvcsum.STORED_MATCHED]
+        with pytest.raises(kvcsum.InvalidArgument, match="hash_bytes is 4"):
+            blocks.set_hashes("o", 0, [b"abcd"] * 3)
