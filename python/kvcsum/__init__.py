@@ -870,9 +870,10 @@ class Verifier(_Handle):
 
     def check_stored(self, req_id: str) -> Report:
         """Consumer: judges the offload load of `req_id` from its workers'
-        load-check records alone (the encoded results of
-        kvcs_worker_check_stored, added with add_record): MATCH, MISMATCH at the positions whose stored checksum failed
-        on some worker, or UNVERIFIED (e.g. a record is not a load check's)."""
+        load-check records alone (Worker.check_stored results, encoded and
+        added with add_record): MATCH, MISMATCH at the positions whose stored
+        checksum failed on some worker, or UNVERIFIED (e.g. a record is not a
+        load check's)."""
         return self._report(self._lib.kvcs_verifier_check_stored, _c(req_id))
 
 

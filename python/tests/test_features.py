@@ -93,3 +93,31 @@ def test_stored_checksums_round_trip_and_a_corrupted_block(rng):
             assert list(result.stored("o", 0)) == [kvcsum.STORED_MATCHED, kvcsum.STORED_FAILED, kvcsum.STORED_MATCHED]
         with pytest.raises(kvcsum.InvalidArgument, match="hash_bytes is 4"):
             blocks.set_hashes("o", 0, [b"abcd"] * 3)
+
+
+def test_a_verifier_judges_an_offload_load_from_load_check_records(rng):
+    kv = rng.integers(0, 2**64, (6, 2, 8, 2), dtype=np.uint64)
+    stored = np.zeros(6, dtype=np.uint64)
+    hashes = [bytes(rng.integers(0, 256, 32, dtype=np.uint8)) for _ in range(3)]
+    with kvcsum.Worker(num_threads=1) as worker, kvcsum.Blocks() as blocks, kvcsum.Verifier(1) as verifier:
+        worker.add_region_of(kv)
+        worker.add_group(0, 8)
+        worker.add_layer(kvcsum.layer(kv, "BHTD", layer_number=0, identity=b"layer 0"))
+        worker.add_stored_of(0, stored)
+        blocks.add_request("o", 20).add_group("o", 0, [4, 0, 5]).set_hashes("o", 0, hashes)
+        worker.store(blocks).close()
+        verifier.expect(blocks, kvcsum.CONSUMER)
+        with worker.check_stored(blocks) as result:
+            verifier.add_record(result.encode())
+        with verifier.check_stored("o") as report:
+            assert report.verdict == kvcsum.MATCH and report.passed, report.message
+            assert report.compared_positions == 3
+        kv[5, 0, 2, 1] ^= 1 << 40  # block 5 is position 2, tokens 16..20 (token 18)
+        with worker.check_stored(blocks) as result:
+            verifier.add_record(result.encode())  # replaces the worker's earlier record
+        with verifier.check_stored("o") as report:
+            assert report.verdict == kvcsum.MISMATCH and not report.passed, report.message
+            assert [(m.group_id, m.first_position, m.first_token, m.num_tokens) for m in report.mismatches] == [
+                (0, 2, 16, 4)
+            ]
+            assert "stored checksum failed on worker (pp_rank 0, tp_rank 0)" in report.message
