@@ -63,6 +63,7 @@ enum Layout {
 }
 
 struct Device {
+    ordinal: usize,
     _context: Arc<CudaContext>,
     stream: sys::CUstream,
     read_chunks: sys::CUfunction,
@@ -91,6 +92,7 @@ impl Device {
         let stream = check(cu::stream::create(cu::stream::StreamKind::NonBlocking), "stream");
         let sink = unsafe { check(cu::malloc_sync(8), "sink") };
         Device {
+            ordinal,
             _context: context,
             stream,
             read_chunks,
@@ -205,7 +207,7 @@ fn build_case(
         tp_rank: 0,
         tp_size: 1,
         pp_rank: 0,
-        device: Some(0),
+        device: Some(dev.ordinal as u32),
         num_threads: 0,
     })
     .expect("device worker");
@@ -287,7 +289,6 @@ fn build_case(
         check(cu::memcpy_htod_sync(p, &chunks), "chunks copy");
         p
     };
-    let _ = dev;
     Case {
         worker,
         blocks,
@@ -333,7 +334,112 @@ fn checksum_ms(dev: &Device, case: &Case) -> f64 {
     })
 }
 
+/// A device's cache buffer of `bytes`, filled with random data.
+fn random_cache(dev: &Device, bytes: u64, seed: u64) -> u64 {
+    let cache = unsafe { check(cu::malloc_sync(bytes as usize), "cache") };
+    let (mut p, mut n, mut seed) = (cache, bytes / 8, seed);
+    dev.launch(
+        dev.fill,
+        132 * 16,
+        &mut [
+            (&mut p as *mut u64).cast(),
+            (&mut n as *mut u64).cast(),
+            (&mut seed as *mut u64).cast(),
+        ],
+    );
+    dev.sync();
+    cache
+}
+
+/// Two workers on two GPUs, called from two threads at the same time: each
+/// one's rate against its own GPU's read ceiling (measured alone, before), so
+/// that a lock or a shared resource in the library that serialised devices
+/// would show as a fraction well below the one measured alone.
+fn two_devices() {
+    let model = Model {
+        name: "Llama-3.1-8B bf16",
+        layers: 32,
+        heads: 8,
+        k_bytes: 256,
+        v_bytes: 256,
+        block_size: 16,
+    };
+    let cache_bytes: u64 = 9 << 30;
+    let sides: Vec<(Device, Case)> = (0..2)
+        .map(|ordinal| {
+            let dev = Device::new(ordinal);
+            let cache = random_cache(&dev, cache_bytes, 0x1234_5678 + ordinal as u64);
+            let case = build_case(&dev, cache, cache_bytes, &model, Layout::Hnd, 128, 16, 0x9E37);
+            (dev, case)
+        })
+        .collect();
+    println!("| device | case | read ceiling GB/s | kvcsum alone GB/s | fraction alone | kvcsum, both devices at once GB/s | fraction at once |");
+    println!("|---|---|---:|---:|---:|---:|---:|");
+    let alone: Vec<(f64, f64)> = sides
+        .iter()
+        .map(|(dev, case)| {
+            dev._context.bind_to_thread().expect("bind");
+            (ceiling_ms(dev, case), checksum_ms(dev, case))
+        })
+        .collect();
+    let barrier = std::sync::Barrier::new(2);
+    let together: Vec<f64> = std::thread::scope(|scope| {
+        let handles: Vec<_> = sides
+            .iter()
+            .map(|(dev, case)| {
+                let barrier = &barrier;
+                let dev = SendDevice(dev);
+                scope.spawn(move || {
+                    let dev = dev.get();
+                    dev._context.bind_to_thread().expect("bind");
+                    barrier.wait();
+                    // More repetitions than alone, so that the two threads'
+                    // timed calls overlap for most of their run.
+                    dev.time(31, 3, || {
+                        drop(
+                            case.worker
+                                .checksum(&case.blocks, Role::Consumer, StreamHandle(dev.stream.cast()))
+                                .unwrap(),
+                        );
+                    })
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("thread")).collect()
+    });
+    for (((dev, case), (ceiling, ours)), both) in sides.iter().zip(alone).zip(together) {
+        let gbs = |ms: f64| case.bytes as f64 / ms / 1e6;
+        println!(
+            "| {} | HND, 2048 blocks (128 req x 16), {:.0} MiB | {:.0} | {:.0} | {:.3} | {:.0} | {:.3} |",
+            dev.ordinal,
+            case.bytes as f64 / (1 << 20) as f64,
+            gbs(ceiling),
+            gbs(ours),
+            ceiling / ours,
+            gbs(both),
+            ceiling / both
+        );
+    }
+}
+
+/// A device shared with a thread of `two_devices`: its CUDA handles may be
+/// used from any thread once its context is bound, which the thread does.
+struct SendDevice<'a>(&'a Device);
+// SAFETY: see the type's doc; each device is used by one thread at a time.
+unsafe impl Send for SendDevice<'_> {}
+
+impl<'a> SendDevice<'a> {
+    /// The device (a method, so that a closure captures the whole wrapper).
+    fn get(self) -> &'a Device {
+        self.0
+    }
+}
+
 fn main() {
+    if std::env::args().any(|a| a == "--two-devices") {
+        two_devices();
+        return;
+    }
     let ordinal: usize = std::env::args()
         .nth(1)
         .map_or(0, |a| a.parse().expect("device ordinal"));
