@@ -377,6 +377,32 @@ pub extern "C" fn kvcs_topology_remote(
     }
 }
 
+/// The body of a per-engine question with one answer: `ask` on the
+/// topology and `engine_id`, its answer written to `*out` (named `out_name`
+/// in errors).
+///
+/// # Safety
+/// `topology` is NULL or a live handle, `engine_id` NULL or a NUL-terminated
+/// string, `out` NULL or writable (the C contract of the calls that use it).
+unsafe fn engine_answer<T>(
+    topology: *const kvcs_topology,
+    engine_id: *const c_char,
+    out: *mut T,
+    out_name: &str,
+    ask: impl FnOnce(&Topology, &str) -> crate::error::Result<T>,
+) -> kvcs_status {
+    let topology = try_handle!(topology, "topology");
+    // SAFETY: NULL or a NUL-terminated string per the contract.
+    let engine_id = try_engine!(unsafe { c_str(engine_id, "engine_id") });
+    if out.is_null() {
+        return fail(&err!(InvalidArgument, "{out_name} is NULL"));
+    }
+    let value = try_engine!(ask(topology, engine_id));
+    // SAFETY: non-NULL (checked) and writable per the contract.
+    unsafe { out.write(value) };
+    kvcs_status::KVCS_OK
+}
+
 /// `kvcs_tp_ratio` of the local engine and `engine_id`.
 #[no_mangle]
 pub extern "C" fn kvcs_topology_tp_ratio(
@@ -385,14 +411,8 @@ pub extern "C" fn kvcs_topology_tp_ratio(
     ratio: *mut i64,
 ) -> kvcs_status {
     ffi_boundary! {
-        let topology = try_handle!(topology, "topology");
-        // SAFETY: NULL or a NUL-terminated string per the contract.
-        let engine_id = try_engine!(unsafe { c_str(engine_id, "engine_id") });
-        not_null!(ratio, "ratio");
-        let value = try_engine!(topology.tp_ratio(engine_id));
-        // SAFETY: non-NULL and writable per the contract.
-        unsafe { ratio.write(value) };
-        kvcs_status::KVCS_OK
+        // SAFETY: the caller's contract for these arguments.
+        unsafe { engine_answer(topology, engine_id, ratio, "ratio", |t, id| t.tp_ratio(id)) }
     }
 }
 
@@ -404,14 +424,8 @@ pub extern "C" fn kvcs_topology_block_size_ratio(
     ratio: *mut u32,
 ) -> kvcs_status {
     ffi_boundary! {
-        let topology = try_handle!(topology, "topology");
-        // SAFETY: NULL or a NUL-terminated string per the contract.
-        let engine_id = try_engine!(unsafe { c_str(engine_id, "engine_id") });
-        not_null!(ratio, "ratio");
-        let value = try_engine!(topology.block_size_ratio(engine_id));
-        // SAFETY: non-NULL and writable per the contract.
-        unsafe { ratio.write(value) };
-        kvcs_status::KVCS_OK
+        // SAFETY: the caller's contract for these arguments.
+        unsafe { engine_answer(topology, engine_id, ratio, "ratio", |t, id| t.block_size_ratio(id)) }
     }
 }
 
@@ -423,14 +437,8 @@ pub extern "C" fn kvcs_topology_remote_kv_replicated(
     replicated: *mut u32,
 ) -> kvcs_status {
     ffi_boundary! {
-        let topology = try_handle!(topology, "topology");
-        // SAFETY: NULL or a NUL-terminated string per the contract.
-        let engine_id = try_engine!(unsafe { c_str(engine_id, "engine_id") });
-        not_null!(replicated, "replicated");
-        let value = try_engine!(topology.remote_kv_replicated(engine_id));
-        // SAFETY: non-NULL and writable per the contract.
-        unsafe { replicated.write(u32::from(value)) };
-        kvcs_status::KVCS_OK
+        // SAFETY: the caller's contract for these arguments.
+        unsafe { engine_answer(topology, engine_id, replicated, "replicated", |t, id| t.remote_kv_replicated(id).map(u32::from)) }
     }
 }
 
