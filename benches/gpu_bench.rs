@@ -440,8 +440,18 @@ fn main() {
         two_devices();
         return;
     }
-    let ordinal: usize = std::env::args()
-        .nth(1)
+    // `--only N`: case N of the table alone (for profiling one case with ncu).
+    let args: Vec<String> = std::env::args().collect();
+    let only: Option<usize> = args
+        .iter()
+        .position(|a| a == "--only")
+        .map(|i| args[i + 1].parse().expect("--only N"));
+    let ordinal: usize = args
+        .iter()
+        .enumerate()
+        .skip(1)
+        .find(|&(i, a)| !a.starts_with("--") && args[i - 1] != "--only")
+        .map(|(_, a)| a)
         .map_or(0, |a| a.parse().expect("device ordinal"));
     let dev = Device::new(ordinal);
     let name = cudarc::driver::result::device::get_name(check(cu::device::get(ordinal as i32), "device")).unwrap();
@@ -505,6 +515,9 @@ fn main() {
         (&fp8, Layout::KvSplit, "2048 blocks (128 req x 16)", 128, 16),
     ];
     for (i, (model, layout, label, requests, per_request)) in cases.into_iter().enumerate() {
+        if only.is_some_and(|n| n != i) {
+            continue;
+        }
         let case = build_case(
             &dev,
             cache,
@@ -542,6 +555,9 @@ fn main() {
     // call is in it). (b) The same work queued behind a busy stream (GPU time
     // only). (c) Host wall time from the call to a ready result. (d) Host
     // time inside the call.
+    if only.is_some() {
+        return;
+    }
     let one = build_case(&dev, cache, cache_bytes, &llama, Layout::Hnd, 1, 1, 7);
     let busy = build_case(&dev, cache, cache_bytes, &llama, Layout::Hnd, 128, 16, 8);
     let call_to_event_us = dev.time(200, 1, || {
