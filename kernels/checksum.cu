@@ -91,6 +91,53 @@ __device__ __forceinline__ void kvcs_accumulate(
     }
 }
 
+// This lane's share of sum x_j (2j + 1) over a flat segment's `tokens`
+// tokens from `address` (request token `first_token`): one run of
+// `tokens * vectors_per_token` vectors whose pieces are numbered in order, so
+// lane l reads vectors l, l + 32, ... with every lane busy, BATCH at a time.
+__device__ __forceinline__ kvcs_u64 kvcs_flat_unit(
+    const struct kvcs_dev_segment *segment, kvcs_u64 pieces_per_token,
+    kvcs_i64 address, kvcs_u64 first_token, kvcs_u32 tokens, kvcs_u32 lane)
+{
+    const kvcs_u32 vectors = tokens * segment->vectors_per_token;
+    if (lane >= vectors) return 0;
+    const kvcs_u32 count = (vectors - lane + KVCS_WARP - 1) / KVCS_WARP;
+    const bool wide = segment->vector_shift == 4;
+    const kvcs_i64 lane_address = address + ((kvcs_i64)lane << segment->vector_shift);
+    const kvcs_i64 step_bytes = (kvcs_i64)KVCS_WARP << segment->vector_shift;
+    kvcs_u64 total = 0, high = 0, index_weighted = 0;
+    for (kvcs_u32 i = 0; i < count; i += KVCS_BATCH) {
+        kvcs_u64 lo[KVCS_BATCH], hi[KVCS_BATCH];
+#pragma unroll
+        for (int b = 0; b < KVCS_BATCH; ++b) {
+            lo[b] = 0; hi[b] = 0;
+            if (i + b < count) {
+                const kvcs_i64 at = lane_address + (kvcs_i64)(i + b) * step_bytes;
+                if (wide) {
+                    const ulonglong2 v = __ldcs((const ulonglong2 *)at);
+                    lo[b] = v.x; hi[b] = v.y;
+                } else {
+                    lo[b] = __ldcs((const kvcs_u64 *)at);
+                }
+            }
+        }
+        kvcs_u64 batch_total = 0;
+#pragma unroll
+        for (int b = 0; b < KVCS_BATCH; ++b) {
+            const kvcs_u64 y = lo[b] + hi[b];
+            high += hi[b];
+            batch_total += y;
+            index_weighted += (kvcs_u64)b * y;
+        }
+        total += batch_total;
+        index_weighted += (kvcs_u64)i * batch_total;
+    }
+    // Vector lane + 32 i starts at piece j0 + 32 ppv i, j0 = the lane's first.
+    const kvcs_u64 pieces_per_vector = wide ? 2 : 1;
+    const kvcs_u64 j0 = first_token * pieces_per_token + lane * pieces_per_vector;
+    return (2 * j0 + 1) * total + 2 * high + 2 * (kvcs_u64)KVCS_WARP * pieces_per_vector * index_weighted;
+}
+
 // This lane's share of sum x_j (2j + 1) over `tokens` tokens of one head in
 // one segment, the first at `address` (kernel block and slot resolved) with
 // request token `first_token`.
@@ -98,6 +145,7 @@ __device__ __forceinline__ kvcs_u64 kvcs_segment_unit(
     const struct kvcs_dev_segment *segment, kvcs_u64 pieces_per_token,
     kvcs_i64 address, kvcs_u64 first_token, kvcs_u32 tokens, kvcs_u32 lane)
 {
+    if (segment->flat) return kvcs_flat_unit(segment, pieces_per_token, address, first_token, tokens, lane);
     const kvcs_u32 lanes = 1u << segment->lane_shift;
     const kvcs_u32 tokens_per_step = KVCS_WARP >> segment->lane_shift;
     const kvcs_u32 token = lane >> segment->lane_shift;

@@ -25,7 +25,7 @@ struct kvcs_dev_segment {
     kvcs_u32 vectors_per_token;   // bytes_per_token >> vector_shift
     kvcs_u32 vector_shift;        // 4: 16-byte loads; 3: 8-byte loads
     kvcs_u32 lane_shift;          // log2(lanes per token): min(32, next power of 2 of vectors_per_token)
-    kvcs_u32 reserved;
+    kvcs_u32 flat;                // 1: tokens are contiguous whole cells, so a unit is one run of pieces
 };
 
 // An attention layer as one (group, role) computes it. Its units are

@@ -767,3 +767,42 @@ fn device_aliases_count_in_the_fingerprint_only() {
     );
     assert_eq!(host.requests, plain.requests, "and add no checksum");
 }
+
+/// Caches whose tokens are whole contiguous cells (MLA latents, one
+/// segment) take the kernel's flat path: every layout of one segment, wide
+/// (16-byte) and narrow (8-byte) loads, partial blocks, against the reference.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_flat_cells_equal_the_reference() {
+    let mut rng = Rng::for_test("device_flat_cells_equal_the_reference");
+    println!("seed {} ({NEEDS_GPU})", rng.seed());
+    for kind in single_segment_kinds() {
+        for latent_bytes in [1152u32, 1160, 64, 24] {
+            let kv = LogicalKv::random(&mut rng, KvShape::mla(3, latent_bytes, 53));
+            let shard = shard(&kv, 0, 1, 0, 1);
+            let mut placement = Placement::for_shard(&mut rng, &kv, &shard, kind, 0, 16, 24);
+            let requests = requests_for(&mut rng, &kv, &mut [&mut placement], 2);
+            let pair = Pair::new(0, 1, &[&placement]);
+            let context = format!("{kind:?} latent {latent_bytes}");
+            let values = pair.compare(&block_set(&requests), Role::Consumer, &context);
+            for request in &requests {
+                let table = request.table(0);
+                let naive = naive_positions(
+                    &kv,
+                    &shard.layer_numbers,
+                    &shard.heads(),
+                    16,
+                    table.first_position,
+                    table.block_ids.len(),
+                );
+                assert_eq!(
+                    &values[&(request.req_id.clone(), 0)][&shard.replica],
+                    &naive,
+                    "{context} {}: not the naive reference (seed {})",
+                    request.req_id,
+                    rng.seed()
+                );
+            }
+        }
+    }
+}

@@ -51,7 +51,7 @@ pub struct DevSegment {
     pub vectors_per_token: u32,
     pub vector_shift: u32,
     pub lane_shift: u32,
-    pub reserved: u32,
+    pub flat: u32,
 }
 
 /// Device form of a [`Layer`] as one (group, role) computes it (`struct kvcs_dev_layer`).
@@ -199,7 +199,13 @@ fn dev_layer(layer: &Layer, column: u32, unit_start: u64) -> DevLayer {
     let spec = &layer.spec;
     let mut segments = [DevSegment::default(); 2];
     for (i, segment) in spec.segments.iter().enumerate() {
-        segments[i] = dev_segment(segment, layer.segment_piece_offsets[i]);
+        segments[i] = dev_segment(segment, layer.segment_piece_offsets[i], layer.pieces_per_token);
+    }
+    for segment in &mut segments {
+        // The kernel counts a flat unit's vectors in 32 bits.
+        if spec.tokens_per_kernel_block as u64 * segment.vectors_per_token as u64 >= 1 << 31 {
+            segment.flat = 0;
+        }
     }
     DevLayer {
         segments,
@@ -214,7 +220,7 @@ fn dev_layer(layer: &Layer, column: u32, unit_start: u64) -> DevLayer {
     }
 }
 
-fn dev_segment(segment: &Segment, piece_offset: u64) -> DevSegment {
+fn dev_segment(segment: &Segment, piece_offset: u64, pieces_per_token: u64) -> DevSegment {
     // 16-byte loads need every address the segment reaches 16-byte aligned.
     let wide = [
         segment.address as i64,
@@ -240,7 +246,11 @@ fn dev_segment(segment: &Segment, piece_offset: u64) -> DevSegment {
         vectors_per_token,
         vector_shift,
         lane_shift,
-        reserved: 0,
+        // The segment is the whole cell and its tokens follow each other:
+        // piece j of a unit is its j-th 8 bytes, whatever the token.
+        flat: (piece_offset == 0
+            && segment.bytes_per_token as u64 == pieces_per_token * 8
+            && segment.token_stride == segment.bytes_per_token as i64) as u32,
     }
 }
 
@@ -297,7 +307,7 @@ pub fn layout_asserts() -> String {
     );
     assert_layout!(&mut out, DevSegment => "kvcs_dev_segment" {
         address, block_stride, kernel_block_stride, head_stride, token_stride, piece_offset,
-        vectors_per_token, vector_shift, lane_shift, reserved,
+        vectors_per_token, vector_shift, lane_shift, flat,
     });
     assert_layout!(&mut out, DevLayer => "kvcs_dev_layer" {
         segments, first_slice_weight, pieces_per_token, num_segments, num_heads, kernel_blocks,
