@@ -11,7 +11,7 @@ use crate::fingerprint::group_fingerprint;
 use crate::host;
 use crate::layout::{Alias, LayerSpec, Layout, Region, Role, StoredBuffer};
 use crate::plan::Plan;
-use crate::result::{Checksums, DetailValues, GroupInfo, Rank, RecordInfo, Values};
+use crate::result::{Checksums, DetailValues, GroupInfo, Rank, RecordInfo, StoredExpectation, StoredValues, Values};
 use crate::state::StateSpec;
 use crate::stored;
 use crate::stream::StreamHandle;
@@ -218,10 +218,32 @@ impl Worker {
     /// of every block in `blocks`. Fails before any work when a block id or
     /// group is bad.
     pub fn checksum(&self, blocks: &BlockSet, role: Role, stream: StreamHandle) -> Result<Checksums> {
+        Ok(self.checksum_with(blocks, role, stream, None)?.0)
+    }
+
+    /// [`Worker::checksum`]; on a device worker with `stored`, the call also
+    /// queues that store or gather of stored checksums (SPEC section 8),
+    /// whose items are checked before anything is queued, and returns a
+    /// load check's expectations (empty otherwise).
+    fn checksum_with(
+        &self,
+        blocks: &BlockSet,
+        role: Role,
+        stream: StreamHandle,
+        stored: Option<cuda::StoredMode>,
+    ) -> Result<(Checksums, Vec<StoredExpectation>)> {
         let plan = Plan::new(&self.layout, blocks, role)?;
+        let mut expectations = Vec::new();
         let values = match &self.engine {
             Engine::Host(host) => Values::Ready(host.compute(&self.layout, &plan, role)),
-            Engine::Device(device) => device.compute(&plan, role, stream)?,
+            Engine::Device(device) => match stored {
+                None => device.compute(&plan, role, stream)?,
+                Some(mode) => {
+                    let (work, expected) = stored::device_work(&self.layout, blocks, &plan.shape, mode)?;
+                    expectations = expected;
+                    device.compute_with(&plan, role, stream, Some(&work))?
+                }
+            },
         };
         let detail = match &self.detail {
             Some(detail) => Some(Arc::new(self.detail_values(detail, blocks, role, stream)?)),
@@ -237,40 +259,66 @@ impl Worker {
             groups,
             detail,
         };
-        Ok(Checksums::new(plan.shape, values).with_record_info(info))
+        Ok((Checksums::new(plan.shape, values).with_record_info(info), expectations))
     }
 
     /// Registers `group_id`'s buffer of stored checksums (SPEC section 8): 8
     /// bytes per block id for `num_blocks` block ids at `address`, memory the
-    /// worker may write and read while it lives. Host workers only for now
-    /// (`Unsupported` on a device worker).
+    /// worker may write and read while it lives. A device worker checks that
+    /// the buffer is device memory of its device or pinned host memory.
     pub fn add_stored(&mut self, group_id: u32, address: u64, num_blocks: u64) -> Result<()> {
-        if matches!(self.engine, Engine::Device(_)) {
-            return Err(err!(
-                Unsupported,
-                "stored checksums (group_id {group_id}) are not supported on a device worker yet"
-            ));
+        let buffer = StoredBuffer { address, num_blocks };
+        if let Engine::Device(device) = &self.engine {
+            // The layout's checks first (group, alignment, length), then CUDA's.
+            self.layout.check_stored(group_id, buffer)?;
+            device.check_region(address, num_blocks * 8).map_err(|e| {
+                e.with_context(&format!(
+                    "stored checksums of group_id {group_id} (address {address:#x}, num_blocks {num_blocks})"
+                ))
+            })?;
         }
-        self.layout.set_stored(group_id, StoredBuffer { address, num_blocks })
+        self.layout.set_stored(group_id, buffer)
     }
 
     /// Checksums `blocks` (every column) and writes each block's stored
     /// checksum, `sum XOR tag`, into its group's buffer (SPEC section 8).
     /// Every group of `blocks` needs a buffer and block hashes, checked
-    /// before anything is computed or written.
+    /// before anything is computed or written. A device worker queues the
+    /// writes on `stream` after the checksums and returns without waiting.
     pub fn store(&self, blocks: &BlockSet, stream: StreamHandle) -> Result<Checksums> {
         stored::check_blocks(&self.layout, blocks)?;
-        let result = self.checksum(blocks, Role::Consumer, stream)?;
-        stored::store(&self.layout, blocks, &result)?;
-        Ok(result)
+        match &self.engine {
+            Engine::Host(_) => {
+                let result = self.checksum(blocks, Role::Consumer, stream)?;
+                stored::store(&self.layout, blocks, &result)?;
+                Ok(result)
+            }
+            Engine::Device(_) => Ok(self
+                .checksum_with(blocks, Role::Consumer, stream, Some(cuda::StoredMode::Store))?
+                .0),
+        }
     }
 
     /// Checksums loaded `blocks` (every column) and keeps, in the result,
     /// the stored checksums read back: `Checksums::stored_outcomes` then says
-    /// per position whether they match.
+    /// per position whether they match. A device worker gathers the stored
+    /// values on `stream` with the checksums: the verdicts are ready when
+    /// the result is.
     pub fn check_stored(&self, blocks: &BlockSet, stream: StreamHandle) -> Result<Checksums> {
-        let expectations = stored::expectations(&self.layout, blocks)?;
-        Ok(self.checksum(blocks, Role::Consumer, stream)?.with_stored(expectations))
+        match &self.engine {
+            Engine::Host(_) => {
+                let (expectations, read) = stored::expectations(&self.layout, blocks)?;
+                Ok(self
+                    .checksum(blocks, Role::Consumer, stream)?
+                    .with_stored(expectations, StoredValues::Read(read)))
+            }
+            Engine::Device(_) => {
+                stored::check_blocks(&self.layout, blocks)?;
+                let (result, expectations) =
+                    self.checksum_with(blocks, Role::Consumer, stream, Some(cuda::StoredMode::Gather))?;
+                Ok(result.with_stored(expectations, StoredValues::Gathered))
+            }
+        }
     }
 
     /// The tags of SPEC section 8 for blocks of `group_id` with the given

@@ -33,6 +33,8 @@ pub struct Slot {
     pub event: sys::CUevent,
     /// The layer table the call's kernel reads, kept until the call is done.
     pub table: Option<Arc<DeviceTable>>,
+    /// Stored checksums' items and gathered values (made on first use).
+    pub stored: Option<super::stored::Staging>,
 }
 
 // SAFETY: the pointers are owned by the slot; access is serialised by the
@@ -56,6 +58,7 @@ impl Slot {
             device: 0,
             event: std::ptr::null_mut(),
             table: None,
+            stored: None,
         };
         // SAFETY: plain allocations on the bound context, owned by the slot.
         unsafe {
