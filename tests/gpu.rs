@@ -853,8 +853,12 @@ impl Drop for StoredBuffer {
         unsafe {
             let _ = cu::ctx::synchronize();
             match self.memory {
-                StoredMemory::Device => drop(cu::free_sync(self.address)),
-                StoredMemory::Pinned => drop(cu::free_host(self.address as *mut std::ffi::c_void)),
+                StoredMemory::Device => {
+                    let _ = cu::free_sync(self.address);
+                }
+                StoredMemory::Pinned => {
+                    let _ = cu::free_host(self.address as *mut std::ffi::c_void);
+                }
             }
         }
     }
@@ -998,7 +1002,8 @@ fn device_stored_and_reloaded(rng: &mut Rng, num_tokens: u64, memory: StoredMemo
         result.wait().expect("wait");
         let device = rank.stored.read();
         assert_eq!(
-            device, rank.host_stored,
+            device,
+            rank.host_stored,
             "{memory:?}: the device stored other values than the host (seed {})",
             rng.seed()
         );
@@ -1123,7 +1128,12 @@ fn device_stored_faults_fail_at_their_position_only() {
 
         // Another shard's KV: rank 1's cache bytes in rank 0's cache.
         let mut s = device_stored_and_reloaded(&mut rng, num_tokens, memory);
-        let other: Vec<Vec<u8>> = s.ranks[1].placement.buffers().iter().map(|b| b.bytes().to_vec()).collect();
+        let other: Vec<Vec<u8>> = s.ranks[1]
+            .placement
+            .buffers()
+            .iter()
+            .map(|b| b.bytes().to_vec())
+            .collect();
         for (buffer, bytes) in s.ranks[0].placement.buffers_mut().iter_mut().zip(&other) {
             buffer.bytes_mut().copy_from_slice(bytes);
         }
@@ -1171,7 +1181,9 @@ fn device_store_runs_after_work_queued_on_the_stream() {
     rank.placement.write_request(&kv, 0, &block_ids);
     let hashes: Vec<u8> = (0..count * HASH_BYTES).map(|_| rng.next_u64() as u8).collect();
     let blocks = stored_blocks(num_tokens, &block_ids, &hashes);
-    rank.host.store(&blocks, StreamHandle::legacy_default()).expect("host store");
+    rank.host
+        .store(&blocks, StreamHandle::legacy_default())
+        .expect("host store");
 
     let context = rank.copy.context.clone();
     context.bind_to_thread().expect("bind");
@@ -1219,15 +1231,16 @@ fn device_store_runs_after_work_queued_on_the_stream() {
                 .expect("write the KV on the stream");
         }
     }
-    let result = rank
-        .device
-        .store(&blocks, StreamHandle(stream.cast()))
-        .expect("store");
+    let result = rank.device.store(&blocks, StreamHandle(stream.cast())).expect("store");
     assert!(
         !result.is_ready().expect("query"),
         "the store returned after the stream's work: the library waited"
     );
-    assert_eq!(rank.stored.read(), before, "the store wrote before the stream got to it");
+    assert_eq!(
+        rank.stored.read(),
+        before,
+        "the store wrote before the stream got to it"
+    );
     // SAFETY: our stream.
     unsafe { cu::stream::synchronize(stream).expect("sync") };
     assert!(result.is_ready().unwrap());
@@ -1256,7 +1269,7 @@ fn device_stored_rejects_bad_buffers() {
     let mut ranks = stored_ranks(&mut rng, &kv, 1, 8, StoredMemory::Device);
     let rank = &mut ranks[0];
     // Host pageable memory is not memory the device can write.
-    let pageable = vec![0u64; 8];
+    let pageable = [0u64; 8];
     let error = rank
         .device
         .add_stored(0, pageable.as_ptr() as u64, 8)
@@ -1288,7 +1301,10 @@ fn device_stored_rejects_bad_buffers() {
     let hashes: Vec<u8> = (0..4 * HASH_BYTES).map(|_| rng.next_u64() as u8).collect();
     let error = rank
         .device
-        .store(&stored_blocks(64, &[0, 1, 2, 8], &hashes), StreamHandle::legacy_default())
+        .store(
+            &stored_blocks(64, &[0, 1, 2, 8], &hashes),
+            StreamHandle::legacy_default(),
+        )
         .err()
         .expect("block id past the buffer");
     assert!(matches!(error, Error::OutOfBounds(_)), "{error:?}");

@@ -108,7 +108,7 @@ pub fn stage(slot: &mut Slot, work: &StoredWork, values: u64) -> Result<Option<S
     if n == 0 {
         return Ok(None);
     }
-    if slot.stored.as_ref().is_none_or(|staging| staging.capacity < n) {
+    if !matches!(&slot.stored, Some(staging) if staging.capacity >= n) {
         // Drop the small one first: the slot is idle, nothing reads it.
         slot.stored = None;
         slot.stored = Some(Staging::new(n.max(256).next_power_of_two())?);
