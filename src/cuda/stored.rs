@@ -52,7 +52,7 @@ unsafe impl Sync for Staging {}
 
 impl Staging {
     /// Staging for `capacity` items (the context is bound).
-    fn new(capacity: usize) -> Result<Staging> {
+    pub fn new(capacity: usize) -> Result<Staging> {
         let bytes = capacity * (std::mem::size_of::<DevStoredItem>() + 8);
         let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
         let mut staging = Staging {
@@ -102,21 +102,31 @@ pub struct StoredLaunch {
 
 /// Copies `work`'s items into `slot`'s staging (made or grown here, before
 /// anything of the call is queued) and describes the launch. `values` is the
-/// device address of the values `kvcs_checksum` publishes.
+/// device address of the values `kvcs_checksum` publishes, or 0 when the
+/// call launches no checksum (every sum is then 0).
 pub fn stage(slot: &mut Slot, work: &StoredWork, values: u64) -> Result<Option<StoredLaunch>> {
     let n = work.items.len();
     if n == 0 {
         return Ok(None);
     }
     if !matches!(&slot.stored, Some(staging) if staging.capacity >= n) {
-        // Drop the small one first: the slot is idle, nothing reads it.
+        // More items than the slot was made for: grow (freeing and
+        // allocating pinned memory may synchronise, as a new slot may). The
+        // small one goes first: the slot is idle, nothing reads it.
         slot.stored = None;
         slot.stored = Some(Staging::new(n.max(256).next_power_of_two())?);
     }
     let staging = slot.stored.as_ref().expect("made above");
     // SAFETY: the slot is idle (taken from the pool) so nothing reads its
     // staging; the items start the allocation, which holds `capacity >= n`.
-    unsafe { std::slice::from_raw_parts_mut(staging.host.cast::<DevStoredItem>(), n) }.copy_from_slice(&work.items);
+    let items = unsafe { std::slice::from_raw_parts_mut(staging.host.cast::<DevStoredItem>(), n) };
+    items.copy_from_slice(&work.items);
+    if values == 0 {
+        // A call that computed nothing: every sum is the empty sum.
+        for item in items.iter_mut() {
+            item.num_columns = 0;
+        }
+    }
     let gathered = staging.on_device + (staging.capacity * std::mem::size_of::<DevStoredItem>()) as u64;
     Ok(Some(StoredLaunch {
         call: DevStoredCall {
