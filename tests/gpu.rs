@@ -1169,8 +1169,8 @@ fn device_stored_faults_fail_at_their_position_only() {
 /// buffer read after a stream sync holds the values of the new KV.
 #[test]
 #[ignore = "needs a CUDA device"]
-fn device_store_runs_after_work_queued_on_the_stream() {
-    let mut rng = Rng::for_test("device_store_runs_after_work_queued_on_the_stream");
+fn device_stored_write_runs_after_work_queued_on_the_stream() {
+    let mut rng = Rng::for_test("device_stored_write_runs_after_work_queued_on_the_stream");
     println!("seed {} ({NEEDS_GPU})", rng.seed());
     let num_tokens = 200;
     let kv = LogicalKv::random(&mut rng, KvShape::gqa(4, 2, 128, num_tokens));
