@@ -308,12 +308,17 @@ impl DeviceEngine {
             Some(work) => stored::stage(&mut slot, work, host_values)?,
             None => None,
         };
+        slot.table = Some(device_table.clone());
         // SAFETY: every address in `call` is live until the slot's event
         // completes (the slot and table stay held until then); the staging in
         // pinned memory is not touched again before that; the kernel reads
-        // cache bytes that registration proved lie in registered regions.
-        unsafe { self.enqueue(&mut call, &slot, upload, shape.blocks, launch.as_mut(), stream)? };
-        slot.table = Some(device_table.clone());
+        // cache bytes that registration proved lie in registered regions,
+        // and the stored launch 8-byte values that `add_stored` checked.
+        if let Err(error) = unsafe { self.enqueue(&mut call, &slot, upload, shape.blocks, launch.as_mut(), stream) } {
+            // Parked while anything queued may still run.
+            self.pool.give_back(slot);
+            return Err(error);
+        }
         Ok(Values::Pending(Box::new(DevicePending {
             context: self.context.clone(),
             pool: self.pool.clone(),
@@ -385,10 +390,14 @@ impl DeviceEngine {
                 &mut params,
             )
             .map_err(device_error("launching kvcs_checksum"))?;
-            if let Some(launch) = stored {
-                stored::enqueue(&self.kernels, launch, stream)?;
-            }
-            cu::event::record(slot.event, stream).map_err(device_error("cuEventRecord"))
+            // The event is recorded even when the stored launch fails, so
+            // that the slot is parked until the checksum kernel is done.
+            let stored = match stored {
+                Some(launch) => stored::enqueue(&self.kernels, launch, stream),
+                None => Ok(()),
+            };
+            cu::event::record(slot.event, stream).map_err(device_error("cuEventRecord"))?;
+            stored
         }
     }
 }
