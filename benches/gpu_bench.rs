@@ -663,4 +663,63 @@ fn main() {
         "| of which: checking and laying out the blocks (Plan::new) | {:.2} us |",
         plan[plan.len() / 2]
     );
+    stored_checksums(&dev, cache, cache_bytes, &llama);
+}
+
+/// Stored checksums (SPEC section 8) on the device: a store (the checksum
+/// kernel, then the kernel writing `sum ^ tag` per block into a buffer in
+/// device memory) and a load check (the checksum, then the gather of the
+/// stored values) against the checksum alone, each as a fraction of the
+/// read ceiling of the same bytes, on a 4 GiB batch and on one request.
+fn stored_checksums(dev: &Device, cache: u64, cache_bytes: u64, model: &Model) {
+    println!();
+    println!(
+        "| stored checksums, {} HND | bytes read | read ceiling | checksum | store | load check |",
+        model.name
+    );
+    println!("|---|---:|---:|---:|---:|---:|");
+    let block_bytes = (model.heads * model.block_size * (model.k_bytes + model.v_bytes)) as u64;
+    let num_blocks = cache_bytes / model.layers as u64 / block_bytes;
+    // SAFETY: a fresh device allocation of 8 bytes per block id, freed below.
+    let buffer = unsafe { check(cu::malloc_sync(num_blocks as usize * 8), "stored buffer") };
+    for (label, requests, per_request) in [
+        ("2048 blocks (128 req x 16)", 128, 16),
+        ("1 request, 2048 tokens", 1, 128),
+    ] {
+        let mut case = build_case(
+            dev,
+            cache,
+            cache_bytes,
+            model,
+            Layout::Hnd,
+            requests,
+            per_request,
+            0x5703,
+        );
+        case.worker.add_stored(0, buffer, num_blocks).expect("add_stored");
+        for r in 0..requests {
+            let hashes: Vec<u8> = (0..per_request * 32).map(|i| (i * 131 + r * 7) as u8).collect();
+            case.blocks.set_hashes(&format!("req-{r}"), 0, &hashes, 32).unwrap();
+        }
+        let stream = StreamHandle(dev.stream.cast());
+        let ceiling = ceiling_ms(dev, &case);
+        let plain = checksum_ms(dev, &case);
+        let store = dev.time(7, 3, || drop(case.worker.store(&case.blocks, stream).unwrap()));
+        let load = dev.time(7, 3, || drop(case.worker.check_stored(&case.blocks, stream).unwrap()));
+        let cell = |ms: f64| format!("{:.1} us ({:.3})", ms * 1e3, ceiling / ms);
+        println!(
+            "| {label} | {:.0} MiB | {:.1} us | {} | {} | {} |",
+            case.bytes as f64 / (1 << 20) as f64,
+            ceiling * 1e3,
+            cell(plain),
+            cell(store),
+            cell(load)
+        );
+    }
+    println!("(each time: median per call; in parentheses the read ceiling's time over it)");
+    dev.sync();
+    // SAFETY: nothing reads or writes it any more (synchronised).
+    unsafe {
+        let _ = cu::free_sync(buffer);
+    }
 }

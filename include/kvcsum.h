@@ -1481,8 +1481,10 @@ kvcs_status kvcs_worker_checksum(kvcs_worker *worker,
 // (a multiple of 8), memory the worker writes (`kvcs_worker_store`) and
 // reads (`kvcs_worker_check_stored`) while it lives; the caller keeps it so
 // and copies each block's 8 bytes with the block when offloading. A later
-// call replaces the buffer. Host workers only for now
-// (`KVCS_ERR_UNSUPPORTED` on a device worker). On error nothing changes.
+// call replaces the buffer. On a device worker the buffer must be device
+// memory of the worker's device or pinned host memory
+// (`KVCS_ERR_INVALID_ARGUMENT` otherwise, `KVCS_ERR_OUT_OF_BOUNDS` when it
+// runs past mapped memory). On error nothing changes.
 kvcs_status kvcs_worker_add_stored(kvcs_worker *worker,
                                    uint32_t group_id,
                                    uint64_t address,
@@ -1495,7 +1497,9 @@ kvcs_status kvcs_worker_add_stored(kvcs_worker *worker,
 // `blocks` that the worker does not skip needs a buffer and block hashes,
 // and every block id must be inside the buffer: checked before anything is
 // computed or written. `*out` gets the checksums, as
-// `kvcs_worker_checksum` gives them. Host workers only for now.
+// `kvcs_worker_checksum` gives them. A device worker queues the writes on
+// `cuda_stream` after the checksums and returns without waiting: they are
+// done when the result is ready (or the stream is synchronised).
 kvcs_status kvcs_worker_store(kvcs_worker *worker,
                               const kvcs_blocks *blocks,
                               void *cuda_stream,
@@ -1505,7 +1509,9 @@ kvcs_status kvcs_worker_store(kvcs_worker *worker,
 // column) and reads back their stored checksums (with the block hashes of
 // `kvcs_blocks_set_hashes`); `kvcs_result_stored` on `*out` then says, per
 // block position, whether they match. Same requirements as
-// `kvcs_worker_store`. Host workers only for now.
+// `kvcs_worker_store`. A device worker reads the stored values on
+// `cuda_stream` with the checksums: `kvcs_result_stored` answers
+// `KVCS_ERR_NOT_READY` until the result is ready.
 kvcs_status kvcs_worker_check_stored(kvcs_worker *worker,
                                      const kvcs_blocks *blocks,
                                      void *cuda_stream,

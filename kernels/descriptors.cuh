@@ -84,4 +84,23 @@ struct kvcs_dev_call {
     struct kvcs_dev_row inline_rows[KVCS_INLINE_ROWS];
 };
 
+// One block position of a stored-checksum launch (kvcs_store, SPEC section 8).
+struct kvcs_dev_stored_item {
+    kvcs_u64 tag;                         // store: block hash ^ group fingerprint, XORed into the sum
+    kvcs_u64 address;                     // the block's 8-byte stored checksum (device or mapped host memory)
+    kvcs_u32 out;                         // store: value index of column 0
+    kvcs_u32 column_stride;               // store: value distance between columns
+    kvcs_u32 num_columns;                 // store: columns summed
+    kvcs_u32 reserved;
+};
+
+// The one parameter of the stored-checksum kernel.
+struct kvcs_dev_stored_call {
+    const struct kvcs_dev_stored_item *items; // mapped pinned host memory
+    const kvcs_u64 *values;               // store: the values kvcs_checksum published
+    kvcs_u64 *gathered;                   // gather: one stored value per item (mapped pinned host memory)
+    kvcs_u32 num_items;
+    kvcs_u32 gather;                      // 0: write sum ^ tag to each item's address; 1: read it into gathered
+};
+
 #endif

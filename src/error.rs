@@ -32,6 +32,23 @@ pub enum Error {
     Internal(String),
 }
 
+impl Error {
+    /// The same error (same variant), its message prefixed by `context: `.
+    pub fn with_context(self, context: &str) -> Error {
+        let prefix = |message: String| format!("{context}: {message}");
+        match self {
+            Error::InvalidArgument(m) => Error::InvalidArgument(prefix(m)),
+            Error::OutOfBounds(m) => Error::OutOfBounds(prefix(m)),
+            Error::Unsupported(m) => Error::Unsupported(prefix(m)),
+            Error::NotFound(m) => Error::NotFound(prefix(m)),
+            Error::Malformed(m) => Error::Malformed(prefix(m)),
+            Error::NotReady(m) => Error::NotReady(prefix(m)),
+            Error::Device(m) => Error::Device(prefix(m)),
+            Error::Internal(m) => Error::Internal(prefix(m)),
+        }
+    }
+}
+
 /// Builds an [`Error`] variant with a formatted message:
 /// `err!(NotFound, "group_id {} is not registered", id)`.
 macro_rules! err {

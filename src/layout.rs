@@ -371,6 +371,14 @@ impl Layout {
     /// Registers `group_id`'s buffer of stored checksums (replacing any
     /// before); on error nothing changes.
     pub fn set_stored(&mut self, group_id: u32, stored: StoredBuffer) -> Result<()> {
+        let slot = self.check_stored(group_id, stored)?;
+        self.groups[slot as usize].stored = Some(stored);
+        Ok(())
+    }
+
+    /// Fails unless `stored` can be `group_id`'s buffer of stored checksums
+    /// (see [`Layout::set_stored`]); the group's slot otherwise.
+    pub fn check_stored(&self, group_id: u32, stored: StoredBuffer) -> Result<u32> {
         let slot = *self
             .slots
             .get(&group_id)
@@ -400,8 +408,7 @@ impl Layout {
                 stored.num_blocks
             ));
         }
-        self.groups[slot as usize].stored = Some(stored);
-        Ok(())
+        Ok(slot)
     }
 
     /// Registers a state layer (SPEC section 6) of a worker of TP rank

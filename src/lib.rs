@@ -50,7 +50,10 @@ pub use error::{Error, Result};
 pub use layout::{Alias, LayerSpec, Layout, Region, ReplicaKey, Role, Segment};
 /// A call's blocks checked and laid out; public so that benchmarks can time it.
 pub use plan::Plan;
-pub use result::{Checksums, GroupChecksums, RequestChecksums, SkippedGroup, StoredExpectation, StoredOutcome};
+pub use result::{
+    Checksums, GroupChecksums, RequestChecksums, SkippedGroup, StoredExpectation, StoredOutcome, StoredRef,
+    StoredValues,
+};
 pub use state::{StateSpec, StateTensor};
 pub use stream::StreamHandle;
 pub use worker::{Worker, WorkerOptions};

@@ -209,6 +209,11 @@ pub trait PendingValues: Send + Sync {
     fn wait(&self) -> Result<()>;
     /// The values; only called once ready.
     fn values(&self) -> &[u64];
+    /// A load check's stored values gathered with the values (see
+    /// [`StoredValues::Gathered`]); only called once ready.
+    fn gathered(&self) -> &[u64] {
+        &[]
+    }
 }
 
 /// Where the values of a result are.
@@ -243,6 +248,21 @@ impl Values {
             Values::Pending(pending) => {
                 if pending.is_ready()? {
                     Ok(pending.values())
+                } else {
+                    Err(err!(NotReady, "the result is still being computed on the device"))
+                }
+            }
+        }
+    }
+
+    /// A load check's gathered stored values once ready (none on the host
+    /// engine); `NotReady` while a device gathers them.
+    pub fn gathered(&self) -> Result<&[u64]> {
+        match self {
+            Values::Ready(_) => Ok(&[]),
+            Values::Pending(pending) => {
+                if pending.is_ready()? {
+                    Ok(pending.gathered())
                 } else {
                     Err(err!(NotReady, "the result is still being computed on the device"))
                 }
@@ -364,16 +384,43 @@ pub struct Checksums {
     /// The worker's rank, role and group facts at checksum time, for its record.
     record_info: Option<RecordInfo>,
     /// A load check's stored values (SPEC section 8), when the call was one.
-    stored: Option<StoredSums>,
+    stored: Option<LoadCheck>,
 }
 
-/// A load check's expected sums: per request id, per group id, one per
+/// A load check's expectations: per request id, per group id, one per
 /// block position (`None` where not checked).
-type StoredSums = HashMap<String, HashMap<u32, Vec<Option<u64>>>>;
+type StoredSums = HashMap<String, HashMap<u32, Vec<Option<StoredRef>>>>;
 
-/// One (request, group) of a load check: per block position the sum that
-/// the stored checksum read back says the worker's columns must add up to
-/// (`None` where the position holds no valid token and is not checked).
+/// A load check's expectations and where its stored values read back are.
+struct LoadCheck {
+    expected: StoredSums,
+    values: StoredValues,
+}
+
+/// Where a load check's expected sum at one block position comes from:
+/// the stored value read back at `index` (of the call's [`StoredValues`])
+/// XOR `tag`; the worker's columns must add up to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoredRef {
+    /// Index of the position's stored value among those read back.
+    pub index: usize,
+    /// The block's tag (SPEC section 8).
+    pub tag: u64,
+}
+
+/// Where a load check's stored values read back are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoredValues {
+    /// Read by the host when the call was made (host engine).
+    Read(Vec<u64>),
+    /// Gathered on the device with the call's values, readable once they are
+    /// ([`PendingValues::gathered`]).
+    Gathered,
+}
+
+/// One (request, group) of a load check: per block position where its
+/// expected sum comes from (`None` where the position holds no valid token
+/// and is not checked).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredExpectation {
     /// The request.
@@ -381,7 +428,7 @@ pub struct StoredExpectation {
     /// The group.
     pub group_id: u32,
     /// One per block position of the group in the request.
-    pub expected: Vec<Option<u64>>,
+    pub expected: Vec<Option<StoredRef>>,
 }
 
 /// A load check's verdict on one block position (SPEC section 8).
@@ -436,8 +483,9 @@ impl Checksums {
         self
     }
 
-    /// The same result, carrying a load check's stored values.
-    pub fn with_stored(mut self, stored: Vec<StoredExpectation>) -> Self {
+    /// The same result, carrying a load check's expectations and where its
+    /// stored values read back are.
+    pub fn with_stored(mut self, stored: Vec<StoredExpectation>, values: StoredValues) -> Self {
         let mut by_request = StoredSums::new();
         for expectation in stored {
             by_request
@@ -445,7 +493,10 @@ impl Checksums {
                 .or_default()
                 .insert(expectation.group_id, expectation.expected);
         }
-        self.stored = Some(by_request);
+        self.stored = Some(LoadCheck {
+            expected: by_request,
+            values,
+        });
         self
     }
 
@@ -466,6 +517,7 @@ impl Checksums {
             )
         })?;
         let expected = stored
+            .expected
             .get(req_id)
             .and_then(|groups| groups.get(&group_id))
             .ok_or_else(|| {
@@ -475,15 +527,31 @@ impl Checksums {
                 )
             })?;
         let sums = self.position_sums(req_id, group_id)?;
-        Ok(expected
+        let read = match &stored.values {
+            StoredValues::Read(values) => values.as_slice(),
+            StoredValues::Gathered => self.values.gathered()?,
+        };
+        expected
             .iter()
             .zip(sums)
-            .map(|(expected, sum)| match expected {
-                None => StoredOutcome::NotChecked,
-                Some(value) if *value == sum => StoredOutcome::Matched,
-                Some(_) => StoredOutcome::Failed,
+            .map(|(expected, sum)| {
+                let Some(StoredRef { index, tag }) = *expected else {
+                    return Ok(StoredOutcome::NotChecked);
+                };
+                let value = read.get(index).ok_or_else(|| {
+                    err!(
+                        Internal,
+                        "stored value {index} of group_id {group_id} of req_id \"{req_id}\" was not read back ({} were)",
+                        read.len()
+                    )
+                })?;
+                Ok(if value ^ tag == sum {
+                    StoredOutcome::Matched
+                } else {
+                    StoredOutcome::Failed
+                })
             })
-            .collect())
+            .collect()
     }
 
     /// Per block position of `group_id` in `req_id`, the sum of the worker's

@@ -7,12 +7,17 @@
 //! XOR fingerprint(group)`. A load check recomputes the loaded blocks and
 //! compares: another block's bytes, another shard's KV or another block hash
 //! give another value.
+//!
+//! On a device worker the same checks run here before anything is queued,
+//! and the positions become items of the `kvcs_store` launch that the call
+//! queues after its checksums (`crate::cuda`, [`device_work`]).
 
 use crate::blocks::{valid_tokens, BlockSet, GroupBlocks, RequestBlocks};
+use crate::cuda::{DevStoredItem, StoredMode, StoredWork};
 use crate::error::{err, Result};
 use crate::fingerprint::group_fingerprint;
 use crate::layout::{Group, Layout, StoredBuffer};
-use crate::result::{Checksums, StoredExpectation};
+use crate::result::{Checksums, Placement, Shape, StoredExpectation, StoredRef};
 
 /// The tag that binds a stored checksum to its block hash and group.
 pub fn block_tag(block_hash: u64, group_fingerprint: u64) -> u64 {
@@ -21,6 +26,8 @@ pub fn block_tag(block_hash: u64, group_fingerprint: u64) -> u64 {
 
 /// One (request, group) that a store or load check covers.
 struct Target<'a> {
+    /// Index of the (request, group) in block-set order (skipped ones too).
+    index: usize,
     request: &'a RequestBlocks,
     blocks: &'a GroupBlocks,
     hashes: &'a [u64],
@@ -48,9 +55,11 @@ impl Target<'_> {
 /// all of it before anything is computed or written.
 fn targets<'a>(layout: &'a Layout, blocks: &'a BlockSet) -> Result<Vec<Target<'a>>> {
     let mut targets = Vec::new();
+    let mut index = 0;
     for request in blocks.requests() {
         let req_id = &request.req_id;
         for group_blocks in &request.groups {
+            index += 1;
             let group_id = group_blocks.group_id;
             if layout.skip_reason(group_id).is_some() {
                 continue;
@@ -87,6 +96,7 @@ fn targets<'a>(layout: &'a Layout, blocks: &'a BlockSet) -> Result<Vec<Target<'a
                 ));
             }
             targets.push(Target {
+                index: index - 1,
                 request,
                 blocks: group_blocks,
                 hashes,
@@ -130,11 +140,16 @@ pub fn store(layout: &Layout, blocks: &BlockSet, result: &Checksums) -> Result<(
     Ok(())
 }
 
-/// Reads back the stored value of every block of `blocks` that holds a
-/// valid token: the sums a load check expects.
-pub fn expectations(layout: &Layout, blocks: &BlockSet) -> Result<Vec<StoredExpectation>> {
-    let targets = targets(layout, blocks)?;
-    Ok(targets
+/// Per (request, group) of `targets`, the positions a load check checks
+/// (those holding a valid token), numbered in order: `visit(target, i,
+/// block_id, index)` for each, then the expectations referring to those
+/// numbers.
+fn checked_positions<'a>(
+    targets: &[Target<'a>],
+    mut visit: impl FnMut(&Target<'a>, usize, u32, usize) -> Result<()>,
+) -> Result<Vec<StoredExpectation>> {
+    let mut count = 0usize;
+    targets
         .iter()
         .map(|target| {
             let expected = target
@@ -143,18 +158,72 @@ pub fn expectations(layout: &Layout, blocks: &BlockSet) -> Result<Vec<StoredExpe
                 .iter()
                 .enumerate()
                 .map(|(i, &block_id)| {
-                    target.holds_tokens(i).then(|| {
-                        // SAFETY: as in `store`, readable host memory.
-                        let stored = u64::from_le(unsafe { target.slot(block_id).read() });
-                        stored ^ block_tag(target.hashes[i], target.fingerprint)
-                    })
+                    if !target.holds_tokens(i) {
+                        return Ok(None);
+                    }
+                    visit(target, i, block_id, count)?;
+                    count += 1;
+                    Ok(Some(StoredRef {
+                        index: count - 1,
+                        tag: block_tag(target.hashes[i], target.fingerprint),
+                    }))
                 })
-                .collect();
-            StoredExpectation {
+                .collect::<Result<Vec<_>>>()?;
+            Ok(StoredExpectation {
                 req_id: target.request.req_id.clone(),
                 group_id: target.blocks.group_id,
                 expected,
-            }
+            })
         })
-        .collect())
+        .collect()
+}
+
+/// Reads back the stored value of every block of `blocks` that holds a
+/// valid token (host memory): what a load check expects, and the values
+/// its expectations index.
+pub fn expectations(layout: &Layout, blocks: &BlockSet) -> Result<(Vec<StoredExpectation>, Vec<u64>)> {
+    let targets = targets(layout, blocks)?;
+    let mut read = Vec::new();
+    let expectations = checked_positions(&targets, |target, _, block_id, _| {
+        // SAFETY: as in `store`, readable host memory.
+        read.push(u64::from_le(unsafe { target.slot(block_id).read() }));
+        Ok(())
+    })?;
+    Ok((expectations, read))
+}
+
+/// A device worker's store or load check of `blocks`, whose checksum call
+/// has `shape` (every column): one item per block holding a valid token,
+/// with its values' place, tag and stored address, checked before anything
+/// is queued; and, for a load check, the expectations indexing the values
+/// the device gathers (in item order).
+pub fn device_work(
+    layout: &Layout,
+    blocks: &BlockSet,
+    shape: &Shape,
+    mode: StoredMode,
+) -> Result<(StoredWork, Vec<StoredExpectation>)> {
+    let targets = targets(layout, blocks)?;
+    let mut items = Vec::new();
+    let expectations = checked_positions(&targets, |target, i, block_id, _| {
+        let Some(&Placement::Computed { slot, values_offset }) = shape.placements.get(target.index) else {
+            return Err(err!(
+                Internal,
+                "group_id {} of req_id \"{}\" has no values in the call",
+                target.blocks.group_id,
+                target.request.req_id
+            ));
+        };
+        let num_positions = target.blocks.block_ids.len();
+        items.push(DevStoredItem {
+            tag: block_tag(target.hashes[i], target.fingerprint),
+            address: target.slot(block_id) as usize as u64,
+            out: (values_offset + i) as u32,
+            column_stride: num_positions as u32,
+            num_columns: shape.columns[slot as usize].len() as u32,
+            reserved: 0,
+        });
+        Ok(())
+    })?;
+    Ok((StoredWork { mode, items }, expectations))
 }

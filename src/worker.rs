@@ -11,7 +11,7 @@ use crate::fingerprint::group_fingerprint;
 use crate::host;
 use crate::layout::{Alias, LayerSpec, Layout, Region, Role, StoredBuffer};
 use crate::plan::Plan;
-use crate::result::{Checksums, DetailValues, GroupInfo, Rank, RecordInfo, Values};
+use crate::result::{Checksums, DetailValues, GroupInfo, Rank, RecordInfo, StoredExpectation, StoredValues, Values};
 use crate::state::StateSpec;
 use crate::stored;
 use crate::stream::StreamHandle;
@@ -218,10 +218,32 @@ impl Worker {
     /// of every block in `blocks`. Fails before any work when a block id or
     /// group is bad.
     pub fn checksum(&self, blocks: &BlockSet, role: Role, stream: StreamHandle) -> Result<Checksums> {
+        Ok(self.checksum_with(blocks, role, stream, None)?.0)
+    }
+
+    /// [`Worker::checksum`]; on a device worker with `stored`, the call also
+    /// queues that store or gather of stored checksums (SPEC section 8),
+    /// whose items are checked before anything is queued, and returns a
+    /// load check's expectations (empty otherwise).
+    fn checksum_with(
+        &self,
+        blocks: &BlockSet,
+        role: Role,
+        stream: StreamHandle,
+        stored: Option<cuda::StoredMode>,
+    ) -> Result<(Checksums, Vec<StoredExpectation>)> {
         let plan = Plan::new(&self.layout, blocks, role)?;
+        let mut expectations = Vec::new();
         let values = match &self.engine {
             Engine::Host(host) => Values::Ready(host.compute(&self.layout, &plan, role)),
-            Engine::Device(device) => device.compute(&plan, role, stream)?,
+            Engine::Device(device) => match stored {
+                None => device.compute(&plan, role, stream)?,
+                Some(mode) => {
+                    let (work, expected) = stored::device_work(&self.layout, blocks, &plan.shape, mode)?;
+                    expectations = expected;
+                    device.compute_with(&plan, role, stream, Some(&work))?
+                }
+            },
         };
         let detail = match &self.detail {
             Some(detail) => Some(Arc::new(self.detail_values(detail, blocks, role, stream)?)),
@@ -237,40 +259,66 @@ impl Worker {
             groups,
             detail,
         };
-        Ok(Checksums::new(plan.shape, values).with_record_info(info))
+        Ok((Checksums::new(plan.shape, values).with_record_info(info), expectations))
     }
 
     /// Registers `group_id`'s buffer of stored checksums (SPEC section 8): 8
     /// bytes per block id for `num_blocks` block ids at `address`, memory the
-    /// worker may write and read while it lives. Host workers only for now
-    /// (`Unsupported` on a device worker).
+    /// worker may write and read while it lives. A device worker checks that
+    /// the buffer is device memory of its device or pinned host memory.
     pub fn add_stored(&mut self, group_id: u32, address: u64, num_blocks: u64) -> Result<()> {
-        if matches!(self.engine, Engine::Device(_)) {
-            return Err(err!(
-                Unsupported,
-                "stored checksums (group_id {group_id}) are not supported on a device worker yet"
-            ));
+        let buffer = StoredBuffer { address, num_blocks };
+        if let Engine::Device(device) = &self.engine {
+            // The layout's checks first (group, alignment, length), then CUDA's.
+            self.layout.check_stored(group_id, buffer)?;
+            device.check_region(address, num_blocks * 8).map_err(|e| {
+                e.with_context(&format!(
+                    "stored checksums of group_id {group_id} (address {address:#x}, num_blocks {num_blocks})"
+                ))
+            })?;
         }
-        self.layout.set_stored(group_id, StoredBuffer { address, num_blocks })
+        self.layout.set_stored(group_id, buffer)
     }
 
     /// Checksums `blocks` (every column) and writes each block's stored
     /// checksum, `sum XOR tag`, into its group's buffer (SPEC section 8).
     /// Every group of `blocks` needs a buffer and block hashes, checked
-    /// before anything is computed or written.
+    /// before anything is computed or written. A device worker queues the
+    /// writes on `stream` after the checksums and returns without waiting.
     pub fn store(&self, blocks: &BlockSet, stream: StreamHandle) -> Result<Checksums> {
         stored::check_blocks(&self.layout, blocks)?;
-        let result = self.checksum(blocks, Role::Consumer, stream)?;
-        stored::store(&self.layout, blocks, &result)?;
-        Ok(result)
+        match &self.engine {
+            Engine::Host(_) => {
+                let result = self.checksum(blocks, Role::Consumer, stream)?;
+                stored::store(&self.layout, blocks, &result)?;
+                Ok(result)
+            }
+            Engine::Device(_) => Ok(self
+                .checksum_with(blocks, Role::Consumer, stream, Some(cuda::StoredMode::Store))?
+                .0),
+        }
     }
 
     /// Checksums loaded `blocks` (every column) and keeps, in the result,
     /// the stored checksums read back: `Checksums::stored_outcomes` then says
-    /// per position whether they match.
+    /// per position whether they match. A device worker gathers the stored
+    /// values on `stream` with the checksums: the verdicts are ready when
+    /// the result is.
     pub fn check_stored(&self, blocks: &BlockSet, stream: StreamHandle) -> Result<Checksums> {
-        let expectations = stored::expectations(&self.layout, blocks)?;
-        Ok(self.checksum(blocks, Role::Consumer, stream)?.with_stored(expectations))
+        match &self.engine {
+            Engine::Host(_) => {
+                let (expectations, read) = stored::expectations(&self.layout, blocks)?;
+                Ok(self
+                    .checksum(blocks, Role::Consumer, stream)?
+                    .with_stored(expectations, StoredValues::Read(read)))
+            }
+            Engine::Device(_) => {
+                stored::check_blocks(&self.layout, blocks)?;
+                let (result, expectations) =
+                    self.checksum_with(blocks, Role::Consumer, stream, Some(cuda::StoredMode::Gather))?;
+                Ok(result.with_stored(expectations, StoredValues::Gathered))
+            }
+        }
     }
 
     /// The tags of SPEC section 8 for blocks of `group_id` with the given
@@ -341,5 +389,170 @@ impl Worker {
             entries: shadow.entries.clone(),
             values,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The device store's and load check's items, checked without a device:
+    //! a host worker's values run through the items as `kvcs_store` does
+    //! must give the host store's bytes, and gathered values must give the
+    //! host load check's verdicts.
+
+    use super::*;
+    use crate::layout::{ReplicaKey, Segment};
+    use crate::result::StoredOutcome;
+
+    const HEADS: u32 = 2;
+    const BLOCK: u32 = 16;
+    const TOKEN_BYTES: u32 = 64;
+    const BLOCKS: u32 = 12;
+
+    /// xorshift64: seeded random data, never zeros.
+    fn random(state: &mut u64) -> u64 {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        *state
+    }
+
+    /// A host worker with two groups over `cache` (HND, 2 heads, 2 layers
+    /// each) and a stored buffer per group.
+    fn worker(cache: &[u64], stored: [&mut [u64]; 2]) -> Worker {
+        let mut worker = Worker::new(WorkerOptions {
+            tp_rank: 0,
+            tp_size: 1,
+            pp_rank: 0,
+            device: None,
+            num_threads: 1,
+        })
+        .unwrap();
+        let bytes = std::mem::size_of_val(cache) as u64;
+        worker
+            .add_region(Region {
+                address: cache.as_ptr() as u64,
+                length: bytes,
+            })
+            .unwrap();
+        let layer_bytes = (HEADS * BLOCK * TOKEN_BYTES * BLOCKS) as u64;
+        for (group_id, buffer) in (0..2u32).zip(stored) {
+            worker.add_group(group_id, BLOCK).unwrap();
+            for l in 0..2u32 {
+                let layer_number = group_id * 2 + l;
+                worker
+                    .add_layer(LayerSpec {
+                        group_id,
+                        layer_number,
+                        first_head: 0,
+                        num_heads: HEADS,
+                        replica: ReplicaKey {
+                            replicas: 1,
+                            replica_index: 0,
+                        },
+                        num_blocks: BLOCKS,
+                        kernel_blocks: 1,
+                        tokens_per_kernel_block: BLOCK,
+                        segments: vec![Segment {
+                            address: cache.as_ptr() as u64 + layer_number as u64 * layer_bytes,
+                            block_stride: (HEADS * BLOCK * TOKEN_BYTES) as i64,
+                            kernel_block_stride: 0,
+                            head_stride: (BLOCK * TOKEN_BYTES) as i64,
+                            token_stride: TOKEN_BYTES as i64,
+                            bytes_per_token: TOKEN_BYTES,
+                        }],
+                        identity: format!("layer {layer_number}").into_bytes(),
+                    })
+                    .unwrap();
+            }
+            worker
+                .add_stored(group_id, buffer.as_ptr() as u64, buffer.len() as u64)
+                .unwrap();
+        }
+        worker
+    }
+
+    #[test]
+    fn device_items_give_the_host_store_and_load_check() {
+        let mut state = 0x5eed_0000_0000_0001u64;
+        let layer_bytes = (HEADS * BLOCK * TOKEN_BYTES * BLOCKS) as usize;
+        let cache: Vec<u64> = (0..4 * layer_bytes / 8).map(|_| random(&mut state)).collect();
+        let junk: Vec<u64> = (0..BLOCKS).map(|_| random(&mut state)).collect();
+        let (mut stored0, mut stored1) = (junk.clone(), junk.clone());
+        let worker = worker(&cache, [&mut stored0, &mut stored1]);
+        // Two requests; the first's last position holds no token, the second
+        // starts at position 1.
+        let mut blocks = BlockSet::new();
+        let mut hash_bytes = |n: usize| (0..n * 8).map(|_| random(&mut state) as u8).collect::<Vec<u8>>();
+        blocks.add_request("a", 40).unwrap();
+        blocks.add_group("a", 0, 0, &[3, 7, 1, 9]).unwrap();
+        blocks.add_group("a", 1, 0, &[2, 5, 11]).unwrap();
+        blocks.set_hashes("a", 0, &hash_bytes(4), 8).unwrap();
+        blocks.set_hashes("a", 1, &hash_bytes(3), 8).unwrap();
+        blocks.add_request("b", 50).unwrap();
+        blocks.add_group("b", 1, 1, &[0, 4]).unwrap();
+        blocks.set_hashes("b", 1, &hash_bytes(2), 8).unwrap();
+        let stream = StreamHandle::legacy_default();
+        worker.store(&blocks, stream).unwrap();
+        let host_stored = [stored0.clone(), stored1.clone()];
+        // What kvcs_store writes, from the host values and the items.
+        let plan = Plan::new(&worker.layout, &blocks, Role::Consumer).unwrap();
+        let values = worker.checksum(&blocks, Role::Consumer, stream).unwrap();
+        let values = values.values().unwrap();
+        let (work, expectations) =
+            stored::device_work(&worker.layout, &blocks, &plan.shape, cuda::StoredMode::Store).unwrap();
+        assert_eq!(work.items.len(), 3 + 3 + 2, "positions holding tokens");
+        let mut device = [junk.clone(), junk.clone()];
+        for item in &work.items {
+            let sum = (0..item.num_columns as u64).fold(0u64, |sum, c| {
+                sum.wrapping_add(values[(item.out as u64 + c * item.column_stride as u64) as usize])
+            });
+            let (group, block) = [&stored0, &stored1]
+                .iter()
+                .enumerate()
+                .find_map(|(g, buffer)| {
+                    let start = buffer.as_ptr() as u64;
+                    (start..start + 8 * BLOCKS as u64)
+                        .contains(&item.address)
+                        .then(|| (g, ((item.address - start) / 8) as usize))
+                })
+                .expect("an address inside a stored buffer");
+            device[group][block] = sum ^ item.tag;
+        }
+        assert_eq!(device, host_stored, "the items give the host store's values");
+        // A load check from gathered values: all match; a changed one fails
+        // at its position only.
+        let gathered: Vec<u64> = work
+            .items
+            .iter()
+            // SAFETY: every address lies in stored0 or stored1 (found above).
+            .map(|item| unsafe { (item.address as *const u64).read() })
+            .collect();
+        let check = |gathered: Vec<u64>| {
+            worker
+                .checksum(&blocks, Role::Consumer, stream)
+                .unwrap()
+                .with_stored(expectations.clone(), StoredValues::Read(gathered))
+        };
+        use StoredOutcome::*;
+        let result = check(gathered.clone());
+        assert_eq!(
+            result.stored_outcomes("a", 0).unwrap(),
+            vec![Matched, Matched, Matched, NotChecked]
+        );
+        assert_eq!(result.stored_outcomes("a", 1).unwrap(), vec![Matched, Matched, Matched]);
+        assert_eq!(result.stored_outcomes("b", 1).unwrap(), vec![Matched, Matched]);
+        let mut bad = gathered;
+        bad[7] ^= 1 << 40; // "b", group 1, position 2 (its second)
+        let result = check(bad);
+        assert_eq!(result.stored_outcomes("b", 1).unwrap(), vec![Matched, Failed]);
+        assert_eq!(result.stored_outcomes("a", 1).unwrap(), vec![Matched, Matched, Matched]);
+        assert_eq!(
+            result.stored_outcomes("a", 0).unwrap(),
+            worker
+                .check_stored(&blocks, stream)
+                .unwrap()
+                .stored_outcomes("a", 0)
+                .unwrap()
+        );
     }
 }

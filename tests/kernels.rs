@@ -17,6 +17,10 @@ fn checksum_kernel_compiles_with_nvrtc() {
             ptx.contains(".entry kvcs_checksum"),
             "{arch}: no kvcs_checksum entry in the PTX"
         );
+        assert!(
+            ptx.contains(".entry kvcs_store"),
+            "{arch}: no kvcs_store entry in the PTX"
+        );
         if let Some(dir) = std::env::var_os("KVCS_PTX_DIR") {
             let path = std::path::Path::new(&dir).join(format!("checksum_{arch}.ptx"));
             std::fs::write(&path, &ptx).unwrap_or_else(|e| panic!("{}: {e}", path.display()));

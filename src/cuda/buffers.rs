@@ -33,6 +33,10 @@ pub struct Slot {
     pub event: sys::CUevent,
     /// The layer table the call's kernel reads, kept until the call is done.
     pub table: Option<Arc<DeviceTable>>,
+    /// Stored checksums' items and gathered values, for as many items as
+    /// rows (made with the slot, so that calls do not allocate; grown when a
+    /// call has more).
+    pub stored: Option<super::stored::Staging>,
 }
 
 // SAFETY: the pointers are owned by the slot; access is serialised by the
@@ -56,6 +60,7 @@ impl Slot {
             device: 0,
             event: std::ptr::null_mut(),
             table: None,
+            stored: None,
         };
         // SAFETY: plain allocations on the bound context, owned by the slot.
         unsafe {
@@ -71,6 +76,7 @@ impl Slot {
             slot.event = cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
                 .map_err(device_error("cuEventCreate"))?;
         }
+        slot.stored = Some(super::stored::Staging::new(row_capacity)?);
         Ok(slot)
     }
 

@@ -100,6 +100,35 @@ pub struct DevCall {
     pub inline_rows: [Row; INLINE_ROWS],
 }
 
+/// One block position of a stored-checksum launch (`struct kvcs_dev_stored_item`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DevStoredItem {
+    /// Store: the tag XORed into the sum (SPEC section 8).
+    pub tag: u64,
+    /// The block's 8-byte stored checksum (device or mapped host memory).
+    pub address: u64,
+    /// Store: value index of column 0.
+    pub out: u32,
+    /// Store: value distance between columns.
+    pub column_stride: u32,
+    /// Store: columns summed.
+    pub num_columns: u32,
+    /// Zero.
+    pub reserved: u32,
+}
+
+/// The stored-checksum kernel's one parameter (`struct kvcs_dev_stored_call`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DevStoredCall {
+    pub items: u64,
+    pub values: u64,
+    pub gathered: u64,
+    pub num_items: u32,
+    pub gather: u32,
+}
+
 /// The device tables of a whole layout: per role, a [`DevGroup`] per group
 /// slot; then the layers, per group and role, in registration order.
 #[derive(Debug, Clone, Default)]
@@ -321,6 +350,10 @@ pub fn layout_asserts() -> String {
         layers, groups, rows, row_starts, accumulators, host_values, finished_blocks, total_units,
         num_rows, num_values, split, row_units, inline_groups, inline_rows,
     });
+    assert_layout!(&mut out, DevStoredItem => "kvcs_dev_stored_item" {
+        tag, address, out, column_stride, num_columns, reserved,
+    });
+    assert_layout!(&mut out, DevStoredCall => "kvcs_dev_stored_call" { items, values, gathered, num_items, gather });
     out
 }
 
@@ -345,8 +378,8 @@ mod tests {
     fn the_prelude_checks_every_field() {
         let asserts = layout_asserts();
         // One size check per struct and one offset check per field.
-        let fields = 10 + 9 + 4 + 7 + 14;
-        assert_eq!(asserts.matches("static_assert(sizeof").count(), 5, "{asserts}");
+        let fields = 10 + 9 + 4 + 7 + 14 + 6 + 5;
+        assert_eq!(asserts.matches("static_assert(sizeof").count(), 7, "{asserts}");
         assert_eq!(
             asserts.matches("static_assert(KVCS_OFFSETOF").count(),
             fields,

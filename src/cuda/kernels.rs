@@ -14,11 +14,13 @@ use crate::error::{err, Result};
 const DESCRIPTORS: &str = include_str!("../../kernels/descriptors.cuh");
 /// The checksum kernel.
 const CHECKSUM: &str = include_str!("../../kernels/checksum.cu");
+/// The stored-checksum kernel (SPEC section 8), in the same module.
+const STORED: &str = include_str!("../../kernels/stored.cu");
 
 /// What NVRTC compiles: the generated constants, the descriptors and their
-/// generated layout checks, then the kernel.
+/// generated layout checks, then the kernels.
 fn checksum_source() -> String {
-    kernel_prelude(DESCRIPTORS) + CHECKSUM
+    kernel_prelude(DESCRIPTORS) + CHECKSUM + STORED
 }
 
 /// A compiled module and the entry points taken from it.
@@ -27,6 +29,8 @@ pub struct Kernels {
     _module: Arc<CudaModule>,
     /// `kvcs_checksum`.
     pub checksum: CudaFunction,
+    /// `kvcs_store`.
+    pub store: CudaFunction,
 }
 
 /// Compiled modules by device ordinal; filled once per device.
@@ -46,9 +50,13 @@ pub fn kernels(context: &Arc<CudaContext>) -> Result<Arc<Kernels>> {
     let checksum = module
         .load_function("kvcs_checksum")
         .map_err(|e| err!(Device, "device {ordinal}: loading kvcs_checksum failed: {e}"))?;
+    let store = module
+        .load_function("kvcs_store")
+        .map_err(|e| err!(Device, "device {ordinal}: loading kvcs_store failed: {e}"))?;
     let kernels = Arc::new(Kernels {
         _module: module,
         checksum,
+        store,
     });
     cache.insert(ordinal, kernels.clone());
     Ok(kernels)

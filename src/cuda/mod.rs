@@ -11,8 +11,11 @@ mod buffers;
 mod descriptors;
 mod kernels;
 mod launch;
+mod stored;
 
+pub use self::descriptors::DevStoredItem;
 pub use self::kernels::checksum_ptx;
+pub use self::stored::{StoredMode, StoredWork};
 
 use std::sync::Arc;
 
@@ -226,10 +229,26 @@ impl DeviceEngine {
     /// the driver unchanged (null is the legacy default stream), and returns
     /// without waiting: at most one upload, one launch, one event.
     pub fn compute(&self, plan: &Plan, role: Role, stream: StreamHandle) -> Result<Values> {
+        self.compute_with(plan, role, stream, None)
+    }
+
+    /// As [`DeviceEngine::compute`], then, on the same stream before the
+    /// call's event, `stored`'s store or gather (SPEC section 8; see
+    /// `stored.rs`). Its items were checked by the caller.
+    pub fn compute_with(
+        &self,
+        plan: &Plan,
+        role: Role,
+        stream: StreamHandle,
+        stored: Option<&StoredWork>,
+    ) -> Result<Values> {
         let num_values = plan.num_values;
         let (Some(device_table), false) = (&self.device_table, plan.rows.is_empty()) else {
             // Nothing to read: every value is the empty sum.
-            return Ok(Values::Ready(vec![0; num_values]));
+            return match stored.filter(|work| !work.items.is_empty()) {
+                None => Ok(Values::Ready(vec![0; num_values])),
+                Some(work) => self.stored_alone(num_values, work, stream),
+            };
         };
         self.context.bind_to_thread().map_err(device_error("cuCtxSetCurrent"))?;
         let groups = &self.table.groups[role_index(role)];
@@ -283,23 +302,60 @@ impl DeviceEngine {
         } else {
             call.inline_rows[..rows.len()].copy_from_slice(rows);
         }
+        let num_gathered = stored.map_or(0, |work| work.items.len());
+        let host_values = slot.host_values_on_device();
+        let mut launch = match stored {
+            Some(work) => stored::stage(&mut slot, work, host_values)?,
+            None => None,
+        };
+        slot.table = Some(device_table.clone());
         // SAFETY: every address in `call` is live until the slot's event
         // completes (the slot and table stay held until then); the staging in
         // pinned memory is not touched again before that; the kernel reads
-        // cache bytes that registration proved lie in registered regions.
-        unsafe { self.enqueue(&mut call, &slot, upload, shape.blocks, stream)? };
-        slot.table = Some(device_table.clone());
+        // cache bytes that registration proved lie in registered regions,
+        // and the stored launch 8-byte values that `add_stored` checked.
+        if let Err(error) = unsafe { self.enqueue(&mut call, &slot, upload, shape.blocks, launch.as_mut(), stream) } {
+            // Parked while anything queued may still run.
+            self.pool.give_back(slot);
+            return Err(error);
+        }
         Ok(Values::Pending(Box::new(DevicePending {
             context: self.context.clone(),
             pool: self.pool.clone(),
             slot: Some(slot),
             num_values,
+            num_gathered,
+            zeros: None,
+        })))
+    }
+
+    /// A store or gather of a call with nothing to checksum: every sum is
+    /// 0 (the items have no columns), the values are zeros.
+    fn stored_alone(&self, num_values: usize, work: &StoredWork, stream: StreamHandle) -> Result<Values> {
+        self.context.bind_to_thread().map_err(device_error("cuCtxSetCurrent"))?;
+        let mut slot = self.pool.take(0, 0)?;
+        let mut launch = stored::stage(&mut slot, work, 0)?;
+        let stream = stream.0 as sys::CUstream;
+        if let Some(launch) = launch.as_mut() {
+            // SAFETY: the slot is held by the result until its event
+            // completes; the items' addresses were checked by the caller.
+            unsafe { stored::enqueue(&self.kernels, launch, stream)? };
+        }
+        // SAFETY: a live event and the caller's stream.
+        unsafe { cu::event::record(slot.event, stream) }.map_err(device_error("cuEventRecord"))?;
+        Ok(Values::Pending(Box::new(DevicePending {
+            context: self.context.clone(),
+            pool: self.pool.clone(),
+            slot: Some(slot),
+            num_values: 0,
+            num_gathered: work.items.len(),
+            zeros: Some(vec![0; num_values]),
         })))
     }
 
     /// Queues on `stream`: the upload of `upload` staged bytes to
-    /// `call.rows` (if any), the kernel on `blocks` blocks, and the slot's
-    /// event.
+    /// `call.rows` (if any), the kernel on `blocks` blocks, the stored
+    /// checksums' launch (if any), and the slot's event.
     ///
     /// # Safety
     /// Every address in `call` stays valid until the slot's event completes,
@@ -310,6 +366,7 @@ impl DeviceEngine {
         slot: &Slot,
         upload: usize,
         blocks: u32,
+        stored: Option<&mut stored::StoredLaunch>,
         stream: StreamHandle,
     ) -> Result<()> {
         // Null stays null: CUDA's legacy default stream, never a private
@@ -333,7 +390,14 @@ impl DeviceEngine {
                 &mut params,
             )
             .map_err(device_error("launching kvcs_checksum"))?;
-            cu::event::record(slot.event, stream).map_err(device_error("cuEventRecord"))
+            // The event is recorded even when the stored launch fails, so
+            // that the slot is parked until the checksum kernel is done.
+            let stored = match stored {
+                Some(launch) => stored::enqueue(&self.kernels, launch, stream),
+                None => Ok(()),
+            };
+            cu::event::record(slot.event, stream).map_err(device_error("cuEventRecord"))?;
+            stored
         }
     }
 }
@@ -344,6 +408,10 @@ struct DevicePending {
     pool: Arc<SlotPool>,
     slot: Option<Slot>,
     num_values: usize,
+    /// Stored values a load check gathers into the slot.
+    num_gathered: usize,
+    /// The values of a call that read nothing (see `stored_alone`).
+    zeros: Option<Vec<u64>>,
 }
 
 impl DevicePending {
@@ -364,7 +432,14 @@ impl PendingValues for DevicePending {
     }
 
     fn values(&self) -> &[u64] {
-        self.slot().values(self.num_values)
+        match &self.zeros {
+            Some(zeros) => zeros,
+            None => self.slot().values(self.num_values),
+        }
+    }
+
+    fn gathered(&self) -> &[u64] {
+        stored::gathered(self.slot(), self.num_gathered)
     }
 }
 

@@ -404,8 +404,10 @@ pub extern "C" fn kvcs_worker_checksum(
 /// (a multiple of 8), memory the worker writes (`kvcs_worker_store`) and
 /// reads (`kvcs_worker_check_stored`) while it lives; the caller keeps it so
 /// and copies each block's 8 bytes with the block when offloading. A later
-/// call replaces the buffer. Host workers only for now
-/// (`KVCS_ERR_UNSUPPORTED` on a device worker). On error nothing changes.
+/// call replaces the buffer. On a device worker the buffer must be device
+/// memory of the worker's device or pinned host memory
+/// (`KVCS_ERR_INVALID_ARGUMENT` otherwise, `KVCS_ERR_OUT_OF_BOUNDS` when it
+/// runs past mapped memory). On error nothing changes.
 #[no_mangle]
 pub extern "C" fn kvcs_worker_add_stored(
     worker: *mut kvcs_worker,
@@ -427,7 +429,9 @@ pub extern "C" fn kvcs_worker_add_stored(
 /// `blocks` that the worker does not skip needs a buffer and block hashes,
 /// and every block id must be inside the buffer: checked before anything is
 /// computed or written. `*out` gets the checksums, as
-/// `kvcs_worker_checksum` gives them. Host workers only for now.
+/// `kvcs_worker_checksum` gives them. A device worker queues the writes on
+/// `cuda_stream` after the checksums and returns without waiting: they are
+/// done when the result is ready (or the stream is synchronised).
 #[no_mangle]
 pub extern "C" fn kvcs_worker_store(
     worker: *mut kvcs_worker,
@@ -467,7 +471,9 @@ unsafe fn call_into_result(
 /// column) and reads back their stored checksums (with the block hashes of
 /// `kvcs_blocks_set_hashes`); `kvcs_result_stored` on `*out` then says, per
 /// block position, whether they match. Same requirements as
-/// `kvcs_worker_store`. Host workers only for now.
+/// `kvcs_worker_store`. A device worker reads the stored values on
+/// `cuda_stream` with the checksums: `kvcs_result_stored` answers
+/// `KVCS_ERR_NOT_READY` until the result is ready.
 #[no_mangle]
 pub extern "C" fn kvcs_worker_check_stored(
     worker: *mut kvcs_worker,
