@@ -17,7 +17,7 @@ use crate::cuda::{DevStoredItem, StoredMode, StoredWork};
 use crate::error::{err, Result};
 use crate::fingerprint::group_fingerprint;
 use crate::layout::{Group, Layout, StoredBuffer};
-use crate::result::{Checksums, Placement, Shape, StoredExpectation, StoredRef};
+use crate::result::{Checksums, GroupInfo, Placement, Shape, StoredExpectation, StoredRef};
 
 /// The tag that binds a stored checksum to its block hash and group.
 pub fn block_tag(block_hash: u64, group_fingerprint: u64) -> u64 {
@@ -53,7 +53,7 @@ impl Target<'_> {
 /// Checks that every (request, group) of `blocks` that the worker does not
 /// skip has a stored buffer, block hashes, and block ids inside the buffer:
 /// all of it before anything is computed or written.
-fn targets<'a>(layout: &'a Layout, blocks: &'a BlockSet) -> Result<Vec<Target<'a>>> {
+fn targets<'a>(layout: &'a Layout, infos: &[GroupInfo], blocks: &'a BlockSet) -> Result<Vec<Target<'a>>> {
     let mut targets = Vec::new();
     let mut index = 0;
     for request in blocks.requests() {
@@ -102,7 +102,11 @@ fn targets<'a>(layout: &'a Layout, blocks: &'a BlockSet) -> Result<Vec<Target<'a
                 hashes,
                 group,
                 buffer,
-                fingerprint: group_fingerprint(group),
+                // The worker's fingerprints, hashed once per layout (not per
+                // request: a group's fingerprint hashes every layer's identity).
+                fingerprint: infos
+                    .binary_search_by_key(&group_id, |info| info.group_id)
+                    .map_or_else(|_| group_fingerprint(group), |i| infos[i].fingerprint),
             });
         }
     }
@@ -110,8 +114,8 @@ fn targets<'a>(layout: &'a Layout, blocks: &'a BlockSet) -> Result<Vec<Target<'a
 }
 
 /// Fails unless `blocks` can be stored or checked on `layout` (see [`targets`]).
-pub fn check_blocks(layout: &Layout, blocks: &BlockSet) -> Result<()> {
-    targets(layout, blocks).map(|_| ())
+pub fn check_blocks(layout: &Layout, infos: &[GroupInfo], blocks: &BlockSet) -> Result<()> {
+    targets(layout, infos, blocks).map(|_| ())
 }
 
 /// Writes `sum XOR tag` for every block of `blocks` that holds a valid
@@ -119,8 +123,8 @@ pub fn check_blocks(layout: &Layout, blocks: &BlockSet) -> Result<()> {
 ///
 /// The caller of `add_stored` promised the buffers are writable host memory
 /// that nothing else writes meanwhile.
-pub fn store(layout: &Layout, blocks: &BlockSet, result: &Checksums) -> Result<()> {
-    let targets = targets(layout, blocks)?;
+pub fn store(layout: &Layout, infos: &[GroupInfo], blocks: &BlockSet, result: &Checksums) -> Result<()> {
+    let targets = targets(layout, infos, blocks)?;
     let mut writes = Vec::new();
     for target in &targets {
         let sums = result.position_sums(&target.request.req_id, target.blocks.group_id)?;
@@ -181,8 +185,12 @@ fn checked_positions<'a>(
 /// Reads back the stored value of every block of `blocks` that holds a
 /// valid token (host memory): what a load check expects, and the values
 /// its expectations index.
-pub fn expectations(layout: &Layout, blocks: &BlockSet) -> Result<(Vec<StoredExpectation>, Vec<u64>)> {
-    let targets = targets(layout, blocks)?;
+pub fn expectations(
+    layout: &Layout,
+    infos: &[GroupInfo],
+    blocks: &BlockSet,
+) -> Result<(Vec<StoredExpectation>, Vec<u64>)> {
+    let targets = targets(layout, infos, blocks)?;
     let mut read = Vec::new();
     let expectations = checked_positions(&targets, |target, _, block_id, _| {
         // SAFETY: as in `store`, readable host memory.
@@ -199,11 +207,12 @@ pub fn expectations(layout: &Layout, blocks: &BlockSet) -> Result<(Vec<StoredExp
 /// the device gathers (in item order).
 pub fn device_work(
     layout: &Layout,
+    infos: &[GroupInfo],
     blocks: &BlockSet,
     shape: &Shape,
     mode: StoredMode,
 ) -> Result<(StoredWork, Vec<StoredExpectation>)> {
-    let targets = targets(layout, blocks)?;
+    let targets = targets(layout, infos, blocks)?;
     let mut items = Vec::new();
     let expectations = checked_positions(&targets, |target, i, block_id, _| {
         let Some(&Placement::Computed { slot, values_offset }) = shape.placements.get(target.index) else {

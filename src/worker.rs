@@ -116,6 +116,13 @@ impl Worker {
         &self.options
     }
 
+    /// The record's group facts, fingerprints hashed once per layout.
+    fn infos(&self) -> Arc<[GroupInfo]> {
+        self.group_infos
+            .get_or_init(|| group_infos(&self.layout).into())
+            .clone()
+    }
+
     /// What the worker's engine runs on, for logs: host threads, or the
     /// device and its kernel's registers and occupancy.
     pub fn engine_description(&self) -> String {
@@ -239,7 +246,7 @@ impl Worker {
             Engine::Device(device) => match stored {
                 None => device.compute(&plan, role, stream)?,
                 Some(mode) => {
-                    let (work, expected) = stored::device_work(&self.layout, blocks, &plan.shape, mode)?;
+                    let (work, expected) = stored::device_work(&self.layout, &self.infos(), blocks, &plan.shape, mode)?;
                     expectations = expected;
                     device.compute_with(&plan, role, stream, Some(&work))?
                 }
@@ -249,10 +256,7 @@ impl Worker {
             Some(detail) => Some(Arc::new(self.detail_values(detail, blocks, role, stream)?)),
             None => None,
         };
-        let groups = self
-            .group_infos
-            .get_or_init(|| group_infos(&self.layout).into())
-            .clone();
+        let groups = self.infos();
         let info = RecordInfo {
             rank: self.options.rank(),
             role,
@@ -286,11 +290,11 @@ impl Worker {
     /// before anything is computed or written. A device worker queues the
     /// writes on `stream` after the checksums and returns without waiting.
     pub fn store(&self, blocks: &BlockSet, stream: StreamHandle) -> Result<Checksums> {
-        stored::check_blocks(&self.layout, blocks)?;
+        stored::check_blocks(&self.layout, &self.infos(), blocks)?;
         match &self.engine {
             Engine::Host(_) => {
                 let result = self.checksum(blocks, Role::Consumer, stream)?;
-                stored::store(&self.layout, blocks, &result)?;
+                stored::store(&self.layout, &self.infos(), blocks, &result)?;
                 Ok(result)
             }
             Engine::Device(_) => Ok(self
@@ -307,13 +311,13 @@ impl Worker {
     pub fn check_stored(&self, blocks: &BlockSet, stream: StreamHandle) -> Result<Checksums> {
         match &self.engine {
             Engine::Host(_) => {
-                let (expectations, read) = stored::expectations(&self.layout, blocks)?;
+                let (expectations, read) = stored::expectations(&self.layout, &self.infos(), blocks)?;
                 Ok(self
                     .checksum(blocks, Role::Consumer, stream)?
                     .with_stored(expectations, StoredValues::Read(read)))
             }
             Engine::Device(_) => {
-                stored::check_blocks(&self.layout, blocks)?;
+                stored::check_blocks(&self.layout, &self.infos(), blocks)?;
                 let (result, expectations) =
                     self.checksum_with(blocks, Role::Consumer, stream, Some(cuda::StoredMode::Gather))?;
                 Ok(result.with_stored(expectations, StoredValues::Gathered))
@@ -498,8 +502,14 @@ mod tests {
         let plan = Plan::new(&worker.layout, &blocks, Role::Consumer).unwrap();
         let values = worker.checksum(&blocks, Role::Consumer, stream).unwrap();
         let values = values.values().unwrap();
-        let (work, expectations) =
-            stored::device_work(&worker.layout, &blocks, &plan.shape, cuda::StoredMode::Store).unwrap();
+        let (work, expectations) = stored::device_work(
+            &worker.layout,
+            &worker.infos(),
+            &blocks,
+            &plan.shape,
+            cuda::StoredMode::Store,
+        )
+        .unwrap();
         assert_eq!(work.items.len(), 3 + 3 + 2, "positions holding tokens");
         let mut device = [junk.clone(), junk.clone()];
         for item in &work.items {
