@@ -18,6 +18,16 @@ pub struct GroupBlocks {
     /// Per block, the first 8 bytes of its block hash read as a
     /// little-endian `u64`, when given (stored checksums, SPEC section 8).
     pub hashes: Option<Vec<u64>>,
+    /// The largest of `block_ids` (0 when there are none), found when the
+    /// blocks are added so that a checksum call checks them in one comparison.
+    max_block_id: u32,
+}
+
+impl GroupBlocks {
+    /// The largest block id (0 when there are no blocks).
+    pub fn max_block_id(&self) -> u32 {
+        self.max_block_id
+    }
 }
 
 /// One request's blocks.
@@ -98,6 +108,7 @@ impl BlockSet {
             first_position,
             block_ids: block_ids.to_vec(),
             hashes: None,
+            max_block_id: block_ids.iter().copied().max().unwrap_or(0),
         });
         Ok(())
     }

@@ -252,7 +252,12 @@ impl Worker {
     #[doc(hidden)]
     pub fn checksum_host_overhead(&self, blocks: &BlockSet, role: Role) -> Result<()> {
         let plan = Plan::new(&self.layout, blocks, role)?;
-        drop(std::hint::black_box(self.result(plan, Values::Ready(Vec::new()), role, None)));
+        drop(std::hint::black_box(self.result(
+            plan,
+            Values::Ready(Vec::new()),
+            role,
+            None,
+        )));
         Ok(())
     }
 
