@@ -45,9 +45,9 @@ impl Plan {
     /// id or unknown group fails the whole call.
     pub fn new(layout: &Layout, blocks: &BlockSet, role: Role) -> Result<Plan> {
         let requests = blocks.shared_requests();
-        let total_blocks = requests.iter().flat_map(|r| &r.groups).map(|g| g.block_ids.len()).sum();
-        let mut rows = Vec::with_capacity(total_blocks);
-        let mut placements = Vec::with_capacity(requests.iter().map(|r| r.groups.len()).sum());
+        // Counted as the blocks were added: no pass over the set to size these.
+        let mut rows = Vec::with_capacity(blocks.num_blocks());
+        let mut placements = Vec::with_capacity(blocks.num_groups());
         let skipped: Vec<SkippedGroup> = layout
             .skipped_groups()
             .map(|(group_id, reason)| SkippedGroup {
