@@ -18,6 +18,16 @@ pub struct GroupBlocks {
     /// Per block, the first 8 bytes of its block hash read as a
     /// little-endian `u64`, when given (stored checksums, SPEC section 8).
     pub hashes: Option<Vec<u64>>,
+    /// The largest of `block_ids` (0 when there are none), found when the
+    /// blocks are added so that a checksum call checks them in one comparison.
+    max_block_id: u32,
+}
+
+impl GroupBlocks {
+    /// The largest block id (0 when there are no blocks).
+    pub fn max_block_id(&self) -> u32 {
+        self.max_block_id
+    }
 }
 
 /// One request's blocks.
@@ -47,6 +57,10 @@ pub fn valid_tokens(num_tokens: u64, block_size: u32, position: u64) -> u32 {
 pub struct BlockSet {
     requests: Arc<Vec<RequestBlocks>>,
     index: HashMap<String, usize>,
+    /// Groups of blocks over all requests, counted as they are added.
+    num_groups: usize,
+    /// Block ids over all requests and groups, counted as they are added.
+    num_blocks: usize,
 }
 
 impl BlockSet {
@@ -98,7 +112,10 @@ impl BlockSet {
             first_position,
             block_ids: block_ids.to_vec(),
             hashes: None,
+            max_block_id: block_ids.iter().copied().max().unwrap_or(0),
         });
+        self.num_groups += 1;
+        self.num_blocks += block_ids.len();
         Ok(())
     }
 
@@ -146,6 +163,17 @@ impl BlockSet {
     /// The requests, shared: what a result keeps of its block set.
     pub fn shared_requests(&self) -> Arc<Vec<RequestBlocks>> {
         self.requests.clone()
+    }
+
+    /// Groups of blocks over all requests: what a checksum call's result
+    /// places.
+    pub fn num_groups(&self) -> usize {
+        self.num_groups
+    }
+
+    /// Block ids over all requests and groups: at most the rows of a call.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
     }
 
     /// The request `req_id`, if present.

@@ -45,9 +45,9 @@ impl Plan {
     /// id or unknown group fails the whole call.
     pub fn new(layout: &Layout, blocks: &BlockSet, role: Role) -> Result<Plan> {
         let requests = blocks.shared_requests();
-        let total_blocks = requests.iter().flat_map(|r| &r.groups).map(|g| g.block_ids.len()).sum();
-        let mut rows = Vec::with_capacity(total_blocks);
-        let mut placements = Vec::with_capacity(requests.iter().map(|r| r.groups.len()).sum());
+        // Counted as the blocks were added: no pass over the set to size these.
+        let mut rows = Vec::with_capacity(blocks.num_blocks());
+        let mut placements = Vec::with_capacity(blocks.num_groups());
         let skipped: Vec<SkippedGroup> = layout
             .skipped_groups()
             .map(|(group_id, reason)| SkippedGroup {
@@ -79,8 +79,9 @@ impl Plan {
                 last_group = Some(group);
                 let block_ids = &group_blocks.block_ids;
                 let num_blocks = group.num_blocks();
-                // One cheap pass; the error path finds the culprit.
-                if block_ids.iter().any(|&id| id >= num_blocks) {
+                // The set found the largest id when the blocks were added:
+                // one comparison here; the error path finds the culprit.
+                if !block_ids.is_empty() && group_blocks.max_block_id() >= num_blocks {
                     let (i, block_id) = block_ids
                         .iter()
                         .enumerate()
@@ -139,22 +140,24 @@ impl Plan {
                 rows_per_slot[group.slot as usize] += with_tokens as u64;
                 // position < end, so position * block_size < num_tokens: no
                 // overflow, and valid_tokens() is the plain difference, capped.
-                let mut first_token = first.wrapping_mul(block_size);
+                // A closure over copies, not references, and an iterator of
+                // known length: the rows are written in one tight loop.
+                let first_token = first.wrapping_mul(block_size);
                 let num_tokens = request.num_tokens;
-                let slot = group.slot;
-                let out = values_offset as u32..;
-                rows.extend(block_ids[..with_tokens].iter().zip(out).map(|(&block_id, out)| {
-                    let row = Row {
+                let group_slot = group.slot;
+                let column_stride = num_positions as u32;
+                let out = values_offset as u32;
+                rows.extend(block_ids[..with_tokens].iter().enumerate().map(move |(i, &block_id)| {
+                    let first_token = first_token + i as u64 * block_size;
+                    Row {
                         first_token,
                         block_id,
                         valid_tokens: (num_tokens - first_token).min(block_size) as u32,
-                        out,
-                        column_stride: num_positions as u32,
-                        group_slot: slot,
+                        out: out + i as u32,
+                        column_stride,
+                        group_slot,
                         reserved: 0,
-                    };
-                    first_token += block_size;
-                    row
+                    }
                 }));
                 debug_assert!(rows.iter().rev().take(with_tokens).all(|row| {
                     let position = row.first_token / block_size;

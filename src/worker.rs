@@ -256,6 +256,11 @@ impl Worker {
             Some(detail) => Some(Arc::new(self.detail_values(detail, blocks, role, stream)?)),
             None => None,
         };
+        Ok((self.result(plan, values, role, detail), expectations))
+    }
+
+    /// The result of a call: its shape and values, with what its record needs.
+    fn result(&self, plan: Plan, values: Values, role: Role, detail: Option<Arc<DetailValues>>) -> Checksums {
         let groups = self.infos();
         let info = RecordInfo {
             rank: self.options.rank(),
@@ -263,7 +268,23 @@ impl Worker {
             groups,
             detail,
         };
-        Ok((Checksums::new(plan.shape, values).with_record_info(info), expectations))
+        Checksums::new(plan.shape, values).with_record_info(info)
+    }
+
+    /// For benchmarks only (`benches/plan_bench.rs`): the host work of
+    /// [`Worker::checksum`] without the engine's (checking and laying out
+    /// `blocks`, building the result around no values, dropping it), so that
+    /// it can be timed on a machine without a GPU. Reads no cache memory.
+    #[doc(hidden)]
+    pub fn checksum_host_overhead(&self, blocks: &BlockSet, role: Role) -> Result<()> {
+        let plan = Plan::new(&self.layout, blocks, role)?;
+        drop(std::hint::black_box(self.result(
+            plan,
+            Values::Ready(Vec::new()),
+            role,
+            None,
+        )));
+        Ok(())
     }
 
     /// Registers `group_id`'s buffer of stored checksums (SPEC section 8): 8

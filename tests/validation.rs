@@ -797,3 +797,119 @@ fn a_device_worker_that_cannot_be_had_is_a_device_error() {
     let device = format!("device {ordinal}");
     expect_error(result, "Device", &[device.as_str()], "device worker without a device");
 }
+
+/// What a block set counts as blocks are added (its groups, its block ids,
+/// each group's largest id: what a call sizes and checks with) against the
+/// same read off its requests, after random adds, failed adds among them.
+#[test]
+fn block_set_counts_follow_every_add() {
+    let mut rng = Rng::for_test("block_set_counts_follow_every_add");
+    let seed = rng.seed();
+    for trial in 0..200 {
+        let mut blocks = kvcsum::BlockSet::new();
+        let mut req_ids: Vec<String> = Vec::new();
+        for step in 0..rng.range(1..40) {
+            let context = format!("seed {seed}, trial {trial}, step {step}");
+            if req_ids.is_empty() || rng.chance(1, 4) {
+                let req_id = format!("r{}", rng.below(12));
+                if blocks.add_request(&req_id, rng.below(1000)).is_ok() {
+                    req_ids.push(req_id);
+                }
+            } else {
+                // Repeated groups, unknown requests and overflowing
+                // positions fail and must count nothing.
+                let req_id = if rng.chance(1, 8) {
+                    "unknown".to_owned()
+                } else {
+                    rng.pick(&req_ids).clone()
+                };
+                let first_position = if rng.chance(1, 8) {
+                    u64::MAX - rng.below(3)
+                } else {
+                    rng.below(50)
+                };
+                let ids: Vec<u32> = (0..rng.below(20))
+                    .map(|_| {
+                        if rng.chance(1, 4) {
+                            rng.next_u64() as u32
+                        } else {
+                            rng.below(64) as u32
+                        }
+                    })
+                    .collect();
+                let _ = blocks.add_group(&req_id, rng.below(4) as u32, first_position, &ids);
+            }
+            let groups: Vec<&kvcsum::GroupBlocks> = blocks.requests().iter().flat_map(|r| &r.groups).collect();
+            assert_eq!(blocks.num_groups(), groups.len(), "{context}: groups");
+            let num_blocks: usize = groups.iter().map(|g| g.block_ids.len()).sum();
+            assert_eq!(blocks.num_blocks(), num_blocks, "{context}: block ids");
+            for group in groups {
+                let mut largest = 0;
+                for &id in &group.block_ids {
+                    if id > largest {
+                        largest = id;
+                    }
+                }
+                assert_eq!(group.max_block_id(), largest, "{context}: {group:?}");
+            }
+        }
+    }
+}
+
+/// Random block sets with ids past the cache here and there: a call fails
+/// exactly when some id is, naming the first one in request, group and
+/// position order, and otherwise takes them all.
+#[test]
+fn random_bad_block_ids_are_all_found() {
+    let mut rng = Rng::for_test("random_bad_block_ids_are_all_found");
+    let fixture = Fixture::new(&mut rng);
+    let mut worker = fixture.bare_worker();
+    for spec in fixture.specs() {
+        worker.add_layer(spec).unwrap();
+    }
+    let seed = rng.seed();
+    for trial in 0..300 {
+        let mut blocks = kvcsum::BlockSet::new();
+        let mut first_bad = None;
+        for r in 0..rng.range(1..5) {
+            let req_id = format!("q{r}");
+            blocks.add_request(&req_id, rng.below(100)).unwrap();
+            let first_position = rng.below(6);
+            let ids: Vec<u32> = (0..rng.below(6))
+                .map(|_| match rng.below(20) {
+                    0 => u32::MAX,
+                    1 => rng.range(4..u32::MAX as u64) as u32,
+                    2 => 4,
+                    _ => rng.below(4) as u32,
+                })
+                .collect();
+            for (i, &id) in ids.iter().enumerate() {
+                if id >= 4 && first_bad.is_none() {
+                    first_bad = Some((req_id.clone(), first_position + i as u64, id));
+                }
+            }
+            blocks.add_group(&req_id, 0, first_position, &ids).unwrap();
+        }
+        let context = format!("seed {seed}, trial {trial}");
+        let result = worker.checksum(&blocks, Role::Producer, StreamHandle::legacy_default());
+        match first_bad {
+            Some((req_id, position, id)) => {
+                let needles = [
+                    format!("block id {id} at position {position} of req_id \"{req_id}\""),
+                    "num_blocks 4".to_owned(),
+                ];
+                let needles: Vec<&str> = needles.iter().map(String::as_str).collect();
+                expect_error(result, "OutOfBounds", &needles, &context);
+            }
+            None => {
+                // The values of good ids are checked elsewhere; here, the
+                // call takes them all, every position in its place.
+                let result = result.unwrap_or_else(|e| panic!("{context}: {e}"));
+                for request in blocks.requests() {
+                    let (_, values) = result.column(&request.req_id, 0, 0).unwrap();
+                    assert_eq!(values.len(), request.groups[0].block_ids.len(), "{context}");
+                }
+            }
+        }
+    }
+}

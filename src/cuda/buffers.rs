@@ -205,20 +205,30 @@ impl SlotPool {
     }
 
     /// A slot holding at least `rows` rows and `values` values.
+    ///
+    /// A free slot that fits serves the call under one lock, with no device
+    /// call; parked slots are polled only when none does, before allocating.
     pub fn take(&self, rows: usize, values: usize) -> Result<Slot> {
+        if let Some(slot) = self.take_free(rows, values)? {
+            return Ok(slot);
+        }
         self.reap()?;
+        if let Some(slot) = self.take_free(rows, values)? {
+            return Ok(slot);
+        }
+        Slot::new(rows.max(64).next_power_of_two(), values.max(256).next_power_of_two())
+    }
+
+    /// A free slot holding at least `rows` rows and `values` values, if any.
+    fn take_free(&self, rows: usize, values: usize) -> Result<Option<Slot>> {
         let mut free = self
             .free
             .lock()
             .map_err(|_| err!(Internal, "slot pool lock poisoned"))?;
-        if let Some(i) = free
+        Ok(free
             .iter()
             .position(|s| s.row_capacity >= rows && s.value_capacity >= values)
-        {
-            return Ok(free.swap_remove(i));
-        }
-        drop(free);
-        Slot::new(rows.max(64).next_power_of_two(), values.max(256).next_power_of_two())
+            .map(|i| free.swap_remove(i)))
     }
 
     /// Gives back a slot: free if its work is done, parked otherwise.
