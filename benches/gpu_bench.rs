@@ -594,6 +594,22 @@ fn main() {
     }
     wall.sort_by(f64::total_cmp);
     inside.sort_by(f64::total_cmp);
+    // The floor of any one-launch call on this host: a bare launch of the
+    // read kernel plus an event record, the two driver calls a checksum call
+    // makes at least.
+    let floor_event = unsafe { check(cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING), "event") };
+    let mut bare = Vec::new();
+    for _ in 0..200 {
+        let t = Instant::now();
+        read_case(&dev, &one, one_blocks);
+        unsafe { check(cu::event::record(floor_event, dev.stream), "record") };
+        bare.push(t.elapsed().as_secs_f64() * 1e6);
+        dev.sync();
+    }
+    unsafe {
+        let _ = cu::event::destroy(floor_event);
+    }
+    bare.sort_by(f64::total_cmp);
     println!();
     println!("| measurement | median |");
     println!("|---|---:|");
@@ -612,6 +628,10 @@ fn main() {
     println!(
         "| 1 block x 32 layers: host time inside checksum | {:.2} us |",
         inside[inside.len() / 2]
+    );
+    println!(
+        "| host time of a bare launch of the read kernel plus an event record (the floor of a call) | {:.2} us |",
+        bare[bare.len() / 2]
     );
 
     // Host time inside checksum for 128 requests of 16 blocks, and the part
