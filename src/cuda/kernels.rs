@@ -14,11 +14,13 @@ use crate::error::{err, Result};
 const DESCRIPTORS: &str = include_str!("../../kernels/descriptors.cuh");
 /// The checksum kernel.
 const CHECKSUM: &str = include_str!("../../kernels/checksum.cu");
+/// The state kernel (uses helpers of the checksum kernel's source).
+const STATE: &str = include_str!("../../kernels/state.cu");
 
 /// What NVRTC compiles: the generated constants, the descriptors and their
-/// generated layout checks, then the kernel.
+/// generated layout checks, then the kernels (one module).
 fn checksum_source() -> String {
-    kernel_prelude(DESCRIPTORS) + CHECKSUM
+    [kernel_prelude(DESCRIPTORS).as_str(), CHECKSUM, "\n", STATE].concat()
 }
 
 /// A compiled module and the entry points taken from it.
@@ -27,6 +29,8 @@ pub struct Kernels {
     _module: Arc<CudaModule>,
     /// `kvcs_checksum`.
     pub checksum: CudaFunction,
+    /// `kvcs_state`.
+    pub state: CudaFunction,
 }
 
 /// Compiled modules by device ordinal; filled once per device.
@@ -46,9 +50,13 @@ pub fn kernels(context: &Arc<CudaContext>) -> Result<Arc<Kernels>> {
     let checksum = module
         .load_function("kvcs_checksum")
         .map_err(|e| err!(Device, "device {ordinal}: loading kvcs_checksum failed: {e}"))?;
+    let state = module
+        .load_function("kvcs_state")
+        .map_err(|e| err!(Device, "device {ordinal}: loading kvcs_state failed: {e}"))?;
     let kernels = Arc::new(Kernels {
         _module: module,
         checksum,
+        state,
     });
     cache.insert(ordinal, kernels.clone());
     Ok(kernels)
@@ -68,7 +76,7 @@ pub fn compile(context: &Arc<CudaContext>, source: &str, name: &str) -> Result<A
         .map_err(|e| err!(Device, "device {ordinal}: loading {name} failed: {e}"))
 }
 
-/// The checksum kernel's PTX for `arch` (`"sm_90"`, say), compiled by NVRTC
+/// The kernels' PTX (`kvcs_checksum` and `kvcs_state`) for `arch` (`"sm_90"`, say), compiled by NVRTC
 /// without a device: lets a machine with NVRTC but no GPU check the kernels.
 pub fn checksum_ptx(arch: &str) -> Result<String> {
     // SAFETY: only tries to dlopen the library.
