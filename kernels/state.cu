@@ -81,7 +81,7 @@ __device__ __forceinline__ kvcs_u64 kvcs_state_unit(
         const kvcs_u64 row = first_row + (kvcs_u64)(k >> column_shift) * rows_per_step;
         const kvcs_u32 vector = first_vector + ((kvcs_u32)k & ((1u << column_shift) - 1)) * lanes;
         words[k] = make_uint4(0u, 0u, 0u, 0u);
-        if ((kvcs_u32)k < (steps << column_shift) && row < tensor.num_rows && vector < tensor.vectors_per_row)
+        if (row < tensor.num_rows && vector < tensor.vectors_per_row)
             words[k] = kvcs_state_load(base + (kvcs_i64)row * tensor.row_stride + ((kvcs_i64)vector << vector_shift),
                                        vector_shift);
     }

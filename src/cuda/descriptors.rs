@@ -574,7 +574,9 @@ mod tests {
                 let lo: Vec<u64> = words.iter().map(|&w| (w & 0xffff) as u64).collect();
                 let hi: Vec<u64> = words.iter().map(|&w| (w >> 16) as u64).collect();
                 let total = lo.iter().chain(&hi).sum::<u64>();
-                let weighted = (0..4).map(|w| 2 * w as u64 * lo[w] + (2 * w as u64 + 1) * hi[w]).sum::<u64>();
+                let weighted = (0..4)
+                    .map(|w| 2 * w as u64 * lo[w] + (2 * w as u64 + 1) * hi[w])
+                    .sum::<u64>();
                 (total, weighted)
             } else {
                 let total = words.iter().map(|&w| w as u64).sum::<u64>();
@@ -598,19 +600,16 @@ mod tests {
             let base = tensor.address as i64 + block_id as i64 * tensor.block_stride;
             let mut total = 0u64;
             for lane in 0..WARP {
-                let first_row = row_block as u64 * steps as u64 * rows_per_step as u64 + (lane >> tensor.lane_shift) as u64;
+                let first_row =
+                    row_block as u64 * steps as u64 * rows_per_step as u64 + (lane >> tensor.lane_shift) as u64;
                 let first_vector = chunk * (lanes << tensor.column_shift) + (lane & (lanes - 1));
                 for k in 0..STATE_LOADS {
                     let row = first_row + (k >> tensor.column_shift) as u64 * rows_per_step as u64;
                     let vector_index = first_vector + (k & ((1 << tensor.column_shift) - 1)) * lanes;
                     let mut words = [0u32; 4];
-                    if k < (steps << tensor.column_shift)
-                        && row < tensor.num_rows as u64
-                        && vector_index < tensor.vectors_per_row
-                    {
-                        let address = base
-                            + row as i64 * tensor.row_stride
-                            + ((vector_index as i64) << tensor.vector_shift);
+                    if row < tensor.num_rows as u64 && vector_index < tensor.vectors_per_row {
+                        let address =
+                            base + row as i64 * tensor.row_stride + ((vector_index as i64) << tensor.vector_shift);
                         words = load(address, tensor.vector_shift);
                     }
                     let index = tensor

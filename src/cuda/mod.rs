@@ -112,9 +112,8 @@ impl DeviceEngine {
             }
             Ok(blocks)
         };
-        let resident = |blocks: i32| {
-            (processors.max(1) as u64) * (blocks.max(1) as u64) * (THREADS_PER_BLOCK / WARP) as u64
-        };
+        let resident =
+            |blocks: i32| (processors.max(1) as u64) * (blocks.max(1) as u64) * (THREADS_PER_BLOCK / WARP) as u64;
         let registers = |function: &cudarc::driver::CudaFunction| {
             function
                 .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS)
