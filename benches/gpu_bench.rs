@@ -597,7 +597,7 @@ fn main() {
     // The floor of any one-launch call on this host: a bare launch of the
     // read kernel plus an event record, the two driver calls a checksum call
     // makes at least.
-    let floor_event = unsafe { check(cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING), "event") };
+    let floor_event = check(cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING), "event");
     let mut bare = Vec::new();
     for _ in 0..200 {
         let t = Instant::now();

@@ -1438,8 +1438,9 @@ kvcs_status kvcs_worker_add_layer(kvcs_worker *worker, const kvcs_layer *layer);
 // `first_position` 0 and one block id); `num_tokens` does not limit it.
 // Every byte a tensor can reach must lie in one registered region (else
 // `KVCS_ERR_OUT_OF_BOUNDS`); a group holds attention layers or state
-// layers, never both. Host workers only for now: `KVCS_ERR_UNSUPPORTED` on
-// a device worker. On any error nothing is registered.
+// layers, never both. A device worker uploads the state descriptors here
+// and reads the state on the device, with the host worker's values. On any
+// error nothing is registered.
 kvcs_status kvcs_worker_add_state(kvcs_worker *worker, const kvcs_state *state);
 
 // Registers layer `layer_number` of group `group_id` as one that reads the

@@ -2,7 +2,8 @@
 // of these) and the kernels. The library prepends this file to each kernel
 // source before NVRTC compiles it, so kernels do not #include it. Before it
 // come the shared constants (KVCS_WARP, KVCS_THREADS_PER_BLOCK,
-// KVCS_MAX_SPLIT, KVCS_INLINE_ROWS, KVCS_INLINE_GROUPS, KVCS_BATCH) and
+// KVCS_MAX_SPLIT, KVCS_INLINE_ROWS, KVCS_INLINE_GROUPS, KVCS_BATCH,
+// KVCS_STATE_LOADS, KVCS_INLINE_STATE_ROWS) and
 // after it static_asserts of every struct's size and field offsets, both
 // generated from the Rust definitions (kernel_prelude in descriptors.rs).
 #ifndef KVCS_DESCRIPTORS_CUH
@@ -101,6 +102,50 @@ struct kvcs_dev_stored_call {
     kvcs_u64 *gathered;                   // gather: one stored value per item (mapped pinned host memory)
     kvcs_u32 num_items;
     kvcs_u32 gather;                      // 0: write sum ^ tag to each item's address; 1: read it into gathered
+};
+
+// A state tensor of one state layer (SPEC section 6) as this worker holds
+// it. Row r weighs first_weight + r * weight_step and its first element is
+// numbered first_index + r * index_step. Its units: row blocks (rows_per_unit
+// = (KVCS_STATE_LOADS >> column_shift) * (KVCS_WARP >> lane_shift) rows) times
+// column chunks (lanes << column_shift vectors) of a row.
+struct kvcs_dev_state_tensor {
+    kvcs_u64 address;             // block (state slot) 0, row 0
+    kvcs_i64 block_stride;        // bytes between state slots
+    kvcs_i64 row_stride;          // bytes between rows
+    kvcs_u64 first_weight;        // slice weight of row 0
+    kvcs_u64 weight_step;         // 2 (split known: a slice per row) or 0 (shard-keyed)
+    kvcs_u64 first_index;         // index of row 0's first element: 0, or (shard-keyed) elements before it
+    kvcs_u64 index_step;          // 0, or (shard-keyed) elements per row
+    kvcs_u32 unit_start;          // units of the group's tensors before this one
+    kvcs_u32 num_rows;
+    kvcs_u32 vectors_per_row;     // bytes_per_row >> vector_shift
+    kvcs_u32 chunks_per_row;      // column chunks of a row
+    kvcs_u32 vector_shift;        // log2 bytes per load: 1 to 4
+    kvcs_u32 element_shift;       // log2 element size: 1 or 2
+    kvcs_u32 lane_shift;          // log2 lanes per row: min(32, next power of 2 of vectors_per_row)
+    kvcs_u32 column_shift;        // log2 loads per lane per row in a unit
+};
+
+// A state group's tensors (all its layers', in order), by group slot; zeros
+// for attention groups.
+struct kvcs_dev_state_group {
+    kvcs_u32 tensors_begin;       // in the state tensor table
+    kvcs_u32 tensors_end;
+    kvcs_u32 units;               // units of one state row
+    kvcs_u32 reserved;
+};
+
+// The one parameter of the state kernel: the call's rows of state groups
+// (their out is the value index of their one column).
+struct kvcs_dev_state_call {
+    const struct kvcs_dev_state_tensor *tensors;
+    const struct kvcs_dev_state_group *groups;   // by slot
+    const struct kvcs_dev_row *rows;             // device memory; NULL: use inline_rows
+    kvcs_u64 *accumulators;                      // the slot's, added into; kvcs_checksum publishes them
+    kvcs_u32 num_rows;
+    kvcs_u32 reserved;
+    struct kvcs_dev_row inline_rows[KVCS_INLINE_STATE_ROWS];
 };
 
 #endif

@@ -206,17 +206,22 @@ impl Worker {
     }
 
     /// Registers a state layer (SPEC section 6) of a state group; on error
-    /// nothing changes. Host workers only for now (`Unsupported` on a device
-    /// worker).
+    /// nothing changes. A host worker adds it in place (the layout checks
+    /// before it changes); a device worker keeps its layout until the device
+    /// has the new tables. Detail mode's shadow has no state layers, so it
+    /// stays as it is.
     pub fn add_state(&mut self, spec: StateSpec) -> Result<()> {
-        if matches!(self.engine, Engine::Device(_)) {
-            return Err(err!(
-                Unsupported,
-                "state layers (layer_number {}) are not supported on a device worker yet",
-                spec.layer_number
-            ));
+        match &mut self.engine {
+            Engine::Host(_) => self.layout.add_state(spec, self.options.tp_rank)?,
+            Engine::Device(device) => {
+                // The tensors lie in registered regions (checked here), which
+                // add_region checked are memory this device reads.
+                let mut layout = self.layout.clone();
+                layout.add_state(spec, self.options.tp_rank)?;
+                device.upload_layout(&layout)?;
+                self.layout = layout;
+            }
         }
-        self.layout.add_state(spec, self.options.tp_rank)?;
         self.group_infos = OnceLock::new();
         Ok(())
     }

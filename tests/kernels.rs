@@ -13,14 +13,12 @@
 fn checksum_kernel_compiles_with_nvrtc() {
     for arch in ["sm_90", "sm_80"] {
         let ptx = kvcsum::checksum_ptx(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
-        assert!(
-            ptx.contains(".entry kvcs_checksum"),
-            "{arch}: no kvcs_checksum entry in the PTX"
-        );
-        assert!(
-            ptx.contains(".entry kvcs_store"),
-            "{arch}: no kvcs_store entry in the PTX"
-        );
+        for entry in ["kvcs_checksum", "kvcs_store", "kvcs_state"] {
+            assert!(
+                ptx.contains(&format!(".entry {entry}")),
+                "{arch}: no {entry} entry in the PTX"
+            );
+        }
         if let Some(dir) = std::env::var_os("KVCS_PTX_DIR") {
             let path = std::path::Path::new(&dir).join(format!("checksum_{arch}.ptx"));
             std::fs::write(&path, &ptx).unwrap_or_else(|e| panic!("{}: {e}", path.display()));

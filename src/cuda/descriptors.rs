@@ -16,6 +16,7 @@ use crate::checksum::slice_weight;
 use crate::error::{err, Result};
 use crate::layout::{Layer, Layout, Role, Segment};
 use crate::plan::Row;
+use crate::state::StateLayer;
 
 /// Rows that travel inside the launch parameters (`KVCS_INLINE_ROWS`).
 pub(crate) const INLINE_ROWS: usize = 24;
@@ -37,6 +38,14 @@ pub(crate) const WARP: u32 = 32;
 /// kernel counts a row's units in 32 bits, which the layer table checks
 /// at this split.
 pub(crate) const MAX_SPLIT: u32 = 8;
+
+/// Loads per lane in one unit of the state kernel (`KVCS_STATE_LOADS`, a
+/// power of two): all in flight before any is used.
+pub(crate) const STATE_LOADS: u32 = 8;
+
+/// State rows that travel inside the state kernel's launch parameters
+/// (`KVCS_INLINE_STATE_ROWS`).
+pub(crate) const INLINE_STATE_ROWS: usize = 16;
 
 /// Device form of a [`Segment`] (`struct kvcs_dev_segment`).
 #[repr(C)]
@@ -129,8 +138,54 @@ pub struct DevStoredCall {
     pub gather: u32,
 }
 
+/// Device form of one tensor of a state layer (`struct kvcs_dev_state_tensor`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DevStateTensor {
+    pub address: u64,
+    pub block_stride: i64,
+    pub row_stride: i64,
+    pub first_weight: u64,
+    pub weight_step: u64,
+    pub first_index: u64,
+    pub index_step: u64,
+    pub unit_start: u32,
+    pub num_rows: u32,
+    pub vectors_per_row: u32,
+    pub chunks_per_row: u32,
+    pub vector_shift: u32,
+    pub element_shift: u32,
+    pub lane_shift: u32,
+    pub column_shift: u32,
+}
+
+/// A state group's tensors, by group slot (`struct kvcs_dev_state_group`);
+/// zeros for attention groups.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DevStateGroup {
+    pub tensors_begin: u32,
+    pub tensors_end: u32,
+    pub units: u32,
+    pub reserved: u32,
+}
+
+/// The state kernel's one parameter (`struct kvcs_dev_state_call`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct DevStateCall {
+    pub tensors: u64,
+    pub groups: u64,
+    pub rows: u64,
+    pub accumulators: u64,
+    pub num_rows: u32,
+    pub reserved: u32,
+    pub inline_rows: [Row; INLINE_STATE_ROWS],
+}
+
 /// The device tables of a whole layout: per role, a [`DevGroup`] per group
-/// slot; then the layers, per group and role, in registration order.
+/// slot; then the layers, per group and role, in registration order; then
+/// a [`DevStateGroup`] per group slot and the state groups' tensors.
 #[derive(Debug, Clone, Default)]
 pub struct LayerTable {
     /// Per role (producer, consumer), per group slot.
@@ -140,6 +195,10 @@ pub struct LayerTable {
     /// Per role, per group slot: the most chunks worth cutting a kernel block
     /// into (more would leave lanes without a full batch of loads).
     pub max_split: [Vec<u32>; 2],
+    /// Per group slot: its state tensors (none for attention groups).
+    pub state_groups: Vec<DevStateGroup>,
+    /// The state tensors of every state group, by slot, layer and tensor.
+    pub state_tensors: Vec<DevStateTensor>,
 }
 
 /// Index of `role` in [`LayerTable::groups`].
@@ -195,8 +254,40 @@ impl LayerTable {
                     layer_units: layer_units.unwrap_or(0) as u32,
                 });
             }
+            let tensors_begin = table.state_tensors.len() as u32;
+            let mut units = 0u64;
+            for state in group.states() {
+                for tensor in state_tensors(state) {
+                    table.state_tensors.push(DevStateTensor {
+                        unit_start: units as u32,
+                        ..tensor
+                    });
+                    units += state_tensor_units(&tensor);
+                    // Units are counted in 32 bits on the device, and a
+                    // warp's next unit (at most 2^31 further) must not wrap.
+                    if units > MAX_STATE_UNITS {
+                        return Err(err!(
+                            Unsupported,
+                            "state group_id {} needs {units} or more units of work per request, more than the device engine's {MAX_STATE_UNITS} (state layer_number {})",
+                            group.group_id,
+                            state.spec.layer_number
+                        ));
+                    }
+                }
+            }
+            table.state_groups.push(DevStateGroup {
+                tensors_begin,
+                tensors_end: table.state_tensors.len() as u32,
+                units: units as u32,
+                reserved: 0,
+            });
         }
         Ok(table)
+    }
+
+    /// Whether group slot `slot` is a state group (its rows go to the state kernel).
+    pub fn is_state_slot(&self, slot: u32) -> bool {
+        self.state_groups[slot as usize].units > 0
     }
 
     /// The bytes to upload: producer groups, consumer groups, layers.
@@ -209,6 +300,8 @@ impl LayerTable {
             bytes_of(&self.groups[0]),
             bytes_of(&self.groups[1]),
             bytes_of(&self.layers),
+            bytes_of(&self.state_groups),
+            bytes_of(&self.state_tensors),
         ]
         .concat()
     }
@@ -222,6 +315,94 @@ impl LayerTable {
     pub fn layers_offset(&self) -> u64 {
         (2 * self.groups[0].len() * std::mem::size_of::<DevGroup>()) as u64
     }
+
+    /// Byte offset of the state groups in [`LayerTable::to_bytes`].
+    pub fn state_groups_offset(&self) -> u64 {
+        self.layers_offset() + std::mem::size_of_val(self.layers.as_slice()) as u64
+    }
+
+    /// Byte offset of the state tensors in [`LayerTable::to_bytes`].
+    pub fn state_tensors_offset(&self) -> u64 {
+        self.state_groups_offset() + std::mem::size_of_val(self.state_groups.as_slice()) as u64
+    }
+}
+
+/// Most units of one state row (a request's state in one group): 2^31, so
+/// that a warp's unit index plus the grid's stride stays in 32 bits.
+const MAX_STATE_UNITS: u64 = 1 << 31;
+
+/// The device descriptors of `state`'s tensors (`unit_start` left 0):
+/// the weight and index rule of its group's kind (SPEC section 6) and how
+/// the kernel cuts each tensor into units.
+fn state_tensors(state: &StateLayer) -> Vec<DevStateTensor> {
+    let spec = &state.spec;
+    let mut elements_before = 0u64;
+    let mut tensors = Vec::with_capacity(spec.tensors.len());
+    for (tensor, &head_base) in spec.tensors.iter().zip(&state.head_bases) {
+        let element_shift = tensor.element_size.trailing_zeros();
+        let elements_per_row = (tensor.bytes_per_row >> element_shift) as u64;
+        let (first_weight, weight_step, first_index, index_step) = if spec.split_known {
+            // Each row a slice: head number head_base + r, elements from 0.
+            (slice_weight(spec.layer_number, head_base), 2, 0, 0)
+        } else {
+            // The shard one slice: elements numbered across rows and tensors.
+            (
+                slice_weight(spec.layer_number, state.shard_head),
+                0,
+                elements_before,
+                elements_per_row,
+            )
+        };
+        elements_before += elements_per_row * tensor.num_rows as u64;
+        // The widest load (16, 8, 4 or 2 bytes, not below an element) that
+        // every row of every slot starts at and fills.
+        let vector_shift = (element_shift..=4)
+            .rev()
+            .find(|&shift| {
+                [
+                    tensor.address as i64,
+                    tensor.block_stride,
+                    tensor.row_stride,
+                    tensor.bytes_per_row as i64,
+                ]
+                .iter()
+                .all(|value| value % (1i64 << shift) == 0)
+            })
+            .unwrap_or(element_shift);
+        let vectors_per_row = tensor.bytes_per_row >> vector_shift;
+        // Lanes per row: enough to cover a row's vectors, at most a warp;
+        // then loads per lane per row, at most STATE_LOADS.
+        let lanes = vectors_per_row.min(WARP).next_power_of_two();
+        let columns = vectors_per_row.div_ceil(lanes).min(STATE_LOADS).next_power_of_two();
+        tensors.push(DevStateTensor {
+            address: tensor.address,
+            block_stride: tensor.block_stride,
+            row_stride: tensor.row_stride,
+            first_weight,
+            weight_step,
+            first_index,
+            index_step,
+            unit_start: 0,
+            num_rows: tensor.num_rows,
+            vectors_per_row,
+            chunks_per_row: vectors_per_row.div_ceil(lanes * columns),
+            vector_shift,
+            element_shift,
+            lane_shift: lanes.trailing_zeros(),
+            column_shift: columns.trailing_zeros(),
+        });
+    }
+    tensors
+}
+
+/// Rows of `tensor` one unit covers.
+fn state_rows_per_unit(tensor: &DevStateTensor) -> u32 {
+    (STATE_LOADS >> tensor.column_shift) * (WARP >> tensor.lane_shift)
+}
+
+/// Units of `tensor` in one state slot: row blocks times column chunks.
+fn state_tensor_units(tensor: &DevStateTensor) -> u64 {
+    (tensor.num_rows as u64).div_ceil(state_rows_per_unit(tensor) as u64) * tensor.chunks_per_row as u64
 }
 
 fn dev_layer(layer: &Layer, column: u32, unit_start: u64) -> DevLayer {
@@ -319,6 +500,8 @@ pub fn kernel_constants() -> String {
          #define KVCS_MAX_SPLIT {MAX_SPLIT}\n\
          #define KVCS_INLINE_ROWS {INLINE_ROWS}\n\
          #define KVCS_INLINE_GROUPS {INLINE_GROUPS}\n\
+         #define KVCS_STATE_LOADS {STATE_LOADS}\n\
+         #define KVCS_INLINE_STATE_ROWS {INLINE_STATE_ROWS}\n\
          #ifndef KVCS_BATCH\n\
          #define KVCS_BATCH {BATCH}\n\
          #endif\n"
@@ -354,6 +537,14 @@ pub fn layout_asserts() -> String {
         tag, address, out, column_stride, num_columns, reserved,
     });
     assert_layout!(&mut out, DevStoredCall => "kvcs_dev_stored_call" { items, values, gathered, num_items, gather });
+    assert_layout!(&mut out, DevStateTensor => "kvcs_dev_state_tensor" {
+        address, block_stride, row_stride, first_weight, weight_step, first_index, index_step, unit_start,
+        num_rows, vectors_per_row, chunks_per_row, vector_shift, element_shift, lane_shift, column_shift,
+    });
+    assert_layout!(&mut out, DevStateGroup => "kvcs_dev_state_group" { tensors_begin, tensors_end, units, reserved });
+    assert_layout!(&mut out, DevStateCall => "kvcs_dev_state_call" {
+        tensors, groups, rows, accumulators, num_rows, reserved, inline_rows,
+    });
     out
 }
 
@@ -378,8 +569,8 @@ mod tests {
     fn the_prelude_checks_every_field() {
         let asserts = layout_asserts();
         // One size check per struct and one offset check per field.
-        let fields = 10 + 9 + 4 + 7 + 14 + 6 + 5;
-        assert_eq!(asserts.matches("static_assert(sizeof").count(), 7, "{asserts}");
+        let fields = 10 + 9 + 4 + 7 + 14 + 6 + 5 + 15 + 4 + 7;
+        assert_eq!(asserts.matches("static_assert(sizeof").count(), 10, "{asserts}");
         assert_eq!(
             asserts.matches("static_assert(KVCS_OFFSETOF").count(),
             fields,
@@ -392,5 +583,167 @@ mod tests {
         let constants = kernel_constants();
         assert!(constants.contains(&format!("#define KVCS_THREADS_PER_BLOCK {THREADS_PER_BLOCK}\n")));
         assert!(constants.contains(&format!("#define KVCS_INLINE_ROWS {INLINE_ROWS}\n")));
+        assert!(constants.contains(&format!("#define KVCS_STATE_LOADS {STATE_LOADS}\n")));
+    }
+
+    /// The state kernel's arithmetic, lane by lane as `kernels/state.cu`
+    /// does it (units, rows and vectors per lane, loads, weights), run over
+    /// host memory: it gives `StateLayer::block_checksum` (the host
+    /// engine, checked against the naive reference in tests/state.rs) for
+    /// narrow and wide rows, every load width, both group kinds.
+    mod state_kernel {
+        use super::super::*;
+        use crate::state::{StateLayer, StateSpec, StateTensor};
+
+        fn load(address: i64, vector_shift: u32) -> [u32; 4] {
+            let bytes = |n: usize| {
+                // SAFETY: the test's buffers hold every vector a unit loads.
+                unsafe { std::slice::from_raw_parts(address as usize as *const u8, n) }
+            };
+            let mut words = [0u32; 4];
+            if vector_shift == 1 {
+                let b = bytes(2);
+                words[0] = u16::from_le_bytes([b[0], b[1]]) as u32;
+            } else {
+                for (w, quad) in bytes(1 << vector_shift).chunks_exact(4).enumerate() {
+                    words[w] = u32::from_le_bytes([quad[0], quad[1], quad[2], quad[3]]);
+                }
+            }
+            words
+        }
+
+        fn vector(words: [u32; 4], element_shift: u32, index: u64) -> u64 {
+            let (total, weighted) = if element_shift == 1 {
+                let lo: Vec<u64> = words.iter().map(|&w| (w & 0xffff) as u64).collect();
+                let hi: Vec<u64> = words.iter().map(|&w| (w >> 16) as u64).collect();
+                let total = lo.iter().chain(&hi).sum::<u64>();
+                let weighted = (0..4)
+                    .map(|w| 2 * w as u64 * lo[w] + (2 * w as u64 + 1) * hi[w])
+                    .sum::<u64>();
+                (total, weighted)
+            } else {
+                let total = words.iter().map(|&w| w as u64).sum::<u64>();
+                let weighted = (0..4).map(|w| w as u64 * words[w] as u64).sum::<u64>();
+                (total, weighted)
+            };
+            index
+                .wrapping_mul(2)
+                .wrapping_add(1)
+                .wrapping_mul(total)
+                .wrapping_add(weighted.wrapping_mul(2))
+        }
+
+        /// `kvcs_state_unit` for every lane of a warp, summed.
+        fn unit_sum(tensor: &DevStateTensor, block_id: u32, unit: u32) -> u64 {
+            let lanes = 1u32 << tensor.lane_shift;
+            let rows_per_step = WARP >> tensor.lane_shift;
+            let steps = STATE_LOADS >> tensor.column_shift;
+            let row_block = unit / tensor.chunks_per_row;
+            let chunk = unit - row_block * tensor.chunks_per_row;
+            let base = tensor.address as i64 + block_id as i64 * tensor.block_stride;
+            let mut total = 0u64;
+            for lane in 0..WARP {
+                let first_row =
+                    row_block as u64 * steps as u64 * rows_per_step as u64 + (lane >> tensor.lane_shift) as u64;
+                let first_vector = chunk * (lanes << tensor.column_shift) + (lane & (lanes - 1));
+                for k in 0..STATE_LOADS {
+                    let row = first_row + (k >> tensor.column_shift) as u64 * rows_per_step as u64;
+                    let vector_index = first_vector + (k & ((1 << tensor.column_shift) - 1)) * lanes;
+                    let mut words = [0u32; 4];
+                    if row < tensor.num_rows as u64 && vector_index < tensor.vectors_per_row {
+                        let address =
+                            base + row as i64 * tensor.row_stride + ((vector_index as i64) << tensor.vector_shift);
+                        words = load(address, tensor.vector_shift);
+                    }
+                    let index = tensor
+                        .first_index
+                        .wrapping_add(row.wrapping_mul(tensor.index_step))
+                        .wrapping_add((vector_index as u64) << (tensor.vector_shift - tensor.element_shift));
+                    let weight = tensor.first_weight.wrapping_add(row.wrapping_mul(tensor.weight_step));
+                    total = total.wrapping_add(weight.wrapping_mul(vector(words, tensor.element_shift, index)));
+                }
+            }
+            total
+        }
+
+        #[test]
+        fn the_kernels_units_give_the_host_engines_state_checksum() {
+            let mut state = 0x51ed_2701_a3f9_44c3u64;
+            let mut next = |bound: u64| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state % bound
+            };
+            let mut buffers: Vec<Vec<u64>> = Vec::new();
+            let mut seen_shifts = [[false; 5]; 33];
+            for case in 0..300 {
+                let split_known = case % 2 == 0;
+                let num_blocks = 1 + next(3) as u32;
+                let block_id = next(num_blocks as u64) as u32;
+                let mut tensors = Vec::new();
+                let mut rows_before = 0;
+                for _ in 0..1 + next(3) {
+                    let element_size = [2u32, 4][next(2) as usize];
+                    // Narrow rows (a few elements) to wide ones (several chunks).
+                    let elements = match next(3) {
+                        0 => 1 + next(6) as u32,
+                        1 => 1 + next(200) as u32,
+                        _ => 1 + next(3000) as u32,
+                    };
+                    let bytes_per_row = elements * element_size;
+                    let num_rows = 1 + next(70) as u32;
+                    // Pitches aligned to the element, sometimes to 16.
+                    let align = [element_size, 16][next(2) as usize] as u64;
+                    let row_stride = (bytes_per_row as u64).div_ceil(align) * align + align * next(3);
+                    let block_stride = num_rows as u64 * row_stride + align * next(3);
+                    let skew = element_size as u64 * next(8 / element_size as u64 + 1) % 16;
+                    let words = (num_blocks as u64 * block_stride + skew).div_ceil(8) as usize;
+                    let buffer: Vec<u64> = (0..words).map(|_| next(u64::MAX)).collect();
+                    let address = buffer.as_ptr() as u64 + skew;
+                    buffers.push(buffer);
+                    let total_rows = num_rows + next(3) as u32;
+                    let first_row = next((total_rows - num_rows + 1) as u64) as u32;
+                    tensors.push(StateTensor {
+                        address,
+                        block_stride: block_stride as i64,
+                        row_stride: row_stride as i64,
+                        first_row,
+                        num_rows,
+                        total_rows,
+                        bytes_per_row,
+                        element_size,
+                    });
+                    rows_before += total_rows;
+                }
+                assert!(rows_before < 65536);
+                let spec = StateSpec {
+                    group_id: 0,
+                    layer_number: next(100) as u32,
+                    split_known,
+                    num_blocks,
+                    tensors,
+                    identity: Vec::new(),
+                };
+                let layer = StateLayer::new(spec, next(8) as u32, |_, _| true).expect("state layer");
+                let mut sum = 0u64;
+                for tensor in state_tensors(&layer) {
+                    seen_shifts[tensor.lane_shift as usize][tensor.vector_shift as usize] = true;
+                    for unit in 0..state_tensor_units(&tensor) as u32 {
+                        sum = sum.wrapping_add(unit_sum(&tensor, block_id, unit));
+                    }
+                }
+                assert_eq!(sum, layer.block_checksum(block_id), "case {case}: {:?}", layer.spec);
+            }
+            for vector_shift in 1..=4 {
+                assert!(
+                    seen_shifts.iter().any(|lanes| lanes[vector_shift]),
+                    "no case loaded {} bytes at a time",
+                    1 << vector_shift
+                );
+            }
+            assert!(seen_shifts[5].iter().any(|&seen| seen), "no wide rows");
+            assert!(seen_shifts[..5].iter().flatten().any(|&seen| seen), "no narrow rows");
+        }
     }
 }

@@ -16,11 +16,21 @@ const DESCRIPTORS: &str = include_str!("../../kernels/descriptors.cuh");
 const CHECKSUM: &str = include_str!("../../kernels/checksum.cu");
 /// The stored-checksum kernel (SPEC section 8), in the same module.
 const STORED: &str = include_str!("../../kernels/stored.cu");
+/// The state kernel (uses helpers of the checksum kernel's source).
+const STATE: &str = include_str!("../../kernels/state.cu");
 
 /// What NVRTC compiles: the generated constants, the descriptors and their
-/// generated layout checks, then the kernels.
+/// generated layout checks, then the kernels (one module).
 fn checksum_source() -> String {
-    kernel_prelude(DESCRIPTORS) + CHECKSUM + STORED
+    [
+        kernel_prelude(DESCRIPTORS).as_str(),
+        CHECKSUM,
+        "\n",
+        STORED,
+        "\n",
+        STATE,
+    ]
+    .concat()
 }
 
 /// A compiled module and the entry points taken from it.
@@ -31,6 +41,8 @@ pub struct Kernels {
     pub checksum: CudaFunction,
     /// `kvcs_store`.
     pub store: CudaFunction,
+    /// `kvcs_state`.
+    pub state: CudaFunction,
 }
 
 /// Compiled modules by device ordinal; filled once per device.
@@ -53,10 +65,14 @@ pub fn kernels(context: &Arc<CudaContext>) -> Result<Arc<Kernels>> {
     let store = module
         .load_function("kvcs_store")
         .map_err(|e| err!(Device, "device {ordinal}: loading kvcs_store failed: {e}"))?;
+    let state = module
+        .load_function("kvcs_state")
+        .map_err(|e| err!(Device, "device {ordinal}: loading kvcs_state failed: {e}"))?;
     let kernels = Arc::new(Kernels {
         _module: module,
         checksum,
         store,
+        state,
     });
     cache.insert(ordinal, kernels.clone());
     Ok(kernels)
@@ -76,7 +92,7 @@ pub fn compile(context: &Arc<CudaContext>, source: &str, name: &str) -> Result<A
         .map_err(|e| err!(Device, "device {ordinal}: loading {name} failed: {e}"))
 }
 
-/// The checksum kernel's PTX for `arch` (`"sm_90"`, say), compiled by NVRTC
+/// The kernels' PTX (`kvcs_checksum` and `kvcs_state`) for `arch` (`"sm_90"`, say), compiled by NVRTC
 /// without a device: lets a machine with NVRTC but no GPU check the kernels.
 pub fn checksum_ptx(arch: &str) -> Result<String> {
     // SAFETY: only tries to dlopen the library.

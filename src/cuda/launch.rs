@@ -31,9 +31,12 @@ impl LaunchShape {
 }
 
 /// The launch of a call with `rows_per_slot[s]` rows of group slot `s`
-/// (`num_rows` in all, at least one), where `groups[s]` and `max_splits[s]`
-/// describe slot `s` in the call's role and `resident_warps` warps fit on
-/// the card at once.
+/// (`num_rows` in all), where `groups[s]` and `max_splits[s]` describe slot
+/// `s` in the call's role and `resident_warps` warps fit on the card at
+/// once. Slots of no units (state groups, whose rows the state kernel
+/// takes) are left out; `num_rows` counts only the other slots' rows. A
+/// call with none of those still launches one block, which publishes the
+/// values (the state kernel's).
 ///
 /// Chunks per kernel block: enough that the call fills the card several
 /// times over, so that even one block spreads across it, but no more than
@@ -49,11 +52,21 @@ pub fn launch_shape(
     let mut slots_with_rows = 0;
     let mut first_units = 0u64;
     let mut max_split = MAX_SPLIT;
-    for (slot, &count) in rows_per_slot.iter().enumerate().filter(|(_, &count)| count > 0) {
+    let with_units = |(slot, &count): &(usize, &u64)| count > 0 && groups[*slot].units > 0;
+    for (slot, &count) in rows_per_slot.iter().enumerate().filter(with_units) {
         slots_with_rows += 1;
         first_units = groups[slot].units as u64;
         base_units += count * first_units;
         max_split = max_split.min(max_splits[slot]);
+    }
+    if slots_with_rows == 0 {
+        return LaunchShape {
+            split: 1,
+            total_units: 0,
+            row_units: 0,
+            rows_in_memory: false,
+            blocks: 1,
+        };
     }
     let uniform = slots_with_rows == 1;
     let mut split = 1u32;
@@ -73,6 +86,18 @@ pub fn launch_shape(
         rows_in_memory: num_rows > INLINE_ROWS || !uniform,
         blocks: warps.div_ceil((THREADS_PER_BLOCK / WARP) as u64) as u32,
     }
+}
+
+/// The grid of the state kernel, (x, y), for `num_rows` state rows (at
+/// least one) of at most `max_units` units each: grid y walks the rows (at
+/// most 65535 at once, the rest by stride), grid x times the block's warps
+/// a row's units, together about twice the `resident_warps` the card runs
+/// at once, never more warps per row than its units.
+pub fn state_grid(num_rows: usize, max_units: u32, resident_warps: u64) -> (u32, u32) {
+    let rows = (num_rows as u64).clamp(1, 65535);
+    let warps_per_row = (2 * resident_warps).div_ceil(rows).min(max_units as u64).max(1);
+    let blocks_x = warps_per_row.div_ceil((THREADS_PER_BLOCK / WARP) as u64);
+    (blocks_x as u32, rows as u32)
 }
 
 /// The first unit of each row, for calls whose rows differ in units.
@@ -162,6 +187,33 @@ mod tests {
         let mut starts = [u64::MAX; 3];
         row_starts(&rows, &groups, shape.split, &mut starts);
         assert_eq!(starts, [0, 20, 120]);
+    }
+
+    #[test]
+    fn state_slots_are_left_to_the_state_kernel() {
+        // Slot 1 is a state group (no units): its rows change nothing.
+        let groups = [group(10), group(0), group(30)];
+        let with = launch_shape(&[3, 5, 0], &groups, &[8, 8, 8], 3, 1000);
+        let without = launch_shape(&[3, 0, 0], &groups, &[8, 8, 8], 3, 1000);
+        assert_eq!(with, without);
+        assert!(with.uniform(), "one slot with units: {with:?}");
+        // Only state rows: one block, no units, publishing.
+        let only = launch_shape(&[0, 7, 0], &groups, &[8, 8, 8], 0, 1000);
+        assert_eq!(only.total_units, 0);
+        assert_eq!(only.blocks, 1);
+        assert!(!only.rows_in_memory);
+    }
+
+    #[test]
+    fn the_state_grid_covers_rows_and_fills_the_card() {
+        // One row of many units: about twice the resident warps.
+        assert_eq!(state_grid(1, 1 << 20, 2048), (512, 1));
+        // A row of few units: no more warps than units.
+        assert_eq!(state_grid(1, 20, 2048), (3, 1));
+        // Many rows share the card.
+        assert_eq!(state_grid(64, 1 << 20, 2048), (8, 64));
+        // More rows than grid y holds: the rest by stride.
+        assert_eq!(state_grid(100_000, 1 << 20, 2048), (1, 65535));
     }
 
     #[test]

@@ -5,7 +5,10 @@
 //! checked first and absence becomes `Error::Device`. A worker uses its
 //! device's primary context, shared with PyTorch or the engine in-process.
 //! Each `checksum` call is one kernel launch plus, for calls of more than
-//! [`descriptors::INLINE_ROWS`] rows, one row upload; nothing blocks the host.
+//! [`descriptors::INLINE_ROWS`] rows, one row upload; a call with rows of
+//! state groups (SPEC section 6) queues the state kernel before it (and,
+//! for more than [`descriptors::INLINE_STATE_ROWS`] of them, their upload).
+//! Nothing blocks the host.
 
 mod buffers;
 mod descriptors;
@@ -23,10 +26,11 @@ use cudarc::driver::{result as cu, sys, CudaContext};
 
 use self::buffers::{device_error, DeviceTable, Slot, SlotPool};
 use self::descriptors::{
-    role_index, DevCall, DevGroup, LayerTable, INLINE_GROUPS, INLINE_ROWS, THREADS_PER_BLOCK, WARP,
+    role_index, DevCall, DevGroup, DevStateCall, LayerTable, INLINE_GROUPS, INLINE_ROWS, INLINE_STATE_ROWS,
+    THREADS_PER_BLOCK, WARP,
 };
 use self::kernels::Kernels;
-use self::launch::{launch_shape, row_starts};
+use self::launch::{launch_shape, row_starts, state_grid};
 use crate::error::{err, Result};
 use crate::layout::{Layout, Role};
 use crate::plan::{Plan, Row};
@@ -71,8 +75,10 @@ pub struct DeviceEngine {
     table: LayerTable,
     /// Its device copy; None before the first layer.
     device_table: Option<Arc<DeviceTable>>,
-    /// Warps the card runs at once with this kernel.
+    /// Warps the card runs at once with the checksum kernel.
     resident_warps: u64,
+    /// Warps the card runs at once with the state kernel.
+    state_resident_warps: u64,
     /// What the engine runs on, for logs.
     description: String,
 }
@@ -94,28 +100,37 @@ impl DeviceEngine {
         let processors = context
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(device_error("cuDeviceGetAttribute"))?;
-        let mut blocks_per_processor = 0;
-        // SAFETY: a valid function of a loaded module.
-        unsafe {
-            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                &mut blocks_per_processor,
-                kernels.checksum.cu_function(),
-                THREADS_PER_BLOCK as i32,
-                0,
-            )
-            .result()
-            .map_err(device_error("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
-        }
-        let resident_warps =
-            (processors.max(1) as u64) * (blocks_per_processor.max(1) as u64) * (THREADS_PER_BLOCK / WARP) as u64;
-        let registers = kernels
-            .checksum
-            .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS)
-            .unwrap_or(0);
+        let blocks_per_processor = |function: &cudarc::driver::CudaFunction| -> Result<i32> {
+            let mut blocks = 0;
+            // SAFETY: a valid function of a loaded module.
+            unsafe {
+                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    &mut blocks,
+                    function.cu_function(),
+                    THREADS_PER_BLOCK as i32,
+                    0,
+                )
+                .result()
+                .map_err(device_error("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
+            }
+            Ok(blocks)
+        };
+        let resident =
+            |blocks: i32| (processors.max(1) as u64) * (blocks.max(1) as u64) * (THREADS_PER_BLOCK / WARP) as u64;
+        let registers = |function: &cudarc::driver::CudaFunction| {
+            function
+                .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS)
+                .unwrap_or(0)
+        };
+        let checksum_blocks = blocks_per_processor(&kernels.checksum)?;
+        let state_blocks = blocks_per_processor(&kernels.state)?;
         let (major, minor) = context.compute_capability().unwrap_or((0, 0));
         let description = format!(
-            "device {ordinal} (sm_{major}{minor}, {processors} SMs): kvcs_checksum uses {registers} registers, \
-             {blocks_per_processor} blocks of {THREADS_PER_BLOCK} threads per SM"
+            "device {ordinal} (sm_{major}{minor}, {processors} SMs): kvcs_checksum uses {} registers, \
+             {checksum_blocks} blocks of {THREADS_PER_BLOCK} threads per SM; kvcs_state {} registers, \
+             {state_blocks} blocks per SM",
+            registers(&kernels.checksum),
+            registers(&kernels.state),
         );
         let pool = Arc::new(SlotPool::new(context.clone()));
         pool.reserve(RESERVED_SLOTS, 4096, 4096)?;
@@ -125,7 +140,8 @@ impl DeviceEngine {
             kernels,
             table: LayerTable::default(),
             device_table: None,
-            resident_warps,
+            resident_warps: resident(checksum_blocks),
+            state_resident_warps: resident(state_blocks),
             description,
         })
     }
@@ -215,7 +231,8 @@ impl DeviceEngine {
         Ok((start, size))
     }
 
-    /// Uploads every group's layer descriptors after a registration.
+    /// Uploads every group's layer and state descriptors after a
+    /// registration; on error the engine keeps its tables.
     pub fn upload_layout(&mut self, layout: &Layout) -> Result<()> {
         self.context.bind_to_thread().map_err(device_error("cuCtxSetCurrent"))?;
         let table = LayerTable::new(layout)?;
@@ -227,7 +244,9 @@ impl DeviceEngine {
 
     /// Queues the plan's checksums on `stream`, the caller's handle passed to
     /// the driver unchanged (null is the legacy default stream), and returns
-    /// without waiting: at most one upload, one launch, one event.
+    /// without waiting: at most two uploads, two launches (the state kernel
+    /// where the call has rows of state groups, then the checksum kernel,
+    /// which publishes), one event.
     pub fn compute(&self, plan: &Plan, role: Role, stream: StreamHandle) -> Result<Values> {
         self.compute_with(plan, role, stream, None)
     }
@@ -251,29 +270,46 @@ impl DeviceEngine {
             };
         };
         self.context.bind_to_thread().map_err(device_error("cuCtxSetCurrent"))?;
-        let groups = &self.table.groups[role_index(role)];
+        let table = &self.table;
+        let groups = &table.groups[role_index(role)];
         let rows = &plan.rows;
+        // Rows of state groups go to the state kernel, the others to the
+        // checksum kernel (which skips state slots in its shape).
+        let mut state_rows = 0usize;
+        let mut max_state_units = 0u32;
+        for row in rows {
+            let units = table.state_groups[row.group_slot as usize].units;
+            if units > 0 {
+                state_rows += 1;
+                max_state_units = max_state_units.max(units);
+            }
+        }
+        let attention_rows = rows.len() - state_rows;
+        let is_attention = |row: &&Row| !table.is_state_slot(row.group_slot);
         let shape = launch_shape(
             &plan.rows_per_slot,
             groups,
-            &self.table.max_split[role_index(role)],
-            rows.len(),
+            &table.max_split[role_index(role)],
+            attention_rows,
             self.resident_warps,
         );
 
-        let mut slot = self
-            .pool
-            .take(if shape.rows_in_memory { rows.len() } else { 0 }, num_values)?;
+        // Staged rows: the checksum kernel's (when not inline), then the
+        // state kernel's (when not inline).
+        let attention_staged = if shape.rows_in_memory { attention_rows } else { 0 };
+        let state_in_memory = state_rows > INLINE_STATE_ROWS;
+        let staged = attention_staged + if state_in_memory { state_rows } else { 0 };
+        let mut slot = self.pool.take(staged, num_values)?;
         let mut call = DevCall {
-            layers: device_table.address + self.table.layers_offset(),
-            groups: device_table.address + self.table.groups_offset(role),
+            layers: device_table.address + table.layers_offset(),
+            groups: device_table.address + table.groups_offset(role),
             rows: 0,
             row_starts: 0,
             accumulators: slot.accumulators(),
             host_values: slot.host_values_on_device(),
             finished_blocks: slot.finished_blocks(),
             total_units: shape.total_units,
-            num_rows: rows.len() as u32,
+            num_rows: attention_rows as u32,
             num_values: num_values as u32,
             split: shape.split,
             row_units: shape.row_units,
@@ -282,7 +318,45 @@ impl DeviceEngine {
         };
         let inline_groups = groups.len().min(INLINE_GROUPS);
         call.inline_groups[..inline_groups].copy_from_slice(&groups[..inline_groups]);
+        let mut state_call = DevStateCall {
+            tensors: device_table.address + table.state_tensors_offset(),
+            groups: device_table.address + table.state_groups_offset(),
+            rows: 0,
+            accumulators: slot.accumulators(),
+            num_rows: state_rows as u32,
+            reserved: 0,
+            inline_rows: [Row::default(); INLINE_STATE_ROWS],
+        };
         let mut upload = 0;
+        {
+            let (staged_rows, starts) = slot.staging(staged);
+            let (attention_staging, state_staging) = staged_rows.split_at_mut(attention_staged);
+            // Plain attention calls copy the plan's rows as they are.
+            let attention_out = if shape.rows_in_memory {
+                &mut attention_staging[..]
+            } else {
+                &mut call.inline_rows[..attention_rows]
+            };
+            if state_rows == 0 {
+                attention_out.copy_from_slice(rows);
+            } else {
+                for (out, row) in attention_out.iter_mut().zip(rows.iter().filter(is_attention)) {
+                    *out = *row;
+                }
+                let state_out = if state_in_memory {
+                    &mut state_staging[..]
+                } else {
+                    &mut state_call.inline_rows[..state_rows]
+                };
+                let state_of = |row: &&Row| table.is_state_slot(row.group_slot);
+                for (out, row) in state_out.iter_mut().zip(rows.iter().filter(state_of)) {
+                    *out = *row;
+                }
+            }
+            if shape.rows_in_memory && !shape.uniform() {
+                row_starts(attention_staging, groups, shape.split, &mut starts[..attention_rows]);
+            }
+        }
         if shape.rows_in_memory {
             if shape.uniform() {
                 // The kernel reads each row once per warp: straight from
@@ -292,16 +366,25 @@ impl DeviceEngine {
                 // Row starts are binary-searched: worth a copy to the device.
                 call.rows = slot.device_rows();
                 call.row_starts = slot.device_row_starts();
-                upload = slot.staging_bytes(rows.len());
+                upload = slot.staging_bytes(attention_rows);
             }
-            let (staged_rows, starts) = slot.staging(rows.len());
-            staged_rows.copy_from_slice(rows);
-            if !shape.uniform() {
-                row_starts(rows, groups, shape.split, starts);
-            }
-        } else {
-            call.inline_rows[..rows.len()].copy_from_slice(rows);
         }
+        // The state kernel reads its rows many times over: from device
+        // memory, copied there unless the checksum kernel's upload (of the
+        // whole row staging) carries them already.
+        let mut state_upload = None;
+        if state_in_memory {
+            let offset = (attention_staged * std::mem::size_of::<Row>()) as u64;
+            state_call.rows = slot.device_rows() + offset;
+            if upload == 0 {
+                state_upload = Some((offset, state_rows * std::mem::size_of::<Row>()));
+            }
+        }
+        let state = (state_rows > 0).then(|| StateLaunch {
+            grid: state_grid(state_rows, max_state_units, self.state_resident_warps),
+            upload: state_upload,
+            call: &mut state_call,
+        });
         let num_gathered = stored.map_or(0, |work| work.items.len());
         let host_values = slot.host_values_on_device();
         let mut launch = match stored {
@@ -309,12 +392,14 @@ impl DeviceEngine {
             None => None,
         };
         slot.table = Some(device_table.clone());
-        // SAFETY: every address in `call` is live until the slot's event
-        // completes (the slot and table stay held until then); the staging in
-        // pinned memory is not touched again before that; the kernel reads
-        // cache bytes that registration proved lie in registered regions,
-        // and the stored launch 8-byte values that `add_stored` checked.
-        if let Err(error) = unsafe { self.enqueue(&mut call, &slot, upload, shape.blocks, launch.as_mut(), stream) } {
+        // SAFETY: every address in `call` and `state_call` is live until the
+        // slot's event completes (the slot and table stay held until then);
+        // the staging in pinned memory is not touched again before that; the
+        // kernels read cache bytes that registration proved lie in registered
+        // regions, and the stored launch 8-byte values that `add_stored`
+        // checked.
+        let queued = unsafe { self.enqueue(&mut call, state, &slot, upload, shape.blocks, launch.as_mut(), stream) };
+        if let Err(error) = queued {
             // Parked while anything queued may still run.
             self.pool.give_back(slot);
             return Err(error);
@@ -354,15 +439,17 @@ impl DeviceEngine {
     }
 
     /// Queues on `stream`: the upload of `upload` staged bytes to
-    /// `call.rows` (if any), the kernel on `blocks` blocks, the stored
-    /// checksums' launch (if any), and the slot's event.
+    /// `call.rows` (if any), the state kernel with its upload (if any), the
+    /// checksum kernel on `blocks` blocks, the stored checksums' launch (if
+    /// any), and the slot's event.
     ///
     /// # Safety
-    /// Every address in `call` stays valid until the slot's event completes,
-    /// and the slot's staging is not written before then.
+    /// Every address in `call` and `state` stays valid until the slot's
+    /// event completes, and the slot's staging is not written before then.
     unsafe fn enqueue(
         &self,
         call: &mut DevCall,
+        state: Option<StateLaunch<'_>>,
         slot: &Slot,
         upload: usize,
         blocks: u32,
@@ -372,13 +459,37 @@ impl DeviceEngine {
         // Null stays null: CUDA's legacy default stream, never a private
         // one, so the work is ordered after what the caller queued there.
         let stream = stream.0 as sys::CUstream;
-        // SAFETY: per this function's contract; the launch copies `call`
-        // (the kernel's one parameter) before it returns.
+        // SAFETY: per this function's contract; each launch copies its one
+        // parameter before it returns.
         unsafe {
             if upload > 0 {
                 sys::cuMemcpyHtoDAsync_v2(call.rows, slot.staging_host().cast(), upload, stream)
                     .result()
                     .map_err(device_error("cuMemcpyHtoDAsync"))?;
+            }
+            if let Some(state) = state {
+                if let Some((offset, bytes)) = state.upload {
+                    sys::cuMemcpyHtoDAsync_v2(
+                        slot.device_rows() + offset,
+                        slot.staging_host().add(offset as usize).cast(),
+                        bytes,
+                        stream,
+                    )
+                    .result()
+                    .map_err(device_error("cuMemcpyHtoDAsync"))?;
+                }
+                // Before the checksum kernel on the same stream: its last
+                // block publishes what this one added.
+                let mut params = [(state.call as *mut DevStateCall).cast::<std::ffi::c_void>()];
+                cu::launch_kernel(
+                    self.kernels.state.cu_function(),
+                    (state.grid.0, state.grid.1, 1),
+                    (THREADS_PER_BLOCK, 1, 1),
+                    0,
+                    stream,
+                    &mut params,
+                )
+                .map_err(device_error("launching kvcs_state"))?;
             }
             let mut params = [(call as *mut DevCall).cast::<std::ffi::c_void>()];
             cu::launch_kernel(
@@ -400,6 +511,14 @@ impl DeviceEngine {
             stored
         }
     }
+}
+
+/// The state kernel's part of a call: its grid (x, y), the upload of its
+/// staged rows (offset in the staging and bytes) if it needs one, its parameter.
+struct StateLaunch<'a> {
+    grid: (u32, u32),
+    upload: Option<(u64, usize)>,
+    call: &'a mut DevStateCall,
 }
 
 /// Values being computed on a device; readable once the slot's event completed.

@@ -291,8 +291,9 @@ pub struct kvcs_state {
 /// `first_position` 0 and one block id); `num_tokens` does not limit it.
 /// Every byte a tensor can reach must lie in one registered region (else
 /// `KVCS_ERR_OUT_OF_BOUNDS`); a group holds attention layers or state
-/// layers, never both. Host workers only for now: `KVCS_ERR_UNSUPPORTED` on
-/// a device worker. On any error nothing is registered.
+/// layers, never both. A device worker uploads the state descriptors here
+/// and reads the state on the device, with the host worker's values. On any
+/// error nothing is registered.
 #[no_mangle]
 pub extern "C" fn kvcs_worker_add_state(worker: *mut kvcs_worker, state: *const kvcs_state) -> kvcs_status {
     ffi_boundary! {

@@ -12,6 +12,8 @@
 
 #![allow(dead_code)]
 
+pub mod state;
+
 use std::collections::BTreeMap;
 use std::ops::Range;
 
