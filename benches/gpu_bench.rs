@@ -702,6 +702,7 @@ fn stored_checksums(dev: &Device, cache: u64, cache_bytes: u64, model: &Model) {
     let num_blocks = cache_bytes / model.layers as u64 / block_bytes;
     // SAFETY: a fresh device allocation of 8 bytes per block id, freed below.
     let buffer = unsafe { check(cu::malloc_sync(num_blocks as usize * 8), "stored buffer") };
+    let mut host_times = Vec::new();
     for (label, requests, per_request) in [
         ("2048 blocks (128 req x 16)", 128, 16),
         ("1 request, 2048 tokens", 1, 128),
@@ -726,6 +727,27 @@ fn stored_checksums(dev: &Device, cache: u64, cache_bytes: u64, model: &Model) {
         let plain = checksum_ms(dev, &case);
         let store = dev.time(7, 3, || drop(case.worker.store(&case.blocks, stream).unwrap()));
         let load = dev.time(7, 3, || drop(case.worker.check_stored(&case.blocks, stream).unwrap()));
+        // Host time inside each call (median of 51), to tell the host's
+        // part of the difference from the device's.
+        let host_us = |f: &dyn Fn() -> kvcsum::Checksums| {
+            let mut times: Vec<f64> = (0..51)
+                .map(|_| {
+                    let t = Instant::now();
+                    let r = f();
+                    let us = t.elapsed().as_secs_f64() * 1e6;
+                    r.wait().unwrap();
+                    us
+                })
+                .collect();
+            times.sort_by(f64::total_cmp);
+            times[times.len() / 2]
+        };
+        let host = [
+            host_us(&|| case.worker.checksum(&case.blocks, Role::Consumer, stream).unwrap()),
+            host_us(&|| case.worker.store(&case.blocks, stream).unwrap()),
+            host_us(&|| case.worker.check_stored(&case.blocks, stream).unwrap()),
+        ];
+        host_times.push((label, host));
         let cell = |ms: f64| format!("{:.1} us ({:.3})", ms * 1e3, ceiling / ms);
         println!(
             "| {label} | {:.0} MiB | {:.1} us | {} | {} | {} |",
@@ -737,6 +759,11 @@ fn stored_checksums(dev: &Device, cache: u64, cache_bytes: u64, model: &Model) {
         );
     }
     println!("(each time: median per call; in parentheses the read ceiling's time over it)");
+    for (label, [checksum, store, load]) in host_times {
+        println!(
+            "host time inside the call, {label}: checksum {checksum:.1} us, store {store:.1} us, load check {load:.1} us"
+        );
+    }
     dev.sync();
     // SAFETY: nothing reads or writes it any more (synchronised).
     unsafe {
