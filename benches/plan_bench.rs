@@ -86,6 +86,11 @@ fn worker() -> Worker {
             })
             .unwrap();
     }
+    // A buffer of stored checksums that nothing reads here (host workers
+    // trust the address).
+    worker
+        .add_stored(0, CACHE_ADDRESS - 8 * NUM_BLOCKS as u64, NUM_BLOCKS as u64)
+        .unwrap();
     worker
 }
 
@@ -110,6 +115,8 @@ fn blocks(requests: usize, blocks_per_request: usize, seed: u64) -> BlockSet {
             .unwrap();
         set.add_group(&req, 0, 0, &ids[r * blocks_per_request..(r + 1) * blocks_per_request])
             .unwrap();
+        let hashes: Vec<u8> = (0..blocks_per_request * 32).map(|i| (i * 131 + r * 7) as u8).collect();
+        set.set_hashes(&req, 0, &hashes, 32).unwrap();
     }
     set
 }
@@ -166,5 +173,23 @@ fn main() {
             }));
         }
         println!("| {name} | {} | {} |", summary(plan_medians), summary(call_medians));
+    }
+    // A device worker's store and load check: the host work they add.
+    println!();
+    println!("| case | store host work without the engine | load check host work without the engine |");
+    println!("|---|---|---|");
+    for (name, requests, per_request) in [("1 block x 32 layers", 1, 1), ("128 requests x 16 blocks", 128, 16)] {
+        let set = blocks(requests, per_request, 0x5eed);
+        let mut store = Vec::new();
+        let mut load = Vec::new();
+        for _ in 0..reps {
+            store.push(median_call(|| {
+                worker.stored_host_overhead(black_box(&set), false).unwrap();
+            }));
+            load.push(median_call(|| {
+                worker.stored_host_overhead(black_box(&set), true).unwrap();
+            }));
+        }
+        println!("| {name} | {} | {} |", summary(store), summary(load));
     }
 }

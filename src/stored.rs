@@ -44,6 +44,17 @@ impl Target<'_> {
         self.group.is_state() || valid_tokens(self.request.num_tokens, self.group.block_size, position) > 0
     }
 
+    /// How many of the group's first positions hold a valid token (all of
+    /// a state group's): those a store writes and a load check checks.
+    fn checked_positions(&self) -> usize {
+        let n = self.blocks.block_ids.len();
+        if self.group.is_state() {
+            return n;
+        }
+        let end = self.request.num_tokens.div_ceil(self.group.block_size as u64);
+        end.saturating_sub(self.blocks.first_position).min(n as u64) as usize
+    }
+
     /// Where block `block_id`'s stored value lives.
     fn slot(&self, block_id: u32) -> *mut u64 {
         (self.buffer.address as usize as *mut u64).wrapping_add(block_id as usize)
@@ -145,41 +156,44 @@ pub fn store(layout: &Layout, infos: &[GroupInfo], blocks: &BlockSet, result: &C
 }
 
 /// Per (request, group) of `targets`, the positions a load check checks
-/// (those holding a valid token), numbered in order: `visit(target, i,
-/// block_id, index)` for each, then the expectations referring to those
+/// (those holding a valid token: a prefix of the group's positions),
+/// numbered in order: `visit(t, i, block_id)` for each (the `t`-th target's
+/// position `i`), then (if `expect`) the expectations referring to those
 /// numbers.
-fn checked_positions<'a>(
-    targets: &[Target<'a>],
-    mut visit: impl FnMut(&Target<'a>, usize, u32, usize) -> Result<()>,
-) -> Result<Vec<StoredExpectation>> {
+fn checked_positions(
+    targets: &[Target<'_>],
+    expect: bool,
+    mut visit: impl FnMut(usize, usize, u32),
+) -> Vec<StoredExpectation> {
     let mut count = 0usize;
-    targets
-        .iter()
-        .map(|target| {
-            let expected = target
-                .blocks
-                .block_ids
-                .iter()
-                .enumerate()
-                .map(|(i, &block_id)| {
-                    if !target.holds_tokens(i) {
-                        return Ok(None);
-                    }
-                    visit(target, i, block_id, count)?;
-                    count += 1;
-                    Ok(Some(StoredRef {
-                        index: count - 1,
-                        tag: block_tag(target.hashes[i], target.fingerprint),
-                    }))
-                })
-                .collect::<Result<Vec<_>>>()?;
-            Ok(StoredExpectation {
-                req_id: target.request.req_id.clone(),
-                group_id: target.blocks.group_id,
-                expected,
-            })
-        })
-        .collect()
+    let mut expectations = Vec::with_capacity(if expect { targets.len() } else { 0 });
+    for (t, target) in targets.iter().enumerate() {
+        let block_ids = &target.blocks.block_ids;
+        let checked = target.checked_positions();
+        debug_assert!((0..block_ids.len()).all(|i| target.holds_tokens(i) == (i < checked)));
+        if !expect {
+            for (i, &block_id) in block_ids[..checked].iter().enumerate() {
+                visit(t, i, block_id);
+            }
+            continue;
+        }
+        let mut expected = Vec::with_capacity(block_ids.len());
+        for (i, (&block_id, &hash)) in block_ids[..checked].iter().zip(target.hashes).enumerate() {
+            visit(t, i, block_id);
+            expected.push(Some(StoredRef {
+                index: count,
+                tag: block_tag(hash, target.fingerprint),
+            }));
+            count += 1;
+        }
+        expected.resize(block_ids.len(), None);
+        expectations.push(StoredExpectation {
+            req_id: target.request.req_id.clone(),
+            group_id: target.blocks.group_id,
+            expected,
+        });
+    }
+    expectations
 }
 
 /// Reads back the stored value of every block of `blocks` that holds a
@@ -191,12 +205,11 @@ pub fn expectations(
     blocks: &BlockSet,
 ) -> Result<(Vec<StoredExpectation>, Vec<u64>)> {
     let targets = targets(layout, infos, blocks)?;
-    let mut read = Vec::new();
-    let expectations = checked_positions(&targets, |target, _, block_id, _| {
+    let mut read = Vec::with_capacity(blocks.num_blocks());
+    let expectations = checked_positions(&targets, true, |t, _, block_id| {
         // SAFETY: as in `store`, readable host memory.
-        read.push(u64::from_le(unsafe { target.slot(block_id).read() }));
-        Ok(())
-    })?;
+        read.push(u64::from_le(unsafe { targets[t].slot(block_id).read() }));
+    });
     Ok((expectations, read))
 }
 
@@ -213,26 +226,33 @@ pub fn device_work(
     mode: StoredMode,
 ) -> Result<(StoredWork, Vec<StoredExpectation>)> {
     let targets = targets(layout, infos, blocks)?;
-    let mut items = Vec::new();
-    let expectations = checked_positions(&targets, |target, i, block_id, _| {
-        let Some(&Placement::Computed { slot, values_offset }) = shape.placements.get(target.index) else {
-            return Err(err!(
+    // Per target, where its values are: (value index of column 0, columns).
+    let places = targets
+        .iter()
+        .map(|target| match shape.placements.get(target.index) {
+            Some(&Placement::Computed { slot, values_offset }) => {
+                Ok((values_offset, shape.columns[slot as usize].len() as u32))
+            }
+            _ => Err(err!(
                 Internal,
                 "group_id {} of req_id \"{}\" has no values in the call",
                 target.blocks.group_id,
                 target.request.req_id
-            ));
-        };
-        let num_positions = target.blocks.block_ids.len();
+            )),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut items = Vec::with_capacity(blocks.num_blocks());
+    let expectations = checked_positions(&targets, mode == StoredMode::Gather, |t, i, block_id| {
+        let target = &targets[t];
+        let (values_offset, num_columns) = places[t];
         items.push(DevStoredItem {
             tag: block_tag(target.hashes[i], target.fingerprint),
             address: target.slot(block_id) as usize as u64,
             out: (values_offset + i) as u32,
-            column_stride: num_positions as u32,
-            num_columns: shape.columns[slot as usize].len() as u32,
+            column_stride: target.blocks.block_ids.len() as u32,
+            num_columns,
             reserved: 0,
         });
-        Ok(())
-    })?;
+    });
     Ok((StoredWork { mode, items }, expectations))
 }

@@ -292,6 +292,23 @@ impl Worker {
         Ok(())
     }
 
+    /// For benchmarks only (`benches/plan_bench.rs`): the host work a
+    /// device worker's store (`load_check` false) or load check adds to a
+    /// checksum call (checking `blocks` against the stored buffers, laying
+    /// out the kernel's items), without an engine. Reads no memory.
+    #[doc(hidden)]
+    pub fn stored_host_overhead(&self, blocks: &BlockSet, load_check: bool) -> Result<usize> {
+        let infos = self.infos();
+        let plan = Plan::new(&self.layout, blocks, Role::Consumer)?;
+        let mode = if load_check {
+            cuda::StoredMode::Gather
+        } else {
+            cuda::StoredMode::Store
+        };
+        let (work, expectations) = stored::device_work(&self.layout, &infos, blocks, &plan.shape, mode)?;
+        Ok(std::hint::black_box(work.items.len() + expectations.len()))
+    }
+
     /// Registers `group_id`'s buffer of stored checksums (SPEC section 8): 8
     /// bytes per block id for `num_blocks` block ids at `address`, memory the
     /// worker may write and read while it lives. A device worker checks that
@@ -316,13 +333,15 @@ impl Worker {
     /// before anything is computed or written. A device worker queues the
     /// writes on `stream` after the checksums and returns without waiting.
     pub fn store(&self, blocks: &BlockSet, stream: StreamHandle) -> Result<Checksums> {
-        stored::check_blocks(&self.layout, &self.infos(), blocks)?;
         match &self.engine {
             Engine::Host(_) => {
+                // Checked before the (host) checksums are computed.
+                stored::check_blocks(&self.layout, &self.infos(), blocks)?;
                 let result = self.checksum(blocks, Role::Consumer, stream)?;
                 stored::store(&self.layout, &self.infos(), blocks, &result)?;
                 Ok(result)
             }
+            // The items are checked before anything is queued.
             Engine::Device(_) => Ok(self
                 .checksum_with(blocks, Role::Consumer, stream, Some(cuda::StoredMode::Store))?
                 .0),
@@ -343,7 +362,6 @@ impl Worker {
                     .with_stored(expectations, StoredValues::Read(read)))
             }
             Engine::Device(_) => {
-                stored::check_blocks(&self.layout, &self.infos(), blocks)?;
                 let (result, expectations) =
                     self.checksum_with(blocks, Role::Consumer, stream, Some(cuda::StoredMode::Gather))?;
                 Ok(result.with_stored(expectations, StoredValues::Gathered))
@@ -536,6 +554,17 @@ mod tests {
             cuda::StoredMode::Store,
         )
         .unwrap();
+        assert!(expectations.is_empty(), "a store expects nothing");
+        // A load check's items are the store's; it also gives expectations.
+        let (gather, expectations) = stored::device_work(
+            &worker.layout,
+            &worker.infos(),
+            &blocks,
+            &plan.shape,
+            cuda::StoredMode::Gather,
+        )
+        .unwrap();
+        assert_eq!(gather.items, work.items);
         assert_eq!(work.items.len(), 3 + 3 + 2, "positions holding tokens");
         let mut device = [junk.clone(), junk.clone()];
         for item in &work.items {

@@ -398,7 +398,7 @@ impl DeviceEngine {
         // kernels read cache bytes that registration proved lie in registered
         // regions, and the stored launch 8-byte values that `add_stored`
         // checked.
-        let queued = unsafe { self.enqueue(&mut call, state, &slot, upload, shape.blocks, launch.as_mut(), stream) };
+        let queued = unsafe { self.enqueue(&mut call, state, &slot, (upload, shape.blocks), launch.as_mut(), stream) };
         if let Err(error) = queued {
             // Parked while anything queued may still run.
             self.pool.give_back(slot);
@@ -440,7 +440,7 @@ impl DeviceEngine {
 
     /// Queues on `stream`: the upload of `upload` staged bytes to
     /// `call.rows` (if any), the state kernel with its upload (if any), the
-    /// checksum kernel on `blocks` blocks, the stored checksums' launch (if
+    /// checksum kernel on `blocks` blocks (`(upload, blocks) = sizes`), the stored checksums' launch (if
     /// any), and the slot's event.
     ///
     /// # Safety
@@ -451,8 +451,7 @@ impl DeviceEngine {
         call: &mut DevCall,
         state: Option<StateLaunch<'_>>,
         slot: &Slot,
-        upload: usize,
-        blocks: u32,
+        (upload, blocks): (usize, u32),
         stored: Option<&mut stored::StoredLaunch>,
         stream: StreamHandle,
     ) -> Result<()> {
