@@ -275,13 +275,13 @@ impl DeviceEngine {
         let rows = &plan.rows;
         // Rows of state groups go to the state kernel, the others to the
         // checksum kernel (which skips state slots in its shape).
+        // Counted per group slot from the plan, not per row.
         let mut state_rows = 0usize;
         let mut max_state_units = 0u32;
-        for row in rows {
-            let units = table.state_groups[row.group_slot as usize].units;
-            if units > 0 {
-                state_rows += 1;
-                max_state_units = max_state_units.max(units);
+        for (state_group, &count) in table.state_groups.iter().zip(&plan.rows_per_slot) {
+            if state_group.units > 0 && count > 0 {
+                state_rows += count as usize;
+                max_state_units = max_state_units.max(state_group.units);
             }
         }
         let attention_rows = rows.len() - state_rows;
