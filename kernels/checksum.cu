@@ -21,6 +21,12 @@
 #ifndef KVCS_WIDE_BATCH
 #define KVCS_WIDE_BATCH KVCS_BATCH
 #endif
+// A layer's two segments (K and V) read alike, lane for lane, are read as
+// one unit when a warp holds both: 0 = never, 1 = one after the other
+// (one unit's bookkeeping for both), 2 = their loads in flight together.
+#ifndef KVCS_PAIR_MODE
+#define KVCS_PAIR_MODE 2
+#endif
 // Blocks per SM the compiler must leave room for (registers), 0 = its choice.
 #ifndef KVCS_MIN_BLOCKS
 #define KVCS_MIN_BLOCKS 0
@@ -89,6 +95,99 @@ __device__ __forceinline__ void kvcs_accumulate(
             sums.step_weighted += (kvcs_u64)k * batch_total;
         }
     }
+}
+
+// As kvcs_accumulate over two segments read alike (same vectors, lanes and
+// token stride) at once: each batch's loads of both are in flight together.
+// The per-segment totals are kept apart (their pieces start at different
+// offsets); the other sums are shared.
+template <int BATCH>
+__device__ __forceinline__ void kvcs_accumulate_pair(
+    struct kvcs_lane_sums &sums, kvcs_u64 &first_total, kvcs_i64 first_address, kvcs_i64 second_address,
+    kvcs_i64 step_bytes, kvcs_u32 steps, kvcs_u32 first_vector, kvcs_u32 vectors, kvcs_u32 lanes,
+    kvcs_u32 vector_shift)
+{
+    const bool wide = vector_shift == 4;
+    for (kvcs_u32 k = 0; k < steps; k += BATCH) {
+        kvcs_u32 round = 0;
+        for (kvcs_u32 vector = first_vector; vector < vectors; vector += lanes, ++round) {
+            const kvcs_i64 offset = (kvcs_i64)k * step_bytes + ((kvcs_i64)(vector - first_vector) << vector_shift);
+            kvcs_u64 lo[2][BATCH], hi[2][BATCH];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const kvcs_i64 base = (h ? second_address : first_address) + offset;
+#pragma unroll
+                for (int b = 0; b < BATCH; ++b) {
+                    lo[h][b] = 0; hi[h][b] = 0;
+                    if (k + b < steps) {
+                        if (wide) {
+                            const ulonglong2 v = __ldcs((const ulonglong2 *)(base + b * step_bytes));
+                            lo[h][b] = v.x; hi[h][b] = v.y;
+                        } else {
+                            lo[h][b] = __ldcs((const kvcs_u64 *)(base + b * step_bytes));
+                        }
+                    }
+                }
+            }
+            kvcs_u64 batch_total = 0;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                kvcs_u64 segment_total = 0;
+#pragma unroll
+                for (int b = 0; b < BATCH; ++b) {
+                    const kvcs_u64 y = lo[h][b] + hi[h][b];
+                    sums.high += hi[h][b];
+                    segment_total += y;
+                    sums.step_weighted += (kvcs_u64)b * y;
+                }
+                if (h == 0) first_total += segment_total;
+                batch_total += segment_total;
+            }
+            sums.total += batch_total;
+            sums.round_weighted += (kvcs_u64)round * batch_total;
+            sums.step_weighted += (kvcs_u64)k * batch_total;
+        }
+    }
+}
+
+// This lane's share of sum x_j (2j + 1) over the same `tokens` tokens of one
+// head in both segments of a layer whose segments read alike (see
+// kvcs_segment_unit), the first segment's first token at `first_address`,
+// the second's at `second_address`.
+__device__ __forceinline__ kvcs_u64 kvcs_segment_pair(
+    const struct kvcs_dev_segment *first, const struct kvcs_dev_segment *second, kvcs_u64 pieces_per_token,
+    kvcs_i64 first_address, kvcs_i64 second_address, kvcs_u64 first_token, kvcs_u32 tokens, kvcs_u32 lane)
+{
+    const kvcs_u32 lanes = 1u << first->lane_shift;
+    const kvcs_u32 tokens_per_step = KVCS_WARP >> first->lane_shift;
+    const kvcs_u32 token = lane >> first->lane_shift;
+    const kvcs_u32 first_vector = lane & (lanes - 1);
+    const kvcs_u32 vectors = first->vectors_per_token;
+    if (token >= tokens || first_vector >= vectors) return 0;
+    const kvcs_u32 steps = (tokens - token + tokens_per_step - 1) >> (5 - first->lane_shift);
+    const kvcs_u64 pieces_per_vector = first->vector_shift == 4 ? 2 : 1;
+    const kvcs_i64 step_bytes = (kvcs_i64)tokens_per_step * first->token_stride;
+    const kvcs_i64 lane_offset = (kvcs_i64)token * first->token_stride + ((kvcs_i64)first_vector << first->vector_shift);
+
+    struct kvcs_lane_sums sums = {0, 0, 0, 0};
+    kvcs_u64 first_total = 0;
+#if KVCS_PAIR_MODE == 2
+    kvcs_accumulate_pair<KVCS_BATCH>(sums, first_total, first_address + lane_offset, second_address + lane_offset,
+                                     step_bytes, steps, first_vector, vectors, lanes, first->vector_shift);
+#else
+    kvcs_accumulate<KVCS_BATCH>(sums, first_address + lane_offset, step_bytes, steps, first_vector, vectors, lanes,
+                                first->vector_shift);
+    first_total = sums.total;
+    kvcs_accumulate<KVCS_BATCH>(sums, second_address + lane_offset, step_bytes, steps, first_vector, vectors, lanes,
+                                first->vector_shift);
+#endif
+    // As in kvcs_segment_unit, each segment's pieces starting at its own offset.
+    const kvcs_u64 j0 = (first_token + token) * pieces_per_token + first_vector * pieces_per_vector;
+    const kvcs_u64 step_pieces = (kvcs_u64)tokens_per_step * pieces_per_token;
+    return (2 * (j0 + first->piece_offset) + 1) * first_total
+        + (2 * (j0 + second->piece_offset) + 1) * (sums.total - first_total) + 2 * sums.high
+        + 2 * (kvcs_u64)lanes * pieces_per_vector * sums.round_weighted
+        + 2 * step_pieces * sums.step_weighted;
 }
 
 // This lane's share of sum x_j (2j + 1) over a flat segment's `tokens`
@@ -242,17 +341,39 @@ __device__ __forceinline__ void kvcs_layer_units(
     const kvcs_u32 per_kernel_block = layer->tokens_per_kernel_block;
     const kvcs_u32 per_unit = (per_kernel_block + split - 1) / split;
     kvcs_u64 head_sum = 0;
+#if KVCS_PAIR_MODE > 0
+    const struct kvcs_dev_segment *pair = layer->segments;
+    const bool pairs = segments == 2 && !pair[0].flat && !pair[1].flat
+        && pair[0].vector_shift == pair[1].vector_shift && pair[0].vectors_per_token == pair[1].vectors_per_token
+        && pair[0].token_stride == pair[1].token_stride;
+#endif
     while (head < layer->num_heads && unit < end) {
         const kvcs_u32 slot = chunk * per_unit;
         const kvcs_u32 first = kernel_block * per_kernel_block + slot;
-        if (slot < per_kernel_block && first < row.valid_tokens) {
-            const kvcs_u32 tokens = min(min(per_unit, per_kernel_block - slot), row.valid_tokens - first);
-            const struct kvcs_dev_segment *segment = &layer->segments[s];
-            head_sum += kvcs_segment_unit(segment, layer->pieces_per_token,
-                                          kvcs_segment_address(segment, row.block_id, kernel_block, head, slot),
-                                          row.first_token + first, tokens, lane);
+#if KVCS_PAIR_MODE > 0
+        // Both segments of this (head, kernel block, chunk) in this warp's range.
+        if (pairs && s == 0 && unit + 1 < end) {
+            if (slot < per_kernel_block && first < row.valid_tokens) {
+                const kvcs_u32 tokens = min(min(per_unit, per_kernel_block - slot), row.valid_tokens - first);
+                head_sum += kvcs_segment_pair(&pair[0], &pair[1], layer->pieces_per_token,
+                                              kvcs_segment_address(&pair[0], row.block_id, kernel_block, head, slot),
+                                              kvcs_segment_address(&pair[1], row.block_id, kernel_block, head, slot),
+                                              row.first_token + first, tokens, lane);
+            }
+            unit += 2;
+            s = 1;
+        } else
+#endif
+        {
+            if (slot < per_kernel_block && first < row.valid_tokens) {
+                const kvcs_u32 tokens = min(min(per_unit, per_kernel_block - slot), row.valid_tokens - first);
+                const struct kvcs_dev_segment *segment = &layer->segments[s];
+                head_sum += kvcs_segment_unit(segment, layer->pieces_per_token,
+                                              kvcs_segment_address(segment, row.block_id, kernel_block, head, slot),
+                                              row.first_token + first, tokens, lane);
+            }
+            ++unit;
         }
-        ++unit;
         if (++s < segments) continue;
         s = 0;
         if (++chunk < split) continue;
