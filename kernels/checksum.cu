@@ -323,6 +323,7 @@ __device__ __forceinline__ kvcs_i64 kvcs_segment_address(
 // Adds to `total` this warp's units of `layer` in `row`, from the layer's
 // unit `in_layer` on, while `unit` is below `end` (`unit` advances past
 // them): each head's share weighed by its slice weight (SPEC section 3).
+template <bool PAIRS>
 __device__ __forceinline__ void kvcs_layer_units(
     const struct kvcs_dev_layer *layer, const struct kvcs_dev_row &row, kvcs_u32 split, kvcs_u32 in_layer,
     kvcs_u64 &unit, kvcs_u64 end, kvcs_u32 lane, kvcs_u64 &total)
@@ -343,7 +344,7 @@ __device__ __forceinline__ void kvcs_layer_units(
     kvcs_u64 head_sum = 0;
 #if KVCS_PAIR_MODE > 0
     const struct kvcs_dev_segment *pair = layer->segments;
-    const bool pairs = segments == 2 && !pair[0].flat && !pair[1].flat
+    const bool pairs = PAIRS && segments == 2 && !pair[0].flat && !pair[1].flat
         && pair[0].vector_shift == pair[1].vector_shift && pair[0].vectors_per_token == pair[1].vectors_per_token
         && pair[0].token_stride == pair[1].token_stride;
 #endif
@@ -407,8 +408,10 @@ __device__ __forceinline__ void kvcs_publish(
     if (threadIdx.x == 0) *finished_blocks = 0;
 }
 
-extern "C" __global__ void __launch_bounds__(KVCS_THREADS_PER_BLOCK, KVCS_MIN_BLOCKS)
-kvcs_checksum(const __grid_constant__ struct kvcs_dev_call call)
+// The kernel's work: PAIRS says whether a layer's two segments may be read
+// as one unit (more registers: see kvcs_checksum_unpaired).
+template <bool PAIRS>
+__device__ __forceinline__ void kvcs_checksum_call(const struct kvcs_dev_call &call)
 {
     const kvcs_u32 lane = threadIdx.x % KVCS_WARP;
     const kvcs_u64 warps = (kvcs_u64)gridDim.x * (blockDim.x / KVCS_WARP);
@@ -439,11 +442,26 @@ kvcs_checksum(const __grid_constant__ struct kvcs_dev_call call)
                     out = layer_out;
                 }
                 const kvcs_u32 in_layer = (kvcs_u32)(unit - row_start) - layer->unit_start * split;
-                kvcs_layer_units(layer, row, split, in_layer, unit, end, lane, total);
+                kvcs_layer_units<PAIRS>(layer, row, split, in_layer, unit, end, lane, total);
             }
         }
         total = kvcs_warp_sum(total);
         if (lane == 0 && total != 0) atomicAdd(&call.accumulators[out], total);
     }
     kvcs_publish(call.host_values, call.accumulators, call.finished_blocks, call.num_values);
+}
+
+// Calls with layers whose K and V segments read alike.
+extern "C" __global__ void __launch_bounds__(KVCS_THREADS_PER_BLOCK, KVCS_MIN_BLOCKS)
+kvcs_checksum(const __grid_constant__ struct kvcs_dev_call call)
+{
+    kvcs_checksum_call<true>(call);
+}
+
+// Calls without such layers (MLA latents, say): fewer registers, so more
+// warps per SM.
+extern "C" __global__ void __launch_bounds__(KVCS_THREADS_PER_BLOCK, KVCS_MIN_BLOCKS)
+kvcs_checksum_unpaired(const __grid_constant__ struct kvcs_dev_call call)
+{
+    kvcs_checksum_call<false>(call);
 }

@@ -195,6 +195,10 @@ pub struct LayerTable {
     /// Per role, per group slot: the most chunks worth cutting a kernel block
     /// into (more would leave lanes without a full batch of loads).
     pub max_split: [Vec<u32>; 2],
+    /// Per role: whether some layer has two segments read alike, which
+    /// `kvcs_checksum` reads as one unit (else the call runs
+    /// `kvcs_checksum_unpaired`, which has fewer registers).
+    pub paired: [bool; 2],
     /// Per group slot: its state tensors (none for attention groups).
     pub state_groups: Vec<DevStateGroup>,
     /// The state tensors of every state group, by slot, layer and tensor.
@@ -222,6 +226,7 @@ impl LayerTable {
                         continue;
                     };
                     let device_layer = dev_layer(layer, column as u32, units);
+                    table.paired[role_index(role)] |= pairs(&device_layer);
                     for segment in &device_layer.segments[..device_layer.num_segments as usize] {
                         let tokens_per_batch = (WARP >> segment.lane_shift) * BATCH;
                         let useful = (device_layer.tokens_per_kernel_block / tokens_per_batch).max(1);
@@ -428,6 +433,18 @@ fn dev_layer(layer: &Layer, column: u32, unit_start: u64) -> DevLayer {
         column,
         unit_start: unit_start as u32,
     }
+}
+
+/// Whether the kernel reads `layer`'s two segments as one unit: read alike,
+/// lane for lane (the condition of `kvcs_layer_units` in the kernel).
+fn pairs(layer: &DevLayer) -> bool {
+    let [first, second] = &layer.segments;
+    layer.num_segments == 2
+        && first.flat == 0
+        && second.flat == 0
+        && first.vector_shift == second.vector_shift
+        && first.vectors_per_token == second.vectors_per_token
+        && first.token_stride == second.token_stride
 }
 
 fn dev_segment(segment: &Segment, piece_offset: u64, pieces_per_token: u64) -> DevSegment {

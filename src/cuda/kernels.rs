@@ -39,6 +39,9 @@ pub struct Kernels {
     _module: Arc<CudaModule>,
     /// `kvcs_checksum`.
     pub checksum: CudaFunction,
+    /// `kvcs_checksum_unpaired`: the same for calls with no layer whose two
+    /// segments read alike (fewer registers).
+    pub checksum_unpaired: CudaFunction,
     /// `kvcs_store`.
     pub store: CudaFunction,
     /// `kvcs_state`.
@@ -62,6 +65,9 @@ pub fn kernels(context: &Arc<CudaContext>) -> Result<Arc<Kernels>> {
     let checksum = module
         .load_function("kvcs_checksum")
         .map_err(|e| err!(Device, "device {ordinal}: loading kvcs_checksum failed: {e}"))?;
+    let checksum_unpaired = module
+        .load_function("kvcs_checksum_unpaired")
+        .map_err(|e| err!(Device, "device {ordinal}: loading kvcs_checksum_unpaired failed: {e}"))?;
     let store = module
         .load_function("kvcs_store")
         .map_err(|e| err!(Device, "device {ordinal}: loading kvcs_store failed: {e}"))?;
@@ -71,6 +77,7 @@ pub fn kernels(context: &Arc<CudaContext>) -> Result<Arc<Kernels>> {
     let kernels = Arc::new(Kernels {
         _module: module,
         checksum,
+        checksum_unpaired,
         store,
         state,
     });

@@ -77,6 +77,8 @@ pub struct DeviceEngine {
     device_table: Option<Arc<DeviceTable>>,
     /// Warps the card runs at once with the checksum kernel.
     resident_warps: u64,
+    /// The same for `kvcs_checksum_unpaired`.
+    unpaired_resident_warps: u64,
     /// Warps the card runs at once with the state kernel.
     state_resident_warps: u64,
     /// What the engine runs on, for logs.
@@ -123,13 +125,15 @@ impl DeviceEngine {
                 .unwrap_or(0)
         };
         let checksum_blocks = blocks_per_processor(&kernels.checksum)?;
+        let unpaired_blocks = blocks_per_processor(&kernels.checksum_unpaired)?;
         let state_blocks = blocks_per_processor(&kernels.state)?;
         let (major, minor) = context.compute_capability().unwrap_or((0, 0));
         let description = format!(
             "device {ordinal} (sm_{major}{minor}, {processors} SMs): kvcs_checksum uses {} registers, \
-             {checksum_blocks} blocks of {THREADS_PER_BLOCK} threads per SM; kvcs_state {} registers, \
-             {state_blocks} blocks per SM",
+             {checksum_blocks} blocks of {THREADS_PER_BLOCK} threads per SM; kvcs_checksum_unpaired {} registers, \
+             {unpaired_blocks} blocks per SM; kvcs_state {} registers, {state_blocks} blocks per SM",
             registers(&kernels.checksum),
+            registers(&kernels.checksum_unpaired),
             registers(&kernels.state),
         );
         let pool = Arc::new(SlotPool::new(context.clone()));
@@ -141,6 +145,7 @@ impl DeviceEngine {
             table: LayerTable::default(),
             device_table: None,
             resident_warps: resident(checksum_blocks),
+            unpaired_resident_warps: resident(unpaired_blocks),
             state_resident_warps: resident(state_blocks),
             description,
         })
@@ -286,12 +291,19 @@ impl DeviceEngine {
         }
         let attention_rows = rows.len() - state_rows;
         let is_attention = |row: &&Row| !table.is_state_slot(row.group_slot);
+        // The paired kernel where some layer reads its K and V as one unit,
+        // else the one with fewer registers (more warps per SM).
+        let (checksum_kernel, resident_warps) = if table.paired[role_index(role)] {
+            (&self.kernels.checksum, self.resident_warps)
+        } else {
+            (&self.kernels.checksum_unpaired, self.unpaired_resident_warps)
+        };
         let shape = launch_shape(
             &plan.rows_per_slot,
             groups,
             &table.max_split[role_index(role)],
             attention_rows,
-            self.resident_warps,
+            resident_warps,
         );
 
         // Staged rows: the checksum kernel's (when not inline), then the
@@ -398,7 +410,16 @@ impl DeviceEngine {
         // kernels read cache bytes that registration proved lie in registered
         // regions, and the stored launch 8-byte values that `add_stored`
         // checked.
-        let queued = unsafe { self.enqueue(&mut call, state, &slot, (upload, shape.blocks), launch.as_mut(), stream) };
+        let queued = unsafe {
+            self.enqueue(
+                &mut call,
+                state,
+                &slot,
+                (upload, shape.blocks, checksum_kernel),
+                launch.as_mut(),
+                stream,
+            )
+        };
         if let Err(error) = queued {
             // Parked while anything queued may still run.
             self.pool.give_back(slot);
@@ -440,7 +461,8 @@ impl DeviceEngine {
 
     /// Queues on `stream`: the upload of `upload` staged bytes to
     /// `call.rows` (if any), the state kernel with its upload (if any), the
-    /// checksum kernel on `blocks` blocks (`(upload, blocks) = sizes`), the stored checksums' launch (if
+    /// checksum kernel `function` on `blocks` blocks (`(upload, blocks,
+    /// function) = main`), the stored checksums' launch (if
     /// any), and the slot's event.
     ///
     /// # Safety
@@ -451,7 +473,7 @@ impl DeviceEngine {
         call: &mut DevCall,
         state: Option<StateLaunch<'_>>,
         slot: &Slot,
-        (upload, blocks): (usize, u32),
+        (upload, blocks, function): (usize, u32, &cudarc::driver::CudaFunction),
         stored: Option<&mut stored::StoredLaunch>,
         stream: StreamHandle,
     ) -> Result<()> {
@@ -492,7 +514,7 @@ impl DeviceEngine {
             }
             let mut params = [(call as *mut DevCall).cast::<std::ffi::c_void>()];
             cu::launch_kernel(
-                self.kernels.checksum.cu_function(),
+                function.cu_function(),
                 (blocks, 1, 1),
                 (THREADS_PER_BLOCK, 1, 1),
                 0,
