@@ -69,7 +69,7 @@ struct Detail {
 
 enum Engine {
     Host(host::HostEngine),
-    Device(cuda::DeviceEngine),
+    Device(Box<cuda::DeviceEngine>),
 }
 
 /// One worker's layout and engine.
@@ -100,7 +100,7 @@ impl Worker {
         }
         let engine = match options.device {
             None => Engine::Host(host::HostEngine::new(options.num_threads)?),
-            Some(ordinal) => Engine::Device(cuda::DeviceEngine::new(ordinal)?),
+            Some(ordinal) => Engine::Device(Box::new(cuda::DeviceEngine::new(ordinal)?)),
         };
         Ok(Worker {
             options,
