@@ -577,6 +577,103 @@ extern "C" __global__ void spin(unsigned long long cycles) {
 }
 "#;
 
+/// Writes device buffers late on a stream: holds their true bytes aside in
+/// device memory, overwrites them with stale random bytes (`stale`), and
+/// queues on a stream a kernel spinning about 200 ms, then the copies of the
+/// true bytes back (`queue`). Work the library queues on that stream after
+/// `queue` sees the true bytes; work it put anywhere else, the stale ones.
+struct LateWriter {
+    _module: Arc<cudarc::driver::CudaModule>,
+    spin: sys::CUfunction,
+    clock_khz: u64,
+    /// (device buffer, its true bytes aside, length)
+    buffers: Vec<(u64, u64, usize)>,
+}
+
+impl LateWriter {
+    /// For device buffers `bases` whose true contents are `contents`.
+    fn new(context: &Arc<CudaContext>, bases: &[u64], contents: &[&[u8]]) -> LateWriter {
+        context.bind_to_thread().expect("bind");
+        let (major, minor) = context.compute_capability().expect("capability");
+        let options = cudarc::nvrtc::CompileOptions {
+            options: vec![format!("--gpu-architecture=sm_{major}{minor}")],
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(SPIN_KERNEL, options).expect("compile spin kernel");
+        let module = context.load_module(ptx).expect("load spin kernel");
+        let spin = module.load_function("spin").expect("spin").cu_function();
+        let clock_khz = context
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
+            .expect("clock rate") as u64;
+        let buffers = bases
+            .iter()
+            .zip(contents)
+            .map(|(&base, bytes)| {
+                // SAFETY: a fresh allocation of the contents' length, filled from them.
+                let source = unsafe {
+                    let source = cu::malloc_sync(bytes.len()).expect("cuMemAlloc");
+                    cu::memcpy_htod_sync(source, bytes).expect("copy aside");
+                    source
+                };
+                (base, source, bytes.len())
+            })
+            .collect();
+        LateWriter {
+            _module: module,
+            spin,
+            clock_khz,
+            buffers,
+        }
+    }
+
+    /// Overwrites the buffers with random bytes (synchronously).
+    fn stale(&self, rng: &mut Rng) {
+        for &(base, _, len) in &self.buffers {
+            let stale: Vec<u8> = (0..len).map(|_| rng.next_u64() as u8).collect();
+            // SAFETY: `base` holds `len` bytes; the copy is synchronous.
+            unsafe { cu::memcpy_htod_sync(base, &stale).expect("stale bytes") };
+        }
+    }
+
+    /// Queues on `stream` the spin kernel, then the true bytes' copies.
+    fn queue(&self, stream: sys::CUstream) {
+        // SAFETY: the spin kernel takes one u64 by value; the copies stay in
+        // allocations that outlive the work (freed on drop, after a sync).
+        unsafe {
+            let mut cycles = self.clock_khz * 200; // about 200 ms
+            let mut params = [(&mut cycles as *mut u64).cast::<std::ffi::c_void>()];
+            cu::launch_kernel(self.spin, (1, 1, 1), (1, 1, 1), 0, stream, &mut params).expect("spin");
+            for &(base, source, len) in &self.buffers {
+                sys::cuMemcpyDtoDAsync_v2(base, source, len, stream)
+                    .result()
+                    .expect("write the true bytes on the stream");
+            }
+        }
+    }
+}
+
+impl Drop for LateWriter {
+    fn drop(&mut self) {
+        // SAFETY: waits for everything queued, then frees what is ours.
+        unsafe {
+            let _ = cu::ctx::synchronize();
+            for &(_, source, _) in &self.buffers {
+                let _ = cu::free_sync(source);
+            }
+        }
+    }
+}
+
+/// The streams a caller may name: the legacy default stream (NULL), the
+/// per-thread default stream (0x2) and `explicit`.
+fn stream_cases(explicit: sys::CUstream) -> [(&'static str, sys::CUstream); 3] {
+    [
+        ("NULL (legacy default stream)", std::ptr::null_mut()),
+        ("CU_STREAM_PER_THREAD", 0x2 as sys::CUstream),
+        ("an explicit non-blocking stream", explicit),
+    ]
+}
+
 /// The stream rule: the checksum runs after everything already queued on the
 /// stream the caller names, which is the KV being written there behind a
 /// long kernel. NULL is the legacy default stream, 0x2 the per-thread
@@ -595,59 +692,14 @@ fn device_orders_after_work_queued_on_the_callers_stream() {
     let blocks = block_set(&requests);
     let expected = pair.compare(&blocks, Role::Consumer, "reference call");
 
-    let context = pair._copies[0].context.clone();
-    context.bind_to_thread().expect("bind");
-    let (major, minor) = context.compute_capability().expect("capability");
-    let options = cudarc::nvrtc::CompileOptions {
-        options: vec![format!("--gpu-architecture=sm_{major}{minor}")],
-        ..Default::default()
-    };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(SPIN_KERNEL, options).expect("compile spin kernel");
-    let module = context.load_module(ptx).expect("load spin kernel");
-    let spin = module.load_function("spin").expect("spin").cu_function();
-    let clock_khz = context
-        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
-        .expect("clock rate") as u64;
-
-    // The true KV, kept aside in device memory: the cache is overwritten with
-    // other random bytes, and each case copies the true KV back on its stream.
+    // The true KV is written back on each case's stream, late.
     let cache = &pair._copies[0];
-    let lengths: Vec<usize> = placement.buffers().iter().map(|b| b.len()).collect();
-    // SAFETY: fresh allocations of the cache buffers' lengths, copied from them.
-    let sources: Vec<u64> = cache
-        .bases
-        .iter()
-        .zip(&lengths)
-        .map(|(&base, &len)| unsafe {
-            let source = cu::malloc_sync(len).expect("cuMemAlloc");
-            cu::memcpy_dtod_sync(source, base, len).expect("copy aside");
-            source
-        })
-        .collect();
+    let contents: Vec<&[u8]> = placement.buffers().iter().map(|b| b.bytes()).collect();
+    let writer = LateWriter::new(&cache.context, &cache.bases, &contents);
     let explicit = cu::stream::create(cu::stream::StreamKind::NonBlocking).expect("stream");
-    let cases: [(&str, sys::CUstream); 3] = [
-        ("NULL (legacy default stream)", std::ptr::null_mut()),
-        ("CU_STREAM_PER_THREAD", 0x2 as sys::CUstream),
-        ("an explicit non-blocking stream", explicit),
-    ];
-    for (name, stream) in cases {
-        for (&base, &len) in cache.bases.iter().zip(&lengths) {
-            let stale: Vec<u8> = (0..len).map(|_| rng.next_u64() as u8).collect();
-            // SAFETY: `base` holds `len` bytes; the copy is synchronous.
-            unsafe { cu::memcpy_htod_sync(base, &stale).expect("stale bytes") };
-        }
-        // SAFETY: the spin kernel takes one u64 by value; the copies stay in
-        // allocations of `len` bytes that outlive the work (synchronised below).
-        unsafe {
-            let mut cycles = clock_khz * 200; // about 200 ms
-            let mut params = [(&mut cycles as *mut u64).cast::<std::ffi::c_void>()];
-            cu::launch_kernel(spin, (1, 1, 1), (1, 1, 1), 0, stream, &mut params).expect("spin");
-            for ((&base, &source), &len) in cache.bases.iter().zip(&sources).zip(&lengths) {
-                sys::cuMemcpyDtoDAsync_v2(base, source, len, stream)
-                    .result()
-                    .expect("write the KV on the stream");
-            }
-        }
+    for (name, stream) in stream_cases(explicit) {
+        writer.stale(&mut rng);
+        writer.queue(stream);
         let result = pair
             .device
             .checksum(&blocks, Role::Consumer, StreamHandle(stream.cast()))
@@ -666,12 +718,10 @@ fn device_orders_after_work_queued_on_the_callers_stream() {
         // SAFETY: the stream's work is done once synchronised.
         unsafe { cu::stream::synchronize(stream).expect("sync") };
     }
-    // SAFETY: nothing is queued any more; these are ours.
+    drop(writer);
+    // SAFETY: nothing is queued any more; ours.
     unsafe {
         let _ = cu::stream::destroy(explicit);
-        for source in sources {
-            let _ = cu::free_sync(source);
-        }
     }
 }
 
@@ -1224,52 +1274,13 @@ fn device_stored_write_runs_after_work_queued_on_the_stream() {
         .store(&blocks, StreamHandle::legacy_default())
         .expect("host store");
 
-    let context = rank.copy.context.clone();
-    context.bind_to_thread().expect("bind");
-    let (major, minor) = context.compute_capability().expect("capability");
-    let options = cudarc::nvrtc::CompileOptions {
-        options: vec![format!("--gpu-architecture=sm_{major}{minor}")],
-        ..Default::default()
-    };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(SPIN_KERNEL, options).expect("compile spin kernel");
-    let module = context.load_module(ptx).expect("load spin kernel");
-    let spin = module.load_function("spin").expect("spin").cu_function();
-    let clock_khz = context
-        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
-        .expect("clock rate") as u64;
-    // The true KV in device memory aside; the cache holds stale bytes until
-    // a copy queued behind the spin kernel writes the true KV.
-    let lengths: Vec<usize> = rank.placement.buffers().iter().map(|b| b.len()).collect();
-    // SAFETY: fresh allocations of the buffers' lengths, filled from them.
-    let sources: Vec<u64> = rank
-        .placement
-        .buffers()
-        .iter()
-        .map(|buffer| unsafe {
-            let source = cu::malloc_sync(buffer.len()).expect("cuMemAlloc");
-            cu::memcpy_htod_sync(source, buffer.bytes()).expect("copy aside");
-            source
-        })
-        .collect();
-    for (&base, &len) in rank.copy.bases.iter().zip(&lengths) {
-        let stale: Vec<u8> = (0..len).map(|_| rng.next_u64() as u8).collect();
-        // SAFETY: `base` holds `len` bytes.
-        unsafe { cu::memcpy_htod_sync(base, &stale).expect("stale bytes") };
-    }
+    // The true KV is written on the stream behind a long kernel.
+    let contents: Vec<&[u8]> = rank.placement.buffers().iter().map(|b| b.bytes()).collect();
+    let writer = LateWriter::new(&rank.copy.context, &rank.copy.bases, &contents);
+    writer.stale(&mut rng);
     let before = rank.stored.read();
     let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).expect("stream");
-    // SAFETY: the spin kernel takes one u64; the copies stay in allocations
-    // that outlive the work (synchronised below).
-    unsafe {
-        let mut cycles = clock_khz * 200; // about 200 ms
-        let mut params = [(&mut cycles as *mut u64).cast::<std::ffi::c_void>()];
-        cu::launch_kernel(spin, (1, 1, 1), (1, 1, 1), 0, stream, &mut params).expect("spin");
-        for ((&base, &source), &len) in rank.copy.bases.iter().zip(&sources).zip(&lengths) {
-            sys::cuMemcpyDtoDAsync_v2(base, source, len, stream)
-                .result()
-                .expect("write the KV on the stream");
-        }
-    }
+    writer.queue(stream);
     let result = rank.device.store(&blocks, StreamHandle(stream.cast())).expect("store");
     assert!(
         !result.is_ready().expect("query"),
@@ -1290,12 +1301,10 @@ fn device_stored_write_runs_after_work_queued_on_the_stream() {
         rng.seed()
     );
     drop(result);
-    // SAFETY: nothing is queued any more; these are ours.
+    drop(writer);
+    // SAFETY: nothing is queued any more; ours.
     unsafe {
         let _ = cu::stream::destroy(stream);
-        for source in sources {
-            let _ = cu::free_sync(source);
-        }
     }
 }
 
@@ -1699,59 +1708,12 @@ fn device_state_orders_after_work_queued_on_the_callers_stream() {
     let expected = pair.value(&blocks, "r", 3, Role::Consumer, "reference call");
     assert_eq!(expected, naive_unsplit(&state), "seed {}", rng.seed());
 
-    let context = pair.copy.context.clone();
-    context.bind_to_thread().expect("bind");
-    let (major, minor) = context.compute_capability().expect("capability");
-    let options = cudarc::nvrtc::CompileOptions {
-        options: vec![format!("--gpu-architecture=sm_{major}{minor}")],
-        ..Default::default()
-    };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(SPIN_KERNEL, options).expect("compile spin kernel");
-    let module = context.load_module(ptx).expect("load spin kernel");
-    let spin = module.load_function("spin").expect("spin").cu_function();
-    let clock_khz = context
-        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
-        .expect("clock rate") as u64;
-
-    // The true state kept aside in device memory; each case overwrites the
-    // caches with other bytes, then copies the true state back on its stream.
-    let lengths: Vec<usize> = caches.byte_buffers().iter().map(|b| b.len()).collect();
-    // SAFETY: fresh allocations of the buffers' lengths, copied from them.
-    let sources: Vec<u64> = pair
-        .copy
-        .bases
-        .iter()
-        .zip(&lengths)
-        .map(|(&base, &len)| unsafe {
-            let source = cu::malloc_sync(len).expect("cuMemAlloc");
-            cu::memcpy_dtod_sync(source, base, len).expect("copy aside");
-            source
-        })
-        .collect();
+    // The true state is written back on each case's stream, late.
+    let writer = LateWriter::new(&pair.copy.context, &pair.copy.bases, &caches.byte_buffers());
     let explicit = cu::stream::create(cu::stream::StreamKind::NonBlocking).expect("stream");
-    let cases: [(&str, sys::CUstream); 3] = [
-        ("NULL (legacy default stream)", std::ptr::null_mut()),
-        ("CU_STREAM_PER_THREAD", 0x2 as sys::CUstream),
-        ("an explicit non-blocking stream", explicit),
-    ];
-    for (name, stream) in cases {
-        for (&base, &len) in pair.copy.bases.iter().zip(&lengths) {
-            let stale: Vec<u8> = (0..len).map(|_| rng.next_u64() as u8).collect();
-            // SAFETY: `base` holds `len` bytes; the copy is synchronous.
-            unsafe { cu::memcpy_htod_sync(base, &stale).expect("stale bytes") };
-        }
-        // SAFETY: the spin kernel takes one u64 by value; the copies stay in
-        // allocations of `len` bytes that outlive the work (synchronised below).
-        unsafe {
-            let mut cycles = clock_khz * 200; // about 200 ms
-            let mut params = [(&mut cycles as *mut u64).cast::<std::ffi::c_void>()];
-            cu::launch_kernel(spin, (1, 1, 1), (1, 1, 1), 0, stream, &mut params).expect("spin");
-            for ((&base, &source), &len) in pair.copy.bases.iter().zip(&sources).zip(&lengths) {
-                sys::cuMemcpyDtoDAsync_v2(base, source, len, stream)
-                    .result()
-                    .expect("write the state on the stream");
-            }
-        }
+    for (name, stream) in stream_cases(explicit) {
+        writer.stale(&mut rng);
+        writer.queue(stream);
         let result = pair
             .device
             .checksum(&blocks, Role::Consumer, StreamHandle(stream.cast()))
@@ -1771,12 +1733,10 @@ fn device_state_orders_after_work_queued_on_the_callers_stream() {
         // SAFETY: the stream's work is done once synchronised.
         unsafe { cu::stream::synchronize(stream).expect("sync") };
     }
-    // SAFETY: nothing is queued any more; these are ours.
+    drop(writer);
+    // SAFETY: nothing is queued any more; ours.
     unsafe {
         let _ = cu::stream::destroy(explicit);
-        for source in sources {
-            let _ = cu::free_sync(source);
-        }
     }
 }
 
