@@ -34,6 +34,12 @@ extern "C" __global__ void read_chunks(const chunk *chunks, unsigned long long c
     }
     if (acc == 0x9e3779b97f4a7c15ull) *sink = acc;  // keeps the loads alive
 }
+// Does nothing with a parameter the size of kvcs_checksum's (976 bytes):
+// what a parameter of that size adds to a launch's host time.
+struct blob { unsigned long long words[122]; };
+extern "C" __global__ void big_params(const __grid_constant__ blob b, unsigned long long *sink) {
+    if (b.words[threadIdx.x % 122] == 0x9e3779b97f4a7c15ull) *sink = 1;
+}
 extern "C" __global__ void fill(unsigned long long *p, unsigned long long n, unsigned long long seed) {
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x) {
@@ -67,6 +73,7 @@ struct Device {
     _context: Arc<CudaContext>,
     stream: sys::CUstream,
     read_chunks: sys::CUfunction,
+    big_params: sys::CUfunction,
     fill: sys::CUfunction,
     _module: Arc<cudarc::driver::CudaModule>,
     sink: u64,
@@ -89,6 +96,7 @@ impl Device {
         let module = check(context.load_module(ptx), "load");
         let read_chunks = check(module.load_function("read_chunks"), "read_chunks").cu_function();
         let fill = check(module.load_function("fill"), "fill").cu_function();
+        let big_params = check(module.load_function("big_params"), "big_params").cu_function();
         let stream = check(cu::stream::create(cu::stream::StreamKind::NonBlocking), "stream");
         let sink = unsafe { check(cu::malloc_sync(8), "sink") };
         Device {
@@ -96,6 +104,7 @@ impl Device {
             _context: context,
             stream,
             read_chunks,
+            big_params,
             fill,
             _module: module,
             sink,
@@ -440,8 +449,10 @@ fn main() {
         two_devices();
         return;
     }
-    // `--only N`: case N of the table alone (for profiling one case with ncu).
+    // `--only N`: case N of the table alone (for profiling one case with ncu);
+    // `--host`: only the small call and host-time rows.
     let args: Vec<String> = std::env::args().collect();
+    let host_only = args.iter().any(|a| a == "--host");
     let only: Option<usize> = args
         .iter()
         .position(|a| a == "--only")
@@ -515,7 +526,7 @@ fn main() {
         (&fp8, Layout::KvSplit, "2048 blocks (128 req x 16)", 128, 16),
     ];
     for (i, (model, layout, label, requests, per_request)) in cases.into_iter().enumerate() {
-        if only.is_some_and(|n| n != i) {
+        if host_only || only.is_some_and(|n| n != i) {
             continue;
         }
         let case = build_case(
@@ -598,18 +609,41 @@ fn main() {
     // read kernel plus an event record, the two driver calls a checksum call
     // makes at least.
     let floor_event = check(cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING), "event");
-    let mut bare = Vec::new();
+    // Its two parts apart: the launch alone, the event record alone.
+    // And a launch of a kernel whose parameter is as large as
+    // kvcs_checksum's (one block, reading nothing).
+    let (mut bare, mut launch_only, mut record_only, mut big) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut blob = [0u64; 122];
+    let mut sink = dev.sink;
     for _ in 0..200 {
         let t = Instant::now();
         read_case(&dev, &one, one_blocks);
         unsafe { check(cu::event::record(floor_event, dev.stream), "record") };
         bare.push(t.elapsed().as_secs_f64() * 1e6);
         dev.sync();
+        let t = Instant::now();
+        read_case(&dev, &one, one_blocks);
+        launch_only.push(t.elapsed().as_secs_f64() * 1e6);
+        dev.sync();
+        let t = Instant::now();
+        unsafe { check(cu::event::record(floor_event, dev.stream), "record") };
+        record_only.push(t.elapsed().as_secs_f64() * 1e6);
+        dev.sync();
+        let t = Instant::now();
+        dev.launch(
+            dev.big_params,
+            1,
+            &mut [(&mut blob as *mut [u64; 122]).cast(), (&mut sink as *mut u64).cast()],
+        );
+        big.push(t.elapsed().as_secs_f64() * 1e6);
+        dev.sync();
     }
     unsafe {
         let _ = cu::event::destroy(floor_event);
     }
-    bare.sort_by(f64::total_cmp);
+    for times in [&mut bare, &mut launch_only, &mut record_only, &mut big] {
+        times.sort_by(f64::total_cmp);
+    }
     println!();
     println!("| measurement | median |");
     println!("|---|---:|");
@@ -632,6 +666,15 @@ fn main() {
     println!(
         "| host time of a bare launch of the read kernel plus an event record (the floor of a call) | {:.2} us |",
         bare[bare.len() / 2]
+    );
+    println!(
+        "| of which: the launch alone / the event record alone (each on an idle stream) | {:.2} / {:.2} us |",
+        launch_only[launch_only.len() / 2],
+        record_only[record_only.len() / 2]
+    );
+    println!(
+        "| a launch of a kernel with a 976-byte parameter (kvcs_checksum's size), one block | {:.2} us |",
+        big[big.len() / 2]
     );
 
     // Host time inside checksum for 128 requests of 16 blocks, and the part
@@ -683,7 +726,9 @@ fn main() {
         "| of which: checking and laying out the blocks (Plan::new) | {:.2} us |",
         plan[plan.len() / 2]
     );
-    stored_checksums(&dev, cache, cache_bytes, &llama);
+    if !host_only {
+        stored_checksums(&dev, cache, cache_bytes, &llama);
+    }
 }
 
 /// Stored checksums (SPEC section 8) on the device: a store (the checksum

@@ -99,16 +99,16 @@ impl HostEngine {
         self.pool.get().map_or(0, Pool::helpers)
     }
 
-    /// Computes the values of `plan`, on up to [`HostEngine::threads`]
+    /// Computes the values of `plan` (whose rows are `rows`), on up to [`HostEngine::threads`]
     /// threads. Calls may run concurrently; each gets what helpers are free.
     ///
     /// The layout's registration checks guarantee every address read lies in
     /// a registered region; the caller of [`crate::Worker::add_region`]
     /// promised those are readable host memory.
-    pub fn compute(&self, layout: &Layout, plan: &Plan, role: Role) -> Vec<u64> {
+    pub fn compute(&self, layout: &Layout, plan: &Plan, rows: &[Row], role: Role) -> Vec<u64> {
         let mut items = Vec::new();
         let mut total_bytes = 0u64;
-        for row in &plan.rows {
+        for row in rows {
             let group = layout.group_in_slot(row.group_slot);
             let columns = group.columns(role);
             for layer in &group.layers {
@@ -145,7 +145,7 @@ impl HostEngine {
             pool.run(threads - 1, &work);
         }
         let mut values: Vec<u64> = values.into_iter().map(AtomicU64::into_inner).collect();
-        add_states(layout, plan, &mut values);
+        add_states(layout, rows, &mut values);
         values
     }
 }
@@ -166,10 +166,10 @@ struct Item<'a> {
     column: usize,
 }
 
-/// Adds the state layers' checksums (SPEC section 6) of the plan's rows of
-/// state groups, on the calling thread.
-fn add_states(layout: &Layout, plan: &Plan, values: &mut [u64]) {
-    for row in &plan.rows {
+/// Adds the state layers' checksums (SPEC section 6) of the rows of state
+/// groups among `rows`, on the calling thread.
+fn add_states(layout: &Layout, rows: &[Row], values: &mut [u64]) {
+    for row in rows {
         for state in layout.group_in_slot(row.group_slot).states() {
             let value = &mut values[row.out as usize];
             *value = value.wrapping_add(state.block_checksum(row.block_id));

@@ -1,6 +1,8 @@
 //! What one `checksum` call computes: the result's shape and the rows of work
 //! (one per block position with valid tokens), shared by every engine.
 
+use std::mem::MaybeUninit;
+
 use crate::blocks::{valid_tokens, BlockSet};
 use crate::error::{err, Result};
 use crate::layout::{Group, Layout, Role};
@@ -27,13 +29,22 @@ pub struct Row {
     pub reserved: u32,
 }
 
-/// The work of one call and the shape of its result.
+// Rows are written as little-endian words (`RowWriter`) and read by the
+// device as they are.
+#[cfg(not(target_endian = "little"))]
+compile_error!("kvcsum lays out rows for a little-endian host");
+const _: () = assert!(std::mem::size_of::<Row>() == 32 && std::mem::align_of::<Row>() == 8);
+
+/// The work of one call and the shape of its result. Its rows, one per
+/// position with valid tokens, are kept apart: in a vector
+/// ([`Plan::new`]), or written where the caller wants them
+/// ([`Plan::write`]: a device call's pinned staging, with no copy).
 #[derive(Debug, Clone)]
 pub struct Plan {
     /// Result shape.
     pub shape: Shape,
-    /// Positions with valid tokens.
-    pub rows: Vec<Row>,
+    /// Rows written, in request order.
+    pub num_rows: usize,
     /// Rows of each group, by group slot.
     pub rows_per_slot: Vec<u64>,
     /// Length of the value array.
@@ -41,12 +52,33 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// Checks `blocks` against `layout` and lays out the work; any bad block
-    /// id or unknown group fails the whole call.
-    pub fn new(layout: &Layout, blocks: &BlockSet, role: Role) -> Result<Plan> {
-        let requests = blocks.shared_requests();
-        // Counted as the blocks were added: no pass over the set to size these.
+    /// Checks `blocks` against `layout` and lays out the work, with its rows;
+    /// any bad block id or unknown group fails the whole call.
+    pub fn new(layout: &Layout, blocks: &BlockSet, role: Role) -> Result<(Plan, Vec<Row>)> {
+        // Sized from the count kept as the blocks were added (an upper bound
+        // on the rows): no pass over the set.
         let mut rows = Vec::with_capacity(blocks.num_blocks());
+        let plan = Plan::write(layout, blocks, role, rows.spare_capacity_mut())?;
+        // SAFETY: `write` initialised the first `num_rows` elements of the
+        // spare capacity, which starts at index 0 of the empty vector.
+        unsafe { rows.set_len(plan.num_rows) };
+        Ok((plan, rows))
+    }
+
+    /// As [`Plan::new`], with the rows written to `out[..num_rows]`; `out`
+    /// holds at least `blocks.num_blocks()` rows (no call has more). On error
+    /// what `out` holds means nothing.
+    pub fn write(layout: &Layout, blocks: &BlockSet, role: Role, out: &mut [MaybeUninit<Row>]) -> Result<Plan> {
+        if out.len() < blocks.num_blocks() {
+            return Err(err!(
+                Internal,
+                "room for {} rows, for a set of {} blocks",
+                out.len(),
+                blocks.num_blocks()
+            ));
+        }
+        let requests = blocks.shared_requests();
+        let mut rows = RowWriter { out, len: 0 };
         let mut placements = Vec::with_capacity(blocks.num_groups());
         let skipped: Vec<SkippedGroup> = layout
             .skipped_groups()
@@ -122,15 +154,18 @@ impl Plan {
                         ));
                     }
                     rows_per_slot[group.slot as usize] += num_positions as u64;
-                    rows.extend(block_ids.iter().map(|&block_id| Row {
-                        first_token: 0,
-                        block_id,
-                        valid_tokens: 0,
-                        out: values_offset as u32,
-                        column_stride: 1,
-                        group_slot: group.slot,
-                        reserved: 0,
-                    }));
+                    rows.extend(
+                        block_ids.len(),
+                        block_ids.iter().map(|&block_id| Row {
+                            first_token: 0,
+                            block_id,
+                            valid_tokens: 0,
+                            out: values_offset as u32,
+                            column_stride: 1,
+                            group_slot: group.slot,
+                            reserved: 0,
+                        }),
+                    );
                     continue;
                 }
                 // Positions before `end` hold valid tokens (SPEC section 5).
@@ -147,19 +182,25 @@ impl Plan {
                 let group_slot = group.slot;
                 let column_stride = num_positions as u32;
                 let out = values_offset as u32;
-                rows.extend(block_ids[..with_tokens].iter().enumerate().map(move |(i, &block_id)| {
-                    let first_token = first_token + i as u64 * block_size;
-                    Row {
-                        first_token,
-                        block_id,
-                        valid_tokens: (num_tokens - first_token).min(block_size) as u32,
-                        out: out + i as u32,
-                        column_stride,
-                        group_slot,
-                        reserved: 0,
-                    }
-                }));
-                debug_assert!(rows.iter().rev().take(with_tokens).all(|row| {
+                let written = rows.len;
+                rows.extend(
+                    with_tokens,
+                    block_ids[..with_tokens].iter().enumerate().map(move |(i, &block_id)| {
+                        let first_token = first_token + i as u64 * block_size;
+                        Row {
+                            first_token,
+                            block_id,
+                            valid_tokens: (num_tokens - first_token).min(block_size) as u32,
+                            out: out + i as u32,
+                            column_stride,
+                            group_slot,
+                            reserved: 0,
+                        }
+                    }),
+                );
+                debug_assert!(rows.out[written..rows.len].iter().all(|row| {
+                    // SAFETY: just written.
+                    let row = unsafe { row.assume_init_ref() };
                     let position = row.first_token / block_size;
                     row.valid_tokens == valid_tokens(num_tokens, group.block_size, position)
                 }));
@@ -173,9 +214,39 @@ impl Plan {
         };
         Ok(Plan {
             shape,
-            rows,
+            num_rows: rows.len,
             rows_per_slot,
             num_values,
         })
+    }
+}
+
+/// Rows written in order into room the caller gave.
+struct RowWriter<'a> {
+    out: &'a mut [MaybeUninit<Row>],
+    len: usize,
+}
+
+impl RowWriter<'_> {
+    /// Appends the `count` rows of `rows` (a block list's, so that
+    /// `Plan::write`'s room check bounds the total), writing them in one
+    /// tight loop with one bounds check.
+    fn extend(&mut self, count: usize, rows: impl Iterator<Item = Row>) {
+        let end = self.len + count;
+        for (slot, row) in self.out[self.len..end].iter_mut().zip(rows) {
+            // Four 8-byte stores, where the compiler writes the fields one
+            // by one (the store rate bounds this loop).
+            let words = [
+                row.first_token,
+                row.block_id as u64 | (row.valid_tokens as u64) << 32,
+                row.out as u64 | (row.column_stride as u64) << 32,
+                row.group_slot as u64 | (row.reserved as u64) << 32,
+            ];
+            // SAFETY: `Row` is `repr(C)`: a u64 then six u32s, 32 bytes with
+            // no padding, 8-byte aligned; on a little-endian target these
+            // words are its bytes.
+            unsafe { slot.as_mut_ptr().cast::<[u64; 4]>().write(words) };
+        }
+        self.len = end;
     }
 }

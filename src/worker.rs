@@ -244,18 +244,30 @@ impl Worker {
         stream: StreamHandle,
         stored: Option<cuda::StoredMode>,
     ) -> Result<(Checksums, Vec<StoredExpectation>)> {
-        let plan = Plan::new(&self.layout, blocks, role)?;
         let mut expectations = Vec::new();
-        let values = match &self.engine {
-            Engine::Host(host) => Values::Ready(host.compute(&self.layout, &plan, role)),
-            Engine::Device(device) => match stored {
-                None => device.compute(&plan, role, stream)?,
-                Some(mode) => {
-                    let (work, expected) = stored::device_work(&self.layout, &self.infos(), blocks, &plan.shape, mode)?;
-                    expectations = expected;
-                    device.compute_with(&plan, role, stream, Some(&work))?
-                }
-            },
+        let (plan, values) = match &self.engine {
+            Engine::Host(host) => {
+                let (plan, rows) = Plan::new(&self.layout, blocks, role)?;
+                let values = Values::Ready(host.compute(&self.layout, &plan, &rows, role));
+                (plan, values)
+            }
+            Engine::Device(device) => {
+                // The rows go straight into the call's pinned staging.
+                let max_columns = self.layout.groups().map(|g| g.columns(role).len()).max().unwrap_or(0);
+                let mut staged = device.stage(blocks.num_blocks(), blocks.num_blocks() * max_columns)?;
+                let plan = Plan::write(&self.layout, blocks, role, staged.rows())?;
+                let work = match stored {
+                    None => None,
+                    Some(mode) => {
+                        let (work, expected) =
+                            stored::device_work(&self.layout, &self.infos(), blocks, &plan.shape, mode)?;
+                        expectations = expected;
+                        Some(work)
+                    }
+                };
+                let values = device.compute_staged(&plan, staged, role, stream, work.as_ref())?;
+                (plan, values)
+            }
         };
         let detail = match &self.detail {
             Some(detail) => Some(Arc::new(self.detail_values(detail, blocks, role, stream)?)),
@@ -282,7 +294,8 @@ impl Worker {
     /// it can be timed on a machine without a GPU. Reads no cache memory.
     #[doc(hidden)]
     pub fn checksum_host_overhead(&self, blocks: &BlockSet, role: Role) -> Result<()> {
-        let plan = Plan::new(&self.layout, blocks, role)?;
+        let (plan, rows) = Plan::new(&self.layout, blocks, role)?;
+        drop(std::hint::black_box(rows));
         drop(std::hint::black_box(self.result(
             plan,
             Values::Ready(Vec::new()),
@@ -299,7 +312,7 @@ impl Worker {
     #[doc(hidden)]
     pub fn stored_host_overhead(&self, blocks: &BlockSet, load_check: bool) -> Result<usize> {
         let infos = self.infos();
-        let plan = Plan::new(&self.layout, blocks, Role::Consumer)?;
+        let (plan, _) = Plan::new(&self.layout, blocks, Role::Consumer)?;
         let mode = if load_check {
             cuda::StoredMode::Gather
         } else {
@@ -424,10 +437,10 @@ impl Worker {
     ) -> Result<DetailValues> {
         let shadow = &detail.shadow;
         let shadow_blocks = shadow.blocks(&self.layout, blocks)?;
-        let plan = Plan::new(&shadow.layout, &shadow_blocks, role)?;
+        let (plan, rows) = Plan::new(&shadow.layout, &shadow_blocks, role)?;
         let values = match (&self.engine, &detail.engine) {
-            (Engine::Host(host), _) => Values::Ready(host.compute(&shadow.layout, &plan, role)),
-            (Engine::Device(_), Some(engine)) => engine.compute(&plan, role, stream)?,
+            (Engine::Host(host), _) => Values::Ready(host.compute(&shadow.layout, &plan, &rows, role)),
+            (Engine::Device(_), Some(engine)) => engine.compute(&plan, &rows, role, stream)?,
             (Engine::Device(_), None) => {
                 return Err(err!(Internal, "detail mode on a device worker has no shadow engine"))
             }
@@ -543,7 +556,7 @@ mod tests {
         worker.store(&blocks, stream).unwrap();
         let host_stored = [stored0.clone(), stored1.clone()];
         // What kvcs_store writes, from the host values and the items.
-        let plan = Plan::new(&worker.layout, &blocks, Role::Consumer).unwrap();
+        let (plan, _) = Plan::new(&worker.layout, &blocks, Role::Consumer).unwrap();
         let values = worker.checksum(&blocks, Role::Consumer, stream).unwrap();
         let values = values.values().unwrap();
         let (work, expectations) = stored::device_work(

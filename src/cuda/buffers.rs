@@ -80,20 +80,32 @@ impl Slot {
         Ok(slot)
     }
 
-    /// Pinned staging for `n` rows and their `n` unit starts (host side);
-    /// uploaded together by one copy of [`Slot::staging_bytes`] bytes.
+    /// Pinned staging for `n` rows and, right after them, `n` unit starts
+    /// (host side); a call's rows and starts are uploaded together by one
+    /// copy of [`Slot::staging_bytes`] bytes, no more than they need.
     pub fn staging(&mut self, n: usize) -> (&mut [Row], &mut [u64]) {
         assert!(n <= self.row_capacity);
         // SAFETY: rows follow the values in the pinned allocation and the
-        // starts follow the rows; both are 8-byte aligned (page-aligned base,
-        // 8-byte multiples) and lie inside it.
+        // starts follow the `n` rows; both are 8-byte aligned (page-aligned
+        // base, 8-byte multiples) and lie inside it (room for `row_capacity`
+        // rows and as many starts).
         unsafe {
             let rows = self.host.add(self.value_capacity * 8);
-            let starts = rows.add(self.row_capacity * std::mem::size_of::<Row>());
+            let starts = rows.add(n * std::mem::size_of::<Row>());
             (
                 std::slice::from_raw_parts_mut(rows.cast(), n),
                 std::slice::from_raw_parts_mut(starts.cast(), n),
             )
+        }
+    }
+
+    /// All of the pinned row staging, to be written before [`Slot::staging`]
+    /// reads it.
+    pub fn staging_room(&mut self) -> &mut [std::mem::MaybeUninit<Row>] {
+        // SAFETY: as in `staging`; MaybeUninit makes no claim on the bytes.
+        unsafe {
+            let rows = self.host.add(self.value_capacity * 8);
+            std::slice::from_raw_parts_mut(rows.cast(), self.row_capacity)
         }
     }
 
@@ -108,9 +120,10 @@ impl Slot {
         self.host_on_device + self.value_capacity as u64 * 8
     }
 
-    /// Bytes from the staging's start to the end of the first `n` row starts.
-    pub fn staging_bytes(&self, n: usize) -> usize {
-        self.row_capacity * std::mem::size_of::<Row>() + n * 8
+    /// Bytes from the staging's start to the end of the first `starts` row
+    /// starts of [`Slot::staging`]`(rows)`.
+    pub fn staging_bytes(&self, rows: usize, starts: usize) -> usize {
+        rows * std::mem::size_of::<Row>() + starts * 8
     }
 
     /// The first `n` published values (read only after the event completed).
@@ -140,9 +153,9 @@ impl Slot {
         self.finished_blocks() + 8
     }
 
-    /// Device address of the row starts.
-    pub fn device_row_starts(&self) -> u64 {
-        self.device_rows() + (self.row_capacity * std::mem::size_of::<Row>()) as u64
+    /// Device address of the row starts of [`Slot::staging`]`(rows)`.
+    pub fn device_row_starts(&self, rows: usize) -> u64 {
+        self.device_rows() + (rows * std::mem::size_of::<Row>()) as u64
     }
 
     /// Whether the slot's last work completed.

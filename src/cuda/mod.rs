@@ -20,6 +20,7 @@ pub use self::descriptors::DevStoredItem;
 pub use self::kernels::checksum_ptx;
 pub use self::stored::{StoredMode, StoredWork};
 
+use std::mem::MaybeUninit;
 use std::sync::Arc;
 
 use cudarc::driver::{result as cu, sys, CudaContext};
@@ -247,37 +248,67 @@ impl DeviceEngine {
         Ok(())
     }
 
-    /// Queues the plan's checksums on `stream`, the caller's handle passed to
-    /// the driver unchanged (null is the legacy default stream), and returns
-    /// without waiting: at most two uploads, two launches (the state kernel
-    /// where the call has rows of state groups, then the checksum kernel,
-    /// which publishes), one event.
-    pub fn compute(&self, plan: &Plan, role: Role, stream: StreamHandle) -> Result<Values> {
-        self.compute_with(plan, role, stream, None)
+    /// A slot for a call of at most `max_rows` rows and `max_values` values,
+    /// taken before planning so that [`Plan::write`] puts the rows straight
+    /// into its pinned staging ([`Staged::rows`]), with no copy.
+    pub fn stage(&self, max_rows: usize, max_values: usize) -> Result<Staged> {
+        self.context.bind_to_thread().map_err(device_error("cuCtxSetCurrent"))?;
+        let slot = self.pool.take(max_rows, max_values)?;
+        Ok(Staged {
+            slot: Some(slot),
+            pool: self.pool.clone(),
+        })
     }
 
-    /// As [`DeviceEngine::compute`], then, on the same stream before the
-    /// call's event, `stored`'s store or gather (SPEC section 8; see
-    /// `stored.rs`). Its items were checked by the caller.
-    pub fn compute_with(
+    /// Queues the checksums of `plan`, whose rows are `rows`, on `stream`
+    /// (copied into a slot's staging first: [`DeviceEngine::stage`] avoids
+    /// that copy). See [`DeviceEngine::compute_staged`].
+    pub fn compute(&self, plan: &Plan, rows: &[Row], role: Role, stream: StreamHandle) -> Result<Values> {
+        let mut staged = self.stage(rows.len(), plan.num_values)?;
+        for (out, row) in staged.rows().iter_mut().zip(rows) {
+            out.write(*row);
+        }
+        self.compute_staged(plan, staged, role, stream, None)
+    }
+
+    /// Queues the checksums of `plan`, whose `plan.num_rows` rows `staged`
+    /// holds, on `stream`, the caller's handle passed to the driver
+    /// unchanged (null is the legacy default stream), then, on the same
+    /// stream before the call's event, `stored`'s store or gather (SPEC
+    /// section 8; see `stored.rs`; its items were checked by the caller).
+    /// Returns without waiting: at most two uploads, two launches (the state
+    /// kernel where the call has rows of state groups, then the checksum
+    /// kernel, which publishes), the stored launch, one event.
+    pub fn compute_staged(
         &self,
         plan: &Plan,
+        mut staged: Staged,
         role: Role,
         stream: StreamHandle,
         stored: Option<&StoredWork>,
     ) -> Result<Values> {
         let num_values = plan.num_values;
-        let (Some(device_table), false) = (&self.device_table, plan.rows.is_empty()) else {
+        let num_rows = plan.num_rows;
+        let (Some(device_table), false) = (&self.device_table, num_rows == 0) else {
             // Nothing to read: every value is the empty sum.
+            drop(staged);
             return match stored.filter(|work| !work.items.is_empty()) {
                 None => Ok(Values::Ready(vec![0; num_values])),
                 Some(work) => self.stored_alone(num_values, work, stream),
             };
         };
+        let mut slot = staged.slot.take().expect("held until used");
+        if slot.row_capacity < num_rows || slot.value_capacity < num_values {
+            let (rows, values) = (slot.row_capacity, slot.value_capacity);
+            self.pool.give_back(slot);
+            return Err(err!(
+                Internal,
+                "a slot of {rows} rows and {values} values staged a call of {num_rows} rows and {num_values} values"
+            ));
+        }
         self.context.bind_to_thread().map_err(device_error("cuCtxSetCurrent"))?;
         let table = &self.table;
         let groups = &table.groups[role_index(role)];
-        let rows = &plan.rows;
         // Rows of state groups go to the state kernel, the others to the
         // checksum kernel (which skips state slots in its shape).
         // Counted per group slot from the plan, not per row.
@@ -289,8 +320,7 @@ impl DeviceEngine {
                 max_state_units = max_state_units.max(state_group.units);
             }
         }
-        let attention_rows = rows.len() - state_rows;
-        let is_attention = |row: &&Row| !table.is_state_slot(row.group_slot);
+        let attention_rows = num_rows - state_rows;
         // The paired kernel where some layer reads its K and V as one unit,
         // else the one with fewer registers (more warps per SM).
         let (checksum_kernel, resident_warps) = if table.paired[role_index(role)] {
@@ -305,13 +335,7 @@ impl DeviceEngine {
             attention_rows,
             resident_warps,
         );
-
-        // Staged rows: the checksum kernel's (when not inline), then the
-        // state kernel's (when not inline).
-        let attention_staged = if shape.rows_in_memory { attention_rows } else { 0 };
         let state_in_memory = state_rows > INLINE_STATE_ROWS;
-        let staged = attention_staged + if state_in_memory { state_rows } else { 0 };
-        let mut slot = self.pool.take(staged, num_values)?;
         let mut call = DevCall {
             layers: device_table.address + table.layers_offset(),
             groups: device_table.address + table.groups_offset(role),
@@ -341,32 +365,20 @@ impl DeviceEngine {
         };
         let mut upload = 0;
         {
-            let (staged_rows, starts) = slot.staging(staged);
-            let (attention_staging, state_staging) = staged_rows.split_at_mut(attention_staged);
-            // Plain attention calls copy the plan's rows as they are.
-            let attention_out = if shape.rows_in_memory {
-                &mut attention_staging[..]
-            } else {
-                &mut call.inline_rows[..attention_rows]
-            };
-            if state_rows == 0 {
-                attention_out.copy_from_slice(rows);
-            } else {
-                for (out, row) in attention_out.iter_mut().zip(rows.iter().filter(is_attention)) {
-                    *out = *row;
-                }
-                let state_out = if state_in_memory {
-                    &mut state_staging[..]
-                } else {
-                    &mut state_call.inline_rows[..state_rows]
-                };
-                let state_of = |row: &&Row| table.is_state_slot(row.group_slot);
-                for (out, row) in state_out.iter_mut().zip(rows.iter().filter(state_of)) {
-                    *out = *row;
-                }
+            // The staging holds the rows in request order; attention rows
+            // go first, then the state kernel's.
+            let (rows, starts) = slot.staging(num_rows);
+            if state_rows > 0 {
+                partition_state_rows(rows, state_rows, |row| table.is_state_slot(row.group_slot));
             }
-            if shape.rows_in_memory && !shape.uniform() {
-                row_starts(attention_staging, groups, shape.split, &mut starts[..attention_rows]);
+            let (attention, state) = rows.split_at(attention_rows);
+            if !shape.rows_in_memory {
+                call.inline_rows[..attention_rows].copy_from_slice(attention);
+            } else if !shape.uniform() {
+                row_starts(attention, groups, shape.split, &mut starts[..attention_rows]);
+            }
+            if state_rows > 0 && !state_in_memory {
+                state_call.inline_rows[..state_rows].copy_from_slice(state);
             }
         }
         if shape.rows_in_memory {
@@ -377,16 +389,16 @@ impl DeviceEngine {
             } else {
                 // Row starts are binary-searched: worth a copy to the device.
                 call.rows = slot.device_rows();
-                call.row_starts = slot.device_row_starts();
-                upload = slot.staging_bytes(attention_rows);
+                call.row_starts = slot.device_row_starts(num_rows);
+                upload = slot.staging_bytes(num_rows, attention_rows);
             }
         }
         // The state kernel reads its rows many times over: from device
-        // memory, copied there unless the checksum kernel's upload (of the
-        // whole row staging) carries them already.
+        // memory, copied there unless the checksum kernel's upload (of every
+        // row, then the starts) carries them already.
         let mut state_upload = None;
         if state_in_memory {
-            let offset = (attention_staged * std::mem::size_of::<Row>()) as u64;
+            let offset = (attention_rows * std::mem::size_of::<Row>()) as u64;
             state_call.rows = slot.device_rows() + offset;
             if upload == 0 {
                 state_upload = Some((offset, state_rows * std::mem::size_of::<Row>()));
@@ -532,6 +544,44 @@ impl DeviceEngine {
             stored
         }
     }
+}
+
+/// A slot taken for one call before its plan (see [`DeviceEngine::stage`]);
+/// given back to the pool if the call fails before it queues.
+pub struct Staged {
+    slot: Option<Slot>,
+    pool: Arc<SlotPool>,
+}
+
+impl Staged {
+    /// The slot's pinned row staging, all of it, for [`Plan::write`].
+    pub fn rows(&mut self) -> &mut [MaybeUninit<Row>] {
+        self.slot.as_mut().expect("held until used").staging_room()
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            self.pool.give_back(slot);
+        }
+    }
+}
+
+/// Moves the `state_rows` rows that `is_state` picks to the end of `rows`,
+/// keeping the order of the others (the checksum kernel's, first) and of
+/// the state rows (the state kernel's).
+fn partition_state_rows(rows: &mut [Row], state_rows: usize, is_state: impl Fn(&Row) -> bool) {
+    let state: Vec<Row> = rows.iter().filter(|row| is_state(row)).copied().collect();
+    debug_assert_eq!(state.len(), state_rows);
+    let mut kept = 0;
+    for i in 0..rows.len() {
+        if !is_state(&rows[i]) {
+            rows[kept] = rows[i];
+            kept += 1;
+        }
+    }
+    rows[kept..].copy_from_slice(&state);
 }
 
 /// The state kernel's part of a call: its grid (x, y), the upload of its
