@@ -49,7 +49,7 @@ pub use cuda::{checksum_ptx, libraries_present};
 pub use error::{Error, Result};
 pub use layout::{Alias, LayerSpec, Layout, Region, ReplicaKey, Role, Segment};
 /// A call's blocks checked and laid out; public so that benchmarks can time it.
-pub use plan::Plan;
+pub use plan::{Plan, RowRoom};
 pub use result::{
     Checksums, GroupChecksums, RequestChecksums, SkippedGroup, StoredExpectation, StoredOutcome, StoredRef,
     StoredValues,

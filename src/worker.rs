@@ -255,7 +255,7 @@ impl Worker {
                 // The rows go straight into the call's pinned staging.
                 let max_columns = self.layout.groups().map(|g| g.columns(role).len()).max().unwrap_or(0);
                 let mut staged = device.stage(blocks.num_blocks(), blocks.num_blocks() * max_columns)?;
-                let plan = Plan::write(&self.layout, blocks, role, staged.rows())?;
+                let plan = Plan::write(&self.layout, blocks, role, staged.room())?;
                 let work = match stored {
                     None => None,
                     Some(mode) => {
@@ -462,6 +462,7 @@ mod tests {
 
     use super::*;
     use crate::layout::{ReplicaKey, Segment};
+    use crate::plan::{Row, RowRoom};
     use crate::result::StoredOutcome;
 
     const HEADS: u32 = 2;
@@ -530,6 +531,58 @@ mod tests {
                 .unwrap();
         }
         worker
+    }
+
+    /// Rows streamed past the caches (a device call's pinned staging) are
+    /// the rows written plainly, on random sets of blocks: many requests,
+    /// both groups, positions with and without tokens.
+    #[test]
+    fn streamed_plan_rows_are_the_plain_rows() {
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(7, |d| d.as_nanos() as u64)
+            | 1;
+        let mut state = seed;
+        let layer_bytes = (HEADS * BLOCK * TOKEN_BYTES * BLOCKS) as usize;
+        let cache = vec![1u64; 4 * layer_bytes / 8];
+        let (mut stored0, mut stored1) = (vec![0u64; BLOCKS as usize], vec![0u64; BLOCKS as usize]);
+        let worker = worker(&cache, [&mut stored0, &mut stored1]);
+        for _ in 0..20 {
+            let mut blocks = BlockSet::new();
+            let requests = 1 + random(&mut state) % 40;
+            for r in 0..requests {
+                let req_id = format!("r{r}");
+                let num_tokens = random(&mut state) % (BLOCK as u64 * 8);
+                blocks.add_request(&req_id, num_tokens).unwrap();
+                for group_id in 0..2u32 {
+                    let count = random(&mut state) % 9;
+                    let ids: Vec<u32> = (0..count)
+                        .map(|_| (random(&mut state) % BLOCKS as u64) as u32)
+                        .collect();
+                    let first = random(&mut state) % 3;
+                    blocks.add_group(&req_id, group_id, first, &ids).unwrap();
+                }
+            }
+            let (plain, rows) = Plan::new(&worker.layout, &blocks, Role::Consumer).unwrap();
+            let mut room = vec![std::mem::MaybeUninit::<Row>::uninit(); blocks.num_blocks()];
+            let streamed = Plan::write(
+                &worker.layout,
+                &blocks,
+                Role::Consumer,
+                RowRoom {
+                    rows: &mut room,
+                    streaming: true,
+                },
+            )
+            .unwrap();
+            assert_eq!(streamed.num_rows, plain.num_rows, "seed {seed}");
+            assert_eq!(streamed.num_values, plain.num_values, "seed {seed}");
+            assert_eq!(streamed.rows_per_slot, plain.rows_per_slot, "seed {seed}");
+            for (i, row) in rows.iter().enumerate() {
+                // SAFETY: the first num_rows rows were written.
+                assert_eq!(unsafe { room[i].assume_init() }, *row, "row {i}, seed {seed}");
+            }
+        }
     }
 
     #[test]

@@ -20,7 +20,6 @@ pub use self::descriptors::DevStoredItem;
 pub use self::kernels::checksum_ptx;
 pub use self::stored::{StoredMode, StoredWork};
 
-use std::mem::MaybeUninit;
 use std::sync::Arc;
 
 use cudarc::driver::{result as cu, sys, CudaContext};
@@ -34,7 +33,7 @@ use self::kernels::Kernels;
 use self::launch::{launch_shape, row_starts, state_grid};
 use crate::error::{err, Result};
 use crate::layout::{Layout, Role};
-use crate::plan::{Plan, Row};
+use crate::plan::{Plan, Row, RowRoom};
 use crate::result::{PendingValues, Values};
 use crate::stream::StreamHandle;
 
@@ -250,13 +249,15 @@ impl DeviceEngine {
 
     /// A slot for a call of at most `max_rows` rows and `max_values` values,
     /// taken before planning so that [`Plan::write`] puts the rows straight
-    /// into its pinned staging ([`Staged::rows`]), with no copy.
+    /// into its pinned staging ([`Staged::room`]), with no copy.
     pub fn stage(&self, max_rows: usize, max_values: usize) -> Result<Staged> {
         self.context.bind_to_thread().map_err(device_error("cuCtxSetCurrent"))?;
         let slot = self.pool.take(max_rows, max_values)?;
         Ok(Staged {
             slot: Some(slot),
             pool: self.pool.clone(),
+            // Rows that go inline are read back by the host: cached.
+            streaming: max_rows > INLINE_ROWS,
         })
     }
 
@@ -265,14 +266,14 @@ impl DeviceEngine {
     /// that copy). See [`DeviceEngine::compute_staged`].
     pub fn compute(&self, plan: &Plan, rows: &[Row], role: Role, stream: StreamHandle) -> Result<Values> {
         let mut staged = self.stage(rows.len(), plan.num_values)?;
-        for (out, row) in staged.rows().iter_mut().zip(rows) {
+        for (out, row) in staged.room().rows.iter_mut().zip(rows) {
             out.write(*row);
         }
         self.compute_staged(plan, staged, role, stream, None)
     }
 
     /// Queues the checksums of `plan`, whose `plan.num_rows` rows `staged`
-    /// holds, on `stream`, the caller's handle passed to the driver
+    /// holds, on `stream` (from the thread that staged them), the caller's handle passed to the driver
     /// unchanged (null is the legacy default stream), then, on the same
     /// stream before the call's event, `stored`'s store or gather (SPEC
     /// section 8; see `stored.rs`; its items were checked by the caller).
@@ -306,7 +307,7 @@ impl DeviceEngine {
                 "a slot of {rows} rows and {values} values staged a call of {num_rows} rows and {num_values} values"
             ));
         }
-        self.context.bind_to_thread().map_err(device_error("cuCtxSetCurrent"))?;
+        // `stage` bound the context to this thread.
         let table = &self.table;
         let groups = &table.groups[role_index(role)];
         // Rows of state groups go to the state kernel, the others to the
@@ -551,12 +552,17 @@ impl DeviceEngine {
 pub struct Staged {
     slot: Option<Slot>,
     pool: Arc<SlotPool>,
+    /// Whether the rows are for the device alone (see [`RowRoom`]).
+    streaming: bool,
 }
 
 impl Staged {
     /// The slot's pinned row staging, all of it, for [`Plan::write`].
-    pub fn rows(&mut self) -> &mut [MaybeUninit<Row>] {
-        self.slot.as_mut().expect("held until used").staging_room()
+    pub fn room(&mut self) -> RowRoom<'_> {
+        RowRoom {
+            rows: self.slot.as_mut().expect("held until used").staging_room(),
+            streaming: self.streaming,
+        }
     }
 }
 
