@@ -165,7 +165,8 @@ __device__ __forceinline__ void kvcs_accumulate_pair(
 // the second's at `second_address`.
 __device__ __forceinline__ kvcs_u64 kvcs_segment_pair(
     const struct kvcs_dev_segment *first, const struct kvcs_dev_segment *second, kvcs_u64 pieces_per_token,
-    kvcs_i64 first_address, kvcs_i64 second_address, kvcs_u64 first_token, kvcs_u32 tokens, kvcs_u32 lane)
+    kvcs_i64 first_address, kvcs_i64 second_address, kvcs_u64 first_token, kvcs_u32 tokens, kvcs_u32 lane,
+    kvcs_u32 head_vector_mask)
 {
     const kvcs_u32 lanes = 1u << first->lane_shift;
     const kvcs_u32 tokens_per_step = KVCS_WARP >> first->lane_shift;
@@ -199,7 +200,7 @@ __device__ __forceinline__ kvcs_u64 kvcs_segment_pair(
                                        lanes, first->vector_shift);
 #endif
     // As in kvcs_segment_unit, each segment's pieces starting at its own offset.
-    const kvcs_u64 j0 = (first_token + token) * pieces_per_token + first_vector * pieces_per_vector;
+    const kvcs_u64 j0 = (first_token + token) * pieces_per_token + (first_vector & head_vector_mask) * pieces_per_vector;
     const kvcs_u64 step_pieces = (kvcs_u64)tokens_per_step * pieces_per_token;
     return (2 * (j0 + first->piece_offset) + 1) * first_total
         + (2 * (j0 + second->piece_offset) + 1) * (sums.total - first_total) + 2 * sums.high
@@ -259,7 +260,7 @@ __device__ __forceinline__ kvcs_u64 kvcs_flat_unit(
 // request token `first_token`.
 __device__ __forceinline__ kvcs_u64 kvcs_segment_unit(
     const struct kvcs_dev_segment *segment, kvcs_u64 pieces_per_token,
-    kvcs_i64 address, kvcs_u64 first_token, kvcs_u32 tokens, kvcs_u32 lane)
+    kvcs_i64 address, kvcs_u64 first_token, kvcs_u32 tokens, kvcs_u32 lane, kvcs_u32 head_vector_mask)
 {
     if (segment->flat) return kvcs_flat_unit(segment, pieces_per_token, address, first_token, tokens, lane);
     const kvcs_u32 lanes = 1u << segment->lane_shift;
@@ -291,8 +292,10 @@ __device__ __forceinline__ kvcs_u64 kvcs_segment_unit(
     //   j = j0 + k * P * tokens_per_step + i * lanes * pieces_per_vector + h,
     // so sum x_j (2j + 1) = (2 j0 + 1) total + 2 high + 2 lanes ppv round_weighted
     //                       + 2 P tokens_per_step step_weighted.
+    // The lane's vectors within its head (the unit's one head, or its
+    // head in a group: see struct kvcs_dev_layer).
     const kvcs_u64 j0 = (first_token + token) * pieces_per_token + segment->piece_offset
-        + first_vector * pieces_per_vector;
+        + (first_vector & head_vector_mask) * pieces_per_vector;
     const kvcs_u64 step_pieces = (kvcs_u64)tokens_per_step * pieces_per_token;
     return (2 * j0 + 1) * sums.total + 2 * sums.high
         + 2 * (kvcs_u64)lanes * pieces_per_vector * sums.round_weighted
@@ -353,7 +356,13 @@ __device__ __forceinline__ void kvcs_layer_units(
     const kvcs_u32 segments = layer->num_segments;
     const kvcs_u32 kernel_blocks = layer->kernel_blocks;
     const kvcs_u32 per_head = kernel_blocks * split * segments;
-    // in_layer = ((head * kernel_blocks + kernel_block) * split + chunk) * segments + s;
+    // Head groups (one head each where heads are not grouped), and this
+    // lane's head within a group.
+    const kvcs_u32 heads = layer->num_heads >> layer->head_shift;
+    const kvcs_u32 head_vector_mask = (1u << layer->head_vector_shift) - 1;
+    const kvcs_u32 lane_head = (lane & ((1u << layer->segments[0].lane_shift) - 1)) >> layer->head_vector_shift;
+    // in_layer = ((head * kernel_blocks + kernel_block) * split + chunk) * segments + s,
+    // head counting head groups;
     // divide once, then count.
     kvcs_u32 head = in_layer / per_head;
     kvcs_u32 rest = in_layer - head * per_head;
@@ -370,7 +379,8 @@ __device__ __forceinline__ void kvcs_layer_units(
         && pair[0].vector_shift == pair[1].vector_shift && pair[0].vectors_per_token == pair[1].vectors_per_token
         && pair[0].token_stride == pair[1].token_stride;
 #endif
-    while (head < layer->num_heads && unit < end) {
+    while (head < heads && unit < end) {
+        const kvcs_u32 first_head = head << layer->head_shift;
         const kvcs_u32 slot = chunk * per_unit;
         const kvcs_u32 first = kernel_block * per_kernel_block + slot;
 #if KVCS_PAIR_MODE > 0
@@ -379,9 +389,9 @@ __device__ __forceinline__ void kvcs_layer_units(
             if (slot < per_kernel_block && first < row.valid_tokens) {
                 const kvcs_u32 tokens = min(min(per_unit, per_kernel_block - slot), row.valid_tokens - first);
                 head_sum += kvcs_segment_pair(&pair[0], &pair[1], layer->pieces_per_token,
-                                              kvcs_segment_address(&pair[0], row.block_id, kernel_block, head, slot),
-                                              kvcs_segment_address(&pair[1], row.block_id, kernel_block, head, slot),
-                                              row.first_token + first, tokens, lane);
+                                              kvcs_segment_address(&pair[0], row.block_id, kernel_block, first_head, slot),
+                                              kvcs_segment_address(&pair[1], row.block_id, kernel_block, first_head, slot),
+                                              row.first_token + first, tokens, lane, head_vector_mask);
             }
             unit += 2;
             s = 1;
@@ -392,8 +402,8 @@ __device__ __forceinline__ void kvcs_layer_units(
                 const kvcs_u32 tokens = min(min(per_unit, per_kernel_block - slot), row.valid_tokens - first);
                 const struct kvcs_dev_segment *segment = &layer->segments[s];
                 head_sum += kvcs_segment_unit(segment, layer->pieces_per_token,
-                                              kvcs_segment_address(segment, row.block_id, kernel_block, head, slot),
-                                              row.first_token + first, tokens, lane);
+                                              kvcs_segment_address(segment, row.block_id, kernel_block, first_head, slot),
+                                              row.first_token + first, tokens, lane, head_vector_mask);
             }
             ++unit;
         }
@@ -403,12 +413,12 @@ __device__ __forceinline__ void kvcs_layer_units(
         chunk = 0;
         if (++kernel_block < kernel_blocks) continue;
         kernel_block = 0;
-        total += (layer->first_slice_weight + 2ull * head) * head_sum;
+        total += (layer->first_slice_weight + 2ull * (first_head + lane_head)) * head_sum;
         head_sum = 0;
         ++head;
     }
-    // A head this warp only began: its share so far.
-    total += (layer->first_slice_weight + 2ull * head) * head_sum;
+    // A head (group) this warp only began: its share so far.
+    total += (layer->first_slice_weight + 2ull * ((head << layer->head_shift) + lane_head)) * head_sum;
 }
 
 // The last block to finish publishes the values to mapped host memory and

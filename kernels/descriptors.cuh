@@ -30,8 +30,12 @@ struct kvcs_dev_segment {
 };
 
 // An attention layer as one (group, role) computes it. Its units are
-// (head, kernel block, chunk, segment): a call cuts each kernel block into
-// `split` chunks; a unit reads one segment of one chunk of one head.
+// (head group, kernel block, chunk, segment): a call cuts each kernel block
+// into `split` chunks; a unit reads one segment of one chunk of one group of
+// 2^head_shift heads. Heads are grouped where a token's heads lie side by
+// side (token-major layouts): a unit then reads runs of whole groups, and
+// its segments' vectors_per_token and lane_shift are the group's; lane l's
+// vectors belong to the group's head (l & (lanes - 1)) >> head_vector_shift.
 struct kvcs_dev_layer {
     struct kvcs_dev_segment segments[2];
     kvcs_u64 first_slice_weight;  // 2 * (layer * 65536 + first_head) + 1; head h adds 2h
@@ -42,6 +46,8 @@ struct kvcs_dev_layer {
     kvcs_u32 tokens_per_kernel_block;
     kvcs_u32 column;              // column of this layer's replica key in the role
     kvcs_u32 unit_start;          // units (at split 1) of the group's layers before this one
+    kvcs_u32 head_shift;          // log2(heads per unit); num_heads is a multiple
+    kvcs_u32 head_vector_shift;   // log2(one head's vectors per token) when heads are grouped, else 31
 };
 
 // A group's layers in one role, by group slot.

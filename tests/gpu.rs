@@ -198,6 +198,67 @@ fn device_equals_host_and_reference_on_every_layout() {
     }
 }
 
+/// Token-major layouts (a token's heads side by side) whose heads the
+/// kernel reads in groups of 2-32, and shapes it must not group (heads not a
+/// power-of-two multiple, heads of 24 bytes, of 512 bytes, 8-byte
+/// vectors), on TP 1 and 2, against the naive reference and the host.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_grouped_heads_equal_the_reference() {
+    let mut rng = Rng::for_test("device_grouped_heads_equal_the_reference");
+    println!("seed {} ({NEEDS_GPU})", rng.seed());
+    // (KV heads, head bytes): fp8 and bf16 heads of 128 and 256 bytes, 6
+    // heads of 64 (groups of 2), 12 of 16 (groups of 4), 4 of 8 (8-byte
+    // vectors), 3 heads, 24-byte heads, 512-byte heads (no groups).
+    let shapes = [
+        (8, 128),
+        (8, 256),
+        (6, 64),
+        (12, 16),
+        (4, 8),
+        (3, 64),
+        (2, 24),
+        (4, 512),
+    ];
+    for (heads, head_bytes) in shapes {
+        for kind in [LayoutKind::Nhd, LayoutKind::KvSplit, LayoutKind::Hnd] {
+            let num_tokens = 1 + rng.below(60);
+            let kv = LogicalKv::random(&mut rng, KvShape::gqa(2, heads, head_bytes, num_tokens));
+            for tp_size in [1, 2] {
+                if heads % tp_size != 0 {
+                    continue;
+                }
+                let tp_rank = rng.below(tp_size as u64) as u32;
+                let shard = shard(&kv, tp_rank, tp_size, 0, 1);
+                let mut placement = Placement::for_shard(&mut rng, &kv, &shard, kind, 0, 16, 24);
+                let count = 1 + rng.below(3) as usize;
+                let requests = requests_for(&mut rng, &kv, &mut [&mut placement], count);
+                let what = format!("{kind:?} {heads} heads of {head_bytes} bytes, tp {tp_rank}/{tp_size}");
+                let pair = Pair::new(tp_rank, tp_size, &[&placement]);
+                let values = pair.compare(&block_set(&requests), Role::Consumer, &what);
+                for request in &requests {
+                    let table = request.table(0);
+                    let naive = naive_positions(
+                        &kv,
+                        &shard.layer_numbers,
+                        &shard.heads(),
+                        16,
+                        table.first_position,
+                        table.block_ids.len(),
+                    );
+                    assert_eq!(
+                        values[&(request.req_id.clone(), 0)][&shard.replica],
+                        naive,
+                        "{what} {}: not the naive reference (seed {})",
+                        request.req_id,
+                        rng.seed()
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn device_equals_host_for_tp_splits_replicas_and_roles() {

@@ -14,7 +14,7 @@ use std::mem::{offset_of, size_of};
 
 use crate::checksum::slice_weight;
 use crate::error::{err, Result};
-use crate::layout::{Layer, Layout, Role, Segment};
+use crate::layout::{Layer, LayerSpec, Layout, Role, Segment};
 use crate::plan::Row;
 use crate::state::StateLayer;
 
@@ -76,6 +76,10 @@ pub struct DevLayer {
     pub tokens_per_kernel_block: u32,
     pub column: u32,
     pub unit_start: u32,
+    /// log2 of the heads a unit reads (see [`head_group`]).
+    pub head_shift: u32,
+    /// log2 of one head's vectors per token where heads are grouped, else 31.
+    pub head_vector_shift: u32,
 }
 
 /// A group's layers in one role (`struct kvcs_dev_group`).
@@ -232,7 +236,7 @@ impl LayerTable {
                         let useful = (device_layer.tokens_per_kernel_block / tokens_per_batch).max(1);
                         max_split = max_split.min(1 << useful.ilog2());
                     }
-                    let these = device_layer.num_heads as u64
+                    let these = (device_layer.num_heads >> device_layer.head_shift) as u64
                         * device_layer.kernel_blocks as u64
                         * device_layer.num_segments as u64;
                     layer_units = match layer_units {
@@ -422,17 +426,56 @@ fn dev_layer(layer: &Layer, column: u32, unit_start: u64) -> DevLayer {
             segment.flat = 0;
         }
     }
+    let num_segments = spec.segments.len();
+    let (head_shift, head_vector_shift) = match head_group(spec, &segments[..num_segments]) {
+        Some(head_shift) => {
+            let head_vectors = segments[0].vectors_per_token;
+            for segment in &mut segments[..num_segments] {
+                segment.vectors_per_token <<= head_shift;
+                segment.lane_shift = segment.vectors_per_token.trailing_zeros();
+            }
+            (head_shift, head_vectors.trailing_zeros())
+        }
+        None => (0, 31),
+    };
     DevLayer {
         segments,
         first_slice_weight: slice_weight(spec.layer_number, spec.first_head),
         pieces_per_token: layer.pieces_per_token,
-        num_segments: spec.segments.len() as u32,
+        num_segments: num_segments as u32,
         num_heads: spec.num_heads,
         kernel_blocks: spec.kernel_blocks,
         tokens_per_kernel_block: spec.tokens_per_kernel_block,
         column,
         unit_start: unit_start as u32,
+        head_shift,
+        head_vector_shift,
     }
+}
+
+/// log2 of the heads one unit of `spec` reads, if more than one: where each
+/// segment holds a token's heads side by side (`head_stride ==
+/// bytes_per_token`, as in token-major layouts), a unit reads a group of
+/// heads whose vectors fill up to a warp's lanes, one run per token, rather
+/// than one head's short piece of each token (fp8 K/V split, 128-byte
+/// pieces 1 KiB apart: 0.87 of the read ceiling). Every segment must be
+/// read alike, by whole vectors, a power of two of them per head.
+fn head_group(spec: &LayerSpec, segments: &[DevSegment]) -> Option<u32> {
+    let first = segments.first()?;
+    let head_vectors = first.vectors_per_token;
+    let alike = segments.iter().zip(&spec.segments).all(|(segment, given)| {
+        segment.flat == 0
+            && segment.vector_shift == first.vector_shift
+            && segment.vectors_per_token == head_vectors
+            && (given.bytes_per_token as u64) == (head_vectors as u64) << first.vector_shift
+            && given.head_stride == given.bytes_per_token as i64
+    });
+    if !alike || !head_vectors.is_power_of_two() || head_vectors >= WARP {
+        return None;
+    }
+    // The most heads that fit the lanes and divide the layer's heads.
+    let fit = (WARP / head_vectors).min(1 << spec.num_heads.trailing_zeros().min(31));
+    (fit > 1).then(|| fit.trailing_zeros())
 }
 
 /// Whether the kernel reads `layer`'s two segments as one unit: read alike,
@@ -540,7 +583,7 @@ pub fn layout_asserts() -> String {
     });
     assert_layout!(&mut out, DevLayer => "kvcs_dev_layer" {
         segments, first_slice_weight, pieces_per_token, num_segments, num_heads, kernel_blocks,
-        tokens_per_kernel_block, column, unit_start,
+        tokens_per_kernel_block, column, unit_start, head_shift, head_vector_shift,
     });
     assert_layout!(&mut out, DevGroup => "kvcs_dev_group" { layers_begin, layers_end, units, layer_units });
     assert_layout!(&mut out, Row => "kvcs_dev_row" {
@@ -582,11 +625,71 @@ pub fn kernel_prelude(descriptors: &str) -> String {
 mod tests {
     use super::*;
 
+    /// The heads a unit reads: grouped only where a token's heads lie side
+    /// by side in every segment, whole vectors, a power of two per head,
+    /// as many as fit a warp and divide the layer's heads.
+    #[test]
+    fn heads_are_grouped_only_where_they_lie_side_by_side() {
+        // (heads, head bytes, K and V apart, heads side by side) -> head_shift.
+        let cases = [
+            ((8, 128, true, true), Some(2)), // fp8 K/V split: 4 heads of 8 vectors
+            ((8, 256, true, true), Some(1)), // bf16: 2 heads of 16 vectors
+            ((8, 256, false, true), Some(1)),
+            ((6, 64, true, true), Some(1)), // 4 vectors a head, 6 heads: groups of 2
+            ((12, 16, true, true), Some(2)),
+            ((4, 8, true, true), Some(2)), // 8-byte vectors: 1 a head, 4 heads
+            ((3, 64, true, true), None),   // no power of two divides 3 heads but 1
+            ((2, 24, true, true), None),   // 3 vectors a head
+            ((4, 512, true, true), None),  // a head fills the warp
+            ((8, 128, true, false), None), // heads-outer (HND): not side by side
+            ((1, 128, true, true), None),
+        ];
+        for ((heads, head_bytes, split, side_by_side), expected) in cases {
+            let token_stride = if side_by_side { heads * head_bytes } else { head_bytes } as i64;
+            let head_stride = if side_by_side { head_bytes } else { 16 * head_bytes } as i64;
+            let segment = |address: u64| Segment {
+                address,
+                block_stride: 16 * (heads * head_bytes) as i64 * if split { 1 } else { 2 },
+                kernel_block_stride: 0,
+                head_stride,
+                token_stride,
+                bytes_per_token: head_bytes,
+            };
+            let spec = LayerSpec {
+                group_id: 0,
+                layer_number: 0,
+                first_head: 0,
+                num_heads: heads,
+                replica: crate::layout::ReplicaKey {
+                    replicas: 1,
+                    replica_index: 0,
+                },
+                num_blocks: 4,
+                kernel_blocks: 1,
+                tokens_per_kernel_block: 16,
+                segments: vec![segment(1 << 20), segment(1 << 24)],
+                identity: Vec::new(),
+            };
+            let pieces = (2 * head_bytes / 8) as u64;
+            let segments: Vec<DevSegment> = spec
+                .segments
+                .iter()
+                .zip([0, pieces / 2])
+                .map(|(segment, offset)| dev_segment(segment, offset, pieces))
+                .collect();
+            assert_eq!(
+                head_group(&spec, &segments),
+                expected,
+                "{heads} heads of {head_bytes} bytes, split {split}, side by side {side_by_side}"
+            );
+        }
+    }
+
     #[test]
     fn the_prelude_checks_every_field() {
         let asserts = layout_asserts();
         // One size check per struct and one offset check per field.
-        let fields = 10 + 9 + 4 + 7 + 14 + 6 + 5 + 15 + 4 + 7;
+        let fields = 10 + 11 + 4 + 7 + 14 + 6 + 5 + 15 + 4 + 7;
         assert_eq!(asserts.matches("static_assert(sizeof").count(), 10, "{asserts}");
         assert_eq!(
             asserts.matches("static_assert(KVCS_OFFSETOF").count(),
