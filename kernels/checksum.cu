@@ -38,12 +38,18 @@
 #define KVCS_MIN_BLOCKS 0
 #endif
 
-// Orders this block's accumulator updates before its finished-block count
-// (release), and the last block's reads after every count (acquire). An
-// acquire-release fence is enough for that and measured ~0.8 us faster per
-// call than __threadfence (a sequentially consistent fence).
-__device__ __forceinline__ void kvcs_fence() {
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+// Counts this block finished and returns how many had before it, as one
+// acquire-release atomic: it orders the block's accumulator updates (made
+// before it by the block's barrier) before the count, and, in the last
+// block, its reads of the accumulators (after the barrier that follows)
+// after every other block's count. Measured on an H200: 0.3 us less per
+// small call than an acquire-release fence before a relaxed count and
+// another after it in every thread of the last block (which in turn was
+// 0.8 us less than __threadfence, a sequentially consistent fence).
+__device__ __forceinline__ kvcs_u32 kvcs_count_finished(kvcs_u32 *finished_blocks) {
+    kvcs_u32 before;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(finished_blocks) : "memory");
+    return before;
 }
 
 __device__ __forceinline__ kvcs_u64 kvcs_warp_sum(kvcs_u64 value) {
@@ -428,13 +434,10 @@ __device__ __forceinline__ void kvcs_publish(
 {
     __shared__ bool last_block;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        kvcs_fence();
-        last_block = atomicAdd(finished_blocks, 1u) == gridDim.x - 1;
-    }
+    if (threadIdx.x == 0) last_block = kvcs_count_finished(finished_blocks) == gridDim.x - 1;
     __syncthreads();
     if (!last_block) return;
-    kvcs_fence();
+    // The accumulators are read by atomics, at L2, after the count.
     for (kvcs_u32 i = threadIdx.x; i < num_values; i += blockDim.x)
         host_values[i] = atomicExch(&accumulators[i], 0ull);
     if (threadIdx.x == 0) *finished_blocks = 0;
