@@ -1,6 +1,7 @@
 // The checksum kernel: one launch per kvcs_worker_checksum call.
 //
-// Work is cut into units of (row, layer, head, kernel block, chunk, segment);
+// Work is cut into units of (row, layer, head or group of heads side by side,
+// kernel block, chunk, segment);
 // the call picks the chunks per kernel block (`split`) so that small calls
 // still spread over the whole card while large ones read long runs. Every warp
 // takes a contiguous range of units. Within a unit a lane's pieces have
