@@ -254,7 +254,8 @@ impl Worker {
             Engine::Device(device) => {
                 // The rows go straight into the call's pinned staging.
                 let max_columns = self.layout.groups().map(|g| g.columns(role).len()).max().unwrap_or(0);
-                let mut staged = device.stage(blocks.num_blocks(), blocks.num_blocks() * max_columns)?;
+                let max_values = blocks.num_blocks().saturating_mul(max_columns);
+                let mut staged = device.stage(blocks.num_blocks(), max_values)?;
                 let plan = Plan::write(&self.layout, blocks, role, staged.room())?;
                 let work = match stored {
                     None => None,

@@ -161,6 +161,38 @@ fn requests_for(rng: &mut Rng, kv: &LogicalKv, placements: &mut [&mut Placement]
     requests
 }
 
+/// Checksums `requests` over `placement` (of `shard`, 16-token blocks) on a
+/// host and a device worker of the shard's rank, asserts the two equal and
+/// each request's values equal to the naive reference.
+fn assert_device_matches_reference(
+    kv: &LogicalKv,
+    shard: &Shard,
+    placement: &Placement,
+    requests: &[TestRequest],
+    what: &str,
+    seed: u64,
+) {
+    let pair = Pair::new(shard.tp_rank, shard.tp_size, &[placement]);
+    let values = pair.compare(&block_set(requests), Role::Consumer, what);
+    for request in requests {
+        let table = request.table(0);
+        let naive = naive_positions(
+            kv,
+            &shard.layer_numbers,
+            &shard.heads(),
+            16,
+            table.first_position,
+            table.block_ids.len(),
+        );
+        assert_eq!(
+            values[&(request.req_id.clone(), 0)][&shard.replica],
+            naive,
+            "{what} {}: not the naive reference (seed {seed})",
+            request.req_id
+        );
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn device_equals_host_and_reference_on_every_layout() {
@@ -173,27 +205,8 @@ fn device_equals_host_and_reference_on_every_layout() {
             let shard = shard(&kv, tp_rank, tp_size, 0, 1);
             let mut placement = Placement::for_shard(&mut rng, &kv, &shard, kind, 0, 16, 24);
             let requests = requests_for(&mut rng, &kv, &mut [&mut placement], 2);
-            let pair = Pair::new(tp_rank, tp_size, &[&placement]);
-            let values = pair.compare(&block_set(&requests), Role::Consumer, &format!("{kind:?} tp {tp_size}"));
-            for request in &requests {
-                let table = request.table(0);
-                let naive = naive_positions(
-                    &kv,
-                    &shard.layer_numbers,
-                    &shard.heads(),
-                    16,
-                    table.first_position,
-                    table.block_ids.len(),
-                );
-                let ours = &values[&(request.req_id.clone(), 0)][&shard.replica];
-                assert_eq!(
-                    ours,
-                    &naive,
-                    "{kind:?} tp {tp_size} {}: not the naive reference (seed {})",
-                    request.req_id,
-                    rng.seed()
-                );
-            }
+            let what = format!("{kind:?} tp {tp_size}");
+            assert_device_matches_reference(&kv, &shard, &placement, &requests, &what, rng.seed());
         }
     }
 }
@@ -234,26 +247,7 @@ fn device_grouped_heads_equal_the_reference() {
                 let count = 1 + rng.below(3) as usize;
                 let requests = requests_for(&mut rng, &kv, &mut [&mut placement], count);
                 let what = format!("{kind:?} {heads} heads of {head_bytes} bytes, tp {tp_rank}/{tp_size}");
-                let pair = Pair::new(tp_rank, tp_size, &[&placement]);
-                let values = pair.compare(&block_set(&requests), Role::Consumer, &what);
-                for request in &requests {
-                    let table = request.table(0);
-                    let naive = naive_positions(
-                        &kv,
-                        &shard.layer_numbers,
-                        &shard.heads(),
-                        16,
-                        table.first_position,
-                        table.block_ids.len(),
-                    );
-                    assert_eq!(
-                        values[&(request.req_id.clone(), 0)][&shard.replica],
-                        naive,
-                        "{what} {}: not the naive reference (seed {})",
-                        request.req_id,
-                        rng.seed()
-                    );
-                }
+                assert_device_matches_reference(&kv, &shard, &placement, &requests, &what, rng.seed());
             }
         }
     }
@@ -893,27 +887,8 @@ fn device_flat_cells_equal_the_reference() {
             let shard = shard(&kv, 0, 1, 0, 1);
             let mut placement = Placement::for_shard(&mut rng, &kv, &shard, kind, 0, 16, 24);
             let requests = requests_for(&mut rng, &kv, &mut [&mut placement], 2);
-            let pair = Pair::new(0, 1, &[&placement]);
-            let context = format!("{kind:?} latent {latent_bytes}");
-            let values = pair.compare(&block_set(&requests), Role::Consumer, &context);
-            for request in &requests {
-                let table = request.table(0);
-                let naive = naive_positions(
-                    &kv,
-                    &shard.layer_numbers,
-                    &shard.heads(),
-                    16,
-                    table.first_position,
-                    table.block_ids.len(),
-                );
-                assert_eq!(
-                    &values[&(request.req_id.clone(), 0)][&shard.replica],
-                    &naive,
-                    "{context} {}: not the naive reference (seed {})",
-                    request.req_id,
-                    rng.seed()
-                );
-            }
+            let what = format!("{kind:?} latent {latent_bytes}");
+            assert_device_matches_reference(&kv, &shard, &placement, &requests, &what, rng.seed());
         }
     }
 }

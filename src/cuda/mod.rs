@@ -273,10 +273,11 @@ impl DeviceEngine {
     }
 
     /// Queues the checksums of `plan`, whose `plan.num_rows` rows `staged`
-    /// holds, on `stream` (from the thread that staged them), the caller's handle passed to the driver
-    /// unchanged (null is the legacy default stream), then, on the same
-    /// stream before the call's event, `stored`'s store or gather (SPEC
-    /// section 8; see `stored.rs`; its items were checked by the caller).
+    /// holds, on `stream` from the thread that staged them (the caller's
+    /// handle passed to the driver unchanged; null is the legacy default
+    /// stream), then, on the same stream before the call's event, `stored`'s
+    /// store or gather (SPEC section 8; see `stored.rs`; its items were
+    /// checked by the caller).
     /// Returns without waiting: at most two uploads, two launches (the state
     /// kernel where the call has rows of state groups, then the checksum
     /// kernel, which publishes), the stored launch, one event.
