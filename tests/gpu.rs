@@ -161,17 +161,23 @@ fn requests_for(rng: &mut Rng, kv: &LogicalKv, placements: &mut [&mut Placement]
     requests
 }
 
-/// Checksums `requests` over `placement` (of `shard`, 16-token blocks) on a
-/// host and a device worker of the shard's rank, asserts the two equal and
-/// each request's values equal to the naive reference.
+/// Lays `kv`'s shard of rank `tp_rank` of `tp_size` out as `kind` (16-token
+/// blocks), writes `count` random requests into it, checksums them on a host
+/// and a device worker of that rank, and asserts the two equal and each
+/// request's values equal to the naive reference.
 fn assert_device_matches_reference(
+    rng: &mut Rng,
     kv: &LogicalKv,
-    shard: &Shard,
-    placement: &Placement,
-    requests: &[TestRequest],
+    (tp_rank, tp_size): (u32, u32),
+    kind: LayoutKind,
+    count: usize,
     what: &str,
-    seed: u64,
 ) {
+    let seed = rng.seed();
+    let shard = shard(kv, tp_rank, tp_size, 0, 1);
+    let mut placement = Placement::for_shard(rng, kv, &shard, kind, 0, 16, 24);
+    let requests = &requests_for(rng, kv, &mut [&mut placement], count);
+    let placement = &placement;
     let pair = Pair::new(shard.tp_rank, shard.tp_size, &[placement]);
     let values = pair.compare(&block_set(requests), Role::Consumer, what);
     for request in requests {
@@ -202,11 +208,8 @@ fn device_equals_host_and_reference_on_every_layout() {
         let kv = LogicalKv::random(&mut rng, KvShape::gqa(3, 4, 64, 71));
         for tp_size in [1, 2] {
             let tp_rank = tp_size - 1;
-            let shard = shard(&kv, tp_rank, tp_size, 0, 1);
-            let mut placement = Placement::for_shard(&mut rng, &kv, &shard, kind, 0, 16, 24);
-            let requests = requests_for(&mut rng, &kv, &mut [&mut placement], 2);
             let what = format!("{kind:?} tp {tp_size}");
-            assert_device_matches_reference(&kv, &shard, &placement, &requests, &what, rng.seed());
+            assert_device_matches_reference(&mut rng, &kv, (tp_rank, tp_size), kind, 2, &what);
         }
     }
 }
@@ -242,12 +245,9 @@ fn device_grouped_heads_equal_the_reference() {
                     continue;
                 }
                 let tp_rank = rng.below(tp_size as u64) as u32;
-                let shard = shard(&kv, tp_rank, tp_size, 0, 1);
-                let mut placement = Placement::for_shard(&mut rng, &kv, &shard, kind, 0, 16, 24);
                 let count = 1 + rng.below(3) as usize;
-                let requests = requests_for(&mut rng, &kv, &mut [&mut placement], count);
                 let what = format!("{kind:?} {heads} heads of {head_bytes} bytes, tp {tp_rank}/{tp_size}");
-                assert_device_matches_reference(&kv, &shard, &placement, &requests, &what, rng.seed());
+                assert_device_matches_reference(&mut rng, &kv, (tp_rank, tp_size), kind, count, &what);
             }
         }
     }
@@ -884,11 +884,8 @@ fn device_flat_cells_equal_the_reference() {
     for kind in single_segment_kinds() {
         for latent_bytes in [1152u32, 1160, 64, 24] {
             let kv = LogicalKv::random(&mut rng, KvShape::mla(3, latent_bytes, 53));
-            let shard = shard(&kv, 0, 1, 0, 1);
-            let mut placement = Placement::for_shard(&mut rng, &kv, &shard, kind, 0, 16, 24);
-            let requests = requests_for(&mut rng, &kv, &mut [&mut placement], 2);
             let what = format!("{kind:?} latent {latent_bytes}");
-            assert_device_matches_reference(&kv, &shard, &placement, &requests, &what, rng.seed());
+            assert_device_matches_reference(&mut rng, &kv, (0, 1), kind, 2, &what);
         }
     }
 }
