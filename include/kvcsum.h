@@ -20,11 +20,20 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// The algorithm of SPEC sections 2 and 3 as first defined (`KVCS_ALGORITHM_WEIGHTED`).
+#define ALGORITHM_WEIGHTED 1
+
 // The `group_id` of a finding about the whole load rather than one group.
 #define KVCS_WHOLE_LOAD UINT32_MAX
 
 // The C ABI version; a loader checks it equals `kvcs_abi_version()`.
-#define KVCS_ABI_VERSION 1
+// Version 2: stored checksums take `KVCS_BLOCK_CHECKSUM_BYTES` (16) bytes
+// per block id, where version 1 took 8.
+#define KVCS_ABI_VERSION 2
+
+// Bytes of stored checksum per block id (docs/SPEC.md#8-stored-checksums-for-offloaded-kv):
+// the value, then the stamp of the configuration that stored it.
+#define KVCS_BLOCK_CHECKSUM_BYTES 16
 
 // `H` of docs/SPEC.md#3-block-checksum: no layer may have more heads than this.
 #define KVCS_MAX_KV_HEADS_PER_LAYER 65536
@@ -37,6 +46,10 @@
 // than thousands of threads.
 #define KVCS_MAX_HOST_THREADS 256
 
+// Bytes per block id (`KVCS_BLOCK_CHECKSUM_BYTES`): the stored value,
+// then the stamp of the configuration that stored it (SPEC section 8).
+#define StoredBuffer_BYTES_PER_BLOCK 16
+
 // The payload version this library writes and reads.
 #define KVCS_PAYLOAD_VERSION 1
 
@@ -44,7 +57,7 @@
 #define KVCS_EXTENSION_VERSION 1
 
 // The record encoding this library writes and reads.
-#define KVCS_RECORD_VERSION 2
+#define KVCS_RECORD_VERSION 3
 
 // The outcome of a call. Values are fixed and never renumbered; a retired
 // value stays reserved. Calls that take a status from C take `uint32_t`.
@@ -180,6 +193,16 @@ enum kvcs_unverified_reason
   // worker's record that is not a load check's (it came from
   // `kvcs_worker_checksum`, not `kvcs_worker_check_stored`).
   KVCS_UNVERIFIED_NOT_LOAD_CHECK = 12,
+  // The two sides (or the records of one load, or the stored values)
+  // were computed with different checksum algorithms.
+  KVCS_UNVERIFIED_ALGORITHM_DIFFERS = 13,
+  // The producer's block size is unknown (a plain payload and no
+  // `kvcs_verifier_set_producer_block_size`) and the payload's positions
+  // do not fit the consumer's block size, so it is another one.
+  KVCS_UNVERIFIED_BLOCK_SIZE_UNKNOWN = 14,
+  // No worker of one side registered any cache of a group, so nothing of
+  // it was read (a group with no layers).
+  KVCS_UNVERIFIED_NOTHING_READ = 15,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -221,6 +244,12 @@ enum kvcs_stored_outcome
   KVCS_STORED_MATCHED = 1,
   // Not checked: the position holds no valid token.
   KVCS_STORED_NOT_CHECKED = 2,
+  // Not compared: the value was stored by a worker whose group has
+  // other layers or identities (another fingerprint), or its stamp is
+  // damaged; a configuration change, judged unverified (SPEC section 8).
+  KVCS_STORED_OTHER_FINGERPRINT = 3,
+  // Not compared: the value was stored with another checksum algorithm.
+  KVCS_STORED_OTHER_ALGORITHM = 4,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -893,6 +922,9 @@ typedef kvcs_status (*kvcs_block_tags_fn)(const kvcs_worker*,
 // The type of `kvcs_worker_set_detail`.
 typedef kvcs_status (*kvcs_worker_set_detail_fn)(kvcs_worker*, uint32_t);
 
+// The algorithm ids this library knows.
+#define KNOWN_ALGORITHMS { ALGORITHM_WEIGHTED, }
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -1478,14 +1510,20 @@ kvcs_status kvcs_worker_checksum(kvcs_worker *worker,
                                  kvcs_result **out);
 
 // Registers the buffer of stored checksums of group `group_id` (SPEC
-// section 8): 8 bytes per block id, `num_blocks` of them at `address`
-// (a multiple of 8), memory the worker writes (`kvcs_worker_store`) and
-// reads (`kvcs_worker_check_stored`) while it lives; the caller keeps it so
-// and copies each block's 8 bytes with the block when offloading. A later
-// call replaces the buffer. On a device worker the buffer must be device
-// memory of the worker's device or pinned host memory
-// (`KVCS_ERR_INVALID_ARGUMENT` otherwise, `KVCS_ERR_OUT_OF_BOUNDS` when it
-// runs past mapped memory). On error nothing changes.
+// section 8): `KVCS_BLOCK_CHECKSUM_BYTES` (16) bytes per block id,
+// `num_blocks` of them at `address` (not 0, a multiple of 8), memory the
+// worker writes (`kvcs_worker_store`) and reads
+// (`kvcs_worker_check_stored`) while it lives; the caller keeps it so and
+// copies each block's 16 bytes with the block when offloading. A later
+// call replaces the buffer. The buffer must not overlap any registered
+// cache (layer or state tensor) nor another group's buffer
+// (`KVCS_ERR_INVALID_ARGUMENT`; a store would overwrite them), and layers
+// registered later must not overlap it either. On a host worker it must
+// lie in a registered region (`KVCS_ERR_OUT_OF_BOUNDS` otherwise); on a
+// device worker it must be device memory of the worker's device or pinned
+// host memory (`KVCS_ERR_INVALID_ARGUMENT` otherwise,
+// `KVCS_ERR_OUT_OF_BOUNDS` when it runs past mapped memory). On error
+// nothing changes.
 kvcs_status kvcs_worker_add_stored(kvcs_worker *worker,
                                    uint32_t group_id,
                                    uint64_t address,
@@ -1493,11 +1531,15 @@ kvcs_status kvcs_worker_add_stored(kvcs_worker *worker,
 
 // Checksums `blocks` (every column, as `KVCS_ROLE_CONSUMER`) and writes,
 // for each block holding a valid token, its stored checksum `sum XOR tag`
-// into its group's buffer, `tag` binding it to the block hash given with
-// `kvcs_blocks_set_hashes` and to the group (docs/SPEC.md#8-stored-checksums-for-offloaded-kv). Every group of
-// `blocks` that the worker does not skip needs a buffer and block hashes,
-// and every block id must be inside the buffer: checked before anything is
-// computed or written. `*out` gets the checksums, as
+// and the stamp of the worker's configuration into its group's buffer,
+// `tag` binding it to the block hash given with `kvcs_blocks_set_hashes`
+// and to the group (docs/SPEC.md#8-stored-checksums-for-offloaded-kv).
+// Every group of `blocks` that the worker does not skip needs a buffer and
+// block hashes, every block id must be inside the buffer, and a block id
+// that stands at several places of the call must stand at the same
+// position with the same block hash and valid tokens (a buffer holds one
+// value per block id; `KVCS_ERR_INVALID_ARGUMENT` otherwise): checked
+// before anything is computed or written. `*out` gets the checksums, as
 // `kvcs_worker_checksum` gives them. A device worker queues the writes on
 // `cuda_stream` after the checksums and returns without waiting: they are
 // done when the result is ready (or the stream is synchronised).

@@ -94,7 +94,8 @@ struct kvcs_dev_call {
 // One block position of a stored-checksum launch (kvcs_store, SPEC section 8).
 struct kvcs_dev_stored_item {
     kvcs_u64 tag;                         // store: block hash ^ group fingerprint, XORed into the sum
-    kvcs_u64 address;                     // the block's 8-byte stored checksum (device or mapped host memory)
+    kvcs_u64 address;                     // the block's 16 bytes of stored checksum: value, stamp (device or mapped host memory)
+    kvcs_u64 stamp;                       // store: the configuration stamp written after the value
     kvcs_u32 out;                         // store: value index of column 0
     kvcs_u32 column_stride;               // store: value distance between columns
     kvcs_u32 num_columns;                 // store: columns summed
@@ -105,9 +106,9 @@ struct kvcs_dev_stored_item {
 struct kvcs_dev_stored_call {
     const struct kvcs_dev_stored_item *items; // mapped pinned host memory
     const kvcs_u64 *values;               // store: the values kvcs_checksum published
-    kvcs_u64 *gathered;                   // gather: one stored value per item (mapped pinned host memory)
+    kvcs_u64 *gathered;                   // gather: two words per item, value and stamp (mapped pinned host memory)
     kvcs_u32 num_items;
-    kvcs_u32 gather;                      // 0: write sum ^ tag to each item's address; 1: read it into gathered
+    kvcs_u32 gather;                      // 0: write sum ^ tag and the stamp to each item's address; 1: read both into gathered
 };
 
 // A state tensor of one state layer (SPEC section 6) as this worker holds

@@ -3,13 +3,13 @@
 //
 // Store: one thread per item adds the item's columns of the values that
 // kvcs_checksum published (mapped host memory, written by the previous
-// kernel of the stream, so read past the caches) and writes `sum ^ tag` to
-// the item's 8 bytes of stored checksum. The GPU is little-endian, as SPEC's
-// stored values are.
+// kernel of the stream, so read past the caches) and writes `sum ^ tag`,
+// then the item's configuration stamp, to the item's 16 bytes of stored
+// checksum. The GPU is little-endian, as SPEC's stored values are.
 //
-// Gather (a load check): one thread per item copies the stored value at the
-// item's address into `gathered`; the host compares once the call's event
-// completed.
+// Gather (a load check): one thread per item copies the stored value and
+// stamp at the item's address into `gathered` (two words per item); the host
+// compares once the call's event completed.
 extern "C" __global__ void __launch_bounds__(KVCS_THREADS_PER_BLOCK)
 kvcs_store(const __grid_constant__ struct kvcs_dev_stored_call call)
 {
@@ -18,11 +18,13 @@ kvcs_store(const __grid_constant__ struct kvcs_dev_stored_call call)
     const struct kvcs_dev_stored_item item = call.items[i];
     kvcs_u64 *stored = (kvcs_u64 *)item.address;
     if (call.gather) {
-        call.gathered[i] = __ldcv(stored);
+        call.gathered[2 * i] = __ldcv(stored);
+        call.gathered[2 * i + 1] = __ldcv(stored + 1);
         return;
     }
     kvcs_u64 sum = 0;
     for (kvcs_u32 c = 0; c < item.num_columns; ++c)
         sum += __ldcv(&call.values[item.out + (kvcs_u64)c * item.column_stride]);
-    *stored = sum ^ item.tag;
+    stored[0] = sum ^ item.tag;
+    stored[1] = item.stamp;
 }

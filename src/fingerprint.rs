@@ -21,8 +21,27 @@ pub fn layer_fingerprint(identity: &[u8]) -> u64 {
     u64::from_le_bytes(first)
 }
 
-/// The worker's fingerprint of `group`: the sum of [`layer_fingerprint`] over
-/// its registered layers, modulo 2^64.
+/// What an alias (a layer reading another layer's cache) adds to its
+/// identity's fingerprint, `LE_u64(SHA-256("kvcsum alias")[0..8]) | 1`: a
+/// layer registered as an alias on one side and with a cache of its own on
+/// the other checksums differently, and must not compare.
+pub const ALIAS_MARK: &[u8] = b"kvcsum alias";
+
+/// What a shard-keyed state layer (SPEC section 6, split unknown) adds to
+/// its identity's fingerprint, `LE_u64(SHA-256("kvcsum shard-keyed
+/// state")[0..8]) | 1`: its checksums follow another convention than
+/// those of the same layer with the split known.
+pub const SHARD_KEYED_MARK: &[u8] = b"kvcsum shard-keyed state";
+
+/// The odd number a mark adds per layer: `n` marked layers add `n` times
+/// it, never 0 modulo 2^64 for `n` below 2^64.
+fn mark(text: &[u8]) -> u64 {
+    layer_fingerprint(text) | 1
+}
+
+/// The worker's fingerprint of `group`: the sum over its registered layers
+/// of [`layer_fingerprint`], plus [`ALIAS_MARK`]'s number for each alias
+/// and [`SHARD_KEYED_MARK`]'s for each shard-keyed state layer, modulo 2^64.
 ///
 /// Every registered layer entry counts once: a layer whose caches are
 /// registered as several entries of one group (a KV cache and its indexer,
@@ -30,13 +49,23 @@ pub fn layer_fingerprint(identity: &[u8]) -> u64 {
 /// reads another's cache (an alias) adds its own. Every TP rank of a stage
 /// registers the same entries, so each gives the same value.
 pub fn group_fingerprint(group: &Group) -> u64 {
-    let identities = group
-        .layers
+    let layers = group.layers.iter().map(|layer| layer_fingerprint(&layer.spec.identity));
+    let aliases = group
+        .aliases
         .iter()
-        .map(|layer| &layer.spec.identity)
-        .chain(group.aliases.iter().map(|alias| &alias.identity))
-        .chain(group.states.iter().map(|state| &state.spec.identity));
-    identities.fold(0u64, |sum, identity| sum.wrapping_add(layer_fingerprint(identity)))
+        .map(|alias| layer_fingerprint(&alias.identity).wrapping_add(mark(ALIAS_MARK)));
+    let states = group.states.iter().map(|state| {
+        let own = layer_fingerprint(&state.spec.identity);
+        if state.spec.split_known {
+            own
+        } else {
+            own.wrapping_add(mark(SHARD_KEYED_MARK))
+        }
+    });
+    layers
+        .chain(aliases)
+        .chain(states)
+        .fold(0u64, |sum, value| sum.wrapping_add(value))
 }
 
 #[cfg(test)]

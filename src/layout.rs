@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use crate::checksum::{MAX_KV_HEADS_PER_LAYER, PIECE_BYTES};
 use crate::error::{err, Result};
-use crate::state::{StateLayer, StateSpec};
+use crate::state::{tensor_bytes, StateLayer, StateSpec};
 
 /// A range of memory the worker may read: `address .. address + length`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -130,15 +130,37 @@ pub struct Alias {
     pub identity: Vec<u8>,
 }
 
-/// A group's buffer of stored checksums (SPEC section 8): 8 bytes per block
-/// id, in memory of the worker's kind, written by stores and read by load
-/// checks.
+/// A group's buffer of stored checksums (SPEC section 8):
+/// [`StoredBuffer::BYTES_PER_BLOCK`] bytes per block id, in memory of the
+/// worker's kind, written by stores and read by load checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StoredBuffer {
     /// Address of block id 0's value; a multiple of 8.
     pub address: u64,
     /// Values in the buffer: block ids below it have one.
     pub num_blocks: u64,
+}
+
+impl StoredBuffer {
+    /// Bytes per block id (`KVCS_BLOCK_CHECKSUM_BYTES`): the stored value,
+    /// then the stamp of the configuration that stored it (SPEC section 8).
+    pub const BYTES_PER_BLOCK: u64 = 16;
+
+    /// The half-open byte range `[low, high)` of the buffer (its end was
+    /// checked not to wrap at registration).
+    fn bytes(&self) -> (i128, i128) {
+        let low = self.address as i128;
+        (low, low + (self.num_blocks * Self::BYTES_PER_BLOCK) as i128)
+    }
+}
+
+/// Bytes a registered cache can reach (an attention layer's segment or a
+/// state tensor): stored checksums must not overlap them.
+#[derive(Debug, Clone, Copy)]
+struct CacheBytes {
+    low: i128,
+    high: i128,
+    layer_number: u32,
 }
 
 /// Layers sharing one block table and block size.
@@ -271,6 +293,8 @@ pub struct Layout {
     attention: BTreeSet<(u32, u32)>,
     /// The group of each layer registered as an alias or a state layer.
     cacheless: BTreeMap<u32, u32>,
+    /// The bytes each registered cache can reach.
+    cache_bytes: Vec<CacheBytes>,
 }
 
 impl Layout {
@@ -333,6 +357,14 @@ impl Layout {
             first_head + layer.spec.num_heads as u64,
         );
         self.attention.insert((layer.spec.layer_number, layer.spec.group_id));
+        for segment in &layer.spec.segments {
+            let (low, high) = reachable_bytes(&layer.spec, segment);
+            self.cache_bytes.push(CacheBytes {
+                low,
+                high,
+                layer_number: layer.spec.layer_number,
+            });
+        }
         self.groups[slot as usize].push(layer);
         Ok(())
     }
@@ -370,19 +402,28 @@ impl Layout {
 
     /// Registers `group_id`'s buffer of stored checksums (replacing any
     /// before); on error nothing changes.
-    pub fn set_stored(&mut self, group_id: u32, stored: StoredBuffer) -> Result<()> {
-        let slot = self.check_stored(group_id, stored)?;
+    pub fn set_stored(&mut self, group_id: u32, stored: StoredBuffer, in_region: bool) -> Result<()> {
+        let slot = self.check_stored(group_id, stored, in_region)?;
         self.groups[slot as usize].stored = Some(stored);
         Ok(())
     }
 
     /// Fails unless `stored` can be `group_id`'s buffer of stored checksums
-    /// (see [`Layout::set_stored`]); the group's slot otherwise.
-    pub fn check_stored(&self, group_id: u32, stored: StoredBuffer) -> Result<u32> {
+    /// (see [`Layout::set_stored`]); the group's slot otherwise. The buffer
+    /// must not overlap a registered cache or another group's buffer (a
+    /// store would overwrite them); with `in_region` (host workers, whose
+    /// buffers are not checked by CUDA) it must lie in a registered region.
+    pub fn check_stored(&self, group_id: u32, stored: StoredBuffer, in_region: bool) -> Result<u32> {
         let slot = *self
             .slots
             .get(&group_id)
             .ok_or_else(|| err!(NotFound, "group_id {group_id} is not registered"))?;
+        if stored.address == 0 {
+            return Err(err!(
+                InvalidArgument,
+                "address is 0 (stored checksums of group_id {group_id})"
+            ));
+        }
         if stored.address % 8 != 0 {
             return Err(err!(
                 Unsupported,
@@ -398,17 +439,72 @@ impl Layout {
         }
         let end = stored
             .num_blocks
-            .checked_mul(8)
+            .checked_mul(StoredBuffer::BYTES_PER_BLOCK)
             .and_then(|bytes| stored.address.checked_add(bytes));
         if end.is_none() {
             return Err(err!(
                 InvalidArgument,
-                "address {:#x} + 8 x num_blocks {} wraps past the end of the address space",
+                "address {:#x} + {} x num_blocks {} wraps past the end of the address space",
                 stored.address,
+                StoredBuffer::BYTES_PER_BLOCK,
                 stored.num_blocks
             ));
         }
+        let (low, high) = stored.bytes();
+        if in_region && !self.in_region(low, high) {
+            return Err(err!(
+                OutOfBounds,
+                "stored checksums of group_id {group_id} (address {:#x}, num_blocks {}) reach bytes {}..{}, which no registered region holds",
+                stored.address,
+                stored.num_blocks,
+                signed_hex(low),
+                signed_hex(high)
+            ));
+        }
+        if let Some(cache) = self.cache_bytes.iter().find(|c| c.low < high && low < c.high) {
+            return Err(err!(
+                InvalidArgument,
+                "stored checksums of group_id {group_id} (bytes {}..{}) overlap the cache of layer_number {} (bytes {}..{}); a store would overwrite KV",
+                signed_hex(low),
+                signed_hex(high),
+                cache.layer_number,
+                signed_hex(cache.low),
+                signed_hex(cache.high)
+            ));
+        }
+        self.check_no_stored_overlap(low, high, Some(group_id))
+            .map_err(|other| {
+                err!(
+                    InvalidArgument,
+                    "stored checksums of group_id {group_id} (bytes {}..{}) overlap those of group_id {other}; each group needs a buffer of its own",
+                    signed_hex(low),
+                    signed_hex(high)
+                )
+            })?;
         Ok(slot)
+    }
+
+    /// `Err(group_id)` of a group (other than `except`) whose stored
+    /// checksums overlap the bytes `low .. high`.
+    fn check_no_stored_overlap(&self, low: i128, high: i128, except: Option<u32>) -> std::result::Result<(), u32> {
+        let overlapping = self.groups.iter().find(|group| {
+            Some(group.group_id) != except
+                && group.stored.is_some_and(|buffer| {
+                    let (b_low, b_high) = buffer.bytes();
+                    b_low < high && low < b_high
+                })
+        });
+        match overlapping {
+            Some(group) => Err(group.group_id),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the bytes `low .. high` lie in one registered region.
+    fn in_region(&self, low: i128, high: i128) -> bool {
+        self.regions
+            .iter()
+            .any(|r| low >= r.address as i128 && high <= r.address as i128 + r.length as i128)
     }
 
     /// Registers a state layer (SPEC section 6) of a worker of TP rank
@@ -441,13 +537,19 @@ impl Layout {
             }
         }
         self.check_layer_number_free(layer_number, "a state layer has no attention cache")?;
-        let regions = &self.regions;
-        let readable = |low: i128, high: i128| {
-            regions
-                .iter()
-                .any(|r| low >= r.address as i128 && high <= r.address as i128 + r.length as i128)
-        };
-        let state = StateLayer::new(spec, tp_rank, readable)?;
+        let state = StateLayer::new(spec, tp_rank, |low, high| self.in_region(low, high))?;
+        for (index, tensor) in state.spec.tensors.iter().enumerate() {
+            let (low, high) = tensor_bytes(&state.spec, tensor);
+            self.check_not_stored(low, high, &format!("tensors[{index}] of state layer_number {layer_number}"))?;
+        }
+        for tensor in &state.spec.tensors {
+            let (low, high) = tensor_bytes(&state.spec, tensor);
+            self.cache_bytes.push(CacheBytes {
+                low,
+                high,
+                layer_number,
+            });
+        }
         self.cacheless.insert(layer_number, group_id);
         self.groups[slot as usize].push_state(state);
         Ok(())
@@ -593,11 +695,7 @@ impl Layout {
             }
         }
         let (low, high) = reachable_bytes(spec, segment);
-        let inside = self
-            .regions
-            .iter()
-            .any(|r| low >= r.address as i128 && high <= r.address as i128 + r.length as i128);
-        if !inside {
+        if !self.in_region(low, high) {
             return Err(err!(
                 OutOfBounds,
                 "segments[{index}] of layer_number {layer_number} reaches bytes {}..{}, which no registered region holds",
@@ -605,7 +703,20 @@ impl Layout {
                 signed_hex(high)
             ));
         }
-        Ok(())
+        self.check_not_stored(low, high, &format!("segments[{index}] of layer_number {layer_number}"))
+    }
+
+    /// Fails when the cache bytes `low .. high` (of `what`) overlap a
+    /// registered buffer of stored checksums.
+    fn check_not_stored(&self, low: i128, high: i128, what: &str) -> Result<()> {
+        self.check_no_stored_overlap(low, high, None).map_err(|group_id| {
+            err!(
+                InvalidArgument,
+                "{what} reaches bytes {}..{}, which overlap the stored checksums of group_id {group_id}; a store would overwrite KV",
+                signed_hex(low),
+                signed_hex(high)
+            )
+        })
     }
 
     /// The group `group_id`, if registered.

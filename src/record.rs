@@ -11,7 +11,7 @@
 //! 8, `Worker::check_stored`) the verdict on each block position's stored
 //! checksum.
 //!
-//! # Encoding (version 2)
+//! # Encoding (version 3)
 //!
 //! A msgpack array, so that any msgpack reader (Python's `msgspec` included)
 //! can inspect a record; integers are unsigned, values are `bin`s of
@@ -20,7 +20,7 @@
 //! ```text
 //! ["kvcsum.record", 2,
 //!  [tp_rank, tp_size, pp_rank], role (0 producer, 1 consumer), detail (bool),
-//!  [[group_id, block_size, fingerprint, shard_keyed (bool)], ...],   # sorted by group_id
+//!  [[group_id, block_size, fingerprint, shard_keyed (bool), holds_caches (bool), state (bool)], ...],   # sorted by group_id
 //!  [[req_id (str), num_tokens,
 //!    [[group_id, first_position, num_positions,
 //!      [[replicas, replica_index, values], ...],                       # sorted by key
@@ -35,9 +35,14 @@
 //! check's record has, in every group it computed, a `bin` of
 //! `num_positions` bytes, one per block position: 0 the stored checksum
 //! failed, 1 it matched, 2 not checked (the position holds no valid token);
-//! the numbers of `kvcs_stored_outcome`. Load checks compute in the
-//! consumer role, so only consumer records carry them. Version 1 had no
-//! `stored` element (groups of 5 elements).
+//! the numbers of `kvcs_stored_outcome`; 3 and 4: the value was stored by
+//! another configuration (fingerprint or algorithm) and not compared. Load
+//! checks compute in the consumer role, so only consumer records carry
+//! them. `holds_caches` says whether the worker registered any cache (layer
+//! or state layer) in the group: a group none holds was never read; `state`
+//! whether it is a state group (SPEC section 6). Version 1 had no `stored`
+//! element (groups of 5 elements), version 2 no `holds_caches`, no `state`
+//! and no outcomes 3 and 4.
 //!
 //! [`Record::decode`] accepts exactly this shape and version and validates
 //! every value (ranks, keys, orders, lengths, uniqueness); anything else is
@@ -56,7 +61,7 @@ pub use crate::result::{GroupInfo, LayerPartial, Rank};
 pub const RECORD_MAGIC: &str = "kvcsum.record";
 
 /// The record encoding this library writes and reads.
-pub const RECORD_VERSION: u64 = 2;
+pub const RECORD_VERSION: u64 = 3;
 
 /// One column of a group in a record.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -198,11 +203,13 @@ impl Record {
         w.bool(self.detail);
         w.array(self.groups.len());
         for group in &self.groups {
-            w.array(4);
+            w.array(6);
             w.uint(group.group_id as u64);
             w.uint(group.block_size as u64);
             w.uint(group.fingerprint);
             w.bool(group.shard_keyed);
+            w.bool(group.holds_caches);
+            w.bool(group.state);
         }
         w.array(self.requests.len());
         for request in &self.requests {
@@ -251,7 +258,7 @@ impl Record {
     }
 
     /// Decodes and validates a record; `Error::Malformed` with a message for
-    /// anything but a valid version-2 record. Allocates at most in proportion
+    /// anything but a valid version-3 record. Allocates at most in proportion
     /// to `bytes.len()`.
     pub fn decode(bytes: &[u8]) -> Result<Record> {
         let mut r = Reader::new(bytes, "record");
@@ -290,12 +297,14 @@ impl Record {
         let num_groups = r.array("groups")?;
         let mut groups = Vec::with_capacity(initial_capacity(num_groups));
         for _ in 0..num_groups {
-            r.array_of("a group", 4)?;
+            r.array_of("a group", 6)?;
             groups.push(GroupInfo {
                 group_id: r.u32("group_id")?,
                 block_size: r.u32("block_size")?,
                 fingerprint: r.uint("fingerprint")?,
                 shard_keyed: r.bool("shard_keyed")?,
+                holds_caches: r.bool("holds_caches")?,
+                state: r.bool("state")?,
             });
         }
         let num_requests = r.array("requests")?;
@@ -608,7 +617,7 @@ fn stored_outcomes(codes: &[u8], at: usize) -> Result<Vec<StoredOutcome>> {
             StoredOutcome::from_code(code).ok_or_else(|| {
                 err!(
                     Malformed,
-                    "record: stored outcomes (byte {at}): outcome {i} is {code}, not 0 (failed), 1 (matched) or 2 (not checked)"
+                    "record: stored outcomes (byte {at}): outcome {i} is {code}, not 0 (failed), 1 (matched), 2 (not checked), 3 (other fingerprint) or 4 (other algorithm)"
                 )
             })
         })

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
+use crate::checksum::KNOWN_ALGORITHMS;
 use crate::blocks::RequestBlocks;
 use crate::error::{err, Result};
 use crate::layout::{ReplicaKey, Role};
@@ -32,6 +33,12 @@ pub struct GroupInfo {
     /// TP split unknown), comparable only between equal TP sizes. Attention
     /// groups never are; state layers set it when the split is unknown.
     pub shard_keyed: bool,
+    /// Whether the worker registered any cache (attention or state layer)
+    /// in the group: where no worker does, nothing of the group was read.
+    pub holds_caches: bool,
+    /// Whether the group is a state group (SPEC section 6): one block at
+    /// position 0 that `num_tokens` does not limit.
+    pub state: bool,
 }
 
 /// The per-layer partial checksums of one layer entry of a worker (detail
@@ -398,14 +405,38 @@ struct LoadCheck {
 }
 
 /// Where a load check's expected sum at one block position comes from:
-/// the stored value read back at `index` (of the call's [`StoredValues`])
-/// XOR `tag`; the worker's columns must add up to it.
+/// the stored value read back at `index` (of the call's [`StoredValues`],
+/// two words each: value and stamp) XOR `tag`; the worker's columns must
+/// add up to it, once the stamp read back says the configuration is the
+/// worker's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StoredRef {
     /// Index of the position's stored value among those read back.
     pub index: usize,
     /// The block's tag (SPEC section 8).
     pub tag: u64,
+    /// The worker's configuration stamp ([`config_stamp`]).
+    pub stamp: u64,
+    /// The worker's algorithm, which the stamp holds.
+    pub algorithm: u32,
+}
+
+/// The stamp stored after each value (SPEC section 8): `fingerprint XOR
+/// algorithm`, so that a load check tells a change of configuration (other
+/// layers or identities, another algorithm) from corrupted data.
+pub fn config_stamp(fingerprint: u64, algorithm: u32) -> u64 {
+    fingerprint ^ algorithm as u64
+}
+
+/// What a stamp read back says when it is not the worker's `stamp`: another
+/// algorithm when only that part differs, else other layers.
+fn other_configuration(read: u64, stamp: u64, algorithm: u32) -> StoredOutcome {
+    let other = read ^ stamp ^ algorithm as u64;
+    if other != algorithm as u64 && KNOWN_ALGORITHMS.iter().any(|&known| known as u64 == other) {
+        StoredOutcome::OtherAlgorithm
+    } else {
+        StoredOutcome::OtherFingerprint
+    }
 }
 
 /// Where a load check's stored values read back are.
@@ -440,16 +471,24 @@ pub enum StoredOutcome {
     Matched,
     /// Not checked: the position holds no valid token.
     NotChecked,
+    /// Not compared: the value was stored by a worker whose group had other
+    /// layers or identities (another fingerprint), or the stamp is damaged.
+    OtherFingerprint,
+    /// Not compared: the value was stored with another algorithm.
+    OtherAlgorithm,
 }
 
 impl StoredOutcome {
     /// The outcome's number in records (and `kvcs_stored_outcome`): 0
-    /// failed, 1 matched, 2 not checked.
+    /// failed, 1 matched, 2 not checked, 3 other fingerprint, 4 other
+    /// algorithm.
     pub fn code(self) -> u8 {
         match self {
             StoredOutcome::Failed => 0,
             StoredOutcome::Matched => 1,
             StoredOutcome::NotChecked => 2,
+            StoredOutcome::OtherFingerprint => 3,
+            StoredOutcome::OtherAlgorithm => 4,
         }
     }
 
@@ -459,6 +498,8 @@ impl StoredOutcome {
             0 => Some(StoredOutcome::Failed),
             1 => Some(StoredOutcome::Matched),
             2 => Some(StoredOutcome::NotChecked),
+            3 => Some(StoredOutcome::OtherFingerprint),
+            4 => Some(StoredOutcome::OtherAlgorithm),
             _ => None,
         }
     }
@@ -535,16 +576,25 @@ impl Checksums {
             .iter()
             .zip(sums)
             .map(|(expected, sum)| {
-                let Some(StoredRef { index, tag }) = *expected else {
+                let Some(StoredRef {
+                    index,
+                    tag,
+                    stamp,
+                    algorithm,
+                }) = *expected
+                else {
                     return Ok(StoredOutcome::NotChecked);
                 };
-                let value = read.get(index).ok_or_else(|| {
-                    err!(
+                let (Some(value), Some(&read_stamp)) = (read.get(2 * index), read.get(2 * index + 1)) else {
+                    return Err(err!(
                         Internal,
-                        "stored value {index} of group_id {group_id} of req_id \"{req_id}\" was not read back ({} were)",
+                        "stored value {index} of group_id {group_id} of req_id \"{req_id}\" was not read back ({} words were)",
                         read.len()
-                    )
-                })?;
+                    ));
+                };
+                if read_stamp != stamp {
+                    return Ok(other_configuration(read_stamp, stamp, algorithm));
+                }
                 Ok(if value ^ tag == sum {
                     StoredOutcome::Matched
                 } else {

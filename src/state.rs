@@ -217,6 +217,20 @@ fn check_tensor(
             ));
         }
     }
+    let (low, high) = tensor_bytes(spec, tensor);
+    if !readable(low, high) {
+        return Err(err!(
+            OutOfBounds,
+            "tensors[{index}] of state layer_number {layer_number} reaches bytes {}..{}, which no registered region holds",
+            signed_hex(low),
+            signed_hex(high)
+        ));
+    }
+    Ok(())
+}
+
+/// The half-open byte range `[low, high)` that `tensor` of `spec` can reach.
+pub(crate) fn tensor_bytes(spec: &StateSpec, tensor: &StateTensor) -> (i128, i128) {
     let mut low = tensor.address as i128;
     let mut high = low + tensor.bytes_per_row as i128;
     for (stride, count) in [
@@ -230,15 +244,7 @@ fn check_tensor(
             high += span;
         }
     }
-    if !readable(low, high) {
-        return Err(err!(
-            OutOfBounds,
-            "tensors[{index}] of state layer_number {layer_number} reaches bytes {}..{}, which no registered region holds",
-            signed_hex(low),
-            signed_hex(high)
-        ));
-    }
-    Ok(())
+    (low, high)
 }
 
 /// A byte address for a message, negative ones with a sign.

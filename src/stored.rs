@@ -1,12 +1,14 @@
 //! Stored checksums for offloaded KV (SPEC section 8), on the host engine.
 //!
-//! A group may have a buffer of 8 bytes per block id beside its caches, which
-//! an offload connector copies with each block. A store writes, for each
-//! block being offloaded, `stored[block] = sum XOR tag`, where `sum` adds the
+//! A group may have a buffer of 16 bytes per block id beside its caches,
+//! which an offload connector copies with each block. A store writes, for
+//! each block being offloaded, the value `sum XOR tag`, where `sum` adds the
 //! worker's columns at the block's position and `tag = LE_u64(block_hash[0..8])
-//! XOR fingerprint(group)`. A load check recomputes the loaded blocks and
-//! compares: another block's bytes, another shard's KV or another block hash
-//! give another value.
+//! XOR fingerprint(group)`, then the stamp of the configuration that computed
+//! it (`fingerprint XOR algorithm`). A load check recomputes the loaded blocks
+//! and compares: another block's bytes, another shard's KV or another block
+//! hash give another value, while another stamp says that the configuration
+//! changed (other layers, identities or algorithm), which is no corruption.
 //!
 //! On a device worker the same checks run here before anything is queued,
 //! and the positions become items of the `kvcs_store` launch that the call
@@ -14,15 +16,21 @@
 
 use crate::blocks::{valid_tokens, BlockSet, GroupBlocks, RequestBlocks};
 use crate::cuda::{DevStoredItem, StoredMode, StoredWork};
+use std::collections::HashMap;
+
+use crate::checksum::ALGORITHM_WEIGHTED;
 use crate::error::{err, Result};
 use crate::fingerprint::group_fingerprint;
 use crate::layout::{Group, Layout, StoredBuffer};
-use crate::result::{Checksums, GroupInfo, Placement, Shape, StoredExpectation, StoredRef};
+use crate::result::{config_stamp, Checksums, GroupInfo, Placement, Shape, StoredExpectation, StoredRef};
 
 /// The tag that binds a stored checksum to its block hash and group.
 pub fn block_tag(block_hash: u64, group_fingerprint: u64) -> u64 {
     block_hash ^ group_fingerprint
 }
+
+/// The algorithm stored values are computed with (SPEC section 8's stamp).
+const STORED_ALGORITHM: u32 = ALGORITHM_WEIGHTED;
 
 /// One (request, group) that a store or load check covers.
 struct Target<'a> {
@@ -55,17 +63,44 @@ impl Target<'_> {
         end.saturating_sub(self.blocks.first_position).min(n as u64) as usize
     }
 
-    /// Where block `block_id`'s stored value lives.
+    /// Where block `block_id`'s stored value lives; its stamp is the next word.
     fn slot(&self, block_id: u32) -> *mut u64 {
-        (self.buffer.address as usize as *mut u64).wrapping_add(block_id as usize)
+        let words = (StoredBuffer::BYTES_PER_BLOCK / 8) as usize;
+        (self.buffer.address as usize as *mut u64).wrapping_add(block_id as usize * words)
+    }
+
+    /// The stamp of the worker's configuration for this group.
+    fn stamp(&self) -> u64 {
+        config_stamp(self.fingerprint, STORED_ALGORITHM)
+    }
+
+    /// What a load check expects at index `i`, whose value is the `index`-th read back.
+    fn expected(&self, i: usize, index: usize) -> StoredRef {
+        StoredRef {
+            index,
+            tag: block_tag(self.hashes[i], self.fingerprint),
+            stamp: self.stamp(),
+            algorithm: STORED_ALGORITHM,
+        }
     }
 }
 
+/// Where a block id was met in a store or load check: the same block id
+/// may stand at several places only where they write the same value.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct BlockUse {
+    position: u64,
+    hash: u64,
+    valid_tokens: u64,
+}
+
 /// Checks that every (request, group) of `blocks` that the worker does not
-/// skip has a stored buffer, block hashes, and block ids inside the buffer:
-/// all of it before anything is computed or written.
+/// skip has a stored buffer, block hashes, and block ids inside the buffer,
+/// each block id holding one value (see [`check_one_value_per_block`]): all
+/// of it before anything is computed or written.
 fn targets<'a>(layout: &'a Layout, infos: &[GroupInfo], blocks: &'a BlockSet) -> Result<Vec<Target<'a>>> {
     let mut targets = Vec::new();
+    let mut uses: HashMap<(u32, u32), (BlockUse, &str)> = HashMap::new();
     let mut index = 0;
     for request in blocks.requests() {
         let req_id = &request.req_id;
@@ -106,7 +141,7 @@ fn targets<'a>(layout: &'a Layout, infos: &[GroupInfo], blocks: &'a BlockSet) ->
                     buffer.num_blocks
                 ));
             }
-            targets.push(Target {
+            let target = Target {
                 index: index - 1,
                 request,
                 blocks: group_blocks,
@@ -118,10 +153,56 @@ fn targets<'a>(layout: &'a Layout, infos: &[GroupInfo], blocks: &'a BlockSet) ->
                 fingerprint: infos
                     .binary_search_by_key(&group_id, |info| info.group_id)
                     .map_or_else(|_| group_fingerprint(group), |i| infos[i].fingerprint),
-            });
+            };
+            check_one_value_per_block(&target, &mut uses)?;
+            targets.push(target);
         }
     }
     Ok(targets)
+}
+
+/// Fails when a block id of `target` that holds tokens was met before (in
+/// this call) at another position, with another block hash or with other
+/// valid tokens: its buffer keeps one value per block id, so one of the two
+/// could never match (a null block shared by positions, say). The same
+/// block at the same position of two requests (a shared prefix) is fine.
+fn check_one_value_per_block<'a>(
+    target: &Target<'a>,
+    uses: &mut HashMap<(u32, u32), (BlockUse, &'a str)>,
+) -> Result<()> {
+    let group_id = target.blocks.group_id;
+    for (i, &block_id) in target.blocks.block_ids.iter().enumerate() {
+        if !target.holds_tokens(i) {
+            continue;
+        }
+        let position = target.blocks.first_position + i as u64;
+        let here = BlockUse {
+            position,
+            hash: target.hashes[i],
+            valid_tokens: if target.group.is_state() {
+                0
+            } else {
+                valid_tokens(target.request.num_tokens, target.group.block_size, position) as u64
+            },
+        };
+        let req_id = target.request.req_id.as_str();
+        match uses.entry((group_id, block_id)) {
+            std::collections::hash_map::Entry::Vacant(entry) => {
+                entry.insert((here, req_id));
+            }
+            std::collections::hash_map::Entry::Occupied(entry) => {
+                let (before, before_req) = *entry.get();
+                if before != here {
+                    return Err(err!(
+                        InvalidArgument,
+                        "block id {block_id} of group_id {group_id} stands at position {} of req_id \"{before_req}\" and at position {position} of req_id \"{req_id}\" with another block hash or other valid tokens; its stored checksum holds one value per block id",
+                        before.position
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Fails unless `blocks` can be stored or checked on `layout` (see [`targets`]).
@@ -142,15 +223,18 @@ pub fn store(layout: &Layout, infos: &[GroupInfo], blocks: &BlockSet, result: &C
         for (i, (&block_id, sum)) in target.blocks.block_ids.iter().zip(sums).enumerate() {
             if target.holds_tokens(i) {
                 let tag = block_tag(target.hashes[i], target.fingerprint);
-                writes.push((target.slot(block_id), sum ^ tag));
+                writes.push((target.slot(block_id), sum ^ tag, target.stamp()));
             }
         }
     }
-    for (slot, value) in writes {
+    for (slot, value, stamp) in writes {
         // SAFETY: `targets` checked the block id is below the buffer's
-        // length; the buffer is 8-byte aligned and writable (the caller's
-        // promise at registration).
-        unsafe { slot.write(value.to_le()) };
+        // length, so both words lie in the buffer; the buffer is 8-byte
+        // aligned and writable (the caller's promise at registration).
+        unsafe {
+            slot.write(value.to_le());
+            slot.add(1).write(stamp.to_le());
+        }
     }
     Ok(())
 }
@@ -178,12 +262,9 @@ fn checked_positions(
             continue;
         }
         let mut expected = Vec::with_capacity(block_ids.len());
-        for (i, (&block_id, &hash)) in block_ids[..checked].iter().zip(target.hashes).enumerate() {
+        for (i, &block_id) in block_ids[..checked].iter().enumerate() {
             visit(t, i, block_id);
-            expected.push(Some(StoredRef {
-                index: count,
-                tag: block_tag(hash, target.fingerprint),
-            }));
+            expected.push(Some(target.expected(i, count)));
             count += 1;
         }
         expected.resize(block_ids.len(), None);
@@ -196,19 +277,20 @@ fn checked_positions(
     expectations
 }
 
-/// Reads back the stored value of every block of `blocks` that holds a
-/// valid token (host memory): what a load check expects, and the values
-/// its expectations index.
+/// Reads back the stored value and stamp of every block of `blocks` that
+/// holds a valid token (host memory): what a load check expects, and the
+/// values its expectations index (two words each: value, stamp).
 pub fn expectations(
     layout: &Layout,
     infos: &[GroupInfo],
     blocks: &BlockSet,
 ) -> Result<(Vec<StoredExpectation>, Vec<u64>)> {
     let targets = targets(layout, infos, blocks)?;
-    let mut read = Vec::with_capacity(blocks.num_blocks());
+    let mut read = Vec::with_capacity(2 * blocks.num_blocks());
     let expectations = checked_positions(&targets, true, |t, _, block_id| {
+        let slot = targets[t].slot(block_id);
         // SAFETY: as in `store`, readable host memory.
-        read.push(u64::from_le(unsafe { targets[t].slot(block_id).read() }));
+        read.extend(unsafe { [slot.read(), slot.add(1).read()] }.map(u64::from_le));
     });
     Ok((expectations, read))
 }
@@ -248,6 +330,7 @@ pub fn device_work(
         items.push(DevStoredItem {
             tag: block_tag(target.hashes[i], target.fingerprint),
             address: target.slot(block_id) as usize as u64,
+            stamp: target.stamp(),
             out: (values_offset + i) as u32,
             column_stride: target.blocks.block_ids.len() as u32,
             num_columns,

@@ -54,6 +54,8 @@ fn group_infos(layout: &Layout) -> Vec<GroupInfo> {
             block_size: group.block_size,
             fingerprint: group_fingerprint(group),
             shard_keyed: group.is_shard_keyed(),
+            holds_caches: !group.layers().is_empty() || !group.states().is_empty(),
+            state: group.is_state(),
         })
         .collect();
     infos.sort_by_key(|info| info.group_id);
@@ -323,22 +325,27 @@ impl Worker {
         Ok(std::hint::black_box(work.items.len() + expectations.len()))
     }
 
-    /// Registers `group_id`'s buffer of stored checksums (SPEC section 8): 8
-    /// bytes per block id for `num_blocks` block ids at `address`, memory the
-    /// worker may write and read while it lives. A device worker checks that
-    /// the buffer is device memory of its device or pinned host memory.
+    /// Registers `group_id`'s buffer of stored checksums (SPEC section 8):
+    /// [`StoredBuffer::BYTES_PER_BLOCK`] bytes per block id for `num_blocks`
+    /// block ids at `address`, memory the worker may write and read while it
+    /// lives, overlapping no registered cache and no other group's buffer.
+    /// A host worker's buffer lies in a registered region; a device worker
+    /// checks that it is device memory of its device or pinned host memory.
     pub fn add_stored(&mut self, group_id: u32, address: u64, num_blocks: u64) -> Result<()> {
         let buffer = StoredBuffer { address, num_blocks };
+        let on_host = matches!(self.engine, Engine::Host(_));
         if let Engine::Device(device) = &self.engine {
             // The layout's checks first (group, alignment, length), then CUDA's.
-            self.layout.check_stored(group_id, buffer)?;
-            device.check_region(address, num_blocks * 8).map_err(|e| {
-                e.with_context(&format!(
-                    "stored checksums of group_id {group_id} (address {address:#x}, num_blocks {num_blocks})"
-                ))
-            })?;
+            self.layout.check_stored(group_id, buffer, on_host)?;
+            device
+                .check_region(address, num_blocks * StoredBuffer::BYTES_PER_BLOCK)
+                .map_err(|e| {
+                    e.with_context(&format!(
+                        "stored checksums of group_id {group_id} (address {address:#x}, num_blocks {num_blocks})"
+                    ))
+                })?;
         }
-        self.layout.set_stored(group_id, buffer)
+        self.layout.set_stored(group_id, buffer, on_host)
     }
 
     /// Checksums `blocks` (every column) and writes each block's stored

@@ -119,8 +119,11 @@ pub struct DevCall {
 pub struct DevStoredItem {
     /// Store: the tag XORed into the sum (SPEC section 8).
     pub tag: u64,
-    /// The block's 8-byte stored checksum (device or mapped host memory).
+    /// The block's 16 bytes of stored checksum (device or mapped host
+    /// memory): the value, then the stamp.
     pub address: u64,
+    /// Store: the configuration stamp written after the value (SPEC section 8).
+    pub stamp: u64,
     /// Store: value index of column 0.
     pub out: u32,
     /// Store: value distance between columns.
@@ -594,7 +597,7 @@ pub fn layout_asserts() -> String {
         num_rows, num_values, split, row_units, inline_groups, inline_rows,
     });
     assert_layout!(&mut out, DevStoredItem => "kvcs_dev_stored_item" {
-        tag, address, out, column_stride, num_columns, reserved,
+        tag, address, stamp, out, column_stride, num_columns, reserved,
     });
     assert_layout!(&mut out, DevStoredCall => "kvcs_dev_stored_call" { items, values, gathered, num_items, gather });
     assert_layout!(&mut out, DevStateTensor => "kvcs_dev_state_tensor" {

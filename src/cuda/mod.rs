@@ -411,7 +411,7 @@ impl DeviceEngine {
             upload: state_upload,
             call: &mut state_call,
         });
-        let num_gathered = stored.map_or(0, |work| work.items.len());
+        let num_gathered = stored.map_or(0, |work| 2 * work.items.len());
         let host_values = slot.host_values_on_device();
         let mut launch = match stored {
             Some(work) => stored::stage(&mut slot, work, host_values)?,
@@ -422,7 +422,7 @@ impl DeviceEngine {
         // slot's event completes (the slot and table stay held until then);
         // the staging in pinned memory is not touched again before that; the
         // kernels read cache bytes that registration proved lie in registered
-        // regions, and the stored launch 8-byte values that `add_stored`
+        // regions, and the stored launch 16-byte values that `add_stored`
         // checked.
         let queued = unsafe {
             self.enqueue(
@@ -468,7 +468,7 @@ impl DeviceEngine {
             pool: self.pool.clone(),
             slot: Some(slot),
             num_values: 0,
-            num_gathered: work.items.len(),
+            num_gathered: 2 * work.items.len(),
             zeros: Some(vec![0; num_values]),
         })))
     }

@@ -2,10 +2,10 @@
 //! `kvcs_store` launch that a store or a load check queues after the
 //! call's `kvcs_checksum`, on the same stream, before the call's event.
 //!
-//! A store writes `sum ^ tag` for each item to its block's 8 bytes (device
-//! memory of the worker's device or pinned host memory); a load check
-//! gathers each item's stored value into the call's slot, which the result
-//! compares once the event completed. The items travel in mapped pinned
+//! A store writes `sum ^ tag` and the configuration stamp for each item to
+//! its block's 16 bytes (device memory of the worker's device or pinned host
+//! memory); a load check gathers each item's stored value and stamp into the
+//! call's slot, which the result compares once the event completed. The items travel in mapped pinned
 //! memory owned by the slot, so they live until the event completes (a
 //! slot whose result is dropped early is parked until then). The caller
 //! (the module `stored`, above this one) builds the items and checks every
@@ -21,7 +21,7 @@ use crate::error::Result;
 /// What a call does with stored checksums.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StoredMode {
-    /// Writes `sum ^ tag` to every item's address after the checksums.
+    /// Writes `sum ^ tag` and the stamp to every item's address after the checksums.
     Store,
     /// Reads every item's stored value back into the result (a load check).
     Gather,
@@ -37,8 +37,8 @@ pub struct StoredWork {
     pub items: Vec<DevStoredItem>,
 }
 
-/// Mapped pinned host memory of a slot: `capacity` items, then `capacity`
-/// gathered values.
+/// Mapped pinned host memory of a slot: `capacity` items, then two gathered
+/// words (value, stamp) per item.
 pub struct Staging {
     capacity: usize,
     host: *mut u8,
@@ -53,7 +53,7 @@ unsafe impl Sync for Staging {}
 impl Staging {
     /// Staging for `capacity` items (the context is bound).
     pub fn new(capacity: usize) -> Result<Staging> {
-        let bytes = capacity * (std::mem::size_of::<DevStoredItem>() + 8);
+        let bytes = capacity * (std::mem::size_of::<DevStoredItem>() + 2 * 8);
         let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
         let mut staging = Staging {
             capacity,
@@ -76,7 +76,7 @@ impl Staging {
     /// Host address of the gathered values.
     fn gathered_host(&self) -> *mut u64 {
         // SAFETY: inside the allocation; 8-byte aligned (page-aligned base,
-        // 32-byte items).
+        // 40-byte items).
         unsafe {
             self.host
                 .add(self.capacity * std::mem::size_of::<DevStoredItem>())
@@ -144,7 +144,7 @@ pub fn stage(slot: &mut Slot, work: &StoredWork, values: u64) -> Result<Option<S
 ///
 /// # Safety
 /// The slot whose staging `launch` uses stays held until an event recorded
-/// after this completes; every item's address is 8 bytes this device may
+/// after this completes; every item's address is 16 bytes this device may
 /// write (store) or read (gather).
 pub unsafe fn enqueue(kernels: &Kernels, launch: &mut StoredLaunch, stream: sys::CUstream) -> Result<()> {
     let mut params = [(&mut launch.call as *mut DevStoredCall).cast::<std::ffi::c_void>()];
@@ -162,12 +162,12 @@ pub unsafe fn enqueue(kernels: &Kernels, launch: &mut StoredLaunch, stream: sys:
     .map_err(device_error("launching kvcs_store"))
 }
 
-/// The first `n` gathered values of `slot` (read only after its event
-/// completed).
+/// The first `n` gathered words of `slot`, two per item (read only after
+/// its event completed).
 pub fn gathered(slot: &Slot, n: usize) -> &[u64] {
     match &slot.stored {
         Some(staging) if n > 0 => {
-            assert!(n <= staging.capacity);
+            assert!(n <= 2 * staging.capacity);
             // SAFETY: inside the allocation, written by the gather before the
             // event the caller waited for.
             unsafe { std::slice::from_raw_parts(staging.gathered_host(), n) }

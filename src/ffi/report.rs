@@ -75,6 +75,16 @@ pub enum kvcs_unverified_reason {
     /// worker's record that is not a load check's (it came from
     /// `kvcs_worker_checksum`, not `kvcs_worker_check_stored`).
     KVCS_UNVERIFIED_NOT_LOAD_CHECK = 12,
+    /// The two sides (or the records of one load, or the stored values)
+    /// were computed with different checksum algorithms.
+    KVCS_UNVERIFIED_ALGORITHM_DIFFERS = 13,
+    /// The producer's block size is unknown (a plain payload and no
+    /// `kvcs_verifier_set_producer_block_size`) and the payload's positions
+    /// do not fit the consumer's block size, so it is another one.
+    KVCS_UNVERIFIED_BLOCK_SIZE_UNKNOWN = 14,
+    /// No worker of one side registered any cache of a group, so nothing of
+    /// it was read (a group with no layers).
+    KVCS_UNVERIFIED_NOTHING_READ = 15,
 }
 
 /// The `group_id` of a finding about the whole load rather than one group.
@@ -160,6 +170,9 @@ fn reason_code(reason: Reason) -> kvcs_unverified_reason {
         Reason::RoleDiffers => KVCS_UNVERIFIED_ROLE_DIFFERS,
         Reason::UncomparedPositions => KVCS_UNVERIFIED_UNCOMPARED_POSITIONS,
         Reason::NotLoadCheck => KVCS_UNVERIFIED_NOT_LOAD_CHECK,
+        Reason::AlgorithmDiffers => KVCS_UNVERIFIED_ALGORITHM_DIFFERS,
+        Reason::BlockSizeUnknown => KVCS_UNVERIFIED_BLOCK_SIZE_UNKNOWN,
+        Reason::NothingRead => KVCS_UNVERIFIED_NOTHING_READ,
     }
 }
 
@@ -431,6 +444,9 @@ pub extern "C" fn kvcs_unverified_reason_name(reason: u32) -> *const c_char {
         10 => c"KVCS_UNVERIFIED_ROLE_DIFFERS",
         11 => c"KVCS_UNVERIFIED_UNCOMPARED_POSITIONS",
         12 => c"KVCS_UNVERIFIED_NOT_LOAD_CHECK",
+        13 => c"KVCS_UNVERIFIED_ALGORITHM_DIFFERS",
+        14 => c"KVCS_UNVERIFIED_BLOCK_SIZE_UNKNOWN",
+        15 => c"KVCS_UNVERIFIED_NOTHING_READ",
         _ => c"unknown kvcs_unverified_reason",
     };
     name.as_ptr()

@@ -124,6 +124,12 @@ pub enum kvcs_stored_outcome {
     KVCS_STORED_MATCHED = 1,
     /// Not checked: the position holds no valid token.
     KVCS_STORED_NOT_CHECKED = 2,
+    /// Not compared: the value was stored by a worker whose group has
+    /// other layers or identities (another fingerprint), or its stamp is
+    /// damaged; a configuration change, judged unverified (SPEC section 8).
+    KVCS_STORED_OTHER_FINGERPRINT = 3,
+    /// Not compared: the value was stored with another checksum algorithm.
+    KVCS_STORED_OTHER_ALGORITHM = 4,
 }
 
 /// A load check's verdicts (`kvcs_worker_check_stored`) on group `group_id`
@@ -153,6 +159,8 @@ pub extern "C" fn kvcs_result_stored(
                 StoredOutcome::Failed => kvcs_stored_outcome::KVCS_STORED_FAILED,
                 StoredOutcome::Matched => kvcs_stored_outcome::KVCS_STORED_MATCHED,
                 StoredOutcome::NotChecked => kvcs_stored_outcome::KVCS_STORED_NOT_CHECKED,
+                StoredOutcome::OtherFingerprint => kvcs_stored_outcome::KVCS_STORED_OTHER_FINGERPRINT,
+                StoredOutcome::OtherAlgorithm => kvcs_stored_outcome::KVCS_STORED_OTHER_ALGORITHM,
             };
             // SAFETY: the contract gives `num_positions` writable bytes.
             unsafe { outcomes.add(i).write(code as u8) };

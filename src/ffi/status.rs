@@ -6,7 +6,14 @@ use std::ffi::{c_char, CStr, CString};
 use crate::error::Error;
 
 /// The C ABI version; a loader checks it equals `kvcs_abi_version()`.
-pub const KVCS_ABI_VERSION: u32 = 1;
+/// Version 2: stored checksums take `KVCS_BLOCK_CHECKSUM_BYTES` (16) bytes
+/// per block id, where version 1 took 8.
+pub const KVCS_ABI_VERSION: u32 = 2;
+
+/// Bytes of stored checksum per block id (docs/SPEC.md#8-stored-checksums-for-offloaded-kv):
+/// the value, then the stamp of the configuration that stored it.
+pub const KVCS_BLOCK_CHECKSUM_BYTES: u64 = 16;
+const _: () = assert!(KVCS_BLOCK_CHECKSUM_BYTES == crate::layout::StoredBuffer::BYTES_PER_BLOCK);
 
 /// `H` of docs/SPEC.md#3-block-checksum: no layer may have more heads than this.
 pub const KVCS_MAX_KV_HEADS_PER_LAYER: u64 = 65536;

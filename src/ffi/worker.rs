@@ -401,14 +401,20 @@ pub extern "C" fn kvcs_worker_checksum(
 }
 
 /// Registers the buffer of stored checksums of group `group_id` (SPEC
-/// section 8): 8 bytes per block id, `num_blocks` of them at `address`
-/// (a multiple of 8), memory the worker writes (`kvcs_worker_store`) and
-/// reads (`kvcs_worker_check_stored`) while it lives; the caller keeps it so
-/// and copies each block's 8 bytes with the block when offloading. A later
-/// call replaces the buffer. On a device worker the buffer must be device
-/// memory of the worker's device or pinned host memory
-/// (`KVCS_ERR_INVALID_ARGUMENT` otherwise, `KVCS_ERR_OUT_OF_BOUNDS` when it
-/// runs past mapped memory). On error nothing changes.
+/// section 8): `KVCS_BLOCK_CHECKSUM_BYTES` (16) bytes per block id,
+/// `num_blocks` of them at `address` (not 0, a multiple of 8), memory the
+/// worker writes (`kvcs_worker_store`) and reads
+/// (`kvcs_worker_check_stored`) while it lives; the caller keeps it so and
+/// copies each block's 16 bytes with the block when offloading. A later
+/// call replaces the buffer. The buffer must not overlap any registered
+/// cache (layer or state tensor) nor another group's buffer
+/// (`KVCS_ERR_INVALID_ARGUMENT`; a store would overwrite them), and layers
+/// registered later must not overlap it either. On a host worker it must
+/// lie in a registered region (`KVCS_ERR_OUT_OF_BOUNDS` otherwise); on a
+/// device worker it must be device memory of the worker's device or pinned
+/// host memory (`KVCS_ERR_INVALID_ARGUMENT` otherwise,
+/// `KVCS_ERR_OUT_OF_BOUNDS` when it runs past mapped memory). On error
+/// nothing changes.
 #[no_mangle]
 pub extern "C" fn kvcs_worker_add_stored(
     worker: *mut kvcs_worker,
@@ -425,11 +431,15 @@ pub extern "C" fn kvcs_worker_add_stored(
 
 /// Checksums `blocks` (every column, as `KVCS_ROLE_CONSUMER`) and writes,
 /// for each block holding a valid token, its stored checksum `sum XOR tag`
-/// into its group's buffer, `tag` binding it to the block hash given with
-/// `kvcs_blocks_set_hashes` and to the group (docs/SPEC.md#8-stored-checksums-for-offloaded-kv). Every group of
-/// `blocks` that the worker does not skip needs a buffer and block hashes,
-/// and every block id must be inside the buffer: checked before anything is
-/// computed or written. `*out` gets the checksums, as
+/// and the stamp of the worker's configuration into its group's buffer,
+/// `tag` binding it to the block hash given with `kvcs_blocks_set_hashes`
+/// and to the group (docs/SPEC.md#8-stored-checksums-for-offloaded-kv).
+/// Every group of `blocks` that the worker does not skip needs a buffer and
+/// block hashes, every block id must be inside the buffer, and a block id
+/// that stands at several places of the call must stand at the same
+/// position with the same block hash and valid tokens (a buffer holds one
+/// value per block id; `KVCS_ERR_INVALID_ARGUMENT` otherwise): checked
+/// before anything is computed or written. `*out` gets the checksums, as
 /// `kvcs_worker_checksum` gives them. A device worker queues the writes on
 /// `cuda_stream` after the checksums and returns without waiting: they are
 /// done when the result is ready (or the stream is synchronised).

@@ -71,6 +71,9 @@ struct GroupSides<'a> {
     parts: Vec<(&'a WorkerPart, &'a RecordGroup)>,
     consumer_block_size: u32,
     producer_block_size: u32,
+    /// Whether the producer's block size was sent or set, rather than
+    /// taken to be the consumer's.
+    producer_block_size_known: bool,
     shard_keyed: bool,
     producer_tp_size: Option<u32>,
 }
@@ -166,25 +169,18 @@ impl Load<'_> {
         let Some(sent_group) = self.sent_group(sent, scheduled.group_id)? else {
             return Ok(None);
         };
+        self.pending.check_read(scheduled.group_id)?;
         let extension = sent.extension.get(&scheduled.group_id).copied();
         let sides = self.group_sides(payload, scheduled, sent_group, extension)?;
         sides.check_state_tp(self.pending.tp_size().unwrap_or(1))?;
         let checks = replica_checks(&sides.parts, scheduled.block_ids.len())?;
+        if self.pending.is_state(scheduled.group_id) {
+            return sides.compare_state(self.pending.scheduled.num_tokens, &checks).map(Some);
+        }
+        sides.check_block_size_known(payload.num_tokens)?;
         let outcome = sides.compare_runs(self.pending.scheduled.num_tokens, payload.num_tokens, &checks);
         if outcome.compared == 0 {
             return Err(sides.no_common_position(self.pending.scheduled.num_tokens, payload.num_tokens));
-        }
-        if sides.shard_keyed && sides.producer_tp_size.is_none() && !outcome.mismatches.is_empty() {
-            // Shard-keyed state of another TP size checksums differently; with
-            // the producer's TP size unknown a difference proves nothing.
-            return Err(Unverified(
-                Reason::StateTpDiffers,
-                format!(
-                    "group {} is shard-keyed state, differs at {} positions, and the producer's TP size is unknown",
-                    scheduled.group_id,
-                    outcome.mismatches.len()
-                ),
-            ));
         }
         Ok(Some(outcome))
     }
@@ -229,10 +225,10 @@ impl Load<'_> {
             ));
         }
         let consumer_block_size = self.pending.block_size(group_id)?;
-        let producer_block_size = extension
+        let known_block_size = extension
             .map(|e| e.block_size)
-            .or_else(|| self.settings.producer_block_sizes.get(&group_id).copied())
-            .unwrap_or(consumer_block_size);
+            .or_else(|| self.settings.producer_block_sizes.get(&group_id).copied());
+        let producer_block_size = known_block_size.unwrap_or(consumer_block_size);
         let shard_keyed = parts
             .iter()
             .any(|(part, _)| part.group_info(group_id).is_some_and(|g| g.shard_keyed));
@@ -248,6 +244,7 @@ impl Load<'_> {
             parts,
             consumer_block_size,
             producer_block_size,
+            producer_block_size_known: known_block_size.is_some(),
             shard_keyed,
             producer_tp_size,
         })
@@ -255,18 +252,116 @@ impl Load<'_> {
 }
 
 impl GroupSides<'_> {
-    /// Shard-keyed state is comparable only between equal TP sizes.
+    /// Shard-keyed state is comparable only between TP sizes known to be
+    /// equal.
     fn check_state_tp(&self, consumer_tp_size: u32) -> Judged<()> {
+        if !self.shard_keyed {
+            return Ok(());
+        }
         match self.producer_tp_size {
-            Some(producer_tp_size) if self.shard_keyed && producer_tp_size != consumer_tp_size => Err(Unverified(
+            Some(producer_tp_size) if producer_tp_size == consumer_tp_size => Ok(()),
+            Some(producer_tp_size) => Err(Unverified(
                 Reason::StateTpDiffers,
                 format!(
                     "group {} is shard-keyed state; producer TP size {producer_tp_size}, consumer {consumer_tp_size}",
                     self.scheduled.group_id
                 ),
             )),
-            _ => Ok(()),
+            None => Err(Unverified(
+                Reason::StateTpDiffers,
+                format!(
+                    "group {} is shard-keyed state and the producer's TP size is unknown (a plain payload; kvcs_verifier_set_producer_tp_size sets it)",
+                    self.scheduled.group_id
+                ),
+            )),
         }
+    }
+
+    /// Where the producer's block size is unknown and taken to be the
+    /// consumer's, the payload's positions must fit it: every position
+    /// holding tokens under that block size is sent, and no position past
+    /// them holds a value (a position without tokens sums to 0). Otherwise
+    /// the producer used another block size, and comparing would report
+    /// intact data as a mismatch.
+    fn check_block_size_known(&self, producer_tokens: u64) -> Judged<()> {
+        if self.producer_block_size_known {
+            return Ok(());
+        }
+        let block_size = self.consumer_block_size as u64;
+        let holding_tokens = producer_tokens.div_ceil(block_size);
+        let first = self.sent.first_position;
+        let end = first + self.sent.values.len() as u64;
+        let past_tokens_nonzero = self
+            .sent
+            .values
+            .iter()
+            .enumerate()
+            .any(|(i, &value)| first + i as u64 >= holding_tokens && value != 0);
+        let short = end < holding_tokens && !self.sent.values.is_empty();
+        if !past_tokens_nonzero && !short {
+            return Ok(());
+        }
+        Err(Unverified(
+            Reason::BlockSizeUnknown,
+            format!(
+                "group {}: the producer's block size is unknown (a plain payload; kvcs_verifier_set_producer_block_size sets it) and its positions {first}..{end} for {producer_tokens} tokens do not fit the consumer's block size {block_size}, under which positions 0..{holding_tokens} hold tokens",
+                self.scheduled.group_id
+            ),
+        ))
+    }
+
+    /// A state group (SPEC section 6) holds one block per request at
+    /// position 0 that `num_tokens` does not limit: positions both sides
+    /// hold are compared whatever the token counts and block sizes.
+    fn compare_state(&self, num_tokens: u64, checks: &[(u32, Vec<u64>)]) -> Judged<GroupOutcome> {
+        let first = self.scheduled.first_position;
+        let mut outcome = GroupOutcome {
+            compared: 0,
+            uncompared: 0,
+            mismatches: Vec::new(),
+        };
+        for index in 0..self.scheduled.block_ids.len() {
+            let position = first + index as u64;
+            let sent = position
+                .checked_sub(self.sent.first_position)
+                .and_then(|at| self.sent.values.get(at as usize));
+            let Some(&expected) = sent else {
+                outcome.uncompared += 1;
+                continue;
+            };
+            outcome.compared += 1;
+            let failed_checks: Vec<u32> = checks
+                .iter()
+                .filter(|(_, values)| values[index] != expected)
+                .map(|&(check, _)| check)
+                .collect();
+            if !failed_checks.is_empty() {
+                outcome.mismatches.push(Mismatch {
+                    group_id: self.scheduled.group_id,
+                    first_position: position,
+                    num_positions: 1,
+                    first_token: 0,
+                    num_tokens,
+                    failed_checks,
+                    localised: false,
+                    layers: Vec::new(),
+                    failed_workers: Vec::new(),
+                });
+            }
+        }
+        if outcome.compared == 0 {
+            return Err(Unverified(
+                Reason::NoCommonPosition,
+                format!(
+                    "state group {}: the consumer's positions {first}..{} and the producer's {}..{} share none",
+                    self.scheduled.group_id,
+                    first + self.scheduled.block_ids.len() as u64,
+                    self.sent.first_position,
+                    self.sent.first_position + self.sent.values.len() as u64,
+                ),
+            ));
+        }
+        Ok(outcome)
     }
 
     /// Whether both sides sent per-layer partials, so mismatches name layers.

@@ -245,6 +245,32 @@ impl Pending {
         }
     }
 
+    /// Some worker registered a cache of `group_id`, so the group's values
+    /// come from bytes read; where none did they are sums over nothing.
+    pub fn check_read(&self, group_id: u32) -> Judged<()> {
+        let read = self
+            .reports
+            .values()
+            .any(|part| part.group_info(group_id).is_some_and(|g| g.holds_caches));
+        if read {
+            return Ok(());
+        }
+        Err(Unverified(
+            Reason::NothingRead,
+            format!(
+                "no worker of req_id {:?} registered a layer of group {group_id}, so none of its KV was read",
+                self.scheduled.req_id
+            ),
+        ))
+    }
+
+    /// Whether group `group_id` is a state group on these workers.
+    pub fn is_state(&self, group_id: u32) -> bool {
+        self.reports
+            .values()
+            .any(|part| part.group_info(group_id).is_some_and(|g| g.state))
+    }
+
     /// Whether every worker is in detail mode.
     pub fn all_detail(&self) -> bool {
         self.reports.values().all(|part| part.detail)

@@ -28,7 +28,9 @@ pub(super) fn build_payload(
     let mut groups = Vec::new();
     let mut extension_groups = Vec::new();
     for scheduled in &pending.scheduled.groups {
-        if pending.skipped_by(scheduled.group_id).is_some() {
+        // A group no worker read is left out, as a skipped one is: the
+        // consumer then knows it was not checksummed here.
+        if pending.skipped_by(scheduled.group_id).is_some() || pending.check_read(scheduled.group_id).is_err() {
             continue;
         }
         let (group, extension_group) = payload_group(pending, scheduled, detail).map_err(fail)?;

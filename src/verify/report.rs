@@ -50,6 +50,15 @@ pub enum Reason {
     /// (a worker sent a plain checksum call's record, which says nothing
     /// about stored checksums).
     NotLoadCheck,
+    /// The sides, the records of one load or the stored values were
+    /// computed with different checksum algorithms.
+    AlgorithmDiffers,
+    /// The producer's block size is unknown and the payload's positions do
+    /// not fit the consumer's, so the producer used another block size.
+    BlockSizeUnknown,
+    /// No worker of one side registered a cache of the group: nothing of it
+    /// was read.
+    NothingRead,
 }
 
 impl Reason {
@@ -68,6 +77,9 @@ impl Reason {
             Reason::RoleDiffers => "a worker checksummed in the other role",
             Reason::UncomparedPositions => "loaded positions were not compared",
             Reason::NotLoadCheck => "a worker's record is not a load check",
+            Reason::AlgorithmDiffers => "the checksum algorithms differ",
+            Reason::BlockSizeUnknown => "the producer's block size is unknown and not the consumer's",
+            Reason::NothingRead => "no worker read any cache of a group",
         }
     }
 }

@@ -133,7 +133,9 @@ impl StoredLoad<'_> {
             ));
         }
         let parts = self.pending.group_parts(scheduled)?;
+        self.pending.check_read(group_id)?;
         let block_size = self.pending.block_size(group_id)?;
+        let state = self.pending.is_state(group_id);
         let num_tokens = self.pending.scheduled.num_tokens;
         // Each worker's outcomes; the record validated one per position, and
         // `check_load_checks` that every computed group has them.
@@ -146,6 +148,19 @@ impl StoredLoad<'_> {
             uncompared: 0,
             mismatches: Vec::new(),
         };
+        if let Some(other) = workers
+            .iter()
+            .find_map(|&(rank, outcomes)| other_configuration(outcomes).map(|reason| (rank, reason)))
+        {
+            let (rank, (reason, what)) = other;
+            return Err(Unverified(
+                reason,
+                format!(
+                    "group {group_id}: worker (pp_rank {}, tp_rank {}) read back stored checksums of {what}; they were stored under another configuration and say nothing about the data",
+                    rank.pp_rank, rank.tp_rank
+                ),
+            ));
+        }
         for index in 0..scheduled.block_ids.len() {
             let position = scheduled.first_position + index as u64;
             let failed: Vec<Rank> = workers
@@ -153,15 +168,24 @@ impl StoredLoad<'_> {
                 .filter(|(_, outcomes)| outcomes.get(index) == Some(&StoredOutcome::Failed))
                 .map(|&(rank, _)| rank)
                 .collect();
-            let tokens = valid_tokens(num_tokens, block_size, position);
+            // A state block holds the whole request's state, whatever its tokens.
+            let tokens = if state {
+                num_tokens
+            } else {
+                valid_tokens(num_tokens, block_size, position) as u64
+            };
             if !failed.is_empty() {
                 let first_token = position as u128 * block_size as u128;
                 outcome.mismatches.push(Mismatch {
                     group_id,
                     first_position: position,
                     num_positions: 1,
-                    first_token: u64::try_from(first_token).unwrap_or(u64::MAX),
-                    num_tokens: tokens as u64,
+                    first_token: if state {
+                        0
+                    } else {
+                        u64::try_from(first_token).unwrap_or(u64::MAX)
+                    },
+                    num_tokens: tokens,
                     failed_checks: Vec::new(),
                     localised: false,
                     layers: Vec::new(),
@@ -175,7 +199,7 @@ impl StoredLoad<'_> {
                 .count();
             if checked == workers.len() {
                 outcome.compared += 1;
-            } else if checked > 0 || tokens > 0 {
+            } else if checked > 0 || tokens > 0 || state {
                 // Some worker did not check a position that holds tokens.
                 outcome.uncompared += 1;
             }
@@ -192,4 +216,14 @@ impl StoredLoad<'_> {
         }
         Ok(Some(outcome))
     }
+}
+
+/// The reason, and what differs in words, when a worker read back a value
+/// stored under another configuration at some position.
+fn other_configuration(outcomes: &[StoredOutcome]) -> Option<(Reason, &'static str)> {
+    outcomes.iter().find_map(|outcome| match outcome {
+        StoredOutcome::OtherFingerprint => Some((Reason::FingerprintDiffers, "another group fingerprint (other layers or identities), or a damaged stamp")),
+        StoredOutcome::OtherAlgorithm => Some((Reason::AlgorithmDiffers, "another checksum algorithm")),
+        _ => None,
+    })
 }
