@@ -21,7 +21,7 @@ exceptions, not kvcsum.Error, as C never saw the call):
   would wrap 2**32 + 3 to 3 and -1 to 2**64 - 1 without a word).
 - Strings passed as C strings (request ids, engine ids, reasons, base64
   text) must be str without NUL: TypeError otherwise, ValueError for a
-  NUL (C would read "a\0b" as "a"). Byte strings (identities, records,
+  NUL (C would read "a\\0b" as "a"). Byte strings (identities, records,
   payloads, hashes) must be bytes-like: TypeError for an int or a str.
 - Handles passed to methods (a Blocks to Worker.checksum, ...) must be of
   the class named: TypeError naming the argument and the class received.
@@ -332,7 +332,7 @@ def _bytes_of(data, name: str) -> tuple:
 
 def _block_ids(block_ids, name: str = "block_ids") -> np.ndarray:
     """Block ids as a contiguous uint32 array: TypeError unless a 1-D
-    sequence of integers (bools included), ValueError for any outside
+    sequence of integers (a bool is none), ValueError for any outside
     [0, 2**32) (numpy would wrap it silently)."""
     if isinstance(block_ids, (str, bytes)):
         raise TypeError(f"{name} must be a sequence of integers, got {type(block_ids).__name__}")
