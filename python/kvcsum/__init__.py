@@ -11,6 +11,35 @@ library's message. Handles (Worker, Blocks, Result, Verifier, Report,
 Topology, Completion) are context managers and free themselves. Checksums
 come back as numpy uint64 arrays, records and payloads as bytes.
 
+What the package checks before anything reaches C (plain Python
+exceptions, not kvcsum.Error, as C never saw the call):
+
+- Integers (arguments, struct fields, block ids) must be Python ints or
+  numpy integers within their C type (uint32_t, uint64_t, int32_t,
+  int64_t, size_t): TypeError for a bool or a non-integer, ValueError
+  for a value outside the type, naming the argument (ctypes and numpy
+  would wrap 2**32 + 3 to 3 and -1 to 2**64 - 1 without a word).
+- Strings passed as C strings (request ids, engine ids, reasons, base64
+  text) must be str without NUL: TypeError otherwise, ValueError for a
+  NUL (C would read "a\\0b" as "a"). Byte strings (identities, records,
+  payloads, hashes) must be bytes-like: TypeError for an int or a str.
+- Handles passed to methods (a Blocks to Worker.checksum, ...) must be of
+  the class named: TypeError naming the argument and the class received.
+
+Lifetimes: a Worker keeps every array it was given (add_region_of, the
+layers of kvcsum.layer(), add_stored_of) and a Layer keeps its arrays, so
+the memory they describe cannot be freed while C may read or write it;
+addresses given as integers (add_region, add_stored, StateTensor) are the
+caller's to keep valid.
+
+Threads: close() is atomic (once, from any thread; a call on a closed
+handle raises ValueError) and waits for no one: a handle closed while
+another thread is inside a call on it is freed when that call returns.
+Calls that C allows to run concurrently (const calls, every Verifier
+call) do; calls that need the handle alone (a Worker's, adding to a
+Blocks, Result.wait, ...) wait for each other here, so sharing a handle
+between threads is safe; each class says which of its calls are which.
+
     import numpy as np, kvcsum
     cache = np.random.default_rng(0).integers(0, 2**16, (8, 16, 4, 64), dtype=np.uint16)  # NHD
     with kvcsum.Worker(tp_rank=0, tp_size=1) as worker, kvcsum.Blocks() as blocks:
@@ -27,6 +56,7 @@ See docs/SPEC.md for the definition and README.md for the C API it wraps.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import threading
@@ -36,10 +66,12 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from . import _lib
-from ._lib import ABI_VERSION, AbiError
+from ._lib import ABI_VERSION, BLOCK_CHECKSUM_BYTES, AbiError
+from ._lib import checked_int as _int
 
 __all__ = [
     "ABI_VERSION",
+    "BLOCK_CHECKSUM_BYTES",
     "AbiError",
     "Error",
     "InvalidArgument",
@@ -61,6 +93,19 @@ __all__ = [
     "UNVERIFIED",
     "SENDING",
     "RECEIVING",
+    "WHOLE_LOAD",
+    "NO_CHECKSUMS",
+    "INVALID_CHECKSUMS",
+    "WORKERS_MISSING",
+    "OTHER_BLOCKS",
+    "ONE_SIDED_GROUP",
+    "FINGERPRINT_DIFFERS",
+    "NO_COMMON_POSITION",
+    "REPLICA_MISSING",
+    "STATE_TP_DIFFERS",
+    "ROLE_DIFFERS",
+    "UNCOMPARED_POSITIONS",
+    "NOT_LOAD_CHECK",
     "library",
     "version",
     "Layer",
@@ -103,6 +148,22 @@ FAIL_OPEN, FAIL_CLOSED = 0, 1
 MATCH, MISMATCH, UNVERIFIED = 0, 1, 2
 #: Directions (kvcs_direction).
 SENDING, RECEIVING = 0, 1
+#: The group id of a Finding about the whole load (KVCS_WHOLE_LOAD).
+WHOLE_LOAD = 0xFFFFFFFF
+#: Why a load or a group was not compared (kvcs_unverified_reason, without
+#: the KVCS_UNVERIFIED_ prefix): Report.reason, Finding.reason. 0 is none.
+NO_CHECKSUMS = 1
+INVALID_CHECKSUMS = 2
+WORKERS_MISSING = 3
+OTHER_BLOCKS = 4
+ONE_SIDED_GROUP = 5
+FINGERPRINT_DIFFERS = 6
+NO_COMMON_POSITION = 7
+REPLICA_MISSING = 8
+STATE_TP_DIFFERS = 9
+ROLE_DIFFERS = 10
+UNCOMPARED_POSITIONS = 11
+NOT_LOAD_CHECK = 12
 
 _library = None
 _library_lock = threading.Lock()
@@ -184,6 +245,7 @@ _ERRORS = {
     9: InternalError,
 }
 _OK = 0
+_NOT_READY = 6
 _BUFFER_TOO_SMALL = 8
 
 
@@ -196,10 +258,57 @@ def _check(status: int) -> None:
         raise _ERRORS.get(status, Error)(status, name, message)
 
 
-def _c(text: str) -> bytes:
+def _c(text: str, name: str) -> bytes:
+    """`text` as a NUL-terminated C string: TypeError unless a str,
+    ValueError where it holds a NUL (C would read only what precedes it,
+    so "a\\0b" and "a\\0c" would be one id)."""
     if not isinstance(text, str):
-        raise TypeError(f"expected a str, got {type(text).__name__}")
+        raise TypeError(f"{name} must be a str, got {type(text).__name__} {text!r:.80}")
+    if "\0" in text:
+        raise ValueError(f"{name} {text!r:.80} holds a NUL character at {text.index(chr(0))}, which C would cut it at")
     return text.encode()
+
+
+def _flag(value, name: str) -> int:
+    """An on/off argument as 1 or 0: a bool, or the int 0 or 1."""
+    if isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if _int(value, "uint32_t", name) not in (0, 1):
+        raise ValueError(f"{name} is {value!r}: give True or False")
+    return int(value)
+
+
+def _bytes(data, name: str) -> bytes:
+    """Bytes-like `data` (bytes, bytearray, memoryview, a uint8 array) as
+    bytes; TypeError for an int (bytes(5) would be five zero bytes) or a
+    str (which has no one byte encoding here)."""
+    if isinstance(data, (str, int, np.integer)) or data is None:
+        raise TypeError(f"{name} must be bytes-like, got {type(data).__name__} {data!r:.80}")
+    try:
+        return bytes(memoryview(data))
+    except TypeError:
+        raise TypeError(f"{name} must be bytes-like, got {type(data).__name__}") from None
+
+
+def _bytes_list(items, name: str) -> list[bytes]:
+    """A sequence of bytes-like items (not one bytes object, whose items
+    are ints) as a list of bytes."""
+    if isinstance(items, (str, bytes, bytearray, memoryview)):
+        raise TypeError(f"{name} must be a sequence of bytes objects, got one {type(items).__name__}")
+    return [_bytes(item, f"{name}[{i}]") for i, item in enumerate(items)]
+
+
+def _of_type(value, cls: type, name: str):
+    """`value`, or TypeError naming the argument and what it got: a handle
+    of another type would reach C as a pointer to the wrong struct."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{name} must be a kvcsum.{cls.__name__}, got {type(value).__module__}.{type(value).__name__}")
+    return value
+
+
+def _stream(cuda_stream) -> int | None:
+    """A CUstream as an int (None is the legacy default stream)."""
+    return None if cuda_stream is None else _int(cuda_stream, "uintptr_t", "cuda_stream")
 
 
 def _sized(call, element=c_uint8):
@@ -215,44 +324,104 @@ def _sized(call, element=c_uint8):
     return buffer, length.value
 
 
-def _bytes_of(data) -> tuple:
-    """A ctypes view of bytes-like `data` (kept alive by the caller) and its length."""
-    data = bytes(data)
+def _bytes_of(data, name: str) -> tuple:
+    """A ctypes copy of bytes-like `data` (kept alive by the caller) and its length."""
+    data = _bytes(data, name)
     return (c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0"), len(data)
 
 
-def _block_ids(block_ids) -> np.ndarray:
-    """Block ids as a contiguous uint32 array; ValueError for any that is
-    not an integer in [0, 2**32) (numpy would wrap it silently)."""
-    ids = np.asarray(block_ids if hasattr(block_ids, "__len__") else list(block_ids))
-    if ids.size == 0:
+def _block_ids(block_ids, name: str = "block_ids") -> np.ndarray:
+    """Block ids as a contiguous uint32 array: TypeError unless a 1-D
+    sequence of integers (a bool is none), ValueError for any outside
+    [0, 2**32) (numpy would wrap it silently)."""
+    if isinstance(block_ids, (str, bytes)):
+        raise TypeError(f"{name} must be a sequence of integers, got {type(block_ids).__name__}")
+    if not isinstance(block_ids, np.ndarray):
+        block_ids = block_ids if hasattr(block_ids, "__len__") else list(block_ids)
+        for i, block_id in enumerate(block_ids):
+            if isinstance(block_id, (bool, np.bool_)):
+                raise TypeError(f"{name}[{i}] is a bool ({block_id!r}), not a block id")
+    ids = np.asarray(block_ids)
+    if ids.size == 0 and ids.ndim == 1:
         return np.zeros(0, dtype=np.uint32)
     if ids.ndim != 1 or ids.dtype.kind not in "iu":
-        raise ValueError(f"block ids must be a 1-D sequence of integers, got dtype {ids.dtype} shape {ids.shape}")
+        raise TypeError(f"{name} must be a 1-D sequence of integers, got dtype {ids.dtype} shape {ids.shape}")
     if int(ids.min()) < 0 or int(ids.max()) > 0xFFFFFFFF:
-        raise ValueError(f"block ids must be in [0, 2**32): got {int(ids.min())} .. {int(ids.max())}")
+        raise ValueError(f"{name} must be in [0, 2**32): got {int(ids.min())} .. {int(ids.max())}")
     return np.ascontiguousarray(ids, dtype=np.uint32)
 
 
 class _Handle:
-    """An owned C handle, freed by close(), the with-block or the collector."""
+    """An owned C handle, freed by close(), the with-block or the collector.
+
+    Every call on the handle runs inside `_use()`: shared (calls C lets run
+    concurrently) or exclusive (calls that need the handle alone, which
+    then wait for each other and for shared ones). close() swaps the handle
+    out under the same lock, so it is freed once whatever threads close it,
+    and never while a call is using it: a handle closed during a call is
+    freed by the last call to return."""
 
     _destroy = ""
 
     def __init__(self, handle: int):
-        self._handle = handle
         self._lib = library()
+        self._state = threading.Condition(threading.Lock())
+        self._users = 0  # calls using the handle now
+        self._exclusive = False  # whether the one user has it alone
+        self._orphan = None  # a handle closed while in use, freed by the last user
+        self._handle = handle
+
+    @classmethod
+    def _adopt(cls, handle: int):
+        """An object owning `handle`, made by a call of another handle."""
+        adopted = cls.__new__(cls)
+        _Handle.__init__(adopted, handle)
+        return adopted
 
     @property
     def handle(self) -> int:
-        """The C handle (raises once closed)."""
+        """The C handle (raises once closed). Only valid until close():
+        calls through it are outside the lock that keeps close() safe."""
         if not self._handle:
             raise ValueError(f"this {type(self).__name__} is closed")
         return self._handle
 
+    @contextlib.contextmanager
+    def _use(self, exclusive: bool = False):
+        """The open handle for the length of one call; ValueError once closed."""
+        with self._state:
+            while self._handle and (self._exclusive or (exclusive and self._users)):
+                self._state.wait()
+            if not self._handle:
+                raise ValueError(f"this {type(self).__name__} is closed")
+            self._users += 1
+            self._exclusive = exclusive
+            handle = self._handle
+        try:
+            yield handle
+        finally:
+            with self._state:
+                self._users -= 1
+                self._exclusive = False
+                orphan = None
+                if not self._users:
+                    orphan, self._orphan = self._orphan, None
+                    self._state.notify_all()
+            if orphan:
+                getattr(self._lib, self._destroy)(orphan)
+
     def close(self) -> None:
-        """Frees the handle now; later calls on it raise ValueError."""
-        handle, self._handle = getattr(self, "_handle", None), None
+        """Frees the handle; later calls on it raise ValueError. Atomic: from
+        several threads at once it is freed once; during another thread's
+        call on it, it is freed when that call returns."""
+        state = getattr(self, "_state", None)
+        if state is None:  # the constructor failed before there was a handle
+            return
+        with state:
+            handle, self._handle = self._handle, None
+            if handle and self._users:
+                self._orphan, handle = handle, None
+            state.notify_all()
         if handle:
             getattr(self._lib, self._destroy)(handle)
 
@@ -309,10 +478,69 @@ def region_of(array) -> tuple[int, int]:
     return low, high - low
 
 
+def _elements(array) -> tuple[str, bool, bool, str]:
+    """(kind, native byte order, writable, type name) of the elements of a
+    numpy array, a torch tensor or an array interface; kind as numpy's
+    dtype.kind ('u' unsigned, 'i' signed, 'f', 'c', 'b' bool, ...)."""
+    if hasattr(array, "data_ptr") and hasattr(array, "element_size") and callable(array.stride):
+        dtype = array.dtype
+        if str(dtype) == "torch.bool":
+            kind = "b"
+        elif dtype.is_complex:
+            kind = "c"
+        elif dtype.is_floating_point:
+            kind = "f"
+        else:
+            kind = "i" if dtype.is_signed else "u"
+        return kind, True, True, str(dtype)
+    for name in ("__cuda_array_interface__", "__array_interface__"):
+        interface = getattr(array, name, None)
+        if interface is not None:
+            dtype = np.dtype(interface["typestr"])
+            return dtype.kind, dtype.isnative, not interface["data"][1], str(dtype)
+    raise TypeError(f"cannot describe a {type(array).__name__}: expected a numpy array or a torch tensor")
+
+
+def _stored_buffer(array, name: str) -> tuple[int, int]:
+    """(address, num_blocks) of a buffer of stored checksums: ValueError
+    unless it is C-contiguous, writable, of native unsigned integers whose
+    size divides BLOCK_CHECKSUM_BYTES, and holds whole blocks' checksums
+    (num_blocks = bytes // BLOCK_CHECKSUM_BYTES). A strided or reversed
+    view would have the library write over the elements between or before
+    the view's; a float array would take bits for numbers."""
+    kind, native, writable, type_name = _elements(array)
+    address, shape, strides, item = _array_info(array)
+    if kind != "u" or not native or BLOCK_CHECKSUM_BYTES % item:
+        raise ValueError(
+            f"{name} has elements of {type_name}; stored checksums need native unsigned integers of a size "
+            f"dividing {BLOCK_CHECKSUM_BYTES} bytes (uint64: {BLOCK_CHECKSUM_BYTES // 8} per block id)"
+        )
+    step = item
+    for n, stride in reversed(list(zip(shape, strides))):
+        if n > 1 and stride != step:
+            raise ValueError(
+                f"{name} is not C-contiguous (shape {shape}, strides {strides} bytes): the library writes "
+                f"{BLOCK_CHECKSUM_BYTES} bytes per block id from its first element on; pass a contiguous array"
+            )
+        step *= n
+    if not writable:
+        raise ValueError(f"{name} is read-only; the library writes the stored checksums into it")
+    total = int(np.prod(shape, dtype=object)) * item
+    if total % BLOCK_CHECKSUM_BYTES:
+        raise ValueError(f"{name} holds {total} bytes, not a whole number of {BLOCK_CHECKSUM_BYTES}-byte checksums")
+    return address, total // BLOCK_CHECKSUM_BYTES
+
+
 @dataclasses.dataclass
 class Layer:
     """An attention layer's cache on one worker (kvcs_layer), ready for
-    Worker.add_layer; made by kvcsum.layer() or by hand."""
+    Worker.add_layer; made by kvcsum.layer() or by hand.
+
+    `arrays` holds the arrays (or tensors) the segments point into:
+    kvcsum.layer() puts the cache (and v) there, so the memory lives as
+    long as the Layer, and Worker.add_layer keeps them for the worker's
+    lifetime. A Layer made by hand from addresses may leave it empty; its
+    memory is then the caller's to keep."""
 
     group_id: int
     layer_number: int
@@ -325,10 +553,16 @@ class Layer:
     replicas: int = 1
     replica_index: int = 0
     identity: bytes = b""
+    arrays: tuple = dataclasses.field(default=(), repr=False, compare=False)
 
     def _struct(self):
+        for i, segment in enumerate(self.segments):
+            _of_type(segment, _lib.Segment, f"segments[{i}]")
         segments = (_lib.Segment * len(self.segments))(*self.segments)
-        identity = (c_uint8 * max(len(self.identity), 1)).from_buffer_copy(self.identity or b"\0")
+        identity_bytes = _bytes(self.identity, "identity")
+        identity = (c_uint8 * max(len(identity_bytes), 1)).from_buffer_copy(identity_bytes or b"\0")
+        # Every integer field is checked against its C type as it is set
+        # (_lib._Struct), so a layer_number of 2**32 + 3 is an error, not 3.
         struct = _lib.LayerStruct(
             group_id=self.group_id,
             layer_number=self.layer_number,
@@ -342,7 +576,7 @@ class Layer:
             num_segments=len(self.segments),
             segments=ctypes.cast(segments, ctypes.POINTER(_lib.Segment)),
             identity=ctypes.cast(identity, ctypes.POINTER(c_uint8)),
-            identity_len=len(self.identity),
+            identity_len=len(identity_bytes),
         )
         return struct, (segments, identity)
 
@@ -373,13 +607,24 @@ def layer(
         layer(k_cache, "NHD", layer_number=i, v=v_cache)   # K and V in two tensors
 
     Any strided view works: for a cross-layer cache [blocks, layers, ...]
-    pass `cache[:, i]` for layer i.
+    pass `cache[:, i]` for layer i. The Layer keeps `cache` (and `v`), so
+    they live while it does; the worker it is added to keeps them too.
 
     With `kernel_blocks` > 1 the B dimension counts kernel blocks, that
     many making one logical block (block b holds kernel blocks
     b*kernel_blocks ...). `first_head` is the global number of the first
     head held here (rank * heads for TP rank `rank`).
     """
+    if not isinstance(layout, str):
+        raise TypeError(f"layout must be a str such as \"NHD\", got {type(layout).__name__}")
+    # The kvcs_layer fields, checked here where they are given (and again
+    # as the struct is built), so an error points at this call.
+    kernel_blocks = _int(kernel_blocks, "uint32_t", "kernel_blocks")
+    layer_number = _int(layer_number, "uint32_t", "layer_number")
+    group_id = _int(group_id, "uint32_t", "group_id")
+    first_head = _int(first_head, "uint32_t", "first_head")
+    replicas = _int(replicas, "uint32_t", "replicas")
+    replica_index = _int(replica_index, "uint32_t", "replica_index")
     dims = _ALIASES.get(layout.upper(), layout.upper())
     if sorted(dims) not in (sorted("BTHD"), sorted("BTHDK"), sorted("BTD"), sorted("BTDK")):
         raise ValueError(f"layout {layout!r}: name each dimension once with B, T, H, D and optionally K")
@@ -431,7 +676,8 @@ def layer(
         segments=segments,
         replicas=replicas,
         replica_index=replica_index,
-        identity=bytes(identity),
+        identity=_bytes(identity, "identity"),
+        arrays=(cache,) if v is None else (cache, v),
     )
 
 
@@ -459,7 +705,11 @@ STORED_NOT_CHECKED = 2
 
 
 class Blocks(_Handle):
-    """A request block set (kvcs_blocks)."""
+    """A request block set (kvcs_blocks).
+
+    Thread safety: adding (add_request, add_group, set_hashes) needs the
+    set alone, so such calls wait for any call using it; calls that only
+    read it (Worker.checksum, Verifier.expect, ...) run concurrently."""
 
     _destroy = "kvcs_blocks_destroy"
 
@@ -468,56 +718,72 @@ class Blocks(_Handle):
 
     def add_request(self, req_id: str, num_tokens: int) -> "Blocks":
         """Adds request `req_id` whose blocks hold `num_tokens` tokens."""
-        _check(self._lib.kvcs_blocks_add_request(self.handle, _c(req_id), num_tokens))
+        req = _c(req_id, "req_id")
+        num_tokens = _int(num_tokens, "uint64_t", "num_tokens")
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_blocks_add_request(handle, req, num_tokens))
         return self
 
     def add_group(self, req_id: str, group_id: int, block_ids: Iterable[int], first_position: int = 0) -> "Blocks":
         """Adds group `group_id`'s blocks of `req_id` at consecutive positions."""
+        req = _c(req_id, "req_id")
+        group_id = _int(group_id, "uint32_t", "group_id")
+        first_position = _int(first_position, "uint64_t", "first_position")
         ids = _block_ids(block_ids)
         pointer = ids.ctypes.data_as(ctypes.POINTER(c_uint32)) if ids.size else None
-        _check(self._lib.kvcs_blocks_add_group(self.handle, _c(req_id), group_id, first_position, pointer, ids.size))
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_blocks_add_group(handle, req, group_id, first_position, pointer, ids.size))
         return self
 
     def set_hashes(self, req_id: str, group_id: int, hashes: Sequence[bytes]) -> "Blocks":
         """Gives the block hashes of a group's blocks of `req_id` (one per
         block id, in order, all of one length of at least 8 bytes), for
         stored checksums (Worker.store / Worker.check_stored)."""
-        hashes = [bytes(h) for h in hashes]
+        req = _c(req_id, "req_id")
+        group_id = _int(group_id, "uint32_t", "group_id")
+        hashes = _bytes_list(hashes, "hashes")
         size = len(hashes[0]) if hashes else 8
         if any(len(h) != size for h in hashes):
             raise InvalidArgument(1, "KVCS_ERR_INVALID_ARGUMENT", "hashes: every block hash must have the same length")
         data = b"".join(hashes)
         buffer = (c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
-        _check(self._lib.kvcs_blocks_set_hashes(self.handle, _c(req_id), group_id, buffer, size, len(hashes)))
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_blocks_set_hashes(handle, req, group_id, buffer, size, len(hashes)))
         return self
 
 
 class Result(_Handle):
-    """A worker's partial checksums (kvcs_result)."""
+    """A worker's partial checksums (kvcs_result). Independent of its
+    worker once made; it keeps the worker's arrays alive while it lives
+    (a device may still be reading them).
+
+    Thread safety: reads (ready, group, column, stored, encode) run
+    concurrently; wait() needs the result alone and waits for them."""
 
     _destroy = "kvcs_result_destroy"
 
     def ready(self) -> bool:
         """True once the values are readable (never blocks)."""
-        status = self._lib.kvcs_result_query(self.handle)
-        if status == 6:
+        with self._use() as handle:
+            status = self._lib.kvcs_result_query(handle)
+        if status == _NOT_READY:
             return False
         _check(status)
         return True
 
     def wait(self) -> "Result":
         """Blocks until the values are readable."""
-        _check(self._lib.kvcs_result_wait(self.handle))
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_result_wait(handle))
         return self
 
     def group(self, req_id: str, group_id: int) -> tuple[int, int, int]:
         """(first_position, num_positions, num_columns) of a group."""
+        req = _c(req_id, "req_id")
+        group_id = _int(group_id, "uint32_t", "group_id")
         first, positions, columns = c_uint64(), c_size_t(), c_size_t()
-        _check(
-            self._lib.kvcs_result_group(
-                self.handle, _c(req_id), group_id, byref(first), byref(positions), byref(columns)
-            )
-        )
+        with self._use() as handle:
+            _check(self._lib.kvcs_result_group(handle, req, group_id, byref(first), byref(positions), byref(columns)))
         return first.value, positions.value, columns.value
 
     def column(self, req_id: str, group_id: int, column: int = 0) -> np.ndarray:
@@ -526,15 +792,17 @@ class Result(_Handle):
 
     def column_with_key(self, req_id: str, group_id: int, column: int = 0) -> tuple[tuple[int, int], np.ndarray]:
         """((replicas, replica_index), values) of one column."""
+        column = _int(column, "size_t", "column")
         _, positions, _ = self.group(req_id, group_id)
         values = np.zeros(positions, dtype=np.uint64)
         replicas, index = c_uint32(), c_uint32()
         pointer = values.ctypes.data_as(ctypes.POINTER(c_uint64)) if positions else None
-        _check(
-            self._lib.kvcs_result_column(
-                self.handle, _c(req_id), group_id, column, byref(replicas), byref(index), pointer
+        with self._use() as handle:
+            _check(
+                self._lib.kvcs_result_column(
+                    handle, _c(req_id, "req_id"), group_id, column, byref(replicas), byref(index), pointer
+                )
             )
-        )
         return (replicas.value, index.value), values
 
     def columns(self, req_id: str, group_id: int) -> dict:
@@ -548,57 +816,93 @@ class Result(_Handle):
         _, positions, _ = self.group(req_id, group_id)
         outcomes = np.zeros(positions, dtype=np.uint8)
         pointer = outcomes.ctypes.data_as(ctypes.POINTER(c_uint8)) if positions else None
-        _check(self._lib.kvcs_result_stored(self.handle, _c(req_id), group_id, pointer))
+        with self._use() as handle:
+            _check(self._lib.kvcs_result_stored(handle, _c(req_id, "req_id"), group_id, pointer))
         return outcomes
 
     def encode(self) -> bytes:
         """The worker's record of this result, for Verifier.add_record."""
-        buffer, length = _sized(lambda buf, cap, n: self._lib.kvcs_result_encode(self.handle, buf, cap, n))
+        with self._use() as handle:
+            buffer, length = _sized(lambda buf, cap, n: self._lib.kvcs_result_encode(handle, buf, cap, n))
         return bytes(buffer[:length])
 
 
 class Worker(_Handle):
-    """A worker context for one TP rank / PP stage (kvcs_worker)."""
+    """A worker context for one TP rank / PP stage (kvcs_worker).
+
+    It keeps every array it is given (add_region_of, the arrays of the
+    layers added, add_stored_of) until it is closed, and so do the
+    results it makes, so the memory C reads and writes stays allocated.
+
+    Thread safety: the C worker needs exclusive use. Every call but
+    block_tags takes it alone here (a call from a second thread waits for
+    the first), so sharing a Worker between threads is safe but serial;
+    give each thread its own Worker to checksum in parallel."""
 
     _destroy = "kvcs_worker_destroy"
 
     def __init__(self, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, device: int = HOST, num_threads: int = 0):
-        options = _lib.WorkerOptions(tp_rank, tp_size, pp_rank, device, num_threads)
+        options = _lib.WorkerOptions(
+            tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, device=device, num_threads=num_threads
+        )
+        self._kept = []  # the arrays C may read or write while the worker (or a result) lives
         super().__init__(_create(library().kvcs_worker_create, byref(options)))
 
     def add_region(self, address: int, length: int) -> None:
-        """Registers `length` bytes at `address` that the worker may read."""
-        _check(self._lib.kvcs_worker_add_region(self.handle, address, length))
+        """Registers `length` bytes at `address` that the worker may read
+        (memory the caller keeps valid; add_region_of keeps an array)."""
+        address = _int(address, "uint64_t", "address")
+        length = _int(length, "uint64_t", "length")
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_worker_add_region(handle, address, length))
 
     def add_region_of(self, array) -> None:
-        """Registers the bytes a numpy array or torch tensor spans."""
+        """Registers the bytes a numpy array or torch tensor spans, and
+        keeps the array for the worker's lifetime."""
         self.add_region(*region_of(array))
+        self._kept.append(array)
 
     def add_group(self, group_id: int, block_size: int) -> None:
         """Registers group `group_id` with `block_size` tokens per block."""
-        _check(self._lib.kvcs_worker_add_group(self.handle, group_id, block_size))
+        group_id = _int(group_id, "uint32_t", "group_id")
+        block_size = _int(block_size, "uint32_t", "block_size")
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_worker_add_group(handle, group_id, block_size))
 
     def skip_group(self, group_id: int, reason: str) -> None:
         """Declares a group this worker cannot checksum."""
-        _check(self._lib.kvcs_worker_skip_group(self.handle, group_id, _c(reason)))
+        group_id = _int(group_id, "uint32_t", "group_id")
+        reason = _c(reason, "reason")
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_worker_skip_group(handle, group_id, reason))
 
     def add_layer(self, layer: Layer) -> None:
-        """Registers a layer (see kvcsum.layer)."""
+        """Registers a layer (see kvcsum.layer) and keeps its arrays."""
+        _of_type(layer, Layer, "layer")
         struct, keep_alive = layer._struct()
-        _check(self._lib.kvcs_worker_add_layer(self.handle, byref(struct)))
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_worker_add_layer(handle, byref(struct)))
+        self._kept.extend(layer.arrays)
         del keep_alive
 
     def set_detail(self, on: bool) -> None:
         """Detail mode: per-layer partials in results and records."""
-        _check(self._lib.kvcs_worker_set_detail(self.handle, 1 if on else 0))
+        on = _flag(on, "on")
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_worker_set_detail(handle, on))
 
     def add_alias(self, group_id: int, layer_number: int, target_layer_number: int, identity: bytes) -> None:
         """Registers a layer that reads the cache of registered layer
         `target_layer_number` (KV sharing): it counts in the group
         fingerprint and adds no checksum."""
-        data = bytes(identity)
-        buffer = (c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
-        _check(self._lib.kvcs_worker_add_alias(self.handle, group_id, layer_number, target_layer_number, buffer, len(data)))
+        group_id = _int(group_id, "uint32_t", "group_id")
+        layer_number = _int(layer_number, "uint32_t", "layer_number")
+        target_layer_number = _int(target_layer_number, "uint32_t", "target_layer_number")
+        buffer, length = _bytes_of(identity, "identity")
+        with self._use(exclusive=True) as handle:
+            _check(
+                self._lib.kvcs_worker_add_alias(handle, group_id, layer_number, target_layer_number, buffer, length)
+            )
 
     def add_state(
         self,
@@ -610,40 +914,69 @@ class Worker(_Handle):
         identity: bytes = b"",
     ) -> None:
         """Registers a state (Mamba) layer: its tensors in the order their
-        rows are numbered (docs/SPEC.md section 6)."""
+        rows are numbered (docs/SPEC.md section 6). The tensors' addresses
+        are the caller's to keep valid."""
+        for i, t in enumerate(tensors):
+            _of_type(t, StateTensor, f"tensors[{i}]")
+        # Struct fields are checked against their C types as they are set.
         array = (_lib.StateTensorStruct * len(tensors))(
             *[
                 _lib.StateTensorStruct(
-                    t.address, t.block_stride, t.row_stride, t.first_row, t.num_rows, t.total_rows,
-                    t.bytes_per_row, t.element_size,
+                    address=t.address,
+                    block_stride=t.block_stride,
+                    row_stride=t.row_stride,
+                    first_row=t.first_row,
+                    num_rows=t.num_rows,
+                    total_rows=t.total_rows,
+                    bytes_per_row=t.bytes_per_row,
+                    element_size=t.element_size,
                 )
                 for t in tensors
             ]
         )
-        data = bytes(identity)
-        identity_buffer = (c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
+        identity_buffer, identity_length = _bytes_of(identity, "identity")
         struct = _lib.StateStruct(
-            group_id, layer_number, 1 if split_known else 0, num_blocks, len(tensors),
-            ctypes.cast(array, ctypes.POINTER(_lib.StateTensorStruct)),
-            ctypes.cast(identity_buffer, ctypes.POINTER(c_uint8)), len(data),
+            group_id=group_id,
+            layer_number=layer_number,
+            split_known=_flag(split_known, "split_known"),
+            num_blocks=num_blocks,
+            num_tensors=len(tensors),
+            tensors=ctypes.cast(array, ctypes.POINTER(_lib.StateTensorStruct)),
+            identity=ctypes.cast(identity_buffer, ctypes.POINTER(c_uint8)),
+            identity_len=identity_length,
         )
-        _check(self._lib.kvcs_worker_add_state(self.handle, byref(struct)))
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_worker_add_state(handle, byref(struct)))
 
     def add_stored(self, group_id: int, address: int, num_blocks: int) -> None:
-        """Registers the group's buffer of stored checksums: 8 bytes per
-        block id, `num_blocks` of them at `address` (docs/SPEC.md section 8)."""
-        _check(self._lib.kvcs_worker_add_stored(self.handle, group_id, address, num_blocks))
+        """Registers the group's buffer of stored checksums:
+        BLOCK_CHECKSUM_BYTES per block id, `num_blocks` of them at `address`
+        (docs/SPEC.md section 8), memory the caller keeps valid and
+        writable (add_stored_of keeps an array)."""
+        group_id = _int(group_id, "uint32_t", "group_id")
+        address = _int(address, "uint64_t", "address")
+        num_blocks = _int(num_blocks, "uint64_t", "num_blocks")
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_worker_add_stored(handle, group_id, address, num_blocks))
 
     def add_stored_of(self, group_id: int, array) -> None:
-        """Registers a numpy uint64 array (one per block id) as the buffer."""
-        address, length = region_of(array)
-        self.add_stored(group_id, address, length // 8)
+        """Registers an array as the group's buffer of stored checksums and
+        keeps it for the worker's lifetime: C-contiguous, writable, native
+        unsigned integers, BLOCK_CHECKSUM_BYTES per block id (a numpy
+        uint64 array, one element per block id, while that is 8); ValueError
+        naming `array` otherwise."""
+        address, num_blocks = _stored_buffer(array, "array")
+        self.add_stored(group_id, address, num_blocks)
+        self._kept.append(array)
 
     def _call_result(self, function, blocks: Blocks, cuda_stream) -> Result:
+        _of_type(blocks, Blocks, "blocks")
+        stream = _stream(cuda_stream)
         out = c_void_p()
-        _check(function(self.handle, blocks.handle, cuda_stream, byref(out)))
-        result = Result.__new__(Result)
-        _Handle.__init__(result, out.value)
+        with self._use(exclusive=True) as handle, blocks._use() as blocks_handle:
+            _check(function(handle, blocks_handle, stream, byref(out)))
+        result = Result._adopt(out.value)
+        result._kept = self._kept
         return result
 
     def store(self, blocks: Blocks, cuda_stream: int | None = None) -> Result:
@@ -657,23 +990,29 @@ class Worker(_Handle):
 
     def block_tags(self, group_id: int, hashes: Sequence[bytes]) -> np.ndarray:
         """The tags of docs/SPEC.md section 8 for blocks with these hashes."""
-        hashes = [bytes(h) for h in hashes]
+        group_id = _int(group_id, "uint32_t", "group_id")
+        hashes = _bytes_list(hashes, "hashes")
         size = len(hashes[0]) if hashes else 8
         data = b"".join(hashes)
         buffer = (c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
         tags = np.zeros(len(hashes), dtype=np.uint64)
         pointer = tags.ctypes.data_as(ctypes.POINTER(c_uint64)) if len(hashes) else None
-        _check(self._lib.kvcs_block_tags(self.handle, group_id, buffer, size, len(hashes), pointer))
+        with self._use() as handle:
+            _check(self._lib.kvcs_block_tags(handle, group_id, buffer, size, len(hashes), pointer))
         return tags
 
     def checksum(self, blocks: Blocks, role: int = PRODUCER, cuda_stream: int | None = None) -> Result:
         """Computes (host) or queues (device, on `cuda_stream`) the partial
         checksums of every block in `blocks`."""
-        out = c_void_p()
-        _check(self._lib.kvcs_worker_checksum(self.handle, blocks.handle, role, cuda_stream, byref(out)))
-        result = Result.__new__(Result)
-        _Handle.__init__(result, out.value)
-        return result
+        _of_type(blocks, Blocks, "blocks")
+        role = _int(role, "uint32_t", "role")
+        return self._call_result(
+            lambda handle, blocks_handle, stream, out: self._lib.kvcs_worker_checksum(
+                handle, blocks_handle, role, stream, out
+            ),
+            blocks,
+            cuda_stream,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -702,7 +1041,9 @@ class Mismatch:
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
-    """A reason the load or a group was not compared."""
+    """A reason the load or a group was not compared: `reason` is one of
+    NO_CHECKSUMS ... NOT_LOAD_CHECK, `group_id` WHOLE_LOAD for the whole
+    load."""
 
     reason: int
     reason_name: str
@@ -711,13 +1052,29 @@ class Finding:
 
 
 class Report(_Handle):
-    """A verifier's judgement of one load (kvcs_report)."""
+    """A verifier's judgement of one load (kvcs_report); independent of its
+    verifier.
+
+    Thread safety: immutable; every property may be read concurrently."""
 
     _destroy = "kvcs_report_destroy"
 
     def _u32(self, function) -> int:
         value = c_uint32()
-        _check(function(self.handle, byref(value)))
+        with self._use() as handle:
+            _check(function(handle, byref(value)))
+        return value.value
+
+    def _u64(self, function) -> int:
+        value = c_uint64()
+        with self._use() as handle:
+            _check(function(handle, byref(value)))
+        return value.value
+
+    def _count(self, function) -> int:
+        value = c_size_t()
+        with self._use() as handle:
+            _check(function(handle, byref(value)))
         return value.value
 
     @property
@@ -737,149 +1094,191 @@ class Report(_Handle):
 
     @property
     def reason(self) -> int:
-        """The first finding's reason (0 when none)."""
+        """The first finding's reason (NO_CHECKSUMS ...; 0 when none)."""
         return self._u32(self._lib.kvcs_report_reason)
 
     @property
     def message(self) -> str:
         """One line for a log."""
         text = c_char_p()
-        _check(self._lib.kvcs_report_message(self.handle, byref(text)))
-        return text.value.decode(errors="replace")
+        with self._use() as handle:
+            _check(self._lib.kvcs_report_message(handle, byref(text)))
+            return text.value.decode(errors="replace")
 
     @property
     def compared_positions(self) -> int:
         """Block positions compared over all groups."""
-        value = c_uint64()
-        _check(self._lib.kvcs_report_compared_positions(self.handle, byref(value)))
-        return value.value
+        return self._u64(self._lib.kvcs_report_compared_positions)
+
+    @property
+    def uncompared_positions(self) -> int:
+        """The consumer's loaded block positions (holding valid tokens, in
+        the groups compared) that no compared position covers: where block
+        sizes differ, a leading partial run; positions past the producer's
+        token count. A MATCH says nothing about them; with
+        Verifier.set_require_coverage(True) such a load is UNVERIFIED
+        (UNCOMPARED_POSITIONS). 0 when everything loaded was compared."""
+        return self._u64(self._lib.kvcs_report_uncompared_positions)
 
     @property
     def mismatches(self) -> list[Mismatch]:
         """The differing positions, per group."""
-        count = c_size_t()
-        _check(self._lib.kvcs_report_num_mismatches(self.handle, byref(count)))
         out = []
-        for i in range(count.value):
-            entry = _lib.MismatchStruct()
-            _check(self._lib.kvcs_report_mismatch(self.handle, i, byref(entry)))
-            checks = []
-            for k in range(entry.num_failed_checks):
-                value = c_uint32()
-                _check(self._lib.kvcs_report_failed_check(self.handle, i, k, byref(value)))
-                checks.append(value.value)
-            layers = []
-            for k in range(entry.num_layers):
-                difference = _lib.LayerDifferenceStruct()
-                _check(self._lib.kvcs_report_layer_difference(self.handle, i, k, byref(difference)))
-                layers.append(
-                    LayerDifference(
-                        difference.layer_number, difference.first_head, difference.num_heads, difference.check
+        with self._use() as handle:
+            count = c_size_t()
+            _check(self._lib.kvcs_report_num_mismatches(handle, byref(count)))
+            for i in range(count.value):
+                entry = _lib.MismatchStruct()
+                _check(self._lib.kvcs_report_mismatch(handle, i, byref(entry)))
+                checks = []
+                for k in range(entry.num_failed_checks):
+                    value = c_uint32()
+                    _check(self._lib.kvcs_report_failed_check(handle, i, k, byref(value)))
+                    checks.append(value.value)
+                layers = []
+                for k in range(entry.num_layers):
+                    difference = _lib.LayerDifferenceStruct()
+                    _check(self._lib.kvcs_report_layer_difference(handle, i, k, byref(difference)))
+                    layers.append(
+                        LayerDifference(
+                            difference.layer_number, difference.first_head, difference.num_heads, difference.check
+                        )
+                    )
+                out.append(
+                    Mismatch(
+                        entry.group_id,
+                        entry.first_position,
+                        entry.num_positions,
+                        entry.first_token,
+                        entry.num_tokens,
+                        tuple(checks),
+                        bool(entry.localised),
+                        tuple(layers),
                     )
                 )
-            out.append(
-                Mismatch(
-                    entry.group_id,
-                    entry.first_position,
-                    entry.num_positions,
-                    entry.first_token,
-                    entry.num_tokens,
-                    tuple(checks),
-                    bool(entry.localised),
-                    tuple(layers),
-                )
-            )
         return out
 
     @property
     def findings(self) -> list[Finding]:
         """Why the load or groups were not compared."""
-        count = c_size_t()
-        _check(self._lib.kvcs_report_num_unverified(self.handle, byref(count)))
         out = []
-        for i in range(count.value):
-            reason, group, text = c_uint32(), c_uint32(), c_char_p()
-            _check(self._lib.kvcs_report_unverified(self.handle, i, byref(reason), byref(group), byref(text)))
-            name = self._lib.kvcs_unverified_reason_name(reason.value).decode()
-            out.append(Finding(reason.value, name, group.value, text.value.decode(errors="replace")))
+        with self._use() as handle:
+            count = c_size_t()
+            _check(self._lib.kvcs_report_num_unverified(handle, byref(count)))
+            for i in range(count.value):
+                reason, group, text = c_uint32(), c_uint32(), c_char_p()
+                _check(self._lib.kvcs_report_unverified(handle, i, byref(reason), byref(group), byref(text)))
+                name = self._lib.kvcs_unverified_reason_name(reason.value).decode()
+                out.append(Finding(reason.value, name, group.value, text.value.decode(errors="replace")))
         return out
 
 
 class Verifier(_Handle):
     """A scheduler's verifier (kvcs_verifier): payloads on the producer,
-    verdicts on the consumer."""
+    verdicts on the consumer.
+
+    Thread safety: every call may run concurrently with any other, from any
+    thread (the C verifier guards its state itself); close() frees it once
+    the calls in progress have returned."""
 
     _destroy = "kvcs_verifier_destroy"
 
     def __init__(self, num_workers: int):
+        num_workers = _int(num_workers, "uint32_t", "num_workers")
         super().__init__(_create(library().kvcs_verifier_create, num_workers))
 
     def set_policy(self, policy: int) -> None:
         """FAIL_OPEN or FAIL_CLOSED."""
-        _check(self._lib.kvcs_verifier_set_policy(self.handle, policy))
+        policy = _int(policy, "uint32_t", "policy")
+        with self._use() as handle:
+            _check(self._lib.kvcs_verifier_set_policy(handle, policy))
 
     def set_extension(self, on: bool) -> None:
         """Producer: payloads carry the kvcsum extension."""
-        _check(self._lib.kvcs_verifier_set_extension(self.handle, 1 if on else 0))
+        on = _flag(on, "on")
+        with self._use() as handle:
+            _check(self._lib.kvcs_verifier_set_extension(handle, on))
+
+    def set_require_coverage(self, on: bool) -> None:
+        """Consumer: with True a load is UNVERIFIED (UNCOMPARED_POSITIONS)
+        when some loaded position was not compared
+        (Report.uncompared_positions > 0) and none differs; False (the
+        default, as vLLM) compares only the positions both sides hold with
+        equal valid tokens and lets the rest pass. Applies to check and
+        check_stored."""
+        on = _flag(on, "on")
+        with self._use() as handle:
+            _check(self._lib.kvcs_verifier_set_require_coverage(handle, on))
 
     def set_producer_tp_size(self, tp_size: int) -> None:
         """Consumer: the producer's TP size."""
-        _check(self._lib.kvcs_verifier_set_producer_tp_size(self.handle, tp_size))
+        tp_size = _int(tp_size, "uint32_t", "tp_size")
+        with self._use() as handle:
+            _check(self._lib.kvcs_verifier_set_producer_tp_size(handle, tp_size))
 
     def set_producer_block_size(self, group_id: int, block_size: int) -> None:
         """Consumer: the producer's block size of a group."""
-        _check(self._lib.kvcs_verifier_set_producer_block_size(self.handle, group_id, block_size))
+        group_id = _int(group_id, "uint32_t", "group_id")
+        block_size = _int(block_size, "uint32_t", "block_size")
+        with self._use() as handle:
+            _check(self._lib.kvcs_verifier_set_producer_block_size(handle, group_id, block_size))
 
     def expect(self, scheduled: Blocks, role: int) -> None:
         """Registers the requests of `scheduled` in `role`."""
-        _check(self._lib.kvcs_verifier_expect(self.handle, scheduled.handle, role))
+        _of_type(scheduled, Blocks, "scheduled")
+        role = _int(role, "uint32_t", "role")
+        with self._use() as handle, scheduled._use() as blocks_handle:
+            _check(self._lib.kvcs_verifier_expect(handle, blocks_handle, role))
 
     def forget(self, req_id: str) -> None:
         """Drops a request's state."""
-        _check(self._lib.kvcs_verifier_forget(self.handle, _c(req_id)))
+        req = _c(req_id, "req_id")
+        with self._use() as handle:
+            _check(self._lib.kvcs_verifier_forget(handle, req))
 
     def add_record(self, record: bytes) -> None:
         """Adds a worker's record (Result.encode())."""
-        data, length = _bytes_of(record)
-        _check(self._lib.kvcs_verifier_add_record(self.handle, data, length))
+        data, length = _bytes_of(record, "record")
+        with self._use() as handle:
+            _check(self._lib.kvcs_verifier_add_record(handle, data, length))
 
     def payload(self, req_id: str) -> bytes:
         """Producer: the payload bytes of `req_id` (vLLM's KVChecksumPayload)."""
-        buffer, length = _sized(
-            lambda buf, cap, n: self._lib.kvcs_verifier_payload(self.handle, _c(req_id), buf, cap, n)
-        )
+        req = _c(req_id, "req_id")
+        with self._use() as handle:
+            buffer, length = _sized(lambda buf, cap, n: self._lib.kvcs_verifier_payload(handle, req, buf, cap, n))
         return bytes(buffer[:length])
 
     def _report(self, function, *args) -> Report:
         out = c_void_p()
-        _check(function(self.handle, *args, byref(out)))
-        report = Report.__new__(Report)
-        _Handle.__init__(report, out.value)
-        return report
+        with self._use() as handle:
+            _check(function(handle, *args, byref(out)))
+        return Report._adopt(out.value)
 
     def check(self, req_id: str, payload: bytes | str | None) -> Report:
         """Consumer: judges the load of `req_id` against the producer's
         payload: bytes, the base64 text of kv_transfer_params["kv_checksums"],
         or None when the producer sent none."""
+        req = _c(req_id, "req_id")
         if payload is None:
-            return self._report(self._lib.kvcs_verifier_check_no_payload, _c(req_id))
+            return self._report(self._lib.kvcs_verifier_check_no_payload, req)
         if isinstance(payload, str):
-            return self._report(self._lib.kvcs_verifier_check_base64, _c(req_id), _c(payload))
-        data, length = _bytes_of(payload)
-        return self._report(self._lib.kvcs_verifier_check, _c(req_id), data, length)
+            return self._report(self._lib.kvcs_verifier_check_base64, req, _c(payload, "payload"))
+        data, length = _bytes_of(payload, "payload")
+        return self._report(self._lib.kvcs_verifier_check, req, data, length)
 
     def check_stored(self, req_id: str) -> Report:
         """Consumer: judges the offload load of `req_id` from its workers'
         load-check records alone (Worker.check_stored results, encoded and
         added with add_record): MATCH, MISMATCH at the positions whose stored
         checksum failed on some worker, or UNVERIFIED (e.g. a record is not a
-        load check's)."""
-        return self._report(self._lib.kvcs_verifier_check_stored, _c(req_id))
+        load check's: NOT_LOAD_CHECK)."""
+        return self._report(self._lib.kvcs_verifier_check_stored, _c(req_id, "req_id"))
 
 
 def base64_encode(data: bytes) -> str:
     """Standard padded base64 of `data` (as kv_transfer_params carries it)."""
-    raw, length = _bytes_of(data)
+    raw, length = _bytes_of(data, "data")
     lib = library()
     buffer, used = _sized(lambda buf, cap, n: lib.kvcs_base64_encode(raw, length, buf, cap, n), ctypes.c_char)
     return bytes(buffer[: used - 1]).decode("ascii")
@@ -887,7 +1286,7 @@ def base64_encode(data: bytes) -> str:
 
 def base64_decode(text: str) -> bytes:
     """The bytes of standard padded base64 `text`; Malformed otherwise."""
-    raw = _c(text)
+    raw = _c(text, "text")
     lib = library()
     buffer, length = _sized(lambda buf, cap, n: lib.kvcs_base64_decode(raw, len(raw), buf, cap, n))
     return bytes(buffer[:length])
@@ -932,25 +1331,38 @@ def _head_sources(call) -> list[HeadSource]:
 def tp_ratio(local_tp: int, remote_tp: int) -> int:
     """local/remote when local >= remote, else -(remote/local); InvalidArgument
     when the sizes do not divide."""
+    local_tp, remote_tp = _int(local_tp, "uint32_t", "local_tp"), _int(remote_tp, "uint32_t", "remote_tp")
     value = c_int64()
     _check(library().kvcs_tp_ratio(local_tp, remote_tp, byref(value)))
     return value.value
 
 
+def _ranks_args(local_rank, local_tp, remote_tp) -> tuple[int, int, int]:
+    return (
+        _int(local_rank, "uint32_t", "local_rank"),
+        _int(local_tp, "uint32_t", "local_tp"),
+        _int(remote_tp, "uint32_t", "remote_tp"),
+    )
+
+
 def remote_ranks(local_rank: int, local_tp: int, remote_tp: int) -> list[int]:
     """The remote ranks local rank `local_rank` reads from."""
     lib = library()
-    return _u32_list(lambda buf, cap, n: lib.kvcs_remote_ranks(local_rank, local_tp, remote_tp, buf, cap, n))
+    args = _ranks_args(local_rank, local_tp, remote_tp)
+    return _u32_list(lambda buf, cap, n: lib.kvcs_remote_ranks(*args, buf, cap, n))
 
 
 def handshake_targets(local_rank: int, local_tp: int, remote_tp: int) -> list[int]:
     """The remote ranks to handshake with, from the TP sizes alone."""
     lib = library()
-    return _u32_list(lambda buf, cap, n: lib.kvcs_handshake_targets(local_rank, local_tp, remote_tp, buf, cap, n))
+    args = _ranks_args(local_rank, local_tp, remote_tp)
+    return _u32_list(lambda buf, cap, n: lib.kvcs_handshake_targets(*args, buf, cap, n))
 
 
 def block_size_ratio(local_block_size: int, remote_block_size: int) -> int:
     """local/remote block size; InvalidArgument when not whole."""
+    local_block_size = _int(local_block_size, "uint32_t", "local_block_size")
+    remote_block_size = _int(remote_block_size, "uint32_t", "remote_block_size")
     value = c_uint32()
     _check(library().kvcs_block_size_ratio(local_block_size, remote_block_size, byref(value)))
     return value.value
@@ -958,6 +1370,8 @@ def block_size_ratio(local_block_size: int, remote_block_size: int) -> int:
 
 def remote_kv_replicated(remote_tp: int, total_kv_heads: int) -> bool:
     """Whether the remote engine replicates KV heads (remote_tp > heads)."""
+    remote_tp = _int(remote_tp, "uint32_t", "remote_tp")
+    total_kv_heads = _int(total_kv_heads, "uint32_t", "total_kv_heads")
     value = c_uint32()
     _check(library().kvcs_remote_kv_replicated(remote_tp, total_kv_heads, byref(value)))
     return bool(value.value)
@@ -965,15 +1379,18 @@ def remote_kv_replicated(remote_tp: int, total_kv_heads: int) -> bool:
 
 def local_kv_replicated(tp: int, total_kv_heads: int, is_mla: bool = False) -> bool:
     """Whether the local engine replicates KV heads (MLA, or tp > heads)."""
+    tp, total_kv_heads = _int(tp, "uint32_t", "tp"), _int(total_kv_heads, "uint32_t", "total_kv_heads")
     value = c_uint32()
-    _check(library().kvcs_local_kv_replicated(tp, total_kv_heads, int(is_mla), byref(value)))
+    _check(library().kvcs_local_kv_replicated(tp, total_kv_heads, _flag(is_mla, "is_mla"), byref(value)))
     return bool(value.value)
 
 
 def rank_heads(rank: int, tp: int, total_kv_heads: int, is_mla: bool = False) -> range:
     """The global heads rank `rank` of an engine of TP size `tp` holds."""
+    rank, tp = _int(rank, "uint32_t", "rank"), _int(tp, "uint32_t", "tp")
+    total_kv_heads = _int(total_kv_heads, "uint32_t", "total_kv_heads")
     first, count = c_uint32(), c_uint32()
-    _check(library().kvcs_rank_heads(rank, tp, total_kv_heads, int(is_mla), byref(first), byref(count)))
+    _check(library().kvcs_rank_heads(rank, tp, total_kv_heads, _flag(is_mla, "is_mla"), byref(first), byref(count)))
     return range(first.value, first.value + count.value)
 
 
@@ -983,122 +1400,170 @@ def head_sources(
     """For local rank `local_rank`, each run of its heads with the remote
     rank that supplies it."""
     lib = library()
-    return _head_sources(
-        lambda buf, cap, n: lib.kvcs_head_sources(
-            local_rank, local_tp, remote_tp, total_kv_heads, int(is_mla), buf, cap, n
-        )
+    args = _ranks_args(local_rank, local_tp, remote_tp) + (
+        _int(total_kv_heads, "uint32_t", "total_kv_heads"),
+        _flag(is_mla, "is_mla"),
     )
+    return _head_sources(lambda buf, cap, n: lib.kvcs_head_sources(*args, buf, cap, n))
 
 
 class Topology(_Handle):
     """One local worker's view of the engines it transfers with
-    (kvcs_topology): per remote engine id, what its handshake told."""
+    (kvcs_topology): per remote engine id, what its handshake told.
+
+    Thread safety: add_remote needs the topology alone (it waits for calls
+    in progress); the queries run concurrently."""
 
     _destroy = "kvcs_topology_destroy"
 
     def __init__(
         self, local_engine_id: str, *, tp_rank: int, tp_size: int, total_kv_heads: int, block_size: int, is_mla: bool = False
     ):
-        local = _lib.LocalEngineStruct(tp_rank, tp_size, total_kv_heads, int(is_mla), block_size)
-        super().__init__(_create(library().kvcs_topology_create, _c(local_engine_id), byref(local)))
+        # Struct fields are checked against their C types as they are set.
+        local = _lib.LocalEngineStruct(
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            total_kv_heads=total_kv_heads,
+            is_mla=_flag(is_mla, "is_mla"),
+            block_size=block_size,
+        )
+        engine = _c(local_engine_id, "local_engine_id")
+        super().__init__(_create(library().kvcs_topology_create, engine, byref(local)))
 
     def add_remote(self, engine_id: str, remote: RemoteEngine) -> bool:
         """Records a handshake; False when the engine was known (kept as first told)."""
-        struct = _lib.RemoteEngineStruct(remote.block_bytes, remote.tp_size, remote.block_size, remote.kernel_blocks)
+        engine = _c(engine_id, "engine_id")
+        _of_type(remote, RemoteEngine, "remote")
+        struct = _lib.RemoteEngineStruct(
+            block_bytes=remote.block_bytes,
+            tp_size=remote.tp_size,
+            block_size=remote.block_size,
+            kernel_blocks=remote.kernel_blocks,
+        )
         added = c_uint32()
-        _check(self._lib.kvcs_topology_add_remote(self.handle, _c(engine_id), byref(struct), byref(added)))
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_topology_add_remote(handle, engine, byref(struct), byref(added)))
         return bool(added.value)
 
     def remote(self, engine_id: str) -> RemoteEngine:
         """What `engine_id`'s handshake told; NotFound when none."""
+        engine = _c(engine_id, "engine_id")
         struct = _lib.RemoteEngineStruct()
-        _check(self._lib.kvcs_topology_remote(self.handle, _c(engine_id), byref(struct)))
+        with self._use() as handle:
+            _check(self._lib.kvcs_topology_remote(handle, engine, byref(struct)))
         return RemoteEngine(struct.tp_size, struct.block_bytes, struct.block_size, struct.kernel_blocks)
 
     def tp_ratio(self, engine_id: str) -> int:
         """tp_ratio of the local engine and `engine_id`."""
+        engine = _c(engine_id, "engine_id")
         value = c_int64()
-        _check(self._lib.kvcs_topology_tp_ratio(self.handle, _c(engine_id), byref(value)))
+        with self._use() as handle:
+            _check(self._lib.kvcs_topology_tp_ratio(handle, engine, byref(value)))
         return value.value
 
     def block_size_ratio(self, engine_id: str) -> int:
         """block_size_ratio of the local engine and `engine_id`."""
+        engine = _c(engine_id, "engine_id")
         value = c_uint32()
-        _check(self._lib.kvcs_topology_block_size_ratio(self.handle, _c(engine_id), byref(value)))
+        with self._use() as handle:
+            _check(self._lib.kvcs_topology_block_size_ratio(handle, engine, byref(value)))
         return value.value
 
     def remote_kv_replicated(self, engine_id: str) -> bool:
         """Whether `engine_id` replicates KV heads."""
+        engine = _c(engine_id, "engine_id")
         value = c_uint32()
-        _check(self._lib.kvcs_topology_remote_kv_replicated(self.handle, _c(engine_id), byref(value)))
+        with self._use() as handle:
+            _check(self._lib.kvcs_topology_remote_kv_replicated(handle, engine, byref(value)))
         return bool(value.value)
 
     def remote_ranks(self, engine_id: str) -> list[int]:
         """The ranks of `engine_id` this worker reads from."""
-        return _u32_list(
-            lambda buf, cap, n: self._lib.kvcs_topology_remote_ranks(self.handle, _c(engine_id), buf, cap, n)
-        )
+        engine = _c(engine_id, "engine_id")
+        with self._use() as handle:
+            return _u32_list(lambda buf, cap, n: self._lib.kvcs_topology_remote_ranks(handle, engine, buf, cap, n))
 
     def head_sources(self, engine_id: str) -> list[HeadSource]:
         """Which rank of `engine_id` supplies each run of this worker's heads."""
-        return _head_sources(
-            lambda buf, cap, n: self._lib.kvcs_topology_head_sources(self.handle, _c(engine_id), buf, cap, n)
-        )
+        engine = _c(engine_id, "engine_id")
+        with self._use() as handle:
+            return _head_sources(
+                lambda buf, cap, n: self._lib.kvcs_topology_head_sources(handle, engine, buf, cap, n)
+            )
 
 
 class Completion(_Handle):
     """Says when every expected worker reported a request finished sending
-    or receiving (kvcs_completion); unites invalid block ids."""
+    or receiving (kvcs_completion); unites invalid block ids.
+
+    Thread safety: report, set_expected, add_invalid_blocks and
+    clear_invalid_blocks need the counter alone (they wait for calls in
+    progress); reported and invalid_blocks run concurrently."""
 
     _destroy = "kvcs_completion_destroy"
 
     def __init__(self, expected_workers: int):
+        expected_workers = _int(expected_workers, "uint32_t", "expected_workers")
         super().__init__(_create(library().kvcs_completion_create, expected_workers))
 
     def set_expected(self, expected_workers: int) -> None:
-        """The expected count for requests first reported from now on."""
-        _check(self._lib.kvcs_completion_set_expected(self.handle, expected_workers))
+        """The expected count (at least 1; InvalidArgument for 0) for
+        requests first reported from now on."""
+        expected_workers = _int(expected_workers, "uint32_t", "expected_workers")
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_completion_set_expected(handle, expected_workers))
 
     def report(
         self, worker: int, direction: int, req_ids: Sequence[str], expected_workers: int | None = None
     ) -> list[str]:
         """Worker `worker` finished `req_ids` in `direction` (SENDING or
-        RECEIVING); returns the requests this report completed. A worker's
-        output may carry a new expected count (vLLM's
-        expected_finished_count): pass it as `expected_workers`; it applies
-        from this report's new requests on."""
-        if expected_workers:
+        RECEIVING); returns the requests this report completed.
+
+        A worker's output may carry a new expected count (vLLM's
+        KVConnectorOutput.expected_finished_count): pass it as
+        `expected_workers`; it applies from this report's new requests on.
+        None or 0 means no change, as 0 does in vLLM (the field's default,
+        which its aggregator ignores); any other value goes to
+        set_expected (a negative one or a bool is refused)."""
+        worker = _int(worker, "uint32_t", "worker")
+        direction = _int(direction, "uint32_t", "direction")
+        if isinstance(req_ids, (str, bytes)):
+            raise TypeError(f"req_ids must be a sequence of str, got one {type(req_ids).__name__}")
+        req_ids = list(req_ids)
+        encoded = [_c(r, f"req_ids[{i}]") for i, r in enumerate(req_ids)]
+        if expected_workers is not None and _int(expected_workers, "uint32_t", "expected_workers"):
             self.set_expected(expected_workers)
-        encoded = [_c(r) for r in req_ids]
         ids = (c_char_p * max(len(encoded), 1))(*encoded)
         done = (c_uint8 * max(len(encoded), 1))()
-        _check(self._lib.kvcs_completion_report(self.handle, worker, direction, ids, len(encoded), done))
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_completion_report(handle, worker, direction, ids, len(encoded), done))
         return [r for r, d in zip(req_ids, done) if d]
 
     def reported(self, direction: int, req_id: str) -> int:
         """Workers that reported `req_id` so far (0 once it completed)."""
+        direction = _int(direction, "uint32_t", "direction")
+        req = _c(req_id, "req_id")
         value = c_uint32()
-        _check(self._lib.kvcs_completion_reported(self.handle, direction, _c(req_id), byref(value)))
+        with self._use() as handle:
+            _check(self._lib.kvcs_completion_reported(handle, direction, req, byref(value)))
         return value.value
 
     def add_invalid_blocks(self, block_ids: Iterable[int]) -> None:
         """Adds block ids a worker found invalid."""
         ids = _block_ids(block_ids)
-        _check(
-            self._lib.kvcs_completion_add_invalid_blocks(
-                self.handle, ids.ctypes.data_as(ctypes.POINTER(c_uint32)) if ids.size else None, ids.size
-            )
-        )
+        pointer = ids.ctypes.data_as(ctypes.POINTER(c_uint32)) if ids.size else None
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_completion_add_invalid_blocks(handle, pointer, ids.size))
 
     def invalid_blocks(self) -> set[int]:
         """The union of invalid block ids since the last clear."""
-        return set(
-            _u32_list(lambda buf, cap, n: self._lib.kvcs_completion_invalid_blocks(self.handle, buf, cap, n))
-        )
+        with self._use() as handle:
+            return set(_u32_list(lambda buf, cap, n: self._lib.kvcs_completion_invalid_blocks(handle, buf, cap, n)))
 
     def clear_invalid_blocks(self) -> None:
         """Forgets the invalid block ids."""
-        _check(self._lib.kvcs_completion_clear_invalid_blocks(self.handle))
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_completion_clear_invalid_blocks(handle))
 
 
 # --- Repair (reload only the blocks that differ) ---------------------------------
@@ -1131,14 +1596,40 @@ def repair_plan(report, block_tables: dict, block_size) -> dict[int, list[Repair
 
     Where the two sides' block sizes differ, a mismatch covers a run of
     their least common multiple, so every consumer block of that run is
-    named. Raises ValueError for an UNVERIFIED report (it names no
-    positions: the load must be repeated whole) and for a mismatch that
-    does not fit the tables (a position without a block id, a group or block
-    size not given, tokens outside the position).
+    named.
+
+    Raises ValueError where a plan would not make the load verified:
+    - an UNVERIFIED report (it names no positions: the load must be
+      repeated whole);
+    - a report with findings, such as a MISMATCH in one group while
+      another group's fingerprint differs: that group was not compared, and
+      reloading blocks cannot make it comparable, so the plan would end in
+      an unverified load; the message names each such group and reason,
+      and the load must be repeated whole (or the configuration fixed).
+      A list of Mismatch entries carries no findings: passing one skips
+      this check;
+    - a mismatch that does not fit the tables: a group with no table, a
+      position without a block id, a group without a block size, tokens
+      outside the position.
+    Block sizes and block ids must be integers (TypeError for a bool or a
+    non-integer); ValueError for a block size below 1 or a block id outside
+    [0, 2**32).
     """
-    if hasattr(report, "mismatches"):
-        if report.verdict == UNVERIFIED:
+    if isinstance(report, Report):
+        verdict = report.verdict
+        if verdict == UNVERIFIED:
             raise ValueError(f"report is unverified ({report.message}); it names no positions to repair")
+        findings = report.findings
+        if findings:
+            unverified = "; ".join(
+                f"{'the whole load' if f.group_id == WHOLE_LOAD else f'group {f.group_id}'} is unverified "
+                f"({f.reason_name}: {f.message})"
+                for f in findings
+            )
+            raise ValueError(
+                f"{unverified}: repairing the differing blocks cannot make this load verified; "
+                "load the request again whole"
+            )
         mismatches = report.mismatches
     else:
         mismatches = list(report)
@@ -1148,9 +1639,16 @@ def repair_plan(report, block_tables: dict, block_size) -> dict[int, list[Repair
             raise ValueError(f"group {m.group_id} differs but block_tables has no table for it")
         table = block_tables[m.group_id]
         first_position, ids = table if isinstance(table, tuple) else (0, table)
-        size = block_size[m.group_id] if isinstance(block_size, dict) else block_size
-        if not isinstance(size, (int, np.integer)) or size < 1:
-            raise ValueError(f"block_size of group {m.group_id} is {size!r}; it must be a positive integer")
+        first_position = _int(first_position, "uint64_t", f"first position of block_tables[{m.group_id}]")
+        if isinstance(block_size, dict):
+            if m.group_id not in block_size:
+                raise ValueError(f"group {m.group_id} differs but block_size has no entry for it")
+            size = block_size[m.group_id]
+        else:
+            size = block_size
+        size = _int(size, "uint32_t", f"block_size of group {m.group_id}")
+        if size < 1:
+            raise ValueError(f"block_size of group {m.group_id} is {size}; it must be a positive integer")
         end_token = m.first_token + m.num_tokens
         for q in range(m.first_position, m.first_position + m.num_positions):
             index = q - first_position
@@ -1165,5 +1663,6 @@ def repair_plan(report, block_tables: dict, block_size) -> dict[int, list[Repair
                     f"group {m.group_id} position {q} (block size {size}) holds none of the differing tokens "
                     f"{m.first_token} .. {end_token - 1}"
                 )
-            plan.setdefault(m.group_id, {})[q] = RepairBlock(m.group_id, q, int(ids[index]), low, high - low)
+            block_id = _int(ids[index], "uint32_t", f"block_tables[{m.group_id}][{index}]")
+            plan.setdefault(m.group_id, {})[q] = RepairBlock(m.group_id, q, block_id, low, high - low)
     return {group: [blocks[q] for q in sorted(blocks)] for group, blocks in sorted(plan.items())}

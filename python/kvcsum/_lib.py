@@ -10,6 +10,7 @@ instead of corrupting memory. Where the library is found: see find_library.
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 import pathlib
 from ctypes import (
@@ -25,11 +26,21 @@ from ctypes import (
     c_void_p,
 )
 
+import numpy as np
+
 #: The C ABI these declarations describe (KVCS_ABI_VERSION of kvcsum.h).
 ABI_VERSION = 1
 
 #: The environment variable naming the library file to load.
 LIBRARY_ENV = "KVCSUM_LIBRARY"
+
+#: Bytes of one block's stored checksum in a buffer given to
+#: kvcs_worker_add_stored ("8 bytes per block id" in kvcsum.h; the header
+#: has no KVCS_BLOCK_CHECKSUM_BYTES yet, and a #define cannot be read from
+#: the loaded library). The one place the package states it: every size
+#: check of a stored-checksum buffer is written in terms of it, and
+#: python/tests/test_checks.py fails when the header says otherwise.
+BLOCK_CHECKSUM_BYTES = 8
 
 
 class AbiError(ImportError):
@@ -40,7 +51,27 @@ class AbiError(ImportError):
 # --- Structs (kvcsum.h) -------------------------------------------------------
 
 
-class WorkerOptions(Structure):
+class _Struct(Structure):
+    """A struct whose integer fields are checked against their C type on
+    every assignment, in the constructor too (ctypes would silently keep
+    the low bits of 2**32 + 3); the error names the field (checked_int)."""
+
+    def __setattr__(self, name, value):
+        c_type = _C_TYPES.get(_field_types(type(self)).get(name))
+        if c_type:
+            value = checked_int(value, c_type, name)
+        super().__setattr__(name, value)
+
+
+def _field_types(struct: type) -> dict:
+    types = struct.__dict__.get("_field_types_")
+    if types is None:
+        types = {field[0]: field[1] for field in struct._fields_}
+        struct._field_types_ = types
+    return types
+
+
+class WorkerOptions(_Struct):
     """kvcs_worker_options."""
 
     _fields_ = [
@@ -52,7 +83,7 @@ class WorkerOptions(Structure):
     ]
 
 
-class Segment(Structure):
+class Segment(_Struct):
     """kvcs_segment: one region of a cache, strides in bytes."""
 
     _fields_ = [
@@ -65,7 +96,7 @@ class Segment(Structure):
     ]
 
 
-class LayerStruct(Structure):
+class LayerStruct(_Struct):
     """kvcs_layer."""
 
     _fields_ = [
@@ -85,7 +116,7 @@ class LayerStruct(Structure):
     ]
 
 
-class StateTensorStruct(Structure):
+class StateTensorStruct(_Struct):
     """kvcs_state_tensor."""
 
     _fields_ = [
@@ -100,7 +131,7 @@ class StateTensorStruct(Structure):
     ]
 
 
-class StateStruct(Structure):
+class StateStruct(_Struct):
     """kvcs_state."""
 
     _fields_ = [
@@ -115,7 +146,7 @@ class StateStruct(Structure):
     ]
 
 
-class MismatchStruct(Structure):
+class MismatchStruct(_Struct):
     """kvcs_mismatch."""
 
     _fields_ = [
@@ -130,7 +161,7 @@ class MismatchStruct(Structure):
     ]
 
 
-class LayerDifferenceStruct(Structure):
+class LayerDifferenceStruct(_Struct):
     """kvcs_layer_difference."""
 
     _fields_ = [
@@ -141,7 +172,7 @@ class LayerDifferenceStruct(Structure):
     ]
 
 
-class LocalEngineStruct(Structure):
+class LocalEngineStruct(_Struct):
     """kvcs_local_engine."""
 
     _fields_ = [
@@ -153,7 +184,7 @@ class LocalEngineStruct(Structure):
     ]
 
 
-class RemoteEngineStruct(Structure):
+class RemoteEngineStruct(_Struct):
     """kvcs_remote_engine."""
 
     _fields_ = [
@@ -164,7 +195,7 @@ class RemoteEngineStruct(Structure):
     ]
 
 
-class HeadSourceStruct(Structure):
+class HeadSourceStruct(_Struct):
     """kvcs_head_source."""
 
     _fields_ = [
@@ -324,30 +355,68 @@ def candidates() -> list[str]:
     return found
 
 
+#: The range of each C integer type that crosses the boundary.
 _RANGES = {
-    c_uint32: (0, 2**32 - 1),
-    c_uint64: (0, 2**64 - 1),
-    c_size_t: (0, 2 ** (8 * ctypes.sizeof(c_size_t)) - 1),
-    c_int32: (-(2**31), 2**31 - 1),
-    c_int64: (-(2**63), 2**63 - 1),
+    "uint32_t": (0, 2**32 - 1),
+    "uint64_t": (0, 2**64 - 1),
+    "size_t": (0, 2 ** (8 * ctypes.sizeof(c_size_t)) - 1),
+    "int32_t": (-(2**31), 2**31 - 1),
+    "int64_t": (-(2**63), 2**63 - 1),
+    "uintptr_t": (0, 2 ** (8 * ctypes.sizeof(c_void_p)) - 1),
 }
-_TYPE_NAMES = {c_uint32: "uint32_t", c_uint64: "uint64_t", c_size_t: "size_t", c_int32: "int32_t", c_int64: "int64_t"}
+#: The C type of each ctypes integer type in the declarations (c_size_t is
+#: c_uint64 on 64-bit hosts, so it is named after that; the ranges agree).
+_C_TYPES = {
+    c_size_t: "size_t",
+    c_uint64: "uint64_t",
+    c_uint32: "uint32_t",
+    c_int32: "int32_t",
+    c_int64: "int64_t",
+    c_void_p: "uintptr_t",
+}
+
+
+def checked_int(value, c_type: str, name: str) -> int:
+    """`value` as a Python int, checked against the range of the C integer
+    type `c_type` ("uint32_t", "uint64_t", "size_t", "int32_t", "int64_t",
+    or "uintptr_t" for a pointer); `name` names it in the error.
+
+    ctypes (and numpy) would silently wrap a value outside the type
+    (2**32 + 3 -> 3, -1 -> 2**64 - 1). Python ints and numpy integers (any
+    type with __index__) are accepted; bools and non-integers (floats,
+    strings, None) raise TypeError, values outside the type ValueError.
+    Every integer the package hands to C goes through here."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer ({c_type}), got a bool ({value!r})")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer ({c_type}), got {type(value).__name__} {value!r}") from None
+    low, high = _RANGES[c_type]
+    if not low <= number <= high:
+        raise ValueError(f"{name} is {number}, outside {c_type} ({low} .. {high})")
+    return number
 
 
 class Api:
     """The library's calls, each taking and giving what kvcsum.h says.
-    Integer arguments are checked against their C type first (ctypes would
-    silently wrap -1 to 4294967295)."""
+    Integer arguments are checked against their C type first
+    (checked_int: ctypes would silently wrap -1 to 4294967295)."""
 
     path: str
 
 
 def _range_checked(name, function, checks):
+    """`function` with its integer arguments put through checked_int first
+    (a NULL or a ctypes object given for a pointer passes as it is)."""
+
     def call(*args):
-        for index, (low, high), type_name in checks:
+        args = list(args)
+        for index, c_type in checks:
             value = args[index]
-            if isinstance(value, int) and not low <= value <= high:
-                raise ValueError(f"{name}: argument {index + 1} is {value}, outside {type_name}")
+            if c_type == "uintptr_t" and (value is None or isinstance(value, ctypes._SimpleCData)):
+                continue
+            args[index] = checked_int(value, c_type, f"argument {index + 1} of {name}")
         return function(*args)
 
     call.__name__ = name
@@ -388,7 +457,7 @@ def load(path: str | None = None) -> Api:
         function = getattr(library, name)
         function.restype = restype
         function.argtypes = argtypes
-        checks = [(i, _RANGES[t], _TYPE_NAMES[t]) for i, t in enumerate(argtypes) if t in _RANGES]
+        checks = [(i, _C_TYPES[t]) for i, t in enumerate(argtypes) if t in _C_TYPES]
         setattr(api, name, _range_checked(name, function, checks) if checks else function)
     for name, struct in STRUCT_SIZES.items():
         theirs = getattr(library, name)()

@@ -116,7 +116,7 @@ def test_errors_carry_status_and_message(scheduled):
         with pytest.raises(ValueError, match=r"\[0, 2\*\*32\)"):
             blocks.add_group("r", 0, [1, -1])
         # ctypes would wrap -1 into 2**64 - 1; the binding refuses it.
-        with pytest.raises(ValueError, match="argument 3 is -1, outside"):
+        with pytest.raises(ValueError, match="num_tokens is -1, outside uint64_t"):
             blocks.add_request("s", -1)
     with kvcsum.Worker() as worker:
         worker.add_group(0, 8)
