@@ -9,10 +9,10 @@
 pub(crate) const PIECE_BYTES: u64 = 8;
 
 /// The algorithm of SPEC sections 2 and 3 as first defined (`KVCS_ALGORITHM_WEIGHTED`).
-pub const ALGORITHM_WEIGHTED: u32 = 1;
+pub(crate) const ALGORITHM_WEIGHTED: u32 = 1;
 
 /// The algorithm ids this library knows.
-pub const KNOWN_ALGORITHMS: [u32; 1] = [ALGORITHM_WEIGHTED];
+pub(crate) const KNOWN_ALGORITHMS: [u32; 1] = [ALGORITHM_WEIGHTED];
 
 /// `H` of docs/SPEC.md#3-block-checksum: no layer may have more heads than this.
 pub(crate) const MAX_KV_HEADS_PER_LAYER: u64 = 65536;

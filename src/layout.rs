@@ -144,7 +144,7 @@ pub struct StoredBuffer {
 impl StoredBuffer {
     /// Bytes per block id (`KVCS_BLOCK_CHECKSUM_BYTES`): the stored value,
     /// then the stamp of the configuration that stored it (SPEC section 8).
-    pub const BYTES_PER_BLOCK: u64 = 16;
+    pub(crate) const BYTES_PER_BLOCK: u64 = 16;
 
     /// The half-open byte range `[low, high)` of the buffer (its end was
     /// checked not to wrap at registration).

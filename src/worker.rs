@@ -486,8 +486,11 @@ mod tests {
         *state
     }
 
+    /// Words of a stored buffer per block id: the value and the stamp.
+    const WORDS: usize = (StoredBuffer::BYTES_PER_BLOCK / 8) as usize;
+
     /// A host worker with two groups over `cache` (HND, 2 heads, 2 layers
-    /// each) and a stored buffer per group.
+    /// each) and a stored buffer per group ([`WORDS`] per block id).
     fn worker(cache: &[u64], stored: [&mut [u64]; 2]) -> Worker {
         let mut worker = Worker::new(WorkerOptions {
             tp_rank: 0,
@@ -534,8 +537,15 @@ mod tests {
                     })
                     .unwrap();
             }
+            let bytes = std::mem::size_of_val(buffer) as u64;
             worker
-                .add_stored(group_id, buffer.as_ptr() as u64, buffer.len() as u64)
+                .add_region(Region {
+                    address: buffer.as_ptr() as u64,
+                    length: bytes,
+                })
+                .unwrap();
+            worker
+                .add_stored(group_id, buffer.as_ptr() as u64, (buffer.len() / WORDS) as u64)
                 .unwrap();
         }
         worker
@@ -553,7 +563,7 @@ mod tests {
         let mut state = seed;
         let layer_bytes = (HEADS * BLOCK * TOKEN_BYTES * BLOCKS) as usize;
         let cache = vec![1u64; 4 * layer_bytes / 8];
-        let (mut stored0, mut stored1) = (vec![0u64; BLOCKS as usize], vec![0u64; BLOCKS as usize]);
+        let (mut stored0, mut stored1) = (vec![0u64; WORDS * BLOCKS as usize], vec![0u64; WORDS * BLOCKS as usize]);
         let worker = worker(&cache, [&mut stored0, &mut stored1]);
         for _ in 0..20 {
             let mut blocks = BlockSet::new();
@@ -598,7 +608,7 @@ mod tests {
         let mut state = 0x5eed_0000_0000_0001u64;
         let layer_bytes = (HEADS * BLOCK * TOKEN_BYTES * BLOCKS) as usize;
         let cache: Vec<u64> = (0..4 * layer_bytes / 8).map(|_| random(&mut state)).collect();
-        let junk: Vec<u64> = (0..BLOCKS).map(|_| random(&mut state)).collect();
+        let junk: Vec<u64> = (0..WORDS * BLOCKS as usize).map(|_| random(&mut state)).collect();
         let (mut stored0, mut stored1) = (junk.clone(), junk.clone());
         let worker = worker(&cache, [&mut stored0, &mut stored1]);
         // Two requests; the first's last position holds no token, the second
@@ -650,12 +660,13 @@ mod tests {
                 .enumerate()
                 .find_map(|(g, buffer)| {
                     let start = buffer.as_ptr() as u64;
-                    (start..start + 8 * BLOCKS as u64)
+                    (start..start + StoredBuffer::BYTES_PER_BLOCK * BLOCKS as u64)
                         .contains(&item.address)
                         .then(|| (g, ((item.address - start) / 8) as usize))
                 })
                 .expect("an address inside a stored buffer");
             device[group][block] = sum ^ item.tag;
+            device[group][block + 1] = item.stamp;
         }
         assert_eq!(device, host_stored, "the items give the host store's values");
         // A load check from gathered values: all match; a changed one fails
@@ -663,8 +674,9 @@ mod tests {
         let gathered: Vec<u64> = work
             .items
             .iter()
-            // SAFETY: every address lies in stored0 or stored1 (found above).
-            .map(|item| unsafe { (item.address as *const u64).read() })
+            // SAFETY: every address lies in stored0 or stored1 (found
+            // above), with its stamp in the next word.
+            .flat_map(|item| unsafe { [(item.address as *const u64).read(), (item.address as *const u64).add(1).read()] })
             .collect();
         let check = |gathered: Vec<u64>| {
             worker
@@ -680,10 +692,15 @@ mod tests {
         );
         assert_eq!(result.stored_outcomes("a", 1).unwrap(), vec![Matched, Matched, Matched]);
         assert_eq!(result.stored_outcomes("b", 1).unwrap(), vec![Matched, Matched]);
-        let mut bad = gathered;
-        bad[7] ^= 1 << 40; // "b", group 1, position 2 (its second)
+        let mut bad = gathered.clone();
+        bad[2 * 7] ^= 1 << 40; // "b", group 1, position 2 (its second)
         let result = check(bad);
         assert_eq!(result.stored_outcomes("b", 1).unwrap(), vec![Matched, Failed]);
+        // A changed stamp is another configuration, not a failure.
+        let mut restamped = gathered;
+        restamped[2 * 6 + 1] ^= 1 << 20; // "b", group 1, position 1
+        let result = check(restamped);
+        assert_eq!(result.stored_outcomes("b", 1).unwrap(), vec![OtherFingerprint, Matched]);
         assert_eq!(result.stored_outcomes("a", 1).unwrap(), vec![Matched, Matched, Matched]);
         assert_eq!(
             result.stored_outcomes("a", 0).unwrap(),

@@ -167,18 +167,29 @@ fn model(rng: &mut Rng, num_tokens: u64) -> (LogicalKv, GroupTable) {
     (kv, table)
 }
 
+/// What SPEC section 7 adds per alias: `LE_u64(SHA-256("kvcsum alias")[0..8]) | 1`.
+fn alias_mark() -> u64 {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(b"kvcsum alias");
+    u64::from_le_bytes(digest[..8].try_into().unwrap()) | 1
+}
+
 #[test]
-fn fingerprint_with_aliases_equals_vllms_and_checksums_are_unchanged() {
-    let mut rng = Rng::for_test("fingerprint_with_aliases_equals_vllms_and_checksums_are_unchanged");
+fn fingerprint_with_aliases_is_vllms_plus_the_alias_marks_and_checksums_are_unchanged() {
+    let mut rng = Rng::for_test("fingerprint_with_aliases_is_vllms_plus_the_alias_marks_and_checksums_are_unchanged");
     let seed = rng.seed();
     let (identities, vllm) = vllm_fingerprint();
     let (kv, table) = model(&mut rng, 83);
     let with = deploy(&mut rng, &kv, 2, LayoutKind::Hnd, &table, &identities, true);
     let without = deploy(&mut rng, &kv, 2, LayoutKind::Nhd, &table, &identities, false);
     let payload = Payload::decode(&with.payload()).unwrap();
+    // Every identity counts as vLLM counts it, and each of the 3 aliases
+    // adds the alias mark: a layer that is an alias on one side and has its
+    // own cache on the other must not compare.
     assert_eq!(
-        payload.groups[0].fingerprint, vllm,
-        "vLLM's fingerprint of 7 layers, 3 sharing"
+        payload.groups[0].fingerprint,
+        vllm.wrapping_add(alias_mark().wrapping_mul(3)),
+        "vLLM's fingerprint of 7 layers plus 3 alias marks"
     );
     let plain = Payload::decode(&without.payload()).unwrap();
     assert_ne!(

@@ -153,7 +153,7 @@ struct TRecord {
 impl TRecord {
     fn encode(&self) -> Vec<u8> {
         let mut w = Mp::default();
-        w.array(7).str("kvcsum.record").uint(2);
+        w.array(7).str("kvcsum.record").uint(3);
         w.array(3)
             .uint(self.rank.0 as u64)
             .uint(self.rank.1 as u64)
@@ -161,10 +161,12 @@ impl TRecord {
         w.uint(self.role).bool(self.detail);
         w.array(self.groups.len());
         for &(id, block_size, fingerprint) in &self.groups {
-            w.array(4)
+            w.array(6)
                 .uint(id as u64)
                 .uint(block_size as u64)
                 .uint(fingerprint)
+                .bool(false)
+                .bool(true)
                 .bool(false);
         }
         w.array(self.requests.len());
@@ -759,7 +761,7 @@ fn records_declaring_huge_lengths_are_malformed_under_a_memory_limit() {
             let verifier = Verifier::new(1);
             let n = 60 << 20;
             let head = |w: &mut Mp| {
-                w.array(7).str("kvcsum.record").uint(2);
+                w.array(7).str("kvcsum.record").uint(3);
                 w.array(3).uint(0).uint(1).uint(0);
                 w.uint(1).bool(true);
             };
@@ -771,13 +773,13 @@ fn records_declaring_huge_lengths_are_malformed_under_a_memory_limit() {
             // Its requests.
             let mut w = Mp::default();
             head(&mut w);
-            w.array(1).array(4).uint(0).bool(false);
+            w.array(1).array(6).uint(0).bool(false);
             prefixes.push(("requests", w.0));
             // A request's groups, a group's columns and layers, skipped groups.
             let mut w = Mp::default();
             head(&mut w);
             w.array(1)
-                .array(4)
+                .array(6)
                 .uint(0)
                 .bool(false)
                 .array(1)

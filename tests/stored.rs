@@ -21,7 +21,7 @@ use kvcsum::ffi::status::kvcs_status::*;
 use kvcsum::ffi::worker::*;
 use kvcsum::record::{self, Record};
 use kvcsum::verify::{Policy, Reason, Verdict, Verifier};
-use kvcsum::{BlockSet, Error, Role, StoredOutcome, StreamHandle, Worker};
+use kvcsum::{BlockSet, Error, Region, Role, StoredOutcome, StreamHandle, Worker};
 use sha2::{Digest, Sha256};
 use support::*;
 
@@ -32,7 +32,7 @@ const HASH_BYTES: usize = 32;
 struct Rank {
     worker: Worker,
     placement: Placement,
-    stored: Vec<u64>,
+    stored: Vec<[u64; 2]>,
 }
 
 /// A TP deployment of one group with stored-checksum buffers.
@@ -58,7 +58,13 @@ fn deploy(rng: &mut Rng, kv: &LogicalKv, tp_size: u32, kind: LayoutKind, num_blo
                 worker.add_layer(spec).unwrap();
             }
             // Junk, so that a value never written cannot pass by chance.
-            let stored: Vec<u64> = (0..num_blocks).map(|_| rng.next_u64()).collect();
+            let stored: Vec<[u64; 2]> = (0..num_blocks).map(|_| [rng.next_u64(), rng.next_u64()]).collect();
+            worker
+                .add_region(Region {
+                    address: stored.as_ptr() as u64,
+                    length: std::mem::size_of_val(stored.as_slice()) as u64,
+                })
+                .unwrap();
             worker
                 .add_stored(0, stored.as_ptr() as u64, num_blocks as u64)
                 .expect("add_stored");
@@ -151,7 +157,7 @@ fn stored_and_reloaded(rng: &mut Rng, num_tokens: u64) -> Scenario {
     let expected = naive_full(&kv, 16, 0, count);
     for (i, &block_id) in first_ids.iter().enumerate() {
         let total = side.ranks.iter().fold(0u64, |sum, rank| {
-            sum.wrapping_add(rank.stored[block_id as usize] ^ tag(i))
+            sum.wrapping_add(rank.stored[block_id as usize][0] ^ tag(i))
         });
         assert_eq!(total, expected[i], "stored value of position {i}");
     }
@@ -424,7 +430,17 @@ fn c_api_round_trip_tags_and_outcomes() {
         };
         assert_eq!(kvcs_worker_add_layer(worker, &layer), KVCS_OK, "{}", last_error());
     }
-    let mut stored = vec![0u64; 6];
+    let mut stored = vec![[0u64; 2]; 6];
+    assert_eq!(
+        kvcs_worker_add_stored(worker, 0, stored.as_mut_ptr() as u64, 6),
+        KVCS_ERR_OUT_OF_BOUNDS,
+        "a host buffer outside every region"
+    );
+    assert!(last_error().contains("no registered region"), "{}", last_error());
+    assert_eq!(
+        kvcs_worker_add_region(worker, stored.as_mut_ptr() as u64, 6 * 16),
+        KVCS_OK
+    );
     assert_eq!(
         kvcs_worker_add_stored(worker, 0, stored.as_mut_ptr() as u64, 6),
         KVCS_OK
@@ -477,7 +493,7 @@ fn c_api_round_trip_tags_and_outcomes() {
     let expected = naive_full(&kv, 16, 0, 4);
     for (i, &block_id) in block_ids.iter().enumerate() {
         assert_eq!(
-            stored[block_id as usize] ^ tags[i],
+            stored[block_id as usize][0] ^ tags[i],
             expected[i],
             "position {i} (seed {seed})"
         );
@@ -735,8 +751,8 @@ fn load_check_records_round_trip_with_their_outcomes() {
     // check's group beside a plain one.
     let mut bad = bytes.clone();
     let at = bad.len() - 3;
-    bad[at] = 3;
-    malformed(Record::decode(&bad), "outcome 2 is 3");
+    bad[at] = 5;
+    malformed(Record::decode(&bad), "outcome 2 is 5");
     let mut bad = bytes.clone();
     let at = bad.len() - 7;
     bad[at] = 0xc2; // a boolean where the outcomes start

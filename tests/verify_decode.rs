@@ -123,11 +123,18 @@ impl V {
 fn record_value() -> V {
     V::A(vec![
         s("kvcsum.record"),
-        V::U(2),
+        V::U(3),
         V::A(vec![V::U(1), V::U(2), V::U(0)]),
         V::U(1),
         V::Bool(true),
-        V::A(vec![V::A(vec![V::U(3), V::U(16), V::U(u64::MAX - 5), V::Bool(false)])]),
+        V::A(vec![V::A(vec![
+            V::U(3),
+            V::U(16),
+            V::U(u64::MAX - 5),
+            V::Bool(false),
+            V::Bool(true),
+            V::Bool(false),
+        ])]),
         V::A(vec![V::A(vec![
             s("req-1"),
             V::U(40),
@@ -286,9 +293,14 @@ fn every_malformed_record_class_is_rejected_with_a_message() {
             "version 1 is not supported",
         ),
         (
-            "version 3",
-            Box::new(|v| *v.at(&[1]) = V::U(3)),
-            "version 3 is not supported",
+            "version 2 (before stamps and holds_caches)",
+            Box::new(|v| *v.at(&[1]) = V::U(2)),
+            "version 2 is not supported",
+        ),
+        (
+            "version 4",
+            Box::new(|v| *v.at(&[1]) = V::U(4)),
+            "version 4 is not supported",
         ),
         (
             "too few elements",
@@ -448,8 +460,8 @@ fn every_malformed_record_class_is_rejected_with_a_message() {
         ),
         (
             "stored outcome that is none",
-            Box::new(|v| *v.at(&[6, 0, 2, 0, 5]) = V::B(vec![1, 3, 1])),
-            "outcome 1 is 3",
+            Box::new(|v| *v.at(&[6, 0, 2, 0, 5]) = V::B(vec![1, 5, 1])),
+            "outcome 1 is 5",
         ),
         (
             "stored outcomes an integer",

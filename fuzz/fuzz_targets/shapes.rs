@@ -99,13 +99,13 @@ const SITES: [Site; 9] = [
 /// Writes the schema down to the site's array header (of `len` elements).
 fn prefix(out: &mut Out, site: Site, len: usize) {
     let record_head = |out: &mut Out| {
-        out.array(7).str("kvcsum.record").uint(2);
+        out.array(7).str("kvcsum.record").uint(3);
         out.array(3).uint(0).uint(1).uint(0);
         out.uint(1).bool(true);
     };
     let request_head = |out: &mut Out| {
         record_head(out);
-        out.array(1).array(4).uint(0).uint(16).uint(0).bool(false);
+        out.array(1).array(6).uint(0).uint(16).uint(0).bool(false).bool(true).bool(false);
         out.array(1).array(4).str("r").uint(16);
     };
     match site {

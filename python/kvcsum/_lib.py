@@ -29,7 +29,7 @@ from ctypes import (
 import numpy as np
 
 #: The C ABI these declarations describe (KVCS_ABI_VERSION of kvcsum.h).
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 #: The environment variable naming the library file to load.
 LIBRARY_ENV = "KVCSUM_LIBRARY"
@@ -40,7 +40,7 @@ LIBRARY_ENV = "KVCSUM_LIBRARY"
 #: the loaded library). The one place the package states it: every size
 #: check of a stored-checksum buffer is written in terms of it, and
 #: python/tests/test_checks.py fails when the header says otherwise.
-BLOCK_CHECKSUM_BYTES = 8
+BLOCK_CHECKSUM_BYTES = 16
 
 
 class AbiError(ImportError):
