@@ -20,9 +20,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// The algorithm of SPEC sections 2 and 3 as first defined (`KVCS_ALGORITHM_WEIGHTED`).
-#define ALGORITHM_WEIGHTED 1
-
 // The `group_id` of a finding about the whole load rather than one group.
 #define KVCS_WHOLE_LOAD UINT32_MAX
 
@@ -45,10 +42,6 @@
 // `KVCS_HOST_THREADS`); a bound, so that a wild value is an error rather
 // than thousands of threads.
 #define KVCS_MAX_HOST_THREADS 256
-
-// Bytes per block id (`KVCS_BLOCK_CHECKSUM_BYTES`): the stored value,
-// then the stamp of the configuration that stored it (SPEC section 8).
-#define StoredBuffer_BYTES_PER_BLOCK 16
 
 // The payload version this library writes and reads.
 #define KVCS_PAYLOAD_VERSION 1
@@ -921,9 +914,6 @@ typedef kvcs_status (*kvcs_block_tags_fn)(const kvcs_worker*,
 
 // The type of `kvcs_worker_set_detail`.
 typedef kvcs_status (*kvcs_worker_set_detail_fn)(kvcs_worker*, uint32_t);
-
-// The algorithm ids this library knows.
-#define KNOWN_ALGORITHMS { ALGORITHM_WEIGHTED, }
 
 #ifdef __cplusplus
 extern "C" {
