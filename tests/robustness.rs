@@ -15,6 +15,11 @@
 //! - Out-of-bounds messages print negative addresses with a sign.
 //! - Reports count the loaded positions that were not compared, and an
 //!   option makes such loads unverified.
+//! - Issue 18: a region at address 0 is refused (a host worker read it and
+//!   crashed); topology calls given a TP size from a handshake of 2^31
+//!   refuse it under an address-space limit instead of allocating 8 GiB, and
+//!   head sources take time per run, not per head; registering layers in
+//!   detail mode is linear.
 //!
 //! Hand-made records and payloads are written by the small msgpack writer
 //! below, independently of the library's encoder (layouts per the record and
