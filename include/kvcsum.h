@@ -52,6 +52,12 @@
 // The record encoding this library writes and reads.
 #define KVCS_RECORD_VERSION 3
 
+// The largest TP size the topology helpers take. A TP size comes from a
+// remote engine's handshake; a wild one (2^31, say) is an error here rather
+// than gigabytes of ranks or head runs, and every answer then fits in
+// memory: at most this many remote ranks or head runs.
+#define KVCS_MAX_TP_SIZE 65536
+
 // The outcome of a call. Values are fixed and never renumbered; a retired
 // value stays reserved. Calls that take a status from C take `uint32_t`.
 enum kvcs_status
@@ -377,7 +383,7 @@ typedef struct {
 typedef struct {
   // This worker's TP rank, below `tp_size`.
   uint32_t tp_rank;
-  // The local TP size, at least 1.
+  // The local TP size, 1 to `KVCS_MAX_TP_SIZE`.
   uint32_t tp_size;
   // KV heads of the model (1 for MLA).
   uint32_t total_kv_heads;
@@ -391,7 +397,8 @@ typedef struct {
 typedef struct {
   // Bytes of one logical block of one layer on one of its ranks.
   uint64_t block_bytes;
-  // Its TP size.
+  // Its TP size, 1 to `KVCS_MAX_TP_SIZE` (a handshake telling more is
+  // refused).
   uint32_t tp_size;
   // Its tokens per logical block.
   uint32_t block_size;
@@ -543,6 +550,43 @@ typedef kvcs_status (*kvcs_blocks_set_hashes_fn)(kvcs_blocks*,
                                                  const uint8_t*,
                                                  size_t,
                                                  size_t);
+
+// The type of `kvcs_completion_create`.
+typedef kvcs_status (*kvcs_completion_create_fn)(uint32_t, kvcs_completion**);
+
+// The type of `kvcs_completion_destroy`.
+typedef void (*kvcs_completion_destroy_fn)(kvcs_completion*);
+
+// The type of `kvcs_completion_set_expected`.
+typedef kvcs_status (*kvcs_completion_set_expected_fn)(kvcs_completion*, uint32_t);
+
+// The type of `kvcs_completion_report`.
+typedef kvcs_status (*kvcs_completion_report_fn)(kvcs_completion*,
+                                                 uint32_t,
+                                                 uint32_t,
+                                                 const char*const *,
+                                                 size_t,
+                                                 uint8_t*);
+
+// The type of `kvcs_completion_reported`.
+typedef kvcs_status (*kvcs_completion_reported_fn)(const kvcs_completion*,
+                                                   uint32_t,
+                                                   const char*,
+                                                   uint32_t*);
+
+// The type of `kvcs_completion_add_invalid_blocks`.
+typedef kvcs_status (*kvcs_completion_add_invalid_blocks_fn)(kvcs_completion*,
+                                                             const uint32_t*,
+                                                             size_t);
+
+// The type of `kvcs_completion_invalid_blocks`.
+typedef kvcs_status (*kvcs_completion_invalid_blocks_fn)(const kvcs_completion*,
+                                                         uint32_t*,
+                                                         size_t,
+                                                         size_t*);
+
+// The type of `kvcs_completion_clear_invalid_blocks`.
+typedef kvcs_status (*kvcs_completion_clear_invalid_blocks_fn)(kvcs_completion*);
 
 // The type of `kvcs_report_verdict`.
 typedef kvcs_status (*kvcs_report_verdict_fn)(const kvcs_report*, uint32_t*);
@@ -757,43 +801,6 @@ typedef kvcs_status (*kvcs_topology_head_sources_fn)(const kvcs_topology*,
                                                      size_t,
                                                      size_t*);
 
-// The type of `kvcs_completion_create`.
-typedef kvcs_status (*kvcs_completion_create_fn)(uint32_t, kvcs_completion**);
-
-// The type of `kvcs_completion_destroy`.
-typedef void (*kvcs_completion_destroy_fn)(kvcs_completion*);
-
-// The type of `kvcs_completion_set_expected`.
-typedef kvcs_status (*kvcs_completion_set_expected_fn)(kvcs_completion*, uint32_t);
-
-// The type of `kvcs_completion_report`.
-typedef kvcs_status (*kvcs_completion_report_fn)(kvcs_completion*,
-                                                 uint32_t,
-                                                 uint32_t,
-                                                 const char*const *,
-                                                 size_t,
-                                                 uint8_t*);
-
-// The type of `kvcs_completion_reported`.
-typedef kvcs_status (*kvcs_completion_reported_fn)(const kvcs_completion*,
-                                                   uint32_t,
-                                                   const char*,
-                                                   uint32_t*);
-
-// The type of `kvcs_completion_add_invalid_blocks`.
-typedef kvcs_status (*kvcs_completion_add_invalid_blocks_fn)(kvcs_completion*,
-                                                             const uint32_t*,
-                                                             size_t);
-
-// The type of `kvcs_completion_invalid_blocks`.
-typedef kvcs_status (*kvcs_completion_invalid_blocks_fn)(const kvcs_completion*,
-                                                         uint32_t*,
-                                                         size_t,
-                                                         size_t*);
-
-// The type of `kvcs_completion_clear_invalid_blocks`.
-typedef kvcs_status (*kvcs_completion_clear_invalid_blocks_fn)(kvcs_completion*);
-
 // The type of `kvcs_verifier_create`.
 typedef kvcs_status (*kvcs_verifier_create_fn)(uint32_t, kvcs_verifier**);
 
@@ -950,6 +957,52 @@ kvcs_status kvcs_blocks_set_hashes(kvcs_blocks *blocks,
                                    const uint8_t *hashes,
                                    size_t hash_bytes,
                                    size_t n);
+
+// Creates a counter expecting `expected_workers` (at least 1) reports per
+// request and direction; `*out` owns it.
+kvcs_status kvcs_completion_create(uint32_t expected_workers, kvcs_completion **out);
+
+// Frees a counter. NULL is a no-op.
+void kvcs_completion_destroy(kvcs_completion *completion);
+
+// Changes the expected count (at least 1) for requests first reported
+// from now on; requests already counting keep the count they started with.
+kvcs_status kvcs_completion_set_expected(kvcs_completion *completion, uint32_t expected_workers);
+
+// Worker `worker` reports the `n` requests `req_ids` finished in
+// `direction` (a `kvcs_direction`). `completed[i]` is set to 1 when this
+// report completed request `i` (every expected worker has now reported
+// it), else 0. A request listed twice, or already reported by this worker
+// and not yet completed, gives `KVCS_ERR_INVALID_ARGUMENT` and nothing is
+// counted.
+kvcs_status kvcs_completion_report(kvcs_completion *completion,
+                                   uint32_t worker,
+                                   uint32_t direction,
+                                   const char *const *req_ids,
+                                   size_t n,
+                                   uint8_t *completed);
+
+// The number of workers that reported `req_id` finished in `direction`
+// so far, into `*count` (0 before any did and once it completed).
+kvcs_status kvcs_completion_reported(const kvcs_completion *completion,
+                                     uint32_t direction,
+                                     const char *req_id,
+                                     uint32_t *count);
+
+// Adds the `n` block ids a worker found invalid to the union.
+kvcs_status kvcs_completion_add_invalid_blocks(kvcs_completion *completion,
+                                               const uint32_t *block_ids,
+                                               size_t n);
+
+// The union of the invalid block ids added since the last clear, ascending,
+// into `(block_ids, cap)` with the count in `*len` (`(NULL, 0)` asks for it).
+kvcs_status kvcs_completion_invalid_blocks(const kvcs_completion *completion,
+                                           uint32_t *block_ids,
+                                           size_t cap,
+                                           size_t *len);
+
+// Forgets the invalid block ids.
+kvcs_status kvcs_completion_clear_invalid_blocks(kvcs_completion *completion);
 
 // The verdict, a `kvcs_verdict` value.
 kvcs_status kvcs_report_verdict(const kvcs_report *report, uint32_t *verdict);
@@ -1121,14 +1174,16 @@ const char *kvcs_version(void);
 
 // `local_tp / remote_tp` when `local_tp >= remote_tp`, else `-(remote_tp /
 // local_tp)`, into `*ratio`. `KVCS_ERR_INVALID_ARGUMENT` when a size is 0
-// or the larger is not a multiple of the smaller.
+// or above `KVCS_MAX_TP_SIZE`, or the larger is not a multiple of the
+// smaller.
 kvcs_status kvcs_tp_ratio(uint32_t local_tp, uint32_t remote_tp, int64_t *ratio);
 
 // The remote ranks local rank `local_rank` reads from, ascending, into
 // `(ranks, cap)` with the count in `*len` (`(NULL, 0)` asks for it):
 // `local_rank / ratio` for a positive `kvcs_tp_ratio`, else the `|ratio|`
-// ranks from `local_rank * |ratio|`. `KVCS_ERR_OUT_OF_BOUNDS` for a rank
-// at or past `local_tp`.
+// ranks from `local_rank * |ratio|` (so at most `KVCS_MAX_TP_SIZE`).
+// `KVCS_ERR_OUT_OF_BOUNDS` for a rank at or past `local_tp`;
+// `KVCS_ERR_INVALID_ARGUMENT` for sizes `kvcs_tp_ratio` refuses.
 kvcs_status kvcs_remote_ranks(uint32_t local_rank,
                               uint32_t local_tp,
                               uint32_t remote_tp,
@@ -1151,23 +1206,26 @@ kvcs_status kvcs_block_size_ratio(uint32_t local_block_size,
                                   uint32_t remote_block_size,
                                   uint32_t *ratio);
 
-// `*replicated` = 1 if a remote engine of TP size `remote_tp` replicates
-// KV heads (`remote_tp > total_kv_heads`), else 0.
+// `*replicated` = 1 if a remote engine of TP size `remote_tp` (1 to
+// `KVCS_MAX_TP_SIZE`) replicates KV heads (`remote_tp > total_kv_heads`),
+// else 0.
 kvcs_status kvcs_remote_kv_replicated(uint32_t remote_tp,
                                       uint32_t total_kv_heads,
                                       uint32_t *replicated);
 
-// `*replicated` = 1 if the local engine replicates KV heads (`is_mla` is
-// 1, or `tp > total_kv_heads`), else 0.
+// `*replicated` = 1 if the local engine, of TP size `tp` (1 to
+// `KVCS_MAX_TP_SIZE`), replicates KV heads (`is_mla` is 1, or `tp >
+// total_kv_heads`), else 0.
 kvcs_status kvcs_local_kv_replicated(uint32_t tp,
                                      uint32_t total_kv_heads,
                                      uint32_t is_mla,
                                      uint32_t *replicated);
 
-// The global heads rank `rank` of an engine of TP size `tp` holds:
-// `[r*K/T, (r+1)*K/T)` when `T <= K`, else head `r / (T/K)`; with MLA
-// (`total_kv_heads` must be 1) head 0. Sizes that do not divide give
-// `KVCS_ERR_INVALID_ARGUMENT`. Either out-pointer may be NULL.
+// The global heads rank `rank` of an engine of TP size `tp` (1 to
+// `KVCS_MAX_TP_SIZE`) holds: `[r*K/T, (r+1)*K/T)` when `T <= K`, else
+// head `r / (T/K)`; with MLA (`total_kv_heads` must be 1) head 0. Sizes
+// that do not divide give `KVCS_ERR_INVALID_ARGUMENT`. Either out-pointer
+// may be NULL.
 kvcs_status kvcs_rank_heads(uint32_t rank,
                             uint32_t tp,
                             uint32_t total_kv_heads,
@@ -1178,7 +1236,10 @@ kvcs_status kvcs_rank_heads(uint32_t rank,
 // For local rank `local_rank`, the runs of its heads in head order, each
 // with the remote rank that supplies it (one of `kvcs_remote_ranks`; the
 // lowest where the remote engine replicates a head), into `(sources,
-// cap)` with the count in `*len` (`(NULL, 0)` asks for it).
+// cap)` with the count in `*len` (`(NULL, 0)` asks for it). Each run is a
+// different remote rank, so there are at most `|kvcs_tp_ratio|` of them,
+// however many heads the rank holds; the work is per run. Sizes are
+// checked as by `kvcs_remote_ranks` and `kvcs_rank_heads`.
 kvcs_status kvcs_head_sources(uint32_t local_rank,
                               uint32_t local_tp,
                               uint32_t remote_tp,
@@ -1189,7 +1250,9 @@ kvcs_status kvcs_head_sources(uint32_t local_rank,
                               size_t *len);
 
 // Creates a topology of local engine `local_engine_id` (a non-empty UTF-8
-// string) with no remote engine; `*out` owns it.
+// string) with no remote engine; `*out` owns it. `local` is checked as by
+// `kvcs_rank_heads` (TP size 1 to `KVCS_MAX_TP_SIZE`, rank below it, heads
+// dividing) and its block size must be at least 1.
 kvcs_status kvcs_topology_create(const char *local_engine_id,
                                  const kvcs_local_engine *local,
                                  kvcs_topology **out);
@@ -1199,9 +1262,9 @@ void kvcs_topology_destroy(kvcs_topology *topology);
 
 // Records remote engine `engine_id`'s handshake. `*added` (may be NULL) is
 // 1, or 0 when the engine was registered before (the first is kept). The
-// local engine's own id, a size of 0, or sizes that do not divide the
-// local engine's (TP, block size, kernel blocks, heads) give
-// `KVCS_ERR_INVALID_ARGUMENT` and nothing is recorded.
+// local engine's own id, a size of 0, a TP size above `KVCS_MAX_TP_SIZE`,
+// or sizes that do not divide the local engine's (TP, block size, kernel
+// blocks, heads) give `KVCS_ERR_INVALID_ARGUMENT` and nothing is recorded.
 kvcs_status kvcs_topology_add_remote(kvcs_topology *topology,
                                      const char *engine_id,
                                      const kvcs_remote_engine *remote,
@@ -1241,52 +1304,6 @@ kvcs_status kvcs_topology_head_sources(const kvcs_topology *topology,
                                        kvcs_head_source *sources,
                                        size_t cap,
                                        size_t *len);
-
-// Creates a counter expecting `expected_workers` (at least 1) reports per
-// request and direction; `*out` owns it.
-kvcs_status kvcs_completion_create(uint32_t expected_workers, kvcs_completion **out);
-
-// Frees a counter. NULL is a no-op.
-void kvcs_completion_destroy(kvcs_completion *completion);
-
-// Changes the expected count (at least 1) for requests first reported
-// from now on; requests already counting keep the count they started with.
-kvcs_status kvcs_completion_set_expected(kvcs_completion *completion, uint32_t expected_workers);
-
-// Worker `worker` reports the `n` requests `req_ids` finished in
-// `direction` (a `kvcs_direction`). `completed[i]` is set to 1 when this
-// report completed request `i` (every expected worker has now reported
-// it), else 0. A request listed twice, or already reported by this worker
-// and not yet completed, gives `KVCS_ERR_INVALID_ARGUMENT` and nothing is
-// counted.
-kvcs_status kvcs_completion_report(kvcs_completion *completion,
-                                   uint32_t worker,
-                                   uint32_t direction,
-                                   const char *const *req_ids,
-                                   size_t n,
-                                   uint8_t *completed);
-
-// The number of workers that reported `req_id` finished in `direction`
-// so far, into `*count` (0 before any did and once it completed).
-kvcs_status kvcs_completion_reported(const kvcs_completion *completion,
-                                     uint32_t direction,
-                                     const char *req_id,
-                                     uint32_t *count);
-
-// Adds the `n` block ids a worker found invalid to the union.
-kvcs_status kvcs_completion_add_invalid_blocks(kvcs_completion *completion,
-                                               const uint32_t *block_ids,
-                                               size_t n);
-
-// The union of the invalid block ids added since the last clear, ascending,
-// into `(block_ids, cap)` with the count in `*len` (`(NULL, 0)` asks for it).
-kvcs_status kvcs_completion_invalid_blocks(const kvcs_completion *completion,
-                                           uint32_t *block_ids,
-                                           size_t cap,
-                                           size_t *len);
-
-// Forgets the invalid block ids.
-kvcs_status kvcs_completion_clear_invalid_blocks(kvcs_completion *completion);
 
 // Creates a verifier for an engine of `num_workers` workers (TP size x PP
 // stages; at least 1), fail-closed, with plain payloads. `*out` owns it.
@@ -1436,10 +1453,12 @@ void kvcs_worker_destroy(kvcs_worker *worker);
 // Registers `length` bytes at `address` (host or device memory, as the
 // worker) that the worker may read. The caller keeps them readable, and the
 // bytes being checksummed unchanged during a call, while the worker lives.
-// A device worker checks the range against CUDA: memory CUDA does not know
-// (a plain host pointer) gives `KVCS_ERR_INVALID_ARGUMENT`, a range past
-// the end of its allocation `KVCS_ERR_OUT_OF_BOUNDS`. A host worker cannot
-// check host memory and trusts the caller.
+// `address` 0 (NULL), `length` 0, or a range running past the end of the
+// address space give `KVCS_ERR_INVALID_ARGUMENT`. A device worker checks
+// the range against CUDA: memory CUDA does not know (a plain host pointer)
+// gives `KVCS_ERR_INVALID_ARGUMENT`, a range past the end of its
+// allocation `KVCS_ERR_OUT_OF_BOUNDS`. A host worker cannot check host
+// memory otherwise and trusts the caller.
 kvcs_status kvcs_worker_add_region(kvcs_worker *worker, uint64_t address, uint64_t length);
 
 // Registers group `group_id` with `block_size` tokens per logical block.
@@ -1569,6 +1588,9 @@ kvcs_status kvcs_block_tags(const kvcs_worker *worker,
 // (and head ranges) that differ. It reads the KV a second time: a device
 // worker queues one more launch on the same stream, and its result is
 // ready once both are done. State layers have no per-layer partials.
+// Registration stays linear in detail mode: the per-layer layout is built
+// at the first checksum after the layout last changed, so that call (not
+// `kvcs_worker_add_layer`) reports its errors, such as a device's.
 kvcs_status kvcs_worker_set_detail(kvcs_worker *worker, uint32_t on);
 
 #ifdef __cplusplus

@@ -298,8 +298,25 @@ pub struct Layout {
 }
 
 impl Layout {
-    /// Registers memory the worker may read.
+    /// Registers memory the worker may read (see [`Layout::check_region`]).
     pub fn add_region(&mut self, region: Region) -> Result<()> {
+        Layout::check_region(region)?;
+        self.regions.push(region);
+        Ok(())
+    }
+
+    /// Fails unless `region` can be memory a worker reads: not empty, not
+    /// at address 0 (never memory: a host worker, which cannot check host
+    /// memory, would read it and crash), and ending inside the address
+    /// space.
+    pub fn check_region(region: Region) -> Result<()> {
+        if region.address == 0 {
+            return Err(err!(
+                InvalidArgument,
+                "address 0x0 (region of length {}) is NULL, never memory a worker can read",
+                region.length
+            ));
+        }
         if region.length == 0 {
             return Err(err!(
                 InvalidArgument,
@@ -315,7 +332,6 @@ impl Layout {
                 region.length
             ));
         }
-        self.regions.push(region);
         Ok(())
     }
 

@@ -11,6 +11,12 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 
 use crate::error::{err, Result};
 
+/// The largest TP size the topology helpers take. A TP size comes from a
+/// remote engine's handshake; a wild one (2^31, say) is an error here rather
+/// than gigabytes of ranks or head runs, and every answer then fits in
+/// memory: at most this many remote ranks or head runs.
+pub const MAX_TP_SIZE: u32 = 65536;
+
 /// Fails unless `value` is at least 1 (`name` in the message).
 fn positive(value: u32, name: &str) -> Result<()> {
     if value == 0 {
@@ -19,14 +25,27 @@ fn positive(value: u32, name: &str) -> Result<()> {
     Ok(())
 }
 
+/// Fails unless `value` is a TP size, 1 to [`MAX_TP_SIZE`] (`name` in the
+/// message).
+fn tp_size(value: u32, name: &str) -> Result<()> {
+    positive(value, name)?;
+    if value > MAX_TP_SIZE {
+        return Err(err!(
+            InvalidArgument,
+            "{name} {value} is above the largest TP size, {MAX_TP_SIZE}"
+        ));
+    }
+    Ok(())
+}
+
 /// `local_tp / remote_tp` when the local engine is at least as large, else
 /// `-(remote_tp / local_tp)`: how many local ranks share one remote rank
 /// (positive) or how many remote ranks one local rank reads from
-/// (negative). An error when the larger size is not a multiple of the
-/// smaller.
+/// (negative). An error when a size is not a TP size (1 to
+/// [`MAX_TP_SIZE`]) or the larger is not a multiple of the smaller.
 pub fn tp_ratio(local_tp: u32, remote_tp: u32) -> Result<i64> {
-    positive(local_tp, "local_tp")?;
-    positive(remote_tp, "remote_tp")?;
+    tp_size(local_tp, "local_tp")?;
+    tp_size(remote_tp, "remote_tp")?;
     if local_tp >= remote_tp {
         if local_tp % remote_tp != 0 {
             return Err(err!(
@@ -85,7 +104,7 @@ pub fn block_size_ratio(local_block_size: u32, remote_block_size: u32) -> Result
 /// Whether the remote engine replicates KV heads: `remote_tp >
 /// total_kv_heads`.
 pub fn remote_kv_replicated(remote_tp: u32, total_kv_heads: u32) -> Result<bool> {
-    positive(remote_tp, "remote_tp")?;
+    tp_size(remote_tp, "remote_tp")?;
     positive(total_kv_heads, "total_kv_heads")?;
     Ok(remote_tp > total_kv_heads)
 }
@@ -93,7 +112,7 @@ pub fn remote_kv_replicated(remote_tp: u32, total_kv_heads: u32) -> Result<bool>
 /// Whether the local engine replicates KV heads: it is MLA (one latent head
 /// on every rank) or `tp > total_kv_heads`.
 pub fn local_kv_replicated(tp: u32, total_kv_heads: u32, is_mla: bool) -> Result<bool> {
-    positive(tp, "tp")?;
+    tp_size(tp, "tp")?;
     positive(total_kv_heads, "total_kv_heads")?;
     Ok(is_mla || tp > total_kv_heads)
 }
@@ -113,7 +132,7 @@ pub struct HeadRange {
 /// MLA (which must have `total_kv_heads == 1`) holds its latent head 0 on
 /// every rank.
 pub fn rank_heads(rank: u32, tp: u32, total_kv_heads: u32, is_mla: bool) -> Result<HeadRange> {
-    positive(tp, "tp")?;
+    tp_size(tp, "tp")?;
     positive(total_kv_heads, "total_kv_heads")?;
     if rank >= tp {
         return Err(err!(OutOfBounds, "rank {rank} is not below tp {tp}"));
@@ -166,10 +185,28 @@ pub struct HeadSource {
     pub remote_offset: u32,
 }
 
+/// The lowest rank of an engine of TP size `tp` that holds `head` (see
+/// [`rank_heads`], whose sizes it assumes checked): the holders of a head
+/// are consecutive ranks.
+fn lowest_holder(head: u32, tp: u32, total_kv_heads: u32, is_mla: bool) -> u32 {
+    if is_mla {
+        0
+    } else if tp <= total_kv_heads {
+        head / (total_kv_heads / tp)
+    } else {
+        // head < total_kv_heads, so this is below tp.
+        head * (tp / total_kv_heads)
+    }
+}
+
 /// For local rank `local_rank`, each run of its heads with the remote rank
 /// that supplies it, in head order. The remote rank is one of
 /// [`remote_ranks`]; where several of them hold the same head (the remote
 /// engine replicates), the lowest is named, so each head is read once.
+///
+/// The work is per run, not per head: each run is a different remote rank
+/// read from, so there are at most `|tp_ratio|` of them, however many
+/// heads the local rank holds.
 pub fn head_sources(
     local_rank: u32,
     local_tp: u32,
@@ -179,32 +216,33 @@ pub fn head_sources(
 ) -> Result<Vec<HeadSource>> {
     let candidates = remote_ranks(local_rank, local_tp, remote_tp)?;
     let local = rank_heads(local_rank, local_tp, total_kv_heads, is_mla)?;
-    let remote: Vec<(u32, HeadRange)> = candidates
-        .iter()
-        .map(|&rank| rank_heads(rank, remote_tp, total_kv_heads, is_mla).map(|heads| (rank, heads)))
-        .collect::<Result<_>>()?;
-    let mut sources: Vec<HeadSource> = Vec::new();
-    for head in local.first..local.first + local.count {
-        let Some(&(rank, heads)) = remote
-            .iter()
-            .find(|(_, heads)| heads.first <= head && head < heads.first + heads.count)
-        else {
+    // The remote engine's sizes, checked once (they do not depend on the rank).
+    rank_heads(0, remote_tp, total_kv_heads, is_mla)?;
+    // Ascending and consecutive: the lowest candidate holding a head is the
+    // lowest holder, or the first candidate when that is below it.
+    let (first_candidate, last_candidate) = (candidates[0], candidates[candidates.len() - 1]);
+    let local_end = local.first + local.count;
+    let mut sources = Vec::new();
+    let mut head = local.first;
+    while head < local_end {
+        let rank = lowest_holder(head, remote_tp, total_kv_heads, is_mla).max(first_candidate);
+        let heads = rank_heads(rank, remote_tp, total_kv_heads, is_mla)?;
+        let heads_end = heads.first + heads.count;
+        if rank > last_candidate || head < heads.first || head >= heads_end {
             return Err(err!(
                 Internal,
-                "no remote rank of {candidates:?} holds head {head} of local rank {local_rank}"
+                "no remote rank of {first_candidate}..={last_candidate} holds head {head} of local rank {local_rank}"
             ));
-        };
-        match sources.last_mut() {
-            Some(last) if last.remote_rank == rank && last.heads.first + last.heads.count == head => {
-                last.heads.count += 1;
-            }
-            _ => sources.push(HeadSource {
-                remote_rank: rank,
-                heads: HeadRange { first: head, count: 1 },
-                local_offset: head - local.first,
-                remote_offset: head - heads.first,
-            }),
         }
+        // The run ends where this rank's heads or the local rank's do.
+        let count = heads_end.min(local_end) - head;
+        sources.push(HeadSource {
+            remote_rank: rank,
+            heads: HeadRange { first: head, count },
+            local_offset: head - local.first,
+            remote_offset: head - heads.first,
+        });
+        head += count;
     }
     Ok(sources)
 }
@@ -285,6 +323,7 @@ impl Topology {
         if self.remotes.contains_key(engine_id) {
             return Ok(false);
         }
+        tp_size(remote.tp_size, "tp_size")?;
         positive(remote.kernel_blocks, "kernel_blocks")?;
         if remote.block_bytes == 0 {
             return Err(err!(InvalidArgument, "block_bytes is 0; it must be at least 1"));

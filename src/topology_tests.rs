@@ -6,7 +6,7 @@
 
 use super::{
     block_size_ratio, head_sources, local_kv_replicated, rank_heads, remote_kv_replicated, remote_ranks, tp_ratio,
-    Completion, Direction, HeadRange, LocalEngine, RemoteEngine, Topology,
+    Completion, Direction, HeadRange, HeadSource, LocalEngine, RemoteEngine, Topology, MAX_TP_SIZE,
 };
 use crate::error::Error;
 
@@ -75,8 +75,40 @@ fn tp_ratio_signs_and_errors() {
     }
     is_invalid(tp_ratio(0, 4), "local_tp is 0");
     is_invalid(tp_ratio(4, 0), "remote_tp is 0");
-    assert_eq!(tp_ratio(u32::MAX, 1), Ok(i64::from(u32::MAX)));
-    assert_eq!(tp_ratio(1, u32::MAX), Ok(-i64::from(u32::MAX)));
+    assert_eq!(tp_ratio(MAX_TP_SIZE, 1), Ok(i64::from(MAX_TP_SIZE)));
+    assert_eq!(tp_ratio(1, MAX_TP_SIZE), Ok(-i64::from(MAX_TP_SIZE)));
+}
+
+#[test]
+fn tp_sizes_above_the_largest_are_errors_everywhere() {
+    let over = MAX_TP_SIZE + 1;
+    let named = "65537 is above the largest TP size, 65536";
+    is_invalid(tp_ratio(over, 1), &format!("local_tp {named}"));
+    is_invalid(tp_ratio(1, u32::MAX), "remote_tp 4294967295 is above");
+    is_invalid(remote_ranks(0, 1, over), &format!("remote_tp {named}"));
+    is_invalid(head_sources(0, 1, over, over, false), &format!("remote_tp {named}"));
+    is_invalid(rank_heads(0, over, 1, false), &format!("tp {named}"));
+    is_invalid(remote_kv_replicated(over, 8), &format!("remote_tp {named}"));
+    is_invalid(local_kv_replicated(over, 8, true), &format!("tp {named}"));
+    is_invalid(
+        Topology::new(
+            "decode-0",
+            LocalEngine {
+                tp_rank: 0,
+                tp_size: over,
+                ..local(0)
+            },
+        ),
+        &format!("tp {named}"),
+    );
+    let mut topology = Topology::new("decode-0", local(0)).unwrap();
+    is_invalid(
+        topology.add_remote("prefill", remote(1 << 31, 16)),
+        "tp_size 2147483648 is above",
+    );
+    assert!(matches!(topology.remote("prefill"), Err(Error::NotFound(_))));
+    // The largest works, with as many remote ranks.
+    assert_eq!(remote_ranks(0, 1, MAX_TP_SIZE).unwrap().len(), MAX_TP_SIZE as usize);
 }
 
 #[test]
@@ -224,6 +256,70 @@ fn head_sources_cover_every_local_head_once_from_a_holder() {
         head_sources(0, 2, 4, 6, false),
         "total_kv_heads 6 is not a multiple of tp 4",
     );
+}
+
+/// Naive: the runs of head_sources built head by head, each head from the
+/// lowest rank read from that holds it, adjacent heads of one rank merged.
+fn naive_head_sources(rank: u32, local_tp: u32, remote_tp: u32, heads: u32, is_mla: bool) -> Vec<HeadSource> {
+    let local_holders = naive_holders(local_tp, heads, is_mla);
+    let remote_holders = naive_holders(remote_tp, heads, is_mla);
+    let read_from = naive_remote_ranks(rank, local_tp, remote_tp);
+    let local_heads: Vec<u32> = (0..heads)
+        .filter(|&h| local_holders[h as usize].contains(&rank))
+        .collect();
+    let mut sources: Vec<HeadSource> = Vec::new();
+    for &head in &local_heads {
+        let remote_rank = read_from
+            .iter()
+            .copied()
+            .find(|r| remote_holders[head as usize].contains(r))
+            .unwrap();
+        match sources.last_mut() {
+            Some(last) if last.remote_rank == remote_rank => last.heads.count += 1,
+            _ => {
+                let remote_first = (0..heads)
+                    .find(|&h| remote_holders[h as usize].contains(&remote_rank))
+                    .unwrap();
+                sources.push(HeadSource {
+                    remote_rank,
+                    heads: HeadRange { first: head, count: 1 },
+                    local_offset: head - local_heads[0],
+                    remote_offset: head - remote_first,
+                });
+            }
+        }
+    }
+    sources
+}
+
+#[test]
+fn head_sources_are_the_naive_runs_on_many_sizes() {
+    let sizes = [1u32, 2, 3, 4, 6, 8, 12, 16, 24, 48];
+    let mut compared = 0;
+    for is_mla in [false, true] {
+        let head_counts: &[u32] = if is_mla { &[1] } else { &sizes };
+        for &heads in head_counts {
+            for local_tp in sizes {
+                for remote_tp in sizes {
+                    let divides = |tp: u32| is_mla || heads % tp == 0 || tp % heads == 0;
+                    let ratio_ok = local_tp % remote_tp == 0 || remote_tp % local_tp == 0;
+                    if !(divides(local_tp) && divides(remote_tp) && ratio_ok) {
+                        assert!(head_sources(0, local_tp, remote_tp, heads, is_mla).is_err());
+                        continue;
+                    }
+                    for rank in 0..local_tp {
+                        assert_eq!(
+                            head_sources(rank, local_tp, remote_tp, heads, is_mla).unwrap(),
+                            naive_head_sources(rank, local_tp, remote_tp, heads, is_mla),
+                            "rank {rank} {local_tp}->{remote_tp} heads {heads} mla {is_mla}"
+                        );
+                        compared += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(compared > 1000, "{compared}");
 }
 
 fn local(rank: u32) -> LocalEngine {

@@ -79,8 +79,11 @@ pub struct Worker {
     options: WorkerOptions,
     layout: Layout,
     engine: Engine,
-    /// Detail mode: results also carry per-layer partials (see `set_detail`).
-    detail: Option<Detail>,
+    /// Detail mode: results also carry per-layer partials (see
+    /// `set_detail`). The shadow is built from the layout at the first call
+    /// that needs it and reset when the layout changes, so that registering
+    /// n layers in detail mode builds it once, not n times.
+    detail: Option<OnceLock<Detail>>,
     /// The record's group facts (fingerprints hashed once), reset when the layout changes.
     group_infos: OnceLock<Arc<[GroupInfo]>>,
 }
@@ -118,6 +121,15 @@ impl Worker {
         &self.options
     }
 
+    /// Forgets what was derived from the layout (the record's group facts,
+    /// detail mode's shadow); every call that changes the layout calls it.
+    fn layout_changed(&mut self) {
+        self.group_infos = OnceLock::new();
+        if let Some(shadow) = &mut self.detail {
+            *shadow = OnceLock::new();
+        }
+    }
+
     /// The record's group facts, fingerprints hashed once per layout.
     fn infos(&self) -> Arc<[GroupInfo]> {
         self.group_infos
@@ -149,18 +161,20 @@ impl Worker {
     /// its device (or in pinned host memory); a host worker cannot check host
     /// memory and trusts the caller.
     pub fn add_region(&mut self, region: Region) -> Result<()> {
+        // The layout's rules first (address 0, empty, wrapping), then CUDA's.
+        Layout::check_region(region)?;
         if let Engine::Device(device) = &self.engine {
-            if region.length > 0 {
-                device.check_region(region.address, region.length)?;
-            }
+            device.check_region(region.address, region.length)?;
         }
-        self.layout.add_region(region)
+        self.layout.add_region(region)?;
+        self.layout_changed();
+        Ok(())
     }
 
     /// Registers a group of layers sharing one block table.
     pub fn add_group(&mut self, group_id: u32, block_size: u32) -> Result<()> {
         self.layout.add_group(group_id, block_size)?;
-        self.group_infos = OnceLock::new();
+        self.layout_changed();
         Ok(())
     }
 
@@ -171,31 +185,19 @@ impl Worker {
 
     /// Registers an attention layer's cache; on error nothing changes. A
     /// host worker adds it in place (the layout checks before it changes); a
-    /// device worker keeps its layout until the device has the new one.
+    /// device worker keeps its layout until the device has the new one. In
+    /// detail mode the shadow is rebuilt at the next call, not here.
     pub fn add_layer(&mut self, spec: LayerSpec) -> Result<()> {
-        if self.detail.is_some() {
-            // Detail mode's shadow is built for the new layout before
-            // anything changes, so that a failure leaves both as they were.
-            let mut layout = self.layout.clone();
-            layout.add_layer(spec)?;
-            let detail = self.build_detail(&layout)?;
-            if let Engine::Device(device) = &mut self.engine {
+        match &mut self.engine {
+            Engine::Host { .. } => self.layout.add_layer(spec)?,
+            Engine::Device(device) => {
+                let mut layout = self.layout.clone();
+                layout.add_layer(spec)?;
                 device.upload_layout(&layout)?;
-            }
-            self.layout = layout;
-            self.detail = Some(detail);
-        } else {
-            match &mut self.engine {
-                Engine::Host { .. } => self.layout.add_layer(spec)?,
-                Engine::Device(device) => {
-                    let mut layout = self.layout.clone();
-                    layout.add_layer(spec)?;
-                    device.upload_layout(&layout)?;
-                    self.layout = layout;
-                }
+                self.layout = layout;
             }
         }
-        self.group_infos = OnceLock::new();
+        self.layout_changed();
         Ok(())
     }
 
@@ -203,7 +205,7 @@ impl Worker {
     /// [`Layout::add_alias`]); on error nothing changes.
     pub fn add_alias(&mut self, group_id: u32, alias: Alias) -> Result<()> {
         self.layout.add_alias(group_id, alias)?;
-        self.group_infos = OnceLock::new();
+        self.layout_changed();
         Ok(())
     }
 
@@ -224,7 +226,7 @@ impl Worker {
                 self.layout = layout;
             }
         }
-        self.group_infos = OnceLock::new();
+        self.layout_changed();
         Ok(())
     }
 
@@ -246,6 +248,12 @@ impl Worker {
         stream: StreamHandle,
         stored: Option<cuda::StoredMode>,
     ) -> Result<(Checksums, Vec<StoredExpectation>)> {
+        // Detail mode's shadow, built before any work is queued, so that a
+        // failure to build it queues nothing.
+        let detail = match &self.detail {
+            Some(shadow) => Some(self.built_detail(shadow)?),
+            None => None,
+        };
         let mut expectations = Vec::new();
         let (plan, values) = match &self.engine {
             Engine::Host(host) => {
@@ -272,7 +280,7 @@ impl Worker {
                 (plan, values)
             }
         };
-        let detail = match &self.detail {
+        let detail = match detail {
             Some(detail) => Some(Arc::new(self.detail_values(detail, blocks, role, stream)?)),
             None => None,
         };
@@ -408,14 +416,28 @@ impl Worker {
     /// Turns detail mode on or off: results then also carry per-layer partial
     /// checksums, which records and payloads pass on so that a verifier names
     /// the layers that differ. It reads the KV a second time: on a device
-    /// worker, one more launch queued on the same stream.
+    /// worker, one more launch queued on the same stream. The shadow layout
+    /// those partials come from is built at the first call after the layout
+    /// last changed (where its errors, such as a device's, are reported).
     pub fn set_detail(&mut self, on: bool) -> Result<()> {
-        self.detail = if on {
-            Some(self.build_detail(&self.layout)?)
-        } else {
-            None
-        };
+        match (on, &self.detail) {
+            // On already: keep the shadow built, if any.
+            (true, Some(_)) => {}
+            (true, None) => self.detail = Some(OnceLock::new()),
+            (false, _) => self.detail = None,
+        }
         Ok(())
+    }
+
+    /// Detail mode's shadow of the current layout, built on first use.
+    fn built_detail<'a>(&self, shadow: &'a OnceLock<Detail>) -> Result<&'a Detail> {
+        if let Some(detail) = shadow.get() {
+            return Ok(detail);
+        }
+        let detail = self.build_detail(&self.layout)?;
+        // A concurrent call may have built one first: both are of this
+        // layout, so either will do.
+        Ok(shadow.get_or_init(|| detail))
     }
 
     /// Detail mode's shadow of `layout`, and on a device worker an engine

@@ -15,6 +15,11 @@
 //! - Out-of-bounds messages print negative addresses with a sign.
 //! - Reports count the loaded positions that were not compared, and an
 //!   option makes such loads unverified.
+//! - Issue 18: a region at address 0 is refused (a host worker read it and
+//!   crashed); topology calls given a TP size from a handshake of 2^31
+//!   refuse it under an address-space limit instead of allocating 8 GiB, and
+//!   head sources take time per run, not per head; registering layers in
+//!   detail mode is linear.
 //!
 //! Hand-made records and payloads are written by the small msgpack writer
 //! below, independently of the library's encoder (layouts per the record and
@@ -34,6 +39,7 @@ use kvcsum::ffi::report::*;
 use kvcsum::ffi::result::*;
 use kvcsum::ffi::status::kvcs_status::*;
 use kvcsum::ffi::status::*;
+use kvcsum::ffi::topology::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;
 use support::Rng;
@@ -1331,4 +1337,332 @@ fn reports_count_loaded_positions_not_compared_and_may_require_them() {
         report.message()
     );
     assert_eq!((report.compared(), report.uncompared()), (3, 0), "seed {seed}");
+}
+
+// ---------------------------------------------------------------------------
+// Issue 18, K2: a host region at address 0
+
+#[test]
+fn a_region_at_address_0_or_past_the_end_of_the_address_space_is_refused() {
+    let mut rng = Rng::for_test("a_region_at_address_0_or_past_the_end_of_the_address_space_is_refused");
+    let worker = HostWorker::new(&mut rng, 1, 4, 16);
+    // A host worker cannot check host memory, but address 0 is never
+    // memory: accepted, the checksum read it and the process died.
+    assert_eq!(
+        kvcs_worker_add_region(worker.handle, 0, 1 << 20),
+        KVCS_ERR_INVALID_ARGUMENT
+    );
+    let message = last_error();
+    assert!(message.contains("address 0x0"), "{message}");
+    assert!(message.contains("length 1048576"), "{message}");
+    // A region whose end runs past the end of the address space.
+    assert_eq!(
+        kvcs_worker_add_region(worker.handle, u64::MAX - 4095, 8192),
+        KVCS_ERR_INVALID_ARGUMENT
+    );
+    assert!(last_error().contains("wraps"), "{}", last_error());
+    // Nothing was registered: a layer at address 0 reaches memory no region
+    // holds, so no checksum can read it.
+    assert_eq!(kvcs_worker_add_group(worker.handle, 0, 16), KVCS_OK);
+    let segment = kvcs_segment {
+        address: 0,
+        block_stride: 256,
+        kernel_block_stride: 0,
+        head_stride: 16,
+        token_stride: 16,
+        bytes_per_token: 16,
+    };
+    assert_eq!(worker.add_segment(0, 0, 4, 16, segment), KVCS_ERR_OUT_OF_BOUNDS);
+    assert!(last_error().contains("no registered region"), "{}", last_error());
+    // The worker's own region still works.
+    assert_eq!(worker.add_layer(0, 0, 0, 4, 16), KVCS_OK, "{}", last_error());
+    let scheduled = blocks(&[("req", 64, vec![(0, 0, vec![3, 1, 2, 0])])]);
+    assert!(worker.record(&scheduled, CONSUMER).is_ok());
+}
+
+// ---------------------------------------------------------------------------
+// Issue 18, K3: topology calls with a TP size from a handshake
+
+/// A topology of local engine "decode" (rank 0 of `tp_size`, `heads` KV
+/// heads, 16-token blocks).
+fn topology(tp_size: u32, heads: u32) -> *mut kvcs_topology {
+    let local = kvcs_local_engine {
+        tp_rank: 0,
+        tp_size,
+        total_kv_heads: heads,
+        is_mla: 0,
+        block_size: 16,
+    };
+    let mut handle = null_mut();
+    assert_eq!(
+        kvcs_topology_create(c"decode".as_ptr(), &local, &mut handle),
+        KVCS_OK,
+        "{}",
+        last_error()
+    );
+    handle
+}
+
+fn remote_engine(tp_size: u32) -> kvcs_remote_engine {
+    kvcs_remote_engine {
+        block_bytes: 4096,
+        tp_size,
+        block_size: 16,
+        kernel_blocks: 1,
+    }
+}
+
+/// A head source's fields as a tuple: (remote rank, first head, heads,
+/// local offset, remote offset).
+fn fields(source: &kvcs_head_source) -> (u32, u32, u32, u32, u32) {
+    (
+        source.remote_rank,
+        source.first_head,
+        source.num_heads,
+        source.local_offset,
+        source.remote_offset,
+    )
+}
+
+/// The head sources a call gives, through a size query and then a buffer
+/// of exactly the size it named.
+fn head_sources_of(call: impl Fn(*mut kvcs_head_source, usize, *mut usize) -> kvcs_status) -> Vec<kvcs_head_source> {
+    let mut len = 0usize;
+    assert_eq!(
+        call(null_mut(), 0, &mut len),
+        KVCS_ERR_BUFFER_TOO_SMALL,
+        "{}",
+        last_error()
+    );
+    let empty = kvcs_head_source {
+        remote_rank: u32::MAX,
+        first_head: 0,
+        num_heads: 0,
+        local_offset: 0,
+        remote_offset: 0,
+    };
+    let mut sources = vec![empty; len];
+    let cap = sources.len();
+    assert_eq!(call(sources.as_mut_ptr(), cap, &mut len), KVCS_OK, "{}", last_error());
+    assert_eq!(len, cap);
+    sources
+}
+
+#[test]
+fn topology_calls_with_a_huge_tp_size_are_refused_under_a_memory_limit() {
+    under_address_space_limit(
+        "topology_calls_with_a_huge_tp_size_are_refused_under_a_memory_limit",
+        || {
+            // 2^31 remote ranks were 8 GiB of u32 before anything was checked.
+            let huge = 1u32 << 31;
+            let refused = |status: kvcs_status, needle: &str| {
+                assert_eq!(status, KVCS_ERR_INVALID_ARGUMENT, "{needle}: {}", last_error());
+                let message = last_error();
+                assert!(message.contains(needle) && message.contains("65536"), "{message}");
+            };
+            let mut len = 7usize;
+            refused(
+                kvcs_remote_ranks(0, 1, huge, null_mut(), 0, &mut len),
+                "remote_tp 2147483648",
+            );
+            refused(
+                kvcs_handshake_targets(0, 1, huge, null_mut(), 0, &mut len),
+                "remote_tp 2147483648",
+            );
+            refused(
+                kvcs_head_sources(0, 1, huge, huge, 0, null_mut(), 0, &mut len),
+                "remote_tp 2147483648",
+            );
+            assert_eq!(len, 7, "*len is written only on success or a size query");
+            let mut ratio = 0i64;
+            refused(kvcs_tp_ratio(huge, 1, &mut ratio), "local_tp 2147483648");
+            let (mut first, mut count) = (0u32, 0u32);
+            refused(kvcs_rank_heads(0, huge, 1, 0, &mut first, &mut count), "tp 2147483648");
+            let mut replicated = 0u32;
+            refused(
+                kvcs_remote_kv_replicated(huge, 8, &mut replicated),
+                "remote_tp 2147483648",
+            );
+            refused(kvcs_local_kv_replicated(huge, 8, 0, &mut replicated), "tp 2147483648");
+            // A handshake telling 2^31 ranks is refused and recorded nowhere.
+            let topology = topology(1, 8);
+            let mut added = 9u32;
+            refused(
+                kvcs_topology_add_remote(topology, c"prefill".as_ptr(), &remote_engine(huge), &mut added),
+                "tp_size 2147483648",
+            );
+            assert_eq!(added, 9);
+            let mut told = remote_engine(0);
+            assert_eq!(
+                kvcs_topology_remote(topology, c"prefill".as_ptr(), &mut told),
+                KVCS_ERR_NOT_FOUND
+            );
+            // So is a local engine of that size.
+            let local = kvcs_local_engine {
+                tp_rank: 0,
+                tp_size: huge,
+                total_kv_heads: 8,
+                is_mla: 0,
+                block_size: 16,
+            };
+            let mut other = null_mut();
+            refused(
+                kvcs_topology_create(c"decode".as_ptr(), &local, &mut other),
+                "tp 2147483648",
+            );
+            assert!(other.is_null());
+            // Just past the bound is refused; the bound itself works.
+            refused(
+                kvcs_remote_ranks(0, 1, 65_537, null_mut(), 0, &mut len),
+                "remote_tp 65537",
+            );
+            assert_eq!(
+                kvcs_remote_ranks(0, 1, 65_536, null_mut(), 0, &mut len),
+                KVCS_ERR_BUFFER_TOO_SMALL
+            );
+            assert_eq!(len, 65_536);
+            let mut ranks = vec![u32::MAX; len];
+            assert_eq!(
+                kvcs_handshake_targets(0, 1, 65_536, ranks.as_mut_ptr(), ranks.len(), &mut len),
+                KVCS_OK
+            );
+            assert!(ranks.iter().enumerate().all(|(i, &rank)| rank == i as u32));
+            assert_eq!(
+                kvcs_topology_add_remote(topology, c"prefill".as_ptr(), &remote_engine(65_536), &mut added),
+                KVCS_OK,
+                "{}",
+                last_error()
+            );
+            assert_eq!(added, 1);
+            let sources = head_sources_of(|buf, cap, len| {
+                kvcs_topology_head_sources(topology, c"prefill".as_ptr(), buf, cap, len)
+            });
+            // 8 heads on 65,536 ranks: each read once, from the first of its 8,192 holders.
+            let expected: Vec<_> = (0..8u32).map(|h| (h * 8192, h, 1, h, 0)).collect();
+            assert_eq!(sources.iter().map(fields).collect::<Vec<_>>(), expected);
+            kvcs_topology_destroy(topology);
+        },
+    );
+}
+
+#[test]
+fn head_sources_take_time_linear_in_the_heads() {
+    // Local TP 1 holding 262,144 heads; remote TP 65,536 holding 4 each.
+    // Finding each head's rank among the ranks read from was quadratic.
+    let (heads, remote_tp) = (262_144u32, 65_536u32);
+    let start = Instant::now();
+    let sources = head_sources_of(|buf, cap, len| kvcs_head_sources(0, 1, remote_tp, heads, 0, buf, cap, len));
+    assert_fast(
+        "kvcs_head_sources of 262,144 heads on 65,536 ranks",
+        start.elapsed(),
+        1.0,
+    );
+    assert_eq!(sources.len(), remote_tp as usize);
+    for (i, source) in sources.iter().enumerate() {
+        let i = i as u32;
+        assert_eq!(fields(source), (i, 4 * i, 4, 4 * i, 0), "run {i}");
+    }
+    // The remote engine replicates: 32,768 heads on 65,536 ranks, each head
+    // read once, from the lower of its two ranks.
+    let start = Instant::now();
+    let sources = head_sources_of(|buf, cap, len| kvcs_head_sources(0, 1, remote_tp, 32_768, 0, buf, cap, len));
+    assert_fast("kvcs_head_sources of 32,768 replicated heads", start.elapsed(), 1.0);
+    assert_eq!(sources.len(), 32_768);
+    for (i, source) in sources.iter().enumerate() {
+        let i = i as u32;
+        assert_eq!(fields(source), (2 * i, i, 1, i, 0), "run {i}");
+    }
+    // A topology checks the same runs when the handshake is recorded.
+    let topology = topology(1, heads);
+    let start = Instant::now();
+    let mut added = 0u32;
+    assert_eq!(
+        kvcs_topology_add_remote(topology, c"prefill".as_ptr(), &remote_engine(remote_tp), &mut added),
+        KVCS_OK,
+        "{}",
+        last_error()
+    );
+    let sources =
+        head_sources_of(|buf, cap, len| kvcs_topology_head_sources(topology, c"prefill".as_ptr(), buf, cap, len));
+    assert_fast(
+        "kvcs_topology_add_remote and kvcs_topology_head_sources of 262,144 heads",
+        start.elapsed(),
+        1.0,
+    );
+    assert_eq!((added, sources.len()), (1, remote_tp as usize));
+    kvcs_topology_destroy(topology);
+    // The work is per run, not per head: 2^31 heads are 65,536 runs.
+    let start = Instant::now();
+    let sources = head_sources_of(|buf, cap, len| kvcs_head_sources(0, 1, remote_tp, 1 << 31, 0, buf, cap, len));
+    assert_fast("kvcs_head_sources of 2^31 heads", start.elapsed(), 1.0);
+    assert_eq!(sources.len(), remote_tp as usize);
+    let last = sources.last().unwrap();
+    assert_eq!(
+        fields(last),
+        (remote_tp - 1, (1 << 31) - (1 << 15), 1 << 15, (1 << 31) - (1 << 15), 0)
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Issue 18, K12: registration in detail mode
+
+#[test]
+fn registering_many_layers_in_detail_mode_takes_linear_time() {
+    let rng = Rng::for_test("registering_many_layers_in_detail_mode_takes_linear_time");
+    let seed = rng.seed();
+    let (layers, num_blocks, block_size) = (4000u32, 2u32, 4u32);
+    // Three workers over the same bytes (each cache drawn from one state).
+    let data = rng.clone();
+    let new_worker = || HostWorker::new(&mut data.clone(), layers, num_blocks, block_size);
+    let scheduled = blocks(&[("req", 6, vec![(0, 0, vec![1, 0])])]);
+    // Detail on first; a checksum half-way, then the other half: the
+    // shadow each detail result comes from must follow the layout.
+    let detail_first = new_worker();
+    assert_eq!(kvcs_worker_set_detail(detail_first.handle, 1), KVCS_OK);
+    assert_eq!(kvcs_worker_add_group(detail_first.handle, 0, block_size), KVCS_OK);
+    let mut registering = Duration::ZERO;
+    for half in [0..layers / 2, layers / 2..layers] {
+        let start = Instant::now();
+        for layer in half {
+            assert_eq!(
+                detail_first.add_layer(0, layer, layer, num_blocks, block_size),
+                KVCS_OK,
+                "{}",
+                last_error()
+            );
+        }
+        registering += start.elapsed();
+        assert!(detail_first.record(&scheduled, CONSUMER).is_ok(), "seed {seed}");
+    }
+    assert_fast("registering 4000 layers in detail mode", registering, 1.0);
+    // Detail on last, and never.
+    let detail_last = new_worker();
+    let plain = new_worker();
+    for worker in [&detail_last, &plain] {
+        assert_eq!(kvcs_worker_add_group(worker.handle, 0, block_size), KVCS_OK);
+        for layer in 0..layers {
+            assert_eq!(worker.add_layer(0, layer, layer, num_blocks, block_size), KVCS_OK);
+        }
+    }
+    assert_eq!(kvcs_worker_set_detail(detail_last.handle, 1), KVCS_OK);
+    let first = detail_first.record(&scheduled, CONSUMER).unwrap();
+    let last = detail_last.record(&scheduled, CONSUMER).unwrap();
+    let without = plain.record(&scheduled, CONSUMER).unwrap();
+    assert!(
+        first == last,
+        "seed {seed}: detail records differ with the order of registration"
+    );
+    // Each record carries 4000 layers' partials (2 positions of 8 bytes).
+    assert!(
+        first.len() > without.len() + layers as usize * 16,
+        "seed {seed}: {} bytes with detail, {} without",
+        first.len(),
+        without.len()
+    );
+    // Off again: the plain record.
+    assert_eq!(kvcs_worker_set_detail(detail_first.handle, 0), KVCS_OK);
+    assert!(
+        detail_first.record(&scheduled, CONSUMER).unwrap() == without,
+        "seed {seed}"
+    );
 }

@@ -1330,7 +1330,8 @@ def _head_sources(call) -> list[HeadSource]:
 
 def tp_ratio(local_tp: int, remote_tp: int) -> int:
     """local/remote when local >= remote, else -(remote/local); InvalidArgument
-    when the sizes do not divide."""
+    when the sizes do not divide, or a size is 0 or above KVCS_MAX_TP_SIZE
+    (65536)."""
     local_tp, remote_tp = _int(local_tp, "uint32_t", "local_tp"), _int(remote_tp, "uint32_t", "remote_tp")
     value = c_int64()
     _check(library().kvcs_tp_ratio(local_tp, remote_tp, byref(value)))

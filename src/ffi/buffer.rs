@@ -52,3 +52,15 @@ pub(crate) unsafe fn write_items<T: Copy>(
     len.write(items.len());
     kvcs_status::KVCS_OK
 }
+
+/// Copies `items` to `(buf, cap)` and their count to `*len`, as
+/// [`write_items`] does, naming them "entries" (the topology and completion
+/// calls' arrays).
+///
+/// # Safety
+/// `buf` is NULL or points to `cap` writable elements; `len` is NULL or
+/// writable.
+pub(crate) unsafe fn write_entries<T: Copy>(items: &[T], buf: *mut T, cap: usize, len: *mut usize) -> kvcs_status {
+    // SAFETY: the caller's contract.
+    unsafe { write_items(items, buf, cap, len, "entries") }
+}

@@ -8,10 +8,11 @@
 use std::ffi::{c_char, c_void};
 
 use super::blocks::kvcs_blocks;
+use super::completion::kvcs_completion;
 use super::report::{kvcs_layer_difference, kvcs_mismatch, kvcs_report};
 use super::result::kvcs_result;
 use super::status::kvcs_status;
-use super::topology::{kvcs_completion, kvcs_head_source, kvcs_local_engine, kvcs_remote_engine, kvcs_topology};
+use super::topology::{kvcs_head_source, kvcs_local_engine, kvcs_remote_engine, kvcs_topology};
 use super::verifier::kvcs_verifier;
 use super::worker::{kvcs_layer, kvcs_state, kvcs_worker, kvcs_worker_options};
 
@@ -27,6 +28,26 @@ pub type kvcs_blocks_add_group_fn =
 /// The type of `kvcs_blocks_set_hashes`.
 pub type kvcs_blocks_set_hashes_fn =
     unsafe extern "C" fn(*mut kvcs_blocks, *const c_char, u32, *const u8, usize, usize) -> kvcs_status;
+/// The type of `kvcs_completion_create`.
+pub type kvcs_completion_create_fn = unsafe extern "C" fn(u32, *mut *mut kvcs_completion) -> kvcs_status;
+/// The type of `kvcs_completion_destroy`.
+pub type kvcs_completion_destroy_fn = unsafe extern "C" fn(*mut kvcs_completion);
+/// The type of `kvcs_completion_set_expected`.
+pub type kvcs_completion_set_expected_fn = unsafe extern "C" fn(*mut kvcs_completion, u32) -> kvcs_status;
+/// The type of `kvcs_completion_report`.
+pub type kvcs_completion_report_fn =
+    unsafe extern "C" fn(*mut kvcs_completion, u32, u32, *const *const c_char, usize, *mut u8) -> kvcs_status;
+/// The type of `kvcs_completion_reported`.
+pub type kvcs_completion_reported_fn =
+    unsafe extern "C" fn(*const kvcs_completion, u32, *const c_char, *mut u32) -> kvcs_status;
+/// The type of `kvcs_completion_add_invalid_blocks`.
+pub type kvcs_completion_add_invalid_blocks_fn =
+    unsafe extern "C" fn(*mut kvcs_completion, *const u32, usize) -> kvcs_status;
+/// The type of `kvcs_completion_invalid_blocks`.
+pub type kvcs_completion_invalid_blocks_fn =
+    unsafe extern "C" fn(*const kvcs_completion, *mut u32, usize, *mut usize) -> kvcs_status;
+/// The type of `kvcs_completion_clear_invalid_blocks`.
+pub type kvcs_completion_clear_invalid_blocks_fn = unsafe extern "C" fn(*mut kvcs_completion) -> kvcs_status;
 /// The type of `kvcs_report_verdict`.
 pub type kvcs_report_verdict_fn = unsafe extern "C" fn(*const kvcs_report, *mut u32) -> kvcs_status;
 /// The type of `kvcs_report_passed`.
@@ -145,26 +166,6 @@ pub type kvcs_topology_remote_ranks_fn =
 /// The type of `kvcs_topology_head_sources`.
 pub type kvcs_topology_head_sources_fn =
     unsafe extern "C" fn(*const kvcs_topology, *const c_char, *mut kvcs_head_source, usize, *mut usize) -> kvcs_status;
-/// The type of `kvcs_completion_create`.
-pub type kvcs_completion_create_fn = unsafe extern "C" fn(u32, *mut *mut kvcs_completion) -> kvcs_status;
-/// The type of `kvcs_completion_destroy`.
-pub type kvcs_completion_destroy_fn = unsafe extern "C" fn(*mut kvcs_completion);
-/// The type of `kvcs_completion_set_expected`.
-pub type kvcs_completion_set_expected_fn = unsafe extern "C" fn(*mut kvcs_completion, u32) -> kvcs_status;
-/// The type of `kvcs_completion_report`.
-pub type kvcs_completion_report_fn =
-    unsafe extern "C" fn(*mut kvcs_completion, u32, u32, *const *const c_char, usize, *mut u8) -> kvcs_status;
-/// The type of `kvcs_completion_reported`.
-pub type kvcs_completion_reported_fn =
-    unsafe extern "C" fn(*const kvcs_completion, u32, *const c_char, *mut u32) -> kvcs_status;
-/// The type of `kvcs_completion_add_invalid_blocks`.
-pub type kvcs_completion_add_invalid_blocks_fn =
-    unsafe extern "C" fn(*mut kvcs_completion, *const u32, usize) -> kvcs_status;
-/// The type of `kvcs_completion_invalid_blocks`.
-pub type kvcs_completion_invalid_blocks_fn =
-    unsafe extern "C" fn(*const kvcs_completion, *mut u32, usize, *mut usize) -> kvcs_status;
-/// The type of `kvcs_completion_clear_invalid_blocks`.
-pub type kvcs_completion_clear_invalid_blocks_fn = unsafe extern "C" fn(*mut kvcs_completion) -> kvcs_status;
 /// The type of `kvcs_verifier_create`.
 pub type kvcs_verifier_create_fn = unsafe extern "C" fn(u32, *mut *mut kvcs_verifier) -> kvcs_status;
 /// The type of `kvcs_verifier_destroy`.
@@ -244,6 +245,14 @@ const _: kvcs_blocks_destroy_fn = super::blocks::kvcs_blocks_destroy;
 const _: kvcs_blocks_add_request_fn = super::blocks::kvcs_blocks_add_request;
 const _: kvcs_blocks_add_group_fn = super::blocks::kvcs_blocks_add_group;
 const _: kvcs_blocks_set_hashes_fn = super::blocks::kvcs_blocks_set_hashes;
+const _: kvcs_completion_create_fn = super::completion::kvcs_completion_create;
+const _: kvcs_completion_destroy_fn = super::completion::kvcs_completion_destroy;
+const _: kvcs_completion_set_expected_fn = super::completion::kvcs_completion_set_expected;
+const _: kvcs_completion_report_fn = super::completion::kvcs_completion_report;
+const _: kvcs_completion_reported_fn = super::completion::kvcs_completion_reported;
+const _: kvcs_completion_add_invalid_blocks_fn = super::completion::kvcs_completion_add_invalid_blocks;
+const _: kvcs_completion_invalid_blocks_fn = super::completion::kvcs_completion_invalid_blocks;
+const _: kvcs_completion_clear_invalid_blocks_fn = super::completion::kvcs_completion_clear_invalid_blocks;
 const _: kvcs_report_verdict_fn = super::report::kvcs_report_verdict;
 const _: kvcs_report_passed_fn = super::report::kvcs_report_passed;
 const _: kvcs_report_reason_fn = super::report::kvcs_report_reason;
@@ -297,14 +306,6 @@ const _: kvcs_topology_block_size_ratio_fn = super::topology::kvcs_topology_bloc
 const _: kvcs_topology_remote_kv_replicated_fn = super::topology::kvcs_topology_remote_kv_replicated;
 const _: kvcs_topology_remote_ranks_fn = super::topology::kvcs_topology_remote_ranks;
 const _: kvcs_topology_head_sources_fn = super::topology::kvcs_topology_head_sources;
-const _: kvcs_completion_create_fn = super::topology::kvcs_completion_create;
-const _: kvcs_completion_destroy_fn = super::topology::kvcs_completion_destroy;
-const _: kvcs_completion_set_expected_fn = super::topology::kvcs_completion_set_expected;
-const _: kvcs_completion_report_fn = super::topology::kvcs_completion_report;
-const _: kvcs_completion_reported_fn = super::topology::kvcs_completion_reported;
-const _: kvcs_completion_add_invalid_blocks_fn = super::topology::kvcs_completion_add_invalid_blocks;
-const _: kvcs_completion_invalid_blocks_fn = super::topology::kvcs_completion_invalid_blocks;
-const _: kvcs_completion_clear_invalid_blocks_fn = super::topology::kvcs_completion_clear_invalid_blocks;
 const _: kvcs_verifier_create_fn = super::verifier::kvcs_verifier_create;
 const _: kvcs_verifier_destroy_fn = super::verifier::kvcs_verifier_destroy;
 const _: kvcs_verifier_set_policy_fn = super::verifier::kvcs_verifier_set_policy;

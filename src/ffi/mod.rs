@@ -9,6 +9,7 @@
 
 pub mod blocks;
 pub mod buffer;
+pub mod completion;
 pub(crate) mod handle;
 pub mod loader;
 pub mod panic;

@@ -1,38 +1,20 @@
-//! Transfer topology (docs/SPEC.md#11-transfer-topology-for-transfer-agents): the free functions of TP and block
-//! size arithmetic, `kvcs_topology` (per remote engine, what its handshake
-//! told) and `kvcs_completion` (when every worker finished a request).
+//! Transfer topology (docs/SPEC.md#11-transfer-topology-for-transfer-agents):
+//! the free functions of TP and block size arithmetic, and `kvcs_topology`
+//! (per remote engine, what its handshake told). The completion counter is
+//! `completion.rs`.
+//!
+//! Every TP size these calls take runs from 1 to `KVCS_MAX_TP_SIZE`
+//! (`crate::topology::MAX_TP_SIZE`), so that each answer fits in memory.
 
 use std::ffi::c_char;
 
+use super::buffer::write_entries;
 use super::handle::{free, handle, into_handle, try_handle, try_handle_mut};
 use super::panic::ffi_boundary;
 use super::status::{fail, kvcs_status};
-use super::{c_array, c_str, not_null, try_engine, try_ref, write_out};
+use super::{c_str, not_null, try_engine, try_ref, write_out};
 use crate::error::err;
-use crate::topology::{self, Completion, Direction, HeadSource, LocalEngine, RemoteEngine, Topology};
-
-/// Which transfer a worker reports finished (`kvcs_completion_report`).
-/// Values are fixed and never renumbered.
-#[allow(non_camel_case_types)]
-#[repr(u32)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum kvcs_direction {
-    /// The worker finished sending the request's KV.
-    KVCS_DIRECTION_SENDING = 0,
-    /// The worker finished receiving the request's KV.
-    KVCS_DIRECTION_RECEIVING = 1,
-}
-
-fn direction(value: u32) -> crate::error::Result<Direction> {
-    match value {
-        0 => Ok(Direction::Sending),
-        1 => Ok(Direction::Receiving),
-        _ => Err(err!(
-            InvalidArgument,
-            "direction {value} is not a kvcs_direction (0 or 1)"
-        )),
-    }
-}
+use crate::topology::{self, HeadSource, LocalEngine, RemoteEngine, Topology};
 
 /// The local engine of a `kvcs_topology`.
 #[allow(non_camel_case_types)]
@@ -41,7 +23,7 @@ fn direction(value: u32) -> crate::error::Result<Direction> {
 pub struct kvcs_local_engine {
     /// This worker's TP rank, below `tp_size`.
     pub tp_rank: u32,
-    /// The local TP size, at least 1.
+    /// The local TP size, 1 to `KVCS_MAX_TP_SIZE`.
     pub tp_size: u32,
     /// KV heads of the model (1 for MLA).
     pub total_kv_heads: u32,
@@ -58,7 +40,8 @@ pub struct kvcs_local_engine {
 pub struct kvcs_remote_engine {
     /// Bytes of one logical block of one layer on one of its ranks.
     pub block_bytes: u64,
-    /// Its TP size.
+    /// Its TP size, 1 to `KVCS_MAX_TP_SIZE` (a handshake telling more is
+    /// refused).
     pub tp_size: u32,
     /// Its tokens per logical block.
     pub block_size: u32,
@@ -115,20 +98,10 @@ fn flag(value: u32, name: &str) -> crate::error::Result<bool> {
     }
 }
 
-/// Copies `items` to `(buf, cap)` and their count to `*len` (see
-/// [`super::buffer::write_items`]).
-///
-/// # Safety
-/// `buf` is NULL or points to `cap` writable elements; `len` is NULL or
-/// writable.
-unsafe fn write_entries<T: Copy>(items: &[T], buf: *mut T, cap: usize, len: *mut usize) -> kvcs_status {
-    // SAFETY: the caller's contract.
-    unsafe { super::buffer::write_items(items, buf, cap, len, "entries") }
-}
-
 /// `local_tp / remote_tp` when `local_tp >= remote_tp`, else `-(remote_tp /
 /// local_tp)`, into `*ratio`. `KVCS_ERR_INVALID_ARGUMENT` when a size is 0
-/// or the larger is not a multiple of the smaller.
+/// or above `KVCS_MAX_TP_SIZE`, or the larger is not a multiple of the
+/// smaller.
 #[no_mangle]
 pub extern "C" fn kvcs_tp_ratio(local_tp: u32, remote_tp: u32, ratio: *mut i64) -> kvcs_status {
     ffi_boundary! {
@@ -143,8 +116,9 @@ pub extern "C" fn kvcs_tp_ratio(local_tp: u32, remote_tp: u32, ratio: *mut i64) 
 /// The remote ranks local rank `local_rank` reads from, ascending, into
 /// `(ranks, cap)` with the count in `*len` (`(NULL, 0)` asks for it):
 /// `local_rank / ratio` for a positive `kvcs_tp_ratio`, else the `|ratio|`
-/// ranks from `local_rank * |ratio|`. `KVCS_ERR_OUT_OF_BOUNDS` for a rank
-/// at or past `local_tp`.
+/// ranks from `local_rank * |ratio|` (so at most `KVCS_MAX_TP_SIZE`).
+/// `KVCS_ERR_OUT_OF_BOUNDS` for a rank at or past `local_tp`;
+/// `KVCS_ERR_INVALID_ARGUMENT` for sizes `kvcs_tp_ratio` refuses.
 #[no_mangle]
 pub extern "C" fn kvcs_remote_ranks(
     local_rank: u32,
@@ -188,8 +162,9 @@ pub extern "C" fn kvcs_block_size_ratio(local_block_size: u32, remote_block_size
     }
 }
 
-/// `*replicated` = 1 if a remote engine of TP size `remote_tp` replicates
-/// KV heads (`remote_tp > total_kv_heads`), else 0.
+/// `*replicated` = 1 if a remote engine of TP size `remote_tp` (1 to
+/// `KVCS_MAX_TP_SIZE`) replicates KV heads (`remote_tp > total_kv_heads`),
+/// else 0.
 #[no_mangle]
 pub extern "C" fn kvcs_remote_kv_replicated(remote_tp: u32, total_kv_heads: u32, replicated: *mut u32) -> kvcs_status {
     ffi_boundary! {
@@ -201,8 +176,9 @@ pub extern "C" fn kvcs_remote_kv_replicated(remote_tp: u32, total_kv_heads: u32,
     }
 }
 
-/// `*replicated` = 1 if the local engine replicates KV heads (`is_mla` is
-/// 1, or `tp > total_kv_heads`), else 0.
+/// `*replicated` = 1 if the local engine, of TP size `tp` (1 to
+/// `KVCS_MAX_TP_SIZE`), replicates KV heads (`is_mla` is 1, or `tp >
+/// total_kv_heads`), else 0.
 #[no_mangle]
 pub extern "C" fn kvcs_local_kv_replicated(
     tp: u32,
@@ -220,10 +196,11 @@ pub extern "C" fn kvcs_local_kv_replicated(
     }
 }
 
-/// The global heads rank `rank` of an engine of TP size `tp` holds:
-/// `[r*K/T, (r+1)*K/T)` when `T <= K`, else head `r / (T/K)`; with MLA
-/// (`total_kv_heads` must be 1) head 0. Sizes that do not divide give
-/// `KVCS_ERR_INVALID_ARGUMENT`. Either out-pointer may be NULL.
+/// The global heads rank `rank` of an engine of TP size `tp` (1 to
+/// `KVCS_MAX_TP_SIZE`) holds: `[r*K/T, (r+1)*K/T)` when `T <= K`, else
+/// head `r / (T/K)`; with MLA (`total_kv_heads` must be 1) head 0. Sizes
+/// that do not divide give `KVCS_ERR_INVALID_ARGUMENT`. Either out-pointer
+/// may be NULL.
 #[no_mangle]
 pub extern "C" fn kvcs_rank_heads(
     rank: u32,
@@ -248,7 +225,10 @@ pub extern "C" fn kvcs_rank_heads(
 /// For local rank `local_rank`, the runs of its heads in head order, each
 /// with the remote rank that supplies it (one of `kvcs_remote_ranks`; the
 /// lowest where the remote engine replicates a head), into `(sources,
-/// cap)` with the count in `*len` (`(NULL, 0)` asks for it).
+/// cap)` with the count in `*len` (`(NULL, 0)` asks for it). Each run is a
+/// different remote rank, so there are at most `|kvcs_tp_ratio|` of them,
+/// however many heads the rank holds; the work is per run. Sizes are
+/// checked as by `kvcs_remote_ranks` and `kvcs_rank_heads`.
 #[no_mangle]
 pub extern "C" fn kvcs_head_sources(
     local_rank: u32,
@@ -287,7 +267,9 @@ pub struct kvcs_topology {
 handle!(kvcs_topology => Topology);
 
 /// Creates a topology of local engine `local_engine_id` (a non-empty UTF-8
-/// string) with no remote engine; `*out` owns it.
+/// string) with no remote engine; `*out` owns it. `local` is checked as by
+/// `kvcs_rank_heads` (TP size 1 to `KVCS_MAX_TP_SIZE`, rank below it, heads
+/// dividing) and its block size must be at least 1.
 #[no_mangle]
 pub extern "C" fn kvcs_topology_create(
     local_engine_id: *const c_char,
@@ -327,9 +309,9 @@ pub extern "C" fn kvcs_topology_destroy(topology: *mut kvcs_topology) {
 
 /// Records remote engine `engine_id`'s handshake. `*added` (may be NULL) is
 /// 1, or 0 when the engine was registered before (the first is kept). The
-/// local engine's own id, a size of 0, or sizes that do not divide the
-/// local engine's (TP, block size, kernel blocks, heads) give
-/// `KVCS_ERR_INVALID_ARGUMENT` and nothing is recorded.
+/// local engine's own id, a size of 0, a TP size above `KVCS_MAX_TP_SIZE`,
+/// or sizes that do not divide the local engine's (TP, block size, kernel
+/// blocks, heads) give `KVCS_ERR_INVALID_ARGUMENT` and nothing is recorded.
 #[no_mangle]
 pub extern "C" fn kvcs_topology_add_remote(
     topology: *mut kvcs_topology,
@@ -478,154 +460,5 @@ pub extern "C" fn kvcs_topology_head_sources(
             try_engine!(topology.head_sources(engine_id)).into_iter().map(Into::into).collect();
         // SAFETY: the contract gives `cap` writable entries and a writable `len`.
         unsafe { write_entries(&items, sources, cap, len) }
-    }
-}
-
-/// Counts, per request and direction, the workers that reported it
-/// finished, and says when every expected worker has (docs/SPEC.md#11-transfer-topology-for-transfer-agents);
-/// unites the invalid block ids workers report.
-///
-/// Ownership: created by `kvcs_completion_create`, freed by
-/// `kvcs_completion_destroy`.
-/// Thread safety: `kvcs_completion *` calls need exclusive access; `const
-/// kvcs_completion *` calls may run concurrently.
-#[allow(non_camel_case_types)]
-pub struct kvcs_completion {
-    _private: [u8; 0],
-}
-
-handle!(kvcs_completion => Completion);
-
-/// Creates a counter expecting `expected_workers` (at least 1) reports per
-/// request and direction; `*out` owns it.
-#[no_mangle]
-pub extern "C" fn kvcs_completion_create(expected_workers: u32, out: *mut *mut kvcs_completion) -> kvcs_status {
-    ffi_boundary! {
-        not_null!(out, "out");
-        let completion = try_engine!(Completion::new(expected_workers));
-        // SAFETY: `out` is non-NULL and writable per the contract.
-        unsafe { out.write(into_handle(completion)) };
-        kvcs_status::KVCS_OK
-    }
-}
-
-/// Frees a counter. NULL is a no-op.
-#[no_mangle]
-pub extern "C" fn kvcs_completion_destroy(completion: *mut kvcs_completion) {
-    ffi_boundary! {
-        // SAFETY: NULL, or made by `kvcs_completion_create` and not freed before (the contract).
-        unsafe { free(completion) };
-    }
-}
-
-/// Changes the expected count (at least 1) for requests first reported
-/// from now on; requests already counting keep the count they started with.
-#[no_mangle]
-pub extern "C" fn kvcs_completion_set_expected(completion: *mut kvcs_completion, expected_workers: u32) -> kvcs_status {
-    ffi_boundary! {
-        let completion = try_handle_mut!(completion, "completion");
-        try_engine!(completion.set_expected(expected_workers));
-        kvcs_status::KVCS_OK
-    }
-}
-
-/// Worker `worker` reports the `n` requests `req_ids` finished in
-/// `direction` (a `kvcs_direction`). `completed[i]` is set to 1 when this
-/// report completed request `i` (every expected worker has now reported
-/// it), else 0. A request listed twice, or already reported by this worker
-/// and not yet completed, gives `KVCS_ERR_INVALID_ARGUMENT` and nothing is
-/// counted.
-#[no_mangle]
-pub extern "C" fn kvcs_completion_report(
-    completion: *mut kvcs_completion,
-    worker: u32,
-    direction: u32,
-    req_ids: *const *const c_char,
-    n: usize,
-    completed: *mut u8,
-) -> kvcs_status {
-    ffi_boundary! {
-        let completion = try_handle_mut!(completion, "completion");
-        let direction = try_engine!(self::direction(direction));
-        // SAFETY: NULL or `n` readable pointers per the contract.
-        let pointers = try_engine!(unsafe { c_array(req_ids, n, "req_ids") });
-        if completed.is_null() && n != 0 {
-            return fail(&err!(InvalidArgument, "completed is NULL with n {n}"));
-        }
-        let mut ids = Vec::with_capacity(pointers.len());
-        for (i, &pointer) in pointers.iter().enumerate() {
-            // SAFETY: each is NULL or a NUL-terminated string per the contract.
-            ids.push(try_engine!(unsafe { c_str(pointer, &format!("req_ids[{i}]")) }));
-        }
-        let done = try_engine!(completion.report(worker, direction, &ids));
-        for (i, value) in done.into_iter().enumerate() {
-            // SAFETY: the contract gives `n` writable bytes at `completed`.
-            unsafe { completed.add(i).write(u8::from(value)) };
-        }
-        kvcs_status::KVCS_OK
-    }
-}
-
-/// The number of workers that reported `req_id` finished in `direction`
-/// so far, into `*count` (0 before any did and once it completed).
-#[no_mangle]
-pub extern "C" fn kvcs_completion_reported(
-    completion: *const kvcs_completion,
-    direction: u32,
-    req_id: *const c_char,
-    count: *mut u32,
-) -> kvcs_status {
-    ffi_boundary! {
-        let completion = try_handle!(completion, "completion");
-        let direction = try_engine!(self::direction(direction));
-        // SAFETY: NULL or a NUL-terminated string per the contract.
-        let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
-        not_null!(count, "count");
-        // SAFETY: non-NULL and writable per the contract.
-        unsafe { count.write(completion.reported(direction, req_id)) };
-        kvcs_status::KVCS_OK
-    }
-}
-
-/// Adds the `n` block ids a worker found invalid to the union.
-#[no_mangle]
-pub extern "C" fn kvcs_completion_add_invalid_blocks(
-    completion: *mut kvcs_completion,
-    block_ids: *const u32,
-    n: usize,
-) -> kvcs_status {
-    ffi_boundary! {
-        let completion = try_handle_mut!(completion, "completion");
-        // SAFETY: NULL or `n` readable ids per the contract.
-        let block_ids = try_engine!(unsafe { c_array(block_ids, n, "block_ids") });
-        completion.add_invalid_blocks(block_ids);
-        kvcs_status::KVCS_OK
-    }
-}
-
-/// The union of the invalid block ids added since the last clear, ascending,
-/// into `(block_ids, cap)` with the count in `*len` (`(NULL, 0)` asks for it).
-#[no_mangle]
-pub extern "C" fn kvcs_completion_invalid_blocks(
-    completion: *const kvcs_completion,
-    block_ids: *mut u32,
-    cap: usize,
-    len: *mut usize,
-) -> kvcs_status {
-    ffi_boundary! {
-        let completion = try_handle!(completion, "completion");
-        let items = completion.invalid_blocks();
-        // SAFETY: the contract gives `cap` writable ids and a writable `len`.
-        unsafe { write_entries(&items, block_ids, cap, len) }
-    }
-}
-
-/// Forgets the invalid block ids.
-#[no_mangle]
-pub extern "C" fn kvcs_completion_clear_invalid_blocks(completion: *mut kvcs_completion) -> kvcs_status {
-    ffi_boundary! {
-        let completion = try_handle_mut!(completion, "completion");
-        completion.clear_invalid_blocks();
-        kvcs_status::KVCS_OK
     }
 }

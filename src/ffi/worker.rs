@@ -148,10 +148,12 @@ pub extern "C" fn kvcs_worker_destroy(worker: *mut kvcs_worker) {
 /// Registers `length` bytes at `address` (host or device memory, as the
 /// worker) that the worker may read. The caller keeps them readable, and the
 /// bytes being checksummed unchanged during a call, while the worker lives.
-/// A device worker checks the range against CUDA: memory CUDA does not know
-/// (a plain host pointer) gives `KVCS_ERR_INVALID_ARGUMENT`, a range past
-/// the end of its allocation `KVCS_ERR_OUT_OF_BOUNDS`. A host worker cannot
-/// check host memory and trusts the caller.
+/// `address` 0 (NULL), `length` 0, or a range running past the end of the
+/// address space give `KVCS_ERR_INVALID_ARGUMENT`. A device worker checks
+/// the range against CUDA: memory CUDA does not know (a plain host pointer)
+/// gives `KVCS_ERR_INVALID_ARGUMENT`, a range past the end of its
+/// allocation `KVCS_ERR_OUT_OF_BOUNDS`. A host worker cannot check host
+/// memory otherwise and trusts the caller.
 #[no_mangle]
 pub extern "C" fn kvcs_worker_add_region(worker: *mut kvcs_worker, address: u64, length: u64) -> kvcs_status {
     ffi_boundary! {
@@ -547,6 +549,9 @@ pub extern "C" fn kvcs_block_tags(
 /// (and head ranges) that differ. It reads the KV a second time: a device
 /// worker queues one more launch on the same stream, and its result is
 /// ready once both are done. State layers have no per-layer partials.
+/// Registration stays linear in detail mode: the per-layer layout is built
+/// at the first checksum after the layout last changed, so that call (not
+/// `kvcs_worker_add_layer`) reports its errors, such as a device's.
 #[no_mangle]
 pub extern "C" fn kvcs_worker_set_detail(worker: *mut kvcs_worker, on: u32) -> kvcs_status {
     ffi_boundary! {

@@ -147,6 +147,8 @@ static void test_registration(void) {
   EXPECT(kvcs_worker_add_region(NULL, address, CACHE_BYTES), KVCS_ERR_INVALID_ARGUMENT, "worker");
   EXPECT(kvcs_worker_add_region(worker, address, 0), KVCS_ERR_INVALID_ARGUMENT, "length is 0");
   EXPECT(kvcs_worker_add_region(worker, UINT64_MAX - 7, 16), KVCS_ERR_INVALID_ARGUMENT, "wraps");
+  /* Address 0 is never memory: a host worker would read it and crash. */
+  EXPECT(kvcs_worker_add_region(worker, 0, 1 << 20), KVCS_ERR_INVALID_ARGUMENT, "address 0x0");
 
   EXPECT(kvcs_worker_add_group(NULL, 0, BLOCK_SIZE), KVCS_ERR_INVALID_ARGUMENT, "worker");
   EXPECT(kvcs_worker_add_group(worker, 0, 0), KVCS_ERR_INVALID_ARGUMENT, "block_size is 0");

@@ -68,6 +68,23 @@ static void test_free_functions(void) {
   CHECK(sources[1].remote_rank == 2 && sources[1].first_head == 1 && sources[1].local_offset == 1 &&
         sources[1].remote_offset == 0);
   EXPECT(kvcs_head_sources(0, 2, 4, 6, 0, sources, 2, &len), KVCS_ERR_INVALID_ARGUMENT, "total_kv_heads 6");
+
+  /* TP sizes run to KVCS_MAX_TP_SIZE: a handshake's 2^31 is refused, not
+   * 8 GiB of ranks; *len stays as it was. */
+  len = 5;
+  EXPECT(kvcs_remote_ranks(0, 1, 1u << 31, NULL, 0, &len), KVCS_ERR_INVALID_ARGUMENT, "remote_tp 2147483648");
+  EXPECT(kvcs_handshake_targets(0, 1, KVCS_MAX_TP_SIZE + 1, NULL, 0, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "remote_tp 65537");
+  EXPECT(kvcs_head_sources(0, 1, 1u << 31, 1u << 31, 0, NULL, 0, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "remote_tp 2147483648");
+  EXPECT(kvcs_tp_ratio(1u << 31, 1, &ratio), KVCS_ERR_INVALID_ARGUMENT, "local_tp 2147483648");
+  EXPECT(kvcs_rank_heads(0, 1u << 31, 1, 0, &first, &count), KVCS_ERR_INVALID_ARGUMENT, "tp 2147483648");
+  CHECK(len == 5);
+  EXPECT(kvcs_remote_ranks(0, 1, KVCS_MAX_TP_SIZE, NULL, 0, &len), KVCS_ERR_BUFFER_TOO_SMALL, "cap 0");
+  CHECK(len == KVCS_MAX_TP_SIZE);
+  /* Runs, not heads: 2^31 heads from 65536 ranks are 65536 runs. */
+  EXPECT(kvcs_head_sources(0, 1, KVCS_MAX_TP_SIZE, 1u << 31, 0, NULL, 0, &len), KVCS_ERR_BUFFER_TOO_SMALL, "cap 0");
+  CHECK(len == KVCS_MAX_TP_SIZE);
 }
 
 static void test_topology_handle(void) {
@@ -92,6 +109,9 @@ static void test_topology_handle(void) {
   EXPECT(kvcs_topology_add_remote(topology, "decode", &remote, &added), KVCS_ERR_INVALID_ARGUMENT, "own id");
   other.kernel_blocks = 3;
   EXPECT(kvcs_topology_add_remote(topology, "x", &other, &added), KVCS_ERR_INVALID_ARGUMENT, "kernel_blocks 3");
+  other = remote;
+  other.tp_size = 1u << 31;
+  EXPECT(kvcs_topology_add_remote(topology, "x", &other, &added), KVCS_ERR_INVALID_ARGUMENT, "tp_size 2147483648");
 
   kvcs_remote_engine told;
   EXPECT_OK(kvcs_topology_remote(topology, "prefill", &told));
