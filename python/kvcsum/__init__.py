@@ -106,6 +106,9 @@ __all__ = [
     "ROLE_DIFFERS",
     "UNCOMPARED_POSITIONS",
     "NOT_LOAD_CHECK",
+    "ALGORITHM_DIFFERS",
+    "BLOCK_SIZE_UNKNOWN",
+    "NOTHING_READ",
     "library",
     "version",
     "Layer",
@@ -115,6 +118,8 @@ __all__ = [
     "STORED_FAILED",
     "STORED_MATCHED",
     "STORED_NOT_CHECKED",
+    "STORED_OTHER_FINGERPRINT",
+    "STORED_OTHER_ALGORITHM",
     "Worker",
     "Result",
     "Verifier",
@@ -164,6 +169,9 @@ STATE_TP_DIFFERS = 9
 ROLE_DIFFERS = 10
 UNCOMPARED_POSITIONS = 11
 NOT_LOAD_CHECK = 12
+ALGORITHM_DIFFERS = 13
+BLOCK_SIZE_UNKNOWN = 14
+NOTHING_READ = 15
 
 _library = None
 _library_lock = threading.Lock()
@@ -699,6 +707,8 @@ class StateTensor:
 STORED_FAILED = 0
 STORED_MATCHED = 1
 STORED_NOT_CHECKED = 2
+STORED_OTHER_FINGERPRINT = 3  # stored under other layers or identities: not compared
+STORED_OTHER_ALGORITHM = 4  # stored with another algorithm: not compared
 
 
 # --- Handles -------------------------------------------------------------------
@@ -812,7 +822,8 @@ class Result(_Handle):
 
     def stored(self, req_id: str, group_id: int) -> np.ndarray:
         """A load check's verdicts (Worker.check_stored), one per block
-        position: STORED_MATCHED, STORED_FAILED or STORED_NOT_CHECKED."""
+        position: STORED_MATCHED, STORED_FAILED, STORED_NOT_CHECKED,
+        STORED_OTHER_FINGERPRINT or STORED_OTHER_ALGORITHM."""
         _, positions, _ = self.group(req_id, group_id)
         outcomes = np.zeros(positions, dtype=np.uint8)
         pointer = outcomes.ctypes.data_as(ctypes.POINTER(c_uint8)) if positions else None
@@ -846,6 +857,7 @@ class Worker(_Handle):
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, device=device, num_threads=num_threads
         )
         self._kept = []  # the arrays C may read or write while the worker (or a result) lives
+        self._on_host = options.device == HOST
         super().__init__(_create(library().kvcs_worker_create, byref(options)))
 
     def add_region(self, address: int, length: int) -> None:
@@ -962,10 +974,14 @@ class Worker(_Handle):
     def add_stored_of(self, group_id: int, array) -> None:
         """Registers an array as the group's buffer of stored checksums and
         keeps it for the worker's lifetime: C-contiguous, writable, native
-        unsigned integers, BLOCK_CHECKSUM_BYTES per block id (a numpy
-        uint64 array, one element per block id, while that is 8); ValueError
-        naming `array` otherwise."""
+        unsigned integers, BLOCK_CHECKSUM_BYTES (16) per block id (a numpy
+        uint64 array of shape (num_blocks, 2): the value and the stamp of
+        docs/SPEC.md section 8); ValueError naming `array` otherwise. On a
+        host worker the array's bytes are registered as a region too (a host
+        buffer must lie in one)."""
         address, num_blocks = _stored_buffer(array, "array")
+        if self._on_host:
+            self.add_region(address, num_blocks * BLOCK_CHECKSUM_BYTES)
         self.add_stored(group_id, address, num_blocks)
         self._kept.append(array)
 

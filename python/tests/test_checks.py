@@ -333,7 +333,7 @@ def test_the_worker_and_the_layer_keep_their_arrays(seed):
         assert (values(second, request) == expected).all(), "kvcsum.layer"
 
         # add_stored_of: the worker keeps the buffer it writes.
-        stored = rng.integers(1, 2**64, 64, dtype=np.uint64)
+        stored = rng.integers(1, 2**64, (64, 2), dtype=np.uint64)  # value, stamp per block id
         worker.add_stored_of(0, stored)
         del stored
         gc.collect()

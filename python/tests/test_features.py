@@ -49,7 +49,12 @@ def test_state_layer_rows_are_slices(rng):
             worker.add_state(3, 8, [kvcsum.StateTensor(conv.ctypes.data, 48, 12, 0, 4, 4, 12, 3)], num_blocks=3)
 
 
-def test_aliases_count_in_the_fingerprint_like_vllm(rng):
+def alias_mark() -> int:
+    """What docs/SPEC.md section 7 adds per alias."""
+    return int.from_bytes(hashlib.sha256(b"kvcsum alias").digest()[:8], "little") | 1
+
+
+def test_aliases_count_in_the_fingerprint_like_vllm_plus_the_alias_mark(rng):
     kv = rng.integers(0, 2**64, (4, 2, 8, 2), dtype=np.uint64)  # [blocks, heads, tokens, pieces]
     own = repr(("model.layers.0.self_attn.attn", "FullAttentionSpec", "torch.bfloat16")).encode()
     shared = repr(("model.layers.1.self_attn.attn", "FullAttentionSpec", "torch.bfloat16")).encode()
@@ -68,12 +73,12 @@ def test_aliases_count_in_the_fingerprint_like_vllm(rng):
     # [1, num_tokens, [[group_id, fingerprint, first_position, values]]]: the
     # fingerprint is a uint64 (0xcf) after the group id 0.
     at = payload.index(b"\xcf")
-    assert int.from_bytes(payload[at + 1 : at + 9], "big") == fingerprint_of([own, shared])
+    assert int.from_bytes(payload[at + 1 : at + 9], "big") == (fingerprint_of([own, shared]) + alias_mark()) % 2**64
 
 
 def test_stored_checksums_round_trip_and_a_corrupted_block(rng):
     kv = rng.integers(0, 2**64, (6, 2, 8, 2), dtype=np.uint64)
-    stored = np.zeros(6, dtype=np.uint64)
+    stored = np.zeros((6, 2), dtype=np.uint64)  # value, stamp per block id
     hashes = [bytes(rng.integers(0, 256, 32, dtype=np.uint8)) for _ in range(3)]
     with kvcsum.Worker(num_threads=1) as worker, kvcsum.Blocks() as blocks:
         worker.add_region_of(kv)
@@ -85,7 +90,7 @@ def test_stored_checksums_round_trip_and_a_corrupted_block(rng):
         assert [int(t) for t in tags] == [int.from_bytes(h[:8], "little") ^ fingerprint_of([b"layer 0"]) for h in hashes]
         with worker.store(blocks) as result:
             values = result.column("o", 0)
-        assert [int(stored[b]) ^ int(t) for b, t in zip([4, 0, 5], tags)] == [int(v) for v in values]
+        assert [int(stored[b, 0]) ^ int(t) for b, t in zip([4, 0, 5], tags)] == [int(v) for v in values]
         with worker.check_stored(blocks) as result:
             assert list(result.stored("o", 0)) == [kvcsum.STORED_MATCHED] * 3
         kv[0, 1, 3, 0] ^= 1 << 17  # block 0 is position 1
@@ -97,7 +102,7 @@ def test_stored_checksums_round_trip_and_a_corrupted_block(rng):
 
 def test_a_verifier_judges_an_offload_load_from_load_check_records(rng):
     kv = rng.integers(0, 2**64, (6, 2, 8, 2), dtype=np.uint64)
-    stored = np.zeros(6, dtype=np.uint64)
+    stored = np.zeros((6, 2), dtype=np.uint64)  # value, stamp per block id
     hashes = [bytes(rng.integers(0, 256, 32, dtype=np.uint8)) for _ in range(3)]
     with kvcsum.Worker(num_threads=1) as worker, kvcsum.Blocks() as blocks, kvcsum.Verifier(1) as verifier:
         worker.add_region_of(kv)

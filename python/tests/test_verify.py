@@ -163,7 +163,7 @@ def test_structs_match_the_library_and_drift_is_refused(monkeypatch):
 def test_abi_version_and_missing_library_are_refused(monkeypatch, tmp_path):
     lib = kvcsum.library()
     monkeypatch.setattr(_lib, "ABI_VERSION", 99)
-    with pytest.raises(kvcsum.AbiError, match="ABI version 1; this package speaks version 99"):
+    with pytest.raises(kvcsum.AbiError, match="ABI version 2; this package speaks version 99"):
         _lib.load(lib.path)
     monkeypatch.undo()
     with pytest.raises(kvcsum.AbiError, match="cannot load libkvcsum"):
