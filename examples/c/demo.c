@@ -558,7 +558,7 @@ static int offload_demo(side *s) {
   CALL(kvcs_blocks_set_hashes(s->blocks, REQ_ID, GROUP_ID, hashes, HASH_BYTES, s->num_positions));
   uint64_t *stored[MAX_RANKS];
   uint8_t *tier[MAX_RANKS];
-  uint64_t tier_stored[MAX_RANKS][MAX_POSITIONS];
+  uint64_t tier_stored[MAX_RANKS][MAX_POSITIONS][KVCS_BLOCK_CHECKSUM_BYTES / 8];
   uint32_t loaded_ids[MAX_POSITIONS];
   for (uint32_t q = 0; q < s->num_positions; q++) {
     loaded_ids[q] = (s->block_ids[q] + 1) % s->num_blocks; /* other ids: 10, 4, 15, 1, 8, 13, 6 */
@@ -571,23 +571,26 @@ static int offload_demo(side *s) {
   int ok = 1;
   uint32_t failed_total[MAX_POSITIONS] = {0};
   for (uint32_t rank = 0; rank < s->tp_size; rank++) {
-    stored[rank] = calloc(s->num_blocks, sizeof(uint64_t));
+    stored[rank] = calloc(s->num_blocks, KVCS_BLOCK_CHECKSUM_BYTES); /* value, stamp per block id */
     tier[rank] = malloc((size_t)s->num_positions * LAYERS * block_bytes);
     if (stored[rank] == NULL || tier[rank] == NULL) {
       fprintf(stderr, "out of memory\n");
       exit(2);
     }
+    /* A host worker writes its stored values in memory it was given as a region. */
+    CALL(kvcs_worker_add_region(s->workers[rank], (uint64_t)(uintptr_t)stored[rank],
+                                (uint64_t)s->num_blocks * KVCS_BLOCK_CHECKSUM_BYTES));
     CALL(kvcs_worker_add_stored(s->workers[rank], GROUP_ID, (uint64_t)(uintptr_t)stored[rank], s->num_blocks));
     kvcs_result *result;
     CALL(kvcs_worker_store(s->workers[rank], s->blocks, NULL, &result));
     kvcs_result_destroy(result);
-    /* Offload: each block's bytes of every layer, and its 8 stored bytes. */
+    /* Offload: each block's bytes of every layer, and its 16 stored bytes. */
     for (uint32_t q = 0; q < s->num_positions; q++) {
       for (uint32_t layer = 0; layer < LAYERS; layer++) {
         memcpy(tier[rank] + ((size_t)q * LAYERS + layer) * block_bytes,
                s->buffers[rank][0] + layer * p->layer_stride + s->block_ids[q] * p->block_stride, block_bytes);
       }
-      tier_stored[rank][q] = stored[rank][s->block_ids[q]];
+      memcpy(tier_stored[rank][q], stored[rank] + 2 * (size_t)s->block_ids[q], KVCS_BLOCK_CHECKSUM_BYTES);
     }
   }
   /* One byte of position 3 goes bad in the tier (rank 1, layer 2, K of its first head, token 2 of the block). */
@@ -600,7 +603,7 @@ static int offload_demo(side *s) {
         memcpy(s->buffers[rank][0] + layer * p->layer_stride + loaded_ids[q] * p->block_stride,
                tier[rank] + ((size_t)q * LAYERS + layer) * block_bytes, block_bytes);
       }
-      stored[rank][loaded_ids[q]] = tier_stored[rank][q];
+      memcpy(stored[rank] + 2 * (size_t)loaded_ids[q], tier_stored[rank][q], KVCS_BLOCK_CHECKSUM_BYTES);
     }
     kvcs_result *result;
     uint8_t outcomes[MAX_POSITIONS];

@@ -223,7 +223,7 @@ static void test_stored_checksums(void) {
   }
   kvcs_segment segment;
   kvcs_worker *worker = attention_worker(&segment);
-  uint64_t stored[F_BLOCKS] = {0};
+  uint64_t stored[F_BLOCKS][2] = {{0}}; /* value, stamp per block id */
   EXPECT(kvcs_worker_add_stored(NULL, 0, (uint64_t)(uintptr_t)stored, F_BLOCKS), KVCS_ERR_INVALID_ARGUMENT,
          "worker");
   EXPECT(kvcs_worker_add_stored(worker, 3, (uint64_t)(uintptr_t)stored, F_BLOCKS), KVCS_ERR_NOT_FOUND, "group_id 3");
@@ -245,6 +245,10 @@ static void test_stored_checksums(void) {
   /* No buffer yet; then no hashes yet. */
   EXPECT(kvcs_worker_store(worker, blocks, NULL, &result), KVCS_ERR_NOT_FOUND, "kvcs_worker_add_stored");
   CHECK(result == SENTINEL_RESULT);
+  EXPECT(kvcs_worker_add_stored(worker, 0, 0, F_BLOCKS), KVCS_ERR_INVALID_ARGUMENT, "address is 0");
+  EXPECT(kvcs_worker_add_stored(worker, 0, (uint64_t)(uintptr_t)stored, F_BLOCKS), KVCS_ERR_OUT_OF_BOUNDS,
+         "no registered region");
+  EXPECT_OK(kvcs_worker_add_region(worker, (uint64_t)(uintptr_t)stored, sizeof stored));
   EXPECT_OK(kvcs_worker_add_stored(worker, 0, (uint64_t)(uintptr_t)stored, F_BLOCKS));
   EXPECT(kvcs_worker_store(worker, blocks, NULL, &result), KVCS_ERR_INVALID_ARGUMENT, "block hashes");
   EXPECT(kvcs_worker_check_stored(worker, blocks, NULL, &result), KVCS_ERR_INVALID_ARGUMENT, "block hashes");
@@ -271,7 +275,7 @@ static void test_stored_checksums(void) {
   uint64_t values[3];
   EXPECT_OK(kvcs_result_column(result, "o", 0, 0, NULL, NULL, values));
   for (int q = 0; q < 3; q++) {
-    CHECK((stored[block_ids[q]] ^ tags[q]) == values[q]);
+    CHECK((stored[block_ids[q]][0] ^ tags[q]) == values[q]);
   }
   uint8_t outcomes[3] = {9, 9, 9};
   EXPECT(kvcs_result_stored(result, "o", 0, outcomes), KVCS_ERR_NOT_FOUND, "not a load check");

@@ -41,14 +41,15 @@ static kvcs_worker *make_worker(void) {
   return worker;
 }
 
-/* A block set of request "req" (10 tokens, blocks 2 and 0 at positions
- * 0 and 1), built from a request id and block ids overwritten at once. */
+/* A block set of request "req" (7 tokens, blocks 2 and 0 at positions
+ * 0 and 1, the second partial), built from a request id and block ids
+ * overwritten at once. */
 static kvcs_blocks *make_blocks(void) {
   char req_id[] = "req";
   uint32_t block_ids[] = {2, 0};
   kvcs_blocks *blocks = NULL;
   EXPECT_OK(kvcs_blocks_create(&blocks));
-  EXPECT_OK(kvcs_blocks_add_request(blocks, req_id, 10));
+  EXPECT_OK(kvcs_blocks_add_request(blocks, req_id, 7));
   EXPECT_OK(kvcs_blocks_add_group(blocks, req_id, 0, 0, block_ids, 2));
   memset(req_id, 'z', sizeof req_id - 1);
   block_ids[0] = block_ids[1] = 0xdead;
