@@ -20,6 +20,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// The odd multiplier `C` of the MIXED algorithm's `f`
+// (docs/SPEC.md#12-the-mixed-algorithm): 2^64 divided by the golden ratio,
+// rounded to odd.
+#define KVCS_MIX_MULTIPLIER 11400714819323198485ull
+
 // The `group_id` of a finding about the whole load rather than one group.
 #define KVCS_WHOLE_LOAD UINT32_MAX
 
@@ -40,11 +45,12 @@
 // The payload version this library writes and reads.
 #define KVCS_PAYLOAD_VERSION 1
 
-// The extension version this library writes and reads.
-#define KVCS_EXTENSION_VERSION 1
+// The extension version this library writes; it also reads version 1
+// (the same without `algorithm`, which means weighted).
+#define KVCS_EXTENSION_VERSION 2
 
 // The record encoding this library writes and reads.
-#define KVCS_RECORD_VERSION 2
+#define KVCS_RECORD_VERSION 3
 
 // The outcome of a call. Values are fixed and never renumbered; a retired
 // value stays reserved. Calls that take a status from C take `uint32_t`.
@@ -98,6 +104,32 @@ enum kvcs_role
 typedef enum kvcs_role kvcs_role;
 #else
 typedef uint32_t kvcs_role;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+// Which function each piece passes through before it is weighted
+// (docs/SPEC.md#12-the-mixed-algorithm); `kvcs_worker_set_algorithm` takes these values. Values are
+// fixed and never renumbered.
+enum kvcs_algorithm
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // SPEC sections 2-3 as first defined (each piece as it is): the values
+  // vLLM computes, in a payload vLLM reads. It misses every even number
+  // of flips of one bit position 63 in a block, and swaps of values that
+  // differ only in their high bits (docs/SPEC.md#13-what-it-detects).
+  KVCS_ALGORITHM_WEIGHTED = 1,
+  // Each piece mixed by a fixed bijection first (docs/SPEC.md#12-the-mixed-algorithm): every
+  // property of the definition holds and no fault class of the catalogue
+  // goes unseen. The default of new workers.
+  KVCS_ALGORITHM_MIXED = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvcs_algorithm kvcs_algorithm;
+#else
+typedef uint32_t kvcs_algorithm;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
@@ -180,6 +212,12 @@ enum kvcs_unverified_reason
   // worker's record that is not a load check's (it came from
   // `kvcs_worker_checksum`, not `kvcs_worker_check_stored`).
   KVCS_UNVERIFIED_NOT_LOAD_CHECK = 12,
+  // The checksums were computed with different algorithms
+  // (`kvcs_worker_set_algorithm`, docs/SPEC.md#12-the-mixed-algorithm): between the workers of one side,
+  // or between the consumer's workers and the producer's payload (a
+  // payload without the kvcsum extension means `KVCS_ALGORITHM_WEIGHTED`).
+  // A configuration error, never reported as corrupt data.
+  KVCS_UNVERIFIED_ALGORITHM_DIFFERS = 13,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -893,6 +931,9 @@ typedef kvcs_status (*kvcs_block_tags_fn)(const kvcs_worker*,
 // The type of `kvcs_worker_set_detail`.
 typedef kvcs_status (*kvcs_worker_set_detail_fn)(kvcs_worker*, uint32_t);
 
+// The type of `kvcs_worker_set_algorithm`.
+typedef kvcs_status (*kvcs_worker_set_algorithm_fn)(kvcs_worker*, uint32_t);
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -1538,6 +1579,21 @@ kvcs_status kvcs_block_tags(const kvcs_worker *worker,
 // worker queues one more launch on the same stream, and its result is
 // ready once both are done. State layers have no per-layer partials.
 kvcs_status kvcs_worker_set_detail(kvcs_worker *worker, uint32_t on);
+
+// Chooses the worker's checksum algorithm (a `kvcs_algorithm` value:
+// `KVCS_ALGORITHM_MIXED`, the default, or `KVCS_ALGORITHM_WEIGHTED`) for
+// every value it computes: checksums, detail mode's partials, state groups
+// and stored checksums. Its records carry it, and a producer's payload
+// carries it in the kvcsum extension (sent whenever the algorithm is not
+// `KVCS_ALGORITHM_WEIGHTED`, since a plain vLLM payload means weighted); a
+// verifier reports workers or a payload of another algorithm as unverified
+// (`KVCS_UNVERIFIED_ALGORITHM_DIFFERS`), never as a mismatch. Set it before
+// the worker's first `kvcs_worker_checksum`, `kvcs_worker_store` or
+// `kvcs_worker_check_stored`: after one it is `KVCS_ERR_INVALID_ARGUMENT`
+// and nothing changes. Another value is `KVCS_ERR_INVALID_ARGUMENT` naming
+// it. Stored checksums do not record the algorithm yet: store and load
+// check with workers of the same algorithm.
+kvcs_status kvcs_worker_set_algorithm(kvcs_worker *worker, uint32_t algorithm);
 
 #ifdef __cplusplus
 }  // extern "C"

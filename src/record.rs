@@ -2,7 +2,7 @@
 //! usually in another process, as versioned, self-describing bytes.
 //!
 //! A record says who the worker is (its TP rank and size, its PP stage), the
-//! role it computed in, what it knows of each registered group (block size,
+//! role it computed in, the algorithm it computed with (SPEC section 12), what it knows of each registered group (block size,
 //! fingerprint of SPEC section 7, whether its checksums are shard-keyed
 //! state of SPEC section 6), and per request: the token count, per group the
 //! first position, the number of positions and one column of partial
@@ -11,15 +11,16 @@
 //! 8, `Worker::check_stored`) the verdict on each block position's stored
 //! checksum.
 //!
-//! # Encoding (version 2)
+//! # Encoding (version 3)
 //!
 //! A msgpack array, so that any msgpack reader (Python's `msgspec` included)
 //! can inspect a record; integers are unsigned, values are `bin`s of
 //! little-endian `u64`s, one per block position:
 //!
 //! ```text
-//! ["kvcsum.record", 2,
+//! ["kvcsum.record", 3,
 //!  [tp_rank, tp_size, pp_rank], role (0 producer, 1 consumer), detail (bool),
+//!  algorithm (1 weighted, 2 mixed),
 //!  [[group_id, block_size, fingerprint, shard_keyed (bool)], ...],   # sorted by group_id
 //!  [[req_id (str), num_tokens,
 //!    [[group_id, first_position, num_positions,
@@ -37,7 +38,8 @@
 //! failed, 1 it matched, 2 not checked (the position holds no valid token);
 //! the numbers of `kvcs_stored_outcome`. Load checks compute in the
 //! consumer role, so only consumer records carry them. Version 1 had no
-//! `stored` element (groups of 5 elements).
+//! `stored` element (groups of 5 elements); version 2 had no `algorithm`
+//! (7 elements; its values were all weighted).
 //!
 //! [`Record::decode`] accepts exactly this shape and version and validates
 //! every value (ranks, keys, orders, lengths, uniqueness); anything else is
@@ -45,7 +47,7 @@
 
 use std::collections::HashSet;
 
-use crate::checksum::MAX_KV_HEADS_PER_LAYER;
+use crate::checksum::{Algorithm, MAX_KV_HEADS_PER_LAYER};
 use crate::error::{err, Result};
 use crate::layout::{ReplicaKey, Role};
 use crate::msgpack::{initial_capacity, Reader, Writer};
@@ -56,7 +58,7 @@ pub use crate::result::{GroupInfo, LayerPartial, Rank};
 pub const RECORD_MAGIC: &str = "kvcsum.record";
 
 /// The record encoding this library writes and reads.
-pub const RECORD_VERSION: u64 = 2;
+pub const RECORD_VERSION: u64 = 3;
 
 /// One column of a group in a record.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -108,6 +110,8 @@ pub struct Record {
     pub role: Role,
     /// Whether layer partials are included.
     pub detail: bool,
+    /// The algorithm every value was computed with (SPEC section 12).
+    pub algorithm: Algorithm,
     /// Every group the worker registered, sorted by id.
     pub groups: Vec<GroupInfo>,
     /// The requests of the call.
@@ -175,6 +179,7 @@ impl Record {
             rank: info.rank,
             role: info.role,
             detail: info.detail.is_some(),
+            algorithm: info.algorithm,
             groups: info.groups.to_vec(),
             requests,
         };
@@ -187,7 +192,7 @@ impl Record {
     /// The record's bytes (see the module documentation).
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::new();
-        w.array(7);
+        w.array(8);
         w.str(RECORD_MAGIC);
         w.uint(RECORD_VERSION);
         w.array(3);
@@ -196,6 +201,7 @@ impl Record {
         w.uint(self.rank.pp_rank as u64);
         w.uint(role_code(self.role));
         w.bool(self.detail);
+        w.uint(self.algorithm.code().into());
         w.array(self.groups.len());
         for group in &self.groups {
             w.array(4);
@@ -251,11 +257,11 @@ impl Record {
     }
 
     /// Decodes and validates a record; `Error::Malformed` with a message for
-    /// anything but a valid version-2 record. Allocates at most in proportion
+    /// anything but a valid version-3 record. Allocates at most in proportion
     /// to `bytes.len()`.
     pub fn decode(bytes: &[u8]) -> Result<Record> {
         let mut r = Reader::new(bytes, "record");
-        r.array_of("the record", 7)?;
+        r.array_of("the record", 8)?;
         let at = r.position();
         let magic = r.str("the record's first element")?;
         if magic != RECORD_MAGIC {
@@ -287,6 +293,14 @@ impl Record {
             )
         })?;
         let detail = r.bool("detail")?;
+        let at = r.position();
+        let code = r.uint("algorithm")?;
+        let algorithm = Algorithm::from_code(code).ok_or_else(|| {
+            err!(
+                Malformed,
+                "record: byte {at}: algorithm {code} is neither 1 (weighted) nor 2 (mixed)"
+            )
+        })?;
         let num_groups = r.array("groups")?;
         let mut groups = Vec::with_capacity(initial_capacity(num_groups));
         for _ in 0..num_groups {
@@ -372,6 +386,7 @@ impl Record {
             rank,
             role,
             detail,
+            algorithm,
             groups,
             requests,
         };

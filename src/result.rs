@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
 use crate::blocks::RequestBlocks;
+use crate::checksum::Algorithm;
 use crate::error::{err, Result};
 use crate::layout::{ReplicaKey, Role};
 
@@ -67,6 +68,8 @@ pub struct RecordInfo {
     pub rank: Rank,
     /// The role the values were computed in.
     pub role: Role,
+    /// The algorithm the values were computed with (SPEC section 12).
+    pub algorithm: Algorithm,
     /// Every registered group, sorted by id.
     pub groups: Arc<[GroupInfo]>,
     /// Detail mode: the per-layer partials, computed or being computed.

@@ -1,9 +1,11 @@
 //! A worker: one TP rank / PP stage's registered layout and the engine that
 //! computes its partial checksums.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use crate::blocks::BlockSet;
+use crate::checksum::Algorithm;
 use crate::cuda;
 use crate::detail::Shadow;
 use crate::error::{err, Result};
@@ -81,6 +83,11 @@ pub struct Worker {
     detail: Option<Detail>,
     /// The record's group facts (fingerprints hashed once), reset when the layout changes.
     group_infos: OnceLock<Arc<[GroupInfo]>>,
+    /// What `f` of SPEC section 12 every value of this worker uses.
+    algorithm: Algorithm,
+    /// Whether a checksum, store or load check has run: the algorithm is
+    /// then fixed, so that every value of the worker is comparable.
+    computed: AtomicBool,
 }
 
 impl Worker {
@@ -108,7 +115,31 @@ impl Worker {
             engine,
             detail: None,
             group_infos: OnceLock::new(),
+            algorithm: Algorithm::default(),
+            computed: AtomicBool::new(false),
         })
+    }
+
+    /// The algorithm of every value this worker computes (SPEC section 12):
+    /// [`Algorithm::Mixed`] unless set otherwise.
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+
+    /// Chooses the algorithm (SPEC section 12) before the worker's first
+    /// checksum, store or load check; `InvalidArgument` after one, so that
+    /// a worker's values (and the stored checksums it wrote) all use one.
+    pub fn set_algorithm(&mut self, algorithm: Algorithm) -> Result<()> {
+        if self.computed.load(Ordering::Relaxed) {
+            return Err(err!(
+                InvalidArgument,
+                "algorithm {} cannot be set: this worker has already computed checksums with {} (set it before the first checksum, store or load check)",
+                algorithm.name(),
+                self.algorithm.name()
+            ));
+        }
+        self.algorithm = algorithm;
+        Ok(())
     }
 
     /// As created.
@@ -245,10 +276,12 @@ impl Worker {
         stored: Option<cuda::StoredMode>,
     ) -> Result<(Checksums, Vec<StoredExpectation>)> {
         let mut expectations = Vec::new();
+        let algorithm = self.algorithm;
+        self.computed.store(true, Ordering::Relaxed);
         let (plan, values) = match &self.engine {
             Engine::Host(host) => {
                 let (plan, rows) = Plan::new(&self.layout, blocks, role)?;
-                let values = Values::Ready(host.compute(&self.layout, &plan, &rows, role));
+                let values = Values::Ready(host.compute(&self.layout, &plan, &rows, role, algorithm));
                 (plan, values)
             }
             Engine::Device(device) => {
@@ -266,7 +299,7 @@ impl Worker {
                         Some(work)
                     }
                 };
-                let values = device.compute_staged(&plan, staged, role, stream, work.as_ref())?;
+                let values = device.compute_staged(&plan, staged, role, algorithm, stream, work.as_ref())?;
                 (plan, values)
             }
         };
@@ -283,6 +316,7 @@ impl Worker {
         let info = RecordInfo {
             rank: self.options.rank(),
             role,
+            algorithm: self.algorithm,
             groups,
             detail,
         };
@@ -440,8 +474,8 @@ impl Worker {
         let shadow_blocks = shadow.blocks(&self.layout, blocks)?;
         let (plan, rows) = Plan::new(&shadow.layout, &shadow_blocks, role)?;
         let values = match (&self.engine, &detail.engine) {
-            (Engine::Host(host), _) => Values::Ready(host.compute(&shadow.layout, &plan, &rows, role)),
-            (Engine::Device(_), Some(engine)) => engine.compute(&plan, &rows, role, stream)?,
+            (Engine::Host(host), _) => Values::Ready(host.compute(&shadow.layout, &plan, &rows, role, self.algorithm)),
+            (Engine::Device(_), Some(engine)) => engine.compute(&plan, &rows, role, self.algorithm, stream)?,
             (Engine::Device(_), None) => {
                 return Err(err!(Internal, "detail mode on a device worker has no shadow engine"))
             }

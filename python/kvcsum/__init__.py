@@ -54,6 +54,8 @@ __all__ = [
     "HOST",
     "PRODUCER",
     "CONSUMER",
+    "WEIGHTED",
+    "MIXED",
     "FAIL_OPEN",
     "FAIL_CLOSED",
     "MATCH",
@@ -97,6 +99,8 @@ __all__ = [
 HOST = -1
 #: Roles (kvcs_role).
 PRODUCER, CONSUMER = 0, 1
+# Checksum algorithms (kvcs_algorithm, docs/SPEC.md section 12); MIXED is the default.
+WEIGHTED, MIXED = 1, 2
 #: Policies (kvcs_policy).
 FAIL_OPEN, FAIL_CLOSED = 0, 1
 #: Verdicts (kvcs_verdict).
@@ -562,9 +566,19 @@ class Worker(_Handle):
 
     _destroy = "kvcs_worker_destroy"
 
-    def __init__(self, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, device: int = HOST, num_threads: int = 0):
+    def __init__(
+        self,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        device: int = HOST,
+        num_threads: int = 0,
+        algorithm: int | None = None,
+    ):
         options = _lib.WorkerOptions(tp_rank, tp_size, pp_rank, device, num_threads)
         super().__init__(_create(library().kvcs_worker_create, byref(options)))
+        if algorithm is not None:
+            self.set_algorithm(algorithm)
 
     def add_region(self, address: int, length: int) -> None:
         """Registers `length` bytes at `address` that the worker may read."""
@@ -591,6 +605,11 @@ class Worker(_Handle):
     def set_detail(self, on: bool) -> None:
         """Detail mode: per-layer partials in results and records."""
         _check(self._lib.kvcs_worker_set_detail(self.handle, 1 if on else 0))
+
+    def set_algorithm(self, algorithm: int) -> None:
+        """The checksum algorithm, MIXED (the default) or WEIGHTED (vLLM's),
+        set before the worker's first checksum, store or load check."""
+        _check(self._lib.kvcs_worker_set_algorithm(self.handle, algorithm))
 
     def add_alias(self, group_id: int, layer_number: int, target_layer_number: int, identity: bytes) -> None:
         """Registers a layer that reads the cache of registered layer

@@ -75,6 +75,12 @@ pub enum kvcs_unverified_reason {
     /// worker's record that is not a load check's (it came from
     /// `kvcs_worker_checksum`, not `kvcs_worker_check_stored`).
     KVCS_UNVERIFIED_NOT_LOAD_CHECK = 12,
+    /// The checksums were computed with different algorithms
+    /// (`kvcs_worker_set_algorithm`, docs/SPEC.md#12-the-mixed-algorithm): between the workers of one side,
+    /// or between the consumer's workers and the producer's payload (a
+    /// payload without the kvcsum extension means `KVCS_ALGORITHM_WEIGHTED`).
+    /// A configuration error, never reported as corrupt data.
+    KVCS_UNVERIFIED_ALGORITHM_DIFFERS = 13,
 }
 
 /// The `group_id` of a finding about the whole load rather than one group.
@@ -160,6 +166,7 @@ fn reason_code(reason: Reason) -> kvcs_unverified_reason {
         Reason::RoleDiffers => KVCS_UNVERIFIED_ROLE_DIFFERS,
         Reason::UncomparedPositions => KVCS_UNVERIFIED_UNCOMPARED_POSITIONS,
         Reason::NotLoadCheck => KVCS_UNVERIFIED_NOT_LOAD_CHECK,
+        Reason::AlgorithmDiffers => KVCS_UNVERIFIED_ALGORITHM_DIFFERS,
     }
 }
 
@@ -431,6 +438,7 @@ pub extern "C" fn kvcs_unverified_reason_name(reason: u32) -> *const c_char {
         10 => c"KVCS_UNVERIFIED_ROLE_DIFFERS",
         11 => c"KVCS_UNVERIFIED_UNCOMPARED_POSITIONS",
         12 => c"KVCS_UNVERIFIED_NOT_LOAD_CHECK",
+        13 => c"KVCS_UNVERIFIED_ALGORITHM_DIFFERS",
         _ => c"unknown kvcs_unverified_reason",
     };
     name.as_ptr()

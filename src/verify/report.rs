@@ -50,6 +50,11 @@ pub enum Reason {
     /// (a worker sent a plain checksum call's record, which says nothing
     /// about stored checksums).
     NotLoadCheck,
+    /// The checksums were computed with different algorithms (SPEC section
+    /// 12): between the workers of one side, or between the consumer's
+    /// workers and the producer's payload. A configuration difference,
+    /// never corrupt data.
+    AlgorithmDiffers,
 }
 
 impl Reason {
@@ -68,6 +73,7 @@ impl Reason {
             Reason::RoleDiffers => "a worker checksummed in the other role",
             Reason::UncomparedPositions => "loaded positions were not compared",
             Reason::NotLoadCheck => "a worker's record is not a load check",
+            Reason::AlgorithmDiffers => "the checksum algorithms differ",
         }
     }
 }
