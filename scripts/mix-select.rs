@@ -4,8 +4,6 @@
 // f(x_j)): delta = sum over changed pieces of m (2j + 1) (f(x') - f(x)).
 // Run: rustc -O scripts/mix-select.rs -o /tmp/mix-select && /tmp/mix-select 1000000
 // (the trials per class; the run recorded in docs/SPEC.md took 10^6).
-// Candidate mixers against structured faults, by the exact change of the block checksum
-// (linear in f(x_j)): delta = sum over changed pieces m * (2j+1) * (f(x') - f(x)).
 const C1: u64 = 0x9E37_79B9_7F4A_7C15;
 fn id(x: u64) -> u64 { x }
 fn onemul(x: u64) -> u64 { let g = (x ^ (x >> 32)).wrapping_mul(C1); g ^ (g >> 32) }

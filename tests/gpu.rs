@@ -68,7 +68,9 @@ fn device_worker(tp_rank: u32, tp_size: u32) -> Worker {
         num_threads: 0,
     })
     .expect("device worker");
-    worker.set_algorithm(algorithm()).expect("a new worker takes an algorithm");
+    worker
+        .set_algorithm(algorithm())
+        .expect("a new worker takes an algorithm");
     worker
 }
 
@@ -1748,7 +1750,8 @@ fn device_hybrid_model_checksums_attention_and_state_in_one_call() {
                 }
                 if detail {
                     let host = Record::from_checksums(&checksum(&pair.host, &blocks, Role::Producer)).expect("record");
-                    let device = Record::from_checksums(&checksum(&pair.device, &blocks, Role::Producer)).expect("record");
+                    let device =
+                        Record::from_checksums(&checksum(&pair.device, &blocks, Role::Producer)).expect("record");
                     assert_eq!(device, host, "{what}: detail records differ");
                 }
             }
@@ -1932,4 +1935,114 @@ fn device_state_reads_a_large_state_at_a_memory_rate() {
             len as f64 / copy_seconds / 1e9
         );
     });
+}
+
+/// The fault catalogue (docs/SPEC.md section 13, `tests/fault_catalogue.rs`)
+/// in device memory: each class injected into fresh random KV on the host,
+/// copied to the device, one fault per block of a 512-block cache; device
+/// workers of both algorithms checksum it before and after, and must equal
+/// host workers over the host copy. MIXED must miss nothing, WEIGHTED
+/// exactly what SPEC section 13 states. `KVCS_CATALOGUE_ENGINE_TRIALS`
+/// faults per class (default 4096). Prints the table.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_fault_catalogue() {
+    use support::faults::*;
+    let mut rng = Rng::for_test("device_fault_catalogue");
+    let seed = rng.seed();
+    println!("seed {seed} ({NEEDS_GPU})");
+    let trials = env_count("KVCS_CATALOGUE_ENGINE_TRIALS", 4096);
+    let num_blocks = 512;
+    let bytes = num_blocks * BLOCK_BYTES;
+    let mut host = vec![0u64; bytes / 8];
+    let host_address = host.as_ptr() as u64;
+    let context = CudaContext::new(0).expect("primary context of device 0");
+    context.bind_to_thread().expect("bind");
+    // SAFETY: a fresh allocation of `bytes`, freed at the end of the test.
+    let device = unsafe { cu::malloc_sync(bytes).expect("cuMemAlloc") };
+    let device_workers: Vec<Worker> = ALGORITHMS
+        .iter()
+        .map(|&a| catalogue_worker(Some(0), a, device, num_blocks))
+        .collect();
+    let host_workers: Vec<Worker> = ALGORITHMS
+        .iter()
+        .map(|&a| catalogue_worker(None, a, host_address, num_blocks))
+        .collect();
+    let blocks = catalogue_blocks(num_blocks);
+    let values = |worker: &Worker| -> Vec<u64> {
+        checksum(worker, &blocks, Role::Producer)
+            .column("catalogue", 0, 0)
+            .unwrap()
+            .1
+            .to_vec()
+    };
+    // SAFETY (both closures): the u64 cache viewed as bytes; the device
+    // buffer holds `bytes` bytes.
+    let as_bytes =
+        |host: &mut Vec<u64>| unsafe { std::slice::from_raw_parts_mut(host.as_mut_ptr().cast::<u8>(), bytes) };
+    let upload = |host: &[u64]| unsafe { cu::memcpy_htod_sync(device, host).expect("copy to device") };
+    // Both engines' values under each algorithm, asserted equal.
+    let both = |host: &[u64], what: &str| -> Vec<Vec<u64>> {
+        upload(host);
+        device_workers
+            .iter()
+            .zip(&host_workers)
+            .map(|(d, h)| {
+                let device_values = values(d);
+                assert_eq!(device_values, values(h), "{what}: device and host differ (seed {seed})");
+                device_values
+            })
+            .collect()
+    };
+    println!("| kind | fault class | trials | WEIGHTED detected | WEIGHTED missed | MIXED detected | MIXED missed |");
+    println!("|---|---|---:|---:|---:|---:|---:|");
+    let mut failures = Vec::new();
+    for class in catalogue() {
+        let mut tallies = [Tally::default(); 2];
+        while tallies[0].trials < trials {
+            fill_kv(&mut rng, as_bytes(&mut host));
+            for block in as_bytes(&mut host).chunks_exact_mut(BLOCK_BYTES) {
+                (class.prepare)(&mut rng, block);
+            }
+            let clean_bytes = as_bytes(&mut host).to_vec();
+            let clean = both(&host, class.name);
+            let mut changed = Vec::with_capacity(num_blocks);
+            for (b, block) in as_bytes(&mut host).chunks_exact_mut(BLOCK_BYTES).enumerate() {
+                let other = (b + 1 + rng.below(num_blocks as u64 - 1) as usize) % num_blocks;
+                changed.push((class.inject)(
+                    &mut rng,
+                    block,
+                    &clean_bytes[other * BLOCK_BYTES..(other + 1) * BLOCK_BYTES],
+                ));
+            }
+            let faulty = both(&host, class.name);
+            for (i, &algorithm) in ALGORITHMS.iter().enumerate() {
+                for b in 0..num_blocks {
+                    let expected = expected_miss(&class, algorithm, changed[b]);
+                    tallies[i].add(faulty[i][b] == clean[i][b], expected);
+                }
+            }
+        }
+        let [weighted, mixed] = tallies;
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {} |",
+            if class.hardware { "hardware" } else { "software" },
+            class.name,
+            weighted.trials,
+            weighted.trials - weighted.missed,
+            weighted.missed,
+            mixed.trials - mixed.missed,
+            mixed.missed
+        );
+        if mixed.missed > 0 || weighted.unexpected > 0 {
+            failures.push(format!(
+                "\"{}\": MIXED missed {}, WEIGHTED broke SPEC section 13 {} times",
+                class.name, mixed.missed, weighted.unexpected
+            ));
+        }
+    }
+    drop(device_workers);
+    // SAFETY: allocated above; no worker reads it any more.
+    unsafe { cu::free_sync(device).expect("cuMemFree") };
+    assert!(failures.is_empty(), "seed {seed}: {failures:#?}");
 }

@@ -12,6 +12,7 @@
 
 #![allow(dead_code)]
 
+pub mod faults;
 pub mod state;
 
 use std::collections::BTreeMap;
@@ -1085,7 +1086,9 @@ pub fn host_worker(tp_rank: u32, tp_size: u32, pp_rank: u32, num_threads: u32) -
         num_threads,
     })
     .expect("host worker");
-    worker.set_algorithm(algorithm()).expect("a new worker takes an algorithm");
+    worker
+        .set_algorithm(algorithm())
+        .expect("a new worker takes an algorithm");
     worker
 }
 
