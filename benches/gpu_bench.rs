@@ -2,8 +2,11 @@
 //! over exactly the bytes a case checksums (the read ceiling) and kvcsum's
 //! device engine on the same bytes, for a Llama-3.1-8B-like cache (32 layers,
 //! 8 KV heads, head size 128, bf16, 16-token blocks) in HND, NHD and K/V-split
-//! layouts, plus an MLA-like cache and an fp8 cache; then the latency of one
-//! block and the host time of a 128-request call.
+//! layouts, plus an MLA-like cache and an fp8 cache, each case under both
+//! checksum algorithms side by side (WEIGHTED and MIXED, docs/SPEC.md section
+//! 12: two workers over the same bytes, timed in turn after the same
+//! ceiling); then the latency of one block and the host time of a
+//! 128-request call (MIXED, the default).
 //!
 //! Build here: `cargo build --release --example gpu_bench`; run on a GPU
 //! machine: `target/release/examples/gpu_bench [device]`. It prints a
@@ -14,7 +17,7 @@ use std::time::Instant;
 
 use cudarc::driver::{result as cu, sys, CudaContext};
 use cudarc::nvrtc::CompileOptions;
-use kvcsum::{BlockSet, LayerSpec, Region, ReplicaKey, Role, Segment, StreamHandle, Worker, WorkerOptions};
+use kvcsum::{Algorithm, BlockSet, LayerSpec, Region, ReplicaKey, Role, Segment, StreamHandle, Worker, WorkerOptions};
 
 const READ_KERNEL: &str = r#"
 struct chunk { unsigned long long address; unsigned long long bytes; };
@@ -189,7 +192,10 @@ fn layer_layout(model: &Model, layout: Layout, base: u64, num_blocks: u64) -> (V
 }
 
 struct Case {
+    /// The default algorithm's (MIXED) worker.
     worker: Worker,
+    /// A WEIGHTED worker over the same layout.
+    weighted: Worker,
     blocks: BlockSet,
     chunks_device: u64,
     num_chunks: u64,
@@ -212,43 +218,49 @@ fn build_case(
     let block_bytes = (model.heads * model.block_size * (model.k_bytes + model.v_bytes)) as u64;
     let num_blocks = cache_bytes / model.layers as u64 / block_bytes;
     assert!(num_blocks as usize >= requests * blocks_per_request, "cache too small");
-    let mut worker = Worker::new(WorkerOptions {
-        tp_rank: 0,
-        tp_size: 1,
-        pp_rank: 0,
-        device: Some(dev.ordinal as u32),
-        num_threads: 0,
-    })
-    .expect("device worker");
-    worker
-        .add_region(Region {
-            address: cache,
-            length: cache_bytes,
+    let new_worker = |algorithm: Algorithm| {
+        let mut worker = Worker::new(WorkerOptions {
+            tp_rank: 0,
+            tp_size: 1,
+            pp_rank: 0,
+            device: Some(dev.ordinal as u32),
+            num_threads: 0,
         })
-        .unwrap();
-    worker.add_group(0, model.block_size).unwrap();
+        .expect("device worker");
+        worker.set_algorithm(algorithm).unwrap();
+        worker
+            .add_region(Region {
+                address: cache,
+                length: cache_bytes,
+            })
+            .unwrap();
+        worker.add_group(0, model.block_size).unwrap();
+        worker
+    };
+    let mut worker = new_worker(Algorithm::Mixed);
+    let mut weighted = new_worker(Algorithm::Weighted);
     let mut chunks: Vec<[u64; 2]> = Vec::new();
     let mut layer_segments = Vec::new();
     for layer in 0..model.layers {
         let base = cache + layer as u64 * num_blocks * block_bytes;
         let (segments, _) = layer_layout(model, layout, base, num_blocks);
-        worker
-            .add_layer(LayerSpec {
-                group_id: 0,
-                layer_number: layer,
-                first_head: 0,
-                num_heads: model.heads,
-                replica: ReplicaKey {
-                    replicas: 1,
-                    replica_index: 0,
-                },
-                num_blocks: num_blocks as u32,
-                kernel_blocks: 1,
-                tokens_per_kernel_block: model.block_size,
-                segments: segments.clone(),
-                identity: format!("layer.{layer}").into_bytes(),
-            })
-            .unwrap();
+        let spec = LayerSpec {
+            group_id: 0,
+            layer_number: layer,
+            first_head: 0,
+            num_heads: model.heads,
+            replica: ReplicaKey {
+                replicas: 1,
+                replica_index: 0,
+            },
+            num_blocks: num_blocks as u32,
+            kernel_blocks: 1,
+            tokens_per_kernel_block: model.block_size,
+            segments: segments.clone(),
+            identity: format!("layer.{layer}").into_bytes(),
+        };
+        worker.add_layer(spec.clone()).unwrap();
+        weighted.add_layer(spec).unwrap();
         layer_segments.push(segments);
     }
     // Random distinct block ids (a partial Fisher-Yates over all blocks).
@@ -300,6 +312,7 @@ fn build_case(
     };
     Case {
         worker,
+        weighted,
         blocks,
         chunks_device,
         num_chunks: chunks.len() as u64,
@@ -331,12 +344,12 @@ fn queued_ms(dev: &Device, busy: &Case, work: impl FnMut()) -> f64 {
     dev.time_after(5, 50, || read_case(dev, busy, 132 * 8), work)
 }
 
-fn checksum_ms(dev: &Device, case: &Case) -> f64 {
+fn checksum_ms(dev: &Device, case: &Case, worker: &Worker) -> f64 {
     // Results are dropped at once (safe while pending); their buffers return
     // to the worker's pool when the work is done.
     dev.time(7, 3, || {
         drop(
-            case.worker
+            worker
                 .checksum(&case.blocks, Role::Consumer, StreamHandle(dev.stream.cast()))
                 .unwrap(),
         );
@@ -388,7 +401,7 @@ fn two_devices() {
         .iter()
         .map(|(dev, case)| {
             dev._context.bind_to_thread().expect("bind");
-            (ceiling_ms(dev, case), checksum_ms(dev, case))
+            (ceiling_ms(dev, case), checksum_ms(dev, case, &case.worker))
         })
         .collect();
     let barrier = std::sync::Barrier::new(2);
@@ -512,8 +525,10 @@ fn main() {
         cache_bytes >> 30
     );
     println!();
-    println!("| cache | layout | case | bytes read | read ceiling GB/s | kvcsum GB/s | fraction |");
-    println!("|---|---|---|---:|---:|---:|---:|");
+    println!(
+        "| cache | layout | case | bytes read | read ceiling GB/s | WEIGHTED GB/s | fraction | MIXED GB/s | fraction | MIXED - WEIGHTED |"
+    );
+    println!("|---|---|---|---:|---:|---:|---:|---:|---:|---:|");
     let cases: [(&Model, Layout, &str, usize, usize); 9] = [
         (&llama, Layout::Hnd, "2048 blocks (128 req x 16)", 128, 16),
         (&llama, Layout::Nhd, "2048 blocks (128 req x 16)", 128, 16),
@@ -544,7 +559,8 @@ fn main() {
             println!();
         }
         let ceiling = ceiling_ms(&dev, &case);
-        let ours = checksum_ms(&dev, &case);
+        let weighted = checksum_ms(&dev, &case, &case.weighted);
+        let mixed = checksum_ms(&dev, &case, &case.worker);
         let gbs = |ms: f64| case.bytes as f64 / ms / 1e6;
         let layout_name = match layout {
             Layout::Hnd => "HND",
@@ -552,12 +568,15 @@ fn main() {
             Layout::KvSplit => "K/V split",
         };
         println!(
-            "| {} | {layout_name} | {label} | {:.0} MiB | {:.0} | {:.0} | {:.3} |",
+            "| {} | {layout_name} | {label} | {:.0} MiB | {:.0} | {:.0} | {:.3} | {:.0} | {:.3} | {:+.3} |",
             model.name,
             case.bytes as f64 / (1 << 20) as f64,
             gbs(ceiling),
-            gbs(ours),
-            ceiling / ours
+            gbs(weighted),
+            ceiling / weighted,
+            gbs(mixed),
+            ceiling / mixed,
+            ceiling / mixed - ceiling / weighted
         );
     }
 
@@ -769,7 +788,7 @@ fn stored_checksums(dev: &Device, cache: u64, cache_bytes: u64, model: &Model) {
         }
         let stream = StreamHandle(dev.stream.cast());
         let ceiling = ceiling_ms(dev, &case);
-        let plain = checksum_ms(dev, &case);
+        let plain = checksum_ms(dev, &case, &case.worker);
         let store = dev.time(7, 3, || drop(case.worker.store(&case.blocks, stream).unwrap()));
         let load = dev.time(7, 3, || drop(case.worker.check_stored(&case.blocks, stream).unwrap()));
         // Host time inside each call (median of 51), to tell the host's

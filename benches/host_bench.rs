@@ -12,6 +12,8 @@
 //! - `--reps N`: repetitions (default 9), after one warm-up.
 //! - `--read-blocks N`: read only N blocks (2 MiB each) of the cache; one
 //!   block fits in L2 and shows the engine's compute rate apart from memory.
+//! - `--algorithms weighted,mixed`: the checksum algorithms measured, each
+//!   right after the same read (default both; docs/SPEC.md section 12).
 //!
 //! Prints a markdown table with one row per (layout, thread count): the
 //! median GB/s of the read and of the engine over the repetitions, the
@@ -39,7 +41,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use kvcsum::{BlockSet, LayerSpec, Region, ReplicaKey, Role, Segment, StreamHandle, Worker, WorkerOptions};
+use kvcsum::{Algorithm, BlockSet, LayerSpec, Region, ReplicaKey, Role, Segment, StreamHandle, Worker, WorkerOptions};
 
 const LAYERS: u32 = 32;
 const KV_HEADS: u32 = 8;
@@ -143,7 +145,7 @@ impl Cache {
         (ranges, per_item)
     }
 
-    fn worker(self, shape: Shape, cache: &[u64], threads: u32) -> Worker {
+    fn worker(self, shape: Shape, cache: &[u64], threads: u32, algorithm: Algorithm) -> Worker {
         let mut worker = Worker::new(WorkerOptions {
             tp_rank: 0,
             tp_size: 1,
@@ -152,6 +154,7 @@ impl Cache {
             num_threads: threads,
         })
         .expect("host worker");
+        worker.set_algorithm(algorithm).expect("algorithm");
         let base = cache.as_ptr() as u64;
         worker
             .add_region(Region {
@@ -300,7 +303,9 @@ fn random_cache(len: usize, seed: u64) -> Vec<u64> {
 }
 
 fn usage() -> ! {
-    eprintln!("usage: host_bench [--gib G] [--threads 1,2,4] [--reps N] [--read-blocks N]");
+    eprintln!(
+        "usage: host_bench [--gib G] [--threads 1,2,4] [--reps N] [--read-blocks N] [--algorithms weighted,mixed]"
+    );
     std::process::exit(2)
 }
 
@@ -310,6 +315,7 @@ fn main() {
     let mut gib = 1.0f64;
     let mut thread_counts = vec![1u32, 2];
     let mut read_blocks: Option<usize> = None;
+    let mut algorithms = vec![Algorithm::Weighted, Algorithm::Mixed];
     while let Some(arg) = args.next() {
         let value = args.next().unwrap_or_else(|| usage());
         match arg.as_str() {
@@ -329,6 +335,17 @@ fn main() {
                     .unwrap_or_else(|| usage())
             }
             "--read-blocks" => read_blocks = Some(value.parse().ok().filter(|&n| n > 0).unwrap_or_else(|| usage())),
+            "--algorithms" => {
+                algorithms = value
+                    .split(',')
+                    .map(|name| match name.trim() {
+                        "weighted" => Some(Algorithm::Weighted),
+                        "mixed" => Some(Algorithm::Mixed),
+                        _ => None,
+                    })
+                    .collect::<Option<Vec<_>>>()
+                    .unwrap_or_else(|| usage())
+            }
             _ => usage(),
         }
     }
@@ -382,62 +399,86 @@ fn main() {
             .iter()
             .map(|&t| ReadTeam::new(cache, t as usize))
             .collect();
-        let workers: Vec<Worker> = thread_counts
+        // Per thread count, one worker per algorithm.
+        let workers: Vec<Vec<Worker>> = thread_counts
             .iter()
-            .map(|&t| cache_shape.worker(shape, cache, t))
+            .map(|&t| {
+                algorithms
+                    .iter()
+                    .map(|&a| cache_shape.worker(shape, cache, t, a))
+                    .collect()
+            })
             .collect();
-        let mut read_rates: Vec<Vec<f64>> = vec![Vec::new(); thread_counts.len()];
-        let mut engine_rates: Vec<Vec<f64>> = vec![Vec::new(); thread_counts.len()];
-        let mut fractions: Vec<Vec<f64>> = vec![Vec::new(); thread_counts.len()];
-        let mut reference: Option<Vec<u64>> = None;
+        let cells = thread_counts.len() * algorithms.len();
+        let mut read_rates: Vec<Vec<f64>> = vec![Vec::new(); cells];
+        let mut engine_rates: Vec<Vec<f64>> = vec![Vec::new(); cells];
+        let mut fractions: Vec<Vec<f64>> = vec![Vec::new(); cells];
+        let mut references: Vec<Option<Vec<u64>>> = vec![None; algorithms.len()];
         let mut read_sum: Option<u64> = None;
         // Repetition 0 warms up (and starts the engine's helpers) and is not counted.
         for rep in 0..=reps {
-            for (index, (team, worker)) in teams.iter().zip(&workers).enumerate() {
-                let start = Instant::now();
-                let sum = black_box(team.read(&ranges, per_item));
-                let read_seconds = start.elapsed().as_secs_f64();
-                assert_eq!(*read_sum.get_or_insert(sum), sum, "the read's sum changed");
+            for (index, (team, workers)) in teams.iter().zip(&workers).enumerate() {
+                for (a, worker) in workers.iter().enumerate() {
+                    let start = Instant::now();
+                    let sum = black_box(team.read(&ranges, per_item));
+                    let read_seconds = start.elapsed().as_secs_f64();
+                    assert_eq!(*read_sum.get_or_insert(sum), sum, "the read's sum changed");
 
-                let start = Instant::now();
-                let result = worker
-                    .checksum(&blocks, Role::Producer, StreamHandle::legacy_default())
-                    .expect("checksum");
-                let engine_seconds = start.elapsed().as_secs_f64();
-                let values = result.values().expect("host values are ready");
-                match &reference {
-                    None => reference = Some(values.to_vec()),
-                    Some(expected) => assert_eq!(values, expected.as_slice(), "thread counts agree"),
-                }
-                if rep > 0 {
-                    read_rates[index].push(read_bytes as f64 / read_seconds / 1e9);
-                    engine_rates[index].push(read_bytes as f64 / engine_seconds / 1e9);
-                    fractions[index].push(read_seconds / engine_seconds);
+                    let start = Instant::now();
+                    let result = worker
+                        .checksum(&blocks, Role::Producer, StreamHandle::legacy_default())
+                        .expect("checksum");
+                    let engine_seconds = start.elapsed().as_secs_f64();
+                    let values = result.values().expect("host values are ready");
+                    match &references[a] {
+                        None => references[a] = Some(values.to_vec()),
+                        Some(expected) => assert_eq!(values, expected.as_slice(), "thread counts agree"),
+                    }
+                    if rep > 0 {
+                        let cell = index * algorithms.len() + a;
+                        read_rates[cell].push(read_bytes as f64 / read_seconds / 1e9);
+                        engine_rates[cell].push(read_bytes as f64 / engine_seconds / 1e9);
+                        fractions[cell].push(read_seconds / engine_seconds);
+                    }
                 }
             }
         }
         let name = format!("{shape:?}").to_uppercase();
         for (index, &threads) in thread_counts.iter().enumerate() {
-            let read = median(&mut read_rates[index]);
-            let engine = median(&mut engine_rates[index]);
-            let low = fractions[index].iter().copied().fold(f64::INFINITY, f64::min);
-            let high = fractions[index].iter().copied().fold(0.0, f64::max);
-            rows.push(format!(
-                "| {name} | {threads} | {read:.2} | {engine:.2} | {:.2} | {low:.2}-{high:.2} |",
-                engine / read
+            for (a, algorithm) in algorithms.iter().enumerate() {
+                let cell = index * algorithms.len() + a;
+                let read = median(&mut read_rates[cell]);
+                let engine = median(&mut engine_rates[cell]);
+                let low = fractions[cell].iter().copied().fold(f64::INFINITY, f64::min);
+                let high = fractions[cell].iter().copied().fold(0.0, f64::max);
+                rows.push(format!(
+                    "| {name} | {} | {threads} | {read:.2} | {engine:.2} | {:.2} | {low:.2}-{high:.2} |",
+                    algorithm.name(),
+                    engine / read
+                ));
+            }
+        }
+        for (algorithm, values) in algorithms.iter().zip(references) {
+            let values = values.expect("computed");
+            let digest = values.iter().fold(0u64, |acc, &v| acc.rotate_left(5) ^ v);
+            notes.push(format!(
+                "{name} {}: checksum digest {digest:#018x} ({} positions)",
+                algorithm.name(),
+                values.len(),
             ));
         }
-        let values = reference.expect("computed");
-        let digest = values.iter().fold(0u64, |acc, &v| acc.rotate_left(5) ^ v);
         notes.push(format!(
-            "{name}: checksum digest {digest:#018x} ({} positions); {}",
-            values.len(),
-            workers.last().expect("a thread count").engine_description()
+            "{name}: {}",
+            workers
+                .last()
+                .and_then(|w| w.last())
+                .expect("a worker")
+                .engine_description()
         ));
     }
     println!();
-    println!("| layout | threads | read GB/s | engine GB/s | of read | per-rep range |");
-    println!("|---|---:|---:|---:|---:|---|");
+    println!("| layout | algorithm | threads | read GB/s | engine GB/s | of read | per-rep range |");
+    println!("|---|---|---:|---:|---:|---:|---|");
     for row in rows {
         println!("{row}");
     }

@@ -20,6 +20,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// The odd multiplier `C` of the MIXED algorithm's `f`
+// (docs/SPEC.md#12-the-mixed-algorithm): 2^64 divided by the golden ratio,
+// rounded to odd.
+#define KVCS_MIX_MULTIPLIER 11400714819323198485ull
+
 // The `group_id` of a finding about the whole load rather than one group.
 #define KVCS_WHOLE_LOAD UINT32_MAX
 
@@ -46,8 +51,9 @@
 // The payload version this library writes and reads.
 #define KVCS_PAYLOAD_VERSION 1
 
-// The extension version this library writes and reads.
-#define KVCS_EXTENSION_VERSION 1
+// The extension version this library writes; it also reads version 1
+// (the same without `algorithm`, which means weighted).
+#define KVCS_EXTENSION_VERSION 2
 
 // The record encoding this library writes and reads.
 #define KVCS_RECORD_VERSION 3
@@ -110,6 +116,32 @@ enum kvcs_role
 typedef enum kvcs_role kvcs_role;
 #else
 typedef uint32_t kvcs_role;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+// Which function each piece passes through before it is weighted
+// (docs/SPEC.md#12-the-mixed-algorithm); `kvcs_worker_set_algorithm` takes these values. Values are
+// fixed and never renumbered.
+enum kvcs_algorithm
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // SPEC sections 2-3 as first defined (each piece as it is): the values
+  // vLLM computes, in a payload vLLM reads. It misses every even number
+  // of flips of one bit position 63 in a block, and swaps of values that
+  // differ only in their high bits (docs/SPEC.md#13-what-it-detects).
+  KVCS_ALGORITHM_WEIGHTED = 1,
+  // Each piece mixed by a fixed bijection first (docs/SPEC.md#12-the-mixed-algorithm): every
+  // property of the definition holds and no fault class of the catalogue
+  // goes unseen. The default of new workers.
+  KVCS_ALGORITHM_MIXED = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvcs_algorithm kvcs_algorithm;
+#else
+typedef uint32_t kvcs_algorithm;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
@@ -192,8 +224,11 @@ enum kvcs_unverified_reason
   // worker's record that is not a load check's (it came from
   // `kvcs_worker_checksum`, not `kvcs_worker_check_stored`).
   KVCS_UNVERIFIED_NOT_LOAD_CHECK = 12,
-  // The two sides (or the records of one load, or the stored values)
-  // were computed with different checksum algorithms.
+  // The checksums were computed with different algorithms
+  // (`kvcs_worker_set_algorithm`, docs/SPEC.md#12-the-mixed-algorithm): between the workers of one side,
+  // or between the consumer's workers and the producer's payload (a
+  // payload without the kvcsum extension means `KVCS_ALGORITHM_WEIGHTED`).
+  // A configuration error, never reported as corrupt data.
   KVCS_UNVERIFIED_ALGORITHM_DIFFERS = 13,
   // The producer's block size is unknown (a plain payload and no
   // `kvcs_verifier_set_producer_block_size`) and the payload's positions
@@ -922,6 +957,9 @@ typedef kvcs_status (*kvcs_block_tags_fn)(const kvcs_worker*,
 // The type of `kvcs_worker_set_detail`.
 typedef kvcs_status (*kvcs_worker_set_detail_fn)(kvcs_worker*, uint32_t);
 
+// The type of `kvcs_worker_set_algorithm`.
+typedef kvcs_status (*kvcs_worker_set_algorithm_fn)(kvcs_worker*, uint32_t);
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -1316,9 +1354,15 @@ void kvcs_verifier_destroy(kvcs_verifier *verifier);
 kvcs_status kvcs_verifier_set_policy(kvcs_verifier *verifier, uint32_t policy);
 
 // Producer: `on` = 1 makes payloads carry the kvcsum extension (the
-// producer's TP size and block sizes, and per-layer partials where every
-// worker is in detail mode), which only kvcsum consumers read; 0 (the
-// default) gives the plain payload vLLM reads.
+// producer's TP size and block sizes, the checksum algorithm, and
+// per-layer partials where every worker is in detail mode), which only
+// kvcsum consumers read; 0 (the default) gives the plain payload vLLM
+// reads, but only for `KVCS_ALGORITHM_WEIGHTED` values: a payload of
+// `KVCS_ALGORITHM_MIXED` values (the workers' default) always carries the
+// extension, since a plain payload means weighted
+// (docs/SPEC.md#9-payload-producer-to-consumer). Records of different
+// algorithms make no payload (`kvcs_verifier_payload` fails with
+// `KVCS_ERR_INVALID_ARGUMENT`).
 kvcs_status kvcs_verifier_set_extension(kvcs_verifier *verifier, uint32_t on);
 
 // Consumer: `on` = 1 makes a load unverified
@@ -1592,6 +1636,21 @@ kvcs_status kvcs_block_tags(const kvcs_worker *worker,
 // at the first checksum after the layout last changed, so that call (not
 // `kvcs_worker_add_layer`) reports its errors, such as a device's.
 kvcs_status kvcs_worker_set_detail(kvcs_worker *worker, uint32_t on);
+
+// Chooses the worker's checksum algorithm (a `kvcs_algorithm` value:
+// `KVCS_ALGORITHM_MIXED`, the default, or `KVCS_ALGORITHM_WEIGHTED`) for
+// every value it computes: checksums, detail mode's partials, state groups
+// and stored checksums. Its records carry it, and a producer's payload
+// carries it in the kvcsum extension (sent whenever the algorithm is not
+// `KVCS_ALGORITHM_WEIGHTED`, since a plain vLLM payload means weighted); a
+// verifier reports workers or a payload of another algorithm as unverified
+// (`KVCS_UNVERIFIED_ALGORITHM_DIFFERS`), never as a mismatch. Set it before
+// the worker's first `kvcs_worker_checksum`, `kvcs_worker_store` or
+// `kvcs_worker_check_stored`: after one it is `KVCS_ERR_INVALID_ARGUMENT`
+// and nothing changes. Another value is `KVCS_ERR_INVALID_ARGUMENT` naming
+// it. Stored checksums do not record the algorithm yet: store and load
+// check with workers of the same algorithm.
+kvcs_status kvcs_worker_set_algorithm(kvcs_worker *worker, uint32_t algorithm);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -185,6 +185,9 @@ class worker : public detail::owner<kvcs_worker, kvcs_worker_destroy> {
   void add_layer(const kvcs_layer &layer) { check(kvcs_worker_add_layer(get(), &layer)); }
   /// kvcs_worker_set_detail.
   void set_detail(bool on) { check(kvcs_worker_set_detail(get(), on ? 1u : 0u)); }
+  /// kvcs_worker_set_algorithm: KVCS_ALGORITHM_MIXED (the default) or
+  /// KVCS_ALGORITHM_WEIGHTED, before the first checksum, store or load check.
+  void set_algorithm(uint32_t algorithm) { check(kvcs_worker_set_algorithm(get(), algorithm)); }
   /// kvcs_worker_checksum.
   kvcs::result checksum(const blocks &blocks, uint32_t role, void *cuda_stream = nullptr) {
     kvcs_result *out = nullptr;

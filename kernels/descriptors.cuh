@@ -3,7 +3,8 @@
 // source before NVRTC compiles it, so kernels do not #include it. Before it
 // come the shared constants (KVCS_WARP, KVCS_THREADS_PER_BLOCK,
 // KVCS_MAX_SPLIT, KVCS_INLINE_ROWS, KVCS_INLINE_GROUPS, KVCS_BATCH,
-// KVCS_STATE_LOADS, KVCS_INLINE_STATE_ROWS) and
+// KVCS_STATE_LOADS, KVCS_INLINE_STATE_ROWS, KVCS_ALGORITHM_WEIGHTED,
+// KVCS_ALGORITHM_MIXED, KVCS_MIX_MULTIPLIER) and
 // after it static_asserts of every struct's size and field offsets, both
 // generated from the Rust definitions (kernel_prelude in descriptors.rs).
 #ifndef KVCS_DESCRIPTORS_CUH
@@ -12,6 +13,20 @@
 typedef unsigned long long kvcs_u64;
 typedef long long kvcs_i64;
 typedef unsigned int kvcs_u32;
+
+// f of SPEC section 12 for the MIXED algorithm: g = (x ^ (x >> 32)) * C,
+// f = g ^ (g >> 32). The shifts by 32 move words; the product is three
+// 32-bit multiply-adds. Shared by both kernels.
+__device__ __forceinline__ kvcs_u64 kvcs_mix(kvcs_u64 x) {
+    const kvcs_u64 g = (x ^ (x >> 32)) * KVCS_MIX_MULTIPLIER;
+    return g ^ (g >> 32);
+}
+
+// f of the call's algorithm, fixed at compile time.
+template <bool MIXED>
+__device__ __forceinline__ kvcs_u64 kvcs_piece(kvcs_u64 x) {
+    return MIXED ? kvcs_mix(x) : x;
+}
 
 // One region of a layer's cache (SPEC: a cell is K then V, maybe in two regions).
 // A warp reads a unit's tokens `tokens_per_step` at a time: lane l reads
@@ -87,6 +102,8 @@ struct kvcs_dev_call {
     kvcs_u32 num_values;
     kvcs_u32 split;                       // chunks per kernel block
     kvcs_u32 row_units;                   // units of every row (split included) when equal, else 0
+    kvcs_u32 algorithm;                   // KVCS_ALGORITHM_*: f of SPEC section 12
+    kvcs_u32 reserved;
     struct kvcs_dev_group inline_groups[KVCS_INLINE_GROUPS];  // slots below KVCS_INLINE_GROUPS
     struct kvcs_dev_row inline_rows[KVCS_INLINE_ROWS];
 };
@@ -151,7 +168,7 @@ struct kvcs_dev_state_call {
     const struct kvcs_dev_row *rows;             // device memory; NULL: use inline_rows
     kvcs_u64 *accumulators;                      // the slot's, added into; kvcs_checksum publishes them
     kvcs_u32 num_rows;
-    kvcs_u32 reserved;
+    kvcs_u32 algorithm;                          // KVCS_ALGORITHM_*: f of SPEC section 12
     struct kvcs_dev_row inline_rows[KVCS_INLINE_STATE_ROWS];
 };
 

@@ -15,7 +15,7 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-use crate::checksum::{piece_weight, slice_weight, weighted_run, PIECE_BYTES};
+use crate::checksum::{piece_value, piece_weight, run_checksum, slice_weight, Algorithm, PIECE_BYTES};
 use crate::error::{err, Result};
 use crate::layout::{Layer, Layout, Role, Segment};
 use crate::plan::{Plan, Row};
@@ -99,13 +99,14 @@ impl HostEngine {
         self.pool.get().map_or(0, Pool::helpers)
     }
 
-    /// Computes the values of `plan` (whose rows are `rows`), on up to [`HostEngine::threads`]
-    /// threads. Calls may run concurrently; each gets what helpers are free.
+    /// Computes the values of `plan` (whose rows are `rows`) with
+    /// `algorithm`, on up to [`HostEngine::threads`] threads. Calls may run
+    /// concurrently; each gets what helpers are free.
     ///
     /// The layout's registration checks guarantee every address read lies in
     /// a registered region; the caller of [`crate::Worker::add_region`]
     /// promised those are readable host memory.
-    pub fn compute(&self, layout: &Layout, plan: &Plan, rows: &[Row], role: Role) -> Vec<u64> {
+    pub fn compute(&self, layout: &Layout, plan: &Plan, rows: &[Row], role: Role, algorithm: Algorithm) -> Vec<u64> {
         let mut items = Vec::new();
         let mut total_bytes = 0u64;
         for row in rows {
@@ -132,7 +133,10 @@ impl HostEngine {
                     break;
                 }
                 for item in &items[start..(start + ITEMS_PER_GRAB).min(items.len())] {
-                    let sum = item_checksum(item.row, item.layer, &mut scratch);
+                    let sum = match algorithm {
+                        Algorithm::Weighted => item_checksum::<false>(item.row, item.layer, &mut scratch),
+                        Algorithm::Mixed => item_checksum::<true>(item.row, item.layer, &mut scratch),
+                    };
                     let out = item.row.out as usize + item.column * item.row.column_stride as usize;
                     values[out].fetch_add(sum, Ordering::Relaxed);
                 }
@@ -145,7 +149,7 @@ impl HostEngine {
             pool.run(threads - 1, &work);
         }
         let mut values: Vec<u64> = values.into_iter().map(AtomicU64::into_inner).collect();
-        add_states(layout, rows, &mut values);
+        add_states(layout, rows, algorithm, &mut values);
         values
     }
 }
@@ -168,17 +172,18 @@ struct Item<'a> {
 
 /// Adds the state layers' checksums (SPEC section 6) of the rows of state
 /// groups among `rows`, on the calling thread.
-fn add_states(layout: &Layout, rows: &[Row], values: &mut [u64]) {
+fn add_states(layout: &Layout, rows: &[Row], algorithm: Algorithm, values: &mut [u64]) {
     for row in rows {
         for state in layout.group_in_slot(row.group_slot).states() {
             let value = &mut values[row.out as usize];
-            *value = value.wrapping_add(state.block_checksum(row.block_id));
+            *value = value.wrapping_add(state.block_checksum(row.block_id, algorithm));
         }
     }
 }
 
-/// `sum over heads of m * s` for one block position of one layer.
-fn item_checksum(row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
+/// `sum over heads of m * s` for one block position of one layer, `f` of
+/// SPEC section 12 fixed at compile time (`MIXED`).
+fn item_checksum<const MIXED: bool>(row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
     let spec = &layer.spec;
     let per_kernel_block = spec.tokens_per_kernel_block;
     let mut sum = 0u64;
@@ -199,7 +204,7 @@ fn item_checksum(row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
                 count,
                 first_index: first_index + piece_offset,
             };
-            sum = sum.wrapping_add(segment_heads(layer, segment, &tokens, scratch));
+            sum = sum.wrapping_add(segment_heads::<MIXED>(layer, segment, &tokens, scratch));
         }
         token += count;
     }
@@ -223,7 +228,12 @@ struct TokenRun {
 /// NHD heads outer ran at 0.6-0.7 of the read ceiling). Each (head, token)
 /// row of pieces is added into per-head [`RowSums`], reduced once per head
 /// rather than once per row.
-fn segment_heads(layer: &Layer, segment: &Segment, tokens: &TokenRun, scratch: &mut Vec<RowSums>) -> u64 {
+fn segment_heads<const MIXED: bool>(
+    layer: &Layer,
+    segment: &Segment,
+    tokens: &TokenRun,
+    scratch: &mut Vec<RowSums>,
+) -> u64 {
     let spec = &layer.spec;
     let pieces = (segment.bytes_per_token as u64 / PIECE_BYTES) as usize;
     let token_stride = segment.token_stride;
@@ -251,7 +261,7 @@ fn segment_heads(layer: &Layer, segment: &Segment, tokens: &TokenRun, scratch: &
                     (pieces * tokens.count as usize) as u64,
                 )
             };
-            sum = sum.wrapping_add(weight(head).wrapping_mul(weighted_run(run, tokens.first_index)));
+            sum = sum.wrapping_add(weight(head).wrapping_mul(run_checksum::<MIXED>(run, tokens.first_index)));
         }
     } else if pieces % LANES != 0 {
         // Rows that do not fill whole lanes: reduce each row on its own.
@@ -260,7 +270,8 @@ fn segment_heads(layer: &Layer, segment: &Segment, tokens: &TokenRun, scratch: &
                 .first_index
                 .wrapping_add((slot as u64).wrapping_mul(layer.pieces_per_token))
         };
-        let row_sum = |head: u32, slot: u32| weight(head).wrapping_mul(weighted_run(row(head, slot), row_index(slot)));
+        let row_sum =
+            |head: u32, slot: u32| weight(head).wrapping_mul(run_checksum::<MIXED>(row(head, slot), row_index(slot)));
         if heads_outer {
             for head in 0..spec.num_heads {
                 for slot in 0..tokens.count {
@@ -284,7 +295,7 @@ fn segment_heads(layer: &Layer, segment: &Segment, tokens: &TokenRun, scratch: &
                 if prefetch {
                     prefetch_row(pieces, head_stride);
                 }
-                sums.add_row(pieces);
+                sums.add_row::<MIXED>(pieces);
             }
             sum = sum.wrapping_add(weight(head).wrapping_mul(slice_sum(&sums)));
         }
@@ -298,7 +309,7 @@ fn segment_heads(layer: &Layer, segment: &Segment, tokens: &TokenRun, scratch: &
                 if prefetch {
                     prefetch_row(pieces, PREFETCH_TOKENS as i64 * token_stride);
                 }
-                sums.add_row(pieces);
+                sums.add_row::<MIXED>(pieces);
             }
         }
         for (head, sums) in scratch.iter().enumerate() {
@@ -341,7 +352,7 @@ const LANES: usize = 8;
 /// Running sums over the rows (one head's pieces of one token) of a slice,
 /// from which [`RowSums::weighted`] gives their slice-checksum contribution
 /// with one reduction for all rows. The same identity as
-/// `checksum::weighted_run`, extended by a row index: within lane `l`,
+/// `checksum::run_checksum`, extended by a row index: within lane `l`,
 /// after each chunk `running += sum`, so `sum_k k * x = chunks * sum -
 /// running`; after each row `row_running += sum`, so `sum_r r * x = rows *
 /// sum - row_running`. Adds only, so the chunk loop vectorises.
@@ -355,18 +366,18 @@ struct RowSums {
 }
 
 impl RowSums {
-    /// Adds the next row; its length is a multiple of [`LANES`] and the
-    /// same for every row.
+    /// Adds the next row (each piece through `f`: [`piece_value`]); its
+    /// length is a multiple of [`LANES`] and the same for every row.
     #[inline(always)]
     // One index walks three lane arrays in step; this is what vectorises.
     #[allow(clippy::needless_range_loop)]
-    fn add_row(&mut self, row: &[u64]) {
+    fn add_row<const MIXED: bool>(&mut self, row: &[u64]) {
         let chunks = row.chunks_exact(LANES);
         debug_assert!(chunks.remainder().is_empty());
         self.chunks += chunks.len() as u64;
         for chunk in chunks {
             for lane in 0..LANES {
-                self.sum[lane] = self.sum[lane].wrapping_add(chunk[lane]);
+                self.sum[lane] = self.sum[lane].wrapping_add(piece_value::<MIXED>(chunk[lane]));
                 self.running[lane] = self.running[lane].wrapping_add(self.sum[lane]);
             }
         }
@@ -419,7 +430,8 @@ unsafe fn host_pieces<'a>(address: i64, count: u64) -> &'a [u64] {
 mod tests {
     use super::*;
 
-    /// `RowSums` gives what `weighted_run` (the definition) gives row by row.
+    /// `RowSums` gives what `weighted_run` (the definition) gives row by
+    /// row, under both algorithms.
     #[test]
     fn row_sums_equal_rows_of_weighted_runs() {
         let mut state = 0x2545_F491_4F6C_DD1Du64;
@@ -435,18 +447,23 @@ mod tests {
                     let pieces: Vec<u64> = (0..row_len * rows).map(|_| next()).collect();
                     let first_index = next() >> 4;
                     let row_index_stride = row_len as u64 + extra_stride;
-                    let mut sums = RowSums::default();
-                    let mut expected = 0u64;
-                    for (r, row) in pieces.chunks_exact(row_len).enumerate() {
-                        sums.add_row(row);
-                        let index = first_index.wrapping_add(r as u64 * row_index_stride);
-                        expected = expected.wrapping_add(weighted_run(row, index));
+                    for algorithm in [Algorithm::Weighted, Algorithm::Mixed] {
+                        let mut sums = RowSums::default();
+                        let mut expected = 0u64;
+                        for (r, row) in pieces.chunks_exact(row_len).enumerate() {
+                            match algorithm {
+                                Algorithm::Weighted => sums.add_row::<false>(row),
+                                Algorithm::Mixed => sums.add_row::<true>(row),
+                            }
+                            let index = first_index.wrapping_add(r as u64 * row_index_stride);
+                            expected = expected.wrapping_add(crate::checksum::weighted_run(row, index, algorithm));
+                        }
+                        assert_eq!(
+                            sums.weighted(row_len as u64, first_index, row_index_stride),
+                            expected,
+                            "row_len {row_len}, rows {rows}, row_index_stride {row_index_stride}, {algorithm:?}"
+                        );
                     }
-                    assert_eq!(
-                        sums.weighted(row_len as u64, first_index, row_index_stride),
-                        expected,
-                        "row_len {row_len}, rows {rows}, row_index_stride {row_index_stride}"
-                    );
                 }
             }
         }

@@ -16,14 +16,18 @@
 //! rejects, so it is opt-in and only for kvcsum consumers:
 //!
 //! ```text
-//! [1, producer_tp_size,
-//!  [[group_id, block_size, [[layer_number, first_head, num_heads, values], ...]], ...]]
+//! [2, producer_tp_size,
+//!  [[group_id, block_size, [[layer_number, first_head, num_heads, values], ...]], ...],
+//!  algorithm]
 //! ```
 //!
 //! It tells the consumer the producer's TP size (shard-keyed state groups
-//! are comparable only between equal TP sizes) and, per group, its block
-//! size (so positions of different block sizes can be lined up) and, in
-//! detail mode, per-layer partial checksums (so a mismatch names layers).
+//! are comparable only between equal TP sizes), per group its block size
+//! (so positions of different block sizes can be lined up) and, in detail
+//! mode, per-layer partial checksums (so a mismatch names layers), and the
+//! algorithm of every value (SPEC section 12: 1 weighted, 2 mixed). Version
+//! 1 of the extension had no `algorithm` (3 elements) and means weighted,
+//! as does a payload without extension.
 //!
 //! [`Payload::decode`] accepts any valid msgpack of these shapes (integers in
 //! any width) and rejects everything else with `Error::Malformed` and a
@@ -33,7 +37,7 @@ use std::collections::{HashMap, HashSet};
 
 use base64::Engine as _;
 
-use crate::checksum::MAX_KV_HEADS_PER_LAYER;
+use crate::checksum::{Algorithm, MAX_KV_HEADS_PER_LAYER};
 use crate::error::{err, Result};
 use crate::layout::ReplicaKey;
 use crate::msgpack::{initial_capacity, Reader, Writer};
@@ -41,8 +45,9 @@ use crate::msgpack::{initial_capacity, Reader, Writer};
 /// The payload version this library writes and reads.
 pub const PAYLOAD_VERSION: u64 = 1;
 
-/// The extension version this library writes and reads.
-pub const EXTENSION_VERSION: u64 = 1;
+/// The extension version this library writes; it also reads version 1
+/// (the same without `algorithm`, which means weighted).
+pub const EXTENSION_VERSION: u64 = 2;
 
 /// The `kv_transfer_params` key of the base64 payload.
 pub const TRANSFER_PARAMS_KEY: &str = "kv_checksums";
@@ -91,6 +96,8 @@ pub struct Extension {
     pub producer_tp_size: u32,
     /// Per group of the payload (any subset, each at most once).
     pub groups: Vec<ExtensionGroup>,
+    /// The algorithm of the payload's values (SPEC section 12).
+    pub algorithm: Algorithm,
 }
 
 /// A producer's checksums of one request.
@@ -120,7 +127,7 @@ impl Payload {
             w.u64s(&group.values);
         }
         if let Some(extension) = &self.extension {
-            w.array(3);
+            w.array(4);
             w.uint(EXTENSION_VERSION);
             w.uint(extension.producer_tp_size as u64);
             w.array(extension.groups.len());
@@ -137,6 +144,7 @@ impl Payload {
                     w.u64s(&layer.values);
                 }
             }
+            w.uint(extension.algorithm.code().into());
         }
         w.into_bytes()
     }
@@ -271,6 +279,12 @@ impl Payload {
         self.groups.iter().find(|g| g.group_id == group_id)
     }
 
+    /// The algorithm of the values: the extension's, else weighted (a
+    /// plain payload is vLLM's, SPEC section 9).
+    pub fn algorithm(&self) -> Algorithm {
+        self.extension.as_ref().map_or(Algorithm::Weighted, |e| e.algorithm)
+    }
+
     /// The extension's entry of group `group_id`, if any.
     pub fn extension_group(&self, group_id: u32) -> Option<&ExtensionGroup> {
         self.extension.as_ref()?.groups.iter().find(|g| g.group_id == group_id)
@@ -278,13 +292,25 @@ impl Payload {
 }
 
 fn decode_extension(r: &mut Reader<'_>) -> Result<Extension> {
-    r.array_of("the extension", 3)?;
     let at = r.position();
+    let len = r.array("the extension")?;
+    let at_version = r.position();
     let version = r.uint("extension version")?;
-    if version != EXTENSION_VERSION {
+    // Version 1: 3 elements, weighted; version 2: 4, the algorithm last.
+    let expected_len = match version {
+        1 => 3,
+        EXTENSION_VERSION => 4,
+        _ => {
+            return Err(err!(
+                Malformed,
+                "payload: byte {at_version}: extension version {version} is not supported (this library reads versions 1 and {EXTENSION_VERSION})"
+            ))
+        }
+    };
+    if len != expected_len {
         return Err(err!(
             Malformed,
-            "payload: byte {at}: extension version {version} is not supported (this library reads version {EXTENSION_VERSION})"
+            "payload: byte {at}: the extension of version {version} has {expected_len} elements, found {len}"
         ));
     }
     let producer_tp_size = r.u32("producer_tp_size")?;
@@ -312,9 +338,22 @@ fn decode_extension(r: &mut Reader<'_>) -> Result<Extension> {
             layers,
         });
     }
+    let algorithm = if version == 1 {
+        Algorithm::Weighted
+    } else {
+        let at = r.position();
+        let code = r.uint("algorithm")?;
+        Algorithm::from_code(code).ok_or_else(|| {
+            err!(
+                Malformed,
+                "payload: byte {at}: algorithm {code} is neither 1 (weighted) nor 2 (mixed)"
+            )
+        })?
+    };
     Ok(Extension {
         producer_tp_size,
         groups,
+        algorithm,
     })
 }
 

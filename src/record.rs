@@ -2,7 +2,7 @@
 //! usually in another process, as versioned, self-describing bytes.
 //!
 //! A record says who the worker is (its TP rank and size, its PP stage), the
-//! role it computed in, what it knows of each registered group (block size,
+//! role it computed in, the algorithm it computed with (SPEC section 12), what it knows of each registered group (block size,
 //! fingerprint of SPEC section 7, whether its checksums are shard-keyed
 //! state of SPEC section 6), and per request: the token count, per group the
 //! first position, the number of positions and one column of partial
@@ -18,8 +18,9 @@
 //! little-endian `u64`s, one per block position:
 //!
 //! ```text
-//! ["kvcsum.record", 2,
+//! ["kvcsum.record", 3,
 //!  [tp_rank, tp_size, pp_rank], role (0 producer, 1 consumer), detail (bool),
+//!  algorithm (1 weighted, 2 mixed),
 //!  [[group_id, block_size, fingerprint, shard_keyed (bool), holds_caches (bool), state (bool)], ...],   # sorted by group_id
 //!  [[req_id (str), num_tokens,
 //!    [[group_id, first_position, num_positions,
@@ -41,7 +42,8 @@
 //! them. `holds_caches` says whether the worker registered any cache (layer
 //! or state layer) in the group: a group none holds was never read; `state`
 //! whether it is a state group (SPEC section 6). Version 1 had no `stored`
-//! element (groups of 5 elements), version 2 no `holds_caches`, no `state`
+//! element (groups of 5 elements); version 2 had no `algorithm` (7
+//! elements; its values were all weighted), no `holds_caches`, no `state`
 //! and no outcomes 3 and 4.
 //!
 //! [`Record::decode`] accepts exactly this shape and version and validates
@@ -50,7 +52,7 @@
 
 use std::collections::HashSet;
 
-use crate::checksum::MAX_KV_HEADS_PER_LAYER;
+use crate::checksum::{Algorithm, MAX_KV_HEADS_PER_LAYER};
 use crate::error::{err, Result};
 use crate::layout::{ReplicaKey, Role};
 use crate::msgpack::{initial_capacity, Reader, Writer};
@@ -113,6 +115,8 @@ pub struct Record {
     pub role: Role,
     /// Whether layer partials are included.
     pub detail: bool,
+    /// The algorithm every value was computed with (SPEC section 12).
+    pub algorithm: Algorithm,
     /// Every group the worker registered, sorted by id.
     pub groups: Vec<GroupInfo>,
     /// The requests of the call.
@@ -180,6 +184,7 @@ impl Record {
             rank: info.rank,
             role: info.role,
             detail: info.detail.is_some(),
+            algorithm: info.algorithm,
             groups: info.groups.to_vec(),
             requests,
         };
@@ -192,7 +197,7 @@ impl Record {
     /// The record's bytes (see the module documentation).
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::new();
-        w.array(7);
+        w.array(8);
         w.str(RECORD_MAGIC);
         w.uint(RECORD_VERSION);
         w.array(3);
@@ -201,6 +206,7 @@ impl Record {
         w.uint(self.rank.pp_rank as u64);
         w.uint(role_code(self.role));
         w.bool(self.detail);
+        w.uint(self.algorithm.code().into());
         w.array(self.groups.len());
         for group in &self.groups {
             w.array(6);
@@ -262,7 +268,7 @@ impl Record {
     /// to `bytes.len()`.
     pub fn decode(bytes: &[u8]) -> Result<Record> {
         let mut r = Reader::new(bytes, "record");
-        r.array_of("the record", 7)?;
+        r.array_of("the record", 8)?;
         let at = r.position();
         let magic = r.str("the record's first element")?;
         if magic != RECORD_MAGIC {
@@ -294,6 +300,14 @@ impl Record {
             )
         })?;
         let detail = r.bool("detail")?;
+        let at = r.position();
+        let code = r.uint("algorithm")?;
+        let algorithm = Algorithm::from_code(code).ok_or_else(|| {
+            err!(
+                Malformed,
+                "record: byte {at}: algorithm {code} is neither 1 (weighted) nor 2 (mixed)"
+            )
+        })?;
         let num_groups = r.array("groups")?;
         let mut groups = Vec::with_capacity(initial_capacity(num_groups));
         for _ in 0..num_groups {
@@ -381,6 +395,7 @@ impl Record {
             rank,
             role,
             detail,
+            algorithm,
             groups,
             requests,
         };

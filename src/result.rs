@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
-use crate::checksum::KNOWN_ALGORITHMS;
 use crate::blocks::RequestBlocks;
+use crate::checksum::Algorithm;
 use crate::error::{err, Result};
 use crate::layout::{ReplicaKey, Role};
 
@@ -74,6 +74,8 @@ pub struct RecordInfo {
     pub rank: Rank,
     /// The role the values were computed in.
     pub role: Role,
+    /// The algorithm the values were computed with (SPEC section 12).
+    pub algorithm: Algorithm,
     /// Every registered group, sorted by id.
     pub groups: Arc<[GroupInfo]>,
     /// Detail mode: the per-layer partials, computed or being computed.
@@ -432,7 +434,7 @@ pub fn config_stamp(fingerprint: u64, algorithm: u32) -> u64 {
 /// algorithm when only that part differs, else other layers.
 fn other_configuration(read: u64, stamp: u64, algorithm: u32) -> StoredOutcome {
     let other = read ^ stamp ^ algorithm as u64;
-    if other != algorithm as u64 && KNOWN_ALGORITHMS.iter().any(|&known| known as u64 == other) {
+    if other != algorithm as u64 && Algorithm::from_code(other).is_some() {
         StoredOutcome::OtherAlgorithm
     } else {
         StoredOutcome::OtherFingerprint

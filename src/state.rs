@@ -11,7 +11,7 @@
 //! the checksums compare only between equal TP sizes (the group is
 //! shard-keyed).
 
-use crate::checksum::{piece_weight, slice_weight, MAX_KV_HEADS_PER_LAYER};
+use crate::checksum::{mix, piece_weight, slice_weight, Algorithm, MAX_KV_HEADS_PER_LAYER};
 use crate::error::{err, Result};
 
 /// Most tensors one state layer may have (Mamba layers have two: conv, ssm).
@@ -122,8 +122,8 @@ impl StateLayer {
     }
 
     /// This layer's partial checksum of the state in block `block_id`
-    /// (below `num_blocks`, which the plan checked).
-    pub fn block_checksum(&self, block_id: u32) -> u64 {
+    /// (below `num_blocks`, which the plan checked) under `algorithm`.
+    pub fn block_checksum(&self, block_id: u32, algorithm: Algorithm) -> u64 {
         let layer_number = self.spec.layer_number;
         let mut sum = 0u64;
         // Shard-keyed: one slice over every row of every tensor.
@@ -140,9 +140,10 @@ impl StateLayer {
                     unsafe { std::slice::from_raw_parts(address as usize as *const u8, tensor.bytes_per_row as usize) };
                 if self.spec.split_known {
                     let weight = slice_weight(layer_number, head_base + row);
-                    sum = sum.wrapping_add(weight.wrapping_mul(elements_run(bytes, tensor.element_size, 0)));
+                    sum = sum.wrapping_add(weight.wrapping_mul(elements_run(bytes, tensor.element_size, 0, algorithm)));
                 } else {
-                    shard_slice = shard_slice.wrapping_add(elements_run(bytes, tensor.element_size, shard_index));
+                    shard_slice =
+                        shard_slice.wrapping_add(elements_run(bytes, tensor.element_size, shard_index, algorithm));
                     shard_index += elements;
                 }
             }
@@ -154,12 +155,15 @@ impl StateLayer {
     }
 }
 
-/// `sum_i x_i * (2 * (first_index + i) + 1)` over the row's elements of
-/// `element_size` bytes, read as unsigned little-endian integers.
-fn elements_run(bytes: &[u8], element_size: u32, first_index: u64) -> u64 {
-    // (2 * first_index + 1) * S0 + 2 * S1 with S0 = sum x_i, S1 = sum i * x_i.
+/// `sum_i f(x_i) * (2 * (first_index + i) + 1)` over the row's elements of
+/// `element_size` bytes, read as unsigned little-endian integers and
+/// zero-extended to 64 bits, `f` that of `algorithm` (SPEC section 12).
+fn elements_run(bytes: &[u8], element_size: u32, first_index: u64, algorithm: Algorithm) -> u64 {
+    // (2 * first_index + 1) * S0 + 2 * S1 with S0 = sum f(x_i), S1 = sum i * f(x_i).
     let (mut total, mut index_weighted) = (0u64, 0u64);
+    let mixed = algorithm == Algorithm::Mixed;
     let mut add = |i: usize, x: u64| {
+        let x = if mixed { mix(x) } else { x };
         total = total.wrapping_add(x);
         index_weighted = index_weighted.wrapping_add(x.wrapping_mul(i as u64));
     };
@@ -270,8 +274,13 @@ mod tests {
             .fold(0u64, |s, (i, &x)| {
                 s.wrapping_add(x.wrapping_mul(2 * (5 + i as u64) + 1))
             });
-        assert_eq!(elements_run(&bytes, 2, 5), expected);
+        assert_eq!(elements_run(&bytes, 2, 5, Algorithm::Weighted), expected);
         // 4-byte: 0x0001ffff, 0x80001234 at j = 0, 1.
-        assert_eq!(elements_run(&bytes, 4, 0), 0x0001ffff + 3 * 0x80001234u64);
+        assert_eq!(elements_run(&bytes, 4, 0, Algorithm::Weighted), 0x0001ffff + 3 * 0x80001234u64);
+        // Mixed: each zero-extended element through mix first.
+        assert_eq!(
+            elements_run(&bytes, 4, 0, Algorithm::Mixed),
+            mix(0x0001ffff).wrapping_add(3u64.wrapping_mul(mix(0x80001234)))
+        );
     }
 }

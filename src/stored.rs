@@ -18,7 +18,7 @@ use crate::blocks::{valid_tokens, BlockSet, GroupBlocks, RequestBlocks};
 use crate::cuda::{DevStoredItem, StoredMode, StoredWork};
 use std::collections::HashMap;
 
-use crate::checksum::ALGORITHM_WEIGHTED;
+use crate::checksum::Algorithm;
 use crate::error::{err, Result};
 use crate::fingerprint::group_fingerprint;
 use crate::layout::{Group, Layout, StoredBuffer};
@@ -28,9 +28,6 @@ use crate::result::{config_stamp, Checksums, GroupInfo, Placement, Shape, Stored
 pub fn block_tag(block_hash: u64, group_fingerprint: u64) -> u64 {
     block_hash ^ group_fingerprint
 }
-
-/// The algorithm stored values are computed with (SPEC section 8's stamp).
-const STORED_ALGORITHM: u32 = ALGORITHM_WEIGHTED;
 
 /// One (request, group) that a store or load check covers.
 struct Target<'a> {
@@ -42,6 +39,8 @@ struct Target<'a> {
     group: &'a Group,
     buffer: StoredBuffer,
     fingerprint: u64,
+    /// The worker's algorithm, which the stamp names.
+    algorithm: Algorithm,
 }
 
 impl Target<'_> {
@@ -71,7 +70,7 @@ impl Target<'_> {
 
     /// The stamp of the worker's configuration for this group.
     fn stamp(&self) -> u64 {
-        config_stamp(self.fingerprint, STORED_ALGORITHM)
+        config_stamp(self.fingerprint, self.algorithm.code())
     }
 
     /// What a load check expects at index `i`, whose value is the `index`-th read back.
@@ -80,7 +79,7 @@ impl Target<'_> {
             index,
             tag: block_tag(self.hashes[i], self.fingerprint),
             stamp: self.stamp(),
-            algorithm: STORED_ALGORITHM,
+            algorithm: self.algorithm.code(),
         }
     }
 }
@@ -98,7 +97,12 @@ struct BlockUse {
 /// skip has a stored buffer, block hashes, and block ids inside the buffer,
 /// each block id holding one value (see [`check_one_value_per_block`]): all
 /// of it before anything is computed or written.
-fn targets<'a>(layout: &'a Layout, infos: &[GroupInfo], blocks: &'a BlockSet) -> Result<Vec<Target<'a>>> {
+fn targets<'a>(
+    layout: &'a Layout,
+    infos: &[GroupInfo],
+    blocks: &'a BlockSet,
+    algorithm: Algorithm,
+) -> Result<Vec<Target<'a>>> {
     let mut targets = Vec::new();
     let mut uses: HashMap<(u32, u32), (BlockUse, &str)> = HashMap::new();
     let mut index = 0;
@@ -153,6 +157,7 @@ fn targets<'a>(layout: &'a Layout, infos: &[GroupInfo], blocks: &'a BlockSet) ->
                 fingerprint: infos
                     .binary_search_by_key(&group_id, |info| info.group_id)
                     .map_or_else(|_| group_fingerprint(group), |i| infos[i].fingerprint),
+                algorithm,
             };
             check_one_value_per_block(&target, &mut uses)?;
             targets.push(target);
@@ -206,8 +211,8 @@ fn check_one_value_per_block<'a>(
 }
 
 /// Fails unless `blocks` can be stored or checked on `layout` (see [`targets`]).
-pub fn check_blocks(layout: &Layout, infos: &[GroupInfo], blocks: &BlockSet) -> Result<()> {
-    targets(layout, infos, blocks).map(|_| ())
+pub fn check_blocks(layout: &Layout, infos: &[GroupInfo], blocks: &BlockSet, algorithm: Algorithm) -> Result<()> {
+    targets(layout, infos, blocks, algorithm).map(|_| ())
 }
 
 /// Writes `sum XOR tag` for every block of `blocks` that holds a valid
@@ -215,8 +220,14 @@ pub fn check_blocks(layout: &Layout, infos: &[GroupInfo], blocks: &BlockSet) -> 
 ///
 /// The caller of `add_stored` promised the buffers are writable host memory
 /// that nothing else writes meanwhile.
-pub fn store(layout: &Layout, infos: &[GroupInfo], blocks: &BlockSet, result: &Checksums) -> Result<()> {
-    let targets = targets(layout, infos, blocks)?;
+pub fn store(
+    layout: &Layout,
+    infos: &[GroupInfo],
+    blocks: &BlockSet,
+    algorithm: Algorithm,
+    result: &Checksums,
+) -> Result<()> {
+    let targets = targets(layout, infos, blocks, algorithm)?;
     let mut writes = Vec::new();
     for target in &targets {
         let sums = result.position_sums(&target.request.req_id, target.blocks.group_id)?;
@@ -284,8 +295,9 @@ pub fn expectations(
     layout: &Layout,
     infos: &[GroupInfo],
     blocks: &BlockSet,
+    algorithm: Algorithm,
 ) -> Result<(Vec<StoredExpectation>, Vec<u64>)> {
-    let targets = targets(layout, infos, blocks)?;
+    let targets = targets(layout, infos, blocks, algorithm)?;
     let mut read = Vec::with_capacity(2 * blocks.num_blocks());
     let expectations = checked_positions(&targets, true, |t, _, block_id| {
         let slot = targets[t].slot(block_id);
@@ -304,10 +316,11 @@ pub fn device_work(
     layout: &Layout,
     infos: &[GroupInfo],
     blocks: &BlockSet,
+    algorithm: Algorithm,
     shape: &Shape,
     mode: StoredMode,
 ) -> Result<(StoredWork, Vec<StoredExpectation>)> {
-    let targets = targets(layout, infos, blocks)?;
+    let targets = targets(layout, infos, blocks, algorithm)?;
     // Per target, where its values are: (value index of column 0, columns).
     let places = targets
         .iter()

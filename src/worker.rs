@@ -1,9 +1,11 @@
 //! A worker: one TP rank / PP stage's registered layout and the engine that
 //! computes its partial checksums.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use crate::blocks::BlockSet;
+use crate::checksum::Algorithm;
 use crate::cuda;
 use crate::detail::Shadow;
 use crate::error::{err, Result};
@@ -86,6 +88,11 @@ pub struct Worker {
     detail: Option<OnceLock<Detail>>,
     /// The record's group facts (fingerprints hashed once), reset when the layout changes.
     group_infos: OnceLock<Arc<[GroupInfo]>>,
+    /// What `f` of SPEC section 12 every value of this worker uses.
+    algorithm: Algorithm,
+    /// Whether a checksum, store or load check has run: the algorithm is
+    /// then fixed, so that every value of the worker is comparable.
+    computed: AtomicBool,
 }
 
 impl Worker {
@@ -113,7 +120,31 @@ impl Worker {
             engine,
             detail: None,
             group_infos: OnceLock::new(),
+            algorithm: Algorithm::default(),
+            computed: AtomicBool::new(false),
         })
+    }
+
+    /// The algorithm of every value this worker computes (SPEC section 12):
+    /// [`Algorithm::Mixed`] unless set otherwise.
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+
+    /// Chooses the algorithm (SPEC section 12) before the worker's first
+    /// checksum, store or load check; `InvalidArgument` after one, so that
+    /// a worker's values (and the stored checksums it wrote) all use one.
+    pub fn set_algorithm(&mut self, algorithm: Algorithm) -> Result<()> {
+        if self.computed.load(Ordering::Relaxed) {
+            return Err(err!(
+                InvalidArgument,
+                "algorithm {} cannot be set: this worker has already computed checksums with {} (set it before the first checksum, store or load check)",
+                algorithm.name(),
+                self.algorithm.name()
+            ));
+        }
+        self.algorithm = algorithm;
+        Ok(())
     }
 
     /// As created.
@@ -255,10 +286,12 @@ impl Worker {
             None => None,
         };
         let mut expectations = Vec::new();
+        let algorithm = self.algorithm;
+        self.computed.store(true, Ordering::Relaxed);
         let (plan, values) = match &self.engine {
             Engine::Host(host) => {
                 let (plan, rows) = Plan::new(&self.layout, blocks, role)?;
-                let values = Values::Ready(host.compute(&self.layout, &plan, &rows, role));
+                let values = Values::Ready(host.compute(&self.layout, &plan, &rows, role, algorithm));
                 (plan, values)
             }
             Engine::Device(device) => {
@@ -271,12 +304,12 @@ impl Worker {
                     None => None,
                     Some(mode) => {
                         let (work, expected) =
-                            stored::device_work(&self.layout, &self.infos(), blocks, &plan.shape, mode)?;
+                            stored::device_work(&self.layout, &self.infos(), blocks, self.algorithm, &plan.shape, mode)?;
                         expectations = expected;
                         Some(work)
                     }
                 };
-                let values = device.compute_staged(&plan, staged, role, stream, work.as_ref())?;
+                let values = device.compute_staged(&plan, staged, role, algorithm, stream, work.as_ref())?;
                 (plan, values)
             }
         };
@@ -293,6 +326,7 @@ impl Worker {
         let info = RecordInfo {
             rank: self.options.rank(),
             role,
+            algorithm: self.algorithm,
             groups,
             detail,
         };
@@ -329,7 +363,7 @@ impl Worker {
         } else {
             cuda::StoredMode::Store
         };
-        let (work, expectations) = stored::device_work(&self.layout, &infos, blocks, &plan.shape, mode)?;
+        let (work, expectations) = stored::device_work(&self.layout, &infos, blocks, self.algorithm, &plan.shape, mode)?;
         Ok(std::hint::black_box(work.items.len() + expectations.len()))
     }
 
@@ -365,9 +399,9 @@ impl Worker {
         match &self.engine {
             Engine::Host(_) => {
                 // Checked before the (host) checksums are computed.
-                stored::check_blocks(&self.layout, &self.infos(), blocks)?;
+                stored::check_blocks(&self.layout, &self.infos(), blocks, self.algorithm)?;
                 let result = self.checksum(blocks, Role::Consumer, stream)?;
-                stored::store(&self.layout, &self.infos(), blocks, &result)?;
+                stored::store(&self.layout, &self.infos(), blocks, self.algorithm, &result)?;
                 Ok(result)
             }
             // The items are checked before anything is queued.
@@ -385,7 +419,7 @@ impl Worker {
     pub fn check_stored(&self, blocks: &BlockSet, stream: StreamHandle) -> Result<Checksums> {
         match &self.engine {
             Engine::Host(_) => {
-                let (expectations, read) = stored::expectations(&self.layout, &self.infos(), blocks)?;
+                let (expectations, read) = stored::expectations(&self.layout, &self.infos(), blocks, self.algorithm)?;
                 Ok(self
                     .checksum(blocks, Role::Consumer, stream)?
                     .with_stored(expectations, StoredValues::Read(read)))
@@ -469,8 +503,8 @@ impl Worker {
         let shadow_blocks = shadow.blocks(&self.layout, blocks)?;
         let (plan, rows) = Plan::new(&shadow.layout, &shadow_blocks, role)?;
         let values = match (&self.engine, &detail.engine) {
-            (Engine::Host(host), _) => Values::Ready(host.compute(&shadow.layout, &plan, &rows, role)),
-            (Engine::Device(_), Some(engine)) => engine.compute(&plan, &rows, role, stream)?,
+            (Engine::Host(host), _) => Values::Ready(host.compute(&shadow.layout, &plan, &rows, role, self.algorithm)),
+            (Engine::Device(_), Some(engine)) => engine.compute(&plan, &rows, role, self.algorithm, stream)?,
             (Engine::Device(_), None) => {
                 return Err(err!(Internal, "detail mode on a device worker has no shadow engine"))
             }
@@ -656,6 +690,7 @@ mod tests {
             &worker.layout,
             &worker.infos(),
             &blocks,
+            worker.algorithm,
             &plan.shape,
             cuda::StoredMode::Store,
         )
@@ -666,6 +701,7 @@ mod tests {
             &worker.layout,
             &worker.infos(),
             &blocks,
+            worker.algorithm,
             &plan.shape,
             cuda::StoredMode::Gather,
         )

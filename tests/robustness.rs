@@ -159,12 +159,12 @@ struct TRecord {
 impl TRecord {
     fn encode(&self) -> Vec<u8> {
         let mut w = Mp::default();
-        w.array(7).str("kvcsum.record").uint(3);
+        w.array(8).str("kvcsum.record").uint(3);
         w.array(3)
             .uint(self.rank.0 as u64)
             .uint(self.rank.1 as u64)
             .uint(self.rank.2 as u64);
-        w.uint(self.role).bool(self.detail);
+        w.uint(self.role).bool(self.detail).uint(2);
         w.array(self.groups.len());
         for &(id, block_size, fingerprint) in &self.groups {
             w.array(6)
@@ -767,9 +767,9 @@ fn records_declaring_huge_lengths_are_malformed_under_a_memory_limit() {
             let verifier = Verifier::new(1);
             let n = 60 << 20;
             let head = |w: &mut Mp| {
-                w.array(7).str("kvcsum.record").uint(3);
+                w.array(8).str("kvcsum.record").uint(3);
                 w.array(3).uint(0).uint(1).uint(0);
-                w.uint(1).bool(true);
+                w.uint(1).bool(true).uint(2);
             };
             let mut prefixes: Vec<(&str, Vec<u8>)> = Vec::new();
             // The record's groups.

@@ -570,3 +570,134 @@ fn positions_past_num_tokens_are_zero() {
     assert_eq!(only_column(&result, "empty", 0), vec![0, 0], "seed {seed}");
     assert_eq!(only_column(&result, "beyond", 0), vec![0, 0, 0], "seed {seed}");
 }
+
+/// The test vectors of SPEC section 12: `f` of a few inputs, and the
+/// checksums of a small block under both algorithms, through a real worker
+/// and the naive reference.
+#[test]
+fn mixed_test_vectors() {
+    let vectors: [(u64, u64); 7] = [
+        (0x0000_0000_0000_0000, 0x0000_0000_0000_0000),
+        (0x0000_0000_0000_0001, 0x9e37_79b9_e17d_05ac),
+        (0x0000_0000_8000_0000, 0xbfa5_3e0a_3fa5_3e0a),
+        (0x0000_0001_0000_0000, 0x1d81_f5ce_62cb_89db),
+        (0x8000_0000_0000_0000, 0x3fa5_3e0a_bfa5_3e0a),
+        (0xffff_ffff_ffff_ffff, 0x80b5_83eb_80b5_83eb),
+        (0x0123_4567_89ab_cdef, 0x1296_fd1b_5633_ee33),
+    ];
+    for (x, fx) in vectors {
+        assert_eq!(kvcsum::mix(x), fx, "f({x:#018x})");
+        assert_eq!(
+            naive_piece(kvcsum::Algorithm::Mixed, x),
+            fx,
+            "the reference's f({x:#018x})"
+        );
+    }
+    // Layer 3, heads 0 and 1, 2-token blocks, 2 pieces per token, 3 tokens:
+    // piece p of head h, token t is (16h + 4t + p + 1) * 0x0101010101010101
+    // with bit 63 flipped. Block q of the request is block id q, laid out
+    // [block][head][token][piece].
+    let piece = |h: u64, t: u64, p: u64| (16 * h + 4 * t + p + 1).wrapping_mul(0x0101_0101_0101_0101) ^ (1 << 63);
+    let mut cache = vec![0u64; 2 * 2 * 2 * 2];
+    for q in 0..2u64 {
+        for h in 0..2u64 {
+            for i in 0..2u64 {
+                for p in 0..2u64 {
+                    cache[(((q * 2 + h) * 2 + i) * 2 + p) as usize] = piece(h, q * 2 + i, p);
+                }
+            }
+        }
+    }
+    assert_eq!((cache[0], cache[13]), (0x8101_0101_0101_0101, 0x9a1a_1a1a_1a1a_1a1a));
+    let expected = [
+        (
+            kvcsum::Algorithm::Weighted,
+            [0xadad_adad_ada4_2c28u64, 0x4747_4747_4736_c2bc],
+        ),
+        (kvcsum::Algorithm::Mixed, [0xd09c_8cd8_d03a_81c8, 0xf9d4_fc41_f92c_6c8c]),
+    ];
+    for (algorithm, values) in expected {
+        let mut worker = kvcsum::Worker::new(kvcsum::WorkerOptions {
+            tp_rank: 0,
+            tp_size: 1,
+            pp_rank: 0,
+            device: None,
+            num_threads: 1,
+        })
+        .unwrap();
+        worker.set_algorithm(algorithm).unwrap();
+        let address = cache.as_ptr() as u64;
+        worker
+            .add_region(kvcsum::Region {
+                address,
+                length: 8 * cache.len() as u64,
+            })
+            .unwrap();
+        worker.add_group(0, 2).unwrap();
+        worker
+            .add_layer(kvcsum::LayerSpec {
+                group_id: 0,
+                layer_number: 3,
+                first_head: 0,
+                num_heads: 2,
+                replica: UNREPLICATED,
+                num_blocks: 2,
+                kernel_blocks: 1,
+                tokens_per_kernel_block: 2,
+                segments: vec![kvcsum::Segment {
+                    address,
+                    block_stride: 64,
+                    kernel_block_stride: 0,
+                    head_stride: 32,
+                    token_stride: 16,
+                    bytes_per_token: 16,
+                }],
+                identity: Vec::new(),
+            })
+            .unwrap();
+        let mut blocks = kvcsum::BlockSet::new();
+        blocks.add_request("v", 3).unwrap();
+        blocks.add_group("v", 0, 0, &[0, 1]).unwrap();
+        let result = checksum(&worker, &blocks, Role::Producer);
+        assert_eq!(only_column(&result, "v", 0), values.to_vec(), "{algorithm:?}");
+        // The naive reference: SPEC sections 2-3 with f, one piece at a time.
+        let naive: Vec<u64> = (0..2u64)
+            .map(|q| {
+                let mut c = 0u64;
+                for h in 0..2u64 {
+                    let mut s = 0u64;
+                    for t in (2 * q..2 * q + 2).filter(|&t| t < 3) {
+                        for p in 0..2u64 {
+                            let j = t * 2 + p;
+                            s = s.wrapping_add(naive_piece(algorithm, piece(h, t, p)).wrapping_mul(2 * j + 1));
+                        }
+                    }
+                    c = c.wrapping_add((2 * (3 * 65536 + h) + 1).wrapping_mul(s));
+                }
+                c
+            })
+            .collect();
+        assert_eq!(naive, values.to_vec(), "{algorithm:?}: the naive reference");
+    }
+    // Setting the algorithm after a computation is refused.
+    let mut worker = host_worker(0, 1, 0, 1);
+    worker.add_group(0, 2).unwrap();
+    let mut blocks = kvcsum::BlockSet::new();
+    blocks.add_request("v", 0).unwrap();
+    checksum(&worker, &blocks, Role::Producer);
+    let error = worker.set_algorithm(kvcsum::Algorithm::Weighted).unwrap_err();
+    assert!(matches!(error, kvcsum::Error::InvalidArgument(_)), "{error:?}");
+}
+
+/// The properties of SPEC section 3 under WEIGHTED too (the tests above run
+/// the default, MIXED): shards add up, block size and layout do not matter,
+/// any single changed piece changes `c`.
+#[test]
+fn the_properties_hold_under_both_algorithms() {
+    for_each_algorithm(|_| {
+        shards_add_up_over_tp_ranks_and_pp_stages();
+        block_size_does_not_matter();
+        any_single_changed_piece_changes_c();
+        writes_past_num_tokens_are_invisible();
+    });
+}

@@ -733,6 +733,7 @@ fn mutated_encodings_never_panic() {
                     values: (0..20).map(|_| rng.next_u64()).collect(),
                 }],
             }],
+            algorithm: kvcsum::Algorithm::Mixed,
         }),
     };
     let seeds = [record_value().bytes(), payload.encode()];

@@ -370,8 +370,11 @@ static void encode_records(side *s, kvcs_role role, uint8_t *records[MAX_RANKS],
 /* The producer's scheduler: takes every worker's record and returns the
  * payload as the base64 text that goes into kv_transfer_params under
  * "kv_checksums" (malloc'd). `extension` = 1 adds the kvcsum extension
- * (block size, TP size, per-layer partials in detail mode), which vLLM's
- * own decoder does not read; 0 gives the plain, vLLM-compatible payload. */
+ * (block size, TP size, algorithm, per-layer partials in detail mode), which
+ * vLLM's own decoder does not read; 0 gives the plain, vLLM-compatible
+ * payload for KVCS_ALGORITHM_WEIGHTED workers only: the workers here use the
+ * default, KVCS_ALGORITHM_MIXED, whose payload always carries the extension
+ * (a plain payload means weighted). */
 static char *produce_payload(side *producer, uint32_t extension) {
   kvcs_verifier *verifier = NULL;
   CALL(kvcs_verifier_create(producer->tp_size, &verifier));
@@ -506,8 +509,9 @@ static int verification_demo(void) {
   }
   int ok = 1;
   char *plain = produce_payload(&producer, 0);
-  printf("kv_transfer_params[\"kv_checksums\"] = \"%.40s...\" (%zu characters, plain vLLM payload)\n", plain,
-         strlen(plain));
+  printf("kv_transfer_params[\"kv_checksums\"] = \"%.40s...\" (%zu characters; MIXED values, so with the kvcsum\n"
+         "   extension that names the algorithm)\n",
+         plain, strlen(plain));
   ok &= judge("intact transfer:", &consumer, plain, -1, producer.block_size, KVCS_VERDICT_MATCH,
               KVCS_UNVERIFIED_NONE);
 

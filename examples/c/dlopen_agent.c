@@ -101,6 +101,12 @@ static int load(void *library, const char *path, struct kvcsum_api *api) {
 
 enum { HEADS = 2, TOKENS = 4, BLOCKS = 2, PIECES = 2 };
 
+/* f of SPEC section 12 for the default algorithm, KVCS_ALGORITHM_MIXED. */
+static uint64_t mix(uint64_t x) {
+  uint64_t g = (x ^ (x >> 32)) * 0x9E3779B97F4A7C15ull;
+  return g ^ (g >> 32);
+}
+
 /* The checksum of block position `q` by SPEC, loops over logical indices
  * (layer 0, heads 0 and 1, all tokens valid). */
 static uint64_t reference(const uint64_t cache[BLOCKS][TOKENS][HEADS][PIECES], uint32_t block_id, uint64_t q) {
@@ -110,7 +116,7 @@ static uint64_t reference(const uint64_t cache[BLOCKS][TOKENS][HEADS][PIECES], u
     for (uint64_t t = 0; t < TOKENS; t++) {
       for (uint64_t p = 0; p < PIECES; p++) {
         uint64_t j = (q * TOKENS + t) * PIECES + p;
-        slice += cache[block_id][t][head][p] * (2 * j + 1);
+        slice += mix(cache[block_id][t][head][p]) * (2 * j + 1);
       }
     }
     total += (2 * head + 1) * slice;

@@ -99,9 +99,9 @@ const SITES: [Site; 9] = [
 /// Writes the schema down to the site's array header (of `len` elements).
 fn prefix(out: &mut Out, site: Site, len: usize) {
     let record_head = |out: &mut Out| {
-        out.array(7).str("kvcsum.record").uint(3);
+        out.array(8).str("kvcsum.record").uint(3);
         out.array(3).uint(0).uint(1).uint(0);
-        out.uint(1).bool(true);
+        out.uint(1).bool(true).uint(2);
     };
     let request_head = |out: &mut Out| {
         record_head(out);

@@ -86,6 +86,8 @@ __all__ = [
     "HOST",
     "PRODUCER",
     "CONSUMER",
+    "WEIGHTED",
+    "MIXED",
     "FAIL_OPEN",
     "FAIL_CLOSED",
     "MATCH",
@@ -147,6 +149,8 @@ __all__ = [
 HOST = -1
 #: Roles (kvcs_role).
 PRODUCER, CONSUMER = 0, 1
+# Checksum algorithms (kvcs_algorithm, docs/SPEC.md section 12); MIXED is the default.
+WEIGHTED, MIXED = 1, 2
 #: Policies (kvcs_policy).
 FAIL_OPEN, FAIL_CLOSED = 0, 1
 #: Verdicts (kvcs_verdict).
@@ -852,13 +856,23 @@ class Worker(_Handle):
 
     _destroy = "kvcs_worker_destroy"
 
-    def __init__(self, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, device: int = HOST, num_threads: int = 0):
+    def __init__(
+        self,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        device: int = HOST,
+        num_threads: int = 0,
+        algorithm: int | None = None,
+    ):
         options = _lib.WorkerOptions(
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, device=device, num_threads=num_threads
         )
         self._kept = []  # the arrays C may read or write while the worker (or a result) lives
         self._on_host = options.device == HOST
         super().__init__(_create(library().kvcs_worker_create, byref(options)))
+        if algorithm is not None:
+            self.set_algorithm(algorithm)
 
     def add_region(self, address: int, length: int) -> None:
         """Registers `length` bytes at `address` that the worker may read
@@ -902,6 +916,13 @@ class Worker(_Handle):
         on = _flag(on, "on")
         with self._use(exclusive=True) as handle:
             _check(self._lib.kvcs_worker_set_detail(handle, on))
+
+    def set_algorithm(self, algorithm: int) -> None:
+        """The checksum algorithm, MIXED (the default) or WEIGHTED (vLLM's),
+        set before the worker's first checksum, store or load check."""
+        algorithm = _int(algorithm, "uint32_t", "algorithm")
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_worker_set_algorithm(handle, algorithm))
 
     def add_alias(self, group_id: int, layer_number: int, target_layer_number: int, identity: bytes) -> None:
         """Registers a layer that reads the cache of registered layer

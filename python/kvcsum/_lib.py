@@ -254,6 +254,7 @@ SIGNATURES = {
     "kvcs_worker_add_layer": (_status, [_p, POINTER(LayerStruct)]),
     "kvcs_worker_checksum": (_status, [_p, _p, c_uint32, c_void_p, _pp]),
     "kvcs_worker_set_detail": (_status, [_p, c_uint32]),
+    "kvcs_worker_set_algorithm": (_status, [_p, c_uint32]),
     "kvcs_worker_add_alias": (_status, [_p, c_uint32, c_uint32, c_uint32, _u8p, c_size_t]),
     "kvcs_worker_add_state": (_status, [_p, POINTER(StateStruct)]),
     "kvcs_worker_add_stored": (_status, [_p, c_uint32, c_uint64, c_uint64]),

@@ -28,8 +28,15 @@ def logical_kv(rng, layers=1, heads=HEADS):
     return rng.integers(0, 2**64, (layers, BLOCKS, heads, TOKENS, PIECES), dtype=np.uint64, endpoint=False)
 
 
-def reference(kv, block_ids, num_tokens, layer_numbers, first_head=0, heads=None):
-    """c(q) for each position q by SPEC sections 2-3, heads `first_head ..`."""
+def mix(x):
+    """f of SPEC section 12 (MIXED, the default), written again here."""
+    g = ((x ^ (x >> 32)) * 0x9E3779B97F4A7C15) & MASK
+    return g ^ (g >> 32)
+
+
+def reference(kv, block_ids, num_tokens, layer_numbers, first_head=0, heads=None, algorithm=kvcsum.MIXED):
+    """c(q) for each position q by SPEC sections 2-3 and 12, heads `first_head ..`."""
+    f = mix if algorithm == kvcsum.MIXED else (lambda x: x)
     heads = kv.shape[2] if heads is None else heads
     out = []
     for q, block in enumerate(block_ids):
@@ -42,7 +49,7 @@ def reference(kv, block_ids, num_tokens, layer_numbers, first_head=0, heads=None
                         break
                     for p in range(PIECES):
                         j = (q * TOKENS + t) * PIECES + p
-                        slice_sum += int(kv[li, block, first_head + h, t, p]) * (2 * j + 1)
+                        slice_sum += f(int(kv[li, block, first_head + h, t, p])) * (2 * j + 1)
                 weight = 2 * (layer_number * 65536 + first_head + h) + 1
                 total = (total + weight * slice_sum) & MASK
         out.append(total)
@@ -213,3 +220,25 @@ def test_layer_description_errors():
         with pytest.raises(kvcsum.Error) as caught:
             worker.add_layer(kvcsum.layer(odd, "NHD", layer_number=0))
         assert "bytes_per_token" in caught.value.message
+
+
+@pytest.mark.parametrize("algorithm", [kvcsum.WEIGHTED, kvcsum.MIXED])
+def test_algorithms_against_the_reference(rng, algorithm):
+    kv = logical_kv(rng, layers=1)
+    array = kv[0].copy()
+    layer = kvcsum.layer(array, "BHTD", layer_number=5)
+    block_ids = [4, 1, 3]
+    with kvcsum.Worker(num_threads=1, algorithm=algorithm) as worker, kvcsum.Blocks() as blocks:
+        worker.add_region_of(array)
+        worker.add_group(0, TOKENS)
+        worker.add_layer(layer)
+        blocks.add_request("req", 21)
+        blocks.add_group("req", 0, block_ids)
+        with worker.checksum(blocks) as result:
+            values = result.column("req", 0)
+        with pytest.raises(kvcsum.InvalidArgument, match="already computed"):
+            worker.set_algorithm(kvcsum.WEIGHTED)
+    expected = reference(kv, block_ids, 21, [5], algorithm=algorithm)
+    assert list(values) == list(expected)
+    with pytest.raises(kvcsum.InvalidArgument, match="algorithm 7"):
+        kvcsum.Worker(algorithm=7)

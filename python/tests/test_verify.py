@@ -20,8 +20,8 @@ def make_cache(rng):
     return rng.integers(0, 2**64, (5, 2, TOKENS, 4), dtype=np.uint64, endpoint=False)  # HND, 2 heads
 
 
-def checksum(cache, blocks, role):
-    with kvcsum.Worker() as worker:
+def checksum(cache, blocks, role, algorithm=kvcsum.MIXED):
+    with kvcsum.Worker(algorithm=algorithm) as worker:
         worker.add_region_of(cache)
         worker.add_group(0, TOKENS)
         worker.add_layer(kvcsum.layer(cache, "HND", layer_number=0, identity=b"layer 0"))
@@ -36,8 +36,8 @@ def scheduled():
         yield blocks
 
 
-def producer_payload(cache, scheduled):
-    record, values = checksum(cache, scheduled, kvcsum.PRODUCER)
+def producer_payload(cache, scheduled, algorithm=kvcsum.MIXED):
+    record, values = checksum(cache, scheduled, kvcsum.PRODUCER, algorithm)
     assert isinstance(record, bytes)
     with kvcsum.Verifier(1) as producer:
         producer.expect(scheduled, kvcsum.PRODUCER)
@@ -86,12 +86,25 @@ def test_match_mismatch_and_unverified(scheduled):
 def test_payload_is_what_msgspec_reads(scheduled):
     msgspec = pytest.importorskip("msgspec")
     cache = make_cache(np.random.default_rng(0x6D7367))
-    payload, values = producer_payload(cache, scheduled)
+    # WEIGHTED values make vLLM's plain payload.
+    payload, values = producer_payload(cache, scheduled, kvcsum.WEIGHTED)
     version, num_tokens, groups = msgspec.msgpack.decode(payload)
     assert (version, num_tokens) == (1, 2 * TOKENS + 5)
     [[group_id, _fingerprint, first_position, raw]] = groups
     assert (group_id, first_position) == (0, 0)
     np.testing.assert_array_equal(np.frombuffer(raw, dtype="<u8"), values)
+    # MIXED values (the default) always carry the extension, whose last
+    # element is the algorithm (docs/SPEC.md section 9).
+    payload, values = producer_payload(cache, scheduled)
+    version, num_tokens, groups, extension = msgspec.msgpack.decode(payload)
+    assert (version, extension[0], extension[-1]) == (1, 2, kvcsum.MIXED)
+    np.testing.assert_array_equal(np.frombuffer(groups[0][3], dtype="<u8"), values)
+    with consumer_report(cache, scheduled, payload) as report:
+        assert report.verdict == kvcsum.MATCH
+    weighted, _ = producer_payload(cache, scheduled, kvcsum.WEIGHTED)
+    with consumer_report(cache, scheduled, weighted) as report:
+        assert report.verdict == kvcsum.UNVERIFIED
+        assert report.findings[0].reason_name == "KVCS_UNVERIFIED_ALGORITHM_DIFFERS"
 
 
 def test_errors_carry_status_and_message(scheduled):

@@ -12,7 +12,7 @@
 use std::fmt::Write;
 use std::mem::{offset_of, size_of};
 
-use crate::checksum::slice_weight;
+use crate::checksum::{slice_weight, Algorithm, MIX_MULTIPLIER};
 use crate::error::{err, Result};
 use crate::layout::{Layer, LayerSpec, Layout, Role, Segment};
 use crate::plan::Row;
@@ -109,6 +109,9 @@ pub struct DevCall {
     pub num_values: u32,
     pub split: u32,
     pub row_units: u32,
+    /// The call's algorithm, `KVCS_ALGORITHM_*` (SPEC section 12).
+    pub algorithm: u32,
+    pub reserved: u32,
     pub inline_groups: [DevGroup; INLINE_GROUPS],
     pub inline_rows: [Row; INLINE_ROWS],
 }
@@ -186,7 +189,8 @@ pub struct DevStateCall {
     pub rows: u64,
     pub accumulators: u64,
     pub num_rows: u32,
-    pub reserved: u32,
+    /// The call's algorithm, `KVCS_ALGORITHM_*` (SPEC section 12).
+    pub algorithm: u32,
     pub inline_rows: [Row; INLINE_STATE_ROWS],
 }
 
@@ -565,9 +569,14 @@ pub fn kernel_constants() -> String {
          #define KVCS_INLINE_GROUPS {INLINE_GROUPS}\n\
          #define KVCS_STATE_LOADS {STATE_LOADS}\n\
          #define KVCS_INLINE_STATE_ROWS {INLINE_STATE_ROWS}\n\
+         #define KVCS_ALGORITHM_WEIGHTED {weighted}\n\
+         #define KVCS_ALGORITHM_MIXED {mixed}\n\
+         #define KVCS_MIX_MULTIPLIER {MIX_MULTIPLIER:#x}ull\n\
          #ifndef KVCS_BATCH\n\
          #define KVCS_BATCH {BATCH}\n\
-         #endif\n"
+         #endif\n",
+        weighted = Algorithm::Weighted.code(),
+        mixed = Algorithm::Mixed.code(),
     )
 }
 
@@ -594,7 +603,7 @@ pub fn layout_asserts() -> String {
     });
     assert_layout!(&mut out, DevCall => "kvcs_dev_call" {
         layers, groups, rows, row_starts, accumulators, host_values, finished_blocks, total_units,
-        num_rows, num_values, split, row_units, inline_groups, inline_rows,
+        num_rows, num_values, split, row_units, algorithm, reserved, inline_groups, inline_rows,
     });
     assert_layout!(&mut out, DevStoredItem => "kvcs_dev_stored_item" {
         tag, address, stamp, out, column_stride, num_columns, reserved,
@@ -606,7 +615,7 @@ pub fn layout_asserts() -> String {
     });
     assert_layout!(&mut out, DevStateGroup => "kvcs_dev_state_group" { tensors_begin, tensors_end, units, reserved });
     assert_layout!(&mut out, DevStateCall => "kvcs_dev_state_call" {
-        tensors, groups, rows, accumulators, num_rows, reserved, inline_rows,
+        tensors, groups, rows, accumulators, num_rows, algorithm, inline_rows,
     });
     out
 }
@@ -692,7 +701,7 @@ mod tests {
     fn the_prelude_checks_every_field() {
         let asserts = layout_asserts();
         // One size check per struct and one offset check per field.
-        let fields = 10 + 11 + 4 + 7 + 14 + 7 + 5 + 15 + 4 + 7;
+        let fields = 10 + 11 + 4 + 7 + 16 + 7 + 5 + 15 + 4 + 7;
         assert_eq!(asserts.matches("static_assert(sizeof").count(), 10, "{asserts}");
         assert_eq!(
             asserts.matches("static_assert(KVCS_OFFSETOF").count(),
@@ -707,6 +716,8 @@ mod tests {
         assert!(constants.contains(&format!("#define KVCS_THREADS_PER_BLOCK {THREADS_PER_BLOCK}\n")));
         assert!(constants.contains(&format!("#define KVCS_INLINE_ROWS {INLINE_ROWS}\n")));
         assert!(constants.contains(&format!("#define KVCS_STATE_LOADS {STATE_LOADS}\n")));
+        assert!(constants.contains("#define KVCS_ALGORITHM_MIXED 2\n"));
+        assert!(constants.contains("#define KVCS_MIX_MULTIPLIER 0x9e3779b97f4a7c15ull\n"));
     }
 
     /// The state kernel's arithmetic, lane by lane as `kernels/state.cu`
@@ -735,8 +746,19 @@ mod tests {
             words
         }
 
-        fn vector(words: [u32; 4], element_shift: u32, index: u64) -> u64 {
-            let (total, weighted) = if element_shift == 1 {
+        fn vector(words: [u32; 4], element_shift: u32, index: u64, algorithm: Algorithm) -> u64 {
+            let (total, weighted) = if algorithm == Algorithm::Mixed {
+                // Each element mixed, as kvcs_state_vector<true> does.
+                let elements: Vec<u64> = if element_shift == 1 {
+                    (0..8).map(|e| ((words[e >> 1] >> (16 * (e & 1))) & 0xffff) as u64).collect()
+                } else {
+                    words.iter().map(|&w| w as u64).collect()
+                };
+                elements.iter().enumerate().fold((0u64, 0u64), |(t, w), (e, &x)| {
+                    let x = crate::checksum::mix(x);
+                    (t.wrapping_add(x), w.wrapping_add((e as u64).wrapping_mul(x)))
+                })
+            } else if element_shift == 1 {
                 let lo: Vec<u64> = words.iter().map(|&w| (w & 0xffff) as u64).collect();
                 let hi: Vec<u64> = words.iter().map(|&w| (w >> 16) as u64).collect();
                 let total = lo.iter().chain(&hi).sum::<u64>();
@@ -757,7 +779,7 @@ mod tests {
         }
 
         /// `kvcs_state_unit` for every lane of a warp, summed.
-        fn unit_sum(tensor: &DevStateTensor, block_id: u32, unit: u32) -> u64 {
+        fn unit_sum(tensor: &DevStateTensor, block_id: u32, unit: u32, algorithm: Algorithm) -> u64 {
             let lanes = 1u32 << tensor.lane_shift;
             let rows_per_step = WARP >> tensor.lane_shift;
             let steps = STATE_LOADS >> tensor.column_shift;
@@ -783,7 +805,7 @@ mod tests {
                         .wrapping_add(row.wrapping_mul(tensor.index_step))
                         .wrapping_add((vector_index as u64) << (tensor.vector_shift - tensor.element_shift));
                     let weight = tensor.first_weight.wrapping_add(row.wrapping_mul(tensor.weight_step));
-                    total = total.wrapping_add(weight.wrapping_mul(vector(words, tensor.element_shift, index)));
+                    total = total.wrapping_add(weight.wrapping_mul(vector(words, tensor.element_shift, index, algorithm)));
                 }
             }
             total
@@ -849,14 +871,20 @@ mod tests {
                     identity: Vec::new(),
                 };
                 let layer = StateLayer::new(spec, next(8) as u32, |_, _| true).expect("state layer");
+                let algorithm = [Algorithm::Weighted, Algorithm::Mixed][case / 2 % 2];
                 let mut sum = 0u64;
                 for tensor in state_tensors(&layer) {
                     seen_shifts[tensor.lane_shift as usize][tensor.vector_shift as usize] = true;
                     for unit in 0..state_tensor_units(&tensor) as u32 {
-                        sum = sum.wrapping_add(unit_sum(&tensor, block_id, unit));
+                        sum = sum.wrapping_add(unit_sum(&tensor, block_id, unit, algorithm));
                     }
                 }
-                assert_eq!(sum, layer.block_checksum(block_id), "case {case}: {:?}", layer.spec);
+                assert_eq!(
+                    sum,
+                    layer.block_checksum(block_id, algorithm),
+                    "case {case}, {algorithm:?}: {:?}",
+                    layer.spec
+                );
             }
             for vector_shift in 1..=4 {
                 assert!(

@@ -31,6 +31,7 @@ use self::descriptors::{
 };
 use self::kernels::Kernels;
 use self::launch::{launch_shape, row_starts, state_grid};
+use crate::checksum::Algorithm;
 use crate::error::{err, Result};
 use crate::layout::{Layout, Role};
 use crate::plan::{Plan, Row, RowRoom};
@@ -264,16 +265,23 @@ impl DeviceEngine {
     /// Queues the checksums of `plan`, whose rows are `rows`, on `stream`
     /// (copied into a slot's staging first: [`DeviceEngine::stage`] avoids
     /// that copy). See [`DeviceEngine::compute_staged`].
-    pub fn compute(&self, plan: &Plan, rows: &[Row], role: Role, stream: StreamHandle) -> Result<Values> {
+    pub fn compute(
+        &self,
+        plan: &Plan,
+        rows: &[Row],
+        role: Role,
+        algorithm: Algorithm,
+        stream: StreamHandle,
+    ) -> Result<Values> {
         let mut staged = self.stage(rows.len(), plan.num_values)?;
         for (out, row) in staged.room().rows.iter_mut().zip(rows) {
             out.write(*row);
         }
-        self.compute_staged(plan, staged, role, stream, None)
+        self.compute_staged(plan, staged, role, algorithm, stream, None)
     }
 
-    /// Queues the checksums of `plan`, whose `plan.num_rows` rows `staged`
-    /// holds, on `stream` from the thread that staged them (the caller's
+    /// Queues the checksums of `plan` under `algorithm`, whose
+    /// `plan.num_rows` rows `staged` holds, on `stream` from the thread that staged them (the caller's
     /// handle passed to the driver unchanged; null is the legacy default
     /// stream), then, on the same stream before the call's event, `stored`'s
     /// store or gather (SPEC section 8; see `stored.rs`; its items were
@@ -286,6 +294,7 @@ impl DeviceEngine {
         plan: &Plan,
         mut staged: Staged,
         role: Role,
+        algorithm: Algorithm,
         stream: StreamHandle,
         stored: Option<&StoredWork>,
     ) -> Result<Values> {
@@ -351,6 +360,8 @@ impl DeviceEngine {
             num_values: num_values as u32,
             split: shape.split,
             row_units: shape.row_units,
+            algorithm: algorithm.code(),
+            reserved: 0,
             inline_groups: [DevGroup::default(); INLINE_GROUPS],
             inline_rows: [Row::default(); INLINE_ROWS],
         };
@@ -362,7 +373,7 @@ impl DeviceEngine {
             rows: 0,
             accumulators: slot.accumulators(),
             num_rows: state_rows as u32,
-            reserved: 0,
+            algorithm: algorithm.code(),
             inline_rows: [Row::default(); INLINE_STATE_ROWS],
         };
         let mut upload = 0;

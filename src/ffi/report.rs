@@ -75,8 +75,11 @@ pub enum kvcs_unverified_reason {
     /// worker's record that is not a load check's (it came from
     /// `kvcs_worker_checksum`, not `kvcs_worker_check_stored`).
     KVCS_UNVERIFIED_NOT_LOAD_CHECK = 12,
-    /// The two sides (or the records of one load, or the stored values)
-    /// were computed with different checksum algorithms.
+    /// The checksums were computed with different algorithms
+    /// (`kvcs_worker_set_algorithm`, docs/SPEC.md#12-the-mixed-algorithm): between the workers of one side,
+    /// or between the consumer's workers and the producer's payload (a
+    /// payload without the kvcsum extension means `KVCS_ALGORITHM_WEIGHTED`).
+    /// A configuration error, never reported as corrupt data.
     KVCS_UNVERIFIED_ALGORITHM_DIFFERS = 13,
     /// The producer's block size is unknown (a plain payload and no
     /// `kvcs_verifier_set_producer_block_size`) and the payload's positions

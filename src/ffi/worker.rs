@@ -9,6 +9,7 @@ use super::result::kvcs_result;
 use super::status::{fail, kvcs_status, KVCS_HOST};
 use super::{c_array, c_str, not_null, try_engine, try_ref, write_out};
 use crate::blocks::BlockSet;
+use crate::checksum::Algorithm;
 use crate::error::err;
 use crate::layout::{Alias, LayerSpec, Region, ReplicaKey, Segment};
 use crate::result::Checksums;
@@ -562,6 +563,52 @@ pub extern "C" fn kvcs_worker_set_detail(worker: *mut kvcs_worker, on: u32) -> k
             v => return fail(&err!(InvalidArgument, "on {v} is neither 0 nor 1")),
         };
         try_engine!(worker.set_detail(on));
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// Which function each piece passes through before it is weighted
+/// (docs/SPEC.md#12-the-mixed-algorithm); `kvcs_worker_set_algorithm` takes these values. Values are
+/// fixed and never renumbered.
+#[allow(non_camel_case_types)]
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum kvcs_algorithm {
+    /// SPEC sections 2-3 as first defined (each piece as it is): the values
+    /// vLLM computes, in a payload vLLM reads. It misses every even number
+    /// of flips of one bit position 63 in a block, and swaps of values that
+    /// differ only in their high bits (docs/SPEC.md#13-what-it-detects).
+    KVCS_ALGORITHM_WEIGHTED = 1,
+    /// Each piece mixed by a fixed bijection first (docs/SPEC.md#12-the-mixed-algorithm): every
+    /// property of the definition holds and no fault class of the catalogue
+    /// goes unseen. The default of new workers.
+    KVCS_ALGORITHM_MIXED = 2,
+}
+
+/// Chooses the worker's checksum algorithm (a `kvcs_algorithm` value:
+/// `KVCS_ALGORITHM_MIXED`, the default, or `KVCS_ALGORITHM_WEIGHTED`) for
+/// every value it computes: checksums, detail mode's partials, state groups
+/// and stored checksums. Its records carry it, and a producer's payload
+/// carries it in the kvcsum extension (sent whenever the algorithm is not
+/// `KVCS_ALGORITHM_WEIGHTED`, since a plain vLLM payload means weighted); a
+/// verifier reports workers or a payload of another algorithm as unverified
+/// (`KVCS_UNVERIFIED_ALGORITHM_DIFFERS`), never as a mismatch. Set it before
+/// the worker's first `kvcs_worker_checksum`, `kvcs_worker_store` or
+/// `kvcs_worker_check_stored`: after one it is `KVCS_ERR_INVALID_ARGUMENT`
+/// and nothing changes. Another value is `KVCS_ERR_INVALID_ARGUMENT` naming
+/// it. Stored checksums do not record the algorithm yet: store and load
+/// check with workers of the same algorithm.
+#[no_mangle]
+pub extern "C" fn kvcs_worker_set_algorithm(worker: *mut kvcs_worker, algorithm: u32) -> kvcs_status {
+    ffi_boundary! {
+        let worker = try_handle_mut!(worker, "worker");
+        let Some(algorithm) = Algorithm::from_code(algorithm.into()) else {
+            return fail(&err!(
+                InvalidArgument,
+                "algorithm {algorithm} is neither KVCS_ALGORITHM_WEIGHTED (1) nor KVCS_ALGORITHM_MIXED (2)"
+            ));
+        };
+        try_engine!(worker.set_algorithm(algorithm));
         kvcs_status::KVCS_OK
     }
 }

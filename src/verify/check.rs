@@ -84,15 +84,28 @@ impl Load<'_> {
         let whole_load = self
             .pending
             .check_complete(self.num_workers)
-            .and_then(|()| self.pending.check_roles());
-        if let Err(Unverified(reason, message)) = whole_load {
-            return self.whole(reason, message);
-        }
+            .and_then(|()| self.pending.check_roles())
+            .and_then(|()| self.pending.algorithm());
+        let algorithm = match whole_load {
+            Ok(algorithm) => algorithm,
+            Err(Unverified(reason, message)) => return self.whole(reason, message),
+        };
         let payload = match decoded {
             None => return self.whole(Reason::NoChecksums, "no payload was given for the request".to_owned()),
             Some(Err(error)) => return self.whole(Reason::InvalidChecksums, error.to_string()),
             Some(Ok(payload)) => payload,
         };
+        if payload.algorithm() != algorithm {
+            return self.whole(
+                Reason::AlgorithmDiffers,
+                format!(
+                    "the producer's checksums are {}{}, the consumer's workers computed {} (set one algorithm on both sides; a configuration error, not corrupt data)",
+                    payload.algorithm().name(),
+                    if payload.extension.is_none() { " (a plain payload)" } else { "" },
+                    algorithm.name()
+                ),
+            );
+        }
         if let Err(Unverified(reason, message)) = self.pending.check_tokens() {
             return self.whole(reason, message);
         }

@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use crate::blocks::{GroupBlocks, RequestBlocks};
+use crate::checksum::Algorithm;
 use crate::error::{err, Result};
 use crate::layout::Role;
 use crate::record::{GroupInfo, Rank, RecordGroup, RecordRequest};
@@ -38,6 +39,8 @@ pub(super) struct WorkerPart {
     /// The role the worker computed in.
     pub role: Role,
     pub detail: bool,
+    /// The algorithm the worker computed with.
+    pub algorithm: Algorithm,
     /// The record's groups, sorted by id (the record validated that).
     pub groups: Arc<[GroupInfo]>,
     pub request: RecordRequest,
@@ -50,7 +53,12 @@ pub(super) struct WorkerPart {
 impl WorkerPart {
     /// A worker's part, indexed (the record validated that each group
     /// appears once).
-    pub fn new(rank: Rank, role: Role, detail: bool, groups: Arc<[GroupInfo]>, request: RecordRequest) -> WorkerPart {
+    pub fn new(
+        rank: Rank,
+        (role, detail, algorithm): (Role, bool, Algorithm),
+        groups: Arc<[GroupInfo]>,
+        request: RecordRequest,
+    ) -> WorkerPart {
         let group_index = request
             .groups
             .iter()
@@ -67,6 +75,7 @@ impl WorkerPart {
             rank,
             role,
             detail,
+            algorithm,
             groups,
             request,
             group_index,
@@ -123,6 +132,30 @@ impl Pending {
                     self.scheduled.req_id,
                     role_name(part.role),
                     role_name(self.role)
+                ),
+            )),
+        }
+    }
+
+    /// The algorithm every worker computed with (SPEC section 12); workers
+    /// of different algorithms make sums of values that mean nothing.
+    /// Weighted when no worker reported.
+    pub fn algorithm(&self) -> Judged<Algorithm> {
+        let mut parts = self.reports.values();
+        let Some(first) = parts.next() else {
+            return Ok(Algorithm::Weighted);
+        };
+        match parts.find(|part| part.algorithm != first.algorithm) {
+            None => Ok(first.algorithm),
+            Some(other) => Err(Unverified(
+                Reason::AlgorithmDiffers,
+                format!(
+                    "{} computed req_id {:?} with algorithm {}, {} with {} (a configuration error, not corrupt data)",
+                    first.name(),
+                    self.scheduled.req_id,
+                    first.algorithm.name(),
+                    other.name(),
+                    other.algorithm.name()
                 ),
             )),
         }

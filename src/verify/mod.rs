@@ -126,8 +126,10 @@ impl Verifier {
     }
 
     /// Producer: whether payloads carry the kvcsum extension (TP size, block
-    /// sizes, and per-layer partials where every record has them). Off by
-    /// default: the plain payload is what vLLM reads.
+    /// sizes, the algorithm, and per-layer partials where every record has
+    /// them). Off by default: the plain payload is what vLLM reads. A
+    /// payload of values that are not weighted (SPEC section 12) carries the
+    /// extension whatever this says, since a plain payload means weighted.
     pub fn set_extension(&self, on: bool) -> Result<()> {
         self.lock()?.extension = on;
         Ok(())
@@ -212,8 +214,7 @@ impl Verifier {
             .map(|request| {
                 Arc::new(WorkerPart::new(
                     rank,
-                    record.role,
-                    record.detail,
+                    (record.role, record.detail, record.algorithm),
                     groups.clone(),
                     request,
                 ))
@@ -269,15 +270,19 @@ impl Verifier {
                 reason.describe()
             ));
         }
-        if let Err(Unverified(reason, message)) = pending.check_roles() {
-            return Err(err!(
-                InvalidArgument,
-                "no payload for req_id {req_id:?}: {}: {message}",
-                reason.describe()
-            ));
-        }
+        let algorithm = pending.check_roles().and_then(|()| pending.algorithm());
+        let algorithm = match algorithm {
+            Ok(algorithm) => algorithm,
+            Err(Unverified(reason, message)) => {
+                return Err(err!(
+                    InvalidArgument,
+                    "no payload for req_id {req_id:?}: {}: {message}",
+                    reason.describe()
+                ))
+            }
+        };
         let tp_size = pending.tp_size().unwrap_or(1);
-        produce::build_payload(req_id, &pending, extension, tp_size)
+        produce::build_payload(req_id, &pending, extension, tp_size, algorithm)
     }
 
     /// Consumer: judges the finished load of `req_id` against the producer's

@@ -2,19 +2,23 @@
 //! producer's request.
 
 use crate::blocks::GroupBlocks;
+use crate::checksum::Algorithm;
 use crate::error::{err, Error, Result};
 use crate::payload::{Extension, ExtensionGroup, LayerPartial, Payload, PayloadGroup, FIRST_COPY};
 use crate::record::RecordGroup;
 
 use super::collect::{add_into, Judged, Pending, Unverified, WorkerPart};
 
-/// The payload of `req_id` from its complete parts; `with_extension` adds
-/// the kvcsum extension with `producer_tp_size`.
+/// The payload of `req_id` from its complete parts, all computed with
+/// `algorithm`; `with_extension` adds the kvcsum extension with
+/// `producer_tp_size`, and so does an algorithm other than weighted, which
+/// a plain payload cannot say (SPEC section 9).
 pub(super) fn build_payload(
     req_id: &str,
     pending: &Pending,
     with_extension: bool,
     producer_tp_size: u32,
+    algorithm: Algorithm,
 ) -> Result<Payload> {
     let fail = |Unverified(reason, message): Unverified| -> Error {
         err!(
@@ -40,9 +44,10 @@ pub(super) fn build_payload(
     let payload = Payload {
         num_tokens: pending.scheduled.num_tokens,
         groups,
-        extension: with_extension.then_some(Extension {
+        extension: (with_extension || algorithm != Algorithm::Weighted).then_some(Extension {
             producer_tp_size,
             groups: extension_groups,
+            algorithm,
         }),
     };
     payload.validate().map_err(|e| {

@@ -50,8 +50,10 @@ pub enum Reason {
     /// (a worker sent a plain checksum call's record, which says nothing
     /// about stored checksums).
     NotLoadCheck,
-    /// The sides, the records of one load or the stored values were
-    /// computed with different checksum algorithms.
+    /// The checksums were computed with different algorithms (SPEC section
+    /// 12): between the workers of one side, or between the consumer's
+    /// workers and the producer's payload. A configuration difference,
+    /// never corrupt data.
     AlgorithmDiffers,
     /// The producer's block size is unknown and the payload's positions do
     /// not fit the consumer's, so the producer used another block size.

@@ -36,6 +36,7 @@ impl StoredLoad<'_> {
             .pending
             .check_complete(self.num_workers)
             .and_then(|()| self.pending.check_roles())
+            .and_then(|()| self.pending.algorithm().map(|_| ()))
             .and_then(|()| self.check_load_checks())
             .and_then(|()| self.pending.check_tokens());
         if let Err(Unverified(reason, message)) = whole_load {

@@ -1,7 +1,8 @@
 /*
  * Checksums of a small random cache, in several memory layouts, against a
- * naive reference of SPEC sections 2-3 that loops over logical indices
- * (layer, head, token, piece) of the logical KV and never looks at memory.
+ * naive reference of SPEC sections 2-3 and 12 that loops over logical
+ * indices (layer, head, token, piece) of the logical KV and never looks at
+ * memory, under both algorithms.
  */
 #include <inttypes.h>
 #include <stdlib.h>
@@ -27,6 +28,18 @@ static uint64_t next_random(void) {
   return rng_state * 0x2545F4914F6CDD1Dull;
 }
 
+/* The algorithm of the workers and the reference. */
+static uint32_t algorithm = KVCS_ALGORITHM_MIXED;
+
+/* f of SPEC section 12, written here again: the identity for WEIGHTED. */
+static uint64_t piece_value(uint64_t x) {
+  if (algorithm == KVCS_ALGORITHM_WEIGHTED) {
+    return x;
+  }
+  uint64_t g = (x ^ (x >> 32)) * 0x9E3779B97F4A7C15ull;
+  return g ^ (g >> 32);
+}
+
 /* SPEC sections 2-3, naively: the checksum of the block at `position` of a
  * request of `num_tokens` tokens, stored in block `block_id`, over global
  * heads `first_head .. first_head + num_heads`. */
@@ -47,7 +60,7 @@ static uint64_t reference_checksum(uint32_t block_id, uint64_t position, uint64_
         uint64_t token = position * BLOCK + slot; /* from the request's start */
         for (uint64_t piece = 0; piece < (uint64_t)pieces_per_token; piece++) {
           uint64_t j = token * pieces_per_token + piece;
-          slice += logical[layer][head][block_id][slot][piece] * (2 * j + 1);
+          slice += piece_value(logical[layer][head][block_id][slot][piece]) * (2 * j + 1);
         }
       }
       uint64_t m = 2 * ((uint64_t)layer_numbers[layer] * KVCS_MAX_KV_HEADS_PER_LAYER + head) + 1;
@@ -183,6 +196,7 @@ static kvcs_worker *make_worker(const placed_cache *cache, uint32_t num_threads)
       .tp_rank = 0, .tp_size = 1, .pp_rank = 0, .device = KVCS_HOST, .num_threads = num_threads};
   kvcs_worker *worker = NULL;
   EXPECT_OK(kvcs_worker_create(&options, &worker));
+  EXPECT_OK(kvcs_worker_set_algorithm(worker, algorithm));
   for (int b = 0; b < 2; b++) {
     if (cache->buffers[b] != NULL) {
       EXPECT_OK(kvcs_worker_add_region(worker, (uint64_t)(uintptr_t)cache->buffers[b],
@@ -372,10 +386,12 @@ void test_checksums(uint64_t seed) {
     v_pieces = cells[c][1];
     pieces_per_token = k_pieces + v_pieces;
     make_layouts();
-    for (size_t l = 0; l < NUM_LAYOUTS; l++) {
-      test_layout(&layouts[l]);
+    for (algorithm = KVCS_ALGORITHM_WEIGHTED; algorithm <= KVCS_ALGORITHM_MIXED; algorithm++) {
+      for (size_t l = 0; l < NUM_LAYOUTS; l++) {
+        test_layout(&layouts[l]);
+      }
+      test_past_num_tokens();
+      test_shards_add_up();
     }
-    test_past_num_tokens();
-    test_shards_add_up();
   }
 }

@@ -68,11 +68,13 @@ static void test_aliases(void) {
   kvcs_worker_destroy(worker);
 }
 
-/* `sum_j x_j * (2j + 1)` over a row of two-byte elements. */
+/* `sum_j f(x_j) * (2j + 1)` over a row of two-byte elements, each
+ * zero-extended and mixed (SPEC section 12: the default, MIXED). */
 static uint64_t naive_row(const uint16_t *row) {
   uint64_t sum = 0;
   for (uint64_t j = 0; j < S_ELEMENTS; j++) {
-    sum += (uint64_t)row[j] * (2 * j + 1);
+    uint64_t g = ((uint64_t)row[j] ^ ((uint64_t)row[j] >> 32)) * 0x9E3779B97F4A7C15ull;
+    sum += (g ^ (g >> 32)) * (2 * j + 1);
   }
   return sum;
 }

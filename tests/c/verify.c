@@ -186,6 +186,10 @@ static side consumer_side(void) {
 
 /* A host worker for `rank` of side `s`: its buffers, group 0, one
  * kvcs_layer per layer with identity `names[layer]`. */
+/* The algorithm of the workers make_worker creates; 0 leaves the default
+ * (KVCS_ALGORITHM_MIXED). */
+static uint32_t worker_algorithm;
+
 static kvcs_worker *make_worker(const side *s, uint32_t rank, uint32_t detail, const char *const names[LAYERS]) {
   kvcs_worker_options options = {
       .tp_rank = rank, .tp_size = s->tp_size, .pp_rank = 0, .device = KVCS_HOST, .num_threads = 1};
@@ -230,6 +234,9 @@ static kvcs_worker *make_worker(const side *s, uint32_t rank, uint32_t detail, c
   }
   if (detail) {
     EXPECT_OK(kvcs_worker_set_detail(worker, 1));
+  }
+  if (worker_algorithm != 0) {
+    EXPECT_OK(kvcs_worker_set_algorithm(worker, worker_algorithm));
   }
   return worker;
 }
@@ -447,13 +454,14 @@ static void test_names(void) {
       "KVCS_UNVERIFIED_WORKERS_MISSING", "KVCS_UNVERIFIED_OTHER_BLOCKS",       "KVCS_UNVERIFIED_ONE_SIDED_GROUP",
       "KVCS_UNVERIFIED_FINGERPRINT_DIFFERS", "KVCS_UNVERIFIED_NO_COMMON_POSITION", "KVCS_UNVERIFIED_REPLICA_MISSING",
       "KVCS_UNVERIFIED_STATE_TP_DIFFERS", "KVCS_UNVERIFIED_ROLE_DIFFERS",  "KVCS_UNVERIFIED_UNCOMPARED_POSITIONS",
-      "KVCS_UNVERIFIED_NOT_LOAD_CHECK",
+      "KVCS_UNVERIFIED_NOT_LOAD_CHECK", "KVCS_UNVERIFIED_ALGORITHM_DIFFERS",
   };
   for (uint32_t r = 0; r < sizeof reasons / sizeof reasons[0]; r++) {
     CHECK(strcmp(kvcs_unverified_reason_name(r), reasons[r]) == 0);
   }
   CHECK(KVCS_UNVERIFIED_WORKERS_MISSING == 3 && KVCS_UNVERIFIED_STATE_TP_DIFFERS == 9);
   CHECK(KVCS_UNVERIFIED_UNCOMPARED_POSITIONS == 11 && KVCS_UNVERIFIED_NOT_LOAD_CHECK == 12);
+  CHECK(KVCS_UNVERIFIED_ALGORITHM_DIFFERS == 13);
   CHECK(strcmp(kvcs_unverified_reason_name(16), "unknown kvcs_unverified_reason") == 0);
   CHECK(strcmp(kvcs_unverified_reason_name(UINT32_MAX), "unknown kvcs_unverified_reason") == 0);
 }
@@ -564,9 +572,9 @@ static void test_record_errors(const side *producer) {
   kvcs_result_destroy(result);
   kvcs_worker_destroy(worker);
 
-  /* The record is ["kvcsum.record", 3, ...]: a fixarray of 7, a 13-byte
+  /* The record is ["kvcsum.record", 3, ...]: a fixarray of 8, a 13-byte
    * fixstr, then the version at byte 15. */
-  CHECK(record[0] == 0x97 && record[1] == 0xad && memcmp(record + 2, "kvcsum.record", 13) == 0 &&
+  CHECK(record[0] == 0x98 && record[1] == 0xad && memcmp(record + 2, "kvcsum.record", 13) == 0 &&
         record[15] == 0x03);
 
   kvcs_verifier *verifier = make_verifier(producer, KVCS_ROLE_PRODUCER);
@@ -867,6 +875,87 @@ static void test_end_to_end(side *consumer, const side *producer, const char *te
   free_records(&r);
 }
 
+/* Algorithms (docs/SPEC.md sections 9 and 12): a producer of MIXED workers
+ * sends the extension even with it off, and the consumer's verdict is
+ * UNVERIFIED (KVCS_UNVERIFIED_ALGORITHM_DIFFERS), never a mismatch,
+ * whenever the payload's algorithm or one of its workers' differs. */
+static void test_algorithms(const side *producer, const side *consumer) {
+  /* kvcs_worker_set_algorithm's errors. */
+  kvcs_worker *worker = make_worker(producer, 0, 0, identities);
+  EXPECT(kvcs_worker_set_algorithm(NULL, KVCS_ALGORITHM_MIXED), KVCS_ERR_INVALID_ARGUMENT, "worker is NULL");
+  EXPECT(kvcs_worker_set_algorithm(worker, 0), KVCS_ERR_INVALID_ARGUMENT, "algorithm 0 is neither");
+  EXPECT(kvcs_worker_set_algorithm(worker, 3), KVCS_ERR_INVALID_ARGUMENT, "algorithm 3");
+  EXPECT_OK(kvcs_worker_set_algorithm(worker, KVCS_ALGORITHM_WEIGHTED));
+  EXPECT_OK(kvcs_worker_set_algorithm(worker, KVCS_ALGORITHM_MIXED));
+  kvcs_result *result = NULL;
+  EXPECT_OK(kvcs_worker_checksum(worker, producer->blocks, KVCS_ROLE_PRODUCER, NULL, &result));
+  EXPECT(kvcs_worker_set_algorithm(worker, KVCS_ALGORITHM_WEIGHTED), KVCS_ERR_INVALID_ARGUMENT,
+         "already computed checksums with MIXED");
+  kvcs_result_destroy(result);
+  kvcs_worker_destroy(worker);
+
+  /* Payloads: MIXED (the default) carries the extension, a fixarray of 4;
+   * WEIGHTED without extension is vLLM's plain fixarray of 3. */
+  size_t mixed_len = 0, weighted_len = 0;
+  worker_algorithm = 0;
+  uint8_t *mixed = produce(producer, 0, 0, &mixed_len);
+  worker_algorithm = KVCS_ALGORITHM_WEIGHTED;
+  uint8_t *weighted = produce(producer, 0, 0, &weighted_len);
+  CHECK(mixed[0] == 0x94 && weighted[0] == 0x93);
+
+  /* Consumers of either algorithm: the same algorithm matches, the other
+   * is unverified. */
+  const uint32_t algorithms[2] = {KVCS_ALGORITHM_WEIGHTED, KVCS_ALGORITHM_MIXED};
+  for (int a = 0; a < 2; a++) {
+    worker_algorithm = algorithms[a];
+    records r = plain_records(consumer, KVCS_ROLE_CONSUMER);
+    kvcs_report *same = judge(consumer, &r, -1, producer->block_size, a ? mixed : weighted, a ? mixed_len : weighted_len);
+    EXPECT_REPORT(same, KVCS_VERDICT_MATCH, KVCS_UNVERIFIED_NONE, 1);
+    kvcs_report_destroy(same);
+    kvcs_report *other = judge(consumer, &r, -1, producer->block_size, a ? weighted : mixed, a ? weighted_len : mixed_len);
+    EXPECT_REPORT(other, KVCS_VERDICT_UNVERIFIED, KVCS_UNVERIFIED_ALGORITHM_DIFFERS, 0);
+    CHECK(num_mismatches(other) == 0);
+    CHECK(only_finding(other, KVCS_UNVERIFIED_ALGORITHM_DIFFERS, KVCS_WHOLE_LOAD, a ? "WEIGHTED (a plain payload)" : "are MIXED"));
+    kvcs_report_destroy(other);
+    free_records(&r);
+  }
+
+  /* One consumer worker of the other algorithm: unverified, whatever the payload. */
+  worker_algorithm = KVCS_ALGORITHM_MIXED;
+  records r = plain_records(consumer, KVCS_ROLE_CONSUMER);
+  worker_algorithm = KVCS_ALGORITHM_WEIGHTED;
+  records odd = plain_records(consumer, KVCS_ROLE_CONSUMER);
+  free(r.bytes[1]);
+  r.bytes[1] = odd.bytes[1];
+  r.lens[1] = odd.lens[1];
+  odd.bytes[1] = NULL;
+  kvcs_report *report = judge(consumer, &r, -1, producer->block_size, mixed, mixed_len);
+  EXPECT_REPORT(report, KVCS_VERDICT_UNVERIFIED, KVCS_UNVERIFIED_ALGORITHM_DIFFERS, 0);
+  CHECK(message_has(report, "with algorithm"));
+  kvcs_report_destroy(report);
+  free_records(&odd);
+  free_records(&r);
+
+  /* Producer workers of different algorithms make no payload. */
+  worker_algorithm = KVCS_ALGORITHM_MIXED;
+  records p = plain_records(producer, KVCS_ROLE_PRODUCER);
+  worker_algorithm = KVCS_ALGORITHM_WEIGHTED;
+  records p_odd = plain_records(producer, KVCS_ROLE_PRODUCER);
+  kvcs_verifier *verifier = make_verifier(producer, KVCS_ROLE_PRODUCER);
+  EXPECT_OK(kvcs_verifier_add_record(verifier, p.bytes[0], p.lens[0]));
+  EXPECT_OK(kvcs_verifier_add_record(verifier, p_odd.bytes[1], p_odd.lens[1]));
+  uint8_t buf[512];
+  size_t len = 0;
+  EXPECT(kvcs_verifier_payload(verifier, REQ_ID, buf, sizeof buf, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "the checksum algorithms differ");
+  kvcs_verifier_destroy(verifier);
+  free_records(&p);
+  free_records(&p_odd);
+  worker_algorithm = 0;
+  free(mixed);
+  free(weighted);
+}
+
 void test_verify(uint64_t seed) {
   rng_state = (seed ^ 0x7665726966790000ull) | 1;
   uint64_t *all = &logical[0][0][0][0];
@@ -881,6 +970,7 @@ void test_verify(uint64_t seed) {
   test_base64();
   test_record_errors(&producer);
   test_verifier_errors(&producer, &consumer);
+  test_algorithms(&producer, &consumer);
 
   size_t len = 0;
   uint8_t *payload = produce(&producer, 0, 0, &len);

@@ -99,7 +99,9 @@ int main(int argc, char **argv) {
         for (uint64_t t = 0; t < BLOCK && q * BLOCK + t < num_tokens; t++) {
           for (uint64_t p = 0; p < PIECES; p++) {
             uint64_t j = (q * BLOCK + t) * PIECES + p;
-            slice += load_le(&cache[l][block_ids[q]][h][t][p * 8]) * (2 * j + 1);
+            /* f of SPEC section 12 (the default algorithm, MIXED), then the weight. */
+            uint64_t g = (load_le(&cache[l][block_ids[q]][h][t][p * 8]) ^ (load_le(&cache[l][block_ids[q]][h][t][p * 8]) >> 32)) * 0x9E3779B97F4A7C15ull;
+            slice += (g ^ (g >> 32)) * (2 * j + 1);
           }
         }
         want += (2 * ((uint64_t)(7 + l) * KVCS_MAX_KV_HEADS_PER_LAYER + h) + 1) * slice;

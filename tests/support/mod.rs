@@ -12,11 +12,15 @@
 
 #![allow(dead_code)]
 
+pub mod faults;
 pub mod state;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
 
+use std::cell::Cell;
+
+pub use kvcsum::Algorithm;
 use kvcsum::{BlockSet, Checksums, LayerSpec, Region, ReplicaKey, Role, Segment, StreamHandle, Worker, WorkerOptions};
 
 /// `H` of SPEC section 3, written here again so that the reference does not
@@ -296,6 +300,42 @@ impl LogicalKv {
     }
 }
 
+thread_local! {
+    static ALGORITHM: Cell<Algorithm> = const { Cell::new(Algorithm::Mixed) };
+}
+
+/// The algorithm of this thread's tests: the naive reference computes it
+/// and the workers the helpers make ([`host_worker`], the GPU tests'
+/// device workers) are set to it. MIXED, the library's default, unless a
+/// test runs its cases under each ([`for_each_algorithm`]).
+pub fn algorithm() -> Algorithm {
+    ALGORITHM.with(Cell::get)
+}
+
+/// Runs `body` once per algorithm, WEIGHTED then MIXED, with
+/// [`algorithm`] set to it; back to MIXED after.
+pub fn for_each_algorithm(mut body: impl FnMut(Algorithm)) {
+    for algorithm in [Algorithm::Weighted, Algorithm::Mixed] {
+        ALGORITHM.with(|cell| cell.set(algorithm));
+        body(algorithm);
+    }
+    ALGORITHM.with(|cell| cell.set(Algorithm::Mixed));
+}
+
+/// `f` of SPEC section 12, written here again from the definition: WEIGHTED
+/// takes a piece as it is; MIXED folds its high half into the low one,
+/// multiplies by the constant and folds the product's high half back.
+pub fn naive_piece(algorithm: Algorithm, x: u64) -> u64 {
+    match algorithm {
+        Algorithm::Weighted => x,
+        Algorithm::Mixed => {
+            let folded = x ^ (x >> 32);
+            let product = folded.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            product ^ (product >> 32)
+        }
+    }
+}
+
 /// Valid tokens of the block at `position`, straight from SPEC section 5.
 pub fn naive_valid_tokens(num_tokens: u64, block_size: u32, position: u64) -> u32 {
     let start = position as u128 * block_size as u128;
@@ -306,9 +346,10 @@ pub fn naive_valid_tokens(num_tokens: u64, block_size: u32, position: u64) -> u3
     }
 }
 
-/// The block checksum of SPEC sections 2-3 over the given layers and global
-/// heads of `kv`, for tokens `first_token .. first_token + valid_tokens`,
-/// computed the slow obvious way, one piece at a time.
+/// The block checksum of SPEC sections 2-3 (and 12, under [`algorithm`])
+/// over the given layers and global heads of `kv`, for tokens
+/// `first_token .. first_token + valid_tokens`, computed the slow obvious
+/// way, one piece at a time.
 pub fn naive_block_checksum(
     kv: &LogicalKv,
     layer_numbers: &[u32],
@@ -317,6 +358,7 @@ pub fn naive_block_checksum(
     valid_tokens: u32,
 ) -> u64 {
     let pieces_per_token = kv.cell_bytes() as u64 / 8;
+    let algorithm = algorithm();
     let mut block = 0u64;
     for &layer in layer_numbers {
         for &head in heads {
@@ -325,7 +367,7 @@ pub fn naive_block_checksum(
                 let cell = kv.cell(layer, head, token);
                 for piece in 0..pieces_per_token {
                     let at = piece as usize * 8;
-                    let x = u64::from_le_bytes(cell[at..at + 8].try_into().unwrap());
+                    let x = naive_piece(algorithm, u64::from_le_bytes(cell[at..at + 8].try_into().unwrap()));
                     let j = token.wrapping_mul(pieces_per_token).wrapping_add(piece);
                     let weight = j.wrapping_mul(2).wrapping_add(1);
                     slice = slice.wrapping_add(x.wrapping_mul(weight));
@@ -1034,16 +1076,20 @@ pub fn positions_for(num_tokens: u64, block_size: u32, first_position: u64, extr
 // Workers and results
 // ---------------------------------------------------------------------------
 
-/// A host worker.
+/// A host worker of this thread's [`algorithm`].
 pub fn host_worker(tp_rank: u32, tp_size: u32, pp_rank: u32, num_threads: u32) -> Worker {
-    Worker::new(WorkerOptions {
+    let mut worker = Worker::new(WorkerOptions {
         tp_rank,
         tp_size,
         pp_rank,
         device: None,
         num_threads,
     })
-    .expect("host worker")
+    .expect("host worker");
+    worker
+        .set_algorithm(algorithm())
+        .expect("a new worker takes an algorithm");
+    worker
 }
 
 /// Registers `placement` with buffer `i` at `bases[i]`: a region per buffer,

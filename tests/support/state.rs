@@ -58,10 +58,12 @@ pub fn naive_weight(layer: u32, head: u64) -> u64 {
     (layer as u64 * 65536 + head).wrapping_mul(2).wrapping_add(1)
 }
 
-/// `sum_j x_j * (2j + 1)` from `first_index`, one element at a time.
+/// `sum_j f(x_j) * (2j + 1)` from `first_index`, one element at a time,
+/// each zero-extended element through `f` of the thread's algorithm.
 pub fn naive_slice(elements: &[u64], first_index: u64) -> u64 {
+    let algorithm = super::algorithm();
     elements.iter().enumerate().fold(0u64, |sum, (i, &x)| {
-        sum.wrapping_add(x.wrapping_mul(2 * (first_index + i as u64) + 1))
+        sum.wrapping_add(super::naive_piece(algorithm, x).wrapping_mul(2 * (first_index + i as u64) + 1))
     })
 }
 
