@@ -1318,9 +1318,15 @@ void kvcs_verifier_destroy(kvcs_verifier *verifier);
 kvcs_status kvcs_verifier_set_policy(kvcs_verifier *verifier, uint32_t policy);
 
 // Producer: `on` = 1 makes payloads carry the kvcsum extension (the
-// producer's TP size and block sizes, and per-layer partials where every
-// worker is in detail mode), which only kvcsum consumers read; 0 (the
-// default) gives the plain payload vLLM reads.
+// producer's TP size and block sizes, the checksum algorithm, and
+// per-layer partials where every worker is in detail mode), which only
+// kvcsum consumers read; 0 (the default) gives the plain payload vLLM
+// reads, but only for `KVCS_ALGORITHM_WEIGHTED` values: a payload of
+// `KVCS_ALGORITHM_MIXED` values (the workers' default) always carries the
+// extension, since a plain payload means weighted
+// (docs/SPEC.md#9-payload-producer-to-consumer). Records of different
+// algorithms make no payload (`kvcs_verifier_payload` fails with
+// `KVCS_ERR_INVALID_ARGUMENT`).
 kvcs_status kvcs_verifier_set_extension(kvcs_verifier *verifier, uint32_t on);
 
 // Consumer: `on` = 1 makes a load unverified

@@ -551,7 +551,8 @@ fn bad_arguments_fail_with_a_status_and_a_message_and_write_nothing() {
         "KVCS_UNVERIFIED_UNCOMPARED_POSITIONS"
     );
     assert_eq!(text(kvcs_unverified_reason_name(12)), "KVCS_UNVERIFIED_NOT_LOAD_CHECK");
-    assert_eq!(text(kvcs_unverified_reason_name(13)), "unknown kvcs_unverified_reason");
+    assert_eq!(text(kvcs_unverified_reason_name(13)), "KVCS_UNVERIFIED_ALGORITHM_DIFFERS");
+    assert_eq!(text(kvcs_unverified_reason_name(14)), "unknown kvcs_unverified_reason");
     kvcs_verifier_destroy(null_mut());
     kvcs_report_destroy(null_mut());
     kvcs_verifier_destroy(v);
