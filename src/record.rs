@@ -20,7 +20,6 @@
 //! ```text
 //! ["kvcsum.record", 3,
 //!  [tp_rank, tp_size, pp_rank], role (0 producer, 1 consumer), detail (bool),
-//!  algorithm (1 weighted, 2 mixed),
 //!  [[group_id, block_size, fingerprint, shard_keyed (bool), holds_caches (bool), state (bool)], ...],   # sorted by group_id
 //!  [[req_id (str), num_tokens,
 //!    [[group_id, first_position, num_positions,
@@ -29,7 +28,8 @@
 //!      stored],                                                        # nil, or a bin (load checks)
 //!     ...],
 //!    [[group_id, reason (str)], ...]],                                 # skipped groups
-//!   ...]]
+//!   ...],
+//!  algorithm]                                                          # 1 weighted, 2 mixed
 //! ```
 //!
 //! `stored` is `nil` in a record of any call but a load check. A load
@@ -206,7 +206,6 @@ impl Record {
         w.uint(self.rank.pp_rank as u64);
         w.uint(role_code(self.role));
         w.bool(self.detail);
-        w.uint(self.algorithm.code().into());
         w.array(self.groups.len());
         for group in &self.groups {
             w.array(6);
@@ -260,6 +259,7 @@ impl Record {
                 w.str(&skipped.reason);
             }
         }
+        w.uint(self.algorithm.code().into());
         w.into_bytes()
     }
 
@@ -300,14 +300,6 @@ impl Record {
             )
         })?;
         let detail = r.bool("detail")?;
-        let at = r.position();
-        let code = r.uint("algorithm")?;
-        let algorithm = Algorithm::from_code(code).ok_or_else(|| {
-            err!(
-                Malformed,
-                "record: byte {at}: algorithm {code} is neither 1 (weighted) nor 2 (mixed)"
-            )
-        })?;
         let num_groups = r.array("groups")?;
         let mut groups = Vec::with_capacity(initial_capacity(num_groups));
         for _ in 0..num_groups {
@@ -390,6 +382,14 @@ impl Record {
                 skipped,
             });
         }
+        let at = r.position();
+        let code = r.uint("algorithm")?;
+        let algorithm = Algorithm::from_code(code).ok_or_else(|| {
+            err!(
+                Malformed,
+                "record: byte {at}: algorithm {code} is neither 1 (weighted) nor 2 (mixed)"
+            )
+        })?;
         r.finish()?;
         let record = Record {
             rank,

@@ -164,7 +164,7 @@ impl TRecord {
             .uint(self.rank.0 as u64)
             .uint(self.rank.1 as u64)
             .uint(self.rank.2 as u64);
-        w.uint(self.role).bool(self.detail).uint(2);
+        w.uint(self.role).bool(self.detail);
         w.array(self.groups.len());
         for &(id, block_size, fingerprint) in &self.groups {
             w.array(6)
@@ -202,6 +202,8 @@ impl TRecord {
             }
             w.array(0);
         }
+        // WEIGHTED: the payloads these records meet are plain (vLLM's).
+        w.uint(1);
         w.0
     }
 }
@@ -461,6 +463,8 @@ impl HostWorker {
         };
         let mut handle = null_mut();
         assert_eq!(kvcs_worker_create(&options, &mut handle), KVCS_OK);
+        // WEIGHTED, as the plain payloads and the records these tests write by hand.
+        assert_eq!(kvcs_worker_set_algorithm(handle, 1), KVCS_OK);
         let words = num_layers as usize * num_blocks as usize * block_size as usize * (CELL as usize / 8);
         let cache: Vec<u64> = (0..words).map(|_| rng.next_u64()).collect();
         let worker = HostWorker { handle, cache };
@@ -769,7 +773,7 @@ fn records_declaring_huge_lengths_are_malformed_under_a_memory_limit() {
             let head = |w: &mut Mp| {
                 w.array(8).str("kvcsum.record").uint(3);
                 w.array(3).uint(0).uint(1).uint(0);
-                w.uint(1).bool(true).uint(2);
+                w.uint(1).bool(true);
             };
             let mut prefixes: Vec<(&str, Vec<u8>)> = Vec::new();
             // The record's groups.

@@ -242,7 +242,11 @@ fn payload_is_the_naive_sum_with_the_model_fingerprint() {
     );
     let payload = Payload::decode(&produce(&producer, false)).unwrap();
     assert_eq!(payload.num_tokens, 70);
-    assert_eq!(payload.extension, None, "plain payload");
+    // MIXED values (the default): the extension carries the algorithm even
+    // when it is off (SPEC section 9), with no layers.
+    let extension = payload.extension.as_ref().expect("a MIXED payload carries the extension");
+    assert_eq!(extension.algorithm, kvcsum::Algorithm::Mixed);
+    assert!(extension.groups.iter().all(|g| g.layers.is_empty()));
     let group = &payload.groups[0];
     assert_eq!(group.first_position, 0);
     assert_eq!(group.values, naive_full(&kv, 16, 0, 5), "seed {seed}");
@@ -939,56 +943,60 @@ fn unverified_when_a_replica_was_not_checksummed() {
 
 #[test]
 fn shard_keyed_state_is_compared_only_between_equal_tp_sizes() {
-    let mut rng = Rng::for_test("shard_keyed_state_is_compared_only_between_equal_tp_sizes");
-    let seed = rng.seed();
-    let (_, producer, consumer) = transfer(&mut rng);
-    // The engine registers no state layers yet: mark the consumer's group as
-    // shard-keyed state in its records, as a state layer of unknown TP split
-    // would (SPEC section 6).
-    let shard_keyed = |records: Vec<Vec<u8>>| -> Vec<Record> {
-        records
-            .iter()
-            .map(|bytes| {
-                let mut record = Record::decode(bytes).unwrap();
-                record.groups[0].shard_keyed = true;
-                record
-            })
-            .collect()
-    };
-    let verifier_with = |records: Vec<Record>| {
-        let verifier = Verifier::new(4).unwrap();
-        verifier.expect(&consumer.blocks, Role::Consumer).unwrap();
-        for record in records {
-            verifier.add(record).unwrap();
-        }
-        verifier
-    };
-    // The extension says producer TP 2, the consumer is TP 4.
-    let extended = produce(&producer, true);
-    let report = verifier_with(shard_keyed(consumer.records(Role::Consumer)))
-        .check(REQ, Some(&extended))
-        .unwrap();
-    assert_unverified(&report, Reason::StateTpDiffers, seed);
-    // Plain payload, producer TP unknown: unverified whatever the values
-    // (equal values could hide corrupted state of another TP size, an
-    // all-zero state for one), and a difference is never a mismatch.
-    let plain = produce(&producer, false);
-    let verifier = verifier_with(shard_keyed(consumer.records(Role::Consumer)));
-    let report = verifier.check(REQ, Some(&plain)).unwrap();
-    assert_unverified(&report, Reason::StateTpDiffers, seed);
-    assert!(report.message.contains("unknown"), "{}", report.message);
-    let mut other_payload = Payload::decode(&plain).unwrap();
-    other_payload.groups[0].values[1] ^= 1;
-    let report = verifier.check(REQ, Some(&other_payload.encode())).unwrap();
-    assert_unverified(&report, Reason::StateTpDiffers, seed);
-    // Told the producer's TP size (2, not 4): unverified before comparing.
-    verifier.set_producer_tp_size(2).unwrap();
-    let report = verifier.check(REQ, Some(&plain)).unwrap();
-    assert_unverified(&report, Reason::StateTpDiffers, seed);
-    // Equal TP sizes: a plain mismatch.
-    verifier.set_producer_tp_size(4).unwrap();
-    let report = verifier.check(REQ, Some(&other_payload.encode())).unwrap();
-    assert_eq!(report.verdict, Verdict::Mismatch, "seed {seed}: {}", report.message);
+    // WEIGHTED: a plain payload (producer TP size unknown) is only
+    // possible for WEIGHTED values; MIXED ones always carry the extension.
+    with_algorithm(kvcsum::Algorithm::Weighted, || {
+        let mut rng = Rng::for_test("shard_keyed_state_is_compared_only_between_equal_tp_sizes");
+        let seed = rng.seed();
+        let (_, producer, consumer) = transfer(&mut rng);
+        // The engine registers no state layers yet: mark the consumer's group as
+        // shard-keyed state in its records, as a state layer of unknown TP split
+        // would (SPEC section 6).
+        let shard_keyed = |records: Vec<Vec<u8>>| -> Vec<Record> {
+            records
+                .iter()
+                .map(|bytes| {
+                    let mut record = Record::decode(bytes).unwrap();
+                    record.groups[0].shard_keyed = true;
+                    record
+                })
+                .collect()
+        };
+        let verifier_with = |records: Vec<Record>| {
+            let verifier = Verifier::new(4).unwrap();
+            verifier.expect(&consumer.blocks, Role::Consumer).unwrap();
+            for record in records {
+                verifier.add(record).unwrap();
+            }
+            verifier
+        };
+        // The extension says producer TP 2, the consumer is TP 4.
+        let extended = produce(&producer, true);
+        let report = verifier_with(shard_keyed(consumer.records(Role::Consumer)))
+            .check(REQ, Some(&extended))
+            .unwrap();
+        assert_unverified(&report, Reason::StateTpDiffers, seed);
+        // Plain payload, producer TP unknown: unverified whatever the values
+        // (equal values could hide corrupted state of another TP size, an
+        // all-zero state for one), and a difference is never a mismatch.
+        let plain = produce(&producer, false);
+        let verifier = verifier_with(shard_keyed(consumer.records(Role::Consumer)));
+        let report = verifier.check(REQ, Some(&plain)).unwrap();
+        assert_unverified(&report, Reason::StateTpDiffers, seed);
+        assert!(report.message.contains("unknown"), "{}", report.message);
+        let mut other_payload = Payload::decode(&plain).unwrap();
+        other_payload.groups[0].values[1] ^= 1;
+        let report = verifier.check(REQ, Some(&other_payload.encode())).unwrap();
+        assert_unverified(&report, Reason::StateTpDiffers, seed);
+        // Told the producer's TP size (2, not 4): unverified before comparing.
+        verifier.set_producer_tp_size(2).unwrap();
+        let report = verifier.check(REQ, Some(&plain)).unwrap();
+        assert_unverified(&report, Reason::StateTpDiffers, seed);
+        // Equal TP sizes: a plain mismatch.
+        verifier.set_producer_tp_size(4).unwrap();
+        let report = verifier.check(REQ, Some(&other_payload.encode())).unwrap();
+        assert_eq!(report.verdict, Verdict::Mismatch, "seed {seed}: {}", report.message);
+    });
 }
 
 // ---------------------------------------------------------------------------

@@ -154,6 +154,7 @@ fn record_value() -> V {
             ])]),
             V::A(vec![V::A(vec![V::U(5), s("mamba state")])]),
         ])]),
+        V::U(2),
     ])
 }
 
@@ -167,7 +168,7 @@ fn payload_value() -> V {
             V::A(vec![V::U(2), V::U(17), V::U(1), values(&[10, 11])]),
         ]),
         V::A(vec![
-            V::U(1),
+            V::U(2),
             V::U(2),
             V::A(vec![V::A(vec![
                 V::U(0),
@@ -177,6 +178,7 @@ fn payload_value() -> V {
                     V::A(vec![V::U(0), V::U(4), V::U(4), values(&[6, 7, 8])]),
                 ]),
             ])]),
+            V::U(2),
         ]),
     ])
 }
@@ -189,6 +191,24 @@ fn malformed(result: kvcsum::Result<impl std::fmt::Debug>, needle: &str, case: &
         ),
         other => panic!("{case}: expected Malformed containing {needle:?}, got {other:?}"),
     }
+}
+
+#[test]
+fn extension_versions_carry_the_algorithm() {
+    let payload = Payload::decode(&payload_value().bytes()).expect("version 2");
+    assert_eq!(payload.algorithm(), kvcsum::Algorithm::Mixed);
+    // Version 1 (3 elements, no algorithm) means WEIGHTED, as a plain payload does.
+    let mut v1 = payload_value();
+    *v1.at(&[3, 0]) = V::U(1);
+    if let V::A(items) = v1.at(&[3]) {
+        items.pop();
+    }
+    assert_eq!(Payload::decode(&v1.bytes()).expect("version 1").algorithm(), kvcsum::Algorithm::Weighted);
+    let mut plain = payload_value();
+    if let V::A(items) = &mut plain {
+        items.pop();
+    }
+    assert_eq!(Payload::decode(&plain.bytes()).expect("plain").algorithm(), kvcsum::Algorithm::Weighted);
 }
 
 #[test]
@@ -303,13 +323,21 @@ fn every_malformed_record_class_is_rejected_with_a_message() {
             "version 4 is not supported",
         ),
         (
+            "version 4",
+            Box::new(|v| *v.at(&[1]) = V::U(4)),
+            "version 4 is not supported",
+        ),
+        ("algorithm 0", Box::new(|v| *v.at(&[7]) = V::U(0)), "algorithm 0 is neither"),
+        ("algorithm 3", Box::new(|v| *v.at(&[7]) = V::U(3)), "algorithm 3 is neither"),
+        ("algorithm a string", Box::new(|v| *v.at(&[7]) = s("mixed")), "algorithm"),
+        (
             "too few elements",
             Box::new(|v| {
                 if let V::A(items) = v {
                     items.pop();
                 }
             }),
-            "expected an array of 7 elements",
+            "expected an array of 8 elements",
         ),
         (
             "tp_rank past tp_size",
@@ -668,6 +696,25 @@ fn every_malformed_payload_class_is_rejected_with_a_message() {
             "extension not an array",
             Box::new(|v| *v.at(&[3]) = V::Nil),
             "expected an array",
+        ),
+        (
+            "extension algorithm 3",
+            Box::new(|v| *v.at(&[3, 3]) = V::U(3)),
+            "algorithm 3 is neither",
+        ),
+        (
+            "extension version 2 without its algorithm",
+            Box::new(|v| {
+                if let V::A(items) = v.at(&[3]) {
+                    items.pop();
+                }
+            }),
+            "the extension of version 2 has 4 elements, found 3",
+        ),
+        (
+            "extension version 1 with an algorithm",
+            Box::new(|v| *v.at(&[3, 0]) = V::U(1)),
+            "the extension of version 1 has 3 elements, found 4",
         ),
     ];
     for (case, edit, needle) in cases {

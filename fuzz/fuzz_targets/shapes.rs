@@ -101,7 +101,7 @@ fn prefix(out: &mut Out, site: Site, len: usize) {
     let record_head = |out: &mut Out| {
         out.array(8).str("kvcsum.record").uint(3);
         out.array(3).uint(0).uint(1).uint(0);
-        out.uint(1).bool(true).uint(2);
+        out.uint(1).bool(true);
     };
     let request_head = |out: &mut Out| {
         record_head(out);

@@ -31,11 +31,13 @@ static uint64_t next_feature_random(void) {
   return feature_rng;
 }
 
-static kvcs_worker *attention_worker(kvcs_segment *segment) {
+static kvcs_worker *attention_worker_of(kvcs_segment *segment, uint32_t pp_rank, uint32_t algorithm) {
   static const uint8_t identity[] = "('model.layers.0.self_attn.attn', 'FullAttentionSpec', 'bfloat16')";
-  kvcs_worker_options options = {.tp_rank = 0, .tp_size = 1, .pp_rank = 0, .device = KVCS_HOST, .num_threads = 1};
+  kvcs_worker_options options = {
+      .tp_rank = 0, .tp_size = 1, .pp_rank = pp_rank, .device = KVCS_HOST, .num_threads = 1};
   kvcs_worker *worker = NULL;
   EXPECT_OK(kvcs_worker_create(&options, &worker));
+  EXPECT_OK(kvcs_worker_set_algorithm(worker, algorithm));
   EXPECT_OK(kvcs_worker_add_region(worker, (uint64_t)(uintptr_t)kv_cache, sizeof kv_cache));
   EXPECT_OK(kvcs_worker_add_group(worker, 0, F_BLOCK_SIZE));
   *segment = (kvcs_segment){.address = (uint64_t)(uintptr_t)kv_cache,
@@ -50,6 +52,11 @@ static kvcs_worker *attention_worker(kvcs_segment *segment) {
                       .identity = identity, .identity_len = sizeof identity - 1};
   EXPECT_OK(kvcs_worker_add_layer(worker, &layer));
   return worker;
+}
+
+/* The default algorithm's worker, TP rank 0 of 1, PP stage 0. */
+static kvcs_worker *attention_worker(kvcs_segment *segment) {
+  return attention_worker_of(segment, 0, KVCS_ALGORITHM_MIXED);
 }
 
 static void test_aliases(void) {
@@ -303,6 +310,46 @@ static void test_stored_checksums(void) {
   check_offload_reports(blocks, result, plain);
   kvcs_result_destroy(plain);
   kvcs_result_destroy(result);
+
+  /* Another algorithm (docs/SPEC.md sections 8 and 12). The intact blocks,
+   * stored under MIXED, load-checked by a WEIGHTED worker: a stored value
+   * does not say its algorithm yet, so every position fails its check.
+   * What the verifier can know, it says: load-check records of workers of
+   * different algorithms make the load unverified, not a mismatch. */
+  ((uint8_t *)kv_cache)[0 * F_HEADS * F_BLOCK_SIZE * F_CELL + 5] ^= 0x40;
+  kvcs_segment other_segment;
+  kvcs_worker *weighted = attention_worker_of(&other_segment, 1, KVCS_ALGORITHM_WEIGHTED);
+  EXPECT_OK(kvcs_worker_add_stored(weighted, 0, (uint64_t)(uintptr_t)stored, F_BLOCKS));
+  kvcs_result *mixed_check = NULL, *weighted_check = NULL;
+  EXPECT_OK(kvcs_worker_check_stored(worker, blocks, NULL, &mixed_check));
+  EXPECT_OK(kvcs_worker_check_stored(weighted, blocks, NULL, &weighted_check));
+  EXPECT_OK(kvcs_result_stored(mixed_check, "o", 0, outcomes));
+  CHECK(outcomes[0] == KVCS_STORED_MATCHED && outcomes[1] == KVCS_STORED_MATCHED &&
+        outcomes[2] == KVCS_STORED_MATCHED);
+  EXPECT_OK(kvcs_result_stored(weighted_check, "o", 0, outcomes));
+  CHECK(outcomes[0] == KVCS_STORED_FAILED && outcomes[1] == KVCS_STORED_FAILED &&
+        outcomes[2] == KVCS_STORED_FAILED);
+  kvcs_verifier *verifier = NULL;
+  EXPECT_OK(kvcs_verifier_create(2, &verifier)); /* TP 1 x 2 PP stages */
+  EXPECT_OK(kvcs_verifier_expect(verifier, blocks, KVCS_ROLE_CONSUMER));
+  const kvcs_result *checks[2] = {mixed_check, weighted_check};
+  for (int i = 0; i < 2; i++) {
+    size_t len = 0;
+    uint8_t *bytes = record_bytes(checks[i], &len);
+    EXPECT_OK(kvcs_verifier_add_record(verifier, bytes, len));
+    free(bytes);
+  }
+  kvcs_report *report = NULL;
+  EXPECT_OK(kvcs_verifier_check_stored(verifier, "o", &report));
+  uint32_t verdict = 9, reason = 9;
+  EXPECT_OK(kvcs_report_verdict(report, &verdict));
+  EXPECT_OK(kvcs_report_reason(report, &reason));
+  CHECK(verdict == KVCS_VERDICT_UNVERIFIED && reason == KVCS_UNVERIFIED_ALGORITHM_DIFFERS);
+  kvcs_report_destroy(report);
+  kvcs_verifier_destroy(verifier);
+  kvcs_result_destroy(mixed_check);
+  kvcs_result_destroy(weighted_check);
+  kvcs_worker_destroy(weighted);
   kvcs_blocks_destroy(blocks);
   kvcs_worker_destroy(worker);
 }

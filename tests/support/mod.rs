@@ -322,6 +322,14 @@ pub fn for_each_algorithm(mut body: impl FnMut(Algorithm)) {
     ALGORITHM.with(|cell| cell.set(Algorithm::Mixed));
 }
 
+/// Runs `body` with [`algorithm`] set to `algorithm`; back to MIXED after.
+pub fn with_algorithm<T>(algorithm: Algorithm, body: impl FnOnce() -> T) -> T {
+    ALGORITHM.with(|cell| cell.set(algorithm));
+    let out = body();
+    ALGORITHM.with(|cell| cell.set(Algorithm::Mixed));
+    out
+}
+
 /// `f` of SPEC section 12, written here again from the definition: WEIGHTED
 /// takes a piece as it is; MIXED folds its high half into the low one,
 /// multiplies by the constant and folds the product's high half back.
