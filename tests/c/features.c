@@ -312,13 +312,13 @@ static void test_stored_checksums(void) {
   kvcs_result_destroy(result);
 
   /* Another algorithm (docs/SPEC.md sections 8 and 12). The intact blocks,
-   * stored under MIXED, load-checked by a WEIGHTED worker: a stored value
-   * does not say its algorithm yet, so every position fails its check.
-   * What the verifier can know, it says: load-check records of workers of
-   * different algorithms make the load unverified, not a mismatch. */
+   * stored under MIXED, load-checked by a WEIGHTED worker: the stamp stored
+   * with each value names its algorithm, so every position is "other
+   * algorithm", never a failure, and the verifier says unverified. */
   ((uint8_t *)kv_cache)[0 * F_HEADS * F_BLOCK_SIZE * F_CELL + 5] ^= 0x40;
   kvcs_segment other_segment;
   kvcs_worker *weighted = attention_worker_of(&other_segment, 1, KVCS_ALGORITHM_WEIGHTED);
+  EXPECT_OK(kvcs_worker_add_region(weighted, (uint64_t)(uintptr_t)stored, sizeof stored));
   EXPECT_OK(kvcs_worker_add_stored(weighted, 0, (uint64_t)(uintptr_t)stored, F_BLOCKS));
   kvcs_result *mixed_check = NULL, *weighted_check = NULL;
   EXPECT_OK(kvcs_worker_check_stored(worker, blocks, NULL, &mixed_check));
@@ -327,8 +327,8 @@ static void test_stored_checksums(void) {
   CHECK(outcomes[0] == KVCS_STORED_MATCHED && outcomes[1] == KVCS_STORED_MATCHED &&
         outcomes[2] == KVCS_STORED_MATCHED);
   EXPECT_OK(kvcs_result_stored(weighted_check, "o", 0, outcomes));
-  CHECK(outcomes[0] == KVCS_STORED_FAILED && outcomes[1] == KVCS_STORED_FAILED &&
-        outcomes[2] == KVCS_STORED_FAILED);
+  CHECK(outcomes[0] == KVCS_STORED_OTHER_ALGORITHM && outcomes[1] == KVCS_STORED_OTHER_ALGORITHM &&
+        outcomes[2] == KVCS_STORED_OTHER_ALGORITHM);
   kvcs_verifier *verifier = NULL;
   EXPECT_OK(kvcs_verifier_create(2, &verifier)); /* TP 1 x 2 PP stages */
   EXPECT_OK(kvcs_verifier_expect(verifier, blocks, KVCS_ROLE_CONSUMER));
