@@ -13,11 +13,11 @@
 //! of outcomes is printed on stderr: `cargo test --release --test
 //! verdict_property -- --nocapture`.
 
-mod support;
 #[path = "verdict_support/cabi.rs"]
 mod cabi;
 #[path = "verdict_support/generator.rs"]
 mod generator;
+mod support;
 
 use std::collections::BTreeMap;
 

@@ -8,9 +8,9 @@
 //! Reproduce a failure with the seed it printed:
 //! `KVCS_TEST_SEED=<seed> cargo test --release --test verdicts <name>`.
 
-mod support;
 #[path = "verdict_support/cabi.rs"]
 mod cabi;
+mod support;
 
 use kvcsum::ffi::report::kvcs_unverified_reason::{self, *};
 use kvcsum::ffi::result::kvcs_stored_outcome::*;
@@ -319,7 +319,11 @@ fn stored_buffers_at_address_0_or_outside_every_region_are_refused() {
     assert_failure(
         worker.stored(0, memory.address(), n),
         KVCS_ERR_OUT_OF_BOUNDS,
-        &["group_id 0", "no registered region", &format!("{:#x}", memory.address())],
+        &[
+            "group_id 0",
+            "no registered region",
+            &format!("{:#x}", memory.address()),
+        ],
     );
     // A region holding all but the last block's 16 bytes: still outside.
     worker
@@ -334,7 +338,11 @@ fn stored_buffers_at_address_0_or_outside_every_region_are_refused() {
     let hashes = random_hashes(&mut rng, side.table.block_ids.len());
     let blocks = hashed_blocks(num_tokens, &[(&side.table, &hashes)]);
     let status = worker.store(&blocks).map(|_| ());
-    assert_failure(status, KVCS_ERR_NOT_FOUND, &["no buffer of stored checksums", "group_id 0"]);
+    assert_failure(
+        status,
+        KVCS_ERR_NOT_FOUND,
+        &["no buffer of stored checksums", "group_id 0"],
+    );
     assert_eq!(memory.words, before, "nothing written (seed {seed})");
 
     // Inside a region: accepted, and the store writes value and stamp per block.
@@ -343,12 +351,7 @@ fn stored_buffers_at_address_0_or_outside_every_region_are_refused() {
     drop(worker.store(&blocks).expect("store"));
     let expected = naive_full(&kv, 16, 0, side.table.block_ids.len());
     let mut tags = vec![0u64; side.table.block_ids.len()];
-    assert_eq!(
-        kvsum_block_tags(worker, 0, &hashes, &mut tags),
-        KVCS_OK,
-        "{}",
-        last_error()
-    );
+    assert_eq!(block_tags(worker, 0, &hashes, &mut tags), KVCS_OK, "{}", last_error());
     let stamp = memory.entry(side.table.block_ids[0]).1;
     for (i, &block_id) in side.table.block_ids.iter().enumerate() {
         let (value, block_stamp) = memory.entry(block_id);
@@ -359,7 +362,7 @@ fn stored_buffers_at_address_0_or_outside_every_region_are_refused() {
     assert!(outcomes[0].iter().all(|&o| o == MATCHED), "{outcomes:?} (seed {seed})");
 }
 
-fn kvsum_block_tags(worker: &CWorker, group_id: u32, hashes: &[u8], tags: &mut [u64]) -> kvcsum::ffi::status::kvcs_status {
+fn block_tags(worker: &CWorker, group_id: u32, hashes: &[u8], tags: &mut [u64]) -> kvcsum::ffi::status::kvcs_status {
     kvcsum::ffi::worker::kvcs_block_tags(
         worker.handle,
         group_id,
@@ -403,7 +406,11 @@ fn stored_buffers_overlapping_a_cache_or_another_groups_buffer_are_refused() {
     assert_failure(
         worker.stored(0, inside, 2),
         KVCS_ERR_INVALID_ARGUMENT,
-        &["stored checksums of group_id 0", "overlap the cache of layer_number", "a store would overwrite KV"],
+        &[
+            "stored checksums of group_id 0",
+            "overlap the cache of layer_number",
+            "a store would overwrite KV",
+        ],
     );
 
     // Over a state tensor of a state group.
@@ -411,7 +418,9 @@ fn stored_buffers_overlapping_a_cache_or_another_groups_buffer_are_refused() {
     let caches = place_rank(&mut rng, &state, 0, 1, 2, true, 3, 1);
     worker.group(2, 16).expect("state group");
     for buffer in &caches.buffers {
-        worker.region(buffer.as_ptr() as u64, buffer.len() as u64 * 8).expect("region");
+        worker
+            .region(buffer.as_ptr() as u64, buffer.len() as u64 * 8)
+            .expect("region");
     }
     for spec in &caches.specs {
         worker.state(spec).expect("add_state");
@@ -432,9 +441,15 @@ fn stored_buffers_overlapping_a_cache_or_another_groups_buffer_are_refused() {
     assert_failure(
         worker.stored(2, memory.at(overlap as usize), n),
         KVCS_ERR_INVALID_ARGUMENT,
-        &["stored checksums of group_id 2", "overlap those of group_id 0", "a buffer of its own"],
+        &[
+            "stored checksums of group_id 2",
+            "overlap those of group_id 0",
+            "a buffer of its own",
+        ],
     );
-    worker.stored(2, memory.at(n as usize), n).expect("group 2's own buffer");
+    worker
+        .stored(2, memory.at(n as usize), n)
+        .expect("group 2's own buffer");
 
     // A layer registered later over a stored buffer.
     let later_kv = LogicalKv::random(
@@ -444,28 +459,46 @@ fn stored_buffers_overlapping_a_cache_or_another_groups_buffer_are_refused() {
             ..KvShape::gqa(1, 4, 32, num_tokens)
         },
     );
-    let later = Placement::for_shard(&mut rng, &later_kv, &shard(&later_kv, 0, 1, 0, 1), LayoutKind::Hnd, 3, 16, 4);
+    let later = Placement::for_shard(
+        &mut rng,
+        &later_kv,
+        &shard(&later_kv, 0, 1, 0, 1),
+        LayoutKind::Hnd,
+        3,
+        16,
+        4,
+    );
     worker.group(3, 16).expect("group 3");
     for region in later.regions(&later.host_bases()) {
         worker.region(region.address, region.length).expect("region");
     }
-    worker.stored(3, later.buffers()[0].address(), 1).expect("group 3's buffer, no layer yet");
+    worker
+        .stored(3, later.buffers()[0].address(), 1)
+        .expect("group 3's buffer, no layer yet");
     let mut spec = later.host_layer_specs().remove(0);
     spec.identity = identity(10);
     assert_failure(
         worker.layer(&spec),
         KVCS_ERR_INVALID_ARGUMENT,
-        &["layer_number 10", "overlap the stored checksums of group_id 3", "a store would overwrite KV"],
+        &[
+            "layer_number 10",
+            "overlap the stored checksums of group_id 3",
+            "a store would overwrite KV",
+        ],
     );
     // ... and a state layer over one.
     let other_state = random_state(&mut rng, &[21]);
     let other = place_rank(&mut rng, &other_state, 0, 1, 4, true, 2, 0);
     worker.group(4, 16).expect("group 4");
     for buffer in &other.buffers {
-        worker.region(buffer.as_ptr() as u64, buffer.len() as u64 * 8).expect("region");
+        worker
+            .region(buffer.as_ptr() as u64, buffer.len() as u64 * 8)
+            .expect("region");
     }
     let first_tensor = other.specs[0].tensors[0].address & !7;
-    worker.stored(4, first_tensor, 1).expect("group 4's buffer, no state yet");
+    worker
+        .stored(4, first_tensor, 1)
+        .expect("group 4's buffer, no state yet");
     assert_failure(
         worker.state(&other.specs[0]),
         KVCS_ERR_INVALID_ARGUMENT,
@@ -478,7 +511,11 @@ fn stored_buffers_overlapping_a_cache_or_another_groups_buffer_are_refused() {
     let hashes = random_hashes(&mut rng, positions);
     let blocks = hashed_blocks(num_tokens, &[(&side.table, &hashes)]);
     drop(worker.store(&blocks).expect("store"));
-    assert_eq!(sums(&side.blocks), expected, "the KV is intact after the store (seed {seed})");
+    assert_eq!(
+        sums(&side.blocks),
+        expected,
+        "the KV is intact after the store (seed {seed})"
+    );
     let (outcomes, records) = load_check(&side.workers, &blocks, 0);
     assert!(outcomes[0].iter().all(|&o| o == MATCHED), "{outcomes:?} (seed {seed})");
     assert_verdict(&judge_stored(1, &blocks, &records), MATCH, seed);
@@ -495,7 +532,11 @@ fn stored_buffers_overlapping_a_cache_or_another_groups_buffer_are_refused() {
         )
         .unwrap();
     let result = worker.checksum(&empty, CONSUMER).expect("checksum of group 3");
-    assert_eq!(result.position_sums(REQ, 3).unwrap(), vec![0, 0], "group 3 has no layer");
+    assert_eq!(
+        result.position_sums(REQ, 3).unwrap(),
+        vec![0, 0],
+        "group 3 has no layer"
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -503,15 +544,16 @@ fn stored_buffers_overlapping_a_cache_or_another_groups_buffer_are_refused() {
 
 /// A consistent copy of `kv`'s first `num_tokens` tokens (a request sharing
 /// its prefix).
-fn prefix_of(kv: &LogicalKv, num_tokens: u64) -> LogicalKv {
+fn prefix_of(rng: &mut Rng, kv: &LogicalKv, num_tokens: u64) -> LogicalKv {
     let mut shape = kv.shape;
     shape.num_tokens = num_tokens;
-    let mut rng = Rng::from_seed_and_name(0, "prefix");
-    let mut prefix = LogicalKv::random(&mut rng, shape);
+    let mut prefix = LogicalKv::random(rng, shape);
     for layer in kv.layer_numbers() {
         for head in kv.heads() {
             for token in 0..num_tokens {
-                prefix.cell_mut(layer, head, token).copy_from_slice(kv.cell(layer, head, token));
+                prefix
+                    .cell_mut(layer, head, token)
+                    .copy_from_slice(kv.cell(layer, head, token));
             }
         }
     }
@@ -564,7 +606,7 @@ fn a_block_id_at_two_positions_of_one_store_is_refused_and_nothing_is_written() 
     // A shared prefix: a second request with the same first block (same
     // position, hash and valid tokens) and a block of its own after it.
     let short_tokens = rng.range(17..33);
-    let short_kv = prefix_of(&kv, short_tokens);
+    let short_kv = prefix_of(&mut rng, &kv, short_tokens);
     let mut placement = side.placements[0].clone();
     let own = (0..placement.spec().num_blocks)
         .find(|b| !side.table.block_ids.contains(b))
@@ -598,7 +640,10 @@ fn a_block_id_at_two_positions_of_one_store_is_refused_and_nothing_is_written() 
     let result = copy.check_stored(&blocks).expect("check_stored");
     for req_id in [REQ, "req-prefix"] {
         let outcomes = result.stored(req_id, 0).unwrap();
-        assert!(outcomes.iter().all(|&o| o == MATCHED), "{req_id}: {outcomes:?} (seed {seed})");
+        assert!(
+            outcomes.iter().all(|&o| o == MATCHED),
+            "{req_id}: {outcomes:?} (seed {seed})"
+        );
     }
     // The same block and position with another block hash ...
     let mut other_hash = second_hashes.clone();
@@ -606,7 +651,11 @@ fn a_block_id_at_two_positions_of_one_store_is_refused_and_nothing_is_written() 
     assert_failure(
         copy.store(&two_requests(&other_hash, short_tokens)).map(|_| ()),
         KVCS_ERR_INVALID_ARGUMENT,
-        &["position 0 of req_id", "req-prefix", "another block hash or other valid tokens"],
+        &[
+            "position 0 of req_id",
+            "req-prefix",
+            "another block hash or other valid tokens",
+        ],
     );
     // ... or other valid tokens (the second request ends inside block 0).
     let mut one_block = shared.clone();
@@ -617,7 +666,9 @@ fn a_block_id_at_two_positions_of_one_store_is_refused_and_nothing_is_written() 
     blocks.hashes(REQ, 0, &hashes, HASH_BYTES).unwrap();
     blocks.request("req-prefix", rng.range(1..16)).unwrap();
     blocks.table("req-prefix", &one_block).unwrap();
-    blocks.hashes("req-prefix", 0, &hashes[..HASH_BYTES], HASH_BYTES).unwrap();
+    blocks
+        .hashes("req-prefix", 0, &hashes[..HASH_BYTES], HASH_BYTES)
+        .unwrap();
     assert_failure(
         copy.store(&blocks).map(|_| ()),
         KVCS_ERR_INVALID_ARGUMENT,
@@ -659,7 +710,10 @@ fn a_load_check_under_another_layer_identity_is_unverified_not_a_mismatch() {
         drop(worker.store(&blocks).expect("store"));
     }
     let (outcomes, records) = load_check(&side.workers, &blocks, 0);
-    assert!(outcomes.iter().flatten().all(|&o| o == MATCHED), "{outcomes:?} (seed {seed})");
+    assert!(
+        outcomes.iter().flatten().all(|&o| o == MATCHED),
+        "{outcomes:?} (seed {seed})"
+    );
     assert_verdict(&judge_stored(tp_size, &blocks, &records), MATCH, seed);
 
     // The same KV and stored values, load-checked by workers that register
@@ -679,8 +733,13 @@ fn a_load_check_under_another_layer_identity_is_unverified_not_a_mismatch() {
             .enumerate()
             .map(|(tp_rank, (placement, memory))| {
                 let worker = CWorker::host(tp_rank as u32, tp_size, 0).unwrap();
-                register_attention(&worker, placement, &plan(tp_size, placement.spec().kind, 16), &relabelled)
-                    .unwrap();
+                register_attention(
+                    &worker,
+                    placement,
+                    &plan(tp_size, placement.spec().kind, 16),
+                    &relabelled,
+                )
+                .unwrap();
                 worker.region(memory.address(), memory.bytes()).unwrap();
                 worker.stored(0, memory.address(), num_blocks).unwrap();
                 worker
@@ -697,7 +756,11 @@ fn a_load_check_under_another_layer_identity_is_unverified_not_a_mismatch() {
         &report,
         KVCS_UNVERIFIED_FINGERPRINT_DIFFERS,
         0,
-        &["group 0", "another group fingerprint", "stored under another configuration"],
+        &[
+            "group 0",
+            "another group fingerprint",
+            "stored under another configuration",
+        ],
         seed,
     );
     assert!(report.mismatches().is_empty(), "seed {seed}");
@@ -708,7 +771,10 @@ fn a_load_check_under_another_layer_identity_is_unverified_not_a_mismatch() {
     side.corrupt(layer, head, token, byte);
     let position = token / 16;
     let (outcomes, records) = load_check(&side.workers, &blocks, 0);
-    assert!(outcomes.iter().any(|rank| rank[position as usize] == FAILED), "seed {seed}");
+    assert!(
+        outcomes.iter().any(|rank| rank[position as usize] == FAILED),
+        "seed {seed}"
+    );
     let report = judge_stored(tp_size, &blocks, &records);
     assert_verdict(&report, MISMATCH, seed);
     assert_eq!(report.mismatches()[0].first_position, position, "seed {seed}");
@@ -826,7 +892,9 @@ fn state_split_known_on_one_side_only_is_unverified_fingerprint_differs() {
         for extension in [false, true] {
             let payload = payload_of(&producer.workers, &producer.blocks, extension);
             // The producer's TP size is known either way (here from the setting).
-            let report = judge(&consumer.workers, &consumer.blocks, &payload, &|v| v.producer_tp_size(tp_size));
+            let report = judge(&consumer.workers, &consumer.blocks, &payload, &|v| {
+                v.producer_tp_size(tp_size)
+            });
             if producer_split == consumer_split {
                 assert_verdict(&report, MATCH, seed);
             } else {
@@ -842,7 +910,11 @@ fn state_split_known_on_one_side_only_is_unverified_fingerprint_differs() {
         if producer_split == consumer_split {
             consumer.corrupt(&mut rng);
             let payload = payload_of(&producer.workers, &producer.blocks, true);
-            assert_verdict(&judge(&consumer.workers, &consumer.blocks, &payload, &no_setup), MISMATCH, seed);
+            assert_verdict(
+                &judge(&consumer.workers, &consumer.blocks, &payload, &no_setup),
+                MISMATCH,
+                seed,
+            );
         }
     }
 }
@@ -872,7 +944,9 @@ fn shard_keyed_state_of_an_unknown_producer_tp_size_is_unverified() {
     let report = judge(&consumer.workers, &consumer.blocks, &payload, &no_setup);
     assert_unverified(&report, KVCS_UNVERIFIED_STATE_TP_DIFFERS, STATE_GROUP, &unknown, seed);
     // Known and different: unverified too.
-    let report = judge(&consumer.workers, &consumer.blocks, &payload, &|v| v.producer_tp_size(1));
+    let report = judge(&consumer.workers, &consumer.blocks, &payload, &|v| {
+        v.producer_tp_size(1)
+    });
     assert_unverified(
         &report,
         KVCS_UNVERIFIED_STATE_TP_DIFFERS,
@@ -892,9 +966,17 @@ fn shard_keyed_state_of_an_unknown_producer_tp_size_is_unverified() {
     let set = |v: &CVerifier| v.producer_tp_size(tp_size);
     assert_verdict(&judge(&consumer.workers, &consumer.blocks, &plain, &set), MATCH, seed);
     let extended = payload_of(&producer.workers, &producer.blocks, true);
-    assert_verdict(&judge(&consumer.workers, &consumer.blocks, &extended, &no_setup), MATCH, seed);
+    assert_verdict(
+        &judge(&consumer.workers, &consumer.blocks, &extended, &no_setup),
+        MATCH,
+        seed,
+    );
     consumer.corrupt(&mut rng);
-    assert_verdict(&judge(&consumer.workers, &consumer.blocks, &plain, &set), MISMATCH, seed);
+    assert_verdict(
+        &judge(&consumer.workers, &consumer.blocks, &plain, &set),
+        MISMATCH,
+        seed,
+    );
     // Corrupted and unknown: still never a match.
     let report = judge(&consumer.workers, &consumer.blocks, &plain, &no_setup);
     assert_unverified(&report, KVCS_UNVERIFIED_STATE_TP_DIFFERS, STATE_GROUP, &unknown, seed);
@@ -956,7 +1038,11 @@ fn an_alias_on_one_side_and_a_real_cache_on_the_other_is_unverified() {
             let layer = if consumer_alias && layer == 2 { 1 } else { layer };
             consumer.corrupt(layer, head, token, byte);
             let payload = payload_of(&producer.workers, &producer.blocks, true);
-            assert_verdict(&judge(&consumer.workers, &consumer.blocks, &payload, &no_setup), MISMATCH, seed);
+            assert_verdict(
+                &judge(&consumer.workers, &consumer.blocks, &payload, &no_setup),
+                MISMATCH,
+                seed,
+            );
         }
     }
 }
@@ -1004,11 +1090,23 @@ fn a_producer_block_size_the_payload_contradicts_is_unverified_block_size_unknow
         let set = |v: &CVerifier| v.producer_block_size(0, producer_size);
         assert_verdict(&judge(&consumer.workers, &consumer.blocks, &plain, &set), MATCH, seed);
         let extended = payload_of(&producer.workers, &producer.blocks, true);
-        assert_verdict(&judge(&consumer.workers, &consumer.blocks, &extended, &no_setup), MATCH, seed);
+        assert_verdict(
+            &judge(&consumer.workers, &consumer.blocks, &extended, &no_setup),
+            MATCH,
+            seed,
+        );
         let (layer, head, token, byte) = random_cell(&mut rng, &kv);
         consumer.corrupt(layer, head, token, byte);
-        assert_verdict(&judge(&consumer.workers, &consumer.blocks, &plain, &set), MISMATCH, seed);
-        assert_verdict(&judge(&consumer.workers, &consumer.blocks, &extended, &no_setup), MISMATCH, seed);
+        assert_verdict(
+            &judge(&consumer.workers, &consumer.blocks, &plain, &set),
+            MISMATCH,
+            seed,
+        );
+        assert_verdict(
+            &judge(&consumer.workers, &consumer.blocks, &extended, &no_setup),
+            MISMATCH,
+            seed,
+        );
         let report = judge(&consumer.workers, &consumer.blocks, &plain, &no_setup);
         assert_verdict(&report, UNVERIFIED, seed);
     }
@@ -1108,17 +1206,17 @@ fn a_group_no_worker_registered_a_layer_of_is_unverified_nothing_read() {
 
     // Offload: stored buffers for both groups, one without layers.
     for only_empty in [false, true] {
-        let side = side(&mut rng, false);
+        let offload = side(&mut rng, false);
         let table1 = GroupTable {
             group_id: 1,
             first_position: 0,
             block_ids: (0..positions_for(num_tokens, 16, 0, 0) as u32).collect(),
         };
-        let positions = side.table.block_ids.len();
+        let positions = offload.table.block_ids.len();
         let hashes = random_hashes(&mut rng, positions);
         let hashes1 = random_hashes(&mut rng, positions);
         let mut memories = Vec::new();
-        for worker in &side.workers {
+        for worker in &offload.workers {
             for group_id in [0u32, 1] {
                 let memory = StoredMemory::random(&mut rng, positions + 2);
                 worker.region(memory.address(), memory.bytes()).unwrap();
@@ -1129,12 +1227,12 @@ fn a_group_no_worker_registered_a_layer_of_is_unverified_nothing_read() {
         let blocks = if only_empty {
             hashed_blocks(num_tokens, &[(&table1, &hashes1)])
         } else {
-            hashed_blocks(num_tokens, &[(&side.table, &hashes), (&table1, &hashes1)])
+            hashed_blocks(num_tokens, &[(&offload.table, &hashes), (&table1, &hashes1)])
         };
-        for worker in &side.workers {
+        for worker in &offload.workers {
             drop(worker.store(&blocks).expect("store"));
         }
-        let (_, records) = load_check(&side.workers, &blocks, 1);
+        let (_, records) = load_check(&offload.workers, &blocks, 1);
         let report = judge_stored(tp_size, &blocks, &records);
         assert_unverified(&report, KVCS_UNVERIFIED_NOTHING_READ, 1, &nothing_read, seed);
     }

@@ -256,7 +256,9 @@ impl CBlocks {
     pub fn of(requests: &[TestRequest]) -> CBlocks {
         let blocks = CBlocks::new();
         for request in requests {
-            blocks.request(&request.req_id, request.num_tokens).expect("add_request");
+            blocks
+                .request(&request.req_id, request.num_tokens)
+                .expect("add_request");
             for table in &request.tables {
                 blocks.table(&request.req_id, table).expect("add_group");
             }
@@ -350,7 +352,12 @@ impl CResult {
         let (_, positions, _) = self.group(req_id, group_id)?;
         let c_req = CString::new(req_id).expect("no NUL");
         let mut outcomes = vec![0xEEu8; positions];
-        check(kvcs_result_stored(self.0, c_req.as_ptr(), group_id, outcomes.as_mut_ptr()))?;
+        check(kvcs_result_stored(
+            self.0,
+            c_req.as_ptr(),
+            group_id,
+            outcomes.as_mut_ptr(),
+        ))?;
         Ok(outcomes)
     }
 
@@ -393,7 +400,12 @@ impl Drop for CVerifier {
 impl CVerifier {
     pub fn new(num_workers: u32) -> CVerifier {
         let mut handle = null_mut();
-        assert_eq!(kvcs_verifier_create(num_workers, &mut handle), KVCS_OK, "{}", last_error());
+        assert_eq!(
+            kvcs_verifier_create(num_workers, &mut handle),
+            KVCS_OK,
+            "{}",
+            last_error()
+        );
         CVerifier(handle)
     }
 
@@ -413,7 +425,12 @@ impl CVerifier {
     }
 
     pub fn expect(&self, blocks: &CBlocks, role: u32) {
-        assert_eq!(kvcs_verifier_expect(self.0, blocks.0, role), KVCS_OK, "{}", last_error());
+        assert_eq!(
+            kvcs_verifier_expect(self.0, blocks.0, role),
+            KVCS_OK,
+            "{}",
+            last_error()
+        );
     }
 
     pub fn add(&self, record: &[u8]) -> Result<(), Failure> {
@@ -429,7 +446,13 @@ impl CVerifier {
             status => return Err((status, last_error())),
         }
         let mut bytes = vec![0u8; len];
-        check(kvcs_verifier_payload(self.0, c_req.as_ptr(), bytes.as_mut_ptr(), len, &mut len))?;
+        check(kvcs_verifier_payload(
+            self.0,
+            c_req.as_ptr(),
+            bytes.as_mut_ptr(),
+            len,
+            &mut len,
+        ))?;
         Ok(bytes)
     }
 

@@ -497,7 +497,11 @@ impl Case {
                 base[1].groups[g].block_size = base[0].groups[g].block_size;
             }
         }
-        let flow = if offload { Flow::Offload } else { Flow::Payload(informed) };
+        let flow = if offload {
+            Flow::Offload
+        } else {
+            Flow::Payload(informed)
+        };
         loop {
             let kind = *rng.pick(&KINDS);
             let mut changed = base.clone();
@@ -531,7 +535,9 @@ impl Case {
                         a.kv.layer_numbers(),
                         s.total_kv_heads,
                         s.cell_bytes(),
-                        a.shared.map(|(l, t)| format!(", layer {l} shares layer {t}'s KV")).unwrap_or_default()
+                        a.shared
+                            .map(|(l, t)| format!(", layer {l} shares layer {t}'s KV"))
+                            .unwrap_or_default()
                     );
                 }
                 GroupModel::State(state) => {
@@ -556,7 +562,11 @@ impl Case {
                             if g.registered { "" } else { " unregistered" },
                             if g.no_layers { " no layers" } else { "" },
                             g.skip.map(|s| format!(" skipped by {s:?}")).unwrap_or_default(),
-                            if g.edits.is_empty() { String::new() } else { format!(" {:?}", g.edits) },
+                            if g.edits.is_empty() {
+                                String::new()
+                            } else {
+                                format!(" {:?}", g.edits)
+                            },
                         )
                     })
                     .collect();
@@ -596,7 +606,14 @@ fn workers(rng: &mut Rng, of: &[usize]) -> Workers {
 
 /// Applies a change of `kind` to side `side` of `pair`; `None` when it does
 /// not apply to this model, flow and pair.
-fn apply(rng: &mut Rng, model: &Model, flow: Flow, pair: &mut [SideConfig; 2], side: usize, kind: Kind) -> Option<String> {
+fn apply(
+    rng: &mut Rng,
+    model: &Model,
+    flow: Flow,
+    pair: &mut [SideConfig; 2],
+    side: usize,
+    kind: Kind,
+) -> Option<String> {
     let offload = flow == Flow::Offload;
     let attention = model.attention_groups();
     let heads = model.heads();
@@ -631,7 +648,9 @@ fn apply(rng: &mut Rng, model: &Model, flow: Flow, pair: &mut [SideConfig; 2], s
             let a = rng.below(tp as u64) as usize;
             let b = (a + 1 + rng.below(tp as u64 - 1) as usize) % tp as usize;
             config.rank_labels.swap(a, b);
-            Some(format!("the workers of TP ranks {a} and {b} are created with each other's tp_rank"))
+            Some(format!(
+                "the workers of TP ranks {a} and {b} are created with each other's tp_rank"
+            ))
         }
         Kind::RankDup if tp >= 2 => {
             let a = rng.below(tp as u64) as usize;
@@ -645,14 +664,18 @@ fn apply(rng: &mut Rng, model: &Model, flow: Flow, pair: &mut [SideConfig; 2], s
                 perm.rotate_left(1);
             }
             config.head_ranks = perm.clone();
-            Some(format!("TP index i holds the attention heads of rank {perm:?}[i] (consistently)"))
+            Some(format!(
+                "TP index i holds the attention heads of rank {perm:?}[i] (consistently)"
+            ))
         }
         Kind::HeadNarrow if tp < heads => {
             let g = *rng.pick(&attention);
             let layer = pick_real_layer(rng, model, config, g)?;
             let worker = *rng.pick(&config.workers_holding(model, g, layer));
             config.groups[g].edits.push(LayerEdit::Narrow { layer, worker });
-            Some(format!("worker {worker} registers layer {layer} of group {g} without its last head"))
+            Some(format!(
+                "worker {worker} registers layer {layer} of group {g} without its last head"
+            ))
         }
         Kind::HeadSplit if tp < heads => {
             let g = *rng.pick(&attention);
@@ -660,7 +683,9 @@ fn apply(rng: &mut Rng, model: &Model, flow: Flow, pair: &mut [SideConfig; 2], s
             let holding = config.workers_holding(model, g, layer);
             let workers = workers(rng, &holding);
             config.groups[g].edits.push(LayerEdit::Split { layer, workers });
-            Some(format!("layer {layer} of group {g} registered as two head ranges on {workers:?}"))
+            Some(format!(
+                "layer {layer} of group {g} registered as two head ranges on {workers:?}"
+            ))
         }
         Kind::ReplicaIndex if tp > heads => {
             let g = *rng.pick(&attention);
@@ -673,7 +698,9 @@ fn apply(rng: &mut Rng, model: &Model, flow: Flow, pair: &mut [SideConfig; 2], s
                 replica_index: to,
             };
             config.groups[g].edits.push(LayerEdit::Replica { worker, key });
-            Some(format!("worker {worker} declares replica index {to} of {replicas} in group {g}"))
+            Some(format!(
+                "worker {worker} declares replica index {to} of {replicas} in group {g}"
+            ))
         }
         Kind::ReplicaCount => {
             let g = *rng.pick(&attention);
@@ -698,7 +725,9 @@ fn apply(rng: &mut Rng, model: &Model, flow: Flow, pair: &mut [SideConfig; 2], s
             let holding = config.workers_holding(model, g, layer);
             let workers = workers(rng, &holding);
             config.groups[g].edits.push(LayerEdit::Identity { layer, workers });
-            Some(format!("layer {layer} of group {g} under another identity on {workers:?}"))
+            Some(format!(
+                "layer {layer} of group {g} under another identity on {workers:?}"
+            ))
         }
         Kind::AliasFlip => {
             let GroupModel::Attention(a) = &model.groups[0] else {
@@ -709,7 +738,11 @@ fn apply(rng: &mut Rng, model: &Model, flow: Flow, pair: &mut [SideConfig; 2], s
             group.alias = !group.alias;
             Some(format!(
                 "the shared layer {}",
-                if group.alias { "is an alias" } else { "has a cache of its own" }
+                if group.alias {
+                    "is an alias"
+                } else {
+                    "has a cache of its own"
+                }
             ))
         }
         Kind::AliasExtra => {
@@ -797,7 +830,9 @@ fn apply(rng: &mut Rng, model: &Model, flow: Flow, pair: &mut [SideConfig; 2], s
             let group = *rng.pick(&attention);
             let worker = *rng.pick(&all_workers);
             config.stored_edit = Some(StoredEdit::OverCache { group, worker });
-            Some(format!("worker {worker}'s stored buffer of group {group} lies over its KV"))
+            Some(format!(
+                "worker {worker}'s stored buffer of group {group} lies over its KV"
+            ))
         }
         Kind::StoredShared if offload && model.groups.len() >= 2 => {
             let worker = *rng.pick(&all_workers);
@@ -808,7 +843,9 @@ fn apply(rng: &mut Rng, model: &Model, flow: Flow, pair: &mut [SideConfig; 2], s
             let group = *rng.pick(&all_groups);
             let worker = *rng.pick(&all_workers);
             config.stored_edit = Some(StoredEdit::TooSmall { group, worker });
-            Some(format!("worker {worker}'s stored buffer of group {group} holds too few blocks"))
+            Some(format!(
+                "worker {worker}'s stored buffer of group {group} holds too few blocks"
+            ))
         }
         _ => None,
     }
@@ -880,7 +917,9 @@ fn block_set(model: &Model, config: &SideConfig, tables: &[Option<GroupTable>], 
         }
         blocks.table(REQ, table).expect("add_group");
         let hashes = model.hashes(g, config.groups[g].block_size, table.block_ids.len());
-        blocks.hashes(REQ, table.group_id, &hashes, HASH_BYTES).expect("set_hashes");
+        blocks
+            .hashes(REQ, table.group_id, &hashes, HASH_BYTES)
+            .expect("set_hashes");
     }
     blocks
 }
@@ -901,7 +940,7 @@ fn deploy(rng: &mut Rng, model: &Model, config: &SideConfig) -> Result<Deployed,
             GroupModel::State(_) => (vec![rng.below(4) as u32], 4),
         };
         num_blocks.push(blocks);
-        tables.push(group.registered.then(|| GroupTable {
+        tables.push(group.registered.then_some(GroupTable {
             group_id: group.id,
             first_position: 0,
             block_ids: table,
@@ -954,7 +993,10 @@ fn deploy_worker(
         let Some(table) = &tables[g] else { continue };
         worker.handle.group(group.id, group.block_size).map_err(reg)?;
         if group.skip.is_some_and(|s| s.has(w)) {
-            worker.handle.skip(group.id, "property test: this worker cannot checksum it").map_err(reg)?;
+            worker
+                .handle
+                .skip(group.id, "property test: this worker cannot checksum it")
+                .map_err(reg)?;
             continue;
         }
         if !group.no_layers {
@@ -964,7 +1006,8 @@ fn deploy_worker(
                         .map_err(reg)?
                 }
                 GroupModel::State(state) => {
-                    register_state(rng, config, &mut worker, g, state, table, num_blocks[g], pp_rank, t, w).map_err(reg)?
+                    register_state(rng, config, &mut worker, g, state, table, num_blocks[g], pp_rank, t, w)
+                        .map_err(reg)?
                 }
             }
         }
@@ -989,7 +1032,13 @@ fn register_attention(
     w: usize,
 ) -> Result<(), Failure> {
     let group = &config.groups[g];
-    let held = shard(&a.kv, config.head_ranks[t as usize], config.tp_size, pp_rank, config.pp_size);
+    let held = shard(
+        &a.kv,
+        config.head_ranks[t as usize],
+        config.tp_size,
+        pp_rank,
+        config.pp_size,
+    );
     let edits = &group.edits;
     let dropped = |layer: u32| {
         edits
@@ -1076,8 +1125,15 @@ fn register_attention(
             };
             let extra = LogicalKv::random(rng, shape);
             let extra_shard = shard(&extra, config.head_ranks[t as usize], config.tp_size, 0, 1);
-            let mut placement =
-                Placement::for_shard(rng, &extra, &extra_shard, group.kind, group.id, group.block_size, num_blocks);
+            let mut placement = Placement::for_shard(
+                rng,
+                &extra,
+                &extra_shard,
+                group.kind,
+                group.id,
+                group.block_size,
+                num_blocks,
+            );
             placement.write_request(&extra, 0, &table.block_ids);
             worker.handle.placement(&placement, &identity)?;
             worker.targets.push(ReadTarget::Attention {
@@ -1217,12 +1273,21 @@ fn register_stored(
 /// replica-0 copy where `first_copy`, as a producer sends only those); or,
 /// with `stored_values`, sometimes one byte of a stored value a load check
 /// reads. `None` when the side reads nothing.
-fn corrupt(rng: &mut Rng, model: &Model, config: &SideConfig, side: &mut Deployed, first_copy: bool, stored_values: bool) -> Option<String> {
+fn corrupt(
+    rng: &mut Rng,
+    model: &Model,
+    config: &SideConfig,
+    side: &mut Deployed,
+    first_copy: bool,
+    stored_values: bool,
+) -> Option<String> {
     let mut choices = Vec::new();
     for (w, worker) in side.workers.iter().enumerate() {
         for (i, target) in worker.targets.iter().enumerate() {
             let (group, replica_index) = match target {
-                ReadTarget::Attention { group, replica_index, .. } => (*group, *replica_index),
+                ReadTarget::Attention {
+                    group, replica_index, ..
+                } => (*group, *replica_index),
                 ReadTarget::State { group, .. } => (*group, 0),
             };
             let scheduled = config.groups[group].unscheduled_on != Some(w);
@@ -1250,7 +1315,9 @@ fn corrupt(rng: &mut Rng, model: &Model, config: &SideConfig, side: &mut Deploye
             let position = rng.below(positions as u64) as usize;
             let block = table.block_ids[position] as usize;
             memory.words[block * STORED_WORDS] ^= (mask as u64) << (8 * rng.below(8));
-            return Some(format!("worker {w}: the stored value of group {group} position {position}"));
+            return Some(format!(
+                "worker {w}: the stored value of group {group} position {position}"
+            ));
         }
     }
     let worker = &mut side.workers[w];
@@ -1269,7 +1336,9 @@ fn corrupt(rng: &mut Rng, model: &Model, config: &SideConfig, side: &mut Deploye
             let placement = &mut worker.placements[placement];
             let byte = rng.below(placement.spec().k_bytes as u64 + placement.spec().v_bytes as u64) as u32;
             placement.xor_byte(layer, head, block_id, (token % block_size) as u32, byte, mask);
-            Some(format!("worker {w}: group {group} layer {layer} head {head} token {token} byte {byte}"))
+            Some(format!(
+                "worker {w}: group {group} layer {layer} head {head} token {token} byte {byte}"
+            ))
         }
         ReadTarget::State { caches, spec, .. } => {
             let caches = &mut worker.states[caches];
@@ -1285,9 +1354,12 @@ fn corrupt(rng: &mut Rng, model: &Model, config: &SideConfig, side: &mut Deploye
             let offset = (address - words.as_ptr() as i64) as usize;
             // SAFETY: the offset is a byte of a row of the request's state
             // block, inside the buffer, which is read as bytes.
-            let bytes: &mut [u8] = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast(), words.len() * 8) };
+            let bytes: &mut [u8] =
+                unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast(), words.len() * 8) };
             bytes[offset] ^= mask;
-            Some(format!("worker {w}: state layer {layer} tensor {tensor} row {row} byte {byte}"))
+            Some(format!(
+                "worker {w}: state layer {layer} tensor {tensor} row {row} byte {byte}"
+            ))
         }
     }
 }
@@ -1301,7 +1373,11 @@ pub enum Outcome {
     /// The consumer's report: verdict, first reason, message.
     Report { verdict: u32, reason: u32, message: String },
     /// A call failed: where, its status and message.
-    Refused { at: &'static str, status: kvcs_status, message: String },
+    Refused {
+        at: &'static str,
+        status: kvcs_status,
+        message: String,
+    },
 }
 
 impl Outcome {
@@ -1327,7 +1403,10 @@ impl Outcome {
             Outcome::Report { verdict, reason, .. } => match *verdict {
                 MATCH => "MATCH".to_owned(),
                 MISMATCH => "MISMATCH".to_owned(),
-                _ => format!("UNVERIFIED {}", reason_name(*reason).trim_start_matches("KVCS_UNVERIFIED_")),
+                _ => format!(
+                    "UNVERIFIED {}",
+                    reason_name(*reason).trim_start_matches("KVCS_UNVERIFIED_")
+                ),
             },
             Outcome::Refused { at, status, .. } => {
                 format!("refused: {at} {}", status_name(*status).trim_start_matches("KVCS_ERR_"))
@@ -1349,7 +1428,11 @@ fn records(side: &Deployed, config: &SideConfig, role: u32, at: &'static str) ->
         .iter()
         .enumerate()
         .map(|(w, worker)| {
-            let role = if config.flipped_roles.is_some_and(|f| f.has(w)) { other } else { role };
+            let role = if config.flipped_roles.is_some_and(|f| f.has(w)) {
+                other
+            } else {
+                role
+            };
             let result = match config.call {
                 Call::Checksum => worker.handle.checksum(&worker.blocks, role),
                 Call::Store => worker.handle.store(&worker.blocks),
@@ -1371,7 +1454,9 @@ fn run_payload(informed: Informed, configs: &[SideConfig; 2], sides: &[Deployed;
         verifier.extension(informed == Informed::Extension);
         verifier.expect(&producer.scheduled, PRODUCER);
         for record in &producer_records {
-            verifier.add(record).map_err(|f| Outcome::refused("producer add_record", f))?;
+            verifier
+                .add(record)
+                .map_err(|f| Outcome::refused("producer add_record", f))?;
         }
         let payload = verifier.payload(REQ).ok();
         let consumer_records = records(consumer, consumer_config, CONSUMER, "consumer checksum")?;
@@ -1384,7 +1469,9 @@ fn run_payload(informed: Informed, configs: &[SideConfig; 2], sides: &[Deployed;
         }
         verifier.expect(&consumer.scheduled, CONSUMER);
         for record in &consumer_records {
-            verifier.add(record).map_err(|f| Outcome::refused("consumer add_record", f))?;
+            verifier
+                .add(record)
+                .map_err(|f| Outcome::refused("consumer add_record", f))?;
         }
         let report = match &payload {
             Some(payload) => verifier.check(REQ, payload),
@@ -1402,12 +1489,21 @@ fn run_payload(informed: Informed, configs: &[SideConfig; 2], sides: &[Deployed;
 fn store_and_copy(sides: &mut [Deployed; 2]) -> Result<(), Outcome> {
     let [storing, loading] = sides;
     for worker in &storing.workers {
-        drop(worker.handle.store(&worker.blocks).map_err(|f| Outcome::refused("store", f))?);
+        drop(
+            worker
+                .handle
+                .store(&worker.blocks)
+                .map_err(|f| Outcome::refused("store", f))?,
+        );
     }
     for (from, to) in storing.workers.iter().zip(loading.workers.iter_mut()) {
         for (g, (source, target)) in from.stored.iter().zip(to.stored.iter_mut()).enumerate() {
-            let (Some(source), Some(target)) = (source, target.as_mut()) else { continue };
-            let (Some(from_table), Some(to_table)) = (&storing.tables[g], &loading.tables[g]) else { continue };
+            let (Some(source), Some(target)) = (source, target.as_mut()) else {
+                continue;
+            };
+            let (Some(from_table), Some(to_table)) = (&storing.tables[g], &loading.tables[g]) else {
+                continue;
+            };
             for (&a, &b) in from_table.block_ids.iter().zip(&to_table.block_ids) {
                 if (a as u64) < source.num_blocks() && (b as u64) < target.num_blocks() {
                     target.set_entry(b, source.entry(a));
@@ -1432,7 +1528,9 @@ fn load_check(loading: &Deployed, config: &SideConfig) -> Outcome {
         let verifier = CVerifier::new(config.num_workers());
         verifier.expect(&loading.scheduled, CONSUMER);
         for record in &records {
-            verifier.add(record).map_err(|f| Outcome::refused("consumer add_record", f))?;
+            verifier
+                .add(record)
+                .map_err(|f| Outcome::refused("consumer add_record", f))?;
         }
         let report = verifier
             .check_stored(REQ)
@@ -1547,7 +1645,11 @@ impl CaseResult {
             _ => {}
         }
         if self.changed.intact.is(MISMATCH) {
-            say("a configuration change with intact KV must never be MISMATCH", &self.changed.intact, None);
+            say(
+                "a configuration change with intact KV must never be MISMATCH",
+                &self.changed.intact,
+                None,
+            );
         }
         if let Some((what, outcome)) = &self.changed.corrupted {
             if outcome.is(MATCH) {
@@ -1622,7 +1724,12 @@ impl Tally {
                 .map(|((_, label), count)| (label, count))
                 .collect();
             let total: u64 = rows.iter().map(|(_, c)| **c).sum();
-            let count = |prefix: &str| -> u64 { rows.iter().filter(|(l, _)| l.starts_with(prefix)).map(|(_, c)| **c).sum() };
+            let count = |prefix: &str| -> u64 {
+                rows.iter()
+                    .filter(|(l, _)| l.starts_with(prefix))
+                    .map(|(_, c)| **c)
+                    .sum()
+            };
             let _ = writeln!(
                 out,
                 "{name}: {total} runs: MATCH {}, MISMATCH {}, UNVERIFIED {}, refused {}",
@@ -1648,7 +1755,13 @@ impl Tally {
                     .collect();
                 parts.join(", ")
             };
-            let _ = writeln!(out, "  {:<26} {cases:>5} cases: {} | {}", kind.name(), summary(2), summary(3));
+            let _ = writeln!(
+                out,
+                "  {:<26} {cases:>5} cases: {} | {}",
+                kind.name(),
+                summary(2),
+                summary(3)
+            );
         }
         out
     }
