@@ -759,7 +759,12 @@ fn apply(
                 group.split_known = !group.split_known;
                 Some(format!("split_known {} on every worker", group.split_known as u32))
             } else {
-                let worker = *rng.pick(&all_workers);
+                let holding: Vec<usize> = model
+                    .layers(g)
+                    .into_iter()
+                    .flat_map(|layer| config.workers_holding(model, g, layer))
+                    .collect();
+                let worker = *rng.pick(&holding);
                 config.groups[g].edits.push(LayerEdit::SplitKnown { worker });
                 Some(format!("split_known flipped on worker {worker}"))
             }
@@ -828,7 +833,8 @@ fn apply(
         }
         Kind::StoredOverCache if offload => {
             let group = *rng.pick(&attention);
-            let worker = *rng.pick(&all_workers);
+            let layer = *rng.pick(&model.layers(group));
+            let worker = *rng.pick(&config.workers_holding(model, group, layer));
             config.stored_edit = Some(StoredEdit::OverCache { group, worker });
             Some(format!(
                 "worker {worker}'s stored buffer of group {group} lies over its KV"
@@ -1100,8 +1106,16 @@ fn register_attention(
         }
         let stage = &held.layer_numbers;
         if let Some((layer, target)) = a.shared.filter(|_| group.alias) {
-            if stage.contains(&target) && !dropped(target) {
-                worker.handle.alias(group.id, layer, target, &identity(layer))?;
+            if stage.contains(&target) && !dropped(target) && !dropped(layer) {
+                let renamed = edits
+                    .iter()
+                    .any(|e| matches!(e, LayerEdit::Identity { layer: l, workers } if *l == layer && workers.has(w)));
+                let alias_identity = if renamed {
+                    other_identity(layer)
+                } else {
+                    identity(layer)
+                };
+                worker.handle.alias(group.id, layer, target, &alias_identity)?;
             }
         }
         for edit in edits {
