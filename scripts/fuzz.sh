@@ -3,7 +3,10 @@
 # bytes (targets record and payload) and on generated records and payloads
 # with large declared lengths and many elements (target shapes), each for a
 # bounded time, and fails on any crash, hang, oversized allocation or
-# decoder error that is not Malformed (the targets assert that).
+# decoder error that is not Malformed (the targets assert that). Target
+# verdicts seeds the generator of tests/verdict_property.rs (issue 18's
+# rule: a configuration change never gives MISMATCH, corrupted KV that is
+# read never MATCH) with its input and fails on any violation.
 #
 #   scripts/fuzz.sh [SECONDS_PER_TARGET]      (default 60)
 #
@@ -35,7 +38,7 @@ fi
 # catch reserving by declared length, and the timeout quadratic validation.
 limits=(-max_total_time="$seconds" -timeout=10 -max_len=65536 -malloc_limit_mb=256 -rss_limit_mb=1024 -print_final_stats=1)
 
-for target in record payload shapes; do
+for target in record payload shapes verdicts; do
     mkdir -p "fuzz/corpus/$target"
     cp -n fuzz/seeds/"$target"/* "fuzz/corpus/$target/" 2>/dev/null || true
     echo "== fuzzing $target for ${seconds}s (sanitizer: $sanitizer)"
