@@ -237,6 +237,10 @@ enum kvcs_unverified_reason
   // No worker of one side registered any cache of a group, so nothing of
   // it was read (a group with no layers).
   KVCS_UNVERIFIED_NOTHING_READ = 15,
+  // The producer's extension says it checksummed other layers or heads
+  // than a replica check of the consumer covers (a head left out, a
+  // replica declared wrongly, on either side): a registration differs.
+  KVCS_UNVERIFIED_COVERAGE_DIFFERS = 16,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

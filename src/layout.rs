@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use crate::checksum::{MAX_KV_HEADS_PER_LAYER, PIECE_BYTES};
+use crate::checksum::{mix, slice_weight, MAX_KV_HEADS_PER_LAYER, PIECE_BYTES};
 use crate::error::{err, Result};
 use crate::state::{tensor_bytes, StateLayer, StateSpec};
 
@@ -188,6 +188,17 @@ pub struct Group {
     columns: [Arc<[ReplicaKey]>; 2],
     /// The smallest block count of the layers' caches.
     num_blocks: u32,
+    /// Per replica key, the coverage of its slices ([`coverage_of`]).
+    coverage: BTreeMap<ReplicaKey, u64>,
+}
+
+/// The coverage of slices `heads` of layer `layer_number` (SPEC section 10):
+/// the sum of `mix(m)` over their slice weights `m`, which no set of other
+/// slices is likely to give (a slice left out or counted twice changes it).
+pub fn coverage_of(layer_number: u32, heads: std::ops::Range<u64>) -> u64 {
+    heads.fold(0u64, |sum, head| {
+        sum.wrapping_add(mix(slice_weight(layer_number, head as u32)))
+    })
 }
 
 impl Group {
@@ -202,12 +213,17 @@ impl Group {
             stored: None,
             columns: [Arc::from([]), Arc::from([])],
             num_blocks: u32::MAX,
+            coverage: BTreeMap::new(),
         }
     }
 
     /// Adds a checked layer and updates what follows from the layers.
     fn push(&mut self, layer: Layer) {
         self.num_blocks = self.num_blocks.min(layer.spec.num_blocks);
+        let first = layer.spec.first_head as u64;
+        let covered = coverage_of(layer.spec.layer_number, first..first + layer.spec.num_heads as u64);
+        let entry = self.coverage.entry(layer.spec.replica).or_insert(0);
+        *entry = entry.wrapping_add(covered);
         for (columns, role) in self.columns.iter_mut().zip([Role::Producer, Role::Consumer]) {
             let key = layer.spec.replica;
             if key.computed_in(role) {
@@ -234,7 +250,30 @@ impl Group {
             replica_index: 0,
         };
         self.columns = [Arc::from([key]), Arc::from([key])];
+        let layer_number = state.spec.layer_number;
+        let covered = if state.spec.split_known {
+            state
+                .spec
+                .tensors
+                .iter()
+                .zip(&state.head_bases)
+                .fold(0u64, |sum, (tensor, &base)| {
+                    let base = base as u64;
+                    sum.wrapping_add(coverage_of(layer_number, base..base + tensor.num_rows as u64))
+                })
+        } else {
+            let head = state.shard_head as u64;
+            coverage_of(layer_number, head..head + 1)
+        };
+        let entry = self.coverage.entry(key).or_insert(0);
+        *entry = entry.wrapping_add(covered);
         self.states.push(state);
+    }
+
+    /// Per replica key, the coverage of the group's slices held here
+    /// ([`coverage_of`] summed over its layers' heads), sorted by key.
+    pub fn coverage(&self) -> Vec<(ReplicaKey, u64)> {
+        self.coverage.iter().map(|(&key, &value)| (key, value)).collect()
     }
 
     /// Registered state layers, in registration order.

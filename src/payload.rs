@@ -17,7 +17,7 @@
 //!
 //! ```text
 //! [2, producer_tp_size,
-//!  [[group_id, block_size, [[layer_number, first_head, num_heads, values], ...]], ...],
+//!  [[group_id, block_size, [[layer_number, first_head, num_heads, values], ...], coverage], ...],
 //!  algorithm]
 //! ```
 //!
@@ -25,9 +25,12 @@
 //! are comparable only between equal TP sizes), per group its block size
 //! (so positions of different block sizes can be lined up) and, in detail
 //! mode, per-layer partial checksums (so a mismatch names layers), and the
-//! algorithm of every value (SPEC section 12: 1 weighted, 2 mixed). Version
-//! 1 of the extension had no `algorithm` (3 elements) and means weighted,
-//! as does a payload without extension.
+//! algorithm of every value (SPEC section 12: 1 weighted, 2 mixed), and per
+//! group the coverage of the slices the producer checksummed (SPEC section
+//! 10: a consumer that checksummed other layers or heads is unverified, not
+//! a mismatch). Version 1 of the extension had no `algorithm` (3 elements)
+//! and no coverage (groups of 3 elements) and means weighted, as does a
+//! payload without extension.
 //!
 //! [`Payload::decode`] accepts any valid msgpack of these shapes (integers in
 //! any width) and rejects everything else with `Error::Malformed` and a
@@ -87,6 +90,9 @@ pub struct ExtensionGroup {
     /// Detail mode: layer partials, sorted by (layer, first head), not
     /// overlapping; empty otherwise.
     pub layers: Vec<LayerPartial>,
+    /// The coverage of the slices the producer checksummed (SPEC section
+    /// 10); `None` in an extension of version 1, which has none.
+    pub coverage: Option<u64>,
 }
 
 /// The optional fourth element of a payload (kvcsum to kvcsum).
@@ -132,7 +138,7 @@ impl Payload {
             w.uint(extension.producer_tp_size as u64);
             w.array(extension.groups.len());
             for group in &extension.groups {
-                w.array(3);
+                w.array(4);
                 w.uint(group.group_id as u64);
                 w.uint(group.block_size as u64);
                 w.array(group.layers.len());
@@ -143,6 +149,7 @@ impl Payload {
                     w.uint(layer.num_heads as u64);
                     w.u64s(&layer.values);
                 }
+                w.uint(group.coverage.unwrap_or(0));
             }
             w.uint(extension.algorithm.code().into());
         }
@@ -296,7 +303,8 @@ fn decode_extension(r: &mut Reader<'_>) -> Result<Extension> {
     let len = r.array("the extension")?;
     let at_version = r.position();
     let version = r.uint("extension version")?;
-    // Version 1: 3 elements, weighted; version 2: 4, the algorithm last.
+    // Version 1: 3 elements, weighted, groups of 3; version 2: 4, the
+    // algorithm last, groups of 4 (the coverage last).
     let expected_len = match version {
         1 => 3,
         EXTENSION_VERSION => 4,
@@ -317,7 +325,7 @@ fn decode_extension(r: &mut Reader<'_>) -> Result<Extension> {
     let num_groups = r.array("extension groups")?;
     let mut groups = Vec::with_capacity(initial_capacity(num_groups));
     for _ in 0..num_groups {
-        r.array_of("an extension group", 3)?;
+        r.array_of("an extension group", if version == 1 { 3 } else { 4 })?;
         let group_id = r.u32("group_id")?;
         let block_size = r.u32("block_size")?;
         let num_layers = r.array("layers")?;
@@ -332,10 +340,12 @@ fn decode_extension(r: &mut Reader<'_>) -> Result<Extension> {
                 values: r.u64s("layer values")?,
             });
         }
+        let coverage = if version == 1 { None } else { Some(r.uint("coverage")?) };
         groups.push(ExtensionGroup {
             group_id,
             block_size,
             layers,
+            coverage,
         });
     }
     let algorithm = if version == 1 {

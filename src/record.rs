@@ -20,7 +20,8 @@
 //! ```text
 //! ["kvcsum.record", 3,
 //!  [tp_rank, tp_size, pp_rank], role (0 producer, 1 consumer), detail (bool),
-//!  [[group_id, block_size, fingerprint, shard_keyed (bool), holds_caches (bool), state (bool)], ...],   # sorted by group_id
+//!  [[group_id, block_size, fingerprint, shard_keyed (bool), holds_caches (bool), state (bool),
+//!    [[replicas, replica_index, coverage], ...]], ...],               # sorted by group_id; coverage by key
 //!  [[req_id (str), num_tokens,
 //!    [[group_id, first_position, num_positions,
 //!      [[replicas, replica_index, values], ...],                       # sorted by key
@@ -41,7 +42,8 @@
 //! checks compute in the consumer role, so only consumer records carry
 //! them. `holds_caches` says whether the worker registered any cache (layer
 //! or state layer) in the group: a group none holds was never read; `state`
-//! whether it is a state group (SPEC section 6). Version 1 had no `stored`
+//! whether it is a state group (SPEC section 6); `coverage` per replica key
+//! which slices the worker checksums (SPEC section 10). Version 1 had no `stored`
 //! element (groups of 5 elements); version 2 had no `algorithm` (7
 //! elements; its values were all weighted), no `holds_caches`, no `state`
 //! and no outcomes 3 and 4.
@@ -208,13 +210,20 @@ impl Record {
         w.bool(self.detail);
         w.array(self.groups.len());
         for group in &self.groups {
-            w.array(6);
+            w.array(7);
             w.uint(group.group_id as u64);
             w.uint(group.block_size as u64);
             w.uint(group.fingerprint);
             w.bool(group.shard_keyed);
             w.bool(group.holds_caches);
             w.bool(group.state);
+            w.array(group.coverage.len());
+            for (key, coverage) in &group.coverage {
+                w.array(3);
+                w.uint(key.replicas as u64);
+                w.uint(key.replica_index as u64);
+                w.uint(*coverage);
+            }
         }
         w.array(self.requests.len());
         for request in &self.requests {
@@ -303,14 +312,31 @@ impl Record {
         let num_groups = r.array("groups")?;
         let mut groups = Vec::with_capacity(initial_capacity(num_groups));
         for _ in 0..num_groups {
-            r.array_of("a group", 6)?;
+            r.array_of("a group", 7)?;
+            let group_id = r.u32("group_id")?;
+            let block_size = r.u32("block_size")?;
+            let fingerprint = r.uint("fingerprint")?;
+            let shard_keyed = r.bool("shard_keyed")?;
+            let holds_caches = r.bool("holds_caches")?;
+            let state = r.bool("state")?;
+            let num_keys = r.array("coverage")?;
+            let mut coverage = Vec::with_capacity(initial_capacity(num_keys));
+            for _ in 0..num_keys {
+                r.array_of("a coverage entry", 3)?;
+                let key = ReplicaKey {
+                    replicas: r.u32("replicas")?,
+                    replica_index: r.u32("replica_index")?,
+                };
+                coverage.push((key, r.uint("coverage")?));
+            }
             groups.push(GroupInfo {
-                group_id: r.u32("group_id")?,
-                block_size: r.u32("block_size")?,
-                fingerprint: r.uint("fingerprint")?,
-                shard_keyed: r.bool("shard_keyed")?,
-                holds_caches: r.bool("holds_caches")?,
-                state: r.bool("state")?,
+                group_id,
+                block_size,
+                fingerprint,
+                shard_keyed,
+                holds_caches,
+                state,
+                coverage,
             });
         }
         let num_requests = r.array("requests")?;
@@ -427,6 +453,18 @@ impl Record {
         }
         if let Some(group) = self.groups.iter().find(|g| g.block_size == 0) {
             return Err(err!(Malformed, "record: group {} has block_size 0", group.group_id));
+        }
+        for group in &self.groups {
+            let place = format!("group {} coverage", group.group_id);
+            for (key, _) in &group.coverage {
+                check_key(*key, &place)?;
+            }
+            if group.coverage.windows(2).any(|pair| pair[0].0 >= pair[1].0) {
+                return Err(err!(
+                    Malformed,
+                    "record: {place}: replica keys are out of order or repeated"
+                ));
+            }
         }
         let mut req_ids = HashSet::with_capacity(self.requests.len());
         let mut load_check: Option<(&str, u32, bool)> = None;

@@ -21,7 +21,7 @@ pub struct Rank {
 }
 
 /// What a worker knows about one of its registered groups.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GroupInfo {
     /// The group.
     pub group_id: u32,
@@ -39,6 +39,9 @@ pub struct GroupInfo {
     /// Whether the group is a state group (SPEC section 6): one block at
     /// position 0 that `num_tokens` does not limit.
     pub state: bool,
+    /// Per replica key held here, the coverage of its slices (SPEC section
+    /// 10), sorted by key: which layers and heads the worker checksums.
+    pub coverage: Vec<(ReplicaKey, u64)>,
 }
 
 /// The per-layer partial checksums of one layer entry of a worker (detail
@@ -423,11 +426,12 @@ pub struct StoredRef {
     pub algorithm: u32,
 }
 
-/// The stamp stored after each value (SPEC section 8): `fingerprint XOR
-/// algorithm`, so that a load check tells a change of configuration (other
-/// layers or identities, another algorithm) from corrupted data.
-pub fn config_stamp(fingerprint: u64, algorithm: u32) -> u64 {
-    fingerprint ^ algorithm as u64
+/// The stamp stored after each value (SPEC section 8): `(fingerprint +
+/// coverage) XOR algorithm`, so that a load check tells a change of
+/// configuration (other layers, identities or heads, another algorithm)
+/// from corrupted data.
+pub fn config_stamp(fingerprint: u64, coverage: u64, algorithm: u32) -> u64 {
+    fingerprint.wrapping_add(coverage) ^ algorithm as u64
 }
 
 /// What a stamp read back says when it is not the worker's `stamp`: another

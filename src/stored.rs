@@ -41,6 +41,9 @@ struct Target<'a> {
     fingerprint: u64,
     /// The worker's algorithm, which the stamp names.
     algorithm: Algorithm,
+    /// The coverage of every slice the worker holds in the group (all its
+    /// columns), which the stamp holds.
+    coverage: u64,
 }
 
 impl Target<'_> {
@@ -70,7 +73,7 @@ impl Target<'_> {
 
     /// The stamp of the worker's configuration for this group.
     fn stamp(&self) -> u64 {
-        config_stamp(self.fingerprint, self.algorithm.code())
+        config_stamp(self.fingerprint, self.coverage, self.algorithm.code())
     }
 
     /// What a load check expects at index `i`, whose value is the `index`-th read back.
@@ -158,6 +161,10 @@ fn targets<'a>(
                     .binary_search_by_key(&group_id, |info| info.group_id)
                     .map_or_else(|_| group_fingerprint(group), |i| infos[i].fingerprint),
                 algorithm,
+                coverage: group
+                    .coverage()
+                    .iter()
+                    .fold(0u64, |sum, (_, coverage)| sum.wrapping_add(*coverage)),
             };
             check_one_value_per_block(&target, &mut uses)?;
             targets.push(target);

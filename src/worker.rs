@@ -58,6 +58,7 @@ fn group_infos(layout: &Layout) -> Vec<GroupInfo> {
             shard_keyed: group.is_shard_keyed(),
             holds_caches: !group.layers().is_empty() || !group.states().is_empty(),
             state: group.is_state(),
+            coverage: group.coverage(),
         })
         .collect();
     infos.sort_by_key(|info| info.group_id);

@@ -167,13 +167,14 @@ impl TRecord {
         w.uint(self.role).bool(self.detail);
         w.array(self.groups.len());
         for &(id, block_size, fingerprint) in &self.groups {
-            w.array(6)
+            w.array(7)
                 .uint(id as u64)
                 .uint(block_size as u64)
                 .uint(fingerprint)
                 .bool(false)
                 .bool(true)
-                .bool(false);
+                .bool(false)
+                .array(0);
         }
         w.array(self.requests.len());
         for request in &self.requests {
@@ -783,13 +784,13 @@ fn records_declaring_huge_lengths_are_malformed_under_a_memory_limit() {
             // Its requests.
             let mut w = Mp::default();
             head(&mut w);
-            w.array(1).array(6).uint(0).bool(false);
+            w.array(1).array(7).uint(0).bool(false);
             prefixes.push(("requests", w.0));
             // A request's groups, a group's columns and layers, skipped groups.
             let mut w = Mp::default();
             head(&mut w);
             w.array(1)
-                .array(6)
+                .array(7)
                 .uint(0)
                 .bool(false)
                 .array(1)

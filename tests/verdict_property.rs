@@ -44,15 +44,26 @@ fn a_configuration_change_is_never_a_mismatch_and_corruption_never_a_match() {
     let mut tally = Tally::default();
     let mut violations = Vec::new();
     let mut by_kind: BTreeMap<(&str, &str), u64> = BTreeMap::new();
+    let mut blind_spots: BTreeMap<(&str, &str), u64> = BTreeMap::new();
     for index in indices {
         let result = run_case(seed, index);
         tally.add(&result);
+        if let Some(why) = result.blind_spot() {
+            *blind_spots.entry((why, result.case.kind.name())).or_default() += 1;
+        }
         for (rule, details) in result.violations() {
             *by_kind.entry((rule, result.case.kind.name())).or_default() += 1;
             violations.push(details);
         }
     }
     eprintln!("{}", tally.table(seed));
+    eprintln!(
+        "MISMATCH of intact KV where the SPEC states the limit (counted in the table, not violations): {}",
+        blind_spots.values().sum::<u64>()
+    );
+    for ((why, kind), count) in &blind_spots {
+        eprintln!("  {count:>6}  {why}: {kind}");
+    }
     eprintln!("violations: {}", violations.len());
     for ((rule, kind), count) in &by_kind {
         eprintln!("  {count:>6}  {rule}: {kind}");

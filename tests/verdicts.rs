@@ -928,6 +928,8 @@ fn state_split_known_on_one_side_only_is_unverified_fingerprint_differs() {
 /// TP size is unknown: UNVERIFIED, STATE_TP_DIFFERS.
 #[test]
 fn shard_keyed_state_of_an_unknown_producer_tp_size_is_unverified() {
+    // Plain payloads are vLLM's, WEIGHTED (a MIXED producer sends its TP size).
+    set_thread_algorithm(kvcsum::ffi::worker::kvcs_algorithm::KVCS_ALGORITHM_WEIGHTED as u32);
     let mut rng = Rng::for_test("shard_keyed_state_of_an_unknown_producer_tp_size_is_unverified");
     let seed = rng.seed();
     let num_tokens = rng.range(1..200);
@@ -1056,6 +1058,8 @@ fn an_alias_on_one_side_and_a_real_cache_on_the_other_is_unverified() {
 /// size: UNVERIFIED, BLOCK_SIZE_UNKNOWN.
 #[test]
 fn a_producer_block_size_the_payload_contradicts_is_unverified_block_size_unknown() {
+    // Plain payloads are vLLM's, WEIGHTED (a MIXED producer sends its block size).
+    set_thread_algorithm(kvcsum::ffi::worker::kvcs_algorithm::KVCS_ALGORITHM_WEIGHTED as u32);
     let mut rng = Rng::for_test("a_producer_block_size_the_payload_contradicts_is_unverified_block_size_unknown");
     let seed = rng.seed();
     for (producer_size, consumer_size) in [(16u32, 32u32), (32, 16), (8, 32), (32, 8)] {

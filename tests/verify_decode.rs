@@ -134,6 +134,10 @@ fn record_value() -> V {
             V::Bool(false),
             V::Bool(true),
             V::Bool(false),
+            V::A(vec![
+                V::A(vec![V::U(1), V::U(0), V::U(0x1234_5678)]),
+                V::A(vec![V::U(2), V::U(1), V::U(u64::MAX - 9)]),
+            ]),
         ])]),
         V::A(vec![V::A(vec![
             s("req-1"),
@@ -177,6 +181,7 @@ fn payload_value() -> V {
                     V::A(vec![V::U(0), V::U(0), V::U(4), values(&[1, 1, 1])]),
                     V::A(vec![V::U(0), V::U(4), V::U(4), values(&[6, 7, 8])]),
                 ]),
+                V::U(0x5eed_c0fe_0000_0001), // the producer's coverage
             ])]),
             V::U(2),
         ]),
@@ -197,10 +202,15 @@ fn malformed(result: kvcsum::Result<impl std::fmt::Debug>, needle: &str, case: &
 fn extension_versions_carry_the_algorithm() {
     let payload = Payload::decode(&payload_value().bytes()).expect("version 2");
     assert_eq!(payload.algorithm(), kvcsum::Algorithm::Mixed);
-    // Version 1 (3 elements, no algorithm) means WEIGHTED, as a plain payload does.
+    assert_eq!(payload.extension.as_ref().unwrap().groups[0].coverage, Some(0x5eed_c0fe_0000_0001));
+    // Version 1 (3 elements, no algorithm; groups of 3, no coverage) means
+    // WEIGHTED, as a plain payload does.
     let mut v1 = payload_value();
     *v1.at(&[3, 0]) = V::U(1);
     if let V::A(items) = v1.at(&[3]) {
+        items.pop();
+    }
+    if let V::A(items) = v1.at(&[3, 2, 0]) {
         items.pop();
     }
     assert_eq!(Payload::decode(&v1.bytes()).expect("version 1").algorithm(), kvcsum::Algorithm::Weighted);
@@ -779,6 +789,7 @@ fn mutated_encodings_never_panic() {
                     replica: FIRST_COPY,
                     values: (0..20).map(|_| rng.next_u64()).collect(),
                 }],
+                coverage: Some(rng.next_u64()),
             }],
             algorithm: kvcsum::Algorithm::Mixed,
         }),

@@ -105,7 +105,7 @@ fn prefix(out: &mut Out, site: Site, len: usize) {
     };
     let request_head = |out: &mut Out| {
         record_head(out);
-        out.array(1).array(6).uint(0).uint(16).uint(0).bool(false).bool(true).bool(false);
+        out.array(1).array(7).uint(0).uint(16).uint(0).bool(false).bool(true).bool(false).array(0);
         out.array(1).array(4).str("r").uint(16);
     };
     match site {

@@ -111,6 +111,7 @@ __all__ = [
     "ALGORITHM_DIFFERS",
     "BLOCK_SIZE_UNKNOWN",
     "NOTHING_READ",
+    "COVERAGE_DIFFERS",
     "library",
     "version",
     "Layer",
@@ -176,6 +177,7 @@ NOT_LOAD_CHECK = 12
 ALGORITHM_DIFFERS = 13
 BLOCK_SIZE_UNKNOWN = 14
 NOTHING_READ = 15
+COVERAGE_DIFFERS = 16
 
 _library = None
 _library_lock = threading.Lock()

@@ -88,6 +88,10 @@ pub enum kvcs_unverified_reason {
     /// No worker of one side registered any cache of a group, so nothing of
     /// it was read (a group with no layers).
     KVCS_UNVERIFIED_NOTHING_READ = 15,
+    /// The producer's extension says it checksummed other layers or heads
+    /// than a replica check of the consumer covers (a head left out, a
+    /// replica declared wrongly, on either side): a registration differs.
+    KVCS_UNVERIFIED_COVERAGE_DIFFERS = 16,
 }
 
 /// The `group_id` of a finding about the whole load rather than one group.
@@ -176,6 +180,7 @@ fn reason_code(reason: Reason) -> kvcs_unverified_reason {
         Reason::AlgorithmDiffers => KVCS_UNVERIFIED_ALGORITHM_DIFFERS,
         Reason::BlockSizeUnknown => KVCS_UNVERIFIED_BLOCK_SIZE_UNKNOWN,
         Reason::NothingRead => KVCS_UNVERIFIED_NOTHING_READ,
+        Reason::CoverageDiffers => KVCS_UNVERIFIED_COVERAGE_DIFFERS,
     }
 }
 
@@ -450,6 +455,7 @@ pub extern "C" fn kvcs_unverified_reason_name(reason: u32) -> *const c_char {
         13 => c"KVCS_UNVERIFIED_ALGORITHM_DIFFERS",
         14 => c"KVCS_UNVERIFIED_BLOCK_SIZE_UNKNOWN",
         15 => c"KVCS_UNVERIFIED_NOTHING_READ",
+        16 => c"KVCS_UNVERIFIED_COVERAGE_DIFFERS",
         _ => c"unknown kvcs_unverified_reason",
     };
     name.as_ptr()

@@ -187,6 +187,7 @@ impl Load<'_> {
         let sides = self.group_sides(payload, scheduled, sent_group, extension)?;
         sides.check_state_tp(self.pending.tp_size().unwrap_or(1))?;
         let checks = replica_checks(&sides.parts, scheduled.block_ids.len())?;
+        sides.check_coverage()?;
         if self.pending.is_state(scheduled.group_id) {
             return sides.compare_state(self.pending.scheduled.num_tokens, &checks).map(Some);
         }
@@ -288,6 +289,46 @@ impl GroupSides<'_> {
                 ),
             )),
         }
+    }
+
+    /// Where the producer sent the coverage of its slices (the extension),
+    /// each replica check of the consumer must cover the same layers and
+    /// heads: a side that checksums other slices (a head left out, a
+    /// replica declared wrongly) is a configuration difference, not
+    /// corrupt data.
+    fn check_coverage(&self) -> Judged<()> {
+        let Some(expected) = self.extension.and_then(|e| e.coverage) else {
+            return Ok(());
+        };
+        let group_id = self.scheduled.group_id;
+        let mut totals: BTreeMap<ReplicaKey, u64> = BTreeMap::new();
+        for (part, _) in &self.parts {
+            for (key, coverage) in part.group_info(group_id).map_or(&[][..], |g| &g.coverage[..]) {
+                let total = totals.entry(*key).or_insert(0);
+                *total = total.wrapping_add(*coverage);
+            }
+        }
+        let replica_counts: BTreeSet<u32> = totals.keys().map(|k| k.replicas).collect();
+        let max_replicas = replica_counts.last().copied().unwrap_or(1);
+        // The checks are bounded by the keys, as in `replica_checks`.
+        for check in 0..max_replicas.min(totals.len() as u32 + 1) {
+            let covered = replica_counts.iter().fold(0u64, |sum, &replicas| {
+                let key = ReplicaKey {
+                    replicas,
+                    replica_index: check % replicas,
+                };
+                sum.wrapping_add(totals.get(&key).copied().unwrap_or(0))
+            });
+            if covered != expected {
+                return Err(Unverified(
+                    Reason::CoverageDiffers,
+                    format!(
+                        "group {group_id}: the consumer's check {check} covers other layers or heads than the producer checksummed (coverage {covered:#018x}, the producer's {expected:#018x}): a registration differs"
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Where the producer's block size is unknown and taken to be the

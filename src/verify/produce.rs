@@ -76,8 +76,20 @@ fn payload_group(pending: &Pending, scheduled: &GroupBlocks, detail: bool) -> Ju
         group_id,
         block_size,
         layers: if detail { first_copy_layers(&parts) } else { Vec::new() },
+        coverage: Some(first_copy_coverage(&parts, group_id)),
     };
     Ok((group, extension_group))
+}
+
+/// The coverage of the slices in every worker's `replica_index == 0`
+/// columns: what [`first_copy_sum`] adds up.
+fn first_copy_coverage(parts: &[(&WorkerPart, &RecordGroup)], group_id: u32) -> u64 {
+    parts
+        .iter()
+        .filter_map(|(part, _)| part.group_info(group_id))
+        .flat_map(|info| info.coverage.iter())
+        .filter(|(key, _)| key.replica_index == 0)
+        .fold(0u64, |sum, (_, coverage)| sum.wrapping_add(*coverage))
 }
 
 /// The sum of every worker's `replica_index == 0` columns: each head counted

@@ -61,6 +61,9 @@ pub enum Reason {
     /// No worker of one side registered a cache of the group: nothing of it
     /// was read.
     NothingRead,
+    /// The two sides checksummed other layers or heads (the coverage sent
+    /// in the extension differs from the consumer's).
+    CoverageDiffers,
 }
 
 impl Reason {
@@ -82,6 +85,7 @@ impl Reason {
             Reason::AlgorithmDiffers => "the checksum algorithms differ",
             Reason::BlockSizeUnknown => "the producer's block size is unknown and not the consumer's",
             Reason::NothingRead => "no worker read any cache of a group",
+            Reason::CoverageDiffers => "the sides checksummed other layers or heads",
         }
     }
 }

@@ -107,8 +107,29 @@ fn c_layer(spec: &LayerSpec, segments: &[kvcs_segment]) -> kvcs_layer {
     }
 }
 
+std::thread_local! {
+    /// The algorithm new workers of this thread get (0: the library's default).
+    static ALGORITHM: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Sets the algorithm of the workers this thread creates from now on (a
+/// test's own thread).
+pub fn set_thread_algorithm(algorithm: u32) {
+    ALGORITHM.with(|a| a.set(algorithm));
+}
+
+/// Runs `f` with the workers it creates on this thread set to `algorithm`
+/// (`KVCS_ALGORITHM_WEIGHTED` for vLLM's plain payloads: a MIXED producer
+/// always sends the extension).
+pub fn with_algorithm<T>(algorithm: u32, f: impl FnOnce() -> T) -> T {
+    let before = ALGORITHM.with(|a| a.replace(algorithm));
+    let out = f();
+    ALGORITHM.with(|a| a.set(before));
+    out
+}
+
 impl CWorker {
-    /// A host worker of one thread.
+    /// A host worker of one thread (of the algorithm [`with_algorithm`] set).
     pub fn host(tp_rank: u32, tp_size: u32, pp_rank: u32) -> Result<CWorker, Failure> {
         let options = kvcs_worker_options {
             tp_rank,
@@ -119,7 +140,12 @@ impl CWorker {
         };
         let mut handle = null_mut();
         check(kvcs_worker_create(&options, &mut handle))?;
-        Ok(CWorker { handle })
+        let worker = CWorker { handle };
+        let algorithm = ALGORITHM.with(|a| a.get());
+        if algorithm != 0 {
+            check(kvcs_worker_set_algorithm(worker.handle, algorithm))?;
+        }
+        Ok(worker)
     }
 
     pub fn region(&self, address: u64, length: u64) -> Result<(), Failure> {
