@@ -707,8 +707,9 @@ fn load_check_records_round_trip_with_their_outcomes() {
     );
     let bytes = record.encode();
     assert_eq!(Record::decode(&bytes).unwrap(), record, "round trip");
-    // The outcomes are the last group's last element: bin of 4, then no skipped groups.
-    assert_eq!(&bytes[bytes.len() - 7..], &[0xc4, 4, 1, 1, 0, 2, 0x90]);
+    // The outcomes are the last group's last element: bin of 4, then no
+    // skipped groups, then the record's algorithm (2, MIXED).
+    assert_eq!(&bytes[bytes.len() - 8..], &[0xc4, 4, 1, 1, 0, 2, 0x90, 2]);
     // The verifier names position 2 (tokens 32..40); position 3 is neither compared nor not.
     let report = verifier_holding(1, &blocks, std::slice::from_ref(&bytes))
         .check_stored(REQ)
@@ -727,20 +728,20 @@ fn load_check_records_round_trip_with_their_outcomes() {
     let plain = Record::from_checksums(&checksum(worker, &blocks, Role::Consumer)).unwrap();
     assert_eq!(plain.requests[0].groups[0].stored, None);
     let plain_bytes = plain.encode();
-    assert_eq!(&plain_bytes[plain_bytes.len() - 2..], &[0xc0, 0x90]);
+    assert_eq!(&plain_bytes[plain_bytes.len() - 3..], &[0xc0, 0x90, 2]);
     assert_eq!(Record::decode(&plain_bytes).unwrap(), plain);
 
     // Malformed: an outcome number that is none, a wrong count, nil in the
     // place of a bin's type, outcomes in a producer record, and a load
     // check's group beside a plain one.
     let mut bad = bytes.clone();
-    let at = bad.len() - 3;
+    let at = bad.len() - 4;
     bad[at] = 3;
     malformed(Record::decode(&bad), "outcome 2 is 3");
     let mut bad = bytes.clone();
-    let at = bad.len() - 7;
+    let at = bad.len() - 8;
     bad[at] = 0xc2; // a boolean where the outcomes start
-    bad.drain(at + 1..bad.len() - 1);
+    bad.drain(at + 1..bad.len() - 2);
     malformed(Record::decode(&bad), "expected nil or a bin");
     let mut short = record.clone();
     short.requests[0].groups[0].stored.as_mut().unwrap().pop();
