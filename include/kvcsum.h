@@ -128,8 +128,8 @@ enum kvcs_algorithm
 #endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
  {
   // SPEC sections 2-3 as first defined (each piece as it is): the values
-  // vLLM computes, in a payload vLLM reads. It misses every even number
-  // of flips of one bit position 63 in a block, and swaps of values that
+  // vLLM computes, in a payload vLLM reads. It misses every flip of bit
+  // 63 in an even number of pieces of a block, and swaps of values that
   // differ only in their high bits (docs/SPEC.md#13-what-it-detects).
   KVCS_ALGORITHM_WEIGHTED = 1,
   // Each piece mixed by a fixed bijection first (docs/SPEC.md#12-the-mixed-algorithm): every

@@ -113,7 +113,7 @@ pub fn weighted_run(pieces: &[u64], first_index: u64, algorithm: Algorithm) -> u
 /// Computed as `(2 * first_index + 1) * S0 + 2 * S1` with `S0 = sum f(x_i)` and
 /// `S1 = sum i * f(x_i)`; `S1` comes from running sums (adds only), which
 /// vectorises and keeps pace with memory.
-#[inline]
+#[inline(always)]
 pub(crate) fn run_checksum<const MIXED: bool>(pieces: &[u64], first_index: u64) -> u64 {
     let (sum, index_weighted) = run_sums::<MIXED>(pieces);
     piece_weight(first_index)
@@ -122,7 +122,7 @@ pub(crate) fn run_checksum<const MIXED: bool>(pieces: &[u64], first_index: u64) 
 }
 
 /// `(sum f(x_i), sum i * f(x_i))` over `pieces`, modulo 2^64.
-#[inline]
+#[inline(always)]
 fn run_sums<const MIXED: bool>(pieces: &[u64]) -> (u64, u64) {
     const LANES: usize = 8;
     // Lane `l` sees pieces `k * LANES + l`. After `steps` steps its `sum` is

@@ -288,7 +288,6 @@ impl Worker {
         };
         let mut expectations = Vec::new();
         let algorithm = self.algorithm;
-        self.computed.store(true, Ordering::Relaxed);
         let (plan, values) = match &self.engine {
             Engine::Host(host) => {
                 let (plan, rows) = Plan::new(&self.layout, blocks, role)?;
@@ -318,6 +317,8 @@ impl Worker {
             Some(detail) => Some(Arc::new(self.detail_values(detail, blocks, role, stream)?)),
             None => None,
         };
+        // Values exist (or are queued) under this algorithm: it is fixed now.
+        self.computed.store(true, Ordering::Relaxed);
         Ok((self.result(plan, values, role, detail), expectations))
     }
 

@@ -598,7 +598,7 @@ fn mixed_test_vectors() {
     // with bit 63 flipped. Block q of the request is block id q, laid out
     // [block][head][token][piece].
     let piece = |h: u64, t: u64, p: u64| (16 * h + 4 * t + p + 1).wrapping_mul(0x0101_0101_0101_0101) ^ (1 << 63);
-    let mut cache = vec![0u64; 2 * 2 * 2 * 2];
+    let mut cache = [0u64; 2 * 2 * 2 * 2];
     for q in 0..2u64 {
         for h in 0..2u64 {
             for i in 0..2u64 {

@@ -575,8 +575,8 @@ pub extern "C" fn kvcs_worker_set_detail(worker: *mut kvcs_worker, on: u32) -> k
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum kvcs_algorithm {
     /// SPEC sections 2-3 as first defined (each piece as it is): the values
-    /// vLLM computes, in a payload vLLM reads. It misses every even number
-    /// of flips of one bit position 63 in a block, and swaps of values that
+    /// vLLM computes, in a payload vLLM reads. It misses every flip of bit
+    /// 63 in an even number of pieces of a block, and swaps of values that
     /// differ only in their high bits (docs/SPEC.md#13-what-it-detects).
     KVCS_ALGORITHM_WEIGHTED = 1,
     /// Each piece mixed by a fixed bijection first (docs/SPEC.md#12-the-mixed-algorithm): every

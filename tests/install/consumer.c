@@ -100,7 +100,8 @@ int main(int argc, char **argv) {
           for (uint64_t p = 0; p < PIECES; p++) {
             uint64_t j = (q * BLOCK + t) * PIECES + p;
             /* f of SPEC section 12 (the default algorithm, MIXED), then the weight. */
-            uint64_t g = (load_le(&cache[l][block_ids[q]][h][t][p * 8]) ^ (load_le(&cache[l][block_ids[q]][h][t][p * 8]) >> 32)) * 0x9E3779B97F4A7C15ull;
+            uint64_t x = load_le(&cache[l][block_ids[q]][h][t][p * 8]);
+            uint64_t g = (x ^ (x >> 32)) * 0x9E3779B97F4A7C15ull;
             slice += (g ^ (g >> 32)) * (2 * j + 1);
           }
         }
