@@ -674,7 +674,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
         params = dict(request.kv_transfer_params or {})
         tokens, load_async = self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
         if tokens:
-            self._matched[request.request_id] = (num_computed_tokens, params)
+            self._matched[request.request_id] = (num_computed_tokens, params, bool(load_async))
         return tokens, load_async
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
@@ -683,11 +683,10 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
         self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
         if num_external_tokens <= 0 or matched is None:
             return
-        num_computed, params = matched
+        num_computed, params, is_async = matched
         remote = bool(params.get("do_remote_prefill")) or PAYLOAD_KEY in params
         if not (remote or self._verify_all):
             return
-        is_async = request.status.name == "WAITING_FOR_REMOTE_KVS"
         loaded_groups = set(self.get_loaded_kv_cache_group_ids(request))
         job = self._job(req_id, num_computed, num_computed + num_external_tokens, loaded_groups)
         if job is None:

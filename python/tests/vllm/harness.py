@@ -190,7 +190,7 @@ class Engine:
                 max_model_len=2048,
                 enable_chunked_prefill=True,
                 is_encoder_decoder=False,
-                disable_hybrid_kv_cache_manager=sliding_window is None,
+                disable_hybrid_kv_cache_manager=True if sliding_window is None else None,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=tp),
             kv_transfer_config=ktc,

@@ -1,0 +1,250 @@
+"""KvcsumConnector in vLLM 0.33.0's real scheduler and worker glue, on the CPU.
+
+Two engines in this process: a producer (TP 2, 8-token blocks, vLLM's NHD
+layout LBNHC) and a consumer (TP 4, 16-token blocks, HND layout LBHNC), each
+wrapping the test's StoreConnector in KvcsumConnector. Each case prints one
+line: the consumer's verdict and what vLLM did (tokens recomputed, request
+state).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import kvcsum  # noqa: E402
+import store_connector  # noqa: E402
+from harness import Engine, KVCacheLayout  # noqa: E402
+
+PROMPT = [11 + (i * 7) % 500 for i in range(45)]
+OTHER_PROMPT = [900 - (i * 5) % 400 for i in range(45)]
+P_BLOCK, C_BLOCK = 8, 16
+
+
+@pytest.fixture
+def store():
+    path = tempfile.mkdtemp(prefix="kvcsum-vllm-store-")
+    store_connector.CORRUPT.clear()
+    yield path
+    store_connector.CORRUPT.clear()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def producer(store, **kw) -> Engine:
+    args = dict(role="kv_producer", tp=2, block_size=P_BLOCK, layout=KVCacheLayout.LBNHC, store_dir=store)
+    args.update(kw)
+    return Engine("producer", **args)
+
+
+def consumer(store, **kw) -> Engine:
+    args = dict(role="kv_consumer", tp=4, block_size=C_BLOCK, layout=KVCacheLayout.LBHNC, store_dir=store)
+    args.update(kw)
+    return Engine("consumer", **args)
+
+
+def prefill(engine: Engine, req_id: str, prompt=PROMPT) -> dict:
+    """The producer's prefill of a P/D request; its kv_transfer_params."""
+    engine.add_request(req_id, prompt, 1, {"do_remote_decode": True})
+    engine.run()
+    params = engine.traces[req_id].kv_transfer_params
+    assert params is not None and params.get("do_remote_prefill"), params
+    return dict(params)
+
+
+def decode(engine: Engine, req_id: str, params: dict, prompt=PROMPT, max_tokens: int = 3):
+    engine.add_request(req_id, prompt, max_tokens, params)
+    engine.run()
+    return engine.traces[req_id]
+
+
+def verdict(engine: Engine, req_id: str) -> tuple:
+    return engine.connector().last_verdicts[req_id]
+
+
+def recomputed(trace, prompt_len: int) -> tuple[int, int]:
+    """(prompt tokens vLLM computed on the consumer, first position computed)."""
+    count = sum(max(0, min(start + n, prompt_len) - start) for start, n in trace.scheduled)
+    return count, trace.scheduled[0][0] if trace.scheduled else -1
+
+
+def totals(engine: Engine) -> dict:
+    """The kvcsum counts from the consumer's connector stats, summed."""
+    out: dict = {}
+    for stats in engine.stats:
+        data = stats.get("KvcsumConnector") if isinstance(stats, dict) else None
+        if data is None:
+            continue
+        for key, value in data.items():
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    out[f"{key}.{k}"] = out.get(f"{key}.{k}", 0) + v
+            elif value:
+                out[key] = out.get(key, 0) + value
+    return out
+
+
+def show(case: str, engine: Engine, req_id: str, prompt_len: int = len(PROMPT)) -> tuple:
+    trace = engine.traces[req_id]
+    name, reason, message = verdict(engine, req_id)
+    names = {kvcsum.MATCH: "MATCH", kvcsum.MISMATCH: "MISMATCH", kvcsum.UNVERIFIED: "UNVERIFIED"}
+    count, first = recomputed(trace, prompt_len)
+    state = engine.request_status(req_id)
+    label = names[name] + (f" ({reason})" if reason else "")
+    print(
+        f"\nCASE {case:<46} verdict {label:<28} vLLM: {count} prompt tokens computed from position {first}, "
+        f"request {state}, {len(trace.output_tokens)} tokens out; stats {totals(engine)}",
+        flush=True,
+    )
+    return name, count, first, state
+
+
+def expected_tokens(prompt, n):
+    from harness import sampled_token
+
+    return [sampled_token(len(prompt) - 1 + i) for i in range(n)]
+
+
+def kv_equal(producer_engine: Engine, p_req: str, consumer_engine: Engine, c_req: str, num_tokens: int) -> bool:
+    """The consumer's KV of the prompt equals the producer's (what the stand-in model computes)."""
+    import torch
+
+    for rank, state in enumerate(consumer_engine.ranks):
+        heads = 4 // consumer_engine.tp
+        table = state.tables.get(c_req)
+        if table is None:
+            return False
+        positions = torch.arange(num_tokens)
+        for group_id, group in enumerate(consumer_engine.kv_cache_config.kv_cache_groups):
+            ids = torch.tensor(table[group_id])
+            for name in group.layer_names:
+                layer = int(name.split(".")[2])
+                got = state.caches[name][ids[positions // consumer_engine.block_size], :, positions % consumer_engine.block_size]
+                want = consumer_engine.kv_values(c_req, positions, layer, rank * heads, heads)
+                if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+                    return False
+    return True
+
+
+# --- cases -------------------------------------------------------------------------
+
+
+def test_intact_load_matches_and_continues(store):
+    p, c = producer(store), consumer(store)
+    params = prefill(p, "req-intact")
+    assert "kv_checksums" in params and "kv_checksums_info" in params
+    trace = decode(c, "req-intact", params)
+    name, count, first, state = show("intact load", c, "req-intact")
+    assert name == kvcsum.MATCH
+    # vLLM took the 45 loaded tokens and computed only the last again, to sample.
+    assert (count, first) == (1, len(PROMPT) - 1)
+    assert state == "length" and trace.output_tokens == expected_tokens(PROMPT, 3)
+    assert kv_equal(p, "req-intact", c, "req-intact", len(PROMPT))
+    assert totals(c).get("verified") == 1
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_corrupted_block_mismatch(store, policy):
+    p, c = producer(store), consumer(store, policy=policy)
+    params = prefill(p, "req-bad")
+    store_connector.CORRUPT.update(token=20, layer="model.layers.2.self_attn.attn", head=1)
+    trace = decode(c, "req-bad", params)
+    assert store_connector.CORRUPT.get("done") == 1
+    name, count, first, state = show(f"one block corrupted, policy {policy}", c, "req-bad")
+    assert name == kvcsum.MISMATCH
+    bad_block_first_token = (20 // C_BLOCK) * C_BLOCK
+    if policy == "recompute":
+        # vLLM rescheduled from exactly the corrupted block's first token.
+        assert first == bad_block_first_token == 16
+        assert count == len(PROMPT) - bad_block_first_token
+        assert state == "length" and trace.output_tokens == expected_tokens(PROMPT, 3)
+        assert kv_equal(p, "req-bad", c, "req-bad", len(PROMPT))
+    else:
+        assert state == "error" and count == 0 and trace.output_tokens == []
+    assert totals(c).get("mismatched") == 1
+
+
+@pytest.mark.parametrize("unverified", ["fail", "log"])
+def test_payload_missing(store, unverified):
+    p, c = producer(store), consumer(store, extra={"unverified": unverified})
+    params = prefill(p, "req-nopayload")
+    params.pop("kv_checksums")
+    trace = decode(c, "req-nopayload", params)
+    name, count, first, state = show(f"payload missing, unverified={unverified}", c, "req-nopayload")
+    assert name == kvcsum.UNVERIFIED and verdict(c, "req-nopayload")[1] == "NO_CHECKSUMS"
+    assert state == "length" and trace.output_tokens == expected_tokens(PROMPT, 3)
+    if unverified == "fail":
+        assert (count, first) == (len(PROMPT), 0)  # the load was a load error: all recomputed
+    else:
+        assert (count, first) == (1, len(PROMPT) - 1)  # logged, and the load used
+    assert totals(c).get("unverified_reasons.NO_CHECKSUMS") == 1
+
+
+@pytest.mark.parametrize("unverified", ["fail", "log"])
+def test_payload_of_another_request(store, unverified):
+    p, c = producer(store), consumer(store, extra={"unverified": unverified}, policy="fail")
+    params = prefill(p, "req-a")
+    other = prefill(p, "req-b", OTHER_PROMPT)
+    params["kv_checksums"] = other["kv_checksums"]
+    params["kv_checksums_info"] = other["kv_checksums_info"]
+    trace = decode(c, "req-a", params)
+    name, count, first, state = show(f"payload of another request, unverified={unverified}, policy fail", c, "req-a")
+    assert name == kvcsum.UNVERIFIED and verdict(c, "req-a")[1] == "OTHER_REQUEST"
+    if unverified == "fail":
+        assert state == "error" and trace.output_tokens == []
+    else:
+        assert state == "length" and (count, first) == (1, len(PROMPT) - 1)
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_hybrid_two_groups(store, corrupt):
+    p = producer(store, sliding_window=64)
+    c = consumer(store, sliding_window=64)
+    assert len(c.kv_cache_config.kv_cache_groups) == 2
+    params = prefill(p, "req-hybrid")
+    if corrupt:
+        store_connector.CORRUPT.update(token=40, layer="model.layers.1.self_attn.attn", head=3)
+    trace = decode(c, "req-hybrid", params)
+    name, count, first, state = show(f"hybrid (full + sliding window), {'corrupted' if corrupt else 'intact'}", c, "req-hybrid")
+    assert state == "length" and trace.output_tokens == expected_tokens(PROMPT, 3)
+    if corrupt:
+        # Several KV cache groups: vLLM takes only whole-request failures,
+        # so the whole prompt is computed again.
+        assert name == kvcsum.MISMATCH and (count, first) == (len(PROMPT), 0)
+    else:
+        assert name == kvcsum.MATCH and (count, first) == (1, len(PROMPT) - 1)
+    assert kv_equal(p, "req-hybrid", c, "req-hybrid", len(PROMPT))
+
+
+def test_preempted_request(store):
+    # A small producer: a decoding request takes the blocks the P/D request
+    # needs mid-prefill, so vLLM preempts it and computes it again later.
+    p = producer(store, num_blocks=14, max_batched_tokens=48)
+    long_prompt = [300 + i for i in range(70)]
+    p.add_request("req-long", long_prompt, 10)
+    p.add_request("req-pre", PROMPT, 1, {"do_remote_decode": True})
+    p.run()
+    request_preempted = any(start == 0 for start, _ in p.traces["req-pre"].scheduled[1:])
+    assert request_preempted, p.traces["req-pre"].scheduled
+    params = dict(p.traces["req-pre"].kv_transfer_params)
+    assert "kv_checksums" in params
+    c = consumer(store)
+    trace = decode(c, "req-pre", params)
+    name, count, first, state = show("preempted on the producer, then computed again", c, "req-pre")
+    assert name == kvcsum.MATCH and (count, first) == (1, len(PROMPT) - 1)
+    assert state == "length" and trace.output_tokens == expected_tokens(PROMPT, 3)
+
+
+def test_aborted_request_gets_no_payload(store):
+    p = producer(store)
+    p.add_request("req-abort", PROMPT, 1, {"do_remote_decode": True})
+    p.scheduler.finish_requests({"req-abort"}, __import__("vllm.v1.request", fromlist=["RequestStatus"]).RequestStatus.FINISHED_ABORTED)
+    p.run()
+    print(f"\nCASE {'aborted before its prefill':<46} producer: request {p.request_status('req-abort')}, no payload", flush=True)
+    assert p.connector()._sends == {}
