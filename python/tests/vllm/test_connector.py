@@ -223,11 +223,11 @@ def test_hybrid_two_groups(store, corrupt):
 
 
 def test_preempted_request(store):
-    # A small producer: a decoding request takes the blocks the P/D request
-    # needs mid-prefill, so vLLM preempts it and computes it again later.
-    p = producer(store, num_blocks=14, max_batched_tokens=48)
-    long_prompt = [300 + i for i in range(70)]
-    p.add_request("req-long", long_prompt, 10)
+    # A small producer (7 blocks of 8 tokens, 8 tokens a step): a decoding
+    # request takes the block the P/D request needs mid-prefill, so vLLM
+    # preempts it (after 39 of its 45 tokens) and computes it again later.
+    p = producer(store, num_blocks=8, max_batched_tokens=8)
+    p.add_request("req-long", [300 + i for i in range(4)], 12)
     p.add_request("req-pre", PROMPT, 1, {"do_remote_decode": True})
     p.run()
     request_preempted = any(start == 0 for start, _ in p.traces["req-pre"].scheduled[1:])
