@@ -233,6 +233,8 @@ class CacheChecksummer:
         self.group_block_sizes = dict(group_block_sizes)
         present = [spec for spec in layers if spec.name in kv_caches]
         tensors = [kv_caches[spec.name] for spec in present]
+        # The worker reads these tensors' memory: keep them alive with it.
+        self._tensors = tensors
         devices = {(t.device.type, t.device.index) for t in tensors if _is_cuda(t)}
         if len(devices) > 1:
             raise ValueError(f"the KV caches are on several devices: {sorted(devices)}")
