@@ -77,7 +77,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+# Under vLLM's logger, so that its handlers and VLLM_LOGGING_LEVEL apply.
+logger = init_logger("vllm.kvcsum")
 
 PAYLOAD_KEY = "kv_checksums"
 INFO_KEY = "kv_checksums_info"
@@ -907,27 +908,37 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
             return
         verdict, reason, message, invalid = self._check(req_id, load)
         _forget(self._consumer, req_id)
-        failed = False
-        if verdict == kvcsum.MATCH:
-            self._stats.add("verified")
-            if self._log_matches:
-                logger.info("kvcsum: request %s: KV verified (%s)", req_id, message)
+        if verdict == kvcsum.UNVERIFIED:
+            self._stats.add("unverified")
+            self._stats.add_reason(reason)
+            invalid = self._loaded_block_ids(load.job) if self._fail_unverified else []
         elif verdict == kvcsum.MISMATCH:
             self._stats.add("mismatched")
             self._stats.add("mismatched_blocks", len(invalid))
-            self._log_once(req_id, f"kvcsum: request {req_id}: KV MISMATCH: {message}; the blocks go back to vLLM as load errors")
         else:
-            self._stats.add("unverified")
-            self._stats.add_reason(reason)
-            if self._fail_unverified:
-                self._log_once(req_id, f"kvcsum: request {req_id}: KV UNVERIFIED ({reason}): {message}; unverified=fail: the load is a load error")
-                invalid = self._loaded_block_ids(load.job)
-            else:
-                self._log_once(req_id, f"kvcsum: request {req_id}: KV UNVERIFIED ({reason}): {message}; unverified=log: going on")
-                invalid = []
-        if invalid and self._multi_group:
-            failed, invalid = True, []
-        self._verdicts_out[req_id] = (sorted(invalid), failed)
+            self._stats.add("verified")
+        # vLLM maps block-level load errors back to requests only where there
+        # is one KV cache group; with several it takes whole failed loads.
+        failed = bool(invalid) and self._multi_group
+        if failed:
+            action = "vLLM gets the whole load as failed (several KV cache groups)"
+        elif invalid:
+            action = f"vLLM gets blocks {sorted(invalid)} as load errors"
+        else:
+            action = "the load is used"
+        policy = f"kv_load_failure_policy={self._kv_transfer_config.kv_load_failure_policy}"
+        if verdict == kvcsum.MATCH:
+            if self._log_matches:
+                logger.info("kvcsum: request %s: KV verified (%s)", req_id, message)
+        elif verdict == kvcsum.MISMATCH:
+            self._log_once(req_id, f"kvcsum: request {req_id}: KV MISMATCH: {message}; {action} ({policy})", error=True)
+        else:
+            setting = "unverified=fail" if self._fail_unverified else "unverified=log"
+            self._log_once(
+                req_id, f"kvcsum: request {req_id}: KV UNVERIFIED ({reason}): {message}; {setting}: {action}" + (f" ({policy})" if invalid else ""),
+                error=self._fail_unverified,
+            )
+        self._verdicts_out[req_id] = ([] if failed else sorted(invalid), failed)
         self.last_verdicts[req_id] = (verdict, reason, message)
 
     @property
@@ -938,13 +949,13 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
             self._last_verdicts.clear()
         return self._last_verdicts
 
-    def _log_once(self, req_id: str, text: str) -> None:
+    def _log_once(self, req_id: str, text: str, error: bool = True) -> None:
         if req_id in self._logged:
             return
         if len(self._logged) > 65536:
             self._logged.clear()
         self._logged.add(req_id)
-        logger.error(text) if "MISMATCH" in text or "fail" in text else logger.warning(text)
+        (logger.error if error else logger.warning)(text)
 
     def _loaded_block_ids(self, job: Job) -> list[int]:
         return [b for _, (_, ids) in sorted(job.groups.items()) for b in ids]

@@ -215,6 +215,7 @@ class Engine:
         self.aggregator = KVOutputAggregator(tp)
         self.traces: dict[str, Trace] = {}
         self.prompts: dict[str, list] = {}
+        self.requests: dict[str, Request] = {}
         self.stats: list = []
 
     def _kv_cache_config(self, num_blocks: int, sliding_window: int | None) -> KVCacheConfig:
@@ -256,6 +257,7 @@ class Engine:
         )
         request.kv_transfer_params = kv_transfer_params
         self.prompts[req_id] = list(prompt)
+        self.requests[req_id] = request
         self.traces[req_id] = Trace()
         self.scheduler.add_request(request)
         return request
@@ -365,11 +367,8 @@ class Engine:
         raise AssertionError(f"{self.name}: requests still unfinished after {max_steps} steps")
 
     def request_status(self, req_id: str) -> str:
-        request = self.scheduler.requests.get(req_id)
-        if request is not None:
-            return request.status.name
-        trace = self.traces[req_id]
-        return trace.finished or "gone"
+        """vLLM's RequestStatus of the request (FINISHED_LENGTH_CAPPED, ...)."""
+        return self.requests[req_id].status.name
 
     def connector(self):
         return self.scheduler.connector

@@ -97,9 +97,10 @@ def show(case: str, engine: Engine, req_id: str, prompt_len: int = len(PROMPT)) 
     count, first = recomputed(trace, prompt_len)
     state = engine.request_status(req_id)
     label = names[name] + (f" ({reason})" if reason else "")
+    computed = f"computed {count} of {prompt_len} prompt tokens again from token {first}" if count else "computed no prompt token"
     print(
-        f"\nCASE {case:<46} verdict {label:<28} vLLM: {count} prompt tokens computed from position {first}, "
-        f"request {state}, {len(trace.output_tokens)} tokens out; stats {totals(engine)}",
+        f"\nCASE {case:<44} | {label:<26} | vLLM {computed}, request {state}, "
+        f"{len(trace.output_tokens)} tokens out | stats {totals(engine)}",
         flush=True,
     )
     return name, count, first, state
@@ -139,12 +140,27 @@ def test_intact_load_matches_and_continues(store):
     p, c = producer(store), consumer(store)
     params = prefill(p, "req-intact")
     assert "kv_checksums" in params and "kv_checksums_info" in params
+    # The payload is the vLLM fork's: [1, num_tokens, [[group, fingerprint,
+    # first position, values]]], the fingerprint summing the fork's layer
+    # identities (name, spec type, block size, dtype).
+    import hashlib
+
+    import msgspec
+
+    payload = msgspec.msgpack.decode(kvcsum.base64_decode(params["kv_checksums"]))
+    assert len(payload) == 3 and payload[:2] == [1, len(PROMPT)]
+    [[group, fingerprint, first, values]] = payload[2]
+    fork = sum(
+        int.from_bytes(hashlib.sha256(repr((f"model.layers.{i}.self_attn.attn", "FullAttentionSpec", P_BLOCK, "torch.float16")).encode()).digest()[:8], "little")
+        for i in range(4)
+    ) % 2**64
+    assert (group, fingerprint, first, len(values)) == (0, fork, 0, 8 * 6)
     trace = decode(c, "req-intact", params)
     name, count, first, state = show("intact load", c, "req-intact")
     assert name == kvcsum.MATCH
     # vLLM took the 45 loaded tokens and computed only the last again, to sample.
     assert (count, first) == (1, len(PROMPT) - 1)
-    assert state == "length" and trace.output_tokens == expected_tokens(PROMPT, 3)
+    assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
     assert kv_equal(p, "req-intact", c, "req-intact", len(PROMPT))
     assert totals(c).get("verified") == 1
 
@@ -163,10 +179,10 @@ def test_corrupted_block_mismatch(store, policy):
         # vLLM rescheduled from exactly the corrupted block's first token.
         assert first == bad_block_first_token == 16
         assert count == len(PROMPT) - bad_block_first_token
-        assert state == "length" and trace.output_tokens == expected_tokens(PROMPT, 3)
+        assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
         assert kv_equal(p, "req-bad", c, "req-bad", len(PROMPT))
     else:
-        assert state == "error" and count == 0 and trace.output_tokens == []
+        assert state == "FINISHED_ERROR" and count == 0 and trace.output_tokens == []
     assert totals(c).get("mismatched") == 1
 
 
@@ -178,7 +194,7 @@ def test_payload_missing(store, unverified):
     trace = decode(c, "req-nopayload", params)
     name, count, first, state = show(f"payload missing, unverified={unverified}", c, "req-nopayload")
     assert name == kvcsum.UNVERIFIED and verdict(c, "req-nopayload")[1] == "NO_CHECKSUMS"
-    assert state == "length" and trace.output_tokens == expected_tokens(PROMPT, 3)
+    assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
     if unverified == "fail":
         assert (count, first) == (len(PROMPT), 0)  # the load was a load error: all recomputed
     else:
@@ -197,9 +213,9 @@ def test_payload_of_another_request(store, unverified):
     name, count, first, state = show(f"payload of another request, unverified={unverified}, policy fail", c, "req-a")
     assert name == kvcsum.UNVERIFIED and verdict(c, "req-a")[1] == "OTHER_REQUEST"
     if unverified == "fail":
-        assert state == "error" and trace.output_tokens == []
+        assert state == "FINISHED_ERROR" and trace.output_tokens == []
     else:
-        assert state == "length" and (count, first) == (1, len(PROMPT) - 1)
+        assert state == "FINISHED_LENGTH_CAPPED" and (count, first) == (1, len(PROMPT) - 1)
 
 
 @pytest.mark.parametrize("corrupt", [False, True])
@@ -212,7 +228,7 @@ def test_hybrid_two_groups(store, corrupt):
         store_connector.CORRUPT.update(token=40, layer="model.layers.1.self_attn.attn", head=3)
     trace = decode(c, "req-hybrid", params)
     name, count, first, state = show(f"hybrid (full + sliding window), {'corrupted' if corrupt else 'intact'}", c, "req-hybrid")
-    assert state == "length" and trace.output_tokens == expected_tokens(PROMPT, 3)
+    assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
     if corrupt:
         # Several KV cache groups: vLLM takes only whole-request failures,
         # so the whole prompt is computed again.
@@ -238,7 +254,7 @@ def test_preempted_request(store):
     trace = decode(c, "req-pre", params)
     name, count, first, state = show("preempted on the producer, then computed again", c, "req-pre")
     assert name == kvcsum.MATCH and (count, first) == (1, len(PROMPT) - 1)
-    assert state == "length" and trace.output_tokens == expected_tokens(PROMPT, 3)
+    assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
 
 
 def test_aborted_request_gets_no_payload(store):
@@ -246,5 +262,5 @@ def test_aborted_request_gets_no_payload(store):
     p.add_request("req-abort", PROMPT, 1, {"do_remote_decode": True})
     p.scheduler.finish_requests({"req-abort"}, __import__("vllm.v1.request", fromlist=["RequestStatus"]).RequestStatus.FINISHED_ABORTED)
     p.run()
-    print(f"\nCASE {'aborted before its prefill':<46} producer: request {p.request_status('req-abort')}, no payload", flush=True)
+    print(f"\nCASE {'aborted before its prefill (producer)':<44} | no payload                 | vLLM request {p.request_status('req-abort')}", flush=True)
     assert p.connector()._sends == {}
