@@ -55,6 +55,13 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
+# Every connector vLLM builds says that its API is experimental: once is enough.
+import logging  # noqa: E402
+
+logging.getLogger("vllm.distributed.kv_transfer.kv_connector.v1.base").addFilter(
+    lambda record: "Initializing KVConnectorBase_V1" not in record.getMessage()
+)
+
 NUM_LAYERS = 4
 TOTAL_KV_HEADS = 4
 HEAD_SIZE = 16

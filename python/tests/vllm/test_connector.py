@@ -218,23 +218,28 @@ def test_payload_of_another_request(store, unverified):
         assert state == "FINISHED_LENGTH_CAPPED" and (count, first) == (1, len(PROMPT) - 1)
 
 
-@pytest.mark.parametrize("corrupt", [False, True])
-def test_hybrid_two_groups(store, corrupt):
+@pytest.mark.parametrize("corrupt,policy", [(False, "recompute"), (True, "recompute"), (True, "fail")])
+def test_hybrid_two_groups(store, corrupt, policy):
     p = producer(store, sliding_window=64)
-    c = consumer(store, sliding_window=64)
+    c = consumer(store, sliding_window=64, policy=policy)
     assert len(c.kv_cache_config.kv_cache_groups) == 2
     params = prefill(p, "req-hybrid")
     if corrupt:
         store_connector.CORRUPT.update(token=40, layer="model.layers.1.self_attn.attn", head=3)
     trace = decode(c, "req-hybrid", params)
-    name, count, first, state = show(f"hybrid (full + sliding window), {'corrupted' if corrupt else 'intact'}", c, "req-hybrid")
-    assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
-    if corrupt:
+    case = f"hybrid (full + sliding window), {'corrupted' if corrupt else 'intact'}, policy {policy}"
+    name, count, first, state = show(case, c, "req-hybrid")
+    assert name == (kvcsum.MISMATCH if corrupt else kvcsum.MATCH)
+    if not corrupt:
+        assert (count, first) == (1, len(PROMPT) - 1)
+    elif policy == "recompute":
         # Several KV cache groups: vLLM takes only whole-request failures,
         # so the whole prompt is computed again.
-        assert name == kvcsum.MISMATCH and (count, first) == (len(PROMPT), 0)
+        assert (count, first) == (len(PROMPT), 0)
     else:
-        assert name == kvcsum.MATCH and (count, first) == (1, len(PROMPT) - 1)
+        assert state == "FINISHED_ERROR" and count == 0 and trace.output_tokens == []
+        return
+    assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
     assert kv_equal(p, "req-hybrid", c, "req-hybrid", len(PROMPT))
 
 
