@@ -199,22 +199,28 @@ class KvcsumCombinedStats(KVConnectorStats):
 # --- Helpers -------------------------------------------------------------------
 
 
-def _inner_config(vllm_config: "VllmConfig") -> "VllmConfig":
-    """A copy of vllm_config whose kv_transfer_config is the inner entry's."""
-    ktc = vllm_config.kv_transfer_config
+def _inner_transfer_config(ktc: "KVTransferConfig") -> "KVTransferConfig":
+    """The inner entry of kv_connector_extra_config as a KVTransferConfig,
+    with kv_role, kv_load_failure_policy, engine_id and the transport fields
+    taken from the outer config unless the entry sets them."""
     entry = dict((ktc.kv_connector_extra_config or {}).get("inner") or {})
     if not entry.get("kv_connector"):
         raise ValueError(
             'KvcsumConnector needs kv_connector_extra_config {"inner": {"kv_connector": ...}}: the connector it wraps'
         )
-    entry.setdefault("kv_role", ktc.kv_role)
+    entry.setdefault("kv_role", ktc.kv_role or "kv_both")
     entry.setdefault("kv_load_failure_policy", ktc.kv_load_failure_policy)
     for field in ("kv_rank", "kv_parallel_size", "kv_ip", "kv_port", "kv_buffer_device", "kv_buffer_size"):
         if field not in entry and getattr(ktc, field, None) is not None:
             entry[field] = getattr(ktc, field)
-    engine_id = entry.pop("engine_id", ktc.engine_id)
+    entry.setdefault("engine_id", ktc.engine_id)
+    return KVTransferConfig(**entry)
+
+
+def _inner_config(vllm_config: "VllmConfig") -> "VllmConfig":
+    """A copy of vllm_config whose kv_transfer_config is the inner entry's."""
     inner = copy.copy(vllm_config)
-    inner.kv_transfer_config = KVTransferConfig(**entry, engine_id=engine_id)
+    inner.kv_transfer_config = _inner_transfer_config(vllm_config.kv_transfer_config)
     return inner
 
 
@@ -412,8 +418,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: "KVTransferConfig") -> bool:
-        entry = dict((kv_transfer_config.kv_connector_extra_config or {}).get("inner") or {})
-        inner = KVTransferConfig(**{"engine_id": kv_transfer_config.engine_id, **entry})
+        inner = _inner_transfer_config(kv_transfer_config)
         return KVConnectorFactory.get_connector_class(inner).supports_sleep_mode(inner)
 
     @classmethod
@@ -424,7 +429,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         entry = dict((extra_config or {}).get("inner") or {})
-        inner_cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**entry))
+        inner_cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**{"kv_role": "kv_both", **entry}))
         return inner_cls.requires_piecewise_for_cudagraph(entry.get("kv_connector_extra_config", {}))
 
     @classmethod

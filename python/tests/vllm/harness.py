@@ -166,6 +166,7 @@ class Engine:
         num_blocks: int = 64,
         max_batched_tokens: int = 512,
         wrap: bool = True,
+        load_mode: str = "async",
     ):
         global _hash_ready
         if not _hash_ready:
@@ -175,7 +176,7 @@ class Engine:
         inner = {
             "kv_connector": "StoreConnector",
             "kv_connector_module_path": "store_connector",
-            "kv_connector_extra_config": {"store_dir": store_dir},
+            "kv_connector_extra_config": {"store_dir": store_dir, "load_mode": load_mode},
         }
         if wrap:
             ktc = KVTransferConfig(

@@ -46,6 +46,10 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._dir = extra["store_dir"]
+        # "async" (as NIXL: the request waits while its KV arrives) or "sync"
+        # (as LMCache: the KV is loaded in the step that computes the rest).
+        self._sync = extra.get("load_mode", "async") == "sync"
+        self._matched: dict = {}
         self._groups = {
             g: kv_cache_config.kv_cache_groups[g] for g in kv_cache_config.transfer_group_ids
         }
@@ -63,19 +67,18 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         params = request.kv_transfer_params or {}
         if params.get("do_remote_prefill") and params.get("remote_num_tokens"):
+            self._matched[request.request_id] = num_computed_tokens
+            if self._sync:
+                # A sync load leaves the prompt's last token to compute.
+                return max(0, int(params["remote_num_tokens"]) - 1 - num_computed_tokens), False
             return max(0, int(params["remote_num_tokens"]) - num_computed_tokens), True
         return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         params = request.kv_transfer_params or {}
         if num_external_tokens > 0 and params.get("do_remote_prefill"):
-            self._pending_loads[request.request_id] = (
-                params["remote_request_id"],
-                request.num_computed_tokens - num_external_tokens
-                if request.num_computed_tokens >= num_external_tokens
-                else 0,
-                int(params["remote_num_tokens"]),
-            )
+            first = self._matched.pop(request.request_id, 0)
+            self._pending_loads[request.request_id] = (params["remote_request_id"], first, first + num_external_tokens)
             params["do_remote_prefill"] = False
 
     def get_loaded_kv_cache_group_ids(self, request):
@@ -157,7 +160,8 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
                         raw[3] ^= 0x10
                         CORRUPT["done"] = CORRUPT.get("done", 0) + 1
                     cache[blocks, h, offsets] = stored
-            self._done.add(req_id)
+            if not self._sync:
+                self._done.add(req_id)
             self.loads_done += 1
 
     def wait_for_layer_load(self, layer_name: str) -> None:

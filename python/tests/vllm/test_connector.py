@@ -69,9 +69,9 @@ def verdict(engine: Engine, req_id: str) -> tuple:
 
 
 def recomputed(trace, prompt_len: int) -> tuple[int, int]:
-    """(prompt tokens vLLM computed on the consumer, first position computed)."""
-    count = sum(max(0, min(start + n, prompt_len) - start) for start, n in trace.scheduled)
-    return count, trace.scheduled[0][0] if trace.scheduled else -1
+    """(prompt tokens vLLM computed on the consumer, the first of them)."""
+    runs = [(start, min(start + n, prompt_len) - start) for start, n in trace.scheduled if start < prompt_len]
+    return sum(n for _, n in runs), min((start for start, _ in runs), default=-1)
 
 
 def totals(engine: Engine) -> dict:
@@ -241,6 +241,27 @@ def test_hybrid_two_groups(store, corrupt, policy):
         return
     assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
     assert kv_equal(p, "req-hybrid", c, "req-hybrid", len(PROMPT))
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_sync_load(store, corrupt):
+    # The wrapped connector loads inside the step (as LMCache may): the load
+    # is judged after that step, and its blocks go back to vLLM one step later.
+    p, c = producer(store), consumer(store, load_mode="sync")
+    params = prefill(p, "req-sync")
+    if corrupt:
+        store_connector.CORRUPT.update(token=20, layer="model.layers.0.self_attn.attn", head=0)
+    trace = decode(c, "req-sync", params)
+    name, count, first, state = show(f"sync load, {'corrupted' if corrupt else 'intact'}, policy recompute", c, "req-sync")
+    assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
+    if corrupt:
+        assert name == kvcsum.MISMATCH
+        # The step after the load: vLLM rewinds to the bad block's first token.
+        starts = [start for start, _ in trace.scheduled]
+        assert starts[0] == len(PROMPT) - 1 and 16 in starts[1:], trace.scheduled
+        assert kv_equal(p, "req-sync", c, "req-sync", len(PROMPT))
+    else:
+        assert name == kvcsum.MATCH and (count, first) == (1, len(PROMPT) - 1)
 
 
 def test_preempted_request(store):
