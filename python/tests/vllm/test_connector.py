@@ -97,7 +97,8 @@ def show(case: str, engine: Engine, req_id: str, prompt_len: int = len(PROMPT)) 
     count, first = recomputed(trace, prompt_len)
     state = engine.request_status(req_id)
     label = names[name] + (f" ({reason})" if reason else "")
-    computed = f"computed {count} of {prompt_len} prompt tokens again from token {first}" if count else "computed no prompt token"
+    runs = [f"{start}..{min(start + n, prompt_len) - 1}" for start, n in trace.scheduled if start < prompt_len]
+    computed = f"computed prompt tokens {', then '.join(runs)} ({count} of {prompt_len})" if count else "computed no prompt token"
     print(
         f"\nCASE {case:<44} | {label:<26} | vLLM {computed}, request {state}, "
         f"{len(trace.output_tokens)} tokens out | stats {totals(engine)}",
@@ -281,6 +282,35 @@ def test_preempted_request(store):
     name, count, first, state = show("preempted on the producer, then computed again", c, "req-pre")
     assert name == kvcsum.MATCH and (count, first) == (1, len(PROMPT) - 1)
     assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
+
+
+def test_records_after_the_request_left(store):
+    # Every producer case above takes its records after request_finished (in
+    # the same scheduler update, which still fills the params). Here one
+    # worker's record comes a step later, after the request's output left:
+    # the request goes without checksums, and the late record is dropped.
+    p = producer(store)
+    rank1 = p.ranks[1].connector
+    original = rank1.build_connector_worker_meta
+    held = []
+
+    def one_step_late():
+        meta = original()
+        if meta is not None and meta.notes and not held:
+            held.append(meta)
+            return None
+        return held.pop() if held and held[0] is not meta else meta
+
+    rank1.build_connector_worker_meta = one_step_late
+    p.add_request("req-late", PROMPT, 1, {"do_remote_decode": True})
+    p.run()
+    p.step()  # the late record arrives
+    params = dict(p.traces["req-late"].kv_transfer_params)
+    assert "kv_checksums" not in params and totals(p).get("payloads_missing") == 1
+    c = consumer(store, extra={"unverified": "log"})
+    decode(c, "req-late", params)
+    name, count, first, state = show("a worker's record one step late (producer)", c, "req-late")
+    assert name == kvcsum.UNVERIFIED and verdict(c, "req-late")[1] == "NO_CHECKSUMS"
 
 
 def test_aborted_request_gets_no_payload(store):
