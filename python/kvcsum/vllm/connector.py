@@ -994,9 +994,11 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
                 payload = _rewrite_fingerprints(kvcsum.base64_decode(payload), replace)
             except Exception:  # noqa: BLE001 - left for the verifier to judge
                 payload = load.payload
-        for group, size in producer_sizes.items():
-            if group in self._block_sizes:
-                self._consumer.set_producer_block_size(group, size)
+        # The verifier keeps one producer block size per group: set every
+        # group's for this load (its own where the producer did not say, as
+        # a vLLM fork producer does not).
+        for group, own in self._block_sizes.items():
+            self._consumer.set_producer_block_size(group, producer_sizes.get(group, own))
         with self._consumer.check(req_id, payload) as report:
             verdict, message = report.verdict, report.message
             reason = ""

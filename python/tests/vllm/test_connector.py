@@ -219,6 +219,24 @@ def test_payload_of_another_request(store, unverified):
         assert state == "FINISHED_LENGTH_CAPPED" and (count, first) == (1, len(PROMPT) - 1)
 
 
+@pytest.mark.parametrize("same_block_size", [True, False])
+def test_payload_alone_as_the_vllm_fork_sends_it(store, same_block_size):
+    # A vLLM fork producer sends the payload alone (no kv_checksums_info):
+    # equal block sizes verify; different ones cannot (the fork's
+    # fingerprints include the block size), so the load is unverified.
+    p = producer(store, block_size=C_BLOCK if same_block_size else P_BLOCK)
+    c = consumer(store, extra={"unverified": "log"})
+    params = prefill(p, "req-fork")
+    params.pop("kv_checksums_info")
+    decode(c, "req-fork", params)
+    label = "equal" if same_block_size else "different"
+    name, count, first, state = show(f"payload alone (vLLM fork), {label} block sizes", c, "req-fork")
+    if same_block_size:
+        assert name == kvcsum.MATCH
+    else:
+        assert name == kvcsum.UNVERIFIED and verdict(c, "req-fork")[1] == "FINGERPRINT_DIFFERS"
+
+
 @pytest.mark.parametrize("corrupt,policy", [(False, "recompute"), (True, "recompute"), (True, "fail")])
 def test_hybrid_two_groups(store, corrupt, policy):
     p = producer(store, sliding_window=64)
