@@ -6,8 +6,10 @@
 #                 install test (C and C++ programs against an installed
 #                 tree, the dlopen example), the Python tests, the host
 #                 end-to-end test over NIXL and over Mooncake's Transfer
-#                 Engine, and a bounded fuzz run of the decoders; fetches
-#                 what they need into build/
+#                 Engine, the vLLM tests (KvcsumConnector inside vLLM
+#                 0.33.0's scheduler and worker glue, on the CPU) and a
+#                 bounded fuzz run of the decoders; fetches what they need
+#                 into build/
 #   make install  install under PREFIX (default /usr/local; DESTDIR honoured):
 #                 libkvcsum.so.X.Y.Z with SONAME libkvcsum.so.X, libkvcsum.a,
 #                 kvcsum.h, kvcsum.hpp, kvcsum.pc, kvcsum-static.pc and the
@@ -85,7 +87,7 @@ $(LIB): FORCE
 demo: $(BUILD)/demo
 	$(BUILD)/demo
 
-test: test-deps rust-test kernel-test c-test demo-test install-test python-test e2e-test fuzz
+test: test-deps rust-test kernel-test c-test demo-test install-test python-test e2e-test vllm-test fuzz
 
 # What the tests need beyond the toolchain, all under build/: a venv with
 # msgspec (payload compatibility test), numpy and pytest (Python tests);
@@ -151,6 +153,36 @@ e2e-test: lib $(VENV)/.nixl $(VENV)/.mooncake
 	$(E2E_ENV) NIXL_LOG_LEVEL=WARN $(VENV_PY) examples/python/nixl_transfer.py
 	$(E2E_ENV) $(VENV_PY) python/tests/e2e/mooncake_host.py
 	$(E2E_ENV) $(VENV_PY) examples/python/mooncake_transfer.py
+
+# The vLLM tests (python/tests/vllm): kvcsum.vllm.KvcsumConnector wrapping a
+# small P/D connector in two engines of one process, each with vLLM's real
+# Scheduler and one worker connector per TP rank driven through vLLM's worker
+# glue, KV caches in CPU memory; and the connector's worker part (torch
+# only) over every attention backend's layout. vLLM 0.33.0 goes into a venv
+# of its own, build/vllm-venv: torch 2.14.0 with its CUDA libraries, vLLM
+# itself without its dependencies, and the few packages the scheduler and
+# worker glue import, pinned by python/tests/vllm/constraints.txt (about
+# 6.6 GB). gpu_worker_check.py in the same folder is for a GPU machine.
+VLLM_VERSION := 0.33.0
+VLLM_VENV := $(BUILD)/vllm-venv
+VLLM_PY := $(abspath $(VLLM_VENV))/bin/python
+VLLM_PIP := $(VLLM_PY) -m pip --disable-pip-version-check --cache-dir $(abspath $(BUILD))/pip-cache
+VLLM_CONSTRAINTS := python/tests/vllm/constraints.txt
+VLLM_PACKAGES := torch==2.14.0 numpy packaging pydantic regex cbor2 psutil pyzmq urllib3 transformers \
+	aiohttp requests openai-harmony openai pillow pybase64 cachetools msgspec cloudpickle uvloop py-cpuinfo \
+	prometheus_client xgrammar fastapi partial-json-parser llguidance einops pytest
+
+$(VLLM_VENV)/.installed: $(VLLM_CONSTRAINTS) | $(BUILD)
+	rm -rf $(VLLM_VENV)
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install --quiet -c $(VLLM_CONSTRAINTS) $(VLLM_PACKAGES)
+	$(VLLM_PIP) install --quiet --no-deps vllm==$(VLLM_VERSION)
+	touch $@
+
+.PHONY: vllm-test
+vllm-test: lib $(VLLM_VENV)/.installed
+	cd $(BUILD) && $(E2E_ENV) VLLM_LOGGING_LEVEL=WARNING PYTHONWARNINGS=ignore $(VLLM_PY) -m pytest -q -s \
+	  -p no:cacheprovider -p no:warnings -p no:logging $(abspath python/tests/vllm)
 
 c-test: $(BUILD)/c_tests
 	$(ASAN_ENV) $(BUILD)/c_tests

@@ -1,0 +1,373 @@
+"""The worker part of kvcsum's vLLM connector: kvcsum workers over vLLM's own
+KV cache tensors. It needs torch and kvcsum, never vLLM, so that it runs
+(and is tested) on a GPU machine that has torch alone.
+
+The connector (kvcsum.vllm.connector) turns vLLM's KV cache config into
+`LayerSpec`s, one per layer of this worker, and hands them with the tensors
+vLLM passed to `register_kv_caches` to `CacheChecksummer`, which
+
+- registers every layer with a kvcsum worker in the layout its tensor has:
+  vLLM's per-layer views `[blocks, heads, tokens, K+V]` under any stride
+  order (LBNHC, LBHNC, the block-outermost ones), FlashAttention's
+  `[2, blocks, tokens, heads, head_size]`, FlashInfer's
+  `[blocks, 2, tokens, heads, head_size]` (HND through its strides), MLA's
+  `[blocks, tokens, latent]` and `[blocks, 1, tokens, latent]`, and
+  caches split into kernel blocks (more blocks in the tensor than the
+  manager has, each manager block one run of them);
+- gives each layer the identity the vLLM fork fingerprints
+  (`repr((layer_name, spec_type, block_size, dtype))`, SPEC section 7), so
+  payloads interoperate with it; layers that share another layer's cache
+  (KV sharing) count in the fingerprint and are checksummed once, under the
+  lowest layer number, as the fork does;
+- uses a host worker for CPU tensors and a device worker for CUDA tensors,
+  queueing on torch's current stream;
+- declares the groups it cannot checksum (state layers, packed head slots,
+  layers without one layer number in their name) as skipped, with the
+  reason, so the verifier knows their sums are partial.
+
+`checksum(jobs, role)` checksums a list of `Job`s (a request's token count
+and its block ids per group) and returns the worker's record (bytes, for
+the scheduler's kvcsum.Verifier) once `record()` is called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from typing import Iterable, Mapping, Sequence
+
+import kvcsum
+
+__all__ = [
+    "LayerSpec",
+    "Job",
+    "CacheChecksummer",
+    "PendingRecord",
+    "identity",
+    "layer_fingerprint",
+    "layer_number",
+    "NULL_BLOCK_ID",
+]
+
+#: vLLM's null block (the block pool's block 0): a position whose KV is not
+#: held (outside a sliding window).
+NULL_BLOCK_ID = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """One layer of a worker, as the connector read it from vLLM's config.
+
+    `num_kv_heads` is this rank's count (vLLM's spec after the TP split);
+    `total_kv_heads` is the model's (needed where a rank holds one head:
+    replicated or not). `kind` is "attention" for layers with per-token KV
+    blocks; any other kind (e.g. "state" for Mamba) is skipped with
+    `unsupported` as the reason.
+    """
+
+    name: str
+    group_id: int
+    spec_type: str
+    block_size: int
+    dtype: str
+    num_kv_heads: int = 1
+    head_size: int = 0
+    head_size_v: int = 0
+    is_mla: bool = False
+    total_kv_heads: int | None = None
+    kind: str = "attention"
+    unsupported: str = ""
+
+
+@dataclasses.dataclass
+class Job:
+    """A request's blocks to checksum: `num_tokens` tokens of KV, and per
+    group `(first_position, block_ids)`."""
+
+    req_id: str
+    num_tokens: int
+    groups: dict
+
+    def to_blocks(self, blocks: "kvcsum.Blocks") -> None:
+        blocks.add_request(self.req_id, self.num_tokens)
+        for group_id, (first_position, block_ids) in sorted(self.groups.items()):
+            blocks.add_group(self.req_id, int(group_id), list(block_ids), int(first_position))
+
+
+def identity(layer_name: str, spec_type: str, block_size: int, dtype: str) -> bytes:
+    """The vLLM fork's identity of a layer: the repr of
+    `(layer_name, spec_type, block_size, dtype)`."""
+    return repr((layer_name, spec_type, int(block_size), str(dtype))).encode()
+
+
+def layer_fingerprint(layer_name: str, spec_type: str, block_size: int, dtype: str) -> int:
+    """First 8 bytes, little-endian, of the SHA-256 of the identity."""
+    digest = hashlib.sha256(identity(layer_name, spec_type, block_size, dtype)).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+_NUMBER = re.compile(r"^\d+$")
+
+
+def layer_number(layer_name: str) -> int:
+    """The one integer among a layer name's dot-separated parts
+    ("model.layers.7.self_attn.attn" -> 7); ValueError when there is not
+    exactly one."""
+    numbers = [int(part) for part in layer_name.split(".") if _NUMBER.match(part)]
+    if len(numbers) != 1:
+        raise ValueError(f"layer {layer_name!r} has {len(numbers)} numbers in its name, not one")
+    return numbers[0]
+
+
+def _is_cuda(tensor) -> bool:
+    return getattr(getattr(tensor, "device", None), "type", "cpu") == "cuda"
+
+
+def _describe(tensor, spec: LayerSpec, num_blocks: int):
+    """(layout, kernel_blocks) of a layer's cache tensor; ValueError when the
+    shape is not one vLLM uses for this spec."""
+    shape = tuple(int(n) for n in tensor.shape)
+    item = int(tensor.element_size())
+    heads = 1 if spec.is_mla else spec.num_kv_heads
+    content = spec.head_size + spec.head_size_v
+    tokens = spec.block_size
+
+    def kernel_blocks(count: int) -> int:
+        if count % num_blocks:
+            raise ValueError(f"its {count} blocks are not a multiple of the {num_blocks} manager blocks")
+        ratio = count // num_blocks
+        if tokens % ratio:
+            raise ValueError(f"{ratio} kernel blocks do not split {tokens}-token blocks")
+        return ratio
+
+    candidates = []
+    if len(shape) == 4:
+        # vLLM's per-layer view [B, H, N, C] (C: K then V of a head's token).
+        B, H, N, C = shape
+        if H == heads and C * item == content * _dtype_bytes(spec, item):
+            candidates.append(("BHTD", B, N))
+    if len(shape) == 5 and shape[0] == 2:
+        # FlashAttention [2, B, N, H, D].
+        _, B, N, H, D = shape
+        if H == heads and D == spec.head_size == spec.head_size_v:
+            candidates.append(("KBTHD", B, N))
+    if len(shape) == 5 and shape[1] == 2:
+        # FlashInfer [B, 2, N, H, D] (HND through its strides).
+        B, _, N, H, D = shape
+        if H == heads and D == spec.head_size == spec.head_size_v:
+            candidates.append(("BKTHD", B, N))
+    if len(shape) == 3 and spec.is_mla:
+        # MLA [B, N, latent].
+        B, N, C = shape
+        if C == content:
+            candidates.append(("BTD", B, N))
+    for layout, count, per_kernel_block in candidates:
+        if count % num_blocks:
+            continue
+        ratio = kernel_blocks(count)
+        if ratio * per_kernel_block == tokens:
+            return layout, ratio
+    raise ValueError(
+        f"its cache of shape {shape} is no layout kvcsum knows for {heads} heads, "
+        f"{tokens}-token blocks and {content}-element cells over {num_blocks} blocks"
+    )
+
+
+def _dtype_bytes(spec: LayerSpec, item: int) -> int:
+    """Bytes of one cache element of `spec` (the tensor's own when unknown)."""
+    sizes = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "uint8": 1, "int8": 1, "fp8": 1}
+    text = str(spec.dtype).replace("torch.", "")
+    for name, size in sizes.items():
+        if text.startswith(name):
+            return size
+    return item
+
+
+@dataclasses.dataclass
+class PendingRecord:
+    """A checksum call in flight: its result becomes the record."""
+
+    result: "kvcsum.Result"
+    req_ids: tuple
+
+    def ready(self) -> bool:
+        return self.result.ready()
+
+    def record(self) -> bytes:
+        """The worker's record (waits for a device result)."""
+        try:
+            self.result.wait()
+            return self.result.encode()
+        finally:
+            self.result.close()
+
+
+class CacheChecksummer:
+    """kvcsum workers over one vLLM worker's KV caches.
+
+    Args:
+        layers: every layer of this worker (LayerSpec), in any order.
+        kv_caches: the tensors vLLM passed to register_kv_caches, by name.
+        num_blocks: the KV cache manager's block count.
+        group_block_sizes: {group_id: block_size} of every transfer group.
+        tp_rank, tp_size, pp_rank: this worker's place.
+        num_threads: host worker threads (0: the library's default).
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[LayerSpec],
+        kv_caches: Mapping[str, object],
+        num_blocks: int,
+        group_block_sizes: Mapping[int, int],
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        num_threads: int = 0,
+    ):
+        self.tp_rank, self.tp_size, self.pp_rank = tp_rank, tp_size, pp_rank
+        self.skipped: dict[int, str] = {}
+        self.fingerprints: dict[int, int] = {}
+        self.group_block_sizes = dict(group_block_sizes)
+        present = [spec for spec in layers if spec.name in kv_caches]
+        tensors = [kv_caches[spec.name] for spec in present]
+        # The worker reads these tensors' memory: keep them alive with it.
+        self._tensors = tensors
+        devices = {(t.device.type, t.device.index) for t in tensors if _is_cuda(t)}
+        if len(devices) > 1:
+            raise ValueError(f"the KV caches are on several devices: {sorted(devices)}")
+        self.device = next(iter(devices))[1] if devices else kvcsum.HOST
+        if devices and any(not _is_cuda(t) for t in tensors):
+            raise ValueError("the KV caches are partly on a CUDA device, partly on the host")
+        if self.device != kvcsum.HOST and self.device is None:
+            self.device = 0
+        self.worker = kvcsum.Worker(
+            tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, device=self.device, num_threads=num_threads
+        )
+        self.layers_registered = 0
+        self._register(present, kv_caches, num_blocks)
+
+    # --- registration ----------------------------------------------------------
+
+    def _register(self, layers: Sequence[LayerSpec], kv_caches, num_blocks: int) -> None:
+        worker = self.worker
+        by_group: dict[int, list[LayerSpec]] = {}
+        for spec in layers:
+            by_group.setdefault(spec.group_id, []).append(spec)
+        for group_id, block_size in sorted(self.group_block_sizes.items()):
+            worker.add_group(group_id, block_size)
+        regions = {}
+        for group_id, specs in sorted(by_group.items()):
+            try:
+                plan = self._plan_group(group_id, specs, kv_caches, num_blocks)
+            except ValueError as error:
+                reason = str(error)
+                worker.skip_group(group_id, reason)
+                self.skipped[group_id] = reason
+                continue
+            for tensor in plan["tensors"]:
+                storage = tensor.untyped_storage()
+                regions[storage.data_ptr()] = storage.nbytes()
+            for address, length in sorted(regions.items()):
+                worker.add_region(address, length)
+            regions.clear()
+            for layer in plan["layers"]:
+                worker.add_layer(layer)
+                self.layers_registered += 1
+            for number, target, ident in plan["aliases"]:
+                worker.add_alias(group_id, number, target, ident)
+            self.fingerprints[group_id] = sum(
+                layer_fingerprint(s.name, s.spec_type, s.block_size, s.dtype) for s in specs
+            ) % 2**64
+
+    def _plan_group(self, group_id: int, specs: list, kv_caches, num_blocks: int) -> dict:
+        """The kvcsum layers and aliases of one group; ValueError names why
+        the group cannot be checksummed."""
+        block_size = self.group_block_sizes.get(group_id)
+        caches: dict = {}  # (data_ptr, strides, shape) -> [numbers, spec, tensor, identities]
+        for spec in specs:
+            if spec.kind != "attention":
+                raise ValueError(spec.unsupported or f"layer {spec.name} is a {spec.spec_type}, not attention")
+            if spec.unsupported:
+                raise ValueError(spec.unsupported)
+            if block_size is not None and spec.block_size != block_size:
+                raise ValueError(f"layer {spec.name} has {spec.block_size}-token blocks, its group {block_size}")
+            tensor = kv_caches[spec.name]
+            number = layer_number(spec.name)
+            key = (int(tensor.data_ptr()), tuple(tensor.stride()), tuple(tensor.shape))
+            ident = identity(spec.name, spec.spec_type, spec.block_size, spec.dtype)
+            entry = caches.setdefault(key, {"numbers": [], "spec": spec, "tensor": tensor, "idents": []})
+            entry["numbers"].append(number)
+            entry["idents"].append((number, ident))
+        layers, aliases, used = [], [], set()
+        for entry in caches.values():
+            spec, tensor = entry["spec"], entry["tensor"]
+            target = min(entry["numbers"])
+            if target in used:
+                raise ValueError(f"two of its KV caches share layer number {target}")
+            used.add(target)
+            layout, kernel_blocks = _describe(tensor, spec, num_blocks)
+            first_head, replicas, replica_index = self._heads(spec)
+            target_ident = next(i for n, i in entry["idents"] if n == target)
+            layers.append(
+                kvcsum.layer(
+                    tensor,
+                    layout,
+                    layer_number=target,
+                    group_id=group_id,
+                    first_head=first_head,
+                    kernel_blocks=kernel_blocks,
+                    replicas=replicas,
+                    replica_index=replica_index,
+                    identity=target_ident,
+                )
+            )
+            for number, ident in entry["idents"]:
+                if ident is not target_ident:
+                    aliases.append((number, target, ident))
+        return {"layers": layers, "aliases": aliases, "tensors": [e["tensor"] for e in caches.values()]}
+
+    def _heads(self, spec: LayerSpec) -> tuple[int, int, int]:
+        """(first global head, replicas, replica index) of this rank's heads."""
+        tp, rank = self.tp_size, self.tp_rank
+        if spec.is_mla:
+            return 0, tp, rank
+        local = spec.num_kv_heads
+        total = spec.total_kv_heads
+        if total is None:
+            if local > 1 or tp == 1:
+                total = local * tp
+            else:
+                raise ValueError(
+                    f"layer {spec.name}: one KV head per rank, and the model's KV head count is unknown"
+                )
+        heads = kvcsum.rank_heads(rank, tp, total)
+        if len(heads) != local:
+            raise ValueError(
+                f"layer {spec.name}: rank {rank} of {tp} should hold {len(heads)} of {total} KV heads, its cache holds {local}"
+            )
+        replicas = max(1, tp // total) if tp > total else 1
+        return heads.start, replicas, rank % replicas
+
+    # --- checksums ---------------------------------------------------------------
+
+    def checksum(self, jobs: Iterable[Job], role: int, cuda_stream: int | None = None) -> PendingRecord | None:
+        """Checksums (host) or queues (device, on `cuda_stream` or torch's
+        current stream) the jobs' blocks; None when there are none."""
+        jobs = [job for job in jobs]
+        if not jobs:
+            return None
+        with kvcsum.Blocks() as blocks:
+            for job in jobs:
+                job.to_blocks(blocks)
+            if self.device != kvcsum.HOST and cuda_stream is None:
+                import torch
+
+                cuda_stream = torch.cuda.current_stream(self.device).cuda_stream
+            result = self.worker.checksum(blocks, role, cuda_stream)
+        return PendingRecord(result, tuple(job.req_id for job in jobs))
+
+    def close(self) -> None:
+        self.worker.close()

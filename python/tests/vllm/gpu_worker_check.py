@@ -1,0 +1,140 @@
+"""The worker part of kvcsum's vLLM connector on a GPU, with torch alone (no
+vLLM): device workers over CUDA tensors in every layout vLLM's attention
+backends use, on torch's current stream, must give the values host workers
+give over the same bytes in host memory, and the same as the reference
+layout's.
+
+Not run by `make test` (no GPU there). On a machine with a CUDA GPU, torch
+and a built kvcsum:
+
+    KVCSUM_LIBRARY=$PWD/target/release/libkvcsum.so PYTHONPATH=$PWD/python \\
+        python3 python/tests/vllm/gpu_worker_check.py
+
+Prints one line per check and "N passed, 0 failed"; exits non-zero on any
+failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import kvcsum  # noqa: E402
+from kvcsum.vllm.worker import Job  # noqa: E402
+from layouts import LAYOUTS, MLA_LAYOUTS, checksummer, jobs, lay_out, layer_specs, logical_caches  # noqa: E402
+
+NUM_LAYERS, NUM_BLOCKS, HEADS, BLOCK, HEAD = 3, 64, 8, 16, 64
+
+
+def _values(worker, role, job_list, stream=None) -> dict:
+    pending = worker.checksum(job_list, role, cuda_stream=stream)
+    result = pending.result
+    result.wait()
+    out = {}
+    for job in job_list:
+        for key, column in result.columns(job.req_id, 0).items():
+            out[(job.req_id, key)] = column.copy()
+    record = result.encode()
+    result.close()
+    return out, record
+
+
+def _jobs():
+    many = [Job(f"r{i}", 16 * (i % 5) + 7 + i, {0: (0, list(range(3 * i, 3 * i + 1 + (16 * (i % 5) + 7 + i) // 16)))}) for i in range(12)]
+    return jobs(BLOCK) + many
+
+
+def check_layout(layout: str, role: int, mla: bool = False) -> str:
+    heads = 1 if mla else HEADS
+    logical = logical_caches(NUM_LAYERS, NUM_BLOCKS, heads, BLOCK, 2 * HEAD, seed=11)
+    specs = layer_specs(NUM_LAYERS, BLOCK, heads, HEAD, mla=mla)
+    reference_layout = "MLA" if mla else "LBHNC"
+    reference, _ = _values(checksummer(specs, lay_out(logical, reference_layout), NUM_BLOCKS, BLOCK), role, _jobs())
+    host, host_record = _values(checksummer(specs, lay_out(logical, layout), NUM_BLOCKS, BLOCK), role, _jobs())
+    device_caches = lay_out(logical, layout, device="cuda")
+    device_worker = checksummer(specs, device_caches, NUM_BLOCKS, BLOCK)
+    assert device_worker.device == torch.cuda.current_device(), device_worker.device
+    # The KV arrives on torch's current stream (a side stream here), behind a
+    # long kernel: the checksum, queued on that stream, must see it, not the
+    # zeros the caches hold until then.
+    saved = [cache.clone() for cache in device_caches]
+    for cache in device_caches:
+        cache.zero_()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)
+        for cache, source in zip(device_caches, saved):
+            cache.copy_(source)
+        device, device_record = _values(device_worker, role, _jobs())
+    torch.cuda.synchronize()
+    assert device.keys() == host.keys() == reference.keys()
+    for key in reference:
+        assert (host[key] == reference[key]).all(), f"host {layout} differs from {reference_layout} at {key}"
+        assert (device[key] == host[key]).all(), f"device {layout} differs from host at {key}"
+    assert device_record == host_record, "device and host records differ"
+    return f"{sum(len(v) for v in device.values())} values equal (device, host, {reference_layout})"
+
+
+def check_tp_on_device() -> str:
+    """TP 2 ranks on the device add up to TP 1 on the host (payload bytes)."""
+    logical = logical_caches(NUM_LAYERS, NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD, seed=13)
+    whole = checksummer(layer_specs(NUM_LAYERS, BLOCK, HEADS, HEAD), lay_out(logical, "LBNHC"), NUM_BLOCKS, BLOCK)
+    records = [whole.checksum(_jobs(), kvcsum.PRODUCER).record()]
+    expected = _payloads(records, 1)
+    records = []
+    for rank in range(2):
+        shard = [t[:, rank * HEADS // 2 : (rank + 1) * HEADS // 2] for t in logical]
+        specs = layer_specs(NUM_LAYERS, BLOCK, HEADS // 2, HEAD, total_kv_heads=HEADS)
+        worker = checksummer(specs, lay_out(shard, "FI", device="cuda"), NUM_BLOCKS, BLOCK, tp_rank=rank, tp_size=2)
+        records.append(worker.checksum(_jobs(), kvcsum.PRODUCER).record())
+    got = _payloads(records, 2)
+    assert got == expected
+    return f"{len(got)} payloads equal"
+
+
+def _payloads(records, num_workers):
+    out = []
+    with kvcsum.Verifier(num_workers) as verifier, kvcsum.Blocks() as blocks:
+        for job in _jobs():
+            job.to_blocks(blocks)
+        verifier.expect(blocks, kvcsum.PRODUCER)
+        for record in records:
+            verifier.add_record(record)
+        for job in _jobs():
+            out.append(verifier.payload(job.req_id))
+    return out
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing checked")
+        print("0 passed, 1 failed")
+        return 1
+    print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}; kvcsum {kvcsum.version()}", flush=True)
+    checks = []
+    for role in (kvcsum.PRODUCER, kvcsum.CONSUMER):
+        for layout in LAYOUTS:
+            checks.append((f"{layout} {'producer' if role == kvcsum.PRODUCER else 'consumer'}", lambda l=layout, r=role: check_layout(l, r)))
+        for layout in MLA_LAYOUTS:
+            checks.append((f"{layout} {'producer' if role == kvcsum.PRODUCER else 'consumer'}", lambda l=layout, r=role: check_layout(l, r, mla=True)))
+    checks.append(("TP 2 on the device = TP 1 on the host", check_tp_on_device))
+    passed = failed = 0
+    for name, check in checks:
+        try:
+            print(f"ok    {name}: {check()}", flush=True)
+            passed += 1
+        except Exception:  # noqa: BLE001 - report each check
+            print(f"FAIL  {name}:\n{traceback.format_exc()}", flush=True)
+            failed += 1
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

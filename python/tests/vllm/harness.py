@@ -1,0 +1,386 @@
+"""Two vLLM engines in one process, on the CPU: each with vLLM's real
+Scheduler and, per TP rank, a worker connector driven through vLLM's worker
+glue (KVConnectorModelRunnerMixin), over KV caches vLLM itself lays out
+(allocate_kv_cache) in CPU memory. The model is a stand-in: a tiny Llama
+config.json (no weights, no tokenizer) and a "forward" that writes, for each
+scheduled token, KV that depends only on the token, its position, the layer
+and the global head, so a recomputed token gets the same KV again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed import parallel_state  # noqa: E402
+from vllm.distributed.kv_transfer import kv_transfer_state  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.forward_context import set_forward_context  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+# Every connector vLLM builds says that its API is experimental: once is enough.
+import logging  # noqa: E402
+
+logging.getLogger("vllm.distributed.kv_transfer.kv_connector.v1.base").addFilter(
+    lambda record: "Initializing KVConnectorBase_V1" not in record.getMessage()
+)
+
+NUM_LAYERS = 4
+TOTAL_KV_HEADS = 4
+HEAD_SIZE = 16
+DTYPE = torch.float16
+EOS = 2
+
+_hash_ready = False
+
+
+def model_dir() -> str:
+    """A model directory holding only a tiny Llama config.json."""
+    path = os.path.join(tempfile.gettempdir(), f"kvcsum-vllm-tiny-llama-{os.getpid()}")
+    os.makedirs(path, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": TOTAL_KV_HEADS,
+        "head_dim": HEAD_SIZE,
+        "num_hidden_layers": NUM_LAYERS,
+        "vocab_size": 1024,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": "float16",
+        "bos_token_id": 1,
+        "eos_token_id": EOS,
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def layer_name(i: int) -> str:
+    return f"model.layers.{i}.self_attn.attn"
+
+
+def sampled_token(position: int) -> int:
+    """The stand-in model's next token after `position` tokens."""
+    return 100 + (position * 37) % 800
+
+
+@contextlib.contextmanager
+def place(tp_rank: int, tp_size: int):
+    """vLLM's parallel state as one TP rank sees it (one process plays all)."""
+
+    class _PP:
+        rank_in_group = 0
+        world_size = 1
+
+    saved = (
+        parallel_state.get_tensor_model_parallel_rank,
+        parallel_state.get_tensor_model_parallel_world_size,
+        parallel_state.get_pp_group,
+    )
+    parallel_state.get_tensor_model_parallel_rank = lambda: tp_rank
+    parallel_state.get_tensor_model_parallel_world_size = lambda: tp_size
+    parallel_state.get_pp_group = lambda: _PP()
+    try:
+        yield
+    finally:
+        (
+            parallel_state.get_tensor_model_parallel_rank,
+            parallel_state.get_tensor_model_parallel_world_size,
+            parallel_state.get_pp_group,
+        ) = saved
+
+
+@dataclass
+class RankState:
+    connector: object
+    caches: dict
+    tables: dict = field(default_factory=dict)  # req_id -> {group: [block ids]}
+
+
+@dataclass
+class Trace:
+    """What vLLM did with one request on one engine."""
+
+    scheduled: list = field(default_factory=list)  # (first position, count) per step
+    finished: str | None = None
+    kv_transfer_params: dict | None = None
+    output_tokens: list = field(default_factory=list)
+
+
+class Engine:
+    """One engine: a real Scheduler and one worker connector per TP rank."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        role: str,
+        tp: int,
+        block_size: int,
+        layout: KVCacheLayout,
+        store_dir: str,
+        extra: dict | None = None,
+        policy: str = "recompute",
+        sliding_window: int | None = None,
+        num_blocks: int = 64,
+        max_batched_tokens: int = 512,
+        wrap: bool = True,
+        load_mode: str = "async",
+    ):
+        global _hash_ready
+        if not _hash_ready:
+            init_none_hash(sha256)
+            _hash_ready = True
+        self.name, self.tp, self.block_size = name, tp, block_size
+        inner = {
+            "kv_connector": "StoreConnector",
+            "kv_connector_module_path": "store_connector",
+            "kv_connector_extra_config": {"store_dir": store_dir, "load_mode": load_mode},
+        }
+        if wrap:
+            ktc = KVTransferConfig(
+                kv_connector="KvcsumConnector",
+                kv_connector_module_path="kvcsum.vllm",
+                kv_role=role,
+                kv_load_failure_policy=policy,
+                kv_connector_extra_config={"inner": inner, **(extra or {})},
+            )
+        else:
+            ktc = KVTransferConfig(kv_role=role, kv_load_failure_policy=policy, **inner)
+        model_config = ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=2048)
+        self.vllm_config = VllmConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=8,
+                max_num_batched_tokens=max_batched_tokens,
+                max_model_len=2048,
+                enable_chunked_prefill=True,
+                is_encoder_decoder=False,
+                disable_hybrid_kv_cache_manager=True if sliding_window is None else None,
+            ),
+            parallel_config=ParallelConfig(tensor_parallel_size=tp),
+            kv_transfer_config=ktc,
+            device_config=DeviceConfig("cpu"),
+        )
+        self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        self.kv_cache_config = self._kv_cache_config(num_blocks, sliding_window)
+        self.scheduler = Scheduler(
+            vllm_config=self.vllm_config,
+            kv_cache_config=self.kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.vllm_config),
+            block_size=block_size,
+            log_stats=True,
+        )
+        self.ranks: list[RankState] = []
+        for rank in range(tp):
+            with place(rank, tp):
+                connector = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+                caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), layout)
+                connector.register_kv_caches(caches)
+            self.ranks.append(RankState(connector, caches))
+        self.aggregator = KVOutputAggregator(tp)
+        self.traces: dict[str, Trace] = {}
+        self.prompts: dict[str, list] = {}
+        self.requests: dict[str, Request] = {}
+        self.stats: list = []
+
+    def _kv_cache_config(self, num_blocks: int, sliding_window: int | None) -> KVCacheConfig:
+        heads = TOTAL_KV_HEADS // self.tp
+        full = FullAttentionSpec(block_size=self.block_size, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=DTYPE)
+        if sliding_window is None:
+            groups = [KVCacheGroupSpec([layer_name(i) for i in range(NUM_LAYERS)], full)]
+        else:
+            swa = SlidingWindowSpec(
+                block_size=self.block_size, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=DTYPE, sliding_window=sliding_window
+            )
+            groups = [
+                KVCacheGroupSpec([layer_name(i) for i in range(0, NUM_LAYERS, 2)], full),
+                KVCacheGroupSpec([layer_name(i) for i in range(1, NUM_LAYERS, 2)], swa),
+            ]
+        page = full.page_size_bytes
+        # Layer-outermost: each layer's blocks in a region of their own; the
+        # groups of a hybrid model overlay each other, as vLLM lays them out.
+        per_group = max(len(g.layer_names) for g in groups)
+        size = page * num_blocks * per_group
+        tensors = []
+        for group in groups:
+            for slot, name in enumerate(group.layer_names):
+                tensors.append(
+                    KVCacheTensor(size=size, layers=[name], layer_stride=page * num_blocks, block_stride=page, offset=slot * page * num_blocks)
+                )
+        return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+
+    # --- requests ---------------------------------------------------------------
+
+    def add_request(self, req_id: str, prompt: list, max_tokens: int, kv_transfer_params: dict | None = None) -> Request:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        request = Request(
+            request_id=req_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=get_request_block_hasher(self.block_size, sha256),
+        )
+        request.kv_transfer_params = kv_transfer_params
+        self.prompts[req_id] = list(prompt)
+        self.requests[req_id] = request
+        self.traces[req_id] = Trace()
+        self.scheduler.add_request(request)
+        return request
+
+    # --- the stand-in model -------------------------------------------------------
+
+    def token_at(self, req_id: str, position: int) -> int:
+        prompt = self.prompts[req_id]
+        return prompt[position] if position < len(prompt) else sampled_token(position - 1)
+
+    def kv_values(self, req_id: str, positions: torch.Tensor, layer: int, first_head: int, heads: int) -> torch.Tensor:
+        """[tokens, heads, K+V] KV of the given positions: a function of the
+        token, its position, the layer and the global head."""
+        tokens = torch.tensor([self.token_at(req_id, int(p)) for p in positions], dtype=torch.int64)
+        head = torch.arange(first_head, first_head + heads, dtype=torch.int64).view(1, heads, 1)
+        element = torch.arange(2 * HEAD_SIZE, dtype=torch.int64).view(1, 1, -1)
+        value = (tokens.view(-1, 1, 1) * 131 + positions.view(-1, 1, 1) * 7 + layer * 1009 + head * 97 + element * 13) % 2039
+        return (value.to(torch.float32) / 64.0 - 16.0).to(DTYPE)
+
+    def _forward(self, rank: int, state: RankState, out) -> None:
+        """Writes the KV of this step's scheduled tokens into the rank's caches."""
+        heads = TOTAL_KV_HEADS // self.tp
+        first_head = rank * heads
+        for req_id, (start, count) in self._step_tokens.items():
+            table = state.tables[req_id]
+            positions = torch.arange(start, start + count)
+            for group_id, group in enumerate(self.kv_cache_config.kv_cache_groups):
+                ids = torch.tensor(table[group_id])
+                blocks = ids[positions // self.block_size]
+                offsets = positions % self.block_size
+                for name in group.layer_names:
+                    layer = int(name.split(".")[2])
+                    state.caches[name][blocks, :, offsets] = self.kv_values(req_id, positions, layer, first_head, heads)
+
+    def _update_tables(self, state: RankState, sched) -> None:
+        for new in sched.scheduled_new_reqs:
+            state.tables[new.req_id] = [list(ids) for ids in new.block_ids]
+        cached = sched.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.tables[req_id] = [list(ids) for ids in new_ids]
+            elif new_ids is not None:
+                for group_id, ids in enumerate(new_ids):
+                    state.tables[req_id][group_id].extend(ids)
+
+    def step(self) -> dict:
+        """One engine step: schedule, every rank through vLLM's worker glue,
+        aggregate, update the scheduler. Returns the EngineCoreOutputs."""
+        sched = self.scheduler.schedule()
+        self._step_tokens = {}
+        for new in sched.scheduled_new_reqs:
+            self._step_tokens[new.req_id] = (new.num_computed_tokens, sched.num_scheduled_tokens[new.req_id])
+        cached = sched.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            self._step_tokens[req_id] = (cached.num_computed_tokens[i], sched.num_scheduled_tokens[req_id])
+        for req_id, (start, count) in self._step_tokens.items():
+            if req_id in self.traces:
+                self.traces[req_id].scheduled.append((start, count))
+        outputs = []
+        for rank, state in enumerate(self.ranks):
+            self._update_tables(state, sched)
+            kv_transfer_state._KV_CONNECTOR_AGENT = state.connector
+            with place(rank, self.tp), set_forward_context(None, self.vllm_config):
+                with KVConnectorModelRunnerMixin._get_kv_connector_output(sched) as kv_out:
+                    self._forward(rank, state, kv_out)
+            req_ids = list(self._step_tokens)
+            sampled = []
+            for req_id in req_ids:
+                start, count = self._step_tokens[req_id]
+                end = start + count
+                known = len(self.prompts[req_id]) + len(self.traces[req_id].output_tokens)
+                sampled.append([sampled_token(end - 1)] if end >= known else [])
+            outputs.append(
+                ModelRunnerOutput(
+                    req_ids=req_ids,
+                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                    sampled_token_ids=sampled,
+                    kv_connector_output=kv_out if not kv_out.is_empty() else None,
+                )
+            )
+        kv_transfer_state._KV_CONNECTOR_AGENT = None
+        merged = self.aggregator.aggregate(outputs)
+        engine_outputs = self.scheduler.update_from_output(sched, merged)
+        for client_outputs in engine_outputs.values():
+            for output in client_outputs.outputs:
+                trace = self.traces.get(output.request_id)
+                if trace is None:
+                    continue
+                trace.output_tokens.extend(output.new_token_ids)
+                if output.finish_reason is not None:
+                    trace.finished = str(output.finish_reason)
+                if output.kv_transfer_params is not None:
+                    trace.kv_transfer_params = output.kv_transfer_params
+            if client_outputs.scheduler_stats is not None and client_outputs.scheduler_stats.kv_connector_stats:
+                self.stats.append(client_outputs.scheduler_stats.kv_connector_stats)
+        return engine_outputs
+
+    def run(self, until=None, max_steps: int = 64) -> None:
+        """Steps until every request finished (or `until()` holds)."""
+        for _ in range(max_steps):
+            if until is not None and until():
+                return
+            if not self.scheduler.has_requests():
+                return
+            self.step()
+        raise AssertionError(f"{self.name}: requests still unfinished after {max_steps} steps")
+
+    def request_status(self, req_id: str) -> str:
+        """vLLM's RequestStatus of the request (FINISHED_LENGTH_CAPPED, ...)."""
+        return self.requests[req_id].status.name
+
+    def connector(self):
+        return self.scheduler.connector
+
+    def close(self) -> None:
+        for state in self.ranks:
+            state.connector.shutdown()

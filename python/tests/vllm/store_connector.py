@@ -1,0 +1,184 @@
+"""StoreConnector: a small P/D connector for the vLLM test, the inner
+connector that KvcsumConnector wraps. It moves KV between engines of
+different TP sizes, block sizes and layouts through files, one per (request,
+layer, global KV head): the producer's workers write the prompt's KV in the
+step that completes it; the consumer loads it asynchronously (reporting the
+load finished in the step it is done), each worker reading its own heads
+into its own blocks and layout.
+
+vLLM's own ExampleConnector cannot serve here: it keys its files by the
+token ids aligned to its own block size and stores each layer's whole
+tensor, so engines of different block or TP sizes never find each other's
+KV.
+
+Fault injection: set `CORRUPT["token"]` (and optionally "layer", "head") and
+the consumer changes one byte of that token's KV as it loads it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm.distributed import parallel_state
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+#: Fault injection, set by the test: {"token": position, "layer": name, "head": global head}.
+CORRUPT: dict = {}
+
+
+@dataclass
+class StoreMetadata(KVConnectorMetadata):
+    saves: list = field(default_factory=list)  # (store key, num_tokens, {group: block ids})
+    loads: list = field(default_factory=list)  # (req_id, store key, first_token, num_tokens, {group: block ids})
+
+
+class StoreConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self._dir = extra["store_dir"]
+        # "async" (as NIXL: the request waits while its KV arrives) or "sync"
+        # (as LMCache: the KV is loaded in the step that computes the rest).
+        self._sync = extra.get("load_mode", "async") == "sync"
+        self._matched: dict = {}
+        self._groups = {
+            g: kv_cache_config.kv_cache_groups[g] for g in kv_cache_config.transfer_group_ids
+        }
+        self._known: dict = {}
+        self._pending_loads: dict = {}
+        self._caches: dict = {}
+        self._done: set = set()
+        self.loads_done = 0
+
+    # --- scheduler ---------------------------------------------------------
+
+    def on_new_request(self, request) -> None:
+        self._known[request.request_id] = request
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill") and params.get("remote_num_tokens"):
+            self._matched[request.request_id] = num_computed_tokens
+            if self._sync:
+                # A sync load leaves the prompt's last token to compute.
+                return max(0, int(params["remote_num_tokens"]) - 1 - num_computed_tokens), False
+            return max(0, int(params["remote_num_tokens"]) - num_computed_tokens), True
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        params = request.kv_transfer_params or {}
+        if num_external_tokens > 0 and params.get("do_remote_prefill"):
+            first = self._matched.pop(request.request_id, 0)
+            self._pending_loads[request.request_id] = (params["remote_request_id"], first, first + num_external_tokens)
+            params["do_remote_prefill"] = False
+
+    def get_loaded_kv_cache_group_ids(self, request):
+        return self._kv_cache_config.transfer_group_ids
+
+    def _table(self, req_id: str) -> dict:
+        ids = self._kv_cache_manager.get_block_ids(req_id)
+        return {g: list(ids[g]) for g in self._groups}
+
+    def build_connector_meta(self, scheduler_output) -> StoreMetadata:
+        meta = StoreMetadata()
+        for req_id, (key, first, num_tokens) in self._pending_loads.items():
+            meta.loads.append((req_id, key, first, num_tokens, self._table(req_id)))
+        self._pending_loads = {}
+        progress = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        progress += list(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, computed in progress:
+            request = self._known.get(req_id)
+            if request is None or not (request.kv_transfer_params or {}).get("do_remote_decode"):
+                continue
+            prompt = request.num_prompt_tokens
+            if computed < prompt <= computed + scheduler_output.num_scheduled_tokens.get(req_id, 0):
+                meta.saves.append((req_id, prompt, self._table(req_id)))
+        return meta
+
+    def request_finished(self, request, block_ids):
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request, block_ids):
+        self._known.pop(request.request_id, None)
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_decode") or request.status.name == "FINISHED_ABORTED":
+            return False, None
+        return False, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_request_id": request.request_id,
+            "remote_num_tokens": request.num_prompt_tokens,
+        }
+
+    # --- worker --------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches):
+        self._caches = dict(kv_caches)
+        self._rank = parallel_state.get_tensor_model_parallel_rank()
+
+    def _slots(self, group: int, table: dict, first: int, num_tokens: int):
+        size = self._groups[group].kv_cache_spec.block_size
+        positions = torch.arange(first, num_tokens)
+        blocks = torch.tensor(table[group])[positions // size]
+        return positions, blocks, positions % size
+
+    def _layers(self):
+        for group, spec in self._groups.items():
+            for name in spec.layer_names:
+                cache = self._caches[name]
+                heads = cache.shape[1]
+                yield group, name, cache, heads, self._rank * heads
+
+    def _path(self, key: str, layer: str, head: int) -> str:
+        return os.path.join(self._dir, key, f"{layer}.h{head}.pt")
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        for req_id, key, first, num_tokens, table in meta.loads:
+            for group, name, cache, heads, first_head in self._layers():
+                positions, blocks, offsets = self._slots(group, table, first, num_tokens)
+                for h in range(heads):
+                    stored = torch.load(self._path(key, name, first_head + h))[first:num_tokens].clone()
+                    token = CORRUPT.get("token")
+                    if (
+                        token is not None
+                        and first <= token < num_tokens
+                        and CORRUPT.get("layer", name) == name
+                        and CORRUPT.get("head", first_head + h) == first_head + h
+                    ):
+                        raw = stored[token - first].view(torch.uint8)
+                        raw[3] ^= 0x10
+                        CORRUPT["done"] = CORRUPT.get("done", 0) + 1
+                    cache[blocks, h, offsets] = stored
+            if not self._sync:
+                self._done.add(req_id)
+            self.loads_done += 1
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        return
+
+    def wait_for_save(self):
+        meta = self._get_connector_metadata()
+        for key, num_tokens, table in meta.saves:
+            os.makedirs(os.path.join(self._dir, key), exist_ok=True)
+            for group, name, cache, heads, first_head in self._layers():
+                _, blocks, offsets = self._slots(group, table, 0, num_tokens)
+                for h in range(heads):
+                    torch.save(cache[blocks, h, offsets].clone(), self._path(key, name, first_head + h))
+
+    def get_finished(self, finished_req_ids):
+        done, self._done = self._done, set()
+        return None, done or None

@@ -1,0 +1,340 @@
+"""KvcsumConnector in vLLM 0.33.0's real scheduler and worker glue, on the CPU.
+
+Two engines in this process: a producer (TP 2, 8-token blocks, vLLM's NHD
+layout LBNHC) and a consumer (TP 4, 16-token blocks, HND layout LBHNC), each
+wrapping the test's StoreConnector in KvcsumConnector. Each case prints one
+line: the consumer's verdict and what vLLM did (tokens recomputed, request
+state).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import kvcsum  # noqa: E402
+import store_connector  # noqa: E402
+from harness import Engine, KVCacheLayout  # noqa: E402
+
+PROMPT = [11 + (i * 7) % 500 for i in range(45)]
+OTHER_PROMPT = [900 - (i * 5) % 400 for i in range(45)]
+P_BLOCK, C_BLOCK = 8, 16
+
+
+@pytest.fixture
+def store():
+    path = tempfile.mkdtemp(prefix="kvcsum-vllm-store-")
+    store_connector.CORRUPT.clear()
+    yield path
+    store_connector.CORRUPT.clear()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def producer(store, **kw) -> Engine:
+    args = dict(role="kv_producer", tp=2, block_size=P_BLOCK, layout=KVCacheLayout.LBNHC, store_dir=store)
+    args.update(kw)
+    return Engine("producer", **args)
+
+
+def consumer(store, **kw) -> Engine:
+    args = dict(role="kv_consumer", tp=4, block_size=C_BLOCK, layout=KVCacheLayout.LBHNC, store_dir=store)
+    args.update(kw)
+    return Engine("consumer", **args)
+
+
+def prefill(engine: Engine, req_id: str, prompt=PROMPT) -> dict:
+    """The producer's prefill of a P/D request; its kv_transfer_params."""
+    engine.add_request(req_id, prompt, 1, {"do_remote_decode": True})
+    engine.run()
+    params = engine.traces[req_id].kv_transfer_params
+    assert params is not None and params.get("do_remote_prefill"), params
+    return dict(params)
+
+
+def decode(engine: Engine, req_id: str, params: dict, prompt=PROMPT, max_tokens: int = 3):
+    engine.add_request(req_id, prompt, max_tokens, params)
+    engine.run()
+    return engine.traces[req_id]
+
+
+def verdict(engine: Engine, req_id: str) -> tuple:
+    return engine.connector().last_verdicts[req_id]
+
+
+def recomputed(trace, prompt_len: int) -> tuple[int, int]:
+    """(prompt tokens vLLM computed on the consumer, the first of them)."""
+    runs = [(start, min(start + n, prompt_len) - start) for start, n in trace.scheduled if start < prompt_len]
+    return sum(n for _, n in runs), min((start for start, _ in runs), default=-1)
+
+
+def totals(engine: Engine) -> dict:
+    """The kvcsum counts from the consumer's connector stats, summed."""
+    out: dict = {}
+    for stats in engine.stats:
+        data = stats.get("KvcsumConnector") if isinstance(stats, dict) else None
+        if data is None:
+            continue
+        for key, value in data.items():
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    out[f"{key}.{k}"] = out.get(f"{key}.{k}", 0) + v
+            elif value:
+                out[key] = out.get(key, 0) + value
+    return out
+
+
+def show(case: str, engine: Engine, req_id: str, prompt_len: int = len(PROMPT)) -> tuple:
+    trace = engine.traces[req_id]
+    name, reason, message = verdict(engine, req_id)
+    names = {kvcsum.MATCH: "MATCH", kvcsum.MISMATCH: "MISMATCH", kvcsum.UNVERIFIED: "UNVERIFIED"}
+    count, first = recomputed(trace, prompt_len)
+    state = engine.request_status(req_id)
+    label = names[name] + (f" ({reason})" if reason else "")
+    runs = [f"{start}..{min(start + n, prompt_len) - 1}" for start, n in trace.scheduled if start < prompt_len]
+    computed = f"computed prompt tokens {', then '.join(runs)} ({count} of {prompt_len})" if count else "computed no prompt token"
+    print(
+        f"\nCASE {case:<44} | {label:<26} | vLLM {computed}, request {state}, "
+        f"{len(trace.output_tokens)} tokens out | stats {totals(engine)}",
+        flush=True,
+    )
+    return name, count, first, state
+
+
+def expected_tokens(prompt, n):
+    from harness import sampled_token
+
+    return [sampled_token(len(prompt) - 1 + i) for i in range(n)]
+
+
+def kv_equal(producer_engine: Engine, p_req: str, consumer_engine: Engine, c_req: str, num_tokens: int) -> bool:
+    """The consumer's KV of the prompt equals the producer's (what the stand-in model computes)."""
+    import torch
+
+    for rank, state in enumerate(consumer_engine.ranks):
+        heads = 4 // consumer_engine.tp
+        table = state.tables.get(c_req)
+        if table is None:
+            return False
+        positions = torch.arange(num_tokens)
+        for group_id, group in enumerate(consumer_engine.kv_cache_config.kv_cache_groups):
+            ids = torch.tensor(table[group_id])
+            for name in group.layer_names:
+                layer = int(name.split(".")[2])
+                got = state.caches[name][ids[positions // consumer_engine.block_size], :, positions % consumer_engine.block_size]
+                want = consumer_engine.kv_values(c_req, positions, layer, rank * heads, heads)
+                if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+                    return False
+    return True
+
+
+# --- cases -------------------------------------------------------------------------
+
+
+def test_intact_load_matches_and_continues(store):
+    p, c = producer(store), consumer(store)
+    params = prefill(p, "req-intact")
+    assert "kv_checksums" in params and "kv_checksums_info" in params
+    # The payload is the vLLM fork's: [1, num_tokens, [[group, fingerprint,
+    # first position, values]]], the fingerprint summing the fork's layer
+    # identities (name, spec type, block size, dtype).
+    import hashlib
+
+    import msgspec
+
+    payload = msgspec.msgpack.decode(kvcsum.base64_decode(params["kv_checksums"]))
+    assert len(payload) == 3 and payload[:2] == [1, len(PROMPT)]
+    [[group, fingerprint, first, values]] = payload[2]
+    fork = sum(
+        int.from_bytes(hashlib.sha256(repr((f"model.layers.{i}.self_attn.attn", "FullAttentionSpec", P_BLOCK, "torch.float16")).encode()).digest()[:8], "little")
+        for i in range(4)
+    ) % 2**64
+    assert (group, fingerprint, first, len(values)) == (0, fork, 0, 8 * 6)
+    trace = decode(c, "req-intact", params)
+    name, count, first, state = show("intact load", c, "req-intact")
+    assert name == kvcsum.MATCH
+    # vLLM took the 45 loaded tokens and computed only the last again, to sample.
+    assert (count, first) == (1, len(PROMPT) - 1)
+    assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
+    assert kv_equal(p, "req-intact", c, "req-intact", len(PROMPT))
+    assert totals(c).get("verified") == 1
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_corrupted_block_mismatch(store, policy):
+    p, c = producer(store), consumer(store, policy=policy)
+    params = prefill(p, "req-bad")
+    store_connector.CORRUPT.update(token=20, layer="model.layers.2.self_attn.attn", head=1)
+    trace = decode(c, "req-bad", params)
+    assert store_connector.CORRUPT.get("done") == 1
+    name, count, first, state = show(f"one block corrupted, policy {policy}", c, "req-bad")
+    assert name == kvcsum.MISMATCH
+    bad_block_first_token = (20 // C_BLOCK) * C_BLOCK
+    if policy == "recompute":
+        # vLLM rescheduled from exactly the corrupted block's first token.
+        assert first == bad_block_first_token == 16
+        assert count == len(PROMPT) - bad_block_first_token
+        assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
+        assert kv_equal(p, "req-bad", c, "req-bad", len(PROMPT))
+    else:
+        assert state == "FINISHED_ERROR" and count == 0 and trace.output_tokens == []
+    assert totals(c).get("mismatched") == 1
+
+
+@pytest.mark.parametrize("unverified", ["fail", "log"])
+def test_payload_missing(store, unverified):
+    p, c = producer(store), consumer(store, extra={"unverified": unverified})
+    params = prefill(p, "req-nopayload")
+    params.pop("kv_checksums")
+    trace = decode(c, "req-nopayload", params)
+    name, count, first, state = show(f"payload missing, unverified={unverified}", c, "req-nopayload")
+    assert name == kvcsum.UNVERIFIED and verdict(c, "req-nopayload")[1] == "NO_CHECKSUMS"
+    assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
+    if unverified == "fail":
+        assert (count, first) == (len(PROMPT), 0)  # the load was a load error: all recomputed
+    else:
+        assert (count, first) == (1, len(PROMPT) - 1)  # logged, and the load used
+    assert totals(c).get("unverified_reasons.NO_CHECKSUMS") == 1
+
+
+@pytest.mark.parametrize("unverified", ["fail", "log"])
+def test_payload_of_another_request(store, unverified):
+    p, c = producer(store), consumer(store, extra={"unverified": unverified}, policy="fail")
+    params = prefill(p, "req-a")
+    other = prefill(p, "req-b", OTHER_PROMPT)
+    params["kv_checksums"] = other["kv_checksums"]
+    params["kv_checksums_info"] = other["kv_checksums_info"]
+    trace = decode(c, "req-a", params)
+    name, count, first, state = show(f"payload of another request, unverified={unverified}, policy fail", c, "req-a")
+    assert name == kvcsum.UNVERIFIED and verdict(c, "req-a")[1] == "OTHER_REQUEST"
+    if unverified == "fail":
+        assert state == "FINISHED_ERROR" and trace.output_tokens == []
+    else:
+        assert state == "FINISHED_LENGTH_CAPPED" and (count, first) == (1, len(PROMPT) - 1)
+
+
+@pytest.mark.parametrize("same_block_size", [True, False])
+def test_payload_alone_as_the_vllm_fork_sends_it(store, same_block_size):
+    # A vLLM fork producer sends the payload alone (no kv_checksums_info):
+    # equal block sizes verify; different ones cannot (the fork's
+    # fingerprints include the block size), so the load is unverified.
+    p = producer(store, block_size=C_BLOCK if same_block_size else P_BLOCK)
+    c = consumer(store, extra={"unverified": "log"})
+    params = prefill(p, "req-fork")
+    params.pop("kv_checksums_info")
+    decode(c, "req-fork", params)
+    label = "equal" if same_block_size else "different"
+    name, count, first, state = show(f"payload alone (vLLM fork), {label} block sizes", c, "req-fork")
+    if same_block_size:
+        assert name == kvcsum.MATCH
+    else:
+        assert name == kvcsum.UNVERIFIED and verdict(c, "req-fork")[1] == "FINGERPRINT_DIFFERS"
+
+
+@pytest.mark.parametrize("corrupt,policy", [(False, "recompute"), (True, "recompute"), (True, "fail")])
+def test_hybrid_two_groups(store, corrupt, policy):
+    p = producer(store, sliding_window=64)
+    c = consumer(store, sliding_window=64, policy=policy)
+    assert len(c.kv_cache_config.kv_cache_groups) == 2
+    params = prefill(p, "req-hybrid")
+    if corrupt:
+        store_connector.CORRUPT.update(token=40, layer="model.layers.1.self_attn.attn", head=3)
+    trace = decode(c, "req-hybrid", params)
+    case = f"hybrid (full + sliding window), {'corrupted' if corrupt else 'intact'}, policy {policy}"
+    name, count, first, state = show(case, c, "req-hybrid")
+    assert name == (kvcsum.MISMATCH if corrupt else kvcsum.MATCH)
+    if not corrupt:
+        assert (count, first) == (1, len(PROMPT) - 1)
+    elif policy == "recompute":
+        # Several KV cache groups: vLLM takes only whole-request failures,
+        # so the whole prompt is computed again.
+        assert (count, first) == (len(PROMPT), 0)
+    else:
+        assert state == "FINISHED_ERROR" and count == 0 and trace.output_tokens == []
+        return
+    assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
+    assert kv_equal(p, "req-hybrid", c, "req-hybrid", len(PROMPT))
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_sync_load(store, corrupt):
+    # The wrapped connector loads inside the step (as LMCache may): the load
+    # is judged after that step, and its blocks go back to vLLM one step later.
+    p, c = producer(store), consumer(store, load_mode="sync")
+    params = prefill(p, "req-sync")
+    if corrupt:
+        store_connector.CORRUPT.update(token=20, layer="model.layers.0.self_attn.attn", head=0)
+    trace = decode(c, "req-sync", params)
+    name, count, first, state = show(f"sync load, {'corrupted' if corrupt else 'intact'}, policy recompute", c, "req-sync")
+    assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
+    if corrupt:
+        assert name == kvcsum.MISMATCH
+        # The step after the load: vLLM rewinds to the bad block's first token.
+        starts = [start for start, _ in trace.scheduled]
+        assert starts[0] == len(PROMPT) - 1 and 16 in starts[1:], trace.scheduled
+        assert kv_equal(p, "req-sync", c, "req-sync", len(PROMPT))
+    else:
+        assert name == kvcsum.MATCH and (count, first) == (1, len(PROMPT) - 1)
+
+
+def test_preempted_request(store):
+    # A small producer (7 blocks of 8 tokens, 8 tokens a step): a decoding
+    # request takes the block the P/D request needs mid-prefill, so vLLM
+    # preempts it (after 39 of its 45 tokens) and computes it again later.
+    p = producer(store, num_blocks=8, max_batched_tokens=8)
+    p.add_request("req-long", [300 + i for i in range(4)], 12)
+    p.add_request("req-pre", PROMPT, 1, {"do_remote_decode": True})
+    p.run()
+    request_preempted = any(start == 0 for start, _ in p.traces["req-pre"].scheduled[1:])
+    assert request_preempted, p.traces["req-pre"].scheduled
+    params = dict(p.traces["req-pre"].kv_transfer_params)
+    assert "kv_checksums" in params
+    c = consumer(store)
+    trace = decode(c, "req-pre", params)
+    name, count, first, state = show("preempted on the producer, then computed again", c, "req-pre")
+    assert name == kvcsum.MATCH and (count, first) == (1, len(PROMPT) - 1)
+    assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
+
+
+def test_records_after_the_request_left(store):
+    # Every producer case above takes its records after request_finished (in
+    # the same scheduler update, which still fills the params). Here one
+    # worker's record comes a step later, after the request's output left:
+    # the request goes without checksums, and the late record is dropped.
+    p = producer(store)
+    rank1 = p.ranks[1].connector
+    original = rank1.build_connector_worker_meta
+    held = []
+
+    def one_step_late():
+        meta = original()
+        if meta is not None and meta.notes and not held:
+            held.append(meta)
+            return None
+        return held.pop() if held and held[0] is not meta else meta
+
+    rank1.build_connector_worker_meta = one_step_late
+    p.add_request("req-late", PROMPT, 1, {"do_remote_decode": True})
+    p.run()
+    p.step()  # the late record arrives
+    params = dict(p.traces["req-late"].kv_transfer_params)
+    assert "kv_checksums" not in params and totals(p).get("payloads_missing") == 1
+    c = consumer(store, extra={"unverified": "log"})
+    decode(c, "req-late", params)
+    name, count, first, state = show("a worker's record one step late (producer)", c, "req-late")
+    assert name == kvcsum.UNVERIFIED and verdict(c, "req-late")[1] == "NO_CHECKSUMS"
+
+
+def test_aborted_request_gets_no_payload(store):
+    p = producer(store)
+    p.add_request("req-abort", PROMPT, 1, {"do_remote_decode": True})
+    p.scheduler.finish_requests({"req-abort"}, __import__("vllm.v1.request", fromlist=["RequestStatus"]).RequestStatus.FINISHED_ABORTED)
+    p.run()
+    print(f"\nCASE {'aborted before its prefill (producer)':<44} | no payload                 | vLLM request {p.request_status('req-abort')}", flush=True)
+    assert p.connector()._sends == {}
