@@ -106,8 +106,12 @@ $(NVRTC_LIB)/libnvrtc.so.13: | $(VENV)/.installed $(BUILD)
 	$(VENV_PY) -m zipfile -e $(NVRTC_DIR)/nvidia_cuda_nvrtc-*.whl $(NVRTC_DIR)
 	rm -f $(NVRTC_DIR)/nvidia_cuda_nvrtc-*.whl
 
+# Then the fault catalogue (detected and missed per algorithm) and the
+# verdict property test (configuration changes never MISMATCH, corruption
+# never MATCH) again with their tables printed.
 rust-test: $(VENV)/.installed
 	KVCS_PYTHON=$(VENV_PY) $(CARGO) test --$(PROFILE)
+	$(CARGO) test --$(PROFILE) --test fault_catalogue --test verdict_property -- --nocapture
 
 # The GPU tests stay ignored here (no device); the kernels must still compile.
 kernel-test: $(NVRTC_LIB)/libnvrtc.so.13

@@ -1652,8 +1652,9 @@ kvcs_status kvcs_worker_set_detail(kvcs_worker *worker, uint32_t on);
 // the worker's first `kvcs_worker_checksum`, `kvcs_worker_store` or
 // `kvcs_worker_check_stored`: after one it is `KVCS_ERR_INVALID_ARGUMENT`
 // and nothing changes. Another value is `KVCS_ERR_INVALID_ARGUMENT` naming
-// it. Stored checksums do not record the algorithm yet: store and load
-// check with workers of the same algorithm.
+// it. Stored checksums record it in their stamp: a load check under
+// another algorithm than the store's reads `KVCS_STORED_OTHER_ALGORITHM`
+// at each position, and the verifier calls the load unverified.
 kvcs_status kvcs_worker_set_algorithm(kvcs_worker *worker, uint32_t algorithm);
 
 #ifdef __cplusplus
