@@ -951,13 +951,14 @@ enum StoredMemory {
     Pinned,
 }
 
-/// A buffer of `num_blocks` stored checksums in device or pinned host
-/// memory, filled with `junk` (freed on drop).
+/// A buffer of stored checksums in device or pinned host memory, two words
+/// (value, stamp) per block id, filled with `junk` (freed on drop).
 struct StoredBuffer {
     context: Arc<CudaContext>,
     memory: StoredMemory,
     address: u64,
-    num_blocks: usize,
+    /// Words in the buffer (two per block id).
+    num_words: usize,
 }
 
 impl StoredBuffer {
@@ -984,33 +985,33 @@ impl StoredBuffer {
             context,
             memory,
             address,
-            num_blocks: junk.len(),
+            num_words: junk.len(),
         }
     }
 
-    /// The buffer's values, after the device work that wrote them completed.
+    /// The buffer's words, after the device work that wrote them completed.
     fn read(&self) -> Vec<u64> {
-        let mut values = vec![0u64; self.num_blocks];
+        let mut values = vec![0u64; self.num_words];
         self.context.bind_to_thread().expect("bind");
-        // SAFETY: the buffer holds `num_blocks` values; nothing writes it now.
+        // SAFETY: the buffer holds `num_words` words; nothing writes it now.
         unsafe {
             match self.memory {
                 StoredMemory::Device => cu::memcpy_dtoh_sync(&mut values, self.address).expect("read back"),
                 StoredMemory::Pinned => {
-                    std::ptr::copy_nonoverlapping(self.address as *const u64, values.as_mut_ptr(), self.num_blocks)
+                    std::ptr::copy_nonoverlapping(self.address as *const u64, values.as_mut_ptr(), self.num_words)
                 }
             }
         }
         values
     }
 
-    /// Copies the stored value of block `from` to block `to` on the device
-    /// (as an offload connector moves it with the block).
+    /// Copies the stored value and stamp of block `from` to block `to` on
+    /// the device (as an offload connector moves them with the block).
     fn copy_on_device(&self, from: u32, to: u32) {
         self.context.bind_to_thread().expect("bind");
         // SAFETY: both lie inside the buffer (unified addressing covers pinned memory).
         unsafe {
-            sys::cuMemcpy(self.address + 8 * to as u64, self.address + 8 * from as u64, 8)
+            sys::cuMemcpy(self.address + 16 * to as u64, self.address + 16 * from as u64, 16)
                 .result()
                 .expect("cuMemcpy");
         }
@@ -1075,8 +1076,13 @@ fn stored_ranks(rng: &mut Rng, kv: &LogicalKv, tp_size: u32, num_blocks: u32, me
             let mut device = device_worker(tp_rank, tp_size);
             register_at(&mut device, &placement, &copy.bases).expect("register on the device worker");
             // Junk, so that a value never written cannot pass by chance.
-            let junk: Vec<u64> = (0..num_blocks).map(|_| rng.next_u64()).collect();
+            let junk: Vec<u64> = (0..2 * num_blocks).map(|_| rng.next_u64()).collect();
             let host_stored = junk.clone();
+            host.add_region(kvcsum::Region {
+                address: host_stored.as_ptr() as u64,
+                length: 8 * host_stored.len() as u64,
+            })
+            .expect("host stored region");
             host.add_stored(0, host_stored.as_ptr() as u64, num_blocks as u64)
                 .expect("host add_stored");
             let stored = StoredBuffer::new(memory, &junk);
@@ -1180,7 +1186,7 @@ fn device_stored_and_reloaded(rng: &mut Rng, num_tokens: u64, memory: StoredMemo
         );
         for (i, &block_id) in first_ids.iter().enumerate() {
             let tag = u64::from_le_bytes(hashes[i * HASH_BYTES..i * HASH_BYTES + 8].try_into().unwrap()) ^ fingerprint;
-            total[i] = total[i].wrapping_add(device[block_id as usize] ^ tag);
+            total[i] = total[i].wrapping_add(device[2 * block_id as usize] ^ tag);
         }
     }
     assert_eq!(

@@ -462,7 +462,8 @@ static void test_names(void) {
   CHECK(KVCS_UNVERIFIED_WORKERS_MISSING == 3 && KVCS_UNVERIFIED_STATE_TP_DIFFERS == 9);
   CHECK(KVCS_UNVERIFIED_UNCOMPARED_POSITIONS == 11 && KVCS_UNVERIFIED_NOT_LOAD_CHECK == 12);
   CHECK(KVCS_UNVERIFIED_ALGORITHM_DIFFERS == 13);
-  CHECK(strcmp(kvcs_unverified_reason_name(16), "unknown kvcs_unverified_reason") == 0);
+  CHECK(strcmp(kvcs_unverified_reason_name(16), "KVCS_UNVERIFIED_COVERAGE_DIFFERS") == 0);
+  CHECK(strcmp(kvcs_unverified_reason_name(17), "unknown kvcs_unverified_reason") == 0);
   CHECK(strcmp(kvcs_unverified_reason_name(UINT32_MAX), "unknown kvcs_unverified_reason") == 0);
 }
 

@@ -94,8 +94,20 @@ def check_tp_on_device() -> str:
         worker = checksummer(specs, lay_out(shard, "FI", device="cuda"), NUM_BLOCKS, BLOCK, tp_rank=rank, tp_size=2)
         records.append(worker.checksum(_jobs(), kvcsum.PRODUCER).record())
     got = _payloads(records, 2)
-    assert got == expected
-    return f"{len(got)} payloads equal"
+    # The payloads' plain parts are equal; a MIXED payload's extension also
+    # names the producer's TP size (1 and 2), so compare by verifying: the
+    # device's TP 2 payloads must match the host's TP 1 consumer record.
+    consumer_record = whole.checksum(_jobs(), kvcsum.CONSUMER).record()
+    with kvcsum.Verifier(1) as verifier, kvcsum.Blocks() as blocks:
+        for job in _jobs():
+            job.to_blocks(blocks)
+        verifier.expect(blocks, kvcsum.CONSUMER)
+        verifier.add_record(consumer_record)
+        for job, payload, host_payload in zip(_jobs(), got, expected):
+            for sent in (payload, host_payload):
+                with verifier.check(job.req_id, sent) as report:
+                    assert report.verdict == kvcsum.MATCH, report.message
+    return f"{len(got)} payloads of TP 2 on the device verify against TP 1 on the host"
 
 
 def _payloads(records, num_workers):
