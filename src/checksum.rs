@@ -180,7 +180,11 @@ mod tests {
                 let plain = pieces.iter().enumerate().fold(0u64, |acc, (i, &x)| {
                     acc.wrapping_add(f(x).wrapping_mul(piece_weight(first.wrapping_add(i as u64))))
                 });
-                assert_eq!(weighted_run(&pieces, first, algorithm), plain, "len {len}, {algorithm:?}");
+                assert_eq!(
+                    weighted_run(&pieces, first, algorithm),
+                    plain,
+                    "len {len}, {algorithm:?}"
+                );
             }
         }
     }

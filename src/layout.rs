@@ -595,7 +595,11 @@ impl Layout {
         let state = StateLayer::new(spec, tp_rank, |low, high| self.in_region(low, high))?;
         for (index, tensor) in state.spec.tensors.iter().enumerate() {
             let (low, high) = tensor_bytes(&state.spec, tensor);
-            self.check_not_stored(low, high, &format!("tensors[{index}] of state layer_number {layer_number}"))?;
+            self.check_not_stored(
+                low,
+                high,
+                &format!("tensors[{index}] of state layer_number {layer_number}"),
+            )?;
         }
         for tensor in &state.spec.tensors {
             let (low, high) = tensor_bytes(&state.spec, tensor);

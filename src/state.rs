@@ -276,7 +276,10 @@ mod tests {
             });
         assert_eq!(elements_run(&bytes, 2, 5, Algorithm::Weighted), expected);
         // 4-byte: 0x0001ffff, 0x80001234 at j = 0, 1.
-        assert_eq!(elements_run(&bytes, 4, 0, Algorithm::Weighted), 0x0001ffff + 3 * 0x80001234u64);
+        assert_eq!(
+            elements_run(&bytes, 4, 0, Algorithm::Weighted),
+            0x0001ffff + 3 * 0x80001234u64
+        );
         // Mixed: each zero-extended element through mix first.
         assert_eq!(
             elements_run(&bytes, 4, 0, Algorithm::Mixed),

@@ -15,10 +15,8 @@
 //! queues after its checksums (`crate::cuda`, [`device_work`]).
 
 use crate::blocks::{valid_tokens, BlockSet, GroupBlocks, RequestBlocks};
-use crate::cuda::{DevStoredItem, StoredMode, StoredWork};
-use std::collections::HashMap;
-
 use crate::checksum::Algorithm;
+use crate::cuda::{DevStoredItem, StoredMode, StoredWork};
 use crate::error::{err, Result};
 use crate::fingerprint::group_fingerprint;
 use crate::layout::{Group, Layout, StoredBuffer};
@@ -87,13 +85,9 @@ impl Target<'_> {
     }
 }
 
-/// Where a block id was met in a store or load check: the same block id
-/// may stand at several places only where they write the same value.
-#[derive(Clone, Copy, PartialEq, Eq)]
-struct BlockUse {
-    position: u64,
-    hash: u64,
-    valid_tokens: u64,
+/// The coverage of all of a group's columns (SPEC section 8's stamp).
+fn total_coverage(coverage: &[(crate::layout::ReplicaKey, u64)]) -> u64 {
+    coverage.iter().fold(0u64, |sum, (_, value)| sum.wrapping_add(*value))
 }
 
 /// Checks that every (request, group) of `blocks` that the worker does not
@@ -107,7 +101,6 @@ fn targets<'a>(
     algorithm: Algorithm,
 ) -> Result<Vec<Target<'a>>> {
     let mut targets = Vec::new();
-    let mut uses: HashMap<(u32, u32), (BlockUse, &str)> = HashMap::new();
     let mut index = 0;
     for request in blocks.requests() {
         let req_id = &request.req_id;
@@ -161,60 +154,83 @@ fn targets<'a>(
                     .binary_search_by_key(&group_id, |info| info.group_id)
                     .map_or_else(|_| group_fingerprint(group), |i| infos[i].fingerprint),
                 algorithm,
-                coverage: group
-                    .coverage()
-                    .iter()
-                    .fold(0u64, |sum, (_, coverage)| sum.wrapping_add(*coverage)),
+                coverage: match infos.binary_search_by_key(&group_id, |info| info.group_id) {
+                    Ok(i) => total_coverage(&infos[i].coverage),
+                    Err(_) => total_coverage(&group.coverage()),
+                },
             };
-            check_one_value_per_block(&target, &mut uses)?;
             targets.push(target);
         }
     }
+    check_one_value_per_block(&targets)?;
     Ok(targets)
 }
 
-/// Fails when a block id of `target` that holds tokens was met before (in
-/// this call) at another position, with another block hash or with other
-/// valid tokens: its buffer keeps one value per block id, so one of the two
-/// could never match (a null block shared by positions, say). The same
-/// block at the same position of two requests (a shared prefix) is fine.
-fn check_one_value_per_block<'a>(
-    target: &Target<'a>,
-    uses: &mut HashMap<(u32, u32), (BlockUse, &'a str)>,
-) -> Result<()> {
-    let group_id = target.blocks.group_id;
-    for (i, &block_id) in target.blocks.block_ids.iter().enumerate() {
-        if !target.holds_tokens(i) {
-            continue;
-        }
-        let position = target.blocks.first_position + i as u64;
-        let here = BlockUse {
-            position,
-            hash: target.hashes[i],
-            valid_tokens: if target.group.is_state() {
-                0
-            } else {
-                valid_tokens(target.request.num_tokens, target.group.block_size, position) as u64
-            },
-        };
-        let req_id = target.request.req_id.as_str();
-        match uses.entry((group_id, block_id)) {
-            std::collections::hash_map::Entry::Vacant(entry) => {
-                entry.insert((here, req_id));
-            }
-            std::collections::hash_map::Entry::Occupied(entry) => {
-                let (before, before_req) = *entry.get();
-                if before != here {
-                    return Err(err!(
-                        InvalidArgument,
-                        "block id {block_id} of group_id {group_id} stands at position {} of req_id \"{before_req}\" and at position {position} of req_id \"{req_id}\" with another block hash or other valid tokens; its stored checksum holds one value per block id",
-                        before.position
-                    ));
-                }
-            }
+/// Fails when a block id that holds tokens stands at two places of
+/// `targets` (of one group) with other positions, block hashes or valid
+/// tokens: its buffer keeps one value per block id, so one of the two could
+/// never match (a null block shared by positions, say). The same block at
+/// the same position of two requests (a shared prefix) is fine. Sorting
+/// compact keys keeps it `n log n` whatever the block ids.
+fn check_one_value_per_block(targets: &[Target<'_>]) -> Result<()> {
+    // Most calls hold each block id once: a bit per block id of the
+    // buffers (bounded by their registered size) finds those seen twice,
+    // and only their places are sorted and compared.
+    let mut seen: std::collections::BTreeMap<u32, Vec<u64>> = std::collections::BTreeMap::new();
+    let mut repeated = false;
+    for target in targets {
+        let bits = seen
+            .entry(target.blocks.group_id)
+            .or_insert_with(|| vec![0u64; (target.buffer.num_blocks as usize).div_ceil(64)]);
+        for &block_id in &target.blocks.block_ids[..target.checked_positions()] {
+            let (word, bit) = (block_id as usize / 64, 1u64 << (block_id % 64));
+            repeated |= bits[word] & bit != 0;
+            bits[word] |= bit;
         }
     }
-    Ok(())
+    if !repeated {
+        return Ok(());
+    }
+    // (group and block id, target, index in the target), 16 bytes each.
+    let mut uses: Vec<(u64, u32, u32)> = Vec::with_capacity(targets.iter().map(|t| t.checked_positions()).sum());
+    for (t, target) in targets.iter().enumerate() {
+        let group = (target.blocks.group_id as u64) << 32;
+        for (i, &block_id) in target.blocks.block_ids[..target.checked_positions()].iter().enumerate() {
+            uses.push((group | block_id as u64, t as u32, i as u32));
+        }
+    }
+    uses.sort_unstable_by_key(|&(key, _, _)| key);
+    // What the value at a place depends on besides the block's bytes.
+    let value_of = |&(_, t, i): &(u64, u32, u32)| {
+        let target = &targets[t as usize];
+        let i = i as usize;
+        let position = target.blocks.first_position + i as u64;
+        let tokens = if target.group.is_state() {
+            0
+        } else {
+            valid_tokens(target.request.num_tokens, target.group.block_size, position)
+        };
+        (position, target.hashes[i], tokens)
+    };
+    let clash = uses
+        .windows(2)
+        .find(|pair| pair[0].0 == pair[1].0 && value_of(&pair[0]) != value_of(&pair[1]));
+    match clash {
+        None => Ok(()),
+        Some(pair) => {
+            let (before, here) = (&pair[0], &pair[1]);
+            Err(err!(
+                InvalidArgument,
+                "block id {} of group_id {} stands at position {} of req_id \"{}\" and at position {} of req_id \"{}\" with another block hash or other valid tokens; its stored checksum holds one value per block id",
+                here.0 as u32,
+                here.0 >> 32,
+                value_of(before).0,
+                targets[before.1 as usize].request.req_id,
+                value_of(here).0,
+                targets[here.1 as usize].request.req_id
+            ))
+        }
+    }
 }
 
 /// Fails unless `blocks` can be stored or checked on `layout` (see [`targets`]).

@@ -303,8 +303,14 @@ impl Worker {
                 let work = match stored {
                     None => None,
                     Some(mode) => {
-                        let (work, expected) =
-                            stored::device_work(&self.layout, &self.infos(), blocks, self.algorithm, &plan.shape, mode)?;
+                        let (work, expected) = stored::device_work(
+                            &self.layout,
+                            &self.infos(),
+                            blocks,
+                            self.algorithm,
+                            &plan.shape,
+                            mode,
+                        )?;
                         expectations = expected;
                         Some(work)
                     }
@@ -365,7 +371,8 @@ impl Worker {
         } else {
             cuda::StoredMode::Store
         };
-        let (work, expectations) = stored::device_work(&self.layout, &infos, blocks, self.algorithm, &plan.shape, mode)?;
+        let (work, expectations) =
+            stored::device_work(&self.layout, &infos, blocks, self.algorithm, &plan.shape, mode)?;
         Ok(std::hint::black_box(work.items.len() + expectations.len()))
     }
 
@@ -736,7 +743,12 @@ mod tests {
             .iter()
             // SAFETY: every address lies in stored0 or stored1 (found
             // above), with its stamp in the next word.
-            .flat_map(|item| unsafe { [(item.address as *const u64).read(), (item.address as *const u64).add(1).read()] })
+            .flat_map(|item| unsafe {
+                [
+                    (item.address as *const u64).read(),
+                    (item.address as *const u64).add(1).read(),
+                ]
+            })
             .collect();
         let check = |gathered: Vec<u64>| {
             worker

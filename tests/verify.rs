@@ -244,7 +244,10 @@ fn payload_is_the_naive_sum_with_the_model_fingerprint() {
     assert_eq!(payload.num_tokens, 70);
     // MIXED values (the default): the extension carries the algorithm even
     // when it is off (SPEC section 9), with no layers.
-    let extension = payload.extension.as_ref().expect("a MIXED payload carries the extension");
+    let extension = payload
+        .extension
+        .as_ref()
+        .expect("a MIXED payload carries the extension");
     assert_eq!(extension.algorithm, kvcsum::Algorithm::Mixed);
     assert!(extension.groups.iter().all(|g| g.layers.is_empty()));
     let group = &payload.groups[0];

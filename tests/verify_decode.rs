@@ -202,7 +202,10 @@ fn malformed(result: kvcsum::Result<impl std::fmt::Debug>, needle: &str, case: &
 fn extension_versions_carry_the_algorithm() {
     let payload = Payload::decode(&payload_value().bytes()).expect("version 2");
     assert_eq!(payload.algorithm(), kvcsum::Algorithm::Mixed);
-    assert_eq!(payload.extension.as_ref().unwrap().groups[0].coverage, Some(0x5eed_c0fe_0000_0001));
+    assert_eq!(
+        payload.extension.as_ref().unwrap().groups[0].coverage,
+        Some(0x5eed_c0fe_0000_0001)
+    );
     // Version 1 (3 elements, no algorithm; groups of 3, no coverage) means
     // WEIGHTED, as a plain payload does.
     let mut v1 = payload_value();
@@ -213,12 +216,18 @@ fn extension_versions_carry_the_algorithm() {
     if let V::A(items) = v1.at(&[3, 2, 0]) {
         items.pop();
     }
-    assert_eq!(Payload::decode(&v1.bytes()).expect("version 1").algorithm(), kvcsum::Algorithm::Weighted);
+    assert_eq!(
+        Payload::decode(&v1.bytes()).expect("version 1").algorithm(),
+        kvcsum::Algorithm::Weighted
+    );
     let mut plain = payload_value();
     if let V::A(items) = &mut plain {
         items.pop();
     }
-    assert_eq!(Payload::decode(&plain.bytes()).expect("plain").algorithm(), kvcsum::Algorithm::Weighted);
+    assert_eq!(
+        Payload::decode(&plain.bytes()).expect("plain").algorithm(),
+        kvcsum::Algorithm::Weighted
+    );
 }
 
 #[test]
@@ -337,9 +346,21 @@ fn every_malformed_record_class_is_rejected_with_a_message() {
             Box::new(|v| *v.at(&[1]) = V::U(4)),
             "version 4 is not supported",
         ),
-        ("algorithm 0", Box::new(|v| *v.at(&[7]) = V::U(0)), "algorithm 0 is neither"),
-        ("algorithm 3", Box::new(|v| *v.at(&[7]) = V::U(3)), "algorithm 3 is neither"),
-        ("algorithm a string", Box::new(|v| *v.at(&[7]) = s("mixed")), "algorithm"),
+        (
+            "algorithm 0",
+            Box::new(|v| *v.at(&[7]) = V::U(0)),
+            "algorithm 0 is neither",
+        ),
+        (
+            "algorithm 3",
+            Box::new(|v| *v.at(&[7]) = V::U(3)),
+            "algorithm 3 is neither",
+        ),
+        (
+            "algorithm a string",
+            Box::new(|v| *v.at(&[7]) = s("mixed")),
+            "algorithm",
+        ),
         (
             "too few elements",
             Box::new(|v| {

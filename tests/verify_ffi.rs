@@ -551,9 +551,15 @@ fn bad_arguments_fail_with_a_status_and_a_message_and_write_nothing() {
         "KVCS_UNVERIFIED_UNCOMPARED_POSITIONS"
     );
     assert_eq!(text(kvcs_unverified_reason_name(12)), "KVCS_UNVERIFIED_NOT_LOAD_CHECK");
-    assert_eq!(text(kvcs_unverified_reason_name(13)), "KVCS_UNVERIFIED_ALGORITHM_DIFFERS");
+    assert_eq!(
+        text(kvcs_unverified_reason_name(13)),
+        "KVCS_UNVERIFIED_ALGORITHM_DIFFERS"
+    );
     assert_eq!(text(kvcs_unverified_reason_name(15)), "KVCS_UNVERIFIED_NOTHING_READ");
-    assert_eq!(text(kvcs_unverified_reason_name(16)), "KVCS_UNVERIFIED_COVERAGE_DIFFERS");
+    assert_eq!(
+        text(kvcs_unverified_reason_name(16)),
+        "KVCS_UNVERIFIED_COVERAGE_DIFFERS"
+    );
     assert_eq!(text(kvcs_unverified_reason_name(17)), "unknown kvcs_unverified_reason");
     kvcs_verifier_destroy(null_mut());
     kvcs_report_destroy(null_mut());

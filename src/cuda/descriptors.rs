@@ -750,7 +750,9 @@ mod tests {
             let (total, weighted) = if algorithm == Algorithm::Mixed {
                 // Each element mixed, as kvcs_state_vector<true> does.
                 let elements: Vec<u64> = if element_shift == 1 {
-                    (0..8).map(|e| ((words[e >> 1] >> (16 * (e & 1))) & 0xffff) as u64).collect()
+                    (0..8)
+                        .map(|e| ((words[e >> 1] >> (16 * (e & 1))) & 0xffff) as u64)
+                        .collect()
                 } else {
                     words.iter().map(|&w| w as u64).collect()
                 };
@@ -805,7 +807,8 @@ mod tests {
                         .wrapping_add(row.wrapping_mul(tensor.index_step))
                         .wrapping_add((vector_index as u64) << (tensor.vector_shift - tensor.element_shift));
                     let weight = tensor.first_weight.wrapping_add(row.wrapping_mul(tensor.weight_step));
-                    total = total.wrapping_add(weight.wrapping_mul(vector(words, tensor.element_shift, index, algorithm)));
+                    total =
+                        total.wrapping_add(weight.wrapping_mul(vector(words, tensor.element_shift, index, algorithm)));
                 }
             }
             total

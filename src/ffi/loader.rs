@@ -23,9 +23,11 @@ pub type kvcs_blocks_destroy_fn = unsafe extern "C" fn(*mut kvcs_blocks);
 /// The type of `kvcs_blocks_add_request`.
 pub type kvcs_blocks_add_request_fn = unsafe extern "C" fn(*mut kvcs_blocks, *const c_char, u64) -> kvcs_status;
 /// The type of `kvcs_blocks_add_group`.
-pub type kvcs_blocks_add_group_fn = unsafe extern "C" fn(*mut kvcs_blocks, *const c_char, u32, u64, *const u32, usize) -> kvcs_status;
+pub type kvcs_blocks_add_group_fn =
+    unsafe extern "C" fn(*mut kvcs_blocks, *const c_char, u32, u64, *const u32, usize) -> kvcs_status;
 /// The type of `kvcs_blocks_set_hashes`.
-pub type kvcs_blocks_set_hashes_fn = unsafe extern "C" fn(*mut kvcs_blocks, *const c_char, u32, *const u8, usize, usize) -> kvcs_status;
+pub type kvcs_blocks_set_hashes_fn =
+    unsafe extern "C" fn(*mut kvcs_blocks, *const c_char, u32, *const u8, usize, usize) -> kvcs_status;
 /// The type of `kvcs_completion_create`.
 pub type kvcs_completion_create_fn = unsafe extern "C" fn(u32, *mut *mut kvcs_completion) -> kvcs_status;
 /// The type of `kvcs_completion_destroy`.
@@ -33,13 +35,17 @@ pub type kvcs_completion_destroy_fn = unsafe extern "C" fn(*mut kvcs_completion)
 /// The type of `kvcs_completion_set_expected`.
 pub type kvcs_completion_set_expected_fn = unsafe extern "C" fn(*mut kvcs_completion, u32) -> kvcs_status;
 /// The type of `kvcs_completion_report`.
-pub type kvcs_completion_report_fn = unsafe extern "C" fn(*mut kvcs_completion, u32, u32, *const *const c_char, usize, *mut u8) -> kvcs_status;
+pub type kvcs_completion_report_fn =
+    unsafe extern "C" fn(*mut kvcs_completion, u32, u32, *const *const c_char, usize, *mut u8) -> kvcs_status;
 /// The type of `kvcs_completion_reported`.
-pub type kvcs_completion_reported_fn = unsafe extern "C" fn(*const kvcs_completion, u32, *const c_char, *mut u32) -> kvcs_status;
+pub type kvcs_completion_reported_fn =
+    unsafe extern "C" fn(*const kvcs_completion, u32, *const c_char, *mut u32) -> kvcs_status;
 /// The type of `kvcs_completion_add_invalid_blocks`.
-pub type kvcs_completion_add_invalid_blocks_fn = unsafe extern "C" fn(*mut kvcs_completion, *const u32, usize) -> kvcs_status;
+pub type kvcs_completion_add_invalid_blocks_fn =
+    unsafe extern "C" fn(*mut kvcs_completion, *const u32, usize) -> kvcs_status;
 /// The type of `kvcs_completion_invalid_blocks`.
-pub type kvcs_completion_invalid_blocks_fn = unsafe extern "C" fn(*const kvcs_completion, *mut u32, usize, *mut usize) -> kvcs_status;
+pub type kvcs_completion_invalid_blocks_fn =
+    unsafe extern "C" fn(*const kvcs_completion, *mut u32, usize, *mut usize) -> kvcs_status;
 /// The type of `kvcs_completion_clear_invalid_blocks`.
 pub type kvcs_completion_clear_invalid_blocks_fn = unsafe extern "C" fn(*mut kvcs_completion) -> kvcs_status;
 /// The type of `kvcs_report_verdict`.
@@ -61,11 +67,13 @@ pub type kvcs_report_mismatch_fn = unsafe extern "C" fn(*const kvcs_report, usiz
 /// The type of `kvcs_report_failed_check`.
 pub type kvcs_report_failed_check_fn = unsafe extern "C" fn(*const kvcs_report, usize, usize, *mut u32) -> kvcs_status;
 /// The type of `kvcs_report_layer_difference`.
-pub type kvcs_report_layer_difference_fn = unsafe extern "C" fn(*const kvcs_report, usize, usize, *mut kvcs_layer_difference) -> kvcs_status;
+pub type kvcs_report_layer_difference_fn =
+    unsafe extern "C" fn(*const kvcs_report, usize, usize, *mut kvcs_layer_difference) -> kvcs_status;
 /// The type of `kvcs_report_num_unverified`.
 pub type kvcs_report_num_unverified_fn = unsafe extern "C" fn(*const kvcs_report, *mut usize) -> kvcs_status;
 /// The type of `kvcs_report_unverified`.
-pub type kvcs_report_unverified_fn = unsafe extern "C" fn(*const kvcs_report, usize, *mut u32, *mut u32, *mut *const c_char) -> kvcs_status;
+pub type kvcs_report_unverified_fn =
+    unsafe extern "C" fn(*const kvcs_report, usize, *mut u32, *mut u32, *mut *const c_char) -> kvcs_status;
 /// The type of `kvcs_report_destroy`.
 pub type kvcs_report_destroy_fn = unsafe extern "C" fn(*mut kvcs_report);
 /// The type of `kvcs_verdict_name`.
@@ -77,9 +85,11 @@ pub type kvcs_result_query_fn = unsafe extern "C" fn(*const kvcs_result) -> kvcs
 /// The type of `kvcs_result_wait`.
 pub type kvcs_result_wait_fn = unsafe extern "C" fn(*mut kvcs_result) -> kvcs_status;
 /// The type of `kvcs_result_group`.
-pub type kvcs_result_group_fn = unsafe extern "C" fn(*const kvcs_result, *const c_char, u32, *mut u64, *mut usize, *mut usize) -> kvcs_status;
+pub type kvcs_result_group_fn =
+    unsafe extern "C" fn(*const kvcs_result, *const c_char, u32, *mut u64, *mut usize, *mut usize) -> kvcs_status;
 /// The type of `kvcs_result_column`.
-pub type kvcs_result_column_fn = unsafe extern "C" fn(*const kvcs_result, *const c_char, u32, usize, *mut u32, *mut u32, *mut u64) -> kvcs_status;
+pub type kvcs_result_column_fn =
+    unsafe extern "C" fn(*const kvcs_result, *const c_char, u32, usize, *mut u32, *mut u32, *mut u64) -> kvcs_status;
 /// The type of `kvcs_result_stored`.
 pub type kvcs_result_stored_fn = unsafe extern "C" fn(*const kvcs_result, *const c_char, u32, *mut u8) -> kvcs_status;
 /// The type of `kvcs_result_destroy`.
@@ -129,25 +139,33 @@ pub type kvcs_local_kv_replicated_fn = unsafe extern "C" fn(u32, u32, u32, *mut 
 /// The type of `kvcs_rank_heads`.
 pub type kvcs_rank_heads_fn = unsafe extern "C" fn(u32, u32, u32, u32, *mut u32, *mut u32) -> kvcs_status;
 /// The type of `kvcs_head_sources`.
-pub type kvcs_head_sources_fn = unsafe extern "C" fn(u32, u32, u32, u32, u32, *mut kvcs_head_source, usize, *mut usize) -> kvcs_status;
+pub type kvcs_head_sources_fn =
+    unsafe extern "C" fn(u32, u32, u32, u32, u32, *mut kvcs_head_source, usize, *mut usize) -> kvcs_status;
 /// The type of `kvcs_topology_create`.
-pub type kvcs_topology_create_fn = unsafe extern "C" fn(*const c_char, *const kvcs_local_engine, *mut *mut kvcs_topology) -> kvcs_status;
+pub type kvcs_topology_create_fn =
+    unsafe extern "C" fn(*const c_char, *const kvcs_local_engine, *mut *mut kvcs_topology) -> kvcs_status;
 /// The type of `kvcs_topology_destroy`.
 pub type kvcs_topology_destroy_fn = unsafe extern "C" fn(*mut kvcs_topology);
 /// The type of `kvcs_topology_add_remote`.
-pub type kvcs_topology_add_remote_fn = unsafe extern "C" fn(*mut kvcs_topology, *const c_char, *const kvcs_remote_engine, *mut u32) -> kvcs_status;
+pub type kvcs_topology_add_remote_fn =
+    unsafe extern "C" fn(*mut kvcs_topology, *const c_char, *const kvcs_remote_engine, *mut u32) -> kvcs_status;
 /// The type of `kvcs_topology_remote`.
-pub type kvcs_topology_remote_fn = unsafe extern "C" fn(*const kvcs_topology, *const c_char, *mut kvcs_remote_engine) -> kvcs_status;
+pub type kvcs_topology_remote_fn =
+    unsafe extern "C" fn(*const kvcs_topology, *const c_char, *mut kvcs_remote_engine) -> kvcs_status;
 /// The type of `kvcs_topology_tp_ratio`.
 pub type kvcs_topology_tp_ratio_fn = unsafe extern "C" fn(*const kvcs_topology, *const c_char, *mut i64) -> kvcs_status;
 /// The type of `kvcs_topology_block_size_ratio`.
-pub type kvcs_topology_block_size_ratio_fn = unsafe extern "C" fn(*const kvcs_topology, *const c_char, *mut u32) -> kvcs_status;
+pub type kvcs_topology_block_size_ratio_fn =
+    unsafe extern "C" fn(*const kvcs_topology, *const c_char, *mut u32) -> kvcs_status;
 /// The type of `kvcs_topology_remote_kv_replicated`.
-pub type kvcs_topology_remote_kv_replicated_fn = unsafe extern "C" fn(*const kvcs_topology, *const c_char, *mut u32) -> kvcs_status;
+pub type kvcs_topology_remote_kv_replicated_fn =
+    unsafe extern "C" fn(*const kvcs_topology, *const c_char, *mut u32) -> kvcs_status;
 /// The type of `kvcs_topology_remote_ranks`.
-pub type kvcs_topology_remote_ranks_fn = unsafe extern "C" fn(*const kvcs_topology, *const c_char, *mut u32, usize, *mut usize) -> kvcs_status;
+pub type kvcs_topology_remote_ranks_fn =
+    unsafe extern "C" fn(*const kvcs_topology, *const c_char, *mut u32, usize, *mut usize) -> kvcs_status;
 /// The type of `kvcs_topology_head_sources`.
-pub type kvcs_topology_head_sources_fn = unsafe extern "C" fn(*const kvcs_topology, *const c_char, *mut kvcs_head_source, usize, *mut usize) -> kvcs_status;
+pub type kvcs_topology_head_sources_fn =
+    unsafe extern "C" fn(*const kvcs_topology, *const c_char, *mut kvcs_head_source, usize, *mut usize) -> kvcs_status;
 /// The type of `kvcs_verifier_create`.
 pub type kvcs_verifier_create_fn = unsafe extern "C" fn(u32, *mut *mut kvcs_verifier) -> kvcs_status;
 /// The type of `kvcs_verifier_destroy`.
@@ -169,15 +187,20 @@ pub type kvcs_verifier_forget_fn = unsafe extern "C" fn(*mut kvcs_verifier, *con
 /// The type of `kvcs_verifier_add_record`.
 pub type kvcs_verifier_add_record_fn = unsafe extern "C" fn(*mut kvcs_verifier, *const u8, usize) -> kvcs_status;
 /// The type of `kvcs_verifier_payload`.
-pub type kvcs_verifier_payload_fn = unsafe extern "C" fn(*mut kvcs_verifier, *const c_char, *mut u8, usize, *mut usize) -> kvcs_status;
+pub type kvcs_verifier_payload_fn =
+    unsafe extern "C" fn(*mut kvcs_verifier, *const c_char, *mut u8, usize, *mut usize) -> kvcs_status;
 /// The type of `kvcs_verifier_check`.
-pub type kvcs_verifier_check_fn = unsafe extern "C" fn(*mut kvcs_verifier, *const c_char, *const u8, usize, *mut *mut kvcs_report) -> kvcs_status;
+pub type kvcs_verifier_check_fn =
+    unsafe extern "C" fn(*mut kvcs_verifier, *const c_char, *const u8, usize, *mut *mut kvcs_report) -> kvcs_status;
 /// The type of `kvcs_verifier_check_base64`.
-pub type kvcs_verifier_check_base64_fn = unsafe extern "C" fn(*mut kvcs_verifier, *const c_char, *const c_char, *mut *mut kvcs_report) -> kvcs_status;
+pub type kvcs_verifier_check_base64_fn =
+    unsafe extern "C" fn(*mut kvcs_verifier, *const c_char, *const c_char, *mut *mut kvcs_report) -> kvcs_status;
 /// The type of `kvcs_verifier_check_no_payload`.
-pub type kvcs_verifier_check_no_payload_fn = unsafe extern "C" fn(*mut kvcs_verifier, *const c_char, *mut *mut kvcs_report) -> kvcs_status;
+pub type kvcs_verifier_check_no_payload_fn =
+    unsafe extern "C" fn(*mut kvcs_verifier, *const c_char, *mut *mut kvcs_report) -> kvcs_status;
 /// The type of `kvcs_verifier_check_stored`.
-pub type kvcs_verifier_check_stored_fn = unsafe extern "C" fn(*mut kvcs_verifier, *const c_char, *mut *mut kvcs_report) -> kvcs_status;
+pub type kvcs_verifier_check_stored_fn =
+    unsafe extern "C" fn(*mut kvcs_verifier, *const c_char, *mut *mut kvcs_report) -> kvcs_status;
 /// The type of `kvcs_base64_encode`.
 pub type kvcs_base64_encode_fn = unsafe extern "C" fn(*const u8, usize, *mut c_char, usize, *mut usize) -> kvcs_status;
 /// The type of `kvcs_base64_decode`.
@@ -197,17 +220,22 @@ pub type kvcs_worker_add_layer_fn = unsafe extern "C" fn(*mut kvcs_worker, *cons
 /// The type of `kvcs_worker_add_state`.
 pub type kvcs_worker_add_state_fn = unsafe extern "C" fn(*mut kvcs_worker, *const kvcs_state) -> kvcs_status;
 /// The type of `kvcs_worker_add_alias`.
-pub type kvcs_worker_add_alias_fn = unsafe extern "C" fn(*mut kvcs_worker, u32, u32, u32, *const u8, usize) -> kvcs_status;
+pub type kvcs_worker_add_alias_fn =
+    unsafe extern "C" fn(*mut kvcs_worker, u32, u32, u32, *const u8, usize) -> kvcs_status;
 /// The type of `kvcs_worker_checksum`.
-pub type kvcs_worker_checksum_fn = unsafe extern "C" fn(*mut kvcs_worker, *const kvcs_blocks, u32, *mut c_void, *mut *mut kvcs_result) -> kvcs_status;
+pub type kvcs_worker_checksum_fn =
+    unsafe extern "C" fn(*mut kvcs_worker, *const kvcs_blocks, u32, *mut c_void, *mut *mut kvcs_result) -> kvcs_status;
 /// The type of `kvcs_worker_add_stored`.
 pub type kvcs_worker_add_stored_fn = unsafe extern "C" fn(*mut kvcs_worker, u32, u64, u64) -> kvcs_status;
 /// The type of `kvcs_worker_store`.
-pub type kvcs_worker_store_fn = unsafe extern "C" fn(*mut kvcs_worker, *const kvcs_blocks, *mut c_void, *mut *mut kvcs_result) -> kvcs_status;
+pub type kvcs_worker_store_fn =
+    unsafe extern "C" fn(*mut kvcs_worker, *const kvcs_blocks, *mut c_void, *mut *mut kvcs_result) -> kvcs_status;
 /// The type of `kvcs_worker_check_stored`.
-pub type kvcs_worker_check_stored_fn = unsafe extern "C" fn(*mut kvcs_worker, *const kvcs_blocks, *mut c_void, *mut *mut kvcs_result) -> kvcs_status;
+pub type kvcs_worker_check_stored_fn =
+    unsafe extern "C" fn(*mut kvcs_worker, *const kvcs_blocks, *mut c_void, *mut *mut kvcs_result) -> kvcs_status;
 /// The type of `kvcs_block_tags`.
-pub type kvcs_block_tags_fn = unsafe extern "C" fn(*const kvcs_worker, u32, *const u8, usize, usize, *mut u64) -> kvcs_status;
+pub type kvcs_block_tags_fn =
+    unsafe extern "C" fn(*const kvcs_worker, u32, *const u8, usize, usize, *mut u64) -> kvcs_status;
 /// The type of `kvcs_worker_set_detail`.
 pub type kvcs_worker_set_detail_fn = unsafe extern "C" fn(*mut kvcs_worker, u32) -> kvcs_status;
 /// The type of `kvcs_worker_set_algorithm`.

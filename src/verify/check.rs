@@ -189,7 +189,9 @@ impl Load<'_> {
         let checks = replica_checks(&sides.parts, scheduled.block_ids.len())?;
         sides.check_coverage()?;
         if self.pending.is_state(scheduled.group_id) {
-            return sides.compare_state(self.pending.scheduled.num_tokens, &checks).map(Some);
+            return sides
+                .compare_state(self.pending.scheduled.num_tokens, &checks)
+                .map(Some);
         }
         sides.check_block_size_known(payload.num_tokens)?;
         let outcome = sides.compare_runs(self.pending.scheduled.num_tokens, payload.num_tokens, &checks);

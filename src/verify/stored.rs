@@ -223,7 +223,10 @@ impl StoredLoad<'_> {
 /// stored under another configuration at some position.
 fn other_configuration(outcomes: &[StoredOutcome]) -> Option<(Reason, &'static str)> {
     outcomes.iter().find_map(|outcome| match outcome {
-        StoredOutcome::OtherFingerprint => Some((Reason::FingerprintDiffers, "another group fingerprint (other layers or identities), or a damaged stamp")),
+        StoredOutcome::OtherFingerprint => Some((
+            Reason::FingerprintDiffers,
+            "another group fingerprint (other layers or identities), or a damaged stamp",
+        )),
         StoredOutcome::OtherAlgorithm => Some((Reason::AlgorithmDiffers, "another checksum algorithm")),
         _ => None,
     })

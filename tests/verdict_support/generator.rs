@@ -1569,7 +1569,9 @@ fn run_arm(rng: &mut Rng, case: &Case, configs: &[SideConfig; 2], producer_too: 
     // vLLM's plain payloads are WEIGHTED (a MIXED producer always sends
     // the extension); the other flows run the library's default.
     let algorithm = match case.flow {
-        Flow::Payload(Informed::Plain) | Flow::Payload(Informed::Settings) => kvcsum::ffi::worker::kvcs_algorithm::KVCS_ALGORITHM_WEIGHTED as u32,
+        Flow::Payload(Informed::Plain) | Flow::Payload(Informed::Settings) => {
+            kvcsum::ffi::worker::kvcs_algorithm::KVCS_ALGORITHM_WEIGHTED as u32
+        }
         _ => 0,
     };
     crate::cabi::with_algorithm(algorithm, || run_arm_with(rng, case, configs, producer_too))
