@@ -133,12 +133,16 @@ impl Payload {
             w.u64s(&group.values);
         }
         if let Some(extension) = &self.extension {
-            w.array(4);
-            w.uint(EXTENSION_VERSION);
+            // Version 1 where it says all there is (weighted values, no
+            // coverage, as a version-1 extension decodes), else version 2.
+            let version_1 =
+                extension.algorithm == Algorithm::Weighted && extension.groups.iter().all(|g| g.coverage.is_none());
+            w.array(if version_1 { 3 } else { 4 });
+            w.uint(if version_1 { 1 } else { EXTENSION_VERSION });
             w.uint(extension.producer_tp_size as u64);
             w.array(extension.groups.len());
             for group in &extension.groups {
-                w.array(4);
+                w.array(if version_1 { 3 } else { 4 });
                 w.uint(group.group_id as u64);
                 w.uint(group.block_size as u64);
                 w.array(group.layers.len());
@@ -149,9 +153,13 @@ impl Payload {
                     w.uint(layer.num_heads as u64);
                     w.u64s(&layer.values);
                 }
-                w.uint(group.coverage.unwrap_or(0));
+                if !version_1 {
+                    w.uint(group.coverage.unwrap_or(0));
+                }
             }
-            w.uint(extension.algorithm.code().into());
+            if !version_1 {
+                w.uint(extension.algorithm.code().into());
+            }
         }
         w.into_bytes()
     }
