@@ -210,6 +210,10 @@ pub struct LayerTable {
     /// `kvcs_checksum` reads as one unit (else the call runs
     /// `kvcs_checksum_unpaired`, which has fewer registers).
     pub paired: [bool; 2],
+    /// Per role: whether some layer holds more than one head, and whether
+    /// there is any layer (see [`LayerTable::single_head`]).
+    pub multi_head: [bool; 2],
+    pub any_layer: [bool; 2],
     /// Per group slot: its state tensors (none for attention groups).
     pub state_groups: Vec<DevStateGroup>,
     /// The state tensors of every state group, by slot, layer and tensor.
@@ -222,6 +226,12 @@ pub fn role_index(role: Role) -> usize {
 }
 
 impl LayerTable {
+    /// Whether every attention layer of `role` holds one head (and there is
+    /// one): such calls run `kvcs_checksum_single_head`.
+    pub fn single_head(&self, role: Role) -> bool {
+        self.any_layer[role_index(role)] && !self.multi_head[role_index(role)]
+    }
+
     /// Builds the tables of `layout`.
     pub fn new(layout: &Layout) -> Result<LayerTable> {
         let mut table = LayerTable::default();
@@ -238,6 +248,8 @@ impl LayerTable {
                     };
                     let device_layer = dev_layer(layer, column as u32, units);
                     table.paired[role_index(role)] |= pairs(&device_layer);
+                    table.multi_head[role_index(role)] |= device_layer.num_heads > 1;
+                    table.any_layer[role_index(role)] = true;
                     for segment in &device_layer.segments[..device_layer.num_segments as usize] {
                         let tokens_per_batch = (WARP >> segment.lane_shift) * BATCH;
                         let useful = (device_layer.tokens_per_kernel_block / tokens_per_batch).max(1);

@@ -42,6 +42,9 @@ pub struct Kernels {
     /// `kvcs_checksum_unpaired`: the same for calls with no layer whose two
     /// segments read alike (fewer registers).
     pub checksum_unpaired: CudaFunction,
+    /// `kvcs_checksum_single_head`: the same for calls whose layers all hold
+    /// one head (more loads in flight per lane).
+    pub checksum_single_head: CudaFunction,
     /// `kvcs_store`.
     pub store: CudaFunction,
     /// `kvcs_state`.
@@ -68,6 +71,12 @@ pub fn kernels(context: &Arc<CudaContext>) -> Result<Arc<Kernels>> {
     let checksum_unpaired = module
         .load_function("kvcs_checksum_unpaired")
         .map_err(|e| err!(Device, "device {ordinal}: loading kvcs_checksum_unpaired failed: {e}"))?;
+    let checksum_single_head = module.load_function("kvcs_checksum_single_head").map_err(|e| {
+        err!(
+            Device,
+            "device {ordinal}: loading kvcs_checksum_single_head failed: {e}"
+        )
+    })?;
     let store = module
         .load_function("kvcs_store")
         .map_err(|e| err!(Device, "device {ordinal}: loading kvcs_store failed: {e}"))?;
@@ -78,6 +87,7 @@ pub fn kernels(context: &Arc<CudaContext>) -> Result<Arc<Kernels>> {
         _module: module,
         checksum,
         checksum_unpaired,
+        checksum_single_head,
         store,
         state,
     });

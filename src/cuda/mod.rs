@@ -80,6 +80,8 @@ pub struct DeviceEngine {
     resident_warps: u64,
     /// The same for `kvcs_checksum_unpaired`.
     unpaired_resident_warps: u64,
+    /// The same for `kvcs_checksum_single_head`.
+    single_head_resident_warps: u64,
     /// Warps the card runs at once with the state kernel.
     state_resident_warps: u64,
     /// What the engine runs on, for logs.
@@ -127,14 +129,17 @@ impl DeviceEngine {
         };
         let checksum_blocks = blocks_per_processor(&kernels.checksum)?;
         let unpaired_blocks = blocks_per_processor(&kernels.checksum_unpaired)?;
+        let single_head_blocks = blocks_per_processor(&kernels.checksum_single_head)?;
         let state_blocks = blocks_per_processor(&kernels.state)?;
         let (major, minor) = context.compute_capability().unwrap_or((0, 0));
         let description = format!(
             "device {ordinal} (sm_{major}{minor}, {processors} SMs): kvcs_checksum uses {} registers, \
              {checksum_blocks} blocks of {THREADS_PER_BLOCK} threads per SM; kvcs_checksum_unpaired {} registers, \
-             {unpaired_blocks} blocks per SM; kvcs_state {} registers, {state_blocks} blocks per SM",
+             {unpaired_blocks} blocks per SM; kvcs_checksum_single_head {} registers, {single_head_blocks} blocks \
+             per SM; kvcs_state {} registers, {state_blocks} blocks per SM",
             registers(&kernels.checksum),
             registers(&kernels.checksum_unpaired),
+            registers(&kernels.checksum_single_head),
             registers(&kernels.state),
         );
         let pool = Arc::new(SlotPool::new(context.clone()));
@@ -147,6 +152,7 @@ impl DeviceEngine {
             device_table: None,
             resident_warps: resident(checksum_blocks),
             unpaired_resident_warps: resident(unpaired_blocks),
+            single_head_resident_warps: resident(single_head_blocks),
             state_resident_warps: resident(state_blocks),
             description,
         })
@@ -332,10 +338,13 @@ impl DeviceEngine {
             }
         }
         let attention_rows = num_rows - state_rows;
-        // The paired kernel where some layer reads its K and V as one unit,
-        // else the one with fewer registers (more warps per SM).
+        // The paired kernel where some layer reads its K and V as one unit;
+        // where every layer holds one head, the one with more loads in
+        // flight; else the one with fewer registers (more warps per SM).
         let (checksum_kernel, resident_warps) = if table.paired[role_index(role)] {
             (&self.kernels.checksum, self.resident_warps)
+        } else if table.single_head(role) {
+            (&self.kernels.checksum_single_head, self.single_head_resident_warps)
         } else {
             (&self.kernels.checksum_unpaired, self.unpaired_resident_warps)
         };
