@@ -339,7 +339,7 @@ for _name in STRUCT_SIZES:
 
 def candidates() -> list[str]:
     """Where the library is looked for, in order: $KVCSUM_LIBRARY; beside
-    this package (a wheel or `make python-package` puts it there); the
+    this package (a wheel of `make python-wheel` puts it there); the
     source tree's release build (target/release); the system loader's
     search path (an installed libkvcsum.so.0)."""
     here = pathlib.Path(__file__).resolve().parent
