@@ -293,7 +293,7 @@ fn segment_heads<const MIXED: bool>(
             };
             sum = sum.wrapping_add(weight(head).wrapping_mul(run_checksum::<MIXED>(run, tokens.first_index)));
         }
-    } else if pieces % LANES != 0 {
+    } else if !pieces.is_multiple_of(LANES) {
         // Rows that do not fill whole lanes: reduce each row on its own.
         let row_index = |slot: u32| {
             tokens

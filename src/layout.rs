@@ -479,7 +479,7 @@ impl Layout {
                 "address is 0 (stored checksums of group_id {group_id})"
             ));
         }
-        if stored.address % 8 != 0 {
+        if !stored.address.is_multiple_of(8) {
             return Err(err!(
                 Unsupported,
                 "address {:#x} of group_id {group_id}'s stored checksums is not a multiple of 8",
@@ -732,7 +732,7 @@ impl Layout {
     fn check_segment(&self, spec: &LayerSpec, index: usize, segment: &Segment) -> Result<()> {
         let layer_number = spec.layer_number;
         let bytes = segment.bytes_per_token;
-        if bytes == 0 || bytes as u64 % PIECE_BYTES != 0 {
+        if bytes == 0 || !(bytes as u64).is_multiple_of(PIECE_BYTES) {
             return Err(err!(
                 InvalidArgument,
                 "segments[{index}].bytes_per_token {bytes} is not a positive multiple of 8 (layer_number {layer_number})"

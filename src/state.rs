@@ -201,7 +201,7 @@ fn check_tensor(
             "tensors[{index}].num_rows is 0 (state layer_number {layer_number})"
         ));
     }
-    if tensor.bytes_per_row == 0 || tensor.bytes_per_row % size != 0 {
+    if tensor.bytes_per_row == 0 || !tensor.bytes_per_row.is_multiple_of(size) {
         return Err(err!(
             InvalidArgument,
             "tensors[{index}].bytes_per_row {} is not a positive multiple of element_size {size} (state layer_number {layer_number})",

@@ -47,7 +47,7 @@ pub fn tp_ratio(local_tp: u32, remote_tp: u32) -> Result<i64> {
     tp_size(local_tp, "local_tp")?;
     tp_size(remote_tp, "remote_tp")?;
     if local_tp >= remote_tp {
-        if local_tp % remote_tp != 0 {
+        if !local_tp.is_multiple_of(remote_tp) {
             return Err(err!(
                 InvalidArgument,
                 "local_tp {local_tp} is not a multiple of remote_tp {remote_tp}"
@@ -55,7 +55,7 @@ pub fn tp_ratio(local_tp: u32, remote_tp: u32) -> Result<i64> {
         }
         Ok(i64::from(local_tp / remote_tp))
     } else {
-        if remote_tp % local_tp != 0 {
+        if !remote_tp.is_multiple_of(local_tp) {
             return Err(err!(
                 InvalidArgument,
                 "remote_tp {remote_tp} is not a multiple of local_tp {local_tp}"
@@ -92,7 +92,7 @@ pub fn remote_ranks(local_rank: u32, local_tp: u32, remote_tp: u32) -> Result<Ve
 pub fn block_size_ratio(local_block_size: u32, remote_block_size: u32) -> Result<u32> {
     positive(local_block_size, "local_block_size")?;
     positive(remote_block_size, "remote_block_size")?;
-    if local_block_size % remote_block_size != 0 {
+    if !local_block_size.is_multiple_of(remote_block_size) {
         return Err(err!(
             InvalidArgument,
             "local_block_size {local_block_size} is not a multiple of remote_block_size {remote_block_size}"
@@ -147,7 +147,7 @@ pub fn rank_heads(rank: u32, tp: u32, total_kv_heads: u32, is_mla: bool) -> Resu
         return Ok(HeadRange { first: 0, count: 1 });
     }
     if tp <= total_kv_heads {
-        if total_kv_heads % tp != 0 {
+        if !total_kv_heads.is_multiple_of(tp) {
             return Err(err!(
                 InvalidArgument,
                 "total_kv_heads {total_kv_heads} is not a multiple of tp {tp}"
@@ -159,7 +159,7 @@ pub fn rank_heads(rank: u32, tp: u32, total_kv_heads: u32, is_mla: bool) -> Resu
             count: per_rank,
         })
     } else {
-        if tp % total_kv_heads != 0 {
+        if !tp.is_multiple_of(total_kv_heads) {
             return Err(err!(
                 InvalidArgument,
                 "tp {tp} is not a multiple of total_kv_heads {total_kv_heads}"
@@ -330,7 +330,7 @@ impl Topology {
         }
         tp_ratio(self.local.tp_size, remote.tp_size)?;
         block_size_ratio(self.local.block_size, remote.block_size)?;
-        if remote.block_size % remote.kernel_blocks != 0 {
+        if !remote.block_size.is_multiple_of(remote.kernel_blocks) {
             return Err(err!(
                 InvalidArgument,
                 "block_size {} is not a multiple of kernel_blocks {}",

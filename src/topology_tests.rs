@@ -301,7 +301,7 @@ fn head_sources_are_the_naive_runs_on_many_sizes() {
         for &heads in head_counts {
             for local_tp in sizes {
                 for remote_tp in sizes {
-                    let divides = |tp: u32| is_mla || heads % tp == 0 || tp % heads == 0;
+                    let divides = |tp: u32| is_mla || heads % tp == 0 || tp.is_multiple_of(heads);
                     let ratio_ok = local_tp % remote_tp == 0 || remote_tp % local_tp == 0;
                     if !(divides(local_tp) && divides(remote_tp) && ratio_ok) {
                         assert!(head_sources(0, local_tp, remote_tp, heads, is_mla).is_err());

@@ -210,9 +210,10 @@ pub struct LayerTable {
     /// `kvcs_checksum` reads as one unit (else the call runs
     /// `kvcs_checksum_unpaired`, which has fewer registers).
     pub paired: [bool; 2],
-    /// Per role: whether some layer holds more than one head, and whether
-    /// there is any layer (see [`LayerTable::single_head`]).
+    /// Per role: whether some layer holds more than one head (see
+    /// [`LayerTable::single_head`]).
     pub multi_head: [bool; 2],
+    /// Per role: whether there is any attention layer.
     pub any_layer: [bool; 2],
     /// Per group slot: its state tensors (none for attention groups).
     pub state_groups: Vec<DevStateGroup>,

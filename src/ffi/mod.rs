@@ -108,6 +108,15 @@ pub(crate) fn role_arg(role: u32) -> Result<Role> {
     })
 }
 
+/// A 0/1 flag argument named `name` (C has no bool in these calls).
+pub(crate) fn flag_arg(value: u32, name: &str) -> Result<bool> {
+    match value {
+        0 => Ok(false),
+        1 => Ok(true),
+        _ => Err(err!(InvalidArgument, "{name} {value} is neither 0 nor 1")),
+    }
+}
+
 /// Writes `value` to the out-parameter `out` when it is not NULL.
 ///
 /// # Safety

@@ -90,14 +90,6 @@ impl From<HeadSource> for kvcs_head_source {
     }
 }
 
-fn flag(value: u32, name: &str) -> crate::error::Result<bool> {
-    match value {
-        0 => Ok(false),
-        1 => Ok(true),
-        _ => Err(err!(InvalidArgument, "{name} {value} is not 0 or 1")),
-    }
-}
-
 /// `local_tp / remote_tp` when `local_tp >= remote_tp`, else `-(remote_tp /
 /// local_tp)`, into `*ratio`. `KVCS_ERR_INVALID_ARGUMENT` when a size is 0
 /// or above `KVCS_MAX_TP_SIZE`, or the larger is not a multiple of the
@@ -188,7 +180,7 @@ pub extern "C" fn kvcs_local_kv_replicated(
 ) -> kvcs_status {
     ffi_boundary! {
         not_null!(replicated, "replicated");
-        let is_mla = try_engine!(flag(is_mla, "is_mla"));
+        let is_mla = try_engine!(super::flag_arg(is_mla, "is_mla"));
         let value = try_engine!(topology::local_kv_replicated(tp, total_kv_heads, is_mla));
         // SAFETY: non-NULL and writable per the contract.
         unsafe { replicated.write(u32::from(value)) };
@@ -211,7 +203,7 @@ pub extern "C" fn kvcs_rank_heads(
     num_heads: *mut u32,
 ) -> kvcs_status {
     ffi_boundary! {
-        let is_mla = try_engine!(flag(is_mla, "is_mla"));
+        let is_mla = try_engine!(super::flag_arg(is_mla, "is_mla"));
         let heads = try_engine!(topology::rank_heads(rank, tp, total_kv_heads, is_mla));
         // SAFETY: each is NULL or writable per the contract.
         unsafe {
@@ -241,7 +233,7 @@ pub extern "C" fn kvcs_head_sources(
     len: *mut usize,
 ) -> kvcs_status {
     ffi_boundary! {
-        let is_mla = try_engine!(flag(is_mla, "is_mla"));
+        let is_mla = try_engine!(super::flag_arg(is_mla, "is_mla"));
         let items: Vec<kvcs_head_source> =
             try_engine!(topology::head_sources(local_rank, local_tp, remote_tp, total_kv_heads, is_mla))
                 .into_iter()
@@ -281,7 +273,7 @@ pub extern "C" fn kvcs_topology_create(
         let local_engine_id = try_engine!(unsafe { c_str(local_engine_id, "local_engine_id") });
         let local = try_ref!(local, "local");
         not_null!(out, "out");
-        let is_mla = try_engine!(flag(local.is_mla, "local->is_mla"));
+        let is_mla = try_engine!(super::flag_arg(local.is_mla, "local->is_mla"));
         let topology = try_engine!(Topology::new(
             local_engine_id,
             LocalEngine {

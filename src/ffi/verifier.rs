@@ -49,14 +49,6 @@ pub enum kvcs_policy {
 
 handle!(kvcs_verifier => Verifier);
 
-fn flag_of(value: u32, name: &str) -> crate::Result<bool> {
-    match value {
-        0 => Ok(false),
-        1 => Ok(true),
-        v => Err(err!(InvalidArgument, "{name} {v} is neither 0 nor 1")),
-    }
-}
-
 /// Creates a verifier for an engine of `num_workers` workers (TP size x PP
 /// stages; at least 1), fail-closed, with plain payloads. `*out` owns it.
 #[no_mangle]
@@ -109,7 +101,7 @@ pub extern "C" fn kvcs_verifier_set_policy(verifier: *mut kvcs_verifier, policy:
 pub extern "C" fn kvcs_verifier_set_extension(verifier: *mut kvcs_verifier, on: u32) -> kvcs_status {
     ffi_boundary! {
         let verifier = try_handle!(verifier, "verifier");
-        let on = try_engine!(flag_of(on, "on"));
+        let on = try_engine!(super::flag_arg(on, "on"));
         try_engine!(verifier.set_extension(on));
         kvcs_status::KVCS_OK
     }
@@ -124,7 +116,7 @@ pub extern "C" fn kvcs_verifier_set_extension(verifier: *mut kvcs_verifier, on: 
 pub extern "C" fn kvcs_verifier_set_require_coverage(verifier: *mut kvcs_verifier, on: u32) -> kvcs_status {
     ffi_boundary! {
         let verifier = try_handle!(verifier, "verifier");
-        let on = try_engine!(flag_of(on, "on"));
+        let on = try_engine!(super::flag_arg(on, "on"));
         try_engine!(verifier.set_require_coverage(on));
         kvcs_status::KVCS_OK
     }

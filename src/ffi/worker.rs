@@ -302,9 +302,7 @@ pub extern "C" fn kvcs_worker_add_state(worker: *mut kvcs_worker, state: *const 
     ffi_boundary! {
         let worker = try_handle_mut!(worker, "worker");
         let state = try_ref!(state, "state");
-        if state.split_known > 1 {
-            return fail(&err!(InvalidArgument, "state.split_known is {}, not 0 or 1", state.split_known));
-        }
+        try_engine!(super::flag_arg(state.split_known, "state.split_known"));
         if state.num_tensors as usize > MAX_STATE_TENSORS || state.num_tensors == 0 {
             return fail(&err!(InvalidArgument, "state.num_tensors is {}, not 1 to {MAX_STATE_TENSORS}", state.num_tensors));
         }
@@ -557,11 +555,7 @@ pub extern "C" fn kvcs_block_tags(
 pub extern "C" fn kvcs_worker_set_detail(worker: *mut kvcs_worker, on: u32) -> kvcs_status {
     ffi_boundary! {
         let worker = try_handle_mut!(worker, "worker");
-        let on = match on {
-            0 => false,
-            1 => true,
-            v => return fail(&err!(InvalidArgument, "on {v} is neither 0 nor 1")),
-        };
+        let on = try_engine!(super::flag_arg(on, "on"));
         try_engine!(worker.set_detail(on));
         kvcs_status::KVCS_OK
     }

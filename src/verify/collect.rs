@@ -312,7 +312,7 @@ impl Pending {
 
 /// Checks that a record's rank fits an engine of `num_workers` workers.
 pub(super) fn check_rank(rank: Rank, num_workers: u32) -> Result<()> {
-    if num_workers % rank.tp_size != 0 {
+    if !num_workers.is_multiple_of(rank.tp_size) {
         return Err(err!(
             InvalidArgument,
             "record of tp_size {} does not fit num_workers {num_workers} (TP size x PP stages)",

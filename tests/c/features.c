@@ -112,7 +112,7 @@ static void test_state_layers(void) {
   EXPECT(kvcs_worker_add_state(NULL, &state), KVCS_ERR_INVALID_ARGUMENT, "worker");
   kvcs_state bad = state;
   bad.split_known = 2;
-  EXPECT(kvcs_worker_add_state(worker, &bad), KVCS_ERR_INVALID_ARGUMENT, "split_known is 2");
+  EXPECT(kvcs_worker_add_state(worker, &bad), KVCS_ERR_INVALID_ARGUMENT, "state.split_known 2");
   bad = state;
   bad.num_tensors = 0;
   EXPECT(kvcs_worker_add_state(worker, &bad), KVCS_ERR_INVALID_ARGUMENT, "num_tensors is 0");

@@ -223,12 +223,12 @@ impl LogicalKv {
     /// Fresh random KV of `shape`.
     pub fn random(rng: &mut Rng, shape: KvShape) -> LogicalKv {
         assert!(
-            shape.k_bytes > 0 && shape.k_bytes % 8 == 0,
+            shape.k_bytes > 0 && shape.k_bytes.is_multiple_of(8),
             "k_bytes {} must be a positive multiple of 8",
             shape.k_bytes
         );
         assert!(
-            shape.v_bytes % 8 == 0,
+            shape.v_bytes.is_multiple_of(8),
             "v_bytes {} must be a multiple of 8",
             shape.v_bytes
         );
@@ -722,7 +722,7 @@ impl Placement {
             }
             LayoutKind::KernelBlocks { kernel_blocks } => {
                 assert!(
-                    kernel_blocks > 0 && spec.block_size % kernel_blocks == 0,
+                    kernel_blocks > 0 && spec.block_size.is_multiple_of(kernel_blocks),
                     "kernel_blocks {kernel_blocks} does not divide block size {}",
                     spec.block_size
                 );
