@@ -2,7 +2,6 @@
 //! (SPEC sections 4 and 10), group by group.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::Arc;
 
 use crate::blocks::GroupBlocks;
 use crate::error::Result;
@@ -10,37 +9,9 @@ use crate::layout::ReplicaKey;
 use crate::payload::{ExtensionGroup, Payload, PayloadGroup};
 use crate::record::{LayerPartial, RecordGroup};
 
-use super::collect::{add_into, Judged, Pending, Unverified, WorkerPart};
+use super::collect::{add_into, GroupOutcome, Judged, Load, Unverified, WorkerPart};
 use super::compare::{consumer_ranges, differing_ranges, producer_ranges, run_tokens, Series};
-use super::report::{Finding, LayerDifference, Mismatch, Policy, Reason, Report};
-
-/// What the verifier was told about producers, and how it judges.
-#[derive(Debug, Clone)]
-pub(super) struct Settings {
-    pub policy: Policy,
-    pub producer_tp_size: Option<u32>,
-    /// Shared, so that a check copies it cheaply before leaving the lock.
-    pub producer_block_sizes: Arc<HashMap<u32, u32>>,
-    /// Loads with uncompared positions are unverified (off by default).
-    pub require_coverage: bool,
-}
-
-/// The consumer's load of one request, ready to be compared: copies taken
-/// under the verifier's lock, compared outside it.
-pub(super) struct Load<'a> {
-    pub req_id: &'a str,
-    pub settings: Settings,
-    pub pending: Pending,
-    pub num_workers: u32,
-}
-
-/// A compared group's positions and mismatches.
-struct GroupOutcome {
-    compared: u64,
-    /// The consumer's loaded positions no compared run covers.
-    uncompared: u64,
-    mismatches: Vec<Mismatch>,
-}
+use super::report::{Finding, LayerDifference, Mismatch, Reason, Report};
 
 /// The payload's groups and extension groups by id.
 struct SentGroups<'p> {

@@ -12,7 +12,7 @@ use crate::error::{err, Result};
 use crate::layout::Role;
 use crate::record::{GroupInfo, Rank, RecordGroup, RecordRequest};
 
-use super::report::Reason;
+use super::report::{Mismatch, Policy, Reason};
 
 /// A condition that makes a load (or group) unverified, or a payload
 /// impossible to build.
@@ -20,6 +20,37 @@ pub(super) struct Unverified(pub Reason, pub String);
 
 /// The outcome of a step that can make a load or group unverified.
 pub(super) type Judged<T> = std::result::Result<T, Unverified>;
+
+/// What the verifier was told about producers, and how it judges.
+#[derive(Debug, Clone)]
+pub(super) struct Settings {
+    pub policy: Policy,
+    pub producer_tp_size: Option<u32>,
+    /// Shared, so that a check copies it cheaply before leaving the lock.
+    pub producer_block_sizes: Arc<HashMap<u32, u32>>,
+    /// Loads with uncompared positions are unverified (off by default).
+    pub require_coverage: bool,
+}
+
+/// The consumer's load of one request, ready to be judged (against a
+/// payload, or from load-check records): copies taken under the verifier's
+/// lock, judged outside it.
+pub(super) struct Load<'a> {
+    pub req_id: &'a str,
+    pub settings: Settings,
+    pub pending: Pending,
+    pub num_workers: u32,
+}
+
+/// A judged group's positions and mismatches.
+pub(super) struct GroupOutcome {
+    /// Positions compared (payload) or checked by every worker (offload).
+    pub compared: u64,
+    /// Loaded positions holding valid tokens that no compared run covers,
+    /// or that not every worker checked.
+    pub uncompared: u64,
+    pub mismatches: Vec<Mismatch>,
+}
 
 /// A request whose records are being collected. Cheap to clone (its parts
 /// are shared), so that a check or payload works on a copy outside the

@@ -60,10 +60,9 @@ use crate::layout::Role;
 use crate::payload::Payload;
 use crate::record::{GroupInfo, Record};
 
-use check::{Load, Settings};
 use collect::{check_rank, Pending, Unverified, WorkerPart};
+use collect::{Load, Settings};
 pub use report::{Finding, LayerDifference, Mismatch, Policy, Reason, Report, Verdict};
-use stored::StoredLoad;
 
 /// Collects worker records and verifies loads; see the module documentation.
 #[derive(Debug)]
@@ -311,28 +310,17 @@ impl Verifier {
     /// ([`Reason::NotLoadCheck`]). `NotFound` for a request not expected,
     /// `InvalidArgument` for one expected as a producer.
     pub fn check_stored(&self, req_id: &str) -> Result<Report> {
-        // Copies (of shared parts) under the lock; the judging outside it.
-        let (pending, settings) = {
-            let state = self.lock()?;
-            (state.pending(req_id)?.clone(), state.settings.clone())
-        };
-        if pending.role != Role::Consumer {
-            return Err(err!(
-                InvalidArgument,
-                "req_id {req_id:?} is expected as a producer; loads are checked for consumers"
-            ));
-        }
-        let load = StoredLoad {
-            req_id,
-            settings,
-            pending,
-            num_workers: self.num_workers,
-        };
-        Ok(load.judge())
+        Ok(self.load(req_id)?.judge_stored())
     }
 
     fn check_decoded(&self, req_id: &str, decoded: Option<Result<Payload>>) -> Result<Report> {
-        // Copies (of shared parts) under the lock; the comparison outside it.
+        Ok(self.load(req_id)?.judge(decoded))
+    }
+
+    /// The consumer's load of `req_id`: copies (of shared parts) taken under
+    /// the lock, for judging outside it. `InvalidArgument` for a request
+    /// expected as a producer.
+    fn load<'a>(&self, req_id: &'a str) -> Result<Load<'a>> {
         let (pending, settings) = {
             let state = self.lock()?;
             (state.pending(req_id)?.clone(), state.settings.clone())
@@ -343,13 +331,12 @@ impl Verifier {
                 "req_id {req_id:?} is expected as a producer; loads are checked for consumers"
             ));
         }
-        let load = Load {
+        Ok(Load {
             req_id,
             settings,
             pending,
             num_workers: self.num_workers,
-        };
-        Ok(load.judge(decoded))
+        })
     }
 }
 

@@ -7,31 +7,12 @@ use crate::blocks::{valid_tokens, GroupBlocks};
 use crate::record::Rank;
 use crate::result::StoredOutcome;
 
-use super::check::Settings;
-use super::collect::{Judged, Pending, Unverified};
+use super::collect::{GroupOutcome, Judged, Load, Unverified};
 use super::report::{Finding, Mismatch, Reason, Report};
 
-/// The load-check records of one request, ready to be judged: copies taken
-/// under the verifier's lock, judged outside it.
-pub(super) struct StoredLoad<'a> {
-    pub req_id: &'a str,
-    pub settings: Settings,
-    pub pending: Pending,
-    pub num_workers: u32,
-}
-
-/// A judged group's positions and failures.
-struct GroupOutcome {
-    /// Positions every worker checked.
-    compared: u64,
-    /// Positions holding valid tokens that not every worker checked.
-    uncompared: u64,
-    mismatches: Vec<Mismatch>,
-}
-
-impl StoredLoad<'_> {
-    /// The report on the load.
-    pub fn judge(&self) -> Report {
+impl Load<'_> {
+    /// The report on an offload load, from its workers' load-check records.
+    pub fn judge_stored(&self) -> Report {
         let whole_load = self
             .pending
             .check_complete(self.num_workers)
