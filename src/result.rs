@@ -399,9 +399,8 @@ pub struct Checksums {
     stored: Option<LoadCheck>,
 }
 
-/// A load check's expectations: per request id, per group id, one per
-/// block position (`None` where not checked).
-type StoredSums = HashMap<String, HashMap<u32, Vec<Option<StoredRef>>>>;
+/// A load check's expectations: per request id, per group id.
+type StoredSums = HashMap<String, HashMap<u32, StoredExpectation>>;
 
 /// A load check's expectations and where its stored values read back are.
 struct LoadCheck {
@@ -412,18 +411,14 @@ struct LoadCheck {
 /// Where a load check's expected sum at one block position comes from:
 /// the stored value read back at `index` (of the call's [`StoredValues`],
 /// two words each: value and stamp) XOR `tag`; the worker's columns must
-/// add up to it, once the stamp read back says the configuration is the
-/// worker's.
+/// add up to it, once the stamp read back is the group's
+/// ([`StoredExpectation::stamp`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StoredRef {
     /// Index of the position's stored value among those read back.
     pub index: usize,
     /// The block's tag (SPEC section 8).
     pub tag: u64,
-    /// The worker's configuration stamp ([`config_stamp`]).
-    pub stamp: u64,
-    /// The worker's algorithm, which the stamp holds.
-    pub algorithm: u32,
 }
 
 /// The stamp stored after each value (SPEC section 8): `(fingerprint +
@@ -466,6 +461,10 @@ pub struct StoredExpectation {
     pub group_id: u32,
     /// One per block position of the group in the request.
     pub expected: Vec<Option<StoredRef>>,
+    /// The worker's configuration stamp for the group ([`config_stamp`]).
+    pub stamp: u64,
+    /// The worker's algorithm, which the stamp holds.
+    pub algorithm: u32,
 }
 
 /// A load check's verdict on one block position (SPEC section 8).
@@ -536,9 +535,9 @@ impl Checksums {
         let mut by_request = StoredSums::new();
         for expectation in stored {
             by_request
-                .entry(expectation.req_id)
+                .entry(expectation.req_id.clone())
                 .or_default()
-                .insert(expectation.group_id, expectation.expected);
+                .insert(expectation.group_id, expectation);
         }
         self.stored = Some(LoadCheck {
             expected: by_request,
@@ -563,7 +562,7 @@ impl Checksums {
                 "this result is not a load check's (kvcs_worker_check_stored makes those)"
             )
         })?;
-        let expected = stored
+        let expectation = stored
             .expected
             .get(req_id)
             .and_then(|groups| groups.get(&group_id))
@@ -578,17 +577,13 @@ impl Checksums {
             StoredValues::Read(values) => values.as_slice(),
             StoredValues::Gathered => self.values.gathered()?,
         };
-        expected
+        let (stamp, algorithm) = (expectation.stamp, expectation.algorithm);
+        expectation
+            .expected
             .iter()
             .zip(sums)
             .map(|(expected, sum)| {
-                let Some(StoredRef {
-                    index,
-                    tag,
-                    stamp,
-                    algorithm,
-                }) = *expected
-                else {
+                let Some(StoredRef { index, tag }) = *expected else {
                     return Ok(StoredOutcome::NotChecked);
                 };
                 let (Some(value), Some(&read_stamp)) = (read.get(2 * index), read.get(2 * index + 1)) else {

@@ -79,8 +79,6 @@ impl Target<'_> {
         StoredRef {
             index,
             tag: block_tag(self.hashes[i], self.fingerprint),
-            stamp: self.stamp(),
-            algorithm: self.algorithm.code(),
         }
     }
 }
@@ -306,6 +304,8 @@ fn checked_positions(
             req_id: target.request.req_id.clone(),
             group_id: target.blocks.group_id,
             expected,
+            stamp: target.stamp(),
+            algorithm: target.algorithm.code(),
         });
     }
     expectations

@@ -281,17 +281,19 @@ impl GroupSides<'_> {
                 *total = total.wrapping_add(*coverage);
             }
         }
-        let replica_counts: BTreeSet<u32> = totals.keys().map(|k| k.replicas).collect();
-        let max_replicas = replica_counts.last().copied().unwrap_or(1);
-        // The checks are bounded by the keys, as in `replica_checks`.
-        for check in 0..max_replicas.min(totals.len() as u32 + 1) {
-            let covered = replica_counts.iter().fold(0u64, |sum, &replicas| {
-                let key = ReplicaKey {
-                    replicas,
-                    replica_index: check % replicas,
-                };
-                sum.wrapping_add(totals.get(&key).copied().unwrap_or(0))
-            });
+        // The record's keys of its registered layers, not only those of the
+        // call's columns: complete, or the sides' coverages cannot agree
+        // (and the checks stay bounded by the keys).
+        if let Some((missing, replicas)) = first_missing_key(&totals) {
+            return Err(Unverified(
+                Reason::CoverageDiffers,
+                format!("group {group_id}: no worker covers replica {missing} of {replicas}"),
+            ));
+        }
+        for (check, keys) in check_keys(totals.keys().copied()) {
+            let covered = keys
+                .iter()
+                .fold(0u64, |sum, key| sum.wrapping_add(totals.get(key).copied().unwrap_or(0)));
             if covered != expected {
                 return Err(Unverified(
                     Reason::CoverageDiffers,
@@ -570,36 +572,71 @@ fn replica_checks(parts: &[(&WorkerPart, &RecordGroup)], num_positions: usize) -
             add_into(total, &column.values);
         }
     }
-    let replica_counts: BTreeSet<u32> = totals.keys().map(|k| k.replicas).collect();
-    // Each count R needs keys (R, 0) .. (R, R-1); checking that first also
-    // bounds the number of checks by the number of columns.
-    for &replicas in &replica_counts {
-        let missing = (0..replicas).find(|&replica_index| {
-            !totals.contains_key(&ReplicaKey {
-                replicas,
-                replica_index,
-            })
-        });
-        if let Some(missing) = missing {
-            return Err(Unverified(
-                Reason::ReplicaMissing,
-                format!("no worker checksummed replica {missing} of {replicas}"),
-            ));
-        }
+    // Checking this first also bounds the number of checks by the number
+    // of columns.
+    if let Some((missing, replicas)) = first_missing_key(&totals) {
+        return Err(Unverified(
+            Reason::ReplicaMissing,
+            format!("no worker checksummed replica {missing} of {replicas}"),
+        ));
     }
-    let max_replicas = replica_counts.last().copied().unwrap_or(1);
-    let checks = (0..max_replicas)
-        .map(|check| {
+    let checks = check_keys(totals.keys().copied())
+        .into_iter()
+        .map(|(check, keys)| {
             let mut values = vec![0u64; num_positions];
-            for &replicas in &replica_counts {
-                let key = ReplicaKey {
-                    replicas,
-                    replica_index: check % replicas,
-                };
+            for key in keys {
                 add_into(&mut values, &totals[&key]);
             }
             (check, values)
         })
         .collect();
     Ok(checks)
+}
+
+/// The first key `(R, i)` missing among `keys` where some key has `R`
+/// replicas: each count needs keys `(R, 0) .. (R, R-1)`. Looked up per key
+/// present, so the work is bounded by them whatever `R` says.
+fn first_missing_key<T>(keys: &BTreeMap<ReplicaKey, T>) -> Option<(u32, u32)> {
+    let replica_counts: BTreeSet<u32> = keys.keys().map(|k| k.replicas).collect();
+    replica_counts.into_iter().find_map(|replicas| {
+        let present = keys.range(
+            ReplicaKey {
+                replicas,
+                replica_index: 0,
+            }..ReplicaKey {
+                replicas,
+                replica_index: replicas,
+            },
+        );
+        // Sorted and distinct: complete exactly when the i-th is index i.
+        let mut expected = 0u32;
+        for (key, _) in present {
+            if key.replica_index != expected {
+                return Some((expected, replicas));
+            }
+            expected += 1;
+        }
+        (expected < replicas).then_some((expected, replicas))
+    })
+}
+
+/// The replica checks of SPEC section 4 over the keys present: check `k`
+/// sums, over the distinct replica counts `R`, key `(R, k % R)`. As many
+/// checks as the largest `R`; a caller first makes sure every key of each
+/// count is present, which bounds them by the number of keys.
+fn check_keys(keys: impl Iterator<Item = ReplicaKey>) -> Vec<(u32, Vec<ReplicaKey>)> {
+    let replica_counts: BTreeSet<u32> = keys.map(|k| k.replicas).collect();
+    let max_replicas = replica_counts.last().copied().unwrap_or(1);
+    (0..max_replicas)
+        .map(|check| {
+            let keys = replica_counts
+                .iter()
+                .map(|&replicas| ReplicaKey {
+                    replicas,
+                    replica_index: check % replicas,
+                })
+                .collect();
+            (check, keys)
+        })
+        .collect()
 }
