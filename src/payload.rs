@@ -40,10 +40,11 @@ use std::collections::{HashMap, HashSet};
 
 use base64::Engine as _;
 
-use crate::checksum::{Algorithm, MAX_KV_HEADS_PER_LAYER};
+use crate::checksum::Algorithm;
 use crate::error::{err, Result};
 use crate::layout::ReplicaKey;
 use crate::msgpack::{initial_capacity, Reader, Writer};
+use crate::record::check_layer_partials;
 
 /// The payload version this library writes and reads.
 pub const PAYLOAD_VERSION: u64 = 1;
@@ -250,41 +251,11 @@ impl Payload {
             if group.block_size == 0 {
                 return Err(err!(Malformed, "payload extension: group {group_id} has block_size 0"));
             }
-            let mut previous: Option<&LayerPartial> = None;
-            for layer in &group.layers {
-                let what = format!(
-                    "group {group_id}, layer {} heads from {}",
-                    layer.layer_number, layer.first_head
-                );
-                let end = layer.first_head as u64 + layer.num_heads as u64;
-                if layer.num_heads == 0 || end > MAX_KV_HEADS_PER_LAYER {
-                    return Err(err!(
-                        Malformed,
-                        "payload extension: {what}: num_heads {} is 0 or reaches past head {MAX_KV_HEADS_PER_LAYER}",
-                        layer.num_heads
-                    ));
-                }
-                if let Some(p) = previous {
-                    let ordered = (p.layer_number, p.first_head) < (layer.layer_number, layer.first_head);
-                    let overlaps = p.layer_number == layer.layer_number
-                        && p.first_head as u64 + p.num_heads as u64 > layer.first_head as u64;
-                    if !ordered || overlaps {
-                        return Err(err!(
-                            Malformed,
-                            "payload extension: {what}: layers are out of order or overlap"
-                        ));
-                    }
-                }
-                previous = Some(layer);
-                if layer.values.len() != plain.values.len() {
-                    return Err(err!(
-                        Malformed,
-                        "payload extension: {what}: {} values, but the group has {}",
-                        layer.values.len(),
-                        plain.values.len()
-                    ));
-                }
-            }
+            check_layer_partials(
+                &group.layers,
+                plain.values.len() as u64,
+                &format!("payload extension: group {group_id}"),
+            )?;
         }
         Ok(())
     }

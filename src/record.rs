@@ -592,7 +592,6 @@ impl Record {
                 "record: {place} has layer values but the record is not in detail mode"
             ));
         }
-        let mut previous: Option<&LayerPartial> = None;
         for layer in &group.layers {
             let what = format!("{place}, layer {} heads from {}", layer.layer_number, layer.first_head);
             check_key(layer.replica, &what)?;
@@ -611,32 +610,8 @@ impl Record {
             {
                 return Err(err!(Malformed, "record: {what}: no column has its replica key"));
             }
-            let end = layer.first_head as u64 + layer.num_heads as u64;
-            if layer.num_heads == 0 || end > MAX_KV_HEADS_PER_LAYER {
-                return Err(err!(
-                    Malformed,
-                    "record: {what}: num_heads {} is 0 or reaches past head {MAX_KV_HEADS_PER_LAYER}",
-                    layer.num_heads
-                ));
-            }
-            if let Some(p) = previous {
-                let ordered = (p.layer_number, p.first_head) < (layer.layer_number, layer.first_head);
-                let overlaps = p.layer_number == layer.layer_number
-                    && p.first_head as u64 + p.num_heads as u64 > layer.first_head as u64;
-                if !ordered || overlaps {
-                    return Err(err!(Malformed, "record: {what}: layers are out of order or overlap"));
-                }
-            }
-            previous = Some(layer);
-            if layer.values.len() as u64 != group.num_positions {
-                return Err(err!(
-                    Malformed,
-                    "record: {what}: {} values for num_positions {}",
-                    layer.values.len(),
-                    group.num_positions
-                ));
-            }
         }
+        check_layer_partials(&group.layers, group.num_positions, &format!("record: {place}"))?;
         Ok(())
     }
 
@@ -647,6 +622,44 @@ impl Record {
             .ok()
             .map(|i| &self.groups[i])
     }
+}
+
+/// Checks the per-layer partials of one group, in a record or a payload
+/// extension alike: each layer holds at least one head and none at or past
+/// `MAX_KV_HEADS_PER_LAYER`, the layers are sorted by (layer, first head)
+/// without overlap, and each holds one value per position of its group
+/// (`num_positions`). `place` names the group (and the bytes it came from)
+/// in the message of `Error::Malformed`.
+pub(crate) fn check_layer_partials(layers: &[LayerPartial], num_positions: u64, place: &str) -> Result<()> {
+    let mut previous: Option<&LayerPartial> = None;
+    for layer in layers {
+        let what = format!("{place}, layer {} heads from {}", layer.layer_number, layer.first_head);
+        let end = layer.first_head as u64 + layer.num_heads as u64;
+        if layer.num_heads == 0 || end > MAX_KV_HEADS_PER_LAYER {
+            return Err(err!(
+                Malformed,
+                "{what}: num_heads {} is 0 or reaches past head {MAX_KV_HEADS_PER_LAYER}",
+                layer.num_heads
+            ));
+        }
+        if let Some(p) = previous {
+            let ordered = (p.layer_number, p.first_head) < (layer.layer_number, layer.first_head);
+            let overlaps = p.layer_number == layer.layer_number
+                && p.first_head as u64 + p.num_heads as u64 > layer.first_head as u64;
+            if !ordered || overlaps {
+                return Err(err!(Malformed, "{what}: layers are out of order or overlap"));
+            }
+        }
+        previous = Some(layer);
+        if layer.values.len() as u64 != num_positions {
+            return Err(err!(
+                Malformed,
+                "{what}: {} values for {num_positions} positions",
+                layer.values.len()
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn check_key(key: ReplicaKey, place: &str) -> Result<()> {

@@ -510,7 +510,7 @@ fn every_malformed_record_class_is_rejected_with_a_message() {
         (
             "layer values short",
             Box::new(|v| *v.at(&[6, 0, 2, 0, 4, 0, 5]) = values(&[1])),
-            "1 values for num_positions 3",
+            "1 values for 3 positions",
         ),
         (
             "stored outcomes of the wrong count",
@@ -713,7 +713,7 @@ fn every_malformed_payload_class_is_rejected_with_a_message() {
         (
             "extension layer values",
             Box::new(|v| *v.at(&[3, 2, 0, 2, 0, 3]) = values(&[1])),
-            "1 values, but the group has 3",
+            "1 values for 3 positions",
         ),
         (
             "extension group twice",
