@@ -17,6 +17,7 @@ pub mod report;
 pub mod result;
 pub mod sizes;
 pub mod status;
+pub mod tensor_parallel;
 pub mod topology;
 pub mod verifier;
 pub mod worker;
