@@ -12,17 +12,17 @@
 
 mod support;
 
-use std::ffi::{CStr, CString};
+use std::ffi::CString;
 
 use kvcsum::ffi::blocks::*;
 use kvcsum::ffi::result::*;
-use kvcsum::ffi::status::kvcs_last_error;
 use kvcsum::ffi::status::kvcs_status::*;
 use kvcsum::ffi::worker::*;
 use kvcsum::record::{self, Record};
 use kvcsum::verify::{Policy, Reason, Verdict, Verifier};
 use kvcsum::{BlockSet, Error, Region, Role, StoredOutcome, StreamHandle, Worker};
 use sha2::{Digest, Sha256};
+use support::c_text::last_error;
 use support::*;
 
 const REQ: &str = "offload-1";
@@ -363,12 +363,6 @@ fn bad_stores_fail_before_writing_anything() {
         worker.add_stored(0, u64::MAX - 7, 2),
         Err(Error::InvalidArgument(_))
     ));
-}
-
-fn last_error() -> String {
-    unsafe { CStr::from_ptr(kvcs_last_error()) }
-        .to_string_lossy()
-        .into_owned()
 }
 
 #[test]

@@ -1,18 +1,27 @@
 //! The record and payload decoders: round trips, and every class of
 //! malformed input rejected with `Error::Malformed` and a message that says
 //! what was wrong, without panics or large allocations. Inputs are built
-//! with a small msgpack writer of this file (independent of the crate's).
+//! with the tests' msgpack writer (tests/support/msgpack.rs, independent of
+//! the crate's encoder).
 //!
 //! Reproduce a failure with the seed it printed:
 //! `KVCS_TEST_SEED=<seed> cargo test --test verify_decode <name>`.
 
 mod support;
 
+use std::ffi::CString;
+use std::ptr::null_mut;
+
+use kvcsum::ffi::report::kvcs_verdict;
+use kvcsum::ffi::status::kvcs_status::*;
+use kvcsum::ffi::verifier::*;
 use kvcsum::payload::{
     decode_base64, encode_base64, Extension, ExtensionGroup, LayerPartial, Payload, PayloadGroup, FIRST_COPY,
 };
 use kvcsum::record::Record;
 use kvcsum::{Error, Role, StoredOutcome};
+use support::hand_made::*;
+use support::msgpack::Msgpack;
 use support::*;
 
 /// A msgpack value, written in the shortest form unless `Raw`.
@@ -40,68 +49,30 @@ fn values(v: &[u64]) -> V {
 }
 
 impl V {
-    fn encode(&self, out: &mut Vec<u8>) {
-        fn header(out: &mut Vec<u8>, len: usize, fix: Option<(u8, usize)>, codes: [u8; 3]) {
-            match fix {
-                Some((base, max)) if len <= max => out.push(base | len as u8),
-                _ if len <= 0xff && codes[0] != 0 => out.extend([codes[0], len as u8]),
-                _ if len <= 0xffff => {
-                    out.push(codes[1]);
-                    out.extend((len as u16).to_be_bytes());
-                }
-                _ => {
-                    out.push(codes[2]);
-                    out.extend((len as u32).to_be_bytes());
-                }
-            }
-        }
+    fn encode(&self, out: &mut Msgpack) {
         match self {
-            V::U(x) if *x < 128 => out.push(*x as u8),
-            V::U(x) if *x <= 0xff => out.extend([0xcc, *x as u8]),
-            V::U(x) if *x <= 0xffff => {
-                out.push(0xcd);
-                out.extend((*x as u16).to_be_bytes());
-            }
-            V::U(x) if *x <= 0xffff_ffff => {
-                out.push(0xce);
-                out.extend((*x as u32).to_be_bytes());
-            }
-            V::U(x) => {
-                out.push(0xcf);
-                out.extend(x.to_be_bytes());
-            }
-            V::I64(x) => {
-                out.push(0xd3);
-                out.extend(x.to_be_bytes());
-            }
-            V::S(text) => {
-                header(out, text.len(), Some((0xa0, 31)), [0xd9, 0xda, 0xdb]);
-                out.extend(text.as_bytes());
-            }
-            V::B(bytes) => {
-                header(out, bytes.len(), None, [0xc4, 0xc5, 0xc6]);
-                out.extend(bytes);
-            }
+            V::U(x) => out.uint(*x),
+            V::I64(x) => out.int64(*x),
+            V::S(text) => out.str(text),
+            V::B(bytes) => out.bin(bytes),
             V::A(items) => {
-                header(out, items.len(), Some((0x90, 15)), [0, 0xdc, 0xdd]);
+                out.array(items.len());
                 for item in items {
                     item.encode(out);
                 }
+                out
             }
-            V::Bool(b) => out.push(if *b { 0xc3 } else { 0xc2 }),
-            V::Nil => out.push(0xc0),
-            V::F64(x) => {
-                out.push(0xcb);
-                out.extend(x.to_be_bytes());
-            }
-            V::Raw(bytes) => out.extend(bytes),
-        }
+            V::Bool(b) => out.bool(*b),
+            V::Nil => out.nil(),
+            V::F64(x) => out.f64(*x),
+            V::Raw(bytes) => out.raw(bytes),
+        };
     }
 
     fn bytes(&self) -> Vec<u8> {
-        let mut out = Vec::new();
+        let mut out = Msgpack::default();
         self.encode(&mut out);
-        out
+        out.0
     }
 
     /// The element at `path` (indices into nested arrays).
@@ -884,4 +855,125 @@ fn a_version_1_extension_round_trips() {
     assert_eq!(payload.extension.as_ref().unwrap().groups[0].coverage, None);
     assert_eq!(Payload::decode(&payload.encode()).expect("re-encoded"), payload);
     assert_eq!(payload.encode(), v1.bytes(), "the same bytes");
+}
+
+// ---------------------------------------------------------------------------
+// Declared lengths under an address-space limit
+
+#[test]
+fn payloads_declaring_huge_lengths_give_unverified_reports_under_a_memory_limit() {
+    under_address_space_limit(
+        "payloads_declaring_huge_lengths_give_unverified_reports_under_a_memory_limit",
+        || {
+            let (verifier, _blocks) = consumer_with_record(&simple_record(vec![5], 16), 1, 16);
+            let n = 100 << 20;
+            let mut cases: Vec<(&str, Vec<u8>)> = Vec::new();
+            // [1, 100, array32 of n groups] + n zero bytes.
+            let mut prefix = vec![0x93, 1, 100];
+            prefix.extend(array32(n));
+            cases.push(("groups", padded(&prefix, n)));
+            // The extension's groups: [1, 16, [], [1, 1, array32 of n]].
+            let mut prefix = vec![0x94, 1, 16, 0x90, 0x93, 1, 1];
+            prefix.extend(array32(n));
+            cases.push(("extension groups", padded(&prefix, n)));
+            // One extension group's layers.
+            let mut prefix = vec![0x94, 1, 16, 0x91, 0x94, 0, 7, 0, 0xc4, 8, 5, 0, 0, 0, 0, 0, 0, 0];
+            prefix.extend([0x93, 1, 1, 0x91, 0x93, 0, 16]);
+            prefix.extend(array32(n));
+            cases.push(("extension layers", padded(&prefix, n)));
+            for (what, payload) in &cases {
+                let report = verifier.check("req", payload);
+                assert_eq!(report.verdict(), kvcs_verdict::KVCS_VERDICT_UNVERIFIED, "{what}");
+                assert_eq!(report.reason(), "KVCS_UNVERIFIED_INVALID_CHECKSUMS", "{what}");
+            }
+            // The same as base64 text.
+            let mut text = vec![0u8; cases[0].1.len().div_ceil(3) * 4 + 1];
+            let mut len = 0usize;
+            assert_eq!(
+                kvcs_base64_encode(
+                    cases[0].1.as_ptr(),
+                    cases[0].1.len(),
+                    text.as_mut_ptr().cast(),
+                    text.len(),
+                    &mut len
+                ),
+                KVCS_OK
+            );
+            drop(cases);
+            let req_id = CString::new("req").unwrap();
+            let mut out = null_mut();
+            assert_eq!(
+                kvcs_verifier_check_base64(verifier.0, req_id.as_ptr(), text.as_ptr().cast(), &mut out),
+                KVCS_OK
+            );
+            let report = Report(out);
+            assert_eq!(report.reason(), "KVCS_UNVERIFIED_INVALID_CHECKSUMS");
+            // Many real elements: a million one-value groups decode and compare.
+            let mut w = Msgpack::default();
+            w.array(3).uint(1).uint(16).array(1 << 20);
+            for id in 0..1u64 << 20 {
+                w.array(4).uint(id).uint(7).uint(0).u64s(&[5]);
+            }
+            let report = verifier.check("req", &w.0);
+            assert_eq!(
+                report.verdict(),
+                kvcs_verdict::KVCS_VERDICT_MATCH,
+                "{}",
+                report.message()
+            );
+        },
+    );
+}
+
+#[test]
+fn records_declaring_huge_lengths_are_malformed_under_a_memory_limit() {
+    under_address_space_limit(
+        "records_declaring_huge_lengths_are_malformed_under_a_memory_limit",
+        || {
+            let verifier = Verifier::new(1);
+            let n = 60 << 20;
+            let head = |w: &mut Msgpack| {
+                w.array(8).str("kvcsum.record").uint(3);
+                w.array(3).uint(0).uint(1).uint(0);
+                w.uint(1).bool(true);
+            };
+            let mut prefixes: Vec<(&str, Vec<u8>)> = Vec::new();
+            // The record's groups.
+            let mut w = Msgpack::default();
+            head(&mut w);
+            prefixes.push(("groups", w.0));
+            // Its requests.
+            let mut w = Msgpack::default();
+            head(&mut w);
+            w.array(1).array(7).uint(0).bool(false);
+            prefixes.push(("requests", w.0));
+            // A request's groups, a group's columns and layers, skipped groups.
+            let mut w = Msgpack::default();
+            head(&mut w);
+            w.array(1)
+                .array(7)
+                .uint(0)
+                .bool(false)
+                .array(1)
+                .array(4)
+                .str("req")
+                .uint(16);
+            let request = w.0.clone();
+            prefixes.push(("request groups", request.clone()));
+            let mut w = Msgpack(request.clone());
+            w.array(1).array(6).uint(0).uint(0).uint(0);
+            prefixes.push(("columns", w.0.clone()));
+            w.array(0);
+            prefixes.push(("layers", w.0));
+            let mut w = Msgpack(request);
+            w.array(0);
+            prefixes.push(("skipped groups", w.0));
+            for (what, prefix) in prefixes {
+                let mut prefix = prefix;
+                prefix.extend(array32(n));
+                let record = padded(&prefix, n);
+                assert_eq!(verifier.add(&record), KVCS_ERR_MALFORMED, "{what}");
+            }
+        },
+    );
 }

@@ -19,22 +19,10 @@ use kvcsum::ffi::status::kvcs_status::*;
 use kvcsum::ffi::status::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;
+use support::c_text::{last_error, text};
 use support::*;
 
 const REQ: &CStr = c"req-c";
-
-fn last_error() -> String {
-    // SAFETY: kvcs_last_error never returns NULL.
-    unsafe { CStr::from_ptr(kvcs_last_error()) }
-        .to_string_lossy()
-        .into_owned()
-}
-
-fn text(ptr: *const c_char) -> String {
-    assert!(!ptr.is_null());
-    // SAFETY: the library's strings are NUL-terminated and live long enough.
-    unsafe { CStr::from_ptr(ptr) }.to_string_lossy().into_owned()
-}
 
 /// A worker deployment through the C API: per rank, its placement (kept
 /// alive) and worker handle.

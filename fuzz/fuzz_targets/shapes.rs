@@ -17,58 +17,12 @@ use kvcsum::record::Record;
 use kvcsum::Error;
 use libfuzzer_sys::fuzz_target;
 
-/// msgpack, written here so that the shapes do not depend on the library's
-/// encoder.
-#[derive(Default)]
-struct Out(Vec<u8>);
+// The tests' msgpack writer, included rather than copied, so that the
+// shapes do not depend on the library's encoder.
+#[path = "../../tests/support/msgpack.rs"]
+mod msgpack;
 
-impl Out {
-    fn array(&mut self, len: usize) -> &mut Self {
-        match len {
-            0..=15 => self.0.push(0x90 | len as u8),
-            16..=0xffff => {
-                self.0.push(0xdc);
-                self.0.extend_from_slice(&(len as u16).to_be_bytes());
-            }
-            _ => {
-                self.0.push(0xdd);
-                self.0.extend_from_slice(&(len as u32).to_be_bytes());
-            }
-        }
-        self
-    }
-
-    fn uint(&mut self, value: u64) -> &mut Self {
-        if value < 0x80 {
-            self.0.push(value as u8);
-        } else {
-            self.0.push(0xce);
-            self.0.extend_from_slice(&(value as u32).to_be_bytes());
-        }
-        self
-    }
-
-    fn bool(&mut self, value: bool) -> &mut Self {
-        self.0.push(if value { 0xc3 } else { 0xc2 });
-        self
-    }
-
-    fn str(&mut self, text: &str) -> &mut Self {
-        self.0.push(0xa0 | text.len() as u8);
-        self.0.extend_from_slice(text.as_bytes());
-        self
-    }
-
-    fn nil(&mut self) -> &mut Self {
-        self.0.push(0xc0);
-        self
-    }
-
-    fn empty_bin(&mut self) -> &mut Self {
-        self.0.extend_from_slice(&[0xc4, 0]);
-        self
-    }
-}
+use msgpack::Msgpack;
 
 /// The arrays a recipe can make large: where it sits in the schema.
 #[derive(Clone, Copy, Debug)]
@@ -97,13 +51,13 @@ const SITES: [Site; 9] = [
 ];
 
 /// Writes the schema down to the site's array header (of `len` elements).
-fn prefix(out: &mut Out, site: Site, len: usize) {
-    let record_head = |out: &mut Out| {
+fn prefix(out: &mut Msgpack, site: Site, len: usize) {
+    let record_head = |out: &mut Msgpack| {
         out.array(8).str("kvcsum.record").uint(3);
         out.array(3).uint(0).uint(1).uint(0);
         out.uint(1).bool(true);
     };
-    let request_head = |out: &mut Out| {
+    let request_head = |out: &mut Msgpack| {
         record_head(out);
         out.array(1).array(7).uint(0).uint(16).uint(0).bool(false).bool(true).bool(false).array(0);
         out.array(1).array(4).str("r").uint(16);
@@ -116,7 +70,7 @@ fn prefix(out: &mut Out, site: Site, len: usize) {
             out.array(4).uint(1).uint(16).array(0).array(3).uint(1).uint(1).array(len);
         }
         Site::ExtensionLayers => {
-            out.array(4).uint(1).uint(16).array(1).array(4).uint(0).uint(7).uint(0).empty_bin();
+            out.array(4).uint(1).uint(16).array(1).array(4).uint(0).uint(7).uint(0).bin(&[]);
             out.array(3).uint(1).uint(1).array(1).array(3).uint(0).uint(16).array(len);
         }
         Site::RecordGroups => {
@@ -138,7 +92,7 @@ fn prefix(out: &mut Out, site: Site, len: usize) {
         Site::Layers => {
             request_head(out);
             out.array(1).array(6).uint(0).uint(0).uint(0);
-            out.array(1).array(3).uint(1).uint(0).empty_bin();
+            out.array(1).array(3).uint(1).uint(0).bin(&[]);
             out.array(len);
         }
         Site::Skipped => {
@@ -150,16 +104,16 @@ fn prefix(out: &mut Out, site: Site, len: usize) {
 
 /// One real, minimal element of the site's array (the `i`-th, so that ids
 /// and keys differ).
-fn element(out: &mut Out, site: Site, i: u64) {
+fn element(out: &mut Msgpack, site: Site, i: u64) {
     match site {
         Site::PayloadGroups => {
-            out.array(4).uint(i).uint(7).uint(0).empty_bin();
+            out.array(4).uint(i).uint(7).uint(0).bin(&[]);
         }
         Site::ExtensionGroups => {
             out.array(3).uint(i).uint(16).array(0);
         }
         Site::ExtensionLayers => {
-            out.array(4).uint(i).uint(0).uint(1).empty_bin();
+            out.array(4).uint(i).uint(0).uint(1).bin(&[]);
         }
         Site::RecordGroups => {
             out.array(4).uint(i).uint(16).uint(0).bool(false);
@@ -171,10 +125,10 @@ fn element(out: &mut Out, site: Site, i: u64) {
             out.array(6).uint(i).uint(0).uint(0).array(0).array(0).nil();
         }
         Site::Columns => {
-            out.array(3).uint(1 << 20).uint(i).empty_bin();
+            out.array(3).uint(1 << 20).uint(i).bin(&[]);
         }
         Site::Layers => {
-            out.array(6).uint(i).uint(0).uint(1).uint(1).uint(0).empty_bin();
+            out.array(6).uint(i).uint(0).uint(1).uint(1).uint(0).bin(&[]);
         }
         Site::Skipped => {
             out.array(2).uint(i).str("r");
@@ -207,7 +161,7 @@ fuzz_target!(|recipe: &[u8]| {
     // Real elements take several bytes each: fewer of them keep a run short.
     let len = if real { len % (1 << 20) } else { len };
     let tail = &recipe[5..];
-    let mut out = Out::default();
+    let mut out = Msgpack::default();
     prefix(&mut out, site, len);
     if real {
         for i in 0..len as u64 {

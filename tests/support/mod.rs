@@ -12,8 +12,11 @@
 
 #![allow(dead_code)]
 
+pub mod c_text;
 pub mod faults;
+pub mod hand_made;
 mod layouts;
+pub mod msgpack;
 mod random;
 mod reference;
 mod requests;

@@ -8,7 +8,7 @@
 
 #![allow(dead_code)]
 
-use std::ffi::{c_char, CStr, CString};
+use std::ffi::CString;
 use std::ptr::{null, null_mut};
 
 use kvcsum::ffi::blocks::*;
@@ -20,24 +20,12 @@ use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;
 use kvcsum::{LayerSpec, StateSpec};
 
+pub use crate::support::c_text::last_error;
+use crate::support::c_text::text;
 use crate::support::{GroupTable, Placement, Rng, TestRequest};
 
 /// A failed call: its status and the library's message.
 pub type Failure = (kvcs_status, String);
-
-/// `kvcs_last_error()` as a string.
-pub fn last_error() -> String {
-    // SAFETY: kvcs_last_error never returns NULL and the text is NUL-terminated.
-    unsafe { CStr::from_ptr(kvcs_last_error()) }
-        .to_string_lossy()
-        .into_owned()
-}
-
-fn text(ptr: *const c_char) -> String {
-    assert!(!ptr.is_null(), "the library returned a NULL string");
-    // SAFETY: the library's strings are NUL-terminated and outlive this call.
-    unsafe { CStr::from_ptr(ptr) }.to_string_lossy().into_owned()
-}
 
 /// `Ok` for `KVCS_OK`, else the status and the message.
 pub fn check(status: kvcs_status) -> Result<(), Failure> {
