@@ -1,6 +1,6 @@
 //! The fault catalogue's faults (docs/SPEC.md section 13), shared by the
 //! host catalogue (`tests/fault_catalogue.rs`) and its GPU variant
-//! (`tests/gpu.rs`): the block geometry, bf16-like random KV, each fault
+//! (`tests/gpu/attention.rs`): the block geometry, bf16-like random KV, each fault
 //! class (like hardware and like software) with what WEIGHTED provably
 //! misses, and the direct path (one block through the crate's arithmetic).
 
