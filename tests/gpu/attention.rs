@@ -490,27 +490,13 @@ fn device_orders_after_work_queued_on_the_callers_stream() {
         let contents: Vec<&[u8]> = placement.buffers().iter().map(|b| b.bytes()).collect();
         let writer = LateWriter::new(&cache.context, &cache.bases, &contents);
         let seed = rng.seed();
-        behind_late_writes(
-            writer,
-            &mut rng,
-            Streams::EveryKind,
-            |name, stream| {
-                let result = pair.device.checksum(&blocks, Role::Consumer, stream).expect("checksum");
-                assert!(
-                    !result.is_ready().expect("query"),
-                    "{name}: the result was ready while the stream was still busy"
-                );
-                result
-            },
-            |name, result| {
-                result.wait().expect("wait");
-                assert_eq!(
-                    all_columns(&result),
-                    expected,
-                    "{name}: the checksum did not see the KV written on the caller's stream (seed {seed})"
-                );
-            },
-        );
+        checksum_behind_late_writes(writer, &mut rng, &pair.device, &blocks, |name, result| {
+            assert_eq!(
+                all_columns(result),
+                expected,
+                "{name}: the checksum did not see the KV written on the caller's stream (seed {seed})"
+            );
+        });
     });
 }
 

@@ -375,28 +375,14 @@ fn device_state_orders_after_work_queued_on_the_callers_stream() {
         // The true state is written back on each case's stream, late.
         let writer = LateWriter::new(&pair.copy.context, &pair.copy.bases, &caches.byte_buffers());
         let seed = rng.seed();
-        behind_late_writes(
-            writer,
-            &mut rng,
-            Streams::EveryKind,
-            |name, stream| {
-                let result = pair.device.checksum(&blocks, Role::Consumer, stream).expect("checksum");
-                assert!(
-                    !result.is_ready().expect("query"),
-                    "{name}: the result was ready while the stream was still busy"
-                );
-                result
-            },
-            |name, result| {
-                result.wait().expect("wait");
-                let (_, values) = result.column("r", 3, 0).expect("column");
-                assert_eq!(
-                    values,
-                    &[expected],
-                    "{name}: the state checksum did not see the state written on the caller's stream (seed {seed})"
-                );
-            },
-        );
+        checksum_behind_late_writes(writer, &mut rng, &pair.device, &blocks, |name, result| {
+            let (_, values) = result.column("r", 3, 0).expect("column");
+            assert_eq!(
+                values,
+                &[expected],
+                "{name}: the state checksum did not see the state written on the caller's stream (seed {seed})"
+            );
+        });
     });
 }
 

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{result as cu, sys, CudaContext};
-use kvcsum::StreamHandle;
+use kvcsum::{BlockSet, Checksums, Role, StreamHandle, Worker};
 
 use crate::support::*;
 
@@ -158,4 +158,34 @@ pub fn behind_late_writes<T>(
     unsafe {
         let _ = cu::stream::destroy(explicit);
     }
+}
+
+/// [`behind_late_writes`] for the checksum ordering tests: on each stream a
+/// caller may name, `device` checksums `blocks` as a consumer; the result
+/// must not be ready while the stream is busy, and `check(name, &result)`
+/// gets it once waited for.
+pub fn checksum_behind_late_writes(
+    writer: LateWriter,
+    rng: &mut Rng,
+    device: &Worker,
+    blocks: &BlockSet,
+    mut check: impl FnMut(&str, &Checksums),
+) {
+    behind_late_writes(
+        writer,
+        rng,
+        Streams::EveryKind,
+        |name, stream| {
+            let result = device.checksum(blocks, Role::Consumer, stream).expect("checksum");
+            assert!(
+                !result.is_ready().expect("query"),
+                "{name}: the result was ready while the stream was still busy"
+            );
+            result
+        },
+        |name, result| {
+            result.wait().expect("wait");
+            check(name, &result);
+        },
+    );
 }
