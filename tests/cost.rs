@@ -7,12 +7,14 @@
 //! Reproduce a failure with the seed it printed:
 //! `KVCS_TEST_SEED=<seed> cargo test --release --test cost <name>`.
 
+mod hand_made;
 mod support;
 
 use std::ffi::CString;
 use std::ptr::null_mut;
 use std::time::{Duration, Instant};
 
+use hand_made::*;
 use kvcsum::ffi::blocks::*;
 use kvcsum::ffi::report::*;
 use kvcsum::ffi::result::*;
@@ -22,7 +24,6 @@ use kvcsum::ffi::topology::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;
 use support::c_text::last_error;
-use support::hand_made::*;
 use support::Rng;
 
 // ---------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 //! The C boundary under careless callers: each case through the
 //! `extern "C"` functions as C would call them, with hand-made records and
-//! payloads (tests/support/hand_made.rs).
+//! payloads (tests/hand_made/).
 //!
 //! - Registration order of groups does not matter (records list groups by id).
 //! - A record's role is compared with the role its request is expected in.
@@ -15,11 +15,13 @@
 //! Reproduce a failure with the seed it printed:
 //! `KVCS_TEST_SEED=<seed> cargo test --release --test ffi_boundary <name>`.
 
+mod hand_made;
 mod support;
 
 use std::ffi::CString;
 use std::ptr::null_mut;
 
+use hand_made::*;
 use kvcsum::ffi::report::*;
 use kvcsum::ffi::status::kvcs_status::*;
 use kvcsum::ffi::status::*;
@@ -28,7 +30,6 @@ use kvcsum::ffi::topology::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;
 use support::c_text::last_error;
-use support::hand_made::*;
 use support::Rng;
 
 // ---------------------------------------------------------------------------

@@ -7,11 +7,13 @@
 //! Reproduce a failure with the seed it printed:
 //! `KVCS_TEST_SEED=<seed> cargo test --test verify_decode <name>`.
 
+mod hand_made;
 mod support;
 
 use std::ffi::CString;
 use std::ptr::null_mut;
 
+use hand_made::*;
 use kvcsum::ffi::report::kvcs_verdict;
 use kvcsum::ffi::status::kvcs_status::*;
 use kvcsum::ffi::verifier::*;
@@ -20,7 +22,6 @@ use kvcsum::payload::{
 };
 use kvcsum::record::Record;
 use kvcsum::{Error, Role, StoredOutcome};
-use support::hand_made::*;
 use support::msgpack::Msgpack;
 use support::*;
 

@@ -14,7 +14,6 @@
 
 pub mod c_text;
 pub mod faults;
-pub mod hand_made;
 mod layouts;
 pub mod msgpack;
 mod random;

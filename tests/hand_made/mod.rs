@@ -1,9 +1,11 @@
 //! Hand-made records and payloads and thin owning wrappers over the C ABI,
 //! for tests that call the `extern "C"` functions as careless or hostile C
 //! would (decoder limits, the C boundary, cost bounds). Records and payloads
-//! are written by the tests' msgpack writer ([`super::msgpack`]),
+//! are written by the tests' msgpack writer (tests/support/msgpack.rs),
 //! independently of the library's encoder (layouts per the record and
-//! payload module documentation).
+//! payload module documentation). Each test binary uses a part of it.
+
+#![allow(dead_code)]
 
 use std::ffi::{CStr, CString};
 use std::ptr::{null, null_mut};
@@ -19,9 +21,9 @@ use kvcsum::ffi::topology::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;
 
-use super::c_text::{last_error, text};
-use super::msgpack::Msgpack;
-use super::Rng;
+use crate::support::c_text::{last_error, text};
+use crate::support::msgpack::Msgpack;
+use crate::support::Rng;
 
 /// A generous bound on work the fixed code does in a small fraction of it;
 /// the quadratic code took many times longer on the same input.
