@@ -23,7 +23,7 @@ use kvcsum::ffi::tensor_parallel::*;
 use kvcsum::ffi::topology::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;
-use support::c_text::last_error;
+use support::c_abi::last_error;
 use support::Rng;
 
 // ---------------------------------------------------------------------------

@@ -22,7 +22,7 @@ use kvcsum::record::{self, Record};
 use kvcsum::verify::{Policy, Reason, Verdict, Verifier};
 use kvcsum::{BlockSet, Error, Region, Role, StoredOutcome, StreamHandle, Worker};
 use sha2::{Digest, Sha256};
-use support::c_text::last_error;
+use support::c_abi::{c_layer, c_segments, last_error};
 use support::*;
 
 const REQ: &str = "offload-1";
@@ -395,32 +395,12 @@ fn c_api_round_trip_tags_and_outcomes() {
         .map(|s| s.identity.clone())
         .collect();
     for (spec, identity) in placement.host_layer_specs().iter().zip(&identities) {
-        let segments: Vec<kvcs_segment> = spec
-            .segments
-            .iter()
-            .map(|s| kvcs_segment {
-                address: s.address,
-                block_stride: s.block_stride,
-                kernel_block_stride: s.kernel_block_stride,
-                head_stride: s.head_stride,
-                token_stride: s.token_stride,
-                bytes_per_token: s.bytes_per_token,
-            })
-            .collect();
+        let segments = c_segments(spec);
         let layer = kvcs_layer {
             group_id: 0,
-            layer_number: spec.layer_number,
-            first_head: spec.first_head,
-            num_heads: spec.num_heads,
-            replicas: spec.replica.replicas,
-            replica_index: spec.replica.replica_index,
-            num_blocks: spec.num_blocks,
-            kernel_blocks: spec.kernel_blocks,
-            tokens_per_kernel_block: spec.tokens_per_kernel_block,
-            num_segments: segments.len() as u32,
-            segments: segments.as_ptr(),
             identity: identity.as_ptr(),
             identity_len: identity.len(),
+            ..c_layer(spec, &segments)
         };
         assert_eq!(kvcs_worker_add_layer(worker, &layer), KVCS_OK, "{}", last_error());
     }

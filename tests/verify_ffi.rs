@@ -19,7 +19,7 @@ use kvcsum::ffi::status::kvcs_status::*;
 use kvcsum::ffi::status::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;
-use support::c_text::{last_error, text};
+use support::c_abi::{c_layer, c_segments, last_error, text};
 use support::*;
 
 const REQ: &CStr = c"req-c";
@@ -69,32 +69,10 @@ fn c_side(rng: &mut Rng, kv: &LogicalKv, tp_size: u32, kind: LayoutKind, detail:
         }
         assert_eq!(kvcs_worker_add_group(worker, 2, 16), KVCS_OK);
         for spec in placement.host_layer_specs() {
-            let segments: Vec<kvcs_segment> = spec
-                .segments
-                .iter()
-                .map(|s| kvcs_segment {
-                    address: s.address,
-                    block_stride: s.block_stride,
-                    kernel_block_stride: s.kernel_block_stride,
-                    head_stride: s.head_stride,
-                    token_stride: s.token_stride,
-                    bytes_per_token: s.bytes_per_token,
-                })
-                .collect();
+            let segments = c_segments(&spec);
             let layer = kvcs_layer {
                 group_id: 2,
-                layer_number: spec.layer_number,
-                first_head: spec.first_head,
-                num_heads: spec.num_heads,
-                replicas: spec.replica.replicas,
-                replica_index: spec.replica.replica_index,
-                num_blocks: spec.num_blocks,
-                kernel_blocks: spec.kernel_blocks,
-                tokens_per_kernel_block: spec.tokens_per_kernel_block,
-                num_segments: segments.len() as u32,
-                segments: segments.as_ptr(),
-                identity: spec.identity.as_ptr(),
-                identity_len: spec.identity.len(),
+                ..c_layer(&spec, &segments)
             };
             assert_eq!(kvcs_worker_add_layer(worker, &layer), KVCS_OK, "{}", last_error());
         }

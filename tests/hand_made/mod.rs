@@ -21,7 +21,7 @@ use kvcsum::ffi::topology::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;
 
-use crate::support::c_text::{last_error, text};
+use crate::support::c_abi::{last_error, text};
 use crate::support::msgpack::Msgpack;
 use crate::support::Rng;
 

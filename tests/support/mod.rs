@@ -12,7 +12,7 @@
 
 #![allow(dead_code)]
 
-pub mod c_text;
+pub mod c_abi;
 pub mod faults;
 mod layouts;
 pub mod msgpack;

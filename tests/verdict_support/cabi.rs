@@ -20,8 +20,8 @@ use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;
 use kvcsum::{LayerSpec, StateSpec};
 
-pub use crate::support::c_text::last_error;
-use crate::support::c_text::text;
+pub use crate::support::c_abi::last_error;
+use crate::support::c_abi::{c_layer, c_segments, text};
 use crate::support::{GroupTable, Placement, Rng, TestRequest};
 
 /// A failed call: its status and the library's message.
@@ -69,29 +69,6 @@ pub struct CWorker {
 impl Drop for CWorker {
     fn drop(&mut self) {
         kvcs_worker_destroy(self.handle);
-    }
-}
-
-/// The C form of a layer spec, borrowing its segments and identity.
-fn c_layer(spec: &LayerSpec, segments: &[kvcs_segment]) -> kvcs_layer {
-    kvcs_layer {
-        group_id: spec.group_id,
-        layer_number: spec.layer_number,
-        first_head: spec.first_head,
-        num_heads: spec.num_heads,
-        replicas: spec.replica.replicas,
-        replica_index: spec.replica.replica_index,
-        num_blocks: spec.num_blocks,
-        kernel_blocks: spec.kernel_blocks,
-        tokens_per_kernel_block: spec.tokens_per_kernel_block,
-        num_segments: segments.len() as u32,
-        segments: segments.as_ptr(),
-        identity: if spec.identity.is_empty() {
-            null()
-        } else {
-            spec.identity.as_ptr()
-        },
-        identity_len: spec.identity.len(),
     }
 }
 
@@ -151,18 +128,7 @@ impl CWorker {
 
     /// `kvcs_worker_add_layer` of `spec`.
     pub fn layer(&self, spec: &LayerSpec) -> Result<(), Failure> {
-        let segments: Vec<kvcs_segment> = spec
-            .segments
-            .iter()
-            .map(|s| kvcs_segment {
-                address: s.address,
-                block_stride: s.block_stride,
-                kernel_block_stride: s.kernel_block_stride,
-                head_stride: s.head_stride,
-                token_stride: s.token_stride,
-                bytes_per_token: s.bytes_per_token,
-            })
-            .collect();
+        let segments = c_segments(spec);
         let layer = c_layer(spec, &segments);
         check(kvcs_worker_add_layer(self.handle, &layer))
     }
