@@ -8,7 +8,7 @@
 #![allow(dead_code)]
 
 use std::ffi::{CStr, CString};
-use std::ptr::{null, null_mut};
+use std::ptr::null_mut;
 use std::time::Duration;
 
 use kvcsum::ffi::blocks::*;
@@ -21,7 +21,7 @@ use kvcsum::ffi::topology::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;
 
-use crate::support::c_abi::{last_error, text};
+use crate::support::c_abi::{last_error, report_compared, report_message, report_mismatches, text};
 use crate::support::msgpack::Msgpack;
 use crate::support::Rng;
 
@@ -300,15 +300,11 @@ impl Report {
     }
 
     pub fn message(&self) -> String {
-        let mut message = null();
-        assert_eq!(kvcs_report_message(self.0, &mut message), KVCS_OK);
-        text(message)
+        report_message(self.0)
     }
 
     pub fn compared(&self) -> u64 {
-        let mut n = u64::MAX;
-        assert_eq!(kvcs_report_compared_positions(self.0, &mut n), KVCS_OK);
-        n
+        report_compared(self.0)
     }
 
     pub fn uncompared(&self) -> u64 {
@@ -318,16 +314,7 @@ impl Report {
     }
 
     pub fn mismatches(&self) -> Vec<kvcs_mismatch> {
-        let mut count = 0usize;
-        assert_eq!(kvcs_report_num_mismatches(self.0, &mut count), KVCS_OK);
-        (0..count)
-            .map(|i| {
-                // SAFETY: all-zero bytes are a valid kvcs_mismatch (integers only).
-                let mut entry: kvcs_mismatch = unsafe { std::mem::zeroed() };
-                assert_eq!(kvcs_report_mismatch(self.0, i, &mut entry), KVCS_OK);
-                entry
-            })
-            .collect()
+        report_mismatches(self.0)
     }
 
     pub fn layer_differences(&self, mismatch: usize, count: usize) -> Vec<(u32, u32, u32, u32)> {

@@ -1,11 +1,15 @@
 //! What the tests pass through the C ABI and read back, in one place: the
-//! strings it returns (`last_error()`, `text()`) and the C form of a layer
-//! spec (`c_segments()`, `c_layer()`).
+//! strings it returns (`last_error()`, `text()`), the C form of a layer
+//! spec (`c_segments()`, `c_layer()`) and what a report holds
+//! (`report_message()`, `report_compared()`, `report_mismatches()`), for the
+//! owning wrappers of each test binary.
 
 use std::ffi::{c_char, CStr};
 use std::ptr::null;
 
+use kvcsum::ffi::report::*;
 use kvcsum::ffi::status::kvcs_last_error;
+use kvcsum::ffi::status::kvcs_status::KVCS_OK;
 use kvcsum::ffi::worker::{kvcs_layer, kvcs_segment};
 use kvcsum::LayerSpec;
 
@@ -58,4 +62,32 @@ pub fn c_layer(spec: &LayerSpec, segments: &[kvcs_segment]) -> kvcs_layer {
         },
         identity_len: spec.identity.len(),
     }
+}
+
+/// `kvcs_report_message` of a live report.
+pub fn report_message(report: *const kvcs_report) -> String {
+    let mut message = null();
+    assert_eq!(kvcs_report_message(report, &mut message), KVCS_OK);
+    text(message)
+}
+
+/// `kvcs_report_compared_positions` of a live report.
+pub fn report_compared(report: *const kvcs_report) -> u64 {
+    let mut n = u64::MAX;
+    assert_eq!(kvcs_report_compared_positions(report, &mut n), KVCS_OK);
+    n
+}
+
+/// Every mismatch of a live report, in order.
+pub fn report_mismatches(report: *const kvcs_report) -> Vec<kvcs_mismatch> {
+    let mut count = 0usize;
+    assert_eq!(kvcs_report_num_mismatches(report, &mut count), KVCS_OK);
+    (0..count)
+        .map(|i| {
+            // SAFETY: all-zero bytes are a valid kvcs_mismatch (integers only).
+            let mut entry: kvcs_mismatch = unsafe { std::mem::zeroed() };
+            assert_eq!(kvcs_report_mismatch(report, i, &mut entry), KVCS_OK);
+            entry
+        })
+        .collect()
 }

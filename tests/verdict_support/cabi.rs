@@ -21,7 +21,7 @@ use kvcsum::ffi::worker::*;
 use kvcsum::{LayerSpec, StateSpec};
 
 pub use crate::support::c_abi::last_error;
-use crate::support::c_abi::{c_layer, c_segments, text};
+use crate::support::c_abi::{c_layer, c_segments, report_compared, report_message, report_mismatches, text};
 use crate::support::{GroupTable, Placement, Rng, TestRequest};
 
 /// A failed call: its status and the library's message.
@@ -507,15 +507,11 @@ impl CReport {
     }
 
     pub fn message(&self) -> String {
-        let mut message = null();
-        assert_eq!(kvcs_report_message(self.0, &mut message), KVCS_OK);
-        text(message)
+        report_message(self.0)
     }
 
     pub fn compared(&self) -> u64 {
-        let mut n = u64::MAX;
-        assert_eq!(kvcs_report_compared_positions(self.0, &mut n), KVCS_OK);
-        n
+        report_compared(self.0)
     }
 
     pub fn findings(&self) -> Vec<CFinding> {
@@ -538,16 +534,7 @@ impl CReport {
     }
 
     pub fn mismatches(&self) -> Vec<kvcs_mismatch> {
-        let mut count = 0usize;
-        assert_eq!(kvcs_report_num_mismatches(self.0, &mut count), KVCS_OK);
-        (0..count)
-            .map(|i| {
-                // SAFETY: all-zero bytes are a valid kvcs_mismatch (integers only).
-                let mut entry: kvcs_mismatch = unsafe { std::mem::zeroed() };
-                assert_eq!(kvcs_report_mismatch(self.0, i, &mut entry), KVCS_OK);
-                entry
-            })
-            .collect()
+        report_mismatches(self.0)
     }
 }
 
