@@ -8,6 +8,7 @@
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 pub mod blocks;
+pub mod api;
 pub mod buffer;
 pub mod completion;
 pub(crate) mod handle;
