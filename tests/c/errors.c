@@ -418,6 +418,8 @@ static void test_checksum_and_result(void) {
   CHECK(1); /* destroying NULL returned */
 }
 
+static void test_function_table_and_layouts(void);
+
 void test_errors(void) {
   test_versions_and_names();
   test_last_error_is_per_thread();
@@ -425,4 +427,101 @@ void test_errors(void) {
   test_registration();
   test_blocks();
   test_checksum_and_result();
+  test_function_table_and_layouts();
+}
+
+/* One struct's layout as this compiler sees the header: the independent
+ * reference for kvcs_struct_layout and kvcs_struct_field. */
+struct field_ref {
+  const char *name;
+  size_t offset, size;
+};
+#define FIELD(type, field) {#field, offsetof(type, field), sizeof(((type *)0)->field)}
+
+static void check_layout(const char *name, size_t size, const struct field_ref *fields, size_t count) {
+  size_t their_size = 0, their_count = 0;
+  EXPECT_OK(kvcs_struct_layout(name, &their_size, &their_count));
+  CHECK(their_size == size);
+  CHECK(their_count == count);
+  for (size_t i = 0; i < count && i < their_count; i++) {
+    const char *field_name = NULL;
+    size_t offset = 0, field_size = 0;
+    EXPECT_OK(kvcs_struct_field(name, i, &field_name, &offset, &field_size));
+    int same = field_name != NULL && strcmp(field_name, fields[i].name) == 0 && offset == fields[i].offset &&
+               field_size == fields[i].size;
+    if (!same) fprintf(stderr, "  %s field %zu: library says %s at %zu (%zu bytes), this compiler %s at %zu (%zu)\n",
+                       name, i, field_name ? field_name : "(null)", offset, field_size, fields[i].name,
+                       fields[i].offset, fields[i].size);
+    CHECK(same);
+  }
+}
+
+static void test_function_table_and_layouts(void) {
+  /* The table: another ABI version, or no out-parameter, is refused and
+   * leaves *out alone. */
+  const kvcs_api *api = SENTINEL;
+  EXPECT(kvcs_get_api(KVCS_ABI_VERSION + 1, &api), KVCS_ERR_UNSUPPORTED, "abi_version 3");
+  CHECK(api == SENTINEL);
+  EXPECT(kvcs_get_api(0, &api), KVCS_ERR_UNSUPPORTED, "abi_version 0");
+  EXPECT(kvcs_get_api(KVCS_ABI_VERSION, NULL), KVCS_ERR_INVALID_ARGUMENT, "out");
+  EXPECT_OK(kvcs_get_api(KVCS_ABI_VERSION, &api));
+  CHECK(api != SENTINEL && api != NULL);
+  if (api == SENTINEL || api == NULL) return;
+  CHECK(api->size == sizeof(kvcs_api));
+  CHECK(api->abi_version == KVCS_ABI_VERSION);
+  CHECK(KVCS_API_HAS(api, kvcs_abi_version) && KVCS_API_HAS(api, kvcs_worker_set_algorithm));
+  /* Calls through the table are the library's calls. */
+  CHECK(api->kvcs_abi_version() == kvcs_abi_version());
+  CHECK(strcmp(api->kvcs_status_name(KVCS_ERR_NOT_FOUND), "KVCS_ERR_NOT_FOUND") == 0);
+  kvcs_verifier *verifier = SENTINEL;
+  CHECK(api->kvcs_verifier_create(0, &verifier) == KVCS_ERR_INVALID_ARGUMENT);
+  CHECK(verifier == SENTINEL && strstr(api->kvcs_last_error(), "num_workers") != NULL);
+
+  /* Layouts: unknown names, NULL names and indices past the end. */
+  size_t size = 7, count = 7, offset = 7;
+  const char *field_name = SENTINEL;
+  EXPECT(kvcs_struct_layout("kvcs_nothing", &size, &count), KVCS_ERR_NOT_FOUND, "kvcs_nothing");
+  EXPECT(kvcs_struct_layout(NULL, &size, &count), KVCS_ERR_INVALID_ARGUMENT, "struct_name");
+  EXPECT(kvcs_struct_layout("kvcs_worker", &size, &count), KVCS_ERR_NOT_FOUND, "kvcs_worker");
+  CHECK(size == 7 && count == 7);
+  EXPECT(kvcs_struct_field("kvcs_layer", 13, &field_name, &offset, &size), KVCS_ERR_OUT_OF_BOUNDS, "index 13");
+  EXPECT(kvcs_struct_field("kvcs_layer", SIZE_MAX, &field_name, &offset, &size), KVCS_ERR_OUT_OF_BOUNDS,
+         "kvcs_layer, which has 13");
+  EXPECT(kvcs_struct_field("layer", 0, &field_name, &offset, &size), KVCS_ERR_NOT_FOUND, "\"layer\"");
+  EXPECT(kvcs_struct_field(NULL, 0, &field_name, &offset, &size), KVCS_ERR_INVALID_ARGUMENT, "struct_name");
+  CHECK(field_name == SENTINEL && offset == 7 && size == 7);
+  EXPECT_OK(kvcs_struct_layout("kvcs_segment", NULL, NULL));
+  EXPECT_OK(kvcs_struct_field("kvcs_segment", 0, NULL, NULL, NULL));
+
+  /* Each struct's layout is this compiler's. */
+  static const struct field_ref options[] = {
+      FIELD(kvcs_worker_options, tp_rank), FIELD(kvcs_worker_options, tp_size),
+      FIELD(kvcs_worker_options, pp_rank), FIELD(kvcs_worker_options, device),
+      FIELD(kvcs_worker_options, num_threads)};
+  check_layout("kvcs_worker_options", sizeof(kvcs_worker_options), options, sizeof options / sizeof options[0]);
+  static const struct field_ref segment[] = {
+      FIELD(kvcs_segment, address), FIELD(kvcs_segment, block_stride), FIELD(kvcs_segment, kernel_block_stride),
+      FIELD(kvcs_segment, head_stride), FIELD(kvcs_segment, token_stride), FIELD(kvcs_segment, bytes_per_token)};
+  check_layout("kvcs_segment", sizeof(kvcs_segment), segment, sizeof segment / sizeof segment[0]);
+  static const struct field_ref layer[] = {
+      FIELD(kvcs_layer, group_id),       FIELD(kvcs_layer, layer_number),  FIELD(kvcs_layer, first_head),
+      FIELD(kvcs_layer, num_heads),      FIELD(kvcs_layer, replicas),      FIELD(kvcs_layer, replica_index),
+      FIELD(kvcs_layer, num_blocks),     FIELD(kvcs_layer, kernel_blocks), FIELD(kvcs_layer, tokens_per_kernel_block),
+      FIELD(kvcs_layer, num_segments),   FIELD(kvcs_layer, segments),      FIELD(kvcs_layer, identity),
+      FIELD(kvcs_layer, identity_len)};
+  check_layout("kvcs_layer", sizeof(kvcs_layer), layer, sizeof layer / sizeof layer[0]);
+  static const struct field_ref state[] = {
+      FIELD(kvcs_state, group_id),   FIELD(kvcs_state, layer_number), FIELD(kvcs_state, split_known),
+      FIELD(kvcs_state, num_blocks), FIELD(kvcs_state, num_tensors),  FIELD(kvcs_state, tensors),
+      FIELD(kvcs_state, identity),   FIELD(kvcs_state, identity_len)};
+  check_layout("kvcs_state", sizeof(kvcs_state), state, sizeof state / sizeof state[0]);
+  static const struct field_ref mismatch[] = {
+      FIELD(kvcs_mismatch, group_id),          FIELD(kvcs_mismatch, localised),  FIELD(kvcs_mismatch, first_position),
+      FIELD(kvcs_mismatch, num_positions),     FIELD(kvcs_mismatch, first_token), FIELD(kvcs_mismatch, num_tokens),
+      FIELD(kvcs_mismatch, num_failed_checks), FIELD(kvcs_mismatch, num_layers)};
+  check_layout("kvcs_mismatch", sizeof(kvcs_mismatch), mismatch, sizeof mismatch / sizeof mismatch[0]);
+  static const struct field_ref remote[] = {
+      FIELD(kvcs_remote_engine, block_bytes), FIELD(kvcs_remote_engine, tp_size),
+      FIELD(kvcs_remote_engine, block_size), FIELD(kvcs_remote_engine, kernel_blocks)};
+  check_layout("kvcs_remote_engine", sizeof(kvcs_remote_engine), remote, sizeof remote / sizeof remote[0]);
 }
