@@ -29,11 +29,23 @@ fn generated_header(root: &Path) -> Vec<u8> {
 fn guard_prototypes(header: &str) -> String {
     let open = "extern \"C\" {\n#endif // __cplusplus\n";
     let close = "\n#ifdef __cplusplus\n}  // extern \"C\"";
-    assert_eq!(header.matches(open).count(), 1, "cbindgen's extern \"C\" block has changed shape");
-    assert_eq!(header.matches(close).count(), 1, "cbindgen's extern \"C\" block has changed shape");
+    assert_eq!(
+        header.matches(open).count(),
+        1,
+        "cbindgen's extern \"C\" block has changed shape"
+    );
+    assert_eq!(
+        header.matches(close).count(),
+        1,
+        "cbindgen's extern \"C\" block has changed shape"
+    );
     header
         .replacen(open, &format!("{open}\n#if !defined(KVCS_NO_PROTOTYPES)\n"), 1)
-        .replacen(close, &format!("\n#endif  /* !defined(KVCS_NO_PROTOTYPES) */\n{close}"), 1)
+        .replacen(
+            close,
+            &format!("\n#endif  /* !defined(KVCS_NO_PROTOTYPES) */\n{close}"),
+            1,
+        )
 }
 
 #[test]
@@ -87,7 +99,11 @@ fn the_function_table_keeps_its_slots() {
         .enumerate()
         .map(|(index, line)| {
             let (slot, name) = line.split_once(' ').expect("`<slot> <call>`");
-            assert_eq!(slot.parse::<usize>().ok(), Some(index), "api-slots.txt: {line} is out of sequence");
+            assert_eq!(
+                slot.parse::<usize>().ok(),
+                Some(index),
+                "api-slots.txt: {line} is out of sequence"
+            );
             name.to_owned()
         })
         .collect();
@@ -99,8 +115,15 @@ fn the_function_table_keeps_its_slots() {
         .map(|declaration| declaration.rsplit(' ').next().unwrap().to_owned())
         .collect();
     assert_eq!(entries[..2], ["size", "abi_version"]);
-    assert_eq!(entries[2..], slots[..], "kvcs_api's entries moved away from src/ffi/api-slots.txt");
-    let mut calls: Vec<String> = prototypes(&header).into_iter().filter(|c| c != "kvcs_get_api").collect();
+    assert_eq!(
+        entries[2..],
+        slots[..],
+        "kvcs_api's entries moved away from src/ffi/api-slots.txt"
+    );
+    let mut calls: Vec<String> = prototypes(&header)
+        .into_iter()
+        .filter(|c| c != "kvcs_get_api")
+        .collect();
     let mut listed = slots.clone();
     calls.sort();
     listed.sort();

@@ -59,12 +59,15 @@ pub extern "C" fn kvcs_get_api(abi_version: u32, out: *mut *const kvcs_api) -> k
 /// `struct_name` is NULL or a NUL-terminated string.
 unsafe fn find_struct(struct_name: *const c_char) -> Result<&'static StructLayout, kvcs_status> {
     let name = c_str(struct_name, "struct_name").map_err(|e| fail(&e))?;
-    STRUCT_LAYOUTS.iter().find(|s| s.name.to_bytes() == name.as_bytes()).ok_or_else(|| {
-        fail_with(
-            kvcs_status::KVCS_ERR_NOT_FOUND,
-            &format!("struct_name \"{name}\" is no struct of the ABI (kvcs_layer, kvcs_segment, ...)"),
-        )
-    })
+    STRUCT_LAYOUTS
+        .iter()
+        .find(|s| s.name.to_bytes() == name.as_bytes())
+        .ok_or_else(|| {
+            fail_with(
+                kvcs_status::KVCS_ERR_NOT_FOUND,
+                &format!("struct_name \"{name}\" is no struct of the ABI (kvcs_layer, kvcs_segment, ...)"),
+            )
+        })
 }
 
 /// The layout of the ABI struct `struct_name` (`"kvcs_layer"`, say) in this
@@ -72,7 +75,11 @@ unsafe fn find_struct(struct_name: *const c_char) -> Result<&'static StructLayou
 /// each with `kvcs_struct_field`). NULL out-parameters are skipped. A name
 /// that is no struct of the ABI gives `KVCS_ERR_NOT_FOUND`.
 #[no_mangle]
-pub extern "C" fn kvcs_struct_layout(struct_name: *const c_char, size: *mut usize, num_fields: *mut usize) -> kvcs_status {
+pub extern "C" fn kvcs_struct_layout(
+    struct_name: *const c_char,
+    size: *mut usize,
+    num_fields: *mut usize,
+) -> kvcs_status {
     ffi_boundary! {
         // SAFETY: the contract says `struct_name` is NULL or a C string.
         let layout = match unsafe { find_struct(struct_name) } {

@@ -7,8 +7,8 @@
 //! contract, documented per function, so they are not `unsafe fn` in Rust.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
-pub mod blocks;
 pub mod api;
+pub mod blocks;
 pub mod buffer;
 pub mod completion;
 pub(crate) mod handle;
