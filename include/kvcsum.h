@@ -1277,6 +1277,31 @@ extern "C" {
 
 #if !defined(KVCS_NO_PROTOTYPES)
 
+// Gives the table of every call of this library for ABI version
+// `abi_version` (pass `KVCS_ABI_VERSION`): the one symbol a program that
+// loads kvcsum with `dlopen` needs to resolve. `*out` points to a static
+// table owned by the library, valid while it stays loaded, shared by all
+// threads. Another version gives `KVCS_ERR_UNSUPPORTED` naming both.
+kvcs_status kvcs_get_api(uint32_t abi_version, const kvcs_api **out);
+
+// The layout of the ABI struct `struct_name` (`"kvcs_layer"`, say) in this
+// library: `*size` its `sizeof`, `*num_fields` how many fields it has (read
+// each with `kvcs_struct_field`). NULL out-parameters are skipped. A name
+// that is no struct of the ABI gives `KVCS_ERR_NOT_FOUND`.
+kvcs_status kvcs_struct_layout(const char *struct_name, size_t *size, size_t *num_fields);
+
+// Field `index` (declaration order, below `num_fields` of
+// `kvcs_struct_layout`) of the ABI struct `struct_name` in this library:
+// `*field_name` its name (a static string), `*offset` its `offsetof`,
+// `*size` its `sizeof`. NULL out-parameters are skipped. An unknown
+// struct gives `KVCS_ERR_NOT_FOUND`, an index past the last field
+// `KVCS_ERR_OUT_OF_BOUNDS`.
+kvcs_status kvcs_struct_field(const char *struct_name,
+                              size_t index,
+                              const char **field_name,
+                              size_t *offset,
+                              size_t *size);
+
 // Creates an empty block set; `*out` owns it.
 kvcs_status kvcs_blocks_create(kvcs_blocks **out);
 
@@ -1308,31 +1333,6 @@ kvcs_status kvcs_blocks_set_hashes(kvcs_blocks *blocks,
                                    const uint8_t *hashes,
                                    size_t hash_bytes,
                                    size_t n);
-
-// Gives the table of every call of this library for ABI version
-// `abi_version` (pass `KVCS_ABI_VERSION`): the one symbol a program that
-// loads kvcsum with `dlopen` needs to resolve. `*out` points to a static
-// table owned by the library, valid while it stays loaded, shared by all
-// threads. Another version gives `KVCS_ERR_UNSUPPORTED` naming both.
-kvcs_status kvcs_get_api(uint32_t abi_version, const kvcs_api **out);
-
-// The layout of the ABI struct `struct_name` (`"kvcs_layer"`, say) in this
-// library: `*size` its `sizeof`, `*num_fields` how many fields it has (read
-// each with `kvcs_struct_field`). NULL out-parameters are skipped. A name
-// that is no struct of the ABI gives `KVCS_ERR_NOT_FOUND`.
-kvcs_status kvcs_struct_layout(const char *struct_name, size_t *size, size_t *num_fields);
-
-// Field `index` (declaration order, below `num_fields` of
-// `kvcs_struct_layout`) of the ABI struct `struct_name` in this library:
-// `*field_name` its name (a static string), `*offset` its `offsetof`,
-// `*size` its `sizeof`. NULL out-parameters are skipped. An unknown
-// struct gives `KVCS_ERR_NOT_FOUND`, an index past the last field
-// `KVCS_ERR_OUT_OF_BOUNDS`.
-kvcs_status kvcs_struct_field(const char *struct_name,
-                              size_t index,
-                              const char **field_name,
-                              size_t *offset,
-                              size_t *size);
 
 // Creates a counter expecting `expected_workers` (at least 1) reports per
 // request and direction; `*out` owns it.
