@@ -43,7 +43,7 @@ CBINDGEN = ROOT / "cbindgen.toml"
 ENTRY_POINT = "kvcs_get_api"
 
 FN = re.compile(
-    r'#\[no_mangle\]\s*(?:#\[[^\]]*\]\s*)*pub (?:unsafe )?extern "C" fn (kvcs_\w+)\s*\(([^)]*)\)\s*(?:->\s*([^{]+?))?\s*\{',
+    r'#\[(?:unsafe\()?no_mangle\)?\]\s*(?:#\[[^\]]*\]\s*)*pub (?:unsafe )?extern "C" fn (kvcs_\w+)\s*\(([^)]*)\)\s*(?:->\s*([^{]+?))?\s*\{',
     re.S,
 )
 ITEM = re.compile(r"^pub (struct|enum|type) (kvcs_\w+)\b", re.M)
@@ -115,8 +115,11 @@ def attributes_before(text: str, start: int) -> str:
 
 def c_type(rust: str) -> str:
     """The C spelling of a Rust FFI type (`*mut *const c_char` -> `const char **`)."""
-    levels = []  # outermost first: True where the pointee is const
     rust = rust.strip()
+    array = re.fullmatch(r"\[(.+);\s*(\w+)\]", rust)
+    if array:  # a struct field `[T; N]`: `T[N]`
+        return f"{c_type(array.group(1))}[{int_value(array.group(2), 'usize')}]"
+    levels = []  # outermost first: True where the pointee is const
     while rust.startswith("*"):
         match = re.match(r"\*(const|mut)\s+", rust)
         if not match:
@@ -143,10 +146,13 @@ def int_value(expr: str, ty: str) -> int:
     match = re.fullmatch(r"(u8|u16|u32|u64|usize)::MAX", expr)
     if match:
         return 2 ** {"u8": 8, "u16": 16, "u32": 32, "u64": 64, "usize": 64}[match.group(1)] - 1
-    literal = re.sub(r"(u8|u16|u32|u64|usize|i8|i16|i32|i64|isize)$", "", expr.replace("_", ""))
+    literal = re.sub(r"(?<=[0-9a-fA-F])(u8|u16|u32|u64|usize|i8|i16|i32|i64|isize)\b", "", expr.replace("_", ""))
+    # Integer arithmetic of literals only (`1 << 16`, `4 * 4`); anything else is refused.
+    if not re.fullmatch(r"[0-9a-fA-FxX()+\-*/%<>|&^ ]+", literal):
+        raise Problem(f"cannot evaluate constant initialiser {expr!r} ({ty}): give it as integer arithmetic")
     try:
-        return int(literal, 0)
-    except ValueError:
+        return int(eval(literal.replace("/", "//"), {"__builtins__": {}}))  # noqa: S307 (checked above)
+    except (SyntaxError, ValueError, ZeroDivisionError):
         raise Problem(f"cannot evaluate constant initialiser {expr!r} ({ty})") from None
 
 
@@ -192,7 +198,12 @@ class Abi:
                     repr_match = re.search(r"repr\((\w+)\)", attrs)
                     if not repr_match:
                         raise Problem(f"enum {name} has no #[repr(...)]")
-                    variants = re.findall(r"(\w+)\s*=\s*([^,]+),", strip_comments(body_after(text, match.end())))
+                    variants = []
+                    for variant in split_top(strip_comments(body_after(text, match.end()))):
+                        variant_name, equals, value = variant.partition("=")
+                        if not equals:
+                            raise Problem(f"{name}::{variant_name.strip()} has no explicit value")
+                        variants.append((variant_name.strip(), value.strip()))
                     self.enums[name] = (
                         RUST_INTS[repr_match.group(1)],
                         [(v, int_value(e, repr_match.group(1))) for v, e in variants],

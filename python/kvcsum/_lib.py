@@ -105,6 +105,9 @@ _CLASS_NAMES = {"kvcs_worker_options": "WorkerOptions", "kvcs_segment": "Segment
 def _ctype(spelling: str):
     """The ctypes type of a C type of _abi ("const kvcs_layer *", say); None
     for void. Handles and other opaque types are void pointers."""
+    array = spelling.endswith("]") and spelling[:-1].split("[")
+    if array:  # a struct field "uint32_t[4]"
+        return _ctype(array[0]) * int(array[1])
     words = spelling.replace("*", " * ").split()
     stars = words.count("*")
     (base,) = [word for word in words if word not in ("const", "*")]
@@ -134,7 +137,7 @@ def _declare_struct(c_name: str) -> type:
     if c_name not in STRUCTS:
         fields = _abi.STRUCTS[c_name]
         for _, spelling in fields:  # pointees first
-            pointee = spelling.replace("const", "").replace("*", "").strip()
+            pointee = spelling.split("[")[0].replace("const", "").replace("*", "").strip()
             if pointee in _abi.STRUCTS and pointee != c_name:
                 _declare_struct(pointee)
         words = c_name.removeprefix("kvcs_").split("_")

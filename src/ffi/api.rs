@@ -138,7 +138,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_layout_is_the_compilers_and_fields_do_not_overlap() {
+    fn layouts_list_fields_in_order_within_the_struct() {
         for layout in STRUCT_LAYOUTS {
             let mut end = 0;
             for field in layout.fields {
