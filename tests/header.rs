@@ -111,7 +111,9 @@ fn the_function_table_keeps_its_slots() {
     let body = &header[header[..end].rfind("typedef struct {").expect("start of kvcs_api")..end];
     let entries: Vec<String> = body
         .lines()
-        .filter_map(|line| line.trim().strip_suffix(';'))
+        .map(str::trim)
+        .filter(|line| !line.starts_with("//"))
+        .filter_map(|line| line.strip_suffix(';'))
         .map(|declaration| declaration.rsplit(' ').next().unwrap().to_owned())
         .collect();
     assert_eq!(entries[..2], ["size", "abi_version"]);
@@ -134,7 +136,7 @@ fn the_function_table_keeps_its_slots() {
 fn prototypes(header: &str) -> Vec<String> {
     header
         .lines()
-        .filter(|line| !line.starts_with(' ') && !line.starts_with("typedef") && !line.starts_with('#'))
+        .filter(|line| !line.starts_with([' ', '#', '/']) && !line.starts_with("typedef"))
         .filter_map(|line| line.split_once('(').map(|(head, _)| head))
         .filter_map(|head| head.rsplit([' ', '*']).next())
         .filter(|name| name.starts_with("kvcs_"))
