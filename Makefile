@@ -3,6 +3,7 @@
 #   make demo     build the library (release) and examples/c/demo.c, run it
 #   make test     every test: Rust tests, the kernel compile test (NVRTC from
 #                 PyPI), the C tests and the demo under ASan/UBSan, the
+#                 kvcsum.hpp test and the C++ example under ASan/UBSan, the
 #                 install test (C and C++ programs against an installed
 #                 tree, the dlopen example), the Python tests, the host
 #                 end-to-end test over NIXL and over Mooncake's Transfer
@@ -35,8 +36,9 @@ LIB := $(LIB_DIR)/libkvcsum.so
 BUILD := build
 HEADER := include/kvcsum.h
 
-# Every C file compiles cleanly in strict C11.
+# Every C file compiles cleanly in strict C11, every C++ file in strict C++17.
 STRICT := -std=c11 -Wall -Wextra -Wpedantic -Werror
+CXX_STRICT := -std=c++17 -Wall -Wextra -Wpedantic -Werror
 SANITIZE := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined -g
 LINK := -L$(LIB_DIR) -lkvcsum -Wl,-rpath,$(LIB_DIR)
 
@@ -69,8 +71,8 @@ PREFIX ?= /usr/local
 DESTDIR ?=
 INSTALL_TEST_LIB := $(abspath $(BUILD))/install-test/prefix/lib/libkvcsum.so.0
 
-.PHONY: all lib demo test test-deps rust-test kernel-test c-test demo-test install install-test python-test python-wheel fuzz \
-	header bench clean FORCE
+.PHONY: all lib demo test test-deps rust-test kernel-test c-test demo-test cpp-test cpp-example install install-test \
+	python-test python-wheel fuzz header bench clean FORCE
 
 all: lib
 
@@ -87,7 +89,7 @@ $(LIB): FORCE
 demo: $(BUILD)/demo
 	$(BUILD)/demo
 
-test: test-deps rust-test kernel-test c-test demo-test install-test python-test e2e-test vllm-test fuzz
+test: test-deps rust-test kernel-test c-test demo-test cpp-test cpp-example install-test python-test e2e-test vllm-test fuzz
 
 # What the tests need beyond the toolchain, all under build/: a venv with
 # msgspec (payload compatibility test), numpy and pytest (Python tests);
@@ -194,6 +196,15 @@ c-test: $(BUILD)/c_tests
 demo-test: $(BUILD)/demo_asan
 	$(ASAN_ENV) $(BUILD)/demo_asan
 
+# kvcsum.hpp: every wrapped call, its errors, checksums against a naive
+# reference (tests/cpp/hpp_test.cpp); then the C++ example a C++ engine
+# author reads (examples/cpp/flash_transfer.cpp). Both under ASan/UBSan.
+cpp-test: $(BUILD)/hpp_test
+	$(ASAN_ENV) $(BUILD)/hpp_test
+
+cpp-example: $(BUILD)/flash_transfer
+	$(ASAN_ENV) $(BUILD)/flash_transfer
+
 install: lib
 	scripts/install.sh $(PREFIX) $(DESTDIR)
 
@@ -249,3 +260,9 @@ $(BUILD)/demo: examples/c/demo.c $(HEADER) $(LIB) | $(BUILD)
 
 $(BUILD)/demo_asan: examples/c/demo.c $(HEADER) $(LIB) | $(BUILD)
 	$(CC) $(STRICT) $(SANITIZE) -Iinclude $< $(LINK) -o $@
+
+$(BUILD)/hpp_test: tests/cpp/hpp_test.cpp include/kvcsum.hpp $(HEADER) $(LIB) | $(BUILD)
+	$(CXX) $(CXX_STRICT) $(SANITIZE) -Iinclude $< $(LINK) -o $@
+
+$(BUILD)/flash_transfer: examples/cpp/flash_transfer.cpp include/kvcsum.hpp $(HEADER) $(LIB) | $(BUILD)
+	$(CXX) $(CXX_STRICT) $(SANITIZE) -Iinclude $< $(LINK) -o $@
