@@ -50,12 +50,14 @@ def main() -> None:
         "",
         "use super::blocks::kvcs_blocks;",
         "use super::completion::kvcs_completion;",
+        "use super::layout_string::kvcs_tensor;",
+        "use super::repair::kvcs_repair_block;",
         "use super::report::{kvcs_layer_difference, kvcs_mismatch, kvcs_report};",
         "use super::result::kvcs_result;",
         "use super::status::kvcs_status;",
         "use super::topology::{kvcs_head_source, kvcs_local_engine, kvcs_remote_engine, kvcs_topology};",
         "use super::verifier::kvcs_verifier;",
-        "use super::worker::{kvcs_layer, kvcs_state, kvcs_worker, kvcs_worker_options};",
+        "use super::worker::{kvcs_layer, kvcs_segment, kvcs_state, kvcs_worker, kvcs_worker_options};",
         "",
     ]
     for module, name, types, ret in calls:

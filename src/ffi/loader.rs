@@ -9,12 +9,14 @@ use std::ffi::{c_char, c_void};
 
 use super::blocks::kvcs_blocks;
 use super::completion::kvcs_completion;
+use super::layout_string::kvcs_tensor;
+use super::repair::kvcs_repair_block;
 use super::report::{kvcs_layer_difference, kvcs_mismatch, kvcs_report};
 use super::result::kvcs_result;
 use super::status::kvcs_status;
 use super::topology::{kvcs_head_source, kvcs_local_engine, kvcs_remote_engine, kvcs_topology};
 use super::verifier::kvcs_verifier;
-use super::worker::{kvcs_layer, kvcs_state, kvcs_worker, kvcs_worker_options};
+use super::worker::{kvcs_layer, kvcs_segment, kvcs_state, kvcs_worker, kvcs_worker_options};
 
 /// The type of `kvcs_blocks_create`.
 pub type kvcs_blocks_create_fn = unsafe extern "C" fn(*mut *mut kvcs_blocks) -> kvcs_status;
@@ -48,6 +50,40 @@ pub type kvcs_completion_invalid_blocks_fn =
     unsafe extern "C" fn(*const kvcs_completion, *mut u32, usize, *mut usize) -> kvcs_status;
 /// The type of `kvcs_completion_clear_invalid_blocks`.
 pub type kvcs_completion_clear_invalid_blocks_fn = unsafe extern "C" fn(*mut kvcs_completion) -> kvcs_status;
+/// The type of `kvcs_layer_from_layout`.
+pub type kvcs_layer_from_layout_fn = unsafe extern "C" fn(
+    *const c_char,
+    *const kvcs_tensor,
+    *const kvcs_tensor,
+    u32,
+    *mut kvcs_layer,
+    *mut kvcs_segment,
+) -> kvcs_status;
+/// The type of `kvcs_report_repair_plan`.
+pub type kvcs_report_repair_plan_fn = unsafe extern "C" fn(
+    *const kvcs_report,
+    *const kvcs_blocks,
+    *const c_char,
+    *const u32,
+    *const u32,
+    usize,
+    *mut kvcs_repair_block,
+    usize,
+    *mut usize,
+) -> kvcs_status;
+/// The type of `kvcs_repair_plan`.
+pub type kvcs_repair_plan_fn = unsafe extern "C" fn(
+    *const kvcs_mismatch,
+    usize,
+    *const kvcs_blocks,
+    *const c_char,
+    *const u32,
+    *const u32,
+    usize,
+    *mut kvcs_repair_block,
+    usize,
+    *mut usize,
+) -> kvcs_status;
 /// The type of `kvcs_report_verdict`.
 pub type kvcs_report_verdict_fn = unsafe extern "C" fn(*const kvcs_report, *mut u32) -> kvcs_status;
 /// The type of `kvcs_report_passed`.
@@ -116,6 +152,10 @@ pub type kvcs_local_engine_size_fn = unsafe extern "C" fn() -> usize;
 pub type kvcs_remote_engine_size_fn = unsafe extern "C" fn() -> usize;
 /// The type of `kvcs_head_source_size`.
 pub type kvcs_head_source_size_fn = unsafe extern "C" fn() -> usize;
+/// The type of `kvcs_tensor_size`.
+pub type kvcs_tensor_size_fn = unsafe extern "C" fn() -> usize;
+/// The type of `kvcs_repair_block_size`.
+pub type kvcs_repair_block_size_fn = unsafe extern "C" fn() -> usize;
 /// The type of `kvcs_last_error`.
 pub type kvcs_last_error_fn = unsafe extern "C" fn() -> *const c_char;
 /// The type of `kvcs_status_name`.
@@ -255,6 +295,9 @@ const _: kvcs_completion_reported_fn = super::completion::kvcs_completion_report
 const _: kvcs_completion_add_invalid_blocks_fn = super::completion::kvcs_completion_add_invalid_blocks;
 const _: kvcs_completion_invalid_blocks_fn = super::completion::kvcs_completion_invalid_blocks;
 const _: kvcs_completion_clear_invalid_blocks_fn = super::completion::kvcs_completion_clear_invalid_blocks;
+const _: kvcs_layer_from_layout_fn = super::layout_string::kvcs_layer_from_layout;
+const _: kvcs_report_repair_plan_fn = super::repair::kvcs_report_repair_plan;
+const _: kvcs_repair_plan_fn = super::repair::kvcs_repair_plan;
 const _: kvcs_report_verdict_fn = super::report::kvcs_report_verdict;
 const _: kvcs_report_passed_fn = super::report::kvcs_report_passed;
 const _: kvcs_report_reason_fn = super::report::kvcs_report_reason;
@@ -287,6 +330,8 @@ const _: kvcs_layer_difference_size_fn = super::sizes::kvcs_layer_difference_siz
 const _: kvcs_local_engine_size_fn = super::sizes::kvcs_local_engine_size;
 const _: kvcs_remote_engine_size_fn = super::sizes::kvcs_remote_engine_size;
 const _: kvcs_head_source_size_fn = super::sizes::kvcs_head_source_size;
+const _: kvcs_tensor_size_fn = super::sizes::kvcs_tensor_size;
+const _: kvcs_repair_block_size_fn = super::sizes::kvcs_repair_block_size;
 const _: kvcs_last_error_fn = super::status::kvcs_last_error;
 const _: kvcs_status_name_fn = super::status::kvcs_status_name;
 const _: kvcs_abi_version_fn = super::status::kvcs_abi_version;
