@@ -16,9 +16,12 @@
  *   vLLM block table of int32 or the bytes of a ZMQ message go in without a
  *   copy; kvcs::as_bytes views any memory as bytes. Block ids are taken as
  *   uint32_t or int32_t (a negative int32 id throws, naming it).
- * - Variable-size outputs (a record, a payload, base64, ranks) come back as
- *   std::vector or std::string: the wrapper runs the (NULL, 0) size query
- *   and then the real call.
+ * - Variable-size outputs (a record, a payload, base64, ranks, a repair
+ *   plan) come back as std::vector or std::string: the wrapper runs the
+ *   (NULL, 0) size query and then the real call.
+ * - kvcs::layer_from_layout describes a layer from its tensors and a layout
+ *   string ("BTHD" for FlashAttention's [num_blocks, block_size, heads,
+ *   head_dim]); report::repair_plan names the blocks to load again.
  *
  * Thread safety and ownership are those of the C handles (kvcsum.h): a
  * const method may run concurrently with other const methods of the same
@@ -103,6 +106,8 @@ inline void check_abi() {
   detail::check_size("kvcs_local_engine", kvcs_local_engine_size(), sizeof(kvcs_local_engine));
   detail::check_size("kvcs_remote_engine", kvcs_remote_engine_size(), sizeof(kvcs_remote_engine));
   detail::check_size("kvcs_head_source", kvcs_head_source_size(), sizeof(kvcs_head_source));
+  detail::check_size("kvcs_tensor", kvcs_tensor_size(), sizeof(kvcs_tensor));
+  detail::check_size("kvcs_repair_block", kvcs_repair_block_size(), sizeof(kvcs_repair_block));
 }
 
 // --- Enums -------------------------------------------------------------------
@@ -393,6 +398,14 @@ inline size_t hash_count(view<uint8_t> hashes, size_t hash_bytes) {
   return hashes.size() / hash_bytes;
 }
 
+/// Throws KVCS_ERR_INVALID_ARGUMENT unless each group has a block size.
+inline void check_same_length(size_t num_group_ids, size_t num_block_sizes) {
+  if (num_group_ids != num_block_sizes) {
+    throw error(KVCS_ERR_INVALID_ARGUMENT, "group_ids has " + std::to_string(num_group_ids) +
+                                               " entries, block_sizes " + std::to_string(num_block_sizes));
+  }
+}
+
 }  // namespace detail
 
 // --- Request block sets --------------------------------------------------------
@@ -523,6 +536,69 @@ class result : public detail::owner<kvcs_result, kvcs_result_destroy> {
         [&](uint8_t *buf, size_t cap, size_t *len) { return kvcs_result_encode(get(), buf, cap, len); });
   }
 };
+
+// --- Layout strings --------------------------------------------------------------
+
+/// A strided tensor as layer_from_layout reads it (kvcs_tensor): sizes and
+/// strides, outermost dimension first, strides in bytes (a PyTorch stride
+/// times the element size). The views must outlive the call only.
+struct tensor {
+  /// Address of the element whose every index is 0 (host or device memory).
+  uint64_t address = 0;
+  /// The sizes.
+  view<int64_t> shape;
+  /// The strides in bytes, any sign.
+  view<int64_t> strides;
+  /// Bytes per element (2 for fp16/bf16, 1 for fp8).
+  uint32_t element_size = 0;
+};
+
+/// A layer described from its tensors and a layout string
+/// (layer_from_layout): it owns the segments its kvcs_layer points to.
+class layout_layer {
+ public:
+  /// The layer to complete (group_id, layer_number, first_head, replicas,
+  /// replica_index, identity) and pass to worker::add_layer. Its segments
+  /// point into this object, which must outlive the kvcs_layer's use.
+  kvcs_layer layer() const noexcept {
+    kvcs_layer out = layer_;
+    out.segments = segments_.data();
+    return out;
+  }
+  /// The segments (1, or 2: K region then V region).
+  view<kvcs_segment> segments() const noexcept { return view<kvcs_segment>(segments_.data(), layer_.num_segments); }
+
+ private:
+  friend layout_layer layer_from_layout(const std::string &, const tensor &, const tensor *, uint32_t);
+  kvcs_layer layer_{};
+  std::array<kvcs_segment, 2> segments_{};
+};
+
+/// Describes an attention layer's cache from its tensor and a layout string
+/// (kvcs_layer_from_layout): `layout` names `cache`'s dimensions, outermost
+/// first (B blocks, T tokens, H heads, D a head's elements, K for K then
+/// V): FlashAttention's `[2, blocks, 16, heads, 128]` is "KBTHD". Where K
+/// and V are two tensors of one layout, `cache` is K's and `v` V's.
+inline layout_layer layer_from_layout(const std::string &layout, const tensor &cache, const tensor *v = nullptr,
+                                      uint32_t kernel_blocks = 1) {
+  auto c_tensor = [](const tensor &t, const char *name) {
+    if (t.shape.size() != t.strides.size()) {
+      throw error(KVCS_ERR_INVALID_ARGUMENT, std::string(name) + ".shape has " + std::to_string(t.shape.size()) +
+                                                 " dimensions, " + name + ".strides " +
+                                                 std::to_string(t.strides.size()));
+    }
+    return kvcs_tensor{t.address, t.shape.data(), t.strides.data(), t.shape.size(), t.element_size};
+  };
+  kvcs_tensor c_cache = c_tensor(cache, "cache");
+  kvcs_tensor c_v{};
+  if (v != nullptr) {
+    c_v = c_tensor(*v, "v");
+  }
+  layout_layer out;
+  check(kvcs_layer_from_layout(layout.c_str(), &c_cache, v != nullptr ? &c_v : nullptr, kernel_blocks, &out.layer_,
+                               out.segments_.data()));
+  return out;
+}
 
 // --- Workers -----------------------------------------------------------------
 
@@ -732,7 +808,32 @@ class report : public detail::owner<kvcs_report, kvcs_report_destroy> {
     }
     return out;
   }
+  /// The consumer blocks to load again after this MISMATCH
+  /// (kvcs_report_repair_plan): `consumer_blocks` holds the request's
+  /// consumer block ids (what the consumer's verifier was given), and
+  /// `block_sizes[i]` is the consumer's block size of group `group_ids[i]`.
+  std::vector<kvcs_repair_block> repair_plan(const blocks &consumer_blocks, const std::string &req_id,
+                                             view<uint32_t> group_ids, view<uint32_t> block_sizes) const {
+    detail::check_same_length(group_ids.size(), block_sizes.size());
+    return detail::read_sized<kvcs_repair_block>([&](kvcs_repair_block *buf, size_t cap, size_t *len) {
+      return kvcs_report_repair_plan(get(), consumer_blocks.get(), req_id.c_str(), group_ids.data(),
+                                     block_sizes.data(), group_ids.size(), buf, cap, len);
+    });
+  }
 };
+
+/// The consumer blocks to load again for mismatch entries carried from a
+/// report (kvcs_repair_plan), as report::repair_plan; the caller has
+/// checked that the report had no findings.
+inline std::vector<kvcs_repair_block> repair_plan(view<kvcs_mismatch> mismatches, const blocks &consumer_blocks,
+                                                  const std::string &req_id, view<uint32_t> group_ids,
+                                                  view<uint32_t> block_sizes) {
+  detail::check_same_length(group_ids.size(), block_sizes.size());
+  return detail::read_sized<kvcs_repair_block>([&](kvcs_repair_block *buf, size_t cap, size_t *len) {
+    return kvcs_repair_plan(mismatches.data(), mismatches.size(), consumer_blocks.get(), req_id.c_str(),
+                            group_ids.data(), block_sizes.data(), group_ids.size(), buf, cap, len);
+  });
+}
 
 // --- Verifiers ---------------------------------------------------------------
 

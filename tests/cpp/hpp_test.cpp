@@ -5,7 +5,8 @@
 // carry the right status and a message naming the argument), and compares
 // a worker's checksums of a FlashAttention-style layout (K and V in
 // separate tensors, [num_blocks, block_size, heads, head_size]) with a
-// deliberately naive reference of docs/SPEC.md sections 2, 3 and 12.
+// deliberately naive reference of docs/SPEC.md sections 2, 3 and 12, the
+// layout registered by hand and through a layout string.
 //
 // Data is random from a fresh seed, printed on failure; KVCS_TEST_SEED
 // replays one. Exits 0 when everything holds, 1 otherwise.
@@ -125,7 +126,8 @@ std::array<kvcs_segment, 2> flash_segments(const flash_layer &layer) {
 }
 
 /// A host worker (TP 1) over `layers`, group 0.
-kvcs::worker flash_worker(const std::vector<flash_layer> &layers, kvcs::algorithm algorithm, bool detail) {
+kvcs::worker flash_worker(const std::vector<flash_layer> &layers, kvcs::algorithm algorithm, bool detail,
+                          bool via_layout = false) {
   kvcs::worker worker(kvcs_worker_options{0, 1, 0, KVCS_HOST, 1});
   worker.set_algorithm(algorithm);
   worker.set_detail(detail);
@@ -135,7 +137,6 @@ kvcs::worker flash_worker(const std::vector<flash_layer> &layers, kvcs::algorith
     worker.add_region(kvcs::address_of(layers[l].v.data()), uint64_t{layers[l].v.size()} * 8);
     std::array<kvcs_segment, 2> segments = flash_segments(layers[l]);
     kvcs_layer layer{};
-    layer.layer_number = kLayerNumbers[l];
     layer.num_heads = kHeads;
     layer.replicas = 1;
     layer.num_blocks = kNumBlocks;
@@ -143,6 +144,16 @@ kvcs::worker flash_worker(const std::vector<flash_layer> &layers, kvcs::algorith
     layer.tokens_per_kernel_block = kBlockSize;
     layer.num_segments = 2;
     layer.segments = segments.data();
+    // The same through the layout string: [num_blocks, block_size, heads, head_size] is "BTHD".
+    const int64_t shape[4] = {kNumBlocks, kBlockSize, kHeads, kHeadPieces * 4};
+    const int64_t strides[4] = {kBlockSize * kHeads * kHeadPieces * 8, kHeads * kHeadPieces * 8, kHeadPieces * 8, 2};
+    kvcs::tensor k{kvcs::address_of(layers[l].k.data()), shape, strides, 2};
+    kvcs::tensor v{kvcs::address_of(layers[l].v.data()), shape, strides, 2};
+    kvcs::layout_layer described = kvcs::layer_from_layout("BTHD", k, &v);
+    if (via_layout) {
+      layer = described.layer();
+    }
+    layer.layer_number = kLayerNumbers[l];
     std::string identity = "model.layers." + std::to_string(kLayerNumbers[l]) + ".attn";
     layer.identity = kvcs::as_bytes(identity).data();
     layer.identity_len = identity.size();
@@ -226,7 +237,7 @@ void test_checksums() {
   blocks.add_group("big", 0, 0, extreme);  // checked against the caches at checksum time only
 
   for (kvcs::algorithm algorithm : {kvcs::algorithm::weighted, kvcs::algorithm::mixed}) {
-    kvcs::worker worker = flash_worker(layers, algorithm, false);
+    kvcs::worker worker = flash_worker(layers, algorithm, false, algorithm == kvcs::algorithm::mixed);
     kvcs::blocks scheduled;
     scheduled.add_request("r", num_tokens);
     std::vector<uint32_t> unsigned_table(table.begin(), table.end());
@@ -275,6 +286,30 @@ void test_registration() {
   outside.num_segments = 1;
   outside.segments = &segment;
   EXPECT_THROW(KVCS_ERR_OUT_OF_BOUNDS, "region", worker.add_layer(outside));
+
+  // The layout string gives the hand-built segments of flash_segments.
+  const int64_t shape[4] = {kNumBlocks, kBlockSize, kHeads, kHeadPieces * 4};
+  const int64_t strides[4] = {kBlockSize * kHeads * kHeadPieces * 8, kHeads * kHeadPieces * 8, kHeadPieces * 8, 2};
+  kvcs::tensor k{kvcs::address_of(layers[0].k.data()), shape, strides, 2};
+  kvcs::tensor v{kvcs::address_of(layers[0].v.data()), shape, strides, 2};
+  kvcs::layout_layer described = kvcs::layer_from_layout("BTHD", k, &v);
+  std::array<kvcs_segment, 2> by_hand = flash_segments(layers[0]);
+  kvcs_layer layer = described.layer();
+  EXPECT(layer.num_heads == kHeads && layer.num_blocks == kNumBlocks && layer.kernel_blocks == 1 &&
+         layer.tokens_per_kernel_block == kBlockSize && layer.num_segments == 2 && layer.replicas == 1 &&
+         layer.segments == described.segments().data());
+  for (size_t i = 0; i < 2 && described.segments().size() == 2; i++) {
+    const kvcs_segment &got = described.segments()[i];
+    EXPECT(got.address == by_hand[i].address && got.block_stride == by_hand[i].block_stride &&
+           got.head_stride == by_hand[i].head_stride && got.token_stride == by_hand[i].token_stride &&
+           got.bytes_per_token == by_hand[i].bytes_per_token);
+  }
+  kvcs::layout_layer copy = described;  // the copy's layer points at its own segments
+  EXPECT(copy.layer().segments == copy.segments().data() && copy.layer().segments != layer.segments);
+  EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "layout", kvcs::layer_from_layout("BTQD", k, &v));
+  EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "v is given too", kvcs::layer_from_layout("KBTHD", k, &v));
+  kvcs::tensor ragged{k.address, shape, kvcs::view<int64_t>(strides, 3), 2};
+  EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "cache.strides 3", kvcs::layer_from_layout("BTHD", ragged));
 
   // An alias of layer 3: it adds no checksum but changes the fingerprint.
   EXPECT_THROW(KVCS_ERR_NOT_FOUND, "4", worker.add_alias(0, 7, 4, kvcs::as_bytes("model.layers.7.attn")));
@@ -380,7 +415,7 @@ void test_verification() {
   kvcs::verifier producer(1);
   producer.set_extension(true);
   producer.expect(blocks, kvcs::role::producer);
-  EXPECT_THROW(KVCS_ERR_NOT_READY, "", producer.payload("v"));
+  EXPECT_THROW(KVCS_ERR_NOT_READY, "0 of 1 workers", producer.payload("v"));
   EXPECT_THROW(KVCS_ERR_MALFORMED, "record", producer.add_record(kvcs::as_bytes("not a record")));
   producer.add_record(producer_worker.checksum(blocks, kvcs::role::producer).encode());
   std::vector<uint8_t> payload = producer.payload("v");
@@ -417,6 +452,9 @@ void test_verification() {
       EXPECT(report.reason() == kvcs::unverified_reason::none && report.num_unverified() == 0);
       EXPECT(report.num_mismatches() == 0 && report.mismatches().empty() && report.findings().empty());
       EXPECT_THROW(KVCS_ERR_OUT_OF_BOUNDS, "index 0", report.mismatch(0));
+      const uint32_t group_ids[1] = {0};
+      const uint32_t block_sizes[1] = {kBlockSize};
+      EXPECT(report.repair_plan(blocks, "v", group_ids, block_sizes).empty());
       continue;
     }
     EXPECT(report.verdict() == kvcs::verdict::mismatch && !report.passed());
@@ -438,6 +476,26 @@ void test_verification() {
     }
     EXPECT_THROW(KVCS_ERR_OUT_OF_BOUNDS, "mismatch 3", report.layer_difference(3, 0));
 
+    // The repair plan: position 2's block, its tokens; the same from the entries.
+    const uint32_t group_ids[1] = {0};
+    const uint32_t block_sizes[1] = {kBlockSize};
+    std::vector<kvcs_repair_block> plan = report.repair_plan(blocks, "v", group_ids, block_sizes);
+    EXPECT(plan.size() == 1);
+    if (plan.size() == 1) {
+      EXPECT(plan[0].group_id == 0 && plan[0].position == 2 && plan[0].block_id == static_cast<uint32_t>(table[2]));
+      EXPECT(plan[0].start_token == 2 * kBlockSize && plan[0].end_token == num_tokens);
+    }
+    std::vector<kvcs_mismatch> entries = {entry};
+    std::vector<kvcs_repair_block> from_entries = kvcs::repair_plan(entries, blocks, "v", group_ids, block_sizes);
+    EXPECT(from_entries.size() == plan.size() && !plan.empty() && from_entries[0].block_id == plan[0].block_id &&
+           from_entries[0].end_token == plan[0].end_token);
+    EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "block_sizes 0",
+                 report.repair_plan(blocks, "v", group_ids, kvcs::view<uint32_t>()));
+    EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "block_sizes 0",
+                 kvcs::repair_plan(entries, blocks, "v", group_ids, kvcs::view<uint32_t>()));
+    EXPECT_THROW(KVCS_ERR_NOT_FOUND, "w", report.repair_plan(blocks, "w", group_ids, block_sizes));
+    EXPECT_THROW(KVCS_ERR_NOT_FOUND, "w", kvcs::repair_plan(entries, blocks, "w", group_ids, block_sizes));
+
     // The same load through base64, then with no payload, fail-open.
     EXPECT(consumer.check_base64("v", kvcs::base64_encode(payload)).verdict() == kvcs::verdict::mismatch);
     consumer.set_policy(kvcs::policy::fail_open);
@@ -448,6 +506,9 @@ void test_verification() {
     EXPECT(findings.size() == 1 && findings[0].group_id == KVCS_WHOLE_LOAD && !findings[0].message.empty());
     EXPECT(none.unverified(0).reason == kvcs::unverified_reason::no_checksums);
     EXPECT_THROW(KVCS_ERR_OUT_OF_BOUNDS, "index 1", none.unverified(1));
+    const uint32_t one_group[1] = {0};
+    const uint32_t one_size[1] = {kBlockSize};
+    EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "report is unverified", none.repair_plan(blocks, "v", one_group, one_size));
     EXPECT(consumer.check("v", kvcs::as_bytes("junk", 4)).reason() == kvcs::unverified_reason::invalid_checksums);
     consumer.forget("v");
     EXPECT_THROW(KVCS_ERR_NOT_FOUND, "v", consumer.check("v", payload));
@@ -462,12 +523,12 @@ void test_topology() {
   EXPECT_THROW(KVCS_ERR_OUT_OF_BOUNDS, "local_rank", kvcs::remote_ranks(2, 2, 4));
   EXPECT(kvcs::handshake_targets(3, 4, 2) == std::vector<uint32_t>{1});
   EXPECT(kvcs::block_size_ratio(32, 16) == 2);
-  EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "", kvcs::block_size_ratio(16, 32));
+  EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "remote_block_size 32", kvcs::block_size_ratio(16, 32));
   EXPECT(kvcs::remote_kv_replicated(8, 4) && !kvcs::remote_kv_replicated(4, 8));
   EXPECT(kvcs::local_kv_replicated(2, 8, true) && !kvcs::local_kv_replicated(2, 8, false));
   kvcs::head_range heads = kvcs::rank_heads(1, 4, 8, false);
   EXPECT(heads.first_head == 2 && heads.num_heads == 2);
-  EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "", kvcs::rank_heads(0, 3, 8, false));
+  EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "tp 3", kvcs::rank_heads(0, 3, 8, false));
   std::vector<kvcs_head_source> sources = kvcs::head_sources(0, 2, 4, 8, false);
   EXPECT(sources.size() == 2 && sources[0].remote_rank == 0 && sources[1].remote_rank == 1 &&
          sources[1].first_head == 2 && sources[1].local_offset == 2 && sources[1].remote_offset == 0);
