@@ -4,7 +4,7 @@
  *
  * Build and run: `make demo` (builds target/release/libkvcsum.so and this
  * file, then runs it). By hand, from the repository root:
- *   make lib   # cargo build --release --lib, plus the libkvcsum.so.0 link (its SONAME)
+ *   make lib   # cargo build --release --lib, plus the libkvcsum.so.2 link (its SONAME, the ABI version)
  *   gcc -std=c11 -Wall -Wextra -Wpedantic -Werror -Iinclude examples/c/demo.c \
  *       -Ltarget/release -lkvcsum -Wl,-rpath,$PWD/target/release -o demo && ./demo
  *
