@@ -69,7 +69,9 @@ PYTHON_TEST_PACKAGES := msgspec==$(MSGSPEC_VERSION) numpy==2.4.6 pytest==9.2.0 "
 
 PREFIX ?= /usr/local
 DESTDIR ?=
-INSTALL_TEST_LIB := $(abspath $(BUILD))/install-test/prefix/lib/libkvcsum.so.0
+# The SONAME's number is the C ABI version (build.rs, docs/VERSIONING.md).
+SOVERSION := $(shell sed -n 's/^\#define KVCS_ABI_VERSION \([0-9]*\)$$/\1/p' include/kvcsum.h)
+INSTALL_TEST_LIB := $(abspath $(BUILD))/install-test/prefix/lib/libkvcsum.so.$(SOVERSION)
 
 .PHONY: all lib demo test test-deps rust-test kernel-test c-test demo-test cpp-test cpp-example install install-test \
 	python-test python-wheel fuzz header bench clean FORCE
@@ -80,11 +82,11 @@ lib: $(LIB)
 
 # cargo decides whether the library is stale, so it is always asked; make
 # relinks the C programs only when the file it leaves is newer than them.
-# The library's SONAME is libkvcsum.so.0 (build.rs), the name programs
+# The library's SONAME is libkvcsum.so.$(SOVERSION) (build.rs), the name programs
 # linked against it look for, hence the link beside it.
 $(LIB): FORCE
 	$(CARGO) build --$(PROFILE) --lib
-	ln -sfn libkvcsum.so $(LIB_DIR)/libkvcsum.so.0
+	ln -sfn libkvcsum.so $(LIB_DIR)/libkvcsum.so.$(SOVERSION)
 
 demo: $(BUILD)/demo
 	$(BUILD)/demo
