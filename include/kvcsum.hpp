@@ -520,8 +520,10 @@ class result : public detail::owner<kvcs_result, kvcs_result_destroy> {
   }
   /// A load check's outcome per position of a group (kvcs_result_stored).
   std::vector<stored_outcome> stored(const std::string &req_id, uint32_t group_id) const {
-    std::vector<uint8_t> outcomes(num_positions(req_id, group_id));
+    size_t positions = num_positions(req_id, group_id);
+    std::vector<uint8_t> outcomes(positions + 1);  // never empty, so never NULL
     check(kvcs_result_stored(get(), req_id.c_str(), group_id, outcomes.data()));
+    outcomes.resize(positions);
     std::vector<stored_outcome> out;
     out.reserve(outcomes.size());
     for (uint8_t outcome : outcomes) {
@@ -668,8 +670,9 @@ class worker : public detail::owner<kvcs_worker, kvcs_worker_destroy> {
   /// back in `hashes`, one per hash (kvcs_block_tags).
   std::vector<uint64_t> block_tags(uint32_t group_id, view<uint8_t> hashes, size_t hash_bytes) const {
     size_t count = detail::hash_count(hashes, hash_bytes);
-    std::vector<uint64_t> tags(count);
+    std::vector<uint64_t> tags(count + 1);  // never empty, so never NULL
     check(kvcs_block_tags(get(), group_id, hashes.data(), hash_bytes, count, tags.data()));
+    tags.resize(count);
     return tags;
   }
 
@@ -1072,10 +1075,10 @@ class completion : public detail::owner<kvcs_completion, kvcs_completion_destroy
     for (const std::string &id : req_ids) {
       ids.push_back(id.c_str());
     }
-    std::vector<uint8_t> done(req_ids.size());
+    std::vector<uint8_t> done(req_ids.size() + 1);  // never empty, so never NULL
     check(kvcs_completion_report(get(), worker, static_cast<uint32_t>(direction), ids.data(), ids.size(),
                                  done.data()));
-    return std::vector<bool>(done.begin(), done.end());
+    return std::vector<bool>(done.begin(), done.end() - 1);
   }
   /// report over a braced list of request ids.
   std::vector<bool> report(uint32_t worker, kvcs::direction direction, std::initializer_list<std::string> req_ids) {

@@ -382,6 +382,14 @@ void test_stored() {
     EXPECT((stored[table[q] * 2] ^ tags[q]) == values[q]);
   }
   EXPECT_THROW(KVCS_ERR_NOT_FOUND, "load check", store.stored("o", 0));
+  EXPECT(worker.block_tags(0, {}, kHashBytes).empty());  // no hashes, no tags
+
+  // A group with no blocks: a load check of nothing, no outcomes.
+  kvcs::blocks empty;
+  empty.add_request("e", 0);
+  empty.add_group("e", 0, 0, kvcs::view<uint32_t>());
+  empty.set_hashes("e", 0, {}, kHashBytes);
+  EXPECT(worker.check_stored(empty).stored("e", 0).empty());
 
   // One flipped bit at a valid token of position 1 while offloaded.
   layers[1].v[(table[1] * kBlockSize + 2) * kHeads * kHeadPieces + 1] ^= uint64_t{1} << (random_bits() % 64);
@@ -563,6 +571,7 @@ void test_completion() {
   EXPECT(completion.reported(kvcs::direction::receiving, "a") == 0);
   EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "a", completion.report(0, kvcs::direction::sending, {"a"}));
   EXPECT(completion.report(1, kvcs::direction::sending, {"b"}) == std::vector<bool>{true});
+  EXPECT(completion.report(1, kvcs::direction::sending, kvcs::view<std::string>()).empty());
   completion.set_expected(1);
   EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "expected_workers", completion.set_expected(0));
   EXPECT(completion.report(0, kvcs::direction::receiving, {"c"}) == std::vector<bool>{true});
