@@ -237,7 +237,7 @@ fn the_header_parser_finds_known_calls_and_no_types() {
     assert!(!c_code("a /* kvcs_x( */ b // kvcs_y(\n\"kvcs_z(\"").contains("kvcs_"));
     let by_name = called_by_name(
         Binding::Python,
-        "_destroy = \"kvcs_blocks_destroy\"\nSIZES = {'kvcs_layer_size': L, \"kvcs_layer_add\": 1}\nx = kvcs_state_size",
+        "_destroy = \"kvcs_blocks_destroy\"\nSIZES = {'kvcs_layer_size': L, \"kvcs_add\": 1}\nkvcs_state_size",
     );
     assert_eq!(
         by_name.into_iter().collect::<Vec<_>>(),
