@@ -161,16 +161,16 @@ pub fn repair_plan(
             }
         }
         previous = Some(run);
-        let block_size = *sizes.get(&group_id).ok_or_else(|| {
-            err!(
-                InvalidArgument,
-                "group {group_id} differs but block_sizes has no entry for it"
-            )
-        })?;
         let table = tables.get(&group_id).ok_or_else(|| {
             err!(
                 InvalidArgument,
                 "group {group_id} differs but consumer_blocks has no blocks of it in req_id \"{req_id}\""
+            )
+        })?;
+        let block_size = *sizes.get(&group_id).ok_or_else(|| {
+            err!(
+                InvalidArgument,
+                "group {group_id} differs but block_sizes has no entry for it"
             )
         })?;
         let table_end = table.first_position + table.block_ids.len() as u64;

@@ -628,6 +628,11 @@ def layer(
     many making one logical block (block b holds kernel blocks
     b*kernel_blocks ...). `first_head` is the global number of the first
     head held here (rank * heads for TP rank `rank`).
+
+    The layout string's rules are the library's (kvcs_layer_from_layout,
+    SPEC section 14): a layout it refuses raises kvcsum.InvalidArgument (a
+    ValueError) naming the argument and value. Each segment's
+    bytes_per_token is its own part of the cell (K's, or V's).
     """
     if not isinstance(layout, str):
         raise TypeError(f"layout must be a str such as \"NHD\", got {type(layout).__name__}")
@@ -639,58 +644,51 @@ def layer(
     first_head = _int(first_head, "uint32_t", "first_head")
     replicas = _int(replicas, "uint32_t", "replicas")
     replica_index = _int(replica_index, "uint32_t", "replica_index")
-    dims = _ALIASES.get(layout.upper(), layout.upper())
-    if sorted(dims) not in (sorted("BTHD"), sorted("BTHDK"), sorted("BTD"), sorted("BTDK")):
-        raise ValueError(f"layout {layout!r}: name each dimension once with B, T, H, D and optionally K")
-    if "K" in dims and v is not None:
-        raise ValueError("give either a K dimension in the layout or a separate v array, not both")
-    if kernel_blocks < 1:
-        raise ValueError(f"kernel_blocks {kernel_blocks} must be at least 1")
+    identity = _bytes(identity, "identity")
 
-    def segments_of(array) -> list:
+    # The layout string's rules (letters, K and V, what is refused) are
+    # the library's: kvcs_layer_from_layout, SPEC section 14.
+    def tensor_of(array, name: str) -> tuple:
         address, shape, strides, item = _array_info(array)
-        if len(shape) != len(dims):
-            raise ValueError(f"layout {layout!r} names {len(dims)} dimensions, the array has shape {shape}")
-        size = dict(zip(dims, shape))
-        stride = dict(zip(dims, strides))
-        if size["D"] > 1 and stride["D"] != item:
-            raise ValueError(f"the D dimension must be contiguous: its stride is {stride['D']} bytes, items are {item}")
-        if size["B"] % kernel_blocks:
-            raise ValueError(f"{size['B']} blocks are not a multiple of kernel_blocks {kernel_blocks}")
-        base = []
-        for k in range(size.get("K", 1)):
-            base.append(
-                _lib.Segment(
-                    address=address + k * stride.get("K", 0),
-                    block_stride=stride["B"] * kernel_blocks,
-                    kernel_block_stride=stride["B"],
-                    head_stride=stride.get("H", 0),
-                    token_stride=stride["T"],
-                    bytes_per_token=size["D"] * item,
-                )
-            )
-        if "K" in dims and size["K"] != 2:
-            raise ValueError(f"the K dimension has size {size['K']}, not 2")
-        return base, size
+        sizes = (c_int64 * max(len(shape), 1))(*[_int(n, "int64_t", f"{name} shape") for n in shape])
+        steps = (c_int64 * max(len(strides), 1))(*[_int(n, "int64_t", f"{name} strides") for n in strides])
+        struct = _lib.TensorStruct(
+            address=_int(address, "uint64_t", f"{name} address"),
+            shape=ctypes.cast(sizes, ctypes.POINTER(c_int64)),
+            strides=ctypes.cast(steps, ctypes.POINTER(c_int64)),
+            ndim=len(shape),
+            element_size=_int(item, "uint32_t", f"{name} element size"),
+        )
+        return struct, (sizes, steps)
 
-    segments, size = segments_of(cache)
-    if v is not None:
-        v_segments, v_size = segments_of(v)
-        if {d: v_size[d] for d in "BTH" if d in v_size} != {d: size[d] for d in "BTH" if d in size}:
-            raise ValueError(f"k and v differ in blocks, tokens or heads: {size} vs {v_size}")
-        segments += v_segments
+    # The shape and stride arrays (cache_arrays, v_arrays) stay alive
+    # through the call, which only reads them.
+    cache_tensor, cache_arrays = tensor_of(cache, "cache")
+    v_tensor, v_arrays = tensor_of(v, "v") if v is not None else (None, None)
+    out = _lib.LayerStruct()
+    segments = (_lib.Segment * 2)()
+    _check(
+        library().kvcs_layer_from_layout(
+            _c(layout, "layout"),
+            byref(cache_tensor),
+            byref(v_tensor) if v_tensor is not None else None,
+            kernel_blocks,
+            byref(out),
+            segments,
+        )
+    )
     return Layer(
         group_id=group_id,
         layer_number=layer_number,
         first_head=first_head,
-        num_heads=size.get("H", 1),
-        num_blocks=size["B"] // kernel_blocks,
-        kernel_blocks=kernel_blocks,
-        tokens_per_kernel_block=size["T"],
-        segments=segments,
+        num_heads=out.num_heads,
+        num_blocks=out.num_blocks,
+        kernel_blocks=out.kernel_blocks,
+        tokens_per_kernel_block=out.tokens_per_kernel_block,
+        segments=[_lib.Segment.from_buffer_copy(segments[i]) for i in range(out.num_segments)],
         replicas=replicas,
         replica_index=replica_index,
-        identity=_bytes(identity, "identity"),
+        identity=identity,
         arrays=(cache,) if v is None else (cache, v),
     )
 
@@ -1613,9 +1611,10 @@ __all__ += ["RepairBlock", "repair_plan"]
 
 @dataclasses.dataclass(frozen=True)
 class RepairBlock:
-    """A consumer block to load again: its group, block position and block
-    id, and the request tokens `first_token .. first_token + num_tokens - 1`
-    of it that were compared and differ."""
+    """A consumer block to load again (kvcs_repair_block): its group, block
+    position and block id, and the request tokens of it that were compared
+    and differ, half-open: `[start_token, end_token)`, which is
+    `first_token` and the `num_tokens` from it."""
 
     group_id: int
     position: int
@@ -1623,22 +1622,35 @@ class RepairBlock:
     first_token: int
     num_tokens: int
 
+    @property
+    def start_token(self) -> int:
+        """The first request token to load again (first_token)."""
+        return self.first_token
+
+    @property
+    def end_token(self) -> int:
+        """One past the last request token to load again."""
+        return self.first_token + self.num_tokens
+
 
 def repair_plan(report, block_tables: dict, block_size) -> dict[int, list[RepairBlock]]:
-    """The consumer blocks to transfer again after a MISMATCH, per group.
+    """The consumer blocks to transfer again after a MISMATCH, per group
+    (kvcs_report_repair_plan; SPEC section 15).
 
     `report` is a Report (or a list of its Mismatch entries); `block_tables`
     maps each group id to the consumer's block ids of the request, either
     from position 0 (`{0: [7, 2, 9]}`) or as `(first_position, block_ids)`;
-    `block_size` is the consumer's tokens per block, one int or
-    `{group_id: block_size}`. Returns `{group_id: [RepairBlock, ...]}` in
-    position order, each position once; a MATCH gives `{}`.
+    `block_size` is the consumer's tokens per block, one int (for every
+    group of `block_tables`) or `{group_id: block_size}`. Returns
+    `{group_id: [RepairBlock, ...]}` in position order, each position once;
+    a MATCH gives `{}`.
 
     Where the two sides' block sizes differ, a mismatch covers a run of
     their least common multiple, so every consumer block of that run is
     named.
 
-    Raises ValueError where a plan would not make the load verified:
+    Raises kvcsum.InvalidArgument (a ValueError) where a plan would not make
+    the load verified:
     - an UNVERIFIED report (it names no positions: the load must be
       repeated whole);
     - a report with findings, such as a MISMATCH in one group while
@@ -1647,7 +1659,7 @@ def repair_plan(report, block_tables: dict, block_size) -> dict[int, list[Repair
       an unverified load; the message names each such group and reason,
       and the load must be repeated whole (or the configuration fixed).
       A list of Mismatch entries carries no findings: passing one skips
-      this check;
+      this check (its entries of one group must not overlap);
     - a mismatch that does not fit the tables: a group with no table, a
       position without a block id, a group without a block size, tokens
       outside the position.
@@ -1655,54 +1667,51 @@ def repair_plan(report, block_tables: dict, block_size) -> dict[int, list[Repair
     non-integer); ValueError for a block size below 1 or a block id outside
     [0, 2**32).
     """
-    if isinstance(report, Report):
-        verdict = report.verdict
-        if verdict == UNVERIFIED:
-            raise ValueError(f"report is unverified ({report.message}); it names no positions to repair")
-        findings = report.findings
-        if findings:
-            unverified = "; ".join(
-                f"{'the whole load' if f.group_id == WHOLE_LOAD else f'group {f.group_id}'} is unverified "
-                f"({f.reason_name}: {f.message})"
-                for f in findings
-            )
-            raise ValueError(
-                f"{unverified}: repairing the differing blocks cannot make this load verified; "
-                "load the request again whole"
-            )
-        mismatches = report.mismatches
-    else:
-        mismatches = list(report)
-    plan: dict[int, dict[int, RepairBlock]] = {}
-    for m in mismatches:
-        if m.group_id not in block_tables:
-            raise ValueError(f"group {m.group_id} differs but block_tables has no table for it")
-        table = block_tables[m.group_id]
+    tables = {}
+    for group, table in block_tables.items():
+        group = _int(group, "uint32_t", "group id of block_tables")
         first_position, ids = table if isinstance(table, tuple) else (0, table)
-        first_position = _int(first_position, "uint64_t", f"first position of block_tables[{m.group_id}]")
-        if isinstance(block_size, dict):
-            if m.group_id not in block_size:
-                raise ValueError(f"group {m.group_id} differs but block_size has no entry for it")
-            size = block_size[m.group_id]
-        else:
-            size = block_size
-        size = _int(size, "uint32_t", f"block_size of group {m.group_id}")
-        if size < 1:
-            raise ValueError(f"block_size of group {m.group_id} is {size}; it must be a positive integer")
-        end_token = m.first_token + m.num_tokens
-        for q in range(m.first_position, m.first_position + m.num_positions):
-            index = q - first_position
-            if not 0 <= index < len(ids):
-                raise ValueError(
-                    f"group {m.group_id} position {q} differs but the block table holds positions "
-                    f"{first_position} .. {first_position + len(ids) - 1}"
-                )
-            low, high = max(q * size, m.first_token), min((q + 1) * size, end_token)
-            if high <= low:
-                raise ValueError(
-                    f"group {m.group_id} position {q} (block size {size}) holds none of the differing tokens "
-                    f"{m.first_token} .. {end_token - 1}"
-                )
-            block_id = _int(ids[index], "uint32_t", f"block_tables[{m.group_id}][{index}]")
-            plan.setdefault(m.group_id, {})[q] = RepairBlock(m.group_id, q, block_id, low, high - low)
-    return {group: [blocks[q] for q in sorted(blocks)] for group, blocks in sorted(plan.items())}
+        first_position = _int(first_position, "uint64_t", f"first position of block_tables[{group}]")
+        ids = [_int(b, "uint32_t", f"block_tables[{group}][{i}]") for i, b in enumerate(ids)]
+        tables[group] = (first_position, ids)
+    if isinstance(block_size, dict):
+        sizes = {_int(g, "uint32_t", "group id of block_size"): s for g, s in block_size.items()}
+    else:
+        sizes = dict.fromkeys(tables, block_size)
+    sizes = {g: _int(s, "uint32_t", f"block_size of group {g}") for g, s in sizes.items()}
+    group_ids = (c_uint32 * max(len(sizes), 1))(*sizes)
+    block_sizes = (c_uint32 * max(len(sizes), 1))(*sizes.values())
+    # Each entry is a distinct table position, so this many always suffice.
+    cap = sum(len(ids) for _, ids in tables.values())
+    entries = (_lib.RepairBlockStruct * max(cap, 1))()
+    count = c_size_t()
+    lib = library()
+    with Blocks() as blocks:
+        blocks.add_request("repair", 0)
+        for group, (first_position, ids) in tables.items():
+            blocks.add_group("repair", group, ids, first_position)
+        with blocks._use() as blocks_handle:
+            args = (blocks_handle, b"repair", group_ids, block_sizes, len(sizes), entries, cap, byref(count))
+            if isinstance(report, Report):
+                with report._use() as handle:
+                    _check(lib.kvcs_report_repair_plan(handle, *args))
+            else:
+                mismatches = list(report)
+                structs = (_lib.MismatchStruct * max(len(mismatches), 1))()
+                for i, m in enumerate(mismatches):
+                    structs[i] = _lib.MismatchStruct(
+                        group_id=m.group_id,
+                        first_position=m.first_position,
+                        num_positions=m.num_positions,
+                        first_token=m.first_token,
+                        num_tokens=m.num_tokens,
+                    )
+                _check(lib.kvcs_repair_plan(structs, len(mismatches), *args))
+    plan: dict[int, list[RepairBlock]] = {}
+    for entry in entries[: count.value]:
+        plan.setdefault(entry.group_id, []).append(
+            RepairBlock(
+                entry.group_id, entry.position, entry.block_id, entry.start_token, entry.end_token - entry.start_token
+            )
+        )
+    return plan

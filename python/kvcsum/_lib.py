@@ -116,6 +116,18 @@ class LayerStruct(_Struct):
     ]
 
 
+class TensorStruct(_Struct):
+    """kvcs_tensor: a strided tensor for kvcs_layer_from_layout, strides in bytes."""
+
+    _fields_ = [
+        ("address", c_uint64),
+        ("shape", POINTER(c_int64)),
+        ("strides", POINTER(c_int64)),
+        ("ndim", c_size_t),
+        ("element_size", c_uint32),
+    ]
+
+
 class StateTensorStruct(_Struct):
     """kvcs_state_tensor."""
 
@@ -172,6 +184,18 @@ class LayerDifferenceStruct(_Struct):
     ]
 
 
+class RepairBlockStruct(_Struct):
+    """kvcs_repair_block: a consumer block to load again, tokens [start_token, end_token)."""
+
+    _fields_ = [
+        ("group_id", c_uint32),
+        ("block_id", c_uint32),
+        ("position", c_uint64),
+        ("start_token", c_uint64),
+        ("end_token", c_uint64),
+    ]
+
+
 class LocalEngineStruct(_Struct):
     """kvcs_local_engine."""
 
@@ -219,6 +243,8 @@ STRUCT_SIZES = {
     "kvcs_local_engine_size": LocalEngineStruct,
     "kvcs_remote_engine_size": RemoteEngineStruct,
     "kvcs_head_source_size": HeadSourceStruct,
+    "kvcs_tensor_size": TensorStruct,
+    "kvcs_repair_block_size": RepairBlockStruct,
 }
 
 # --- Calls (kvcsum.h) ---------------------------------------------------------
@@ -252,6 +278,10 @@ SIGNATURES = {
     "kvcs_worker_add_group": (_status, [_p, c_uint32, c_uint32]),
     "kvcs_worker_skip_group": (_status, [_p, c_uint32, c_char_p]),
     "kvcs_worker_add_layer": (_status, [_p, POINTER(LayerStruct)]),
+    "kvcs_layer_from_layout": (
+        _status,
+        [c_char_p, POINTER(TensorStruct), POINTER(TensorStruct), c_uint32, POINTER(LayerStruct), POINTER(Segment)],
+    ),
     "kvcs_worker_checksum": (_status, [_p, _p, c_uint32, c_void_p, _pp]),
     "kvcs_worker_set_detail": (_status, [_p, c_uint32]),
     "kvcs_worker_set_algorithm": (_status, [_p, c_uint32]),
@@ -300,6 +330,16 @@ SIGNATURES = {
     "kvcs_report_num_unverified": (_status, [_p, _sizep]),
     "kvcs_report_unverified": (_status, [_p, c_size_t, _u32p, _u32p, _strp]),
     "kvcs_report_destroy": (None, [_p]),
+    # repair plan
+    "kvcs_report_repair_plan": (
+        _status,
+        [_p, _p, c_char_p, _u32p, _u32p, c_size_t, POINTER(RepairBlockStruct), c_size_t, _sizep],
+    ),
+    "kvcs_repair_plan": (
+        _status,
+        [POINTER(MismatchStruct), c_size_t, _p, c_char_p, _u32p, _u32p, c_size_t]
+        + [POINTER(RepairBlockStruct), c_size_t, _sizep],
+    ),
     # base64
     "kvcs_base64_encode": (_status, [_u8p, c_size_t, c_char_p, c_size_t, _sizep]),
     "kvcs_base64_decode": (_status, [c_char_p, c_size_t, _u8p, c_size_t, _sizep]),
