@@ -579,8 +579,9 @@ class layout_layer {
 /// Describes an attention layer's cache from its tensor and a layout string
 /// (kvcs_layer_from_layout): `layout` names `cache`'s dimensions, outermost
 /// first (B blocks, T tokens, H heads, D a head's elements, K for K then
-/// V): FlashAttention's `[2, blocks, 16, heads, 128]` is "KBTHD". Where K
-/// and V are two tensors of one layout, `cache` is K's and `v` V's.
+/// V; docs/SPEC.md section 14): FlashAttention's `[2, blocks, 16, heads,
+/// 128]` is "KBTHD". Where K and V are two tensors of one layout, `cache` is
+/// K's and `v` V's.
 inline layout_layer layer_from_layout(const std::string &layout, const tensor &cache, const tensor *v = nullptr,
                                       uint32_t kernel_blocks = 1) {
   auto c_tensor = [](const tensor &t, const char *name) {
@@ -811,8 +812,9 @@ class report : public detail::owner<kvcs_report, kvcs_report_destroy> {
     }
     return out;
   }
-  /// The consumer blocks to load again after this MISMATCH
-  /// (kvcs_report_repair_plan): `consumer_blocks` holds the request's
+  /// The consumer blocks to load again after this MISMATCH, with their
+  /// half-open token ranges (kvcs_report_repair_plan; docs/SPEC.md section
+  /// 15); throws for an unverified report. `consumer_blocks` holds the request's
   /// consumer block ids (what the consumer's verifier was given), and
   /// `block_sizes[i]` is the consumer's block size of group `group_ids[i]`.
   std::vector<kvcs_repair_block> repair_plan(const blocks &consumer_blocks, const std::string &req_id,
