@@ -102,7 +102,7 @@ from ._errors import (
     Unsupported,
 )
 from ._layers import Layer, StateTensor, layer, region_of  # noqa: F401 (region_of is public, not in __all__)
-from ._lib import ABI_VERSION, BLOCK_CHECKSUM_BYTES, AbiError
+from ._lib import ABI_VERSION, BLOCK_CHECKSUM_BYTES, AbiError, MissingLibraryError
 from ._repair import RepairBlock, repair_plan
 from ._topology import (
     Completion,
@@ -119,6 +119,7 @@ from ._topology import (
     tp_ratio,
 )
 from ._verify import Finding, LayerDifference, Mismatch, Report, Verifier, base64_decode, base64_encode
+from ._version import __version__  # noqa: F401 (kvcsum.__version__)
 from ._worker import (
     STORED_FAILED,
     STORED_MATCHED,
@@ -134,6 +135,7 @@ __all__ = [
     "ABI_VERSION",
     "BLOCK_CHECKSUM_BYTES",
     "AbiError",
+    "MissingLibraryError",
     "Error",
     "InvalidArgument",
     "OutOfBounds",
