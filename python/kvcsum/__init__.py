@@ -71,10 +71,10 @@ from ._constants import (
     MATCH,
     MISMATCH,
     MIXED,
-    NOTHING_READ,
-    NOT_LOAD_CHECK,
     NO_CHECKSUMS,
     NO_COMMON_POSITION,
+    NOT_LOAD_CHECK,
+    NOTHING_READ,
     ONE_SIDED_GROUP,
     OTHER_BLOCKS,
     PRODUCER,
@@ -83,11 +83,24 @@ from ._constants import (
     ROLE_DIFFERS,
     SENDING,
     STATE_TP_DIFFERS,
+    STORED_FAILED,
+    STORED_MATCHED,
+    STORED_NOT_CHECKED,
+    STORED_OTHER_ALGORITHM,
+    STORED_OTHER_FINGERPRINT,
     UNCOMPARED_POSITIONS,
     UNVERIFIED,
     WEIGHTED,
     WHOLE_LOAD,
     WORKERS_MISSING,
+    Algorithm,
+    Direction,
+    Policy,
+    Reason,
+    Role,
+    Status,
+    StoredOutcome,
+    Verdict,
 )
 from ._errors import (
     BufferTooSmall,
@@ -120,16 +133,7 @@ from ._topology import (
 )
 from ._verify import Finding, LayerDifference, Mismatch, Report, Verifier, base64_decode, base64_encode
 from ._version import __version__  # noqa: F401 (kvcsum.__version__)
-from ._worker import (
-    STORED_FAILED,
-    STORED_MATCHED,
-    STORED_NOT_CHECKED,
-    STORED_OTHER_ALGORITHM,
-    STORED_OTHER_FINGERPRINT,
-    Blocks,
-    Result,
-    Worker,
-)
+from ._worker import Blocks, Result, Worker
 
 __all__ = [
     "ABI_VERSION",
@@ -146,6 +150,14 @@ __all__ = [
     "DeviceError",
     "BufferTooSmall",
     "InternalError",
+    "Status",
+    "Role",
+    "Algorithm",
+    "Policy",
+    "Verdict",
+    "Direction",
+    "Reason",
+    "StoredOutcome",
     "HOST",
     "PRODUCER",
     "CONSUMER",

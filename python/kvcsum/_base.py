@@ -10,6 +10,7 @@ from ctypes import byref, c_size_t, c_uint8, c_void_p
 import numpy as np
 
 from . import _lib
+from ._constants import Status
 from ._errors import _ERRORS, Error
 from ._lib import checked_int as _int
 
@@ -42,7 +43,17 @@ def _check(status: int) -> None:
         lib = library()
         message = lib.kvcs_last_error().decode(errors="replace")
         name = lib.kvcs_status_name(status).decode()
-        raise _ERRORS.get(status, Error)(status, name, message)
+        raise _ERRORS.get(status, Error)(_member(Status, status), name, message)
+
+
+def _member(enum_type, value: int):
+    """`value` as a member of the IntEnum `enum_type`, or as the plain int
+    where the library gives a value this package does not know (a newer
+    library's), so a new value reaches the caller instead of a ValueError."""
+    try:
+        return enum_type(value)
+    except ValueError:
+        return value
 
 
 def _c(text: str, name: str) -> bytes:

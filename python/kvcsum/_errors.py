@@ -5,8 +5,8 @@ kvcs_status."""
 
 
 class Error(Exception):
-    """A kvcsum call failed: `status` (the kvcs_status value), `status_name`
-    and `message` (kvcs_last_error, copied at once)."""
+    """A kvcsum call failed: `status` (the kvcs_status value, a kvcsum.Status),
+    `status_name` and `message` (kvcs_last_error, copied at once)."""
 
     def __init__(self, status: int, status_name: str, message: str):
         super().__init__(f"{status_name}: {message}")

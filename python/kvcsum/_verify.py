@@ -8,8 +8,10 @@ import dataclasses
 from ctypes import byref, c_char_p, c_size_t, c_uint32, c_uint64, c_void_p
 
 from . import _lib
-from ._base import _Handle, _bytes_of, _c, _check, _create, _flag, _int, _of_type, _sized, library
+from ._base import _Handle, _bytes_of, _c, _check, _create, _flag, _int, _member, _of_type, _sized, library
+from ._constants import Reason, Verdict
 from ._worker import Blocks
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerDifference:
@@ -37,11 +39,11 @@ class Mismatch:
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
-    """A reason the load or a group was not compared: `reason` is one of
-    NO_CHECKSUMS ... NOT_LOAD_CHECK, `group_id` WHOLE_LOAD for the whole
+    """A reason the load or a group was not compared: `reason` is a Reason
+    (NO_CHECKSUMS ... COVERAGE_DIFFERS), `group_id` WHOLE_LOAD for the whole
     load."""
 
-    reason: int
+    reason: Reason
     reason_name: str
     group_id: int
     message: str
@@ -74,9 +76,9 @@ class Report(_Handle):
         return value.value
 
     @property
-    def verdict(self) -> int:
-        """MATCH, MISMATCH or UNVERIFIED."""
-        return self._u32(self._lib.kvcs_report_verdict)
+    def verdict(self) -> Verdict:
+        """Verdict.MATCH, MISMATCH or UNVERIFIED."""
+        return _member(Verdict, self._u32(self._lib.kvcs_report_verdict))
 
     @property
     def verdict_name(self) -> str:
@@ -89,9 +91,10 @@ class Report(_Handle):
         return bool(self._u32(self._lib.kvcs_report_passed))
 
     @property
-    def reason(self) -> int:
-        """The first finding's reason (NO_CHECKSUMS ...; 0 when none)."""
-        return self._u32(self._lib.kvcs_report_reason)
+    def reason(self) -> Reason:
+        """The first finding's reason (Reason.NO_CHECKSUMS ...; Reason.NONE
+        when none)."""
+        return _member(Reason, self._u32(self._lib.kvcs_report_reason))
 
     @property
     def message(self) -> str:
@@ -165,7 +168,7 @@ class Report(_Handle):
                 reason, group, text = c_uint32(), c_uint32(), c_char_p()
                 _check(self._lib.kvcs_report_unverified(handle, i, byref(reason), byref(group), byref(text)))
                 name = self._lib.kvcs_unverified_reason_name(reason.value).decode()
-                out.append(Finding(reason.value, name, group.value, text.value.decode(errors="replace")))
+                out.append(Finding(_member(Reason, reason.value), name, group.value, text.value.decode(errors="replace")))
         return out
 
 

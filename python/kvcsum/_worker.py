@@ -30,13 +30,6 @@ from ._errors import InvalidArgument
 from ._layers import Layer, StateTensor, _stored_buffer, region_of
 from ._lib import BLOCK_CHECKSUM_BYTES
 
-STORED_FAILED = 0
-STORED_MATCHED = 1
-STORED_NOT_CHECKED = 2
-STORED_OTHER_FINGERPRINT = 3  # stored under other layers or identities: not compared
-STORED_OTHER_ALGORITHM = 4  # stored with another algorithm: not compared
-
-
 # --- Handles -------------------------------------------------------------------
 
 
@@ -148,8 +141,9 @@ class Result(_Handle):
 
     def stored(self, req_id: str, group_id: int) -> np.ndarray:
         """A load check's verdicts (Worker.check_stored), one per block
-        position: STORED_MATCHED, STORED_FAILED, STORED_NOT_CHECKED,
-        STORED_OTHER_FINGERPRINT or STORED_OTHER_ALGORITHM."""
+        position, a numpy uint8 array of StoredOutcome values: MATCHED,
+        FAILED, NOT_CHECKED, OTHER_FINGERPRINT or OTHER_ALGORITHM (also
+        named STORED_MATCHED ...)."""
         _, positions, _ = self.group(req_id, group_id)
         outcomes = np.zeros(positions, dtype=np.uint8)
         pointer = outcomes.ctypes.data_as(ctypes.POINTER(c_uint8)) if positions else None

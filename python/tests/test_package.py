@@ -14,12 +14,14 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import kvcsum
 from kvcsum import _lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+SEED = int(os.environ.get("KVCS_SEED", "0x706B67"), 0)
 PACKAGE = pathlib.Path(kvcsum.__file__).resolve().parent
 
 #: Every public kvcsum.X before the package was split by job (recorded
@@ -40,6 +42,13 @@ PUBLIC_BEFORE_THE_SPLIT = """
     local_kv_replicated rank_heads region_of remote_kv_replicated remote_ranks
     repair_plan tp_ratio version
 """.split()
+
+
+@pytest.fixture
+def seed(request):
+    value = SEED + sum(map(ord, request.node.name))
+    print(f"random data seed {value:#x} (KVCS_SEED={SEED:#x})")
+    return value
 
 
 def run_python(*args, env=None) -> subprocess.CompletedProcess:
@@ -145,3 +154,84 @@ def test_import_needs_no_library_and_the_first_call_says_it_is_missing(tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("missing: kvcsum: libkvcsum not found"), done.stdout
     assert str(tmp_path / "nowhere" / "libkvcsum.so") in done.stdout
+
+
+# --- Enums --------------------------------------------------------------------------
+
+#: Each IntEnum with its C enum and the prefix its names drop.
+ENUMS = {
+    "Status": ("kvcs_status", "KVCS_(?:ERR_)?"),
+    "Role": ("kvcs_role", "KVCS_ROLE_"),
+    "Algorithm": ("kvcs_algorithm", "KVCS_ALGORITHM_"),
+    "Policy": ("kvcs_policy", "KVCS_POLICY_"),
+    "Verdict": ("kvcs_verdict", "KVCS_VERDICT_"),
+    "Direction": ("kvcs_direction", "KVCS_DIRECTION_"),
+    "Reason": ("kvcs_unverified_reason", "KVCS_UNVERIFIED_"),
+    "StoredOutcome": ("kvcs_stored_outcome", "KVCS_STORED_"),
+}
+
+
+def header_enum(name: str, prefix: str) -> dict:
+    """{name without prefix: value} of `enum name { ... }` in kvcsum.h."""
+    header = (ROOT / "include" / "kvcsum.h").read_text()
+    body = re.search(rf"^enum {name}\b[^{{]*{{(.*?)^}};", header, flags=re.M | re.S)
+    assert body, f"no enum {name} in kvcsum.h"
+    entries = re.findall(rf"^\s*{prefix}(\w+) = (\d+),", body.group(1), flags=re.M)
+    assert entries, f"enum {name} has no {prefix}* entry"
+    return {entry: int(value) for entry, value in entries}
+
+
+@pytest.mark.parametrize("enum_name", sorted(ENUMS))
+def test_each_enum_is_its_c_enum(enum_name):
+    c_name, prefix = ENUMS[enum_name]
+    enum_type = getattr(kvcsum, enum_name)
+    assert enum_name in kvcsum.__all__
+    assert {member.name: member.value for member in enum_type} == header_enum(c_name, prefix)
+    for member in enum_type:
+        assert isinstance(member, int) and member == member.value
+        assert str(member) == str(member.value) and f"{member}" == str(member.value)
+        assert repr(member) == f"<{enum_name}.{member.name}: {member.value}>"
+
+
+def test_the_constants_of_before_are_the_enum_members():
+    aliases = {"STORED_": kvcsum.StoredOutcome}
+    for name in ("PRODUCER", "CONSUMER"):
+        assert getattr(kvcsum, name) is kvcsum.Role[name]
+    for name in ("WEIGHTED", "MIXED"):
+        assert getattr(kvcsum, name) is kvcsum.Algorithm[name]
+    for name in ("FAIL_OPEN", "FAIL_CLOSED"):
+        assert getattr(kvcsum, name) is kvcsum.Policy[name]
+    for name in ("MATCH", "MISMATCH", "UNVERIFIED"):
+        assert getattr(kvcsum, name) is kvcsum.Verdict[name]
+    for name in ("SENDING", "RECEIVING"):
+        assert getattr(kvcsum, name) is kvcsum.Direction[name]
+    for member in kvcsum.Reason:
+        if member.name != "NONE":
+            assert getattr(kvcsum, member.name) is member
+    for prefix, enum_type in aliases.items():
+        for member in enum_type:
+            assert getattr(kvcsum, prefix + member.name) is member
+    assert kvcsum.HOST == -1 and kvcsum.WHOLE_LOAD == 0xFFFFFFFF
+
+
+def test_reports_and_errors_give_enum_members(seed):
+    rng = np.random.default_rng(seed)
+    cache = rng.integers(0, 2**16, (4, 8, 2, 32), dtype=np.uint16)
+    with kvcsum.Worker(num_threads=1) as worker, kvcsum.Blocks() as blocks:
+        worker.add_region_of(cache)
+        worker.add_group(0, 8)
+        worker.add_layer(kvcsum.layer(cache, "NHD", layer_number=0))
+        blocks.add_request("req", 20).add_group("req", 0, [2, 0, 3])
+        with worker.checksum(blocks, kvcsum.Role.CONSUMER) as result:
+            record = result.encode()
+        with kvcsum.Verifier(1) as verifier:
+            verifier.expect(blocks, kvcsum.Role.CONSUMER)
+            verifier.add_record(record)
+            with verifier.check("req", None) as report:
+                assert report.verdict is kvcsum.Verdict.UNVERIFIED, f"seed {seed:#x}"
+                assert report.reason is kvcsum.Reason.NO_CHECKSUMS
+                assert [f.reason for f in report.findings] == [kvcsum.Reason.NO_CHECKSUMS]
+                assert type(report.findings[0].reason) is kvcsum.Reason
+            with pytest.raises(kvcsum.NotFound) as caught:
+                verifier.check("never expected", None)
+            assert caught.value.status is kvcsum.Status.NOT_FOUND
