@@ -149,6 +149,10 @@ def _block_ids(block_ids, name: str = "block_ids") -> np.ndarray:
     return np.ascontiguousarray(ids, dtype=np.uint32)
 
 
+class _Busy(Exception):
+    """Another thread has the handle alone (raised by _use(wait=False))."""
+
+
 class _Handle:
     """An owned C handle, freed by close(), the with-block or the collector.
 
@@ -185,10 +189,14 @@ class _Handle:
         return self._handle
 
     @contextlib.contextmanager
-    def _use(self, exclusive: bool = False):
-        """The open handle for the length of one call; ValueError once closed."""
+    def _use(self, exclusive: bool = False, wait: bool = True):
+        """The open handle for the length of one call; ValueError once
+        closed. With wait=False, _Busy instead of waiting for another
+        thread's call (a repr must never block)."""
         with self._state:
             while self._handle and (self._exclusive or (exclusive and self._users)):
+                if not wait:
+                    raise _Busy
                 self._state.wait()
             if not self._handle:
                 raise ValueError(f"this {type(self).__name__} is closed")
@@ -222,6 +230,23 @@ class _Handle:
             state.notify_all()
         if handle:
             getattr(self._lib, self._destroy)(handle)
+
+    def __repr__(self) -> str:
+        name = f"kvcsum.{type(self).__name__}"
+        if not getattr(self, "_handle", None):
+            return f"<{name} closed>"
+        try:
+            details = self._describe()
+        except _Busy:
+            details = "(in use by another thread)"
+        except Exception as error:  # a repr must not raise (closed meanwhile, ...)
+            details = f"({type(error).__name__}: {error})"
+        return f"<{name} {details}>" if details else f"<{name}>"
+
+    def _describe(self) -> str:
+        """What the repr of an open handle says after the class name; a
+        call into C here uses self._use(wait=False)."""
+        return ""
 
     def __enter__(self):
         return self

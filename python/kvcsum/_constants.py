@@ -124,6 +124,15 @@ class StoredOutcome(_CEnum):
     OTHER_ALGORITHM = 4  # stored with another algorithm: not compared
 
 
+#: The encodings kvcsum.h (of ABI_VERSION) says the library writes and
+#: reads: KVCS_PAYLOAD_VERSION (the payload a producer sends),
+#: KVCS_EXTENSION_VERSION (its kvcsum extension) and KVCS_RECORD_VERSION
+#: (Result.encode()). The library has no call that tells them, so these are
+#: the header's; python/tests/test_package.py checks them against it.
+PAYLOAD_VERSION = 1
+EXTENSION_VERSION = 2
+RECORD_VERSION = 3
+
 #: The `device` of a host worker (KVCS_HOST).
 HOST = -1
 #: The group id of a Finding about the whole load (KVCS_WHOLE_LOAD).

@@ -112,7 +112,10 @@ class Layer:
     kvcsum.layer() puts the cache (and v) there, so the memory lives as
     long as the Layer, and Worker.add_layer keeps them for the worker's
     lifetime. A Layer made by hand from addresses may leave it empty; its
-    memory is then the caller's to keep."""
+    memory is then the caller's to keep.
+
+    Thread safety: a plain mutable value; do not change it while another
+    thread passes it to Worker.add_layer."""
 
     group_id: int
     layer_number: int
@@ -256,7 +259,9 @@ def layer(
 @dataclasses.dataclass(frozen=True)
 class StateTensor:
     """One state tensor of a state layer as this worker holds it
-    (kvcs_state_tensor): strides in bytes."""
+    (kvcs_state_tensor): strides in bytes.
+
+    Thread safety: immutable (a frozen dataclass); share it freely."""
 
     address: int
     block_stride: int

@@ -15,7 +15,9 @@ from ._verify import Report
 class RepairBlock:
     """A consumer block to load again: its group, block position and block
     id, and the request tokens `first_token .. first_token + num_tokens - 1`
-    of it that were compared and differ."""
+    of it that were compared and differ.
+
+    Thread safety: immutable (a frozen dataclass); share it freely."""
 
     group_id: int
     position: int

@@ -16,7 +16,9 @@ from ._base import _Handle, _block_ids, _c, _check, _create, _flag, _int, _of_ty
 
 @dataclasses.dataclass(frozen=True)
 class HeadSource:
-    """A run of a local rank's heads and the remote rank that supplies it."""
+    """A run of a local rank's heads and the remote rank that supplies it.
+
+    Thread safety: immutable (a frozen dataclass); share it freely."""
 
     remote_rank: int
     first_head: int
@@ -27,7 +29,9 @@ class HeadSource:
 
 @dataclasses.dataclass(frozen=True)
 class RemoteEngine:
-    """What a remote engine's handshake told."""
+    """What a remote engine's handshake told.
+
+    Thread safety: immutable (a frozen dataclass); share it freely."""
 
     tp_size: int
     block_bytes: int
@@ -149,6 +153,17 @@ class Topology(_Handle):
         )
         engine = _c(local_engine_id, "local_engine_id")
         super().__init__(_create(library().kvcs_topology_create, engine, byref(local)))
+        self._local_engine_id = local_engine_id
+        self._local = local
+        self._remotes = 0  # added through this object, for the repr
+
+    def _describe(self) -> str:
+        local = self._local
+        return (
+            f"{self._local_engine_id!r} tp_rank={local.tp_rank} tp_size={local.tp_size} "
+            f"total_kv_heads={local.total_kv_heads} block_size={local.block_size} is_mla={bool(local.is_mla)} "
+            f"remotes={self._remotes}"
+        )
 
     def add_remote(self, engine_id: str, remote: RemoteEngine) -> bool:
         """Records a handshake; False when the engine was known (kept as first told)."""
@@ -163,6 +178,7 @@ class Topology(_Handle):
         added = c_uint32()
         with self._use(exclusive=True) as handle:
             _check(self._lib.kvcs_topology_add_remote(handle, engine, byref(struct), byref(added)))
+            self._remotes += bool(added.value)
         return bool(added.value)
 
     def remote(self, engine_id: str) -> RemoteEngine:
@@ -225,6 +241,10 @@ class Completion(_Handle):
     def __init__(self, expected_workers: int):
         expected_workers = _int(expected_workers, "uint32_t", "expected_workers")
         super().__init__(_create(library().kvcs_completion_create, expected_workers))
+        self._expected_workers = expected_workers
+
+    def _describe(self) -> str:
+        return f"expected_workers={self._expected_workers}"
 
     def set_expected(self, expected_workers: int) -> None:
         """The expected count (at least 1; InvalidArgument for 0) for
@@ -232,6 +252,7 @@ class Completion(_Handle):
         expected_workers = _int(expected_workers, "uint32_t", "expected_workers")
         with self._use(exclusive=True) as handle:
             _check(self._lib.kvcs_completion_set_expected(handle, expected_workers))
+            self._expected_workers = expected_workers
 
     def report(
         self, worker: int, direction: int, req_ids: Sequence[str], expected_workers: int | None = None

@@ -9,13 +9,15 @@ from ctypes import byref, c_char_p, c_size_t, c_uint32, c_uint64, c_void_p
 
 from . import _lib
 from ._base import _Handle, _bytes_of, _c, _check, _create, _flag, _int, _member, _of_type, _sized, library
-from ._constants import Reason, Verdict
+from ._constants import Policy, Reason, Verdict
 from ._worker import Blocks
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerDifference:
-    """A layer head range that differs in one replica check."""
+    """A layer head range that differs in one replica check.
+
+    Thread safety: immutable (a frozen dataclass); share it freely."""
 
     layer_number: int
     first_head: int
@@ -25,7 +27,9 @@ class LayerDifference:
 
 @dataclasses.dataclass(frozen=True)
 class Mismatch:
-    """Consumer block positions of one group that differ."""
+    """Consumer block positions of one group that differ.
+
+    Thread safety: immutable (a frozen dataclass); share it freely."""
 
     group_id: int
     first_position: int
@@ -41,7 +45,9 @@ class Mismatch:
 class Finding:
     """A reason the load or a group was not compared: `reason` is a Reason
     (NO_CHECKSUMS ... COVERAGE_DIFFERS), `group_id` WHOLE_LOAD for the whole
-    load."""
+    load.
+
+    Thread safety: immutable (a frozen dataclass); share it freely."""
 
     reason: Reason
     reason_name: str
@@ -56,6 +62,14 @@ class Report(_Handle):
     Thread safety: immutable; every property may be read concurrently."""
 
     _destroy = "kvcs_report_destroy"
+
+    def _describe(self) -> str:
+        verdict, reason = self.verdict, self.reason
+        return (
+            f"{getattr(verdict, 'name', verdict)} passed={self.passed} reason={getattr(reason, 'name', reason)} "
+            f"mismatches={self._count(self._lib.kvcs_report_num_mismatches)} "
+            f"compared_positions={self.compared_positions}"
+        )
 
     def _u32(self, function) -> int:
         value = c_uint32()
@@ -185,12 +199,18 @@ class Verifier(_Handle):
     def __init__(self, num_workers: int):
         num_workers = _int(num_workers, "uint32_t", "num_workers")
         super().__init__(_create(library().kvcs_verifier_create, num_workers))
+        self._num_workers = num_workers
+        self._policy = Policy.FAIL_CLOSED  # the C verifier's default until set_policy
+
+    def _describe(self) -> str:
+        return f"num_workers={self._num_workers} policy={getattr(self._policy, 'name', self._policy)}"
 
     def set_policy(self, policy: int) -> None:
         """FAIL_OPEN or FAIL_CLOSED."""
         policy = _int(policy, "uint32_t", "policy")
         with self._use() as handle:
             _check(self._lib.kvcs_verifier_set_policy(handle, policy))
+            self._policy = _member(Policy, policy)
 
     def set_extension(self, on: bool) -> None:
         """Producer: payloads carry the kvcsum extension."""

@@ -11,6 +11,7 @@ import numpy as np
 from . import _lib
 from ._base import (
     _NOT_READY,
+    _OK,
     _Handle,
     _block_ids,
     _bytes_list,
@@ -20,12 +21,13 @@ from ._base import (
     _create,
     _flag,
     _int,
+    _member,
     _of_type,
     _sized,
     _stream,
     library,
 )
-from ._constants import HOST, PRODUCER
+from ._constants import HOST, PRODUCER, Algorithm, Status
 from ._errors import InvalidArgument
 from ._layers import Layer, StateTensor, _stored_buffer, region_of
 from ._lib import BLOCK_CHECKSUM_BYTES
@@ -44,6 +46,11 @@ class Blocks(_Handle):
 
     def __init__(self):
         super().__init__(_create(library().kvcs_blocks_create))
+        self._requests = 0  # added through this object, for the repr
+        self._groups = 0
+
+    def _describe(self) -> str:
+        return f"requests={self._requests} groups={self._groups}"
 
     def add_request(self, req_id: str, num_tokens: int) -> "Blocks":
         """Adds request `req_id` whose blocks hold `num_tokens` tokens."""
@@ -51,6 +58,7 @@ class Blocks(_Handle):
         num_tokens = _int(num_tokens, "uint64_t", "num_tokens")
         with self._use(exclusive=True) as handle:
             _check(self._lib.kvcs_blocks_add_request(handle, req, num_tokens))
+            self._requests += 1
         return self
 
     def add_group(self, req_id: str, group_id: int, block_ids: Iterable[int], first_position: int = 0) -> "Blocks":
@@ -62,6 +70,7 @@ class Blocks(_Handle):
         pointer = ids.ctypes.data_as(ctypes.POINTER(c_uint32)) if ids.size else None
         with self._use(exclusive=True) as handle:
             _check(self._lib.kvcs_blocks_add_group(handle, req, group_id, first_position, pointer, ids.size))
+            self._groups += 1
         return self
 
     def set_hashes(self, req_id: str, group_id: int, hashes: Sequence[bytes]) -> "Blocks":
@@ -90,6 +99,13 @@ class Result(_Handle):
     concurrently; wait() needs the result alone and waits for them."""
 
     _destroy = "kvcs_result_destroy"
+
+    def _describe(self) -> str:
+        with self._use(wait=False) as handle:
+            status = self._lib.kvcs_result_query(handle)
+        if status in (_OK, _NOT_READY):
+            return "ready" if status == _OK else "not ready"
+        return f"failed ({_member(Status, status)!r})"
 
     def ready(self) -> bool:
         """True once the values are readable (never blocks)."""
@@ -187,8 +203,20 @@ class Worker(_Handle):
         self._kept = []  # the arrays C may read or write while the worker (or a result) lives
         self._on_host = options.device == HOST
         super().__init__(_create(library().kvcs_worker_create, byref(options)))
+        self._options = options
+        self._algorithm = Algorithm.MIXED  # the C worker's default until set_algorithm
+        self._layers = 0  # added through this object, for the repr
         if algorithm is not None:
             self.set_algorithm(algorithm)
+
+    def _describe(self) -> str:
+        options = self._options
+        device = "host" if options.device == HOST else f"cuda:{options.device}"
+        algorithm = getattr(self._algorithm, "name", self._algorithm)
+        return (
+            f"tp_rank={options.tp_rank} tp_size={options.tp_size} pp_rank={options.pp_rank} device={device} "
+            f"num_threads={options.num_threads or 'all'} algorithm={algorithm} layers={self._layers}"
+        )
 
     def add_region(self, address: int, length: int) -> None:
         """Registers `length` bytes at `address` that the worker may read
@@ -224,6 +252,7 @@ class Worker(_Handle):
         struct, keep_alive = layer._struct()
         with self._use(exclusive=True) as handle:
             _check(self._lib.kvcs_worker_add_layer(handle, byref(struct)))
+            self._layers += 1
         self._kept.extend(layer.arrays)
         del keep_alive
 
@@ -239,6 +268,7 @@ class Worker(_Handle):
         algorithm = _int(algorithm, "uint32_t", "algorithm")
         with self._use(exclusive=True) as handle:
             _check(self._lib.kvcs_worker_set_algorithm(handle, algorithm))
+            self._algorithm = _member(Algorithm, algorithm)
 
     def add_alias(self, group_id: int, layer_number: int, target_layer_number: int, identity: bytes) -> None:
         """Registers a layer that reads the cache of registered layer

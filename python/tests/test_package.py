@@ -235,3 +235,143 @@ def test_reports_and_errors_give_enum_members(seed):
             with pytest.raises(kvcsum.NotFound) as caught:
                 verifier.check("never expected", None)
             assert caught.value.status is kvcsum.Status.NOT_FOUND
+
+
+def test_the_encoding_versions_are_the_headers():
+    header = (ROOT / "include" / "kvcsum.h").read_text()
+    for name in ("ABI_VERSION", "PAYLOAD_VERSION", "EXTENSION_VERSION", "RECORD_VERSION"):
+        defined = re.search(rf"^#define KVCS_{name} (\d+)$", header, flags=re.M)
+        assert defined, f"no KVCS_{name} in kvcsum.h"
+        assert getattr(kvcsum, name) == int(defined.group(1)), name
+
+
+# --- python -m kvcsum --version -------------------------------------------------------
+
+
+def test_python_m_kvcsum_version_prints_every_version():
+    done = run_python("-m", "kvcsum", "--version")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines == [
+        f"kvcsum {kvcsum.__version__} (Python package at {PACKAGE})",
+        f"library: {kvcsum.version()} ({kvcsum.library().path})",
+        f"ABI version: {kvcsum.ABI_VERSION}",
+        f"payload version: {kvcsum.PAYLOAD_VERSION} (extension {kvcsum.EXTENSION_VERSION}, "
+        f"record {kvcsum.RECORD_VERSION})",
+    ], done.stdout
+
+
+def test_python_m_kvcsum_version_without_a_library_says_why(tmp_path):
+    done = run_python("-m", "kvcsum", "--version", env={"KVCSUM_LIBRARY": str(tmp_path / "absent.so")})
+    assert done.returncode == 1
+    assert done.stdout.startswith(f"kvcsum {kvcsum.__version__} ")
+    assert "MissingLibraryError" in done.stderr and str(tmp_path / "absent.so") in done.stderr, done.stderr
+    done = run_python("-m", "kvcsum", "--no-such-option")
+    assert done.returncode == 2 and "--no-such-option" in done.stderr
+
+
+# --- Reprs ---------------------------------------------------------------------------
+
+
+def two_block_load(rng, flip: bool):
+    """A producer's payload and a consumer's record of one request over two
+    blocks, the consumer's cache with one bit flipped in block position 1
+    when `flip`."""
+    cache = rng.integers(0, 2**16, (3, 8, 2, 32), dtype=np.uint16)  # NHD
+    loaded = cache.copy()
+    if flip:
+        loaded[0, int(rng.integers(0, 8)), int(rng.integers(0, 2)), int(rng.integers(0, 32))] ^= 4
+
+    def record(array, role):
+        with kvcsum.Worker(num_threads=1) as worker, kvcsum.Blocks() as blocks:
+            worker.add_region_of(array)
+            worker.add_group(0, 8)
+            worker.add_layer(kvcsum.layer(array, "NHD", layer_number=0))
+            blocks.add_request("req", 16).add_group("req", 0, [2, 0])
+            with worker.checksum(blocks, role) as result:
+                return result.encode()
+
+    with kvcsum.Verifier(1) as producer, kvcsum.Blocks() as blocks:
+        blocks.add_request("req", 16).add_group("req", 0, [2, 0])
+        producer.expect(blocks, kvcsum.PRODUCER)
+        producer.add_record(record(cache, kvcsum.PRODUCER))
+        return producer.payload("req"), record(loaded, kvcsum.CONSUMER)
+
+
+def test_handles_say_what_they_are(seed):
+    rng = np.random.default_rng(seed)
+    cache = rng.integers(0, 2**16, (4, 8, 2, 32), dtype=np.uint16)
+    worker = kvcsum.Worker(tp_rank=1, tp_size=2, num_threads=1)
+    assert repr(worker) == (
+        "<kvcsum.Worker tp_rank=1 tp_size=2 pp_rank=0 device=host num_threads=1 algorithm=MIXED layers=0>"
+    )
+    worker.set_algorithm(kvcsum.WEIGHTED)
+    worker.add_region_of(cache)
+    worker.add_group(0, 8)
+    worker.add_layer(kvcsum.layer(cache, "NHD", layer_number=0, first_head=2))
+    assert repr(worker).endswith("num_threads=1 algorithm=WEIGHTED layers=1>"), repr(worker)
+    assert repr(kvcsum.Worker()).startswith("<kvcsum.Worker tp_rank=0 tp_size=1 pp_rank=0 device=host num_threads=all ")
+
+    blocks = kvcsum.Blocks()
+    assert repr(blocks) == "<kvcsum.Blocks requests=0 groups=0>"
+    blocks.add_request("req", 12).add_group("req", 0, [3, 1])
+    with pytest.raises(kvcsum.NotFound):
+        blocks.add_group("unknown", 0, [0])
+    assert repr(blocks) == "<kvcsum.Blocks requests=1 groups=1>"
+
+    result = worker.checksum(blocks)
+    assert repr(result) == "<kvcsum.Result ready>"
+    # A repr never waits: with the result held alone elsewhere, it says so.
+    with result._use(exclusive=True):
+        assert repr(result) == "<kvcsum.Result (in use by another thread)>"
+    for handle, name in ((result, "Result"), (worker, "Worker"), (blocks, "Blocks")):
+        handle.close()
+        assert repr(handle) == f"<kvcsum.{name} closed>"
+
+    verifier = kvcsum.Verifier(2)
+    assert repr(verifier) == "<kvcsum.Verifier num_workers=2 policy=FAIL_CLOSED>"
+    verifier.set_policy(kvcsum.FAIL_OPEN)
+    with pytest.raises(kvcsum.InvalidArgument):
+        verifier.set_policy(7)
+    assert repr(verifier) == "<kvcsum.Verifier num_workers=2 policy=FAIL_OPEN>"
+    verifier.close()
+
+    topology = kvcsum.Topology("local", tp_rank=0, tp_size=2, total_kv_heads=8, block_size=16)
+    remote = kvcsum.RemoteEngine(tp_size=4, block_bytes=4096, block_size=16)
+    assert topology.add_remote("far", remote) and not topology.add_remote("far", remote)
+    assert repr(topology) == (
+        "<kvcsum.Topology 'local' tp_rank=0 tp_size=2 total_kv_heads=8 block_size=16 is_mla=False remotes=1>"
+    )
+    completion = kvcsum.Completion(4)
+    completion.set_expected(2)
+    assert repr(completion) == "<kvcsum.Completion expected_workers=2>"
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_a_report_says_its_verdict_reason_and_mismatches(seed, flip):
+    payload, record = two_block_load(np.random.default_rng(seed), flip)
+    with kvcsum.Verifier(1) as verifier, kvcsum.Blocks() as scheduled:
+        scheduled.add_request("req", 16).add_group("req", 0, [2, 0])
+        verifier.expect(scheduled, kvcsum.CONSUMER)
+        verifier.add_record(record)
+        with verifier.check("req", payload) as report:
+            expected = "MISMATCH passed=False reason=NONE mismatches=1" if flip else "MATCH passed=True reason=NONE mismatches=0"
+            assert repr(report) == f"<kvcsum.Report {expected} compared_positions=2>", f"seed {seed:#x}"
+            if flip:
+                assert repr(report.mismatches[0]).startswith("Mismatch(group_id=0, first_position=1, num_positions=1,")
+        with verifier.check("req", None) as report:
+            assert repr(report) == (
+                "<kvcsum.Report UNVERIFIED passed=False reason=NO_CHECKSUMS mismatches=0 compared_positions=0>"
+            )
+            assert repr(report.findings[0]).startswith("Finding(reason=<Reason.NO_CHECKSUMS: 1>, ")
+
+
+# --- Thread safety ---------------------------------------------------------------------
+
+
+def test_every_public_class_states_its_thread_safety():
+    for name in kvcsum.__all__:
+        value = getattr(kvcsum, name)
+        if isinstance(value, type) and not issubclass(value, BaseException):
+            assert "Thread safety:" in (value.__doc__ or ""), f"kvcsum.{name} does not say whether threads may share it"
+    assert "needs exclusive use" in kvcsum.Worker.__doc__
