@@ -233,11 +233,12 @@ $(WHEEL_TOOLS)/.installed: Makefile | $(BUILD)
 	touch $@
 
 python-wheel: $(WHEEL_TOOLS)/.installed
-	rm -rf $(WHEEL_DIR) python/build && mkdir -p $(WHEEL_DIR)/built
+	rm -rf $(WHEEL_DIR) python/build python/kvcsum.egg-info && mkdir -p $(WHEEL_DIR)/built
 	printf '%s\n' setuptools==$(SETUPTOOLS_VERSION) setuptools-rust==$(SETUPTOOLS_RUST_VERSION) \
 	  semantic-version==$(SEMANTIC_VERSION_VERSION) > $(WHEEL_DIR)/build-constraints.txt
 	CARGO_TARGET_DIR=$(abspath target) PIP_CONSTRAINT=$(abspath $(WHEEL_DIR))/build-constraints.txt \
 	  $(WHEEL_TOOLS_PIP) wheel --quiet --no-deps -w $(WHEEL_DIR)/built ./python
+	rm -rf python/build python/kvcsum.egg-info
 	PATH=$(abspath $(WHEEL_TOOLS))/bin:$$PATH $(WHEEL_TOOLS_PY) -m auditwheel repair \
 	  -w $(WHEEL_DIR) $(WHEEL_DIR)/built/kvcsum-*.whl
 	ls $(WHEEL_DIR)/kvcsum-*-py3-none-manylinux*.whl

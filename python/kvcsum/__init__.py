@@ -1,10 +1,25 @@
 """kvcsum: layout-independent checksums of LLM KV-cache blocks, from Python.
 
-A thin ctypes layer over the C ABI of libkvcsum (no compiled extension).
-The library is found through $KVCSUM_LIBRARY, beside this package, in the
-source tree's target/release, or by the system loader (libkvcsum.so.0);
-loading checks its ABI version and every struct's size, so a mismatched
+A thin ctypes layer over the C ABI of libkvcsum (no Python extension
+module). `pip install ./python` builds the library with cargo and puts it
+into the package (kvcsum/libkvcsum.so), where it is looked for first after
+$KVCSUM_LIBRARY; then the source tree's target/release and the system
+loader (libkvcsum.so.<ABI_VERSION>, as `make install` installs it). No
+library anywhere raises kvcsum.MissingLibraryError, saying where it looked;
+loading checks the ABI version and every struct's size, so a mismatched
 library is refused (kvcsum.AbiError) rather than corrupting memory.
+`python -m kvcsum --version` prints the package's version (__version__),
+the library's, and the ABI and payload versions.
+
+Verdicts, roles, reasons and the header's other enums are IntEnums
+(kvcsum.Verdict, Role, Reason, Algorithm, Policy, Direction, StoredOutcome,
+Status), their values the header's; the plain names (kvcsum.MATCH, ...)
+are the same members. The package is split by job like src/ffi:
+_errors.py, _layers.py, _worker.py (Worker, Blocks, Result), _verify.py
+(Verifier, Report and its parts), _topology.py (Topology, Completion and
+the TP helpers), _repair.py, _constants.py (the enums), _base.py (what
+they share) and _lib.py (the ctypes declarations); use them through
+kvcsum.X.
 
 Every failed call raises a kvcsum.Error subclass carrying the status and the
 library's message. Handles (Worker, Blocks, Result, Verifier, Report,
@@ -38,7 +53,10 @@ another thread is inside a call on it is freed when that call returns.
 Calls that C allows to run concurrently (const calls, every Verifier
 call) do; calls that need the handle alone (a Worker's, adding to a
 Blocks, Result.wait, ...) wait for each other here, so sharing a handle
-between threads is safe; each class says which of its calls are which.
+between threads is safe. A Worker needs exclusive use: threads sharing
+one take turns, so give each thread its own to checksum in parallel.
+Each class's docstring has a "Thread safety:" line saying which of its
+calls are which (values and enums are immutable).
 
     import numpy as np, kvcsum
     cache = np.random.default_rng(0).integers(0, 2**16, (8, 16, 4, 64), dtype=np.uint16)  # NHD

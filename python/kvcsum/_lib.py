@@ -350,15 +350,17 @@ def search_path() -> list[str]:
     there or not: $KVCSUM_LIBRARY alone when it is set; else beside this
     package (where the wheel that `pip install ./python` builds puts it),
     the source tree's release build (target/release), and the name the
-    system loader resolves (an installed libkvcsum.so.0)."""
+    system loader resolves: the SONAME of an installed library of this ABI,
+    libkvcsum.so.<ABI_VERSION> (docs/VERSIONING.md)."""
     if os.environ.get(LIBRARY_ENV):
         return [os.environ[LIBRARY_ENV]]
     here = pathlib.Path(__file__).resolve().parent
+    soname = f"libkvcsum.so.{ABI_VERSION}"
     return [
         str(here / "libkvcsum.so"),
-        str(here / "libkvcsum.so.0"),
+        str(here / soname),
         str(here.parent.parent / "target" / "release" / "libkvcsum.so"),
-        "libkvcsum.so.0",
+        soname,
     ]
 
 
