@@ -182,7 +182,8 @@ class Report(_Handle):
                 reason, group, text = c_uint32(), c_uint32(), c_char_p()
                 _check(self._lib.kvcs_report_unverified(handle, i, byref(reason), byref(group), byref(text)))
                 name = self._lib.kvcs_unverified_reason_name(reason.value).decode()
-                out.append(Finding(_member(Reason, reason.value), name, group.value, text.value.decode(errors="replace")))
+                message = text.value.decode(errors="replace")
+                out.append(Finding(_member(Reason, reason.value), name, group.value, message))
         return out
 
 
