@@ -4,7 +4,7 @@ The declarations here are checked against the loaded library when it is
 loaded: its ABI version must equal ABI_VERSION, and every struct's ctypes
 size must equal the library's own (the exported kvcs_<struct>_size()
 calls), so a library whose structs drifted is refused with an error
-instead of corrupting memory. Where the library is found: see find_library.
+instead of corrupting memory. Where the library is found: see search_path.
 """
 
 from __future__ import annotations
@@ -44,8 +44,16 @@ BLOCK_CHECKSUM_BYTES = 16
 
 
 class AbiError(ImportError):
-    """The library cannot be used from here: not found, another ABI
-    version, or structs of another shape."""
+    """The library found cannot be used from here: it does not load (a
+    file of another platform, a dependency missing), is not libkvcsum, or
+    has another ABI version or structs of another shape."""
+
+
+class MissingLibraryError(ImportError):
+    """No libkvcsum was found anywhere the package looks (search_path():
+    $KVCSUM_LIBRARY, beside the package, the source tree's target/release,
+    the system loader's path); the message lists each place and how to get
+    the library there. Not an AbiError: no library was found to be wrong."""
 
 
 # --- Structs (kvcsum.h) -------------------------------------------------------
@@ -377,23 +385,57 @@ for _name in STRUCT_SIZES:
     SIGNATURES[_name] = (c_size_t, [])
 
 
-def candidates() -> list[str]:
-    """Where the library is looked for, in order: $KVCSUM_LIBRARY; beside
-    this package (a wheel of `make python-wheel` puts it there); the
-    source tree's release build (target/release); the system loader's
-    search path (an installed libkvcsum.so.0)."""
-    here = pathlib.Path(__file__).resolve().parent
-    found = []
+def search_path() -> list[str]:
+    """Every place the library is looked for, in order, whether a file is
+    there or not: $KVCSUM_LIBRARY alone when it is set; else beside this
+    package (where the wheel that `pip install ./python` builds puts it),
+    the source tree's release build (target/release), and the name the
+    system loader resolves: the SONAME of an installed library of this ABI,
+    libkvcsum.so.<ABI_VERSION> (docs/VERSIONING.md)."""
     if os.environ.get(LIBRARY_ENV):
         return [os.environ[LIBRARY_ENV]]
-    for name in ("libkvcsum.so", "libkvcsum.so.0"):
-        if (here / name).exists():
-            found.append(str(here / name))
-    build = here.parent.parent / "target" / "release" / "libkvcsum.so"
-    if build.exists():
-        found.append(str(build))
-    found.append("libkvcsum.so.0")
-    return found
+    here = pathlib.Path(__file__).resolve().parent
+    soname = f"libkvcsum.so.{ABI_VERSION}"
+    return [
+        str(here / "libkvcsum.so"),
+        str(here / soname),
+        str(here.parent.parent / "target" / "release" / "libkvcsum.so"),
+        soname,
+    ]
+
+
+def candidates() -> list[str]:
+    """The places of search_path() worth trying: $KVCSUM_LIBRARY as given;
+    else the files that exist, then the system loader's name."""
+    if os.environ.get(LIBRARY_ENV):
+        return [os.environ[LIBRARY_ENV]]
+    return [place for place in search_path() if os.sep not in place or os.path.exists(place)]
+
+
+def _absent(candidate: str, error: OSError) -> bool:
+    """Whether `candidate` failed to load because nothing is there (a path
+    with no file, a name the system loader did not find), not because what
+    is there is unusable (then the message names the file, or the missing
+    dependency, differently)."""
+    if os.sep in candidate:
+        return not os.path.exists(candidate)
+    return str(error).startswith(f"{candidate}: cannot open shared object file")
+
+
+def _missing_message(path: str | None, places: list[str]) -> str:
+    """Where the library was looked for and how to put one there."""
+    if path:
+        where = f"no file at {path} (the path given to load())"
+    elif os.environ.get(LIBRARY_ENV):
+        where = f"${LIBRARY_ENV} is {os.environ[LIBRARY_ENV]}, which does not exist"
+    else:
+        where = "looked at " + ", ".join(places) + " (the last through the system loader)"
+    return (
+        f"kvcsum: libkvcsum not found: {where}. To fix: install the wheel that `pip install ./python` "
+        "(or `make python-wheel`) builds, which carries the library; or build it in a source checkout "
+        "with `cargo build --release`; or install it system-wide with `make install`; or set "
+        f"{LIBRARY_ENV} to the path of a libkvcsum.so"
+    )
 
 
 #: The range of each C integer type that crosses the boundary.
@@ -467,8 +509,10 @@ def _range_checked(name, function, checks):
 def load(path: str | None = None) -> Api:
     """Loads the library (from `path`, else the first of candidates() that
     loads), declares every call and checks the ABI version and the struct
-    sizes; raises AbiError saying what was tried or what differs."""
+    sizes. Raises MissingLibraryError when no library is there at all,
+    AbiError saying what was tried or what differs otherwise."""
     tried = []
+    absent = True
     library = None
     for candidate in [path] if path else candidates():
         try:
@@ -477,6 +521,9 @@ def load(path: str | None = None) -> Api:
             break
         except OSError as error:
             tried.append(f"{candidate}: {error}")
+            absent = absent and _absent(candidate, error)
+    if library is None and absent:
+        raise MissingLibraryError(_missing_message(path, search_path()))
     if library is None:
         raise AbiError(
             "kvcsum: cannot load libkvcsum (set KVCSUM_LIBRARY to its path, build it with "
