@@ -912,11 +912,15 @@ typedef struct {
   int64_t head_stride;
   // Between tokens of a kernel block.
   int64_t token_stride;
-  // Contiguous bytes per (head, token); a positive multiple of 8.
+  // Contiguous bytes per (head, token) in this segment; a positive
+  // multiple of 8. Per segment: where K and V are two segments, each
+  // says its own part's bytes (K's head size times the element size,
+  // say), not those of K and V together.
   uint32_t bytes_per_token;
 } kvcs_segment;
 
-// An attention layer's cache on this worker.
+// An attention layer's cache on this worker (`kvcs_layer_from_layout`
+// fills one from a tensor and a layout string such as "KBTHD").
 typedef struct {
   // A group registered with `kvcs_worker_add_group`.
   uint32_t group_id;
@@ -1048,6 +1052,77 @@ typedef kvcs_status (*kvcs_worker_set_detail_fn)(kvcs_worker *worker, uint32_t o
 
 // The type of `kvcs_worker_set_algorithm`.
 typedef kvcs_status (*kvcs_worker_set_algorithm_fn)(kvcs_worker *worker, uint32_t algorithm);
+
+// A strided tensor (a PyTorch tensor, a DLPack `DLTensor`, a numpy array)
+// as `kvcs_layer_from_layout` reads it: sizes and strides, outermost
+// dimension first. Strides are in bytes (a PyTorch or DLPack stride times
+// the element size). The caller owns the arrays; the call only reads them.
+typedef struct {
+  // Address of the element whose every index is 0 (host or device memory;
+  // never read here).
+  uint64_t address;
+  // `ndim` sizes, each at least 0.
+  const int64_t *shape;
+  // `ndim` strides in bytes, any sign.
+  const int64_t *strides;
+  // Dimensions: as many as the layout string has letters.
+  size_t ndim;
+  // Bytes per element (2 for fp16/bf16, 1 for fp8).
+  uint32_t element_size;
+} kvcs_tensor;
+
+// The type of `kvcs_layer_from_layout`.
+typedef kvcs_status (*kvcs_layer_from_layout_fn)(const char *layout,
+                                                 const kvcs_tensor *cache,
+                                                 const kvcs_tensor *v,
+                                                 uint32_t kernel_blocks,
+                                                 kvcs_layer *layer_out,
+                                                 kvcs_segment *segments_out);
+
+// A consumer block to load again: its group, position and block id, and
+// the request tokens `[start_token, end_token)` of it (half-open) that
+// were compared and differ.
+typedef struct {
+  // The group.
+  uint32_t group_id;
+  // The consumer's block id.
+  uint32_t block_id;
+  // The block's position in the request.
+  uint64_t position;
+  // First request token to load again.
+  uint64_t start_token;
+  // One past the last request token to load again.
+  uint64_t end_token;
+} kvcs_repair_block;
+
+// The type of `kvcs_report_repair_plan`.
+typedef kvcs_status (*kvcs_report_repair_plan_fn)(const kvcs_report *report,
+                                                  const kvcs_blocks *consumer_blocks,
+                                                  const char *req_id,
+                                                  const uint32_t *group_ids,
+                                                  const uint32_t *block_sizes,
+                                                  size_t num_groups,
+                                                  kvcs_repair_block *buf,
+                                                  size_t cap,
+                                                  size_t *len);
+
+// The type of `kvcs_repair_plan`.
+typedef kvcs_status (*kvcs_repair_plan_fn)(const kvcs_mismatch *mismatches,
+                                           size_t num_mismatches,
+                                           const kvcs_blocks *consumer_blocks,
+                                           const char *req_id,
+                                           const uint32_t *group_ids,
+                                           const uint32_t *block_sizes,
+                                           size_t num_groups,
+                                           kvcs_repair_block *buf,
+                                           size_t cap,
+                                           size_t *len);
+
+// The type of `kvcs_tensor_size`.
+typedef size_t (*kvcs_tensor_size_fn)(void);
+
+// The type of `kvcs_repair_block_size`.
+typedef size_t (*kvcs_repair_block_size_fn)(void);
 
 // Every call of the library as one table of function pointers, for a
 // program that loads kvcsum at run time: it resolves the one symbol
@@ -1266,6 +1341,16 @@ typedef struct {
   kvcs_worker_set_detail_fn kvcs_worker_set_detail;
   // Slot 99: `kvcs_worker_set_algorithm`.
   kvcs_worker_set_algorithm_fn kvcs_worker_set_algorithm;
+  // Slot 100: `kvcs_layer_from_layout`.
+  kvcs_layer_from_layout_fn kvcs_layer_from_layout;
+  // Slot 101: `kvcs_report_repair_plan`.
+  kvcs_report_repair_plan_fn kvcs_report_repair_plan;
+  // Slot 102: `kvcs_repair_plan`.
+  kvcs_repair_plan_fn kvcs_repair_plan;
+  // Slot 103: `kvcs_tensor_size`.
+  kvcs_tensor_size_fn kvcs_tensor_size;
+  // Slot 104: `kvcs_repair_block_size`.
+  kvcs_repair_block_size_fn kvcs_repair_block_size;
 } kvcs_api;
 
 // The type of `kvcs_get_api`.
@@ -1379,6 +1464,101 @@ kvcs_status kvcs_completion_invalid_blocks(const kvcs_completion *completion,
 
 // Forgets the invalid block ids.
 kvcs_status kvcs_completion_clear_invalid_blocks(kvcs_completion *completion);
+
+// Describes one attention layer's cache from its tensor and a layout
+// string, as Python's `kvcsum.layer()` does, so that a FlashAttention or
+// FlashInfer tensor maps to segments without working out strides by hand.
+//
+// `layout` names the dimensions of `cache`, outermost first, one letter
+// each (case-insensitive): `B` blocks, `T` tokens of a block, `H` heads
+// (left out for a cache with one head, such as MLA's), `D` the contiguous
+// elements of one head's cell for one token, and optionally `K` (size 2:
+// K then V, which become two segments). "NHD" means "BTHD", "HND" means
+// "BHTD". Examples: FlashAttention `[2, blocks, 16, heads, 128]` is
+// "KBTHD"; FlashInfer HND `[blocks, 2, heads, 16, 128]` is "BKHTD"; an
+// MLA cache `[blocks, 64, 576]` is "BTD". Where K and V live in two
+// tensors of the same layout (without `K`), give V's as `v`; else `v` is
+// NULL. With `kernel_blocks` > 1, B counts kernel blocks, that many
+// consecutive ones making one logical block.
+//
+// On `KVCS_OK` writes every field of `*layer_out`: the geometry
+// (`num_heads`, `num_blocks`, `kernel_blocks`, `tokens_per_kernel_block`,
+// `num_segments`, `segments` = `segments_out`) and, for the fields that
+// say which layer this is, defaults the caller overwrites as needed before
+// `kvcs_worker_add_layer`: `group_id` 0, `layer_number` 0, `first_head` 0,
+// `replicas` 1, `replica_index` 0, `identity` (NULL, 0). It writes
+// `num_segments` (1 or 2) segments to `segments_out`, which has room for 2
+// and must outlive the use of `*layer_out`; each segment's
+// `bytes_per_token` is the bytes of its own part of the cell (D times
+// `element_size`), not of K and V together.
+//
+// `KVCS_ERR_INVALID_ARGUMENT`, naming the argument and value: a layout
+// with an unknown or repeated letter or without B, T or D; a tensor whose
+// `ndim` differs from the layout's letters; a size below 0;
+// `element_size` 0; D not contiguous (stride other than `element_size`
+// where it has more than one element); K of a size other than 2; both a
+// K letter and `v`; `kernel_blocks` 0 or not dividing B; `v` differing
+// from `cache` in B, T or H; a field that does not fit its type. Nothing
+// is read at `address`; `kvcs_worker_add_layer` checks the rest
+// (alignment, bytes per token a multiple of 8, registered regions).
+kvcs_status kvcs_layer_from_layout(const char *layout,
+                                   const kvcs_tensor *cache,
+                                   const kvcs_tensor *v,
+                                   uint32_t kernel_blocks,
+                                   kvcs_layer *layer_out,
+                                   kvcs_segment *segments_out);
+
+// The consumer blocks to load again after the MISMATCH `report` of request
+// `req_id`, whose consumer block ids per group are in `consumer_blocks`
+// (what the consumer gave `kvcs_verifier_expect`), with the consumer's
+// tokens per block of group `group_ids[i]` in `block_sizes[i]` (a group at
+// most once; groups without a mismatch may be left out).
+//
+// Writes the entries to `(buf, cap, *len)` sorted by group and position,
+// each position once; each names the request tokens `[start_token,
+// end_token)` of its block that were compared and differ. Where the two
+// sides' block sizes differ, a mismatch spans a run of their least common
+// multiple of tokens, and every consumer block of the run is named. A
+// MATCH gives none. Too small a `cap` gives `KVCS_ERR_BUFFER_TOO_SMALL`
+// with `*len` the number needed (`buf` may be NULL with `cap` 0 to ask).
+//
+// `KVCS_ERR_INVALID_ARGUMENT` where a plan would not make the load
+// verified, so it must be repeated whole: an UNVERIFIED report, or a
+// MISMATCH that also has findings (a group, or the whole load, not
+// compared); also for a mismatch that does not fit the blocks: a group
+// with no blocks in `consumer_blocks` or no block size, a position without
+// a block id, a position holding none of the differing tokens (a block
+// size other than the one the report was made with), a block size of 0,
+// a group twice in `group_ids`. `KVCS_ERR_NOT_FOUND` when `req_id` is not
+// in `consumer_blocks`.
+kvcs_status kvcs_report_repair_plan(const kvcs_report *report,
+                                    const kvcs_blocks *consumer_blocks,
+                                    const char *req_id,
+                                    const uint32_t *group_ids,
+                                    const uint32_t *block_sizes,
+                                    size_t num_groups,
+                                    kvcs_repair_block *buf,
+                                    size_t cap,
+                                    size_t *len);
+
+// The consumer blocks to load again for `mismatches` (entries of
+// `kvcs_report_mismatch`, say, carried to another process; only
+// `group_id`, `first_position`, `num_positions`, `first_token` and
+// `num_tokens` are read), as `kvcs_report_repair_plan` gives them for a
+// report. The entries carry no findings, so this call cannot refuse a
+// report with unverified groups: that check is the caller's. Entries of
+// one group must not overlap (`KVCS_ERR_INVALID_ARGUMENT`); the other
+// errors are `kvcs_report_repair_plan`'s.
+kvcs_status kvcs_repair_plan(const kvcs_mismatch *mismatches,
+                             size_t num_mismatches,
+                             const kvcs_blocks *consumer_blocks,
+                             const char *req_id,
+                             const uint32_t *group_ids,
+                             const uint32_t *block_sizes,
+                             size_t num_groups,
+                             kvcs_repair_block *buf,
+                             size_t cap,
+                             size_t *len);
 
 // The verdict, a `kvcs_verdict` value.
 kvcs_status kvcs_report_verdict(const kvcs_report *report, uint32_t *verdict);
@@ -1532,6 +1712,12 @@ size_t kvcs_remote_engine_size(void);
 // `sizeof(kvcs_head_source)` in this library.
 size_t kvcs_head_source_size(void);
 
+// `sizeof(kvcs_tensor)` in this library.
+size_t kvcs_tensor_size(void);
+
+// `sizeof(kvcs_repair_block)` in this library.
+size_t kvcs_repair_block_size(void);
+
 // The message of the last failed call on this thread: what failed, which
 // argument, which value. Never NULL; valid until the next failing call on
 // this thread. "no error" before any call failed.
@@ -1545,7 +1731,7 @@ const char *kvcs_status_name(uint32_t status);
 // the header a program was built with, or the program must not use it.
 uint32_t kvcs_abi_version(void);
 
-// The library's version ("0.1.0"), a static string. Never NULL.
+// The library's version (the crate version, e.g. "0.2.0"; docs/VERSIONING.md), a static string. Never NULL.
 const char *kvcs_version(void);
 
 // `local_tp / remote_tp` when `local_tp >= remote_tp`, else `-(remote_tp /

@@ -121,6 +121,20 @@ HANDLES = (
 
 #: Each struct's fields in order: (name, C type).
 STRUCTS = {
+    "kvcs_tensor": (
+        ("address", "uint64_t"),
+        ("shape", "const int64_t *"),
+        ("strides", "const int64_t *"),
+        ("ndim", "size_t"),
+        ("element_size", "uint32_t"),
+    ),
+    "kvcs_repair_block": (
+        ("group_id", "uint32_t"),
+        ("block_id", "uint32_t"),
+        ("position", "uint64_t"),
+        ("start_token", "uint64_t"),
+        ("end_token", "uint64_t"),
+    ),
     "kvcs_mismatch": (
         ("group_id", "uint32_t"),
         ("localised", "uint32_t"),
@@ -976,6 +990,54 @@ CALLS = {
             ("worker", "kvcs_worker *"),
             ("algorithm", "uint32_t"),
         ),
+    ),
+    "kvcs_layer_from_layout": (
+        "kvcs_status",
+        (
+            ("layout", "const char *"),
+            ("cache", "const kvcs_tensor *"),
+            ("v", "const kvcs_tensor *"),
+            ("kernel_blocks", "uint32_t"),
+            ("layer_out", "kvcs_layer *"),
+            ("segments_out", "kvcs_segment *"),
+        ),
+    ),
+    "kvcs_report_repair_plan": (
+        "kvcs_status",
+        (
+            ("report", "const kvcs_report *"),
+            ("consumer_blocks", "const kvcs_blocks *"),
+            ("req_id", "const char *"),
+            ("group_ids", "const uint32_t *"),
+            ("block_sizes", "const uint32_t *"),
+            ("num_groups", "size_t"),
+            ("buf", "kvcs_repair_block *"),
+            ("cap", "size_t"),
+            ("len", "size_t *"),
+        ),
+    ),
+    "kvcs_repair_plan": (
+        "kvcs_status",
+        (
+            ("mismatches", "const kvcs_mismatch *"),
+            ("num_mismatches", "size_t"),
+            ("consumer_blocks", "const kvcs_blocks *"),
+            ("req_id", "const char *"),
+            ("group_ids", "const uint32_t *"),
+            ("block_sizes", "const uint32_t *"),
+            ("num_groups", "size_t"),
+            ("buf", "kvcs_repair_block *"),
+            ("cap", "size_t"),
+            ("len", "size_t *"),
+        ),
+    ),
+    "kvcs_tensor_size": (
+        "size_t",
+        (),
+    ),
+    "kvcs_repair_block_size": (
+        "size_t",
+        (),
     ),
     "kvcs_get_api": (
         "kvcs_status",

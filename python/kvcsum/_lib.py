@@ -55,8 +55,16 @@ BLOCK_CHECKSUM_BYTES = _abi.CONSTANTS["KVCS_BLOCK_CHECKSUM_BYTES"]
 
 
 class AbiError(ImportError):
-    """The library cannot be used from here: not found, another ABI
-    version, or structs of another shape."""
+    """The library found cannot be used from here: it does not load (a
+    file of another platform, a dependency missing), is not libkvcsum, or
+    has another ABI version or structs of another shape."""
+
+
+class MissingLibraryError(ImportError):
+    """No libkvcsum was found anywhere the package looks (search_path():
+    $KVCSUM_LIBRARY, beside the package, the source tree's target/release,
+    the system loader's path); the message lists each place and how to get
+    the library there. Not an AbiError: no library was found to be wrong."""
 
 
 # --- Structs (kvcsum.h) -------------------------------------------------------
@@ -160,6 +168,8 @@ LayerDifferenceStruct = STRUCTS["kvcs_layer_difference"]
 LocalEngineStruct = STRUCTS["kvcs_local_engine"]
 RemoteEngineStruct = STRUCTS["kvcs_remote_engine"]
 HeadSourceStruct = STRUCTS["kvcs_head_source"]
+TensorStruct = STRUCTS["kvcs_tensor"]
+RepairBlockStruct = STRUCTS["kvcs_repair_block"]
 
 # --- Calls (kvcsum.h) ---------------------------------------------------------
 
@@ -169,23 +179,57 @@ SIGNATURES = {
 }
 
 
-def candidates() -> list[str]:
-    """Where the library is looked for, in order: $KVCSUM_LIBRARY; beside
-    this package (a wheel of `make python-wheel` puts it there); the
-    source tree's release build (target/release); the system loader's
-    search path (an installed libkvcsum.so.0)."""
-    here = pathlib.Path(__file__).resolve().parent
-    found = []
+def search_path() -> list[str]:
+    """Every place the library is looked for, in order, whether a file is
+    there or not: $KVCSUM_LIBRARY alone when it is set; else beside this
+    package (where the wheel that `pip install ./python` builds puts it),
+    the source tree's release build (target/release), and the name the
+    system loader resolves: the SONAME of an installed library of this ABI,
+    libkvcsum.so.<ABI_VERSION> (docs/VERSIONING.md)."""
     if os.environ.get(LIBRARY_ENV):
         return [os.environ[LIBRARY_ENV]]
-    for name in ("libkvcsum.so", "libkvcsum.so.0"):
-        if (here / name).exists():
-            found.append(str(here / name))
-    build = here.parent.parent / "target" / "release" / "libkvcsum.so"
-    if build.exists():
-        found.append(str(build))
-    found.append("libkvcsum.so.0")
-    return found
+    here = pathlib.Path(__file__).resolve().parent
+    soname = f"libkvcsum.so.{ABI_VERSION}"
+    return [
+        str(here / "libkvcsum.so"),
+        str(here / soname),
+        str(here.parent.parent / "target" / "release" / "libkvcsum.so"),
+        soname,
+    ]
+
+
+def candidates() -> list[str]:
+    """The places of search_path() worth trying: $KVCSUM_LIBRARY as given;
+    else the files that exist, then the system loader's name."""
+    if os.environ.get(LIBRARY_ENV):
+        return [os.environ[LIBRARY_ENV]]
+    return [place for place in search_path() if os.sep not in place or os.path.exists(place)]
+
+
+def _absent(candidate: str, error: OSError) -> bool:
+    """Whether `candidate` failed to load because nothing is there (a path
+    with no file, a name the system loader did not find), not because what
+    is there is unusable (then the message names the file, or the missing
+    dependency, differently)."""
+    if os.sep in candidate:
+        return not os.path.exists(candidate)
+    return str(error).startswith(f"{candidate}: cannot open shared object file")
+
+
+def _missing_message(path: str | None, places: list[str]) -> str:
+    """Where the library was looked for and how to put one there."""
+    if path:
+        where = f"no file at {path} (the path given to load())"
+    elif os.environ.get(LIBRARY_ENV):
+        where = f"${LIBRARY_ENV} is {os.environ[LIBRARY_ENV]}, which does not exist"
+    else:
+        where = "looked at " + ", ".join(places) + " (the last through the system loader)"
+    return (
+        f"kvcsum: libkvcsum not found: {where}. To fix: install the wheel that `pip install ./python` "
+        "(or `make python-wheel`) builds, which carries the library; or build it in a source checkout "
+        "with `cargo build --release`; or install it system-wide with `make install`; or set "
+        f"{LIBRARY_ENV} to the path of a libkvcsum.so"
+    )
 
 
 #: The range of each C integer type that crosses the boundary.
@@ -259,8 +303,10 @@ def _range_checked(name, function, checks):
 def load(path: str | None = None) -> Api:
     """Loads the library (from `path`, else the first of candidates() that
     loads), declares every call and checks the ABI version and the struct
-    layouts; raises AbiError saying what was tried or what differs."""
+    layouts. Raises MissingLibraryError when no library is there at all,
+    AbiError saying what was tried or what differs otherwise."""
     tried = []
+    absent = True
     library = None
     for candidate in [path] if path else candidates():
         try:
@@ -269,6 +315,9 @@ def load(path: str | None = None) -> Api:
             break
         except OSError as error:
             tried.append(f"{candidate}: {error}")
+            absent = absent and _absent(candidate, error)
+    if library is None and absent:
+        raise MissingLibraryError(_missing_message(path, search_path()))
     if library is None:
         raise AbiError(
             "kvcsum: cannot load libkvcsum (set KVCSUM_LIBRARY to its path, build it with "
@@ -292,6 +341,10 @@ def load(path: str | None = None) -> Api:
         function.argtypes = argtypes
         checks = [(i, _C_TYPES[t]) for i, t in enumerate(argtypes) if t in _C_TYPES]
         setattr(api, name, _range_checked(name, function, checks) if checks else function)
+    # The one symbol a plugin resolves must give this ABI's table too.
+    table = c_void_p()
+    if api.kvcs_get_api(ABI_VERSION, byref(table)) != 0 or not table:
+        raise AbiError(f"kvcsum: {path} gives no function table for ABI {ABI_VERSION}: {api.kvcs_last_error().decode()}")
     _check_layouts(api)
     return api
 
@@ -309,6 +362,9 @@ def _check_layouts(api: Api) -> None:
                 f"kvcsum: {api.path} says {c_name} is {size.value} bytes, this package's is "
                 f"{ctypes.sizeof(struct)}: the struct changed shape; use a matching package and library"
             )
+        sized = f"{c_name}_size"  # the older per-struct size call, where there is one
+        if sized in _abi.CALLS and getattr(api, sized)() != size.value:
+            raise AbiError(f"kvcsum: {api.path}: {sized}() is {getattr(api, sized)()}, not {size.value}")
         ours = [(field, getattr(struct, field).offset, getattr(struct, field).size) for field, _ in struct._fields_]
         theirs = []
         for index in range(count.value):

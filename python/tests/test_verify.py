@@ -222,6 +222,11 @@ def test_abi_version_and_missing_library_are_refused(monkeypatch, tmp_path):
     with pytest.raises(kvcsum.AbiError, match="ABI version 2; this package speaks version 99"):
         _lib.load(lib.path)
     monkeypatch.undo()
+    # No file there is a MissingLibraryError (test_package.py), a file that
+    # does not load an AbiError.
+    with pytest.raises(kvcsum.MissingLibraryError, match="libkvcsum not found"):
+        _lib.load(str(tmp_path / "libkvcsum.so"))
+    (tmp_path / "libkvcsum.so").write_bytes(b"not an ELF file")
     with pytest.raises(kvcsum.AbiError, match="cannot load libkvcsum"):
         _lib.load(str(tmp_path / "libkvcsum.so"))
     monkeypatch.setenv("KVCSUM_LIBRARY", str(tmp_path / "elsewhere.so"))

@@ -12,6 +12,8 @@ use std::mem::{offset_of, size_of};
 use super::api::{FieldLayout, StructLayout};
 use super::blocks::kvcs_blocks;
 use super::completion::kvcs_completion;
+use super::layout_string::kvcs_tensor;
+use super::repair::kvcs_repair_block;
 use super::report::{kvcs_layer_difference, kvcs_mismatch, kvcs_report};
 use super::result::kvcs_result;
 use super::status::{kvcs_status, KVCS_ABI_VERSION};
@@ -442,6 +444,44 @@ pub type kvcs_block_tags_fn = unsafe extern "C" fn(
 pub type kvcs_worker_set_detail_fn = unsafe extern "C" fn(worker: *mut kvcs_worker, on: u32) -> kvcs_status;
 /// The type of `kvcs_worker_set_algorithm`.
 pub type kvcs_worker_set_algorithm_fn = unsafe extern "C" fn(worker: *mut kvcs_worker, algorithm: u32) -> kvcs_status;
+/// The type of `kvcs_layer_from_layout`.
+pub type kvcs_layer_from_layout_fn = unsafe extern "C" fn(
+    layout: *const c_char,
+    cache: *const kvcs_tensor,
+    v: *const kvcs_tensor,
+    kernel_blocks: u32,
+    layer_out: *mut kvcs_layer,
+    segments_out: *mut kvcs_segment,
+) -> kvcs_status;
+/// The type of `kvcs_report_repair_plan`.
+pub type kvcs_report_repair_plan_fn = unsafe extern "C" fn(
+    report: *const kvcs_report,
+    consumer_blocks: *const kvcs_blocks,
+    req_id: *const c_char,
+    group_ids: *const u32,
+    block_sizes: *const u32,
+    num_groups: usize,
+    buf: *mut kvcs_repair_block,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status;
+/// The type of `kvcs_repair_plan`.
+pub type kvcs_repair_plan_fn = unsafe extern "C" fn(
+    mismatches: *const kvcs_mismatch,
+    num_mismatches: usize,
+    consumer_blocks: *const kvcs_blocks,
+    req_id: *const c_char,
+    group_ids: *const u32,
+    block_sizes: *const u32,
+    num_groups: usize,
+    buf: *mut kvcs_repair_block,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status;
+/// The type of `kvcs_tensor_size`.
+pub type kvcs_tensor_size_fn = unsafe extern "C" fn() -> usize;
+/// The type of `kvcs_repair_block_size`.
+pub type kvcs_repair_block_size_fn = unsafe extern "C" fn() -> usize;
 /// The type of `kvcs_get_api`.
 pub type kvcs_get_api_fn = unsafe extern "C" fn(abi_version: u32, out: *mut *const kvcs_api) -> kvcs_status;
 
@@ -663,6 +703,16 @@ pub struct kvcs_api {
     pub kvcs_worker_set_detail: kvcs_worker_set_detail_fn,
     /// Slot 99: `kvcs_worker_set_algorithm`.
     pub kvcs_worker_set_algorithm: kvcs_worker_set_algorithm_fn,
+    /// Slot 100: `kvcs_layer_from_layout`.
+    pub kvcs_layer_from_layout: kvcs_layer_from_layout_fn,
+    /// Slot 101: `kvcs_report_repair_plan`.
+    pub kvcs_report_repair_plan: kvcs_report_repair_plan_fn,
+    /// Slot 102: `kvcs_repair_plan`.
+    pub kvcs_repair_plan: kvcs_repair_plan_fn,
+    /// Slot 103: `kvcs_tensor_size`.
+    pub kvcs_tensor_size: kvcs_tensor_size_fn,
+    /// Slot 104: `kvcs_repair_block_size`.
+    pub kvcs_repair_block_size: kvcs_repair_block_size_fn,
 }
 
 /// The table `kvcs_get_api` gives out.
@@ -769,6 +819,11 @@ pub(crate) static API: kvcs_api = kvcs_api {
     kvcs_block_tags: super::worker::kvcs_block_tags,
     kvcs_worker_set_detail: super::worker::kvcs_worker_set_detail,
     kvcs_worker_set_algorithm: super::worker::kvcs_worker_set_algorithm,
+    kvcs_layer_from_layout: super::layout_string::kvcs_layer_from_layout,
+    kvcs_report_repair_plan: super::repair::kvcs_report_repair_plan,
+    kvcs_repair_plan: super::repair::kvcs_repair_plan,
+    kvcs_tensor_size: super::sizes::kvcs_tensor_size,
+    kvcs_repair_block_size: super::sizes::kvcs_repair_block_size,
 };
 
 // The entry point's own type must be its type too.
@@ -776,6 +831,68 @@ const _: kvcs_get_api_fn = super::api::kvcs_get_api;
 
 /// The layout of every struct the ABI passes, as this build lays it out.
 pub(crate) static STRUCT_LAYOUTS: &[StructLayout] = &[
+    StructLayout {
+        name: c"kvcs_tensor",
+        size: size_of::<kvcs_tensor>(),
+        fields: &[
+            FieldLayout {
+                name: c"address",
+                offset: offset_of!(kvcs_tensor, address),
+                size: size_of::<u64>(),
+            },
+            FieldLayout {
+                name: c"shape",
+                offset: offset_of!(kvcs_tensor, shape),
+                size: size_of::<*const i64>(),
+            },
+            FieldLayout {
+                name: c"strides",
+                offset: offset_of!(kvcs_tensor, strides),
+                size: size_of::<*const i64>(),
+            },
+            FieldLayout {
+                name: c"ndim",
+                offset: offset_of!(kvcs_tensor, ndim),
+                size: size_of::<usize>(),
+            },
+            FieldLayout {
+                name: c"element_size",
+                offset: offset_of!(kvcs_tensor, element_size),
+                size: size_of::<u32>(),
+            },
+        ],
+    },
+    StructLayout {
+        name: c"kvcs_repair_block",
+        size: size_of::<kvcs_repair_block>(),
+        fields: &[
+            FieldLayout {
+                name: c"group_id",
+                offset: offset_of!(kvcs_repair_block, group_id),
+                size: size_of::<u32>(),
+            },
+            FieldLayout {
+                name: c"block_id",
+                offset: offset_of!(kvcs_repair_block, block_id),
+                size: size_of::<u32>(),
+            },
+            FieldLayout {
+                name: c"position",
+                offset: offset_of!(kvcs_repair_block, position),
+                size: size_of::<u64>(),
+            },
+            FieldLayout {
+                name: c"start_token",
+                offset: offset_of!(kvcs_repair_block, start_token),
+                size: size_of::<u64>(),
+            },
+            FieldLayout {
+                name: c"end_token",
+                offset: offset_of!(kvcs_repair_block, end_token),
+                size: size_of::<u64>(),
+            },
+        ],
+    },
     StructLayout {
         name: c"kvcs_mismatch",
         size: size_of::<kvcs_mismatch>(),

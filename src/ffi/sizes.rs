@@ -5,6 +5,8 @@
 
 use std::mem::size_of;
 
+use super::layout_string::kvcs_tensor;
+use super::repair::kvcs_repair_block;
 use super::report::{kvcs_layer_difference, kvcs_mismatch};
 use super::topology::{kvcs_head_source, kvcs_local_engine, kvcs_remote_engine};
 use super::worker::{kvcs_layer, kvcs_segment, kvcs_state, kvcs_state_tensor, kvcs_worker_options};
@@ -67,4 +69,16 @@ pub extern "C" fn kvcs_remote_engine_size() -> usize {
 #[no_mangle]
 pub extern "C" fn kvcs_head_source_size() -> usize {
     size_of::<kvcs_head_source>()
+}
+
+/// `sizeof(kvcs_tensor)` in this library.
+#[no_mangle]
+pub extern "C" fn kvcs_tensor_size() -> usize {
+    size_of::<kvcs_tensor>()
+}
+
+/// `sizeof(kvcs_repair_block)` in this library.
+#[no_mangle]
+pub extern "C" fn kvcs_repair_block_size() -> usize {
+    size_of::<kvcs_repair_block>()
 }

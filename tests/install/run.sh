@@ -28,16 +28,16 @@ pass() { echo "install-test: ok: $*"; }
 
 scripts/install.sh "$prefix"
 version=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -n 1)
-major=${version%%.*}
+soversion=$(sed -n 's/^#define KVCS_ABI_VERSION \([0-9]*\)$/\1/p' include/kvcsum.h)  # docs/VERSIONING.md
 lib=$prefix/lib
 
 # --- The installed tree ------------------------------------------------------
-[ "$(readlink "$lib/libkvcsum.so")" = "libkvcsum.so.$major" ] && pass "libkvcsum.so -> libkvcsum.so.$major" ||
-    fail "libkvcsum.so does not point to libkvcsum.so.$major"
-[ "$(readlink "$lib/libkvcsum.so.$major")" = "libkvcsum.so.$version" ] &&
-    pass "libkvcsum.so.$major -> libkvcsum.so.$version" || fail "libkvcsum.so.$major does not point to .so.$version"
+[ "$(readlink "$lib/libkvcsum.so")" = "libkvcsum.so.$soversion" ] && pass "libkvcsum.so -> libkvcsum.so.$soversion" ||
+    fail "libkvcsum.so does not point to libkvcsum.so.$soversion"
+[ "$(readlink "$lib/libkvcsum.so.$soversion")" = "libkvcsum.so.$version" ] &&
+    pass "libkvcsum.so.$soversion -> libkvcsum.so.$version" || fail "libkvcsum.so.$soversion does not point to .so.$version"
 soname=$(readelf -d "$lib/libkvcsum.so.$version" | sed -n 's/.*Library soname: \[\(.*\)\]/\1/p')
-[ "$soname" = "libkvcsum.so.$major" ] && pass "SONAME $soname" || fail "SONAME is '$soname'"
+[ "$soname" = "libkvcsum.so.$soversion" ] && pass "SONAME $soname" || fail "SONAME is '$soname'"
 size=$(stat -c %s "$lib/libkvcsum.so.$version")
 [ "$size" -lt $((2 * 1024 * 1024)) ] && pass "shared library is $size bytes (< 2 MiB)" ||
     fail "shared library is $size bytes, not under 2 MiB"
@@ -82,10 +82,10 @@ gcc "${strict[@]}" tests/install/consumer.c $(pkg-config --cflags --libs kvcsum)
     -o "$work/consumer_shared"
 # shellcheck disable=SC2046
 gcc "${strict[@]}" tests/install/consumer.c $(pkg-config --cflags --libs kvcsum-static) -o "$work/consumer_static"
-if readelf -d "$work/consumer_shared" | grep -q "NEEDED.*\[libkvcsum.so.$major\]"; then
-    pass "the shared C program needs libkvcsum.so.$major"
+if readelf -d "$work/consumer_shared" | grep -q "NEEDED.*\[libkvcsum.so.$soversion\]"; then
+    pass "the shared C program needs libkvcsum.so.$soversion"
 else
-    fail "the shared C program does not record libkvcsum.so.$major"
+    fail "the shared C program does not record libkvcsum.so.$soversion"
 fi
 if readelf -d "$work/consumer_static" | grep -q 'libkvcsum'; then
     fail "the static C program still needs a libkvcsum shared library"
@@ -159,7 +159,7 @@ fi
 
 # --- dlopen ------------------------------------------------------------------
 gcc "${strict[@]}" -I"$prefix/include" examples/c/dlopen_agent.c -ldl -o "$work/dlopen_agent"
-"$work/dlopen_agent" "$lib/libkvcsum.so.$major" && pass "dlopen_agent on the installed library" ||
+"$work/dlopen_agent" "$lib/libkvcsum.so.$soversion" && pass "dlopen_agent on the installed library" ||
     fail "dlopen_agent on the installed library"
 expect_refusal() {
     local path=$1 needle=$2 rc=0
