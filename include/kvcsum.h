@@ -17,7 +17,7 @@
  * this header and it declares no function, only types, constants, the
  * function-pointer types kvcs_<call>_fn and the table kvcs_api, so that a
  * direct call such as kvcs_version() fails to compile instead of failing
- * to load. Resolve the one symbol "kvcs_get_api" (type kvcs_get_api_fn),
+ * to load. Resolve the one symbol "kvcs_api_get" (type kvcs_api_get_fn),
  * call it with KVCS_ABI_VERSION and call through the table it gives.
  */
 
@@ -1126,7 +1126,7 @@ typedef size_t (*kvcs_repair_block_size_fn)(void);
 
 // Every call of the library as one table of function pointers, for a
 // program that loads kvcsum at run time: it resolves the one symbol
-// `kvcs_get_api` and calls through the table, whose entries the compiler
+// `kvcs_api_get` and calls through the table, whose entries the compiler
 // checks. Entries keep their place forever (src/ffi/api-slots.txt): new
 // calls are appended, none moves or goes away within an ABI version, so
 // `size` says which entries a library has. A program built against a newer
@@ -1353,8 +1353,8 @@ typedef struct {
   kvcs_repair_block_size_fn kvcs_repair_block_size;
 } kvcs_api;
 
-// The type of `kvcs_get_api`.
-typedef kvcs_status (*kvcs_get_api_fn)(uint32_t abi_version, const kvcs_api **out);
+// The type of `kvcs_api_get`.
+typedef kvcs_status (*kvcs_api_get_fn)(uint32_t abi_version, const kvcs_api **out);
 
 #ifdef __cplusplus
 extern "C" {
@@ -1367,7 +1367,7 @@ extern "C" {
 // loads kvcsum with `dlopen` needs to resolve. `*out` points to a static
 // table owned by the library, valid while it stays loaded, shared by all
 // threads. Another version gives `KVCS_ERR_UNSUPPORTED` naming both.
-kvcs_status kvcs_get_api(uint32_t abi_version, const kvcs_api **out);
+kvcs_status kvcs_api_get(uint32_t abi_version, const kvcs_api **out);
 
 // The layout of the ABI struct `struct_name` (`"kvcs_layer"`, say) in this
 // library: `*size` its `sizeof`, `*num_fields` how many fields it has (read

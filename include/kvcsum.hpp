@@ -91,7 +91,7 @@ inline void check_size(const char *name, size_t library_size, size_t header_size
 /// Throws kvcs::error (KVCS_ERR_UNSUPPORTED) unless the library loaded at
 /// run time has this header's ABI version, the same size of every struct
 /// the calls take (kvcs_abi_version, kvcs_*_size) and a function table
-/// with every call of this header (kvcs_get_api).
+/// with every call of this header (kvcs_api_get).
 inline void check_abi() {
   if (kvcs_abi_version() != KVCS_ABI_VERSION) {
     throw error(KVCS_ERR_UNSUPPORTED, "the loaded kvcsum has ABI version " + std::to_string(kvcs_abi_version()) +
@@ -109,9 +109,9 @@ inline void check_abi() {
   detail::check_size("kvcs_head_source", kvcs_head_source_size(), sizeof(kvcs_head_source));
   detail::check_size("kvcs_tensor", kvcs_tensor_size(), sizeof(kvcs_tensor));
   detail::check_size("kvcs_repair_block", kvcs_repair_block_size(), sizeof(kvcs_repair_block));
-  // The function table of this ABI (kvcs_get_api), with every call of this header.
+  // The function table of this ABI (kvcs_api_get), with every call of this header.
   const kvcs_api *table = nullptr;
-  check(kvcs_get_api(KVCS_ABI_VERSION, &table));
+  check(kvcs_api_get(KVCS_ABI_VERSION, &table));
   if (table->size < sizeof(kvcs_api)) {  // a newer library's table may be longer, never shorter
     throw error(KVCS_ERR_UNSUPPORTED, "the loaded kvcsum's function table has " + std::to_string(table->size) +
                                           " bytes, this program was built with " + std::to_string(sizeof(kvcs_api)));

@@ -2,12 +2,12 @@
  * dlopen_agent: a transfer agent that loads kvcsum at run time, by path,
  * rather than linking it. It is built with KVCS_NO_PROTOTYPES, so the
  * header declares no call and a direct call (kvcs_version(), say) does not
- * compile; it resolves the one symbol kvcs_get_api, which gives the table
+ * compile; it resolves the one symbol kvcs_api_get, which gives the table
  * of every call for the header's ABI version (kvcs_api, each entry typed
  * kvcs_<call>_fn, so the compiler checks every call), checks the structs it
  * passes against the library's layout, and checksums a small NHD layout of
  * 1 layer, 2 heads, 2 blocks of 4 tokens. When the library cannot be
- * loaded, lacks kvcs_get_api, or is another ABI, it says which and exits
+ * loaded, lacks kvcs_api_get, or is another ABI, it says which and exits
  * 2; a wrong checksum exits 1; success exits 0.
  *
  * Build and run (`make test` runs it against the installed library, and
@@ -62,10 +62,10 @@ static int same_size(const kvcs_api *api, const char *path, const char *name, si
 }
 
 static const kvcs_api *load(void *library, const char *path) {
-  kvcs_get_api_fn get_api;
-  if (resolve(library, path, "kvcs_get_api", &get_api, sizeof get_api) != 0) return NULL;
+  kvcs_api_get_fn api_get;
+  if (resolve(library, path, "kvcs_api_get", &api_get, sizeof api_get) != 0) return NULL;
   const kvcs_api *table = NULL;
-  kvcs_status status = get_api(KVCS_ABI_VERSION, &table);
+  kvcs_status status = api_get(KVCS_ABI_VERSION, &table);
   if (status != KVCS_OK) {
     /* Another ABI: nothing else may be trusted, but its version may be
      * named (the one call every version has). */

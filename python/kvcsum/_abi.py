@@ -1039,7 +1039,7 @@ CALLS = {
         "size_t",
         (),
     ),
-    "kvcs_get_api": (
+    "kvcs_api_get": (
         "kvcs_status",
         (
             ("abi_version", "uint32_t"),

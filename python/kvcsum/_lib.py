@@ -343,7 +343,7 @@ def load(path: str | None = None) -> Api:
         setattr(api, name, _range_checked(name, function, checks) if checks else function)
     # The one symbol a plugin resolves must give this ABI's table too.
     table = c_void_p()
-    if api.kvcs_get_api(ABI_VERSION, byref(table)) != 0 or not table:
+    if api.kvcs_api_get(ABI_VERSION, byref(table)) != 0 or not table:
         raise AbiError(f"kvcsum: {path} gives no function table for ABI {ABI_VERSION}: {api.kvcs_last_error().decode()}")
     _check_layouts(api)
     return api

@@ -1,5 +1,5 @@
 //! What a program that does not read the header learns from the library
-//! itself: the function table (`kvcs_get_api`, for `dlopen` plugins, one
+//! itself: the function table (`kvcs_api_get`, for `dlopen` plugins, one
 //! symbol to resolve) and the layout of every struct the ABI passes
 //! (`kvcs_struct_layout`, `kvcs_struct_field`, so that a binding such as
 //! Python's ctypes compares field offsets, not only sizes). The table and
@@ -38,7 +38,7 @@ pub(crate) struct FieldLayout {
 /// table owned by the library, valid while it stays loaded, shared by all
 /// threads. Another version gives `KVCS_ERR_UNSUPPORTED` naming both.
 #[no_mangle]
-pub extern "C" fn kvcs_get_api(abi_version: u32, out: *mut *const kvcs_api) -> kvcs_status {
+pub extern "C" fn kvcs_api_get(abi_version: u32, out: *mut *const kvcs_api) -> kvcs_status {
     ffi_boundary! {
         not_null!(out, "out");
         if abi_version != KVCS_ABI_VERSION {

@@ -661,11 +661,11 @@ static void test_function_table_and_layouts(void) {
   /* The table: another ABI version, or no out-parameter, is refused and
    * leaves *out alone. */
   const kvcs_api *api = SENTINEL;
-  EXPECT(kvcs_get_api(KVCS_ABI_VERSION + 1, &api), KVCS_ERR_UNSUPPORTED, "abi_version 3");
+  EXPECT(kvcs_api_get(KVCS_ABI_VERSION + 1, &api), KVCS_ERR_UNSUPPORTED, "abi_version 3");
   CHECK(api == SENTINEL);
-  EXPECT(kvcs_get_api(0, &api), KVCS_ERR_UNSUPPORTED, "abi_version 0");
-  EXPECT(kvcs_get_api(KVCS_ABI_VERSION, NULL), KVCS_ERR_INVALID_ARGUMENT, "out");
-  EXPECT_OK(kvcs_get_api(KVCS_ABI_VERSION, &api));
+  EXPECT(kvcs_api_get(0, &api), KVCS_ERR_UNSUPPORTED, "abi_version 0");
+  EXPECT(kvcs_api_get(KVCS_ABI_VERSION, NULL), KVCS_ERR_INVALID_ARGUMENT, "out");
+  EXPECT_OK(kvcs_api_get(KVCS_ABI_VERSION, &api));
   CHECK(api != SENTINEL && api != NULL);
   if (api == SENTINEL || api == NULL) return;
   CHECK(api->size == sizeof(kvcs_api));

@@ -13,8 +13,8 @@
 #     directly fails to compile (implicit declaration), one that uses only
 #     types, constants, kvcs_<call>_fn and the table kvcs_api compiles
 #   - examples/c/dlopen_agent.c (built with KVCS_NO_PROTOTYPES, one symbol:
-#     kvcs_get_api) against the installed library, and against paths that
-#     must fail with a clear message: no file, no kvcs_get_api, another ABI
+#     kvcs_api_get) against the installed library, and against paths that
+#     must fail with a clear message: no file, no kvcs_api_get, another ABI
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -136,12 +136,12 @@ cat >"$work/plugin_types.c" <<'EOF'
 #define KVCS_NO_PROTOTYPES
 #include <kvcsum.h>
 int main(void) {
-  kvcs_get_api_fn get_api = 0;
+  kvcs_api_get_fn api_get = 0;
   kvcs_worker_create_fn worker_create = 0;
   kvcs_api table = {.size = sizeof(kvcs_api), .abi_version = KVCS_ABI_VERSION};
   kvcs_layer layer = {.num_segments = 1};
   const kvcs_api *api = &table;
-  return (get_api != 0) + (worker_create != 0) + !KVCS_API_HAS(api, kvcs_worker_create) + (int)layer.group_id +
+  return (api_get != 0) + (worker_create != 0) + !KVCS_API_HAS(api, kvcs_worker_create) + (int)layer.group_id +
          (KVCS_ERR_NOT_FOUND != 4);
 }
 EOF
@@ -171,16 +171,16 @@ expect_refusal() {
     fi
 }
 expect_refusal "$work/no-such-libkvcsum.so" "cannot load"
-expect_refusal "$(gcc -print-file-name=libgcc_s.so.1)" "has no symbol kvcs_get_api"
+expect_refusal "$(gcc -print-file-name=libgcc_s.so.1)" "has no symbol kvcs_api_get"
 # A library of the next ABI version, which gives no table for this one.
 abi=$(sed -n 's/^#define KVCS_ABI_VERSION \([0-9]*\)$/\1/p' "$prefix/include/kvcsum.h")
 cat >"$work/other_abi.c" <<'EOF'
 #define KVCS_NO_PROTOTYPES
 #include <kvcsum.h>
 uint32_t kvcs_abi_version(void);
-kvcs_status kvcs_get_api(uint32_t abi_version, const kvcs_api **out);
+kvcs_status kvcs_api_get(uint32_t abi_version, const kvcs_api **out);
 uint32_t kvcs_abi_version(void) { return KVCS_ABI_VERSION + 1; }
-kvcs_status kvcs_get_api(uint32_t abi_version, const kvcs_api **out) {
+kvcs_status kvcs_api_get(uint32_t abi_version, const kvcs_api **out) {
   (void)out;
   return abi_version == KVCS_ABI_VERSION + 1 ? KVCS_ERR_INTERNAL : KVCS_ERR_UNSUPPORTED;
 }
