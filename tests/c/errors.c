@@ -725,4 +725,12 @@ static void test_function_table_and_layouts(void) {
       FIELD(kvcs_remote_engine, block_bytes), FIELD(kvcs_remote_engine, tp_size),
       FIELD(kvcs_remote_engine, block_size), FIELD(kvcs_remote_engine, kernel_blocks)};
   check_layout("kvcs_remote_engine", sizeof(kvcs_remote_engine), remote, sizeof remote / sizeof remote[0]);
+  static const struct field_ref tensor[] = {FIELD(kvcs_tensor, address), FIELD(kvcs_tensor, shape),
+                                            FIELD(kvcs_tensor, strides), FIELD(kvcs_tensor, ndim),
+                                            FIELD(kvcs_tensor, element_size)};
+  check_layout("kvcs_tensor", sizeof(kvcs_tensor), tensor, sizeof tensor / sizeof tensor[0]);
+  static const struct field_ref repair[] = {FIELD(kvcs_repair_block, group_id), FIELD(kvcs_repair_block, block_id),
+                                            FIELD(kvcs_repair_block, position), FIELD(kvcs_repair_block, start_token),
+                                            FIELD(kvcs_repair_block, end_token)};
+  check_layout("kvcs_repair_block", sizeof(kvcs_repair_block), repair, sizeof repair / sizeof repair[0]);
 }
