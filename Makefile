@@ -191,6 +191,7 @@ $(VLLM_VENV)/.installed: $(VLLM_CONSTRAINTS) | $(BUILD)
 vllm-test: lib $(VLLM_VENV)/.installed
 	cd $(BUILD) && $(E2E_ENV) VLLM_LOGGING_LEVEL=WARNING PYTHONWARNINGS=ignore $(VLLM_PY) -m pytest -q -s \
 	  -p no:cacheprovider -p no:warnings -p no:logging $(abspath python/tests/vllm)
+	cd $(BUILD) && $(E2E_ENV) $(VLLM_PY) -m pytest -q -p no:cacheprovider -m torch $(abspath python/tests)
 
 c-test: $(BUILD)/c_tests
 	$(ASAN_ENV) $(BUILD)/c_tests
@@ -268,13 +269,13 @@ INSTALLED_ENV := env -u KVCSUM_LIBRARY -u PYTHONPATH
 python-test: install-test python-wheel $(VENV)/.installed
 	cd $(BUILD) && $(SOURCE_ENV) $(VENV_PY) -c 'import kvcsum, sys; p = kvcsum.library().path; \
 	  assert p == sys.argv[1], p; print("kvcsum", kvcsum.__version__, "from", kvcsum.__file__, "over", p)' $(INSTALL_TEST_LIB)
-	cd $(BUILD) && $(SOURCE_ENV) $(VENV_PY) -m pytest -q -p no:cacheprovider $(abspath python/tests)
+	cd $(BUILD) && $(SOURCE_ENV) $(VENV_PY) -m pytest -q -p no:cacheprovider -m "not torch" $(abspath python/tests)
 	rm -rf $(WHEEL_VENV)
 	python3 -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV_PIP) install --quiet $(WHEEL_DIR)/kvcsum-*-py3-none-manylinux*.whl $(PYTHON_TEST_PACKAGES)
 	cd $(BUILD) && $(INSTALLED_ENV) $(WHEEL_VENV_PY) $(abspath python/tests/install_check.py)
 	cd $(BUILD) && $(INSTALLED_ENV) $(WHEEL_VENV_PY) -m kvcsum --version
-	cd $(BUILD) && $(INSTALLED_ENV) $(WHEEL_VENV_PY) -m pytest -q -p no:cacheprovider $(abspath python/tests)
+	cd $(BUILD) && $(INSTALLED_ENV) $(WHEEL_VENV_PY) -m pytest -q -p no:cacheprovider -m "not torch" $(abspath python/tests)
 
 # Every binding from src/ffi: scripts/gen-bindings.py writes the loader
 # types, the function table and its slots, and python/kvcsum/_abi.py; then

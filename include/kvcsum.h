@@ -1466,8 +1466,9 @@ kvcs_status kvcs_completion_invalid_blocks(const kvcs_completion *completion,
 kvcs_status kvcs_completion_clear_invalid_blocks(kvcs_completion *completion);
 
 // Describes one attention layer's cache from its tensor and a layout
-// string, as Python's `kvcsum.layer()` does, so that a FlashAttention or
-// FlashInfer tensor maps to segments without working out strides by hand.
+// string (docs/SPEC.md#14-layout-strings), as Python's `kvcsum.layer()`
+// does, so that a FlashAttention or FlashInfer tensor maps to segments
+// without working out strides by hand.
 //
 // `layout` names the dimensions of `cache`, outermost first, one letter
 // each (case-insensitive): `B` blocks, `T` tokens of a block, `H` heads
@@ -1508,11 +1509,12 @@ kvcs_status kvcs_layer_from_layout(const char *layout,
                                    kvcs_layer *layer_out,
                                    kvcs_segment *segments_out);
 
-// The consumer blocks to load again after the MISMATCH `report` of request
-// `req_id`, whose consumer block ids per group are in `consumer_blocks`
-// (what the consumer gave `kvcs_verifier_expect`), with the consumer's
-// tokens per block of group `group_ids[i]` in `block_sizes[i]` (a group at
-// most once; groups without a mismatch may be left out).
+// The consumer blocks to load again (docs/SPEC.md#15-repair-plan) after
+// the MISMATCH `report` of request `req_id`, whose consumer block ids per
+// group are in `consumer_blocks` (what the consumer gave
+// `kvcs_verifier_expect`), with the consumer's tokens per block of group
+// `group_ids[i]` in `block_sizes[i]` (a group at most once; groups without
+// a mismatch may be left out).
 //
 // Writes the entries to `(buf, cap, *len)` sorted by group and position,
 // each position once; each names the request tokens `[start_token,

@@ -192,7 +192,8 @@ fn segments_of(axes: &Axes, tensor: &TensorView, kernel_blocks: u32, name: &str)
         })?;
     let bytes_per_token = axes.size(Axis::Dim) as u128 * tensor.element_size as u128;
     let bytes_per_token = field(bytes_per_token, "bytes_per_token (D size times element_size)", name)?;
-    (0..axes.size(Axis::KeyValue).max(1) as i64)
+    // One part without K, K then V with it (its size was checked to be 2).
+    (0..axes.size(Axis::KeyValue) as i64)
         .map(|part| {
             let address = tensor
                 .address

@@ -39,7 +39,7 @@ impl From<&Mismatch> for DifferingRun {
 }
 
 /// A consumer block to load again.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RepairBlock {
     /// The group.
     pub group_id: u32,

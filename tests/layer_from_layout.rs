@@ -419,7 +419,7 @@ fn every_layout_gives_the_naive_reference_and_the_hand_built_segments() {
         );
         let hand = hand_built_segments(&case);
         assert_eq!(layer.num_segments as usize, hand.len(), "{context}");
-        assert_eq!(layer.segments, segments.as_ptr() as *const kvcs_segment, "{context}");
+        assert_eq!(layer.segments, segments.as_ptr(), "{context}");
         for (got, want) in segments.iter().zip(&hand) {
             let fields = |s: &kvcs_segment| {
                 (

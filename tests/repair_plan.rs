@@ -463,3 +463,90 @@ fn a_reports_plan_names_the_blocks_of_each_flipped_run_and_reloading_them_matche
         kvcs_blocks_destroy(blocks);
     }
 }
+
+#[test]
+fn hostile_mismatch_entries_give_an_error_never_a_crash() {
+    let mut rng = Rng::for_test("hostile_mismatch_entries_give_an_error_never_a_crash");
+    let seed = rng.seed();
+    let extremes = [0, 1, 2, 7, 8, u32::MAX as u64, u64::MAX / 2, u64::MAX - 1, u64::MAX];
+    let mut planned = 0;
+    for case in 0..5_000 {
+        let first_position = if rng.chance(1, 4) {
+            *rng.pick(&extremes)
+        } else {
+            rng.below(4)
+        };
+        let ids = rng.permutation(50)[..rng.range(0..20) as usize].to_vec();
+        let size = *rng.pick(&[0u32, 1, 3, 8, u32::MAX]);
+        let tables = BTreeMap::from([(0u32, (first_position.min(u64::MAX - 20), ids.clone(), size))]);
+        let value = |rng: &mut Rng| {
+            if rng.chance(1, 2) {
+                *rng.pick(&extremes)
+            } else {
+                rng.below(40)
+            }
+        };
+        let mismatches: Vec<kvcs_mismatch> = (0..rng.range(0..5))
+            .map(|_| kvcs_mismatch {
+                group_id: rng.below(2) as u32,
+                localised: 0,
+                first_position: value(&mut rng),
+                num_positions: value(&mut rng),
+                first_token: value(&mut rng),
+                num_tokens: value(&mut rng),
+                num_failed_checks: 0,
+                num_layers: 0,
+            })
+            .collect();
+        let context = format!("seed {seed}, case {case}: tables {tables:?}, mismatches {mismatches:?}");
+        let blocks = blocks_of(100, &tables, &context);
+        let mut entries = vec![
+            kvcs_repair_block {
+                group_id: 9,
+                block_id: 9,
+                position: 9,
+                start_token: 9,
+                end_token: 9
+            };
+            ids.len()
+        ];
+        let mut len = usize::MAX;
+        let status = kvcs_repair_plan(
+            mismatches.as_ptr(),
+            mismatches.len(),
+            blocks,
+            c"r".as_ptr(),
+            [0u32].as_ptr(),
+            [size].as_ptr(),
+            1,
+            entries.as_mut_ptr(),
+            entries.len(),
+            &mut len,
+        );
+        match status {
+            KVCS_OK => {
+                // Each entry a distinct position of the table, inside its block.
+                assert!(len <= ids.len(), "{context}");
+                planned += len;
+                for e in &entries[..len] {
+                    let index = (e.position - tables[&0].0) as usize;
+                    assert_eq!(e.block_id, ids[index], "{context}");
+                    let block_start = e.position as u128 * size as u128;
+                    assert!(block_start <= e.start_token as u128, "{context}");
+                    assert!(e.start_token < e.end_token, "{context}");
+                    assert!((e.end_token as u128) <= block_start + size as u128, "{context}");
+                }
+            }
+            KVCS_ERR_INVALID_ARGUMENT => {
+                assert_eq!(len, usize::MAX, "{context}: *len written on an error");
+                assert!(
+                    entries.iter().all(|e| e.group_id == 9),
+                    "{context}: entries written on an error"
+                );
+            }
+            other => panic!("{context}: status {other:?}: {}", last_error()),
+        }
+        kvcs_blocks_destroy(blocks);
+    }
+    assert!(planned > 0, "seed {seed}: no case planned anything");
+}

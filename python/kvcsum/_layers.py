@@ -15,8 +15,6 @@ from ._lib import BLOCK_CHECKSUM_BYTES
 
 # --- Layers from arrays --------------------------------------------------------
 
-_ALIASES = {"NHD": "BTHD", "HND": "BHTD"}
-
 
 def _array_info(array) -> tuple[int, tuple, tuple, int]:
     """(address, shape, byte strides, item size) of a numpy array, a torch

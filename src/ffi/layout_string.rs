@@ -48,8 +48,9 @@ unsafe fn view<'a>(tensor: &'a kvcs_tensor, name: &str) -> Result<TensorView<'a>
 }
 
 /// Describes one attention layer's cache from its tensor and a layout
-/// string, as Python's `kvcsum.layer()` does, so that a FlashAttention or
-/// FlashInfer tensor maps to segments without working out strides by hand.
+/// string (docs/SPEC.md#14-layout-strings), as Python's `kvcsum.layer()`
+/// does, so that a FlashAttention or FlashInfer tensor maps to segments
+/// without working out strides by hand.
 ///
 /// `layout` names the dimensions of `cache`, outermost first, one letter
 /// each (case-insensitive): `B` blocks, `T` tokens of a block, `H` heads

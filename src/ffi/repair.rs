@@ -83,11 +83,12 @@ unsafe fn write_plan(plan: Vec<RepairBlock>, buf: *mut kvcs_repair_block, cap: u
     unsafe { write_entries(&entries, buf, cap, len) }
 }
 
-/// The consumer blocks to load again after the MISMATCH `report` of request
-/// `req_id`, whose consumer block ids per group are in `consumer_blocks`
-/// (what the consumer gave `kvcs_verifier_expect`), with the consumer's
-/// tokens per block of group `group_ids[i]` in `block_sizes[i]` (a group at
-/// most once; groups without a mismatch may be left out).
+/// The consumer blocks to load again (docs/SPEC.md#15-repair-plan) after
+/// the MISMATCH `report` of request `req_id`, whose consumer block ids per
+/// group are in `consumer_blocks` (what the consumer gave
+/// `kvcs_verifier_expect`), with the consumer's tokens per block of group
+/// `group_ids[i]` in `block_sizes[i]` (a group at most once; groups without
+/// a mismatch may be left out).
 ///
 /// Writes the entries to `(buf, cap, *len)` sorted by group and position,
 /// each position once; each names the request tokens `[start_token,
