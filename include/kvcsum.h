@@ -12,6 +12,13 @@
  * Thread safety: a call taking `const T *` may run concurrently with other
  * `const T *` calls on the same object; a call taking `T *` needs exclusive
  * access to it. Distinct objects are independent.
+ *
+ * Loading at run time (dlopen): define KVCS_NO_PROTOTYPES before including
+ * this header and it declares no function, only types, constants, the
+ * function-pointer types kvcs_<call>_fn and the table kvcs_api, so that a
+ * direct call such as kvcs_version() fails to compile instead of failing
+ * to load. Resolve the one symbol "kvcs_api_get" (type kvcs_api_get_fn),
+ * call it with KVCS_ABI_VERSION and call through the table it gives.
  */
 
 #ifndef KVCSUM_H
@@ -19,6 +26,11 @@
 
 #include <stddef.h>
 #include <stdint.h>
+/* Whether the table `api` (a const kvcs_api *) has the entry `entry`
+ * (kvcs_worker_create, say): entries are only appended, so a library older
+ * than this header gives a shorter table (its `size`). */
+#define KVCS_API_HAS(api, entry) \
+  ((api)->size >= offsetof(kvcs_api, entry) + sizeof((api)->entry))
 
 // The odd multiplier `C` of the MIXED algorithm's `f`
 // (docs/SPEC.md#12-the-mixed-algorithm): 2^64 divided by the golden ratio,
@@ -368,6 +380,118 @@ typedef struct kvcs_verifier kvcs_verifier;
 // move between threads.
 typedef struct kvcs_worker kvcs_worker;
 
+// The type of `kvcs_abi_version`.
+typedef uint32_t (*kvcs_abi_version_fn)(void);
+
+// The type of `kvcs_version`.
+typedef const char *(*kvcs_version_fn)(void);
+
+// The type of `kvcs_last_error`.
+typedef const char *(*kvcs_last_error_fn)(void);
+
+// The type of `kvcs_status_name`.
+typedef const char *(*kvcs_status_name_fn)(uint32_t status);
+
+// The type of `kvcs_struct_layout`.
+typedef kvcs_status (*kvcs_struct_layout_fn)(const char *struct_name,
+                                             size_t *size,
+                                             size_t *num_fields);
+
+// The type of `kvcs_struct_field`.
+typedef kvcs_status (*kvcs_struct_field_fn)(const char *struct_name,
+                                            size_t index,
+                                            const char **field_name,
+                                            size_t *offset,
+                                            size_t *size);
+
+// The type of `kvcs_blocks_create`.
+typedef kvcs_status (*kvcs_blocks_create_fn)(kvcs_blocks **out);
+
+// The type of `kvcs_blocks_destroy`.
+typedef void (*kvcs_blocks_destroy_fn)(kvcs_blocks *blocks);
+
+// The type of `kvcs_blocks_add_request`.
+typedef kvcs_status (*kvcs_blocks_add_request_fn)(kvcs_blocks *blocks,
+                                                  const char *req_id,
+                                                  uint64_t num_tokens);
+
+// The type of `kvcs_blocks_add_group`.
+typedef kvcs_status (*kvcs_blocks_add_group_fn)(kvcs_blocks *blocks,
+                                                const char *req_id,
+                                                uint32_t group_id,
+                                                uint64_t first_position,
+                                                const uint32_t *block_ids,
+                                                size_t n);
+
+// The type of `kvcs_blocks_set_hashes`.
+typedef kvcs_status (*kvcs_blocks_set_hashes_fn)(kvcs_blocks *blocks,
+                                                 const char *req_id,
+                                                 uint32_t group_id,
+                                                 const uint8_t *hashes,
+                                                 size_t hash_bytes,
+                                                 size_t n);
+
+// The type of `kvcs_completion_create`.
+typedef kvcs_status (*kvcs_completion_create_fn)(uint32_t expected_workers, kvcs_completion **out);
+
+// The type of `kvcs_completion_destroy`.
+typedef void (*kvcs_completion_destroy_fn)(kvcs_completion *completion);
+
+// The type of `kvcs_completion_set_expected`.
+typedef kvcs_status (*kvcs_completion_set_expected_fn)(kvcs_completion *completion,
+                                                       uint32_t expected_workers);
+
+// The type of `kvcs_completion_report`.
+typedef kvcs_status (*kvcs_completion_report_fn)(kvcs_completion *completion,
+                                                 uint32_t worker,
+                                                 uint32_t direction,
+                                                 const char *const *req_ids,
+                                                 size_t n,
+                                                 uint8_t *completed);
+
+// The type of `kvcs_completion_reported`.
+typedef kvcs_status (*kvcs_completion_reported_fn)(const kvcs_completion *completion,
+                                                   uint32_t direction,
+                                                   const char *req_id,
+                                                   uint32_t *count);
+
+// The type of `kvcs_completion_add_invalid_blocks`.
+typedef kvcs_status (*kvcs_completion_add_invalid_blocks_fn)(kvcs_completion *completion,
+                                                             const uint32_t *block_ids,
+                                                             size_t n);
+
+// The type of `kvcs_completion_invalid_blocks`.
+typedef kvcs_status (*kvcs_completion_invalid_blocks_fn)(const kvcs_completion *completion,
+                                                         uint32_t *block_ids,
+                                                         size_t cap,
+                                                         size_t *len);
+
+// The type of `kvcs_completion_clear_invalid_blocks`.
+typedef kvcs_status (*kvcs_completion_clear_invalid_blocks_fn)(kvcs_completion *completion);
+
+// The type of `kvcs_report_verdict`.
+typedef kvcs_status (*kvcs_report_verdict_fn)(const kvcs_report *report, uint32_t *verdict);
+
+// The type of `kvcs_report_passed`.
+typedef kvcs_status (*kvcs_report_passed_fn)(const kvcs_report *report, uint32_t *passed);
+
+// The type of `kvcs_report_reason`.
+typedef kvcs_status (*kvcs_report_reason_fn)(const kvcs_report *report, uint32_t *reason);
+
+// The type of `kvcs_report_message`.
+typedef kvcs_status (*kvcs_report_message_fn)(const kvcs_report *report, const char **message);
+
+// The type of `kvcs_report_compared_positions`.
+typedef kvcs_status (*kvcs_report_compared_positions_fn)(const kvcs_report *report,
+                                                         uint64_t *positions);
+
+// The type of `kvcs_report_uncompared_positions`.
+typedef kvcs_status (*kvcs_report_uncompared_positions_fn)(const kvcs_report *report,
+                                                           uint64_t *positions);
+
+// The type of `kvcs_report_num_mismatches`.
+typedef kvcs_status (*kvcs_report_num_mismatches_fn)(const kvcs_report *report, size_t *count);
+
 // Block positions of one group that differ (`kvcs_report_mismatch`).
 // Positions are the consumer's; where block sizes differ one entry can
 // span several (runs of the two block sizes' least common multiple).
@@ -391,6 +515,17 @@ typedef struct {
   size_t num_layers;
 } kvcs_mismatch;
 
+// The type of `kvcs_report_mismatch`.
+typedef kvcs_status (*kvcs_report_mismatch_fn)(const kvcs_report *report,
+                                               size_t index,
+                                               kvcs_mismatch *out);
+
+// The type of `kvcs_report_failed_check`.
+typedef kvcs_status (*kvcs_report_failed_check_fn)(const kvcs_report *report,
+                                                   size_t mismatch,
+                                                   size_t index,
+                                                   uint32_t *check);
+
 // A layer head range whose partial checksums differ in one replica check.
 typedef struct {
   // Model-wide layer number.
@@ -402,6 +537,142 @@ typedef struct {
   // The replica check (docs/SPEC.md#4-partial-checksums-replicas-roles) in which it differs.
   uint32_t check;
 } kvcs_layer_difference;
+
+// The type of `kvcs_report_layer_difference`.
+typedef kvcs_status (*kvcs_report_layer_difference_fn)(const kvcs_report *report,
+                                                       size_t mismatch,
+                                                       size_t index,
+                                                       kvcs_layer_difference *out);
+
+// The type of `kvcs_report_num_unverified`.
+typedef kvcs_status (*kvcs_report_num_unverified_fn)(const kvcs_report *report, size_t *count);
+
+// The type of `kvcs_report_unverified`.
+typedef kvcs_status (*kvcs_report_unverified_fn)(const kvcs_report *report,
+                                                 size_t index,
+                                                 uint32_t *reason,
+                                                 uint32_t *group_id,
+                                                 const char **message);
+
+// The type of `kvcs_report_destroy`.
+typedef void (*kvcs_report_destroy_fn)(kvcs_report *report);
+
+// The type of `kvcs_verdict_name`.
+typedef const char *(*kvcs_verdict_name_fn)(uint32_t verdict);
+
+// The type of `kvcs_unverified_reason_name`.
+typedef const char *(*kvcs_unverified_reason_name_fn)(uint32_t reason);
+
+// The type of `kvcs_result_query`.
+typedef kvcs_status (*kvcs_result_query_fn)(const kvcs_result *result);
+
+// The type of `kvcs_result_wait`.
+typedef kvcs_status (*kvcs_result_wait_fn)(kvcs_result *result);
+
+// The type of `kvcs_result_group`.
+typedef kvcs_status (*kvcs_result_group_fn)(const kvcs_result *result,
+                                            const char *req_id,
+                                            uint32_t group_id,
+                                            uint64_t *first_position,
+                                            size_t *num_positions,
+                                            size_t *num_columns);
+
+// The type of `kvcs_result_column`.
+typedef kvcs_status (*kvcs_result_column_fn)(const kvcs_result *result,
+                                             const char *req_id,
+                                             uint32_t group_id,
+                                             size_t column,
+                                             uint32_t *replicas,
+                                             uint32_t *replica_index,
+                                             uint64_t *values);
+
+// The type of `kvcs_result_stored`.
+typedef kvcs_status (*kvcs_result_stored_fn)(const kvcs_result *result,
+                                             const char *req_id,
+                                             uint32_t group_id,
+                                             uint8_t *outcomes);
+
+// The type of `kvcs_result_destroy`.
+typedef void (*kvcs_result_destroy_fn)(kvcs_result *result);
+
+// The type of `kvcs_result_encode`.
+typedef kvcs_status (*kvcs_result_encode_fn)(const kvcs_result *result,
+                                             uint8_t *buf,
+                                             size_t cap,
+                                             size_t *len);
+
+// The type of `kvcs_worker_options_size`.
+typedef size_t (*kvcs_worker_options_size_fn)(void);
+
+// The type of `kvcs_segment_size`.
+typedef size_t (*kvcs_segment_size_fn)(void);
+
+// The type of `kvcs_layer_size`.
+typedef size_t (*kvcs_layer_size_fn)(void);
+
+// The type of `kvcs_state_tensor_size`.
+typedef size_t (*kvcs_state_tensor_size_fn)(void);
+
+// The type of `kvcs_state_size`.
+typedef size_t (*kvcs_state_size_fn)(void);
+
+// The type of `kvcs_mismatch_size`.
+typedef size_t (*kvcs_mismatch_size_fn)(void);
+
+// The type of `kvcs_layer_difference_size`.
+typedef size_t (*kvcs_layer_difference_size_fn)(void);
+
+// The type of `kvcs_local_engine_size`.
+typedef size_t (*kvcs_local_engine_size_fn)(void);
+
+// The type of `kvcs_remote_engine_size`.
+typedef size_t (*kvcs_remote_engine_size_fn)(void);
+
+// The type of `kvcs_head_source_size`.
+typedef size_t (*kvcs_head_source_size_fn)(void);
+
+// The type of `kvcs_tp_ratio`.
+typedef kvcs_status (*kvcs_tp_ratio_fn)(uint32_t local_tp, uint32_t remote_tp, int64_t *ratio);
+
+// The type of `kvcs_remote_ranks`.
+typedef kvcs_status (*kvcs_remote_ranks_fn)(uint32_t local_rank,
+                                            uint32_t local_tp,
+                                            uint32_t remote_tp,
+                                            uint32_t *ranks,
+                                            size_t cap,
+                                            size_t *len);
+
+// The type of `kvcs_handshake_targets`.
+typedef kvcs_status (*kvcs_handshake_targets_fn)(uint32_t local_rank,
+                                                 uint32_t local_tp,
+                                                 uint32_t remote_tp,
+                                                 uint32_t *ranks,
+                                                 size_t cap,
+                                                 size_t *len);
+
+// The type of `kvcs_block_size_ratio`.
+typedef kvcs_status (*kvcs_block_size_ratio_fn)(uint32_t local_block_size,
+                                                uint32_t remote_block_size,
+                                                uint32_t *ratio);
+
+// The type of `kvcs_remote_kv_replicated`.
+typedef kvcs_status (*kvcs_remote_kv_replicated_fn)(uint32_t remote_tp,
+                                                    uint32_t total_kv_heads,
+                                                    uint32_t *replicated);
+
+// The type of `kvcs_local_kv_replicated`.
+typedef kvcs_status (*kvcs_local_kv_replicated_fn)(uint32_t tp,
+                                                   uint32_t total_kv_heads,
+                                                   uint32_t is_mla,
+                                                   uint32_t *replicated);
+
+// The type of `kvcs_rank_heads`.
+typedef kvcs_status (*kvcs_rank_heads_fn)(uint32_t rank,
+                                          uint32_t tp,
+                                          uint32_t total_kv_heads,
+                                          uint32_t is_mla,
+                                          uint32_t *first_head,
+                                          uint32_t *num_heads);
 
 // A run of a local rank's heads and the remote rank that supplies it
 // (`kvcs_head_sources`).
@@ -418,6 +689,16 @@ typedef struct {
   uint32_t remote_offset;
 } kvcs_head_source;
 
+// The type of `kvcs_head_sources`.
+typedef kvcs_status (*kvcs_head_sources_fn)(uint32_t local_rank,
+                                            uint32_t local_tp,
+                                            uint32_t remote_tp,
+                                            uint32_t total_kv_heads,
+                                            uint32_t is_mla,
+                                            kvcs_head_source *sources,
+                                            size_t cap,
+                                            size_t *len);
+
 // The local engine of a `kvcs_topology`.
 typedef struct {
   // This worker's TP rank, below `tp_size`.
@@ -432,6 +713,14 @@ typedef struct {
   uint32_t block_size;
 } kvcs_local_engine;
 
+// The type of `kvcs_topology_create`.
+typedef kvcs_status (*kvcs_topology_create_fn)(const char *local_engine_id,
+                                               const kvcs_local_engine *local,
+                                               kvcs_topology **out);
+
+// The type of `kvcs_topology_destroy`.
+typedef void (*kvcs_topology_destroy_fn)(kvcs_topology *topology);
+
 // What a remote engine's handshake told (docs/SPEC.md#11-transfer-topology-for-transfer-agents).
 typedef struct {
   // Bytes of one logical block of one layer on one of its ranks.
@@ -444,6 +733,127 @@ typedef struct {
   // Physical (kernel) blocks per logical block.
   uint32_t kernel_blocks;
 } kvcs_remote_engine;
+
+// The type of `kvcs_topology_add_remote`.
+typedef kvcs_status (*kvcs_topology_add_remote_fn)(kvcs_topology *topology,
+                                                   const char *engine_id,
+                                                   const kvcs_remote_engine *remote,
+                                                   uint32_t *added);
+
+// The type of `kvcs_topology_remote`.
+typedef kvcs_status (*kvcs_topology_remote_fn)(const kvcs_topology *topology,
+                                               const char *engine_id,
+                                               kvcs_remote_engine *remote);
+
+// The type of `kvcs_topology_tp_ratio`.
+typedef kvcs_status (*kvcs_topology_tp_ratio_fn)(const kvcs_topology *topology,
+                                                 const char *engine_id,
+                                                 int64_t *ratio);
+
+// The type of `kvcs_topology_block_size_ratio`.
+typedef kvcs_status (*kvcs_topology_block_size_ratio_fn)(const kvcs_topology *topology,
+                                                         const char *engine_id,
+                                                         uint32_t *ratio);
+
+// The type of `kvcs_topology_remote_kv_replicated`.
+typedef kvcs_status (*kvcs_topology_remote_kv_replicated_fn)(const kvcs_topology *topology,
+                                                             const char *engine_id,
+                                                             uint32_t *replicated);
+
+// The type of `kvcs_topology_remote_ranks`.
+typedef kvcs_status (*kvcs_topology_remote_ranks_fn)(const kvcs_topology *topology,
+                                                     const char *engine_id,
+                                                     uint32_t *ranks,
+                                                     size_t cap,
+                                                     size_t *len);
+
+// The type of `kvcs_topology_head_sources`.
+typedef kvcs_status (*kvcs_topology_head_sources_fn)(const kvcs_topology *topology,
+                                                     const char *engine_id,
+                                                     kvcs_head_source *sources,
+                                                     size_t cap,
+                                                     size_t *len);
+
+// The type of `kvcs_verifier_create`.
+typedef kvcs_status (*kvcs_verifier_create_fn)(uint32_t num_workers, kvcs_verifier **out);
+
+// The type of `kvcs_verifier_destroy`.
+typedef void (*kvcs_verifier_destroy_fn)(kvcs_verifier *verifier);
+
+// The type of `kvcs_verifier_set_policy`.
+typedef kvcs_status (*kvcs_verifier_set_policy_fn)(kvcs_verifier *verifier, uint32_t policy);
+
+// The type of `kvcs_verifier_set_extension`.
+typedef kvcs_status (*kvcs_verifier_set_extension_fn)(kvcs_verifier *verifier, uint32_t on);
+
+// The type of `kvcs_verifier_set_require_coverage`.
+typedef kvcs_status (*kvcs_verifier_set_require_coverage_fn)(kvcs_verifier *verifier, uint32_t on);
+
+// The type of `kvcs_verifier_set_producer_tp_size`.
+typedef kvcs_status (*kvcs_verifier_set_producer_tp_size_fn)(kvcs_verifier *verifier,
+                                                             uint32_t tp_size);
+
+// The type of `kvcs_verifier_set_producer_block_size`.
+typedef kvcs_status (*kvcs_verifier_set_producer_block_size_fn)(kvcs_verifier *verifier,
+                                                                uint32_t group_id,
+                                                                uint32_t block_size);
+
+// The type of `kvcs_verifier_expect`.
+typedef kvcs_status (*kvcs_verifier_expect_fn)(kvcs_verifier *verifier,
+                                               const kvcs_blocks *scheduled,
+                                               uint32_t role);
+
+// The type of `kvcs_verifier_forget`.
+typedef kvcs_status (*kvcs_verifier_forget_fn)(kvcs_verifier *verifier, const char *req_id);
+
+// The type of `kvcs_verifier_add_record`.
+typedef kvcs_status (*kvcs_verifier_add_record_fn)(kvcs_verifier *verifier,
+                                                   const uint8_t *record,
+                                                   size_t len);
+
+// The type of `kvcs_verifier_payload`.
+typedef kvcs_status (*kvcs_verifier_payload_fn)(kvcs_verifier *verifier,
+                                                const char *req_id,
+                                                uint8_t *buf,
+                                                size_t cap,
+                                                size_t *len);
+
+// The type of `kvcs_verifier_check`.
+typedef kvcs_status (*kvcs_verifier_check_fn)(kvcs_verifier *verifier,
+                                              const char *req_id,
+                                              const uint8_t *payload,
+                                              size_t len,
+                                              kvcs_report **out);
+
+// The type of `kvcs_verifier_check_base64`.
+typedef kvcs_status (*kvcs_verifier_check_base64_fn)(kvcs_verifier *verifier,
+                                                     const char *req_id,
+                                                     const char *payload_base64,
+                                                     kvcs_report **out);
+
+// The type of `kvcs_verifier_check_no_payload`.
+typedef kvcs_status (*kvcs_verifier_check_no_payload_fn)(kvcs_verifier *verifier,
+                                                         const char *req_id,
+                                                         kvcs_report **out);
+
+// The type of `kvcs_verifier_check_stored`.
+typedef kvcs_status (*kvcs_verifier_check_stored_fn)(kvcs_verifier *verifier,
+                                                     const char *req_id,
+                                                     kvcs_report **out);
+
+// The type of `kvcs_base64_encode`.
+typedef kvcs_status (*kvcs_base64_encode_fn)(const uint8_t *bytes,
+                                             size_t len,
+                                             char *buf,
+                                             size_t cap,
+                                             size_t *text_len);
+
+// The type of `kvcs_base64_decode`.
+typedef kvcs_status (*kvcs_base64_decode_fn)(const char *text,
+                                             size_t text_len,
+                                             uint8_t *buf,
+                                             size_t cap,
+                                             size_t *len);
 
 // Options of `kvcs_worker_create`.
 typedef struct {
@@ -468,6 +878,27 @@ typedef struct {
   uint32_t num_threads;
 } kvcs_worker_options;
 
+// The type of `kvcs_worker_create`.
+typedef kvcs_status (*kvcs_worker_create_fn)(const kvcs_worker_options *options, kvcs_worker **out);
+
+// The type of `kvcs_worker_destroy`.
+typedef void (*kvcs_worker_destroy_fn)(kvcs_worker *worker);
+
+// The type of `kvcs_worker_add_region`.
+typedef kvcs_status (*kvcs_worker_add_region_fn)(kvcs_worker *worker,
+                                                 uint64_t address,
+                                                 uint64_t length);
+
+// The type of `kvcs_worker_add_group`.
+typedef kvcs_status (*kvcs_worker_add_group_fn)(kvcs_worker *worker,
+                                                uint32_t group_id,
+                                                uint32_t block_size);
+
+// The type of `kvcs_worker_skip_group`.
+typedef kvcs_status (*kvcs_worker_skip_group_fn)(kvcs_worker *worker,
+                                                 uint32_t group_id,
+                                                 const char *reason);
+
 // One region of a cache; strides in bytes (negative allowed). Addresses and
 // strides must be multiples of 8.
 typedef struct {
@@ -481,11 +912,15 @@ typedef struct {
   int64_t head_stride;
   // Between tokens of a kernel block.
   int64_t token_stride;
-  // Contiguous bytes per (head, token); a positive multiple of 8.
+  // Contiguous bytes per (head, token) in this segment; a positive
+  // multiple of 8. Per segment: where K and V are two segments, each
+  // says its own part's bytes (K's head size times the element size,
+  // say), not those of K and V together.
   uint32_t bytes_per_token;
 } kvcs_segment;
 
-// An attention layer's cache on this worker.
+// An attention layer's cache on this worker (`kvcs_layer_from_layout`
+// fills one from a tensor and a layout string such as "KBTHD").
 typedef struct {
   // A group registered with `kvcs_worker_add_group`.
   uint32_t group_id;
@@ -515,6 +950,9 @@ typedef struct {
   // Length of `identity`.
   size_t identity_len;
 } kvcs_layer;
+
+// The type of `kvcs_worker_add_layer`.
+typedef kvcs_status (*kvcs_worker_add_layer_fn)(kvcs_worker *worker, const kvcs_layer *layer);
 
 // One state tensor of a state layer (docs/SPEC.md#6-state-mamba-groups) as this worker holds
 // it; strides in bytes (negative allowed), addresses and strides multiples
@@ -565,408 +1003,389 @@ typedef struct {
   size_t identity_len;
 } kvcs_state;
 
-// The type of `kvcs_blocks_create`.
-typedef kvcs_status (*kvcs_blocks_create_fn)(kvcs_blocks**);
-
-// The type of `kvcs_blocks_destroy`.
-typedef void (*kvcs_blocks_destroy_fn)(kvcs_blocks*);
-
-// The type of `kvcs_blocks_add_request`.
-typedef kvcs_status (*kvcs_blocks_add_request_fn)(kvcs_blocks*, const char*, uint64_t);
-
-// The type of `kvcs_blocks_add_group`.
-typedef kvcs_status (*kvcs_blocks_add_group_fn)(kvcs_blocks*,
-                                                const char*,
-                                                uint32_t,
-                                                uint64_t,
-                                                const uint32_t*,
-                                                size_t);
-
-// The type of `kvcs_blocks_set_hashes`.
-typedef kvcs_status (*kvcs_blocks_set_hashes_fn)(kvcs_blocks*,
-                                                 const char*,
-                                                 uint32_t,
-                                                 const uint8_t*,
-                                                 size_t,
-                                                 size_t);
-
-// The type of `kvcs_completion_create`.
-typedef kvcs_status (*kvcs_completion_create_fn)(uint32_t, kvcs_completion**);
-
-// The type of `kvcs_completion_destroy`.
-typedef void (*kvcs_completion_destroy_fn)(kvcs_completion*);
-
-// The type of `kvcs_completion_set_expected`.
-typedef kvcs_status (*kvcs_completion_set_expected_fn)(kvcs_completion*, uint32_t);
-
-// The type of `kvcs_completion_report`.
-typedef kvcs_status (*kvcs_completion_report_fn)(kvcs_completion*,
-                                                 uint32_t,
-                                                 uint32_t,
-                                                 const char*const *,
-                                                 size_t,
-                                                 uint8_t*);
-
-// The type of `kvcs_completion_reported`.
-typedef kvcs_status (*kvcs_completion_reported_fn)(const kvcs_completion*,
-                                                   uint32_t,
-                                                   const char*,
-                                                   uint32_t*);
-
-// The type of `kvcs_completion_add_invalid_blocks`.
-typedef kvcs_status (*kvcs_completion_add_invalid_blocks_fn)(kvcs_completion*,
-                                                             const uint32_t*,
-                                                             size_t);
-
-// The type of `kvcs_completion_invalid_blocks`.
-typedef kvcs_status (*kvcs_completion_invalid_blocks_fn)(const kvcs_completion*,
-                                                         uint32_t*,
-                                                         size_t,
-                                                         size_t*);
-
-// The type of `kvcs_completion_clear_invalid_blocks`.
-typedef kvcs_status (*kvcs_completion_clear_invalid_blocks_fn)(kvcs_completion*);
-
-// The type of `kvcs_report_verdict`.
-typedef kvcs_status (*kvcs_report_verdict_fn)(const kvcs_report*, uint32_t*);
-
-// The type of `kvcs_report_passed`.
-typedef kvcs_status (*kvcs_report_passed_fn)(const kvcs_report*, uint32_t*);
-
-// The type of `kvcs_report_reason`.
-typedef kvcs_status (*kvcs_report_reason_fn)(const kvcs_report*, uint32_t*);
-
-// The type of `kvcs_report_message`.
-typedef kvcs_status (*kvcs_report_message_fn)(const kvcs_report*, const char**);
-
-// The type of `kvcs_report_compared_positions`.
-typedef kvcs_status (*kvcs_report_compared_positions_fn)(const kvcs_report*, uint64_t*);
-
-// The type of `kvcs_report_uncompared_positions`.
-typedef kvcs_status (*kvcs_report_uncompared_positions_fn)(const kvcs_report*, uint64_t*);
-
-// The type of `kvcs_report_num_mismatches`.
-typedef kvcs_status (*kvcs_report_num_mismatches_fn)(const kvcs_report*, size_t*);
-
-// The type of `kvcs_report_mismatch`.
-typedef kvcs_status (*kvcs_report_mismatch_fn)(const kvcs_report*, size_t, kvcs_mismatch*);
-
-// The type of `kvcs_report_failed_check`.
-typedef kvcs_status (*kvcs_report_failed_check_fn)(const kvcs_report*, size_t, size_t, uint32_t*);
-
-// The type of `kvcs_report_layer_difference`.
-typedef kvcs_status (*kvcs_report_layer_difference_fn)(const kvcs_report*,
-                                                       size_t,
-                                                       size_t,
-                                                       kvcs_layer_difference*);
-
-// The type of `kvcs_report_num_unverified`.
-typedef kvcs_status (*kvcs_report_num_unverified_fn)(const kvcs_report*, size_t*);
-
-// The type of `kvcs_report_unverified`.
-typedef kvcs_status (*kvcs_report_unverified_fn)(const kvcs_report*,
-                                                 size_t,
-                                                 uint32_t*,
-                                                 uint32_t*,
-                                                 const char**);
-
-// The type of `kvcs_report_destroy`.
-typedef void (*kvcs_report_destroy_fn)(kvcs_report*);
-
-// The type of `kvcs_verdict_name`.
-typedef const char *(*kvcs_verdict_name_fn)(uint32_t);
-
-// The type of `kvcs_unverified_reason_name`.
-typedef const char *(*kvcs_unverified_reason_name_fn)(uint32_t);
-
-// The type of `kvcs_result_query`.
-typedef kvcs_status (*kvcs_result_query_fn)(const kvcs_result*);
-
-// The type of `kvcs_result_wait`.
-typedef kvcs_status (*kvcs_result_wait_fn)(kvcs_result*);
-
-// The type of `kvcs_result_group`.
-typedef kvcs_status (*kvcs_result_group_fn)(const kvcs_result*,
-                                            const char*,
-                                            uint32_t,
-                                            uint64_t*,
-                                            size_t*,
-                                            size_t*);
-
-// The type of `kvcs_result_column`.
-typedef kvcs_status (*kvcs_result_column_fn)(const kvcs_result*,
-                                             const char*,
-                                             uint32_t,
-                                             size_t,
-                                             uint32_t*,
-                                             uint32_t*,
-                                             uint64_t*);
-
-// The type of `kvcs_result_stored`.
-typedef kvcs_status (*kvcs_result_stored_fn)(const kvcs_result*, const char*, uint32_t, uint8_t*);
-
-// The type of `kvcs_result_destroy`.
-typedef void (*kvcs_result_destroy_fn)(kvcs_result*);
-
-// The type of `kvcs_result_encode`.
-typedef kvcs_status (*kvcs_result_encode_fn)(const kvcs_result*, uint8_t*, size_t, size_t*);
-
-// The type of `kvcs_worker_options_size`.
-typedef size_t (*kvcs_worker_options_size_fn)(void);
-
-// The type of `kvcs_segment_size`.
-typedef size_t (*kvcs_segment_size_fn)(void);
-
-// The type of `kvcs_layer_size`.
-typedef size_t (*kvcs_layer_size_fn)(void);
-
-// The type of `kvcs_state_tensor_size`.
-typedef size_t (*kvcs_state_tensor_size_fn)(void);
-
-// The type of `kvcs_state_size`.
-typedef size_t (*kvcs_state_size_fn)(void);
-
-// The type of `kvcs_mismatch_size`.
-typedef size_t (*kvcs_mismatch_size_fn)(void);
-
-// The type of `kvcs_layer_difference_size`.
-typedef size_t (*kvcs_layer_difference_size_fn)(void);
-
-// The type of `kvcs_local_engine_size`.
-typedef size_t (*kvcs_local_engine_size_fn)(void);
-
-// The type of `kvcs_remote_engine_size`.
-typedef size_t (*kvcs_remote_engine_size_fn)(void);
-
-// The type of `kvcs_head_source_size`.
-typedef size_t (*kvcs_head_source_size_fn)(void);
-
-// The type of `kvcs_last_error`.
-typedef const char *(*kvcs_last_error_fn)(void);
-
-// The type of `kvcs_status_name`.
-typedef const char *(*kvcs_status_name_fn)(uint32_t);
-
-// The type of `kvcs_abi_version`.
-typedef uint32_t (*kvcs_abi_version_fn)(void);
-
-// The type of `kvcs_version`.
-typedef const char *(*kvcs_version_fn)(void);
-
-// The type of `kvcs_tp_ratio`.
-typedef kvcs_status (*kvcs_tp_ratio_fn)(uint32_t, uint32_t, int64_t*);
-
-// The type of `kvcs_remote_ranks`.
-typedef kvcs_status (*kvcs_remote_ranks_fn)(uint32_t, uint32_t, uint32_t, uint32_t*, size_t, size_t*);
-
-// The type of `kvcs_handshake_targets`.
-typedef kvcs_status (*kvcs_handshake_targets_fn)(uint32_t,
-                                                 uint32_t,
-                                                 uint32_t,
-                                                 uint32_t*,
-                                                 size_t,
-                                                 size_t*);
-
-// The type of `kvcs_block_size_ratio`.
-typedef kvcs_status (*kvcs_block_size_ratio_fn)(uint32_t, uint32_t, uint32_t*);
-
-// The type of `kvcs_remote_kv_replicated`.
-typedef kvcs_status (*kvcs_remote_kv_replicated_fn)(uint32_t, uint32_t, uint32_t*);
-
-// The type of `kvcs_local_kv_replicated`.
-typedef kvcs_status (*kvcs_local_kv_replicated_fn)(uint32_t, uint32_t, uint32_t, uint32_t*);
-
-// The type of `kvcs_rank_heads`.
-typedef kvcs_status (*kvcs_rank_heads_fn)(uint32_t,
-                                          uint32_t,
-                                          uint32_t,
-                                          uint32_t,
-                                          uint32_t*,
-                                          uint32_t*);
-
-// The type of `kvcs_head_sources`.
-typedef kvcs_status (*kvcs_head_sources_fn)(uint32_t,
-                                            uint32_t,
-                                            uint32_t,
-                                            uint32_t,
-                                            uint32_t,
-                                            kvcs_head_source*,
-                                            size_t,
-                                            size_t*);
-
-// The type of `kvcs_topology_create`.
-typedef kvcs_status (*kvcs_topology_create_fn)(const char*,
-                                               const kvcs_local_engine*,
-                                               kvcs_topology**);
-
-// The type of `kvcs_topology_destroy`.
-typedef void (*kvcs_topology_destroy_fn)(kvcs_topology*);
-
-// The type of `kvcs_topology_add_remote`.
-typedef kvcs_status (*kvcs_topology_add_remote_fn)(kvcs_topology*,
-                                                   const char*,
-                                                   const kvcs_remote_engine*,
-                                                   uint32_t*);
-
-// The type of `kvcs_topology_remote`.
-typedef kvcs_status (*kvcs_topology_remote_fn)(const kvcs_topology*,
-                                               const char*,
-                                               kvcs_remote_engine*);
-
-// The type of `kvcs_topology_tp_ratio`.
-typedef kvcs_status (*kvcs_topology_tp_ratio_fn)(const kvcs_topology*, const char*, int64_t*);
-
-// The type of `kvcs_topology_block_size_ratio`.
-typedef kvcs_status (*kvcs_topology_block_size_ratio_fn)(const kvcs_topology*,
-                                                         const char*,
-                                                         uint32_t*);
-
-// The type of `kvcs_topology_remote_kv_replicated`.
-typedef kvcs_status (*kvcs_topology_remote_kv_replicated_fn)(const kvcs_topology*,
-                                                             const char*,
-                                                             uint32_t*);
-
-// The type of `kvcs_topology_remote_ranks`.
-typedef kvcs_status (*kvcs_topology_remote_ranks_fn)(const kvcs_topology*,
-                                                     const char*,
-                                                     uint32_t*,
-                                                     size_t,
-                                                     size_t*);
-
-// The type of `kvcs_topology_head_sources`.
-typedef kvcs_status (*kvcs_topology_head_sources_fn)(const kvcs_topology*,
-                                                     const char*,
-                                                     kvcs_head_source*,
-                                                     size_t,
-                                                     size_t*);
-
-// The type of `kvcs_verifier_create`.
-typedef kvcs_status (*kvcs_verifier_create_fn)(uint32_t, kvcs_verifier**);
-
-// The type of `kvcs_verifier_destroy`.
-typedef void (*kvcs_verifier_destroy_fn)(kvcs_verifier*);
-
-// The type of `kvcs_verifier_set_policy`.
-typedef kvcs_status (*kvcs_verifier_set_policy_fn)(kvcs_verifier*, uint32_t);
-
-// The type of `kvcs_verifier_set_extension`.
-typedef kvcs_status (*kvcs_verifier_set_extension_fn)(kvcs_verifier*, uint32_t);
-
-// The type of `kvcs_verifier_set_require_coverage`.
-typedef kvcs_status (*kvcs_verifier_set_require_coverage_fn)(kvcs_verifier*, uint32_t);
-
-// The type of `kvcs_verifier_set_producer_tp_size`.
-typedef kvcs_status (*kvcs_verifier_set_producer_tp_size_fn)(kvcs_verifier*, uint32_t);
-
-// The type of `kvcs_verifier_set_producer_block_size`.
-typedef kvcs_status (*kvcs_verifier_set_producer_block_size_fn)(kvcs_verifier*, uint32_t, uint32_t);
-
-// The type of `kvcs_verifier_expect`.
-typedef kvcs_status (*kvcs_verifier_expect_fn)(kvcs_verifier*, const kvcs_blocks*, uint32_t);
-
-// The type of `kvcs_verifier_forget`.
-typedef kvcs_status (*kvcs_verifier_forget_fn)(kvcs_verifier*, const char*);
-
-// The type of `kvcs_verifier_add_record`.
-typedef kvcs_status (*kvcs_verifier_add_record_fn)(kvcs_verifier*, const uint8_t*, size_t);
-
-// The type of `kvcs_verifier_payload`.
-typedef kvcs_status (*kvcs_verifier_payload_fn)(kvcs_verifier*,
-                                                const char*,
-                                                uint8_t*,
-                                                size_t,
-                                                size_t*);
-
-// The type of `kvcs_verifier_check`.
-typedef kvcs_status (*kvcs_verifier_check_fn)(kvcs_verifier*,
-                                              const char*,
-                                              const uint8_t*,
-                                              size_t,
-                                              kvcs_report**);
-
-// The type of `kvcs_verifier_check_base64`.
-typedef kvcs_status (*kvcs_verifier_check_base64_fn)(kvcs_verifier*,
-                                                     const char*,
-                                                     const char*,
-                                                     kvcs_report**);
-
-// The type of `kvcs_verifier_check_no_payload`.
-typedef kvcs_status (*kvcs_verifier_check_no_payload_fn)(kvcs_verifier*, const char*, kvcs_report**);
-
-// The type of `kvcs_verifier_check_stored`.
-typedef kvcs_status (*kvcs_verifier_check_stored_fn)(kvcs_verifier*, const char*, kvcs_report**);
-
-// The type of `kvcs_base64_encode`.
-typedef kvcs_status (*kvcs_base64_encode_fn)(const uint8_t*, size_t, char*, size_t, size_t*);
-
-// The type of `kvcs_base64_decode`.
-typedef kvcs_status (*kvcs_base64_decode_fn)(const char*, size_t, uint8_t*, size_t, size_t*);
-
-// The type of `kvcs_worker_create`.
-typedef kvcs_status (*kvcs_worker_create_fn)(const kvcs_worker_options*, kvcs_worker**);
-
-// The type of `kvcs_worker_destroy`.
-typedef void (*kvcs_worker_destroy_fn)(kvcs_worker*);
-
-// The type of `kvcs_worker_add_region`.
-typedef kvcs_status (*kvcs_worker_add_region_fn)(kvcs_worker*, uint64_t, uint64_t);
-
-// The type of `kvcs_worker_add_group`.
-typedef kvcs_status (*kvcs_worker_add_group_fn)(kvcs_worker*, uint32_t, uint32_t);
-
-// The type of `kvcs_worker_skip_group`.
-typedef kvcs_status (*kvcs_worker_skip_group_fn)(kvcs_worker*, uint32_t, const char*);
-
-// The type of `kvcs_worker_add_layer`.
-typedef kvcs_status (*kvcs_worker_add_layer_fn)(kvcs_worker*, const kvcs_layer*);
-
 // The type of `kvcs_worker_add_state`.
-typedef kvcs_status (*kvcs_worker_add_state_fn)(kvcs_worker*, const kvcs_state*);
+typedef kvcs_status (*kvcs_worker_add_state_fn)(kvcs_worker *worker, const kvcs_state *state);
 
 // The type of `kvcs_worker_add_alias`.
-typedef kvcs_status (*kvcs_worker_add_alias_fn)(kvcs_worker*,
-                                                uint32_t,
-                                                uint32_t,
-                                                uint32_t,
-                                                const uint8_t*,
-                                                size_t);
+typedef kvcs_status (*kvcs_worker_add_alias_fn)(kvcs_worker *worker,
+                                                uint32_t group_id,
+                                                uint32_t layer_number,
+                                                uint32_t target_layer_number,
+                                                const uint8_t *identity,
+                                                size_t identity_len);
 
 // The type of `kvcs_worker_checksum`.
-typedef kvcs_status (*kvcs_worker_checksum_fn)(kvcs_worker*,
-                                               const kvcs_blocks*,
-                                               uint32_t,
-                                               void*,
-                                               kvcs_result**);
+typedef kvcs_status (*kvcs_worker_checksum_fn)(kvcs_worker *worker,
+                                               const kvcs_blocks *blocks,
+                                               uint32_t role,
+                                               void *cuda_stream,
+                                               kvcs_result **out);
 
 // The type of `kvcs_worker_add_stored`.
-typedef kvcs_status (*kvcs_worker_add_stored_fn)(kvcs_worker*, uint32_t, uint64_t, uint64_t);
+typedef kvcs_status (*kvcs_worker_add_stored_fn)(kvcs_worker *worker,
+                                                 uint32_t group_id,
+                                                 uint64_t address,
+                                                 uint64_t num_blocks);
 
 // The type of `kvcs_worker_store`.
-typedef kvcs_status (*kvcs_worker_store_fn)(kvcs_worker*, const kvcs_blocks*, void*, kvcs_result**);
+typedef kvcs_status (*kvcs_worker_store_fn)(kvcs_worker *worker,
+                                            const kvcs_blocks *blocks,
+                                            void *cuda_stream,
+                                            kvcs_result **out);
 
 // The type of `kvcs_worker_check_stored`.
-typedef kvcs_status (*kvcs_worker_check_stored_fn)(kvcs_worker*,
-                                                   const kvcs_blocks*,
-                                                   void*,
-                                                   kvcs_result**);
+typedef kvcs_status (*kvcs_worker_check_stored_fn)(kvcs_worker *worker,
+                                                   const kvcs_blocks *blocks,
+                                                   void *cuda_stream,
+                                                   kvcs_result **out);
 
 // The type of `kvcs_block_tags`.
-typedef kvcs_status (*kvcs_block_tags_fn)(const kvcs_worker*,
-                                          uint32_t,
-                                          const uint8_t*,
-                                          size_t,
-                                          size_t,
-                                          uint64_t*);
+typedef kvcs_status (*kvcs_block_tags_fn)(const kvcs_worker *worker,
+                                          uint32_t group_id,
+                                          const uint8_t *hashes,
+                                          size_t hash_bytes,
+                                          size_t n,
+                                          uint64_t *tags);
 
 // The type of `kvcs_worker_set_detail`.
-typedef kvcs_status (*kvcs_worker_set_detail_fn)(kvcs_worker*, uint32_t);
+typedef kvcs_status (*kvcs_worker_set_detail_fn)(kvcs_worker *worker, uint32_t on);
 
 // The type of `kvcs_worker_set_algorithm`.
-typedef kvcs_status (*kvcs_worker_set_algorithm_fn)(kvcs_worker*, uint32_t);
+typedef kvcs_status (*kvcs_worker_set_algorithm_fn)(kvcs_worker *worker, uint32_t algorithm);
+
+// A strided tensor (a PyTorch tensor, a DLPack `DLTensor`, a numpy array)
+// as `kvcs_layer_from_layout` reads it: sizes and strides, outermost
+// dimension first. Strides are in bytes (a PyTorch or DLPack stride times
+// the element size). The caller owns the arrays; the call only reads them.
+typedef struct {
+  // Address of the element whose every index is 0 (host or device memory;
+  // never read here).
+  uint64_t address;
+  // `ndim` sizes, each at least 0.
+  const int64_t *shape;
+  // `ndim` strides in bytes, any sign.
+  const int64_t *strides;
+  // Dimensions: as many as the layout string has letters.
+  size_t ndim;
+  // Bytes per element (2 for fp16/bf16, 1 for fp8).
+  uint32_t element_size;
+} kvcs_tensor;
+
+// The type of `kvcs_layer_from_layout`.
+typedef kvcs_status (*kvcs_layer_from_layout_fn)(const char *layout,
+                                                 const kvcs_tensor *cache,
+                                                 const kvcs_tensor *v,
+                                                 uint32_t kernel_blocks,
+                                                 kvcs_layer *layer_out,
+                                                 kvcs_segment *segments_out);
+
+// A consumer block to load again: its group, position and block id, and
+// the request tokens `[start_token, end_token)` of it (half-open) that
+// were compared and differ.
+typedef struct {
+  // The group.
+  uint32_t group_id;
+  // The consumer's block id.
+  uint32_t block_id;
+  // The block's position in the request.
+  uint64_t position;
+  // First request token to load again.
+  uint64_t start_token;
+  // One past the last request token to load again.
+  uint64_t end_token;
+} kvcs_repair_block;
+
+// The type of `kvcs_report_repair_plan`.
+typedef kvcs_status (*kvcs_report_repair_plan_fn)(const kvcs_report *report,
+                                                  const kvcs_blocks *consumer_blocks,
+                                                  const char *req_id,
+                                                  const uint32_t *group_ids,
+                                                  const uint32_t *block_sizes,
+                                                  size_t num_groups,
+                                                  kvcs_repair_block *buf,
+                                                  size_t cap,
+                                                  size_t *len);
+
+// The type of `kvcs_repair_plan`.
+typedef kvcs_status (*kvcs_repair_plan_fn)(const kvcs_mismatch *mismatches,
+                                           size_t num_mismatches,
+                                           const kvcs_blocks *consumer_blocks,
+                                           const char *req_id,
+                                           const uint32_t *group_ids,
+                                           const uint32_t *block_sizes,
+                                           size_t num_groups,
+                                           kvcs_repair_block *buf,
+                                           size_t cap,
+                                           size_t *len);
+
+// The type of `kvcs_tensor_size`.
+typedef size_t (*kvcs_tensor_size_fn)(void);
+
+// The type of `kvcs_repair_block_size`.
+typedef size_t (*kvcs_repair_block_size_fn)(void);
+
+// Every call of the library as one table of function pointers, for a
+// program that loads kvcsum at run time: it resolves the one symbol
+// `kvcs_api_get` and calls through the table, whose entries the compiler
+// checks. Entries keep their place forever (src/ffi/api-slots.txt): new
+// calls are appended, none moves or goes away within an ABI version, so
+// `size` says which entries a library has. A program built against a newer
+// header than the library checks an entry with `KVCS_API_HAS(api, entry)`
+// before calling it.
+//
+// Ownership: the library's, static; never freed. Thread safety: read-only,
+// shared by every thread.
+typedef struct {
+  // `sizeof(kvcs_api)` in the library that filled it; the entries lie in
+  // its first `size` bytes.
+  size_t size;
+  // The library's ABI version, `KVCS_ABI_VERSION`.
+  uint32_t abi_version;
+  // Slot 0: `kvcs_abi_version`.
+  kvcs_abi_version_fn kvcs_abi_version;
+  // Slot 1: `kvcs_version`.
+  kvcs_version_fn kvcs_version;
+  // Slot 2: `kvcs_last_error`.
+  kvcs_last_error_fn kvcs_last_error;
+  // Slot 3: `kvcs_status_name`.
+  kvcs_status_name_fn kvcs_status_name;
+  // Slot 4: `kvcs_struct_layout`.
+  kvcs_struct_layout_fn kvcs_struct_layout;
+  // Slot 5: `kvcs_struct_field`.
+  kvcs_struct_field_fn kvcs_struct_field;
+  // Slot 6: `kvcs_blocks_create`.
+  kvcs_blocks_create_fn kvcs_blocks_create;
+  // Slot 7: `kvcs_blocks_destroy`.
+  kvcs_blocks_destroy_fn kvcs_blocks_destroy;
+  // Slot 8: `kvcs_blocks_add_request`.
+  kvcs_blocks_add_request_fn kvcs_blocks_add_request;
+  // Slot 9: `kvcs_blocks_add_group`.
+  kvcs_blocks_add_group_fn kvcs_blocks_add_group;
+  // Slot 10: `kvcs_blocks_set_hashes`.
+  kvcs_blocks_set_hashes_fn kvcs_blocks_set_hashes;
+  // Slot 11: `kvcs_completion_create`.
+  kvcs_completion_create_fn kvcs_completion_create;
+  // Slot 12: `kvcs_completion_destroy`.
+  kvcs_completion_destroy_fn kvcs_completion_destroy;
+  // Slot 13: `kvcs_completion_set_expected`.
+  kvcs_completion_set_expected_fn kvcs_completion_set_expected;
+  // Slot 14: `kvcs_completion_report`.
+  kvcs_completion_report_fn kvcs_completion_report;
+  // Slot 15: `kvcs_completion_reported`.
+  kvcs_completion_reported_fn kvcs_completion_reported;
+  // Slot 16: `kvcs_completion_add_invalid_blocks`.
+  kvcs_completion_add_invalid_blocks_fn kvcs_completion_add_invalid_blocks;
+  // Slot 17: `kvcs_completion_invalid_blocks`.
+  kvcs_completion_invalid_blocks_fn kvcs_completion_invalid_blocks;
+  // Slot 18: `kvcs_completion_clear_invalid_blocks`.
+  kvcs_completion_clear_invalid_blocks_fn kvcs_completion_clear_invalid_blocks;
+  // Slot 19: `kvcs_report_verdict`.
+  kvcs_report_verdict_fn kvcs_report_verdict;
+  // Slot 20: `kvcs_report_passed`.
+  kvcs_report_passed_fn kvcs_report_passed;
+  // Slot 21: `kvcs_report_reason`.
+  kvcs_report_reason_fn kvcs_report_reason;
+  // Slot 22: `kvcs_report_message`.
+  kvcs_report_message_fn kvcs_report_message;
+  // Slot 23: `kvcs_report_compared_positions`.
+  kvcs_report_compared_positions_fn kvcs_report_compared_positions;
+  // Slot 24: `kvcs_report_uncompared_positions`.
+  kvcs_report_uncompared_positions_fn kvcs_report_uncompared_positions;
+  // Slot 25: `kvcs_report_num_mismatches`.
+  kvcs_report_num_mismatches_fn kvcs_report_num_mismatches;
+  // Slot 26: `kvcs_report_mismatch`.
+  kvcs_report_mismatch_fn kvcs_report_mismatch;
+  // Slot 27: `kvcs_report_failed_check`.
+  kvcs_report_failed_check_fn kvcs_report_failed_check;
+  // Slot 28: `kvcs_report_layer_difference`.
+  kvcs_report_layer_difference_fn kvcs_report_layer_difference;
+  // Slot 29: `kvcs_report_num_unverified`.
+  kvcs_report_num_unverified_fn kvcs_report_num_unverified;
+  // Slot 30: `kvcs_report_unverified`.
+  kvcs_report_unverified_fn kvcs_report_unverified;
+  // Slot 31: `kvcs_report_destroy`.
+  kvcs_report_destroy_fn kvcs_report_destroy;
+  // Slot 32: `kvcs_verdict_name`.
+  kvcs_verdict_name_fn kvcs_verdict_name;
+  // Slot 33: `kvcs_unverified_reason_name`.
+  kvcs_unverified_reason_name_fn kvcs_unverified_reason_name;
+  // Slot 34: `kvcs_result_query`.
+  kvcs_result_query_fn kvcs_result_query;
+  // Slot 35: `kvcs_result_wait`.
+  kvcs_result_wait_fn kvcs_result_wait;
+  // Slot 36: `kvcs_result_group`.
+  kvcs_result_group_fn kvcs_result_group;
+  // Slot 37: `kvcs_result_column`.
+  kvcs_result_column_fn kvcs_result_column;
+  // Slot 38: `kvcs_result_stored`.
+  kvcs_result_stored_fn kvcs_result_stored;
+  // Slot 39: `kvcs_result_destroy`.
+  kvcs_result_destroy_fn kvcs_result_destroy;
+  // Slot 40: `kvcs_result_encode`.
+  kvcs_result_encode_fn kvcs_result_encode;
+  // Slot 41: `kvcs_worker_options_size`.
+  kvcs_worker_options_size_fn kvcs_worker_options_size;
+  // Slot 42: `kvcs_segment_size`.
+  kvcs_segment_size_fn kvcs_segment_size;
+  // Slot 43: `kvcs_layer_size`.
+  kvcs_layer_size_fn kvcs_layer_size;
+  // Slot 44: `kvcs_state_tensor_size`.
+  kvcs_state_tensor_size_fn kvcs_state_tensor_size;
+  // Slot 45: `kvcs_state_size`.
+  kvcs_state_size_fn kvcs_state_size;
+  // Slot 46: `kvcs_mismatch_size`.
+  kvcs_mismatch_size_fn kvcs_mismatch_size;
+  // Slot 47: `kvcs_layer_difference_size`.
+  kvcs_layer_difference_size_fn kvcs_layer_difference_size;
+  // Slot 48: `kvcs_local_engine_size`.
+  kvcs_local_engine_size_fn kvcs_local_engine_size;
+  // Slot 49: `kvcs_remote_engine_size`.
+  kvcs_remote_engine_size_fn kvcs_remote_engine_size;
+  // Slot 50: `kvcs_head_source_size`.
+  kvcs_head_source_size_fn kvcs_head_source_size;
+  // Slot 51: `kvcs_tp_ratio`.
+  kvcs_tp_ratio_fn kvcs_tp_ratio;
+  // Slot 52: `kvcs_remote_ranks`.
+  kvcs_remote_ranks_fn kvcs_remote_ranks;
+  // Slot 53: `kvcs_handshake_targets`.
+  kvcs_handshake_targets_fn kvcs_handshake_targets;
+  // Slot 54: `kvcs_block_size_ratio`.
+  kvcs_block_size_ratio_fn kvcs_block_size_ratio;
+  // Slot 55: `kvcs_remote_kv_replicated`.
+  kvcs_remote_kv_replicated_fn kvcs_remote_kv_replicated;
+  // Slot 56: `kvcs_local_kv_replicated`.
+  kvcs_local_kv_replicated_fn kvcs_local_kv_replicated;
+  // Slot 57: `kvcs_rank_heads`.
+  kvcs_rank_heads_fn kvcs_rank_heads;
+  // Slot 58: `kvcs_head_sources`.
+  kvcs_head_sources_fn kvcs_head_sources;
+  // Slot 59: `kvcs_topology_create`.
+  kvcs_topology_create_fn kvcs_topology_create;
+  // Slot 60: `kvcs_topology_destroy`.
+  kvcs_topology_destroy_fn kvcs_topology_destroy;
+  // Slot 61: `kvcs_topology_add_remote`.
+  kvcs_topology_add_remote_fn kvcs_topology_add_remote;
+  // Slot 62: `kvcs_topology_remote`.
+  kvcs_topology_remote_fn kvcs_topology_remote;
+  // Slot 63: `kvcs_topology_tp_ratio`.
+  kvcs_topology_tp_ratio_fn kvcs_topology_tp_ratio;
+  // Slot 64: `kvcs_topology_block_size_ratio`.
+  kvcs_topology_block_size_ratio_fn kvcs_topology_block_size_ratio;
+  // Slot 65: `kvcs_topology_remote_kv_replicated`.
+  kvcs_topology_remote_kv_replicated_fn kvcs_topology_remote_kv_replicated;
+  // Slot 66: `kvcs_topology_remote_ranks`.
+  kvcs_topology_remote_ranks_fn kvcs_topology_remote_ranks;
+  // Slot 67: `kvcs_topology_head_sources`.
+  kvcs_topology_head_sources_fn kvcs_topology_head_sources;
+  // Slot 68: `kvcs_verifier_create`.
+  kvcs_verifier_create_fn kvcs_verifier_create;
+  // Slot 69: `kvcs_verifier_destroy`.
+  kvcs_verifier_destroy_fn kvcs_verifier_destroy;
+  // Slot 70: `kvcs_verifier_set_policy`.
+  kvcs_verifier_set_policy_fn kvcs_verifier_set_policy;
+  // Slot 71: `kvcs_verifier_set_extension`.
+  kvcs_verifier_set_extension_fn kvcs_verifier_set_extension;
+  // Slot 72: `kvcs_verifier_set_require_coverage`.
+  kvcs_verifier_set_require_coverage_fn kvcs_verifier_set_require_coverage;
+  // Slot 73: `kvcs_verifier_set_producer_tp_size`.
+  kvcs_verifier_set_producer_tp_size_fn kvcs_verifier_set_producer_tp_size;
+  // Slot 74: `kvcs_verifier_set_producer_block_size`.
+  kvcs_verifier_set_producer_block_size_fn kvcs_verifier_set_producer_block_size;
+  // Slot 75: `kvcs_verifier_expect`.
+  kvcs_verifier_expect_fn kvcs_verifier_expect;
+  // Slot 76: `kvcs_verifier_forget`.
+  kvcs_verifier_forget_fn kvcs_verifier_forget;
+  // Slot 77: `kvcs_verifier_add_record`.
+  kvcs_verifier_add_record_fn kvcs_verifier_add_record;
+  // Slot 78: `kvcs_verifier_payload`.
+  kvcs_verifier_payload_fn kvcs_verifier_payload;
+  // Slot 79: `kvcs_verifier_check`.
+  kvcs_verifier_check_fn kvcs_verifier_check;
+  // Slot 80: `kvcs_verifier_check_base64`.
+  kvcs_verifier_check_base64_fn kvcs_verifier_check_base64;
+  // Slot 81: `kvcs_verifier_check_no_payload`.
+  kvcs_verifier_check_no_payload_fn kvcs_verifier_check_no_payload;
+  // Slot 82: `kvcs_verifier_check_stored`.
+  kvcs_verifier_check_stored_fn kvcs_verifier_check_stored;
+  // Slot 83: `kvcs_base64_encode`.
+  kvcs_base64_encode_fn kvcs_base64_encode;
+  // Slot 84: `kvcs_base64_decode`.
+  kvcs_base64_decode_fn kvcs_base64_decode;
+  // Slot 85: `kvcs_worker_create`.
+  kvcs_worker_create_fn kvcs_worker_create;
+  // Slot 86: `kvcs_worker_destroy`.
+  kvcs_worker_destroy_fn kvcs_worker_destroy;
+  // Slot 87: `kvcs_worker_add_region`.
+  kvcs_worker_add_region_fn kvcs_worker_add_region;
+  // Slot 88: `kvcs_worker_add_group`.
+  kvcs_worker_add_group_fn kvcs_worker_add_group;
+  // Slot 89: `kvcs_worker_skip_group`.
+  kvcs_worker_skip_group_fn kvcs_worker_skip_group;
+  // Slot 90: `kvcs_worker_add_layer`.
+  kvcs_worker_add_layer_fn kvcs_worker_add_layer;
+  // Slot 91: `kvcs_worker_add_state`.
+  kvcs_worker_add_state_fn kvcs_worker_add_state;
+  // Slot 92: `kvcs_worker_add_alias`.
+  kvcs_worker_add_alias_fn kvcs_worker_add_alias;
+  // Slot 93: `kvcs_worker_checksum`.
+  kvcs_worker_checksum_fn kvcs_worker_checksum;
+  // Slot 94: `kvcs_worker_add_stored`.
+  kvcs_worker_add_stored_fn kvcs_worker_add_stored;
+  // Slot 95: `kvcs_worker_store`.
+  kvcs_worker_store_fn kvcs_worker_store;
+  // Slot 96: `kvcs_worker_check_stored`.
+  kvcs_worker_check_stored_fn kvcs_worker_check_stored;
+  // Slot 97: `kvcs_block_tags`.
+  kvcs_block_tags_fn kvcs_block_tags;
+  // Slot 98: `kvcs_worker_set_detail`.
+  kvcs_worker_set_detail_fn kvcs_worker_set_detail;
+  // Slot 99: `kvcs_worker_set_algorithm`.
+  kvcs_worker_set_algorithm_fn kvcs_worker_set_algorithm;
+  // Slot 100: `kvcs_layer_from_layout`.
+  kvcs_layer_from_layout_fn kvcs_layer_from_layout;
+  // Slot 101: `kvcs_report_repair_plan`.
+  kvcs_report_repair_plan_fn kvcs_report_repair_plan;
+  // Slot 102: `kvcs_repair_plan`.
+  kvcs_repair_plan_fn kvcs_repair_plan;
+  // Slot 103: `kvcs_tensor_size`.
+  kvcs_tensor_size_fn kvcs_tensor_size;
+  // Slot 104: `kvcs_repair_block_size`.
+  kvcs_repair_block_size_fn kvcs_repair_block_size;
+} kvcs_api;
+
+// The type of `kvcs_api_get`.
+typedef kvcs_status (*kvcs_api_get_fn)(uint32_t abi_version, const kvcs_api **out);
 
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+#if !defined(KVCS_NO_PROTOTYPES)
+
+// Gives the table of every call of this library for ABI version
+// `abi_version` (pass `KVCS_ABI_VERSION`): the one symbol a program that
+// loads kvcsum with `dlopen` needs to resolve. `*out` points to a static
+// table owned by the library, valid while it stays loaded, shared by all
+// threads. Another version gives `KVCS_ERR_UNSUPPORTED` naming both.
+kvcs_status kvcs_api_get(uint32_t abi_version, const kvcs_api **out);
+
+// The layout of the ABI struct `struct_name` (`"kvcs_layer"`, say) in this
+// library: `*size` its `sizeof`, `*num_fields` how many fields it has (read
+// each with `kvcs_struct_field`). NULL out-parameters are skipped. A name
+// that is no struct of the ABI gives `KVCS_ERR_NOT_FOUND`.
+kvcs_status kvcs_struct_layout(const char *struct_name, size_t *size, size_t *num_fields);
+
+// Field `index` (declaration order, below `num_fields` of
+// `kvcs_struct_layout`) of the ABI struct `struct_name` in this library:
+// `*field_name` its name (a static string), `*offset` its `offsetof`,
+// `*size` its `sizeof`. NULL out-parameters are skipped. An unknown
+// struct gives `KVCS_ERR_NOT_FOUND`, an index past the last field
+// `KVCS_ERR_OUT_OF_BOUNDS`.
+kvcs_status kvcs_struct_field(const char *struct_name,
+                              size_t index,
+                              const char **field_name,
+                              size_t *offset,
+                              size_t *size);
 
 // Creates an empty block set; `*out` owns it.
 kvcs_status kvcs_blocks_create(kvcs_blocks **out);
@@ -1045,6 +1464,103 @@ kvcs_status kvcs_completion_invalid_blocks(const kvcs_completion *completion,
 
 // Forgets the invalid block ids.
 kvcs_status kvcs_completion_clear_invalid_blocks(kvcs_completion *completion);
+
+// Describes one attention layer's cache from its tensor and a layout
+// string (docs/SPEC.md#14-layout-strings), as Python's `kvcsum.layer()`
+// does, so that a FlashAttention or FlashInfer tensor maps to segments
+// without working out strides by hand.
+//
+// `layout` names the dimensions of `cache`, outermost first, one letter
+// each (case-insensitive): `B` blocks, `T` tokens of a block, `H` heads
+// (left out for a cache with one head, such as MLA's), `D` the contiguous
+// elements of one head's cell for one token, and optionally `K` (size 2:
+// K then V, which become two segments). "NHD" means "BTHD", "HND" means
+// "BHTD". Examples: FlashAttention `[2, blocks, 16, heads, 128]` is
+// "KBTHD"; FlashInfer HND `[blocks, 2, heads, 16, 128]` is "BKHTD"; an
+// MLA cache `[blocks, 64, 576]` is "BTD". Where K and V live in two
+// tensors of the same layout (without `K`), give V's as `v`; else `v` is
+// NULL. With `kernel_blocks` > 1, B counts kernel blocks, that many
+// consecutive ones making one logical block.
+//
+// On `KVCS_OK` writes every field of `*layer_out`: the geometry
+// (`num_heads`, `num_blocks`, `kernel_blocks`, `tokens_per_kernel_block`,
+// `num_segments`, `segments` = `segments_out`) and, for the fields that
+// say which layer this is, defaults the caller overwrites as needed before
+// `kvcs_worker_add_layer`: `group_id` 0, `layer_number` 0, `first_head` 0,
+// `replicas` 1, `replica_index` 0, `identity` (NULL, 0). It writes
+// `num_segments` (1 or 2) segments to `segments_out`, which has room for 2
+// and must outlive the use of `*layer_out`; each segment's
+// `bytes_per_token` is the bytes of its own part of the cell (D times
+// `element_size`), not of K and V together.
+//
+// `KVCS_ERR_INVALID_ARGUMENT`, naming the argument and value: a layout
+// with an unknown or repeated letter or without B, T or D; a tensor whose
+// `ndim` differs from the layout's letters; a size below 0;
+// `element_size` 0; D not contiguous (stride other than `element_size`
+// where it has more than one element); K of a size other than 2; both a
+// K letter and `v`; `kernel_blocks` 0 or not dividing B; `v` differing
+// from `cache` in B, T or H; a field that does not fit its type. Nothing
+// is read at `address`; `kvcs_worker_add_layer` checks the rest
+// (alignment, bytes per token a multiple of 8, registered regions).
+kvcs_status kvcs_layer_from_layout(const char *layout,
+                                   const kvcs_tensor *cache,
+                                   const kvcs_tensor *v,
+                                   uint32_t kernel_blocks,
+                                   kvcs_layer *layer_out,
+                                   kvcs_segment *segments_out);
+
+// The consumer blocks to load again (docs/SPEC.md#15-repair-plan) after
+// the MISMATCH `report` of request `req_id`, whose consumer block ids per
+// group are in `consumer_blocks` (what the consumer gave
+// `kvcs_verifier_expect`), with the consumer's tokens per block of group
+// `group_ids[i]` in `block_sizes[i]` (a group at most once; groups without
+// a mismatch may be left out).
+//
+// Writes the entries to `(buf, cap, *len)` sorted by group and position,
+// each position once; each names the request tokens `[start_token,
+// end_token)` of its block that were compared and differ. Where the two
+// sides' block sizes differ, a mismatch spans a run of their least common
+// multiple of tokens, and every consumer block of the run is named. A
+// MATCH gives none. Too small a `cap` gives `KVCS_ERR_BUFFER_TOO_SMALL`
+// with `*len` the number needed (`buf` may be NULL with `cap` 0 to ask).
+//
+// `KVCS_ERR_INVALID_ARGUMENT` where a plan would not make the load
+// verified, so it must be repeated whole: an UNVERIFIED report, or a
+// MISMATCH that also has findings (a group, or the whole load, not
+// compared); also for a mismatch that does not fit the blocks: a group
+// with no blocks in `consumer_blocks` or no block size, a position without
+// a block id, a position holding none of the differing tokens (a block
+// size other than the one the report was made with), a block size of 0,
+// a group twice in `group_ids`. `KVCS_ERR_NOT_FOUND` when `req_id` is not
+// in `consumer_blocks`.
+kvcs_status kvcs_report_repair_plan(const kvcs_report *report,
+                                    const kvcs_blocks *consumer_blocks,
+                                    const char *req_id,
+                                    const uint32_t *group_ids,
+                                    const uint32_t *block_sizes,
+                                    size_t num_groups,
+                                    kvcs_repair_block *buf,
+                                    size_t cap,
+                                    size_t *len);
+
+// The consumer blocks to load again for `mismatches` (entries of
+// `kvcs_report_mismatch`, say, carried to another process; only
+// `group_id`, `first_position`, `num_positions`, `first_token` and
+// `num_tokens` are read), as `kvcs_report_repair_plan` gives them for a
+// report. The entries carry no findings, so this call cannot refuse a
+// report with unverified groups: that check is the caller's. Entries of
+// one group must not overlap (`KVCS_ERR_INVALID_ARGUMENT`); the other
+// errors are `kvcs_report_repair_plan`'s.
+kvcs_status kvcs_repair_plan(const kvcs_mismatch *mismatches,
+                             size_t num_mismatches,
+                             const kvcs_blocks *consumer_blocks,
+                             const char *req_id,
+                             const uint32_t *group_ids,
+                             const uint32_t *block_sizes,
+                             size_t num_groups,
+                             kvcs_repair_block *buf,
+                             size_t cap,
+                             size_t *len);
 
 // The verdict, a `kvcs_verdict` value.
 kvcs_status kvcs_report_verdict(const kvcs_report *report, uint32_t *verdict);
@@ -1198,6 +1714,12 @@ size_t kvcs_remote_engine_size(void);
 // `sizeof(kvcs_head_source)` in this library.
 size_t kvcs_head_source_size(void);
 
+// `sizeof(kvcs_tensor)` in this library.
+size_t kvcs_tensor_size(void);
+
+// `sizeof(kvcs_repair_block)` in this library.
+size_t kvcs_repair_block_size(void);
+
 // The message of the last failed call on this thread: what failed, which
 // argument, which value. Never NULL; valid until the next failing call on
 // this thread. "no error" before any call failed.
@@ -1211,7 +1733,7 @@ const char *kvcs_status_name(uint32_t status);
 // the header a program was built with, or the program must not use it.
 uint32_t kvcs_abi_version(void);
 
-// The library's version ("0.1.0"), a static string. Never NULL.
+// The library's version (the crate version, e.g. "0.2.0"; docs/VERSIONING.md), a static string. Never NULL.
 const char *kvcs_version(void);
 
 // `local_tp / remote_tp` when `local_tp >= remote_tp`, else `-(remote_tp /
@@ -1656,6 +2178,8 @@ kvcs_status kvcs_worker_set_detail(kvcs_worker *worker, uint32_t on);
 // another algorithm than the store's reads `KVCS_STORED_OTHER_ALGORITHM`
 // at each position, and the verifier calls the load unverified.
 kvcs_status kvcs_worker_set_algorithm(kvcs_worker *worker, uint32_t algorithm);
+
+#endif  /* !defined(KVCS_NO_PROTOTYPES) */
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -2,8 +2,8 @@
 # Installs kvcsum like a C library: `scripts/install.sh PREFIX [DESTDIR]`,
 # run by `make install PREFIX=... [DESTDIR=...]` after the release build.
 #
-#   PREFIX/lib/libkvcsum.so.X.Y.Z    the shared library without debug info
-#   PREFIX/lib/libkvcsum.so.X        its SONAME (a link), what programs load
+#   PREFIX/lib/libkvcsum.so.X.Y.Z    the shared library without debug info (crate version)
+#   PREFIX/lib/libkvcsum.so.N        its SONAME, N = KVCS_ABI_VERSION (a link), what programs load
 #   PREFIX/lib/libkvcsum.so          the link name for -lkvcsum
 #   PREFIX/lib/libkvcsum.a           a static library whose only global
 #                                    symbols are the kvcs_ calls
@@ -20,7 +20,7 @@ destdir=${2:-}
 cd "$(dirname "$0")/.."
 
 version=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -n 1)
-major=${version%%.*}
+soversion=$(sed -n 's/^#define KVCS_ABI_VERSION \([0-9]*\)$/\1/p' include/kvcsum.h)  # docs/VERSIONING.md
 release=target/release
 dist=build/dist
 rm -rf "$dist" && mkdir -p "$dist"
@@ -32,8 +32,8 @@ objcopy --only-keep-debug "$release/libkvcsum.so" "$dist/$so.debug"
 objcopy --strip-debug --strip-unneeded --remove-section=.comment \
     --add-gnu-debuglink="$dist/$so.debug" "$release/libkvcsum.so" "$dist/$so"
 soname=$(readelf -d "$dist/$so" | sed -n 's/.*Library soname: \[\(.*\)\]/\1/p')
-if [ "$soname" != "libkvcsum.so.$major" ]; then
-    echo "install.sh: $release/libkvcsum.so has SONAME '$soname', expected libkvcsum.so.$major (build.rs sets it)" >&2
+if [ "$soname" != "libkvcsum.so.$soversion" ]; then
+    echo "install.sh: $release/libkvcsum.so has SONAME '$soname', expected libkvcsum.so.$soversion (build.rs sets it)" >&2
     exit 1
 fi
 
@@ -64,15 +64,15 @@ sed -e "s|@PREFIX@|$prefix|g" -e "s|@VERSION@|$version|g" -e "s|@STATIC_DEPS@|$s
     cmake/kvcsum.pc.in >"$dist/kvcsum.pc"
 sed -e "s|@PREFIX@|$prefix|g" -e "s|@VERSION@|$version|g" -e "s|@STATIC_DEPS@|$static_deps|g" \
     cmake/kvcsum-static.pc.in >"$dist/kvcsum-static.pc"
-sed -e "s|@VERSION@|$version|g" -e "s|@MAJOR@|$major|g" -e "s|@STATIC_DEPS@|$cmake_deps|g" \
+sed -e "s|@VERSION@|$version|g" -e "s|@SOVERSION@|$soversion|g" -e "s|@STATIC_DEPS@|$cmake_deps|g" \
     cmake/kvcsumConfig.cmake.in >"$dist/kvcsumConfig.cmake"
 sed -e "s|@VERSION@|$version|g" cmake/kvcsumConfigVersion.cmake.in >"$dist/kvcsumConfigVersion.cmake"
 
 root=$destdir$prefix
 install -d "$root/lib/pkgconfig" "$root/lib/cmake/kvcsum" "$root/include"
 install -m 0755 "$dist/$so" "$root/lib/$so"
-ln -sfn "$so" "$root/lib/libkvcsum.so.$major"
-ln -sfn "libkvcsum.so.$major" "$root/lib/libkvcsum.so"
+ln -sfn "$so" "$root/lib/libkvcsum.so.$soversion"
+ln -sfn "libkvcsum.so.$soversion" "$root/lib/libkvcsum.so"
 install -m 0644 "$dist/libkvcsum.a" "$root/lib/libkvcsum.a"
 install -m 0644 include/kvcsum.h include/kvcsum.hpp "$root/include/"
 install -m 0644 "$dist/kvcsum.pc" "$dist/kvcsum-static.pc" "$root/lib/pkgconfig/"

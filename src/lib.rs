@@ -5,14 +5,16 @@
 //!
 //! 1. arithmetic and plumbing: `error`, `checksum` (the definition), `msgpack`,
 //!    `pool` (the host engine's helper threads);
-//! 2. inputs: `state` (state layers), `layout`, `blocks`, `fingerprint`, `stream`;
+//! 2. inputs: `state` (state layers), `layout`, `layout_string` (a layer from a
+//!    tensor and a layout string), `blocks`, `fingerprint`, `stream`;
 //! 3. results: `result` (also the facts a record carries);
 //! 4. `plan`: a call's blocks checked and laid out as rows;
 //! 5. engines: `host`, `cuda` (the device), `detail` (per-layer partials),
 //!    `stored` (stored checksums of offloaded KV);
 //! 6. `worker`: a layout plus an engine;
 //! 7. records and payloads: [`record`], [`payload`];
-//! 8. [`verify`]: records and payloads compared;
+//! 8. [`verify`]: records and payloads compared; `repair`: the blocks to
+//!    load again after a mismatch;
 //! 9. [`ffi`]: the C boundary and nothing else.
 //!
 //! The Rust API is what is re-exported here plus the public modules
@@ -31,11 +33,13 @@ pub mod ffi;
 pub(crate) mod fingerprint;
 pub(crate) mod host;
 pub(crate) mod layout;
+pub(crate) mod layout_string;
 pub(crate) mod msgpack;
 pub mod payload;
 pub(crate) mod plan;
 pub(crate) mod pool;
 pub mod record;
+pub(crate) mod repair;
 pub(crate) mod result;
 pub(crate) mod state;
 pub(crate) mod stored;

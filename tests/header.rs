@@ -1,11 +1,17 @@
-//! The checked-in `include/kvcsum.h` must be what cbindgen generates now.
-//! `KVCS_BLESS=1 cargo test --test header` (or `make header`) rewrites it.
+//! The checked-in bindings must be what their generators make now:
+//! `include/kvcsum.h` (cbindgen, with the prototypes put under
+//! `KVCS_NO_PROTOTYPES`), and what `scripts/gen-bindings.py` writes from
+//! src/ffi (src/ffi/loader.rs, src/ffi/api-slots.txt, python/kvcsum/_abi.py).
+//! `make header` regenerates them all (`KVCS_BLESS=1 cargo test --test
+//! header` rewrites the header).
 
 use std::path::Path;
+use std::process::Command;
 
-#[test]
-fn header_is_current() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+/// The header as cbindgen writes it, with its prototypes under
+/// `#if !defined(KVCS_NO_PROTOTYPES)`: a program that loads the library at
+/// run time defines it, so a direct call does not compile.
+fn generated_header(root: &Path) -> Vec<u8> {
     let config = cbindgen::Config::from_file(root.join("cbindgen.toml")).expect("cbindgen.toml parses");
     let mut generated = Vec::new();
     cbindgen::Builder::new()
@@ -14,6 +20,38 @@ fn header_is_current() {
         .generate()
         .expect("cbindgen generates the header")
         .write(&mut generated);
+    let text = String::from_utf8(generated).expect("the header is UTF-8");
+    guard_prototypes(&text).into_bytes()
+}
+
+/// `header` with the function declarations of its `extern "C"` block
+/// between `#if !defined(KVCS_NO_PROTOTYPES)` and `#endif`.
+fn guard_prototypes(header: &str) -> String {
+    let open = "extern \"C\" {\n#endif // __cplusplus\n";
+    let close = "\n#ifdef __cplusplus\n}  // extern \"C\"";
+    assert_eq!(
+        header.matches(open).count(),
+        1,
+        "cbindgen's extern \"C\" block has changed shape"
+    );
+    assert_eq!(
+        header.matches(close).count(),
+        1,
+        "cbindgen's extern \"C\" block has changed shape"
+    );
+    header
+        .replacen(open, &format!("{open}\n#if !defined(KVCS_NO_PROTOTYPES)\n"), 1)
+        .replacen(
+            close,
+            &format!("\n#endif  /* !defined(KVCS_NO_PROTOTYPES) */\n{close}"),
+            1,
+        )
+}
+
+#[test]
+fn header_is_current() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let generated = generated_header(root);
     let path = root.join("include/kvcsum.h");
     if std::env::var_os("KVCS_BLESS").is_some() {
         std::fs::write(&path, &generated).expect("write include/kvcsum.h");
@@ -24,6 +62,86 @@ fn header_is_current() {
         checked_in == generated,
         "include/kvcsum.h is stale: run `make header` (KVCS_BLESS=1 cargo test --test header) and commit it"
     );
+}
+
+/// The loader types, the function table, its slots and the Python ABI
+/// module are what scripts/gen-bindings.py writes from src/ffi now (it
+/// runs with `--check`: the interpreter is `KVCS_PYTHON` or `python3`).
+/// A new call, struct, enum or constant without them fails here.
+#[test]
+fn generated_bindings_are_current() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let python = std::env::var("KVCS_PYTHON").unwrap_or_else(|_| "python3".to_owned());
+    let output = Command::new(&python)
+        .arg(root.join("scripts/gen-bindings.py"))
+        .arg("--check")
+        .output()
+        .unwrap_or_else(|e| panic!("running {python} scripts/gen-bindings.py (set KVCS_PYTHON): {e}"));
+    assert!(
+        output.status.success(),
+        "generated bindings are stale (run `make header` and commit):\n{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// Each entry of the function table keeps its slot: the header's `kvcs_api`
+/// lists src/ffi/api-slots.txt in order after its size and version, and
+/// every call of the header but the entry point has a slot.
+#[test]
+fn the_function_table_keeps_its_slots() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let header = std::fs::read_to_string(root.join("include/kvcsum.h")).unwrap();
+    let slots: Vec<String> = std::fs::read_to_string(root.join("src/ffi/api-slots.txt"))
+        .unwrap()
+        .lines()
+        .filter(|line| !line.starts_with('#') && !line.trim().is_empty())
+        .enumerate()
+        .map(|(index, line)| {
+            let (slot, name) = line.split_once(' ').expect("`<slot> <call>`");
+            assert_eq!(
+                slot.parse::<usize>().ok(),
+                Some(index),
+                "api-slots.txt: {line} is out of sequence"
+            );
+            name.to_owned()
+        })
+        .collect();
+    let end = header.find("} kvcs_api;").expect("kvcs_api in the header");
+    let body = &header[header[..end].rfind("typedef struct {").expect("start of kvcs_api")..end];
+    let entries: Vec<String> = body
+        .lines()
+        .map(str::trim)
+        .filter(|line| !line.starts_with("//"))
+        .filter_map(|line| line.strip_suffix(';'))
+        .map(|declaration| declaration.rsplit(' ').next().unwrap().to_owned())
+        .collect();
+    assert_eq!(entries[..2], ["size", "abi_version"]);
+    assert_eq!(
+        entries[2..],
+        slots[..],
+        "kvcs_api's entries moved away from src/ffi/api-slots.txt"
+    );
+    let mut calls: Vec<String> = prototypes(&header)
+        .into_iter()
+        .filter(|c| c != "kvcs_api_get")
+        .collect();
+    let mut listed = slots.clone();
+    calls.sort();
+    listed.sort();
+    assert_eq!(calls, listed, "the header's calls and the table's entries differ");
+}
+
+/// The names of the functions the header declares.
+fn prototypes(header: &str) -> Vec<String> {
+    header
+        .lines()
+        .filter(|line| !line.starts_with([' ', '#', '/']) && !line.starts_with("typedef"))
+        .filter_map(|line| line.split_once('(').map(|(head, _)| head))
+        .filter_map(|head| head.rsplit([' ', '*']).next())
+        .filter(|name| name.starts_with("kvcs_"))
+        .map(str::to_owned)
+        .collect()
 }
 
 /// C and standard-header names the header may use besides its own.

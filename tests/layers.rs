@@ -19,6 +19,7 @@ const ORDER: &[&str] = &[
     // inputs: state layers, layouts, block sets, fingerprints, the caller's stream
     "state",
     "layout",
+    "layout_string",
     "blocks",
     "fingerprint",
     "stream",
@@ -38,6 +39,8 @@ const ORDER: &[&str] = &[
     "payload",
     // the verifier
     "verify",
+    // the repair plan of a verifier's report
+    "repair",
     // the C boundary
     "ffi",
 ];

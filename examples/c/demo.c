@@ -4,7 +4,7 @@
  *
  * Build and run: `make demo` (builds target/release/libkvcsum.so and this
  * file, then runs it). By hand, from the repository root:
- *   make lib   # cargo build --release --lib, plus the libkvcsum.so.0 link (its SONAME)
+ *   make lib   # cargo build --release --lib, plus the libkvcsum.so.2 link (its SONAME, the ABI version)
  *   gcc -std=c11 -Wall -Wextra -Wpedantic -Werror -Iinclude examples/c/demo.c \
  *       -Ltarget/release -lkvcsum -Wl,-rpath,$PWD/target/release -o demo && ./demo
  *
@@ -306,10 +306,10 @@ static int compare_sides(const side *producer, const uint64_t producer_sums[MAX_
       }
     }
     uint32_t first = q * consumer->block_size;
-    uint32_t last = first + consumer->block_size - 1 < NUM_TOKENS ? first + consumer->block_size - 1 : NUM_TOKENS - 1;
+    uint32_t end = first + consumer->block_size < NUM_TOKENS ? first + consumer->block_size : NUM_TOKENS;
     int equal = pair_sum == consumer_sums[q];
     differing += !equal;
-    printf("  %3u  %3u..%-3u %-46s = %#018" PRIx64 "   %#018" PRIx64 "  %s\n", q, first, last, pair, pair_sum,
+    printf("  %3u  %3u..%-3u %-46s = %#018" PRIx64 "   %#018" PRIx64 "  %s\n", q, first, end, pair, pair_sum,
            consumer_sums[q], equal ? "equal" : "DIFFERENT");
   }
   return differing;
@@ -426,7 +426,7 @@ static void print_report(const kvcs_report *report) {
     CALL(kvcs_report_failed_check(report, i, 0, &check));
     printf("     group %u, position %" PRIu64 " (tokens %" PRIu64 "..%" PRIu64 "): replica check %u differs\n",
            mismatch.group_id, mismatch.first_position, mismatch.first_token,
-           mismatch.first_token + mismatch.num_tokens - 1, check);
+           mismatch.first_token + mismatch.num_tokens, check);
     for (size_t j = 0; j < mismatch.num_layers; j++) {
       kvcs_layer_difference layer;
       CALL(kvcs_report_layer_difference(report, i, j, &layer));
@@ -625,7 +625,7 @@ static int offload_demo(side *s) {
     int failed = failed_total[q] > 0;
     if (failed) {
       printf("position %u failed its load check (tokens %u..%u): re-fetch or recompute it\n", q, q * s->block_size,
-             (q + 1) * s->block_size - 1);
+             (q + 1) * s->block_size);
     }
     if (failed != (q == CORRUPT_POSITION)) {
       printf("position %u: %s: FAILED\n", q, failed ? "failed unexpectedly" : "not caught");
@@ -681,7 +681,7 @@ int main(void) {
   for (uint32_t q = 0; q < consumer.num_positions; q++) {
     int changed = corrupted_sums[q] != consumer_sums[q];
     if (changed) {
-      printf("position %u changed (tokens %u..%u)\n", q, q * consumer.block_size, (q + 1) * consumer.block_size - 1);
+      printf("position %u changed (tokens %u..%u)\n", q, q * consumer.block_size, (q + 1) * consumer.block_size);
     }
     if (changed != (q == flipped)) {
       printf("position %u %s: FAILED\n", q, changed ? "changed unexpectedly" : "did not change");

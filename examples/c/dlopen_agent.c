@@ -1,11 +1,14 @@
 /*
  * dlopen_agent: a transfer agent that loads kvcsum at run time, by path,
- * rather than linking it: it checks the library's ABI version against the
- * header's, resolves each call it uses through the header's function-
- * pointer types (kvcs_<call>_fn, so the compiler checks every call), and
- * checksums a small NHD layout of 1 layer, 2 heads, 2 blocks of 4 tokens.
- * When the library cannot be loaded, is another ABI, or lacks a symbol it
- * says which and exits 2; a wrong checksum exits 1; success exits 0.
+ * rather than linking it. It is built with KVCS_NO_PROTOTYPES, so the
+ * header declares no call and a direct call (kvcs_version(), say) does not
+ * compile; it resolves the one symbol kvcs_api_get, which gives the table
+ * of every call for the header's ABI version (kvcs_api, each entry typed
+ * kvcs_<call>_fn, so the compiler checks every call), checks the structs it
+ * passes against the library's layout, and checksums a small NHD layout of
+ * 1 layer, 2 heads, 2 blocks of 4 tokens. When the library cannot be
+ * loaded, lacks kvcs_api_get, or is another ABI, it says which and exits
+ * 2; a wrong checksum exits 1; success exits 0.
  *
  * Build and run (`make test` runs it against the installed library, and
  * against paths that must fail):
@@ -19,30 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define KVCS_NO_PROTOTYPES
 #include "kvcsum.h"
-
-/* The calls this agent uses, resolved from the loaded library. */
-struct kvcsum_api {
-  kvcs_abi_version_fn abi_version;
-  kvcs_version_fn version;
-  kvcs_last_error_fn last_error;
-  kvcs_status_name_fn status_name;
-  kvcs_worker_create_fn worker_create;
-  kvcs_worker_destroy_fn worker_destroy;
-  kvcs_worker_add_region_fn worker_add_region;
-  kvcs_worker_add_group_fn worker_add_group;
-  kvcs_worker_add_layer_fn worker_add_layer;
-  kvcs_worker_checksum_fn worker_checksum;
-  kvcs_blocks_create_fn blocks_create;
-  kvcs_blocks_destroy_fn blocks_destroy;
-  kvcs_blocks_add_request_fn blocks_add_request;
-  kvcs_blocks_add_group_fn blocks_add_group;
-  kvcs_result_column_fn result_column;
-  kvcs_result_destroy_fn result_destroy;
-  kvcs_segment_size_fn segment_size;
-  kvcs_layer_size_fn layer_size;
-  kvcs_worker_options_size_fn worker_options_size;
-};
 
 /* dlsym gives `void *`; ISO C has no conversion from it to a function
  * pointer, POSIX guarantees the bytes are one, so they are copied. */
@@ -59,44 +40,61 @@ static int resolve(void *library, const char *path, const char *name, void *slot
   return 0;
 }
 
-#define RESOLVE(field, name)                                                        \
-  if (resolve(library, path, #name, &api->field, sizeof api->field) != 0) return -1
+/* The entries this agent calls; a library older than the header may lack
+ * the newest ones. */
+#define USES(X)                                                                                          \
+  X(kvcs_abi_version) X(kvcs_version) X(kvcs_last_error) X(kvcs_status_name) X(kvcs_struct_layout)        \
+  X(kvcs_worker_create) X(kvcs_worker_destroy) X(kvcs_worker_add_region) X(kvcs_worker_add_group)         \
+  X(kvcs_worker_add_layer) X(kvcs_worker_checksum) X(kvcs_blocks_create) X(kvcs_blocks_destroy)           \
+  X(kvcs_blocks_add_request) X(kvcs_blocks_add_group) X(kvcs_result_column) X(kvcs_result_destroy)
+#define MISSING(entry) if (!KVCS_API_HAS(table, entry)) missing = #entry;
 
-static int load(void *library, const char *path, struct kvcsum_api *api) {
-  /* The version first: with another ABI nothing else may be trusted. */
-  RESOLVE(abi_version, kvcs_abi_version);
-  uint32_t abi = api->abi_version();
-  if (abi != KVCS_ABI_VERSION) {
-    fprintf(stderr, "dlopen_agent: %s has ABI version %" PRIu32 ", this agent was built for %d\n", path, abi,
-            KVCS_ABI_VERSION);
-    return -1;
+/* Whether the library lays out `name` in `size` bytes as this header does. */
+static int same_size(const kvcs_api *api, const char *path, const char *name, size_t size) {
+  size_t theirs = 0;
+  kvcs_status status = api->kvcs_struct_layout(name, &theirs, NULL);
+  if (status != KVCS_OK || theirs != size) {
+    fprintf(stderr, "dlopen_agent: %s's %s differs from this header's (%zu vs %zu bytes; %s)\n", path, name, theirs,
+            size, api->kvcs_status_name(status));
+    return 0;
   }
-  RESOLVE(version, kvcs_version);
-  RESOLVE(last_error, kvcs_last_error);
-  RESOLVE(status_name, kvcs_status_name);
-  RESOLVE(worker_create, kvcs_worker_create);
-  RESOLVE(worker_destroy, kvcs_worker_destroy);
-  RESOLVE(worker_add_region, kvcs_worker_add_region);
-  RESOLVE(worker_add_group, kvcs_worker_add_group);
-  RESOLVE(worker_add_layer, kvcs_worker_add_layer);
-  RESOLVE(worker_checksum, kvcs_worker_checksum);
-  RESOLVE(blocks_create, kvcs_blocks_create);
-  RESOLVE(blocks_destroy, kvcs_blocks_destroy);
-  RESOLVE(blocks_add_request, kvcs_blocks_add_request);
-  RESOLVE(blocks_add_group, kvcs_blocks_add_group);
-  RESOLVE(result_column, kvcs_result_column);
-  RESOLVE(result_destroy, kvcs_result_destroy);
-  RESOLVE(segment_size, kvcs_segment_size);
-  RESOLVE(layer_size, kvcs_layer_size);
-  RESOLVE(worker_options_size, kvcs_worker_options_size);
+  return 1;
+}
+
+static const kvcs_api *load(void *library, const char *path) {
+  kvcs_api_get_fn api_get;
+  if (resolve(library, path, "kvcs_api_get", &api_get, sizeof api_get) != 0) return NULL;
+  const kvcs_api *table = NULL;
+  kvcs_status status = api_get(KVCS_ABI_VERSION, &table);
+  if (status != KVCS_OK) {
+    /* Another ABI: nothing else may be trusted, but its version may be
+     * named (the one call every version has). */
+    kvcs_abi_version_fn abi_version;
+    dlerror();
+    void *symbol = dlsym(library, "kvcs_abi_version");
+    if (symbol != NULL) {
+      memcpy(&abi_version, &symbol, sizeof abi_version);
+      fprintf(stderr, "dlopen_agent: %s has ABI version %" PRIu32 ", this agent was built for %d\n", path,
+              abi_version(), KVCS_ABI_VERSION);
+    } else {
+      fprintf(stderr, "dlopen_agent: %s does not give ABI version %d (status %u)\n", path, KVCS_ABI_VERSION,
+              (unsigned)status);
+    }
+    return NULL;
+  }
+  const char *missing = NULL;
+  USES(MISSING)
+  if (table->abi_version != KVCS_ABI_VERSION || missing != NULL) {
+    fprintf(stderr, "dlopen_agent: %s's table (ABI %" PRIu32 ", %zu bytes) lacks %s\n", path, table->abi_version,
+            table->size, missing != NULL ? missing : "this ABI version");
+    return NULL;
+  }
   /* The structs this agent passes must have the library's shape. */
-  if (api->segment_size() != sizeof(kvcs_segment) || api->layer_size() != sizeof(kvcs_layer) ||
-      api->worker_options_size() != sizeof(kvcs_worker_options)) {
-    fprintf(stderr, "dlopen_agent: %s's structs differ from this header's (kvcs_layer: %zu vs %zu bytes)\n", path,
-            api->layer_size(), sizeof(kvcs_layer));
-    return -1;
-  }
-  return 0;
+  if (!same_size(table, path, "kvcs_segment", sizeof(kvcs_segment)) ||
+      !same_size(table, path, "kvcs_layer", sizeof(kvcs_layer)) ||
+      !same_size(table, path, "kvcs_worker_options", sizeof(kvcs_worker_options)))
+    return NULL;
+  return table;
 }
 
 enum { HEADS = 2, TOKENS = 4, BLOCKS = 2, PIECES = 2 };
@@ -124,12 +122,12 @@ static uint64_t reference(const uint64_t cache[BLOCKS][TOKENS][HEADS][PIECES], u
   return total;
 }
 
-static int report(const struct kvcsum_api *api, const char *call, kvcs_status status) {
-  fprintf(stderr, "dlopen_agent: %s failed: %s: %s\n", call, api->status_name(status), api->last_error());
+static int report(const kvcs_api *api, const char *call, kvcs_status status) {
+  fprintf(stderr, "dlopen_agent: %s failed: %s: %s\n", call, api->kvcs_status_name(status), api->kvcs_last_error());
   return 1;
 }
 
-static int checksum(const struct kvcsum_api *api) {
+static int checksum(const kvcs_api *api) {
   /* NHD: [blocks][tokens][heads][cell], cells of 16 bytes; x86-64 and the
    * other targets kvcsum runs on are little-endian, so a uint64_t is a
    * piece as SPEC reads it. */
@@ -142,7 +140,7 @@ static int checksum(const struct kvcsum_api *api) {
 
   kvcs_worker_options options = {.tp_rank = 0, .tp_size = 1, .pp_rank = 0, .device = KVCS_HOST, .num_threads = 1};
   kvcs_worker *worker = NULL;
-  kvcs_status status = api->worker_create(&options, &worker);
+  kvcs_status status = api->kvcs_worker_create(&options, &worker);
   if (status != KVCS_OK) return report(api, "kvcs_worker_create", status);
   int failed = 0;
   kvcs_blocks *blocks = NULL;
@@ -156,21 +154,21 @@ static int checksum(const struct kvcsum_api *api) {
                       .identity = NULL, .identity_len = 0};
   const uint32_t block_ids[2] = {1, 0};
   uint64_t values[2] = {0, 0};
-  if ((status = api->worker_add_region(worker, (uint64_t)(uintptr_t)cache, sizeof cache)) != KVCS_OK) {
+  if ((status = api->kvcs_worker_add_region(worker, (uint64_t)(uintptr_t)cache, sizeof cache)) != KVCS_OK) {
     failed = report(api, "kvcs_worker_add_region", status);
-  } else if ((status = api->worker_add_group(worker, 0, TOKENS)) != KVCS_OK) {
+  } else if ((status = api->kvcs_worker_add_group(worker, 0, TOKENS)) != KVCS_OK) {
     failed = report(api, "kvcs_worker_add_group", status);
-  } else if ((status = api->worker_add_layer(worker, &layer)) != KVCS_OK) {
+  } else if ((status = api->kvcs_worker_add_layer(worker, &layer)) != KVCS_OK) {
     failed = report(api, "kvcs_worker_add_layer", status);
-  } else if ((status = api->blocks_create(&blocks)) != KVCS_OK) {
+  } else if ((status = api->kvcs_blocks_create(&blocks)) != KVCS_OK) {
     failed = report(api, "kvcs_blocks_create", status);
-  } else if ((status = api->blocks_add_request(blocks, "req", BLOCKS * TOKENS)) != KVCS_OK) {
+  } else if ((status = api->kvcs_blocks_add_request(blocks, "req", BLOCKS * TOKENS)) != KVCS_OK) {
     failed = report(api, "kvcs_blocks_add_request", status);
-  } else if ((status = api->blocks_add_group(blocks, "req", 0, 0, block_ids, 2)) != KVCS_OK) {
+  } else if ((status = api->kvcs_blocks_add_group(blocks, "req", 0, 0, block_ids, 2)) != KVCS_OK) {
     failed = report(api, "kvcs_blocks_add_group", status);
-  } else if ((status = api->worker_checksum(worker, blocks, KVCS_ROLE_PRODUCER, NULL, &result)) != KVCS_OK) {
+  } else if ((status = api->kvcs_worker_checksum(worker, blocks, KVCS_ROLE_PRODUCER, NULL, &result)) != KVCS_OK) {
     failed = report(api, "kvcs_worker_checksum", status);
-  } else if ((status = api->result_column(result, "req", 0, 0, NULL, NULL, values)) != KVCS_OK) {
+  } else if ((status = api->kvcs_result_column(result, "req", 0, 0, NULL, NULL, values)) != KVCS_OK) {
     failed = report(api, "kvcs_result_column", status);
   } else {
     for (uint64_t q = 0; q < 2; q++) {
@@ -180,9 +178,9 @@ static int checksum(const struct kvcsum_api *api) {
       if (values[q] != want) failed = 1;
     }
   }
-  api->result_destroy(result);
-  api->blocks_destroy(blocks);
-  api->worker_destroy(worker);
+  api->kvcs_result_destroy(result);
+  api->kvcs_blocks_destroy(blocks);
+  api->kvcs_worker_destroy(worker);
   return failed;
 }
 
@@ -197,13 +195,14 @@ int main(int argc, char **argv) {
     fprintf(stderr, "dlopen_agent: cannot load %s: %s\n", path, dlerror());
     return 2;
   }
-  struct kvcsum_api api;
-  if (load(library, path, &api) != 0) {
+  const kvcs_api *api = load(library, path);
+  if (api == NULL) {
     dlclose(library);
     return 2;
   }
-  printf("dlopen_agent: loaded kvcsum %s (ABI %" PRIu32 ") from %s\n", api.version(), api.abi_version(), path);
-  int failed = checksum(&api);
+  printf("dlopen_agent: loaded kvcsum %s (ABI %" PRIu32 ", a table of %zu bytes) from %s\n", api->kvcs_version(),
+         api->kvcs_abi_version(), api->size, path);
+  int failed = checksum(api);
   dlclose(library);
   if (!failed) printf("dlopen_agent: OK\n");
   return failed;

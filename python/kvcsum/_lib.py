@@ -1,10 +1,15 @@
-"""Loads libkvcsum and declares its C ABI to ctypes (kvcsum.h, by hand).
+"""Loads libkvcsum and declares its C ABI to ctypes.
 
-The declarations here are checked against the loaded library when it is
-loaded: its ABI version must equal ABI_VERSION, and every struct's ctypes
-size must equal the library's own (the exported kvcs_<struct>_size()
-calls), so a library whose structs drifted is refused with an error
-instead of corrupting memory. Where the library is found: see find_library.
+The declarations come from _abi, which scripts/gen-bindings.py generates
+from the library's source with the header (`make header`; a test fails
+when it is stale), so every call, struct, enum and constant of kvcsum.h is
+here without a hand-written copy. They are checked against the loaded
+library when it is loaded: its ABI version must equal ABI_VERSION, and
+every struct must have, in the library's own words (kvcs_struct_layout,
+kvcs_struct_field), the size and the fields (names, offsets, sizes) of
+its ctypes declaration, so a library whose structs drifted is refused
+with an error instead of corrupting memory. Where the library is found:
+see find_library.
 """
 
 from __future__ import annotations
@@ -16,11 +21,17 @@ import pathlib
 from ctypes import (
     POINTER,
     Structure,
+    byref,
+    c_bool,
     c_char_p,
+    c_int8,
+    c_int16,
     c_int32,
     c_int64,
     c_size_t,
+    c_ssize_t,
     c_uint8,
+    c_uint16,
     c_uint32,
     c_uint64,
     c_void_p,
@@ -28,24 +39,32 @@ from ctypes import (
 
 import numpy as np
 
+from . import _abi
+
 #: The C ABI these declarations describe (KVCS_ABI_VERSION of kvcsum.h).
-ABI_VERSION = 2
+ABI_VERSION = _abi.CONSTANTS["KVCS_ABI_VERSION"]
 
 #: The environment variable naming the library file to load.
 LIBRARY_ENV = "KVCSUM_LIBRARY"
 
 #: Bytes of one block's stored checksum in a buffer given to
-#: kvcs_worker_add_stored ("8 bytes per block id" in kvcsum.h; the header
-#: has no KVCS_BLOCK_CHECKSUM_BYTES yet, and a #define cannot be read from
-#: the loaded library). The one place the package states it: every size
-#: check of a stored-checksum buffer is written in terms of it, and
-#: python/tests/test_checks.py fails when the header says otherwise.
-BLOCK_CHECKSUM_BYTES = 16
+#: kvcs_worker_add_stored (KVCS_BLOCK_CHECKSUM_BYTES of kvcsum.h). The one
+#: place the package states it: every size check of a stored-checksum
+#: buffer is written in terms of it.
+BLOCK_CHECKSUM_BYTES = _abi.CONSTANTS["KVCS_BLOCK_CHECKSUM_BYTES"]
 
 
 class AbiError(ImportError):
-    """The library cannot be used from here: not found, another ABI
-    version, or structs of another shape."""
+    """The library found cannot be used from here: it does not load (a
+    file of another platform, a dependency missing), is not libkvcsum, or
+    has another ABI version or structs of another shape."""
+
+
+class MissingLibraryError(ImportError):
+    """No libkvcsum was found anywhere the package looks (search_path():
+    $KVCSUM_LIBRARY, beside the package, the source tree's target/release,
+    the system loader's path); the message lists each place and how to get
+    the library there. Not an AbiError: no library was found to be wrong."""
 
 
 # --- Structs (kvcsum.h) -------------------------------------------------------
@@ -71,289 +90,146 @@ def _field_types(struct: type) -> dict:
     return types
 
 
-class WorkerOptions(_Struct):
-    """kvcs_worker_options."""
-
-    _fields_ = [
-        ("tp_rank", c_uint32),
-        ("tp_size", c_uint32),
-        ("pp_rank", c_uint32),
-        ("device", c_int32),
-        ("num_threads", c_uint32),
-    ]
-
-
-class Segment(_Struct):
-    """kvcs_segment: one region of a cache, strides in bytes."""
-
-    _fields_ = [
-        ("address", c_uint64),
-        ("block_stride", c_int64),
-        ("kernel_block_stride", c_int64),
-        ("head_stride", c_int64),
-        ("token_stride", c_int64),
-        ("bytes_per_token", c_uint32),
-    ]
-
-
-class LayerStruct(_Struct):
-    """kvcs_layer."""
-
-    _fields_ = [
-        ("group_id", c_uint32),
-        ("layer_number", c_uint32),
-        ("first_head", c_uint32),
-        ("num_heads", c_uint32),
-        ("replicas", c_uint32),
-        ("replica_index", c_uint32),
-        ("num_blocks", c_uint32),
-        ("kernel_blocks", c_uint32),
-        ("tokens_per_kernel_block", c_uint32),
-        ("num_segments", c_uint32),
-        ("segments", POINTER(Segment)),
-        ("identity", POINTER(c_uint8)),
-        ("identity_len", c_size_t),
-    ]
-
-
-class StateTensorStruct(_Struct):
-    """kvcs_state_tensor."""
-
-    _fields_ = [
-        ("address", c_uint64),
-        ("block_stride", c_int64),
-        ("row_stride", c_int64),
-        ("first_row", c_uint32),
-        ("num_rows", c_uint32),
-        ("total_rows", c_uint32),
-        ("bytes_per_row", c_uint32),
-        ("element_size", c_uint32),
-    ]
-
-
-class StateStruct(_Struct):
-    """kvcs_state."""
-
-    _fields_ = [
-        ("group_id", c_uint32),
-        ("layer_number", c_uint32),
-        ("split_known", c_uint32),
-        ("num_blocks", c_uint32),
-        ("num_tensors", c_uint32),
-        ("tensors", POINTER(StateTensorStruct)),
-        ("identity", POINTER(c_uint8)),
-        ("identity_len", c_size_t),
-    ]
-
-
-class MismatchStruct(_Struct):
-    """kvcs_mismatch."""
-
-    _fields_ = [
-        ("group_id", c_uint32),
-        ("localised", c_uint32),
-        ("first_position", c_uint64),
-        ("num_positions", c_uint64),
-        ("first_token", c_uint64),
-        ("num_tokens", c_uint64),
-        ("num_failed_checks", c_size_t),
-        ("num_layers", c_size_t),
-    ]
-
-
-class LayerDifferenceStruct(_Struct):
-    """kvcs_layer_difference."""
-
-    _fields_ = [
-        ("layer_number", c_uint32),
-        ("first_head", c_uint32),
-        ("num_heads", c_uint32),
-        ("check", c_uint32),
-    ]
-
-
-class LocalEngineStruct(_Struct):
-    """kvcs_local_engine."""
-
-    _fields_ = [
-        ("tp_rank", c_uint32),
-        ("tp_size", c_uint32),
-        ("total_kv_heads", c_uint32),
-        ("is_mla", c_uint32),
-        ("block_size", c_uint32),
-    ]
-
-
-class RemoteEngineStruct(_Struct):
-    """kvcs_remote_engine."""
-
-    _fields_ = [
-        ("block_bytes", c_uint64),
-        ("tp_size", c_uint32),
-        ("block_size", c_uint32),
-        ("kernel_blocks", c_uint32),
-    ]
-
-
-class HeadSourceStruct(_Struct):
-    """kvcs_head_source."""
-
-    _fields_ = [
-        ("remote_rank", c_uint32),
-        ("first_head", c_uint32),
-        ("num_heads", c_uint32),
-        ("local_offset", c_uint32),
-        ("remote_offset", c_uint32),
-    ]
-
-
-#: Each struct with the library call that gives its size there.
-STRUCT_SIZES = {
-    "kvcs_worker_options_size": WorkerOptions,
-    "kvcs_segment_size": Segment,
-    "kvcs_layer_size": LayerStruct,
-    "kvcs_state_tensor_size": StateTensorStruct,
-    "kvcs_state_size": StateStruct,
-    "kvcs_mismatch_size": MismatchStruct,
-    "kvcs_layer_difference_size": LayerDifferenceStruct,
-    "kvcs_local_engine_size": LocalEngineStruct,
-    "kvcs_remote_engine_size": RemoteEngineStruct,
-    "kvcs_head_source_size": HeadSourceStruct,
+#: The C integer types of the ABI.
+_INTEGERS = {
+    "uint8_t": c_uint8,
+    "uint16_t": c_uint16,
+    "uint32_t": c_uint32,
+    "uint64_t": c_uint64,
+    "int8_t": c_int8,
+    "int16_t": c_int16,
+    "int32_t": c_int32,
+    "int64_t": c_int64,
+    "size_t": c_size_t,
+    "ptrdiff_t": c_ssize_t,
+    "bool": c_bool,
 }
+
+#: Python names of the struct classes that have one of their own; the
+#: others are named after their C name (kvcs_layer -> LayerStruct).
+_CLASS_NAMES = {"kvcs_worker_options": "WorkerOptions", "kvcs_segment": "Segment"}
+
+
+def _ctype(spelling: str):
+    """The ctypes type of a C type of _abi ("const kvcs_layer *", say); None
+    for void. Handles and other opaque types are void pointers."""
+    array = spelling.endswith("]") and spelling[:-1].split("[")
+    if array:  # a struct field "uint32_t[4]"
+        return _ctype(array[0]) * int(array[1])
+    words = spelling.replace("*", " * ").split()
+    stars = words.count("*")
+    (base,) = [word for word in words if word not in ("const", "*")]
+    base = _abi.ENUMS[base][0] if base in _abi.ENUMS else base
+    if base in _INTEGERS:
+        pointee = _INTEGERS[base]
+    elif base in _abi.STRUCTS:
+        pointee = STRUCTS[base]
+    elif stars == 0:
+        if base != "void":
+            raise TypeError(f"kvcsum: no ctypes type for {spelling!r}")
+        return None
+    else:  # char, void, handles: pointers of their own in ctypes
+        pointee = c_char_p if base == "char" else c_void_p
+        stars -= 1
+    for _ in range(stars):
+        pointee = POINTER(pointee)
+    return pointee
+
+
+#: Each struct of the ABI (C name -> ctypes class), filled below in an order
+#: where a struct's pointees come first.
+STRUCTS: dict = {}
+
+
+def _declare_struct(c_name: str) -> type:
+    if c_name not in STRUCTS:
+        fields = _abi.STRUCTS[c_name]
+        for _, spelling in fields:  # pointees first
+            pointee = spelling.split("[")[0].replace("const", "").replace("*", "").strip()
+            if pointee in _abi.STRUCTS and pointee != c_name:
+                _declare_struct(pointee)
+        words = c_name.removeprefix("kvcs_").split("_")
+        name = _CLASS_NAMES.get(c_name, "".join(w.capitalize() for w in words) + "Struct")
+        STRUCTS[c_name] = type(name, (_Struct,), {"__doc__": f"{c_name} (kvcsum.h).", "__module__": __name__})
+        STRUCTS[c_name]._fields_ = [(field, _ctype(spelling)) for field, spelling in fields]
+    return STRUCTS[c_name]
+
+
+for _name in _abi.STRUCTS:
+    _declare_struct(_name)
+
+WorkerOptions = STRUCTS["kvcs_worker_options"]
+Segment = STRUCTS["kvcs_segment"]
+LayerStruct = STRUCTS["kvcs_layer"]
+StateTensorStruct = STRUCTS["kvcs_state_tensor"]
+StateStruct = STRUCTS["kvcs_state"]
+MismatchStruct = STRUCTS["kvcs_mismatch"]
+LayerDifferenceStruct = STRUCTS["kvcs_layer_difference"]
+LocalEngineStruct = STRUCTS["kvcs_local_engine"]
+RemoteEngineStruct = STRUCTS["kvcs_remote_engine"]
+HeadSourceStruct = STRUCTS["kvcs_head_source"]
+TensorStruct = STRUCTS["kvcs_tensor"]
+RepairBlockStruct = STRUCTS["kvcs_repair_block"]
 
 # --- Calls (kvcsum.h) ---------------------------------------------------------
 
-_status = c_uint32
-_p = c_void_p  # every opaque handle
-_pp = POINTER(c_void_p)
-_u32p = POINTER(c_uint32)
-_u64p = POINTER(c_uint64)
-_sizep = POINTER(c_size_t)
-_u8p = POINTER(c_uint8)
-_strp = POINTER(c_char_p)
-
 #: name: (restype, argtypes), as in kvcsum.h.
 SIGNATURES = {
-    "kvcs_abi_version": (c_uint32, []),
-    "kvcs_version": (c_char_p, []),
-    "kvcs_last_error": (c_char_p, []),
-    "kvcs_status_name": (c_char_p, [c_uint32]),
-    "kvcs_verdict_name": (c_char_p, [c_uint32]),
-    "kvcs_unverified_reason_name": (c_char_p, [c_uint32]),
-    # blocks
-    "kvcs_blocks_create": (_status, [_pp]),
-    "kvcs_blocks_destroy": (None, [_p]),
-    "kvcs_blocks_add_request": (_status, [_p, c_char_p, c_uint64]),
-    "kvcs_blocks_add_group": (_status, [_p, c_char_p, c_uint32, c_uint64, _u32p, c_size_t]),
-    # worker
-    "kvcs_worker_create": (_status, [POINTER(WorkerOptions), _pp]),
-    "kvcs_worker_destroy": (None, [_p]),
-    "kvcs_worker_add_region": (_status, [_p, c_uint64, c_uint64]),
-    "kvcs_worker_add_group": (_status, [_p, c_uint32, c_uint32]),
-    "kvcs_worker_skip_group": (_status, [_p, c_uint32, c_char_p]),
-    "kvcs_worker_add_layer": (_status, [_p, POINTER(LayerStruct)]),
-    "kvcs_worker_checksum": (_status, [_p, _p, c_uint32, c_void_p, _pp]),
-    "kvcs_worker_set_detail": (_status, [_p, c_uint32]),
-    "kvcs_worker_set_algorithm": (_status, [_p, c_uint32]),
-    "kvcs_worker_add_alias": (_status, [_p, c_uint32, c_uint32, c_uint32, _u8p, c_size_t]),
-    "kvcs_worker_add_state": (_status, [_p, POINTER(StateStruct)]),
-    "kvcs_worker_add_stored": (_status, [_p, c_uint32, c_uint64, c_uint64]),
-    "kvcs_worker_store": (_status, [_p, _p, c_void_p, _pp]),
-    "kvcs_worker_check_stored": (_status, [_p, _p, c_void_p, _pp]),
-    "kvcs_block_tags": (_status, [_p, c_uint32, _u8p, c_size_t, c_size_t, _u64p]),
-    "kvcs_blocks_set_hashes": (_status, [_p, c_char_p, c_uint32, _u8p, c_size_t, c_size_t]),
-    "kvcs_result_stored": (_status, [_p, c_char_p, c_uint32, _u8p]),
-    # result
-    "kvcs_result_query": (_status, [_p]),
-    "kvcs_result_wait": (_status, [_p]),
-    "kvcs_result_group": (_status, [_p, c_char_p, c_uint32, _u64p, _sizep, _sizep]),
-    "kvcs_result_column": (_status, [_p, c_char_p, c_uint32, c_size_t, _u32p, _u32p, _u64p]),
-    "kvcs_result_encode": (_status, [_p, _u8p, c_size_t, _sizep]),
-    "kvcs_result_destroy": (None, [_p]),
-    # verifier
-    "kvcs_verifier_create": (_status, [c_uint32, _pp]),
-    "kvcs_verifier_destroy": (None, [_p]),
-    "kvcs_verifier_set_policy": (_status, [_p, c_uint32]),
-    "kvcs_verifier_set_extension": (_status, [_p, c_uint32]),
-    "kvcs_verifier_set_producer_tp_size": (_status, [_p, c_uint32]),
-    "kvcs_verifier_set_producer_block_size": (_status, [_p, c_uint32, c_uint32]),
-    "kvcs_verifier_set_require_coverage": (_status, [_p, c_uint32]),
-    "kvcs_verifier_expect": (_status, [_p, _p, c_uint32]),
-    "kvcs_verifier_forget": (_status, [_p, c_char_p]),
-    "kvcs_verifier_add_record": (_status, [_p, _u8p, c_size_t]),
-    "kvcs_verifier_payload": (_status, [_p, c_char_p, _u8p, c_size_t, _sizep]),
-    "kvcs_verifier_check": (_status, [_p, c_char_p, _u8p, c_size_t, _pp]),
-    "kvcs_verifier_check_base64": (_status, [_p, c_char_p, c_char_p, _pp]),
-    "kvcs_verifier_check_no_payload": (_status, [_p, c_char_p, _pp]),
-    "kvcs_verifier_check_stored": (_status, [_p, c_char_p, _pp]),
-    # report
-    "kvcs_report_verdict": (_status, [_p, _u32p]),
-    "kvcs_report_passed": (_status, [_p, _u32p]),
-    "kvcs_report_reason": (_status, [_p, _u32p]),
-    "kvcs_report_message": (_status, [_p, _strp]),
-    "kvcs_report_compared_positions": (_status, [_p, _u64p]),
-    "kvcs_report_uncompared_positions": (_status, [_p, _u64p]),
-    "kvcs_report_num_mismatches": (_status, [_p, _sizep]),
-    "kvcs_report_mismatch": (_status, [_p, c_size_t, POINTER(MismatchStruct)]),
-    "kvcs_report_failed_check": (_status, [_p, c_size_t, c_size_t, _u32p]),
-    "kvcs_report_layer_difference": (_status, [_p, c_size_t, c_size_t, POINTER(LayerDifferenceStruct)]),
-    "kvcs_report_num_unverified": (_status, [_p, _sizep]),
-    "kvcs_report_unverified": (_status, [_p, c_size_t, _u32p, _u32p, _strp]),
-    "kvcs_report_destroy": (None, [_p]),
-    # base64
-    "kvcs_base64_encode": (_status, [_u8p, c_size_t, c_char_p, c_size_t, _sizep]),
-    "kvcs_base64_decode": (_status, [c_char_p, c_size_t, _u8p, c_size_t, _sizep]),
-    # topology
-    "kvcs_tp_ratio": (_status, [c_uint32, c_uint32, POINTER(c_int64)]),
-    "kvcs_remote_ranks": (_status, [c_uint32, c_uint32, c_uint32, _u32p, c_size_t, _sizep]),
-    "kvcs_handshake_targets": (_status, [c_uint32, c_uint32, c_uint32, _u32p, c_size_t, _sizep]),
-    "kvcs_block_size_ratio": (_status, [c_uint32, c_uint32, _u32p]),
-    "kvcs_remote_kv_replicated": (_status, [c_uint32, c_uint32, _u32p]),
-    "kvcs_local_kv_replicated": (_status, [c_uint32, c_uint32, c_uint32, _u32p]),
-    "kvcs_rank_heads": (_status, [c_uint32, c_uint32, c_uint32, c_uint32, _u32p, _u32p]),
-    "kvcs_head_sources": (
-        _status,
-        [c_uint32, c_uint32, c_uint32, c_uint32, c_uint32, POINTER(HeadSourceStruct), c_size_t, _sizep],
-    ),
-    "kvcs_topology_create": (_status, [c_char_p, POINTER(LocalEngineStruct), _pp]),
-    "kvcs_topology_destroy": (None, [_p]),
-    "kvcs_topology_add_remote": (_status, [_p, c_char_p, POINTER(RemoteEngineStruct), _u32p]),
-    "kvcs_topology_remote": (_status, [_p, c_char_p, POINTER(RemoteEngineStruct)]),
-    "kvcs_topology_tp_ratio": (_status, [_p, c_char_p, POINTER(c_int64)]),
-    "kvcs_topology_block_size_ratio": (_status, [_p, c_char_p, _u32p]),
-    "kvcs_topology_remote_kv_replicated": (_status, [_p, c_char_p, _u32p]),
-    "kvcs_topology_remote_ranks": (_status, [_p, c_char_p, _u32p, c_size_t, _sizep]),
-    "kvcs_topology_head_sources": (_status, [_p, c_char_p, POINTER(HeadSourceStruct), c_size_t, _sizep]),
-    "kvcs_completion_create": (_status, [c_uint32, _pp]),
-    "kvcs_completion_destroy": (None, [_p]),
-    "kvcs_completion_set_expected": (_status, [_p, c_uint32]),
-    "kvcs_completion_report": (_status, [_p, c_uint32, c_uint32, _strp, c_size_t, _u8p]),
-    "kvcs_completion_reported": (_status, [_p, c_uint32, c_char_p, _u32p]),
-    "kvcs_completion_add_invalid_blocks": (_status, [_p, _u32p, c_size_t]),
-    "kvcs_completion_invalid_blocks": (_status, [_p, _u32p, c_size_t, _sizep]),
-    "kvcs_completion_clear_invalid_blocks": (_status, [_p]),
+    name: (_ctype(ret), [_ctype(spelling) for _, spelling in params]) for name, (ret, params) in _abi.CALLS.items()
 }
-for _name in STRUCT_SIZES:
-    SIGNATURES[_name] = (c_size_t, [])
+
+
+def search_path() -> list[str]:
+    """Every place the library is looked for, in order, whether a file is
+    there or not: $KVCSUM_LIBRARY alone when it is set; else beside this
+    package (where the wheel that `pip install ./python` builds puts it),
+    the source tree's release build (target/release), and the name the
+    system loader resolves: the SONAME of an installed library of this ABI,
+    libkvcsum.so.<ABI_VERSION> (docs/VERSIONING.md)."""
+    if os.environ.get(LIBRARY_ENV):
+        return [os.environ[LIBRARY_ENV]]
+    here = pathlib.Path(__file__).resolve().parent
+    soname = f"libkvcsum.so.{ABI_VERSION}"
+    return [
+        str(here / "libkvcsum.so"),
+        str(here / soname),
+        str(here.parent.parent / "target" / "release" / "libkvcsum.so"),
+        soname,
+    ]
 
 
 def candidates() -> list[str]:
-    """Where the library is looked for, in order: $KVCSUM_LIBRARY; beside
-    this package (a wheel of `make python-wheel` puts it there); the
-    source tree's release build (target/release); the system loader's
-    search path (an installed libkvcsum.so.0)."""
-    here = pathlib.Path(__file__).resolve().parent
-    found = []
+    """The places of search_path() worth trying: $KVCSUM_LIBRARY as given;
+    else the files that exist, then the system loader's name."""
     if os.environ.get(LIBRARY_ENV):
         return [os.environ[LIBRARY_ENV]]
-    for name in ("libkvcsum.so", "libkvcsum.so.0"):
-        if (here / name).exists():
-            found.append(str(here / name))
-    build = here.parent.parent / "target" / "release" / "libkvcsum.so"
-    if build.exists():
-        found.append(str(build))
-    found.append("libkvcsum.so.0")
-    return found
+    return [place for place in search_path() if os.sep not in place or os.path.exists(place)]
+
+
+def _absent(candidate: str, error: OSError) -> bool:
+    """Whether `candidate` failed to load because nothing is there (a path
+    with no file, a name the system loader did not find), not because what
+    is there is unusable (then the message names the file, or the missing
+    dependency, differently)."""
+    if os.sep in candidate:
+        return not os.path.exists(candidate)
+    return str(error).startswith(f"{candidate}: cannot open shared object file")
+
+
+def _missing_message(path: str | None, places: list[str]) -> str:
+    """Where the library was looked for and how to put one there."""
+    if path:
+        where = f"no file at {path} (the path given to load())"
+    elif os.environ.get(LIBRARY_ENV):
+        where = f"${LIBRARY_ENV} is {os.environ[LIBRARY_ENV]}, which does not exist"
+    else:
+        where = "looked at " + ", ".join(places) + " (the last through the system loader)"
+    return (
+        f"kvcsum: libkvcsum not found: {where}. To fix: install the wheel that `pip install ./python` "
+        "(or `make python-wheel`) builds, which carries the library; or build it in a source checkout "
+        "with `cargo build --release`; or install it system-wide with `make install`; or set "
+        f"{LIBRARY_ENV} to the path of a libkvcsum.so"
+    )
 
 
 #: The range of each C integer type that crosses the boundary.
@@ -427,8 +303,10 @@ def _range_checked(name, function, checks):
 def load(path: str | None = None) -> Api:
     """Loads the library (from `path`, else the first of candidates() that
     loads), declares every call and checks the ABI version and the struct
-    sizes; raises AbiError saying what was tried or what differs."""
+    layouts. Raises MissingLibraryError when no library is there at all,
+    AbiError saying what was tried or what differs otherwise."""
     tried = []
+    absent = True
     library = None
     for candidate in [path] if path else candidates():
         try:
@@ -437,6 +315,9 @@ def load(path: str | None = None) -> Api:
             break
         except OSError as error:
             tried.append(f"{candidate}: {error}")
+            absent = absent and _absent(candidate, error)
+    if library is None and absent:
+        raise MissingLibraryError(_missing_message(path, search_path()))
     if library is None:
         raise AbiError(
             "kvcsum: cannot load libkvcsum (set KVCSUM_LIBRARY to its path, build it with "
@@ -460,11 +341,43 @@ def load(path: str | None = None) -> Api:
         function.argtypes = argtypes
         checks = [(i, _C_TYPES[t]) for i, t in enumerate(argtypes) if t in _C_TYPES]
         setattr(api, name, _range_checked(name, function, checks) if checks else function)
-    for name, struct in STRUCT_SIZES.items():
-        theirs = getattr(library, name)()
-        if theirs != ctypes.sizeof(struct):
+    # The one symbol a plugin resolves must give this ABI's table too.
+    table = c_void_p()
+    if api.kvcs_api_get(ABI_VERSION, byref(table)) != 0 or not table:
+        raise AbiError(f"kvcsum: {path} gives no function table for ABI {ABI_VERSION}: {api.kvcs_last_error().decode()}")
+    _check_layouts(api)
+    return api
+
+
+def _check_layouts(api: Api) -> None:
+    """Raises AbiError unless every struct of STRUCTS has the library's size
+    and fields (names, offsets, sizes, in order)."""
+    for c_name, struct in STRUCTS.items():
+        name = c_name.encode()
+        size, count = c_size_t(), c_size_t()
+        if api.kvcs_struct_layout(name, byref(size), byref(count)) != 0:
+            raise AbiError(f"kvcsum: {api.path} has no struct {c_name}: {api.kvcs_last_error().decode()}")
+        if size.value != ctypes.sizeof(struct):
             raise AbiError(
-                f"kvcsum: {path} says {name[:-5]} is {theirs} bytes, this package's is "
+                f"kvcsum: {api.path} says {c_name} is {size.value} bytes, this package's is "
                 f"{ctypes.sizeof(struct)}: the struct changed shape; use a matching package and library"
             )
-    return api
+        sized = f"{c_name}_size"  # the older per-struct size call, where there is one
+        if sized in _abi.CALLS and getattr(api, sized)() != size.value:
+            raise AbiError(f"kvcsum: {api.path}: {sized}() is {getattr(api, sized)()}, not {size.value}")
+        ours = [(field, getattr(struct, field).offset, getattr(struct, field).size) for field, _ in struct._fields_]
+        theirs = []
+        for index in range(count.value):
+            field, offset, field_size = c_char_p(), c_size_t(), c_size_t()
+            if api.kvcs_struct_field(name, index, byref(field), byref(offset), byref(field_size)) != 0:
+                raise AbiError(f"kvcsum: {api.path}: {api.kvcs_last_error().decode()}")
+            theirs.append((field.value.decode(), offset.value, field_size.value))
+        for index in range(max(len(ours), len(theirs))):
+            mine = ours[index] if index < len(ours) else ("(none)", "-", "-")
+            library = theirs[index] if index < len(theirs) else ("(none)", "-", "-")
+            if mine != library:
+                raise AbiError(
+                    f"kvcsum: {api.path} lays out field {index} of {c_name} as {library[0]} at offset "
+                    f"{library[1]} ({library[2]} bytes), this package as {mine[0]} at offset {mine[1]} "
+                    f"({mine[2]} bytes): the struct changed shape; use a matching package and library"
+                )

@@ -589,7 +589,7 @@ def test_repair_plan_refuses_a_mismatch_beside_an_unverified_group(seed):
     with report:
         assert report.verdict == kvcsum.MISMATCH, f"seed {seed:#x}: {report.message}"
         assert [(f.reason, f.group_id) for f in report.findings] == [(kvcsum.FINGERPRINT_DIFFERS, 1)]
-        unverified = r"group 1 is unverified \(KVCS_UNVERIFIED_FINGERPRINT_DIFFERS.*load the request again whole"
+        unverified = r"group 1 is unverified \(a group's fingerprint differs.*load the request again whole"
         with pytest.raises(ValueError, match=unverified):
             kvcsum.repair_plan(report, {0: block_ids, 1: block_ids}, TOKENS)
         # The entries alone carry no findings: the caller took that on.
@@ -600,7 +600,7 @@ def test_repair_plan_errors_are_value_errors_and_bools_are_refused(seed):
     rng = np.random.default_rng(seed)
     report, block_ids = two_group_records(rng, b"layer 1")
     with report:
-        with pytest.raises(ValueError, match="group 0 differs but block_size has no entry for it"):
+        with pytest.raises(ValueError, match="group 0 differs but block_sizes has no entry for it"):
             kvcsum.repair_plan(report, {0: block_ids}, {1: TOKENS})
         with pytest.raises(TypeError, match="block_size of group 0 must be an integer .*got a bool"):
             kvcsum.repair_plan(report, {0: block_ids}, True)

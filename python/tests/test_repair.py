@@ -1,7 +1,9 @@
 """kvcsum.repair_plan: from a consumer's MISMATCH report to the consumer
 blocks to load again, checked against a naive expectation written here
 (flipped tokens -> runs of the two block sizes' least common multiple ->
-consumer positions, block ids and tokens), on seeded random data."""
+consumer positions, block ids and tokens), on seeded random data. The plan
+is the library's (kvcs_report_repair_plan); its token ranges are half-open,
+[start_token, end_token)."""
 
 import numpy as np
 import pytest
@@ -97,6 +99,9 @@ def test_plan_names_the_blocks_of_each_differing_run():
         assert got == naive_plan(tokens, setup.consumer_ids), f"seed {SEED:#x} tokens {tokens}"
         assert [b.position for b in plan[0]] == sorted(got)
         assert all(b.group_id == 0 for b in plan[0])
+        assert [(b.start_token, b.end_token) for b in plan[0]] == [
+            (low, low + count) for _, low, count in (got[q] for q in sorted(got))
+        ]
 
 
 def test_repairing_the_planned_blocks_restores_a_match():
@@ -105,7 +110,7 @@ def test_repairing_the_planned_blocks_restores_a_match():
     with setup.report(broken) as report:
         plan = kvcsum.repair_plan(report, {0: setup.consumer_ids}, CONSUMER_BLOCK)
     for block in plan[0]:  # copy back only the planned tokens
-        for t in range(block.first_token, block.first_token + block.num_tokens):
+        for t in range(block.start_token, block.end_token):
             broken[block.block_id, :, t % CONSUMER_BLOCK] = setup.consumer[block.block_id, :, t % CONSUMER_BLOCK]
     assert {b.position for b in plan[0]} == {0, 1, 4, 5}
     with setup.report(broken) as report:
@@ -121,15 +126,26 @@ def test_tables_given_from_a_first_position_and_the_errors():
         assert kvcsum.repair_plan(mismatches, {0: setup.consumer_ids}, CONSUMER_BLOCK) == kvcsum.repair_plan(
             report, {0: setup.consumer_ids}, CONSUMER_BLOCK
         )
-        with pytest.raises(ValueError, match="position 3 differs but the block table holds positions 0 .. 2"):
+        with pytest.raises(ValueError, match="position 3 differs but consumer_blocks holds positions 0..3 of it"):
             kvcsum.repair_plan(report, {0: setup.consumer_ids[:3]}, CONSUMER_BLOCK)
-        with pytest.raises(ValueError, match="group 0 differs but block_tables has no table"):
+        with pytest.raises(ValueError, match="group 0 differs but consumer_blocks has no blocks of it"):
             kvcsum.repair_plan(report, {1: setup.consumer_ids}, CONSUMER_BLOCK)
         with pytest.raises(ValueError, match="block_size of group 0 is 0"):
             kvcsum.repair_plan(report, {0: setup.consumer_ids}, 0)
-        with pytest.raises(ValueError, match=r"position 2 \(block size 2\) holds none of the differing tokens 8 .. 15"):
+        with pytest.raises(ValueError, match=r"position 2 \(block size 2\) holds none of the differing tokens 8..16"):
             kvcsum.repair_plan(report, {0: setup.consumer_ids}, 2)  # a block size the report was not made with
     with setup.report(payload=b"\x91not a payload") as report:
         assert report.verdict == kvcsum.UNVERIFIED
         with pytest.raises(ValueError, match="names no positions to repair"):
             kvcsum.repair_plan(report, {0: setup.consumer_ids}, CONSUMER_BLOCK)
+
+
+def test_mismatch_entries_of_one_group_must_not_overlap():
+    setup = Setup(np.random.default_rng(SEED + 3))
+    with setup.report(setup.flipped([2])) as report:  # run 0: consumer positions 0 and 1
+        mismatches = report.mismatches
+    assert [(m.first_position, m.num_positions, m.first_token, m.num_tokens) for m in mismatches] == [(0, 2, 0, 8)]
+    plan = kvcsum.repair_plan(mismatches, {0: setup.consumer_ids}, CONSUMER_BLOCK)
+    assert [(b.position, b.start_token, b.end_token) for b in plan[0]] == [(0, 0, 4), (1, 4, 8)]
+    with pytest.raises(kvcsum.InvalidArgument, match=r"group 0: the differing positions 0..2 and 0..2 overlap"):
+        kvcsum.repair_plan(mismatches * 2, {0: setup.consumer_ids}, CONSUMER_BLOCK)

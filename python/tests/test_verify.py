@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvcsum
-from kvcsum import _lib
+from kvcsum import _abi, _lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOKENS = 8
@@ -162,15 +162,58 @@ def test_every_header_call_is_declared_with_its_arity():
 
 def test_structs_match_the_library_and_drift_is_refused(monkeypatch):
     lib = kvcsum.library()
-    for name, struct in _lib.STRUCT_SIZES.items():
-        assert getattr(lib, name)() == ctypes.sizeof(struct), name
+    for c_name, struct in _lib.STRUCTS.items():
+        assert getattr(lib, c_name + "_size")() == ctypes.sizeof(struct), c_name
 
     class Grown(ctypes.Structure):
         _fields_ = _lib.LayerStruct._fields_ + [("added", ctypes.c_uint64)]
 
-    monkeypatch.setitem(_lib.STRUCT_SIZES, "kvcs_layer_size", Grown)
+    monkeypatch.setitem(_lib.STRUCTS, "kvcs_layer", Grown)
     with pytest.raises(kvcsum.AbiError, match="kvcs_layer is .* bytes"):
         _lib.load(lib.path)
+
+    # Same size, fields swapped: only the offsets tell.
+    fields = list(_lib.Segment._fields_)
+    fields[1], fields[2] = fields[2], fields[1]
+
+    class Swapped(ctypes.Structure):
+        _fields_ = fields
+
+    assert ctypes.sizeof(Swapped) == ctypes.sizeof(_lib.Segment)
+    monkeypatch.setitem(_lib.STRUCTS, "kvcs_layer", _lib.LayerStruct)
+    monkeypatch.setitem(_lib.STRUCTS, "kvcs_segment", Swapped)
+    with pytest.raises(kvcsum.AbiError, match="field 1 of kvcs_segment as block_stride at offset 8"):
+        _lib.load(lib.path)
+
+    # Same size and offsets, another type: the field sizes tell.
+    fields = list(_lib.Segment._fields_)
+    fields[5] = ("bytes_per_token", ctypes.c_uint64)
+
+    class Widened(ctypes.Structure):
+        _fields_ = fields
+
+    assert ctypes.sizeof(Widened) == ctypes.sizeof(_lib.Segment)
+    monkeypatch.setitem(_lib.STRUCTS, "kvcs_segment", Widened)
+    with pytest.raises(kvcsum.AbiError, match=r"bytes_per_token at offset 40 \(4 bytes\), this package as bytes_per_token at offset 40 \(8 bytes\)"):
+        _lib.load(lib.path)
+
+
+def test_the_abi_module_spells_the_headers_prototypes():
+    """_abi (generated from the Rust source) against kvcsum.h (cbindgen):
+    every prototype with the same parameter names and types, spaces aside."""
+    header = (ROOT / "include" / "kvcsum.h").read_text()
+    prototypes = re.findall(r"^([A-Za-z_][\w \*]*?[ \*])(kvcs_\w+)\(([^)]*)\);", header, flags=re.M)
+    assert len(prototypes) == len(_abi.CALLS)
+    for ret, name, params in prototypes:
+        want_ret, want_params = _abi.CALLS[name]
+        assert ret.replace(" ", "") == want_ret.replace(" ", ""), name
+        params = [] if params.strip() == "void" else [" ".join(p.split()) for p in params.split(",")]
+        assert [p.replace(" ", "") for p in params] == [(t + n).replace(" ", "") for n, t in want_params], name
+    for name, value in _abi.CONSTANTS.items():
+        defined = re.search(rf"^#define {name} (\S+)$", header, flags=re.M)
+        assert defined, name
+        text = defined.group(1).removesuffix("ull").replace("UINT32_MAX", str(2**32 - 1))
+        assert int(text, 0) == value, name
 
 
 def test_abi_version_and_missing_library_are_refused(monkeypatch, tmp_path):
@@ -179,6 +222,11 @@ def test_abi_version_and_missing_library_are_refused(monkeypatch, tmp_path):
     with pytest.raises(kvcsum.AbiError, match="ABI version 2; this package speaks version 99"):
         _lib.load(lib.path)
     monkeypatch.undo()
+    # No file there is a MissingLibraryError (test_package.py), a file that
+    # does not load an AbiError.
+    with pytest.raises(kvcsum.MissingLibraryError, match="libkvcsum not found"):
+        _lib.load(str(tmp_path / "libkvcsum.so"))
+    (tmp_path / "libkvcsum.so").write_bytes(b"not an ELF file")
     with pytest.raises(kvcsum.AbiError, match="cannot load libkvcsum"):
         _lib.load(str(tmp_path / "libkvcsum.so"))
     monkeypatch.setenv("KVCSUM_LIBRARY", str(tmp_path / "elsewhere.so"))

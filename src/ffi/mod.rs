@@ -7,12 +7,15 @@
 //! contract, documented per function, so they are not `unsafe fn` in Rust.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
+pub mod api;
 pub mod blocks;
 pub mod buffer;
 pub mod completion;
 pub(crate) mod handle;
+pub mod layout_string;
 pub mod loader;
 pub mod panic;
+pub mod repair;
 pub mod report;
 pub mod result;
 pub mod sizes;

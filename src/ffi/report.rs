@@ -140,7 +140,7 @@ pub struct kvcs_layer_difference {
 
 /// A report and the C strings it hands out.
 pub(crate) struct ReportHandle {
-    report: Report,
+    pub(crate) report: Report,
     message: CString,
     findings: Vec<CString>,
 }

@@ -5,6 +5,8 @@
 
 use std::mem::size_of;
 
+use super::layout_string::kvcs_tensor;
+use super::repair::kvcs_repair_block;
 use super::report::{kvcs_layer_difference, kvcs_mismatch};
 use super::tensor_parallel::kvcs_head_source;
 use super::topology::{kvcs_local_engine, kvcs_remote_engine};
@@ -68,4 +70,16 @@ pub extern "C" fn kvcs_remote_engine_size() -> usize {
 #[no_mangle]
 pub extern "C" fn kvcs_head_source_size() -> usize {
     size_of::<kvcs_head_source>()
+}
+
+/// `sizeof(kvcs_tensor)` in this library.
+#[no_mangle]
+pub extern "C" fn kvcs_tensor_size() -> usize {
+    size_of::<kvcs_tensor>()
+}
+
+/// `sizeof(kvcs_repair_block)` in this library.
+#[no_mangle]
+pub extern "C" fn kvcs_repair_block_size() -> usize {
+    size_of::<kvcs_repair_block>()
 }

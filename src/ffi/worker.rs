@@ -71,11 +71,15 @@ pub struct kvcs_segment {
     pub head_stride: i64,
     /// Between tokens of a kernel block.
     pub token_stride: i64,
-    /// Contiguous bytes per (head, token); a positive multiple of 8.
+    /// Contiguous bytes per (head, token) in this segment; a positive
+    /// multiple of 8. Per segment: where K and V are two segments, each
+    /// says its own part's bytes (K's head size times the element size,
+    /// say), not those of K and V together.
     pub bytes_per_token: u32,
 }
 
-/// An attention layer's cache on this worker.
+/// An attention layer's cache on this worker (`kvcs_layer_from_layout`
+/// fills one from a tensor and a layout string such as "KBTHD").
 #[allow(non_camel_case_types)]
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]

@@ -59,7 +59,7 @@ static kvcs_worker_options host_options(void) {
 
 static void test_versions_and_names(void) {
   CHECK(kvcs_abi_version() == KVCS_ABI_VERSION);
-  CHECK(kvcs_version() != NULL && strcmp(kvcs_version(), "0.1.0") == 0);
+  CHECK(kvcs_version() != NULL && strcmp(kvcs_version(), "0.2.0") == 0);
   static const char *const names[] = {
       "KVCS_OK",          "KVCS_ERR_INVALID_ARGUMENT", "KVCS_ERR_OUT_OF_BOUNDS",    "KVCS_ERR_UNSUPPORTED",
       "KVCS_ERR_NOT_FOUND", "KVCS_ERR_MALFORMED",      "KVCS_ERR_NOT_READY",        "KVCS_ERR_DEVICE",
@@ -416,6 +416,207 @@ static void test_checksum_and_result(void) {
   CHECK(1); /* destroying NULL returned */
 }
 
+static void test_function_table_and_layouts(void);
+
+/* kvcs_layer_from_layout: every refusal names its argument and leaves the
+ * out-parameters as they were; a valid HND tensor over `cache` gives
+ * good_segment()'s layer. */
+static void test_layer_from_layout(void) {
+  const int64_t shape[4] = {NUM_BLOCKS, NUM_HEADS, BLOCK_SIZE, CELL_BYTES / 2};
+  const int64_t strides[4] = {NUM_HEADS * BLOCK_SIZE * CELL_BYTES, BLOCK_SIZE * CELL_BYTES, CELL_BYTES, 2};
+  const kvcs_tensor hnd = {
+      .address = (uint64_t)(uintptr_t)cache, .shape = shape, .strides = strides, .ndim = 4, .element_size = 2};
+  kvcs_layer layer;
+  kvcs_segment segments[2];
+  memset(&layer, 0xAB, sizeof layer);
+  memset(segments, 0xAB, sizeof segments);
+  const kvcs_layer layer_before = layer;
+
+  EXPECT(kvcs_layer_from_layout(NULL, &hnd, NULL, 1, &layer, segments), KVCS_ERR_INVALID_ARGUMENT, "layout is NULL");
+  EXPECT(kvcs_layer_from_layout("HND", NULL, NULL, 1, &layer, segments), KVCS_ERR_INVALID_ARGUMENT, "cache is NULL");
+  EXPECT(kvcs_layer_from_layout("HND", &hnd, NULL, 1, NULL, segments), KVCS_ERR_INVALID_ARGUMENT,
+         "layer_out is NULL");
+  EXPECT(kvcs_layer_from_layout("HND", &hnd, NULL, 1, &layer, NULL), KVCS_ERR_INVALID_ARGUMENT,
+         "segments_out is NULL");
+  EXPECT(kvcs_layer_from_layout("BTXD", &hnd, NULL, 1, &layer, segments), KVCS_ERR_INVALID_ARGUMENT,
+         "layout \"BTXD\": name each dimension once");
+  EXPECT(kvcs_layer_from_layout("BHHD", &hnd, NULL, 1, &layer, segments), KVCS_ERR_INVALID_ARGUMENT,
+         "layout \"BHHD\"");
+  EXPECT(kvcs_layer_from_layout("KBHTD", &hnd, NULL, 1, &layer, segments), KVCS_ERR_INVALID_ARGUMENT,
+         "names 5 dimensions, cache has 4");
+  EXPECT(kvcs_layer_from_layout("HND", &hnd, NULL, 0, &layer, segments), KVCS_ERR_INVALID_ARGUMENT,
+         "kernel_blocks is 0");
+  EXPECT(kvcs_layer_from_layout("HND", &hnd, NULL, 3, &layer, segments), KVCS_ERR_INVALID_ARGUMENT,
+         "2 blocks (B) are not a multiple of kernel_blocks 3");
+  EXPECT(kvcs_layer_from_layout("HND", &hnd, &hnd, 1, &layer, segments), KVCS_OK, NULL);
+  CHECK(layer.num_segments == 2); /* K and V in two tensors */
+  layer = layer_before;
+  memset(segments, 0xAB, sizeof segments);
+
+  kvcs_tensor bad = hnd;
+  bad.shape = NULL;
+  EXPECT(kvcs_layer_from_layout("HND", &bad, NULL, 1, &layer, segments), KVCS_ERR_INVALID_ARGUMENT,
+         "cache.shape is NULL");
+  bad = hnd;
+  bad.strides = NULL;
+  EXPECT(kvcs_layer_from_layout("HND", &hnd, &bad, 1, &layer, segments), KVCS_ERR_INVALID_ARGUMENT,
+         "v.strides is NULL");
+  bad = hnd;
+  bad.element_size = 0;
+  EXPECT(kvcs_layer_from_layout("HND", &bad, NULL, 1, &layer, segments), KVCS_ERR_INVALID_ARGUMENT,
+         "cache.element_size is 0");
+  const int64_t negative[4] = {NUM_BLOCKS, -1, BLOCK_SIZE, CELL_BYTES / 2};
+  bad = hnd;
+  bad.shape = negative;
+  EXPECT(kvcs_layer_from_layout("HND", &bad, NULL, 1, &layer, segments), KVCS_ERR_INVALID_ARGUMENT,
+         "cache.shape[1] (H) is -1");
+  const int64_t strided_d[4] = {strides[0], strides[1], strides[2], 4};
+  bad = hnd;
+  bad.strides = strided_d;
+  EXPECT(kvcs_layer_from_layout("HND", &bad, NULL, 1, &layer, segments), KVCS_ERR_INVALID_ARGUMENT,
+         "D dimension must be contiguous: its stride is 4 bytes, element_size is 2");
+  const int64_t huge_d[4] = {NUM_BLOCKS, NUM_HEADS, BLOCK_SIZE, INT64_C(1) << 40};
+  bad = hnd;
+  bad.shape = huge_d;
+  EXPECT(kvcs_layer_from_layout("HND", &bad, NULL, 1, &layer, segments), KVCS_ERR_INVALID_ARGUMENT,
+         "bytes_per_token");
+  const int64_t three_parts[5] = {3, NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, 2};
+  const int64_t part_strides[5] = {CACHE_BYTES / 3, 64, 16, 8, 2};
+  const kvcs_tensor kbthd = {.address = hnd.address, .shape = three_parts, .strides = part_strides, .ndim = 5,
+                             .element_size = 2};
+  EXPECT(kvcs_layer_from_layout("KBTHD", &kbthd, NULL, 1, &layer, segments), KVCS_ERR_INVALID_ARGUMENT,
+         "the K dimension has size 3, not 2");
+  EXPECT(kvcs_layer_from_layout("KBTHD", &kbthd, &kbthd, 1, &layer, segments), KVCS_ERR_INVALID_ARGUMENT,
+         "has a K dimension and v is given too");
+  const int64_t other_tokens[4] = {NUM_BLOCKS, NUM_HEADS, BLOCK_SIZE * 2, CELL_BYTES / 2};
+  bad = hnd;
+  bad.shape = other_tokens;
+  EXPECT(kvcs_layer_from_layout("HND", &hnd, &bad, 1, &layer, segments), KVCS_ERR_INVALID_ARGUMENT,
+         "v and cache differ in blocks, tokens or heads");
+  CHECK(memcmp(&layer, &layer_before, sizeof layer) == 0);
+  uint8_t untouched[sizeof segments];
+  memset(untouched, 0xAB, sizeof untouched);
+  CHECK(memcmp(segments, untouched, sizeof segments) == 0);
+
+  /* The same layer as the hand-built one; the caller's fields are defaults. */
+  EXPECT_OK(kvcs_layer_from_layout("hnd", &hnd, NULL, 1, &layer, segments));
+  const kvcs_segment want = good_segment();
+  CHECK(layer.num_segments == 1 && layer.segments == segments);
+  CHECK(segments[0].address == want.address && segments[0].block_stride == want.block_stride &&
+        segments[0].kernel_block_stride == NUM_HEADS * BLOCK_SIZE * CELL_BYTES &&
+        segments[0].head_stride == want.head_stride && segments[0].token_stride == want.token_stride &&
+        segments[0].bytes_per_token == want.bytes_per_token);
+  CHECK(layer.num_heads == NUM_HEADS && layer.num_blocks == NUM_BLOCKS && layer.kernel_blocks == 1 &&
+        layer.tokens_per_kernel_block == BLOCK_SIZE);
+  CHECK(layer.group_id == 0 && layer.layer_number == 0 && layer.first_head == 0 && layer.replicas == 1 &&
+        layer.replica_index == 0 && layer.identity == NULL && layer.identity_len == 0);
+  kvcs_worker_options options = host_options();
+  kvcs_worker *worker;
+  EXPECT_OK(kvcs_worker_create(&options, &worker));
+  EXPECT_OK(kvcs_worker_add_region(worker, (uint64_t)(uintptr_t)cache, CACHE_BYTES));
+  EXPECT_OK(kvcs_worker_add_group(worker, 0, BLOCK_SIZE));
+  EXPECT_OK(kvcs_worker_add_layer(worker, &layer));
+  kvcs_worker_destroy(worker);
+}
+
+/* kvcs_report_repair_plan and kvcs_repair_plan: refusals name argument and
+ * value; too small a buffer says how many entries are needed. */
+static void test_repair_plan(void) {
+  kvcs_blocks *blocks;
+  EXPECT_OK(kvcs_blocks_create(&blocks));
+  EXPECT_OK(kvcs_blocks_add_request(blocks, "r", 3 * BLOCK_SIZE));
+  const uint32_t block_ids[3] = {7, 2, 9};
+  EXPECT_OK(kvcs_blocks_add_group(blocks, "r", 0, 1, block_ids, 3)); /* positions 1..4 */
+  const uint32_t groups[1] = {0};
+  const uint32_t sizes[1] = {BLOCK_SIZE};
+  /* Group 0, positions 2..4: tokens 9..16 differ. */
+  kvcs_mismatch mismatch = {.group_id = 0, .first_position = 2, .num_positions = 2, .first_token = 9,
+                            .num_tokens = 7};
+  kvcs_repair_block plan[4];
+  memset(plan, 0xAB, sizeof plan);
+  size_t len = 99;
+
+  EXPECT(kvcs_repair_plan(NULL, 1, blocks, "r", groups, sizes, 1, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "mismatches is NULL with length 1");
+  EXPECT(kvcs_repair_plan(&mismatch, 1, NULL, "r", groups, sizes, 1, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "consumer_blocks is NULL");
+  EXPECT(kvcs_repair_plan(&mismatch, 1, blocks, NULL, groups, sizes, 1, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "req_id is NULL");
+  EXPECT(kvcs_repair_plan(&mismatch, 1, blocks, "other", groups, sizes, 1, plan, 4, &len), KVCS_ERR_NOT_FOUND,
+         "req_id \"other\" is not in consumer_blocks");
+  EXPECT(kvcs_repair_plan(&mismatch, 1, blocks, "r", NULL, sizes, 1, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "group_ids is NULL with length 1");
+  EXPECT(kvcs_repair_plan(&mismatch, 1, blocks, "r", groups, NULL, 1, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "block_sizes is NULL with length 1");
+  EXPECT(kvcs_repair_plan(&mismatch, 1, blocks, "r", groups, sizes, 0, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "group 0 differs but block_sizes has no entry for it");
+  const uint32_t zero[1] = {0};
+  EXPECT(kvcs_repair_plan(&mismatch, 1, blocks, "r", groups, zero, 1, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "block_size of group 0 is 0 (block_sizes[0])");
+  const uint32_t twice[2] = {0, 0};
+  const uint32_t two_sizes[2] = {BLOCK_SIZE, BLOCK_SIZE};
+  EXPECT(kvcs_repair_plan(&mismatch, 1, blocks, "r", twice, two_sizes, 2, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "group_ids[1] is 0, a group already given a block size");
+  const uint32_t group_1[1] = {1};
+  kvcs_mismatch other_group = mismatch;
+  other_group.group_id = 1;
+  EXPECT(kvcs_repair_plan(&other_group, 1, blocks, "r", group_1, sizes, 1, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "group 1 differs but consumer_blocks has no blocks of it in req_id \"r\"");
+  kvcs_mismatch past = mismatch;
+  past.num_positions = 3;
+  EXPECT(kvcs_repair_plan(&past, 1, blocks, "r", groups, sizes, 1, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "group 0 position 4 differs but consumer_blocks holds positions 1..4 of it");
+  const uint32_t small[1] = {2};
+  EXPECT(kvcs_repair_plan(&mismatch, 1, blocks, "r", groups, small, 1, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "group 0 position 2 (block size 2) holds none of the differing tokens 9..16");
+  kvcs_mismatch wrapping = mismatch;
+  wrapping.num_tokens = UINT64_MAX;
+  EXPECT(kvcs_repair_plan(&wrapping, 1, blocks, "r", groups, sizes, 1, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "first_token 9 + num_tokens 18446744073709551615 overflows");
+  const kvcs_mismatch overlapping[2] = {mismatch, past};
+  EXPECT(kvcs_repair_plan(overlapping, 2, blocks, "r", groups, sizes, 1, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "the differing positions 2..4 and 2..5 overlap");
+  EXPECT(kvcs_repair_plan(&mismatch, 1, blocks, "r", groups, sizes, 1, plan, 4, NULL), KVCS_ERR_INVALID_ARGUMENT,
+         "len is NULL");
+  EXPECT(kvcs_repair_plan(&mismatch, 1, blocks, "r", groups, sizes, 1, NULL, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "buf is NULL with cap 4");
+  CHECK(len == 99);
+  EXPECT(kvcs_repair_plan(&mismatch, 1, blocks, "r", groups, sizes, 1, plan, 1, &len), KVCS_ERR_BUFFER_TOO_SMALL,
+         "cap 1 is below the 2 entries needed");
+  CHECK(len == 2);
+  uint8_t untouched[sizeof plan];
+  memset(untouched, 0xAB, sizeof untouched);
+  CHECK(memcmp(plan, untouched, sizeof plan) == 0);
+  EXPECT_OK(kvcs_repair_plan(&mismatch, 1, blocks, "r", groups, sizes, 1, plan, 4, &len));
+  CHECK(len == 2);
+  CHECK(plan[0].group_id == 0 && plan[0].position == 2 && plan[0].block_id == 2 && plan[0].start_token == 9 &&
+        plan[0].end_token == 12);
+  CHECK(plan[1].group_id == 0 && plan[1].position == 3 && plan[1].block_id == 9 && plan[1].start_token == 12 &&
+        plan[1].end_token == 16);
+  EXPECT_OK(kvcs_repair_plan(NULL, 0, blocks, "r", NULL, NULL, 0, NULL, 0, &len));
+  CHECK(len == 0);
+
+  /* A report that compared nothing names nothing to repair. */
+  kvcs_verifier *verifier;
+  kvcs_report *report;
+  EXPECT_OK(kvcs_verifier_create(1, &verifier));
+  EXPECT_OK(kvcs_verifier_expect(verifier, blocks, KVCS_ROLE_CONSUMER));
+  EXPECT_OK(kvcs_verifier_check_no_payload(verifier, "r", &report));
+  len = 99;
+  EXPECT(kvcs_report_repair_plan(NULL, blocks, "r", groups, sizes, 1, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "report is NULL");
+  EXPECT(kvcs_report_repair_plan(report, NULL, "r", groups, sizes, 1, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "consumer_blocks is NULL");
+  EXPECT(kvcs_report_repair_plan(report, blocks, "nope", groups, sizes, 1, plan, 4, &len), KVCS_ERR_NOT_FOUND,
+         "req_id \"nope\"");
+  EXPECT(kvcs_report_repair_plan(report, blocks, "r", groups, sizes, 1, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "report is unverified");
+  CHECK(len == 99);
+  kvcs_report_destroy(report);
+  kvcs_verifier_destroy(verifier);
+  kvcs_blocks_destroy(blocks);
+}
+
 void test_errors(void) {
   test_versions_and_names();
   test_last_error_is_per_thread();
@@ -423,4 +624,111 @@ void test_errors(void) {
   test_registration();
   test_blocks();
   test_checksum_and_result();
+  test_layer_from_layout();
+  test_repair_plan();
+  test_function_table_and_layouts();
+}
+
+/* One struct's layout as this compiler sees the header: the independent
+ * reference for kvcs_struct_layout and kvcs_struct_field. */
+struct field_ref {
+  const char *name;
+  size_t offset, size;
+};
+#define FIELD(type, field) {#field, offsetof(type, field), sizeof(((type *)0)->field)}
+
+static void check_layout(const char *name, size_t size, const struct field_ref *fields, size_t count) {
+  size_t their_size = 0, their_count = 0;
+  EXPECT_OK(kvcs_struct_layout(name, &their_size, &their_count));
+  CHECK(their_size == size);
+  CHECK(their_count == count);
+  for (size_t i = 0; i < count && i < their_count; i++) {
+    const char *field_name = NULL;
+    size_t offset = 0, field_size = 0;
+    EXPECT_OK(kvcs_struct_field(name, i, &field_name, &offset, &field_size));
+    int same = field_name != NULL && strcmp(field_name, fields[i].name) == 0 && offset == fields[i].offset &&
+               field_size == fields[i].size;
+    if (!same) fprintf(stderr, "  %s field %zu: library says %s at %zu (%zu bytes), this compiler %s at %zu (%zu)\n",
+                       name, i, field_name ? field_name : "(null)", offset, field_size, fields[i].name,
+                       fields[i].offset, fields[i].size);
+    CHECK(same);
+  }
+}
+
+static void test_function_table_and_layouts(void) {
+  /* The table: another ABI version, or no out-parameter, is refused and
+   * leaves *out alone. */
+  const kvcs_api *api = SENTINEL;
+  EXPECT(kvcs_api_get(KVCS_ABI_VERSION + 1, &api), KVCS_ERR_UNSUPPORTED, "abi_version 3");
+  CHECK(api == SENTINEL);
+  EXPECT(kvcs_api_get(0, &api), KVCS_ERR_UNSUPPORTED, "abi_version 0");
+  EXPECT(kvcs_api_get(KVCS_ABI_VERSION, NULL), KVCS_ERR_INVALID_ARGUMENT, "out");
+  EXPECT_OK(kvcs_api_get(KVCS_ABI_VERSION, &api));
+  CHECK(api != SENTINEL && api != NULL);
+  if (api == SENTINEL || api == NULL) return;
+  CHECK(api->size == sizeof(kvcs_api));
+  CHECK(api->abi_version == KVCS_ABI_VERSION);
+  CHECK(KVCS_API_HAS(api, kvcs_abi_version) && KVCS_API_HAS(api, kvcs_worker_set_algorithm));
+  /* Calls through the table are the library's calls. */
+  CHECK(api->kvcs_abi_version() == kvcs_abi_version());
+  CHECK(strcmp(api->kvcs_status_name(KVCS_ERR_NOT_FOUND), "KVCS_ERR_NOT_FOUND") == 0);
+  kvcs_verifier *verifier = SENTINEL;
+  CHECK(api->kvcs_verifier_create(0, &verifier) == KVCS_ERR_INVALID_ARGUMENT);
+  CHECK(verifier == SENTINEL && strstr(api->kvcs_last_error(), "num_workers") != NULL);
+
+  /* Layouts: unknown names, NULL names and indices past the end. */
+  size_t size = 7, count = 7, offset = 7;
+  const char *field_name = SENTINEL;
+  EXPECT(kvcs_struct_layout("kvcs_nothing", &size, &count), KVCS_ERR_NOT_FOUND, "kvcs_nothing");
+  EXPECT(kvcs_struct_layout(NULL, &size, &count), KVCS_ERR_INVALID_ARGUMENT, "struct_name");
+  EXPECT(kvcs_struct_layout("kvcs_worker", &size, &count), KVCS_ERR_NOT_FOUND, "kvcs_worker");
+  CHECK(size == 7 && count == 7);
+  EXPECT(kvcs_struct_field("kvcs_layer", 13, &field_name, &offset, &size), KVCS_ERR_OUT_OF_BOUNDS, "index 13");
+  EXPECT(kvcs_struct_field("kvcs_layer", SIZE_MAX, &field_name, &offset, &size), KVCS_ERR_OUT_OF_BOUNDS,
+         "kvcs_layer, which has 13");
+  EXPECT(kvcs_struct_field("layer", 0, &field_name, &offset, &size), KVCS_ERR_NOT_FOUND, "\"layer\"");
+  EXPECT(kvcs_struct_field(NULL, 0, &field_name, &offset, &size), KVCS_ERR_INVALID_ARGUMENT, "struct_name");
+  CHECK(field_name == SENTINEL && offset == 7 && size == 7);
+  EXPECT_OK(kvcs_struct_layout("kvcs_segment", NULL, NULL));
+  EXPECT_OK(kvcs_struct_field("kvcs_segment", 0, NULL, NULL, NULL));
+
+  /* Each struct's layout is this compiler's. */
+  static const struct field_ref options[] = {
+      FIELD(kvcs_worker_options, tp_rank), FIELD(kvcs_worker_options, tp_size),
+      FIELD(kvcs_worker_options, pp_rank), FIELD(kvcs_worker_options, device),
+      FIELD(kvcs_worker_options, num_threads)};
+  check_layout("kvcs_worker_options", sizeof(kvcs_worker_options), options, sizeof options / sizeof options[0]);
+  static const struct field_ref segment[] = {
+      FIELD(kvcs_segment, address), FIELD(kvcs_segment, block_stride), FIELD(kvcs_segment, kernel_block_stride),
+      FIELD(kvcs_segment, head_stride), FIELD(kvcs_segment, token_stride), FIELD(kvcs_segment, bytes_per_token)};
+  check_layout("kvcs_segment", sizeof(kvcs_segment), segment, sizeof segment / sizeof segment[0]);
+  static const struct field_ref layer[] = {
+      FIELD(kvcs_layer, group_id),       FIELD(kvcs_layer, layer_number),  FIELD(kvcs_layer, first_head),
+      FIELD(kvcs_layer, num_heads),      FIELD(kvcs_layer, replicas),      FIELD(kvcs_layer, replica_index),
+      FIELD(kvcs_layer, num_blocks),     FIELD(kvcs_layer, kernel_blocks), FIELD(kvcs_layer, tokens_per_kernel_block),
+      FIELD(kvcs_layer, num_segments),   FIELD(kvcs_layer, segments),      FIELD(kvcs_layer, identity),
+      FIELD(kvcs_layer, identity_len)};
+  check_layout("kvcs_layer", sizeof(kvcs_layer), layer, sizeof layer / sizeof layer[0]);
+  static const struct field_ref state[] = {
+      FIELD(kvcs_state, group_id),   FIELD(kvcs_state, layer_number), FIELD(kvcs_state, split_known),
+      FIELD(kvcs_state, num_blocks), FIELD(kvcs_state, num_tensors),  FIELD(kvcs_state, tensors),
+      FIELD(kvcs_state, identity),   FIELD(kvcs_state, identity_len)};
+  check_layout("kvcs_state", sizeof(kvcs_state), state, sizeof state / sizeof state[0]);
+  static const struct field_ref mismatch[] = {
+      FIELD(kvcs_mismatch, group_id),          FIELD(kvcs_mismatch, localised),  FIELD(kvcs_mismatch, first_position),
+      FIELD(kvcs_mismatch, num_positions),     FIELD(kvcs_mismatch, first_token), FIELD(kvcs_mismatch, num_tokens),
+      FIELD(kvcs_mismatch, num_failed_checks), FIELD(kvcs_mismatch, num_layers)};
+  check_layout("kvcs_mismatch", sizeof(kvcs_mismatch), mismatch, sizeof mismatch / sizeof mismatch[0]);
+  static const struct field_ref remote[] = {
+      FIELD(kvcs_remote_engine, block_bytes), FIELD(kvcs_remote_engine, tp_size),
+      FIELD(kvcs_remote_engine, block_size), FIELD(kvcs_remote_engine, kernel_blocks)};
+  check_layout("kvcs_remote_engine", sizeof(kvcs_remote_engine), remote, sizeof remote / sizeof remote[0]);
+  static const struct field_ref tensor[] = {FIELD(kvcs_tensor, address), FIELD(kvcs_tensor, shape),
+                                            FIELD(kvcs_tensor, strides), FIELD(kvcs_tensor, ndim),
+                                            FIELD(kvcs_tensor, element_size)};
+  check_layout("kvcs_tensor", sizeof(kvcs_tensor), tensor, sizeof tensor / sizeof tensor[0]);
+  static const struct field_ref repair[] = {FIELD(kvcs_repair_block, group_id), FIELD(kvcs_repair_block, block_id),
+                                            FIELD(kvcs_repair_block, position), FIELD(kvcs_repair_block, start_token),
+                                            FIELD(kvcs_repair_block, end_token)};
+  check_layout("kvcs_repair_block", sizeof(kvcs_repair_block), repair, sizeof repair / sizeof repair[0]);
 }

@@ -3,7 +3,8 @@
  * (errors.c, verify.c), ownership, copies, lifetimes and output buffers
  * (ownership.c), state layers, aliases and stored checksums (features.c),
  * checksums against a naive reference through the C layout
- * structs (checksums.c) and one end-to-end verification (verify.c). What
+ * structs (checksums.c), one end-to-end verification (verify.c), and layers
+ * from layout strings with a repair plan (layout_repair.c). What
  * the engine computes in each case is the Rust tests' business.
  *
  * Build and run: `make test` (or `make c-test` once the library is built);
@@ -61,6 +62,7 @@ int main(int argc, char **argv) {
   test_ownership();
   test_features();
   test_topology();
+  test_layout_repair(seed);
 
   if (checks_failed != 0) {
     fprintf(stderr, "random data seed: %#" PRIx64 " (rerun: c_tests %#" PRIx64 ")\n", seed, seed);

@@ -70,13 +70,13 @@ int main() {
 
   // Producer: record -> verifier -> payload -> base64.
   kvcs::worker producer_worker = make_worker(cache);
-  kvcs::result produced = producer_worker.checksum(scheduled, KVCS_ROLE_PRODUCER);
+  kvcs::result produced = producer_worker.checksum(scheduled, kvcs::role::producer);
   expect(produced.ready(), "a host result is ready at once");
   expect(produced.column("req", 0).size() == 3, "three positions");
   kvcs::verifier producer(1);
-  producer.expect(scheduled, KVCS_ROLE_PRODUCER);
-  producer.add_record(kvcs::encode(produced.get()));
-  std::vector<uint8_t> payload = kvcs::payload(producer.get(), "req");
+  producer.expect(scheduled, kvcs::role::producer);
+  producer.add_record(produced.encode());
+  std::vector<uint8_t> payload = producer.payload("req");
   std::string text = kvcs::base64_encode(payload);
   expect(kvcs::base64_decode(text) == payload, "base64 round trip");
 
@@ -87,12 +87,12 @@ int main() {
       loaded[3 * kHeads * kBlock * kCell / 8 + 5] ^= 1u << 9;  // block 3, a valid token
     }
     kvcs::worker consumer_worker = make_worker(loaded);
-    kvcs::result consumed = consumer_worker.checksum(scheduled, KVCS_ROLE_CONSUMER);
+    kvcs::result consumed = consumer_worker.checksum(scheduled, kvcs::role::consumer);
     kvcs::verifier consumer(1);
-    consumer.expect(scheduled, KVCS_ROLE_CONSUMER);
-    consumer.add_record(kvcs::encode(consumed.get()));
+    consumer.expect(scheduled, kvcs::role::consumer);
+    consumer.add_record(consumed.encode());
     kvcs::report report = consumer.check_base64("req", text);
-    expect(report.verdict() == (flip ? KVCS_VERDICT_MISMATCH : KVCS_VERDICT_MATCH), "verdict");
+    expect(report.verdict() == (flip ? kvcs::verdict::mismatch : kvcs::verdict::match), "verdict");
     expect(report.passed() == !flip, "passed");
   }
 
@@ -123,8 +123,8 @@ int main() {
   }
 
   kvcs::completion completion(2);
-  expect(completion.report(0, KVCS_DIRECTION_SENDING, {"a", "b"}) == std::vector<bool>{false, false}, "first");
-  expect(completion.report(1, KVCS_DIRECTION_SENDING, {"b"}) == std::vector<bool>{true}, "second completes b");
+  expect(completion.report(0, kvcs::direction::sending, {"a", "b"}) == std::vector<bool>{false, false}, "first");
+  expect(completion.report(1, kvcs::direction::sending, {"b"}) == std::vector<bool>{true}, "second completes b");
   expect(completion.invalid_blocks().empty(), "no invalid blocks");
 
   if (failures != 0) {

@@ -9,8 +9,12 @@
 #     (`kvcsum`) and the static one (`kvcsum-static`), then run
 #   - tests/install/consumer.cpp (kvcsum.hpp) with CMake find_package(kvcsum),
 #     shared and static (KVCSUM_USE_STATIC_LIBS=ON), then run
-#   - examples/c/dlopen_agent.c against the installed library, and against
-#     paths that must fail with a clear message
+#   - KVCS_NO_PROTOTYPES: a program that defines it and calls kvcs_version()
+#     directly fails to compile (implicit declaration), one that uses only
+#     types, constants, kvcs_<call>_fn and the table kvcs_api compiles
+#   - examples/c/dlopen_agent.c (built with KVCS_NO_PROTOTYPES, one symbol:
+#     kvcs_api_get) against the installed library, and against paths that
+#     must fail with a clear message: no file, no kvcs_api_get, another ABI
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -24,16 +28,16 @@ pass() { echo "install-test: ok: $*"; }
 
 scripts/install.sh "$prefix"
 version=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -n 1)
-major=${version%%.*}
+soversion=$(sed -n 's/^#define KVCS_ABI_VERSION \([0-9]*\)$/\1/p' include/kvcsum.h)  # docs/VERSIONING.md
 lib=$prefix/lib
 
 # --- The installed tree ------------------------------------------------------
-[ "$(readlink "$lib/libkvcsum.so")" = "libkvcsum.so.$major" ] && pass "libkvcsum.so -> libkvcsum.so.$major" ||
-    fail "libkvcsum.so does not point to libkvcsum.so.$major"
-[ "$(readlink "$lib/libkvcsum.so.$major")" = "libkvcsum.so.$version" ] &&
-    pass "libkvcsum.so.$major -> libkvcsum.so.$version" || fail "libkvcsum.so.$major does not point to .so.$version"
+[ "$(readlink "$lib/libkvcsum.so")" = "libkvcsum.so.$soversion" ] && pass "libkvcsum.so -> libkvcsum.so.$soversion" ||
+    fail "libkvcsum.so does not point to libkvcsum.so.$soversion"
+[ "$(readlink "$lib/libkvcsum.so.$soversion")" = "libkvcsum.so.$version" ] &&
+    pass "libkvcsum.so.$soversion -> libkvcsum.so.$version" || fail "libkvcsum.so.$soversion does not point to .so.$version"
 soname=$(readelf -d "$lib/libkvcsum.so.$version" | sed -n 's/.*Library soname: \[\(.*\)\]/\1/p')
-[ "$soname" = "libkvcsum.so.$major" ] && pass "SONAME $soname" || fail "SONAME is '$soname'"
+[ "$soname" = "libkvcsum.so.$soversion" ] && pass "SONAME $soname" || fail "SONAME is '$soname'"
 size=$(stat -c %s "$lib/libkvcsum.so.$version")
 [ "$size" -lt $((2 * 1024 * 1024)) ] && pass "shared library is $size bytes (< 2 MiB)" ||
     fail "shared library is $size bytes, not under 2 MiB"
@@ -78,10 +82,10 @@ gcc "${strict[@]}" tests/install/consumer.c $(pkg-config --cflags --libs kvcsum)
     -o "$work/consumer_shared"
 # shellcheck disable=SC2046
 gcc "${strict[@]}" tests/install/consumer.c $(pkg-config --cflags --libs kvcsum-static) -o "$work/consumer_static"
-if readelf -d "$work/consumer_shared" | grep -q "NEEDED.*\[libkvcsum.so.$major\]"; then
-    pass "the shared C program needs libkvcsum.so.$major"
+if readelf -d "$work/consumer_shared" | grep -q "NEEDED.*\[libkvcsum.so.$soversion\]"; then
+    pass "the shared C program needs libkvcsum.so.$soversion"
 else
-    fail "the shared C program does not record libkvcsum.so.$major"
+    fail "the shared C program does not record libkvcsum.so.$soversion"
 fi
 if readelf -d "$work/consumer_static" | grep -q 'libkvcsum'; then
     fail "the static C program still needs a libkvcsum shared library"
@@ -110,9 +114,52 @@ for variant in shared static; do
         fail "C++ program ($variant)"
 done
 
+# --- KVCS_NO_PROTOTYPES -------------------------------------------------------
+# The same direct call compiles without the macro and not with it: the
+# header then declares no function, and C11 has no implicit declarations.
+printf '%s\n' '#include <kvcsum.h>' 'int main(void) { return kvcs_version() == 0; }' >"$work/direct_call.c"
+printf '%s\n' '#define KVCS_NO_PROTOTYPES' '#include <kvcsum.h>' \
+    'int main(void) { return kvcs_version() == 0; }' >"$work/no_prototypes.c"
+if ! gcc "${strict[@]}" -I"$prefix/include" -c "$work/direct_call.c" -o "$work/direct_call.o"; then
+    fail "a direct call to kvcs_version() does not compile even without KVCS_NO_PROTOTYPES"
+elif gcc "${strict[@]}" -I"$prefix/include" -c "$work/no_prototypes.c" -o "$work/no_prototypes.o" \
+    2>"$work/no_prototypes.log"; then
+    fail "a direct call to kvcs_version() compiles under KVCS_NO_PROTOTYPES"
+elif grep -q "error: implicit declaration of function .kvcs_version." "$work/no_prototypes.log"; then
+    pass "KVCS_NO_PROTOTYPES: a direct call fails to compile: $(grep -m 1 'error:' "$work/no_prototypes.log" |
+        sed 's/.*error: //')"
+else
+    fail "under KVCS_NO_PROTOTYPES the direct call failed for another reason: $(cat "$work/no_prototypes.log")"
+fi
+# What a plugin needs stays: types, constants, kvcs_<call>_fn, the table.
+cat >"$work/plugin_types.c" <<'EOF'
+#define KVCS_NO_PROTOTYPES
+#include <kvcsum.h>
+int main(void) {
+  kvcs_api_get_fn api_get = 0;
+  kvcs_worker_create_fn worker_create = 0;
+  kvcs_api table = {.size = sizeof(kvcs_api), .abi_version = KVCS_ABI_VERSION};
+  kvcs_layer layer = {.num_segments = 1};
+  const kvcs_api *api = &table;
+  return (api_get != 0) + (worker_create != 0) + !KVCS_API_HAS(api, kvcs_worker_create) + (int)layer.group_id +
+         (KVCS_ERR_NOT_FOUND != 4);
+}
+EOF
+if gcc "${strict[@]}" -I"$prefix/include" "$work/plugin_types.c" -o "$work/plugin_types" && "$work/plugin_types"; then
+    pass "KVCS_NO_PROTOTYPES keeps the types, constants, kvcs_<call>_fn and kvcs_api"
+else
+    fail "a program using only types, constants and the table under KVCS_NO_PROTOTYPES"
+fi
+printf '%s\n' '#define KVCS_NO_PROTOTYPES' '#include <kvcsum.h>' 'int main() { return 0; }' >"$work/no_prototypes.cpp"
+if g++ -std=c++17 -Wall -Wextra -Wpedantic -Werror -I"$prefix/include" -fsyntax-only "$work/no_prototypes.cpp"; then
+    pass "the header under KVCS_NO_PROTOTYPES compiles as C++17"
+else
+    fail "the header under KVCS_NO_PROTOTYPES does not compile as C++17"
+fi
+
 # --- dlopen ------------------------------------------------------------------
 gcc "${strict[@]}" -I"$prefix/include" examples/c/dlopen_agent.c -ldl -o "$work/dlopen_agent"
-"$work/dlopen_agent" "$lib/libkvcsum.so.$major" && pass "dlopen_agent on the installed library" ||
+"$work/dlopen_agent" "$lib/libkvcsum.so.$soversion" && pass "dlopen_agent on the installed library" ||
     fail "dlopen_agent on the installed library"
 expect_refusal() {
     local path=$1 needle=$2 rc=0
@@ -124,7 +171,22 @@ expect_refusal() {
     fi
 }
 expect_refusal "$work/no-such-libkvcsum.so" "cannot load"
-expect_refusal "$(gcc -print-file-name=libgcc_s.so.1)" "has no symbol kvcs_abi_version"
+expect_refusal "$(gcc -print-file-name=libgcc_s.so.1)" "has no symbol kvcs_api_get"
+# A library of the next ABI version, which gives no table for this one.
+abi=$(sed -n 's/^#define KVCS_ABI_VERSION \([0-9]*\)$/\1/p' "$prefix/include/kvcsum.h")
+cat >"$work/other_abi.c" <<'EOF'
+#define KVCS_NO_PROTOTYPES
+#include <kvcsum.h>
+uint32_t kvcs_abi_version(void);
+kvcs_status kvcs_api_get(uint32_t abi_version, const kvcs_api **out);
+uint32_t kvcs_abi_version(void) { return KVCS_ABI_VERSION + 1; }
+kvcs_status kvcs_api_get(uint32_t abi_version, const kvcs_api **out) {
+  (void)out;
+  return abi_version == KVCS_ABI_VERSION + 1 ? KVCS_ERR_INTERNAL : KVCS_ERR_UNSUPPORTED;
+}
+EOF
+gcc "${strict[@]}" -shared -fPIC -I"$prefix/include" "$work/other_abi.c" -o "$work/libkvcsum-other-abi.so"
+expect_refusal "$work/libkvcsum-other-abi.so" "has ABI version $((abi + 1)), this agent was built for $abi"
 
 if [ "$failures" -ne 0 ]; then
     echo "install-test: $failures failed" >&2

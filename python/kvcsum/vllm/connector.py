@@ -1011,8 +1011,8 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
                 plan = kvcsum.repair_plan(report, tables, dict(self._block_sizes))
                 invalid = sorted({b.block_id for blocks in plan.values() for b in blocks})
                 positions = ", ".join(
-                    f"group {m.group_id} positions {m.first_position}..{m.first_position + m.num_positions - 1} "
-                    f"(tokens {m.first_token}..{m.first_token + m.num_tokens - 1})"
+                    f"group {m.group_id} positions {m.first_position}..{m.first_position + m.num_positions} "
+                    f"(tokens {m.first_token}..{m.first_token + m.num_tokens})"
                     for m in report.mismatches
                 )
                 message = f"{message} [{positions}; blocks {invalid}]"

@@ -97,7 +97,7 @@ def show(case: str, engine: Engine, req_id: str, prompt_len: int = len(PROMPT)) 
     count, first = recomputed(trace, prompt_len)
     state = engine.request_status(req_id)
     label = names[name] + (f" ({reason})" if reason else "")
-    runs = [f"{start}..{min(start + n, prompt_len) - 1}" for start, n in trace.scheduled if start < prompt_len]
+    runs = [f"{start}..{min(start + n, prompt_len)}" for start, n in trace.scheduled if start < prompt_len]
     computed = f"computed prompt tokens {', then '.join(runs)} ({count} of {prompt_len})" if count else "computed no prompt token"
     print(
         f"\nCASE {case:<44} | {label:<26} | vLLM {computed}, request {state}, "

@@ -1,0 +1,269 @@
+"""Layers from arrays: kvcsum.layer() and Layer, region_of, StateTensor,
+and the checks of a stored-checksum buffer."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from ctypes import byref, c_int64, c_uint8
+
+import numpy as np
+
+from . import _lib
+from ._base import _bytes, _c, _check, _int, _of_type, library
+from ._lib import BLOCK_CHECKSUM_BYTES
+
+# --- Layers from arrays --------------------------------------------------------
+
+
+def _array_info(array) -> tuple[int, tuple, tuple, int]:
+    """(address, shape, byte strides, item size) of a numpy array, a torch
+    tensor, or anything with __cuda_array_interface__ / __array_interface__."""
+    if hasattr(array, "data_ptr") and hasattr(array, "element_size") and callable(array.stride):
+        item = int(array.element_size())
+        return int(array.data_ptr()), tuple(int(n) for n in array.shape), tuple(int(s) * item for s in array.stride()), item
+    for name in ("__cuda_array_interface__", "__array_interface__"):
+        interface = getattr(array, name, None)
+        if interface is not None:
+            shape = tuple(int(n) for n in interface["shape"])
+            item = np.dtype(interface["typestr"]).itemsize
+            strides = interface.get("strides")
+            if strides is None:  # C-contiguous
+                strides, step = [], item
+                for n in reversed(shape):
+                    strides.append(step)
+                    step *= n
+                strides = tuple(reversed(strides))
+            return int(interface["data"][0]), shape, tuple(int(s) for s in strides), item
+    raise TypeError(f"cannot describe a {type(array).__name__}: expected a numpy array or a torch tensor")
+
+
+def region_of(array) -> tuple[int, int]:
+    """(address, length) of the bytes `array` can reach, for Worker.add_region."""
+    address, shape, strides, item = _array_info(array)
+    if any(n == 0 for n in shape):
+        return address, 0
+    low = address + sum(s * (n - 1) for n, s in zip(shape, strides) if s < 0)
+    high = address + sum(s * (n - 1) for n, s in zip(shape, strides) if s > 0) + item
+    return low, high - low
+
+
+def _elements(array) -> tuple[str, bool, bool, str]:
+    """(kind, native byte order, writable, type name) of the elements of a
+    numpy array, a torch tensor or an array interface; kind as numpy's
+    dtype.kind ('u' unsigned, 'i' signed, 'f', 'c', 'b' bool, ...)."""
+    if hasattr(array, "data_ptr") and hasattr(array, "element_size") and callable(array.stride):
+        dtype = array.dtype
+        if str(dtype) == "torch.bool":
+            kind = "b"
+        elif dtype.is_complex:
+            kind = "c"
+        elif dtype.is_floating_point:
+            kind = "f"
+        else:
+            kind = "i" if dtype.is_signed else "u"
+        return kind, True, True, str(dtype)
+    for name in ("__cuda_array_interface__", "__array_interface__"):
+        interface = getattr(array, name, None)
+        if interface is not None:
+            dtype = np.dtype(interface["typestr"])
+            return dtype.kind, dtype.isnative, not interface["data"][1], str(dtype)
+    raise TypeError(f"cannot describe a {type(array).__name__}: expected a numpy array or a torch tensor")
+
+
+def _stored_buffer(array, name: str) -> tuple[int, int]:
+    """(address, num_blocks) of a buffer of stored checksums: ValueError
+    unless it is C-contiguous, writable, of native unsigned integers whose
+    size divides BLOCK_CHECKSUM_BYTES, and holds whole blocks' checksums
+    (num_blocks = bytes // BLOCK_CHECKSUM_BYTES). A strided or reversed
+    view would have the library write over the elements between or before
+    the view's; a float array would take bits for numbers."""
+    kind, native, writable, type_name = _elements(array)
+    address, shape, strides, item = _array_info(array)
+    if kind != "u" or not native or BLOCK_CHECKSUM_BYTES % item:
+        raise ValueError(
+            f"{name} has elements of {type_name}; stored checksums need native unsigned integers of a size "
+            f"dividing {BLOCK_CHECKSUM_BYTES} bytes (uint64: {BLOCK_CHECKSUM_BYTES // 8} per block id)"
+        )
+    step = item
+    for n, stride in reversed(list(zip(shape, strides))):
+        if n > 1 and stride != step:
+            raise ValueError(
+                f"{name} is not C-contiguous (shape {shape}, strides {strides} bytes): the library writes "
+                f"{BLOCK_CHECKSUM_BYTES} bytes per block id from its first element on; pass a contiguous array"
+            )
+        step *= n
+    if not writable:
+        raise ValueError(f"{name} is read-only; the library writes the stored checksums into it")
+    total = int(np.prod(shape, dtype=object)) * item
+    if total % BLOCK_CHECKSUM_BYTES:
+        raise ValueError(f"{name} holds {total} bytes, not a whole number of {BLOCK_CHECKSUM_BYTES}-byte checksums")
+    return address, total // BLOCK_CHECKSUM_BYTES
+
+
+@dataclasses.dataclass
+class Layer:
+    """An attention layer's cache on one worker (kvcs_layer), ready for
+    Worker.add_layer; made by kvcsum.layer() or by hand.
+
+    `arrays` holds the arrays (or tensors) the segments point into:
+    kvcsum.layer() puts the cache (and v) there, so the memory lives as
+    long as the Layer, and Worker.add_layer keeps them for the worker's
+    lifetime. A Layer made by hand from addresses may leave it empty; its
+    memory is then the caller's to keep.
+
+    Thread safety: a plain mutable value; do not change it while another
+    thread passes it to Worker.add_layer."""
+
+    group_id: int
+    layer_number: int
+    first_head: int
+    num_heads: int
+    num_blocks: int
+    kernel_blocks: int
+    tokens_per_kernel_block: int
+    segments: list  # of _lib.Segment, K then V
+    replicas: int = 1
+    replica_index: int = 0
+    identity: bytes = b""
+    arrays: tuple = dataclasses.field(default=(), repr=False, compare=False)
+
+    def _struct(self):
+        for i, segment in enumerate(self.segments):
+            _of_type(segment, _lib.Segment, f"segments[{i}]")
+        segments = (_lib.Segment * len(self.segments))(*self.segments)
+        identity_bytes = _bytes(self.identity, "identity")
+        identity = (c_uint8 * max(len(identity_bytes), 1)).from_buffer_copy(identity_bytes or b"\0")
+        # Every integer field is checked against its C type as it is set
+        # (_lib._Struct), so a layer_number of 2**32 + 3 is an error, not 3.
+        struct = _lib.LayerStruct(
+            group_id=self.group_id,
+            layer_number=self.layer_number,
+            first_head=self.first_head,
+            num_heads=self.num_heads,
+            replicas=self.replicas,
+            replica_index=self.replica_index,
+            num_blocks=self.num_blocks,
+            kernel_blocks=self.kernel_blocks,
+            tokens_per_kernel_block=self.tokens_per_kernel_block,
+            num_segments=len(self.segments),
+            segments=ctypes.cast(segments, ctypes.POINTER(_lib.Segment)),
+            identity=ctypes.cast(identity, ctypes.POINTER(c_uint8)),
+            identity_len=len(identity_bytes),
+        )
+        return struct, (segments, identity)
+
+
+def layer(
+    cache,
+    layout: str,
+    *,
+    layer_number: int,
+    group_id: int = 0,
+    first_head: int = 0,
+    kernel_blocks: int = 1,
+    replicas: int = 1,
+    replica_index: int = 0,
+    identity: bytes = b"",
+    v=None,
+) -> Layer:
+    """Describes one layer's cache from a numpy array or torch tensor.
+
+    `layout` names the dimensions of `cache`, outermost first: B (blocks),
+    T (tokens of a block), H (heads), D (the contiguous elements of a
+    head's cell for one token) and, where K and V live apart in the same
+    array, K (size 2: K then V). "NHD" means "BTHD", "HND" means "BHTD";
+    an MLA cache with no head dimension is "BTD". Examples:
+
+        layer(cache, "KBTHD", layer_number=i)   # FlashAttention [2, blocks, 16, heads, 128]
+        layer(cache, "BKHTD", layer_number=i)   # FlashInfer HND [blocks, 2, heads, 16, 128]
+        layer(k_cache, "NHD", layer_number=i, v=v_cache)   # K and V in two tensors
+
+    Any strided view works: for a cross-layer cache [blocks, layers, ...]
+    pass `cache[:, i]` for layer i. The Layer keeps `cache` (and `v`), so
+    they live while it does; the worker it is added to keeps them too.
+
+    With `kernel_blocks` > 1 the B dimension counts kernel blocks, that
+    many making one logical block (block b holds kernel blocks
+    b*kernel_blocks ...). `first_head` is the global number of the first
+    head held here (rank * heads for TP rank `rank`).
+
+    The layout string's rules are the library's (kvcs_layer_from_layout,
+    SPEC section 14): a layout it refuses raises kvcsum.InvalidArgument (a
+    ValueError) naming the argument and value. Each segment's
+    bytes_per_token is its own part of the cell (K's, or V's).
+    """
+    if not isinstance(layout, str):
+        raise TypeError(f"layout must be a str such as \"NHD\", got {type(layout).__name__}")
+    # The kvcs_layer fields, checked here where they are given (and again
+    # as the struct is built), so an error points at this call.
+    kernel_blocks = _int(kernel_blocks, "uint32_t", "kernel_blocks")
+    layer_number = _int(layer_number, "uint32_t", "layer_number")
+    group_id = _int(group_id, "uint32_t", "group_id")
+    first_head = _int(first_head, "uint32_t", "first_head")
+    replicas = _int(replicas, "uint32_t", "replicas")
+    replica_index = _int(replica_index, "uint32_t", "replica_index")
+    identity = _bytes(identity, "identity")
+
+    # The layout string's rules (letters, K and V, what is refused) are
+    # the library's: kvcs_layer_from_layout, SPEC section 14.
+    def tensor_of(array, name: str) -> tuple:
+        address, shape, strides, item = _array_info(array)
+        sizes = (c_int64 * max(len(shape), 1))(*[_int(n, "int64_t", f"{name} shape") for n in shape])
+        steps = (c_int64 * max(len(strides), 1))(*[_int(n, "int64_t", f"{name} strides") for n in strides])
+        struct = _lib.TensorStruct(
+            address=_int(address, "uint64_t", f"{name} address"),
+            shape=ctypes.cast(sizes, ctypes.POINTER(c_int64)),
+            strides=ctypes.cast(steps, ctypes.POINTER(c_int64)),
+            ndim=len(shape),
+            element_size=_int(item, "uint32_t", f"{name} element size"),
+        )
+        return struct, (sizes, steps)
+
+    # The shape and stride arrays (cache_arrays, v_arrays) stay alive
+    # through the call, which only reads them.
+    cache_tensor, cache_arrays = tensor_of(cache, "cache")
+    v_tensor, v_arrays = tensor_of(v, "v") if v is not None else (None, None)
+    out = _lib.LayerStruct()
+    segments = (_lib.Segment * 2)()
+    _check(
+        library().kvcs_layer_from_layout(
+            _c(layout, "layout"),
+            byref(cache_tensor),
+            byref(v_tensor) if v_tensor is not None else None,
+            kernel_blocks,
+            byref(out),
+            segments,
+        )
+    )
+    return Layer(
+        group_id=group_id,
+        layer_number=layer_number,
+        first_head=first_head,
+        num_heads=out.num_heads,
+        num_blocks=out.num_blocks,
+        kernel_blocks=out.kernel_blocks,
+        tokens_per_kernel_block=out.tokens_per_kernel_block,
+        segments=[_lib.Segment.from_buffer_copy(segments[i]) for i in range(out.num_segments)],
+        replicas=replicas,
+        replica_index=replica_index,
+        identity=identity,
+        arrays=(cache,) if v is None else (cache, v),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StateTensor:
+    """One state tensor of a state layer as this worker holds it
+    (kvcs_state_tensor): strides in bytes.
+
+    Thread safety: immutable (a frozen dataclass); share it freely."""
+
+    address: int
+    block_stride: int
+    row_stride: int
+    first_row: int
+    num_rows: int
+    total_rows: int
+    bytes_per_row: int
+    element_size: int

@@ -1,0 +1,398 @@
+"""The worker side: Blocks (request block sets), Worker and its Result."""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import byref, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from . import _lib
+from ._base import (
+    _NOT_READY,
+    _OK,
+    _Handle,
+    _block_ids,
+    _bytes_list,
+    _bytes_of,
+    _c,
+    _check,
+    _create,
+    _flag,
+    _int,
+    _member,
+    _of_type,
+    _sized,
+    _stream,
+    library,
+)
+from ._constants import HOST, PRODUCER, Algorithm, Status
+from ._errors import InvalidArgument
+from ._layers import Layer, StateTensor, _stored_buffer, region_of
+from ._lib import BLOCK_CHECKSUM_BYTES
+
+# --- Handles -------------------------------------------------------------------
+
+
+class Blocks(_Handle):
+    """A request block set (kvcs_blocks).
+
+    Thread safety: adding (add_request, add_group, set_hashes) needs the
+    set alone, so such calls wait for any call using it; calls that only
+    read it (Worker.checksum, Verifier.expect, ...) run concurrently."""
+
+    _destroy = "kvcs_blocks_destroy"
+
+    def __init__(self):
+        super().__init__(_create(library().kvcs_blocks_create))
+        self._requests = 0  # added through this object, for the repr
+        self._groups = 0
+
+    def _describe(self) -> str:
+        return f"requests={self._requests} groups={self._groups}"
+
+    def add_request(self, req_id: str, num_tokens: int) -> "Blocks":
+        """Adds request `req_id` whose blocks hold `num_tokens` tokens."""
+        req = _c(req_id, "req_id")
+        num_tokens = _int(num_tokens, "uint64_t", "num_tokens")
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_blocks_add_request(handle, req, num_tokens))
+            self._requests += 1
+        return self
+
+    def add_group(self, req_id: str, group_id: int, block_ids: Iterable[int], first_position: int = 0) -> "Blocks":
+        """Adds group `group_id`'s blocks of `req_id` at consecutive positions."""
+        req = _c(req_id, "req_id")
+        group_id = _int(group_id, "uint32_t", "group_id")
+        first_position = _int(first_position, "uint64_t", "first_position")
+        ids = _block_ids(block_ids)
+        pointer = ids.ctypes.data_as(ctypes.POINTER(c_uint32)) if ids.size else None
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_blocks_add_group(handle, req, group_id, first_position, pointer, ids.size))
+            self._groups += 1
+        return self
+
+    def set_hashes(self, req_id: str, group_id: int, hashes: Sequence[bytes]) -> "Blocks":
+        """Gives the block hashes of a group's blocks of `req_id` (one per
+        block id, in order, all of one length of at least 8 bytes), for
+        stored checksums (Worker.store / Worker.check_stored)."""
+        req = _c(req_id, "req_id")
+        group_id = _int(group_id, "uint32_t", "group_id")
+        hashes = _bytes_list(hashes, "hashes")
+        size = len(hashes[0]) if hashes else 8
+        if any(len(h) != size for h in hashes):
+            raise InvalidArgument(1, "KVCS_ERR_INVALID_ARGUMENT", "hashes: every block hash must have the same length")
+        data = b"".join(hashes)
+        buffer = (c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_blocks_set_hashes(handle, req, group_id, buffer, size, len(hashes)))
+        return self
+
+
+class Result(_Handle):
+    """A worker's partial checksums (kvcs_result). Independent of its
+    worker once made; it keeps the worker's arrays alive while it lives
+    (a device may still be reading them).
+
+    Thread safety: reads (ready, group, column, stored, encode) run
+    concurrently; wait() needs the result alone and waits for them."""
+
+    _destroy = "kvcs_result_destroy"
+
+    def _describe(self) -> str:
+        with self._use(wait=False) as handle:
+            status = self._lib.kvcs_result_query(handle)
+        if status in (_OK, _NOT_READY):
+            return "ready" if status == _OK else "not ready"
+        return f"failed ({_member(Status, status)!r})"
+
+    def ready(self) -> bool:
+        """True once the values are readable (never blocks)."""
+        with self._use() as handle:
+            status = self._lib.kvcs_result_query(handle)
+        if status == _NOT_READY:
+            return False
+        _check(status)
+        return True
+
+    def wait(self) -> "Result":
+        """Blocks until the values are readable."""
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_result_wait(handle))
+        return self
+
+    def group(self, req_id: str, group_id: int) -> tuple[int, int, int]:
+        """(first_position, num_positions, num_columns) of a group."""
+        req = _c(req_id, "req_id")
+        group_id = _int(group_id, "uint32_t", "group_id")
+        first, positions, columns = c_uint64(), c_size_t(), c_size_t()
+        with self._use() as handle:
+            _check(self._lib.kvcs_result_group(handle, req, group_id, byref(first), byref(positions), byref(columns)))
+        return first.value, positions.value, columns.value
+
+    def column(self, req_id: str, group_id: int, column: int = 0) -> np.ndarray:
+        """One column's values, a numpy uint64 array (one per position)."""
+        return self.column_with_key(req_id, group_id, column)[1]
+
+    def column_with_key(self, req_id: str, group_id: int, column: int = 0) -> tuple[tuple[int, int], np.ndarray]:
+        """((replicas, replica_index), values) of one column."""
+        column = _int(column, "size_t", "column")
+        _, positions, _ = self.group(req_id, group_id)
+        values = np.zeros(positions, dtype=np.uint64)
+        replicas, index = c_uint32(), c_uint32()
+        pointer = values.ctypes.data_as(ctypes.POINTER(c_uint64)) if positions else None
+        with self._use() as handle:
+            _check(
+                self._lib.kvcs_result_column(
+                    handle, _c(req_id, "req_id"), group_id, column, byref(replicas), byref(index), pointer
+                )
+            )
+        return (replicas.value, index.value), values
+
+    def columns(self, req_id: str, group_id: int) -> dict:
+        """Every column of a group: {(replicas, replica_index): values}."""
+        _, _, count = self.group(req_id, group_id)
+        return dict(self.column_with_key(req_id, group_id, c) for c in range(count))
+
+    def stored(self, req_id: str, group_id: int) -> np.ndarray:
+        """A load check's verdicts (Worker.check_stored), one per block
+        position, a numpy uint8 array of StoredOutcome values: MATCHED,
+        FAILED, NOT_CHECKED, OTHER_FINGERPRINT or OTHER_ALGORITHM (also
+        named STORED_MATCHED ...)."""
+        _, positions, _ = self.group(req_id, group_id)
+        outcomes = np.zeros(positions, dtype=np.uint8)
+        pointer = outcomes.ctypes.data_as(ctypes.POINTER(c_uint8)) if positions else None
+        with self._use() as handle:
+            _check(self._lib.kvcs_result_stored(handle, _c(req_id, "req_id"), group_id, pointer))
+        return outcomes
+
+    def encode(self) -> bytes:
+        """The worker's record of this result, for Verifier.add_record."""
+        with self._use() as handle:
+            buffer, length = _sized(lambda buf, cap, n: self._lib.kvcs_result_encode(handle, buf, cap, n))
+        return bytes(buffer[:length])
+
+
+class Worker(_Handle):
+    """A worker context for one TP rank / PP stage (kvcs_worker).
+
+    It keeps every array it is given (add_region_of, the arrays of the
+    layers added, add_stored_of) until it is closed, and so do the
+    results it makes, so the memory C reads and writes stays allocated.
+
+    Thread safety: the C worker needs exclusive use. Every call but
+    block_tags takes it alone here (a call from a second thread waits for
+    the first), so sharing a Worker between threads is safe but serial;
+    give each thread its own Worker to checksum in parallel."""
+
+    _destroy = "kvcs_worker_destroy"
+
+    def __init__(
+        self,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        device: int = HOST,
+        num_threads: int = 0,
+        algorithm: int | None = None,
+    ):
+        options = _lib.WorkerOptions(
+            tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, device=device, num_threads=num_threads
+        )
+        self._kept = []  # the arrays C may read or write while the worker (or a result) lives
+        self._on_host = options.device == HOST
+        super().__init__(_create(library().kvcs_worker_create, byref(options)))
+        self._options = options
+        self._algorithm = Algorithm.MIXED  # the C worker's default until set_algorithm
+        self._layers = 0  # added through this object, for the repr
+        if algorithm is not None:
+            self.set_algorithm(algorithm)
+
+    def _describe(self) -> str:
+        options = self._options
+        device = "host" if options.device == HOST else f"cuda:{options.device}"
+        algorithm = getattr(self._algorithm, "name", self._algorithm)
+        return (
+            f"tp_rank={options.tp_rank} tp_size={options.tp_size} pp_rank={options.pp_rank} device={device} "
+            f"num_threads={options.num_threads or 'all'} algorithm={algorithm} layers={self._layers}"
+        )
+
+    def add_region(self, address: int, length: int) -> None:
+        """Registers `length` bytes at `address` that the worker may read
+        (memory the caller keeps valid; add_region_of keeps an array)."""
+        address = _int(address, "uint64_t", "address")
+        length = _int(length, "uint64_t", "length")
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_worker_add_region(handle, address, length))
+
+    def add_region_of(self, array) -> None:
+        """Registers the bytes a numpy array or torch tensor spans, and
+        keeps the array for the worker's lifetime."""
+        self.add_region(*region_of(array))
+        self._kept.append(array)
+
+    def add_group(self, group_id: int, block_size: int) -> None:
+        """Registers group `group_id` with `block_size` tokens per block."""
+        group_id = _int(group_id, "uint32_t", "group_id")
+        block_size = _int(block_size, "uint32_t", "block_size")
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_worker_add_group(handle, group_id, block_size))
+
+    def skip_group(self, group_id: int, reason: str) -> None:
+        """Declares a group this worker cannot checksum."""
+        group_id = _int(group_id, "uint32_t", "group_id")
+        reason = _c(reason, "reason")
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_worker_skip_group(handle, group_id, reason))
+
+    def add_layer(self, layer: Layer) -> None:
+        """Registers a layer (see kvcsum.layer) and keeps its arrays."""
+        _of_type(layer, Layer, "layer")
+        struct, keep_alive = layer._struct()
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_worker_add_layer(handle, byref(struct)))
+            self._layers += 1
+        self._kept.extend(layer.arrays)
+        del keep_alive
+
+    def set_detail(self, on: bool) -> None:
+        """Detail mode: per-layer partials in results and records."""
+        on = _flag(on, "on")
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_worker_set_detail(handle, on))
+
+    def set_algorithm(self, algorithm: int) -> None:
+        """The checksum algorithm, MIXED (the default) or WEIGHTED (vLLM's),
+        set before the worker's first checksum, store or load check."""
+        algorithm = _int(algorithm, "uint32_t", "algorithm")
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_worker_set_algorithm(handle, algorithm))
+            self._algorithm = _member(Algorithm, algorithm)
+
+    def add_alias(self, group_id: int, layer_number: int, target_layer_number: int, identity: bytes) -> None:
+        """Registers a layer that reads the cache of registered layer
+        `target_layer_number` (KV sharing): it counts in the group
+        fingerprint and adds no checksum."""
+        group_id = _int(group_id, "uint32_t", "group_id")
+        layer_number = _int(layer_number, "uint32_t", "layer_number")
+        target_layer_number = _int(target_layer_number, "uint32_t", "target_layer_number")
+        buffer, length = _bytes_of(identity, "identity")
+        with self._use(exclusive=True) as handle:
+            _check(
+                self._lib.kvcs_worker_add_alias(handle, group_id, layer_number, target_layer_number, buffer, length)
+            )
+
+    def add_state(
+        self,
+        group_id: int,
+        layer_number: int,
+        tensors: Sequence[StateTensor],
+        num_blocks: int,
+        split_known: bool = True,
+        identity: bytes = b"",
+    ) -> None:
+        """Registers a state (Mamba) layer: its tensors in the order their
+        rows are numbered (docs/SPEC.md section 6). The tensors' addresses
+        are the caller's to keep valid."""
+        for i, t in enumerate(tensors):
+            _of_type(t, StateTensor, f"tensors[{i}]")
+        # Struct fields are checked against their C types as they are set.
+        array = (_lib.StateTensorStruct * len(tensors))(
+            *[
+                _lib.StateTensorStruct(
+                    address=t.address,
+                    block_stride=t.block_stride,
+                    row_stride=t.row_stride,
+                    first_row=t.first_row,
+                    num_rows=t.num_rows,
+                    total_rows=t.total_rows,
+                    bytes_per_row=t.bytes_per_row,
+                    element_size=t.element_size,
+                )
+                for t in tensors
+            ]
+        )
+        identity_buffer, identity_length = _bytes_of(identity, "identity")
+        struct = _lib.StateStruct(
+            group_id=group_id,
+            layer_number=layer_number,
+            split_known=_flag(split_known, "split_known"),
+            num_blocks=num_blocks,
+            num_tensors=len(tensors),
+            tensors=ctypes.cast(array, ctypes.POINTER(_lib.StateTensorStruct)),
+            identity=ctypes.cast(identity_buffer, ctypes.POINTER(c_uint8)),
+            identity_len=identity_length,
+        )
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_worker_add_state(handle, byref(struct)))
+
+    def add_stored(self, group_id: int, address: int, num_blocks: int) -> None:
+        """Registers the group's buffer of stored checksums:
+        BLOCK_CHECKSUM_BYTES per block id, `num_blocks` of them at `address`
+        (docs/SPEC.md section 8), memory the caller keeps valid and
+        writable (add_stored_of keeps an array)."""
+        group_id = _int(group_id, "uint32_t", "group_id")
+        address = _int(address, "uint64_t", "address")
+        num_blocks = _int(num_blocks, "uint64_t", "num_blocks")
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_worker_add_stored(handle, group_id, address, num_blocks))
+
+    def add_stored_of(self, group_id: int, array) -> None:
+        """Registers an array as the group's buffer of stored checksums and
+        keeps it for the worker's lifetime: C-contiguous, writable, native
+        unsigned integers, BLOCK_CHECKSUM_BYTES (16) per block id (a numpy
+        uint64 array of shape (num_blocks, 2): the value and the stamp of
+        docs/SPEC.md section 8); ValueError naming `array` otherwise. On a
+        host worker the array's bytes are registered as a region too (a host
+        buffer must lie in one)."""
+        address, num_blocks = _stored_buffer(array, "array")
+        if self._on_host:
+            self.add_region(address, num_blocks * BLOCK_CHECKSUM_BYTES)
+        self.add_stored(group_id, address, num_blocks)
+        self._kept.append(array)
+
+    def _call_result(self, function, blocks: Blocks, cuda_stream) -> Result:
+        _of_type(blocks, Blocks, "blocks")
+        stream = _stream(cuda_stream)
+        out = c_void_p()
+        with self._use(exclusive=True) as handle, blocks._use() as blocks_handle:
+            _check(function(handle, blocks_handle, stream, byref(out)))
+        result = Result._adopt(out.value)
+        result._kept = self._kept
+        return result
+
+    def store(self, blocks: Blocks, cuda_stream: int | None = None) -> Result:
+        """Checksums `blocks` and writes each block's stored checksum."""
+        return self._call_result(self._lib.kvcs_worker_store, blocks, cuda_stream)
+
+    def check_stored(self, blocks: Blocks, cuda_stream: int | None = None) -> Result:
+        """Checksums loaded `blocks` against their stored checksums; read the
+        verdicts with Result.stored."""
+        return self._call_result(self._lib.kvcs_worker_check_stored, blocks, cuda_stream)
+
+    def block_tags(self, group_id: int, hashes: Sequence[bytes]) -> np.ndarray:
+        """The tags of docs/SPEC.md section 8 for blocks with these hashes."""
+        group_id = _int(group_id, "uint32_t", "group_id")
+        hashes = _bytes_list(hashes, "hashes")
+        size = len(hashes[0]) if hashes else 8
+        data = b"".join(hashes)
+        buffer = (c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
+        tags = np.zeros(len(hashes), dtype=np.uint64)
+        pointer = tags.ctypes.data_as(ctypes.POINTER(c_uint64)) if len(hashes) else None
+        with self._use() as handle:
+            _check(self._lib.kvcs_block_tags(handle, group_id, buffer, size, len(hashes), pointer))
+        return tags
+
+    def checksum(self, blocks: Blocks, role: int = PRODUCER, cuda_stream: int | None = None) -> Result:
+        """Computes (host) or queues (device, on `cuda_stream`) the partial
+        checksums of every block in `blocks`."""
+        _of_type(blocks, Blocks, "blocks")
+        role = _int(role, "uint32_t", "role")
+        return self._call_result(
+            lambda handle, blocks_handle, stream, out: self._lib.kvcs_worker_checksum(
+                handle, blocks_handle, role, stream, out
+            ),
+            blocks,
+            cuda_stream,
+        )
