@@ -20,7 +20,7 @@ use kvcsum::ffi::result::*;
 use kvcsum::ffi::status::kvcs_status::*;
 use kvcsum::ffi::status::*;
 use kvcsum::ffi::worker::*;
-use support::c_abi::last_error;
+use support::c_abi::{host_options, last_error};
 use support::*;
 
 /// Asserts that a call succeeded; `context` says which case.
@@ -294,13 +294,7 @@ fn hand_built_segments(case: &Case) -> Vec<kvcs_segment> {
 /// Registers `layer` (its caller fields set here) on a fresh host worker
 /// over the case's tensors, checksums the request and returns the values.
 fn checksums_of(case: &Case, mut layer: kvcs_layer, context: &str) -> Vec<u64> {
-    let options = kvcs_worker_options {
-        tp_rank: 0,
-        tp_size: 1,
-        pp_rank: 0,
-        device: KVCS_HOST,
-        num_threads: 1,
-    };
+    let options = host_options();
     let mut worker = null_mut();
     ok(kvcs_worker_create(&options, &mut worker), context);
     for tensor in std::iter::once(&case.cache).chain(&case.v) {

@@ -23,7 +23,7 @@ use kvcsum::ffi::status::kvcs_status::*;
 use kvcsum::ffi::status::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;
-use support::c_abi::last_error;
+use support::c_abi::{host_options, last_error};
 use support::*;
 
 /// Asserts that a call succeeded; `context` says which case.
@@ -255,13 +255,7 @@ impl Cache {
             context,
         );
         layer.layer_number = 5;
-        let options = kvcs_worker_options {
-            tp_rank: 0,
-            tp_size: 1,
-            pp_rank: 0,
-            device: KVCS_HOST,
-            num_threads: 1,
-        };
+        let options = host_options();
         let mut worker = null_mut();
         ok(kvcs_worker_create(&options, &mut worker), context);
         ok(

@@ -19,7 +19,7 @@ use kvcsum::ffi::status::kvcs_status::*;
 use kvcsum::ffi::status::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;
-use support::c_abi::{c_layer, c_segments, last_error, text};
+use support::c_abi::{c_layer, c_segments, host_options, last_error, text};
 use support::*;
 
 const REQ: &CStr = c"req-c";
@@ -526,13 +526,7 @@ fn result_encode_checks_its_arguments() {
     );
     assert_eq!(len, 3);
     let mut worker = null_mut();
-    let options = kvcs_worker_options {
-        tp_rank: 0,
-        tp_size: 1,
-        pp_rank: 0,
-        device: KVCS_HOST,
-        num_threads: 1,
-    };
+    let options = host_options();
     assert_eq!(kvcs_worker_create(&options, &mut worker), KVCS_OK);
     assert_eq!(kvcs_worker_set_detail(worker, 3), KVCS_ERR_INVALID_ARGUMENT);
     assert_eq!(kvcs_worker_set_detail(null_mut(), 1), KVCS_ERR_INVALID_ARGUMENT);

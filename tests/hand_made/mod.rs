@@ -21,7 +21,7 @@ use kvcsum::ffi::topology::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;
 
-use crate::support::c_abi::{last_error, report_compared, report_message, report_mismatches, text};
+use crate::support::c_abi::{host_options, last_error, report_compared, report_message, report_mismatches, text};
 use crate::support::msgpack::Msgpack;
 use crate::support::Rng;
 
@@ -350,13 +350,7 @@ impl HostWorker {
     /// A TP=1 host worker whose region holds `num_layers` caches of
     /// `num_blocks` blocks of `block_size` tokens, filled from `rng`.
     pub fn new(rng: &mut Rng, num_layers: u32, num_blocks: u32, block_size: u32) -> HostWorker {
-        let options = kvcs_worker_options {
-            tp_rank: 0,
-            tp_size: 1,
-            pp_rank: 0,
-            device: KVCS_HOST,
-            num_threads: 1,
-        };
+        let options = host_options();
         let mut handle = null_mut();
         assert_eq!(kvcs_worker_create(&options, &mut handle), KVCS_OK);
         // WEIGHTED, as the plain payloads and the records these tests write by hand.

@@ -1,6 +1,7 @@
 //! What the tests pass through the C ABI and read back, in one place: the
 //! strings it returns (`last_error()`, `text()`), the C form of a layer
-//! spec (`c_segments()`, `c_layer()`) and what a report holds
+//! spec (`c_segments()`, `c_layer()`), the options of a one-thread TP=1
+//! host worker (`host_options()`) and what a report holds
 //! (`report_message()`, `report_compared()`, `report_mismatches()`), for the
 //! owning wrappers of each test binary.
 
@@ -8,9 +9,9 @@ use std::ffi::{c_char, CStr};
 use std::ptr::null;
 
 use kvcsum::ffi::report::*;
-use kvcsum::ffi::status::kvcs_last_error;
 use kvcsum::ffi::status::kvcs_status::KVCS_OK;
-use kvcsum::ffi::worker::{kvcs_layer, kvcs_segment};
+use kvcsum::ffi::status::{kvcs_last_error, KVCS_HOST};
+use kvcsum::ffi::worker::{kvcs_layer, kvcs_segment, kvcs_worker_options};
 use kvcsum::LayerSpec;
 
 /// `kvcs_last_error()` of this thread.
@@ -90,4 +91,15 @@ pub fn report_mismatches(report: *const kvcs_report) -> Vec<kvcs_mismatch> {
             entry
         })
         .collect()
+}
+
+/// The options of a host worker of TP rank 0 of 1, PP rank 0, one thread.
+pub fn host_options() -> kvcs_worker_options {
+    kvcs_worker_options {
+        tp_rank: 0,
+        tp_size: 1,
+        pp_rank: 0,
+        device: KVCS_HOST,
+        num_threads: 1,
+    }
 }
