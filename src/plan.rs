@@ -35,58 +35,79 @@ pub struct Row {
 compile_error!("kvcsum lays out rows for a little-endian host");
 const _: () = assert!(std::mem::size_of::<Row>() == 32 && std::mem::align_of::<Row>() == 8);
 
-/// The work of one call and the shape of its result. Its rows, one per
-/// position with valid tokens, are kept apart: in a vector
-/// ([`Plan::new`]), or written where the caller wants them
-/// ([`Plan::write`]: a device call's pinned staging, with no copy).
+/// The work of one call and the shape of its result, decided before any
+/// row is written: [`Plan::lay_out`] checks the blocks and says which rows
+/// there are ([`RowRun`]s); [`Plan::write_rows`] writes them where the
+/// caller wants them (a vector, [`Plan::new`], or a device call's pinned
+/// memory, with no copy).
 #[derive(Debug, Clone)]
 pub struct Plan {
     /// Result shape.
     pub shape: Shape,
-    /// Rows written, in request order.
+    /// Rows of the call, in request order.
     pub num_rows: usize,
     /// Rows of each group, by group slot.
     pub rows_per_slot: Vec<u64>,
     /// Length of the value array.
     pub num_values: usize,
+    /// The rows, one run per (request, group) with rows, in request order.
+    pub runs: Vec<RowRun>,
+}
+
+/// The rows of one (request, group): one per position of its first `rows`
+/// block ids (those with valid tokens; a state group's one block).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowRun {
+    /// Index of the request in [`Shape::requests`].
+    pub request: u32,
+    /// Index of the group's blocks in the request's groups.
+    pub group: u32,
+    /// Rows of the run.
+    pub rows: u32,
+    /// The group's slot on the worker.
+    pub group_slot: u32,
+    /// Request position of the first row's first token.
+    pub first_token: u64,
+    /// Tokens per position: 0 for a state group, whose one row reads no
+    /// tokens (SPEC section 6).
+    pub block_size: u64,
+    /// The request's tokens.
+    pub num_tokens: u64,
+    /// Value index of column 0 at the first row.
+    pub out: u32,
+    /// Value distance between columns (the group's positions in the request).
+    pub column_stride: u32,
 }
 
 impl Plan {
     /// Checks `blocks` against `layout` and lays out the work, with its rows;
     /// any bad block id or unknown group fails the whole call.
     pub fn new(layout: &Layout, blocks: &BlockSet, role: Role) -> Result<(Plan, Vec<Row>)> {
-        // Sized from the count kept as the blocks were added (an upper bound
-        // on the rows): no pass over the set.
-        let mut rows = Vec::with_capacity(blocks.num_blocks());
+        let plan = Plan::lay_out(layout, blocks, role)?;
+        let rows = plan.rows()?;
+        Ok((plan, rows))
+    }
+
+    /// The plan's rows, in a vector.
+    pub fn rows(&self) -> Result<Vec<Row>> {
+        let mut rows = Vec::with_capacity(self.num_rows);
         let room = RowRoom {
             rows: rows.spare_capacity_mut(),
             streaming: false,
         };
-        let plan = Plan::write(layout, blocks, role, room)?;
-        // SAFETY: `write` initialised the first `num_rows` elements of the
-        // spare capacity, which starts at index 0 of the empty vector.
-        unsafe { rows.set_len(plan.num_rows) };
-        Ok((plan, rows))
+        self.write_rows(room)?;
+        // SAFETY: `write_rows` initialised the first `num_rows` elements of
+        // the spare capacity, which starts at index 0 of the empty vector.
+        unsafe { rows.set_len(self.num_rows) };
+        Ok(rows)
     }
 
-    /// As [`Plan::new`], with the rows written to `room.rows[..num_rows]`,
-    /// which holds at least `blocks.num_blocks()` rows (no call has more).
-    /// On error what the room holds means nothing.
-    pub fn write(layout: &Layout, blocks: &BlockSet, role: Role, room: RowRoom<'_>) -> Result<Plan> {
-        if room.rows.len() < blocks.num_blocks() {
-            return Err(err!(
-                Internal,
-                "room for {} rows, for a set of {} blocks",
-                room.rows.len(),
-                blocks.num_blocks()
-            ));
-        }
+    /// Checks `blocks` against `layout` and lays out the work: the result's
+    /// shape and which rows there are, none written yet. Any bad block id
+    /// or unknown group fails the whole call.
+    pub fn lay_out(layout: &Layout, blocks: &BlockSet, role: Role) -> Result<Plan> {
         let requests = blocks.shared_requests();
-        let mut rows = RowWriter {
-            out: room.rows,
-            len: 0,
-            streaming: room.streaming,
-        };
+        let mut runs = Vec::with_capacity(blocks.num_groups());
         let mut placements = Vec::with_capacity(blocks.num_groups());
         let skipped: Vec<SkippedGroup> = layout
             .skipped_groups()
@@ -96,11 +117,12 @@ impl Plan {
             })
             .collect();
         let mut num_values = 0usize;
+        let mut num_rows = 0usize;
         let mut rows_per_slot = vec![0u64; layout.groups().count()];
         let mut last_group: Option<&Group> = None;
-        for request in requests.iter() {
+        for (request_index, request) in requests.iter().enumerate() {
             let req_id = &request.req_id;
-            for group_blocks in &request.groups {
+            for (group_index, group_blocks) in request.groups.iter().enumerate() {
                 let group_id = group_blocks.group_id;
                 if let Some(index) = skipped.iter().position(|s| s.group_id == group_id) {
                     placements.push(Placement::Skipped { index: index as u32 });
@@ -152,7 +174,7 @@ impl Plan {
                     continue;
                 }
                 let first = group_blocks.first_position;
-                if group.is_state() {
+                let (rows, block_size) = if group.is_state() {
                     // SPEC section 6: the state is one block at position 0,
                     // whatever num_tokens says.
                     if first != 0 || num_positions > 1 {
@@ -161,39 +183,87 @@ impl Plan {
                             "group_id {group_id} of req_id \"{req_id}\" is a state group: its state is one block at position 0, not {num_positions} blocks from first_position {first}"
                         ));
                     }
-                    rows_per_slot[group.slot as usize] += num_positions as u64;
-                    rows.extend(
-                        block_ids.len(),
-                        block_ids.iter().map(|&block_id| Row {
-                            first_token: 0,
-                            block_id,
-                            valid_tokens: 0,
-                            out: values_offset as u32,
-                            column_stride: 1,
-                            group_slot: group.slot,
-                            reserved: 0,
-                        }),
-                    );
+                    (num_positions, 0)
+                } else {
+                    // Positions before `end` hold valid tokens (SPEC section 5).
+                    let block_size = group.block_size as u64;
+                    let end = request.num_tokens.div_ceil(block_size);
+                    let with_tokens = end.saturating_sub(first).min(num_positions as u64) as usize;
+                    (with_tokens, block_size)
+                };
+                if rows == 0 {
                     continue;
                 }
-                // Positions before `end` hold valid tokens (SPEC section 5).
-                let block_size = group.block_size as u64;
-                let end = request.num_tokens.div_ceil(block_size);
-                let with_tokens = end.saturating_sub(first).min(num_positions as u64) as usize;
-                rows_per_slot[group.slot as usize] += with_tokens as u64;
-                // position < end, so position * block_size < num_tokens: no
-                // overflow, and valid_tokens() is the plain difference, capped.
-                // A closure over copies, not references, and an iterator of
-                // known length: the rows are written in one tight loop.
-                let first_token = first.wrapping_mul(block_size);
-                let num_tokens = request.num_tokens;
-                let group_slot = group.slot;
-                let column_stride = num_positions as u32;
-                let out = values_offset as u32;
-                let written = rows.len;
-                rows.extend(
-                    with_tokens,
-                    block_ids[..with_tokens].iter().enumerate().map(move |(i, &block_id)| {
+                rows_per_slot[group.slot as usize] += rows as u64;
+                num_rows += rows;
+                runs.push(RowRun {
+                    request: request_index as u32,
+                    group: group_index as u32,
+                    rows: rows as u32,
+                    group_slot: group.slot,
+                    // position < end, so position * block_size < num_tokens: no
+                    // overflow (a state group's position is 0).
+                    first_token: first.wrapping_mul(block_size),
+                    block_size,
+                    num_tokens: request.num_tokens,
+                    out: values_offset as u32,
+                    column_stride: num_positions as u32,
+                });
+            }
+        }
+        let shape = Shape {
+            requests,
+            placements,
+            columns: layout.groups().map(|group| group.columns(role).clone()).collect(),
+            skipped,
+        };
+        Ok(Plan {
+            shape,
+            num_rows,
+            rows_per_slot,
+            num_values,
+            runs,
+        })
+    }
+
+    /// Writes the plan's rows to `room.rows[..num_rows]`, in request order.
+    pub fn write_rows(&self, room: RowRoom<'_>) -> Result<()> {
+        if room.rows.len() < self.num_rows {
+            return Err(err!(
+                Internal,
+                "room for {} rows, for a call of {} rows",
+                room.rows.len(),
+                self.num_rows
+            ));
+        }
+        let mut rows = RowWriter {
+            out: room.rows,
+            len: 0,
+            streaming: room.streaming,
+        };
+        let requests = &self.shape.requests;
+        for run in &self.runs {
+            let block_ids = &requests[run.request as usize].groups[run.group as usize].block_ids;
+            // A closure over copies, not references, and an iterator of
+            // known length: the rows are written in one tight loop. Rows
+            // hold tokens, so first_token < num_tokens: valid_tokens is the
+            // plain difference, capped (0 for a state row).
+            let RowRun {
+                first_token,
+                block_size,
+                num_tokens,
+                out,
+                column_stride,
+                group_slot,
+                ..
+            } = *run;
+            let written = rows.len;
+            rows.extend(
+                run.rows as usize,
+                block_ids[..run.rows as usize]
+                    .iter()
+                    .enumerate()
+                    .map(move |(i, &block_id)| {
                         let first_token = first_token + i as u64 * block_size;
                         Row {
                             first_token,
@@ -205,34 +275,25 @@ impl Plan {
                             reserved: 0,
                         }
                     }),
-                );
-                debug_assert!(rows.out[written..rows.len].iter().all(|row| {
-                    // SAFETY: just written.
-                    let row = unsafe { row.assume_init_ref() };
-                    let position = row.first_token / block_size;
-                    row.valid_tokens == valid_tokens(num_tokens, group.block_size, position)
-                }));
-            }
+            );
+            debug_assert!(
+                block_size == 0
+                    || rows.out[written..rows.len].iter().all(|row| {
+                        // SAFETY: just written.
+                        let row = unsafe { row.assume_init_ref() };
+                        let position = row.first_token / block_size;
+                        row.valid_tokens == valid_tokens(num_tokens, block_size as u32, position)
+                    })
+            );
         }
         rows.finish();
-        let shape = Shape {
-            requests,
-            placements,
-            columns: layout.groups().map(|group| group.columns(role).clone()).collect(),
-            skipped,
-        };
-        Ok(Plan {
-            shape,
-            num_rows: rows.len,
-            rows_per_slot,
-            num_values,
-        })
+        Ok(())
     }
 }
 
-/// Where [`Plan::write`] puts a call's rows.
+/// Where [`Plan::write_rows`] puts a call's rows.
 pub struct RowRoom<'a> {
-    /// At least as many rows as the call's set has blocks.
+    /// At least as many rows as the call has.
     pub rows: &'a mut [MaybeUninit<Row>],
     /// Write past the CPU's caches: for memory the device reads next and
     /// the host does not (a device call's pinned staging). Written with
@@ -249,9 +310,9 @@ struct RowWriter<'a> {
 }
 
 impl RowWriter<'_> {
-    /// Appends the `count` rows of `rows` (a block list's, so that
-    /// `Plan::write`'s room check bounds the total), writing them in one
-    /// tight loop with one bounds check.
+    /// Appends the `count` rows of `rows` (a run's, so that
+    /// `Plan::write_rows`'s room check bounds the total), writing them in
+    /// one tight loop with one bounds check.
     fn extend(&mut self, count: usize, rows: impl Iterator<Item = Row>) {
         let end = self.len + count;
         let out = &mut self.out[self.len..end];

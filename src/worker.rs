@@ -295,27 +295,18 @@ impl Worker {
                 (plan, values)
             }
             Engine::Device(device) => {
-                // The rows go straight into the call's pinned staging.
-                let max_columns = self.layout.groups().map(|g| g.columns(role).len()).max().unwrap_or(0);
-                let max_values = blocks.num_blocks().saturating_mul(max_columns);
-                let mut staged = device.stage(blocks.num_blocks(), max_values)?;
-                let plan = Plan::write(&self.layout, blocks, role, staged.room())?;
+                let plan = Plan::lay_out(&self.layout, blocks, role)?;
                 let work = match stored {
                     None => None,
                     Some(mode) => {
-                        let (work, expected) = stored::device_work(
-                            &self.layout,
-                            &self.infos(),
-                            blocks,
-                            self.algorithm,
-                            &plan.shape,
-                            mode,
-                        )?;
+                        let infos = self.infos();
+                        let (work, expected) =
+                            stored::device_work(&self.layout, &infos, blocks, algorithm, &plan.shape, mode)?;
                         expectations = expected;
                         Some(work)
                     }
                 };
-                let values = device.compute_staged(&plan, staged, role, algorithm, stream, work.as_ref())?;
+                let values = device.checksum(&plan, role, algorithm, stream, work.as_ref())?;
                 (plan, values)
             }
         };
@@ -510,10 +501,13 @@ impl Worker {
     ) -> Result<DetailValues> {
         let shadow = &detail.shadow;
         let shadow_blocks = shadow.blocks(&self.layout, blocks)?;
-        let (plan, rows) = Plan::new(&shadow.layout, &shadow_blocks, role)?;
+        let plan = Plan::lay_out(&shadow.layout, &shadow_blocks, role)?;
         let values = match (&self.engine, &detail.engine) {
-            (Engine::Host(host), _) => Values::Ready(host.compute(&shadow.layout, &plan, &rows, role, self.algorithm)),
-            (Engine::Device(_), Some(engine)) => engine.compute(&plan, &rows, role, self.algorithm, stream)?,
+            (Engine::Host(host), _) => {
+                let rows = plan.rows()?;
+                Values::Ready(host.compute(&shadow.layout, &plan, &rows, role, self.algorithm))
+            }
+            (Engine::Device(_), Some(engine)) => engine.checksum(&plan, role, self.algorithm, stream, None)?,
             (Engine::Device(_), None) => {
                 return Err(err!(Internal, "detail mode on a device worker has no shadow engine"))
             }
@@ -646,21 +640,14 @@ mod tests {
                     blocks.add_group(&req_id, group_id, first, &ids).unwrap();
                 }
             }
-            let (plain, rows) = Plan::new(&worker.layout, &blocks, Role::Consumer).unwrap();
-            let mut room = vec![std::mem::MaybeUninit::<Row>::uninit(); blocks.num_blocks()];
-            let streamed = Plan::write(
-                &worker.layout,
-                &blocks,
-                Role::Consumer,
-                RowRoom {
-                    rows: &mut room,
-                    streaming: true,
-                },
-            )
+            let (plan, rows) = Plan::new(&worker.layout, &blocks, Role::Consumer).unwrap();
+            let mut room = vec![std::mem::MaybeUninit::<Row>::uninit(); plan.num_rows];
+            plan.write_rows(RowRoom {
+                rows: &mut room,
+                streaming: true,
+            })
             .unwrap();
-            assert_eq!(streamed.num_rows, plain.num_rows, "seed {seed}");
-            assert_eq!(streamed.num_values, plain.num_values, "seed {seed}");
-            assert_eq!(streamed.rows_per_slot, plain.rows_per_slot, "seed {seed}");
+            assert_eq!(rows.len(), plan.num_rows, "seed {seed}");
             for (i, row) in rows.iter().enumerate() {
                 // SAFETY: the first num_rows rows were written.
                 assert_eq!(unsafe { room[i].assume_init() }, *row, "row {i}, seed {seed}");

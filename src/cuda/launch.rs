@@ -1,10 +1,238 @@
-//! How a call is launched, decided without the device: the chunks per
-//! kernel block, the units, where the rows travel and the grid. Pure
-//! functions of the plan's rows, the layer table and the card's size, so
-//! that they are tested without a GPU.
+//! How a call is launched, decided without the device: the slot it takes,
+//! which kernels run, the chunks per kernel block, the units, where the
+//! rows travel (inline, read in place from pinned memory, or uploaded) and
+//! the grids. Pure functions of the plan, the layer table and the card's
+//! size, so that they are tested without a GPU; the engine
+//! (`DeviceEngine::checksum`) only writes the slot and queues what
+//! [`plan_launch`] says.
 
-use super::descriptors::{DevGroup, INLINE_ROWS, MAX_SPLIT, THREADS_PER_BLOCK, WARP};
+use super::descriptors::{
+    role_index, DevGroup, LayerTable, INLINE_ROWS, INLINE_STATE_ROWS, MAX_SPLIT, THREADS_PER_BLOCK, WARP,
+};
+use crate::layout::Role;
 use crate::plan::Row;
+
+/// Bytes of one row in pinned and device memory.
+const ROW_BYTES: usize = std::mem::size_of::<Row>();
+
+/// Warps the card runs at once with each kernel (its SMs times the
+/// kernel's resident blocks per SM times warps per block).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResidentWarps {
+    /// `kvcs_checksum`.
+    pub checksum: u64,
+    /// `kvcs_checksum_unpaired`.
+    pub unpaired: u64,
+    /// `kvcs_checksum_single_head`.
+    pub single_head: u64,
+    /// `kvcs_state`.
+    pub state: u64,
+}
+
+/// What the launch of one call depends on.
+#[derive(Debug, Clone, Copy)]
+pub struct CallInputs<'a> {
+    /// The worker's layer table (host copy).
+    pub table: &'a LayerTable,
+    /// Whether the table is on the device (some layer is registered).
+    pub table_on_device: bool,
+    /// The call's role.
+    pub role: Role,
+    /// The plan's rows per group slot.
+    pub rows_per_slot: &'a [u64],
+    /// The plan's rows.
+    pub num_rows: usize,
+    /// The plan's values.
+    pub num_values: usize,
+    /// Items of the call's store or gather of stored checksums (0: none).
+    pub stored_items: usize,
+    /// The card.
+    pub resident: ResidentWarps,
+}
+
+/// Which form of the checksum kernel a call runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChecksumKernel {
+    /// `kvcs_checksum`: some layer reads its K and V as one unit.
+    Paired,
+    /// `kvcs_checksum_single_head`: every layer holds one head (more loads
+    /// in flight).
+    SingleHead,
+    /// `kvcs_checksum_unpaired`: the others (fewer registers, more warps).
+    Unpaired,
+}
+
+/// Where a kernel reads its rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowPlace {
+    /// In the launch's parameter.
+    Inline,
+    /// In place, from the slot's mapped pinned rows (from their start).
+    Mapped,
+    /// From the slot's device rows, `offset` bytes in, after an upload.
+    Device {
+        /// Bytes from the start of the rows.
+        offset: usize,
+    },
+}
+
+/// One copy of the slot's pinned rows to its device rows (both laid out
+/// alike: the call's rows, then the row starts).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Upload {
+    /// Bytes from the start of the rows, on both sides.
+    pub offset: usize,
+    /// Bytes copied.
+    pub bytes: usize,
+}
+
+/// The state kernel's part of a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateLaunch {
+    /// Grid (x, y) (see [`state_grid`]).
+    pub grid: (u32, u32),
+    /// Where it reads its rows.
+    pub rows: RowPlace,
+}
+
+/// The kernels that checksum a call with rows: the state kernel where
+/// it has rows of state groups, then the checksum kernel, which publishes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChecksumLaunch {
+    /// The checksum kernel's form.
+    pub kernel: ChecksumKernel,
+    /// The checksum kernel's shape.
+    pub shape: LaunchShape,
+    /// Rows of the checksum kernel: the first of the call's rows once the
+    /// state rows are moved to the end (keeping the order of each).
+    pub attention_rows: usize,
+    /// Rows of the state kernel, after those.
+    pub state_rows: usize,
+    /// Where the checksum kernel reads its rows.
+    pub rows: RowPlace,
+    /// Whether the checksum kernel searches row starts (rows of several
+    /// groups): written right after all the call's rows, read from device memory.
+    pub row_starts: bool,
+    /// The one copy to the device, if any kernel reads device rows.
+    pub upload: Option<Upload>,
+    /// The state kernel, if the call has state rows.
+    pub state: Option<StateLaunch>,
+}
+
+/// Everything a device call queues, decided before any of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallLaunch {
+    /// Rows and values of the slot the call takes; `None`: no slot and
+    /// nothing queued, every value the empty sum (0), ready.
+    pub slot: Option<(usize, usize)>,
+    /// Whether the rows are written past the CPU's caches
+    /// ([`crate::plan::RowRoom::streaming`]): calls of more rows than go
+    /// inline, whose rows the device reads and the host mostly does not.
+    pub stream_rows: bool,
+    /// The checksum kernels; `None` when the call reads no cache memory.
+    pub checksum: Option<ChecksumLaunch>,
+    /// Blocks of the `kvcs_store` launch, queued after the checksums (or
+    /// alone, over sums of 0); `None` without stored items.
+    pub store_blocks: Option<u32>,
+}
+
+/// What a call queues (see [`CallLaunch`]).
+///
+/// Rows of state groups go to the state kernel, the others to the checksum
+/// kernel (which skips state slots in its shape); both are counted per
+/// group slot from the plan, not per row. The paired kernel runs where
+/// some layer reads its K and V as one unit; where every layer holds one
+/// head, the one with more loads in flight; else the one with fewer
+/// registers. Rows that fit go inline; rows of one group are read in place
+/// from mapped pinned memory (the kernel reads each once per warp); rows
+/// of several groups, whose starts the kernel binary-searches, are worth a
+/// copy to the device, rows and starts in one. The state kernel reads its
+/// rows many times over: past [`INLINE_STATE_ROWS`], from device memory,
+/// copied there unless the checksum kernel's copy (of every row) carries
+/// them already.
+pub fn plan_launch(inputs: &CallInputs<'_>) -> CallLaunch {
+    let store_blocks =
+        (inputs.stored_items > 0).then(|| inputs.stored_items.div_ceil(THREADS_PER_BLOCK as usize) as u32);
+    let num_rows = inputs.num_rows;
+    if !inputs.table_on_device || num_rows == 0 {
+        // Nothing to read: the store alone in a slot of its own, if any.
+        return CallLaunch {
+            slot: store_blocks.map(|_| (0, 0)),
+            stream_rows: false,
+            checksum: None,
+            store_blocks,
+        };
+    }
+    let table = inputs.table;
+    let role = role_index(inputs.role);
+    let mut state_rows = 0usize;
+    let mut max_state_units = 0u32;
+    for (state_group, &count) in table.state_groups.iter().zip(inputs.rows_per_slot) {
+        if state_group.units > 0 && count > 0 {
+            state_rows += count as usize;
+            max_state_units = max_state_units.max(state_group.units);
+        }
+    }
+    let attention_rows = num_rows - state_rows;
+    let (kernel, resident_warps) = if table.paired[role] {
+        (ChecksumKernel::Paired, inputs.resident.checksum)
+    } else if table.single_head(inputs.role) {
+        (ChecksumKernel::SingleHead, inputs.resident.single_head)
+    } else {
+        (ChecksumKernel::Unpaired, inputs.resident.unpaired)
+    };
+    let shape = launch_shape(
+        inputs.rows_per_slot,
+        &table.groups[role],
+        &table.max_split[role],
+        attention_rows,
+        resident_warps,
+    );
+    let row_starts = shape.rows_in_memory && !shape.uniform();
+    let rows = match (shape.rows_in_memory, shape.uniform()) {
+        (false, _) => RowPlace::Inline,
+        (true, true) => RowPlace::Mapped,
+        (true, false) => RowPlace::Device { offset: 0 },
+    };
+    let state_offset = attention_rows * ROW_BYTES;
+    let state_in_memory = state_rows > INLINE_STATE_ROWS;
+    let upload = if row_starts {
+        Some(Upload {
+            offset: 0,
+            bytes: num_rows * ROW_BYTES + attention_rows * 8,
+        })
+    } else if state_in_memory {
+        Some(Upload {
+            offset: state_offset,
+            bytes: state_rows * ROW_BYTES,
+        })
+    } else {
+        None
+    };
+    let state = (state_rows > 0).then(|| StateLaunch {
+        grid: state_grid(state_rows, max_state_units, inputs.resident.state),
+        rows: if state_in_memory {
+            RowPlace::Device { offset: state_offset }
+        } else {
+            RowPlace::Inline
+        },
+    });
+    CallLaunch {
+        slot: Some((num_rows, inputs.num_values)),
+        stream_rows: num_rows > INLINE_ROWS,
+        checksum: Some(ChecksumLaunch {
+            kernel,
+            shape,
+            attention_rows,
+            state_rows,
+            rows,
+            row_starts,
+            upload,
+            state,
+        }),
+        store_blocks,
+    }
+}
 
 /// The shape of one launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
