@@ -610,11 +610,12 @@ mod tests {
         worker
     }
 
-    /// Rows streamed past the caches (a device call's pinned staging) are
-    /// the rows written plainly, on random sets of blocks: many requests,
-    /// both groups, positions with and without tokens.
+    /// The plan's rows are those of a naive walk over the positions, and
+    /// rows streamed past the caches (a device call's pinned memory) are the
+    /// rows written plainly, on random sets of blocks: many requests, both
+    /// groups, positions with and without tokens.
     #[test]
-    fn streamed_plan_rows_are_the_plain_rows() {
+    fn plan_rows_are_the_naive_rows_streamed_or_not() {
         let seed = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(7, |d| d.as_nanos() as u64)
@@ -647,7 +648,38 @@ mod tests {
                 streaming: true,
             })
             .unwrap();
-            assert_eq!(rows.len(), plan.num_rows, "seed {seed}");
+            // The rows, position by position: one per position with valid
+            // tokens, values placed column-major per (request, group).
+            let mut naive = Vec::new();
+            let mut values_offset = 0u32;
+            for request in blocks.requests() {
+                for group_blocks in &request.groups {
+                    let group = worker.layout.group(group_blocks.group_id).unwrap();
+                    let n = group_blocks.block_ids.len() as u32;
+                    for (i, &block_id) in group_blocks.block_ids.iter().enumerate() {
+                        let position = group_blocks.first_position + i as u64;
+                        let valid = crate::blocks::valid_tokens(request.num_tokens, group.block_size, position);
+                        if valid > 0 {
+                            naive.push(Row {
+                                first_token: position * group.block_size as u64,
+                                block_id,
+                                valid_tokens: valid,
+                                out: values_offset + i as u32,
+                                column_stride: n,
+                                group_slot: group.slot,
+                                reserved: 0,
+                            });
+                        }
+                    }
+                    values_offset += n * group.columns(Role::Consumer).len() as u32;
+                }
+            }
+            assert_eq!(rows, naive, "seed {seed}");
+            assert_eq!(plan.num_values, values_offset as usize, "seed {seed}");
+            for slot in 0..2u32 {
+                let count = naive.iter().filter(|row| row.group_slot == slot).count() as u64;
+                assert_eq!(plan.rows_per_slot[slot as usize], count, "seed {seed}");
+            }
             for (i, row) in rows.iter().enumerate() {
                 // SAFETY: the first num_rows rows were written.
                 assert_eq!(unsafe { room[i].assume_init() }, *row, "row {i}, seed {seed}");

@@ -337,8 +337,25 @@ pub fn row_starts(rows: &[Row], groups: &[DevGroup], split: u32, starts: &mut [u
     }
 }
 
+/// Moves the `state_rows` rows that `is_state` picks to the end of `rows`,
+/// keeping the order of the others (the checksum kernel's, first) and of
+/// the state rows (the state kernel's).
+pub fn partition_state_rows(rows: &mut [Row], state_rows: usize, is_state: impl Fn(&Row) -> bool) {
+    let state: Vec<Row> = rows.iter().filter(|row| is_state(row)).copied().collect();
+    debug_assert_eq!(state.len(), state_rows);
+    let mut kept = 0;
+    for i in 0..rows.len() {
+        if !is_state(&rows[i]) {
+            rows[kept] = rows[i];
+            kept += 1;
+        }
+    }
+    rows[kept..].copy_from_slice(&state);
+}
+
 #[cfg(test)]
 mod tests {
+    use super::super::descriptors::DevStateGroup;
     use super::*;
 
     fn group(units: u32) -> DevGroup {
@@ -442,6 +459,283 @@ mod tests {
         assert_eq!(state_grid(64, 1 << 20, 2048), (8, 64));
         // More rows than grid y holds: the rest by stride.
         assert_eq!(state_grid(100_000, 1 << 20, 2048), (1, 65535));
+    }
+
+    /// Seeded random numbers for the random cases (xorshift64).
+    struct Random(u64);
+
+    impl Random {
+        /// A seed from the clock, printed by the tests on failure.
+        fn seeded() -> (Random, u64) {
+            let seed = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(7, |d| d.as_nanos() as u64)
+                | 1;
+            (Random(seed), seed)
+        }
+
+        fn below(&mut self, bound: u64) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0 % bound
+        }
+
+        fn chance(&mut self, percent: u64) -> bool {
+            self.below(100) < percent
+        }
+    }
+
+    /// A random layer table in `role` of up to 6 group slots: attention
+    /// groups (units, a split cap), state groups (units for the state
+    /// kernel, none for the checksum kernel's shape) and groups with no
+    /// layer in the role; and random kernel facts.
+    fn random_table(random: &mut Random, role: Role) -> LayerTable {
+        let mut table = LayerTable::default();
+        let slots = 1 + random.below(6) as usize;
+        for _ in 0..slots {
+            let kind = random.below(3);
+            let units = 1 + random.below(5000) as u32;
+            for r in 0..2 {
+                let attention_units = if kind == 0 { units } else { 0 };
+                table.groups[r].push(group(attention_units));
+                table.max_split[r].push([1, 2, 4, 8][random.below(4) as usize]);
+            }
+            table.state_groups.push(DevStateGroup {
+                units: if kind == 1 { units } else { 0 },
+                ..DevStateGroup::default()
+            });
+        }
+        let r = role_index(role);
+        table.paired[r] = random.chance(40);
+        table.multi_head[r] = random.chance(50);
+        table.any_layer[r] = random.chance(90);
+        table
+    }
+
+    /// The pure decision, checked against a naive reading of the rows one
+    /// by one: which kernels run, where each kernel reads its rows, that the
+    /// one upload carries every byte a kernel reads from device memory and
+    /// nothing else, and stays inside the slot it asks for.
+    #[test]
+    fn plan_launch_keeps_its_invariants_on_random_calls() {
+        let (mut random, seed) = Random::seeded();
+        let mut seen = [0usize; 6];
+        for case in 0..20_000 {
+            let role = if random.chance(50) {
+                Role::Producer
+            } else {
+                Role::Consumer
+            };
+            let table = random_table(&mut random, role);
+            let r = role_index(role);
+            let slots = table.state_groups.len();
+            // Rows of slots that have any (the plan makes no rows of a
+            // slot without units in its role).
+            let with_rows: Vec<u32> = (0..slots as u32)
+                .filter(|&s| table.groups[r][s as usize].units > 0 || table.is_state_slot(s))
+                .collect();
+            let num_rows = match (with_rows.is_empty(), random.below(4)) {
+                (true, _) | (_, 0) => 0,
+                (_, 1) => 1 + random.below(INLINE_ROWS as u64 + 2) as usize,
+                (_, 2) => 1 + random.below(40) as usize,
+                _ => 1 + random.below(3000) as usize,
+            };
+            // Mostly one slot, to reach the uniform forms.
+            let one = with_rows.first().copied();
+            let rows: Vec<Row> = (0..num_rows)
+                .map(|_| Row {
+                    group_slot: match random.chance(50) {
+                        true => one.unwrap(),
+                        false => with_rows[random.below(with_rows.len() as u64) as usize],
+                    },
+                    ..Row::default()
+                })
+                .collect();
+            let mut rows_per_slot = vec![0u64; slots];
+            for row in &rows {
+                rows_per_slot[row.group_slot as usize] += 1;
+            }
+            let inputs = CallInputs {
+                table: &table,
+                table_on_device: random.chance(95),
+                role,
+                rows_per_slot: &rows_per_slot,
+                num_rows,
+                num_values: num_rows * (1 + random.below(4) as usize),
+                stored_items: if random.chance(30) {
+                    random.below(2000) as usize
+                } else {
+                    0
+                },
+                resident: ResidentWarps {
+                    checksum: 1 + random.below(20_000),
+                    unpaired: 1 + random.below(20_000),
+                    single_head: 1 + random.below(20_000),
+                    state: 1 + random.below(20_000),
+                },
+            };
+            let launch = plan_launch(&inputs);
+            let context = format!("seed {seed}, case {case}: {inputs:?} -> {launch:?}");
+
+            // The stored launch: one thread per item.
+            match launch.store_blocks {
+                None => assert_eq!(inputs.stored_items, 0, "{context}"),
+                Some(blocks) => {
+                    let threads = blocks as usize * THREADS_PER_BLOCK as usize;
+                    assert!(threads >= inputs.stored_items, "{context}");
+                    assert!(threads < inputs.stored_items + THREADS_PER_BLOCK as usize, "{context}");
+                }
+            }
+            // Nothing to read: no checksum kernel, a slot only for a store.
+            let Some(checksum) = launch.checksum else {
+                assert!(!inputs.table_on_device || num_rows == 0, "{context}");
+                let expected = (inputs.stored_items > 0).then_some((0, 0));
+                assert_eq!(launch.slot, expected, "{context}");
+                seen[0] += 1;
+                continue;
+            };
+            assert!(inputs.table_on_device && num_rows > 0, "{context}");
+            assert_eq!(launch.slot, Some((num_rows, inputs.num_values)), "{context}");
+            assert_eq!(launch.stream_rows, num_rows > INLINE_ROWS, "{context}");
+
+            // Rows split between the two kernels, counted row by row.
+            let is_state = |row: &Row| table.state_groups[row.group_slot as usize].units > 0;
+            let state_rows = rows.iter().filter(|row| is_state(row)).count();
+            let attention: Vec<&Row> = rows.iter().filter(|row| !is_state(row)).collect();
+            assert_eq!(checksum.state_rows, state_rows, "{context}");
+            assert_eq!(checksum.attention_rows, attention.len(), "{context}");
+
+            // The kernel's form, and the shape for that form's card.
+            let (kernel, resident) = if table.paired[r] {
+                (ChecksumKernel::Paired, inputs.resident.checksum)
+            } else if table.any_layer[r] && !table.multi_head[r] {
+                (ChecksumKernel::SingleHead, inputs.resident.single_head)
+            } else {
+                (ChecksumKernel::Unpaired, inputs.resident.unpaired)
+            };
+            assert_eq!(checksum.kernel, kernel, "{context}");
+            let expected_shape = launch_shape(
+                &rows_per_slot,
+                &table.groups[r],
+                &table.max_split[r],
+                attention.len(),
+                resident,
+            );
+            assert_eq!(checksum.shape, expected_shape, "{context}");
+            assert!(checksum.shape.blocks >= 1, "{context}");
+
+            // Where the checksum kernel reads: inline when its rows fit and
+            // are of one group; in place when of one group; else searched,
+            // from device memory.
+            let mut groups_read: Vec<u32> = attention.iter().map(|row| row.group_slot).collect();
+            groups_read.sort_unstable();
+            groups_read.dedup();
+            let expected_rows = if groups_read.len() > 1 {
+                RowPlace::Device { offset: 0 }
+            } else if attention.len() > INLINE_ROWS {
+                RowPlace::Mapped
+            } else {
+                RowPlace::Inline
+            };
+            assert_eq!(checksum.rows, expected_rows, "{context}");
+            assert_eq!(checksum.row_starts, groups_read.len() > 1, "{context}");
+
+            // The state kernel: inline when its rows fit, else device memory
+            // right after the checksum kernel's rows.
+            let state_units = rows.iter().filter(|row| is_state(row));
+            let max_units = state_units
+                .map(|row| table.state_groups[row.group_slot as usize].units)
+                .max();
+            match (checksum.state, max_units) {
+                (None, None) => {}
+                (Some(state), Some(max_units)) => {
+                    assert_eq!(
+                        state.grid,
+                        state_grid(state_rows, max_units, inputs.resident.state),
+                        "{context}"
+                    );
+                    let expected = if state_rows > INLINE_STATE_ROWS {
+                        RowPlace::Device {
+                            offset: attention.len() * ROW_BYTES,
+                        }
+                    } else {
+                        RowPlace::Inline
+                    };
+                    assert_eq!(state.rows, expected, "{context}");
+                }
+                _ => panic!("a state launch without state rows or the reverse: {context}"),
+            }
+
+            // Every byte read from device memory, as (start, end) in the
+            // rows' layout (the call's rows, then the row starts).
+            let mut read = Vec::new();
+            if let RowPlace::Device { offset } = checksum.rows {
+                read.push((offset, offset + attention.len() * ROW_BYTES));
+            }
+            if checksum.row_starts {
+                let starts = num_rows * ROW_BYTES;
+                read.push((starts, starts + attention.len() * 8));
+            }
+            if let Some(StateLaunch {
+                rows: RowPlace::Device { offset },
+                ..
+            }) = checksum.state
+            {
+                read.push((offset, offset + state_rows * ROW_BYTES));
+            }
+            // The upload is exactly the span of what is read: no copy when
+            // nothing is, never a byte past the last one read.
+            let span = read.iter().copied().reduce(|(a, b), (c, d)| (a.min(c), b.max(d)));
+            let upload = checksum
+                .upload
+                .map(|upload| (upload.offset, upload.offset + upload.bytes));
+            assert_eq!(upload, span, "{context}");
+            // Inside the slot's pinned rows and starts.
+            if let Some((_, end)) = upload {
+                assert!(end <= num_rows * (ROW_BYTES + 8), "{context}");
+            }
+            // Inline rows fit in the parameters.
+            if checksum.rows == RowPlace::Inline {
+                assert!(attention.len() <= INLINE_ROWS, "{context}");
+            }
+            seen[match (checksum.rows, checksum.state.is_some()) {
+                (RowPlace::Inline, false) => 1,
+                (RowPlace::Mapped, false) => 2,
+                (RowPlace::Device { .. }, false) => 3,
+                (_, true) if state_rows > INLINE_STATE_ROWS => 4,
+                (_, true) => 5,
+            }] += 1;
+        }
+        assert!(
+            seen.iter().all(|&n| n > 50),
+            "every form of call was drawn (none, inline, mapped, searched, state in memory, state inline): {seen:?}, seed {seed}"
+        );
+    }
+
+    #[test]
+    fn state_rows_go_last_in_order() {
+        let (mut random, seed) = Random::seeded();
+        for _ in 0..200 {
+            let rows: Vec<Row> = (0..random.below(60))
+                .map(|i| Row {
+                    block_id: i as u32,
+                    group_slot: random.below(4) as u32,
+                    ..Row::default()
+                })
+                .collect();
+            let is_state = |row: &Row| row.group_slot >= 2;
+            let naive: Vec<Row> = rows
+                .iter()
+                .filter(|row| !is_state(row))
+                .chain(rows.iter().filter(|row| is_state(row)))
+                .copied()
+                .collect();
+            let mut partitioned = rows.clone();
+            let state_rows = rows.iter().filter(|row| is_state(row)).count();
+            partition_state_rows(&mut partitioned, state_rows, is_state);
+            assert_eq!(partitioned, naive, "seed {seed}");
+        }
     }
 
     #[test]

@@ -31,7 +31,8 @@ use self::descriptors::{
 };
 use self::kernels::Kernels;
 use self::launch::{
-    plan_launch, row_starts, CallInputs, CallLaunch, ChecksumKernel, ChecksumLaunch, ResidentWarps, RowPlace,
+    partition_state_rows, plan_launch, row_starts, CallInputs, CallLaunch, ChecksumKernel, ChecksumLaunch,
+    ResidentWarps, RowPlace,
 };
 use crate::checksum::Algorithm;
 use crate::error::{err, Result};
@@ -493,22 +494,6 @@ impl DeviceEngine {
             .map_err(device_error("launching kvcs_checksum"))
         }
     }
-}
-
-/// Moves the `state_rows` rows that `is_state` picks to the end of `rows`,
-/// keeping the order of the others (the checksum kernel's, first) and of
-/// the state rows (the state kernel's).
-fn partition_state_rows(rows: &mut [Row], state_rows: usize, is_state: impl Fn(&Row) -> bool) {
-    let state: Vec<Row> = rows.iter().filter(|row| is_state(row)).copied().collect();
-    debug_assert_eq!(state.len(), state_rows);
-    let mut kept = 0;
-    for i in 0..rows.len() {
-        if !is_state(&rows[i]) {
-            rows[kept] = rows[i];
-            kept += 1;
-        }
-    }
-    rows[kept..].copy_from_slice(&state);
 }
 
 /// Values being computed on a device; readable once the slot's event completed.
