@@ -37,7 +37,7 @@ const _: () = assert!(std::mem::size_of::<Row>() == 32 && std::mem::align_of::<R
 
 /// The work of one call and the shape of its result, decided before any
 /// row is written: [`Plan::lay_out`] checks the blocks and says which rows
-/// there are ([`RowRun`]s); [`Plan::write_rows`] writes them where the
+/// there are (`RowRun`s); [`Plan::write_rows`] writes them where the
 /// caller wants them (a vector, [`Plan::new`], or a device call's pinned
 /// memory, with no copy).
 #[derive(Debug, Clone)]

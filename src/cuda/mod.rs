@@ -4,10 +4,15 @@
 //! cudarc panics when it cannot load `libcuda` or `libnvrtc`, so presence is
 //! checked first and absence becomes `Error::Device`. A worker uses its
 //! device's primary context, shared with PyTorch or the engine in-process.
-//! Each `checksum` call is one kernel launch plus, for calls of more than
-//! [`descriptors::INLINE_ROWS`] rows, one row upload; a call with rows of
-//! state groups (SPEC section 6) queues the state kernel before it (and,
-//! for more than [`descriptors::INLINE_STATE_ROWS`] of them, their upload).
+//! A `checksum` call has two parts. The decision
+//! ([`launch::plan_launch`], pure, tested without a GPU) says from the
+//! plan, the layer table and the card what the call queues: its slot, the
+//! kernel's form and shape, where each kernel reads its rows (inline, in
+//! place from pinned memory, or after the one upload) and the grids. The
+//! engine ([`DeviceEngine::checksum`]) then only writes the slot's pinned
+//! memory and queues that: at most one row upload, the state kernel where
+//! the call has rows of state groups (SPEC section 6), the checksum
+//! kernel, the stored-checksum launch (`store_launch`), the slot's event.
 //! Nothing blocks the host.
 
 mod buffers;
@@ -26,8 +31,8 @@ use cudarc::driver::{result as cu, sys, CudaContext};
 
 use self::buffers::{device_error, DeviceTable, Slot, SlotPool};
 use self::descriptors::{
-    role_index, DevCall, DevGroup, DevStateCall, LayerTable, INLINE_GROUPS, INLINE_ROWS, INLINE_STATE_ROWS,
-    THREADS_PER_BLOCK, WARP,
+    role_index, DevCall, DevGroup, DevStateCall, DevStoredCall, LayerTable, INLINE_GROUPS, INLINE_ROWS,
+    INLINE_STATE_ROWS, THREADS_PER_BLOCK, WARP,
 };
 use self::kernels::Kernels;
 use self::launch::{
@@ -284,7 +289,13 @@ impl DeviceEngine {
         };
         self.context.bind_to_thread().map_err(device_error("cuCtxSetCurrent"))?;
         let mut slot = self.pool.take(rows, values)?;
-        if let Err(error) = self.execute(&launch, plan, &mut slot, role, algorithm, stream, stored) {
+        let queued = self
+            .fill(&launch, plan, &mut slot, role, algorithm, stored)
+            // SAFETY: `fill` wrote every address in the parameters from the
+            // slot and the table, which the slot holds until its event
+            // completes; nothing writes the slot's pinned memory before then.
+            .and_then(|mut parameters| unsafe { self.enqueue(&launch, &mut parameters, &slot, stream) });
+        if let Err(error) = queued {
             // Parked while anything queued may still run.
             self.pool.give_back(slot);
             return Err(error);
@@ -301,83 +312,74 @@ impl DeviceEngine {
         })))
     }
 
-    /// Writes `slot` and queues on `stream` what `launch` says: the
-    /// checksum kernels' rows and parameters, the stored items, then the
-    /// upload, the state kernel, the checksum kernel, the stored launch and
-    /// the slot's event, each where `launch` has it.
-    #[allow(clippy::too_many_arguments)]
-    fn execute(
+    /// Writes what `launch` says into `slot` (idle, holding the call's rows
+    /// and values): the plan's rows, moved (state rows last), copied inline
+    /// and given row starts where it says; the stored items; and gives the
+    /// launches' parameters, which name the slot's memory and the table.
+    fn fill(
         &self,
         launch: &CallLaunch,
         plan: &Plan,
         slot: &mut Slot,
         role: Role,
         algorithm: Algorithm,
-        stream: StreamHandle,
         stored: Option<&StoredWork>,
-    ) -> Result<()> {
-        let mut checksum = match (&launch.checksum, &self.device_table) {
-            (Some(checksum), Some(table)) => {
-                plan.write_rows(RowRoom {
-                    rows: slot.row_room(),
-                    streaming: launch.stream_rows,
-                })?;
-                slot.table = Some(table.clone());
-                Some((
-                    checksum,
-                    self.parameters(checksum, plan, slot, table.address, role, algorithm),
-                ))
+    ) -> Result<Parameters> {
+        let store = |slot: &mut Slot, values: u64| match (stored, launch.store_blocks) {
+            (Some(work), Some(_)) => store_launch::write_items(slot, work, values).map(Some),
+            _ => Ok(None),
+        };
+        let (checksum, table_address) = match (&launch.checksum, &self.device_table) {
+            (Some(checksum), Some(table)) => (checksum, table.address),
+            _ => {
+                // Nothing to read: the store alone, over sums of 0.
+                let store = store(slot, 0)?;
+                return Ok(Parameters { checksum: None, store });
             }
-            _ => None,
         };
-        let values = if checksum.is_some() {
-            slot.host_values_on_device()
-        } else {
-            0
+        slot.table = self.device_table.clone();
+        let room = RowRoom {
+            rows: slot.row_room(),
+            streaming: launch.stream_rows,
         };
-        let mut store = match (stored, launch.store_blocks) {
-            (Some(work), Some(blocks)) => Some((store_launch::write_items(slot, work, values)?, blocks)),
-            _ => None,
-        };
-        // Null stays null: CUDA's legacy default stream, never a private
-        // one, so the work is ordered after what the caller queued there.
-        let stream = stream.0 as sys::CUstream;
-        // SAFETY: every address in the parameters is live until the slot's
-        // event completes (the slot and the table stay held until then);
-        // the slot's pinned memory is not written again before that; the
-        // kernels read cache bytes that registration proved lie in
-        // registered regions, and the stored launch 16-byte values that
-        // `add_stored` checked. Each launch copies its parameter before it
-        // returns.
-        unsafe {
-            if let Some((launch, (call, state_call))) = checksum.as_mut() {
-                self.enqueue_checksum(launch, call, state_call, slot, stream)?;
-            }
-            // The event is recorded even when the stored launch fails, so
-            // that the slot is parked until the checksum kernel is done.
-            let stored = match store.as_mut() {
-                Some((call, blocks)) => store_launch::enqueue(&self.kernels, call, *blocks, stream),
-                None => Ok(()),
-            };
-            cu::event::record(slot.event, stream).map_err(device_error("cuEventRecord"))?;
-            stored
+        plan.write_rows(room)?;
+        let (mut call, mut state_call) = self.parameters(checksum, plan, slot, table_address, role, algorithm);
+        let (table, groups) = (&self.table, &self.table.groups[role_index(role)]);
+        let values = slot.host_values_on_device();
+        let store = store(slot, values)?;
+        let (rows, starts) = slot.rows_and_starts(plan.num_rows);
+        if checksum.state_rows > 0 {
+            partition_state_rows(rows, checksum.state_rows, |row| table.is_state_slot(row.group_slot));
         }
+        let (attention, state) = rows.split_at(checksum.attention_rows);
+        if checksum.rows == RowPlace::Inline {
+            call.inline_rows[..attention.len()].copy_from_slice(attention);
+        }
+        if checksum.row_starts {
+            row_starts(attention, groups, checksum.shape.split, &mut starts[..attention.len()]);
+        }
+        if checksum.state.is_some_and(|state| state.rows == RowPlace::Inline) {
+            state_call.inline_rows[..state.len()].copy_from_slice(state);
+        }
+        Ok(Parameters {
+            checksum: Some((call, state_call)),
+            store,
+        })
     }
 
-    /// The checksum kernels' parameters for `launch`, with the plan's rows
-    /// written into `slot`'s pinned memory and, where `launch` says,
-    /// reordered (state rows last), copied inline and given row starts.
+    /// The checksum kernels' parameters for `checksum`, naming `slot`'s
+    /// memory and the table at `table_address`; rows inline are left to
+    /// [`DeviceEngine::fill`].
     fn parameters(
         &self,
-        launch: &ChecksumLaunch,
+        checksum: &ChecksumLaunch,
         plan: &Plan,
-        slot: &mut Slot,
+        slot: &Slot,
         table_address: u64,
         role: Role,
         algorithm: Algorithm,
     ) -> (DevCall, DevStateCall) {
-        let table = &self.table;
-        let groups = &table.groups[role_index(role)];
+        let (table, groups) = (&self.table, &self.table.groups[role_index(role)]);
         let place = |rows: RowPlace| match rows {
             RowPlace::Inline => 0,
             RowPlace::Mapped => slot.pinned_rows_on_device(),
@@ -386,19 +388,19 @@ impl DeviceEngine {
         let mut call = DevCall {
             layers: table_address + table.layers_offset(),
             groups: table_address + table.groups_offset(role),
-            rows: place(launch.rows),
-            row_starts: match launch.row_starts {
+            rows: place(checksum.rows),
+            row_starts: match checksum.row_starts {
                 true => slot.device_rows() + (plan.num_rows * std::mem::size_of::<Row>()) as u64,
                 false => 0,
             },
             accumulators: slot.accumulators(),
             host_values: slot.host_values_on_device(),
             finished_blocks: slot.finished_blocks(),
-            total_units: launch.shape.total_units,
-            num_rows: launch.attention_rows as u32,
+            total_units: checksum.shape.total_units,
+            num_rows: checksum.attention_rows as u32,
             num_values: plan.num_values as u32,
-            split: launch.shape.split,
-            row_units: launch.shape.row_units,
+            split: checksum.shape.split,
+            row_units: checksum.shape.row_units,
             algorithm: algorithm.code(),
             reserved: 0,
             inline_groups: [DevGroup::default(); INLINE_GROUPS],
@@ -406,94 +408,89 @@ impl DeviceEngine {
         };
         let inline_groups = groups.len().min(INLINE_GROUPS);
         call.inline_groups[..inline_groups].copy_from_slice(&groups[..inline_groups]);
-        let mut state_call = DevStateCall {
+        let state_call = DevStateCall {
             tensors: table_address + table.state_tensors_offset(),
             groups: table_address + table.state_groups_offset(),
-            rows: launch.state.map_or(0, |state| place(state.rows)),
+            rows: checksum.state.map_or(0, |state| place(state.rows)),
             accumulators: slot.accumulators(),
-            num_rows: launch.state_rows as u32,
+            num_rows: checksum.state_rows as u32,
             algorithm: algorithm.code(),
             inline_rows: [Row::default(); INLINE_STATE_ROWS],
         };
-        let (rows, starts) = slot.rows_and_starts(plan.num_rows);
-        if launch.state_rows > 0 {
-            partition_state_rows(rows, launch.state_rows, |row| table.is_state_slot(row.group_slot));
-        }
-        let (attention, state) = rows.split_at(launch.attention_rows);
-        if launch.rows == RowPlace::Inline {
-            call.inline_rows[..attention.len()].copy_from_slice(attention);
-        }
-        if launch.row_starts {
-            row_starts(attention, groups, launch.shape.split, &mut starts[..attention.len()]);
-        }
-        if launch.state.is_some_and(|state| state.rows == RowPlace::Inline) {
-            state_call.inline_rows[..state.len()].copy_from_slice(state);
-        }
         (call, state_call)
     }
 
-    /// Queues on `stream`: the upload (if any), the state kernel (if any),
-    /// then the checksum kernel, as `launch` says.
+    /// Queues on `stream` what `launch` says, with `parameters`: the
+    /// upload, the state kernel, the checksum kernel, the stored launch
+    /// (each where it has one), then the slot's event.
     ///
     /// # Safety
-    /// Every address in `call` and `state_call` stays valid until the
-    /// slot's event completes, and the slot's pinned rows are not written
-    /// before then.
-    unsafe fn enqueue_checksum(
+    /// Every address in `parameters` stays valid until the slot's event
+    /// completes, and the slot's pinned memory is not written before then;
+    /// every stored item's address is 16 bytes this device may write
+    /// (store) or read (gather).
+    unsafe fn enqueue(
         &self,
-        launch: &ChecksumLaunch,
-        call: &mut DevCall,
-        state_call: &mut DevStateCall,
+        launch: &CallLaunch,
+        parameters: &mut Parameters,
         slot: &Slot,
-        stream: sys::CUstream,
+        stream: StreamHandle,
     ) -> Result<()> {
-        let function = match launch.kernel {
-            ChecksumKernel::Paired => &self.kernels.checksum,
-            ChecksumKernel::SingleHead => &self.kernels.checksum_single_head,
-            ChecksumKernel::Unpaired => &self.kernels.checksum_unpaired,
-        };
+        // Null stays null: CUDA's legacy default stream, never a private
+        // one, so the work is ordered after what the caller queued there.
+        let stream = stream.0 as sys::CUstream;
+        let threads = (THREADS_PER_BLOCK, 1, 1);
         // SAFETY: per this function's contract; each launch copies its one
-        // parameter before it returns; the upload reads `upload.bytes` of
-        // the pinned rows, which `plan_launch` keeps inside the call's rows
-        // and starts (the slot holds them).
+        // parameter before it returns; the kernels read cache bytes that
+        // registration proved lie in registered regions; the upload reads
+        // `upload.bytes` of the pinned rows, which `plan_launch` keeps
+        // inside the call's rows and starts (the slot holds them).
         unsafe {
-            if let Some(upload) = launch.upload {
-                let (to, from) = (
-                    slot.device_rows() + upload.offset as u64,
-                    slot.pinned_rows(upload.offset),
-                );
-                sys::cuMemcpyHtoDAsync_v2(to, from.cast(), upload.bytes, stream)
-                    .result()
-                    .map_err(device_error("cuMemcpyHtoDAsync"))?;
+            if let (Some(launch), Some((call, state_call))) = (&launch.checksum, &mut parameters.checksum) {
+                if let Some(upload) = launch.upload {
+                    let to = slot.device_rows() + upload.offset as u64;
+                    let from = slot.pinned_rows(upload.offset).cast();
+                    sys::cuMemcpyHtoDAsync_v2(to, from, upload.bytes, stream)
+                        .result()
+                        .map_err(device_error("cuMemcpyHtoDAsync"))?;
+                }
+                if let Some(state) = launch.state {
+                    // Before the checksum kernel on the same stream: its last
+                    // block publishes what this one added.
+                    let mut params = [(state_call as *mut DevStateCall).cast::<std::ffi::c_void>()];
+                    let grid = (state.grid.0, state.grid.1, 1);
+                    let function = self.kernels.state.cu_function();
+                    cu::launch_kernel(function, grid, threads, 0, stream, &mut params)
+                        .map_err(device_error("launching kvcs_state"))?;
+                }
+                let function = match launch.kernel {
+                    ChecksumKernel::Paired => &self.kernels.checksum,
+                    ChecksumKernel::SingleHead => &self.kernels.checksum_single_head,
+                    ChecksumKernel::Unpaired => &self.kernels.checksum_unpaired,
+                };
+                let mut params = [(call as *mut DevCall).cast::<std::ffi::c_void>()];
+                let grid = (launch.shape.blocks, 1, 1);
+                cu::launch_kernel(function.cu_function(), grid, threads, 0, stream, &mut params)
+                    .map_err(device_error("launching kvcs_checksum"))?;
             }
-            if let Some(state) = launch.state {
-                // Before the checksum kernel on the same stream: its last
-                // block publishes what this one added.
-                let mut params = [(state_call as *mut DevStateCall).cast::<std::ffi::c_void>()];
-                let grid = (state.grid.0, state.grid.1, 1);
-                cu::launch_kernel(
-                    self.kernels.state.cu_function(),
-                    grid,
-                    (THREADS_PER_BLOCK, 1, 1),
-                    0,
-                    stream,
-                    &mut params,
-                )
-                .map_err(device_error("launching kvcs_state"))?;
-            }
-            let mut params = [(call as *mut DevCall).cast::<std::ffi::c_void>()];
-            let grid = (launch.shape.blocks, 1, 1);
-            cu::launch_kernel(
-                function.cu_function(),
-                grid,
-                (THREADS_PER_BLOCK, 1, 1),
-                0,
-                stream,
-                &mut params,
-            )
-            .map_err(device_error("launching kvcs_checksum"))
+            // The event is recorded even when the stored launch fails, so
+            // that the slot is parked until the checksum kernel is done.
+            let stored = match (&mut parameters.store, launch.store_blocks) {
+                (Some(call), Some(blocks)) => store_launch::enqueue(&self.kernels, call, blocks, stream),
+                _ => Ok(()),
+            };
+            cu::event::record(slot.event, stream).map_err(device_error("cuEventRecord"))?;
+            stored
         }
     }
+}
+
+/// The launches' parameters of one call, written by [`DeviceEngine::fill`].
+struct Parameters {
+    /// The checksum kernel's and the state kernel's.
+    checksum: Option<(DevCall, DevStateCall)>,
+    /// The stored launch's.
+    store: Option<DevStoredCall>,
 }
 
 /// Values being computed on a device; readable once the slot's event completed.
