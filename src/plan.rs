@@ -296,7 +296,7 @@ pub struct RowRoom<'a> {
     /// At least as many rows as the call has.
     pub rows: &'a mut [MaybeUninit<Row>],
     /// Write past the CPU's caches: for memory the device reads next and
-    /// the host does not (a device call's pinned staging). Written with
+    /// the host does not (a device call's pinned rows). Written with
     /// ordinary stores, such memory costs a read of every line first, which
     /// doubled the plan's time on a lent host (9.5 -> 4.8 us for 2048 rows).
     pub streaming: bool,
