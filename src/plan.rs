@@ -35,11 +35,11 @@ pub struct Row {
 compile_error!("kvcsum lays out rows for a little-endian host");
 const _: () = assert!(std::mem::size_of::<Row>() == 32 && std::mem::align_of::<Row>() == 8);
 
-/// The work of one call and the shape of its result, decided before any
-/// row is written: [`Plan::lay_out`] checks the blocks and says which rows
-/// there are (`RowRun`s); [`Plan::write_rows`] writes them where the
-/// caller wants them (a vector, [`Plan::new`], or a device call's pinned
-/// memory, with no copy).
+/// The work of one call and the shape of its result. [`Plan::lay_out`]
+/// decides it: it checks the blocks and says which rows there are, run by
+/// run (`RowRun`), writing none; [`Plan::write`] writes each run's rows
+/// where the caller wants them as they are decided (a vector,
+/// [`Plan::new`], or a device call's pinned memory, with no copy).
 #[derive(Debug, Clone)]
 pub struct Plan {
     /// Result shape.
@@ -50,18 +50,12 @@ pub struct Plan {
     pub rows_per_slot: Vec<u64>,
     /// Length of the value array.
     pub num_values: usize,
-    /// The rows, one run per (request, group) with rows, in request order.
-    pub runs: Vec<RowRun>,
 }
 
 /// The rows of one (request, group): one per position of its first `rows`
 /// block ids (those with valid tokens; a state group's one block).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RowRun {
-    /// Index of the request in [`Shape::requests`].
-    pub request: u32,
-    /// Index of the group's blocks in the request's groups.
-    pub group: u32,
     /// Rows of the run.
     pub rows: u32,
     /// The group's slot on the worker.
@@ -83,31 +77,55 @@ impl Plan {
     /// Checks `blocks` against `layout` and lays out the work, with its rows;
     /// any bad block id or unknown group fails the whole call.
     pub fn new(layout: &Layout, blocks: &BlockSet, role: Role) -> Result<(Plan, Vec<Row>)> {
-        let plan = Plan::lay_out(layout, blocks, role)?;
-        let rows = plan.rows()?;
-        Ok((plan, rows))
-    }
-
-    /// The plan's rows, in a vector.
-    pub fn rows(&self) -> Result<Vec<Row>> {
-        let mut rows = Vec::with_capacity(self.num_rows);
+        // Sized from the count kept as the blocks were added (an upper bound
+        // on the rows): no pass over the set.
+        let mut rows = Vec::with_capacity(blocks.num_blocks());
         let room = RowRoom {
             rows: rows.spare_capacity_mut(),
             streaming: false,
         };
-        self.write_rows(room)?;
-        // SAFETY: `write_rows` initialised the first `num_rows` elements of
-        // the spare capacity, which starts at index 0 of the empty vector.
-        unsafe { rows.set_len(self.num_rows) };
-        Ok(rows)
+        let plan = Plan::write(layout, blocks, role, room)?;
+        // SAFETY: `write` initialised the first `num_rows` elements of the
+        // spare capacity, which starts at index 0 of the empty vector.
+        unsafe { rows.set_len(plan.num_rows) };
+        Ok((plan, rows))
+    }
+
+    /// As [`Plan::new`], with the rows written to `room.rows[..num_rows]`,
+    /// which holds at least `blocks.num_blocks()` rows (no call has more),
+    /// run by run as [`Plan::lay_out`] decides them. On error what the room
+    /// holds means nothing.
+    pub fn write(layout: &Layout, blocks: &BlockSet, role: Role, room: RowRoom<'_>) -> Result<Plan> {
+        if room.rows.len() < blocks.num_blocks() {
+            return Err(err!(
+                Internal,
+                "room for {} rows, for a set of {} blocks",
+                room.rows.len(),
+                blocks.num_blocks()
+            ));
+        }
+        let mut rows = RowWriter {
+            out: room.rows,
+            len: 0,
+            streaming: room.streaming,
+        };
+        let plan = Plan::lay_out(layout, blocks, role, |run, block_ids| rows.write_run(run, block_ids))?;
+        rows.finish();
+        Ok(plan)
     }
 
     /// Checks `blocks` against `layout` and lays out the work: the result's
-    /// shape and which rows there are, none written yet. Any bad block id
-    /// or unknown group fails the whole call.
-    pub fn lay_out(layout: &Layout, blocks: &BlockSet, role: Role) -> Result<Plan> {
+    /// shape, and which rows there are, given to `run` one run at a time in
+    /// request order with the run's block ids (the first `rows` of them
+    /// make rows), never written here. Any bad block id or unknown group
+    /// fails the whole call.
+    pub fn lay_out(
+        layout: &Layout,
+        blocks: &BlockSet,
+        role: Role,
+        mut run: impl FnMut(&RowRun, &[u32]),
+    ) -> Result<Plan> {
         let requests = blocks.shared_requests();
-        let mut runs = Vec::with_capacity(blocks.num_groups());
         let mut placements = Vec::with_capacity(blocks.num_groups());
         let skipped: Vec<SkippedGroup> = layout
             .skipped_groups()
@@ -120,9 +138,9 @@ impl Plan {
         let mut num_rows = 0usize;
         let mut rows_per_slot = vec![0u64; layout.groups().count()];
         let mut last_group: Option<&Group> = None;
-        for (request_index, request) in requests.iter().enumerate() {
+        for request in requests.iter() {
             let req_id = &request.req_id;
-            for (group_index, group_blocks) in request.groups.iter().enumerate() {
+            for group_blocks in &request.groups {
                 let group_id = group_blocks.group_id;
                 if let Some(index) = skipped.iter().position(|s| s.group_id == group_id) {
                     placements.push(Placement::Skipped { index: index as u32 });
@@ -196,9 +214,7 @@ impl Plan {
                 }
                 rows_per_slot[group.slot as usize] += rows as u64;
                 num_rows += rows;
-                runs.push(RowRun {
-                    request: request_index as u32,
-                    group: group_index as u32,
+                let this = RowRun {
                     rows: rows as u32,
                     group_slot: group.slot,
                     // position < end, so position * block_size < num_tokens: no
@@ -208,7 +224,8 @@ impl Plan {
                     num_tokens: request.num_tokens,
                     out: values_offset as u32,
                     column_stride: num_positions as u32,
-                });
+                };
+                run(&this, block_ids);
             }
         }
         let shape = Shape {
@@ -222,78 +239,13 @@ impl Plan {
             num_rows,
             rows_per_slot,
             num_values,
-            runs,
         })
-    }
-
-    /// Writes the plan's rows to `room.rows[..num_rows]`, in request order.
-    pub fn write_rows(&self, room: RowRoom<'_>) -> Result<()> {
-        if room.rows.len() < self.num_rows {
-            return Err(err!(
-                Internal,
-                "room for {} rows, for a call of {} rows",
-                room.rows.len(),
-                self.num_rows
-            ));
-        }
-        let mut rows = RowWriter {
-            out: room.rows,
-            len: 0,
-            streaming: room.streaming,
-        };
-        let requests = &self.shape.requests;
-        for run in &self.runs {
-            let block_ids = &requests[run.request as usize].groups[run.group as usize].block_ids;
-            // A closure over copies, not references, and an iterator of
-            // known length: the rows are written in one tight loop. Rows
-            // hold tokens, so first_token < num_tokens: valid_tokens is the
-            // plain difference, capped (0 for a state row).
-            let RowRun {
-                first_token,
-                block_size,
-                num_tokens,
-                out,
-                column_stride,
-                group_slot,
-                ..
-            } = *run;
-            let written = rows.len;
-            rows.extend(
-                run.rows as usize,
-                block_ids[..run.rows as usize]
-                    .iter()
-                    .enumerate()
-                    .map(move |(i, &block_id)| {
-                        let first_token = first_token + i as u64 * block_size;
-                        Row {
-                            first_token,
-                            block_id,
-                            valid_tokens: (num_tokens - first_token).min(block_size) as u32,
-                            out: out + i as u32,
-                            column_stride,
-                            group_slot,
-                            reserved: 0,
-                        }
-                    }),
-            );
-            debug_assert!(
-                block_size == 0
-                    || rows.out[written..rows.len].iter().all(|row| {
-                        // SAFETY: just written.
-                        let row = unsafe { row.assume_init_ref() };
-                        let position = row.first_token / block_size;
-                        row.valid_tokens == valid_tokens(num_tokens, block_size as u32, position)
-                    })
-            );
-        }
-        rows.finish();
-        Ok(())
     }
 }
 
-/// Where [`Plan::write_rows`] puts a call's rows.
+/// Where [`Plan::write`] puts a call's rows.
 pub struct RowRoom<'a> {
-    /// At least as many rows as the call has.
+    /// At least as many rows as the call's set has blocks.
     pub rows: &'a mut [MaybeUninit<Row>],
     /// Write past the CPU's caches: for memory the device reads next and
     /// the host does not (a device call's pinned rows). Written with
@@ -310,9 +262,54 @@ struct RowWriter<'a> {
 }
 
 impl RowWriter<'_> {
+    /// Appends the rows of `run`, whose block ids start `block_ids`.
+    fn write_run(&mut self, run: &RowRun, block_ids: &[u32]) {
+        // A closure over copies, not references, and an iterator of known
+        // length: the rows are written in one tight loop. Rows hold tokens,
+        // so first_token < num_tokens: valid_tokens is the plain
+        // difference, capped (0 for a state row, whose block_size is 0).
+        let RowRun {
+            rows,
+            group_slot,
+            first_token,
+            block_size,
+            num_tokens,
+            out,
+            column_stride,
+        } = *run;
+        let written = self.len;
+        self.extend(
+            rows as usize,
+            block_ids[..rows as usize]
+                .iter()
+                .enumerate()
+                .map(move |(i, &block_id)| {
+                    let first_token = first_token + i as u64 * block_size;
+                    Row {
+                        first_token,
+                        block_id,
+                        valid_tokens: (num_tokens - first_token).min(block_size) as u32,
+                        out: out + i as u32,
+                        column_stride,
+                        group_slot,
+                        reserved: 0,
+                    }
+                }),
+        );
+        debug_assert!(
+            block_size == 0
+                || self.out[written..self.len].iter().all(|row| {
+                    // SAFETY: just written.
+                    let row = unsafe { row.assume_init_ref() };
+                    let position = row.first_token / block_size;
+                    row.valid_tokens == valid_tokens(num_tokens, block_size as u32, position)
+                })
+        );
+    }
+
     /// Appends the `count` rows of `rows` (a run's, so that
-    /// `Plan::write_rows`'s room check bounds the total), writing them in
-    /// one tight loop with one bounds check.
+    /// `Plan::write`'s room check bounds the total), writing them in one
+    /// tight loop with one bounds check.
     fn extend(&mut self, count: usize, rows: impl Iterator<Item = Row>) {
         let end = self.len + count;
         let out = &mut self.out[self.len..end];

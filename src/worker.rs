@@ -295,19 +295,19 @@ impl Worker {
                 (plan, values)
             }
             Engine::Device(device) => {
-                let plan = Plan::lay_out(&self.layout, blocks, role)?;
-                let work = match stored {
-                    None => None,
+                // The engine lays out the blocks into the call's pinned
+                // memory, then asks for the stored items of that plan.
+                let stored_work = |plan: &Plan| match stored {
+                    None => Ok(None),
                     Some(mode) => {
                         let infos = self.infos();
                         let (work, expected) =
                             stored::device_work(&self.layout, &infos, blocks, algorithm, &plan.shape, mode)?;
                         expectations = expected;
-                        Some(work)
+                        Ok(Some(work))
                     }
                 };
-                let values = device.checksum(&plan, role, algorithm, stream, work.as_ref())?;
-                (plan, values)
+                device.checksum(&self.layout, blocks, role, algorithm, stream, stored_work)?
             }
         };
         let detail = match detail {
@@ -501,13 +501,17 @@ impl Worker {
     ) -> Result<DetailValues> {
         let shadow = &detail.shadow;
         let shadow_blocks = shadow.blocks(&self.layout, blocks)?;
-        let plan = Plan::lay_out(&shadow.layout, &shadow_blocks, role)?;
-        let values = match (&self.engine, &detail.engine) {
+        let (plan, values) = match (&self.engine, &detail.engine) {
             (Engine::Host(host), _) => {
-                let rows = plan.rows()?;
-                Values::Ready(host.compute(&shadow.layout, &plan, &rows, role, self.algorithm))
+                let (plan, rows) = Plan::new(&shadow.layout, &shadow_blocks, role)?;
+                let values = Values::Ready(host.compute(&shadow.layout, &plan, &rows, role, self.algorithm));
+                (plan, values)
             }
-            (Engine::Device(_), Some(engine)) => engine.checksum(&plan, role, self.algorithm, stream, None)?,
+            (Engine::Device(_), Some(engine)) => {
+                engine.checksum(&shadow.layout, &shadow_blocks, role, self.algorithm, stream, |_| {
+                    Ok(None)
+                })?
+            }
             (Engine::Device(_), None) => {
                 return Err(err!(Internal, "detail mode on a device worker has no shadow engine"))
             }
@@ -642,12 +646,20 @@ mod tests {
                 }
             }
             let (plan, rows) = Plan::new(&worker.layout, &blocks, Role::Consumer).unwrap();
-            let mut room = vec![std::mem::MaybeUninit::<Row>::uninit(); plan.num_rows];
-            plan.write_rows(RowRoom {
-                rows: &mut room,
-                streaming: true,
-            })
+            let mut room = vec![std::mem::MaybeUninit::<Row>::uninit(); blocks.num_blocks()];
+            let streamed = Plan::write(
+                &worker.layout,
+                &blocks,
+                Role::Consumer,
+                RowRoom {
+                    rows: &mut room,
+                    streaming: true,
+                },
+            )
             .unwrap();
+            assert_eq!(streamed.num_rows, plan.num_rows, "seed {seed}");
+            assert_eq!(streamed.num_values, plan.num_values, "seed {seed}");
+            assert_eq!(streamed.rows_per_slot, plan.rows_per_slot, "seed {seed}");
             // The rows, position by position: one per position with valid
             // tokens, values placed column-major per (request, group).
             let mut naive = Vec::new();

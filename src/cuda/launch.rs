@@ -29,7 +29,7 @@ pub struct ResidentWarps {
     pub state: u64,
 }
 
-/// What the launch of one call depends on.
+/// What the launch of one call depends on (its plan already written).
 #[derive(Debug, Clone, Copy)]
 pub struct CallInputs<'a> {
     /// The worker's layer table (host copy).
@@ -42,8 +42,6 @@ pub struct CallInputs<'a> {
     pub rows_per_slot: &'a [u64],
     /// The plan's rows.
     pub num_rows: usize,
-    /// The plan's values.
-    pub num_values: usize,
     /// Items of the call's store or gather of stored checksums (0: none).
     pub stored_items: usize,
     /// The card.
@@ -119,21 +117,47 @@ pub struct ChecksumLaunch {
     pub state: Option<StateLaunch>,
 }
 
-/// Everything a device call queues, decided before any of it.
+/// The slot a device call takes before its plan, which writes the rows
+/// straight into the slot's pinned memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CallLaunch {
-    /// Rows and values of the slot the call takes; `None`: no slot and
-    /// nothing queued, every value the empty sum (0), ready.
-    pub slot: Option<(usize, usize)>,
+pub struct CallRoom {
+    /// Rows: one per block of the call's set (no call has more).
+    pub rows: usize,
+    /// Values: every column of the worker's widest group, per block.
+    pub values: usize,
     /// Whether the rows are written past the CPU's caches
     /// ([`crate::plan::RowRoom::streaming`]): calls of more rows than go
     /// inline, whose rows the device reads and the host mostly does not.
     pub stream_rows: bool,
+}
+
+/// The room of a call of `num_blocks` blocks on a worker whose widest
+/// group has `max_columns` columns in the call's role.
+pub fn call_room(num_blocks: usize, max_columns: usize) -> CallRoom {
+    CallRoom {
+        rows: num_blocks,
+        values: num_blocks.saturating_mul(max_columns),
+        stream_rows: num_blocks > INLINE_ROWS,
+    }
+}
+
+/// Everything a device call queues, decided before any of it; a call that
+/// queues nothing (no checksum, no store) gives back its slot, and every
+/// value is the empty sum (0), ready.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallLaunch {
     /// The checksum kernels; `None` when the call reads no cache memory.
     pub checksum: Option<ChecksumLaunch>,
     /// Blocks of the `kvcs_store` launch, queued after the checksums (or
     /// alone, over sums of 0); `None` without stored items.
     pub store_blocks: Option<u32>,
+}
+
+impl CallLaunch {
+    /// Whether the call queues anything.
+    pub fn queues(&self) -> bool {
+        self.checksum.is_some() || self.store_blocks.is_some()
+    }
 }
 
 /// What a call queues (see [`CallLaunch`]).
@@ -155,10 +179,8 @@ pub fn plan_launch(inputs: &CallInputs<'_>) -> CallLaunch {
         (inputs.stored_items > 0).then(|| inputs.stored_items.div_ceil(THREADS_PER_BLOCK as usize) as u32);
     let num_rows = inputs.num_rows;
     if !inputs.table_on_device || num_rows == 0 {
-        // Nothing to read: the store alone in a slot of its own, if any.
+        // Nothing to read: the store alone, if any.
         return CallLaunch {
-            slot: store_blocks.map(|_| (0, 0)),
-            stream_rows: false,
             checksum: None,
             store_blocks,
         };
@@ -218,8 +240,6 @@ pub fn plan_launch(inputs: &CallInputs<'_>) -> CallLaunch {
         },
     });
     CallLaunch {
-        slot: Some((num_rows, inputs.num_values)),
-        stream_rows: num_rows > INLINE_ROWS,
         checksum: Some(ChecksumLaunch {
             kernel,
             shape,
@@ -562,7 +582,6 @@ mod tests {
                 role,
                 rows_per_slot: &rows_per_slot,
                 num_rows,
-                num_values: num_rows * (1 + random.below(4) as usize),
                 stored_items: if random.chance(30) {
                     random.below(2000) as usize
                 } else {
@@ -588,16 +607,17 @@ mod tests {
                 }
             }
             // Nothing to read: no checksum kernel, a slot only for a store.
+            assert_eq!(
+                launch.queues(),
+                launch.checksum.is_some() || inputs.stored_items > 0,
+                "{context}"
+            );
             let Some(checksum) = launch.checksum else {
                 assert!(!inputs.table_on_device || num_rows == 0, "{context}");
-                let expected = (inputs.stored_items > 0).then_some((0, 0));
-                assert_eq!(launch.slot, expected, "{context}");
                 seen[0] += 1;
                 continue;
             };
             assert!(inputs.table_on_device && num_rows > 0, "{context}");
-            assert_eq!(launch.slot, Some((num_rows, inputs.num_values)), "{context}");
-            assert_eq!(launch.stream_rows, num_rows > INLINE_ROWS, "{context}");
 
             // Rows split between the two kernels, counted row by row.
             let is_state = |row: &Row| table.state_groups[row.group_slot as usize].units > 0;
@@ -691,7 +711,8 @@ mod tests {
                 .upload
                 .map(|upload| (upload.offset, upload.offset + upload.bytes));
             assert_eq!(upload, span, "{context}");
-            // Inside the slot's pinned rows and starts.
+            // Inside the slot's pinned rows and starts (it holds at least
+            // the call's rows, and as many starts).
             if let Some((_, end)) = upload {
                 assert!(end <= num_rows * (ROW_BYTES + 8), "{context}");
             }
@@ -711,6 +732,16 @@ mod tests {
             seen.iter().all(|&n| n > 50),
             "every form of call was drawn (none, inline, mapped, searched, state in memory, state inline): {seen:?}, seed {seed}"
         );
+    }
+
+    #[test]
+    fn a_call_takes_room_for_every_block_and_column() {
+        let room = call_room(100, 3);
+        assert_eq!((room.rows, room.values, room.stream_rows), (100, 300, true));
+        // Rows that go inline are read back by the host: cached.
+        assert!(!call_room(INLINE_ROWS, 3).stream_rows);
+        assert!(call_room(INLINE_ROWS + 1, 3).stream_rows);
+        assert_eq!(call_room(usize::MAX, 2).values, usize::MAX);
     }
 
     #[test]

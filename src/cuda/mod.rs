@@ -36,9 +36,10 @@ use self::descriptors::{
 };
 use self::kernels::Kernels;
 use self::launch::{
-    partition_state_rows, plan_launch, row_starts, CallInputs, CallLaunch, ChecksumKernel, ChecksumLaunch,
+    call_room, partition_state_rows, plan_launch, row_starts, CallInputs, CallLaunch, ChecksumKernel, ChecksumLaunch,
     ResidentWarps, RowPlace,
 };
+use crate::blocks::BlockSet;
 use crate::checksum::Algorithm;
 use crate::error::{err, Result};
 use crate::layout::{Layout, Role};
@@ -258,64 +259,81 @@ impl DeviceEngine {
         Ok(())
     }
 
-    /// Queues the checksums of `plan` under `algorithm` on `stream` (the
-    /// caller's handle passed to the driver unchanged; null is the legacy
-    /// default stream), then, on the same stream before the call's event,
-    /// `stored`'s store or gather (SPEC section 8; see `store_launch.rs`;
-    /// its items were checked by the caller). What is queued is decided
-    /// first, without the device ([`launch::plan_launch`]); this takes a
-    /// slot, writes the plan's rows straight into its pinned memory and
-    /// queues what the decision says. Returns without waiting.
+    /// Checks and lays out `blocks` ([`Plan::write`], the rows straight
+    /// into the call's slot) and queues their checksums under `algorithm`
+    /// on `stream` (the caller's handle passed to the driver unchanged;
+    /// null is the legacy default stream), then, on the same stream before
+    /// the call's event, the store or gather that `stored` gives for the
+    /// plan (SPEC section 8; see `store_launch.rs`; its items checked by
+    /// the caller). What is queued is decided first, without the device
+    /// ([`launch::plan_launch`]); this only writes the slot and queues what
+    /// the decision says. Returns without waiting.
     pub fn checksum(
         &self,
-        plan: &Plan,
+        layout: &Layout,
+        blocks: &BlockSet,
         role: Role,
         algorithm: Algorithm,
         stream: StreamHandle,
-        stored: Option<&StoredWork>,
-    ) -> Result<Values> {
-        let launch = plan_launch(&CallInputs {
-            table: &self.table,
-            table_on_device: self.device_table.is_some(),
-            role,
-            rows_per_slot: &plan.rows_per_slot,
-            num_rows: plan.num_rows,
-            num_values: plan.num_values,
-            stored_items: stored.map_or(0, |work| work.items.len()),
-            resident: self.resident,
-        });
-        let Some((rows, values)) = launch.slot else {
-            return Ok(Values::Ready(vec![0; plan.num_values]));
-        };
+        stored: impl FnOnce(&Plan) -> Result<Option<StoredWork>>,
+    ) -> Result<(Plan, Values)> {
         self.context.bind_to_thread().map_err(device_error("cuCtxSetCurrent"))?;
-        let mut slot = self.pool.take(rows, values)?;
-        let queued = self
-            .fill(&launch, plan, &mut slot, role, algorithm, stored)
-            // SAFETY: `fill` wrote every address in the parameters from the
-            // slot and the table, which the slot holds until its event
-            // completes; nothing writes the slot's pinned memory before then.
-            .and_then(|mut parameters| unsafe { self.enqueue(&launch, &mut parameters, &slot, stream) });
-        if let Err(error) = queued {
-            // Parked while anything queued may still run.
-            self.pool.give_back(slot);
-            return Err(error);
-        }
+        let max_columns = layout.groups().map(|group| group.columns(role).len()).max();
+        let room = call_room(blocks.num_blocks(), max_columns.unwrap_or(0));
+        let mut slot = self.pool.take(room.rows, room.values)?;
+        let queue = |slot: &mut Slot| -> Result<(Plan, CallLaunch, usize)> {
+            let rows = RowRoom {
+                rows: slot.row_room(),
+                streaming: room.stream_rows,
+            };
+            let plan = Plan::write(layout, blocks, role, rows)?;
+            let work = stored(&plan)?;
+            let launch = plan_launch(&CallInputs {
+                table: &self.table,
+                table_on_device: self.device_table.is_some(),
+                role,
+                rows_per_slot: &plan.rows_per_slot,
+                num_rows: plan.num_rows,
+                stored_items: work.as_ref().map_or(0, |work| work.items.len()),
+                resident: self.resident,
+            });
+            if launch.queues() {
+                let mut parameters = self.fill(&launch, &plan, slot, role, algorithm, work.as_ref())?;
+                // SAFETY: `fill` wrote every address in the parameters from
+                // the slot and the table, which the slot holds until its
+                // event completes; nothing writes the slot before then.
+                unsafe { self.enqueue(&launch, &mut parameters, slot, stream)? };
+            }
+            Ok((plan, launch, work.map_or(0, |work| work.items.len())))
+        };
+        let (plan, launch, num_items) = match queue(&mut slot) {
+            Ok((plan, launch, num_items)) if launch.queues() => (plan, launch, num_items),
+            queued => {
+                // Parked while anything queued may still run.
+                self.pool.give_back(slot);
+                // Nothing queued: every value is the empty sum.
+                let (plan, _, _) = queued?;
+                let values = Values::Ready(vec![0; plan.num_values]);
+                return Ok((plan, values));
+            }
+        };
         let computed = launch.checksum.is_some();
-        Ok(Values::Pending(Box::new(DevicePending {
+        let values = Values::Pending(Box::new(DevicePending {
             context: self.context.clone(),
             pool: self.pool.clone(),
             slot: Some(slot),
             num_values: if computed { plan.num_values } else { 0 },
-            num_gathered: 2 * stored.map_or(0, |work| work.items.len()),
+            num_gathered: 2 * num_items,
             // A call that read nothing: its values are the empty sums.
             zeros: (!computed).then(|| vec![0; plan.num_values]),
-        })))
+        }));
+        Ok((plan, values))
     }
 
-    /// Writes what `launch` says into `slot` (idle, holding the call's rows
-    /// and values): the plan's rows, moved (state rows last), copied inline
-    /// and given row starts where it says; the stored items; and gives the
-    /// launches' parameters, which name the slot's memory and the table.
+    /// Writes what `launch` says into `slot` (idle, holding the plan's
+    /// rows): the rows moved (state rows last), copied inline and given row
+    /// starts where it says; the stored items; and gives the launches'
+    /// parameters, which name the slot's memory and the table.
     fn fill(
         &self,
         launch: &CallLaunch,
@@ -337,12 +355,15 @@ impl DeviceEngine {
                 return Ok(Parameters { checksum: None, store });
             }
         };
+        if plan.num_values > slot.value_capacity {
+            return Err(err!(
+                Internal,
+                "a slot of {} values for a call of {} values",
+                slot.value_capacity,
+                plan.num_values
+            ));
+        }
         slot.table = self.device_table.clone();
-        let room = RowRoom {
-            rows: slot.row_room(),
-            streaming: launch.stream_rows,
-        };
-        plan.write_rows(room)?;
         let (mut call, mut state_call) = self.parameters(checksum, plan, slot, table_address, role, algorithm);
         let (table, groups) = (&self.table, &self.table.groups[role_index(role)]);
         let values = slot.host_values_on_device();
