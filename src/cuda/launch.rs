@@ -1,10 +1,10 @@
-//! How a call is launched, decided without the device: the slot it takes,
-//! which kernels run, the chunks per kernel block, the units, where the
-//! rows travel (inline, read in place from pinned memory, or uploaded) and
-//! the grids. Pure functions of the plan, the layer table and the card's
-//! size, so that they are tested without a GPU; the engine
-//! (`DeviceEngine::checksum`) only writes the slot and queues what
-//! [`plan_launch`] says.
+//! How a call is launched, decided without the device: the slot it takes
+//! ([`call_room`]), which kernels run, the chunks per kernel block, the
+//! units, where the rows travel (inline, read in place from pinned memory,
+//! or uploaded) and the grids ([`plan_launch`]). Pure functions of the
+//! plan, the layer table and the card's size, so that they are tested
+//! without a GPU; the engine (`DeviceEngine::checksum`) only writes the
+//! slot and queues what they say.
 
 use super::descriptors::{
     role_index, DevGroup, LayerTable, INLINE_ROWS, INLINE_STATE_ROWS, MAX_SPLIT, THREADS_PER_BLOCK, WARP,

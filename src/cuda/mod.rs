@@ -4,13 +4,13 @@
 //! cudarc panics when it cannot load `libcuda` or `libnvrtc`, so presence is
 //! checked first and absence becomes `Error::Device`. A worker uses its
 //! device's primary context, shared with PyTorch or the engine in-process.
-//! A `checksum` call has two parts. The decision
-//! ([`launch::plan_launch`], pure, tested without a GPU) says from the
-//! plan, the layer table and the card what the call queues: its slot, the
-//! kernel's form and shape, where each kernel reads its rows (inline, in
-//! place from pinned memory, or after the one upload) and the grids. The
-//! engine ([`DeviceEngine::checksum`]) then only writes the slot's pinned
-//! memory and queues that: at most one row upload, the state kernel where
+//! A `checksum` call has two parts. The decision (`launch.rs`: pure,
+//! tested without a GPU) says from the plan, the layer table and the card
+//! what the call queues: the kernel's form and shape, where each kernel
+//! reads its rows (inline, in place from pinned memory, or after the one
+//! upload) and the grids. The engine ([`DeviceEngine::checksum`]) only
+//! writes the call's slot (the plan's rows go straight into its pinned
+//! memory) and queues that: at most one row upload, the state kernel where
 //! the call has rows of state groups (SPEC section 6), the checksum
 //! kernel, the stored-checksum launch (`store_launch`), the slot's event.
 //! Nothing blocks the host.
