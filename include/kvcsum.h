@@ -1369,24 +1369,6 @@ extern "C" {
 // threads. Another version gives `KVCS_ERR_UNSUPPORTED` naming both.
 kvcs_status kvcs_api_get(uint32_t abi_version, const kvcs_api **out);
 
-// The layout of the ABI struct `struct_name` (`"kvcs_layer"`, say) in this
-// library: `*size` its `sizeof`, `*num_fields` how many fields it has (read
-// each with `kvcs_struct_field`). NULL out-parameters are skipped. A name
-// that is no struct of the ABI gives `KVCS_ERR_NOT_FOUND`.
-kvcs_status kvcs_struct_layout(const char *struct_name, size_t *size, size_t *num_fields);
-
-// Field `index` (declaration order, below `num_fields` of
-// `kvcs_struct_layout`) of the ABI struct `struct_name` in this library:
-// `*field_name` its name (a static string), `*offset` its `offsetof`,
-// `*size` its `sizeof`. NULL out-parameters are skipped. An unknown
-// struct gives `KVCS_ERR_NOT_FOUND`, an index past the last field
-// `KVCS_ERR_OUT_OF_BOUNDS`.
-kvcs_status kvcs_struct_field(const char *struct_name,
-                              size_t index,
-                              const char **field_name,
-                              size_t *offset,
-                              size_t *size);
-
 // Creates an empty block set; `*out` owns it.
 kvcs_status kvcs_blocks_create(kvcs_blocks **out);
 
@@ -1735,6 +1717,24 @@ uint32_t kvcs_abi_version(void);
 
 // The library's version (the crate version, e.g. "0.2.0"; docs/VERSIONING.md), a static string. Never NULL.
 const char *kvcs_version(void);
+
+// The layout of the ABI struct `struct_name` (`"kvcs_layer"`, say) in this
+// library: `*size` its `sizeof`, `*num_fields` how many fields it has (read
+// each with `kvcs_struct_field`). NULL out-parameters are skipped. A name
+// that is no struct of the ABI gives `KVCS_ERR_NOT_FOUND`.
+kvcs_status kvcs_struct_layout(const char *struct_name, size_t *size, size_t *num_fields);
+
+// Field `index` (declaration order, below `num_fields` of
+// `kvcs_struct_layout`) of the ABI struct `struct_name` in this library:
+// `*field_name` its name (a static string), `*offset` its `offsetof`,
+// `*size` its `sizeof`. NULL out-parameters are skipped. An unknown
+// struct gives `KVCS_ERR_NOT_FOUND`, an index past the last field
+// `KVCS_ERR_OUT_OF_BOUNDS`.
+kvcs_status kvcs_struct_field(const char *struct_name,
+                              size_t index,
+                              const char **field_name,
+                              size_t *offset,
+                              size_t *size);
 
 // `local_tp / remote_tp` when `local_tp >= remote_tp`, else `-(remote_tp /
 // local_tp)`, into `*ratio`. `KVCS_ERR_INVALID_ARGUMENT` when a size is 0

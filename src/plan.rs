@@ -35,20 +35,42 @@ pub struct Row {
 compile_error!("kvcsum lays out rows for a little-endian host");
 const _: () = assert!(std::mem::size_of::<Row>() == 32 && std::mem::align_of::<Row>() == 8);
 
-/// The work of one call and the shape of its result. Its rows, one per
-/// position with valid tokens, are kept apart: in a vector
-/// ([`Plan::new`]), or written where the caller wants them
-/// ([`Plan::write`]: a device call's pinned staging, with no copy).
+/// The work of one call and the shape of its result. [`Plan::lay_out`]
+/// decides it: it checks the blocks and says which rows there are, run by
+/// run (`RowRun`), writing none; [`Plan::write`] writes each run's rows
+/// where the caller wants them as they are decided (a vector,
+/// [`Plan::new`], or a device call's pinned memory, with no copy).
 #[derive(Debug, Clone)]
 pub struct Plan {
     /// Result shape.
     pub shape: Shape,
-    /// Rows written, in request order.
+    /// Rows of the call, in request order.
     pub num_rows: usize,
     /// Rows of each group, by group slot.
     pub rows_per_slot: Vec<u64>,
     /// Length of the value array.
     pub num_values: usize,
+}
+
+/// The rows of one (request, group): one per position of its first `rows`
+/// block ids (those with valid tokens; a state group's one block).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowRun {
+    /// Rows of the run.
+    pub rows: u32,
+    /// The group's slot on the worker.
+    pub group_slot: u32,
+    /// Request position of the first row's first token.
+    pub first_token: u64,
+    /// Tokens per position: 0 for a state group, whose one row reads no
+    /// tokens (SPEC section 6).
+    pub block_size: u64,
+    /// The request's tokens.
+    pub num_tokens: u64,
+    /// Value index of column 0 at the first row.
+    pub out: u32,
+    /// Value distance between columns (the group's positions in the request).
+    pub column_stride: u32,
 }
 
 impl Plan {
@@ -70,8 +92,9 @@ impl Plan {
     }
 
     /// As [`Plan::new`], with the rows written to `room.rows[..num_rows]`,
-    /// which holds at least `blocks.num_blocks()` rows (no call has more).
-    /// On error what the room holds means nothing.
+    /// which holds at least `blocks.num_blocks()` rows (no call has more),
+    /// run by run as [`Plan::lay_out`] decides them. On error what the room
+    /// holds means nothing.
     pub fn write(layout: &Layout, blocks: &BlockSet, role: Role, room: RowRoom<'_>) -> Result<Plan> {
         if room.rows.len() < blocks.num_blocks() {
             return Err(err!(
@@ -81,12 +104,28 @@ impl Plan {
                 blocks.num_blocks()
             ));
         }
-        let requests = blocks.shared_requests();
         let mut rows = RowWriter {
             out: room.rows,
             len: 0,
             streaming: room.streaming,
         };
+        let plan = Plan::lay_out(layout, blocks, role, |run, block_ids| rows.write_run(run, block_ids))?;
+        rows.finish();
+        Ok(plan)
+    }
+
+    /// Checks `blocks` against `layout` and lays out the work: the result's
+    /// shape, and which rows there are, given to `run` one run at a time in
+    /// request order with the run's block ids (the first `rows` of them
+    /// make rows), never written here. Any bad block id or unknown group
+    /// fails the whole call.
+    pub fn lay_out(
+        layout: &Layout,
+        blocks: &BlockSet,
+        role: Role,
+        mut run: impl FnMut(&RowRun, &[u32]),
+    ) -> Result<Plan> {
+        let requests = blocks.shared_requests();
         let mut placements = Vec::with_capacity(blocks.num_groups());
         let skipped: Vec<SkippedGroup> = layout
             .skipped_groups()
@@ -96,6 +135,7 @@ impl Plan {
             })
             .collect();
         let mut num_values = 0usize;
+        let mut num_rows = 0usize;
         let mut rows_per_slot = vec![0u64; layout.groups().count()];
         let mut last_group: Option<&Group> = None;
         for request in requests.iter() {
@@ -152,7 +192,7 @@ impl Plan {
                     continue;
                 }
                 let first = group_blocks.first_position;
-                if group.is_state() {
+                let (rows, block_size) = if group.is_state() {
                     // SPEC section 6: the state is one block at position 0,
                     // whatever num_tokens says.
                     if first != 0 || num_positions > 1 {
@@ -161,60 +201,33 @@ impl Plan {
                             "group_id {group_id} of req_id \"{req_id}\" is a state group: its state is one block at position 0, not {num_positions} blocks from first_position {first}"
                         ));
                     }
-                    rows_per_slot[group.slot as usize] += num_positions as u64;
-                    rows.extend(
-                        block_ids.len(),
-                        block_ids.iter().map(|&block_id| Row {
-                            first_token: 0,
-                            block_id,
-                            valid_tokens: 0,
-                            out: values_offset as u32,
-                            column_stride: 1,
-                            group_slot: group.slot,
-                            reserved: 0,
-                        }),
-                    );
+                    (num_positions, 0)
+                } else {
+                    // Positions before `end` hold valid tokens (SPEC section 5).
+                    let block_size = group.block_size as u64;
+                    let end = request.num_tokens.div_ceil(block_size);
+                    let with_tokens = end.saturating_sub(first).min(num_positions as u64) as usize;
+                    (with_tokens, block_size)
+                };
+                if rows == 0 {
                     continue;
                 }
-                // Positions before `end` hold valid tokens (SPEC section 5).
-                let block_size = group.block_size as u64;
-                let end = request.num_tokens.div_ceil(block_size);
-                let with_tokens = end.saturating_sub(first).min(num_positions as u64) as usize;
-                rows_per_slot[group.slot as usize] += with_tokens as u64;
-                // position < end, so position * block_size < num_tokens: no
-                // overflow, and valid_tokens() is the plain difference, capped.
-                // A closure over copies, not references, and an iterator of
-                // known length: the rows are written in one tight loop.
-                let first_token = first.wrapping_mul(block_size);
-                let num_tokens = request.num_tokens;
-                let group_slot = group.slot;
-                let column_stride = num_positions as u32;
-                let out = values_offset as u32;
-                let written = rows.len;
-                rows.extend(
-                    with_tokens,
-                    block_ids[..with_tokens].iter().enumerate().map(move |(i, &block_id)| {
-                        let first_token = first_token + i as u64 * block_size;
-                        Row {
-                            first_token,
-                            block_id,
-                            valid_tokens: (num_tokens - first_token).min(block_size) as u32,
-                            out: out + i as u32,
-                            column_stride,
-                            group_slot,
-                            reserved: 0,
-                        }
-                    }),
-                );
-                debug_assert!(rows.out[written..rows.len].iter().all(|row| {
-                    // SAFETY: just written.
-                    let row = unsafe { row.assume_init_ref() };
-                    let position = row.first_token / block_size;
-                    row.valid_tokens == valid_tokens(num_tokens, group.block_size, position)
-                }));
+                rows_per_slot[group.slot as usize] += rows as u64;
+                num_rows += rows;
+                let this = RowRun {
+                    rows: rows as u32,
+                    group_slot: group.slot,
+                    // position < end, so position * block_size < num_tokens: no
+                    // overflow (a state group's position is 0).
+                    first_token: first.wrapping_mul(block_size),
+                    block_size,
+                    num_tokens: request.num_tokens,
+                    out: values_offset as u32,
+                    column_stride: num_positions as u32,
+                };
+                run(&this, block_ids);
             }
         }
-        rows.finish();
         let shape = Shape {
             requests,
             placements,
@@ -223,7 +236,7 @@ impl Plan {
         };
         Ok(Plan {
             shape,
-            num_rows: rows.len,
+            num_rows,
             rows_per_slot,
             num_values,
         })
@@ -235,7 +248,7 @@ pub struct RowRoom<'a> {
     /// At least as many rows as the call's set has blocks.
     pub rows: &'a mut [MaybeUninit<Row>],
     /// Write past the CPU's caches: for memory the device reads next and
-    /// the host does not (a device call's pinned staging). Written with
+    /// the host does not (a device call's pinned rows). Written with
     /// ordinary stores, such memory costs a read of every line first, which
     /// doubled the plan's time on a lent host (9.5 -> 4.8 us for 2048 rows).
     pub streaming: bool,
@@ -249,7 +262,52 @@ struct RowWriter<'a> {
 }
 
 impl RowWriter<'_> {
-    /// Appends the `count` rows of `rows` (a block list's, so that
+    /// Appends the rows of `run`, whose block ids start `block_ids`.
+    fn write_run(&mut self, run: &RowRun, block_ids: &[u32]) {
+        // A closure over copies, not references, and an iterator of known
+        // length: the rows are written in one tight loop. Rows hold tokens,
+        // so first_token < num_tokens: valid_tokens is the plain
+        // difference, capped (0 for a state row, whose block_size is 0).
+        let RowRun {
+            rows,
+            group_slot,
+            first_token,
+            block_size,
+            num_tokens,
+            out,
+            column_stride,
+        } = *run;
+        let written = self.len;
+        self.extend(
+            rows as usize,
+            block_ids[..rows as usize]
+                .iter()
+                .enumerate()
+                .map(move |(i, &block_id)| {
+                    let first_token = first_token + i as u64 * block_size;
+                    Row {
+                        first_token,
+                        block_id,
+                        valid_tokens: (num_tokens - first_token).min(block_size) as u32,
+                        out: out + i as u32,
+                        column_stride,
+                        group_slot,
+                        reserved: 0,
+                    }
+                }),
+        );
+        debug_assert!(
+            block_size == 0
+                || self.out[written..self.len].iter().all(|row| {
+                    // SAFETY: just written.
+                    let row = unsafe { row.assume_init_ref() };
+                    let position = row.first_token / block_size;
+                    row.valid_tokens == valid_tokens(num_tokens, block_size as u32, position)
+                })
+        );
+    }
+
+    /// Appends the `count` rows of `rows` (a run's, so that
     /// `Plan::write`'s room check bounds the total), writing them in one
     /// tight loop with one bounds check.
     fn extend(&mut self, count: usize, rows: impl Iterator<Item = Row>) {

@@ -295,28 +295,19 @@ impl Worker {
                 (plan, values)
             }
             Engine::Device(device) => {
-                // The rows go straight into the call's pinned staging.
-                let max_columns = self.layout.groups().map(|g| g.columns(role).len()).max().unwrap_or(0);
-                let max_values = blocks.num_blocks().saturating_mul(max_columns);
-                let mut staged = device.stage(blocks.num_blocks(), max_values)?;
-                let plan = Plan::write(&self.layout, blocks, role, staged.room())?;
-                let work = match stored {
-                    None => None,
+                // The engine lays out the blocks into the call's pinned
+                // memory, then asks for the stored items of that plan.
+                let stored_work = |plan: &Plan| match stored {
+                    None => Ok(None),
                     Some(mode) => {
-                        let (work, expected) = stored::device_work(
-                            &self.layout,
-                            &self.infos(),
-                            blocks,
-                            self.algorithm,
-                            &plan.shape,
-                            mode,
-                        )?;
+                        let infos = self.infos();
+                        let (work, expected) =
+                            stored::device_work(&self.layout, &infos, blocks, algorithm, &plan.shape, mode)?;
                         expectations = expected;
-                        Some(work)
+                        Ok(Some(work))
                     }
                 };
-                let values = device.compute_staged(&plan, staged, role, algorithm, stream, work.as_ref())?;
-                (plan, values)
+                device.checksum(&self.layout, blocks, role, algorithm, stream, stored_work)?
             }
         };
         let detail = match detail {
@@ -510,10 +501,17 @@ impl Worker {
     ) -> Result<DetailValues> {
         let shadow = &detail.shadow;
         let shadow_blocks = shadow.blocks(&self.layout, blocks)?;
-        let (plan, rows) = Plan::new(&shadow.layout, &shadow_blocks, role)?;
-        let values = match (&self.engine, &detail.engine) {
-            (Engine::Host(host), _) => Values::Ready(host.compute(&shadow.layout, &plan, &rows, role, self.algorithm)),
-            (Engine::Device(_), Some(engine)) => engine.compute(&plan, &rows, role, self.algorithm, stream)?,
+        let (plan, values) = match (&self.engine, &detail.engine) {
+            (Engine::Host(host), _) => {
+                let (plan, rows) = Plan::new(&shadow.layout, &shadow_blocks, role)?;
+                let values = Values::Ready(host.compute(&shadow.layout, &plan, &rows, role, self.algorithm));
+                (plan, values)
+            }
+            (Engine::Device(_), Some(engine)) => {
+                engine.checksum(&shadow.layout, &shadow_blocks, role, self.algorithm, stream, |_| {
+                    Ok(None)
+                })?
+            }
             (Engine::Device(_), None) => {
                 return Err(err!(Internal, "detail mode on a device worker has no shadow engine"))
             }
@@ -616,11 +614,12 @@ mod tests {
         worker
     }
 
-    /// Rows streamed past the caches (a device call's pinned staging) are
-    /// the rows written plainly, on random sets of blocks: many requests,
-    /// both groups, positions with and without tokens.
+    /// The plan's rows are those of a naive walk over the positions, and
+    /// rows streamed past the caches (a device call's pinned memory) are the
+    /// rows written plainly, on random sets of blocks: many requests, both
+    /// groups, positions with and without tokens.
     #[test]
-    fn streamed_plan_rows_are_the_plain_rows() {
+    fn plan_rows_are_the_naive_rows_streamed_or_not() {
         let seed = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(7, |d| d.as_nanos() as u64)
@@ -646,7 +645,7 @@ mod tests {
                     blocks.add_group(&req_id, group_id, first, &ids).unwrap();
                 }
             }
-            let (plain, rows) = Plan::new(&worker.layout, &blocks, Role::Consumer).unwrap();
+            let (plan, rows) = Plan::new(&worker.layout, &blocks, Role::Consumer).unwrap();
             let mut room = vec![std::mem::MaybeUninit::<Row>::uninit(); blocks.num_blocks()];
             let streamed = Plan::write(
                 &worker.layout,
@@ -658,9 +657,41 @@ mod tests {
                 },
             )
             .unwrap();
-            assert_eq!(streamed.num_rows, plain.num_rows, "seed {seed}");
-            assert_eq!(streamed.num_values, plain.num_values, "seed {seed}");
-            assert_eq!(streamed.rows_per_slot, plain.rows_per_slot, "seed {seed}");
+            assert_eq!(streamed.num_rows, plan.num_rows, "seed {seed}");
+            assert_eq!(streamed.num_values, plan.num_values, "seed {seed}");
+            assert_eq!(streamed.rows_per_slot, plan.rows_per_slot, "seed {seed}");
+            // The rows, position by position: one per position with valid
+            // tokens, values placed column-major per (request, group).
+            let mut naive = Vec::new();
+            let mut values_offset = 0u32;
+            for request in blocks.requests() {
+                for group_blocks in &request.groups {
+                    let group = worker.layout.group(group_blocks.group_id).unwrap();
+                    let n = group_blocks.block_ids.len() as u32;
+                    for (i, &block_id) in group_blocks.block_ids.iter().enumerate() {
+                        let position = group_blocks.first_position + i as u64;
+                        let valid = crate::blocks::valid_tokens(request.num_tokens, group.block_size, position);
+                        if valid > 0 {
+                            naive.push(Row {
+                                first_token: position * group.block_size as u64,
+                                block_id,
+                                valid_tokens: valid,
+                                out: values_offset + i as u32,
+                                column_stride: n,
+                                group_slot: group.slot,
+                                reserved: 0,
+                            });
+                        }
+                    }
+                    values_offset += n * group.columns(Role::Consumer).len() as u32;
+                }
+            }
+            assert_eq!(rows, naive, "seed {seed}");
+            assert_eq!(plan.num_values, values_offset as usize, "seed {seed}");
+            for slot in 0..2u32 {
+                let count = naive.iter().filter(|row| row.group_slot == slot).count() as u64;
+                assert_eq!(plan.rows_per_slot[slot as usize], count, "seed {seed}");
+            }
             for (i, row) in rows.iter().enumerate() {
                 // SAFETY: the first num_rows rows were written.
                 assert_eq!(unsafe { room[i].assume_init() }, *row, "row {i}, seed {seed}");

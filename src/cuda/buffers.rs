@@ -1,13 +1,16 @@
-//! Per-call buffers. A slot pairs mapped pinned host memory (row staging and
-//! the values the kernel publishes) with device memory (accumulators, the
-//! finished-block counter, rows) and an event. Slots are reused once their
-//! event completed; a result dropped while its work is in flight parks its
-//! slot until then, so destroying a pending result is safe.
+//! Per-call buffers. A slot pairs mapped pinned host memory (the values the
+//! kernel publishes, the call's rows and row starts, and the stored
+//! checksums' items and gathered words) with device memory (accumulators,
+//! the finished-block counter, rows) and an event. Slots are reused once
+//! their event completed; a result dropped while its work is in flight
+//! parks its slot until then, so destroying a pending result is safe.
 
+use std::mem::{size_of, MaybeUninit};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result as cu, sys, CudaContext};
 
+use super::descriptors::DevStoredItem;
 use crate::error::{err, Result};
 use crate::plan::Row;
 
@@ -16,27 +19,96 @@ pub fn device_error(what: &str) -> impl FnOnce(cu::DriverError) -> crate::error:
     move |e| err!(Device, "{what} failed: {e}")
 }
 
+/// Pinned host memory mapped into the device's address space: the host
+/// writes it, the device reads it in place or copies it; the kernels
+/// publish into it. Freed on drop, which happens only once nothing queued
+/// reads it (its slot is idle).
+pub struct Pinned {
+    /// Bytes allocated.
+    len: usize,
+    /// Host address (page-aligned); null until allocated.
+    host: *mut u8,
+    /// The same memory as the device sees it.
+    on_device: sys::CUdeviceptr,
+}
+
+// SAFETY: owned by its slot, which serialises access (see `Slot`).
+unsafe impl Send for Pinned {}
+// SAFETY: shared access only reads what the device published after the event.
+unsafe impl Sync for Pinned {}
+
+impl Pinned {
+    /// `len` bytes of mapped pinned memory (the context is bound).
+    pub fn new(len: usize) -> Result<Pinned> {
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        let mut pinned = Pinned { len, ..Pinned::none() };
+        // SAFETY: a plain allocation on the bound context, owned (and on
+        // failure freed) by `pinned`.
+        unsafe {
+            pinned.host = cu::malloc_host(len, flags)
+                .map_err(device_error("cuMemHostAlloc"))?
+                .cast();
+            sys::cuMemHostGetDevicePointer_v2(&mut pinned.on_device, pinned.host.cast(), 0)
+                .result()
+                .map_err(device_error("cuMemHostGetDevicePointer"))?;
+        }
+        Ok(pinned)
+    }
+
+    /// No memory (frees nothing when dropped).
+    fn none() -> Pinned {
+        Pinned {
+            len: 0,
+            host: std::ptr::null_mut(),
+            on_device: 0,
+        }
+    }
+
+    /// Host address of byte `offset`, which lies in the allocation.
+    fn host_at(&self, offset: usize) -> *mut u8 {
+        assert!(offset <= self.len);
+        // SAFETY: inside the allocation (or one past its end).
+        unsafe { self.host.add(offset) }
+    }
+
+    /// Device address of byte `offset`.
+    fn device_at(&self, offset: usize) -> u64 {
+        self.on_device + offset as u64
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if !self.host.is_null() {
+            // SAFETY: owned; dropped with its slot, which is idle by then.
+            let _ = unsafe { cu::free_host(self.host.cast()) };
+        }
+    }
+}
+
+/// Bytes of one stored-checksum item in a slot's pinned memory: the item,
+/// and the two words (value, stamp) a gather reads back for it.
+const STORED_ITEM_BYTES: usize = size_of::<DevStoredItem>() + 2 * 8;
+
 /// Buffers for one call in flight.
 pub struct Slot {
     /// Rows the slot holds.
     pub row_capacity: usize,
     /// Values the slot holds.
     pub value_capacity: usize,
-    /// Pinned, mapped host memory: `value_capacity` values, then
-    /// `row_capacity` rows and as many row starts (the staging of uploads).
-    host: *mut u8,
-    /// The same memory as the device sees it.
-    host_on_device: sys::CUdeviceptr,
+    /// `value_capacity` values, then `row_capacity` rows and as many row
+    /// starts (uploaded from here, or read in place).
+    pinned: Pinned,
     /// Device memory: accumulators, the counter (8 bytes), rows, row starts.
     device: sys::CUdeviceptr,
     /// Recorded after the call's work.
     pub event: sys::CUevent,
     /// The layer table the call's kernel reads, kept until the call is done.
     pub table: Option<Arc<DeviceTable>>,
-    /// Stored checksums' items and gathered values, for as many items as
-    /// rows (made with the slot, so that calls do not allocate; grown when a
-    /// call has more).
-    pub stored: Option<super::stored::Staging>,
+    /// Stored checksums' items, then two gathered words per item, for as
+    /// many items as rows (made with the slot, so that calls do not
+    /// allocate; grown when a call has more).
+    stored: Pinned,
 }
 
 // SAFETY: the pointers are owned by the slot; access is serialised by the
@@ -47,51 +119,55 @@ unsafe impl Sync for Slot {}
 
 impl Slot {
     fn new(row_capacity: usize, value_capacity: usize) -> Result<Slot> {
-        let staging_bytes = row_capacity * (std::mem::size_of::<Row>() + 8);
-        let host_bytes = value_capacity * 8 + staging_bytes;
-        let device_bytes = value_capacity * 8 + 8 + staging_bytes;
-        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        let row_bytes = row_capacity * (size_of::<Row>() + 8);
+        let device_bytes = value_capacity * 8 + 8 + row_bytes;
+        let pinned = Pinned::new(value_capacity * 8 + row_bytes)?;
+        let stored = Pinned::new(row_capacity * STORED_ITEM_BYTES)?;
         // Drop frees whatever was allocated when a later step fails.
         let mut slot = Slot {
             row_capacity,
             value_capacity,
-            host: std::ptr::null_mut(),
-            host_on_device: 0,
+            pinned,
             device: 0,
             event: std::ptr::null_mut(),
             table: None,
-            stored: None,
+            stored,
         };
         // SAFETY: plain allocations on the bound context, owned by the slot.
         unsafe {
-            slot.host = cu::malloc_host(host_bytes, flags)
-                .map_err(device_error("cuMemHostAlloc"))?
-                .cast();
-            sys::cuMemHostGetDevicePointer_v2(&mut slot.host_on_device, slot.host.cast(), 0)
-                .result()
-                .map_err(device_error("cuMemHostGetDevicePointer"))?;
             slot.device = cu::malloc_sync(device_bytes).map_err(device_error("cuMemAlloc"))?;
             // Accumulators and counter start at zero; the kernel leaves them so.
             cu::memset_d8_sync(slot.device, 0, value_capacity * 8 + 8).map_err(device_error("cuMemsetD8"))?;
             slot.event = cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
                 .map_err(device_error("cuEventCreate"))?;
         }
-        slot.stored = Some(super::stored::Staging::new(row_capacity)?);
         Ok(slot)
     }
 
-    /// Pinned staging for `n` rows and, right after them, `n` unit starts
-    /// (host side); a call's rows and starts are uploaded together by one
-    /// copy of [`Slot::staging_bytes`] bytes, no more than they need.
-    pub fn staging(&mut self, n: usize) -> (&mut [Row], &mut [u64]) {
+    /// Byte offset of the rows in the pinned memory.
+    fn rows_offset(&self) -> usize {
+        self.value_capacity * 8
+    }
+
+    /// All of the pinned rows, to be written before [`Slot::rows_and_starts`]
+    /// reads them.
+    pub fn row_room(&mut self) -> &mut [MaybeUninit<Row>] {
+        // SAFETY: rows follow the values in the pinned allocation, 8-byte
+        // aligned (page-aligned base, 8-byte multiples), with room for
+        // `row_capacity` of them; MaybeUninit makes no claim on the bytes.
+        unsafe { std::slice::from_raw_parts_mut(self.pinned.host_at(self.rows_offset()).cast(), self.row_capacity) }
+    }
+
+    /// The first `n` pinned rows and, right after them, `n` row starts (so
+    /// that one copy carries both, no more than they need).
+    pub fn rows_and_starts(&mut self, n: usize) -> (&mut [Row], &mut [u64]) {
         assert!(n <= self.row_capacity);
-        // SAFETY: rows follow the values in the pinned allocation and the
-        // starts follow the `n` rows; both are 8-byte aligned (page-aligned
-        // base, 8-byte multiples) and lie inside it (room for `row_capacity`
-        // rows and as many starts).
+        let rows = self.pinned.host_at(self.rows_offset());
+        // SAFETY: as in `row_room`; the starts follow the `n` rows, 8-byte
+        // aligned, inside the allocation (room for `row_capacity` rows and
+        // as many starts). The two slices do not overlap.
         unsafe {
-            let rows = self.host.add(self.value_capacity * 8);
-            let starts = rows.add(n * std::mem::size_of::<Row>());
+            let starts = rows.add(n * size_of::<Row>());
             (
                 std::slice::from_raw_parts_mut(rows.cast(), n),
                 std::slice::from_raw_parts_mut(starts.cast(), n),
@@ -99,43 +175,27 @@ impl Slot {
         }
     }
 
-    /// All of the pinned row staging, to be written before [`Slot::staging`]
-    /// reads it.
-    pub fn staging_room(&mut self) -> &mut [std::mem::MaybeUninit<Row>] {
-        // SAFETY: as in `staging`; MaybeUninit makes no claim on the bytes.
-        unsafe {
-            let rows = self.host.add(self.value_capacity * 8);
-            std::slice::from_raw_parts_mut(rows.cast(), self.row_capacity)
-        }
+    /// Host address of the pinned rows, `offset` bytes in (rows, then starts).
+    pub fn pinned_rows(&self, offset: usize) -> *const u8 {
+        assert!(offset <= self.row_capacity * (size_of::<Row>() + 8));
+        self.pinned.host_at(self.rows_offset() + offset)
     }
 
-    /// Host address of the staging (rows, then row starts).
-    pub fn staging_host(&self) -> *const u8 {
-        // SAFETY: inside the pinned allocation.
-        unsafe { self.host.add(self.value_capacity * 8) }
-    }
-
-    /// Device address of the staging (mapped pinned memory).
-    pub fn staging_on_device(&self) -> u64 {
-        self.host_on_device + self.value_capacity as u64 * 8
-    }
-
-    /// Bytes from the staging's start to the end of the first `starts` row
-    /// starts of [`Slot::staging`]`(rows)`.
-    pub fn staging_bytes(&self, rows: usize, starts: usize) -> usize {
-        rows * std::mem::size_of::<Row>() + starts * 8
+    /// Device address of the pinned rows (mapped memory).
+    pub fn pinned_rows_on_device(&self) -> u64 {
+        self.pinned.device_at(self.rows_offset())
     }
 
     /// The first `n` published values (read only after the event completed).
     pub fn values(&self, n: usize) -> &[u64] {
         assert!(n <= self.value_capacity);
         // SAFETY: the values start the pinned allocation.
-        unsafe { std::slice::from_raw_parts(self.host.cast(), n) }
+        unsafe { std::slice::from_raw_parts(self.pinned.host.cast(), n) }
     }
 
     /// Device address of the published values (mapped host memory).
     pub fn host_values_on_device(&self) -> u64 {
-        self.host_on_device
+        self.pinned.device_at(0)
     }
 
     /// Device address of the accumulators.
@@ -148,14 +208,49 @@ impl Slot {
         self.device + self.value_capacity as u64 * 8
     }
 
-    /// Device address of the rows (the staging's device twin).
+    /// Device address of the rows (the pinned rows' device twin, laid out
+    /// alike: rows, then starts).
     pub fn device_rows(&self) -> u64 {
         self.finished_blocks() + 8
     }
 
-    /// Device address of the row starts of [`Slot::staging`]`(rows)`.
-    pub fn device_row_starts(&self, rows: usize) -> u64 {
-        self.device_rows() + (rows * std::mem::size_of::<Row>()) as u64
+    /// Items the stored-checksum memory holds.
+    fn stored_capacity(&self) -> usize {
+        self.stored.len / STORED_ITEM_BYTES
+    }
+
+    /// Room for `n` stored-checksum items, grown first where the slot holds
+    /// fewer (freeing and allocating pinned memory may synchronise, as a
+    /// new slot may): the slot must be idle.
+    pub fn stored_items(&mut self, n: usize) -> Result<&mut [DevStoredItem]> {
+        if self.stored_capacity() < n {
+            // The small one goes first: the slot is idle, nothing reads it.
+            self.stored = Pinned::none();
+            self.stored = Pinned::new(n.max(256).next_power_of_two() * STORED_ITEM_BYTES)?;
+        }
+        // SAFETY: the items start the allocation, 8-byte aligned, which
+        // holds at least `n`; the slot is idle, so nothing reads them.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.stored.host.cast(), n) })
+    }
+
+    /// Device addresses of the stored-checksum items and of the words
+    /// gathered after them.
+    pub fn stored_on_device(&self) -> (u64, u64) {
+        let items = self.stored_capacity() * size_of::<DevStoredItem>();
+        (self.stored.device_at(0), self.stored.device_at(items))
+    }
+
+    /// The first `n` gathered words, two per item (read only after the
+    /// event completed).
+    pub fn gathered(&self, n: usize) -> &[u64] {
+        if n == 0 {
+            return &[];
+        }
+        assert!(n <= 2 * self.stored_capacity());
+        let items = self.stored_capacity() * size_of::<DevStoredItem>();
+        // SAFETY: inside the allocation, 8-byte aligned (40-byte items),
+        // written by the gather before the event the caller waited for.
+        unsafe { std::slice::from_raw_parts(self.stored.host_at(items).cast(), n) }
     }
 
     /// Whether the slot's last work completed.
@@ -172,16 +267,14 @@ impl Slot {
 impl Drop for Slot {
     fn drop(&mut self) {
         // SAFETY: owned allocations (null where never made); a slot is only
-        // dropped when idle (the pool waits for parked slots first).
+        // dropped when idle (the pool waits for parked slots first). Its
+        // pinned memory frees itself.
         unsafe {
             if !self.event.is_null() {
                 let _ = cu::event::destroy(self.event);
             }
             if self.device != 0 {
                 let _ = cu::free_sync(self.device);
-            }
-            if !self.host.is_null() {
-                let _ = cu::free_host(self.host.cast());
             }
         }
     }

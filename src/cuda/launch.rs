@@ -1,10 +1,258 @@
-//! How a call is launched, decided without the device: the chunks per
-//! kernel block, the units, where the rows travel and the grid. Pure
-//! functions of the plan's rows, the layer table and the card's size, so
-//! that they are tested without a GPU.
+//! How a call is launched, decided without the device: the slot it takes
+//! ([`call_room`]), which kernels run, the chunks per kernel block, the
+//! units, where the rows travel (inline, read in place from pinned memory,
+//! or uploaded) and the grids ([`plan_launch`]). Pure functions of the
+//! plan, the layer table and the card's size, so that they are tested
+//! without a GPU; the engine (`DeviceEngine::checksum`) only writes the
+//! slot and queues what they say.
 
-use super::descriptors::{DevGroup, INLINE_ROWS, MAX_SPLIT, THREADS_PER_BLOCK, WARP};
+use super::descriptors::{
+    role_index, DevGroup, LayerTable, INLINE_ROWS, INLINE_STATE_ROWS, MAX_SPLIT, THREADS_PER_BLOCK, WARP,
+};
+use crate::layout::Role;
 use crate::plan::Row;
+
+/// Bytes of one row in pinned and device memory.
+const ROW_BYTES: usize = std::mem::size_of::<Row>();
+
+/// Warps the card runs at once with each kernel (its SMs times the
+/// kernel's resident blocks per SM times warps per block).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResidentWarps {
+    /// `kvcs_checksum`.
+    pub checksum: u64,
+    /// `kvcs_checksum_unpaired`.
+    pub unpaired: u64,
+    /// `kvcs_checksum_single_head`.
+    pub single_head: u64,
+    /// `kvcs_state`.
+    pub state: u64,
+}
+
+/// What the launch of one call depends on (its plan already written).
+#[derive(Debug, Clone, Copy)]
+pub struct CallInputs<'a> {
+    /// The worker's layer table (host copy).
+    pub table: &'a LayerTable,
+    /// Whether the table is on the device (some layer is registered).
+    pub table_on_device: bool,
+    /// The call's role.
+    pub role: Role,
+    /// The plan's rows per group slot.
+    pub rows_per_slot: &'a [u64],
+    /// The plan's rows.
+    pub num_rows: usize,
+    /// Items of the call's store or gather of stored checksums (0: none).
+    pub stored_items: usize,
+    /// The card.
+    pub resident: ResidentWarps,
+}
+
+/// Which form of the checksum kernel a call runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChecksumKernel {
+    /// `kvcs_checksum`: some layer reads its K and V as one unit.
+    Paired,
+    /// `kvcs_checksum_single_head`: every layer holds one head (more loads
+    /// in flight).
+    SingleHead,
+    /// `kvcs_checksum_unpaired`: the others (fewer registers, more warps).
+    Unpaired,
+}
+
+/// Where a kernel reads its rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowPlace {
+    /// In the launch's parameter.
+    Inline,
+    /// In place, from the slot's mapped pinned rows (from their start).
+    Mapped,
+    /// From the slot's device rows, `offset` bytes in, after an upload.
+    Device {
+        /// Bytes from the start of the rows.
+        offset: usize,
+    },
+}
+
+/// One copy of the slot's pinned rows to its device rows (both laid out
+/// alike: the call's rows, then the row starts).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Upload {
+    /// Bytes from the start of the rows, on both sides.
+    pub offset: usize,
+    /// Bytes copied.
+    pub bytes: usize,
+}
+
+/// The state kernel's part of a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateLaunch {
+    /// Grid (x, y) (see [`state_grid`]).
+    pub grid: (u32, u32),
+    /// Where it reads its rows.
+    pub rows: RowPlace,
+}
+
+/// The kernels that checksum a call with rows: the state kernel where
+/// it has rows of state groups, then the checksum kernel, which publishes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChecksumLaunch {
+    /// The checksum kernel's form.
+    pub kernel: ChecksumKernel,
+    /// The checksum kernel's shape.
+    pub shape: LaunchShape,
+    /// Rows of the checksum kernel: the first of the call's rows once the
+    /// state rows are moved to the end (keeping the order of each).
+    pub attention_rows: usize,
+    /// Rows of the state kernel, after those.
+    pub state_rows: usize,
+    /// Where the checksum kernel reads its rows.
+    pub rows: RowPlace,
+    /// Whether the checksum kernel searches row starts (rows of several
+    /// groups): written right after all the call's rows, read from device memory.
+    pub row_starts: bool,
+    /// The one copy to the device, if any kernel reads device rows.
+    pub upload: Option<Upload>,
+    /// The state kernel, if the call has state rows.
+    pub state: Option<StateLaunch>,
+}
+
+/// The slot a device call takes before its plan, which writes the rows
+/// straight into the slot's pinned memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallRoom {
+    /// Rows: one per block of the call's set (no call has more).
+    pub rows: usize,
+    /// Values: every column of the worker's widest group, per block.
+    pub values: usize,
+    /// Whether the rows are written past the CPU's caches
+    /// ([`crate::plan::RowRoom::streaming`]): calls of more rows than go
+    /// inline, whose rows the device reads and the host mostly does not.
+    pub stream_rows: bool,
+}
+
+/// The room of a call of `num_blocks` blocks on a worker whose widest
+/// group has `max_columns` columns in the call's role.
+pub fn call_room(num_blocks: usize, max_columns: usize) -> CallRoom {
+    CallRoom {
+        rows: num_blocks,
+        values: num_blocks.saturating_mul(max_columns),
+        stream_rows: num_blocks > INLINE_ROWS,
+    }
+}
+
+/// Everything a device call queues, decided before any of it; a call that
+/// queues nothing (no checksum, no store) gives back its slot, and every
+/// value is the empty sum (0), ready.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallLaunch {
+    /// The checksum kernels; `None` when the call reads no cache memory.
+    pub checksum: Option<ChecksumLaunch>,
+    /// Blocks of the `kvcs_store` launch, queued after the checksums (or
+    /// alone, over sums of 0); `None` without stored items.
+    pub store_blocks: Option<u32>,
+}
+
+impl CallLaunch {
+    /// Whether the call queues anything.
+    pub fn queues(&self) -> bool {
+        self.checksum.is_some() || self.store_blocks.is_some()
+    }
+}
+
+/// What a call queues (see [`CallLaunch`]).
+///
+/// Rows of state groups go to the state kernel, the others to the checksum
+/// kernel (which skips state slots in its shape); both are counted per
+/// group slot from the plan, not per row. The paired kernel runs where
+/// some layer reads its K and V as one unit; where every layer holds one
+/// head, the one with more loads in flight; else the one with fewer
+/// registers. Rows that fit go inline; rows of one group are read in place
+/// from mapped pinned memory (the kernel reads each once per warp); rows
+/// of several groups, whose starts the kernel binary-searches, are worth a
+/// copy to the device, rows and starts in one. The state kernel reads its
+/// rows many times over: past [`INLINE_STATE_ROWS`], from device memory,
+/// copied there unless the checksum kernel's copy (of every row) carries
+/// them already.
+pub fn plan_launch(inputs: &CallInputs<'_>) -> CallLaunch {
+    let store_blocks =
+        (inputs.stored_items > 0).then(|| inputs.stored_items.div_ceil(THREADS_PER_BLOCK as usize) as u32);
+    let num_rows = inputs.num_rows;
+    if !inputs.table_on_device || num_rows == 0 {
+        // Nothing to read: the store alone, if any.
+        return CallLaunch {
+            checksum: None,
+            store_blocks,
+        };
+    }
+    let table = inputs.table;
+    let role = role_index(inputs.role);
+    let mut state_rows = 0usize;
+    let mut max_state_units = 0u32;
+    for (state_group, &count) in table.state_groups.iter().zip(inputs.rows_per_slot) {
+        if state_group.units > 0 && count > 0 {
+            state_rows += count as usize;
+            max_state_units = max_state_units.max(state_group.units);
+        }
+    }
+    let attention_rows = num_rows - state_rows;
+    let (kernel, resident_warps) = if table.paired[role] {
+        (ChecksumKernel::Paired, inputs.resident.checksum)
+    } else if table.single_head(inputs.role) {
+        (ChecksumKernel::SingleHead, inputs.resident.single_head)
+    } else {
+        (ChecksumKernel::Unpaired, inputs.resident.unpaired)
+    };
+    let shape = launch_shape(
+        inputs.rows_per_slot,
+        &table.groups[role],
+        &table.max_split[role],
+        attention_rows,
+        resident_warps,
+    );
+    let row_starts = shape.rows_in_memory && !shape.uniform();
+    let rows = match (shape.rows_in_memory, shape.uniform()) {
+        (false, _) => RowPlace::Inline,
+        (true, true) => RowPlace::Mapped,
+        (true, false) => RowPlace::Device { offset: 0 },
+    };
+    let state_offset = attention_rows * ROW_BYTES;
+    let state_in_memory = state_rows > INLINE_STATE_ROWS;
+    let upload = if row_starts {
+        Some(Upload {
+            offset: 0,
+            bytes: num_rows * ROW_BYTES + attention_rows * 8,
+        })
+    } else if state_in_memory {
+        Some(Upload {
+            offset: state_offset,
+            bytes: state_rows * ROW_BYTES,
+        })
+    } else {
+        None
+    };
+    let state = (state_rows > 0).then(|| StateLaunch {
+        grid: state_grid(state_rows, max_state_units, inputs.resident.state),
+        rows: if state_in_memory {
+            RowPlace::Device { offset: state_offset }
+        } else {
+            RowPlace::Inline
+        },
+    });
+    CallLaunch {
+        checksum: Some(ChecksumLaunch {
+            kernel,
+            shape,
+            attention_rows,
+            state_rows,
+            rows,
+            row_starts,
+            upload,
+            state,
+        }),
+        store_blocks,
+    }
+}
 
 /// The shape of one launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,8 +357,25 @@ pub fn row_starts(rows: &[Row], groups: &[DevGroup], split: u32, starts: &mut [u
     }
 }
 
+/// Moves the `state_rows` rows that `is_state` picks to the end of `rows`,
+/// keeping the order of the others (the checksum kernel's, first) and of
+/// the state rows (the state kernel's).
+pub fn partition_state_rows(rows: &mut [Row], state_rows: usize, is_state: impl Fn(&Row) -> bool) {
+    let state: Vec<Row> = rows.iter().filter(|row| is_state(row)).copied().collect();
+    debug_assert_eq!(state.len(), state_rows);
+    let mut kept = 0;
+    for i in 0..rows.len() {
+        if !is_state(&rows[i]) {
+            rows[kept] = rows[i];
+            kept += 1;
+        }
+    }
+    rows[kept..].copy_from_slice(&state);
+}
+
 #[cfg(test)]
 mod tests {
+    use super::super::descriptors::DevStateGroup;
     use super::*;
 
     fn group(units: u32) -> DevGroup {
@@ -214,6 +479,294 @@ mod tests {
         assert_eq!(state_grid(64, 1 << 20, 2048), (8, 64));
         // More rows than grid y holds: the rest by stride.
         assert_eq!(state_grid(100_000, 1 << 20, 2048), (1, 65535));
+    }
+
+    /// Seeded random numbers for the random cases (xorshift64).
+    struct Random(u64);
+
+    impl Random {
+        /// A seed from the clock, printed by the tests on failure.
+        fn seeded() -> (Random, u64) {
+            let seed = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(7, |d| d.as_nanos() as u64)
+                | 1;
+            (Random(seed), seed)
+        }
+
+        fn below(&mut self, bound: u64) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0 % bound
+        }
+
+        fn chance(&mut self, percent: u64) -> bool {
+            self.below(100) < percent
+        }
+    }
+
+    /// A random layer table in `role` of up to 6 group slots: attention
+    /// groups (units, a split cap), state groups (units for the state
+    /// kernel, none for the checksum kernel's shape) and groups with no
+    /// layer in the role; and random kernel facts.
+    fn random_table(random: &mut Random, role: Role) -> LayerTable {
+        let mut table = LayerTable::default();
+        let slots = 1 + random.below(6) as usize;
+        for _ in 0..slots {
+            let kind = random.below(3);
+            let units = 1 + random.below(5000) as u32;
+            for r in 0..2 {
+                let attention_units = if kind == 0 { units } else { 0 };
+                table.groups[r].push(group(attention_units));
+                table.max_split[r].push([1, 2, 4, 8][random.below(4) as usize]);
+            }
+            table.state_groups.push(DevStateGroup {
+                units: if kind == 1 { units } else { 0 },
+                ..DevStateGroup::default()
+            });
+        }
+        let r = role_index(role);
+        table.paired[r] = random.chance(40);
+        table.multi_head[r] = random.chance(50);
+        table.any_layer[r] = random.chance(90);
+        table
+    }
+
+    /// The pure decision, checked against a naive reading of the rows one
+    /// by one: which kernels run, where each kernel reads its rows, that the
+    /// one upload carries every byte a kernel reads from device memory and
+    /// nothing else, and stays inside the slot it asks for.
+    #[test]
+    fn plan_launch_keeps_its_invariants_on_random_calls() {
+        let (mut random, seed) = Random::seeded();
+        let mut seen = [0usize; 6];
+        for case in 0..20_000 {
+            let role = if random.chance(50) {
+                Role::Producer
+            } else {
+                Role::Consumer
+            };
+            let table = random_table(&mut random, role);
+            let r = role_index(role);
+            let slots = table.state_groups.len();
+            // Rows of slots that have any (the plan makes no rows of a
+            // slot without units in its role).
+            let with_rows: Vec<u32> = (0..slots as u32)
+                .filter(|&s| table.groups[r][s as usize].units > 0 || table.is_state_slot(s))
+                .collect();
+            let num_rows = match (with_rows.is_empty(), random.below(4)) {
+                (true, _) | (_, 0) => 0,
+                (_, 1) => 1 + random.below(INLINE_ROWS as u64 + 2) as usize,
+                (_, 2) => 1 + random.below(40) as usize,
+                _ => 1 + random.below(3000) as usize,
+            };
+            // Mostly one slot, to reach the uniform forms.
+            let one = with_rows.first().copied();
+            let rows: Vec<Row> = (0..num_rows)
+                .map(|_| Row {
+                    group_slot: match random.chance(50) {
+                        true => one.unwrap(),
+                        false => with_rows[random.below(with_rows.len() as u64) as usize],
+                    },
+                    ..Row::default()
+                })
+                .collect();
+            let mut rows_per_slot = vec![0u64; slots];
+            for row in &rows {
+                rows_per_slot[row.group_slot as usize] += 1;
+            }
+            let inputs = CallInputs {
+                table: &table,
+                table_on_device: random.chance(95),
+                role,
+                rows_per_slot: &rows_per_slot,
+                num_rows,
+                stored_items: if random.chance(30) {
+                    random.below(2000) as usize
+                } else {
+                    0
+                },
+                resident: ResidentWarps {
+                    checksum: 1 + random.below(20_000),
+                    unpaired: 1 + random.below(20_000),
+                    single_head: 1 + random.below(20_000),
+                    state: 1 + random.below(20_000),
+                },
+            };
+            let launch = plan_launch(&inputs);
+            let context = format!("seed {seed}, case {case}: {inputs:?} -> {launch:?}");
+
+            // The stored launch: one thread per item.
+            match launch.store_blocks {
+                None => assert_eq!(inputs.stored_items, 0, "{context}"),
+                Some(blocks) => {
+                    let threads = blocks as usize * THREADS_PER_BLOCK as usize;
+                    assert!(threads >= inputs.stored_items, "{context}");
+                    assert!(threads < inputs.stored_items + THREADS_PER_BLOCK as usize, "{context}");
+                }
+            }
+            // Nothing to read: no checksum kernel, a slot only for a store.
+            assert_eq!(
+                launch.queues(),
+                launch.checksum.is_some() || inputs.stored_items > 0,
+                "{context}"
+            );
+            let Some(checksum) = launch.checksum else {
+                assert!(!inputs.table_on_device || num_rows == 0, "{context}");
+                seen[0] += 1;
+                continue;
+            };
+            assert!(inputs.table_on_device && num_rows > 0, "{context}");
+
+            // Rows split between the two kernels, counted row by row.
+            let is_state = |row: &Row| table.state_groups[row.group_slot as usize].units > 0;
+            let state_rows = rows.iter().filter(|row| is_state(row)).count();
+            let attention: Vec<&Row> = rows.iter().filter(|row| !is_state(row)).collect();
+            assert_eq!(checksum.state_rows, state_rows, "{context}");
+            assert_eq!(checksum.attention_rows, attention.len(), "{context}");
+
+            // The kernel's form, and the shape for that form's card.
+            let (kernel, resident) = if table.paired[r] {
+                (ChecksumKernel::Paired, inputs.resident.checksum)
+            } else if table.any_layer[r] && !table.multi_head[r] {
+                (ChecksumKernel::SingleHead, inputs.resident.single_head)
+            } else {
+                (ChecksumKernel::Unpaired, inputs.resident.unpaired)
+            };
+            assert_eq!(checksum.kernel, kernel, "{context}");
+            let expected_shape = launch_shape(
+                &rows_per_slot,
+                &table.groups[r],
+                &table.max_split[r],
+                attention.len(),
+                resident,
+            );
+            assert_eq!(checksum.shape, expected_shape, "{context}");
+            assert!(checksum.shape.blocks >= 1, "{context}");
+
+            // Where the checksum kernel reads: inline when its rows fit and
+            // are of one group; in place when of one group; else searched,
+            // from device memory.
+            let mut groups_read: Vec<u32> = attention.iter().map(|row| row.group_slot).collect();
+            groups_read.sort_unstable();
+            groups_read.dedup();
+            let expected_rows = if groups_read.len() > 1 {
+                RowPlace::Device { offset: 0 }
+            } else if attention.len() > INLINE_ROWS {
+                RowPlace::Mapped
+            } else {
+                RowPlace::Inline
+            };
+            assert_eq!(checksum.rows, expected_rows, "{context}");
+            assert_eq!(checksum.row_starts, groups_read.len() > 1, "{context}");
+
+            // The state kernel: inline when its rows fit, else device memory
+            // right after the checksum kernel's rows.
+            let state_units = rows.iter().filter(|row| is_state(row));
+            let max_units = state_units
+                .map(|row| table.state_groups[row.group_slot as usize].units)
+                .max();
+            match (checksum.state, max_units) {
+                (None, None) => {}
+                (Some(state), Some(max_units)) => {
+                    assert_eq!(
+                        state.grid,
+                        state_grid(state_rows, max_units, inputs.resident.state),
+                        "{context}"
+                    );
+                    let expected = if state_rows > INLINE_STATE_ROWS {
+                        RowPlace::Device {
+                            offset: attention.len() * ROW_BYTES,
+                        }
+                    } else {
+                        RowPlace::Inline
+                    };
+                    assert_eq!(state.rows, expected, "{context}");
+                }
+                _ => panic!("a state launch without state rows or the reverse: {context}"),
+            }
+
+            // Every byte read from device memory, as (start, end) in the
+            // rows' layout (the call's rows, then the row starts).
+            let mut read = Vec::new();
+            if let RowPlace::Device { offset } = checksum.rows {
+                read.push((offset, offset + attention.len() * ROW_BYTES));
+            }
+            if checksum.row_starts {
+                let starts = num_rows * ROW_BYTES;
+                read.push((starts, starts + attention.len() * 8));
+            }
+            if let Some(StateLaunch {
+                rows: RowPlace::Device { offset },
+                ..
+            }) = checksum.state
+            {
+                read.push((offset, offset + state_rows * ROW_BYTES));
+            }
+            // The upload is exactly the span of what is read: no copy when
+            // nothing is, never a byte past the last one read.
+            let span = read.iter().copied().reduce(|(a, b), (c, d)| (a.min(c), b.max(d)));
+            let upload = checksum
+                .upload
+                .map(|upload| (upload.offset, upload.offset + upload.bytes));
+            assert_eq!(upload, span, "{context}");
+            // Inside the slot's pinned rows and starts (it holds at least
+            // the call's rows, and as many starts).
+            if let Some((_, end)) = upload {
+                assert!(end <= num_rows * (ROW_BYTES + 8), "{context}");
+            }
+            // Inline rows fit in the parameters.
+            if checksum.rows == RowPlace::Inline {
+                assert!(attention.len() <= INLINE_ROWS, "{context}");
+            }
+            seen[match (checksum.rows, checksum.state.is_some()) {
+                (RowPlace::Inline, false) => 1,
+                (RowPlace::Mapped, false) => 2,
+                (RowPlace::Device { .. }, false) => 3,
+                (_, true) if state_rows > INLINE_STATE_ROWS => 4,
+                (_, true) => 5,
+            }] += 1;
+        }
+        assert!(
+            seen.iter().all(|&n| n > 50),
+            "every form of call was drawn (none, inline, mapped, searched, state in memory, state inline): {seen:?}, seed {seed}"
+        );
+    }
+
+    #[test]
+    fn a_call_takes_room_for_every_block_and_column() {
+        let room = call_room(100, 3);
+        assert_eq!((room.rows, room.values, room.stream_rows), (100, 300, true));
+        // Rows that go inline are read back by the host: cached.
+        assert!(!call_room(INLINE_ROWS, 3).stream_rows);
+        assert!(call_room(INLINE_ROWS + 1, 3).stream_rows);
+        assert_eq!(call_room(usize::MAX, 2).values, usize::MAX);
+    }
+
+    #[test]
+    fn state_rows_go_last_in_order() {
+        let (mut random, seed) = Random::seeded();
+        for _ in 0..200 {
+            let rows: Vec<Row> = (0..random.below(60))
+                .map(|i| Row {
+                    block_id: i as u32,
+                    group_slot: random.below(4) as u32,
+                    ..Row::default()
+                })
+                .collect();
+            let is_state = |row: &Row| row.group_slot >= 2;
+            let naive: Vec<Row> = rows
+                .iter()
+                .filter(|row| !is_state(row))
+                .chain(rows.iter().filter(|row| is_state(row)))
+                .copied()
+                .collect();
+            let mut partitioned = rows.clone();
+            let state_rows = rows.iter().filter(|row| is_state(row)).count();
+            partition_state_rows(&mut partitioned, state_rows, is_state);
+            assert_eq!(partitioned, naive, "seed {seed}");
+        }
     }
 
     #[test]

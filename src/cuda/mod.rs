@@ -4,21 +4,26 @@
 //! cudarc panics when it cannot load `libcuda` or `libnvrtc`, so presence is
 //! checked first and absence becomes `Error::Device`. A worker uses its
 //! device's primary context, shared with PyTorch or the engine in-process.
-//! Each `checksum` call is one kernel launch plus, for calls of more than
-//! [`descriptors::INLINE_ROWS`] rows, one row upload; a call with rows of
-//! state groups (SPEC section 6) queues the state kernel before it (and,
-//! for more than [`descriptors::INLINE_STATE_ROWS`] of them, their upload).
+//! A `checksum` call has two parts. The decision (`launch.rs`: pure,
+//! tested without a GPU) says from the plan, the layer table and the card
+//! what the call queues: the kernel's form and shape, where each kernel
+//! reads its rows (inline, in place from pinned memory, or after the one
+//! upload) and the grids. The engine ([`DeviceEngine::checksum`]) only
+//! writes the call's slot (the plan's rows go straight into its pinned
+//! memory) and queues that: at most one row upload, the state kernel where
+//! the call has rows of state groups (SPEC section 6), the checksum
+//! kernel, the stored-checksum launch (`store_launch`), the slot's event.
 //! Nothing blocks the host.
 
 mod buffers;
 mod descriptors;
 mod kernels;
 mod launch;
-mod stored;
+mod store_launch;
 
 pub use self::descriptors::DevStoredItem;
 pub use self::kernels::checksum_ptx;
-pub use self::stored::{StoredMode, StoredWork};
+pub use self::store_launch::{StoredMode, StoredWork};
 
 use std::sync::Arc;
 
@@ -26,11 +31,15 @@ use cudarc::driver::{result as cu, sys, CudaContext};
 
 use self::buffers::{device_error, DeviceTable, Slot, SlotPool};
 use self::descriptors::{
-    role_index, DevCall, DevGroup, DevStateCall, LayerTable, INLINE_GROUPS, INLINE_ROWS, INLINE_STATE_ROWS,
-    THREADS_PER_BLOCK, WARP,
+    role_index, DevCall, DevGroup, DevStateCall, DevStoredCall, LayerTable, INLINE_GROUPS, INLINE_ROWS,
+    INLINE_STATE_ROWS, THREADS_PER_BLOCK, WARP,
 };
 use self::kernels::Kernels;
-use self::launch::{launch_shape, row_starts, state_grid};
+use self::launch::{
+    call_room, partition_state_rows, plan_launch, row_starts, CallInputs, CallLaunch, ChecksumKernel, ChecksumLaunch,
+    ResidentWarps, RowPlace,
+};
+use crate::blocks::BlockSet;
 use crate::checksum::Algorithm;
 use crate::error::{err, Result};
 use crate::layout::{Layout, Role};
@@ -76,14 +85,8 @@ pub struct DeviceEngine {
     table: LayerTable,
     /// Its device copy; None before the first layer.
     device_table: Option<Arc<DeviceTable>>,
-    /// Warps the card runs at once with the checksum kernel.
-    resident_warps: u64,
-    /// The same for `kvcs_checksum_unpaired`.
-    unpaired_resident_warps: u64,
-    /// The same for `kvcs_checksum_single_head`.
-    single_head_resident_warps: u64,
-    /// Warps the card runs at once with the state kernel.
-    state_resident_warps: u64,
+    /// Warps the card runs at once with each kernel.
+    resident: ResidentWarps,
     /// What the engine runs on, for logs.
     description: String,
 }
@@ -150,10 +153,12 @@ impl DeviceEngine {
             kernels,
             table: LayerTable::default(),
             device_table: None,
-            resident_warps: resident(checksum_blocks),
-            unpaired_resident_warps: resident(unpaired_blocks),
-            single_head_resident_warps: resident(single_head_blocks),
-            state_resident_warps: resident(state_blocks),
+            resident: ResidentWarps {
+                checksum: resident(checksum_blocks),
+                unpaired: resident(unpaired_blocks),
+                single_head: resident(single_head_blocks),
+                state: resident(state_blocks),
+            },
             description,
         })
     }
@@ -254,121 +259,169 @@ impl DeviceEngine {
         Ok(())
     }
 
-    /// A slot for a call of at most `max_rows` rows and `max_values` values,
-    /// taken before planning so that [`Plan::write`] puts the rows straight
-    /// into its pinned staging ([`Staged::room`]), with no copy.
-    pub fn stage(&self, max_rows: usize, max_values: usize) -> Result<Staged> {
+    /// Checks and lays out `blocks` ([`Plan::write`], the rows straight
+    /// into the call's slot) and queues their checksums under `algorithm`
+    /// on `stream` (the caller's handle passed to the driver unchanged;
+    /// null is the legacy default stream), then, on the same stream before
+    /// the call's event, the store or gather that `stored` gives for the
+    /// plan (SPEC section 8; see `store_launch.rs`; its items checked by
+    /// the caller). What is queued is decided first, without the device
+    /// ([`launch::plan_launch`]); this only writes the slot and queues what
+    /// the decision says. Returns without waiting.
+    pub fn checksum(
+        &self,
+        layout: &Layout,
+        blocks: &BlockSet,
+        role: Role,
+        algorithm: Algorithm,
+        stream: StreamHandle,
+        stored: impl FnOnce(&Plan) -> Result<Option<StoredWork>>,
+    ) -> Result<(Plan, Values)> {
         self.context.bind_to_thread().map_err(device_error("cuCtxSetCurrent"))?;
-        let slot = self.pool.take(max_rows, max_values)?;
-        Ok(Staged {
-            slot: Some(slot),
+        let max_columns = layout.groups().map(|group| group.columns(role).len()).max();
+        let room = call_room(blocks.num_blocks(), max_columns.unwrap_or(0));
+        let mut slot = self.pool.take(room.rows, room.values)?;
+        let queue = |slot: &mut Slot| -> Result<(Plan, CallLaunch, usize)> {
+            let rows = RowRoom {
+                rows: slot.row_room(),
+                streaming: room.stream_rows,
+            };
+            let plan = Plan::write(layout, blocks, role, rows)?;
+            let work = stored(&plan)?;
+            let launch = plan_launch(&CallInputs {
+                table: &self.table,
+                table_on_device: self.device_table.is_some(),
+                role,
+                rows_per_slot: &plan.rows_per_slot,
+                num_rows: plan.num_rows,
+                stored_items: work.as_ref().map_or(0, |work| work.items.len()),
+                resident: self.resident,
+            });
+            if launch.queues() {
+                let mut parameters = self.fill(&launch, &plan, slot, role, algorithm, work.as_ref())?;
+                // SAFETY: `fill` wrote every address in the parameters from
+                // the slot and the table, which the slot holds until its
+                // event completes; nothing writes the slot before then.
+                unsafe { self.enqueue(&launch, &mut parameters, slot, stream)? };
+            }
+            Ok((plan, launch, work.map_or(0, |work| work.items.len())))
+        };
+        let (plan, launch, num_items) = match queue(&mut slot) {
+            Ok((plan, launch, num_items)) if launch.queues() => (plan, launch, num_items),
+            queued => {
+                // Parked while anything queued may still run.
+                self.pool.give_back(slot);
+                // Nothing queued: every value is the empty sum.
+                let (plan, _, _) = queued?;
+                let values = Values::Ready(vec![0; plan.num_values]);
+                return Ok((plan, values));
+            }
+        };
+        let computed = launch.checksum.is_some();
+        let values = Values::Pending(Box::new(DevicePending {
+            context: self.context.clone(),
             pool: self.pool.clone(),
-            // Rows that go inline are read back by the host: cached.
-            streaming: max_rows > INLINE_ROWS,
+            slot: Some(slot),
+            num_values: if computed { plan.num_values } else { 0 },
+            num_gathered: 2 * num_items,
+            // A call that read nothing: its values are the empty sums.
+            zeros: (!computed).then(|| vec![0; plan.num_values]),
+        }));
+        Ok((plan, values))
+    }
+
+    /// Writes what `launch` says into `slot` (idle, holding the plan's
+    /// rows): the rows moved (state rows last), copied inline and given row
+    /// starts where it says; the stored items; and gives the launches'
+    /// parameters, which name the slot's memory and the table.
+    fn fill(
+        &self,
+        launch: &CallLaunch,
+        plan: &Plan,
+        slot: &mut Slot,
+        role: Role,
+        algorithm: Algorithm,
+        stored: Option<&StoredWork>,
+    ) -> Result<Parameters> {
+        let store = |slot: &mut Slot, values: u64| match (stored, launch.store_blocks) {
+            (Some(work), Some(_)) => store_launch::write_items(slot, work, values).map(Some),
+            _ => Ok(None),
+        };
+        let (checksum, table_address) = match (&launch.checksum, &self.device_table) {
+            (Some(checksum), Some(table)) => (checksum, table.address),
+            _ => {
+                // Nothing to read: the store alone, over sums of 0.
+                let store = store(slot, 0)?;
+                return Ok(Parameters { checksum: None, store });
+            }
+        };
+        if plan.num_values > slot.value_capacity {
+            return Err(err!(
+                Internal,
+                "a slot of {} values for a call of {} values",
+                slot.value_capacity,
+                plan.num_values
+            ));
+        }
+        slot.table = self.device_table.clone();
+        let (mut call, mut state_call) = self.parameters(checksum, plan, slot, table_address, role, algorithm);
+        let (table, groups) = (&self.table, &self.table.groups[role_index(role)]);
+        let values = slot.host_values_on_device();
+        let store = store(slot, values)?;
+        let (rows, starts) = slot.rows_and_starts(plan.num_rows);
+        if checksum.state_rows > 0 {
+            partition_state_rows(rows, checksum.state_rows, |row| table.is_state_slot(row.group_slot));
+        }
+        let (attention, state) = rows.split_at(checksum.attention_rows);
+        if checksum.rows == RowPlace::Inline {
+            call.inline_rows[..attention.len()].copy_from_slice(attention);
+        }
+        if checksum.row_starts {
+            row_starts(attention, groups, checksum.shape.split, &mut starts[..attention.len()]);
+        }
+        if checksum.state.is_some_and(|state| state.rows == RowPlace::Inline) {
+            state_call.inline_rows[..state.len()].copy_from_slice(state);
+        }
+        Ok(Parameters {
+            checksum: Some((call, state_call)),
+            store,
         })
     }
 
-    /// Queues the checksums of `plan`, whose rows are `rows`, on `stream`
-    /// (copied into a slot's staging first: [`DeviceEngine::stage`] avoids
-    /// that copy). See [`DeviceEngine::compute_staged`].
-    pub fn compute(
+    /// The checksum kernels' parameters for `checksum`, naming `slot`'s
+    /// memory and the table at `table_address`; rows inline are left to
+    /// [`DeviceEngine::fill`].
+    fn parameters(
         &self,
+        checksum: &ChecksumLaunch,
         plan: &Plan,
-        rows: &[Row],
+        slot: &Slot,
+        table_address: u64,
         role: Role,
         algorithm: Algorithm,
-        stream: StreamHandle,
-    ) -> Result<Values> {
-        let mut staged = self.stage(rows.len(), plan.num_values)?;
-        for (out, row) in staged.room().rows.iter_mut().zip(rows) {
-            out.write(*row);
-        }
-        self.compute_staged(plan, staged, role, algorithm, stream, None)
-    }
-
-    /// Queues the checksums of `plan` under `algorithm`, whose
-    /// `plan.num_rows` rows `staged` holds, on `stream` from the thread that staged them (the caller's
-    /// handle passed to the driver unchanged; null is the legacy default
-    /// stream), then, on the same stream before the call's event, `stored`'s
-    /// store or gather (SPEC section 8; see `stored.rs`; its items were
-    /// checked by the caller).
-    /// Returns without waiting: at most two uploads, two launches (the state
-    /// kernel where the call has rows of state groups, then the checksum
-    /// kernel, which publishes), the stored launch, one event.
-    pub fn compute_staged(
-        &self,
-        plan: &Plan,
-        mut staged: Staged,
-        role: Role,
-        algorithm: Algorithm,
-        stream: StreamHandle,
-        stored: Option<&StoredWork>,
-    ) -> Result<Values> {
-        let num_values = plan.num_values;
-        let num_rows = plan.num_rows;
-        let (Some(device_table), false) = (&self.device_table, num_rows == 0) else {
-            // Nothing to read: every value is the empty sum.
-            drop(staged);
-            return match stored.filter(|work| !work.items.is_empty()) {
-                None => Ok(Values::Ready(vec![0; num_values])),
-                Some(work) => self.stored_alone(num_values, work, stream),
-            };
+    ) -> (DevCall, DevStateCall) {
+        let (table, groups) = (&self.table, &self.table.groups[role_index(role)]);
+        let place = |rows: RowPlace| match rows {
+            RowPlace::Inline => 0,
+            RowPlace::Mapped => slot.pinned_rows_on_device(),
+            RowPlace::Device { offset } => slot.device_rows() + offset as u64,
         };
-        let mut slot = staged.slot.take().expect("held until used");
-        if slot.row_capacity < num_rows || slot.value_capacity < num_values {
-            let (rows, values) = (slot.row_capacity, slot.value_capacity);
-            self.pool.give_back(slot);
-            return Err(err!(
-                Internal,
-                "a slot of {rows} rows and {values} values staged a call of {num_rows} rows and {num_values} values"
-            ));
-        }
-        // `stage` bound the context to this thread.
-        let table = &self.table;
-        let groups = &table.groups[role_index(role)];
-        // Rows of state groups go to the state kernel, the others to the
-        // checksum kernel (which skips state slots in its shape).
-        // Counted per group slot from the plan, not per row.
-        let mut state_rows = 0usize;
-        let mut max_state_units = 0u32;
-        for (state_group, &count) in table.state_groups.iter().zip(&plan.rows_per_slot) {
-            if state_group.units > 0 && count > 0 {
-                state_rows += count as usize;
-                max_state_units = max_state_units.max(state_group.units);
-            }
-        }
-        let attention_rows = num_rows - state_rows;
-        // The paired kernel where some layer reads its K and V as one unit;
-        // where every layer holds one head, the one with more loads in
-        // flight; else the one with fewer registers (more warps per SM).
-        let (checksum_kernel, resident_warps) = if table.paired[role_index(role)] {
-            (&self.kernels.checksum, self.resident_warps)
-        } else if table.single_head(role) {
-            (&self.kernels.checksum_single_head, self.single_head_resident_warps)
-        } else {
-            (&self.kernels.checksum_unpaired, self.unpaired_resident_warps)
-        };
-        let shape = launch_shape(
-            &plan.rows_per_slot,
-            groups,
-            &table.max_split[role_index(role)],
-            attention_rows,
-            resident_warps,
-        );
-        let state_in_memory = state_rows > INLINE_STATE_ROWS;
         let mut call = DevCall {
-            layers: device_table.address + table.layers_offset(),
-            groups: device_table.address + table.groups_offset(role),
-            rows: 0,
-            row_starts: 0,
+            layers: table_address + table.layers_offset(),
+            groups: table_address + table.groups_offset(role),
+            rows: place(checksum.rows),
+            row_starts: match checksum.row_starts {
+                true => slot.device_rows() + (plan.num_rows * std::mem::size_of::<Row>()) as u64,
+                false => 0,
+            },
             accumulators: slot.accumulators(),
             host_values: slot.host_values_on_device(),
             finished_blocks: slot.finished_blocks(),
-            total_units: shape.total_units,
-            num_rows: attention_rows as u32,
-            num_values: num_values as u32,
-            split: shape.split,
-            row_units: shape.row_units,
+            total_units: checksum.shape.total_units,
+            num_rows: checksum.attention_rows as u32,
+            num_values: plan.num_values as u32,
+            split: checksum.shape.split,
+            row_units: checksum.shape.row_units,
             algorithm: algorithm.code(),
             reserved: 0,
             inline_groups: [DevGroup::default(); INLINE_GROUPS],
@@ -376,191 +429,76 @@ impl DeviceEngine {
         };
         let inline_groups = groups.len().min(INLINE_GROUPS);
         call.inline_groups[..inline_groups].copy_from_slice(&groups[..inline_groups]);
-        let mut state_call = DevStateCall {
-            tensors: device_table.address + table.state_tensors_offset(),
-            groups: device_table.address + table.state_groups_offset(),
-            rows: 0,
+        let state_call = DevStateCall {
+            tensors: table_address + table.state_tensors_offset(),
+            groups: table_address + table.state_groups_offset(),
+            rows: checksum.state.map_or(0, |state| place(state.rows)),
             accumulators: slot.accumulators(),
-            num_rows: state_rows as u32,
+            num_rows: checksum.state_rows as u32,
             algorithm: algorithm.code(),
             inline_rows: [Row::default(); INLINE_STATE_ROWS],
         };
-        let mut upload = 0;
-        {
-            // The staging holds the rows in request order; attention rows
-            // go first, then the state kernel's.
-            let (rows, starts) = slot.staging(num_rows);
-            if state_rows > 0 {
-                partition_state_rows(rows, state_rows, |row| table.is_state_slot(row.group_slot));
-            }
-            let (attention, state) = rows.split_at(attention_rows);
-            if !shape.rows_in_memory {
-                call.inline_rows[..attention_rows].copy_from_slice(attention);
-            } else if !shape.uniform() {
-                row_starts(attention, groups, shape.split, &mut starts[..attention_rows]);
-            }
-            if state_rows > 0 && !state_in_memory {
-                state_call.inline_rows[..state_rows].copy_from_slice(state);
-            }
-        }
-        if shape.rows_in_memory {
-            if shape.uniform() {
-                // The kernel reads each row once per warp: straight from
-                // mapped pinned memory, with no copy to queue.
-                call.rows = slot.staging_on_device();
-            } else {
-                // Row starts are binary-searched: worth a copy to the device.
-                call.rows = slot.device_rows();
-                call.row_starts = slot.device_row_starts(num_rows);
-                upload = slot.staging_bytes(num_rows, attention_rows);
-            }
-        }
-        // The state kernel reads its rows many times over: from device
-        // memory, copied there unless the checksum kernel's upload (of every
-        // row, then the starts) carries them already.
-        let mut state_upload = None;
-        if state_in_memory {
-            let offset = (attention_rows * std::mem::size_of::<Row>()) as u64;
-            state_call.rows = slot.device_rows() + offset;
-            if upload == 0 {
-                state_upload = Some((offset, state_rows * std::mem::size_of::<Row>()));
-            }
-        }
-        let state = (state_rows > 0).then(|| StateLaunch {
-            grid: state_grid(state_rows, max_state_units, self.state_resident_warps),
-            upload: state_upload,
-            call: &mut state_call,
-        });
-        let num_gathered = stored.map_or(0, |work| 2 * work.items.len());
-        let host_values = slot.host_values_on_device();
-        let mut launch = match stored {
-            Some(work) => stored::stage(&mut slot, work, host_values)?,
-            None => None,
-        };
-        slot.table = Some(device_table.clone());
-        // SAFETY: every address in `call` and `state_call` is live until the
-        // slot's event completes (the slot and table stay held until then);
-        // the staging in pinned memory is not touched again before that; the
-        // kernels read cache bytes that registration proved lie in registered
-        // regions, and the stored launch 16-byte values that `add_stored`
-        // checked.
-        let queued = unsafe {
-            self.enqueue(
-                &mut call,
-                state,
-                &slot,
-                (upload, shape.blocks, checksum_kernel),
-                launch.as_mut(),
-                stream,
-            )
-        };
-        if let Err(error) = queued {
-            // Parked while anything queued may still run.
-            self.pool.give_back(slot);
-            return Err(error);
-        }
-        Ok(Values::Pending(Box::new(DevicePending {
-            context: self.context.clone(),
-            pool: self.pool.clone(),
-            slot: Some(slot),
-            num_values,
-            num_gathered,
-            zeros: None,
-        })))
+        (call, state_call)
     }
 
-    /// A store or gather of a call with nothing to checksum: every sum is
-    /// 0 (the items have no columns), the values are zeros.
-    fn stored_alone(&self, num_values: usize, work: &StoredWork, stream: StreamHandle) -> Result<Values> {
-        self.context.bind_to_thread().map_err(device_error("cuCtxSetCurrent"))?;
-        let mut slot = self.pool.take(0, 0)?;
-        let mut launch = stored::stage(&mut slot, work, 0)?;
-        let stream = stream.0 as sys::CUstream;
-        if let Some(launch) = launch.as_mut() {
-            // SAFETY: the slot is held by the result until its event
-            // completes; the items' addresses were checked by the caller.
-            unsafe { stored::enqueue(&self.kernels, launch, stream)? };
-        }
-        // SAFETY: a live event and the caller's stream.
-        unsafe { cu::event::record(slot.event, stream) }.map_err(device_error("cuEventRecord"))?;
-        Ok(Values::Pending(Box::new(DevicePending {
-            context: self.context.clone(),
-            pool: self.pool.clone(),
-            slot: Some(slot),
-            num_values: 0,
-            num_gathered: 2 * work.items.len(),
-            zeros: Some(vec![0; num_values]),
-        })))
-    }
-
-    /// Queues on `stream`: the upload of `upload` staged bytes to
-    /// `call.rows` (if any), the state kernel with its upload (if any), the
-    /// checksum kernel `function` on `blocks` blocks (`(upload, blocks,
-    /// function) = main`), the stored checksums' launch (if
-    /// any), and the slot's event.
+    /// Queues on `stream` what `launch` says, with `parameters`: the
+    /// upload, the state kernel, the checksum kernel, the stored launch
+    /// (each where it has one), then the slot's event.
     ///
     /// # Safety
-    /// Every address in `call` and `state` stays valid until the slot's
-    /// event completes, and the slot's staging is not written before then.
+    /// Every address in `parameters` stays valid until the slot's event
+    /// completes, and the slot's pinned memory is not written before then;
+    /// every stored item's address is 16 bytes this device may write
+    /// (store) or read (gather).
     unsafe fn enqueue(
         &self,
-        call: &mut DevCall,
-        state: Option<StateLaunch<'_>>,
+        launch: &CallLaunch,
+        parameters: &mut Parameters,
         slot: &Slot,
-        (upload, blocks, function): (usize, u32, &cudarc::driver::CudaFunction),
-        stored: Option<&mut stored::StoredLaunch>,
         stream: StreamHandle,
     ) -> Result<()> {
         // Null stays null: CUDA's legacy default stream, never a private
         // one, so the work is ordered after what the caller queued there.
         let stream = stream.0 as sys::CUstream;
+        let threads = (THREADS_PER_BLOCK, 1, 1);
         // SAFETY: per this function's contract; each launch copies its one
-        // parameter before it returns.
+        // parameter before it returns; the kernels read cache bytes that
+        // registration proved lie in registered regions; the upload reads
+        // `upload.bytes` of the pinned rows, which `plan_launch` keeps
+        // inside the call's rows and starts (the slot holds them).
         unsafe {
-            if upload > 0 {
-                sys::cuMemcpyHtoDAsync_v2(call.rows, slot.staging_host().cast(), upload, stream)
-                    .result()
-                    .map_err(device_error("cuMemcpyHtoDAsync"))?;
-            }
-            if let Some(state) = state {
-                if let Some((offset, bytes)) = state.upload {
-                    sys::cuMemcpyHtoDAsync_v2(
-                        slot.device_rows() + offset,
-                        slot.staging_host().add(offset as usize).cast(),
-                        bytes,
-                        stream,
-                    )
-                    .result()
-                    .map_err(device_error("cuMemcpyHtoDAsync"))?;
+            if let (Some(launch), Some((call, state_call))) = (&launch.checksum, &mut parameters.checksum) {
+                if let Some(upload) = launch.upload {
+                    let to = slot.device_rows() + upload.offset as u64;
+                    let from = slot.pinned_rows(upload.offset).cast();
+                    sys::cuMemcpyHtoDAsync_v2(to, from, upload.bytes, stream)
+                        .result()
+                        .map_err(device_error("cuMemcpyHtoDAsync"))?;
                 }
-                // Before the checksum kernel on the same stream: its last
-                // block publishes what this one added.
-                let mut params = [(state.call as *mut DevStateCall).cast::<std::ffi::c_void>()];
-                cu::launch_kernel(
-                    self.kernels.state.cu_function(),
-                    (state.grid.0, state.grid.1, 1),
-                    (THREADS_PER_BLOCK, 1, 1),
-                    0,
-                    stream,
-                    &mut params,
-                )
-                .map_err(device_error("launching kvcs_state"))?;
+                if let Some(state) = launch.state {
+                    // Before the checksum kernel on the same stream: its last
+                    // block publishes what this one added.
+                    let mut params = [(state_call as *mut DevStateCall).cast::<std::ffi::c_void>()];
+                    let grid = (state.grid.0, state.grid.1, 1);
+                    let function = self.kernels.state.cu_function();
+                    cu::launch_kernel(function, grid, threads, 0, stream, &mut params)
+                        .map_err(device_error("launching kvcs_state"))?;
+                }
+                let function = match launch.kernel {
+                    ChecksumKernel::Paired => &self.kernels.checksum,
+                    ChecksumKernel::SingleHead => &self.kernels.checksum_single_head,
+                    ChecksumKernel::Unpaired => &self.kernels.checksum_unpaired,
+                };
+                let mut params = [(call as *mut DevCall).cast::<std::ffi::c_void>()];
+                let grid = (launch.shape.blocks, 1, 1);
+                cu::launch_kernel(function.cu_function(), grid, threads, 0, stream, &mut params)
+                    .map_err(device_error("launching kvcs_checksum"))?;
             }
-            let mut params = [(call as *mut DevCall).cast::<std::ffi::c_void>()];
-            cu::launch_kernel(
-                function.cu_function(),
-                (blocks, 1, 1),
-                (THREADS_PER_BLOCK, 1, 1),
-                0,
-                stream,
-                &mut params,
-            )
-            .map_err(device_error("launching kvcs_checksum"))?;
             // The event is recorded even when the stored launch fails, so
             // that the slot is parked until the checksum kernel is done.
-            let stored = match stored {
-                Some(launch) => stored::enqueue(&self.kernels, launch, stream),
-                None => Ok(()),
+            let stored = match (&mut parameters.store, launch.store_blocks) {
+                (Some(call), Some(blocks)) => store_launch::enqueue(&self.kernels, call, blocks, stream),
+                _ => Ok(()),
             };
             cu::event::record(slot.event, stream).map_err(device_error("cuEventRecord"))?;
             stored
@@ -568,55 +506,12 @@ impl DeviceEngine {
     }
 }
 
-/// A slot taken for one call before its plan (see [`DeviceEngine::stage`]);
-/// given back to the pool if the call fails before it queues.
-pub struct Staged {
-    slot: Option<Slot>,
-    pool: Arc<SlotPool>,
-    /// Whether the rows are for the device alone (see [`RowRoom`]).
-    streaming: bool,
-}
-
-impl Staged {
-    /// The slot's pinned row staging, all of it, for [`Plan::write`].
-    pub fn room(&mut self) -> RowRoom<'_> {
-        RowRoom {
-            rows: self.slot.as_mut().expect("held until used").staging_room(),
-            streaming: self.streaming,
-        }
-    }
-}
-
-impl Drop for Staged {
-    fn drop(&mut self) {
-        if let Some(slot) = self.slot.take() {
-            self.pool.give_back(slot);
-        }
-    }
-}
-
-/// Moves the `state_rows` rows that `is_state` picks to the end of `rows`,
-/// keeping the order of the others (the checksum kernel's, first) and of
-/// the state rows (the state kernel's).
-fn partition_state_rows(rows: &mut [Row], state_rows: usize, is_state: impl Fn(&Row) -> bool) {
-    let state: Vec<Row> = rows.iter().filter(|row| is_state(row)).copied().collect();
-    debug_assert_eq!(state.len(), state_rows);
-    let mut kept = 0;
-    for i in 0..rows.len() {
-        if !is_state(&rows[i]) {
-            rows[kept] = rows[i];
-            kept += 1;
-        }
-    }
-    rows[kept..].copy_from_slice(&state);
-}
-
-/// The state kernel's part of a call: its grid (x, y), the upload of its
-/// staged rows (offset in the staging and bytes) if it needs one, its parameter.
-struct StateLaunch<'a> {
-    grid: (u32, u32),
-    upload: Option<(u64, usize)>,
-    call: &'a mut DevStateCall,
+/// The launches' parameters of one call, written by [`DeviceEngine::fill`].
+struct Parameters {
+    /// The checksum kernel's and the state kernel's.
+    checksum: Option<(DevCall, DevStateCall)>,
+    /// The stored launch's.
+    store: Option<DevStoredCall>,
 }
 
 /// Values being computed on a device; readable once the slot's event completed.
@@ -656,7 +551,7 @@ impl PendingValues for DevicePending {
     }
 
     fn gathered(&self) -> &[u64] {
-        stored::gathered(self.slot(), self.num_gathered)
+        self.slot().gathered(self.num_gathered)
     }
 }
 

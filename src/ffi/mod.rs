@@ -7,6 +7,7 @@
 //! contract, documented per function, so they are not `unsafe fn` in Rust.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
+pub(crate) mod abi_layouts;
 pub mod api;
 pub mod blocks;
 pub mod buffer;
@@ -20,6 +21,7 @@ pub mod report;
 pub mod result;
 pub mod sizes;
 pub mod status;
+pub mod struct_layout;
 pub mod tensor_parallel;
 pub mod topology;
 pub mod verifier;

@@ -31,7 +31,7 @@
 //! `collect` keeps each worker's part of each request and reads the facts
 //! all parts must agree on; `produce` builds the payload from them; `check`
 //! judges a load group by group, with `compare` lining up positions of other
-//! block sizes and naming differing layers; `stored` judges an offload load
+//! block sizes and naming differing layers; `offload` judges an offload load
 //! from load-check records; `report` is the verdict.
 //!
 //! # Locking
@@ -47,9 +47,9 @@
 mod check;
 mod collect;
 mod compare;
+mod offload;
 mod produce;
 pub mod report;
-mod stored;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
