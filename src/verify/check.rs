@@ -9,9 +9,9 @@ use crate::layout::ReplicaKey;
 use crate::payload::{ExtensionGroup, Payload, PayloadGroup};
 use crate::record::{LayerPartial, RecordGroup};
 
-use super::collect::{add_into, GroupOutcome, Judged, Load, Unverified, WorkerPart};
+use super::collect::{add_into, GroupOutcome, Judged, Load, Unverified, Wording, WorkerPart};
 use super::compare::{consumer_ranges, differing_ranges, producer_ranges, run_tokens, Series};
-use super::report::{Finding, LayerDifference, Mismatch, Reason, Report};
+use super::report::{LayerDifference, Mismatch, Reason, Report};
 
 /// The payload's groups and extension groups by id.
 struct SentGroups<'p> {
@@ -59,15 +59,20 @@ impl Load<'_> {
             .and_then(|()| self.pending.algorithm());
         let algorithm = match whole_load {
             Ok(algorithm) => algorithm,
-            Err(Unverified(reason, message)) => return self.whole(reason, message),
+            Err(unverified) => return self.whole(unverified),
         };
         let payload = match decoded {
-            None => return self.whole(Reason::NoChecksums, "no payload was given for the request".to_owned()),
-            Some(Err(error)) => return self.whole(Reason::InvalidChecksums, error.to_string()),
+            None => {
+                return self.whole(Unverified(
+                    Reason::NoChecksums,
+                    "no payload was given for the request".to_owned(),
+                ))
+            }
+            Some(Err(error)) => return self.whole(Unverified(Reason::InvalidChecksums, error.to_string())),
             Some(Ok(payload)) => payload,
         };
         if payload.algorithm() != algorithm {
-            return self.whole(
+            return self.whole(Unverified(
                 Reason::AlgorithmDiffers,
                 format!(
                     "the producer's checksums are {}{}, the consumer's workers computed {} (set one algorithm on both sides; a configuration error, not corrupt data)",
@@ -75,71 +80,24 @@ impl Load<'_> {
                     if payload.extension.is_none() { " (a plain payload)" } else { "" },
                     algorithm.name()
                 ),
-            );
+            ));
         }
-        if let Err(Unverified(reason, message)) = self.pending.check_tokens() {
-            return self.whole(reason, message);
+        if let Err(unverified) = self.pending.check_tokens() {
+            return self.whole(unverified);
         }
         self.compare(&payload)
-    }
-
-    /// A report unverified as a whole.
-    fn whole(&self, reason: Reason, message: String) -> Report {
-        let finding = Finding {
-            reason,
-            group_id: None,
-            message,
-        };
-        Report::new(self.req_id, self.settings.policy, (0, 0), Vec::new(), vec![finding])
     }
 
     /// Compares every scheduled group and gathers the outcomes.
     fn compare(&self, payload: &Payload) -> Report {
         let sent = SentGroups::of(payload);
-        let (mut compared, mut uncompared) = (0u64, 0u64);
-        let mut mismatches = Vec::new();
-        let mut findings = Vec::new();
-        let mut any_group_compared = false;
-        for scheduled in &self.pending.scheduled.groups {
-            match self.compare_group(payload, &sent, scheduled) {
-                Ok(Some(outcome)) => {
-                    any_group_compared = true;
-                    compared += outcome.compared;
-                    uncompared += outcome.uncompared;
-                    if outcome.uncompared > 0 && self.settings.require_coverage && outcome.mismatches.is_empty() {
-                        findings.push(Finding {
-                            reason: Reason::UncomparedPositions,
-                            group_id: Some(scheduled.group_id),
-                            message: format!(
-                                "group {}: {} loaded positions were not compared ({} compared)",
-                                scheduled.group_id, outcome.uncompared, outcome.compared
-                            ),
-                        });
-                    }
-                    mismatches.extend(outcome.mismatches);
-                }
-                Ok(None) => {}
-                Err(Unverified(reason, message)) => findings.push(Finding {
-                    reason,
-                    group_id: Some(scheduled.group_id),
-                    message,
-                }),
-            }
-        }
-        if !any_group_compared && findings.is_empty() {
-            findings.push(Finding {
-                reason: Reason::NoCommonPosition,
-                group_id: None,
-                message: "no loaded group can be checksummed (every group is skipped on both sides)".to_owned(),
-            });
-        }
-        Report::new(
-            self.req_id,
-            self.settings.policy,
-            (compared, uncompared),
-            mismatches,
-            findings,
-        )
+        let wording = Wording {
+            uncompared: |group_id, uncompared, compared| {
+                format!("group {group_id}: {uncompared} loaded positions were not compared ({compared} compared)")
+            },
+            nothing_judged: "no loaded group can be checksummed (every group is skipped on both sides)",
+        };
+        self.gather(|scheduled| self.compare_group(payload, &sent, scheduled), &wording)
     }
 
     /// Compares one scheduled group; `Ok(None)` when it is skipped on both

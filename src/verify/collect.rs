@@ -12,7 +12,7 @@ use crate::error::{err, Result};
 use crate::layout::Role;
 use crate::record::{GroupInfo, Rank, RecordGroup, RecordRequest};
 
-use super::report::{Mismatch, Policy, Reason};
+use super::report::{Finding, Mismatch, Policy, Reason, Report};
 
 /// A condition that makes a load (or group) unverified, or a payload
 /// impossible to build.
@@ -50,6 +50,83 @@ pub(super) struct GroupOutcome {
     /// or that not every worker checked.
     pub uncompared: u64,
     pub mismatches: Vec<Mismatch>,
+}
+
+/// How a kind of load words the findings its report adds itself: a
+/// payload check compares positions, an offload load check has every
+/// worker check them.
+pub(super) struct Wording {
+    /// The finding of a group whose loaded positions were not all compared
+    /// while coverage is required: (group id, uncompared, compared).
+    pub uncompared: fn(u32, u64, u64) -> String,
+    /// The finding when no scheduled group could be judged at all.
+    pub nothing_judged: &'static str,
+}
+
+impl Load<'_> {
+    /// A report unverified as a whole.
+    pub(super) fn whole(&self, Unverified(reason, message): Unverified) -> Report {
+        let finding = Finding {
+            reason,
+            group_id: None,
+            message,
+        };
+        Report::new(self.req_id, self.settings.policy, (0, 0), Vec::new(), vec![finding])
+    }
+
+    /// The report of a load whose scheduled groups `judge` judges one by
+    /// one (`Ok(None)`: skipped on every side, nothing to judge): positions
+    /// and mismatches add up, a group that cannot be judged is a finding,
+    /// uncompared positions are one where coverage is required, and a load
+    /// of which no group was judged is unverified.
+    pub(super) fn gather(
+        &self,
+        mut judge: impl FnMut(&GroupBlocks) -> Judged<Option<GroupOutcome>>,
+        wording: &Wording,
+    ) -> Report {
+        let (mut compared, mut uncompared) = (0u64, 0u64);
+        let mut mismatches = Vec::new();
+        let mut findings = Vec::new();
+        let mut any_group_judged = false;
+        for scheduled in &self.pending.scheduled.groups {
+            let group_id = scheduled.group_id;
+            match judge(scheduled) {
+                Ok(Some(outcome)) => {
+                    any_group_judged = true;
+                    compared += outcome.compared;
+                    uncompared += outcome.uncompared;
+                    if outcome.uncompared > 0 && self.settings.require_coverage && outcome.mismatches.is_empty() {
+                        findings.push(Finding {
+                            reason: Reason::UncomparedPositions,
+                            group_id: Some(group_id),
+                            message: (wording.uncompared)(group_id, outcome.uncompared, outcome.compared),
+                        });
+                    }
+                    mismatches.extend(outcome.mismatches);
+                }
+                Ok(None) => {}
+                Err(Unverified(reason, message)) => findings.push(Finding {
+                    reason,
+                    group_id: Some(group_id),
+                    message,
+                }),
+            }
+        }
+        if !any_group_judged && findings.is_empty() {
+            findings.push(Finding {
+                reason: Reason::NoCommonPosition,
+                group_id: None,
+                message: wording.nothing_judged.to_owned(),
+            });
+        }
+        Report::new(
+            self.req_id,
+            self.settings.policy,
+            (compared, uncompared),
+            mismatches,
+            findings,
+        )
+    }
 }
 
 /// A request whose records are being collected. Cheap to clone (its parts

@@ -7,8 +7,8 @@ use crate::blocks::{valid_tokens, GroupBlocks};
 use crate::record::Rank;
 use crate::result::StoredOutcome;
 
-use super::collect::{GroupOutcome, Judged, Load, Unverified};
-use super::report::{Finding, Mismatch, Reason, Report};
+use super::collect::{GroupOutcome, Judged, Load, Unverified, Wording};
+use super::report::{Mismatch, Reason, Report};
 
 impl Load<'_> {
     /// The report on an offload load, from its workers' load-check records.
@@ -20,59 +20,16 @@ impl Load<'_> {
             .and_then(|()| self.pending.algorithm().map(|_| ()))
             .and_then(|()| self.check_load_checks())
             .and_then(|()| self.pending.check_tokens());
-        if let Err(Unverified(reason, message)) = whole_load {
-            let finding = Finding {
-                reason,
-                group_id: None,
-                message,
-            };
-            return Report::new(self.req_id, self.settings.policy, (0, 0), Vec::new(), vec![finding]);
+        if let Err(unverified) = whole_load {
+            return self.whole(unverified);
         }
-        let (mut compared, mut uncompared) = (0u64, 0u64);
-        let mut mismatches = Vec::new();
-        let mut findings = Vec::new();
-        let mut any_group_judged = false;
-        for scheduled in &self.pending.scheduled.groups {
-            let group_id = scheduled.group_id;
-            match self.judge_group(scheduled) {
-                Ok(Some(outcome)) => {
-                    any_group_judged = true;
-                    compared += outcome.compared;
-                    uncompared += outcome.uncompared;
-                    if outcome.uncompared > 0 && self.settings.require_coverage && outcome.mismatches.is_empty() {
-                        findings.push(Finding {
-                            reason: Reason::UncomparedPositions,
-                            group_id: Some(group_id),
-                            message: format!(
-                                "group {group_id}: {} loaded positions were not checked by every worker ({} were)",
-                                outcome.uncompared, outcome.compared
-                            ),
-                        });
-                    }
-                    mismatches.extend(outcome.mismatches);
-                }
-                Ok(None) => {}
-                Err(Unverified(reason, message)) => findings.push(Finding {
-                    reason,
-                    group_id: Some(group_id),
-                    message,
-                }),
-            }
-        }
-        if !any_group_judged && findings.is_empty() {
-            findings.push(Finding {
-                reason: Reason::NoCommonPosition,
-                group_id: None,
-                message: "no loaded group was checked (every group is skipped by every worker)".to_owned(),
-            });
-        }
-        Report::new(
-            self.req_id,
-            self.settings.policy,
-            (compared, uncompared),
-            mismatches,
-            findings,
-        )
+        let wording = Wording {
+            uncompared: |group_id, uncompared, compared| {
+                format!("group {group_id}: {uncompared} loaded positions were not checked by every worker ({compared} were)")
+            },
+            nothing_judged: "no loaded group was checked (every group is skipped by every worker)",
+        };
+        self.gather(|scheduled| self.judge_group(scheduled), &wording)
     }
 
     /// Every worker's record of the request is a load check's: a plain
