@@ -520,6 +520,17 @@ fn main() {
         v_bytes: 0,
         block_size: 16,
     };
+    // GQA at TP 8: Llama-3.1-70B's 8 KV heads over 8 ranks leave one head
+    // per rank in each of its 80 layers, so the call runs the single-head
+    // kernel form, as MLA does.
+    let tp8 = Model {
+        name: "Llama-3.1-70B bf16, TP 8 rank",
+        layers: 80,
+        heads: 1,
+        k_bytes: 256,
+        v_bytes: 256,
+        block_size: 16,
+    };
     println!(
         "device: {name}; cache buffer {} GiB; date-stamped by the caller",
         cache_bytes >> 30
@@ -529,7 +540,7 @@ fn main() {
         "| cache | layout | case | bytes read | read ceiling GB/s | WEIGHTED GB/s | fraction | MIXED GB/s | fraction | MIXED - WEIGHTED |"
     );
     println!("|---|---|---|---:|---:|---:|---:|---:|---:|---:|");
-    let cases: [(&Model, Layout, &str, usize, usize); 9] = [
+    let cases: [(&Model, Layout, &str, usize, usize); 11] = [
         (&llama, Layout::Hnd, "2048 blocks (128 req x 16)", 128, 16),
         (&llama, Layout::Nhd, "2048 blocks (128 req x 16)", 128, 16),
         (&llama, Layout::KvSplit, "2048 blocks (128 req x 16)", 128, 16),
@@ -539,6 +550,8 @@ fn main() {
         (&mla, Layout::Hnd, "2048 blocks (128 req x 16)", 128, 16),
         (&fp8, Layout::Hnd, "2048 blocks (128 req x 16)", 128, 16),
         (&fp8, Layout::KvSplit, "2048 blocks (128 req x 16)", 128, 16),
+        (&tp8, Layout::Hnd, "2048 blocks (128 req x 16)", 128, 16),
+        (&tp8, Layout::KvSplit, "2048 blocks (128 req x 16)", 128, 16),
     ];
     for (i, (model, layout, label, requests, per_request)) in cases.into_iter().enumerate() {
         if host_only || only.is_some_and(|n| n != i) {
