@@ -475,3 +475,31 @@ fn the_path_scanner_reads_use_trees() {
     assert_eq!(module_path(src, Path::new("/r/src/cuda/mod.rs")), ["cuda"]);
     assert!(module_path(src, Path::new("/r/src/lib.rs")).is_empty());
 }
+
+/// docs/ARCHITECTURE.md's numbered list is the one description of the
+/// modules: it names every module of `ORDER`, in that order, so a module
+/// added at a layer cannot go undocumented or documented at another.
+#[test]
+fn the_architecture_page_lists_the_modules_in_layer_order() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/ARCHITECTURE.md");
+    let page = fs::read_to_string(&path).unwrap();
+    let modules = page.split("\n## Modules\n").nth(1).expect("a section `## Modules`");
+    let modules = modules.split("\n## ").next().unwrap();
+    let list = &modules[modules.find("\n1. ").expect("a numbered list of the layers")..];
+    let mut last: Option<(&str, usize)> = None;
+    for name in ORDER {
+        let at = [format!("`{name}`"), format!("`{name}/`")]
+            .iter()
+            .filter_map(|written| list.find(written.as_str()))
+            .min()
+            .unwrap_or_else(|| panic!("{}: the list of modules does not name `{name}`", path.display()));
+        if let Some((before, before_at)) = last {
+            assert!(
+                at > before_at,
+                "{}: `{name}` is listed before `{before}`, but tests/layers.rs's ORDER has it after",
+                path.display()
+            );
+        }
+        last = Some((name, at));
+    }
+}

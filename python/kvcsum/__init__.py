@@ -69,7 +69,8 @@ calls are which (values and enums are immutable).
         with worker.checksum(blocks) as result:
             values = result.column("req", 0)   # numpy uint64, one per position
 
-See docs/SPEC.md for the definition and README.md for the C API it wraps.
+See docs/SPEC.md for the definition, docs/python.md for the guide and
+docs/c-api.md for the C API it wraps.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ other and adds verified transfers.
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"inner": {"kv_connector": "NixlConnector"}}}'
 
-See README.md, "With vLLM". The connector (kvcsum.vllm.connector) imports
+See docs/vllm.md. The connector (kvcsum.vllm.connector) imports
 vLLM; the worker part (kvcsum.vllm.worker) needs torch alone. This package
 imports neither until asked, so `import kvcsum.vllm.worker` works on a
 machine without vLLM.
