@@ -1,8 +1,11 @@
 # kvcsum: build, test and demo commands (see README.md).
 #
 #   make demo     build the library (release) and examples/c/demo.c, run it
+#   make file-tier  the same for examples/c/file_tier.c (blocks and their
+#                 stored checksums through a file, a byte flipped on disk)
 #   make test     every test: Rust tests, the kernel compile test (NVRTC from
-#                 PyPI), the C tests and the demo under ASan/UBSan, the
+#                 PyPI), the C tests, the demo and the file tier example
+#                 under ASan/UBSan, the
 #                 kvcsum.hpp test and the C++ example under ASan/UBSan, the
 #                 install test (C and C++ programs against an installed
 #                 tree, the dlopen example), the Python tests, the host
@@ -73,7 +76,8 @@ DESTDIR ?=
 SOVERSION := $(shell sed -n 's/^\#define KVCS_ABI_VERSION \([0-9]*\)$$/\1/p' include/kvcsum.h)
 INSTALL_TEST_LIB := $(abspath $(BUILD))/install-test/prefix/lib/libkvcsum.so.$(SOVERSION)
 
-.PHONY: all lib demo test test-deps rust-test kernel-test c-test demo-test cpp-test cpp-example install install-test \
+.PHONY: all lib demo file-tier test test-deps rust-test kernel-test c-test demo-test file-tier-test cpp-test \
+	cpp-example install install-test \
 	python-test python-wheel fuzz header bench clean FORCE
 
 all: lib
@@ -91,7 +95,11 @@ $(LIB): FORCE
 demo: $(BUILD)/demo
 	$(BUILD)/demo
 
-test: test-deps rust-test kernel-test c-test demo-test cpp-test cpp-example install-test python-test e2e-test vllm-test fuzz
+# The file tier example writes its two files into build/ and removes them.
+file-tier: $(BUILD)/file_tier
+	$(BUILD)/file_tier $(BUILD)/file_tier.kv
+
+test: test-deps rust-test kernel-test c-test demo-test file-tier-test cpp-test cpp-example install-test python-test e2e-test vllm-test fuzz
 
 # What the tests need beyond the toolchain, all under build/: a venv with
 # msgspec (payload compatibility test), numpy and pytest (Python tests);
@@ -199,6 +207,9 @@ c-test: $(BUILD)/c_tests
 demo-test: $(BUILD)/demo_asan
 	$(ASAN_ENV) $(BUILD)/demo_asan
 
+file-tier-test: $(BUILD)/file_tier_asan
+	$(ASAN_ENV) $(BUILD)/file_tier_asan $(BUILD)/file_tier_asan.kv
+
 # kvcsum.hpp: every wrapped call, its errors, checksums against a naive
 # reference (tests/cpp/hpp_test.cpp); then the C++ example a C++ engine
 # author reads (examples/cpp/flash_transfer.cpp). Both under ASan/UBSan.
@@ -300,6 +311,12 @@ $(BUILD)/demo: examples/c/demo.c $(HEADER) $(LIB) | $(BUILD)
 	$(CC) $(STRICT) -O2 -g -Iinclude $< $(LINK) -o $@
 
 $(BUILD)/demo_asan: examples/c/demo.c $(HEADER) $(LIB) | $(BUILD)
+	$(CC) $(STRICT) $(SANITIZE) -Iinclude $< $(LINK) -o $@
+
+$(BUILD)/file_tier: examples/c/file_tier.c $(HEADER) $(LIB) | $(BUILD)
+	$(CC) $(STRICT) -O2 -g -Iinclude $< $(LINK) -o $@
+
+$(BUILD)/file_tier_asan: examples/c/file_tier.c $(HEADER) $(LIB) | $(BUILD)
 	$(CC) $(STRICT) $(SANITIZE) -Iinclude $< $(LINK) -o $@
 
 $(BUILD)/hpp_test: tests/cpp/hpp_test.cpp include/kvcsum.hpp $(HEADER) $(LIB) | $(BUILD)
