@@ -474,15 +474,28 @@ fn hostile_mismatch_entries_give_an_error_never_a_crash() {
             }
         };
         let mismatches: Vec<kvcs_mismatch> = (0..rng.range(0..5))
-            .map(|_| kvcs_mismatch {
-                group_id: rng.below(2) as u32,
-                localised: 0,
-                first_position: value(&mut rng),
-                num_positions: value(&mut rng),
-                first_token: value(&mut rng),
-                num_tokens: value(&mut rng),
-                num_failed_checks: 0,
-                num_layers: 0,
+            .map(|_| {
+                let mut entry = kvcs_mismatch {
+                    group_id: rng.below(2) as u32,
+                    localised: 0,
+                    first_position: value(&mut rng),
+                    num_positions: value(&mut rng),
+                    first_token: value(&mut rng),
+                    num_tokens: value(&mut rng),
+                    num_failed_checks: 0,
+                    num_layers: 0,
+                };
+                // Some entries are the blocks of their tokens, as the
+                // verifier makes them, so that some plans succeed.
+                if rng.chance(1, 2) && size > 0 {
+                    let size = size as u64;
+                    entry.first_position = first_position.min(u64::MAX - 20) + rng.below(ids.len() as u64 + 1);
+                    entry.num_positions = rng.range(1..4);
+                    entry.first_token = entry.first_position.saturating_mul(size);
+                    let most = entry.num_positions.saturating_mul(size);
+                    entry.num_tokens = most - rng.below(size.min(most));
+                }
+                entry
             })
             .collect();
         let context = format!("seed {seed}, case {case}: tables {tables:?}, mismatches {mismatches:?}");
