@@ -1370,3 +1370,71 @@ fn state_is_compared_whatever_num_tokens_and_state_block_sizes() {
         }
     }
 }
+
+/// A state position always holds its state, whatever the token count. A
+/// state group of a request of no tokens mismatched with the words "tokens
+/// 0..0" and a repair plan that refused it, so its block could never be
+/// named for reload. Its mismatch now says "the state after 0 tokens", and
+/// the plan names its block with the tokens whose state it holds (none
+/// here, `0..num_tokens` in general), after a payload check and after an
+/// offload load check alike.
+#[test]
+fn a_state_mismatch_names_its_block_for_reload_whatever_the_token_count() {
+    let mut rng = Rng::for_test("a_state_mismatch_names_its_block_for_reload_whatever_the_token_count");
+    let seed = rng.seed();
+    let state = random_state(&mut rng, &[20, 21]);
+    for num_tokens in [0u64, 0, rng.range(1..400)] {
+        let (tp_size, block_size) = (*rng.pick(&[1u32, 2, 4]), *rng.pick(&[16u32, 64, 1024]));
+        let case = format!("{num_tokens} tokens, TP {tp_size}, block size {block_size} (seed {seed})");
+        let producer = state_side(&mut rng, &state, tp_size, true, block_size, num_tokens);
+        let mut consumer = state_side(&mut rng, &state, tp_size, true, block_size, num_tokens);
+        let want = vec![(STATE_GROUP, 0u64, consumer.block_id, 0u64, num_tokens)];
+        let sizes = [(STATE_GROUP, block_size)];
+        let words = format!("group {STATE_GROUP} position 0 (the state after {num_tokens} tokens");
+        // Offload: the consumer stores, its state goes bad, the load check fails.
+        let memories: Vec<StoredMemory> = consumer
+            .workers
+            .iter()
+            .map(|worker| {
+                let memory = StoredMemory::random(&mut rng, 4);
+                worker.region(memory.address(), memory.bytes()).unwrap();
+                worker.stored(STATE_GROUP, memory.address(), 4).unwrap();
+                memory
+            })
+            .collect();
+        let table = GroupTable {
+            group_id: STATE_GROUP,
+            first_position: 0,
+            block_ids: vec![consumer.block_id],
+        };
+        let hashed = hashed_blocks(num_tokens, &[(&table, &random_hashes(&mut rng, 1))]);
+        for worker in &consumer.workers {
+            drop(worker.store(&hashed).expect("store"));
+        }
+        let payload = payload_of(&producer.workers, &producer.blocks, true);
+        let report = judge(&consumer.workers, &consumer.blocks, &payload, &no_setup);
+        assert_eq!(report.verdict(), MATCH, "{case}: {}", report.message());
+        assert_eq!(
+            report.repair_plan(&consumer.blocks, REQ, &sizes),
+            Ok(Vec::new()),
+            "{case}"
+        );
+        consumer.corrupt(&mut rng);
+        let report = judge(&consumer.workers, &consumer.blocks, &payload, &no_setup);
+        let (_, records) = load_check(&consumer.workers, &hashed, STATE_GROUP);
+        let stored = judge_stored(tp_size, &hashed, &records);
+        for (flow, report, blocks) in [("payload", &report, &consumer.blocks), ("offload", &stored, &hashed)] {
+            assert_eq!(report.verdict(), MISMATCH, "{case}, {flow}: {}", report.message());
+            assert!(report.findings().is_empty(), "{case}, {flow}: {}", report.message());
+            let message = report.message();
+            assert!(message.contains(&words), "{case}, {flow}: {message}");
+            assert!(!message.contains("tokens 0..0"), "{case}, {flow}: {message}");
+            assert_eq!(
+                report.repair_plan(blocks, REQ, &sizes),
+                Ok(want.clone()),
+                "{case}, {flow}"
+            );
+        }
+        drop(memories);
+    }
+}
