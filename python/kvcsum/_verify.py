@@ -27,7 +27,9 @@ class LayerDifference:
 
 @dataclasses.dataclass(frozen=True)
 class Mismatch:
-    """Consumer block positions of one group that differ.
+    """Consumer block positions of one group that differ, and the request
+    tokens compared there (a state group's: position 0, the tokens
+    `[0, num_tokens)` whose state it holds).
 
     Thread safety: immutable (a frozen dataclass); share it freely."""
 
@@ -243,7 +245,10 @@ class Verifier(_Handle):
             _check(self._lib.kvcs_verifier_set_producer_tp_size(handle, tp_size))
 
     def set_producer_block_size(self, group_id: int, block_size: int) -> None:
-        """Consumer: the producer's block size of a group."""
+        """Consumer: the producer's block size of a group, which a plain
+        payload (no kvcsum extension) does not say: without it such a
+        payload's attention group is UNVERIFIED (BLOCK_SIZE_UNKNOWN), even
+        where both sides use the same block size."""
         group_id = _int(group_id, "uint32_t", "group_id")
         block_size = _int(block_size, "uint32_t", "block_size")
         with self._use() as handle:
