@@ -279,7 +279,7 @@ impl GroupSides<'_> {
         Unverified(
             Reason::BlockSizeUnknown,
             format!(
-                "group {group_id}: the producer's block size is unknown (a plain payload, and kvcs_verifier_set_producer_block_size was not called for group {group_id}), so its positions {}..{} cannot be lined up with the consumer's of block size {}",
+                "group {group_id}: the producer's block size is unknown (the payload does not carry it, as a plain payload never does, and kvcs_verifier_set_producer_block_size was not called for group {group_id}), so its positions {}..{} cannot be lined up with the consumer's of block size {}",
                 self.sent.first_position,
                 self.sent.first_position + self.sent.values.len() as u64,
                 self.consumer_block_size,
