@@ -242,9 +242,10 @@ enum kvcs_unverified_reason
   // payload without the kvcsum extension means `KVCS_ALGORITHM_WEIGHTED`).
   // A configuration error, never reported as corrupt data.
   KVCS_UNVERIFIED_ALGORITHM_DIFFERS = 13,
-  // The producer's block size is unknown (a plain payload and no
-  // `kvcs_verifier_set_producer_block_size`) and the payload's positions
-  // do not fit the consumer's block size, so it is another one.
+  // The producer's block size of an attention group is unknown: a plain
+  // payload and no `kvcs_verifier_set_producer_block_size` for the group.
+  // Its positions cannot be lined up with the consumer's, whatever the
+  // consumer's block size.
   KVCS_UNVERIFIED_BLOCK_SIZE_UNKNOWN = 14,
   // No worker of one side registered any cache of a group, so nothing of
   // it was read (a group with no layers).
@@ -1506,15 +1507,20 @@ kvcs_status kvcs_layer_from_layout(const char *layout,
 // MATCH gives none. Too small a `cap` gives `KVCS_ERR_BUFFER_TOO_SMALL`
 // with `*len` the number needed (`buf` may be NULL with `cap` 0 to ask).
 //
+// A state group's mismatch (docs/SPEC.md#6-state-mamba-groups) names its
+// block with the tokens `[0, num_tokens)` whose state it holds, which are
+// none for a request of no tokens.
+//
 // `KVCS_ERR_INVALID_ARGUMENT` where a plan would not make the load
 // verified, so it must be repeated whole: an UNVERIFIED report, or a
 // MISMATCH that also has findings (a group, or the whole load, not
-// compared); also for a mismatch that does not fit the blocks: a group
-// with no blocks in `consumer_blocks` or no block size, a position without
-// a block id, a position holding none of the differing tokens (a block
-// size other than the one the report was made with), a block size of 0,
-// a group twice in `group_ids`. `KVCS_ERR_NOT_FOUND` when `req_id` is not
-// in `consumer_blocks`.
+// compared); for a report of another request than `req_id` (the message
+// names both); for a block size of a mismatching group other than the one
+// the report counted its positions in; and for a mismatch that does not
+// fit the blocks: a group with no blocks in `consumer_blocks` or no block
+// size, a position without a block id, a block size of 0, a group twice in
+// `group_ids`. `KVCS_ERR_NOT_FOUND` when `req_id` is not in
+// `consumer_blocks`.
 kvcs_status kvcs_report_repair_plan(const kvcs_report *report,
                                     const kvcs_blocks *consumer_blocks,
                                     const char *req_id,
@@ -1529,10 +1535,18 @@ kvcs_status kvcs_report_repair_plan(const kvcs_report *report,
 // `kvcs_report_mismatch`, say, carried to another process; only
 // `group_id`, `first_position`, `num_positions`, `first_token` and
 // `num_tokens` are read), as `kvcs_report_repair_plan` gives them for a
-// report. The entries carry no findings, so this call cannot refuse a
-// report with unverified groups: that check is the caller's. Entries of
-// one group must not overlap (`KVCS_ERR_INVALID_ARGUMENT`); the other
-// errors are `kvcs_report_repair_plan`'s.
+// report. The entries carry no findings, no request id, no block size and
+// no group kind, so this call cannot refuse a report with unverified
+// groups or of another request: those checks are the caller's. It refuses
+// (`KVCS_ERR_INVALID_ARGUMENT`) an entry whose positions are not exactly
+// the blocks of its tokens under the group's block size (the first token
+// starts the first position, the last lies in the last position): a block
+// size other than the one the report was made with, wherever an entry
+// shows it, and a state group's entry whose tokens do not fit its block
+// (plan those with `kvcs_report_repair_plan`). Entries of one group must
+// not overlap, and each names at least one position and one token
+// (`KVCS_ERR_INVALID_ARGUMENT`); the other errors are
+// `kvcs_report_repair_plan`'s.
 kvcs_status kvcs_repair_plan(const kvcs_mismatch *mismatches,
                              size_t num_mismatches,
                              const kvcs_blocks *consumer_blocks,
@@ -1904,8 +1918,11 @@ kvcs_status kvcs_verifier_set_require_coverage(kvcs_verifier *verifier, uint32_t
 kvcs_status kvcs_verifier_set_producer_tp_size(kvcs_verifier *verifier, uint32_t tp_size);
 
 // Consumer: the producer's block size of group `group_id`, for payloads
-// that do not carry it (plain ones); otherwise it is taken to equal the
-// consumer's. Different block sizes are compared in runs of their least
+// that do not carry it (plain ones). A plain payload says nothing of it,
+// so without this call its attention groups are UNVERIFIED
+// (`KVCS_UNVERIFIED_BLOCK_SIZE_UNKNOWN`), whatever the consumer's block
+// size: call it even where both sides use the same. The value is trusted
+// as given. Different block sizes are compared in runs of their least
 // common multiple of tokens.
 kvcs_status kvcs_verifier_set_producer_block_size(kvcs_verifier *verifier,
                                                   uint32_t group_id,

@@ -845,9 +845,11 @@ class report : public detail::owner<kvcs_report, kvcs_report_destroy> {
   }
   /// The consumer blocks to load again after this MISMATCH, with their
   /// half-open token ranges (kvcs_report_repair_plan; docs/SPEC.md section
-  /// 15); throws for an unverified report. `consumer_blocks` holds the request's
-  /// consumer block ids (what the consumer's verifier was given), and
-  /// `block_sizes[i]` is the consumer's block size of group `group_ids[i]`.
+  /// 15); throws for an unverified report, a report of another request than
+  /// `req_id`, and a block size other than the one the report was made with.
+  /// `consumer_blocks` holds the request's consumer block ids (what the
+  /// consumer's verifier was given), and `block_sizes[i]` is the consumer's
+  /// block size of group `group_ids[i]`.
   std::vector<kvcs_repair_block> repair_plan(const blocks &consumer_blocks, const std::string &req_id,
                                              view<uint32_t> group_ids, view<uint32_t> block_sizes) const {
     detail::check_same_length(group_ids.size(), block_sizes.size());
@@ -860,7 +862,8 @@ class report : public detail::owner<kvcs_report, kvcs_report_destroy> {
 
 /// The consumer blocks to load again for mismatch entries carried from a
 /// report (kvcs_repair_plan), as report::repair_plan; the caller has
-/// checked that the report had no findings.
+/// checked that the report had no findings and was of `req_id`. Throws for
+/// an entry that is not the blocks of its tokens under the block size given.
 inline std::vector<kvcs_repair_block> repair_plan(view<kvcs_mismatch> mismatches, const blocks &consumer_blocks,
                                                   const std::string &req_id, view<uint32_t> group_ids,
                                                   view<uint32_t> block_sizes) {

@@ -72,6 +72,9 @@ fn groups_registered_out_of_id_order_give_valid_records_that_match() {
     assert_eq!(producer.add(&producer_record), KVCS_OK, "{}", last_error());
     let payload = producer.payload("req").unwrap();
     let consumer = Verifier::new(1);
+    // A plain payload (WEIGHTED) does not say the producer's block sizes.
+    consumer.producer_block_size(0, block_size);
+    consumer.producer_block_size(1, block_size);
     consumer.expect(&scheduled, CONSUMER);
     assert_eq!(consumer.add(&consumer_record), KVCS_OK, "{}", last_error());
     let report = consumer.check("req", &payload);
@@ -104,6 +107,7 @@ fn a_record_of_the_other_role_is_unverified_not_corrupt() {
     let payload = producer.payload("req").unwrap();
     // The consumer rank ran its checksum with KVCS_ROLE_PRODUCER by mistake.
     let consumer = Verifier::new(1);
+    consumer.producer_block_size(0, block_size);
     consumer.expect(&scheduled, CONSUMER);
     assert_eq!(consumer.add(&worker.record(&scheduled, PRODUCER).unwrap()), KVCS_OK);
     let report = consumer.check("req", &payload);

@@ -4,7 +4,9 @@
 //! reports: a producer and a consumer of other block sizes (caches
 //! described with `kvcs_layer_from_layout`), random tokens flipped on the
 //! consumer, the plan against the naive expectation, and reloading only the
-//! planned tokens gives a match.
+//! planned tokens gives a match. A plan under any block size 1 to 64 but
+//! the report's is refused (a report's exactly; entries wherever they show
+//! it), and so is a report of another request.
 //!
 //! Reproduce a failure with the seed it printed:
 //! `KVCS_TEST_SEED=<seed> cargo test --test repair_plan <name>`.
@@ -310,26 +312,36 @@ fn verifier(
     verifier
 }
 
-#[test]
-fn a_reports_plan_names_the_blocks_of_each_flipped_run_and_reloading_them_matches() {
-    let mut rng = Rng::for_test("a_reports_plan_names_the_blocks_of_each_flipped_run_and_reloading_them_matches");
-    let seed = rng.seed();
-    for case in 0..40 {
-        let producer_size = rng.range(1..9) as usize;
-        let consumer_size = rng.range(1..9) as usize;
-        let run = producer_size * consumer_size / gcd(producer_size as u64, consumer_size as u64) as usize;
-        let num_tokens = rng.range(1..60) as usize;
+/// A transfer of request "r" through the C ABI: a producer and a consumer
+/// of `producer_size` and `consumer_size` tokens per block holding the same
+/// random tokens, then some tokens flipped on the consumer.
+struct Transfer {
+    producer_size: usize,
+    consumer_size: usize,
+    num_tokens: usize,
+    /// The producer's plain payload (its block size set on the consumer).
+    payload: Vec<u8>,
+    consumer: Cache,
+    intact: Cache,
+    consumer_ids: Vec<u32>,
+    /// The consumer's tokens flipped.
+    flipped: BTreeSet<usize>,
+    context: String,
+}
+
+impl Transfer {
+    fn new(rng: &mut Rng, producer_size: usize, consumer_size: usize, num_tokens: usize, context: &str) -> Transfer {
         let context = format!(
-            "seed {seed}, case {case}: block sizes {producer_size} (producer) and {consumer_size} (consumer), {num_tokens} tokens"
+            "{context}: block sizes {producer_size} (producer) and {consumer_size} (consumer), {num_tokens} tokens"
         );
         let producer_blocks = num_tokens.div_ceil(producer_size);
         let consumer_blocks = num_tokens.div_ceil(consumer_size);
-        let mut producer = Cache::new(&mut rng, producer_blocks + 2, producer_size);
-        let mut consumer = Cache::new(&mut rng, consumer_blocks + 3, consumer_size);
+        let mut producer = Cache::new(rng, producer_blocks + 2, producer_size);
+        let mut consumer = Cache::new(rng, consumer_blocks + 3, consumer_size);
         let producer_ids = rng.permutation(producer.num_blocks as u32)[..producer_blocks].to_vec();
         let consumer_ids = rng.permutation(consumer.num_blocks as u32)[..consumer_blocks].to_vec();
         // The transfer, one token at a time; the producer's tokens are random.
-        let source = Cache::new(&mut rng, 1, num_tokens);
+        let source = Cache::new(rng, 1, num_tokens);
         for token in 0..num_tokens {
             producer.copy_token(&producer_ids, &source, &[0], token);
             consumer.copy_token(&consumer_ids, &source, &[0], token);
@@ -372,74 +384,169 @@ fn a_reports_plan_names_the_blocks_of_each_flipped_run_and_reloading_them_matche
             &context,
         );
         kvcs_verifier_destroy(sender);
+        Transfer {
+            producer_size,
+            consumer_size,
+            num_tokens,
+            payload,
+            consumer,
+            intact,
+            consumer_ids,
+            flipped,
+            context,
+        }
+    }
 
-        let check = |cache: &Cache| {
-            let record = cache.record(&consumer_ids, num_tokens as u64, 1, &context);
-            let receiver = verifier(
-                &consumer_ids,
-                consumer_size as u32,
-                num_tokens as u64,
-                1,
-                &record,
-                &context,
-            );
-            ok(
-                kvcs_verifier_set_producer_block_size(receiver, 0, producer_size as u32),
-                &context,
-            );
-            let mut report = null_mut();
-            ok(
-                kvcs_verifier_check(receiver, c"r".as_ptr(), payload.as_ptr(), payload.len(), &mut report),
-                &context,
-            );
-            kvcs_verifier_destroy(receiver);
-            let mut verdict = u32::MAX;
-            ok(kvcs_report_verdict(report, &mut verdict), &context);
-            (report, verdict)
-        };
-        let tables = BTreeMap::from([(0u32, (0u64, consumer_ids.clone(), consumer_size as u32))]);
-        let blocks = blocks_of(num_tokens as u64, &tables, &context);
-        let (group_ids, block_sizes) = ([0u32], [consumer_size as u32]);
-        let plan_for = |report: *const kvcs_report| {
-            plan_of(
-                |buf, cap, len| {
-                    kvcs_report_repair_plan(
-                        report,
-                        blocks,
-                        c"r".as_ptr(),
-                        group_ids.as_ptr(),
-                        block_sizes.as_ptr(),
-                        1,
-                        buf,
-                        cap,
-                        len,
-                    )
-                },
-                &context,
-            )
-        };
+    /// The consumer's report on `cache` and its verdict.
+    fn check(&self, cache: &Cache) -> (*mut kvcs_report, u32) {
+        let context = &self.context;
+        let record = cache.record(&self.consumer_ids, self.num_tokens as u64, 1, context);
+        let receiver = verifier(
+            &self.consumer_ids,
+            self.consumer_size as u32,
+            self.num_tokens as u64,
+            1,
+            &record,
+            context,
+        );
+        ok(
+            kvcs_verifier_set_producer_block_size(receiver, 0, self.producer_size as u32),
+            context,
+        );
+        let mut report = null_mut();
+        ok(
+            kvcs_verifier_check(
+                receiver,
+                c"r".as_ptr(),
+                self.payload.as_ptr(),
+                self.payload.len(),
+                &mut report,
+            ),
+            context,
+        );
+        kvcs_verifier_destroy(receiver);
+        let mut verdict = u32::MAX;
+        ok(kvcs_report_verdict(report, &mut verdict), context);
+        (report, verdict)
+    }
 
-        let (report, verdict) = check(&consumer);
-        assert_eq!(verdict, 1, "{context}: flipped tokens {flipped:?} are not a mismatch");
-        let plan = plan_for(report);
-        kvcs_report_destroy(report);
-        let differing: BTreeSet<u64> = flipped
+    /// The consumer's table of group 0 (with its block size).
+    fn tables(&self) -> BTreeMap<u32, (u64, Vec<u32>, u32)> {
+        BTreeMap::from([(0u32, (0u64, self.consumer_ids.clone(), self.consumer_size as u32))])
+    }
+
+    /// The tokens of every run (of the lcm of the block sizes) holding a
+    /// flipped token: those a mismatch names.
+    fn differing(&self) -> BTreeSet<u64> {
+        let run = self.producer_size * self.consumer_size
+            / gcd(self.producer_size as u64, self.consumer_size as u64) as usize;
+        self.flipped
             .iter()
             .flat_map(|&t| {
                 let r = t / run;
-                (r * run) as u64..((r + 1) * run).min(num_tokens) as u64
+                (r * run) as u64..((r + 1) * run).min(self.num_tokens) as u64
             })
-            .collect();
-        let want = naive_plan(&tables, &BTreeMap::from([(0, differing)]));
+            .collect()
+    }
+}
+
+/// `kvcs_report_repair_plan` of `report` for request `req_id` of `blocks`,
+/// group 0 in blocks of `block_size`: the plan, or the status and message.
+fn report_plan(
+    report: *const kvcs_report,
+    blocks: *const kvcs_blocks,
+    req_id: &std::ffi::CStr,
+    block_size: u32,
+) -> Result<Vec<Entry>, (kvcs_status, String)> {
+    let (group_ids, block_sizes) = ([0u32], [block_size]);
+    let mut entries = vec![
+        kvcs_repair_block {
+            group_id: 9,
+            block_id: 9,
+            position: 9,
+            start_token: 9,
+            end_token: 9
+        };
+        1024
+    ];
+    let mut len = usize::MAX;
+    let status = kvcs_report_repair_plan(
+        report,
+        blocks,
+        req_id.as_ptr(),
+        group_ids.as_ptr(),
+        block_sizes.as_ptr(),
+        1,
+        entries.as_mut_ptr(),
+        entries.len(),
+        &mut len,
+    );
+    if status != KVCS_OK {
+        assert_eq!(len, usize::MAX, "*len written on an error");
+        assert!(entries.iter().all(|e| e.group_id == 9), "entries written on an error");
+        return Err((status, last_error()));
+    }
+    Ok(entries[..len]
+        .iter()
+        .map(|e| (e.group_id, e.position, e.block_id, e.start_token, e.end_token))
+        .collect())
+}
+
+/// The report's mismatch entries (`kvcs_report_mismatch`).
+fn report_mismatches(report: *const kvcs_report) -> Vec<kvcs_mismatch> {
+    let mut count = 0;
+    ok(kvcs_report_num_mismatches(report, &mut count), "num_mismatches");
+    (0..count)
+        .map(|i| {
+            // SAFETY: an all-zero kvcs_mismatch is a valid value.
+            let mut entry: kvcs_mismatch = unsafe { std::mem::zeroed() };
+            ok(kvcs_report_mismatch(report, i, &mut entry), "mismatch");
+            entry
+        })
+        .collect()
+}
+
+#[test]
+fn a_reports_plan_names_the_blocks_of_each_flipped_run_and_reloading_them_matches() {
+    let mut rng = Rng::for_test("a_reports_plan_names_the_blocks_of_each_flipped_run_and_reloading_them_matches");
+    let seed = rng.seed();
+    for case in 0..40 {
+        let producer_size = rng.range(1..9) as usize;
+        let consumer_size = rng.range(1..9) as usize;
+        let num_tokens = rng.range(1..60) as usize;
+        let mut transfer = Transfer::new(
+            &mut rng,
+            producer_size,
+            consumer_size,
+            num_tokens,
+            &format!("seed {seed}, case {case}"),
+        );
+        let context = transfer.context.clone();
+        let tables = transfer.tables();
+        let blocks = blocks_of(num_tokens as u64, &tables, &context);
+        let plan_for = |report: *const kvcs_report| {
+            report_plan(report, blocks, c"r", consumer_size as u32)
+                .unwrap_or_else(|(status, message)| panic!("{context}: {status:?}: {message}"))
+        };
+
+        let (report, verdict) = transfer.check(&transfer.consumer);
+        let flipped = &transfer.flipped;
+        assert_eq!(verdict, 1, "{context}: flipped tokens {flipped:?} are not a mismatch");
+        let plan = plan_for(report);
+        kvcs_report_destroy(report);
+        let want = naive_plan(&tables, &BTreeMap::from([(0, transfer.differing())]));
         assert_eq!(plan, want, "{context}: flipped tokens {flipped:?}");
 
         // Reloading the planned tokens (and nothing else) restores a match.
         for &(_, _, _, start, end) in &plan {
             for token in start..end {
-                consumer.copy_token(&consumer_ids, &intact, &consumer_ids, token as usize);
+                let ids = transfer.consumer_ids.clone();
+                transfer
+                    .consumer
+                    .copy_token(&ids, &transfer.intact, &ids, token as usize);
             }
         }
-        let (report, verdict) = check(&consumer);
+        let (report, verdict) = transfer.check(&transfer.consumer);
         assert_eq!(verdict, 0, "{context}: after the repair of {plan:?}");
         assert_eq!(
             plan_for(report),
@@ -449,6 +556,226 @@ fn a_reports_plan_names_the_blocks_of_each_flipped_run_and_reloading_them_matche
         kvcs_report_destroy(report);
         kvcs_blocks_destroy(blocks);
     }
+}
+
+/// A report's positions are counted in the consumer's block size it was
+/// made with. Given any other (20, 12 or 11 for a 16-token report gave OK
+/// and wrong token ranges), `kvcs_report_repair_plan` refuses, naming both
+/// sizes; given the report's, it gives the naive plan. Every block size 1
+/// to 64 against random reports of random block sizes 1 to 64.
+#[test]
+fn a_reports_plan_refuses_every_block_size_but_the_reports() {
+    let mut rng = Rng::for_test("a_reports_plan_refuses_every_block_size_but_the_reports");
+    let seed = rng.seed();
+    let mut sizes = vec![(16usize, 16usize), (16, 48), (48, 16)];
+    sizes.extend((0..12).map(|_| (rng.range(1..65) as usize, rng.range(1..65) as usize)));
+    for (case, (producer_size, consumer_size)) in sizes.into_iter().enumerate() {
+        let num_tokens = rng.range(1..200) as usize;
+        let transfer = Transfer::new(
+            &mut rng,
+            producer_size,
+            consumer_size,
+            num_tokens,
+            &format!("seed {seed}, case {case}"),
+        );
+        let context = &transfer.context;
+        let tables = transfer.tables();
+        let blocks = blocks_of(num_tokens as u64, &tables, context);
+        let (report, verdict) = transfer.check(&transfer.consumer);
+        assert_eq!(verdict, 1, "{context}: flipped tokens are not a mismatch");
+        let want = naive_plan(&tables, &BTreeMap::from([(0, transfer.differing())]));
+        for block_size in 1..=64u32 {
+            let got = report_plan(report, blocks, c"r", block_size);
+            if block_size as usize == consumer_size {
+                assert_eq!(got, Ok(want.clone()), "{context}: the report's block size");
+                continue;
+            }
+            let (status, message) = got.expect_err(&format!("{context}: block size {block_size} planned"));
+            assert_eq!(status, KVCS_ERR_INVALID_ARGUMENT, "{context}: {message}");
+            for needle in [
+                format!("block size {block_size}"),
+                format!("blocks of {consumer_size} tokens"),
+                "group 0".to_owned(),
+            ] {
+                assert!(message.contains(&needle), "{context}: {needle:?} not in: {message}");
+            }
+        }
+        kvcs_report_destroy(report);
+        kvcs_blocks_destroy(blocks);
+    }
+}
+
+/// Mismatch entries carried as `kvcs_mismatch` do not say their block
+/// size: `kvcs_repair_plan` refuses every block size under which some entry
+/// is not exactly the blocks of its tokens (its first token starting its
+/// first position, its last token in its last position), checked here by
+/// a naive loop over the entry's tokens; under any other it names exactly
+/// the entries' positions, each with its tokens in that block size, and
+/// under the report's it gives the naive plan. Every block size 1 to 64.
+#[test]
+fn mismatch_entries_are_planned_only_under_block_sizes_they_are_whole_blocks_of() {
+    let mut rng = Rng::for_test("mismatch_entries_are_planned_only_under_block_sizes_they_are_whole_blocks_of");
+    let seed = rng.seed();
+    let (mut refused, mut planned) = (0, 0);
+    for case in 0..15 {
+        let (producer_size, consumer_size) = (rng.range(1..65) as usize, rng.range(1..65) as usize);
+        let num_tokens = rng.range(1..200) as usize;
+        let transfer = Transfer::new(
+            &mut rng,
+            producer_size,
+            consumer_size,
+            num_tokens,
+            &format!("seed {seed}, case {case}"),
+        );
+        let context = &transfer.context;
+        let tables = transfer.tables();
+        let blocks = blocks_of(num_tokens as u64, &tables, context);
+        let (report, verdict) = transfer.check(&transfer.consumer);
+        assert_eq!(verdict, 1, "{context}: flipped tokens are not a mismatch");
+        let mismatches = report_mismatches(report);
+        kvcs_report_destroy(report);
+        for block_size in 1..=64u32 {
+            let size = block_size as u64;
+            // Naively: every token of the entry lies in one of its
+            // positions, and every position holds one of its tokens.
+            let whole_blocks = mismatches.iter().all(|m| {
+                let positions = m.first_position..m.first_position + m.num_positions;
+                let tokens = m.first_token..m.first_token + m.num_tokens;
+                tokens.clone().all(|t| positions.contains(&(t / size)))
+                    && positions.clone().all(|q| tokens.clone().any(|t| t / size == q))
+                    && m.first_token % size == 0
+            });
+            let mut sized = tables.clone();
+            sized.get_mut(&0).unwrap().2 = block_size;
+            let got = plan_of_entries(&mismatches, blocks, block_size);
+            if !whole_blocks {
+                let (status, message) = got.expect_err(&format!("{context}: block size {block_size} planned"));
+                assert_eq!(status, KVCS_ERR_INVALID_ARGUMENT, "{context}: {message}");
+                assert!(
+                    message.contains("is not the one the mismatch was made with"),
+                    "{context}: {message}"
+                );
+                refused += 1;
+                continue;
+            }
+            let got = got.unwrap_or_else(|(status, message)| {
+                panic!("{context}: block size {block_size}: {status:?}: {message}")
+            });
+            let differing: BTreeSet<u64> = mismatches
+                .iter()
+                .flat_map(|m| m.first_token..m.first_token + m.num_tokens)
+                .collect();
+            assert_eq!(
+                got,
+                naive_plan(&sized, &BTreeMap::from([(0, differing)])),
+                "{context}: block size {block_size}"
+            );
+            if block_size as usize == consumer_size {
+                let want = naive_plan(&tables, &BTreeMap::from([(0, transfer.differing())]));
+                assert_eq!(got, want, "{context}: the report's block size");
+            }
+            planned += 1;
+        }
+        kvcs_blocks_destroy(blocks);
+    }
+    assert!(
+        refused > 0 && planned > 0,
+        "seed {seed}: {refused} refused, {planned} planned"
+    );
+}
+
+/// `kvcs_repair_plan` of `mismatches` for request "r" of `blocks`, group 0
+/// in blocks of `block_size`.
+fn plan_of_entries(
+    mismatches: &[kvcs_mismatch],
+    blocks: *const kvcs_blocks,
+    block_size: u32,
+) -> Result<Vec<Entry>, (kvcs_status, String)> {
+    let (group_ids, block_sizes) = ([0u32], [block_size]);
+    let mut entries = vec![
+        kvcs_repair_block {
+            group_id: 9,
+            block_id: 9,
+            position: 9,
+            start_token: 9,
+            end_token: 9
+        };
+        1024
+    ];
+    let mut len = usize::MAX;
+    let status = kvcs_repair_plan(
+        mismatches.as_ptr(),
+        mismatches.len(),
+        blocks,
+        c"r".as_ptr(),
+        group_ids.as_ptr(),
+        block_sizes.as_ptr(),
+        1,
+        entries.as_mut_ptr(),
+        entries.len(),
+        &mut len,
+    );
+    if status != KVCS_OK {
+        assert_eq!(len, usize::MAX, "*len written on an error");
+        return Err((status, last_error()));
+    }
+    Ok(entries[..len]
+        .iter()
+        .map(|e| (e.group_id, e.position, e.block_id, e.start_token, e.end_token))
+        .collect())
+}
+
+/// A plan names the blocks of the request its report judged. Given request
+/// "r"'s report and another request's id (with blocks of its own), the
+/// plan named the other request's intact blocks and left "r"'s corrupted
+/// ones: refused (`KVCS_ERR_INVALID_ARGUMENT`), the message naming both
+/// ids, nothing written; "r"'s own id gives the plan.
+#[test]
+fn a_reports_plan_for_another_request_is_refused_naming_both_ids() {
+    let mut rng = Rng::for_test("a_reports_plan_for_another_request_is_refused_naming_both_ids");
+    let seed = rng.seed();
+    let (producer_size, consumer_size) = (rng.range(1..17) as usize, rng.range(1..17) as usize);
+    let num_tokens = rng.range(1..100) as usize;
+    let transfer = Transfer::new(
+        &mut rng,
+        producer_size,
+        consumer_size,
+        num_tokens,
+        &format!("seed {seed}"),
+    );
+    let context = &transfer.context;
+    let (report, verdict) = transfer.check(&transfer.consumer);
+    assert_eq!(verdict, 1, "{context}: flipped tokens are not a mismatch");
+    // Both requests in one block set, each with its own blocks of group 0.
+    let tables = transfer.tables();
+    let blocks = blocks_of(num_tokens as u64, &tables, context);
+    let other_ids: Vec<u32> = transfer.consumer_ids.iter().map(|id| id + 1000).collect();
+    ok(
+        kvcs_blocks_add_request(blocks, c"other".as_ptr(), num_tokens as u64),
+        context,
+    );
+    ok(
+        kvcs_blocks_add_group(blocks, c"other".as_ptr(), 0, 0, other_ids.as_ptr(), other_ids.len()),
+        context,
+    );
+    let (status, message) = report_plan(report, blocks, c"other", consumer_size as u32)
+        .expect_err(&format!("{context}: another request's plan"));
+    assert_eq!(status, KVCS_ERR_INVALID_ARGUMENT, "{context}: {message}");
+    assert!(
+        message.contains("req_id \"r\"") && message.contains("req_id \"other\""),
+        "{context}: the message does not name both ids: {message}"
+    );
+    let want = naive_plan(&tables, &BTreeMap::from([(0, transfer.differing())]));
+    assert_eq!(
+        report_plan(report, blocks, c"r", consumer_size as u32),
+        Ok(want),
+        "{context}"
+    );
+    // A request not in the block set at all is not found.
+    let (status, _) = report_plan(report, blocks, c"absent", consumer_size as u32).expect_err(context);
+    assert_eq!(status, KVCS_ERR_NOT_FOUND, "{context}");
+    kvcs_report_destroy(report);
+    kvcs_blocks_destroy(blocks);
 }
 
 #[test]
@@ -474,15 +801,28 @@ fn hostile_mismatch_entries_give_an_error_never_a_crash() {
             }
         };
         let mismatches: Vec<kvcs_mismatch> = (0..rng.range(0..5))
-            .map(|_| kvcs_mismatch {
-                group_id: rng.below(2) as u32,
-                localised: 0,
-                first_position: value(&mut rng),
-                num_positions: value(&mut rng),
-                first_token: value(&mut rng),
-                num_tokens: value(&mut rng),
-                num_failed_checks: 0,
-                num_layers: 0,
+            .map(|_| {
+                let mut entry = kvcs_mismatch {
+                    group_id: rng.below(2) as u32,
+                    localised: 0,
+                    first_position: value(&mut rng),
+                    num_positions: value(&mut rng),
+                    first_token: value(&mut rng),
+                    num_tokens: value(&mut rng),
+                    num_failed_checks: 0,
+                    num_layers: 0,
+                };
+                // Some entries are the blocks of their tokens, as the
+                // verifier makes them, so that some plans succeed.
+                if rng.chance(1, 2) && size > 0 {
+                    let size = size as u64;
+                    entry.first_position = first_position.min(u64::MAX - 20) + rng.below(ids.len() as u64 + 1);
+                    entry.num_positions = rng.range(1..4);
+                    entry.first_token = entry.first_position.saturating_mul(size);
+                    let most = entry.num_positions.saturating_mul(size);
+                    entry.num_tokens = most - rng.below(size.min(most));
+                }
+                entry
             })
             .collect();
         let context = format!("seed {seed}, case {case}: tables {tables:?}, mismatches {mismatches:?}");

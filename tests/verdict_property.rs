@@ -1,4 +1,4 @@
-//! Issue 18's rule as a property: random producer/consumer pairs (and
+//! The verdict rule as a property: random producer/consumer pairs (and
 //! store/load pairs of offloads) with intact KV, one piece of configuration
 //! changed on one side (block size, TP size or rank, heads, replicas,
 //! identities, aliases, split_known, role, layers, groups, skipped groups,
@@ -7,6 +7,14 @@
 //! with one corrupted byte must give MISMATCH; a changed pair with a
 //! corrupted byte the consumer reads must never give MATCH. The generator
 //! is tests/verdict_support/generator.rs (also the fuzz target `verdicts`).
+//!
+//! A second property sweeps every pair of producer and consumer block
+//! sizes from 1 to 64 (a token count per pair, half the time one under
+//! which both sides hold as many positions): a plain payload that nobody
+//! told the producer's block size is UNVERIFIED BLOCK_SIZE_UNKNOWN, intact
+//! or not; told (set, or the extension), intact KV matches and a flipped
+//! bit mismatches. `KVCS_TEST_SEED=<seed> KVCS_BLOCK_SIZE_PAIR=<a>,<b>`
+//! reruns one pair.
 //!
 //! `KVCS_PROPERTY_CASES` sets the number of cases (default 1000, about 2 s);
 //! `KVCS_TEST_SEED=<seed> KVCS_PROPERTY_CASE=<i>` reruns one case. The table
@@ -21,7 +29,7 @@ mod support;
 
 use std::collections::BTreeMap;
 
-use generator::{run_case, Tally};
+use generator::{run_block_size_pair, run_case, PairTally, Tally, SWEPT_BLOCK_SIZES};
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().map(|text| {
@@ -76,6 +84,50 @@ fn a_configuration_change_is_never_a_mismatch_and_corruption_never_a_match() {
         "{} violations of the rule in {} cases (seed {seed}); the first:\n{}",
         violations.len(),
         tally.cases,
+        violations.first().map_or("", String::as_str)
+    );
+}
+
+#[test]
+fn every_pair_of_block_sizes_is_compared_only_where_the_producers_is_known() {
+    let seed = support::run_seed();
+    eprintln!(
+        "[block-size pairs] seed {seed}: rerun with KVCS_TEST_SEED={seed} cargo test --release --test verdict_property -- --nocapture"
+    );
+    let pairs: Vec<(u32, u32)> = match std::env::var("KVCS_BLOCK_SIZE_PAIR") {
+        Ok(text) => {
+            let sizes: Vec<u32> = text
+                .split(',')
+                .map(|s| {
+                    s.trim()
+                        .parse()
+                        .unwrap_or_else(|_| panic!("KVCS_BLOCK_SIZE_PAIR {text:?} is not a,b"))
+                })
+                .collect();
+            assert_eq!(sizes.len(), 2, "KVCS_BLOCK_SIZE_PAIR {text:?} is not a,b");
+            vec![(sizes[0], sizes[1])]
+        }
+        Err(_) => SWEPT_BLOCK_SIZES
+            .flat_map(|a| SWEPT_BLOCK_SIZES.map(move |b| (a, b)))
+            .collect(),
+    };
+    let mut tally = PairTally::default();
+    let mut violations = Vec::new();
+    for (producer_size, consumer_size) in pairs {
+        let result = run_block_size_pair(seed, producer_size, consumer_size);
+        tally.add(&result);
+        violations.extend(result.violations());
+    }
+    eprintln!("{}", tally.table(seed));
+    eprintln!("violations: {}", violations.len());
+    for violation in violations.iter().take(20) {
+        eprintln!("VIOLATION {violation}");
+    }
+    assert!(
+        violations.is_empty(),
+        "{} violations in {} block-size pairs (seed {seed}); the first:\n{}",
+        violations.len(),
+        tally.pairs,
         violations.first().map_or("", String::as_str)
     );
 }

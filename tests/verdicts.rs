@@ -57,6 +57,8 @@ struct AttentionPlan {
     /// `(layer, target)`: register `layer` as an alias of `target` rather
     /// than with its own cache.
     alias: Option<(u32, u32)>,
+    /// Positions scheduled past those holding tokens (they sum to 0).
+    extra_positions: usize,
 }
 
 fn plan(tp_size: u32, kind: LayoutKind, block_size: u32) -> AttentionPlan {
@@ -66,6 +68,7 @@ fn plan(tp_size: u32, kind: LayoutKind, block_size: u32) -> AttentionPlan {
         kind,
         block_size,
         alias: None,
+        extra_positions: 0,
     }
 }
 
@@ -96,7 +99,7 @@ fn register_attention(
 
 /// A side holding `kv` at fresh scattered blocks of its own.
 fn attention_side(rng: &mut Rng, kv: &LogicalKv, plan: AttentionPlan, identity_of: &dyn Fn(u32) -> Vec<u8>) -> Side {
-    let count = positions_for(kv.num_tokens(), plan.block_size, 0, 0);
+    let count = positions_for(kv.num_tokens(), plan.block_size, 0, plan.extra_positions);
     let num_blocks = count as u32 + 2;
     let table = GroupTable {
         group_id: plan.group_id,
@@ -1052,94 +1055,131 @@ fn an_alias_on_one_side_and_a_real_cache_on_the_other_is_unverified() {
 // ---------------------------------------------------------------------------
 // K8
 
-/// K8: producer block size 16, consumer 32 (or 32 and 16), plain payload,
-/// no `kvcs_verifier_set_producer_block_size`: intact KV gave MISMATCH at
-/// every position. The payload's positions do not fit the consumer's block
-/// size: UNVERIFIED, BLOCK_SIZE_UNKNOWN.
+/// K8: a plain payload says nothing of the producer's block size, and no
+/// count or value of its positions tells it: 48 and 32 give 64 tokens two
+/// positions each (so do 528 and 512 for 1000, 16 and 24 for 30), and a
+/// position past the tokens sums to 0 whatever its size. Taking it to be
+/// the consumer's gave MISMATCH of intact KV. Without
+/// `kvcs_verifier_set_producer_block_size` (or the extension) the group is
+/// UNVERIFIED, BLOCK_SIZE_UNKNOWN, whatever the two sizes, equal ones
+/// too; set or sent, it is compared: intact KV matches, a flipped byte
+/// mismatches.
 #[test]
-fn a_producer_block_size_the_payload_contradicts_is_unverified_block_size_unknown() {
+fn a_plain_payload_without_the_producers_block_size_is_unverified_whatever_the_sizes() {
     // Plain payloads are vLLM's, WEIGHTED (a MIXED producer sends its block size).
     set_thread_algorithm(kvcsum::ffi::worker::kvcs_algorithm::KVCS_ALGORITHM_WEIGHTED as u32);
-    let mut rng = Rng::for_test("a_producer_block_size_the_payload_contradicts_is_unverified_block_size_unknown");
+    let mut rng = Rng::for_test("a_plain_payload_without_the_producers_block_size_is_unverified_whatever_the_sizes");
     let seed = rng.seed();
-    for (producer_size, consumer_size) in [(16u32, 32u32), (32, 16), (8, 32), (32, 8)] {
-        let num_tokens = rng.range(17..200);
+    // (producer, consumer, tokens, producer positions past the tokens).
+    let cases = [
+        (48u32, 32u32, 64u64, 0usize),
+        (48, 32, 64, 1),
+        (528, 512, 1000, 0),
+        (32, 48, 64, 0),
+        (32, 48, 64, 2),
+        (16, 24, 30, 0),
+        (16, 16, rng.range(1..200), 0),
+        (16, 16, rng.range(1..200), 1),
+        (16, 32, rng.range(17..200), 0),
+        (32, 16, rng.range(17..200), 0),
+        (8, 32, rng.range(17..200), 0),
+        (32, 8, rng.range(17..200), 1),
+    ];
+    for (producer_size, consumer_size, num_tokens, extra_positions) in cases {
+        let case = format!(
+            "producer block size {producer_size}, consumer {consumer_size}, {num_tokens} tokens, {extra_positions} producer positions past them (seed {seed})"
+        );
         let kv = random_kv(&mut rng, 2, num_tokens);
-        let producer_plan = plan(*rng.pick(&[1u32, 2, 4]), *rng.pick(&all_kinds()), producer_size);
+        let producer_plan = AttentionPlan {
+            extra_positions,
+            ..plan(*rng.pick(&[1u32, 2, 4]), *rng.pick(&all_kinds()), producer_size)
+        };
         let producer = attention_side(&mut rng, &kv, producer_plan, &identity);
         let consumer_plan = plan(*rng.pick(&[1u32, 2, 4]), *rng.pick(&all_kinds()), consumer_size);
         let mut consumer = attention_side(&mut rng, &kv, consumer_plan, &identity);
         let plain = payload_of(&producer.workers, &producer.blocks, false);
-        let report = judge(&consumer.workers, &consumer.blocks, &plain, &no_setup);
-        assert_unverified(
-            &report,
-            KVCS_UNVERIFIED_BLOCK_SIZE_UNKNOWN,
-            0,
-            &[
-                "group 0",
-                "producer's block size is unknown",
-                "kvcs_verifier_set_producer_block_size",
-                &format!("{num_tokens} tokens"),
-                &format!("consumer's block size {consumer_size}"),
-            ],
-            seed,
-        );
-        assert!(report.mismatches().is_empty(), "seed {seed}");
-        assert_eq!(
-            reason_name(report.reason()),
-            "KVCS_UNVERIFIED_BLOCK_SIZE_UNKNOWN",
-            "seed {seed}"
-        );
+        let unknown = |report: &CReport| {
+            assert_unverified(
+                report,
+                KVCS_UNVERIFIED_BLOCK_SIZE_UNKNOWN,
+                0,
+                &[
+                    "group 0",
+                    "producer's block size is unknown",
+                    "kvcs_verifier_set_producer_block_size",
+                    &format!("consumer's of block size {consumer_size}"),
+                ],
+                seed,
+            );
+            assert!(report.mismatches().is_empty(), "{case}");
+        };
+        unknown(&judge(&consumer.workers, &consumer.blocks, &plain, &no_setup));
         // Known (set or sent): compared, and a match.
         let set = |v: &CVerifier| v.producer_block_size(0, producer_size);
-        assert_verdict(&judge(&consumer.workers, &consumer.blocks, &plain, &set), MATCH, seed);
+        let report = judge(&consumer.workers, &consumer.blocks, &plain, &set);
+        assert_eq!(report.verdict(), MATCH, "{case}: {}", report.message());
+        assert!(report.compared() > 0, "{case}");
         let extended = payload_of(&producer.workers, &producer.blocks, true);
-        assert_verdict(
-            &judge(&consumer.workers, &consumer.blocks, &extended, &no_setup),
-            MATCH,
-            seed,
-        );
+        let report = judge(&consumer.workers, &consumer.blocks, &extended, &no_setup);
+        assert_eq!(report.verdict(), MATCH, "{case}: {}", report.message());
+        // Another group's block size set tells nothing of group 0.
+        let other_group = |v: &CVerifier| v.producer_block_size(1, producer_size);
+        unknown(&judge(&consumer.workers, &consumer.blocks, &plain, &other_group));
         let (layer, head, token, byte) = random_cell(&mut rng, &kv);
         consumer.corrupt(layer, head, token, byte);
-        assert_verdict(
-            &judge(&consumer.workers, &consumer.blocks, &plain, &set),
-            MISMATCH,
-            seed,
-        );
-        assert_verdict(
-            &judge(&consumer.workers, &consumer.blocks, &extended, &no_setup),
-            MISMATCH,
-            seed,
-        );
-        let report = judge(&consumer.workers, &consumer.blocks, &plain, &no_setup);
-        assert_verdict(&report, UNVERIFIED, seed);
+        for (payload, setup) in [(&plain, &set as &dyn Fn(&CVerifier)), (&extended, &no_setup)] {
+            let report = judge(&consumer.workers, &consumer.blocks, payload, setup);
+            assert_eq!(
+                report.verdict(),
+                MISMATCH,
+                "{case}: token {token}: {}",
+                report.message()
+            );
+        }
+        unknown(&judge(&consumer.workers, &consumer.blocks, &plain, &no_setup));
     }
 }
 
 // ---------------------------------------------------------------------------
 // K9
 
-/// K9: a group registered on every worker with no layers (and not skipped)
-/// gave MATCH ("7 block positions compared") though no byte was read; the
-/// offload load check matched too. The consumer's group read nothing:
-/// UNVERIFIED, NOTHING_READ (ONE_SIDED_GROUP where the producer read
-/// nothing either and so left the group out of its payload).
-#[test]
-fn a_group_no_worker_registered_a_layer_of_is_unverified_nothing_read() {
-    let mut rng = Rng::for_test("a_group_no_worker_registered_a_layer_of_is_unverified_nothing_read");
-    let seed = rng.seed();
-    let num_tokens = rng.range(1..150);
-    let kv = random_kv(&mut rng, 2, num_tokens);
-    let kv1 = LogicalKv::random(
-        &mut rng,
-        KvShape {
-            first_layer: 10,
-            ..KvShape::gqa(2, 4, 32, num_tokens)
-        },
-    );
-    let tp_size = *rng.pick(&[1u32, 2]);
-    // A side with group 0 (layers) and group 1, with or without layers.
-    let side = |rng: &mut Rng, group1_layers: bool| {
+/// The KV of two attention groups (0: layers 0 and 1, 1: layers 10 and 11)
+/// of one request, and the TP size of the sides holding them.
+struct TwoGroups {
+    num_tokens: u64,
+    kv: LogicalKv,
+    kv1: LogicalKv,
+    tp_size: u32,
+}
+
+impl TwoGroups {
+    fn random(rng: &mut Rng) -> TwoGroups {
+        let num_tokens = rng.range(1..150);
+        let kv = random_kv(rng, 2, num_tokens);
+        let kv1 = LogicalKv::random(
+            rng,
+            KvShape {
+                first_layer: 10,
+                ..KvShape::gqa(2, 4, 32, num_tokens)
+            },
+        );
+        TwoGroups {
+            num_tokens,
+            kv,
+            kv1,
+            tp_size: *rng.pick(&[1u32, 2]),
+        }
+    }
+
+    /// A side with group 0 (layers) and group 1, registered with or
+    /// without layers.
+    fn side(&self, rng: &mut Rng, group1_layers: bool) -> Side {
+        let TwoGroups {
+            num_tokens,
+            ref kv,
+            ref kv1,
+            tp_size,
+        } = *self;
         let kind = *rng.pick(&all_kinds());
         let mut side = attention_side(rng, &kv, plan(tp_size, kind, 16), &identity);
         let count = positions_for(num_tokens, 16, 0, 0);
@@ -1176,7 +1216,20 @@ fn a_group_no_worker_registered_a_layer_of_is_unverified_nothing_read() {
             tables: vec![side.table.clone(), table1],
         }]);
         side
-    };
+    }
+}
+
+/// K9: a group registered on every worker with no layers (and not skipped)
+/// gave MATCH ("7 block positions compared") though no byte was read; the
+/// offload load check matched too. The consumer's group read nothing:
+/// UNVERIFIED, NOTHING_READ.
+#[test]
+fn a_group_no_worker_registered_a_layer_of_is_unverified_nothing_read() {
+    let mut rng = Rng::for_test("a_group_no_worker_registered_a_layer_of_is_unverified_nothing_read");
+    let seed = rng.seed();
+    let model = TwoGroups::random(&mut rng);
+    let (num_tokens, tp_size) = (model.num_tokens, model.tp_size);
+    let side = |rng: &mut Rng, group1_layers: bool| model.side(rng, group1_layers);
     let nothing_read = [
         "no worker of req_id",
         "registered a layer of group 1",
@@ -1191,19 +1244,10 @@ fn a_group_no_worker_registered_a_layer_of_is_unverified_nothing_read() {
         assert_unverified(&report, KVCS_UNVERIFIED_NOTHING_READ, 1, &nothing_read, seed);
         assert!(report.compared() > 0, "group 0 was compared (seed {seed})");
     }
-    // Neither did: the producer leaves the group out of its payload.
-    let producer = side(&mut rng, false);
-    let payload = payload_of(&producer.workers, &producer.blocks, false);
-    let report = judge(&consumer.workers, &consumer.blocks, &payload, &no_setup);
-    assert_unverified(
-        &report,
-        KVCS_UNVERIFIED_ONE_SIDED_GROUP,
-        1,
-        &["group 1", "which the producer did not send"],
-        seed,
-    );
     // The producer did not, the consumer did: the consumer's group 1 was
     // read but the producer sent none of it.
+    let producer = side(&mut rng, false);
+    let payload = payload_of(&producer.workers, &producer.blocks, false);
     let consumer = side(&mut rng, true);
     let report = judge(&consumer.workers, &consumer.blocks, &payload, &no_setup);
     assert_unverified(&report, KVCS_UNVERIFIED_ONE_SIDED_GROUP, 1, &["group 1"], seed);
@@ -1240,6 +1284,40 @@ fn a_group_no_worker_registered_a_layer_of_is_unverified_nothing_read() {
         let report = judge_stored(tp_size, &blocks, &records);
         assert_unverified(&report, KVCS_UNVERIFIED_NOTHING_READ, 1, &nothing_read, seed);
     }
+}
+
+/// Neither side registered a layer of group 1: the producer read nothing of
+/// it and left it out of its payload, and the consumer read nothing of it
+/// either. That is NOTHING_READ (SPEC section 7, reason 15), not
+/// ONE_SIDED_GROUP: nothing was read on either side, which is why the
+/// producer sent nothing. Group 0 is still compared, and a flipped byte in
+/// it still mismatches.
+#[test]
+fn a_group_neither_side_read_is_unverified_nothing_read_not_one_sided() {
+    let mut rng = Rng::for_test("a_group_neither_side_read_is_unverified_nothing_read_not_one_sided");
+    let seed = rng.seed();
+    let model = TwoGroups::random(&mut rng);
+    let producer = model.side(&mut rng, false);
+    let mut consumer = model.side(&mut rng, false);
+    for extension in [false, true] {
+        let payload = payload_of(&producer.workers, &producer.blocks, extension);
+        let report = judge(&consumer.workers, &consumer.blocks, &payload, &no_setup);
+        assert_unverified(
+            &report,
+            KVCS_UNVERIFIED_NOTHING_READ,
+            1,
+            &["registered a layer of group 1", "none of its KV was read"],
+            seed,
+        );
+        assert_eq!(report.findings().len(), 1, "seed {seed}: {}", report.message());
+        assert!(report.compared() > 0, "group 0 was compared (seed {seed})");
+    }
+    let (layer, head, token, byte) = random_cell(&mut rng, &model.kv);
+    consumer.corrupt(layer, head, token, byte);
+    let payload = payload_of(&producer.workers, &producer.blocks, true);
+    let report = judge(&consumer.workers, &consumer.blocks, &payload, &no_setup);
+    assert_eq!(report.verdict(), MISMATCH, "seed {seed}: {}", report.message());
+    assert_eq!(report.reason(), KVCS_UNVERIFIED_NOTHING_READ as u32, "seed {seed}");
 }
 
 // ---------------------------------------------------------------------------
@@ -1290,5 +1368,73 @@ fn state_is_compared_whatever_num_tokens_and_state_block_sizes() {
                 report.message()
             );
         }
+    }
+}
+
+/// A state position always holds its state, whatever the token count. A
+/// state group of a request of no tokens mismatched with the words "tokens
+/// 0..0" and a repair plan that refused it, so its block could never be
+/// named for reload. Its mismatch now says "the state after 0 tokens", and
+/// the plan names its block with the tokens whose state it holds (none
+/// here, `0..num_tokens` in general), after a payload check and after an
+/// offload load check alike.
+#[test]
+fn a_state_mismatch_names_its_block_for_reload_whatever_the_token_count() {
+    let mut rng = Rng::for_test("a_state_mismatch_names_its_block_for_reload_whatever_the_token_count");
+    let seed = rng.seed();
+    let state = random_state(&mut rng, &[20, 21]);
+    for num_tokens in [0u64, 0, rng.range(1..400)] {
+        let (tp_size, block_size) = (*rng.pick(&[1u32, 2, 4]), *rng.pick(&[16u32, 64, 1024]));
+        let case = format!("{num_tokens} tokens, TP {tp_size}, block size {block_size} (seed {seed})");
+        let producer = state_side(&mut rng, &state, tp_size, true, block_size, num_tokens);
+        let mut consumer = state_side(&mut rng, &state, tp_size, true, block_size, num_tokens);
+        let want = vec![(STATE_GROUP, 0u64, consumer.block_id, 0u64, num_tokens)];
+        let sizes = [(STATE_GROUP, block_size)];
+        let words = format!("group {STATE_GROUP} position 0 (the state after {num_tokens} tokens");
+        // Offload: the consumer stores, its state goes bad, the load check fails.
+        let memories: Vec<StoredMemory> = consumer
+            .workers
+            .iter()
+            .map(|worker| {
+                let memory = StoredMemory::random(&mut rng, 4);
+                worker.region(memory.address(), memory.bytes()).unwrap();
+                worker.stored(STATE_GROUP, memory.address(), 4).unwrap();
+                memory
+            })
+            .collect();
+        let table = GroupTable {
+            group_id: STATE_GROUP,
+            first_position: 0,
+            block_ids: vec![consumer.block_id],
+        };
+        let hashed = hashed_blocks(num_tokens, &[(&table, &random_hashes(&mut rng, 1))]);
+        for worker in &consumer.workers {
+            drop(worker.store(&hashed).expect("store"));
+        }
+        let payload = payload_of(&producer.workers, &producer.blocks, true);
+        let report = judge(&consumer.workers, &consumer.blocks, &payload, &no_setup);
+        assert_eq!(report.verdict(), MATCH, "{case}: {}", report.message());
+        assert_eq!(
+            report.repair_plan(&consumer.blocks, REQ, &sizes),
+            Ok(Vec::new()),
+            "{case}"
+        );
+        consumer.corrupt(&mut rng);
+        let report = judge(&consumer.workers, &consumer.blocks, &payload, &no_setup);
+        let (_, records) = load_check(&consumer.workers, &hashed, STATE_GROUP);
+        let stored = judge_stored(tp_size, &hashed, &records);
+        for (flow, report, blocks) in [("payload", &report, &consumer.blocks), ("offload", &stored, &hashed)] {
+            assert_eq!(report.verdict(), MISMATCH, "{case}, {flow}: {}", report.message());
+            assert!(report.findings().is_empty(), "{case}, {flow}: {}", report.message());
+            let message = report.message();
+            assert!(message.contains(&words), "{case}, {flow}: {message}");
+            assert!(!message.contains("tokens 0..0"), "{case}, {flow}: {message}");
+            assert_eq!(
+                report.repair_plan(blocks, REQ, &sizes),
+                Ok(want.clone()),
+                "{case}, {flow}"
+            );
+        }
+        drop(memories);
     }
 }

@@ -995,8 +995,10 @@ fn shard_keyed_state_is_compared_only_between_equal_tp_sizes() {
         verifier.set_producer_tp_size(2).unwrap();
         let report = verifier.check(REQ, Some(&plain)).unwrap();
         assert_unverified(&report, Reason::StateTpDiffers, seed);
-        // Equal TP sizes: a plain mismatch.
+        // Equal TP sizes (and the block size, which a plain payload does
+        // not say either): a plain mismatch.
         verifier.set_producer_tp_size(4).unwrap();
+        verifier.set_producer_block_size(0, 16).unwrap();
         let report = verifier.check(REQ, Some(&other_payload.encode())).unwrap();
         assert_eq!(report.verdict, Verdict::Mismatch, "seed {seed}: {}", report.message);
     });

@@ -6,7 +6,7 @@ import dataclasses
 from ctypes import byref, c_size_t, c_uint32
 
 from . import _lib
-from ._base import _check, _int, library
+from ._base import _c, _check, _int, library
 from ._verify import Report
 from ._worker import Blocks
 
@@ -53,7 +53,8 @@ def repair_plan(report, block_tables: dict, block_size) -> dict[int, list[Repair
 
     Where the two sides' block sizes differ, a mismatch covers a run of
     their least common multiple, so every consumer block of that run is
-    named.
+    named. A state group's block is named with the tokens `[0, num_tokens)`
+    whose state it holds (none for a request of no tokens).
 
     Raises kvcsum.InvalidArgument (a ValueError) where a plan would not make
     the load verified:
@@ -66,9 +67,13 @@ def repair_plan(report, block_tables: dict, block_size) -> dict[int, list[Repair
       and the load must be repeated whole (or the configuration fixed).
       A list of Mismatch entries carries no findings: passing one skips
       this check (its entries of one group must not overlap);
+    - a block size of a mismatching group other than the consumer's that
+      the report was made with (the report knows it; a list of Mismatch
+      entries does not, and is refused only where an entry's positions are
+      not the blocks of its tokens under the size given, which also refuses
+      a state group's entry whose tokens do not fit its block);
     - a mismatch that does not fit the tables: a group with no table, a
-      position without a block id, a group without a block size, tokens
-      outside the position.
+      position without a block id, a group without a block size.
     Block sizes and block ids must be integers (TypeError for a bool or a
     non-integer); ValueError for a block size below 1 or a block id outside
     [0, 2**32).
@@ -92,12 +97,15 @@ def repair_plan(report, block_tables: dict, block_size) -> dict[int, list[Repair
     entries = (_lib.RepairBlockStruct * max(cap, 1))()
     count = c_size_t()
     lib = library()
+    # The tables are the report's request's: the library refuses a report
+    # of another request than the one it is asked to plan.
+    req_id = report.req_id if isinstance(report, Report) else "repair"
     with Blocks() as blocks:
-        blocks.add_request("repair", 0)
+        blocks.add_request(req_id, 0)
         for group, (first_position, ids) in tables.items():
-            blocks.add_group("repair", group, ids, first_position)
+            blocks.add_group(req_id, group, ids, first_position)
         with blocks._use() as blocks_handle:
-            args = (blocks_handle, b"repair", group_ids, block_sizes, len(sizes), entries, cap, byref(count))
+            args = (blocks_handle, _c(req_id, "req_id"), group_ids, block_sizes, len(sizes), entries, cap, byref(count))
             if isinstance(report, Report):
                 with report._use() as handle:
                     _check(lib.kvcs_report_repair_plan(handle, *args))

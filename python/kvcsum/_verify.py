@@ -27,7 +27,9 @@ class LayerDifference:
 
 @dataclasses.dataclass(frozen=True)
 class Mismatch:
-    """Consumer block positions of one group that differ.
+    """Consumer block positions of one group that differ, and the request
+    tokens compared there (a state group's: position 0, the tokens
+    `[0, num_tokens)` whose state it holds).
 
     Thread safety: immutable (a frozen dataclass); share it freely."""
 
@@ -62,6 +64,12 @@ class Report(_Handle):
     Thread safety: immutable; every property may be read concurrently."""
 
     _destroy = "kvcs_report_destroy"
+    _req_id = ""
+
+    @property
+    def req_id(self) -> str:
+        """The request the report judged (repair_plan plans its blocks)."""
+        return self._req_id
 
     def _describe(self) -> str:
         verdict, reason = self.verdict, self.reason
@@ -237,7 +245,10 @@ class Verifier(_Handle):
             _check(self._lib.kvcs_verifier_set_producer_tp_size(handle, tp_size))
 
     def set_producer_block_size(self, group_id: int, block_size: int) -> None:
-        """Consumer: the producer's block size of a group."""
+        """Consumer: the producer's block size of a group, which a plain
+        payload (no kvcsum extension) does not say: without it such a
+        payload's attention group is UNVERIFIED (BLOCK_SIZE_UNKNOWN), even
+        where both sides use the same block size."""
         group_id = _int(group_id, "uint32_t", "group_id")
         block_size = _int(block_size, "uint32_t", "block_size")
         with self._use() as handle:
@@ -269,11 +280,13 @@ class Verifier(_Handle):
             buffer, length = _sized(lambda buf, cap, n: self._lib.kvcs_verifier_payload(handle, req, buf, cap, n))
         return bytes(buffer[:length])
 
-    def _report(self, function, *args) -> Report:
+    def _report(self, req_id: str, function, *args) -> Report:
         out = c_void_p()
         with self._use() as handle:
             _check(function(handle, *args, byref(out)))
-        return Report._adopt(out.value)
+        report = Report._adopt(out.value)
+        report._req_id = req_id
+        return report
 
     def check(self, req_id: str, payload: bytes | str | None) -> Report:
         """Consumer: judges the load of `req_id` against the producer's
@@ -281,11 +294,11 @@ class Verifier(_Handle):
         or None when the producer sent none."""
         req = _c(req_id, "req_id")
         if payload is None:
-            return self._report(self._lib.kvcs_verifier_check_no_payload, req)
+            return self._report(req_id, self._lib.kvcs_verifier_check_no_payload, req)
         if isinstance(payload, str):
-            return self._report(self._lib.kvcs_verifier_check_base64, req, _c(payload, "payload"))
+            return self._report(req_id, self._lib.kvcs_verifier_check_base64, req, _c(payload, "payload"))
         data, length = _bytes_of(payload, "payload")
-        return self._report(self._lib.kvcs_verifier_check, req, data, length)
+        return self._report(req_id, self._lib.kvcs_verifier_check, req, data, length)
 
     def check_stored(self, req_id: str) -> Report:
         """Consumer: judges the offload load of `req_id` from its workers'
@@ -293,7 +306,7 @@ class Verifier(_Handle):
         added with add_record): MATCH, MISMATCH at the positions whose stored
         checksum failed on some worker, or UNVERIFIED (e.g. a record is not a
         load check's: NOT_LOAD_CHECK)."""
-        return self._report(self._lib.kvcs_verifier_check_stored, _c(req_id, "req_id"))
+        return self._report(req_id, self._lib.kvcs_verifier_check_stored, _c(req_id, "req_id"))
 
 
 def base64_encode(data: bytes) -> str:

@@ -132,7 +132,7 @@ def test_tables_given_from_a_first_position_and_the_errors():
             kvcsum.repair_plan(report, {1: setup.consumer_ids}, CONSUMER_BLOCK)
         with pytest.raises(ValueError, match="block_size of group 0 is 0"):
             kvcsum.repair_plan(report, {0: setup.consumer_ids}, 0)
-        with pytest.raises(ValueError, match=r"position 2 \(block size 2\) holds none of the differing tokens 8..16"):
+        with pytest.raises(ValueError, match="block_sizes gives group 0 block size 2, but the report counted its"):
             kvcsum.repair_plan(report, {0: setup.consumer_ids}, 2)  # a block size the report was not made with
     with setup.report(payload=b"\x91not a payload") as report:
         assert report.verdict == kvcsum.UNVERIFIED
@@ -149,3 +149,94 @@ def test_mismatch_entries_of_one_group_must_not_overlap():
     assert [(b.position, b.start_token, b.end_token) for b in plan[0]] == [(0, 0, 4), (1, 4, 8)]
     with pytest.raises(kvcsum.InvalidArgument, match=r"group 0: the differing positions 0..2 and 0..2 overlap"):
         kvcsum.repair_plan(mismatches * 2, {0: setup.consumer_ids}, CONSUMER_BLOCK)
+
+
+def test_a_block_size_other_than_the_reports_is_refused():
+    """A report counts its positions in the consumer's block size it was
+    made with; a plan under any other (1 to 64) raises InvalidArgument
+    naming both sizes. Mismatch entries do not say their block size: they
+    are refused under every size they are not whole blocks of (naive check
+    over their tokens), and planned under the others with exactly their
+    positions."""
+    setup = Setup(np.random.default_rng(SEED + 4))
+    with setup.report(setup.flipped([13, 27])) as report:  # runs 1 and 3
+        mismatches = report.mismatches
+        want = kvcsum.repair_plan(report, {0: setup.consumer_ids}, CONSUMER_BLOCK)
+        assert {b.position for b in want[0]} == {2, 3, 6, 7}
+        for size in range(1, 65):
+            if size == CONSUMER_BLOCK:
+                continue
+            with pytest.raises(kvcsum.InvalidArgument) as raised:
+                kvcsum.repair_plan(report, {0: setup.consumer_ids}, size)
+            assert f"block size {size}, but the report counted its positions in blocks of {CONSUMER_BLOCK}" in str(
+                raised.value
+            )
+    for size in range(1, 65):
+        whole = all(
+            m.first_token % size == 0
+            and {t // size for t in range(m.first_token, m.first_token + m.num_tokens)}
+            == set(range(m.first_position, m.first_position + m.num_positions))
+            for m in mismatches
+        )
+        tables = {0: setup.consumer_ids + [50 + i for i in range(64)]}  # positions enough for any size
+        if not whole:
+            with pytest.raises(kvcsum.InvalidArgument, match="is not the one the mismatch was made with"):
+                kvcsum.repair_plan(mismatches, tables, size)
+            continue
+        plan = kvcsum.repair_plan(mismatches, tables, size)
+        assert [b.position for b in plan[0]] == [
+            q for m in mismatches for q in range(m.first_position, m.first_position + m.num_positions)
+        ], f"block size {size}"
+    assert kvcsum.repair_plan(mismatches, {0: setup.consumer_ids}, CONSUMER_BLOCK) == want
+
+
+def test_a_plan_is_of_the_request_its_report_judged():
+    """The report knows its request: repair_plan plans that request's
+    blocks (the library refuses a report of another request than the one
+    it is asked to plan)."""
+    setup = Setup(np.random.default_rng(SEED + 5))
+    with setup.report(setup.flipped([1])) as report:
+        assert report.req_id == "req"
+        plan = kvcsum.repair_plan(report, {0: setup.consumer_ids}, CONSUMER_BLOCK)
+    assert [(b.position, b.block_id) for b in plan[0]] == [(q, setup.consumer_ids[q]) for q in (0, 1)]
+
+
+def test_a_state_block_is_planned_with_the_tokens_its_state_holds_even_none():
+    """A state group's one position holds the request's state whatever its
+    token count: a corrupted state of a request of no tokens mismatches
+    ("the state after 0 tokens") and the plan names its block, with no
+    tokens; with tokens, all of them, whatever the group's block size."""
+    rng = np.random.default_rng(SEED + 6)
+    for num_tokens in (0, 100):
+        conv = rng.integers(0, 2**16, (3, 4, 6), dtype=np.uint16)
+        sides = []
+        for _ in range(2):
+            state = conv.copy()
+            worker = kvcsum.Worker(num_threads=1)
+            worker.add_region_of(state)
+            worker.add_group(3, 16)
+            tensor = kvcsum.StateTensor(state.ctypes.data, state.strides[0], state.strides[1], 0, 4, 4, 12, 2)
+            worker.add_state(3, 7, [tensor], num_blocks=3, identity=b"mamba 7")
+            sides.append((worker, state))
+        with kvcsum.Blocks() as blocks:
+            blocks.add_request("s", num_tokens).add_group("s", 3, [2])
+            (producer, _), (consumer, state) = sides
+            with kvcsum.Verifier(1) as verifier:
+                verifier.expect(blocks, kvcsum.PRODUCER)
+                with producer.checksum(blocks, kvcsum.PRODUCER) as result:
+                    verifier.add_record(result.encode())
+                payload = verifier.payload("s")
+            state[2, 1, 3] ^= 1 << 5
+            with kvcsum.Verifier(1) as verifier:
+                verifier.expect(blocks, kvcsum.CONSUMER)
+                with consumer.checksum(blocks, kvcsum.CONSUMER) as result:
+                    verifier.add_record(result.encode())
+                with verifier.check("s", payload) as report:
+                    assert report.verdict == kvcsum.MISMATCH, report.message
+                    assert report.findings == []
+                    assert f"group 3 position 0 (the state after {num_tokens} tokens" in report.message
+                    plan = kvcsum.repair_plan(report, {3: [2]}, 16)
+        for worker, _ in sides:
+            worker.close()
+        assert plan == {3: [kvcsum.RepairBlock(3, 0, 2, 0, num_tokens)]}, f"{num_tokens} tokens"
+        assert (plan[3][0].start_token, plan[3][0].end_token) == (0, num_tokens)

@@ -98,15 +98,20 @@ unsafe fn write_plan(plan: Vec<RepairBlock>, buf: *mut kvcs_repair_block, cap: u
 /// MATCH gives none. Too small a `cap` gives `KVCS_ERR_BUFFER_TOO_SMALL`
 /// with `*len` the number needed (`buf` may be NULL with `cap` 0 to ask).
 ///
+/// A state group's mismatch (docs/SPEC.md#6-state-mamba-groups) names its
+/// block with the tokens `[0, num_tokens)` whose state it holds, which are
+/// none for a request of no tokens.
+///
 /// `KVCS_ERR_INVALID_ARGUMENT` where a plan would not make the load
 /// verified, so it must be repeated whole: an UNVERIFIED report, or a
 /// MISMATCH that also has findings (a group, or the whole load, not
-/// compared); also for a mismatch that does not fit the blocks: a group
-/// with no blocks in `consumer_blocks` or no block size, a position without
-/// a block id, a position holding none of the differing tokens (a block
-/// size other than the one the report was made with), a block size of 0,
-/// a group twice in `group_ids`. `KVCS_ERR_NOT_FOUND` when `req_id` is not
-/// in `consumer_blocks`.
+/// compared); for a report of another request than `req_id` (the message
+/// names both); for a block size of a mismatching group other than the one
+/// the report counted its positions in; and for a mismatch that does not
+/// fit the blocks: a group with no blocks in `consumer_blocks` or no block
+/// size, a position without a block id, a block size of 0, a group twice in
+/// `group_ids`. `KVCS_ERR_NOT_FOUND` when `req_id` is not in
+/// `consumer_blocks`.
 #[no_mangle]
 pub extern "C" fn kvcs_report_repair_plan(
     report: *const kvcs_report,
@@ -135,10 +140,18 @@ pub extern "C" fn kvcs_report_repair_plan(
 /// `kvcs_report_mismatch`, say, carried to another process; only
 /// `group_id`, `first_position`, `num_positions`, `first_token` and
 /// `num_tokens` are read), as `kvcs_report_repair_plan` gives them for a
-/// report. The entries carry no findings, so this call cannot refuse a
-/// report with unverified groups: that check is the caller's. Entries of
-/// one group must not overlap (`KVCS_ERR_INVALID_ARGUMENT`); the other
-/// errors are `kvcs_report_repair_plan`'s.
+/// report. The entries carry no findings, no request id, no block size and
+/// no group kind, so this call cannot refuse a report with unverified
+/// groups or of another request: those checks are the caller's. It refuses
+/// (`KVCS_ERR_INVALID_ARGUMENT`) an entry whose positions are not exactly
+/// the blocks of its tokens under the group's block size (the first token
+/// starts the first position, the last lies in the last position): a block
+/// size other than the one the report was made with, wherever an entry
+/// shows it, and a state group's entry whose tokens do not fit its block
+/// (plan those with `kvcs_report_repair_plan`). Entries of one group must
+/// not overlap, and each names at least one position and one token
+/// (`KVCS_ERR_INVALID_ARGUMENT`); the other errors are
+/// `kvcs_report_repair_plan`'s.
 #[no_mangle]
 pub extern "C" fn kvcs_repair_plan(
     mismatches: *const kvcs_mismatch,
@@ -167,6 +180,8 @@ pub extern "C" fn kvcs_repair_plan(
                 num_positions: m.num_positions,
                 first_token: m.first_token,
                 num_tokens: m.num_tokens,
+                state: false,
+                block_size: None,
             })
             .collect();
         let plan = try_engine!(repair_plan(&runs, request, &sizes));

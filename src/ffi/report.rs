@@ -81,9 +81,10 @@ pub enum kvcs_unverified_reason {
     /// payload without the kvcsum extension means `KVCS_ALGORITHM_WEIGHTED`).
     /// A configuration error, never reported as corrupt data.
     KVCS_UNVERIFIED_ALGORITHM_DIFFERS = 13,
-    /// The producer's block size is unknown (a plain payload and no
-    /// `kvcs_verifier_set_producer_block_size`) and the payload's positions
-    /// do not fit the consumer's block size, so it is another one.
+    /// The producer's block size of an attention group is unknown: a plain
+    /// payload and no `kvcs_verifier_set_producer_block_size` for the group.
+    /// Its positions cannot be lined up with the consumer's, whatever the
+    /// consumer's block size.
     KVCS_UNVERIFIED_BLOCK_SIZE_UNKNOWN = 14,
     /// No worker of one side registered any cache of a group, so nothing of
     /// it was read (a group with no layers).

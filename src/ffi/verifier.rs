@@ -135,8 +135,11 @@ pub extern "C" fn kvcs_verifier_set_producer_tp_size(verifier: *mut kvcs_verifie
 }
 
 /// Consumer: the producer's block size of group `group_id`, for payloads
-/// that do not carry it (plain ones); otherwise it is taken to equal the
-/// consumer's. Different block sizes are compared in runs of their least
+/// that do not carry it (plain ones). A plain payload says nothing of it,
+/// so without this call its attention groups are UNVERIFIED
+/// (`KVCS_UNVERIFIED_BLOCK_SIZE_UNKNOWN`), whatever the consumer's block
+/// size: call it even where both sides use the same. The value is trusted
+/// as given. Different block sizes are compared in runs of their least
 /// common multiple of tokens.
 #[no_mangle]
 pub extern "C" fn kvcs_verifier_set_producer_block_size(

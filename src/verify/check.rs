@@ -41,10 +41,10 @@ struct GroupSides<'a> {
     extension: Option<&'a ExtensionGroup>,
     parts: Vec<(&'a WorkerPart, &'a RecordGroup)>,
     consumer_block_size: u32,
-    producer_block_size: u32,
-    /// Whether the producer's block size was sent or set, rather than
-    /// taken to be the consumer's.
-    producer_block_size_known: bool,
+    /// The producer's block size where it was sent (the extension) or set
+    /// (`Verifier::set_producer_block_size`); a plain payload says nothing
+    /// of it.
+    producer_block_size: Option<u32>,
     shard_keyed: bool,
     producer_tp_size: Option<u32>,
 }
@@ -108,10 +108,15 @@ impl Load<'_> {
         sent: &SentGroups<'_>,
         scheduled: &GroupBlocks,
     ) -> Judged<Option<GroupOutcome>> {
+        // A group the consumer computed but read nothing of is unverified
+        // for that, whether or not the producer sent it (a producer that
+        // read nothing of it either leaves it out).
+        if self.pending.skipped_by(scheduled.group_id).is_none() {
+            self.pending.check_read(scheduled.group_id)?;
+        }
         let Some(sent_group) = self.sent_group(sent, scheduled.group_id)? else {
             return Ok(None);
         };
-        self.pending.check_read(scheduled.group_id)?;
         let extension = sent.extension.get(&scheduled.group_id).copied();
         let sides = self.group_sides(payload, scheduled, sent_group, extension)?;
         sides.check_state_tp(self.pending.tp_size().unwrap_or(1))?;
@@ -122,10 +127,11 @@ impl Load<'_> {
                 .compare_state(self.pending.scheduled.num_tokens, &checks)
                 .map(Some);
         }
-        sides.check_block_size_known(payload.num_tokens)?;
-        let outcome = sides.compare_runs(self.pending.scheduled.num_tokens, payload.num_tokens, &checks);
+        let producer_block_size = sides.producer_block_size.ok_or_else(|| sides.block_size_unknown())?;
+        let tokens = (self.pending.scheduled.num_tokens, payload.num_tokens);
+        let outcome = sides.compare_runs(producer_block_size, tokens, &checks);
         if outcome.compared == 0 {
-            return Err(sides.no_common_position(self.pending.scheduled.num_tokens, payload.num_tokens));
+            return Err(sides.no_common_position(producer_block_size, tokens));
         }
         Ok(Some(outcome))
     }
@@ -170,10 +176,9 @@ impl Load<'_> {
             ));
         }
         let consumer_block_size = self.pending.block_size(group_id)?;
-        let known_block_size = extension
+        let producer_block_size = extension
             .map(|e| e.block_size)
             .or_else(|| self.settings.producer_block_sizes.get(&group_id).copied());
-        let producer_block_size = known_block_size.unwrap_or(consumer_block_size);
         let shard_keyed = parts
             .iter()
             .any(|(part, _)| part.group_info(group_id).is_some_and(|g| g.shard_keyed));
@@ -189,7 +194,6 @@ impl Load<'_> {
             parts,
             consumer_block_size,
             producer_block_size,
-            producer_block_size_known: known_block_size.is_some(),
             shard_keyed,
             producer_tp_size,
         })
@@ -264,37 +268,23 @@ impl GroupSides<'_> {
         Ok(())
     }
 
-    /// Where the producer's block size is unknown and taken to be the
-    /// consumer's, the payload's positions must fit it: every position
-    /// holding tokens under that block size is sent, and no position past
-    /// them holds a value (a position without tokens sums to 0). Otherwise
-    /// the producer used another block size, and comparing would report
-    /// intact data as a mismatch.
-    fn check_block_size_known(&self, producer_tokens: u64) -> Judged<()> {
-        if self.producer_block_size_known {
-            return Ok(());
-        }
-        let block_size = self.consumer_block_size as u64;
-        let holding_tokens = producer_tokens.div_ceil(block_size);
-        let first = self.sent.first_position;
-        let end = first + self.sent.values.len() as u64;
-        let past_tokens_nonzero = self
-            .sent
-            .values
-            .iter()
-            .enumerate()
-            .any(|(i, &value)| first + i as u64 >= holding_tokens && value != 0);
-        let short = end < holding_tokens && !self.sent.values.is_empty();
-        if !past_tokens_nonzero && !short {
-            return Ok(());
-        }
-        Err(Unverified(
+    /// Why a group of a plain payload, whose producer block size nobody
+    /// gave, is unverified. Its positions cannot be lined up with the
+    /// consumer's: no count or value of them tells the producer's block
+    /// size (48 and 32 give 64 tokens two positions each, and a position
+    /// past the tokens sums to 0 whatever its size), so the library never
+    /// takes it to be the consumer's.
+    fn block_size_unknown(&self) -> Unverified {
+        let group_id = self.scheduled.group_id;
+        Unverified(
             Reason::BlockSizeUnknown,
             format!(
-                "group {}: the producer's block size is unknown (a plain payload; kvcs_verifier_set_producer_block_size sets it) and its positions {first}..{end} for {producer_tokens} tokens do not fit the consumer's block size {block_size}, under which positions 0..{holding_tokens} hold tokens",
-                self.scheduled.group_id
+                "group {group_id}: the producer's block size is unknown (the payload does not carry it, as a plain payload never does, and kvcs_verifier_set_producer_block_size was not called for group {group_id}), so its positions {}..{} cannot be lined up with the consumer's of block size {}",
+                self.sent.first_position,
+                self.sent.first_position + self.sent.values.len() as u64,
+                self.consumer_block_size,
             ),
-        ))
+        )
     }
 
     /// A state group (SPEC section 6) holds one block per request at
@@ -329,6 +319,8 @@ impl GroupSides<'_> {
                     num_positions: 1,
                     first_token: 0,
                     num_tokens,
+                    state: true,
+                    block_size: self.consumer_block_size,
                     failed_checks,
                     localised: false,
                     layers: Vec::new(),
@@ -357,7 +349,12 @@ impl GroupSides<'_> {
     }
 
     /// Compares every run both sides hold with equal valid tokens.
-    fn compare_runs(&self, consumer_tokens: u64, producer_tokens: u64, checks: &[(u32, Vec<u64>)]) -> GroupOutcome {
+    fn compare_runs(
+        &self,
+        producer_block_size: u32,
+        (consumer_tokens, producer_tokens): (u64, u64),
+        checks: &[(u32, Vec<u64>)],
+    ) -> GroupOutcome {
         let consumer = Series {
             block_size: self.consumer_block_size,
             first_position: self.scheduled.first_position,
@@ -365,12 +362,12 @@ impl GroupSides<'_> {
             num_tokens: consumer_tokens,
         };
         let producer = Series {
-            block_size: self.producer_block_size,
+            block_size: producer_block_size,
             first_position: self.sent.first_position,
             values: &self.sent.values,
             num_tokens: producer_tokens,
         };
-        let run = run_tokens(self.producer_block_size, self.consumer_block_size);
+        let run = run_tokens(producer_block_size, self.consumer_block_size);
         let (q_lo, q_hi) = consumer.with_values(&checks[0].1).runs(run);
         let localised = self.localised();
         let mut outcome = GroupOutcome {
@@ -404,6 +401,8 @@ impl GroupSides<'_> {
                 num_positions: (hi - lo) as u64,
                 first_token: (q * run) as u64,
                 num_tokens: valid as u64,
+                state: false,
+                block_size: self.consumer_block_size,
                 failed_checks,
                 localised: layers.is_some(),
                 layers: layers.unwrap_or_default(),
@@ -415,7 +414,11 @@ impl GroupSides<'_> {
     }
 
     /// Why a group with no compared run is unverified.
-    fn no_common_position(&self, consumer_tokens: u64, producer_tokens: u64) -> Unverified {
+    fn no_common_position(
+        &self,
+        producer_block_size: u32,
+        (consumer_tokens, producer_tokens): (u64, u64),
+    ) -> Unverified {
         let scheduled = self.scheduled;
         Unverified(
             Reason::NoCommonPosition,
@@ -427,7 +430,7 @@ impl GroupSides<'_> {
                 self.consumer_block_size,
                 self.sent.first_position,
                 self.sent.first_position + self.sent.values.len() as u64,
-                self.producer_block_size,
+                producer_block_size,
             ),
         )
     }

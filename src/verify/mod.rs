@@ -145,8 +145,10 @@ impl Verifier {
     }
 
     /// Consumer: the producer's block size of `group_id`, where payloads do
-    /// not say it (plain payloads). Without it the producer's block size is
-    /// taken to equal the consumer's.
+    /// not say it (plain payloads). A plain payload says nothing of it, so
+    /// without it (or the extension) the group is unverified
+    /// ([`Reason::BlockSizeUnknown`]) whatever the consumer's block size;
+    /// the value is trusted as given.
     pub fn set_producer_block_size(&self, group_id: u32, block_size: u32) -> Result<()> {
         if block_size == 0 {
             return Err(err!(InvalidArgument, "block_size is 0 (group_id {group_id})"));

@@ -125,6 +125,8 @@ impl Load<'_> {
                         u64::try_from(first_token).unwrap_or(u64::MAX)
                     },
                     num_tokens: tokens,
+                    state,
+                    block_size,
                     failed_checks: Vec::new(),
                     localised: false,
                     layers: Vec::new(),

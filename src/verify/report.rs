@@ -55,8 +55,9 @@ pub enum Reason {
     /// workers and the producer's payload. A configuration difference,
     /// never corrupt data.
     AlgorithmDiffers,
-    /// The producer's block size is unknown and the payload's positions do
-    /// not fit the consumer's, so the producer used another block size.
+    /// The producer's block size of an attention group is unknown (a plain
+    /// payload, and none set), so its positions cannot be lined up with the
+    /// consumer's.
     BlockSizeUnknown,
     /// No worker of one side registered a cache of the group: nothing of it
     /// was read.
@@ -83,7 +84,7 @@ impl Reason {
             Reason::UncomparedPositions => "loaded positions were not compared",
             Reason::NotLoadCheck => "a worker's record is not a load check",
             Reason::AlgorithmDiffers => "the checksum algorithms differ",
-            Reason::BlockSizeUnknown => "the producer's block size is unknown and not the consumer's",
+            Reason::BlockSizeUnknown => "the producer's block size is unknown",
             Reason::NothingRead => "no worker read any cache of a group",
             Reason::CoverageDiffers => "the sides checksummed other layers or heads",
         }
@@ -142,10 +143,19 @@ pub struct Mismatch {
     pub first_position: u64,
     /// Consecutive consumer positions covered (1 with equal block sizes).
     pub num_positions: u64,
-    /// The request position of the first token compared.
+    /// The request position of the first token compared; 0 for a state
+    /// group.
     pub first_token: u64,
-    /// Tokens compared.
+    /// Tokens compared. A state group's position holds the state after
+    /// the request's tokens `0..num_tokens` (SPEC section 6), so it is the
+    /// request's token count, which may be 0.
     pub num_tokens: u64,
+    /// Whether the group is a state group (SPEC section 6): its one
+    /// position holds the request's state, whatever its token count.
+    pub state: bool,
+    /// The consumer's tokens per block of the group, in which the
+    /// positions are counted (the repair plan refuses any other).
+    pub block_size: u32,
     /// The replica checks that differ, ascending.
     pub failed_checks: Vec<u32>,
     /// Whether both sides sent per-layer partials and the verifier named the
@@ -164,6 +174,8 @@ pub struct Mismatch {
 /// The verdict on one finished load and everything behind it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Report {
+    /// The request judged.
+    pub req_id: String,
     /// Match, mismatch or unverified.
     pub verdict: Verdict,
     /// The policy it was judged under.
@@ -252,6 +264,7 @@ impl Report {
             );
         }
         Report {
+            req_id: req_id.to_owned(),
             verdict,
             policy,
             passed,
@@ -269,7 +282,9 @@ impl Report {
     }
 }
 
-/// "group 0 position 2 (tokens 32..48, check 1: layer 3 heads 0..1)".
+/// "group 0 position 2 (tokens 32..48, replica check 1; check 1: layer 3
+/// heads 0..1)"; a state group's position "(the state after 100 tokens,
+/// ...)".
 fn describe_mismatch(mismatch: &Mismatch) -> String {
     let mut text = format!("group {} ", mismatch.group_id);
     if mismatch.num_positions == 1 {
@@ -282,12 +297,16 @@ fn describe_mismatch(mismatch: &Mismatch) -> String {
             mismatch.first_position + mismatch.num_positions
         );
     }
-    let _ = write!(
-        text,
-        " (tokens {}..{}, ",
-        mismatch.first_token,
-        mismatch.first_token.saturating_add(mismatch.num_tokens)
-    );
+    if mismatch.state {
+        let _ = write!(text, " (the state after {} tokens, ", mismatch.num_tokens);
+    } else {
+        let _ = write!(
+            text,
+            " (tokens {}..{}, ",
+            mismatch.first_token,
+            mismatch.first_token.saturating_add(mismatch.num_tokens)
+        );
+    }
     if mismatch.failed_workers.is_empty() {
         let checks: Vec<String> = mismatch.failed_checks.iter().map(u32::to_string).collect();
         let _ = write!(text, "replica check {}", checks.join(","));

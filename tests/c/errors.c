@@ -529,8 +529,9 @@ static void test_repair_plan(void) {
   EXPECT_OK(kvcs_blocks_add_group(blocks, "r", 0, 1, block_ids, 3)); /* positions 1..4 */
   const uint32_t groups[1] = {0};
   const uint32_t sizes[1] = {BLOCK_SIZE};
-  /* Group 0, positions 2..4: tokens 9..16 differ. */
-  kvcs_mismatch mismatch = {.group_id = 0, .first_position = 2, .num_positions = 2, .first_token = 9,
+  /* Group 0, positions 2..4: tokens 8..15 differ (the blocks of a run that
+   * ends with the request's tokens). */
+  kvcs_mismatch mismatch = {.group_id = 0, .first_position = 2, .num_positions = 2, .first_token = 8,
                             .num_tokens = 7};
   kvcs_repair_block plan[4];
   memset(plan, 0xAB, sizeof plan);
@@ -564,15 +565,32 @@ static void test_repair_plan(void) {
          "group 1 differs but consumer_blocks has no blocks of it in req_id \"r\"");
   kvcs_mismatch past = mismatch;
   past.num_positions = 3;
+  past.num_tokens = 12;
   EXPECT(kvcs_repair_plan(&past, 1, blocks, "r", groups, sizes, 1, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
          "group 0 position 4 differs but consumer_blocks holds positions 1..4 of it");
+  /* Positions that are not the blocks of their tokens under the block size
+   * given: another block size than the mismatch's. */
   const uint32_t small[1] = {2};
   EXPECT(kvcs_repair_plan(&mismatch, 1, blocks, "r", groups, small, 1, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
-         "group 0 position 2 (block size 2) holds none of the differing tokens 9..16");
+         "positions 2..4 in blocks of 2 tokens (tokens 4..8) are not the blocks of the differing tokens 8..15: block "
+         "size 2 is not the one the mismatch was made with");
+  kvcs_mismatch mid_block = mismatch;
+  mid_block.first_token = 9;
+  mid_block.num_tokens = 6;
+  EXPECT(kvcs_repair_plan(&mid_block, 1, blocks, "r", groups, sizes, 1, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "are not the blocks of the differing tokens 9..15");
+  kvcs_mismatch short_run = mismatch;
+  short_run.num_tokens = 4;
+  EXPECT(kvcs_repair_plan(&short_run, 1, blocks, "r", groups, sizes, 1, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "are not the blocks of the differing tokens 8..12");
+  kvcs_mismatch no_positions = mismatch;
+  no_positions.num_positions = 0;
+  EXPECT(kvcs_repair_plan(&no_positions, 1, blocks, "r", groups, sizes, 1, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "a differing run of 0 positions and 7 tokens (from position 2, token 8) names nothing to repair");
   kvcs_mismatch wrapping = mismatch;
   wrapping.num_tokens = UINT64_MAX;
   EXPECT(kvcs_repair_plan(&wrapping, 1, blocks, "r", groups, sizes, 1, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
-         "first_token 9 + num_tokens 18446744073709551615 overflows");
+         "first_token 8 + num_tokens 18446744073709551615 overflows");
   const kvcs_mismatch overlapping[2] = {mismatch, past};
   EXPECT(kvcs_repair_plan(overlapping, 2, blocks, "r", groups, sizes, 1, plan, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
          "the differing positions 2..4 and 2..5 overlap");
@@ -589,10 +607,10 @@ static void test_repair_plan(void) {
   CHECK(memcmp(plan, untouched, sizeof plan) == 0);
   EXPECT_OK(kvcs_repair_plan(&mismatch, 1, blocks, "r", groups, sizes, 1, plan, 4, &len));
   CHECK(len == 2);
-  CHECK(plan[0].group_id == 0 && plan[0].position == 2 && plan[0].block_id == 2 && plan[0].start_token == 9 &&
+  CHECK(plan[0].group_id == 0 && plan[0].position == 2 && plan[0].block_id == 2 && plan[0].start_token == 8 &&
         plan[0].end_token == 12);
   CHECK(plan[1].group_id == 0 && plan[1].position == 3 && plan[1].block_id == 9 && plan[1].start_token == 12 &&
-        plan[1].end_token == 16);
+        plan[1].end_token == 15);
   EXPECT_OK(kvcs_repair_plan(NULL, 0, blocks, "r", NULL, NULL, 0, NULL, 0, &len));
   CHECK(len == 0);
 

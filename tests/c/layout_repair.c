@@ -215,6 +215,24 @@ void test_layout_repair(uint64_t seed) {
          KVCS_ERR_BUFFER_TOO_SMALL, "entries needed");
   EXPECT_OK(kvcs_report_repair_plan(report, blocks, "req", group_ids, block_sizes, 1, plan, CONSUMER_POSITIONS, &len));
   CHECK(len == needed);
+  /* Only the report's request and block size: another request's id (with
+   * blocks of its own) and another block size are refused, naming both,
+   * and nothing is written. */
+  kvcs_blocks *both = request_blocks(consumer_ids, CONSUMER_POSITIONS);
+  EXPECT_OK(kvcs_blocks_add_request(both, "other", TOKENS));
+  EXPECT_OK(kvcs_blocks_add_group(both, "other", 0, 0, all_ids + 1, CONSUMER_POSITIONS));
+  kvcs_repair_block refused[CONSUMER_POSITIONS];
+  size_t refused_len = 99;
+  EXPECT(kvcs_report_repair_plan(report, both, "other", group_ids, block_sizes, 1, refused, CONSUMER_POSITIONS,
+                                 &refused_len),
+         KVCS_ERR_INVALID_ARGUMENT, "report judged req_id \"req\", but the plan was asked for req_id \"other\"");
+  const uint32_t producer_size[1] = {PRODUCER_BLOCK};
+  EXPECT(kvcs_report_repair_plan(report, blocks, "req", group_ids, producer_size, 1, refused, CONSUMER_POSITIONS,
+                                 &refused_len),
+         KVCS_ERR_INVALID_ARGUMENT,
+         "block_sizes gives group 0 block size 8, but the report counted its positions in blocks of 4 tokens");
+  CHECK(refused_len == 99);
+  kvcs_blocks_destroy(both);
   kvcs_report_destroy(report);
   /* Expected: the consumer positions of the run, each with its tokens
    * inside [run start, min(run end, TOKENS)). */

@@ -507,6 +507,20 @@ void test_verification() {
                  kvcs::repair_plan(entries, blocks, "v", group_ids, kvcs::view<uint32_t>()));
     EXPECT_THROW(KVCS_ERR_NOT_FOUND, "w", report.repair_plan(blocks, "w", group_ids, block_sizes));
     EXPECT_THROW(KVCS_ERR_NOT_FOUND, "w", kvcs::repair_plan(entries, blocks, "w", group_ids, block_sizes));
+    // Only the report's request and block size: another request's id (with
+    // blocks of its own) and another block size throw, naming both.
+    kvcs::blocks both;
+    both.add_request("v", num_tokens);
+    both.add_group("v", 0, 0, table);
+    both.add_request("u", num_tokens);
+    both.add_group("u", 0, 0, std::vector<int32_t>{1, 3, 4});
+    EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "report judged req_id \"v\", but the plan was asked for req_id \"u\"",
+                 report.repair_plan(both, "u", group_ids, block_sizes));
+    const uint32_t other_sizes[1] = {kBlockSize + 1};
+    EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "the report counted its positions in blocks of",
+                 report.repair_plan(blocks, "v", group_ids, other_sizes));
+    EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "is not the one the mismatch was made with",
+                 kvcs::repair_plan(entries, blocks, "v", group_ids, other_sizes));
 
     // The same load through base64, then with no payload, fail-open.
     EXPECT(consumer.check_base64("v", kvcs::base64_encode(payload)).verdict() == kvcs::verdict::mismatch);

@@ -253,6 +253,17 @@ impl Verifier {
         kvcs_verifier_add_record(self.0, record.as_ptr(), record.len())
     }
 
+    /// Tells a consumer the producer's block size of `group_id`, which a
+    /// plain payload does not say.
+    pub fn producer_block_size(&self, group_id: u32, block_size: u32) {
+        assert_eq!(
+            kvcs_verifier_set_producer_block_size(self.0, group_id, block_size),
+            KVCS_OK,
+            "{}",
+            last_error()
+        );
+    }
+
     pub fn check(&self, req_id: &str, payload: &[u8]) -> Report {
         let req_id = CString::new(req_id).unwrap();
         let mut out = null_mut();
@@ -466,9 +477,12 @@ pub fn column(result: *mut kvcs_result, req_id: &CStr, group_id: u32, num_positi
 }
 
 /// A one-worker consumer verifier expecting `req` (group 0, blocks 0..n at
-/// position 0, `num_tokens`), with a hand-made consumer record of it.
+/// position 0, `num_tokens`), with a hand-made consumer record of it; the
+/// producer's block size of group 0 is set to 16, as the plain payloads
+/// these tests write have it.
 pub fn consumer_with_record(record: &TRecord, n: u32, num_tokens: u64) -> (Verifier, Blocks) {
     let verifier = Verifier::new(1);
+    verifier.producer_block_size(0, 16);
     let scheduled = blocks(&[("req", num_tokens, vec![(0, 0, (0..n).collect())])]);
     verifier.expect(&scheduled, CONSUMER);
     assert_eq!(verifier.add(&record.encode()), KVCS_OK, "{}", last_error());

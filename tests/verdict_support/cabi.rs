@@ -12,6 +12,7 @@ use std::ffi::CString;
 use std::ptr::{null, null_mut};
 
 use kvcsum::ffi::blocks::*;
+use kvcsum::ffi::repair::*;
 use kvcsum::ffi::report::*;
 use kvcsum::ffi::result::*;
 use kvcsum::ffi::status::kvcs_status::{self, *};
@@ -535,6 +536,52 @@ impl CReport {
 
     pub fn mismatches(&self) -> Vec<kvcs_mismatch> {
         report_mismatches(self.0)
+    }
+
+    /// `kvcs_report_repair_plan` for `req_id` of `blocks`, each group given
+    /// with the consumer's block size: per entry (group, position, block id,
+    /// start token, end token).
+    pub fn repair_plan(
+        &self,
+        blocks: &CBlocks,
+        req_id: &str,
+        sizes: &[(u32, u32)],
+    ) -> Result<Vec<(u32, u64, u32, u64, u64)>, Failure> {
+        let req_id = CString::new(req_id).expect("no NUL");
+        let (group_ids, block_sizes): (Vec<u32>, Vec<u32>) = sizes.iter().copied().unzip();
+        let plan = |buf: *mut kvcs_repair_block, cap: usize, len: &mut usize| {
+            kvcs_report_repair_plan(
+                self.0,
+                blocks.0,
+                req_id.as_ptr(),
+                group_ids.as_ptr(),
+                block_sizes.as_ptr(),
+                sizes.len(),
+                buf,
+                cap,
+                len,
+            )
+        };
+        let mut needed = 0usize;
+        match plan(null_mut(), 0, &mut needed) {
+            KVCS_OK => return Ok(Vec::new()),
+            KVCS_ERR_BUFFER_TOO_SMALL => {}
+            status => return Err((status, last_error())),
+        }
+        let empty = kvcs_repair_block {
+            group_id: 0,
+            block_id: 0,
+            position: 0,
+            start_token: 0,
+            end_token: 0,
+        };
+        let mut entries = vec![empty; needed];
+        let mut len = 0usize;
+        check(plan(entries.as_mut_ptr(), needed, &mut len))?;
+        Ok(entries[..len]
+            .iter()
+            .map(|e| (e.group_id, e.position, e.block_id, e.start_token, e.end_token))
+            .collect())
     }
 }
 

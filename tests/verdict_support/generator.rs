@@ -1,4 +1,4 @@
-//! The generator of issue 18's rule, "a difference of configuration gives
+//! The generator of the verdict rule, "a difference of configuration gives
 //! UNVERIFIED with a reason, or an error at registration, never MISMATCH;
 //! data never read never gives MATCH": random producer/consumer pairs (or
 //! store/load pairs of an offload) with intact KV, one piece of
@@ -7,9 +7,11 @@
 //! A case is a random model (one or two attention groups, GQA or MLA, an
 //! optional shared layer, an optional state group), a base pair of side
 //! configurations that must verify (random TP and PP sizes, layouts, block
-//! sizes, detail mode; the consumer told the producer's block sizes and TP
-//! size by the payload extension, by its settings, or not at all when
-//! nothing needs it), and one change of one side. Each case runs four arms:
+//! sizes from 1 to 64, positions allocated past the tokens, detail mode;
+//! the consumer told the producer's block sizes and TP size by the payload
+//! extension, or by its settings: both, or the block sizes alone when
+//! nothing needs the TP size), and one change of one side. Each case runs
+//! four arms:
 //!
 //! - base pair, intact KV: must be MATCH;
 //! - base pair, one corrupted byte the consumer reads (or the producer
@@ -18,6 +20,13 @@
 //!   does not matter, UNVERIFIED with a reason, or refused by a call);
 //! - changed pair, one corrupted byte the consumer reads: must never be
 //!   MATCH.
+//!
+//! The sweep of block-size pairs (`run_block_size_pair`) runs every pair of
+//! producer and consumer block sizes from 1 to 64 with a plain payload and
+//! nothing told (which must be UNVERIFIED BLOCK_SIZE_UNKNOWN, intact or
+//! not: a plain payload says nothing of the producer's block size), with
+//! the block size set, and with the extension (MATCH intact, MISMATCH with
+//! a flipped bit).
 //!
 //! Shared by `tests/verdict_property.rs` and the fuzz target `verdicts`
 //! (included with `#[path]`); the crate root declares `mod support;` and
@@ -39,6 +48,17 @@ pub const REQ: &str = "req-property";
 const HASH_BYTES: usize = 32;
 const TP_SIZES: [u32; 3] = [1, 2, 4];
 const BLOCK_SIZES: [u32; 3] = [8, 16, 32];
+/// The block sizes the sweep of every pair runs (and a case sometimes draws).
+pub const SWEPT_BLOCK_SIZES: std::ops::RangeInclusive<u32> = 1..=64;
+
+/// A block size: mostly a usual one, sometimes any of 1 to 64.
+fn random_block_size(rng: &mut Rng) -> u32 {
+    if rng.chance(3, 4) {
+        *rng.pick(&BLOCK_SIZES)
+    } else {
+        rng.range(*SWEPT_BLOCK_SIZES.start() as u64..*SWEPT_BLOCK_SIZES.end() as u64 + 1) as u32
+    }
+}
 
 fn identity(layer: u32) -> Vec<u8> {
     format!("('model.layers.{layer}.self_attn.attn', 'FullAttentionSpec', 'bfloat16')").into_bytes()
@@ -217,6 +237,9 @@ pub struct GroupConfig {
     /// A worker whose block set leaves the group out.
     pub unscheduled_on: Option<usize>,
     pub edits: Vec<LayerEdit>,
+    /// Attention groups: positions scheduled past those holding tokens
+    /// (blocks allocated ahead; their sums are 0).
+    pub extra_positions: usize,
 }
 
 /// What a side's workers call to checksum.
@@ -255,10 +278,37 @@ pub struct SideConfig {
     pub stored_edit: Option<StoredEdit>,
 }
 
-fn kinds_for(model: &Model, g: usize) -> Vec<LayoutKind> {
-    match &model.groups[g] {
+/// The layouts group `g` can have in blocks of `block_size` tokens: one
+/// segment for MLA latents, and kernel blocks only where they divide the
+/// block.
+fn kinds_for(model: &Model, g: usize, block_size: u32) -> Vec<LayoutKind> {
+    let kinds = match &model.groups[g] {
         GroupModel::Attention(a) if a.kv.shape.v_bytes == 0 => single_segment_kinds(),
         _ => all_kinds(),
+    };
+    kinds
+        .into_iter()
+        .filter(|kind| !matches!(kind, LayoutKind::KernelBlocks { kernel_blocks } if block_size % kernel_blocks != 0))
+        .collect()
+}
+
+impl GroupConfig {
+    /// Group `g` of `model` in blocks of `block_size` tokens, laid out as
+    /// `kind`, registered plainly.
+    fn plain(g: usize, block_size: u32, kind: LayoutKind) -> GroupConfig {
+        GroupConfig {
+            id: g as u32,
+            block_size,
+            kind,
+            split_known: true,
+            alias: false,
+            registered: true,
+            no_layers: false,
+            skip: None,
+            unscheduled_on: None,
+            edits: Vec::new(),
+            extra_positions: 0,
+        }
     }
 }
 
@@ -266,17 +316,13 @@ impl SideConfig {
     fn random(rng: &mut Rng, model: &Model) -> SideConfig {
         let tp_size = *rng.pick(&TP_SIZES);
         let groups = (0..model.groups.len())
-            .map(|g| GroupConfig {
-                id: g as u32,
-                block_size: *rng.pick(&BLOCK_SIZES),
-                kind: *rng.pick(&kinds_for(model, g)),
-                split_known: true,
-                alias: false,
-                registered: true,
-                no_layers: false,
-                skip: None,
-                unscheduled_on: None,
-                edits: Vec::new(),
+            .map(|g| {
+                let block_size = random_block_size(rng);
+                let mut group = GroupConfig::plain(g, block_size, *rng.pick(&kinds_for(model, g, block_size)));
+                if matches!(model.groups[g], GroupModel::Attention(_)) && rng.chance(1, 3) {
+                    group.extra_positions = rng.range(1..3) as usize;
+                }
+                group
             })
             .collect();
         SideConfig {
@@ -320,7 +366,12 @@ pub enum Informed {
     Extension,
     /// A plain payload; `set_producer_tp_size` / `set_producer_block_size`.
     Settings,
-    /// A plain payload and no settings.
+    /// A plain payload; `set_producer_block_size` only (the TP size stays
+    /// unknown).
+    BlockSizes,
+    /// A plain payload and no settings: a plain payload says nothing of the
+    /// producer's block sizes, so its attention groups are never compared
+    /// (the sweep of block-size pairs runs it; a case never does).
     Plain,
 }
 
@@ -457,14 +508,14 @@ impl Case {
     pub fn random(rng: &mut Rng) -> Case {
         let model = Model::random(rng);
         let offload = rng.chance(1, 4);
-        let mut informed = *rng.pick(&[Informed::Extension, Informed::Settings, Informed::Plain]);
+        let mut informed = *rng.pick(&[Informed::Extension, Informed::Settings, Informed::BlockSizes]);
         let producer = SideConfig::random(rng, &model);
         let consumer = if offload {
             // A load runs on the storing engine's configuration; its caches
             // may be laid out otherwise.
             let mut consumer = producer.clone();
             for (g, group) in consumer.groups.iter_mut().enumerate() {
-                group.kind = *rng.pick(&kinds_for(&model, g));
+                group.kind = *rng.pick(&kinds_for(&model, g, group.block_size));
             }
             consumer.detail = rng.chance(1, 4);
             consumer
@@ -476,7 +527,7 @@ impl Case {
         let split_known = rng.chance(2, 3);
         if !offload && !split_known && model.state_group().is_some() {
             // Shard-keyed state verifies only at a known, equal TP size.
-            if informed == Informed::Plain {
+            if informed == Informed::BlockSizes {
                 informed = *rng.pick(&[Informed::Extension, Informed::Settings]);
             }
             let tp_size = base[0].tp_size;
@@ -489,12 +540,6 @@ impl Case {
                 if matches!(model.groups[g], GroupModel::State(_)) {
                     group.split_known = split_known;
                 }
-            }
-        }
-        if !offload && informed == Informed::Plain {
-            // The consumer takes the producer's block sizes to be its own.
-            for g in model.attention_groups() {
-                base[1].groups[g].block_size = base[0].groups[g].block_size;
             }
         }
         let flow = if offload {
@@ -553,9 +598,14 @@ impl Case {
                     .iter()
                     .map(|g| {
                         format!(
-                            "id {} bs {} {:?}{}{}{}{}{}{}",
+                            "id {} bs {}{} {:?}{}{}{}{}{}{}",
                             g.id,
                             g.block_size,
+                            if g.extra_positions > 0 {
+                                format!(" (+{} positions past the tokens)", g.extra_positions)
+                            } else {
+                                String::new()
+                            },
                             g.kind,
                             if g.split_known { "" } else { " shard-keyed" },
                             if g.alias { " alias" } else { "" },
@@ -624,8 +674,14 @@ fn apply(
     match kind {
         Kind::BlockSize if !offload => {
             let g = *rng.pick(&all_groups);
-            let to = other(rng, &BLOCK_SIZES, config.groups[g].block_size);
-            config.groups[g].block_size = to;
+            let group = &mut config.groups[g];
+            let to = loop {
+                let to = random_block_size(rng);
+                if to != group.block_size && kinds_for(model, g, to).contains(&group.kind) {
+                    break to;
+                }
+            };
+            group.block_size = to;
             Some(format!("group {g} block size {to}"))
         }
         Kind::TpSize if !offload => {
@@ -640,7 +696,11 @@ fn apply(
         }
         Kind::Layout => {
             let g = *rng.pick(&attention);
-            let to = other(rng, &kinds_for(model, g), config.groups[g].kind);
+            let to = other(
+                rng,
+                &kinds_for(model, g, config.groups[g].block_size),
+                config.groups[g].kind,
+            );
             config.groups[g].kind = to;
             Some(format!("group {g} layout {to:?}"))
         }
@@ -938,7 +998,7 @@ fn deploy(rng: &mut Rng, model: &Model, config: &SideConfig) -> Result<Deployed,
     for (g, group) in config.groups.iter().enumerate() {
         let (table, blocks) = match &model.groups[g] {
             GroupModel::Attention(_) => {
-                let count = positions_for(model.num_tokens, group.block_size, 0, 0);
+                let count = positions_for(model.num_tokens, group.block_size, 0, group.extra_positions);
                 let blocks = count as u32 + 3;
                 let ids = BlockAllocator::new(rng, blocks).take(count);
                 (ids, blocks)
@@ -1322,9 +1382,10 @@ fn corrupt(
     let table = side.tables[group].clone().expect("a read group is registered");
     if stored_values && rng.chance(1, 4) {
         if let Some(memory) = side.workers[w].stored[group].as_mut() {
+            // Positions past the tokens are neither stored nor checked.
             let positions = match &model.groups[group] {
                 GroupModel::State(_) => 1,
-                GroupModel::Attention(_) => table.block_ids.len(),
+                GroupModel::Attention(_) => positions_for(model.num_tokens, config.groups[group].block_size, 0, 0),
             };
             let position = rng.below(positions as u64) as usize;
             let block = table.block_ids[position] as usize;
@@ -1477,6 +1538,8 @@ fn run_payload(informed: Informed, configs: &[SideConfig; 2], sides: &[Deployed;
         let verifier = CVerifier::new(consumer_config.num_workers());
         if informed == Informed::Settings {
             verifier.producer_tp_size(producer_config.tp_size);
+        }
+        if matches!(informed, Informed::Settings | Informed::BlockSizes) {
             for group in producer_config.groups.iter().filter(|g| g.registered) {
                 verifier.producer_block_size(group.id, group.block_size);
             }
@@ -1569,7 +1632,7 @@ fn run_arm(rng: &mut Rng, case: &Case, configs: &[SideConfig; 2], producer_too: 
     // vLLM's plain payloads are WEIGHTED (a MIXED producer always sends
     // the extension); the other flows run the library's default.
     let algorithm = match case.flow {
-        Flow::Payload(Informed::Plain) | Flow::Payload(Informed::Settings) => {
+        Flow::Payload(Informed::Plain | Informed::Settings | Informed::BlockSizes) => {
             kvcsum::ffi::worker::kvcs_algorithm::KVCS_ALGORITHM_WEIGHTED as u32
         }
         _ => 0,
@@ -1655,7 +1718,7 @@ impl CaseResult {
         }
         let plain = matches!(
             self.case.flow,
-            Flow::Payload(Informed::Plain) | Flow::Payload(Informed::Settings)
+            Flow::Payload(Informed::Plain | Informed::Settings | Informed::BlockSizes)
         );
         let shard_keyed = self
             .case
@@ -1744,6 +1807,7 @@ impl Tally {
         let flow = match result.case.flow {
             Flow::Payload(Informed::Extension) => "payload with extension",
             Flow::Payload(Informed::Settings) => "plain payload, producer sizes set",
+            Flow::Payload(Informed::BlockSizes) => "plain payload, producer block sizes set",
             Flow::Payload(Informed::Plain) => "plain payload, nothing set",
             Flow::Offload => "offload (store, load check)",
         };
@@ -1818,6 +1882,200 @@ impl Tally {
                 summary(2),
                 summary(3)
             );
+        }
+        out
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Every pair of block sizes
+
+/// The flows of the sweep: nothing told (a plain payload says nothing of
+/// the producer's block size), the block size set, the extension.
+pub const PAIR_FLOWS: [Informed; 3] = [Informed::Plain, Informed::BlockSizes, Informed::Extension];
+
+/// One pair of block sizes (producer, consumer) of the sweep: one model of
+/// one attention group, and per flow of [`PAIR_FLOWS`] its arm (intact, one
+/// flipped bit of a token read).
+pub struct PairResult {
+    pub seed: u64,
+    pub case: Case,
+    pub arms: Vec<(Informed, Arm)>,
+}
+
+/// A token count for blocks of `a` and `b` tokens: half the time one under
+/// which both sides hold the same number of positions (the counts that
+/// cannot tell the two sizes apart), more than one each where the sizes
+/// allow it; else any of 1 to 200.
+fn pair_tokens(rng: &mut Rng, a: u32, b: u32) -> u64 {
+    if rng.chance(1, 2) {
+        let (small, large) = (a.min(b) as u64, a.max(b) as u64);
+        // `k` positions each: tokens in ((k-1)*large, k*small].
+        let counts: Vec<u64> = (2..=6).filter(|k| (k - 1) * large < k * small).collect();
+        let k = counts
+            .get(rng.below(counts.len().max(1) as u64) as usize)
+            .copied()
+            .unwrap_or(1);
+        return rng.range((k - 1) * large + 1..k * small + 1);
+    }
+    rng.range(1..201)
+}
+
+/// Runs the pair `(producer_size, consumer_size)` of the run with `seed`:
+/// one model (MLA or GQA, one or two layers, TP 1 or 2 on each side, any
+/// layout the block size allows, producer and consumer positions past the
+/// tokens) under each flow of [`PAIR_FLOWS`].
+pub fn run_block_size_pair(seed: u64, producer_size: u32, consumer_size: u32) -> PairResult {
+    let mut rng = Rng::from_seed_and_name(seed, &format!("block sizes {producer_size} {consumer_size}"));
+    let num_tokens = pair_tokens(&mut rng, producer_size, consumer_size);
+    let layers = rng.range(1..3) as u32;
+    let shape = if rng.chance(1, 2) {
+        KvShape::mla(layers, 16, num_tokens)
+    } else {
+        KvShape::gqa(layers, 2, 8, num_tokens)
+    };
+    let model = Model {
+        num_tokens,
+        groups: vec![GroupModel::Attention(AttentionModel {
+            kv: LogicalKv::random(&mut rng, shape),
+            shared: None,
+        })],
+        hash_seed: rng.next_u64(),
+    };
+    let side = |rng: &mut Rng, block_size: u32, extra_positions: usize| {
+        let tp_size = *rng.pick(&[1u32, 2]);
+        let kind = *rng.pick(&kinds_for(&model, 0, block_size));
+        SideConfig {
+            tp_size,
+            pp_size: 1,
+            detail: rng.chance(1, 4),
+            groups: vec![GroupConfig {
+                extra_positions,
+                ..GroupConfig::plain(0, block_size, kind)
+            }],
+            rank_labels: (0..tp_size).collect(),
+            head_ranks: (0..tp_size).collect(),
+            flipped_roles: None,
+            call: Call::Checksum,
+            stored_buffers: false,
+            stored_edit: None,
+        }
+    };
+    let producer_extra = rng.below(3) as usize;
+    let consumer_extra = rng.below(2) as usize;
+    let base = [
+        side(&mut rng, producer_size, producer_extra),
+        side(&mut rng, consumer_size, consumer_extra),
+    ];
+    let mut case = Case {
+        model,
+        flow: Flow::Payload(Informed::Plain),
+        changed: base.clone(),
+        base,
+        kind: Kind::BlockSize,
+        change: format!("producer block size {producer_size}, consumer {consumer_size}, {num_tokens} tokens"),
+    };
+    let mut arms = Vec::new();
+    for informed in PAIR_FLOWS {
+        case.flow = Flow::Payload(informed);
+        arms.push((informed, run_arm(&mut rng, &case, &case.base, true)));
+    }
+    PairResult { seed, case, arms }
+}
+
+impl PairResult {
+    /// The outcomes that break the rule: with nothing told, the group is
+    /// UNVERIFIED BLOCK_SIZE_UNKNOWN, intact or not (never MATCH, never
+    /// MISMATCH); told by a setting or the extension, intact KV is a
+    /// MATCH and a flipped bit a MISMATCH.
+    pub fn violations(&self) -> Vec<String> {
+        let [producer, consumer] = &self.case.base;
+        let (a, b) = (producer.groups[0].block_size, consumer.groups[0].block_size);
+        let mut found = Vec::new();
+        for (informed, arm) in &self.arms {
+            let (intact, corrupted) = match informed {
+                Informed::Plain => ("UNVERIFIED BLOCK_SIZE_UNKNOWN", "UNVERIFIED BLOCK_SIZE_UNKNOWN"),
+                _ => ("MATCH", "MISMATCH"),
+            };
+            let mut say = |what: &str, want: &str, outcome: &Outcome| {
+                if outcome.label() != want {
+                    found.push(format!(
+                        "block sizes {a} (producer) and {b} (consumer) (KVCS_TEST_SEED={} KVCS_BLOCK_SIZE_PAIR={a},{b}), {informed:?}: {what} must be {want}, got {}: {}\n  case: {}",
+                        self.seed,
+                        outcome.label(),
+                        outcome.message(),
+                        self.case.summary()
+                    ));
+                }
+            };
+            say("intact KV", intact, &arm.intact);
+            match &arm.corrupted {
+                Some((what, outcome)) => say(&format!("a flipped bit ({what})"), corrupted, outcome),
+                None => say("a flipped bit (nothing to corrupt)", corrupted, &arm.intact),
+            }
+        }
+        found
+    }
+}
+
+/// Outcome counts of the sweep, per flow and arm.
+#[derive(Default)]
+pub struct PairTally {
+    pub pairs: u64,
+    /// Pairs of two block sizes whose sides hold as many positions of
+    /// tokens (which no count of positions tells apart).
+    pub equal_position_counts: u64,
+    /// (flow, corrupted, label) -> count.
+    outcomes: BTreeMap<(String, bool, String), u64>,
+}
+
+impl PairTally {
+    pub fn add(&mut self, result: &PairResult) {
+        self.pairs += 1;
+        let tokens = result.case.model.num_tokens;
+        let [producer, consumer] = &result.case.base;
+        let positions = |side: &SideConfig| tokens.div_ceil(side.groups[0].block_size as u64);
+        let sizes_differ = producer.groups[0].block_size != consumer.groups[0].block_size;
+        if sizes_differ && positions(producer) == positions(consumer) {
+            self.equal_position_counts += 1;
+        }
+        for (informed, arm) in &result.arms {
+            let flow = format!("{informed:?}");
+            *self
+                .outcomes
+                .entry((flow.clone(), false, arm.intact.label()))
+                .or_default() += 1;
+            if let Some((_, outcome)) = &arm.corrupted {
+                *self.outcomes.entry((flow, true, outcome.label())).or_default() += 1;
+            }
+        }
+    }
+
+    pub fn table(&self, seed: u64) -> String {
+        let mut out = format!(
+            "block-size pairs: seed {seed}, {} pairs ({} of two sizes with as many positions of tokens on both sides)\n",
+            self.pairs, self.equal_position_counts
+        );
+        for informed in PAIR_FLOWS {
+            let name = match informed {
+                Informed::Plain => "plain payload, nothing set",
+                Informed::BlockSizes => "plain payload, producer block size set",
+                _ => "payload with extension",
+            };
+            for corrupted in [false, true] {
+                let rows: Vec<String> = self
+                    .outcomes
+                    .iter()
+                    .filter(|((f, c, _), _)| *f == format!("{informed:?}") && *c == corrupted)
+                    .map(|((_, _, label), count)| format!("{label} {count}"))
+                    .collect();
+                let _ = writeln!(
+                    out,
+                    "  {name:<40} {:<9} {}",
+                    if corrupted { "corrupted" } else { "intact" },
+                    rows.join(", ")
+                );
+            }
         }
         out
     }
