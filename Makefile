@@ -20,6 +20,10 @@
 #                 CMake package (find_package(kvcsum) -> kvcsum::kvcsum)
 #   make header   regenerate include/kvcsum.h from src/ffi (cbindgen)
 #   make bench    the host engine benchmark (BENCHMARKS.md)
+#   make plots    BENCHMARKS.md's GPU table and plots (docs/img/*.svg) from
+#                 gpu_bench's and the fault catalogue's output
+#                 (BENCH_RUNS=..., CATALOGUE=...; matplotlib into
+#                 build/plots-venv)
 #   make clean    remove build/ (C programs, the venv, downloads); `cargo
 #                 clean` removes target/
 #
@@ -297,6 +301,31 @@ header:
 
 bench:
 	$(CARGO) run --$(PROFILE) --example host_bench
+
+# BENCHMARKS.md's current GPU table and the plots under docs/img, made by
+# scripts/bench-plots.py from the programs' own output: gpu_bench's, one file
+# per run (scripts/gpu-run.sh saves OUTDIR/bench.md, with OUTDIR/run.txt
+# naming card, date and commit), and the fault catalogue's (`cargo test
+# --release --test fault_catalogue -- --nocapture > FILE`). The defaults are
+# the inputs of the committed table and plots. matplotlib, pinned, goes into
+# a venv of its own.
+MATPLOTLIB_VERSION := 3.11.2
+PLOTS_VENV := $(BUILD)/plots-venv
+PLOTS_PY := $(abspath $(PLOTS_VENV))/bin/python
+BENCH_RUNS ?= benches/results/h200-2026-12-01/bench.md
+CATALOGUE ?= benches/results/fault_catalogue.txt
+
+$(PLOTS_VENV)/.installed: Makefile | $(BUILD)
+	rm -rf $(PLOTS_VENV)
+	python3 -m venv $(PLOTS_VENV)
+	$(PLOTS_PY) -m pip --disable-pip-version-check --cache-dir $(abspath $(BUILD))/pip-cache install --quiet \
+	  matplotlib==$(MATPLOTLIB_VERSION)
+	touch $@
+
+.PHONY: plots
+plots: $(PLOTS_VENV)/.installed
+	$(PLOTS_PY) scripts/bench-plots.py --bench $(BENCH_RUNS) --catalogue $(CATALOGUE) --out docs/img \
+	  --update BENCHMARKS.md
 
 clean:
 	rm -rf $(BUILD)
