@@ -130,14 +130,14 @@ def summary(values: list[float]) -> str:
 
 
 def bench_table(algorithms: list[str], cases: list[Case], card: str, date: str, commit: str, runs: int) -> str:
-    what = "one run" if runs == 1 else f"median of {runs} runs (range)"
+    what = "one run" if runs == 1 else f"median of {runs} runs, and in parentheses their range"
     lines = [
         f"Card: {card}.",
         f"Date: {date}. Commit: `{commit}`. Command: `.device/bin/gpu_bench`.",
         "",
-        f"Each cell is the throughput as a fraction of the read ceiling measured in",
-        f"the same run ({what}); the read ceiling is a plain read of the same bytes",
-        "on the same card.",
+        "Each cell is the throughput as a fraction of the read ceiling measured in",
+        f"the same run ({what}); the read ceiling is",
+        "a plain read of the same bytes on the same card.",
         "",
         "| cache | layout | case | bytes read | read ceiling GB/s | " + " | ".join(algorithms) + " |",
         "|---|---|---|---:|---:|" + "---:|" * len(algorithms),
