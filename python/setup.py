@@ -8,7 +8,9 @@ PATH); everything else about the package is in pyproject.toml.
 The library is a plain cdylib with a C ABI, not a Python extension module,
 hence Binding.NoBinding, the file name without the interpreter's suffix,
 and a wheel tagged py3-none-<platform>: one wheel serves every Python 3.
-`make python-wheel` then gives it a manylinux tag with auditwheel.
+`make python-wheel` builds it against glibc 2.28's symbols (cargo through
+scripts/zigbuild-cargo.sh) and gives it the manylinux_2_28 tag with
+auditwheel (docs/python.md).
 
 cargo builds into the repository's target/ (or $CARGO_TARGET_DIR), with
 Cargo.toml's own crate types, so a library that `cargo build --release

@@ -18,4 +18,7 @@ cp "$test_binary" .device/bin/gpu-tests
 cp target/release/examples/gpu_bench .device/bin/gpu_bench
 cp target/release/examples/host_bench .device/bin/host_bench
 strip --strip-debug .device/bin/gpu-tests .device/bin/gpu_bench .device/bin/host_bench
+# The commit these binaries were built from (gpu-run.sh puts it in run.txt,
+# which scripts/bench-plots.py reads); "-dirty" when the tree had changes.
+git describe --always --dirty --abbrev=7 > .device/bin/commit 2>/dev/null || echo unknown > .device/bin/commit
 ls -la .device/bin

@@ -7,6 +7,12 @@ out=${1:-gpu-logs}
 mkdir -p "$out"
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
+# What BENCHMARKS.md's table names (scripts/bench-plots.py reads it beside bench.md).
+{
+  echo "card: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1 | sed 's/, / (driver /; s/$/)/')"
+  echo "date: $(date -u +%Y-%m-%d)"
+  echo "commit: $(cat .device/bin/commit 2>/dev/null || echo unknown)"
+} > "$out/run.txt"
 echo "== GPU tests" | tee -a "$out/summary.txt"
 .device/bin/gpu-tests --include-ignored --test-threads=1 2>&1 | tee "$out/tests.log" || status=1
 tail -3 "$out/tests.log" >> "$out/summary.txt"
