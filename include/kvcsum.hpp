@@ -197,6 +197,8 @@ enum class unverified_reason : uint32_t {
   nothing_read = KVCS_UNVERIFIED_NOTHING_READ,
   /// The producer checksummed other layers or heads than a replica check covers.
   coverage_differs = KVCS_UNVERIFIED_COVERAGE_DIFFERS,
+  /// The sides declare that they decode a layer's bytes differently.
+  decoding_differs = KVCS_UNVERIFIED_DECODING_DIFFERS,
 };
 
 /// A worker's checksum algorithm (kvcs_algorithm).
