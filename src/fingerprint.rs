@@ -13,6 +13,7 @@
 
 use sha2::{Digest, Sha256};
 
+use crate::decoding::LayerDecoding;
 use crate::layout::Group;
 
 /// `LE_u64(SHA-256(identity)[0..8])`: one layer's share of its group's
@@ -72,11 +73,33 @@ pub fn group_marks(group: &Group) -> u64 {
     aliases.wrapping_add(shard_keyed.wrapping_mul(mark(SHARD_KEYED_MARK)))
 }
 
-/// The marked fingerprint of `group`, [`group_fingerprint`] plus
-/// [`group_marks`]: what stored checksums' tags and stamps use (SPEC
-/// section 8), and what kvcsum 0.2.0 sent as the fingerprint.
-pub fn marked_fingerprint(group: &Group) -> u64 {
-    group_fingerprint(group).wrapping_add(group_marks(group))
+/// What stored checksums' tags and stamps use for `group` (SPEC section
+/// 8): the marked fingerprint ([`group_fingerprint`] plus [`group_marks`],
+/// what kvcsum 0.2.0 sent as the fingerprint) plus [`decodings_digest`] of
+/// its declared layer decodings (0 where none is declared).
+pub fn stored_fingerprint(group: &Group) -> u64 {
+    group_fingerprint(group)
+        .wrapping_add(group_marks(group))
+        .wrapping_add(decodings_digest(&group.decodings()))
+}
+
+/// The layer decodings of a group as one number (SPEC section 8): the sum
+/// over the declared layers of `LE_u64(SHA-256("kvcsum decoding" ||
+/// LE_u32(layer_number) || LE_u32(len(dtype)) || dtype || LE_u32(head_size)
+/// || LE_u64(k_scale bits) || LE_u64(v_scale bits))[0..8])`, with `""` and
+/// 0 for facts not declared; 0 for none.
+pub fn decodings_digest(decodings: &[(u32, LayerDecoding)]) -> u64 {
+    decodings.iter().fold(0u64, |sum, (layer_number, decoding)| {
+        let (dtype, head_size, k_scale, v_scale) = decoding.parts();
+        let mut bytes = b"kvcsum decoding".to_vec();
+        bytes.extend(layer_number.to_le_bytes());
+        bytes.extend((dtype.len() as u32).to_le_bytes());
+        bytes.extend(dtype.as_bytes());
+        bytes.extend(head_size.to_le_bytes());
+        bytes.extend(k_scale.to_le_bytes());
+        bytes.extend(v_scale.to_le_bytes());
+        sum.wrapping_add(layer_fingerprint(&bytes))
+    })
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ use crate::blocks::RequestBlocks;
 use crate::checksum::Algorithm;
 use crate::decoding::LayerDecoding;
 use crate::error::{err, Result};
+use crate::fingerprint::decodings_digest;
 use crate::layout::{ReplicaKey, Role};
 
 /// Where a worker sits in the model.
@@ -53,10 +54,13 @@ pub struct GroupInfo {
 }
 
 impl GroupInfo {
-    /// The marked fingerprint (fingerprint plus marks), which stored
-    /// checksums use (SPEC section 8).
-    pub fn marked_fingerprint(&self) -> u64 {
-        self.fingerprint.wrapping_add(self.marks)
+    /// What stored checksums use (SPEC section 8): the fingerprint plus the
+    /// marks plus the digest of the declared layer decodings (the same as
+    /// `fingerprint::stored_fingerprint` of the group).
+    pub fn stored_fingerprint(&self) -> u64 {
+        self.fingerprint
+            .wrapping_add(self.marks)
+            .wrapping_add(decodings_digest(&self.decodings))
     }
 }
 

@@ -10,7 +10,7 @@ use crate::cuda;
 use crate::decoding::LayerDecoding;
 use crate::detail::Shadow;
 use crate::error::{err, Result};
-use crate::fingerprint::{group_fingerprint, group_marks, marked_fingerprint};
+use crate::fingerprint::{group_fingerprint, group_marks, stored_fingerprint};
 use crate::host;
 use crate::layout::{Alias, LayerSpec, Layout, Region, Role, StoredBuffer};
 use crate::plan::Plan;
@@ -455,7 +455,7 @@ impl Worker {
             .layout
             .group(group_id)
             .ok_or_else(|| err!(NotFound, "group_id {group_id} is not registered"))?;
-        let fingerprint = marked_fingerprint(group);
+        let fingerprint = stored_fingerprint(group);
         Ok(hashes
             .iter()
             .map(|&hash| stored::block_tag(hash, fingerprint))

@@ -336,3 +336,46 @@ fn declarations_replace_earlier_ones_and_bad_ones_change_nothing() {
         "records carry decodings"
     );
 }
+
+#[test]
+fn a_tier_stored_under_other_decodings_reads_back_as_another_configuration() {
+    // Stored checksums (SPEC section 8) are stamped with the worker's
+    // declarations too: a block stored while layer 1 was read with one
+    // scale and checked while it is read with another is not compared
+    // (other fingerprint), and with the same declarations again it matches.
+    let mut rng = Rng::for_test("a_tier_stored_under_other_decodings_reads_back_as_another_configuration");
+    let seed = rng.seed();
+    let (kv, table) = model(&mut rng, 37);
+    let mut producer = side(&mut rng, &kv, &table, 1, 1, LayoutKind::Nhd);
+    let count = table.block_ids.len();
+    let num_blocks = count as u64 + 3;
+    let stored: Vec<[u64; 2]> = (0..num_blocks).map(|_| [rng.next_u64(), rng.next_u64()]).collect();
+    let worker = &mut producer.ranks[0].worker;
+    let region = kvcsum::Region {
+        address: stored.as_ptr() as u64,
+        length: std::mem::size_of_val(stored.as_slice()) as u64,
+    };
+    worker.add_region(region).unwrap();
+    worker.add_stored(0, stored.as_ptr() as u64, num_blocks).unwrap();
+    let mut blocks = producer.blocks.clone();
+    let hashes: Vec<u8> = (0..count * 32).map(|_| rng.next_u64() as u8).collect();
+    blocks.set_hashes(REQ, 0, &hashes, 32).unwrap();
+    let outcomes = |worker: &kvcsum::Worker| {
+        let result = worker
+            .check_stored(&blocks, kvcsum::StreamHandle::legacy_default())
+            .unwrap();
+        result.stored_outcomes(REQ, 0).unwrap()
+    };
+    worker.set_layer_decoding(0, 1, fp8(0.5, 0.5)).unwrap();
+    worker.store(&blocks, kvcsum::StreamHandle::legacy_default()).unwrap();
+    let matched = vec![kvcsum::StoredOutcome::Matched; count];
+    assert_eq!(outcomes(worker), matched, "seed {seed}");
+    worker.set_layer_decoding(0, 1, fp8(0.25, 0.5)).unwrap();
+    assert_eq!(
+        outcomes(worker),
+        vec![kvcsum::StoredOutcome::OtherFingerprint; count],
+        "seed {seed}: another scale is another configuration, never a match or a failure"
+    );
+    worker.set_layer_decoding(0, 1, fp8(0.5, 0.5)).unwrap();
+    assert_eq!(outcomes(worker), matched, "seed {seed}");
+}
