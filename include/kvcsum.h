@@ -37,6 +37,9 @@
 // rounded to odd.
 #define KVCS_MIX_MULTIPLIER 11400714819323198485ull
 
+// The longest element type name, in bytes.
+#define KVCS_MAX_DTYPE_LEN 32
+
 // The `group_id` of a finding about the whole load rather than one group.
 #define KVCS_WHOLE_LOAD UINT32_MAX
 
@@ -63,12 +66,13 @@
 // The payload version this library writes and reads.
 #define KVCS_PAYLOAD_VERSION 1
 
-// The extension version this library writes; it also reads version 1
-// (the same without `algorithm`, which means weighted).
-#define KVCS_EXTENSION_VERSION 2
+// The extension version this library writes; it also reads versions 1
+// (without `algorithm`, which means weighted, and without coverage) and 2
+// (without marks and decodings).
+#define KVCS_EXTENSION_VERSION 3
 
 // The record encoding this library writes and reads.
-#define KVCS_RECORD_VERSION 3
+#define KVCS_RECORD_VERSION 4
 
 // The largest TP size the topology helpers take. A TP size comes from a
 // remote engine's handshake; a wild one (2^31, say) is an error here rather
@@ -254,6 +258,12 @@ enum kvcs_unverified_reason
   // than a replica check of the consumer covers (a head left out, a
   // replica declared wrongly, on either side): a registration differs.
   KVCS_UNVERIFIED_COVERAGE_DIFFERS = 16,
+  // The two sides declare that they read a layer's bytes differently
+  // (`kvcs_worker_set_layer_decoding`, docs/SPEC.md#7-group-fingerprint:
+  // another element type, head size or K or V scale), or the workers of
+  // one side do: equal checksums would not mean equal KV. A
+  // configuration difference, never reported as corrupt data.
+  KVCS_UNVERIFIED_DECODING_DIFFERS = 17,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -328,6 +338,15 @@ typedef struct kvcs_blocks kvcs_blocks;
 // Thread safety: `kvcs_completion *` calls need exclusive access; `const
 // kvcs_completion *` calls may run concurrently.
 typedef struct kvcs_completion kvcs_completion;
+
+// A decoded payload: its groups, values and (when sent) the kvcsum
+// extension.
+//
+// Ownership: made by `kvcs_payload_decode`, freed by
+// `kvcs_payload_destroy`. Strings it gives stay valid until it is
+// destroyed.
+// Thread safety: immutable; every accessor may run concurrently.
+typedef struct kvcs_payload kvcs_payload;
 
 // A verifier's judgement of one finished load: match, mismatch (groups and
 // block positions, with layers in detail mode) or unverified (reasons).
@@ -1125,6 +1144,135 @@ typedef size_t (*kvcs_tensor_size_fn)(void);
 // The type of `kvcs_repair_block_size`.
 typedef size_t (*kvcs_repair_block_size_fn)(void);
 
+// The type of `kvcs_payload_decode`.
+typedef kvcs_status (*kvcs_payload_decode_fn)(const uint8_t *bytes, size_t len, kvcs_payload **out);
+
+// The type of `kvcs_payload_destroy`.
+typedef void (*kvcs_payload_destroy_fn)(kvcs_payload *payload);
+
+// What a payload says as a whole (`kvcs_payload_info` gives it).
+typedef struct {
+  // Tokens whose KV the checksummed blocks hold.
+  uint64_t num_tokens;
+  // Groups in the payload (`kvcs_payload_group`).
+  size_t num_groups;
+  // The payload version (`KVCS_PAYLOAD_VERSION`).
+  uint32_t version;
+  // The version of the kvcsum extension (1 to `KVCS_EXTENSION_VERSION`);
+  // 0 for a plain payload (vLLM's), which has none.
+  uint32_t extension_version;
+  // The producer's TP size from the extension; 0 where not sent.
+  uint32_t producer_tp_size;
+  // The algorithm of the values (`KVCS_ALGORITHM_*`): the extension's,
+  // `KVCS_ALGORITHM_WEIGHTED` for a plain payload.
+  uint32_t algorithm;
+} kvcs_payload_summary;
+
+// The type of `kvcs_payload_info`.
+typedef kvcs_status (*kvcs_payload_info_fn)(const kvcs_payload *payload, kvcs_payload_summary *out);
+
+// One group of a payload (`kvcs_payload_group` gives it), with what the extension
+// says of it; the extension's fields are 0 where it says nothing.
+typedef struct {
+  // The group.
+  uint32_t group_id;
+  // The producer's block size of the group; 0 where not sent.
+  uint32_t block_size;
+  // The producer's fingerprint (docs/SPEC.md#7-group-fingerprint).
+  uint64_t fingerprint;
+  // The block position of the first value.
+  uint64_t first_position;
+  // Values, one per block position (`kvcs_payload_values`).
+  size_t num_values;
+  // 1 if the extension gives the group's coverage, 0 otherwise.
+  uint32_t has_coverage;
+  // 1 if the extension gives the group's marks (extension version 3),
+  // 0 otherwise (the fingerprint's convention then follows the
+  // extension's version: SPEC section 7).
+  uint32_t has_marks;
+  // The coverage of the producer's slices (docs/SPEC.md#10-verification).
+  uint64_t coverage;
+  // The producer's marks: aliases and shard-keyed state.
+  uint64_t marks;
+  // Per-layer partials the extension carries (detail mode;
+  // `kvcs_payload_layer`).
+  size_t num_layers;
+  // Layer decodings the producer declared (`kvcs_payload_decoding`).
+  size_t num_decodings;
+} kvcs_group_checksums;
+
+// The type of `kvcs_payload_group`.
+typedef kvcs_status (*kvcs_payload_group_fn)(const kvcs_payload *payload,
+                                             size_t group_index,
+                                             kvcs_group_checksums *out);
+
+// The type of `kvcs_payload_values`.
+typedef kvcs_status (*kvcs_payload_values_fn)(const kvcs_payload *payload,
+                                              size_t group_index,
+                                              uint64_t *values,
+                                              size_t cap,
+                                              size_t *len);
+
+// One per-layer partial of a payload's extension (`kvcs_payload_layer` gives it):
+// heads `first_head .. first_head + num_heads` of layer `layer_number`.
+typedef struct {
+  // Model-wide layer number.
+  uint32_t layer_number;
+  // Global number of the first head.
+  uint32_t first_head;
+  // Heads covered.
+  uint32_t num_heads;
+  // Values, one per block position of the group
+  // (`kvcs_payload_layer_values`).
+  size_t num_values;
+} kvcs_layer_checksums;
+
+// The type of `kvcs_payload_layer`.
+typedef kvcs_status (*kvcs_payload_layer_fn)(const kvcs_payload *payload,
+                                             size_t group_index,
+                                             size_t layer_index,
+                                             kvcs_layer_checksums *out);
+
+// The type of `kvcs_payload_layer_values`.
+typedef kvcs_status (*kvcs_payload_layer_values_fn)(const kvcs_payload *payload,
+                                                    size_t group_index,
+                                                    size_t layer_index,
+                                                    uint64_t *values,
+                                                    size_t cap,
+                                                    size_t *len);
+
+// How a producer declared it decodes one layer's cache
+// (docs/SPEC.md#7-group-fingerprint, "Decoding"; `kvcs_payload_decoding`).
+// A fact not declared is NULL or 0.
+typedef struct {
+  // The element type's name; NULL where not declared. Valid until the
+  // payload is destroyed.
+  const char *dtype;
+  // Model-wide layer number.
+  uint32_t layer_number;
+  // Elements of one head's K per token; 0 where not declared.
+  uint32_t head_size;
+  // The binary64 bits of K's scale; 0 where not declared.
+  uint64_t k_scale_bits;
+  // The binary64 bits of V's scale; 0 where not declared.
+  uint64_t v_scale_bits;
+} kvcs_layer_decoding;
+
+// The type of `kvcs_payload_decoding`.
+typedef kvcs_status (*kvcs_payload_decoding_fn)(const kvcs_payload *payload,
+                                                size_t group_index,
+                                                size_t index,
+                                                kvcs_layer_decoding *out);
+
+// The type of `kvcs_worker_set_layer_decoding`.
+typedef kvcs_status (*kvcs_worker_set_layer_decoding_fn)(kvcs_worker *worker,
+                                                         uint32_t group_id,
+                                                         uint32_t layer_number,
+                                                         const char *dtype,
+                                                         uint32_t head_size,
+                                                         uint64_t k_scale_bits,
+                                                         uint64_t v_scale_bits);
+
 // Every call of the library as one table of function pointers, for a
 // program that loads kvcsum at run time: it resolves the one symbol
 // `kvcs_api_get` and calls through the table, whose entries the compiler
@@ -1352,6 +1500,24 @@ typedef struct {
   kvcs_tensor_size_fn kvcs_tensor_size;
   // Slot 104: `kvcs_repair_block_size`.
   kvcs_repair_block_size_fn kvcs_repair_block_size;
+  // Slot 105: `kvcs_payload_decode`.
+  kvcs_payload_decode_fn kvcs_payload_decode;
+  // Slot 106: `kvcs_payload_destroy`.
+  kvcs_payload_destroy_fn kvcs_payload_destroy;
+  // Slot 107: `kvcs_payload_info`.
+  kvcs_payload_info_fn kvcs_payload_info;
+  // Slot 108: `kvcs_payload_group`.
+  kvcs_payload_group_fn kvcs_payload_group;
+  // Slot 109: `kvcs_payload_values`.
+  kvcs_payload_values_fn kvcs_payload_values;
+  // Slot 110: `kvcs_payload_layer`.
+  kvcs_payload_layer_fn kvcs_payload_layer;
+  // Slot 111: `kvcs_payload_layer_values`.
+  kvcs_payload_layer_values_fn kvcs_payload_layer_values;
+  // Slot 112: `kvcs_payload_decoding`.
+  kvcs_payload_decoding_fn kvcs_payload_decoding;
+  // Slot 113: `kvcs_worker_set_layer_decoding`.
+  kvcs_worker_set_layer_decoding_fn kvcs_worker_set_layer_decoding;
 } kvcs_api;
 
 // The type of `kvcs_api_get`.
@@ -1491,6 +1657,62 @@ kvcs_status kvcs_layer_from_layout(const char *layout,
                                    uint32_t kernel_blocks,
                                    kvcs_layer *layer_out,
                                    kvcs_segment *segments_out);
+
+// Decodes and validates the payload bytes `(bytes, len)` (not base64:
+// `kvcs_base64_decode` turns the text of `kv_checksums` into them), plain
+// or with the kvcsum extension of any version this library reads.
+// `*out` owns the payload (free with `kvcs_payload_destroy`).
+// `KVCS_ERR_MALFORMED`, with a message naming the byte and what is wrong,
+// for anything else (truncated input, wrong types, declared lengths
+// larger than the input, trailing bytes); it allocates at most in
+// proportion to `len`.
+kvcs_status kvcs_payload_decode(const uint8_t *bytes, size_t len, kvcs_payload **out);
+
+// Frees a payload; NULL is a no-op.
+void kvcs_payload_destroy(kvcs_payload *payload);
+
+// What the payload says as a whole.
+kvcs_status kvcs_payload_info(const kvcs_payload *payload, kvcs_payload_summary *out);
+
+// Group `group_index` (below `num_groups`, in the producer's order), with
+// what the extension says of it. `KVCS_ERR_OUT_OF_BOUNDS` past the last.
+kvcs_status kvcs_payload_group(const kvcs_payload *payload,
+                               size_t group_index,
+                               kvcs_group_checksums *out);
+
+// The values of group `group_index`, one per block position from its
+// first position, into `(values, cap)`; `*len` their count. `(NULL, 0)`
+// asks for the count; a smaller `cap` gives `KVCS_ERR_BUFFER_TOO_SMALL`.
+kvcs_status kvcs_payload_values(const kvcs_payload *payload,
+                                size_t group_index,
+                                uint64_t *values,
+                                size_t cap,
+                                size_t *len);
+
+// Per-layer partial `layer_index` (below the group's `num_layers`) of
+// group `group_index`. `KVCS_ERR_OUT_OF_BOUNDS` for an index past the last.
+kvcs_status kvcs_payload_layer(const kvcs_payload *payload,
+                               size_t group_index,
+                               size_t layer_index,
+                               kvcs_layer_checksums *out);
+
+// The values of per-layer partial `layer_index` of group `group_index`,
+// as `kvcs_payload_values` gives a group's.
+kvcs_status kvcs_payload_layer_values(const kvcs_payload *payload,
+                                      size_t group_index,
+                                      size_t layer_index,
+                                      uint64_t *values,
+                                      size_t cap,
+                                      size_t *len);
+
+// Layer decoding `index` (below the group's `num_decodings`, sorted by
+// layer number) of group `group_index`: what the producer declared about
+// reading that layer's bytes. Its `dtype` stays valid until the payload
+// is destroyed. `KVCS_ERR_OUT_OF_BOUNDS` for an index past the last.
+kvcs_status kvcs_payload_decoding(const kvcs_payload *payload,
+                                  size_t group_index,
+                                  size_t index,
+                                  kvcs_layer_decoding *out);
 
 // The consumer blocks to load again (docs/SPEC.md#15-repair-plan) after
 // the MISMATCH `report` of request `req_id`, whose consumer block ids per
@@ -2088,6 +2310,37 @@ kvcs_status kvcs_worker_add_alias(kvcs_worker *worker,
                                   uint32_t target_layer_number,
                                   const uint8_t *identity,
                                   size_t identity_len);
+
+// Declares how the engine reads the cache of layer `layer_number` of group
+// `group_id` back as numbers (docs/SPEC.md#7-group-fingerprint, "Decoding"),
+// so that a load whose two sides read the same bytes differently is
+// `KVCS_UNVERIFIED_DECODING_DIFFERS`, never a match. Each fact is optional;
+// a fact either side leaves undeclared is not compared:
+//
+// - `dtype`: the cache's element type, a NUL-terminated name of 1 to
+//   `KVCS_MAX_DTYPE_LEN` bytes of `a-z`, `0-9` and `_` starting with a
+//   letter, as SPEC section 7 names them (`"bfloat16"`, `"float16"`,
+//   `"float32"`, `"fp8_e4m3"`, `"fp8_e5m2"`, ...); NULL: not declared;
+// - `head_size`: the elements of one head's K per token; 0: not declared;
+// - `k_scale_bits`, `v_scale_bits`: the IEEE-754 binary64 bits of the
+//   scale K (V) is stored with, a finite positive number (an fp8 cache's
+//   `k_scale`; a binary32 scale converts exactly), compared bit for bit;
+//   0: not declared.
+//
+// The layer must be registered in the group (layer, alias or state layer)
+// on this worker. A later call for the same layer replaces the
+// declaration (scales an engine computes at run time): records made from
+// then on carry it. `KVCS_ERR_NOT_FOUND` for a group or layer not
+// registered; `KVCS_ERR_INVALID_ARGUMENT` for a bad name (an empty one
+// included), a scale that is NaN, infinite, zero-signed or negative, or a
+// call that declares nothing. On any error nothing changes.
+kvcs_status kvcs_worker_set_layer_decoding(kvcs_worker *worker,
+                                           uint32_t group_id,
+                                           uint32_t layer_number,
+                                           const char *dtype,
+                                           uint32_t head_size,
+                                           uint64_t k_scale_bits,
+                                           uint64_t v_scale_bits);
 
 // Computes (host worker) or queues (device worker) the partial checksums of
 // every block in `blocks`, in `role` (a `kvcs_role` value). A device worker

@@ -34,6 +34,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <stdexcept>
 #include <string>
@@ -86,6 +87,16 @@ inline void check_size(const char *name, size_t library_size, size_t header_size
   }
 }
 
+/// check_size with the library's size from its layout table
+/// (kvcs_struct_layout), for structs that have no size call.
+inline void check_layout_size(const char *name, size_t header_size) {
+  size_t library_size = 0;
+  if (kvcs_struct_layout(name, &library_size, nullptr) != KVCS_OK) {
+    throw error(KVCS_ERR_UNSUPPORTED, std::string("the loaded kvcsum has no struct ") + name);
+  }
+  check_size(name, library_size, header_size);
+}
+
 }  // namespace detail
 
 /// Throws kvcs::error (KVCS_ERR_UNSUPPORTED) unless the library loaded at
@@ -109,6 +120,11 @@ inline void check_abi() {
   detail::check_size("kvcs_head_source", kvcs_head_source_size(), sizeof(kvcs_head_source));
   detail::check_size("kvcs_tensor", kvcs_tensor_size(), sizeof(kvcs_tensor));
   detail::check_size("kvcs_repair_block", kvcs_repair_block_size(), sizeof(kvcs_repair_block));
+  // Structs without a size call of their own: the library's layout table.
+  detail::check_layout_size("kvcs_payload_summary", sizeof(kvcs_payload_summary));
+  detail::check_layout_size("kvcs_group_checksums", sizeof(kvcs_group_checksums));
+  detail::check_layout_size("kvcs_layer_checksums", sizeof(kvcs_layer_checksums));
+  detail::check_layout_size("kvcs_layer_decoding", sizeof(kvcs_layer_decoding));
   // The function table of this ABI (kvcs_api_get), with every call of this header.
   const kvcs_api *table = nullptr;
   check(kvcs_api_get(KVCS_ABI_VERSION, &table));
@@ -197,6 +213,8 @@ enum class unverified_reason : uint32_t {
   nothing_read = KVCS_UNVERIFIED_NOTHING_READ,
   /// The producer checksummed other layers or heads than a replica check covers.
   coverage_differs = KVCS_UNVERIFIED_COVERAGE_DIFFERS,
+  /// The sides declare that they decode a layer's bytes differently.
+  decoding_differs = KVCS_UNVERIFIED_DECODING_DIFFERS,
 };
 
 /// A worker's checksum algorithm (kvcs_algorithm).
@@ -397,6 +415,17 @@ std::vector<Element> read_sized(Call call) {
     out.resize(len);
   }
   return out;
+}
+
+/// The binary64 bits of a scale for kvcs_worker_set_layer_decoding; 0.0
+/// (not declared) gives 0 bits.
+inline uint64_t scale_bits(double value) noexcept {
+  if (value == 0.0) {
+    return 0;
+  }
+  uint64_t bits = 0;
+  std::memcpy(&bits, &value, sizeof bits);
+  return bits;
 }
 
 /// Block ids of an int32 table (vLLM's) as the uint32 ids the C calls take;
@@ -678,6 +707,15 @@ class worker : public detail::owner<kvcs_worker, kvcs_worker_destroy> {
   /// The checksum algorithm, before the first checksum, store or load
   /// check (kvcs_worker_set_algorithm).
   void set_algorithm(kvcs::algorithm value) { check(kvcs_worker_set_algorithm(get(), static_cast<uint32_t>(value))); }
+  /// Declares how the engine reads layer `layer_number`'s bytes back
+  /// (kvcs_worker_set_layer_decoding): its element type (empty: not
+  /// declared), head size (0: not declared) and K and V scales (0.0: not
+  /// declared; compared bit for bit as binary64).
+  void set_layer_decoding(uint32_t group_id, uint32_t layer_number, const std::string &dtype, uint32_t head_size = 0,
+                          double k_scale = 0.0, double v_scale = 0.0) {
+    check(kvcs_worker_set_layer_decoding(get(), group_id, layer_number, dtype.empty() ? nullptr : dtype.c_str(),
+                                         head_size, detail::scale_bits(k_scale), detail::scale_bits(v_scale)));
+  }
   /// Computes (host) or queues on `cuda_stream` (device) the partial
   /// checksums of `blocks` (kvcs_worker_checksum).
   kvcs::result checksum(const blocks &blocks, kvcs::role role, void *cuda_stream = nullptr) {
@@ -964,6 +1002,71 @@ inline std::vector<uint8_t> base64_decode(std::string_view text) {
     return kvcs_base64_decode(text.data(), text.size(), buf, cap, len);
   });
 }
+
+// --- Payloads ------------------------------------------------------------------
+
+/// A layer decoding a payload carries (kvcs_payload_decoding), its element
+/// type as a string (empty where not declared).
+struct layer_decoding {
+  uint32_t layer_number = 0;  ///< model-wide layer number
+  std::string dtype;          ///< element type name; empty: not declared
+  uint32_t head_size = 0;     ///< 0: not declared
+  uint64_t k_scale_bits = 0;  ///< binary64 bits; 0: not declared
+  uint64_t v_scale_bits = 0;  ///< binary64 bits; 0: not declared
+};
+
+/// A producer's payload decoded by the library (kvcs_payload_decode), for
+/// tools that read what it says.
+class payload : public detail::owner<kvcs_payload, kvcs_payload_destroy> {
+ public:
+  using owner::owner;
+  /// Decodes payload bytes (not base64: see base64_decode).
+  explicit payload(view<uint8_t> bytes) : owner(decode(bytes)) {}
+  /// What it says as a whole (kvcs_payload_info).
+  kvcs_payload_summary info() const {
+    kvcs_payload_summary out{};
+    check(kvcs_payload_info(get(), &out));
+    return out;
+  }
+  /// Group `index`, with its extension entry (kvcs_payload_group).
+  kvcs_group_checksums group(size_t index) const {
+    kvcs_group_checksums out{};
+    check(kvcs_payload_group(get(), index, &out));
+    return out;
+  }
+  /// The values of group `index` (kvcs_payload_values).
+  std::vector<uint64_t> values(size_t index) const {
+    return detail::read_sized<uint64_t>([&](uint64_t *buf, size_t cap, size_t *len) {
+      return kvcs_payload_values(get(), index, buf, cap, len);
+    });
+  }
+  /// Layer partial `layer` of group `index` (kvcs_payload_layer).
+  kvcs_layer_checksums layer(size_t index, size_t layer) const {
+    kvcs_layer_checksums out{};
+    check(kvcs_payload_layer(get(), index, layer, &out));
+    return out;
+  }
+  /// The values of layer partial `layer` of group `index` (kvcs_payload_layer_values).
+  std::vector<uint64_t> layer_values(size_t index, size_t layer) const {
+    return detail::read_sized<uint64_t>([&](uint64_t *buf, size_t cap, size_t *len) {
+      return kvcs_payload_layer_values(get(), index, layer, buf, cap, len);
+    });
+  }
+  /// Layer decoding `decoding` of group `index` (kvcs_payload_decoding).
+  layer_decoding decoding(size_t index, size_t decoding) const {
+    kvcs_layer_decoding out{};
+    check(kvcs_payload_decoding(get(), index, decoding, &out));
+    return layer_decoding{out.layer_number, out.dtype != nullptr ? out.dtype : "", out.head_size, out.k_scale_bits,
+                          out.v_scale_bits};
+  }
+
+ private:
+  static kvcs_payload *decode(view<uint8_t> bytes) {
+    kvcs_payload *handle = nullptr;
+    kvcs::check(kvcs_payload_decode(bytes.data(), bytes.size(), &handle));
+    return handle;
+  }
+};
 
 // --- Transfer topology ---------------------------------------------------------
 

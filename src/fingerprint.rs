@@ -6,10 +6,14 @@
 //! bytes its caller registered, read as a little-endian `u64`; a worker's
 //! group fingerprint is the sum of those of its layers in the group, modulo
 //! 2^64. Summing over PP stages (one TP rank per stage) gives the group's
-//! fingerprint for the whole model, whatever the split into stages.
+//! fingerprint for the whole model, whatever the split into stages. It is
+//! vLLM's fingerprint; the *marks* (aliases, shard-keyed state), which
+//! vLLM's does not count, travel beside it (records, the payload
+//! extension) and are summed the same way.
 
 use sha2::{Digest, Sha256};
 
+use crate::decoding::LayerDecoding;
 use crate::layout::Group;
 
 /// `LE_u64(SHA-256(identity)[0..8])`: one layer's share of its group's
@@ -22,50 +26,80 @@ pub fn layer_fingerprint(identity: &[u8]) -> u64 {
 }
 
 /// What an alias (a layer reading another layer's cache) adds to its
-/// identity's fingerprint, `LE_u64(SHA-256("kvcsum alias")[0..8]) | 1`: a
-/// layer registered as an alias on one side and with a cache of its own on
-/// the other checksums differently, and must not compare.
+/// group's marks, `LE_u64(SHA-256("kvcsum alias")[0..8]) | 1`: a layer
+/// registered as an alias on one side and with a cache of its own on the
+/// other checksums differently, and must not compare.
 pub const ALIAS_MARK: &[u8] = b"kvcsum alias";
 
 /// What a shard-keyed state layer (SPEC section 6, split unknown) adds to
-/// its identity's fingerprint, `LE_u64(SHA-256("kvcsum shard-keyed
+/// its group's marks, `LE_u64(SHA-256("kvcsum shard-keyed
 /// state")[0..8]) | 1`: its checksums follow another convention than
 /// those of the same layer with the split known.
 pub const SHARD_KEYED_MARK: &[u8] = b"kvcsum shard-keyed state";
 
 /// The odd number a mark adds per layer: `n` marked layers add `n` times
 /// it, never 0 modulo 2^64 for `n` below 2^64.
-fn mark(text: &[u8]) -> u64 {
+pub fn mark(text: &[u8]) -> u64 {
     layer_fingerprint(text) | 1
 }
 
-/// The worker's fingerprint of `group`: the sum over its registered layers
-/// of [`layer_fingerprint`], plus [`ALIAS_MARK`]'s number for each alias
-/// and [`SHARD_KEYED_MARK`]'s for each shard-keyed state layer, modulo 2^64.
+/// The worker's fingerprint of `group` (SPEC section 7, vLLM's): the sum
+/// over its registered layers of [`layer_fingerprint`], modulo 2^64.
 ///
 /// Every registered layer entry counts once: a layer whose caches are
 /// registered as several entries of one group (a KV cache and its indexer,
-/// say) adds the fingerprint of each entry's identity, and a layer that
-/// reads another's cache (an alias) adds its own. Every TP rank of a stage
-/// registers the same entries, so each gives the same value.
+/// say) adds the fingerprint of each entry's identity, a layer that reads
+/// another's cache (an alias) adds its own, and so does a state layer.
+/// Every TP rank of a stage registers the same entries, so each gives the
+/// same value.
 pub fn group_fingerprint(group: &Group) -> u64 {
-    let layers = group.layers.iter().map(|layer| layer_fingerprint(&layer.spec.identity));
-    let aliases = group
-        .aliases
+    let identities = group
+        .layers
         .iter()
-        .map(|alias| layer_fingerprint(&alias.identity).wrapping_add(mark(ALIAS_MARK)));
-    let states = group.states.iter().map(|state| {
-        let own = layer_fingerprint(&state.spec.identity);
-        if state.spec.split_known {
-            own
-        } else {
-            own.wrapping_add(mark(SHARD_KEYED_MARK))
-        }
-    });
-    layers
-        .chain(aliases)
-        .chain(states)
-        .fold(0u64, |sum, value| sum.wrapping_add(value))
+        .map(|layer| &layer.spec.identity)
+        .chain(group.aliases.iter().map(|alias| &alias.identity))
+        .chain(group.states.iter().map(|state| &state.spec.identity));
+    identities.fold(0u64, |sum, identity| sum.wrapping_add(layer_fingerprint(identity)))
+}
+
+/// The marks of `group` (SPEC section 7): [`ALIAS_MARK`]'s number for each
+/// alias plus [`SHARD_KEYED_MARK`]'s for each shard-keyed state layer,
+/// modulo 2^64. They tell apart two conventions of checksumming the same
+/// layers, which the fingerprint (vLLM's) does not; the payload extension
+/// carries them beside it.
+pub fn group_marks(group: &Group) -> u64 {
+    let aliases = (group.aliases.len() as u64).wrapping_mul(mark(ALIAS_MARK));
+    let shard_keyed = group.states.iter().filter(|state| !state.spec.split_known).count() as u64;
+    aliases.wrapping_add(shard_keyed.wrapping_mul(mark(SHARD_KEYED_MARK)))
+}
+
+/// What stored checksums' tags and stamps use for `group` (SPEC section
+/// 8): the marked fingerprint ([`group_fingerprint`] plus [`group_marks`],
+/// what kvcsum 0.2.0 sent as the fingerprint) plus [`decodings_digest`] of
+/// its declared layer decodings (0 where none is declared).
+pub fn stored_fingerprint(group: &Group) -> u64 {
+    group_fingerprint(group)
+        .wrapping_add(group_marks(group))
+        .wrapping_add(decodings_digest(&group.decodings()))
+}
+
+/// The layer decodings of a group as one number (SPEC section 8): the sum
+/// over the declared layers of `LE_u64(SHA-256("kvcsum decoding" ||
+/// LE_u32(layer_number) || LE_u32(len(dtype)) || dtype || LE_u32(head_size)
+/// || LE_u64(k_scale bits) || LE_u64(v_scale bits))[0..8])`, with `""` and
+/// 0 for facts not declared; 0 for none.
+pub fn decodings_digest(decodings: &[(u32, LayerDecoding)]) -> u64 {
+    decodings.iter().fold(0u64, |sum, (layer_number, decoding)| {
+        let (dtype, head_size, k_scale, v_scale) = decoding.parts();
+        let mut bytes = b"kvcsum decoding".to_vec();
+        bytes.extend(layer_number.to_le_bytes());
+        bytes.extend((dtype.len() as u32).to_le_bytes());
+        bytes.extend(dtype.as_bytes());
+        bytes.extend(head_size.to_le_bytes());
+        bytes.extend(k_scale.to_le_bytes());
+        bytes.extend(v_scale.to_le_bytes());
+        sum.wrapping_add(layer_fingerprint(&bytes))
+    })
 }
 
 #[cfg(test)]

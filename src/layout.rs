@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use crate::checksum::{mix, slice_weight, MAX_KV_HEADS_PER_LAYER, PIECE_BYTES};
+use crate::decoding::LayerDecoding;
 use crate::error::{err, Result};
 use crate::state::{tensor_bytes, StateLayer, StateSpec};
 
@@ -190,6 +191,9 @@ pub struct Group {
     num_blocks: u32,
     /// Per replica key, the coverage of its slices ([`coverage_of`]).
     coverage: BTreeMap<ReplicaKey, u64>,
+    /// Per layer number, how the engine decodes the layer's cache (SPEC
+    /// section 7), as declared.
+    decodings: BTreeMap<u32, LayerDecoding>,
 }
 
 /// The coverage of slices `heads` of layer `layer_number` (SPEC section 10):
@@ -214,6 +218,7 @@ impl Group {
             columns: [Arc::from([]), Arc::from([])],
             num_blocks: u32::MAX,
             coverage: BTreeMap::new(),
+            decodings: BTreeMap::new(),
         }
     }
 
@@ -274,6 +279,12 @@ impl Group {
     /// ([`coverage_of`] summed over its layers' heads), sorted by key.
     pub fn coverage(&self) -> Vec<(ReplicaKey, u64)> {
         self.coverage.iter().map(|(&key, &value)| (key, value)).collect()
+    }
+
+    /// What the engine declared about decoding the group's layers (SPEC
+    /// section 7), sorted by layer number.
+    pub fn decodings(&self) -> Vec<(u32, LayerDecoding)> {
+        self.decodings.iter().map(|(&n, d)| (n, d.clone())).collect()
     }
 
     /// Registered state layers, in registration order.
@@ -452,6 +463,29 @@ impl Layout {
         self.check_layer_number_free(layer_number, "an alias is a layer without a cache of its own")?;
         self.cacheless.insert(layer_number, group_id);
         self.groups[slot as usize].aliases.push(alias);
+        Ok(())
+    }
+
+    /// Declares how the engine decodes layer `layer_number` of `group_id`
+    /// (SPEC section 7), replacing an earlier declaration of the layer. The
+    /// layer must be registered in the group (an attention layer, an alias
+    /// or a state layer); `NotFound` otherwise, and nothing changes.
+    pub fn set_layer_decoding(&mut self, group_id: u32, layer_number: u32, decoding: LayerDecoding) -> Result<()> {
+        let slot = *self.slots.get(&group_id).ok_or_else(|| {
+            err!(
+                NotFound,
+                "group_id {group_id} is not registered (layer_number {layer_number})"
+            )
+        })?;
+        let registered =
+            self.attention.contains(&(layer_number, group_id)) || self.cacheless.get(&layer_number) == Some(&group_id);
+        if !registered {
+            return Err(err!(
+                NotFound,
+                "layer_number {layer_number} is not a registered layer of group_id {group_id} (register it first: a layer, an alias or a state layer)"
+            ));
+        }
+        self.groups[slot as usize].decodings.insert(layer_number, decoding);
         Ok(())
     }
 

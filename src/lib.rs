@@ -5,7 +5,8 @@
 //!
 //! 1. arithmetic and plumbing: `error`, `checksum` (the definition), `msgpack`,
 //!    `pool` (the host engine's helper threads);
-//! 2. inputs: `state` (state layers), `layout`, `layout_string` (a layer from a
+//! 2. inputs: `decoding` (how an engine reads a layer's bytes), `state`
+//!    (state layers), `layout`, `layout_string` (a layer from a
 //!    tensor and a layout string), `blocks`, `fingerprint`, `stream`;
 //! 3. results: `result` (also the facts a record carries);
 //! 4. `plan`: a call's blocks checked and laid out as rows;
@@ -27,6 +28,7 @@
 pub(crate) mod blocks;
 pub(crate) mod checksum;
 pub(crate) mod cuda;
+pub(crate) mod decoding;
 pub(crate) mod detail;
 pub(crate) mod error;
 pub mod ffi;
@@ -53,6 +55,7 @@ pub use blocks::{BlockSet, GroupBlocks, RequestBlocks};
 /// fault catalogue and benchmarks, which measure it directly.
 pub use checksum::{mix, slice_weight, weighted_run, Algorithm, MIX_MULTIPLIER};
 pub use cuda::{checksum_ptx, libraries_present};
+pub use decoding::LayerDecoding;
 pub use error::{Error, Result};
 pub use layout::{Alias, LayerSpec, Layout, Region, ReplicaKey, Role, Segment};
 /// A call's blocks checked and laid out; public so that benchmarks can time it.

@@ -16,8 +16,9 @@
 //! rejects, so it is opt-in and only for kvcsum consumers:
 //!
 //! ```text
-//! [2, producer_tp_size,
-//!  [[group_id, block_size, [[layer_number, first_head, num_heads, values], ...], coverage], ...],
+//! [3, producer_tp_size,
+//!  [[group_id, block_size, [[layer_number, first_head, num_heads, values], ...], coverage, marks,
+//!    [[layer_number, dtype, head_size, k_scale, v_scale], ...]], ...],
 //!  algorithm]
 //! ```
 //!
@@ -28,9 +29,15 @@
 //! algorithm of every value (SPEC section 12: 1 weighted, 2 mixed), and per
 //! group the coverage of the slices the producer checksummed (SPEC section
 //! 10: a consumer that checksummed other layers or heads is unverified, not
-//! a mismatch). Version 1 of the extension had no `algorithm` (3 elements)
-//! and no coverage (groups of 3 elements) and means weighted, as does a
-//! payload without extension.
+//! a mismatch), per group its marks (SPEC section 7: aliases and
+//! shard-keyed state, which the plain fingerprint, vLLM's, does not count)
+//! and what the producer declared about decoding each layer (SPEC section
+//! 7). Version 2 had no marks and no decodings (groups of 4 elements), and
+//! its fingerprints included the marks (kvcsum 0.2.0); version 1 had no
+//! `algorithm` (3 elements) and no coverage (groups of 3 elements) and
+//! means weighted, as does a payload without extension; its fingerprints
+//! had no marks (kvcsum 0.1.0). [`Payload::fingerprint_convention`] says
+//! which a group's fingerprint follows.
 //!
 //! [`Payload::decode`] accepts any valid msgpack of these shapes (integers in
 //! any width) and rejects everything else with `Error::Malformed` and a
@@ -41,17 +48,19 @@ use std::collections::{HashMap, HashSet};
 use base64::Engine as _;
 
 use crate::checksum::Algorithm;
+use crate::decoding::LayerDecoding;
 use crate::error::{err, Result};
 use crate::layout::ReplicaKey;
 use crate::msgpack::{initial_capacity, Reader, Writer};
-use crate::record::check_layer_partials;
+use crate::record::{check_decodings, check_layer_partials, read_decodings, write_decodings};
 
 /// The payload version this library writes and reads.
 pub const PAYLOAD_VERSION: u64 = 1;
 
-/// The extension version this library writes; it also reads version 1
-/// (the same without `algorithm`, which means weighted).
-pub const EXTENSION_VERSION: u64 = 2;
+/// The extension version this library writes; it also reads versions 1
+/// (without `algorithm`, which means weighted, and without coverage) and 2
+/// (without marks and decodings).
+pub const EXTENSION_VERSION: u64 = 3;
 
 /// The `kv_transfer_params` key of the base64 payload.
 pub const TRANSFER_PARAMS_KEY: &str = "kv_checksums";
@@ -94,6 +103,30 @@ pub struct ExtensionGroup {
     /// The coverage of the slices the producer checksummed (SPEC section
     /// 10); `None` in an extension of version 1, which has none.
     pub coverage: Option<u64>,
+    /// The producer's marks of the group (SPEC section 7); `None` in an
+    /// extension of version 1 or 2, whose fingerprint conventions
+    /// [`Payload::fingerprint_convention`] gives.
+    pub marks: Option<u64>,
+    /// What the producer declared about decoding the group's layers (SPEC
+    /// section 7), sorted by layer number; empty before version 3.
+    pub decodings: Vec<(u32, LayerDecoding)>,
+}
+
+/// What a group's fingerprint in a payload counts (SPEC section 7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FingerprintConvention {
+    /// Extension version 3: the fingerprint without marks, the marks beside it.
+    Separate {
+        /// The producer's marks of the group.
+        marks: u64,
+    },
+    /// Extension version 2 (kvcsum 0.2.0): the fingerprint plus the marks.
+    Marked,
+    /// Extension version 1 (kvcsum 0.1.0): the fingerprint, which had no marks.
+    Unmarked,
+    /// No extension entry for the group: vLLM's fingerprint (no marks), or
+    /// a kvcsum producer's without extension (0.2.0's had the marks).
+    Unknown,
 }
 
 /// The optional fourth element of a payload (kvcsum to kvcsum).
@@ -118,6 +151,21 @@ pub struct Payload {
     pub extension: Option<Extension>,
 }
 
+impl Extension {
+    /// The version [`Payload::encode`] writes: 3 where a group has marks
+    /// or decodings, else 1 where that says all there is (weighted values,
+    /// no coverage, as a version-1 extension decodes), else 2.
+    pub fn version(&self) -> u64 {
+        if self.groups.iter().any(|g| g.marks.is_some() || !g.decodings.is_empty()) {
+            EXTENSION_VERSION
+        } else if self.algorithm == Algorithm::Weighted && self.groups.iter().all(|g| g.coverage.is_none()) {
+            1
+        } else {
+            2
+        }
+    }
+}
+
 impl Payload {
     /// The payload's bytes; without an extension, identical to vLLM's.
     pub fn encode(&self) -> Vec<u8> {
@@ -134,16 +182,18 @@ impl Payload {
             w.u64s(&group.values);
         }
         if let Some(extension) = &self.extension {
-            // Version 1 where it says all there is (weighted values, no
-            // coverage, as a version-1 extension decodes), else version 2.
-            let version_1 =
-                extension.algorithm == Algorithm::Weighted && extension.groups.iter().all(|g| g.coverage.is_none());
+            let version = extension.version();
+            let version_1 = version == 1;
             w.array(if version_1 { 3 } else { 4 });
-            w.uint(if version_1 { 1 } else { EXTENSION_VERSION });
+            w.uint(version);
             w.uint(extension.producer_tp_size as u64);
             w.array(extension.groups.len());
             for group in &extension.groups {
-                w.array(if version_1 { 3 } else { 4 });
+                w.array(match version {
+                    1 => 3,
+                    2 => 4,
+                    _ => 6,
+                });
                 w.uint(group.group_id as u64);
                 w.uint(group.block_size as u64);
                 w.array(group.layers.len());
@@ -156,6 +206,10 @@ impl Payload {
                 }
                 if !version_1 {
                     w.uint(group.coverage.unwrap_or(0));
+                }
+                if version == EXTENSION_VERSION {
+                    w.uint(group.marks.unwrap_or(0));
+                    write_decodings(&mut w, &group.decodings);
                 }
             }
             if !version_1 {
@@ -236,6 +290,18 @@ impl Payload {
         if extension.producer_tp_size == 0 {
             return Err(err!(Malformed, "payload extension: producer_tp_size is 0"));
         }
+        // Version 3 gives every group its marks; earlier versions none.
+        let with_marks = extension.version() == EXTENSION_VERSION;
+        if let Some(group) = extension.groups.iter().find(|g| g.marks.is_some() != with_marks) {
+            return Err(err!(
+                Malformed,
+                "payload extension: group {} {} marks, which an extension of version {} {}",
+                group.group_id,
+                if group.marks.is_some() { "has" } else { "has no" },
+                extension.version(),
+                if with_marks { "gives every group" } else { "gives none" }
+            ));
+        }
         let mut extended = HashSet::with_capacity(extension.groups.len());
         for group in &extension.groups {
             let group_id = group.group_id;
@@ -256,6 +322,7 @@ impl Payload {
                 plain.values.len() as u64,
                 &format!("payload extension: group {group_id}"),
             )?;
+            check_decodings(&group.decodings, &format!("payload extension: group {group_id}"))?;
         }
         Ok(())
     }
@@ -271,6 +338,18 @@ impl Payload {
         self.extension.as_ref().map_or(Algorithm::Weighted, |e| e.algorithm)
     }
 
+    /// What group `group_id`'s fingerprint counts (SPEC section 7), from
+    /// the version of the extension that has an entry for it.
+    pub fn fingerprint_convention(&self, group_id: u32) -> FingerprintConvention {
+        match self.extension_group(group_id) {
+            None => FingerprintConvention::Unknown,
+            Some(ExtensionGroup { marks: Some(marks), .. }) => FingerprintConvention::Separate { marks: *marks },
+            // Version 2 gives every group a coverage, version 1 none.
+            Some(ExtensionGroup { coverage: Some(_), .. }) => FingerprintConvention::Marked,
+            Some(_) => FingerprintConvention::Unmarked,
+        }
+    }
+
     /// The extension's entry of group `group_id`, if any.
     pub fn extension_group(&self, group_id: u32) -> Option<&ExtensionGroup> {
         self.extension.as_ref()?.groups.iter().find(|g| g.group_id == group_id)
@@ -283,14 +362,16 @@ fn decode_extension(r: &mut Reader<'_>) -> Result<Extension> {
     let at_version = r.position();
     let version = r.uint("extension version")?;
     // Version 1: 3 elements, weighted, groups of 3; version 2: 4, the
-    // algorithm last, groups of 4 (the coverage last).
-    let expected_len = match version {
-        1 => 3,
-        EXTENSION_VERSION => 4,
+    // algorithm last, groups of 4 (the coverage last); version 3: 4,
+    // groups of 6 (the marks and decodings after the coverage).
+    let (expected_len, group_len) = match version {
+        1 => (3, 3),
+        2 => (4, 4),
+        EXTENSION_VERSION => (4, 6),
         _ => {
             return Err(err!(
                 Malformed,
-                "payload: byte {at_version}: extension version {version} is not supported (this library reads versions 1 and {EXTENSION_VERSION})"
+                "payload: byte {at_version}: extension version {version} is not supported (this library reads versions 1 to {EXTENSION_VERSION})"
             ))
         }
     };
@@ -304,7 +385,7 @@ fn decode_extension(r: &mut Reader<'_>) -> Result<Extension> {
     let num_groups = r.array("extension groups")?;
     let mut groups = Vec::with_capacity(initial_capacity(num_groups));
     for _ in 0..num_groups {
-        r.array_of("an extension group", if version == 1 { 3 } else { 4 })?;
+        r.array_of("an extension group", group_len)?;
         let group_id = r.u32("group_id")?;
         let block_size = r.u32("block_size")?;
         let num_layers = r.array("layers")?;
@@ -320,11 +401,18 @@ fn decode_extension(r: &mut Reader<'_>) -> Result<Extension> {
             });
         }
         let coverage = if version == 1 { None } else { Some(r.uint("coverage")?) };
+        let (marks, decodings) = if version == EXTENSION_VERSION {
+            (Some(r.uint("marks")?), read_decodings(r, "payload")?)
+        } else {
+            (None, Vec::new())
+        };
         groups.push(ExtensionGroup {
             group_id,
             block_size,
             layers,
             coverage,
+            marks,
+            decodings,
         });
     }
     let algorithm = if version == 1 {

@@ -11,17 +11,19 @@
 //! 8, `Worker::check_stored`) the verdict on each block position's stored
 //! checksum.
 //!
-//! # Encoding (version 3)
+//! # Encoding (version 4)
 //!
 //! A msgpack array, so that any msgpack reader (Python's `msgspec` included)
 //! can inspect a record; integers are unsigned, values are `bin`s of
 //! little-endian `u64`s, one per block position:
 //!
 //! ```text
-//! ["kvcsum.record", 3,
+//! ["kvcsum.record", 4,
 //!  [tp_rank, tp_size, pp_rank], role (0 producer, 1 consumer), detail (bool),
-//!  [[group_id, block_size, fingerprint, shard_keyed (bool), holds_caches (bool), state (bool),
-//!    [[replicas, replica_index, coverage], ...]], ...],               # sorted by group_id; coverage by key
+//!  [[group_id, block_size, fingerprint, marks, shard_keyed (bool), holds_caches (bool), state (bool),
+//!    [[replicas, replica_index, coverage], ...],                      # sorted by key
+//!    [[layer_number, dtype (str), head_size, k_scale, v_scale], ...]], # sorted by layer_number
+//!   ...],                                                              # sorted by group_id
 //!  [[req_id (str), num_tokens,
 //!    [[group_id, first_position, num_positions,
 //!      [[replicas, replica_index, values], ...],                       # sorted by key
@@ -43,10 +45,15 @@
 //! them. `holds_caches` says whether the worker registered any cache (layer
 //! or state layer) in the group: a group none holds was never read; `state`
 //! whether it is a state group (SPEC section 6); `coverage` per replica key
-//! which slices the worker checksums (SPEC section 10). Version 1 had no `stored`
-//! element (groups of 5 elements); version 2 had no `algorithm` (7
-//! elements; its values were all weighted), no `holds_caches`, no `state`
-//! and no outcomes 3 and 4.
+//! which slices the worker checksums (SPEC section 10); `fingerprint` and
+//! `marks` those of SPEC section 7 (the fingerprint without the marks);
+//! the last list what the worker declared about decoding each layer (SPEC
+//! section 7: `""` and `0` where a fact is not declared, scales as the bits
+//! of a binary64). Version 1 had no `stored` element (groups of 5
+//! elements); version 2 had no `algorithm` (7 elements; its values were all
+//! weighted), no `holds_caches`, no `state` and no outcomes 3 and 4;
+//! version 3 had no `marks` (its fingerprints included them) and no
+//! decodings (groups of 7 elements).
 //!
 //! [`Record::decode`] accepts exactly this shape and version and validates
 //! every value (ranks, keys, orders, lengths, uniqueness); anything else is
@@ -55,6 +62,7 @@
 use std::collections::HashSet;
 
 use crate::checksum::{Algorithm, MAX_KV_HEADS_PER_LAYER};
+use crate::decoding::LayerDecoding;
 use crate::error::{err, Result};
 use crate::layout::{ReplicaKey, Role};
 use crate::msgpack::{initial_capacity, Reader, Writer};
@@ -65,7 +73,7 @@ pub use crate::result::{GroupInfo, LayerPartial, Rank};
 pub const RECORD_MAGIC: &str = "kvcsum.record";
 
 /// The record encoding this library writes and reads.
-pub const RECORD_VERSION: u64 = 3;
+pub const RECORD_VERSION: u64 = 4;
 
 /// One column of a group in a record.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -210,10 +218,11 @@ impl Record {
         w.bool(self.detail);
         w.array(self.groups.len());
         for group in &self.groups {
-            w.array(7);
+            w.array(9);
             w.uint(group.group_id as u64);
             w.uint(group.block_size as u64);
             w.uint(group.fingerprint);
+            w.uint(group.marks);
             w.bool(group.shard_keyed);
             w.bool(group.holds_caches);
             w.bool(group.state);
@@ -224,6 +233,7 @@ impl Record {
                 w.uint(key.replica_index as u64);
                 w.uint(*coverage);
             }
+            write_decodings(&mut w, &group.decodings);
         }
         w.array(self.requests.len());
         for request in &self.requests {
@@ -273,7 +283,7 @@ impl Record {
     }
 
     /// Decodes and validates a record; `Error::Malformed` with a message for
-    /// anything but a valid version-3 record. Allocates at most in proportion
+    /// anything but a valid version-4 record. Allocates at most in proportion
     /// to `bytes.len()`.
     pub fn decode(bytes: &[u8]) -> Result<Record> {
         let mut r = Reader::new(bytes, "record");
@@ -312,10 +322,11 @@ impl Record {
         let num_groups = r.array("groups")?;
         let mut groups = Vec::with_capacity(initial_capacity(num_groups));
         for _ in 0..num_groups {
-            r.array_of("a group", 7)?;
+            r.array_of("a group", 9)?;
             let group_id = r.u32("group_id")?;
             let block_size = r.u32("block_size")?;
             let fingerprint = r.uint("fingerprint")?;
+            let marks = r.uint("marks")?;
             let shard_keyed = r.bool("shard_keyed")?;
             let holds_caches = r.bool("holds_caches")?;
             let state = r.bool("state")?;
@@ -329,14 +340,17 @@ impl Record {
                 };
                 coverage.push((key, r.uint("coverage")?));
             }
+            let decodings = read_decodings(&mut r, "record")?;
             groups.push(GroupInfo {
                 group_id,
                 block_size,
                 fingerprint,
+                marks,
                 shard_keyed,
                 holds_caches,
                 state,
                 coverage,
+                decodings,
             });
         }
         let num_requests = r.array("requests")?;
@@ -465,6 +479,7 @@ impl Record {
                     "record: {place}: replica keys are out of order or repeated"
                 ));
             }
+            check_decodings(&group.decodings, &format!("record: group {}", group.group_id))?;
         }
         let mut req_ids = HashSet::with_capacity(self.requests.len());
         let mut load_check: Option<(&str, u32, bool)> = None;
@@ -621,6 +636,61 @@ impl Record {
             .binary_search_by_key(&group_id, |g| g.group_id)
             .ok()
             .map(|i| &self.groups[i])
+    }
+}
+
+/// Writes a group's layer decodings (SPEC section 7): `[[layer_number,
+/// dtype, head_size, k_scale, v_scale], ...]`, `""` and `0` where a fact is
+/// not declared.
+pub(crate) fn write_decodings(w: &mut Writer, decodings: &[(u32, LayerDecoding)]) {
+    w.array(decodings.len());
+    for (layer_number, decoding) in decodings {
+        let (dtype, head_size, k_scale, v_scale) = decoding.parts();
+        w.array(5);
+        w.uint(*layer_number as u64);
+        w.str(dtype);
+        w.uint(head_size as u64);
+        w.uint(k_scale);
+        w.uint(v_scale);
+    }
+}
+
+/// Reads what [`write_decodings`] writes; a declaration that is not one
+/// (a bad name, a scale that is no finite positive number, nothing
+/// declared) is `Error::Malformed` naming the byte and `what` (the record
+/// or the payload).
+pub(crate) fn read_decodings(r: &mut Reader<'_>, what: &str) -> Result<Vec<(u32, LayerDecoding)>> {
+    let num_decodings = r.array("decodings")?;
+    let mut decodings = Vec::with_capacity(initial_capacity(num_decodings));
+    for _ in 0..num_decodings {
+        r.array_of("a decoding", 5)?;
+        let layer_number = r.u32("layer_number")?;
+        let at = r.position();
+        let dtype = r.str("dtype")?;
+        let head_size = r.u32("head_size")?;
+        let k_scale = r.uint("k_scale")?;
+        let v_scale = r.uint("v_scale")?;
+        let decoding = LayerDecoding::from_parts(dtype, head_size, k_scale, v_scale).map_err(|e| {
+            err!(
+                Malformed,
+                "{what}: byte {at}: the decoding of layer {layer_number}: {e}"
+            )
+        })?;
+        decodings.push((layer_number, decoding));
+    }
+    Ok(decodings)
+}
+
+/// Layer decodings are sorted by layer number, each once.
+pub(crate) fn check_decodings(decodings: &[(u32, LayerDecoding)], place: &str) -> Result<()> {
+    match decodings.windows(2).find(|pair| pair[0].0 >= pair[1].0) {
+        Some(pair) => Err(err!(
+            Malformed,
+            "{place}: the decoding of layer {} follows that of layer {}: decodings must be sorted by layer number and distinct",
+            pair[1].0,
+            pair[0].0
+        )),
+        None => Ok(()),
     }
 }
 

@@ -6,7 +6,9 @@ use std::sync::{Arc, OnceLock};
 
 use crate::blocks::RequestBlocks;
 use crate::checksum::Algorithm;
+use crate::decoding::LayerDecoding;
 use crate::error::{err, Result};
+use crate::fingerprint::decodings_digest;
 use crate::layout::{ReplicaKey, Role};
 
 /// Where a worker sits in the model.
@@ -27,8 +29,11 @@ pub struct GroupInfo {
     pub group_id: u32,
     /// Tokens per logical block on this worker.
     pub block_size: u32,
-    /// The worker's fingerprint of the group (SPEC section 7).
+    /// The worker's fingerprint of the group (SPEC section 7, vLLM's).
     pub fingerprint: u64,
+    /// The worker's marks of the group (SPEC section 7: aliases and
+    /// shard-keyed state layers).
+    pub marks: u64,
     /// Whether the group's checksums are shard-keyed state (SPEC section 6:
     /// TP split unknown), comparable only between equal TP sizes. Attention
     /// groups never are; state layers set it when the split is unknown.
@@ -42,6 +47,21 @@ pub struct GroupInfo {
     /// Per replica key held here, the coverage of its slices (SPEC section
     /// 10), sorted by key: which layers and heads the worker checksums.
     pub coverage: Vec<(ReplicaKey, u64)>,
+    /// Per layer number, what the worker declared about decoding its cache
+    /// (SPEC section 7), sorted by layer number; empty where it declared
+    /// nothing.
+    pub decodings: Vec<(u32, LayerDecoding)>,
+}
+
+impl GroupInfo {
+    /// What stored checksums use (SPEC section 8): the fingerprint plus the
+    /// marks plus the digest of the declared layer decodings (the same as
+    /// `fingerprint::stored_fingerprint` of the group).
+    pub fn stored_fingerprint(&self) -> u64 {
+        self.fingerprint
+            .wrapping_add(self.marks)
+            .wrapping_add(decodings_digest(&self.decodings))
+    }
 }
 
 /// The per-layer partial checksums of one layer entry of a worker (detail

@@ -18,7 +18,7 @@ use crate::blocks::{valid_tokens, BlockSet, GroupBlocks, RequestBlocks};
 use crate::checksum::Algorithm;
 use crate::cuda::{DevStoredItem, StoredMode, StoredWork};
 use crate::error::{err, Result};
-use crate::fingerprint::group_fingerprint;
+use crate::fingerprint::stored_fingerprint;
 use crate::layout::{Group, Layout, StoredBuffer};
 use crate::result::{config_stamp, Checksums, GroupInfo, Placement, Shape, StoredExpectation, StoredRef};
 
@@ -150,7 +150,7 @@ fn targets<'a>(
                 // request: a group's fingerprint hashes every layer's identity).
                 fingerprint: infos
                     .binary_search_by_key(&group_id, |info| info.group_id)
-                    .map_or_else(|_| group_fingerprint(group), |i| infos[i].fingerprint),
+                    .map_or_else(|_| stored_fingerprint(group), |i| infos[i].stored_fingerprint()),
                 algorithm,
                 coverage: match infos.binary_search_by_key(&group_id, |info| info.group_id) {
                     Ok(i) => total_coverage(&infos[i].coverage),

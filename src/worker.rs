@@ -7,9 +7,10 @@ use std::sync::{Arc, OnceLock};
 use crate::blocks::BlockSet;
 use crate::checksum::Algorithm;
 use crate::cuda;
+use crate::decoding::LayerDecoding;
 use crate::detail::Shadow;
 use crate::error::{err, Result};
-use crate::fingerprint::group_fingerprint;
+use crate::fingerprint::{group_fingerprint, group_marks, stored_fingerprint};
 use crate::host;
 use crate::layout::{Alias, LayerSpec, Layout, Region, Role, StoredBuffer};
 use crate::plan::Plan;
@@ -55,10 +56,12 @@ fn group_infos(layout: &Layout) -> Vec<GroupInfo> {
             group_id: group.group_id,
             block_size: group.block_size,
             fingerprint: group_fingerprint(group),
+            marks: group_marks(group),
             shard_keyed: group.is_shard_keyed(),
             holds_caches: !group.layers().is_empty() || !group.states().is_empty(),
             state: group.is_state(),
             coverage: group.coverage(),
+            decodings: group.decodings(),
         })
         .collect();
     infos.sort_by_key(|info| info.group_id);
@@ -238,6 +241,18 @@ impl Worker {
     pub fn add_alias(&mut self, group_id: u32, alias: Alias) -> Result<()> {
         self.layout.add_alias(group_id, alias)?;
         self.layout_changed();
+        Ok(())
+    }
+
+    /// Declares how the engine decodes layer `layer_number` of `group_id`
+    /// (SPEC section 7): records carry it from the next call on, and a
+    /// verifier reports a load unverified where the two sides declare a
+    /// fact of a layer differently. A later declaration of the layer
+    /// replaces it (scales computed at run time). On error nothing changes.
+    pub fn set_layer_decoding(&mut self, group_id: u32, layer_number: u32, decoding: LayerDecoding) -> Result<()> {
+        self.layout.set_layer_decoding(group_id, layer_number, decoding)?;
+        // Only the record's group facts follow from it (not detail mode's shadow).
+        self.group_infos = OnceLock::new();
         Ok(())
     }
 
@@ -440,7 +455,7 @@ impl Worker {
             .layout
             .group(group_id)
             .ok_or_else(|| err!(NotFound, "group_id {group_id} is not registered"))?;
-        let fingerprint = group_fingerprint(group);
+        let fingerprint = stored_fingerprint(group);
         Ok(hashes
             .iter()
             .map(|&hash| stored::block_tag(hash, fingerprint))

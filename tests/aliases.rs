@@ -1,7 +1,10 @@
 //! Layers that read another layer's cache (vLLM's KV sharing): registered
 //! with `kvcs_worker_add_alias`, they count in the group fingerprint exactly
 //! as vLLM's `_group_fingerprint` counts every layer name of a group (SPEC
-//! section 7), and they add no checksum.
+//! section 7), they add no checksum, and their alias marks travel in the
+//! payload extension beside the fingerprint, so that a plain payload
+//! (vLLM's) of a model with KV sharing verifies while a side where a layer
+//! is an alias never compares with one where it has its own cache.
 //!
 //! The vLLM side is computed by Python's own `hashlib` (stdlib only; the
 //! interpreter is `KVCS_PYTHON` or `python3`), from identities that Python
@@ -21,7 +24,7 @@ use kvcsum::ffi::worker::*;
 use kvcsum::payload::Payload;
 use kvcsum::record::Record;
 use kvcsum::verify::{Reason, Verdict, Verifier};
-use kvcsum::{Alias, BlockSet, Error, Role, Worker};
+use kvcsum::{Algorithm, Alias, BlockSet, Error, Role, Worker};
 use support::*;
 
 const REQ: &str = "req-alias";
@@ -90,6 +93,28 @@ fn deploy(
     identities: &[Vec<u8>],
     aliases: bool,
 ) -> Side {
+    deploy_sharing(
+        rng,
+        kv,
+        tp_size,
+        kind,
+        table,
+        identities,
+        if aliases { &SHARING } else { &[] },
+    )
+}
+
+/// [`deploy`] with the layers of `kv` as own caches and `sharing` as the
+/// (alias, target) pairs.
+fn deploy_sharing(
+    rng: &mut Rng,
+    kv: &LogicalKv,
+    tp_size: u32,
+    kind: LayoutKind,
+    table: &GroupTable,
+    identities: &[Vec<u8>],
+    sharing: &[(u32, u32)],
+) -> Side {
     let mut workers = Vec::new();
     let mut placements = Vec::new();
     for tp_rank in 0..tp_size {
@@ -105,15 +130,13 @@ fn deploy(
             spec.identity = identities[spec.layer_number as usize].clone();
             worker.add_layer(spec).unwrap();
         }
-        if aliases {
-            for (layer_number, target_layer_number) in SHARING {
-                let alias = Alias {
-                    layer_number,
-                    target_layer_number,
-                    identity: identities[layer_number as usize].clone(),
-                };
-                worker.add_alias(0, alias).unwrap();
-            }
+        for &(layer_number, target_layer_number) in sharing {
+            let alias = Alias {
+                layer_number,
+                target_layer_number,
+                identity: identities[layer_number as usize].clone(),
+            };
+            worker.add_alias(0, alias).unwrap();
         }
         workers.push(worker);
         placements.push(placement);
@@ -154,6 +177,11 @@ impl Side {
     fn payload(&self) -> Vec<u8> {
         self.verifier(Role::Producer).payload(REQ).unwrap().encode()
     }
+
+    /// The consumer's report on `payload`.
+    fn check(&self, payload: &[u8]) -> kvcsum::verify::Report {
+        self.verifier(Role::Consumer).check(REQ, Some(payload)).unwrap()
+    }
 }
 
 fn model(rng: &mut Rng, num_tokens: u64) -> (LogicalKv, GroupTable) {
@@ -175,21 +203,24 @@ fn alias_mark() -> u64 {
 }
 
 #[test]
-fn fingerprint_with_aliases_is_vllms_plus_the_alias_marks_and_checksums_are_unchanged() {
-    let mut rng = Rng::for_test("fingerprint_with_aliases_is_vllms_plus_the_alias_marks_and_checksums_are_unchanged");
+fn fingerprint_with_aliases_is_vllms_and_the_extension_carries_the_alias_marks() {
+    let mut rng = Rng::for_test("fingerprint_with_aliases_is_vllms_and_the_extension_carries_the_alias_marks");
     let seed = rng.seed();
     let (identities, vllm) = vllm_fingerprint();
     let (kv, table) = model(&mut rng, 83);
     let with = deploy(&mut rng, &kv, 2, LayoutKind::Hnd, &table, &identities, true);
     let without = deploy(&mut rng, &kv, 2, LayoutKind::Nhd, &table, &identities, false);
     let payload = Payload::decode(&with.payload()).unwrap();
-    // Every identity counts as vLLM counts it, and each of the 3 aliases
-    // adds the alias mark: a layer that is an alias on one side and has its
-    // own cache on the other must not compare.
+    // Every identity counts as vLLM counts it, and nothing else: the 3
+    // aliases' marks travel beside it in the extension, so that a layer
+    // that is an alias on one side and has its own cache on the other
+    // does not compare.
+    assert_eq!(payload.groups[0].fingerprint, vllm, "vLLM's fingerprint of 7 layers");
+    let extension = payload.extension.as_ref().expect("MIXED values carry the extension");
     assert_eq!(
-        payload.groups[0].fingerprint,
-        vllm.wrapping_add(alias_mark().wrapping_mul(3)),
-        "vLLM's fingerprint of 7 layers plus 3 alias marks"
+        extension.groups[0].marks,
+        Some(alias_mark().wrapping_mul(3)),
+        "3 alias marks"
     );
     let plain = Payload::decode(&without.payload()).unwrap();
     assert_ne!(
@@ -219,6 +250,161 @@ fn consumer_with_the_same_aliases_matches_and_without_them_is_unverified() {
     let report = forgetful.verifier(Role::Consumer).check(REQ, Some(&payload)).unwrap();
     assert_eq!(report.verdict, Verdict::Unverified, "seed {seed}: {}", report.message);
     assert_eq!(report.reason(), Some(Reason::FingerprintDiffers), "{}", report.message);
+}
+
+/// A model of `num_layers` layers with caches of their own, on the same
+/// block table as [`model`]'s.
+fn model_of(rng: &mut Rng, num_layers: u32, num_tokens: u64, table: &GroupTable) -> LogicalKv {
+    let kv = LogicalKv::random(rng, KvShape::gqa(num_layers, 4, 64, num_tokens));
+    assert!(positions_for(num_tokens, 16, 0, 0) <= table.block_ids.len());
+    kv
+}
+
+#[test]
+fn kv_sharing_with_a_plain_payload_verifies() {
+    // vLLM's fork sends plain payloads (WEIGHTED, no extension) whose
+    // fingerprint counts every layer name and no mark: a kvcsum consumer
+    // with the same KV sharing verifies them, and still sees a flipped bit.
+    with_algorithm(Algorithm::Weighted, || {
+        let mut rng = Rng::for_test("kv_sharing_with_a_plain_payload_verifies");
+        let seed = rng.seed();
+        let (identities, vllm) = vllm_fingerprint();
+        let (kv, table) = model(&mut rng, 90);
+        let producer = deploy(&mut rng, &kv, 2, LayoutKind::Nhd, &table, &identities, true);
+        let payload = producer.payload();
+        let decoded = Payload::decode(&payload).unwrap();
+        assert!(
+            decoded.extension.is_none(),
+            "a WEIGHTED producer sends vLLM's plain payload"
+        );
+        assert_eq!(decoded.groups[0].fingerprint, vllm, "the fork's fingerprint, no mark");
+        let mut consumer = deploy(&mut rng, &kv, 4, LayoutKind::KvSplit, &table, &identities, true);
+        let report = consumer.check(&payload);
+        assert_eq!(report.verdict, Verdict::Match, "seed {seed}: {}", report.message);
+        // One bit of layer 2 (the target of two aliases) at a random position.
+        let position = rng.below(table.block_ids.len() as u64 - 1) as usize;
+        let spec = consumer._placements[1].spec().clone();
+        let bit = 1u8 << rng.below(8);
+        consumer._placements[1].xor_byte(2, spec.first_head, table.block_ids[position], 3, 5, bit);
+        let report = consumer.check(&payload);
+        assert_eq!(report.verdict, Verdict::Mismatch, "seed {seed}: {}", report.message);
+        assert_eq!(report.mismatches.len(), 1, "seed {seed}: {}", report.message);
+        assert_eq!(report.mismatches[0].first_position, position as u64, "seed {seed}");
+    });
+}
+
+#[test]
+fn alias_and_own_cache_sides_never_compare() {
+    // Layer 4 reads layer 2's cache on one side and has a cache of its own
+    // on the other: both fingerprints count the same 7 identities, and the
+    // marks the extension carries tell the sides apart, under either
+    // algorithm and in either direction.
+    for_each_algorithm(|algorithm| {
+        let mut rng = Rng::for_test("alias_and_own_cache_sides_never_compare");
+        let seed = rng.seed();
+        let (identities, vllm) = vllm_fingerprint();
+        let (shared, table) = model(&mut rng, 77);
+        let own = model_of(&mut rng, 5, 77, &table);
+        let aliased = |rng: &mut Rng, tp| deploy(rng, &shared, tp, LayoutKind::Hnd, &table, &identities, true);
+        let owning =
+            |rng: &mut Rng, tp| deploy_sharing(rng, &own, tp, LayoutKind::Nhd, &table, &identities, &[(5, 3), (6, 2)]);
+        for (producer, consumer, what) in [
+            (aliased(&mut rng, 2), owning(&mut rng, 1), "alias -> own cache"),
+            (owning(&mut rng, 2), aliased(&mut rng, 4), "own cache -> alias"),
+        ] {
+            let verifier = producer.verifier(Role::Producer);
+            verifier.set_extension(true).unwrap();
+            let payload = verifier.payload(REQ).unwrap();
+            assert_eq!(
+                payload.groups[0].fingerprint, vllm,
+                "{what}: the plain fingerprints agree"
+            );
+            let report = consumer.check(&payload.encode());
+            assert_eq!(
+                report.verdict,
+                Verdict::Unverified,
+                "{algorithm:?}, {what}, seed {seed}: {}",
+                report.message
+            );
+            assert_eq!(report.reason(), Some(Reason::FingerprintDiffers), "{}", report.message);
+            assert!(report.message.contains("alias"), "{what}: {}", report.message);
+        }
+    });
+}
+
+#[test]
+fn a_version_2_extension_compares_under_its_fingerprint_that_counted_the_marks() {
+    // kvcsum 0.2.0 sent the fingerprint plus the marks, and no marks
+    // beside it. A consumer compares such a payload exactly where 0.2.0
+    // did: where its own fingerprint plus marks is the one sent. It cannot
+    // tell other identities from other marks then (both are "another
+    // fingerprint"), and it never compares an alias with an own cache.
+    let mut rng = Rng::for_test("a_version_2_extension_compares_under_its_fingerprint_that_counted_the_marks");
+    let seed = rng.seed();
+    let (identities, vllm) = vllm_fingerprint();
+    let (shared, table) = model(&mut rng, 66);
+    let own = model_of(&mut rng, 7, 66, &table);
+    let as_version_2 = |side: &Side| {
+        let mut payload = side.verifier(Role::Producer).payload(REQ).unwrap();
+        let extension = payload.extension.as_mut().expect("MIXED values carry the extension");
+        for (group, entry) in payload.groups.iter_mut().zip(&mut extension.groups) {
+            group.fingerprint = group
+                .fingerprint
+                .wrapping_add(entry.marks.take().expect("version 3 marks"));
+        }
+        assert_eq!(extension.version(), 2);
+        payload.encode()
+    };
+    let aliased = deploy(&mut rng, &shared, 2, LayoutKind::Hnd, &table, &identities, true);
+    let no_aliases = deploy_sharing(&mut rng, &own, 1, LayoutKind::Nhd, &table, &identities, &[]);
+    let consumer = deploy(&mut rng, &shared, 4, LayoutKind::KvSplit, &table, &identities, true);
+    let old = as_version_2(&aliased);
+    assert_eq!(
+        Payload::decode(&old).unwrap().groups[0].fingerprint,
+        vllm.wrapping_add(alias_mark().wrapping_mul(3))
+    );
+    let report = consumer.check(&old);
+    assert_eq!(report.verdict, Verdict::Match, "seed {seed}: {}", report.message);
+    // 0.2.0 without aliases (all 7 layers with caches of their own): its
+    // fingerprint is vLLM's, which the consumer's plus its marks is not.
+    let report = consumer.check(&as_version_2(&no_aliases));
+    assert_eq!(report.verdict, Verdict::Unverified, "seed {seed}: {}", report.message);
+    assert_eq!(report.reason(), Some(Reason::FingerprintDiffers), "{}", report.message);
+    assert!(report.message.contains("version-2"), "{}", report.message);
+    // And 0.2.0 with aliases to a consumer whose layers have their own caches.
+    let owner = deploy_sharing(&mut rng, &own, 2, LayoutKind::Hnd, &table, &identities, &[]);
+    let report = owner.check(&old);
+    assert_eq!(report.verdict, Verdict::Unverified, "seed {seed}: {}", report.message);
+    assert_eq!(report.reason(), Some(Reason::FingerprintDiffers), "{}", report.message);
+}
+
+#[test]
+fn a_plain_payload_with_the_marks_counted_still_verifies() {
+    // A kvcsum 0.2.0 producer without extension (WEIGHTED) sent the
+    // fingerprint plus the marks in a plain payload: either convention of
+    // a plain payload is one the consumer can be sure of.
+    with_algorithm(Algorithm::Weighted, || {
+        let mut rng = Rng::for_test("a_plain_payload_with_the_marks_counted_still_verifies");
+        let seed = rng.seed();
+        let (identities, vllm) = vllm_fingerprint();
+        let (kv, table) = model(&mut rng, 50);
+        let producer = deploy(&mut rng, &kv, 1, LayoutKind::Hnd, &table, &identities, true);
+        let mut payload = Payload::decode(&producer.payload()).unwrap();
+        assert!(payload.extension.is_none());
+        payload.groups[0].fingerprint = vllm.wrapping_add(alias_mark().wrapping_mul(3));
+        let consumer = deploy(&mut rng, &kv, 2, LayoutKind::Nhd, &table, &identities, true);
+        let report = consumer.check(&payload.encode());
+        assert_eq!(report.verdict, Verdict::Match, "seed {seed}: {}", report.message);
+        // Two marks where the consumer has three is another fingerprint.
+        payload.groups[0].fingerprint = vllm.wrapping_add(alias_mark().wrapping_mul(2));
+        let report = consumer.check(&payload.encode());
+        assert_eq!(
+            report.reason(),
+            Some(Reason::FingerprintDiffers),
+            "seed {seed}: {}",
+            report.message
+        );
+    });
 }
 
 #[test]

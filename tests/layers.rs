@@ -16,7 +16,8 @@ const ORDER: &[&str] = &[
     // its unit tests (a file of their own)
     "topology_tests",
     "pool",
-    // inputs: state layers, layouts, block sets, fingerprints, the caller's stream
+    // inputs: layer decodings, state layers, layouts, block sets, fingerprints, the caller's stream
+    "decoding",
     "state",
     "layout",
     "layout_string",

@@ -880,8 +880,8 @@ fn zero_state(rng: &mut Rng, layers: &[u32]) -> LogicalState {
 // K6
 
 /// K6: state groups with `split_known` 1 on one side and 0 on the other
-/// gave MISMATCH at equal TP. The fingerprint marks shard-keyed state
-/// layers now: UNVERIFIED, FINGERPRINT_DIFFERS.
+/// gave MISMATCH at equal TP. Shard-keyed state layers carry a mark beside
+/// the fingerprint now: UNVERIFIED, FINGERPRINT_DIFFERS.
 #[test]
 fn state_split_known_on_one_side_only_is_unverified_fingerprint_differs() {
     let mut rng = Rng::for_test("state_split_known_on_one_side_only_is_unverified_fingerprint_differs");
@@ -992,7 +992,8 @@ fn shard_keyed_state_of_an_unknown_producer_tp_size_is_unverified() {
 
 /// K7: an alias (`kvcs_worker_add_alias`) on the producer and a real cache
 /// for the same layer on the consumer had equal fingerprints, and intact KV
-/// gave MISMATCH. Aliases add a mark to the fingerprint now: UNVERIFIED,
+/// gave MISMATCH. Aliases carry a mark beside the fingerprint (records,
+/// the payload extension), which a MIXED producer always sends: UNVERIFIED,
 /// FINGERPRINT_DIFFERS.
 #[test]
 fn an_alias_on_one_side_and_a_real_cache_on_the_other_is_unverified() {
@@ -1031,7 +1032,7 @@ fn an_alias_on_one_side_and_a_real_cache_on_the_other_is_unverified() {
                     &report,
                     KVCS_UNVERIFIED_FINGERPRINT_DIFFERS,
                     0,
-                    &["group 0", "fingerprint", "other layers or identities"],
+                    &["group 0", "fingerprint", "alias"],
                     seed,
                 );
                 assert!(report.mismatches().is_empty(), "seed {seed}");

@@ -18,7 +18,8 @@ use kvcsum::ffi::report::kvcs_verdict;
 use kvcsum::ffi::status::kvcs_status::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::payload::{
-    decode_base64, encode_base64, Extension, ExtensionGroup, LayerPartial, Payload, PayloadGroup, FIRST_COPY,
+    decode_base64, encode_base64, Extension, ExtensionGroup, FingerprintConvention, LayerPartial, Payload,
+    PayloadGroup, FIRST_COPY,
 };
 use kvcsum::record::Record;
 use kvcsum::{Error, Role, StoredOutcome};
@@ -95,7 +96,7 @@ impl V {
 fn record_value() -> V {
     V::A(vec![
         s("kvcsum.record"),
-        V::U(3),
+        V::U(4),
         V::A(vec![V::U(1), V::U(2), V::U(0)]),
         V::U(1),
         V::Bool(true),
@@ -103,6 +104,7 @@ fn record_value() -> V {
             V::U(3),
             V::U(16),
             V::U(u64::MAX - 5),
+            V::U(0x0a11_a5ed), // marks
             V::Bool(false),
             V::Bool(true),
             V::Bool(false),
@@ -110,6 +112,7 @@ fn record_value() -> V {
                 V::A(vec![V::U(1), V::U(0), V::U(0x1234_5678)]),
                 V::A(vec![V::U(2), V::U(1), V::U(u64::MAX - 9)]),
             ]),
+            decodings(),
         ])]),
         V::A(vec![V::A(vec![
             s("req-1"),
@@ -134,7 +137,22 @@ fn record_value() -> V {
     ])
 }
 
-/// A valid payload with the extension.
+/// Layer decodings (SPEC section 7) as records and extensions write them:
+/// layer 0 fp8 with both scales, layer 2 only its element type.
+fn decodings() -> V {
+    V::A(vec![
+        V::A(vec![
+            V::U(0),
+            s("fp8_e4m3"),
+            V::U(128),
+            V::U(0.0125f64.to_bits()),
+            V::U(0.5f64.to_bits()),
+        ]),
+        V::A(vec![V::U(2), s("bfloat16"), V::U(0), V::U(0), V::U(0)]),
+    ])
+}
+
+/// A valid payload with the extension (version 3).
 fn payload_value() -> V {
     V::A(vec![
         V::U(1),
@@ -144,7 +162,7 @@ fn payload_value() -> V {
             V::A(vec![V::U(2), V::U(17), V::U(1), values(&[10, 11])]),
         ]),
         V::A(vec![
-            V::U(2),
+            V::U(3),
             V::U(2),
             V::A(vec![V::A(vec![
                 V::U(0),
@@ -154,6 +172,8 @@ fn payload_value() -> V {
                     V::A(vec![V::U(0), V::U(4), V::U(4), values(&[6, 7, 8])]),
                 ]),
                 V::U(0x5eed_c0fe_0000_0001), // the producer's coverage
+                V::U(0x0a11_a5ed),           // its marks
+                decodings(),
             ])]),
             V::U(2),
         ]),
@@ -172,26 +192,51 @@ fn malformed(result: kvcsum::Result<impl std::fmt::Debug>, needle: &str, case: &
 
 #[test]
 fn extension_versions_carry_the_algorithm() {
-    let payload = Payload::decode(&payload_value().bytes()).expect("version 2");
+    let payload = Payload::decode(&payload_value().bytes()).expect("version 3");
     assert_eq!(payload.algorithm(), kvcsum::Algorithm::Mixed);
+    let group = &payload.extension.as_ref().unwrap().groups[0];
+    assert_eq!(group.coverage, Some(0x5eed_c0fe_0000_0001));
+    assert_eq!(group.marks, Some(0x0a11_a5ed));
     assert_eq!(
-        payload.extension.as_ref().unwrap().groups[0].coverage,
-        Some(0x5eed_c0fe_0000_0001)
+        payload.fingerprint_convention(0),
+        FingerprintConvention::Separate { marks: 0x0a11_a5ed }
     );
+    assert_eq!(
+        payload.fingerprint_convention(2),
+        FingerprintConvention::Unknown,
+        "no entry"
+    );
+    assert_eq!(group.decodings.len(), 2);
+    assert_eq!(
+        group.decodings[0].1.parts(),
+        ("fp8_e4m3", 128, 0.0125f64.to_bits(), 0.5f64.to_bits())
+    );
+    assert_eq!(group.decodings[1].1.parts(), ("bfloat16", 0, 0, 0));
+    // Version 2 (groups of 4: no marks, no decodings) still carries the
+    // algorithm and the coverage; its fingerprints counted the marks.
+    let mut v2 = payload_value();
+    *v2.at(&[3, 0]) = V::U(2);
+    if let V::A(items) = v2.at(&[3, 2, 0]) {
+        items.truncate(4);
+    }
+    let decoded = Payload::decode(&v2.bytes()).expect("version 2");
+    assert_eq!(decoded.algorithm(), kvcsum::Algorithm::Mixed);
+    assert_eq!(decoded.extension.as_ref().unwrap().groups[0].marks, None);
+    assert_eq!(decoded.fingerprint_convention(0), FingerprintConvention::Marked);
+    assert_eq!(decoded.encode(), v2.bytes(), "a version-2 extension encodes as it came");
     // Version 1 (3 elements, no algorithm; groups of 3, no coverage) means
     // WEIGHTED, as a plain payload does.
-    let mut v1 = payload_value();
+    let mut v1 = v2.clone();
     *v1.at(&[3, 0]) = V::U(1);
     if let V::A(items) = v1.at(&[3]) {
         items.pop();
     }
     if let V::A(items) = v1.at(&[3, 2, 0]) {
-        items.pop();
+        items.truncate(3);
     }
-    assert_eq!(
-        Payload::decode(&v1.bytes()).expect("version 1").algorithm(),
-        kvcsum::Algorithm::Weighted
-    );
+    let decoded = Payload::decode(&v1.bytes()).expect("version 1");
+    assert_eq!(decoded.algorithm(), kvcsum::Algorithm::Weighted);
+    assert_eq!(decoded.fingerprint_convention(0), FingerprintConvention::Unmarked);
     let mut plain = payload_value();
     if let V::A(items) = &mut plain {
         items.pop();
@@ -309,14 +354,64 @@ fn every_malformed_record_class_is_rejected_with_a_message() {
             "version 2 is not supported",
         ),
         (
-            "version 4",
-            Box::new(|v| *v.at(&[1]) = V::U(4)),
-            "version 4 is not supported",
+            "version 3 (before marks and decodings)",
+            Box::new(|v| *v.at(&[1]) = V::U(3)),
+            "version 3 is not supported",
         ),
         (
-            "version 4",
-            Box::new(|v| *v.at(&[1]) = V::U(4)),
-            "version 4 is not supported",
+            "version 5",
+            Box::new(|v| *v.at(&[1]) = V::U(5)),
+            "version 5 is not supported",
+        ),
+        (
+            "group of 7 elements (version 3's)",
+            Box::new(|v| {
+                if let V::A(items) = v.at(&[5, 0]) {
+                    items.remove(3);
+                    items.pop();
+                }
+            }),
+            "expected an array of 9 elements, found 7",
+        ),
+        ("marks a string", Box::new(|v| *v.at(&[5, 0, 3]) = s("marks")), "marks"),
+        (
+            "decoding with a bad element type",
+            Box::new(|v| *v.at(&[5, 0, 8, 0, 1]) = s("FP8")),
+            "the decoding of layer 0: dtype \"FP8\" is not an element type name",
+        ),
+        (
+            "decoding with a NaN scale",
+            Box::new(|v| *v.at(&[5, 0, 8, 0, 3]) = V::U(f64::NAN.to_bits())),
+            "k_scale NaN",
+        ),
+        (
+            "decoding with a negative scale",
+            Box::new(|v| *v.at(&[5, 0, 8, 0, 4]) = V::U((-0.5f64).to_bits())),
+            "v_scale -0.5",
+        ),
+        (
+            "decoding that declares nothing",
+            Box::new(|v| *v.at(&[5, 0, 8, 1, 1]) = s("")),
+            "declares nothing",
+        ),
+        (
+            "decodings out of order",
+            Box::new(|v| *v.at(&[5, 0, 8, 1, 0]) = V::U(0)),
+            "sorted by layer number and distinct",
+        ),
+        (
+            "decoding of 4 elements",
+            Box::new(|v| {
+                if let V::A(items) = v.at(&[5, 0, 8, 1]) {
+                    items.pop();
+                }
+            }),
+            "a decoding (byte",
+        ),
+        (
+            "huge declared decodings",
+            Box::new(|v| *v.at(&[5, 0, 8]) = V::Raw(vec![0xdd, 0xff, 0xff, 0xff, 0xff])),
+            "cannot fit",
         ),
         (
             "algorithm 0",
@@ -706,13 +801,50 @@ fn every_malformed_payload_class_is_rejected_with_a_message() {
             "algorithm 3 is neither",
         ),
         (
-            "extension version 2 without its algorithm",
+            "extension version 3 without its algorithm",
             Box::new(|v| {
                 if let V::A(items) = v.at(&[3]) {
                     items.pop();
                 }
             }),
-            "the extension of version 2 has 4 elements, found 3",
+            "the extension of version 3 has 4 elements, found 3",
+        ),
+        (
+            "extension version 3 with groups of version 2",
+            Box::new(|v| {
+                if let V::A(items) = v.at(&[3, 2, 0]) {
+                    items.truncate(4);
+                }
+            }),
+            "expected an array of 6 elements, found 4",
+        ),
+        (
+            "extension version 2 with groups of version 3",
+            Box::new(|v| *v.at(&[3, 0]) = V::U(2)),
+            "expected an array of 4 elements, found 6",
+        ),
+        (
+            "extension marks a bin",
+            Box::new(|v| *v.at(&[3, 2, 0, 4]) = V::B(vec![0; 8])),
+            "marks",
+        ),
+        (
+            "extension decoding with a bad element type",
+            Box::new(|v| *v.at(&[3, 2, 0, 5, 1, 1]) = s("bf16!")),
+            "is not an element type name",
+        ),
+        (
+            "extension decoding with an infinite scale",
+            Box::new(|v| *v.at(&[3, 2, 0, 5, 0, 4]) = V::U(f64::INFINITY.to_bits())),
+            "v_scale inf",
+        ),
+        (
+            "extension decodings repeated",
+            Box::new(|v| {
+                let decoding = v.at(&[3, 2, 0, 5, 0]).clone();
+                *v.at(&[3, 2, 0, 5]) = V::A(vec![decoding.clone(), decoding]);
+            }),
+            "sorted by layer number and distinct",
         ),
         (
             "extension version 1 with an algorithm",
@@ -783,6 +915,12 @@ fn mutated_encodings_never_panic() {
                     values: (0..20).map(|_| rng.next_u64()).collect(),
                 }],
                 coverage: Some(rng.next_u64()),
+                marks: Some(rng.next_u64()),
+                decodings: vec![(
+                    3,
+                    kvcsum::LayerDecoding::from_parts("fp8_e4m3", 128, 0.0625f64.to_bits(), 0.125f64.to_bits())
+                        .unwrap(),
+                )],
             }],
             algorithm: kvcsum::Algorithm::Mixed,
         }),
@@ -850,7 +988,7 @@ fn a_version_1_extension_round_trips() {
         items.pop();
     }
     if let V::A(items) = v1.at(&[3, 2, 0]) {
-        items.pop();
+        items.truncate(3);
     }
     let payload = Payload::decode(&v1.bytes()).expect("version 1");
     assert_eq!(payload.extension.as_ref().unwrap().groups[0].coverage, None);
@@ -934,31 +1072,38 @@ fn records_declaring_huge_lengths_are_malformed_under_a_memory_limit() {
             let verifier = Verifier::new(1);
             let n = 60 << 20;
             let head = |w: &mut Msgpack| {
-                w.array(8).str("kvcsum.record").uint(3);
+                w.array(8).str("kvcsum.record").uint(4);
                 w.array(3).uint(0).uint(1).uint(0);
                 w.uint(1).bool(true);
             };
+            // A registered group up to its coverage (group 0, block size 16).
+            let group = |w: &mut Msgpack| {
+                w.array(9).uint(0).uint(16).uint(7).uint(0);
+                w.bool(false).bool(true).bool(false);
+            };
             let mut prefixes: Vec<(&str, Vec<u8>)> = Vec::new();
-            // The record's groups.
+            // The record's groups, a group's coverage and decodings.
             let mut w = Msgpack::default();
             head(&mut w);
-            prefixes.push(("groups", w.0));
+            prefixes.push(("groups", w.0.clone()));
+            w.array(1);
+            group(&mut w);
+            prefixes.push(("coverage", w.0.clone()));
+            w.array(0);
+            prefixes.push(("decodings", w.0));
             // Its requests.
             let mut w = Msgpack::default();
             head(&mut w);
-            w.array(1).array(7).uint(0).bool(false);
+            w.array(1);
+            group(&mut w);
+            w.array(0).array(0);
             prefixes.push(("requests", w.0));
             // A request's groups, a group's columns and layers, skipped groups.
             let mut w = Msgpack::default();
             head(&mut w);
-            w.array(1)
-                .array(7)
-                .uint(0)
-                .bool(false)
-                .array(1)
-                .array(4)
-                .str("req")
-                .uint(16);
+            w.array(1);
+            group(&mut w);
+            w.array(0).array(0).array(1).array(4).str("req").uint(16);
             let request = w.0.clone();
             prefixes.push(("request groups", request.clone()));
             let mut w = Msgpack(request.clone());

@@ -53,13 +53,14 @@ const SITES: [Site; 9] = [
 /// Writes the schema down to the site's array header (of `len` elements).
 fn prefix(out: &mut Msgpack, site: Site, len: usize) {
     let record_head = |out: &mut Msgpack| {
-        out.array(8).str("kvcsum.record").uint(3);
+        out.array(8).str("kvcsum.record").uint(4);
         out.array(3).uint(0).uint(1).uint(0);
         out.uint(1).bool(true);
     };
     let request_head = |out: &mut Msgpack| {
         record_head(out);
-        out.array(1).array(7).uint(0).uint(16).uint(0).bool(false).bool(true).bool(false).array(0);
+        out.array(1).array(9).uint(0).uint(16).uint(0).uint(0);
+        out.bool(false).bool(true).bool(false).array(0).array(0);
         out.array(1).array(4).str("r").uint(16);
     };
     match site {
@@ -116,7 +117,8 @@ fn element(out: &mut Msgpack, site: Site, i: u64) {
             out.array(4).uint(i).uint(0).uint(1).bin(&[]);
         }
         Site::RecordGroups => {
-            out.array(4).uint(i).uint(16).uint(0).bool(false);
+            out.array(9).uint(i).uint(16).uint(0).uint(0).bool(false).bool(true).bool(false);
+            out.array(0).array(0);
         }
         Site::Requests => {
             out.array(4).str(&format!("{i:x}")).uint(0).array(0).array(0);

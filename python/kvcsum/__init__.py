@@ -82,6 +82,7 @@ from ._constants import (
     BLOCK_SIZE_UNKNOWN,
     CONSUMER,
     COVERAGE_DIFFERS,
+    DECODING_DIFFERS,
     EXTENSION_VERSION,
     FAIL_CLOSED,
     FAIL_OPEN,
@@ -138,6 +139,7 @@ from ._errors import (
 )
 from ._layers import Layer, StateTensor, layer, region_of  # noqa: F401 (region_of is public, not in __all__)
 from ._lib import ABI_VERSION, BLOCK_CHECKSUM_BYTES, AbiError, MissingLibraryError
+from ._payload import LayerDecoding, Payload, PayloadGroup, PayloadLayer, decode_payload
 from ._repair import RepairBlock, repair_plan
 from ._topology import (
     Completion,
@@ -212,6 +214,7 @@ __all__ = [
     "BLOCK_SIZE_UNKNOWN",
     "NOTHING_READ",
     "COVERAGE_DIFFERS",
+    "DECODING_DIFFERS",
     "library",
     "version",
     "Layer",
@@ -247,6 +250,7 @@ __all__ = [
 ]
 
 __all__ += ["RepairBlock", "repair_plan"]
+__all__ += ["Payload", "PayloadGroup", "PayloadLayer", "LayerDecoding", "decode_payload"]
 
 # The public classes and functions live in private modules by job; they are
 # kvcsum.X to users (reprs, error messages, pickles), as before the split.

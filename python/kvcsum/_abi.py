@@ -10,14 +10,15 @@ library's own layout (kvcs_struct_layout, kvcs_struct_field).
 CONSTANTS = {
     "KVCS_ABI_VERSION": 2,
     "KVCS_BLOCK_CHECKSUM_BYTES": 16,
-    "KVCS_EXTENSION_VERSION": 2,
+    "KVCS_EXTENSION_VERSION": 3,
     "KVCS_HOST": -1,
+    "KVCS_MAX_DTYPE_LEN": 32,
     "KVCS_MAX_HOST_THREADS": 256,
     "KVCS_MAX_KV_HEADS_PER_LAYER": 65536,
     "KVCS_MAX_TP_SIZE": 65536,
     "KVCS_MIX_MULTIPLIER": 11400714819323198485,
     "KVCS_PAYLOAD_VERSION": 1,
-    "KVCS_RECORD_VERSION": 3,
+    "KVCS_RECORD_VERSION": 4,
     "KVCS_WHOLE_LOAD": 4294967295,
 }
 
@@ -58,6 +59,7 @@ ENUMS = {
             "KVCS_UNVERIFIED_BLOCK_SIZE_UNKNOWN": 14,
             "KVCS_UNVERIFIED_NOTHING_READ": 15,
             "KVCS_UNVERIFIED_COVERAGE_DIFFERS": 16,
+            "KVCS_UNVERIFIED_DECODING_DIFFERS": 17,
         },
     ),
     "kvcs_stored_outcome": (
@@ -112,6 +114,7 @@ ENUMS = {
 HANDLES = (
     "kvcs_blocks",
     "kvcs_completion",
+    "kvcs_payload",
     "kvcs_report",
     "kvcs_result",
     "kvcs_topology",
@@ -127,6 +130,40 @@ STRUCTS = {
         ("strides", "const int64_t *"),
         ("ndim", "size_t"),
         ("element_size", "uint32_t"),
+    ),
+    "kvcs_payload_summary": (
+        ("num_tokens", "uint64_t"),
+        ("num_groups", "size_t"),
+        ("version", "uint32_t"),
+        ("extension_version", "uint32_t"),
+        ("producer_tp_size", "uint32_t"),
+        ("algorithm", "uint32_t"),
+    ),
+    "kvcs_group_checksums": (
+        ("group_id", "uint32_t"),
+        ("block_size", "uint32_t"),
+        ("fingerprint", "uint64_t"),
+        ("first_position", "uint64_t"),
+        ("num_values", "size_t"),
+        ("has_coverage", "uint32_t"),
+        ("has_marks", "uint32_t"),
+        ("coverage", "uint64_t"),
+        ("marks", "uint64_t"),
+        ("num_layers", "size_t"),
+        ("num_decodings", "size_t"),
+    ),
+    "kvcs_layer_checksums": (
+        ("layer_number", "uint32_t"),
+        ("first_head", "uint32_t"),
+        ("num_heads", "uint32_t"),
+        ("num_values", "size_t"),
+    ),
+    "kvcs_layer_decoding": (
+        ("dtype", "const char *"),
+        ("layer_number", "uint32_t"),
+        ("head_size", "uint32_t"),
+        ("k_scale_bits", "uint64_t"),
+        ("v_scale_bits", "uint64_t"),
     ),
     "kvcs_repair_block": (
         ("group_id", "uint32_t"),
@@ -1038,6 +1075,86 @@ CALLS = {
     "kvcs_repair_block_size": (
         "size_t",
         (),
+    ),
+    "kvcs_payload_decode": (
+        "kvcs_status",
+        (
+            ("bytes", "const uint8_t *"),
+            ("len", "size_t"),
+            ("out", "kvcs_payload **"),
+        ),
+    ),
+    "kvcs_payload_destroy": (
+        "void",
+        (
+            ("payload", "kvcs_payload *"),
+        ),
+    ),
+    "kvcs_payload_info": (
+        "kvcs_status",
+        (
+            ("payload", "const kvcs_payload *"),
+            ("out", "kvcs_payload_summary *"),
+        ),
+    ),
+    "kvcs_payload_group": (
+        "kvcs_status",
+        (
+            ("payload", "const kvcs_payload *"),
+            ("group_index", "size_t"),
+            ("out", "kvcs_group_checksums *"),
+        ),
+    ),
+    "kvcs_payload_values": (
+        "kvcs_status",
+        (
+            ("payload", "const kvcs_payload *"),
+            ("group_index", "size_t"),
+            ("values", "uint64_t *"),
+            ("cap", "size_t"),
+            ("len", "size_t *"),
+        ),
+    ),
+    "kvcs_payload_layer": (
+        "kvcs_status",
+        (
+            ("payload", "const kvcs_payload *"),
+            ("group_index", "size_t"),
+            ("layer_index", "size_t"),
+            ("out", "kvcs_layer_checksums *"),
+        ),
+    ),
+    "kvcs_payload_layer_values": (
+        "kvcs_status",
+        (
+            ("payload", "const kvcs_payload *"),
+            ("group_index", "size_t"),
+            ("layer_index", "size_t"),
+            ("values", "uint64_t *"),
+            ("cap", "size_t"),
+            ("len", "size_t *"),
+        ),
+    ),
+    "kvcs_payload_decoding": (
+        "kvcs_status",
+        (
+            ("payload", "const kvcs_payload *"),
+            ("group_index", "size_t"),
+            ("index", "size_t"),
+            ("out", "kvcs_layer_decoding *"),
+        ),
+    ),
+    "kvcs_worker_set_layer_decoding": (
+        "kvcs_status",
+        (
+            ("worker", "kvcs_worker *"),
+            ("group_id", "uint32_t"),
+            ("layer_number", "uint32_t"),
+            ("dtype", "const char *"),
+            ("head_size", "uint32_t"),
+            ("k_scale_bits", "uint64_t"),
+            ("v_scale_bits", "uint64_t"),
+        ),
     ),
     "kvcs_api_get": (
         "kvcs_status",

@@ -4,6 +4,8 @@ status check, argument conversion and checks, and the handle base class."""
 from __future__ import annotations
 
 import contextlib
+import math
+import struct
 import threading
 from ctypes import byref, c_size_t, c_uint8, c_void_p
 
@@ -74,6 +76,21 @@ def _flag(value, name: str) -> int:
     if _int(value, "uint32_t", name) not in (0, 1):
         raise ValueError(f"{name} is {value!r}: give True or False")
     return int(value)
+
+
+def _scale_bits(value, name: str) -> int:
+    """A scale argument as the bits of its IEEE-754 binary64 value: None is
+    0 (not declared); TypeError unless a real number (a bool is none);
+    ValueError for 0, whose bits would read as "not declared". The library
+    refuses NaN, infinities and negative values, naming them."""
+    if value is None:
+        return 0
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number or None, got {type(value).__name__} {value!r:.80}")
+    value = float(value)
+    if value == 0.0 and math.copysign(1.0, value) > 0:
+        raise ValueError(f"{name} is 0.0, which is no scale (None leaves it undeclared)")
+    return struct.unpack("<Q", struct.pack("<d", value))[0]
 
 
 def _bytes(data, name: str) -> bytes:

@@ -109,6 +109,7 @@ class Reason(_CEnum):
     BLOCK_SIZE_UNKNOWN = 14
     NOTHING_READ = 15
     COVERAGE_DIFFERS = 16
+    DECODING_DIFFERS = 17
 
 
 class StoredOutcome(_CEnum):
@@ -130,8 +131,8 @@ class StoredOutcome(_CEnum):
 #: (Result.encode()). The library has no call that tells them, so these are
 #: the header's; python/tests/test_package.py checks them against it.
 PAYLOAD_VERSION = 1
-EXTENSION_VERSION = 2
-RECORD_VERSION = 3
+EXTENSION_VERSION = 3
+RECORD_VERSION = 4
 
 #: The `device` of a host worker (KVCS_HOST).
 HOST = -1
@@ -160,6 +161,7 @@ ALGORITHM_DIFFERS = Reason.ALGORITHM_DIFFERS
 BLOCK_SIZE_UNKNOWN = Reason.BLOCK_SIZE_UNKNOWN
 NOTHING_READ = Reason.NOTHING_READ
 COVERAGE_DIFFERS = Reason.COVERAGE_DIFFERS
+DECODING_DIFFERS = Reason.DECODING_DIFFERS
 STORED_FAILED = StoredOutcome.FAILED
 STORED_MATCHED = StoredOutcome.MATCHED
 STORED_NOT_CHECKED = StoredOutcome.NOT_CHECKED

@@ -46,7 +46,7 @@ class Mismatch:
 @dataclasses.dataclass(frozen=True)
 class Finding:
     """A reason the load or a group was not compared: `reason` is a Reason
-    (NO_CHECKSUMS ... COVERAGE_DIFFERS), `group_id` WHOLE_LOAD for the whole
+    (NO_CHECKSUMS ... DECODING_DIFFERS), `group_id` WHOLE_LOAD for the whole
     load.
 
     Thread safety: immutable (a frozen dataclass); share it freely."""

@@ -23,6 +23,7 @@ from ._base import (
     _int,
     _member,
     _of_type,
+    _scale_bits,
     _sized,
     _stream,
     library,
@@ -261,6 +262,31 @@ class Worker(_Handle):
         on = _flag(on, "on")
         with self._use(exclusive=True) as handle:
             _check(self._lib.kvcs_worker_set_detail(handle, on))
+
+    def set_layer_decoding(
+        self,
+        group_id: int,
+        layer_number: int,
+        dtype: str | None = None,
+        head_size: int = 0,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+    ) -> None:
+        """Declares how the engine reads layer `layer_number`'s bytes of
+        group `group_id` back as numbers (docs/SPEC.md section 7,
+        "Decoding"): its element type (a name such as "bfloat16" or
+        "fp8_e4m3"), head size, and the scales K and V are stored with (as
+        binary64, compared bit for bit). None / 0 leaves a fact undeclared;
+        a fact both sides declare differently makes a load UNVERIFIED
+        (DECODING_DIFFERS), never MATCH. A later call for the layer replaces
+        the declaration."""
+        group_id = _int(group_id, "uint32_t", "group_id")
+        layer_number = _int(layer_number, "uint32_t", "layer_number")
+        name = None if dtype is None else _c(dtype, "dtype")
+        head_size = _int(head_size, "uint32_t", "head_size")
+        k_bits, v_bits = _scale_bits(k_scale, "k_scale"), _scale_bits(v_scale, "v_scale")
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_worker_set_layer_decoding(handle, group_id, layer_number, name, head_size, k_bits, v_bits))
 
     def set_algorithm(self, algorithm: int) -> None:
         """The checksum algorithm, MIXED (the default) or WEIGHTED (vLLM's),

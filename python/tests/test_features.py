@@ -5,6 +5,7 @@ Python integers and hashlib, on seeded random data."""
 import hashlib
 import os
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -60,7 +61,7 @@ def alias_mark() -> int:
     return int.from_bytes(hashlib.sha256(b"kvcsum alias").digest()[:8], "little") | 1
 
 
-def test_aliases_count_in_the_fingerprint_like_vllm_plus_the_alias_mark(rng):
+def test_aliases_count_in_the_fingerprint_like_vllm_and_their_mark_travels_in_the_extension(rng):
     kv = rng.integers(0, 2**64, (4, 2, 8, 2), dtype=np.uint64)  # [blocks, heads, tokens, pieces]
     own = repr(("model.layers.0.self_attn.attn", "FullAttentionSpec", "torch.bfloat16")).encode()
     shared = repr(("model.layers.1.self_attn.attn", "FullAttentionSpec", "torch.bfloat16")).encode()
@@ -76,10 +77,16 @@ def test_aliases_count_in_the_fingerprint_like_vllm_plus_the_alias_mark(rng):
         with worker.checksum(blocks) as result:
             verifier.add_record(result.encode())
         payload = verifier.payload("r")
-    # [1, num_tokens, [[group_id, fingerprint, first_position, values]]]: the
-    # fingerprint is a uint64 (0xcf) after the group id 0.
-    at = payload.index(b"\xcf")
-    assert int.from_bytes(payload[at + 1 : at + 9], "big") == (fingerprint_of([own, shared]) + alias_mark()) % 2**64
+        # Stored checksums keep the marked fingerprint (SPEC section 8).
+        hashes = [bytes(rng.integers(0, 256, 32, dtype=np.uint8))]
+        marked = (fingerprint_of([own, shared]) + alias_mark()) % 2**64
+        assert [int(t) for t in worker.block_tags(0, hashes)] == [int.from_bytes(hashes[0][:8], "little") ^ marked]
+    # [1, num_tokens, [[group_id, fingerprint, first_position, values]],
+    #  [3, tp, [[group_id, block_size, layers, coverage, marks, decodings]], algorithm]]:
+    # the fingerprint is vLLM's, and the alias's mark travels beside it.
+    _, _, [(_, fingerprint, _, _)], extension = msgspec.msgpack.decode(payload)
+    assert fingerprint == fingerprint_of([own, shared])
+    assert extension[2][0][4] == alias_mark()
 
 
 def test_stored_checksums_round_trip_and_a_corrupted_block(rng):

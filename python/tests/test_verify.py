@@ -97,7 +97,7 @@ def test_payload_is_what_msgspec_reads(scheduled):
     # element is the algorithm (docs/SPEC.md section 9).
     payload, values = producer_payload(cache, scheduled)
     version, num_tokens, groups, extension = msgspec.msgpack.decode(payload)
-    assert (version, extension[0], extension[-1]) == (1, 2, kvcsum.MIXED)
+    assert (version, extension[0], extension[-1]) == (1, kvcsum.EXTENSION_VERSION, kvcsum.MIXED)
     np.testing.assert_array_equal(np.frombuffer(groups[0][3], dtype="<u8"), values)
     with consumer_report(cache, scheduled, payload) as report:
         assert report.verdict == kvcsum.MATCH
@@ -163,7 +163,11 @@ def test_every_header_call_is_declared_with_its_arity():
 def test_structs_match_the_library_and_drift_is_refused(monkeypatch):
     lib = kvcsum.library()
     for c_name, struct in _lib.STRUCTS.items():
-        assert getattr(lib, c_name + "_size")() == ctypes.sizeof(struct), c_name
+        size = ctypes.c_size_t()
+        assert lib.kvcs_struct_layout(c_name.encode(), ctypes.byref(size), None) == 0, c_name
+        assert size.value == ctypes.sizeof(struct), c_name
+        if hasattr(lib, c_name + "_size"):  # the older per-struct size call, where there is one
+            assert getattr(lib, c_name + "_size")() == ctypes.sizeof(struct), c_name
 
     class Grown(ctypes.Structure):
         _fields_ = _lib.LayerStruct._fields_ + [("added", ctypes.c_uint64)]

@@ -4,10 +4,11 @@
 //! (struct_layout.rs), so that a binding compares field offsets, not only
 //! sizes, against the library it loaded.
 
-use std::ffi::CStr;
+use std::ffi::{c_char, CStr};
 use std::mem::{offset_of, size_of};
 
 use super::layout_string::kvcs_tensor;
+use super::payload::{kvcs_group_checksums, kvcs_layer_checksums, kvcs_layer_decoding, kvcs_payload_summary};
 use super::repair::kvcs_repair_block;
 use super::report::{kvcs_layer_difference, kvcs_mismatch};
 use super::tensor_parallel::kvcs_head_source;
@@ -64,6 +65,160 @@ pub(crate) static STRUCT_LAYOUTS: &[StructLayout] = &[
                 name: c"element_size",
                 offset: offset_of!(kvcs_tensor, element_size),
                 size: size_of::<u32>(),
+            },
+        ],
+    },
+    StructLayout {
+        name: c"kvcs_payload_summary",
+        size: size_of::<kvcs_payload_summary>(),
+        fields: &[
+            FieldLayout {
+                name: c"num_tokens",
+                offset: offset_of!(kvcs_payload_summary, num_tokens),
+                size: size_of::<u64>(),
+            },
+            FieldLayout {
+                name: c"num_groups",
+                offset: offset_of!(kvcs_payload_summary, num_groups),
+                size: size_of::<usize>(),
+            },
+            FieldLayout {
+                name: c"version",
+                offset: offset_of!(kvcs_payload_summary, version),
+                size: size_of::<u32>(),
+            },
+            FieldLayout {
+                name: c"extension_version",
+                offset: offset_of!(kvcs_payload_summary, extension_version),
+                size: size_of::<u32>(),
+            },
+            FieldLayout {
+                name: c"producer_tp_size",
+                offset: offset_of!(kvcs_payload_summary, producer_tp_size),
+                size: size_of::<u32>(),
+            },
+            FieldLayout {
+                name: c"algorithm",
+                offset: offset_of!(kvcs_payload_summary, algorithm),
+                size: size_of::<u32>(),
+            },
+        ],
+    },
+    StructLayout {
+        name: c"kvcs_group_checksums",
+        size: size_of::<kvcs_group_checksums>(),
+        fields: &[
+            FieldLayout {
+                name: c"group_id",
+                offset: offset_of!(kvcs_group_checksums, group_id),
+                size: size_of::<u32>(),
+            },
+            FieldLayout {
+                name: c"block_size",
+                offset: offset_of!(kvcs_group_checksums, block_size),
+                size: size_of::<u32>(),
+            },
+            FieldLayout {
+                name: c"fingerprint",
+                offset: offset_of!(kvcs_group_checksums, fingerprint),
+                size: size_of::<u64>(),
+            },
+            FieldLayout {
+                name: c"first_position",
+                offset: offset_of!(kvcs_group_checksums, first_position),
+                size: size_of::<u64>(),
+            },
+            FieldLayout {
+                name: c"num_values",
+                offset: offset_of!(kvcs_group_checksums, num_values),
+                size: size_of::<usize>(),
+            },
+            FieldLayout {
+                name: c"has_coverage",
+                offset: offset_of!(kvcs_group_checksums, has_coverage),
+                size: size_of::<u32>(),
+            },
+            FieldLayout {
+                name: c"has_marks",
+                offset: offset_of!(kvcs_group_checksums, has_marks),
+                size: size_of::<u32>(),
+            },
+            FieldLayout {
+                name: c"coverage",
+                offset: offset_of!(kvcs_group_checksums, coverage),
+                size: size_of::<u64>(),
+            },
+            FieldLayout {
+                name: c"marks",
+                offset: offset_of!(kvcs_group_checksums, marks),
+                size: size_of::<u64>(),
+            },
+            FieldLayout {
+                name: c"num_layers",
+                offset: offset_of!(kvcs_group_checksums, num_layers),
+                size: size_of::<usize>(),
+            },
+            FieldLayout {
+                name: c"num_decodings",
+                offset: offset_of!(kvcs_group_checksums, num_decodings),
+                size: size_of::<usize>(),
+            },
+        ],
+    },
+    StructLayout {
+        name: c"kvcs_layer_checksums",
+        size: size_of::<kvcs_layer_checksums>(),
+        fields: &[
+            FieldLayout {
+                name: c"layer_number",
+                offset: offset_of!(kvcs_layer_checksums, layer_number),
+                size: size_of::<u32>(),
+            },
+            FieldLayout {
+                name: c"first_head",
+                offset: offset_of!(kvcs_layer_checksums, first_head),
+                size: size_of::<u32>(),
+            },
+            FieldLayout {
+                name: c"num_heads",
+                offset: offset_of!(kvcs_layer_checksums, num_heads),
+                size: size_of::<u32>(),
+            },
+            FieldLayout {
+                name: c"num_values",
+                offset: offset_of!(kvcs_layer_checksums, num_values),
+                size: size_of::<usize>(),
+            },
+        ],
+    },
+    StructLayout {
+        name: c"kvcs_layer_decoding",
+        size: size_of::<kvcs_layer_decoding>(),
+        fields: &[
+            FieldLayout {
+                name: c"dtype",
+                offset: offset_of!(kvcs_layer_decoding, dtype),
+                size: size_of::<*const c_char>(),
+            },
+            FieldLayout {
+                name: c"layer_number",
+                offset: offset_of!(kvcs_layer_decoding, layer_number),
+                size: size_of::<u32>(),
+            },
+            FieldLayout {
+                name: c"head_size",
+                offset: offset_of!(kvcs_layer_decoding, head_size),
+                size: size_of::<u32>(),
+            },
+            FieldLayout {
+                name: c"k_scale_bits",
+                offset: offset_of!(kvcs_layer_decoding, k_scale_bits),
+                size: size_of::<u64>(),
+            },
+            FieldLayout {
+                name: c"v_scale_bits",
+                offset: offset_of!(kvcs_layer_decoding, v_scale_bits),
+                size: size_of::<u64>(),
             },
         ],
     },

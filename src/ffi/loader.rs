@@ -14,6 +14,9 @@ use std::ffi::{c_char, c_void};
 use super::blocks::kvcs_blocks;
 use super::completion::kvcs_completion;
 use super::layout_string::kvcs_tensor;
+use super::payload::{
+    kvcs_group_checksums, kvcs_layer_checksums, kvcs_layer_decoding, kvcs_payload, kvcs_payload_summary,
+};
 use super::repair::kvcs_repair_block;
 use super::report::{kvcs_layer_difference, kvcs_mismatch, kvcs_report};
 use super::result::kvcs_result;
@@ -484,6 +487,61 @@ pub type kvcs_repair_plan_fn = unsafe extern "C" fn(
 pub type kvcs_tensor_size_fn = unsafe extern "C" fn() -> usize;
 /// The type of `kvcs_repair_block_size`.
 pub type kvcs_repair_block_size_fn = unsafe extern "C" fn() -> usize;
+/// The type of `kvcs_payload_decode`.
+pub type kvcs_payload_decode_fn =
+    unsafe extern "C" fn(bytes: *const u8, len: usize, out: *mut *mut kvcs_payload) -> kvcs_status;
+/// The type of `kvcs_payload_destroy`.
+pub type kvcs_payload_destroy_fn = unsafe extern "C" fn(payload: *mut kvcs_payload);
+/// The type of `kvcs_payload_info`.
+pub type kvcs_payload_info_fn =
+    unsafe extern "C" fn(payload: *const kvcs_payload, out: *mut kvcs_payload_summary) -> kvcs_status;
+/// The type of `kvcs_payload_group`.
+pub type kvcs_payload_group_fn = unsafe extern "C" fn(
+    payload: *const kvcs_payload,
+    group_index: usize,
+    out: *mut kvcs_group_checksums,
+) -> kvcs_status;
+/// The type of `kvcs_payload_values`.
+pub type kvcs_payload_values_fn = unsafe extern "C" fn(
+    payload: *const kvcs_payload,
+    group_index: usize,
+    values: *mut u64,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status;
+/// The type of `kvcs_payload_layer`.
+pub type kvcs_payload_layer_fn = unsafe extern "C" fn(
+    payload: *const kvcs_payload,
+    group_index: usize,
+    layer_index: usize,
+    out: *mut kvcs_layer_checksums,
+) -> kvcs_status;
+/// The type of `kvcs_payload_layer_values`.
+pub type kvcs_payload_layer_values_fn = unsafe extern "C" fn(
+    payload: *const kvcs_payload,
+    group_index: usize,
+    layer_index: usize,
+    values: *mut u64,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status;
+/// The type of `kvcs_payload_decoding`.
+pub type kvcs_payload_decoding_fn = unsafe extern "C" fn(
+    payload: *const kvcs_payload,
+    group_index: usize,
+    index: usize,
+    out: *mut kvcs_layer_decoding,
+) -> kvcs_status;
+/// The type of `kvcs_worker_set_layer_decoding`.
+pub type kvcs_worker_set_layer_decoding_fn = unsafe extern "C" fn(
+    worker: *mut kvcs_worker,
+    group_id: u32,
+    layer_number: u32,
+    dtype: *const c_char,
+    head_size: u32,
+    k_scale_bits: u64,
+    v_scale_bits: u64,
+) -> kvcs_status;
 /// The type of `kvcs_api_get`.
 pub type kvcs_api_get_fn = unsafe extern "C" fn(abi_version: u32, out: *mut *const kvcs_api) -> kvcs_status;
 
@@ -715,6 +773,24 @@ pub struct kvcs_api {
     pub kvcs_tensor_size: kvcs_tensor_size_fn,
     /// Slot 104: `kvcs_repair_block_size`.
     pub kvcs_repair_block_size: kvcs_repair_block_size_fn,
+    /// Slot 105: `kvcs_payload_decode`.
+    pub kvcs_payload_decode: kvcs_payload_decode_fn,
+    /// Slot 106: `kvcs_payload_destroy`.
+    pub kvcs_payload_destroy: kvcs_payload_destroy_fn,
+    /// Slot 107: `kvcs_payload_info`.
+    pub kvcs_payload_info: kvcs_payload_info_fn,
+    /// Slot 108: `kvcs_payload_group`.
+    pub kvcs_payload_group: kvcs_payload_group_fn,
+    /// Slot 109: `kvcs_payload_values`.
+    pub kvcs_payload_values: kvcs_payload_values_fn,
+    /// Slot 110: `kvcs_payload_layer`.
+    pub kvcs_payload_layer: kvcs_payload_layer_fn,
+    /// Slot 111: `kvcs_payload_layer_values`.
+    pub kvcs_payload_layer_values: kvcs_payload_layer_values_fn,
+    /// Slot 112: `kvcs_payload_decoding`.
+    pub kvcs_payload_decoding: kvcs_payload_decoding_fn,
+    /// Slot 113: `kvcs_worker_set_layer_decoding`.
+    pub kvcs_worker_set_layer_decoding: kvcs_worker_set_layer_decoding_fn,
 }
 
 /// The table `kvcs_api_get` gives out.
@@ -826,4 +902,13 @@ pub(crate) static API: kvcs_api = kvcs_api {
     kvcs_repair_plan: super::repair::kvcs_repair_plan,
     kvcs_tensor_size: super::sizes::kvcs_tensor_size,
     kvcs_repair_block_size: super::sizes::kvcs_repair_block_size,
+    kvcs_payload_decode: super::payload::kvcs_payload_decode,
+    kvcs_payload_destroy: super::payload::kvcs_payload_destroy,
+    kvcs_payload_info: super::payload::kvcs_payload_info,
+    kvcs_payload_group: super::payload::kvcs_payload_group,
+    kvcs_payload_values: super::payload::kvcs_payload_values,
+    kvcs_payload_layer: super::payload::kvcs_payload_layer,
+    kvcs_payload_layer_values: super::payload::kvcs_payload_layer_values,
+    kvcs_payload_decoding: super::payload::kvcs_payload_decoding,
+    kvcs_worker_set_layer_decoding: super::worker::kvcs_worker_set_layer_decoding,
 };

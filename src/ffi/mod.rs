@@ -16,6 +16,7 @@ pub(crate) mod handle;
 pub mod layout_string;
 pub mod loader;
 pub mod panic;
+pub mod payload;
 pub mod repair;
 pub mod report;
 pub mod result;

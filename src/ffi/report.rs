@@ -93,6 +93,12 @@ pub enum kvcs_unverified_reason {
     /// than a replica check of the consumer covers (a head left out, a
     /// replica declared wrongly, on either side): a registration differs.
     KVCS_UNVERIFIED_COVERAGE_DIFFERS = 16,
+    /// The two sides declare that they read a layer's bytes differently
+    /// (`kvcs_worker_set_layer_decoding`, docs/SPEC.md#7-group-fingerprint:
+    /// another element type, head size or K or V scale), or the workers of
+    /// one side do: equal checksums would not mean equal KV. A
+    /// configuration difference, never reported as corrupt data.
+    KVCS_UNVERIFIED_DECODING_DIFFERS = 17,
 }
 
 /// The `group_id` of a finding about the whole load rather than one group.
@@ -182,6 +188,7 @@ fn reason_code(reason: Reason) -> kvcs_unverified_reason {
         Reason::BlockSizeUnknown => KVCS_UNVERIFIED_BLOCK_SIZE_UNKNOWN,
         Reason::NothingRead => KVCS_UNVERIFIED_NOTHING_READ,
         Reason::CoverageDiffers => KVCS_UNVERIFIED_COVERAGE_DIFFERS,
+        Reason::DecodingDiffers => KVCS_UNVERIFIED_DECODING_DIFFERS,
     }
 }
 
@@ -457,6 +464,7 @@ pub extern "C" fn kvcs_unverified_reason_name(reason: u32) -> *const c_char {
         14 => c"KVCS_UNVERIFIED_BLOCK_SIZE_UNKNOWN",
         15 => c"KVCS_UNVERIFIED_NOTHING_READ",
         16 => c"KVCS_UNVERIFIED_COVERAGE_DIFFERS",
+        17 => c"KVCS_UNVERIFIED_DECODING_DIFFERS",
         _ => c"unknown kvcs_unverified_reason",
     };
     name.as_ptr()

@@ -10,6 +10,7 @@ use super::status::{fail, kvcs_status, KVCS_HOST};
 use super::{c_array, c_str, not_null, try_engine, try_ref, write_out};
 use crate::blocks::BlockSet;
 use crate::checksum::Algorithm;
+use crate::decoding::LayerDecoding;
 use crate::error::err;
 use crate::layout::{Alias, LayerSpec, Region, ReplicaKey, Segment};
 use crate::result::Checksums;
@@ -365,6 +366,61 @@ pub extern "C" fn kvcs_worker_add_alias(
         let identity = try_engine!(unsafe { c_array(identity, identity_len, "identity") });
         let alias = Alias { layer_number, target_layer_number, identity: identity.to_vec() };
         try_engine!(worker.add_alias(group_id, alias));
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// Declares how the engine reads the cache of layer `layer_number` of group
+/// `group_id` back as numbers (docs/SPEC.md#7-group-fingerprint, "Decoding"),
+/// so that a load whose two sides read the same bytes differently is
+/// `KVCS_UNVERIFIED_DECODING_DIFFERS`, never a match. Each fact is optional;
+/// a fact either side leaves undeclared is not compared:
+///
+/// - `dtype`: the cache's element type, a NUL-terminated name of 1 to
+///   `KVCS_MAX_DTYPE_LEN` bytes of `a-z`, `0-9` and `_` starting with a
+///   letter, as SPEC section 7 names them (`"bfloat16"`, `"float16"`,
+///   `"float32"`, `"fp8_e4m3"`, `"fp8_e5m2"`, ...); NULL: not declared;
+/// - `head_size`: the elements of one head's K per token; 0: not declared;
+/// - `k_scale_bits`, `v_scale_bits`: the IEEE-754 binary64 bits of the
+///   scale K (V) is stored with, a finite positive number (an fp8 cache's
+///   `k_scale`; a binary32 scale converts exactly), compared bit for bit;
+///   0: not declared.
+///
+/// The layer must be registered in the group (layer, alias or state layer)
+/// on this worker. A later call for the same layer replaces the
+/// declaration (scales an engine computes at run time): records made from
+/// then on carry it. `KVCS_ERR_NOT_FOUND` for a group or layer not
+/// registered; `KVCS_ERR_INVALID_ARGUMENT` for a bad name (an empty one
+/// included), a scale that is NaN, infinite, zero-signed or negative, or a
+/// call that declares nothing. On any error nothing changes.
+#[no_mangle]
+pub extern "C" fn kvcs_worker_set_layer_decoding(
+    worker: *mut kvcs_worker,
+    group_id: u32,
+    layer_number: u32,
+    dtype: *const c_char,
+    head_size: u32,
+    k_scale_bits: u64,
+    v_scale_bits: u64,
+) -> kvcs_status {
+    ffi_boundary! {
+        let worker = try_handle_mut!(worker, "worker");
+        let dtype = if dtype.is_null() {
+            ""
+        } else {
+            // SAFETY: non-NULL; the contract says a NUL-terminated string.
+            let name = try_engine!(unsafe { c_str(dtype, "dtype") });
+            if name.is_empty() {
+                return fail(&err!(
+                    InvalidArgument,
+                    "dtype is empty (pass NULL to leave it undeclared; layer_number {layer_number}, group_id {group_id})"
+                ));
+            }
+            name
+        };
+        let decoding = try_engine!(LayerDecoding::from_parts(dtype, head_size, k_scale_bits, v_scale_bits)
+            .map_err(|e| e.with_context(&format!("layer_number {layer_number} of group_id {group_id}"))));
+        try_engine!(worker.set_layer_decoding(group_id, layer_number, decoding));
         kvcs_status::KVCS_OK
     }
 }

@@ -6,11 +6,12 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use crate::blocks::GroupBlocks;
 use crate::error::Result;
 use crate::layout::ReplicaKey;
-use crate::payload::{ExtensionGroup, Payload, PayloadGroup};
+use crate::payload::{ExtensionGroup, FingerprintConvention, Payload, PayloadGroup};
 use crate::record::{LayerPartial, RecordGroup};
 
 use super::collect::{add_into, GroupOutcome, Judged, Load, Unverified, Wording, WorkerPart};
 use super::compare::{consumer_ranges, differing_ranges, producer_ranges, run_tokens, Series};
+use super::decoding::compare_decodings;
 use super::report::{LayerDifference, Mismatch, Reason, Report};
 
 /// The payload's groups and extension groups by id.
@@ -166,14 +167,14 @@ impl Load<'_> {
         let group_id = scheduled.group_id;
         let parts = self.pending.group_parts(scheduled)?;
         let ours = self.pending.fingerprint(group_id)?;
-        if ours != sent.fingerprint {
-            return Err(Unverified(
-                Reason::FingerprintDiffers,
-                format!(
-                    "group {group_id}: the producer's fingerprint is {:#018x}, the consumer's {ours:#018x} (other layers or identities)",
-                    sent.fingerprint
-                ),
-            ));
+        check_fingerprint(
+            group_id,
+            sent.fingerprint,
+            payload.fingerprint_convention(group_id),
+            ours,
+        )?;
+        if let Some(extension) = extension {
+            compare_decodings(group_id, &extension.decodings, &self.pending.decodings(group_id)?)?;
         }
         let consumer_block_size = self.pending.block_size(group_id)?;
         let producer_block_size = extension
@@ -434,6 +435,58 @@ impl GroupSides<'_> {
             ),
         )
     }
+}
+
+/// The producer's fingerprint of a group against the consumer's
+/// `(fingerprint, marks)` (SPEC section 7), by what the payload's
+/// fingerprint counts: with the marks sent beside it (extension version
+/// 3) both must agree, so that a side where a layer is an alias (or
+/// shard-keyed state) never compares with one where it is not; a
+/// version-2 fingerprint (kvcsum 0.2.0) included the marks; a version-1
+/// one had none. A group the extension does not describe (a plain
+/// payload) may come from vLLM (no marks) or from kvcsum 0.2.0 without
+/// extension (marks included): either matches, and which conventions a
+/// plain payload cannot tell apart is SPEC section 10's limit.
+fn check_fingerprint(
+    group_id: u32,
+    sent: u64,
+    convention: FingerprintConvention,
+    (fingerprint, marks): (u64, u64),
+) -> Judged<()> {
+    let marked = fingerprint.wrapping_add(marks);
+    let fits = match convention {
+        FingerprintConvention::Separate { .. } | FingerprintConvention::Unmarked => sent == fingerprint,
+        FingerprintConvention::Marked => sent == marked,
+        FingerprintConvention::Unknown => sent == fingerprint || sent == marked,
+    };
+    if !fits {
+        let ours = if convention == FingerprintConvention::Marked {
+            marked
+        } else {
+            fingerprint
+        };
+        let counted = match convention {
+            FingerprintConvention::Marked => " (a version-2 extension: marks included)",
+            _ => "",
+        };
+        return Err(Unverified(
+            Reason::FingerprintDiffers,
+            format!(
+                "group {group_id}: the producer's fingerprint is {sent:#018x}, the consumer's {ours:#018x}{counted} (other layers or identities)"
+            ),
+        ));
+    }
+    if let FingerprintConvention::Separate { marks: sent_marks } = convention {
+        if sent_marks != marks {
+            return Err(Unverified(
+                Reason::FingerprintDiffers,
+                format!(
+                    "group {group_id}: the fingerprints agree but their marks differ, the producer's {sent_marks:#018x}, the consumer's {marks:#018x}: a layer is an alias (KV sharing) or shard-keyed state on one side and not on the other, so the sides checksum the same layers differently"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The consumer's positions holding valid tokens among the `count` it

@@ -345,25 +345,38 @@ impl Pending {
         Ok(parts)
     }
 
-    /// The group's fingerprint for the whole model: per PP stage the value
-    /// of its TP ranks (which must agree), summed over stages.
-    pub fn fingerprint(&self, group_id: u32) -> Judged<u64> {
-        let mut stages: BTreeMap<u32, (u64, &WorkerPart)> = BTreeMap::new();
+    /// The group's fingerprint and marks (SPEC section 7) for the whole
+    /// model: per PP stage the values of its TP ranks (which must agree),
+    /// summed over stages.
+    pub fn fingerprint(&self, group_id: u32) -> Judged<(u64, u64)> {
+        let mut stages: BTreeMap<u32, ((u64, u64), &WorkerPart)> = BTreeMap::new();
         for part in self.reports.values() {
-            let value = part.group_info(group_id).map_or(0, |g| g.fingerprint);
+            let value = part.group_info(group_id).map_or((0, 0), |g| (g.fingerprint, g.marks));
             let &mut (first, first_part) = stages.entry(part.rank.pp_rank).or_insert((value, part));
             if first != value {
+                let what = if first.0 != value.0 {
+                    "fingerprints"
+                } else {
+                    "marks (aliases, shard-keyed state)"
+                };
+                let (a, b) = if first.0 != value.0 {
+                    (first.0, value.0)
+                } else {
+                    (first.1, value.1)
+                };
                 return Err(Unverified(
                     Reason::FingerprintDiffers,
                     format!(
-                        "{} and {} of one stage report fingerprints {first:#018x} and {value:#018x} for group {group_id}",
+                        "{} and {} of one stage report {what} {a:#018x} and {b:#018x} for group {group_id}",
                         first_part.name(),
                         part.name()
                     ),
                 ));
             }
         }
-        Ok(stages.values().fold(0u64, |sum, &(value, _)| sum.wrapping_add(value)))
+        Ok(stages.values().fold((0u64, 0u64), |(fp, marks), &(value, _)| {
+            (fp.wrapping_add(value.0), marks.wrapping_add(value.1))
+        }))
     }
 
     /// The group's block size, on which every worker must agree.

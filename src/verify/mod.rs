@@ -31,7 +31,8 @@
 //! `collect` keeps each worker's part of each request and reads the facts
 //! all parts must agree on; `produce` builds the payload from them; `check`
 //! judges a load group by group, with `compare` lining up positions of other
-//! block sizes and naming differing layers; `offload` judges an offload load
+//! block sizes and naming differing layers, and `decoding` comparing how the
+//! sides read a layer's bytes (SPEC section 7); `offload` judges an offload load
 //! from load-check records; `report` is the verdict.
 //!
 //! # Locking
@@ -47,6 +48,7 @@
 mod check;
 mod collect;
 mod compare;
+mod decoding;
 mod offload;
 mod produce;
 pub mod report;

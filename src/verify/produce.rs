@@ -64,7 +64,7 @@ pub(super) fn build_payload(
 fn payload_group(pending: &Pending, scheduled: &GroupBlocks, detail: bool) -> Judged<(PayloadGroup, ExtensionGroup)> {
     let group_id = scheduled.group_id;
     let parts = pending.group_parts(scheduled)?;
-    let fingerprint = pending.fingerprint(group_id)?;
+    let (fingerprint, marks) = pending.fingerprint(group_id)?;
     let block_size = pending.block_size(group_id)?;
     let group = PayloadGroup {
         group_id,
@@ -77,6 +77,8 @@ fn payload_group(pending: &Pending, scheduled: &GroupBlocks, detail: bool) -> Ju
         block_size,
         layers: if detail { first_copy_layers(&parts) } else { Vec::new() },
         coverage: Some(first_copy_coverage(&parts, group_id)),
+        marks: Some(marks),
+        decodings: pending.decodings(group_id)?,
     };
     Ok((group, extension_group))
 }

@@ -65,6 +65,10 @@ pub enum Reason {
     /// The two sides checksummed other layers or heads (the coverage sent
     /// in the extension differs from the consumer's).
     CoverageDiffers,
+    /// The sides declare that they read a layer's bytes differently (SPEC
+    /// section 7: another element type, head size or K or V scale), so
+    /// equal checksums would not mean equal KV.
+    DecodingDiffers,
 }
 
 impl Reason {
@@ -87,6 +91,7 @@ impl Reason {
             Reason::BlockSizeUnknown => "the producer's block size is unknown",
             Reason::NothingRead => "no worker read any cache of a group",
             Reason::CoverageDiffers => "the sides checksummed other layers or heads",
+            Reason::DecodingDiffers => "the sides decode a layer's bytes differently",
         }
     }
 }

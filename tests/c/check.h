@@ -40,5 +40,6 @@ void test_ownership(void);
 void test_features(void);
 void test_topology(void);
 void test_layout_repair(uint64_t seed);
+void test_payload(uint64_t seed);
 
 #endif /* KVCSUM_TEST_CHECK_H */

@@ -63,6 +63,7 @@ int main(int argc, char **argv) {
   test_features();
   test_topology();
   test_layout_repair(seed);
+  test_payload(seed);
 
   if (checks_failed != 0) {
     fprintf(stderr, "random data seed: %#" PRIx64 " (rerun: c_tests %#" PRIx64 ")\n", seed, seed);

@@ -542,6 +542,64 @@ void test_verification() {
   }
 }
 
+/// A payload read back through kvcs::payload, and layer decodings: a
+/// consumer whose declared K scale differs is unverified, never a match.
+void test_payload_and_decodings() {
+  std::vector<flash_layer> layers(kLayers);
+  kvcs::blocks blocks;
+  blocks.add_request("d", 2 * kBlockSize + 3);
+  blocks.add_group("d", 0, 0, std::vector<int32_t>{1, 4, 0});
+  kvcs::worker producer_worker = flash_worker(layers, kvcs::algorithm::mixed, true);
+  producer_worker.set_layer_decoding(0, kLayerNumbers[0], "fp8_e4m3", 16, 0.0125, 0.5);
+  EXPECT_THROW(KVCS_ERR_NOT_FOUND, "layer_number 999", producer_worker.set_layer_decoding(0, 999, "fp8_e4m3"));
+  EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "dtype", producer_worker.set_layer_decoding(0, kLayerNumbers[0], "Fp8"));
+  EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "k_scale", producer_worker.set_layer_decoding(0, kLayerNumbers[0], "", 0, -1.0));
+  kvcs::result produced = producer_worker.checksum(blocks, kvcs::role::producer);
+  kvcs::verifier producer(1);
+  producer.expect(blocks, kvcs::role::producer);
+  producer.add_record(produced.encode());
+  std::vector<uint8_t> bytes = producer.payload("d");
+
+  kvcs::payload payload(bytes);
+  kvcs_payload_summary info = payload.info();
+  EXPECT(info.extension_version == KVCS_EXTENSION_VERSION && info.num_groups == 1 && info.producer_tp_size == 1);
+  EXPECT(info.algorithm == KVCS_ALGORITHM_MIXED && info.num_tokens == 2 * kBlockSize + 3);
+  kvcs_group_checksums group = payload.group(0);
+  EXPECT(group.block_size == kBlockSize && group.num_values == 3 && group.num_layers == kLayers);
+  EXPECT(group.num_decodings == 1 && group.has_marks == 1);
+  EXPECT(payload.values(0) == produced.column("d", 0));
+  std::vector<uint64_t> summed(3, 0);
+  for (size_t l = 0; l < kLayers; l++) {
+    EXPECT(payload.layer(0, l).layer_number == kLayerNumbers[l]);
+    std::vector<uint64_t> values = payload.layer_values(0, l);
+    for (size_t q = 0; q < summed.size() && q < values.size(); q++) summed[q] += values[q];
+  }
+  EXPECT(summed == payload.values(0));
+  kvcs::layer_decoding decoding = payload.decoding(0, 0);
+  EXPECT(decoding.layer_number == kLayerNumbers[0] && decoding.dtype == "fp8_e4m3" && decoding.head_size == 16);
+  EXPECT(decoding.k_scale_bits == kvcs::detail::scale_bits(0.0125) &&
+         decoding.v_scale_bits == kvcs::detail::scale_bits(0.5));
+  EXPECT_THROW(KVCS_ERR_OUT_OF_BOUNDS, "group_index 1", payload.group(1));
+  EXPECT_THROW(KVCS_ERR_OUT_OF_BOUNDS, "index 1", payload.decoding(0, 1));
+  EXPECT_THROW(KVCS_ERR_MALFORMED, "payload", kvcs::payload(kvcs::as_bytes("junk")));
+
+  for (double k_scale : {0.025, 0.0125}) {
+    kvcs::worker consumer_worker = flash_worker(layers, kvcs::algorithm::mixed, false);
+    consumer_worker.set_layer_decoding(0, kLayerNumbers[0], "fp8_e4m3", 16, k_scale, 0.5);
+    kvcs::verifier consumer(1);
+    consumer.expect(blocks, kvcs::role::consumer);
+    consumer.add_record(consumer_worker.checksum(blocks, kvcs::role::consumer).encode());
+    kvcs::report report = consumer.check("d", bytes);
+    if (k_scale == 0.0125) {
+      EXPECT(report.verdict() == kvcs::verdict::match);
+    } else {
+      EXPECT(report.verdict() == kvcs::verdict::unverified &&
+             report.reason() == kvcs::unverified_reason::decoding_differs);
+      EXPECT(report.message().find("k_scale differs") != std::string::npos);
+    }
+  }
+}
+
 void test_topology() {
   EXPECT(kvcs::tp_ratio(2, 4) == -2 && kvcs::tp_ratio(4, 2) == 2);
   EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "3", kvcs::tp_ratio(2, 3));
@@ -617,6 +675,7 @@ int main() {
     test_registration();
     test_stored();
     test_verification();
+    test_payload_and_decodings();
     test_topology();
     test_completion();
   } catch (const kvcs::error &error) {

@@ -67,7 +67,7 @@ pub struct TRecord {
 impl TRecord {
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Msgpack::default();
-        w.array(8).str("kvcsum.record").uint(3);
+        w.array(8).str("kvcsum.record").uint(4);
         w.array(3)
             .uint(self.rank.0 as u64)
             .uint(self.rank.1 as u64)
@@ -75,14 +75,16 @@ impl TRecord {
         w.uint(self.role).bool(self.detail);
         w.array(self.groups.len());
         for &(id, block_size, fingerprint) in &self.groups {
-            w.array(7)
+            w.array(9)
                 .uint(id as u64)
                 .uint(block_size as u64)
                 .uint(fingerprint)
+                .uint(0) // no marks
                 .bool(false)
                 .bool(true)
                 .bool(false)
-                .array(0);
+                .array(0)
+                .array(0); // no decodings
         }
         w.array(self.requests.len());
         for request in &self.requests {

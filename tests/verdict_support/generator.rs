@@ -1709,9 +1709,11 @@ impl CaseResult {
     /// Where MISMATCH of intact KV after this case's change is a limit the
     /// SPEC states rather than a defect: which one. A plain payload (vLLM's,
     /// WEIGHTED) carries no coverage, so a side that checksums other heads
-    /// than it should cannot be told from corrupted data (SPEC section 10);
-    /// a shard-keyed state slice is addressed by its worker's TP rank, so a
-    /// rank label swapped is the state of another rank (SPEC section 6).
+    /// than it should cannot be told from corrupted data, and no marks, so
+    /// neither can a layer that is an alias (or state that is shard-keyed)
+    /// on one side only (SPEC section 10); a shard-keyed state slice is
+    /// addressed by its worker's TP rank, so a rank label swapped is the
+    /// state of another rank (SPEC section 6).
     pub fn blind_spot(&self) -> Option<&'static str> {
         if !self.changed.intact.is(MISMATCH) {
             return None;
@@ -1731,6 +1733,7 @@ impl CaseResult {
             {
                 Some("a plain payload carries no coverage")
             }
+            Kind::AliasFlip | Kind::SplitKnown if plain => Some("a plain payload carries no marks"),
             Kind::RankSwap | Kind::RankDup if shard_keyed => Some("a shard-keyed slice is addressed by its TP rank"),
             _ => None,
         }

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import kvcsum
+from kvcsum.vllm.decoding import LayerDecodings
 from kvcsum.vllm.worker import NULL_BLOCK_ID, CacheChecksummer, Job, LayerSpec, layer_fingerprint
 
 from vllm.config.kv_transfer import KVTransferConfig
@@ -565,6 +566,11 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
             pp_rank=pp_rank,
         )
         self._worker_key = f"pp{pp_rank}.tp{tp_rank}"
+        # Each layer's kv_cache_dtype, fp8 scales and head size, declared
+        # (again when they change) so that a load whose sides read the same
+        # bytes differently is UNVERIFIED (DECODING_DIFFERS), never MATCH.
+        self._decodings = LayerDecodings(self._vllm_config, layers, self._checksummer, kv_caches)
+        self._decodings.declare()
         for group_id, reason in sorted(self._checksummer.skipped.items()):
             logger.warning("kvcsum: worker %s does not checksum KV cache group %d: %s", self._worker_key, group_id, reason)
         logger.info(
@@ -608,6 +614,8 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
             self._note(kvcsum.CONSUMER, job, generation)
 
     def _note(self, role: int, job: Job, generation: int, inner_failed: bool = False) -> None:
+        if not inner_failed:
+            self._decodings.declare()  # scales vLLM computed since (calculate_kv_scales)
         pending = None if inner_failed else self._checksummer.checksum([job], role)
         self._pending_notes.append((role, job.req_id, generation, pending, inner_failed))
 
