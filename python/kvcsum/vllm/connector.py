@@ -36,21 +36,38 @@ verifier compares the records of all workers with the payload; a MISMATCH
 reports the differing blocks through get_block_ids_with_load_errors
 (`failed_recving` where vLLM has several KV cache groups, as it requires),
 and vLLM's kv_load_failure_policy recomputes them ("recompute") or fails the
-request ("fail"). Counts go out with the connector's stats.
+request ("fail"). Where vLLM has several KV cache groups it cannot fail a
+sync load (only async ones, through failed_recving), so a sync load that
+would be verified is declined and vLLM computes its tokens. Counts go out
+with the connector's stats.
+
+kv_transfer_params are read in one place, kvcsum.vllm.params: whatever a
+client sends there makes the load UNVERIFIED with a reason, never an
+exception.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import math
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 import kvcsum
+from kvcsum.vllm.params import (
+    INFO_KEY,
+    PAYLOAD_KEY,
+    Checksums,
+    LoadParams,
+    Unusable,
+    consistency,
+    parse_load,
+    payload_summary,
+    token_digest,
+    wants_remote_decode,
+)
 from kvcsum.vllm.worker import NULL_BLOCK_ID, CacheChecksummer, Job, LayerSpec, layer_fingerprint
 
 from vllm.config.kv_transfer import KVTransferConfig
@@ -80,8 +97,6 @@ if TYPE_CHECKING:
 # Under vLLM's logger, so that its handlers and VLLM_LOGGING_LEVEL apply.
 logger = init_logger("vllm.kvcsum")
 
-PAYLOAD_KEY = "kv_checksums"
-INFO_KEY = "kv_checksums_info"
 NAME = "KvcsumConnector"
 
 
@@ -224,14 +239,6 @@ def _inner_config(vllm_config: "VllmConfig") -> "VllmConfig":
     return inner
 
 
-def _token_digest(token_ids: Iterable[int], num_tokens: int) -> str:
-    """A digest of a request's first num_tokens token ids: binds a payload
-    to the prompt it covers."""
-    ids = list(token_ids)[:num_tokens]
-    data = b"".join(int(t).to_bytes(8, "little", signed=True) for t in ids)
-    return f"{len(ids)}:{hashlib.sha256(data).hexdigest()[:32]}"
-
-
 def _layer_specs(kv_cache_config: "KVCacheConfig", total_kv_heads: int | None) -> tuple[list, dict]:
     """LayerSpecs of every layer in the transfer groups, and {group: block size}."""
     from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
@@ -322,8 +329,7 @@ class _Send:
 class _Load:
     job: Job
     is_async: bool
-    payload: str | None
-    info: dict | None
+    params: LoadParams
     token_ids: list
     generation: int
     reported: set = dataclasses.field(default_factory=set)
@@ -583,10 +589,16 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
         for req_id, (invalid, failed) in connector_metadata.verdicts.items():
             self._watch_async.pop(req_id, None)
             if req_id in self._held:
+                # An async load held back: released now, failed if judged so
+                # (vLLM reads failed_recving only with finished_recving).
                 self._held.discard(req_id)
                 self._release_recving.add(req_id)
-            if failed:
-                self._release_failed.add(req_id)
+                if failed:
+                    self._release_failed.add(req_id)
+            else:
+                # A sync load is never in finished_recving: a failure is
+                # only ever its blocks, and nothing of it is kept.
+                self._release_failed.discard(req_id)
             self._invalid_out |= set(invalid)
 
     def clear_connector_metadata(self) -> None:
@@ -677,10 +689,27 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
     # ==========================================================================
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
-        params = dict(request.kv_transfer_params or {})
         tokens, load_async = self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
-        if tokens:
-            self._matched[request.request_id] = (num_computed_tokens, params, bool(load_async))
+        if not tokens:
+            return tokens, load_async
+        params = parse_load(request.kv_transfer_params)
+        verified = params.remote_prefill or self._verify_all
+        if verified and self._multi_group and not load_async:
+            # vLLM 0.33 takes load errors of a model with several KV cache
+            # groups only as failed async loads (failed_recving); a sync load
+            # (the request already running) cannot be failed or recomputed,
+            # and invalid_block_ids raise in its scheduler. A verified sync
+            # load is therefore declined: vLLM computes those tokens.
+            self._stats.add("sync_loads_declined")
+            self._log_once(
+                "sync-declined",
+                f"kvcsum: the wrapped {self._inner_name} offers sync loads (request {request.request_id}, {tokens} tokens); "
+                "with several KV cache groups vLLM cannot recompute a sync load that fails verification, so kvcsum "
+                "declines such loads and vLLM computes the tokens (counted as sync_loads_declined)",
+                error=False,
+            )
+            return 0, False
+        self._matched[request.request_id] = (num_computed_tokens, params, bool(load_async))
         return tokens, load_async
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
@@ -690,8 +719,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
         if num_external_tokens <= 0 or matched is None:
             return
         num_computed, params, is_async = matched
-        remote = bool(params.get("do_remote_prefill")) or PAYLOAD_KEY in params
-        if not (remote or self._verify_all):
+        if not (params.remote_prefill or self._verify_all):
             return
         loaded_groups = set(self.get_loaded_kv_cache_group_ids(request))
         job = self._job(req_id, num_computed, num_computed + num_external_tokens, loaded_groups)
@@ -704,8 +732,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
         load = _Load(
             job=job,
             is_async=is_async,
-            payload=params.get(PAYLOAD_KEY),
-            info=params.get(INFO_KEY),
+            params=params,
             token_ids=list(request.prompt_token_ids or []),
             generation=self._generation,
         )
@@ -760,8 +787,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
     def _wants_send(self, request: "Request") -> bool:
         if self._checksum_all:
             return True
-        params = request.kv_transfer_params or {}
-        return bool(params.get("do_remote_decode"))
+        return wants_remote_decode(request.kv_transfer_params)
 
     def _schedule_sends(self, scheduler_output: "SchedulerOutput") -> None:
         if self._kv_cache_manager is None:
@@ -782,7 +808,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             self._generation += 1
             _forget(self._producer, req_id)
-            send = _Send(job=job, generation=self._generation, digest=_token_digest(request.prompt_token_ids or [], prompt))
+            send = _Send(job=job, generation=self._generation, digest=token_digest(request.prompt_token_ids or [], prompt))
             self._sends[req_id] = send
             with kvcsum.Blocks() as expected:
                 job.to_blocks(expected)
@@ -911,7 +937,16 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
             _forget(self._consumer, req_id)
             self._verdicts_out[req_id] = ((), True)
             return
-        verdict, reason, message, invalid = self._check(req_id, load)
+        try:
+            verdict, reason, message, invalid = self._check(req_id, load)
+        except Exception as error:  # noqa: BLE001 - a verdict must never take the engine down
+            logger.exception("kvcsum: request %s: the load could not be checked", req_id)
+            verdict, reason, message, invalid = (
+                kvcsum.UNVERIFIED,
+                "CHECK_FAILED",
+                f"the check raised {type(error).__name__}: {error}",
+                [],
+            )
         _forget(self._consumer, req_id)
         if verdict == kvcsum.UNVERIFIED:
             self._stats.add("unverified")
@@ -924,8 +959,13 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
             self._stats.add("verified")
         # vLLM maps block-level load errors back to requests only where there
         # is one KV cache group; with several it takes whole failed loads.
+        # (A sync load there is never verified: get_num_new_matched_tokens
+        # declines it, since a running request's load cannot be failed.)
         failed = bool(invalid) and self._multi_group
-        if failed:
+        if failed and not load.is_async:
+            failed, invalid = False, []
+            action = "vLLM cannot be told (a sync load with several KV cache groups)"
+        elif failed:
             action = "vLLM gets the whole load as failed (several KV cache groups)"
         elif invalid:
             action = f"vLLM gets blocks {sorted(invalid)} as load errors"
@@ -967,33 +1007,38 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _check(self, req_id: str, load: _Load) -> tuple[int, str, str, list]:
         """(verdict, reason name, message, invalid block ids)."""
-        payload = load.payload
-        info = load.info if isinstance(load.info, dict) else {}
-        digest = info.get("tokens")
-        if payload is not None and digest:
-            count = int(str(digest).split(":", 1)[0])
-            if _token_digest(load.token_ids, count) != digest:
+        checksums = load.params.checksums
+        if isinstance(checksums, Unusable):
+            return kvcsum.UNVERIFIED, checksums.reason, checksums.message, []
+        payload, producer_sizes = None, {}
+        if isinstance(checksums, Checksums):
+            digest = checksums.tokens
+            if digest is not None and not digest.covers(load.token_ids):
                 return (
                     kvcsum.UNVERIFIED,
                     "OTHER_REQUEST",
-                    f"the checksums cover other tokens than this request's first {count} (a payload of another request)",
+                    f"the checksums cover other tokens than this request's first {digest.count} (a payload of another request)",
                     [],
                 )
-        replace, producer_sizes = {}, {}
-        for group, size in dict(info.get("block_sizes") or {}).items():
+            payload, producer_sizes = checksums.payload, checksums.block_sizes
             try:
-                group, size = int(group), int(size)
-            except (TypeError, ValueError):
-                continue
-            producer_sizes[group] = size
-            own = self._block_sizes.get(group)
-            if own is not None and size != own:
-                replace[group] = (self._group_fingerprint(group, size), self._group_fingerprint(group, own))
-        if payload is not None and replace:
-            try:
-                payload = _rewrite_fingerprints(kvcsum.base64_decode(payload), replace)
-            except Exception:  # noqa: BLE001 - left for the verifier to judge
-                payload = load.payload
+                raw = kvcsum.base64_decode(payload)
+            except kvcsum.Error:
+                raw = None  # the verifier names what is wrong with it
+            if raw is not None:
+                disagreement = consistency(checksums, payload_summary(raw))
+                if disagreement is not None:
+                    return kvcsum.UNVERIFIED, disagreement.reason, disagreement.message, []
+            replace = {}
+            for group, size in producer_sizes.items():
+                own = self._block_sizes.get(group)
+                if own is not None and size != own:
+                    replace[group] = (self._group_fingerprint(group, size), self._group_fingerprint(group, own))
+            if replace:
+                try:
+                    payload = _rewrite_fingerprints(raw, replace)
+                except Exception:  # noqa: BLE001 - left for the verifier to judge
+                    payload = checksums.payload
         # The verifier keeps one producer block size per group: set every
         # group's for this load (its own where the producer did not say, as
         # a vLLM fork producer does not).
@@ -1007,16 +1052,28 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
                 reason = findings[0].reason_name.replace("KVCS_UNVERIFIED_", "") if findings else "UNKNOWN"
             invalid = []
             if verdict == kvcsum.MISMATCH:
-                tables = {g: (first, ids) for g, (first, ids) in load.job.groups.items()}
-                plan = kvcsum.repair_plan(report, tables, dict(self._block_sizes))
-                invalid = sorted({b.block_id for blocks in plan.values() for b in blocks})
-                positions = ", ".join(
-                    f"group {m.group_id} positions {m.first_position}..{m.first_position + m.num_positions} "
-                    f"(tokens {m.first_token}..{m.first_token + m.num_tokens})"
-                    for m in report.mismatches
-                )
-                message = f"{message} [{positions}; blocks {invalid}]"
+                invalid, where = self._repair(report, load.job)
+                message = f"{message} [{where}]"
         return verdict, reason, message, invalid
+
+    def _repair(self, report: "kvcsum.Report", job: Job) -> tuple[list, str]:
+        """The block ids to load again after a MISMATCH, and where they are.
+        Where the repair plan refuses (another group could not be compared,
+        so reloading blocks would not make the load verified) every loaded
+        block is named: the load is repeated whole."""
+        positions = ", ".join(
+            f"group {m.group_id} positions {m.first_position}..{m.first_position + m.num_positions} "
+            f"(tokens {m.first_token}..{m.first_token + m.num_tokens})"
+            for m in report.mismatches
+        )
+        tables = {g: (first, ids) for g, (first, ids) in job.groups.items()}
+        try:
+            plan = kvcsum.repair_plan(report, tables, dict(self._block_sizes))
+        except kvcsum.Error as error:
+            invalid = self._loaded_block_ids(job)
+            return invalid, f"{positions}; the whole load is repeated: {error}"
+        invalid = sorted({b.block_id for blocks in plan.values() for b in blocks})
+        return invalid, f"{positions}; blocks {invalid}"
 
     def _group_fingerprint(self, group_id: int, block_size: int) -> int:
         from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs

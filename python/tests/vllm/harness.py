@@ -167,6 +167,7 @@ class Engine:
         max_batched_tokens: int = 512,
         wrap: bool = True,
         load_mode: str = "async",
+        max_num_seqs: int = 8,
     ):
         global _hash_ready
         if not _hash_ready:
@@ -193,7 +194,7 @@ class Engine:
             model_config=model_config,
             cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
             scheduler_config=SchedulerConfig(
-                max_num_seqs=8,
+                max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_batched_tokens,
                 max_model_len=2048,
                 enable_chunked_prefill=True,

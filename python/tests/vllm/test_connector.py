@@ -107,6 +107,20 @@ def show(case: str, engine: Engine, req_id: str, prompt_len: int = len(PROMPT)) 
     return name, count, first, state
 
 
+def nothing_left_behind(engine: Engine) -> None:
+    """Every worker connector of the engine holds no load after its requests finished."""
+    for rank, state in enumerate(engine.ranks):
+        connector = state.connector
+        left = {
+            "held": connector._held,
+            "release_recving": connector._release_recving,
+            "release_failed": connector._release_failed,
+            "watch_async": connector._watch_async,
+            "invalid_out": connector._invalid_out,
+        }
+        assert not any(left.values()), (engine.name, rank, left)
+
+
 def expected_tokens(prompt, n):
     from harness import sampled_token
 
@@ -263,6 +277,37 @@ def test_hybrid_two_groups(store, corrupt, policy):
         return
     assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
     assert kv_equal(p, "req-hybrid", c, "req-hybrid", len(PROMPT))
+    nothing_left_behind(c)
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_sync_load_with_several_kv_cache_groups_is_declined_and_computed(store, corrupt):
+    # vLLM 0.33 cannot fail a sync load of a model with several KV cache
+    # groups (failed_recving is read only for requests waiting for an async
+    # load; invalid_block_ids raise there). A verified sync load is declined
+    # up front: the wrapped connector loads nothing and vLLM computes the
+    # prompt, so corrupted KV is never used and no request id is kept.
+    p = producer(store, sliding_window=64)
+    c = consumer(store, sliding_window=64, load_mode="sync")
+    params = prefill(p, "req-hybrid-sync")
+    if corrupt:
+        store_connector.CORRUPT.update(token=20, layer="model.layers.1.self_attn.attn", head=3)
+    trace = decode(c, "req-hybrid-sync", params)
+    count, first = recomputed(trace, len(PROMPT))
+    state = c.request_status("req-hybrid-sync")
+    print(
+        f"\nCASE {'hybrid sync load, ' + ('corrupted' if corrupt else 'intact'):<44} | declined                   | "
+        f"vLLM computed prompt tokens {first}..{len(PROMPT)} ({count} of {len(PROMPT)}), request {state} | stats {totals(c)}",
+        flush=True,
+    )
+    assert "req-hybrid-sync" not in c.connector().last_verdicts
+    assert all(rank.connector.inner.loads_done == 0 for rank in c.ranks)
+    assert store_connector.CORRUPT.get("done") is None
+    assert (count, first) == (len(PROMPT), 0)
+    assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
+    assert kv_equal(p, "req-hybrid-sync", c, "req-hybrid-sync", len(PROMPT))
+    assert totals(c).get("sync_loads_declined") == 1
+    nothing_left_behind(c)
 
 
 @pytest.mark.parametrize("corrupt", [False, True])
@@ -284,6 +329,7 @@ def test_sync_load(store, corrupt):
         assert kv_equal(p, "req-sync", c, "req-sync", len(PROMPT))
     else:
         assert name == kvcsum.MATCH and (count, first) == (1, len(PROMPT) - 1)
+    nothing_left_behind(c)
 
 
 def test_preempted_request(store):
