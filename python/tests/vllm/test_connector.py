@@ -13,7 +13,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 
 import pytest
 
@@ -110,14 +109,7 @@ def show(case: str, engine: Engine, req_id: str, prompt_len: int = len(PROMPT)) 
 def nothing_left_behind(engine: Engine) -> None:
     """Every worker connector of the engine holds no load after its requests finished."""
     for rank, state in enumerate(engine.ranks):
-        connector = state.connector
-        left = {
-            "held": connector._held,
-            "release_recving": connector._release_recving,
-            "release_failed": connector._release_failed,
-            "watch_async": connector._watch_async,
-            "invalid_out": connector._invalid_out,
-        }
+        left = state.connector.worker_role.leftovers()
         assert not any(left.values()), (engine.name, rank, left)
 
 
@@ -386,4 +378,4 @@ def test_aborted_request_gets_no_payload(store):
     p.scheduler.finish_requests({"req-abort"}, __import__("vllm.v1.request", fromlist=["RequestStatus"]).RequestStatus.FINISHED_ABORTED)
     p.run()
     print(f"\nCASE {'aborted before its prefill (producer)':<44} | no payload                 | vLLM request {p.request_status('req-abort')}", flush=True)
-    assert p.connector()._sends == {}
+    assert p.connector().scheduler_role.pending_sends == {}

@@ -28,7 +28,7 @@ import kvcsum  # noqa: E402
 import store_connector  # noqa: E402
 from harness import Engine, KVCacheLayout, sampled_token  # noqa: E402
 from kvcsum.vllm.params import Checksums, Unusable, parse_load  # noqa: E402
-from test_connector import PROMPT, consumer, decode, prefill, producer, recomputed, show, totals, verdict  # noqa: E402
+from test_connector import PROMPT, consumer, decode, prefill, producer, show, totals, verdict  # noqa: E402
 
 
 @pytest.fixture

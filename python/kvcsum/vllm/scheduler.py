@@ -1,0 +1,535 @@
+"""KvcsumConnector's scheduler role: producer payloads and consumer verdicts.
+
+Producer: in the step whose forward completes a request's prompt, the
+scheduler asks every worker to checksum the request's blocks
+(`KvcsumConnectorMetadata.sends`); the workers' records come back in their
+worker metadata, and `request_finished` adds the payload to the params the
+wrapped connector returns (records that arrive later in the same scheduler
+update still make it into the params).
+
+Consumer: each load to verify becomes a `ChecksumJob` for the workers; the
+scheduler's kvcsum.Verifier compares their records with the payload and
+the verdict goes back to the workers (`KvcsumConnectorMetadata.verdicts`),
+which hand vLLM the load errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+import kvcsum
+from kvcsum.vllm.cache_checksums import NULL_BLOCK_ID, Job
+from kvcsum.vllm.common import ChecksumJob, KvcsumConnectorMetadata, KvcsumWorkerMetadata, LoadOutcome, logger
+from kvcsum.vllm.config import Settings, group_fingerprint
+from kvcsum.vllm.params import (
+    INFO_KEY,
+    PAYLOAD_KEY,
+    Checksums,
+    LoadParams,
+    Unusable,
+    consistency,
+    parse_load,
+    payload_summary,
+    token_digest,
+    wants_remote_decode,
+)
+from kvcsum.vllm.stats import KvcsumStats
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["SchedulerRole"]
+
+
+def _rewrite_fingerprints(payload: bytes, replace: dict) -> bytes:
+    """The payload with group fingerprints replaced ({group: (old, new)})."""
+    import msgspec
+
+    version, num_tokens, groups = msgspec.msgpack.decode(payload)[:3]
+    rest = msgspec.msgpack.decode(payload)[3:]
+    out = []
+    for group_id, fingerprint, first, values in groups:
+        old_new = replace.get(group_id)
+        if old_new is not None and fingerprint == old_new[0]:
+            fingerprint = old_new[1]
+        out.append([group_id, fingerprint, first, values])
+    return msgspec.msgpack.encode([version, num_tokens, out, *rest])
+
+
+def _forget(verifier: "kvcsum.Verifier", req_id: str) -> None:
+    try:
+        verifier.forget(req_id)
+    except kvcsum.NotFound:
+        pass
+
+
+@dataclasses.dataclass
+class _Send:
+    """A producer request: its checksum job (None once preempted, until
+    computed again), the workers that reported, the params to fill."""
+
+    job: Job | None = None
+    generation: int = 0
+    reported: set = dataclasses.field(default_factory=set)
+    params: dict | None = None
+    finished: bool = False
+    digest: str = ""
+
+
+@dataclasses.dataclass
+class _Load:
+    """A consumer load being verified."""
+
+    job: Job
+    is_async: bool
+    params: LoadParams
+    token_ids: list
+    generation: int
+    reported: set = dataclasses.field(default_factory=set)
+    inner_failed: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Match:
+    """What get_num_new_matched_tokens saw of a request, for
+    update_state_after_alloc."""
+
+    num_computed_tokens: int
+    params: LoadParams
+    is_async: bool
+
+
+class SchedulerRole:
+    """The scheduler side of KvcsumConnector.
+
+    Args:
+        settings: the connector's settings.
+        kv_cache_config: vLLM's KV cache config.
+        num_workers: TP size times PP size (every worker sends a note).
+        inner_name: the wrapped connector's class name (for logs).
+        failure_policy: vLLM's kv_load_failure_policy (for logs).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        kv_cache_config: "KVCacheConfig",
+        block_sizes: dict,
+        num_workers: int,
+        inner_name: str,
+        failure_policy: str,
+    ):
+        self._settings = settings
+        self._kv_cache_config = kv_cache_config
+        self._block_sizes = dict(block_sizes)
+        self._num_workers = num_workers
+        self._multi_group = len(kv_cache_config.kv_cache_groups) > 1
+        self._inner_name = inner_name
+        self._failure_policy = failure_policy
+        self._kv_cache_manager = None
+        self._stats = KvcsumStats()
+        self._sends: dict[str, _Send] = {}
+        self._loads: dict[str, _Load] = {}
+        self._matched: dict[str, _Match] = {}
+        self._new_sends: list = []
+        self._new_sync_loads: list = []
+        self._new_async_loads: dict = {}
+        self._verdicts_out: dict = {}
+        self._unfilled: dict[str, _Send] = {}
+        self._generation = 0
+        self._logged: set = set()
+        self._known: dict = {}
+        self._last_verdicts: dict = {}
+        self._producer = kvcsum.Verifier(num_workers)
+        self._consumer = kvcsum.Verifier(num_workers)
+        self._consumer.set_policy(kvcsum.FAIL_CLOSED if settings.fail_unverified else kvcsum.FAIL_OPEN)
+
+    # --- vLLM's calls --------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        self._kv_cache_manager = kv_cache_manager
+
+    def on_new_request(self, request: "Request") -> None:
+        self._known[request.request_id] = request
+
+    def matched(self, request: "Request", num_computed_tokens: int, tokens, load_async) -> tuple:
+        """get_num_new_matched_tokens, after the inner connector answered
+        (tokens, load_async): what vLLM gets."""
+        if not tokens:
+            return tokens, load_async
+        params = parse_load(request.kv_transfer_params)
+        verified = params.remote_prefill or self._settings.verify_all
+        if verified and self._multi_group and not load_async:
+            # vLLM 0.33 takes load errors of a model with several KV cache
+            # groups only as failed async loads (failed_recving); a sync load
+            # (the request already running) cannot be failed or recomputed,
+            # and invalid_block_ids raise in its scheduler. A verified sync
+            # load is therefore declined: vLLM computes those tokens.
+            self._stats.add("sync_loads_declined")
+            self._log_once(
+                "sync-declined",
+                f"kvcsum: the wrapped {self._inner_name} offers sync loads (request {request.request_id}, {tokens} tokens); "
+                "with several KV cache groups vLLM cannot recompute a sync load that fails verification, so kvcsum "
+                "declines such loads and vLLM computes the tokens (counted as sync_loads_declined)",
+                error=False,
+            )
+            return 0, False
+        self._matched[request.request_id] = _Match(num_computed_tokens, params, bool(load_async))
+        return tokens, load_async
+
+    def allocated(self, request: "Request", num_external_tokens: int, loaded_groups: set) -> None:
+        """update_state_after_alloc, after the inner connector's."""
+        req_id = request.request_id
+        matched = self._matched.pop(req_id, None)
+        if num_external_tokens <= 0 or matched is None:
+            return
+        if not (matched.params.remote_prefill or self._settings.verify_all):
+            return
+        first = matched.num_computed_tokens
+        job = self._job(req_id, first, first + num_external_tokens, loaded_groups)
+        if job is None:
+            return
+        self._generation += 1
+        old = self._loads.pop(req_id, None)
+        if old is not None:
+            _forget(self._consumer, req_id)
+        load = _Load(
+            job=job,
+            is_async=matched.is_async,
+            params=matched.params,
+            token_ids=list(request.prompt_token_ids or []),
+            generation=self._generation,
+        )
+        self._loads[req_id] = load
+        with kvcsum.Blocks() as expected:
+            job.to_blocks(expected)
+            self._consumer.expect(expected, kvcsum.CONSUMER)
+        if matched.is_async:
+            self._new_async_loads[req_id] = ChecksumJob(job, load.generation)
+        else:
+            self._new_sync_loads.append(ChecksumJob(job, load.generation))
+
+    def build_meta(self, scheduler_output: "SchedulerOutput", inner) -> KvcsumConnectorMetadata:
+        """build_connector_meta, around the inner connector's metadata."""
+        self._give_up_unfilled()
+        for req_id in scheduler_output.preempted_req_ids or ():
+            send = self._sends.get(req_id)
+            if send is not None and not send.finished:
+                # Its KV will be computed again: checksum it again then.
+                _forget(self._producer, req_id)
+                self._sends[req_id] = _Send()
+        self._schedule_sends(scheduler_output)
+        meta = KvcsumConnectorMetadata(
+            inner=inner,
+            sends=self._new_sends,
+            sync_loads=self._new_sync_loads,
+            async_loads=self._new_async_loads,
+            verdicts=self._verdicts_out,
+        )
+        self._new_sends, self._new_sync_loads, self._new_async_loads, self._verdicts_out = [], [], {}, {}
+        return meta
+
+    def workers_reported(self, meta: KvcsumWorkerMetadata) -> None:
+        """The workers' notes of this step (update_connector_output)."""
+        for note in meta.notes:
+            if note.role == kvcsum.PRODUCER:
+                self._producer_note(note)
+            else:
+                self._consumer_note(note)
+
+    def finished(self, request: "Request", delay: bool, params: dict | None):
+        """request_finished, after the inner connector's (delay, params)."""
+        req_id = request.request_id
+        self._known.pop(req_id, None)
+        self._matched.pop(req_id, None)
+        send = self._sends.get(req_id)
+        if send is None:
+            return delay, params
+        if send.job is None or request.status.name == "FINISHED_ABORTED" and len(send.reported) < self._num_workers:
+            # Preempted and not computed again, or aborted before its checksums.
+            _forget(self._producer, req_id)
+            self._sends.pop(req_id, None)
+            return delay, params
+        if params is None:
+            params = {}
+        send.params = params
+        send.finished = True
+        if len(send.reported) >= self._num_workers:
+            self._fill(req_id, send)
+        else:
+            self._unfilled[req_id] = send
+        return delay, params
+
+    def take_stats(self) -> KvcsumStats | None:
+        """The counts since the last call (None when there are none)."""
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KvcsumStats()
+        return stats
+
+    @property
+    def last_verdicts(self) -> dict:
+        """{req_id: (verdict, reason, message)} of the loads judged so far
+        (kept for tests and tools; bounded)."""
+        if len(self._last_verdicts) > 4096:
+            self._last_verdicts.clear()
+        return self._last_verdicts
+
+    @property
+    def pending_sends(self) -> dict:
+        """The producer requests not yet given their payload (for tests)."""
+        return self._sends
+
+    # --- jobs ------------------------------------------------------------------------
+
+    def _job(self, req_id: str, first_token: int, num_tokens: int, groups: set | None = None) -> Job | None:
+        """The blocks of req_id holding tokens [first_token, num_tokens), per
+        transfer group (all of them when groups is None), leading null
+        blocks (outside a sliding window) left out."""
+        table = self._kv_cache_manager.get_block_ids(req_id)
+        out = {}
+        for group_id, block_size in self._block_sizes.items():
+            if groups is not None and group_id not in groups:
+                continue
+            ids = list(table[group_id])[: math.ceil(num_tokens / block_size)]
+            first = first_token // block_size
+            while first < len(ids) and ids[first] == NULL_BLOCK_ID:
+                first += 1
+            if first < len(ids):
+                out[group_id] = (first, ids[first:])
+        if not out:
+            return None
+        return Job(req_id, num_tokens, out)
+
+    # --- producer ----------------------------------------------------------------------
+
+    def _wants_send(self, request: "Request") -> bool:
+        return self._settings.checksum_all or wants_remote_decode(request.kv_transfer_params)
+
+    def _schedule_sends(self, scheduler_output: "SchedulerOutput") -> None:
+        if self._kv_cache_manager is None:
+            return
+        progress = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        progress += list(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, computed in progress:
+            request = self._known.get(req_id)
+            if request is None or not self._wants_send(request):
+                continue
+            prompt = request.num_prompt_tokens
+            done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if computed >= prompt or done < prompt:
+                continue
+            job = self._job(req_id, 0, prompt)
+            if job is None:
+                continue
+            self._generation += 1
+            _forget(self._producer, req_id)
+            send = _Send(job=job, generation=self._generation, digest=token_digest(request.prompt_token_ids or [], prompt))
+            self._sends[req_id] = send
+            with kvcsum.Blocks() as expected:
+                job.to_blocks(expected)
+                self._producer.expect(expected, kvcsum.PRODUCER)
+            self._new_sends.append(ChecksumJob(job, send.generation))
+
+    def _producer_note(self, note) -> None:
+        send = self._sends.get(note.req_id)
+        if send is None or send.generation != note.generation or note.record is None:
+            return
+        self._producer.add_record(note.record)
+        send.reported.add(note.worker)
+        if send.finished and len(send.reported) >= self._num_workers:
+            self._fill(note.req_id, send)
+
+    def _payload(self, req_id: str) -> str | None:
+        try:
+            return kvcsum.base64_encode(self._producer.payload(req_id))
+        except kvcsum.Error as error:
+            logger.warning("kvcsum: no checksums for request %s: %s", req_id, error)
+            return None
+
+    def _fill(self, req_id: str, send: _Send) -> None:
+        """Adds the payload to the params request_finished returned."""
+        text = self._payload(req_id)
+        if text is not None and send.params is not None:
+            send.params[PAYLOAD_KEY] = text
+            send.params[INFO_KEY] = {
+                "block_sizes": {str(g): b for g, b in self._block_sizes.items()},
+                "tokens": send.digest,
+            }
+            self._stats.add("payloads_sent")
+        else:
+            self._stats.add("payloads_missing")
+        _forget(self._producer, req_id)
+        self._sends.pop(req_id, None)
+        self._unfilled.pop(req_id, None)
+
+    def _give_up_unfilled(self) -> None:
+        """Requests whose records did not arrive by the end of the scheduler
+        update that finished them: their outputs are gone, without checksums."""
+        for req_id, send in list(self._unfilled.items()):
+            logger.warning(
+                "kvcsum: request %s finished before all workers checksummed its KV (%d of %d); it goes without checksums",
+                req_id, len(send.reported), self._num_workers,
+            )
+            self._stats.add("payloads_missing")
+            _forget(self._producer, req_id)
+            self._sends.pop(req_id, None)
+        self._unfilled.clear()
+
+    # --- consumer ------------------------------------------------------------------------
+
+    def _consumer_note(self, note) -> None:
+        load = self._loads.get(note.req_id)
+        if load is None or load.generation != note.generation:
+            return
+        if note.record is not None:
+            self._consumer.add_record(note.record)
+        load.inner_failed |= note.inner_failed
+        load.reported.add(note.worker)
+        if len(load.reported) >= self._num_workers:
+            self._judge(note.req_id, load)
+
+    def _judge(self, req_id: str, load: _Load) -> None:
+        self._loads.pop(req_id, None)
+        if load.inner_failed:
+            # The inner connector reported the load failed: vLLM handles it.
+            _forget(self._consumer, req_id)
+            self._verdicts_out[req_id] = LoadOutcome((), True)
+            return
+        try:
+            verdict, reason, message, invalid = self._check(req_id, load)
+        except Exception as error:  # noqa: BLE001 - a verdict must never take the engine down
+            logger.exception("kvcsum: request %s: the load could not be checked", req_id)
+            verdict, reason, message, invalid = (
+                kvcsum.UNVERIFIED,
+                "CHECK_FAILED",
+                f"the check raised {type(error).__name__}: {error}",
+                [],
+            )
+        _forget(self._consumer, req_id)
+        if verdict == kvcsum.UNVERIFIED:
+            self._stats.add("unverified")
+            self._stats.add_reason(reason)
+            invalid = self._loaded_block_ids(load.job) if self._settings.fail_unverified else []
+        elif verdict == kvcsum.MISMATCH:
+            self._stats.add("mismatched")
+            self._stats.add("mismatched_blocks", len(invalid))
+        else:
+            self._stats.add("verified")
+        # vLLM maps block-level load errors back to requests only where there
+        # is one KV cache group; with several it takes whole failed loads.
+        # (A sync load there is never verified: `matched` declines it, since a
+        # running request's load cannot be failed.)
+        failed = bool(invalid) and self._multi_group
+        if failed and not load.is_async:
+            failed, invalid = False, []
+            action = "vLLM cannot be told (a sync load with several KV cache groups)"
+        elif failed:
+            action = "vLLM gets the whole load as failed (several KV cache groups)"
+        elif invalid:
+            action = f"vLLM gets blocks {sorted(invalid)} as load errors"
+        else:
+            action = "the load is used"
+        policy = f"kv_load_failure_policy={self._failure_policy}"
+        if verdict == kvcsum.MATCH:
+            if self._settings.log_matches:
+                logger.info("kvcsum: request %s: KV verified (%s)", req_id, message)
+        elif verdict == kvcsum.MISMATCH:
+            self._log_once(req_id, f"kvcsum: request {req_id}: KV MISMATCH: {message}; {action} ({policy})", error=True)
+        else:
+            setting = "unverified=fail" if self._settings.fail_unverified else "unverified=log"
+            self._log_once(
+                req_id, f"kvcsum: request {req_id}: KV UNVERIFIED ({reason}): {message}; {setting}: {action}" + (f" ({policy})" if invalid else ""),
+                error=self._settings.fail_unverified,
+            )
+        self._verdicts_out[req_id] = LoadOutcome(() if failed else tuple(sorted(invalid)), failed)
+        self.last_verdicts[req_id] = (verdict, reason, message)
+
+    def _log_once(self, key: str, text: str, error: bool = True) -> None:
+        if key in self._logged:
+            return
+        if len(self._logged) > 65536:
+            self._logged.clear()
+        self._logged.add(key)
+        (logger.error if error else logger.warning)(text)
+
+    def _loaded_block_ids(self, job: Job) -> list[int]:
+        return [b for _, (_, ids) in sorted(job.groups.items()) for b in ids]
+
+    def _check(self, req_id: str, load: _Load) -> tuple[int, str, str, list]:
+        """(verdict, reason name, message, invalid block ids)."""
+        checksums = load.params.checksums
+        if isinstance(checksums, Unusable):
+            return kvcsum.UNVERIFIED, checksums.reason, checksums.message, []
+        payload, producer_sizes = None, {}
+        if isinstance(checksums, Checksums):
+            digest = checksums.tokens
+            if digest is not None and not digest.covers(load.token_ids):
+                return (
+                    kvcsum.UNVERIFIED,
+                    "OTHER_REQUEST",
+                    f"the checksums cover other tokens than this request's first {digest.count} (a payload of another request)",
+                    [],
+                )
+            payload, producer_sizes = checksums.payload, checksums.block_sizes
+            try:
+                raw = kvcsum.base64_decode(payload)
+            except kvcsum.Error:
+                raw = None  # the verifier names what is wrong with it
+            if raw is not None:
+                disagreement = consistency(checksums, payload_summary(raw))
+                if disagreement is not None:
+                    return kvcsum.UNVERIFIED, disagreement.reason, disagreement.message, []
+            replace = {}
+            for group, size in producer_sizes.items():
+                own = self._block_sizes.get(group)
+                if own is not None and size != own:
+                    replace[group] = (
+                        group_fingerprint(self._kv_cache_config, group, size),
+                        group_fingerprint(self._kv_cache_config, group, own),
+                    )
+            if replace:
+                try:
+                    payload = _rewrite_fingerprints(raw, replace)
+                except Exception:  # noqa: BLE001 - left for the verifier to judge
+                    payload = checksums.payload
+        # The verifier keeps one producer block size per group: set every
+        # group's for this load (its own where the producer did not say, as
+        # a vLLM fork producer does not).
+        for group, own in self._block_sizes.items():
+            self._consumer.set_producer_block_size(group, producer_sizes.get(group, own))
+        with self._consumer.check(req_id, payload) as report:
+            verdict, message = report.verdict, report.message
+            reason = ""
+            if verdict == kvcsum.UNVERIFIED:
+                findings = report.findings
+                reason = findings[0].reason_name.replace("KVCS_UNVERIFIED_", "") if findings else "UNKNOWN"
+            invalid = []
+            if verdict == kvcsum.MISMATCH:
+                invalid, where = self._repair(report, load.job)
+                message = f"{message} [{where}]"
+        return verdict, reason, message, invalid
+
+    def _repair(self, report: "kvcsum.Report", job: Job) -> tuple[list, str]:
+        """The block ids to load again after a MISMATCH, and where they are.
+        Where the repair plan refuses (another group could not be compared,
+        so reloading blocks would not make the load verified) every loaded
+        block is named: the load is repeated whole."""
+        positions = ", ".join(
+            f"group {m.group_id} positions {m.first_position}..{m.first_position + m.num_positions} "
+            f"(tokens {m.first_token}..{m.first_token + m.num_tokens})"
+            for m in report.mismatches
+        )
+        tables = {g: (first, ids) for g, (first, ids) in job.groups.items()}
+        try:
+            plan = kvcsum.repair_plan(report, tables, dict(self._block_sizes))
+        except kvcsum.Error as error:
+            invalid = self._loaded_block_ids(job)
+            return invalid, f"{positions}; the whole load is repeated: {error}"
+        invalid = sorted({b.block_id for blocks in plan.values() for b in blocks})
+        return invalid, f"{positions}; blocks {invalid}"
