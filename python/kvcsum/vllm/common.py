@@ -33,11 +33,14 @@ class ChecksumJob:
 @dataclasses.dataclass(frozen=True)
 class LoadOutcome:
     """What the workers hand to vLLM for a judged load: the block ids that
-    are load errors, and whether the whole load failed (failed_recving,
-    where vLLM has several KV cache groups)."""
+    are load errors, whether the whole load failed (failed_recving, where
+    vLLM has several KV cache groups), and whether the workers report the
+    load received again (`release`: an async load the scheduler held back
+    from vLLM, in the step it arrived, to fail it)."""
 
     invalid_block_ids: tuple = ()
     failed: bool = False
+    release: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

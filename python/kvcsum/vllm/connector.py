@@ -30,16 +30,19 @@ arrive later in the same scheduler update still make it into the params.
 
 Consumer: each load's blocks are checksummed once the load is complete
 (sync loads after the step's forward, async loads in the step the inner
-connector reports them received; such a load is held back from vLLM for the
-steps the scheduler needs to judge it, one step usually). The scheduler's
-verifier compares the records of all workers with the payload; a MISMATCH
-reports the differing blocks through get_block_ids_with_load_errors
-(`failed_recving` where vLLM has several KV cache groups, as it requires),
-and vLLM's kv_load_failure_policy recomputes them ("recompute") or fails the
-request ("fail"). Where vLLM has several KV cache groups it cannot fail a
-sync load (only async ones, through failed_recving), so a sync load that
-would be verified is declined and vLLM computes its tokens. Counts go out
-with the connector's stats.
+connector reports them received). The scheduler's verifier compares the
+records of all workers with the payload. An async load is judged in the
+step it arrives: vLLM reads finished_recving after the connector's
+update_connector_output, so an intact load is released in that very step
+(no engine step added) and one that fails is held back and handed to vLLM
+the next step with its load errors. A sync load's verdict goes to vLLM the
+step after its load. A MISMATCH reports the differing blocks through
+get_block_ids_with_load_errors (`failed_recving` where vLLM has several KV
+cache groups, as it requires), and vLLM's kv_load_failure_policy
+recomputes them ("recompute") or fails the request ("fail"). Where vLLM
+has several KV cache groups it cannot fail a sync load (only async ones,
+through failed_recving), so a sync load that would be verified is declined
+and vLLM computes its tokens. Counts go out with the connector's stats.
 
 kv_transfer_params are read in one place, kvcsum.vllm.params: whatever a
 client sends there makes the load UNVERIFIED with a reason, never an
@@ -372,6 +375,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
             connector_output.kv_connector_worker_meta = meta
         if ours is not None:
             self._scheduler.workers_reported(ours)
+        self._scheduler.received(connector_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]):
         delay, params = self._inner.request_finished(request, block_ids)

@@ -91,6 +91,7 @@ class _Load:
     generation: int
     reported: set = dataclasses.field(default_factory=set)
     inner_failed: bool = False
+    outcome: LoadOutcome | None = None  # once judged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +242,35 @@ class SchedulerRole:
             else:
                 self._consumer_note(note)
 
+    def received(self, connector_output) -> None:
+        """update_connector_output, after the notes: vLLM reads
+        finished_recving after this call, so an async load that arrived in
+        this step and passed is released in this very step (no engine step
+        added), and one that failed is taken out of finished_recving and
+        handed back next step with its load errors."""
+        finished = connector_output.finished_recving
+        if not finished:
+            return
+        failed_by_inner = connector_output.failed_recving or set()
+        held = set()
+        for req_id in finished:
+            load = self._loads.get(req_id)
+            if load is None or not load.is_async:
+                continue
+            if req_id in failed_by_inner:
+                load.inner_failed = True
+            if load.outcome is None:
+                # Every worker reported it received; one that sent no note
+                # makes it WORKERS_MISSING.
+                self._judge(req_id, load)
+            self._loads.pop(req_id, None)
+            outcome = load.outcome
+            if outcome is not None and (outcome.invalid_block_ids or outcome.failed) and not load.inner_failed:
+                held.add(req_id)
+                self._verdicts_out[req_id] = dataclasses.replace(outcome, release=True)
+        if held:
+            connector_output.finished_recving = set(finished) - held
+
     def finished(self, request: "Request", delay: bool, params: dict | None):
         """request_finished, after the inner connector's (delay, params)."""
         req_id = request.request_id
@@ -385,7 +415,7 @@ class SchedulerRole:
 
     def _consumer_note(self, note) -> None:
         load = self._loads.get(note.req_id)
-        if load is None or load.generation != note.generation:
+        if load is None or load.generation != note.generation or load.outcome is not None:
             return
         if note.record is not None:
             self._consumer.add_record(note.record)
@@ -395,11 +425,14 @@ class SchedulerRole:
             self._judge(note.req_id, load)
 
     def _judge(self, req_id: str, load: _Load) -> None:
-        self._loads.pop(req_id, None)
+        """Judges a load once every worker reported (an async load stays in
+        _loads until vLLM hears of it: `received`)."""
+        if not load.is_async:
+            self._loads.pop(req_id, None)
         if load.inner_failed:
             # The inner connector reported the load failed: vLLM handles it.
             _forget(self._consumer, req_id)
-            self._verdicts_out[req_id] = LoadOutcome((), True)
+            load.outcome = LoadOutcome((), True)
             return
         try:
             verdict, reason, message, invalid = self._check(req_id, load)
@@ -447,7 +480,10 @@ class SchedulerRole:
                 req_id, f"kvcsum: request {req_id}: KV UNVERIFIED ({reason}): {message}; {setting}: {action}" + (f" ({policy})" if invalid else ""),
                 error=self._settings.fail_unverified,
             )
-        self._verdicts_out[req_id] = LoadOutcome(() if failed else tuple(sorted(invalid)), failed)
+        load.outcome = LoadOutcome(() if failed else tuple(sorted(invalid)), failed)
+        if not load.is_async and (load.outcome.invalid_block_ids or load.outcome.failed):
+            # A sync load's step is over: its load errors go out next step.
+            self._verdicts_out[req_id] = load.outcome
         self.last_verdicts[req_id] = (verdict, reason, message)
 
     def _log_once(self, key: str, text: str, error: bool = True) -> None:

@@ -5,8 +5,9 @@ verdicts handed to vLLM as load errors.
 Each step the worker binds the scheduler's KvcsumConnectorMetadata; after
 the forward (`wait_for_save`) it checksums the step's producer jobs and
 sync loads; an async load it checksums in the step the wrapped connector
-reports it received, holding it back from vLLM until the scheduler's
-verdict arrives. Notes go back in KvcsumWorkerMetadata.
+reports it received, and reports it received in that step too (the
+scheduler judges it before vLLM reads finished_recving, and holds back one
+that failed). Notes go back in KvcsumWorkerMetadata.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ class WorkerRole:
         self._bound: KvcsumConnectorMetadata | None = None
         self._pending_notes: list = []
         self._watch_async: dict = {}
-        self._held: set[str] = set()
         self._release_recving: set[str] = set()
         self._release_failed: set[str] = set()
         self._invalid_out: set[int] = set()
@@ -72,17 +72,13 @@ class WorkerRole:
         self._watch_async.update(meta.async_loads)
         for req_id, outcome in meta.verdicts.items():
             self._watch_async.pop(req_id, None)
-            if req_id in self._held:
-                # An async load held back: released now, failed if judged so
-                # (vLLM reads failed_recving only with finished_recving).
-                self._held.discard(req_id)
+            if outcome.release:
+                # An async load the scheduler held back from vLLM: reported
+                # received again now, with its errors (vLLM reads
+                # failed_recving only with finished_recving).
                 self._release_recving.add(req_id)
                 if outcome.failed:
                     self._release_failed.add(req_id)
-            else:
-                # A sync load is never in finished_recving: a failure is
-                # only ever its blocks, and nothing of it is kept.
-                self._release_failed.discard(req_id)
             self._invalid_out |= set(outcome.invalid_block_ids)
 
     def clear(self) -> None:
@@ -105,26 +101,23 @@ class WorkerRole:
         self._pending_notes.append((role, job.req_id, generation, pending, inner_failed))
 
     def transfer_results(self, inner: KVConnectorTransferResults) -> KVConnectorTransferResults:
-        """get_transfer_results, from the inner connector's: async loads
-        being verified are held back until their verdict."""
+        """get_transfer_results, from the inner connector's: an async load
+        being verified is checksummed in the step the inner connector
+        reports it received, and reported received in that step too (the
+        scheduler takes it out again if it fails: SchedulerRole.received)."""
         results = KVConnectorTransferResults(
             finished_sending=set(inner.finished_sending or ()),
             finished_recving=set(),
             failed_recving=set(),
         )
         for req_id in inner.finished_recving or ():
-            watched = self._watch_async.pop(req_id, None)
-            if watched is None or self._checksummer is None:
-                results.finished_recving.add(req_id)
-                if req_id in (inner.failed_recving or ()):
-                    results.failed_recving.add(req_id)
-                continue
-            # Hold the load back from vLLM until the scheduler judged it.
-            self._held.add(req_id)
+            results.finished_recving.add(req_id)
             failed = req_id in (inner.failed_recving or ())
             if failed:
-                self._release_failed.add(req_id)
-            self._note(kvcsum.CONSUMER, watched.job, watched.generation, inner_failed=failed)
+                results.failed_recving.add(req_id)
+            watched = self._watch_async.pop(req_id, None)
+            if watched is not None and self._checksummer is not None:
+                self._note(kvcsum.CONSUMER, watched.job, watched.generation, inner_failed=failed)
         results.finished_recving |= self._release_recving
         results.failed_recving |= self._release_failed & (self._release_recving | results.finished_recving)
         self._release_failed -= results.failed_recving
@@ -159,7 +152,6 @@ class WorkerRole:
         """The loads this worker still holds or owes vLLM (empty once every
         load it saw was handed back)."""
         return {
-            "held": set(self._held),
             "release_recving": set(self._release_recving),
             "release_failed": set(self._release_failed),
             "watch_async": set(self._watch_async),

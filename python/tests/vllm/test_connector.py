@@ -379,3 +379,30 @@ def test_aborted_request_gets_no_payload(store):
     p.run()
     print(f"\nCASE {'aborted before its prefill (producer)':<44} | no payload                 | vLLM request {p.request_status('req-abort')}", flush=True)
     assert p.connector().scheduler_role.pending_sends == {}
+
+
+# --- engine steps: the wrapper adds none to an intact load ----------------------------
+
+
+@pytest.mark.parametrize("load_mode", ["async", "sync"])
+def test_an_intact_load_is_first_scheduled_at_the_same_step_as_through_the_wrapped_connector_alone(store, load_mode):
+    steps = {}
+    for wrap in (False, True):
+        path = os.path.join(store, "wrapped" if wrap else "bare")
+        p = producer(path, wrap=wrap)
+        p.add_request("req-steps", PROMPT, 1, {"do_remote_decode": True})
+        p.run()
+        params = dict(p.traces["req-steps"].kv_transfer_params)
+        assert ("kv_checksums" in params) == wrap
+        c = consumer(path, wrap=wrap, load_mode=load_mode)
+        trace = decode(c, "req-steps", params)
+        assert trace.output_tokens == expected_tokens(PROMPT, 3)
+        steps[wrap] = {
+            "producer params out": p.traces["req-steps"].params_step - p.traces["req-steps"].added_at,
+            "consumer first scheduled": trace.first_scheduled(),
+            "consumer first token": trace.token_steps[0] - trace.added_at,
+        }
+        if wrap:
+            assert verdict(c, "req-steps")[0] == kvcsum.MATCH
+    print(f"\nSTEPS {load_mode} load: bare wrapped connector {steps[False]}; through KvcsumConnector {steps[True]}", flush=True)
+    assert steps[True] == steps[False]
