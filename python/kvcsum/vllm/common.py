@@ -1,8 +1,8 @@
 """What passes between KvcsumConnector's two roles, each a named dataclass:
 the scheduler's metadata to its workers every step
-(`KvcsumConnectorMetadata`, carrying `ChecksumJob`s and `LoadOutcome`s),
-and each worker's metadata back (`KvcsumWorkerMetadata`, carrying
-`WorkerNote`s)."""
+(`KvcsumConnectorMetadata`, carrying `ChecksumJob`s, `LoadOutcome`s and
+`HashedBlocks`), and each worker's metadata back (`KvcsumWorkerMetadata`,
+carrying `WorkerNote`s and `TierNote`s)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,40 @@ class ChecksumJob:
 
     job: Job
     generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class HashedBlocks:
+    """A request's blocks with their block hashes: the blocks that became
+    full in this step's forward (to keep their values), or the blocks a
+    tier loaded (to compare them). `groups` is {group: (first_position,
+    block_ids, hashes)}, a hash None where the block has none (a partial
+    block); `num_tokens` the request's tokens those blocks hold."""
+
+    req_id: str
+    num_tokens: int
+    groups: dict
+    generation: int = 0
+
+    def job(self) -> Job:
+        """The checksum job of these blocks."""
+        return Job(self.req_id, self.num_tokens, {g: (first, list(ids)) for g, (first, ids, _) in self.groups.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class TierNote:
+    """One worker's comparison of a tier load with the values it keeps:
+    the blocks that matched, the block ids that mismatched, and the blocks
+    of unknown value by reason ({reason: count}); or that the wrapped
+    connector failed the load (vLLM handles it; nothing was compared)."""
+
+    worker: str
+    req_id: str
+    generation: int
+    matched: int = 0
+    mismatched: tuple = ()
+    unknown: dict = dataclasses.field(default_factory=dict)
+    inner_failed: bool = False  # the wrapped connector failed the load: not compared
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,23 +97,30 @@ class KvcsumConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> workers, each step: the inner connector's metadata, the
     requests to checksum after this step's forward (`sends`, producer; and
     `sync_loads`, consumer), the async loads to checksum once received
-    ({req_id: ChecksumJob}), and the outcomes to hand to vLLM this step
-    ({req_id: LoadOutcome})."""
+    ({req_id: ChecksumJob}), the outcomes to hand to vLLM this step
+    ({req_id: LoadOutcome}); for offload tiers, the blocks to keep values
+    of and the tier loads to compare (HashedBlocks)."""
 
     inner: KVConnectorMetadata | None
     sends: list = dataclasses.field(default_factory=list)
     sync_loads: list = dataclasses.field(default_factory=list)
     async_loads: dict = dataclasses.field(default_factory=dict)
     verdicts: dict = dataclasses.field(default_factory=dict)
+    #: Blocks that become full in this step's forward (HashedBlocks).
+    stores: list = dataclasses.field(default_factory=list)
+    #: Tier loads of this step (sync) and to compare once received (async).
+    tier_sync_loads: list = dataclasses.field(default_factory=list)
+    tier_async_loads: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
 class KvcsumWorkerMetadata(KVConnectorWorkerMetadata):
     """Workers -> scheduler: the inner connector's worker metadata and the
-    workers' notes (WorkerNote), gathered over workers by vLLM."""
+    workers' notes (WorkerNote, TierNote), gathered over workers by vLLM."""
 
     inner: KVConnectorWorkerMetadata | None = None
     notes: list = dataclasses.field(default_factory=list)
+    tier_notes: list = dataclasses.field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvcsumWorkerMetadata)
@@ -89,4 +130,4 @@ class KvcsumWorkerMetadata(KVConnectorWorkerMetadata):
             inner = self.inner
         else:
             inner = self.inner.aggregate(other.inner)
-        return KvcsumWorkerMetadata(inner=inner, notes=self.notes + other.notes)
+        return KvcsumWorkerMetadata(inner=inner, notes=self.notes + other.notes, tier_notes=self.tier_notes + other.tier_notes)

@@ -9,6 +9,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from kvcsum.vllm.cache_checksums import LayerSpec, layer_fingerprint
+from kvcsum.vllm.tier_values import DEFAULT_CAPACITY
 
 from vllm.config.kv_transfer import KVTransferConfig
 
@@ -26,15 +27,24 @@ class Settings:
     checksum_all: bool = False
     verify_all: bool = False
     log_matches: bool = False
+    verify_tiers: bool = True
+    fail_unverified_tier: bool = False
+    tier_values: int = DEFAULT_CAPACITY
 
     @classmethod
     def of(cls, extra: dict | None) -> "Settings":
         extra = extra or {}
+        tier_values = extra.get("tier_values", DEFAULT_CAPACITY)
+        if not isinstance(tier_values, int) or isinstance(tier_values, bool) or tier_values < 1:
+            raise ValueError(f"KvcsumConnector: tier_values is {tier_values!r}, not a positive number of blocks")
         return cls(
             fail_unverified=str(extra.get("unverified", "fail")).lower() != "log",
             checksum_all=str(extra.get("checksum_requests", "remote_decode")).lower() == "all",
             verify_all=str(extra.get("verify_loads", "remote_prefill")).lower() == "all",
             log_matches=bool(extra.get("log_matches", False)),
+            verify_tiers=bool(extra.get("verify_tiers", True)),
+            fail_unverified_tier=str(extra.get("unverified_tier", "log")).lower() == "fail",
+            tier_values=tier_values,
         )
 
 

@@ -131,9 +131,10 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
                 num_workers,
                 self._inner_name,
                 str(self._kv_transfer_config.kv_load_failure_policy),
+                hash_block_size=int(vllm_config.cache_config.block_size),
             )
         else:
-            self._worker = WorkerRole(kv_cache_config, total_kv_heads(vllm_config))
+            self._worker = WorkerRole(kv_cache_config, total_kv_heads(vllm_config), self._settings)
 
     @property
     def last_verdicts(self) -> dict:

@@ -7,10 +7,18 @@ worker metadata, and `request_finished` adds the payload to the params the
 wrapped connector returns (records that arrive later in the same scheduler
 update still make it into the params).
 
-Consumer: each load to verify becomes a `ChecksumJob` for the workers; the
-scheduler's kvcsum.Verifier compares their records with the payload and
+Consumer: each P/D load to verify becomes a `ChecksumJob` for the workers;
+the scheduler's kvcsum.Verifier compares their records with the payload and
 the verdict goes back to the workers (`KvcsumConnectorMetadata.verdicts`),
 which hand vLLM the load errors.
+
+Offload tiers (any load without P/D params): each step the scheduler names
+the blocks that become full in the step's forward, with their block hashes
+(`KvcsumConnectorMetadata.stores`), and each worker keeps their values
+(kvcsum.vllm.tier_values); a load from a tier goes to the workers with its
+blocks' hashes and each worker compares it itself, in the step of the load,
+handing vLLM the blocks that differ. The workers' TierNotes only feed the
+scheduler's counts and logs.
 """
 
 from __future__ import annotations
@@ -21,7 +29,15 @@ from typing import TYPE_CHECKING
 
 import kvcsum
 from kvcsum.vllm.cache_checksums import NULL_BLOCK_ID, Job
-from kvcsum.vllm.common import ChecksumJob, KvcsumConnectorMetadata, KvcsumWorkerMetadata, LoadOutcome, logger
+from kvcsum.vllm.common import (
+    ChecksumJob,
+    HashedBlocks,
+    KvcsumConnectorMetadata,
+    KvcsumWorkerMetadata,
+    LoadOutcome,
+    TierNote,
+    logger,
+)
 from kvcsum.vllm.config import Settings, group_fingerprint
 from kvcsum.vllm.params import (
     INFO_KEY,
@@ -94,6 +110,18 @@ class _Load:
     outcome: LoadOutcome | None = None  # once judged
 
 
+@dataclasses.dataclass
+class _TierLoad:
+    """A tier load whose workers' comparisons are being gathered."""
+
+    blocks: HashedBlocks
+    is_async: bool
+    reported: set = dataclasses.field(default_factory=set)
+    matched: int = 0
+    mismatched: set = dataclasses.field(default_factory=set)
+    unknown: dict = dataclasses.field(default_factory=dict)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Match:
     """What get_num_new_matched_tokens saw of a request, for
@@ -123,6 +151,7 @@ class SchedulerRole:
         num_workers: int,
         inner_name: str,
         failure_policy: str,
+        hash_block_size: int | None = None,
     ):
         self._settings = settings
         self._kv_cache_config = kv_cache_config
@@ -131,7 +160,13 @@ class SchedulerRole:
         self._multi_group = len(kv_cache_config.kv_cache_groups) > 1
         self._inner_name = inner_name
         self._failure_policy = failure_policy
+        self._hash_block_size = hash_block_size or min(self._block_sizes.values(), default=0)
         self._kv_cache_manager = None
+        self._tier_loads: dict[str, _TierLoad] = {}
+        self._tier_failed: set[str] = set()
+        self._new_stores: list = []
+        self._new_tier_sync: list = []
+        self._new_tier_async: dict = {}
         self._stats = KvcsumStats()
         self._sends: dict[str, _Send] = {}
         self._loads: dict[str, _Load] = {}
@@ -142,6 +177,7 @@ class SchedulerRole:
         self._verdicts_out: dict = {}
         self._unfilled: dict[str, _Send] = {}
         self._generation = 0
+        self._finished_reqs: list = []
         self._logged: set = set()
         self._known: dict = {}
         self._last_verdicts: dict = {}
@@ -162,6 +198,12 @@ class SchedulerRole:
         (tokens, load_async): what vLLM gets."""
         if not tokens:
             return tokens, load_async
+        if request.request_id in self._tier_failed:
+            # Its tier load failed the check: vLLM, which rewinds such a
+            # request to its first bad block, would load the same blocks again
+            # (from 0, every step); they are computed instead.
+            self._stats.add("tier_reloads_declined")
+            return 0, False
         params = parse_load(request.kv_transfer_params)
         verified = params.remote_prefill or self._settings.verify_all
         if verified and self._multi_group and not load_async:
@@ -188,9 +230,12 @@ class SchedulerRole:
         matched = self._matched.pop(req_id, None)
         if num_external_tokens <= 0 or matched is None:
             return
+        first = matched.num_computed_tokens
+        if not matched.params.remote_prefill and self._settings.verify_tiers:
+            self._tier_load(request, first, first + num_external_tokens, loaded_groups, matched.is_async)
+            return
         if not (matched.params.remote_prefill or self._settings.verify_all):
             return
-        first = matched.num_computed_tokens
         job = self._job(req_id, first, first + num_external_tokens, loaded_groups)
         if job is None:
             return
@@ -217,6 +262,12 @@ class SchedulerRole:
     def build_meta(self, scheduler_output: "SchedulerOutput", inner) -> KvcsumConnectorMetadata:
         """build_connector_meta, around the inner connector's metadata."""
         self._give_up_unfilled()
+        for req_id in self._finished_reqs:
+            if self._loads.pop(req_id, None) is not None:
+                _forget(self._consumer, req_id)
+            self._tier_loads.pop(req_id, None)
+            self._tier_failed.discard(req_id)
+        self._finished_reqs = []
         for req_id in scheduler_output.preempted_req_ids or ():
             send = self._sends.get(req_id)
             if send is not None and not send.finished:
@@ -224,14 +275,20 @@ class SchedulerRole:
                 _forget(self._producer, req_id)
                 self._sends[req_id] = _Send()
         self._schedule_sends(scheduler_output)
+        if self._settings.verify_tiers:
+            self._schedule_stores(scheduler_output)
         meta = KvcsumConnectorMetadata(
             inner=inner,
             sends=self._new_sends,
             sync_loads=self._new_sync_loads,
             async_loads=self._new_async_loads,
             verdicts=self._verdicts_out,
+            stores=self._new_stores,
+            tier_sync_loads=self._new_tier_sync,
+            tier_async_loads=self._new_tier_async,
         )
         self._new_sends, self._new_sync_loads, self._new_async_loads, self._verdicts_out = [], [], {}, {}
+        self._new_stores, self._new_tier_sync, self._new_tier_async = [], [], {}
         return meta
 
     def workers_reported(self, meta: KvcsumWorkerMetadata) -> None:
@@ -241,6 +298,8 @@ class SchedulerRole:
                 self._producer_note(note)
             else:
                 self._consumer_note(note)
+        for note in meta.tier_notes:
+            self._tier_note(note)
 
     def received(self, connector_output) -> None:
         """update_connector_output, after the notes: vLLM reads
@@ -276,6 +335,9 @@ class SchedulerRole:
         req_id = request.request_id
         self._known.pop(req_id, None)
         self._matched.pop(req_id, None)
+        # Its loads' notes of this step still come (update_connector_output
+        # follows request_finished): forgotten next step.
+        self._finished_reqs.append(req_id)
         send = self._sends.get(req_id)
         if send is None:
             return delay, params
@@ -334,6 +396,129 @@ class SchedulerRole:
         if not out:
             return None
         return Job(req_id, num_tokens, out)
+
+    # --- offload tiers -------------------------------------------------------------------
+
+    def _block_hash(self, request: "Request", group_id: int, position: int):
+        """The block hash of a full block of the request, None where there is
+        none (a block size that is no multiple of the hash block size, or
+        tokens not hashed yet)."""
+        size, unit = self._block_sizes[group_id], self._hash_block_size
+        if unit <= 0 or size % unit:
+            return None
+        index = (position + 1) * (size // unit) - 1
+        hashes = request.block_hashes
+        return bytes(hashes[index]) if index < len(hashes) else None
+
+    def _hashed_blocks(self, request: "Request", first_token: int, end_token: int, full_only: bool, groups=None):
+        """The request's blocks of tokens [first_token, end_token) per group,
+        with their hashes (None for a block not full by end_token), null
+        blocks left out (a run after the last one). None when there are none."""
+        table = self._kv_cache_manager.get_block_ids(request.request_id)
+        out = {}
+        for group_id, size in self._block_sizes.items():
+            if groups is not None and group_id not in groups:
+                continue
+            first = first_token // size
+            end = end_token // size if full_only else math.ceil(end_token / size)
+            ids = list(table[group_id])[first:end]
+            while NULL_BLOCK_ID in ids:
+                cut = ids.index(NULL_BLOCK_ID) + 1
+                ids, first = ids[cut:], first + cut
+            if not ids:
+                continue
+            hashes = tuple(
+                self._block_hash(request, group_id, q) if (q + 1) * size <= end_token else None
+                for q in range(first, first + len(ids))
+            )
+            out[group_id] = (first, tuple(ids), hashes)
+        if not out:
+            return None
+        return HashedBlocks(request.request_id, end_token, out)
+
+    def _schedule_stores(self, scheduler_output: "SchedulerOutput") -> None:
+        """The blocks that become full in this step's forward (the tokens
+        computed, not loaded): every worker keeps their values."""
+        if self._kv_cache_manager is None:
+            return
+        progress = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        progress += list(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, computed in progress:
+            request = self._known.get(req_id)
+            if request is None:
+                continue
+            # Speculative tokens are scheduled but not yet the request's.
+            end = min(computed + scheduler_output.num_scheduled_tokens.get(req_id, 0), request.num_tokens)
+            blocks = self._hashed_blocks(request, computed, end, full_only=True)
+            if blocks is not None:
+                self._new_stores.append(blocks)
+
+    def _tier_load(self, request: "Request", first: int, end: int, groups: set, is_async: bool) -> None:
+        blocks = self._hashed_blocks(request, first, end, full_only=False, groups=groups)
+        if blocks is None:
+            return
+        self._generation += 1
+        blocks = dataclasses.replace(blocks, generation=self._generation)
+        self._tier_loads[request.request_id] = _TierLoad(blocks, is_async)
+        if is_async:
+            self._new_tier_async[request.request_id] = blocks
+        else:
+            self._new_tier_sync.append(blocks)
+
+    def _tier_note(self, note: TierNote) -> None:
+        load = self._tier_loads.get(note.req_id)
+        if load is None or load.blocks.generation != note.generation:
+            return
+        if note.inner_failed:
+            # The wrapped connector failed the load; vLLM handles it.
+            self._tier_loads.pop(note.req_id, None)
+            return
+        if note.mismatched or (note.unknown and self._settings.fail_unverified_tier):
+            self._tier_failed.add(note.req_id)
+        load.reported.add(note.worker)
+        load.matched += note.matched
+        load.mismatched |= set(note.mismatched)
+        for reason, count in note.unknown.items():
+            load.unknown[reason] = load.unknown.get(reason, 0) + count
+        if len(load.reported) >= self._num_workers:
+            self._tier_loads.pop(note.req_id, None)
+            self._tier_verdict(note.req_id, load)
+
+    def _tier_verdict(self, req_id: str, load: _TierLoad) -> None:
+        """Counts and logs a tier load the workers compared (they already
+        handed vLLM its load errors, in the step of the load)."""
+        blocks = sum(len(ids) for _, ids, _ in load.blocks.groups.values())
+        self._stats.add("tier_blocks_checked", blocks)
+        policy = f"kv_load_failure_policy={self._failure_policy}"
+        if load.mismatched:
+            bad = sorted(load.mismatched)
+            self._stats.add("tier_mismatched")
+            self._stats.add("tier_mismatched_blocks", len(bad))
+            verdict, reason = kvcsum.MISMATCH, ""
+            message = f"blocks {bad} differ from the values this engine kept of them (on some worker)"
+            action = "vLLM " + ("gets the whole load as failed" if self._multi_group else f"gets blocks {bad} as load errors")
+            self._log_once(req_id, f"kvcsum: request {req_id}: tier KV MISMATCH: {message}; {action} ({policy})", error=True)
+        elif load.unknown:
+            reason = min(load.unknown, key=lambda r: (-load.unknown[r], r))
+            verdict = kvcsum.UNVERIFIED
+            counts = ", ".join(f"{n} {r}" for r, n in sorted(load.unknown.items()))
+            message = f"block values unknown on some worker ({counts})"
+            self._stats.add("tier_unverified")
+            self._stats.add_reason(reason, key="tier_unverified_reasons")
+            setting = "unverified_tier=fail" if self._settings.fail_unverified_tier else "unverified_tier=log"
+            action = "vLLM gets them as load errors" if self._settings.fail_unverified_tier else "the load is used"
+            self._log_once(
+                req_id,
+                f"kvcsum: request {req_id}: tier KV UNVERIFIED ({reason}): {message}; {setting}: {action}",
+                error=self._settings.fail_unverified_tier,
+            )
+        else:
+            verdict, reason, message = kvcsum.MATCH, "", f"{load.matched} block checks matched"
+            self._stats.add("tier_verified")
+            if self._settings.log_matches:
+                logger.info("kvcsum: request %s: tier KV verified (%s)", req_id, message)
+        self.last_verdicts[req_id] = (verdict, reason, message)
 
     # --- producer ----------------------------------------------------------------------
 

@@ -12,7 +12,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 @dataclasses.dataclass
 class KvcsumStats(KVConnectorStats):
     """Verification counts: loads verified (MATCH), mismatched, unverified
-    (with reasons), payloads sent and not sent, sync loads declined."""
+    (with reasons), payloads sent and not sent, sync loads declined; and
+    for offload tiers, loads verified, mismatched (and their blocks),
+    unverified (with reasons) and the blocks checked."""
 
     def __post_init__(self):
         if not self.data:
@@ -27,13 +29,19 @@ class KvcsumStats(KVConnectorStats):
             "mismatched_blocks": 0,
             "payloads_sent": 0,
             "payloads_missing": 0,
+            "tier_verified": 0,
+            "tier_mismatched": 0,
+            "tier_mismatched_blocks": 0,
+            "tier_unverified": 0,
+            "tier_unverified_reasons": {},
+            "tier_blocks_checked": 0,
         }
 
     def add(self, key: str, n: int = 1) -> None:
         self.data[key] = self.data.get(key, 0) + n
 
-    def add_reason(self, reason: str) -> None:
-        reasons = self.data.setdefault("unverified_reasons", {})
+    def add_reason(self, reason: str, key: str = "unverified_reasons") -> None:
+        reasons = self.data.setdefault(key, {})
         reasons[reason] = reasons.get(reason, 0) + 1
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
@@ -48,8 +56,9 @@ class KvcsumStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         out = {k: v for k, v in self.data.items() if not isinstance(v, dict)}
-        for reason, count in sorted(self.data.get("unverified_reasons", {}).items()):
-            out[f"unverified[{reason}]"] = count
+        for key in ("unverified", "tier_unverified"):
+            for reason, count in sorted(self.data.get(f"{key}_reasons", {}).items()):
+                out[f"{key}[{reason}]"] = count
         return out
 
     def is_empty(self) -> bool:

@@ -8,16 +8,29 @@ sync loads; an async load it checksums in the step the wrapped connector
 reports it received, and reports it received in that step too (the
 scheduler judges it before vLLM reads finished_recving, and holds back one
 that failed). Notes go back in KvcsumWorkerMetadata.
+
+Offload tiers: after each forward the worker checksums the blocks that
+became full in it (queued on the device's current stream) and keeps their
+values by block hash (kvcsum.vllm.tier_values) once they are ready. A tier
+load it compares itself, in the step of the load: a sync load after the
+forward (its blocks go to vLLM through get_block_ids_with_load_errors of
+that same step, which vLLM reads before it emits the step's tokens), an
+async one in the step the wrapped connector reports it received (load
+errors, or failed_recving where vLLM has several KV cache groups, in that
+same step).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 import kvcsum
 from kvcsum.vllm.cache_checksums import CacheChecksummer, Job
-from kvcsum.vllm.common import KvcsumConnectorMetadata, KvcsumWorkerMetadata, WorkerNote, logger
-from kvcsum.vllm.config import layer_specs, parallel_place
+from kvcsum.vllm.common import HashedBlocks, KvcsumConnectorMetadata, KvcsumWorkerMetadata, TierNote, WorkerNote, logger
+from kvcsum.vllm.config import Settings, layer_specs, parallel_place
+from kvcsum.vllm.tier_values import MATCHED, MISMATCHED, BlockOutcome, StoredValues
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
@@ -32,9 +45,17 @@ __all__ = ["WorkerRole"]
 class WorkerRole:
     """The worker side of KvcsumConnector (one per TP rank and PP stage)."""
 
-    def __init__(self, kv_cache_config: "KVCacheConfig", total_kv_heads: int | None):
+    def __init__(self, kv_cache_config: "KVCacheConfig", total_kv_heads: int | None, settings: Settings | None = None):
+        settings = settings or Settings()
+        self._settings = settings
         self._kv_cache_config = kv_cache_config
         self._total_kv_heads = total_kv_heads
+        self._multi_group = len(kv_cache_config.kv_cache_groups) > 1
+        #: Values of the blocks this worker computed, by block hash.
+        self.stored_values = StoredValues(settings.tier_values)
+        self._pending_stores: list = []  # (kvcsum.Result, [HashedBlocks])
+        self._watch_tier: dict = {}
+        self._tier_notes: list = []
         self._checksummer: CacheChecksummer | None = None
         self._worker_key = "?"
         self._bound: KvcsumConnectorMetadata | None = None
@@ -70,6 +91,8 @@ class WorkerRole:
         """bind_connector_metadata: the step's jobs and verdicts."""
         self._bound = meta
         self._watch_async.update(meta.async_loads)
+        self._watch_tier.update(meta.tier_async_loads)
+        self._settle_stores(wait=False)
         for req_id, outcome in meta.verdicts.items():
             self._watch_async.pop(req_id, None)
             if outcome.release:
@@ -95,6 +118,14 @@ class WorkerRole:
             self._note(kvcsum.PRODUCER, checksum.job, checksum.generation)
         for checksum in meta.sync_loads:
             self._note(kvcsum.CONSUMER, checksum.job, checksum.generation)
+        if meta.stores:
+            # The forward that filled them is queued before: their values
+            # are read once ready (next step, or before a tier check).
+            pending = self._checksummer.checksum([blocks.job() for blocks in meta.stores], kvcsum.CONSUMER)
+            self._pending_stores.append((pending.result, list(meta.stores)))
+        for blocks in meta.tier_sync_loads:
+            # vLLM reads this step's load errors before it emits its tokens.
+            self._invalid_out |= self._check_tier(blocks)
 
     def _note(self, role: int, job: Job, generation: int, inner_failed: bool = False) -> None:
         pending = None if inner_failed else self._checksummer.checksum([job], role)
@@ -118,6 +149,16 @@ class WorkerRole:
             watched = self._watch_async.pop(req_id, None)
             if watched is not None and self._checksummer is not None:
                 self._note(kvcsum.CONSUMER, watched.job, watched.generation, inner_failed=failed)
+            tier = self._watch_tier.pop(req_id, None)
+            if tier is not None and failed:
+                self._tier_notes.append(TierNote(self._worker_key, req_id, tier.generation, inner_failed=True))
+            elif tier is not None and self._checksummer is not None:
+                invalid = self._check_tier(tier)
+                if invalid and self._multi_group:
+                    # Block ids are per group there: vLLM takes the whole load.
+                    results.failed_recving.add(req_id)
+                else:
+                    self._invalid_out |= invalid
         results.finished_recving |= self._release_recving
         results.failed_recving |= self._release_failed & (self._release_recving | results.finished_recving)
         self._release_failed -= results.failed_recving
@@ -137,9 +178,82 @@ class WorkerRole:
             record = pending.record() if pending is not None else None
             notes.append(WorkerNote(self._worker_key, role, req_id, generation, record, inner_failed))
         self._pending_notes = []
-        if inner is None and not notes:
+        tier_notes, self._tier_notes = self._tier_notes, []
+        if inner is None and not notes and not tier_notes:
             return None
-        return KvcsumWorkerMetadata(inner=inner, notes=notes)
+        return KvcsumWorkerMetadata(inner=inner, notes=notes, tier_notes=tier_notes)
+
+    # --- offload tiers ----------------------------------------------------------------
+
+    @staticmethod
+    def _sums(result: "kvcsum.Result", req_id: str, group_id: int, first: int, count: int):
+        """The sum of a group's columns per position (numpy uint64, wrapping
+        as the checksums do), None where the worker did not checksum it."""
+        try:
+            got_first, positions, columns = result.group(req_id, group_id)
+        except kvcsum.Error:
+            return None
+        if got_first != first or positions != count or columns == 0:
+            return None
+        total = np.zeros(positions, dtype=np.uint64)
+        for column in range(columns):
+            total += result.column(req_id, group_id, column)
+        return total
+
+    def _settle_stores(self, wait: bool) -> None:
+        """Keeps the values of the stores checksummed so far (those ready,
+        or all of them when `wait`)."""
+        kept = []
+        for result, stores in self._pending_stores:
+            if not wait and not result.ready():
+                kept.append((result, stores))
+                continue
+            try:
+                result.wait()
+                for blocks in stores:
+                    for group_id, (first, ids, hashes) in blocks.groups.items():
+                        sums = self._sums(result, blocks.req_id, group_id, first, len(ids))
+                        if sums is None:
+                            continue
+                        for i, block_hash in enumerate(hashes):
+                            if block_hash is not None:
+                                self.stored_values.remember(group_id, block_hash, first + i, int(sums[i]))
+            finally:
+                result.close()
+        self._pending_stores = kept
+
+    def _check_tier(self, blocks: HashedBlocks) -> set[int]:
+        """Compares a tier load's blocks with the values kept: the block ids
+        that are load errors (those that differ; under unverified_tier=fail
+        those of unknown value too). Notes the outcome for the scheduler."""
+        self._settle_stores(wait=True)
+        pending = self._checksummer.checksum([blocks.job()], kvcsum.CONSUMER)
+        result = pending.result
+        matched, mismatched, unknown, invalid = 0, [], {}, set()
+        try:
+            result.wait()
+            for group_id, (first, ids, hashes) in sorted(blocks.groups.items()):
+                sums = self._sums(result, blocks.req_id, group_id, first, len(ids))
+                for i, (block_id, block_hash) in enumerate(zip(ids, hashes)):
+                    if sums is None:
+                        outcome = BlockOutcome("unknown", "NOT_CHECKSUMMED")
+                    else:
+                        outcome = self.stored_values.compare(group_id, block_hash, first + i, int(sums[i]))
+                    if outcome.outcome == MATCHED:
+                        matched += 1
+                    elif outcome.outcome == MISMATCHED:
+                        mismatched.append(block_id)
+                        invalid.add(block_id)
+                    else:
+                        unknown[outcome.reason] = unknown.get(outcome.reason, 0) + 1
+                        if self._settings.fail_unverified_tier:
+                            invalid.add(block_id)
+        finally:
+            result.close()
+        self._tier_notes.append(
+            TierNote(self._worker_key, blocks.req_id, blocks.generation, matched, tuple(mismatched), unknown)
+        )
+        return invalid
 
     def close(self) -> None:
         if self._checksummer is not None:
@@ -155,5 +269,6 @@ class WorkerRole:
             "release_recving": set(self._release_recving),
             "release_failed": set(self._release_failed),
             "watch_async": set(self._watch_async),
+            "watch_tier": set(self._watch_tier),
             "invalid_out": set(self._invalid_out),
         }

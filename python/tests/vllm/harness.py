@@ -177,17 +177,19 @@ class Engine:
         wrap: bool = True,
         load_mode: str = "async",
         max_num_seqs: int = 8,
+        inner: dict | None = None,
     ):
         global _hash_ready
         if not _hash_ready:
             init_none_hash(sha256)
             _hash_ready = True
         self.name, self.tp, self.block_size = name, tp, block_size
-        inner = {
-            "kv_connector": "StoreConnector",
-            "kv_connector_module_path": "store_connector",
-            "kv_connector_extra_config": {"store_dir": store_dir, "load_mode": load_mode},
-        }
+        if inner is None:
+            inner = {
+                "kv_connector": "StoreConnector",
+                "kv_connector_module_path": "store_connector",
+                "kv_connector_extra_config": {"store_dir": store_dir, "load_mode": load_mode},
+            }
         if wrap:
             ktc = KVTransferConfig(
                 kv_connector="KvcsumConnector",
@@ -233,6 +235,9 @@ class Engine:
         self.aggregator = KVOutputAggregator(tp)
         self.traces: dict[str, Trace] = {}
         self.steps_run = 0
+        # Nonzero: the stand-in model's KV differs in its last bits, as a
+        # kernel that is not batch-invariant computes it in another batch.
+        self.kv_noise = 0
         self.prompts: dict[str, list] = {}
         self.requests: dict[str, Request] = {}
         self.stats: list = []
@@ -309,7 +314,12 @@ class Engine:
                 offsets = positions % self.block_size
                 for name in group.layer_names:
                     layer = int(name.split(".")[2])
-                    state.caches[name][blocks, :, offsets] = self.kv_values(req_id, positions, layer, first_head, heads)
+                    values = self.kv_values(req_id, positions, layer, first_head, heads)
+                    if self.kv_noise:
+                        raw = values.view(torch.int16)
+                        pattern = (torch.arange(raw.numel()).view(raw.shape) + self.kv_noise) % 5 == 0
+                        values = (raw ^ pattern.to(torch.int16)).view(DTYPE)
+                    state.caches[name][blocks, :, offsets] = values
 
     def _update_tables(self, state: RankState, sched) -> None:
         for new in sched.scheduled_new_reqs:
