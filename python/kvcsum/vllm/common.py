@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvcsum.vllm.cache_checksums import Job
+from kvcsum.vllm.tier_values import HashedBlocks
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 from vllm.logger import init_logger
@@ -28,24 +29,6 @@ class ChecksumJob:
 
     job: Job
     generation: int
-
-
-@dataclasses.dataclass(frozen=True)
-class HashedBlocks:
-    """A request's blocks with their block hashes: the blocks that became
-    full in this step's forward (to keep their values), or the blocks a
-    tier loaded (to compare them). `groups` is {group: (first_position,
-    block_ids, hashes)}, a hash None where the block has none (a partial
-    block); `num_tokens` the request's tokens those blocks hold."""
-
-    req_id: str
-    num_tokens: int
-    groups: dict
-    generation: int = 0
-
-    def job(self) -> Job:
-        """The checksum job of these blocks."""
-        return Job(self.req_id, self.num_tokens, {g: (first, list(ids)) for g, (first, ids, _) in self.groups.items()})
 
 
 @dataclasses.dataclass(frozen=True)

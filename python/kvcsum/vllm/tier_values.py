@@ -20,7 +20,11 @@ are unknown, never a mismatch). A loaded block is
   dropped it (it is bounded: the least recently used hashes go first), the
   block has no hash (a partial block), or more than MAX_VALUES were seen.
 
-This module needs neither vLLM nor torch.
+`TierChecker` does a worker's part over a CacheChecksummer: it checksums
+the blocks that became full (queued on a device: their values are kept once
+ready), and compares a tier load's blocks with the values kept.
+
+This module needs neither vLLM nor torch (numpy and kvcsum alone).
 """
 
 from __future__ import annotations
@@ -28,7 +32,23 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["StoredValues", "BlockOutcome", "MATCHED", "MISMATCHED", "UNKNOWN", "MAX_VALUES", "DEFAULT_CAPACITY"]
+import numpy as np
+
+import kvcsum
+from kvcsum.vllm.cache_checksums import Job
+
+__all__ = [
+    "StoredValues",
+    "TierChecker",
+    "TierComparison",
+    "HashedBlocks",
+    "BlockOutcome",
+    "MATCHED",
+    "MISMATCHED",
+    "UNKNOWN",
+    "MAX_VALUES",
+    "DEFAULT_CAPACITY",
+]
 
 #: The outcomes of one loaded block.
 MATCHED, MISMATCHED, UNKNOWN = "matched", "mismatched", "unknown"
@@ -45,6 +65,25 @@ _POSITION_SHIFT = 64
 _VALUE_MASK = (1 << 64) - 1
 #: The entry of a hash seen with more than MAX_VALUES values.
 _TOO_MANY = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class HashedBlocks:
+    """A request's blocks with their block hashes: the blocks that became
+    full in a step's forward (to keep their values), or the blocks a tier
+    loaded (to compare them). `groups` is {group: (first_position,
+    block_ids, hashes)}, a hash None where the block has none (a partial
+    block); `num_tokens` the request's tokens those blocks hold;
+    `generation` the scheduler's number for a tier load."""
+
+    req_id: str
+    num_tokens: int
+    groups: dict
+    generation: int = 0
+
+    def job(self) -> Job:
+        """The checksum job of these blocks."""
+        return Job(self.req_id, self.num_tokens, {g: (first, list(ids)) for g, (first, ids, _) in self.groups.items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,3 +171,111 @@ class StoredValues:
             return None
         values = (entry,) if isinstance(entry, int) else entry
         return tuple(v & _VALUE_MASK for v in values)
+
+
+@dataclasses.dataclass(frozen=True)
+class TierComparison:
+    """One worker's comparison of a tier load: the blocks that matched, the
+    block ids that differ, the blocks of unknown value ({reason: count}),
+    and the block ids that are load errors (those that differ, and under
+    fail_unknown those of unknown value)."""
+
+    matched: int
+    mismatched: tuple
+    unknown: dict
+    invalid: frozenset
+
+
+class TierChecker:
+    """A worker's stored values over its CacheChecksummer.
+
+    Args:
+        checksummer: the worker's kvcsum.vllm.cache_checksums.CacheChecksummer.
+        capacity: the blocks whose values are kept (StoredValues).
+    """
+
+    def __init__(self, checksummer, capacity: int = DEFAULT_CAPACITY):
+        self.checksummer = checksummer
+        self.values = StoredValues(capacity)
+        self._pending: list = []  # (kvcsum.Result, [HashedBlocks])
+
+    @property
+    def pending(self) -> int:
+        """Checksums of stored blocks not yet read."""
+        return len(self._pending)
+
+    def store(self, stores: Sequence[HashedBlocks], cuda_stream: int | None = None) -> None:
+        """Checksums blocks that became full (on a device: queued on
+        `cuda_stream`, torch's current stream by default, after the forward
+        that filled them); their values are kept once read (`settle`)."""
+        stores = [blocks for blocks in stores if blocks.groups]
+        if not stores:
+            return
+        pending = self.checksummer.checksum([blocks.job() for blocks in stores], kvcsum.CONSUMER, cuda_stream)
+        self._pending.append((pending.result, stores))
+
+    @staticmethod
+    def sums(result: "kvcsum.Result", req_id: str, group_id: int, first: int, count: int):
+        """The sum of a group's columns per position (numpy uint64, wrapping
+        as the checksums do), None where the worker did not checksum it."""
+        try:
+            got_first, positions, columns = result.group(req_id, group_id)
+        except kvcsum.Error:
+            return None
+        if got_first != first or positions != count or columns == 0:
+            return None
+        total = np.zeros(positions, dtype=np.uint64)
+        for column in range(columns):
+            total += result.column(req_id, group_id, column)
+        return total
+
+    def settle(self, wait: bool) -> None:
+        """Keeps the values of the stored blocks checksummed so far: those
+        whose results are ready, or all of them when `wait`."""
+        kept = []
+        for result, stores in self._pending:
+            if not wait and not result.ready():
+                kept.append((result, stores))
+                continue
+            try:
+                result.wait()
+                for blocks in stores:
+                    for group_id, (first, ids, hashes) in blocks.groups.items():
+                        sums = self.sums(result, blocks.req_id, group_id, first, len(ids))
+                        if sums is None:
+                            continue
+                        for i, block_hash in enumerate(hashes):
+                            if block_hash is not None:
+                                self.values.remember(group_id, block_hash, first + i, int(sums[i]))
+            finally:
+                result.close()
+        self._pending = kept
+
+    def check(self, blocks: HashedBlocks, fail_unknown: bool = False, cuda_stream: int | None = None) -> TierComparison:
+        """Compares loaded blocks with the values kept (waiting for the
+        checksums of earlier stores and of these blocks)."""
+        self.settle(wait=True)
+        pending = self.checksummer.checksum([blocks.job()], kvcsum.CONSUMER, cuda_stream)
+        result = pending.result
+        matched, mismatched, unknown, invalid = 0, [], {}, set()
+        try:
+            result.wait()
+            for group_id, (first, ids, hashes) in sorted(blocks.groups.items()):
+                sums = self.sums(result, blocks.req_id, group_id, first, len(ids))
+                for i, (block_id, block_hash) in enumerate(zip(ids, hashes)):
+                    if sums is None:
+                        outcome = BlockOutcome(UNKNOWN, "NOT_CHECKSUMMED")
+                    else:
+                        outcome = self.values.compare(group_id, block_hash, first + i, int(sums[i]))
+                    if outcome.outcome == MATCHED:
+                        matched += 1
+                    elif outcome.outcome == MISMATCHED:
+                        mismatched.append(block_id)
+                        invalid.add(block_id)
+                    else:
+                        unknown[outcome.reason] = unknown.get(outcome.reason, 0) + 1
+                        if fail_unknown:
+                            invalid.add(block_id)
+        finally:
+            result.close()
+        return TierComparison(matched, tuple(mismatched), unknown, frozenset(invalid))

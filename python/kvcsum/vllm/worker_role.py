@@ -24,13 +24,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 import kvcsum
 from kvcsum.vllm.cache_checksums import CacheChecksummer, Job
 from kvcsum.vllm.common import HashedBlocks, KvcsumConnectorMetadata, KvcsumWorkerMetadata, TierNote, WorkerNote, logger
 from kvcsum.vllm.config import Settings, layer_specs, parallel_place
-from kvcsum.vllm.tier_values import MATCHED, MISMATCHED, BlockOutcome, StoredValues
+from kvcsum.vllm.tier_values import TierChecker
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
@@ -51,9 +49,7 @@ class WorkerRole:
         self._kv_cache_config = kv_cache_config
         self._total_kv_heads = total_kv_heads
         self._multi_group = len(kv_cache_config.kv_cache_groups) > 1
-        #: Values of the blocks this worker computed, by block hash.
-        self.stored_values = StoredValues(settings.tier_values)
-        self._pending_stores: list = []  # (kvcsum.Result, [HashedBlocks])
+        self._tier: TierChecker | None = None
         self._watch_tier: dict = {}
         self._tier_notes: list = []
         self._checksummer: CacheChecksummer | None = None
@@ -78,6 +74,7 @@ class WorkerRole:
             pp_rank=pp_rank,
         )
         self._worker_key = f"pp{pp_rank}.tp{tp_rank}"
+        self._tier = TierChecker(self._checksummer, self._settings.tier_values)
         for group_id, reason in sorted(self._checksummer.skipped.items()):
             logger.warning("kvcsum: worker %s does not checksum KV cache group %d: %s", self._worker_key, group_id, reason)
         logger.info(
@@ -92,7 +89,8 @@ class WorkerRole:
         self._bound = meta
         self._watch_async.update(meta.async_loads)
         self._watch_tier.update(meta.tier_async_loads)
-        self._settle_stores(wait=False)
+        if self._tier is not None:
+            self._tier.settle(wait=False)
         for req_id, outcome in meta.verdicts.items():
             self._watch_async.pop(req_id, None)
             if outcome.release:
@@ -118,11 +116,9 @@ class WorkerRole:
             self._note(kvcsum.PRODUCER, checksum.job, checksum.generation)
         for checksum in meta.sync_loads:
             self._note(kvcsum.CONSUMER, checksum.job, checksum.generation)
-        if meta.stores:
-            # The forward that filled them is queued before: their values
-            # are read once ready (next step, or before a tier check).
-            pending = self._checksummer.checksum([blocks.job() for blocks in meta.stores], kvcsum.CONSUMER)
-            self._pending_stores.append((pending.result, list(meta.stores)))
+        # The forward that filled them is queued before: their values are
+        # read once ready (next step, or before a tier check).
+        self._tier.store(meta.stores)
         for blocks in meta.tier_sync_loads:
             # vLLM reads this step's load errors before it emits its tokens.
             self._invalid_out |= self._check_tier(blocks)
@@ -183,77 +179,23 @@ class WorkerRole:
             return None
         return KvcsumWorkerMetadata(inner=inner, notes=notes, tier_notes=tier_notes)
 
-    # --- offload tiers ----------------------------------------------------------------
-
-    @staticmethod
-    def _sums(result: "kvcsum.Result", req_id: str, group_id: int, first: int, count: int):
-        """The sum of a group's columns per position (numpy uint64, wrapping
-        as the checksums do), None where the worker did not checksum it."""
-        try:
-            got_first, positions, columns = result.group(req_id, group_id)
-        except kvcsum.Error:
-            return None
-        if got_first != first or positions != count or columns == 0:
-            return None
-        total = np.zeros(positions, dtype=np.uint64)
-        for column in range(columns):
-            total += result.column(req_id, group_id, column)
-        return total
-
-    def _settle_stores(self, wait: bool) -> None:
-        """Keeps the values of the stores checksummed so far (those ready,
-        or all of them when `wait`)."""
-        kept = []
-        for result, stores in self._pending_stores:
-            if not wait and not result.ready():
-                kept.append((result, stores))
-                continue
-            try:
-                result.wait()
-                for blocks in stores:
-                    for group_id, (first, ids, hashes) in blocks.groups.items():
-                        sums = self._sums(result, blocks.req_id, group_id, first, len(ids))
-                        if sums is None:
-                            continue
-                        for i, block_hash in enumerate(hashes):
-                            if block_hash is not None:
-                                self.stored_values.remember(group_id, block_hash, first + i, int(sums[i]))
-            finally:
-                result.close()
-        self._pending_stores = kept
-
     def _check_tier(self, blocks: HashedBlocks) -> set[int]:
         """Compares a tier load's blocks with the values kept: the block ids
-        that are load errors (those that differ; under unverified_tier=fail
-        those of unknown value too). Notes the outcome for the scheduler."""
-        self._settle_stores(wait=True)
-        pending = self._checksummer.checksum([blocks.job()], kvcsum.CONSUMER)
-        result = pending.result
-        matched, mismatched, unknown, invalid = 0, [], {}, set()
-        try:
-            result.wait()
-            for group_id, (first, ids, hashes) in sorted(blocks.groups.items()):
-                sums = self._sums(result, blocks.req_id, group_id, first, len(ids))
-                for i, (block_id, block_hash) in enumerate(zip(ids, hashes)):
-                    if sums is None:
-                        outcome = BlockOutcome("unknown", "NOT_CHECKSUMMED")
-                    else:
-                        outcome = self.stored_values.compare(group_id, block_hash, first + i, int(sums[i]))
-                    if outcome.outcome == MATCHED:
-                        matched += 1
-                    elif outcome.outcome == MISMATCHED:
-                        mismatched.append(block_id)
-                        invalid.add(block_id)
-                    else:
-                        unknown[outcome.reason] = unknown.get(outcome.reason, 0) + 1
-                        if self._settings.fail_unverified_tier:
-                            invalid.add(block_id)
-        finally:
-            result.close()
+        that are load errors. Notes the outcome for the scheduler."""
+        comparison = self._tier.check(blocks, fail_unknown=self._settings.fail_unverified_tier)
         self._tier_notes.append(
-            TierNote(self._worker_key, blocks.req_id, blocks.generation, matched, tuple(mismatched), unknown)
+            TierNote(
+                self._worker_key, blocks.req_id, blocks.generation,
+                comparison.matched, comparison.mismatched, comparison.unknown,
+            )
         )
-        return invalid
+        return set(comparison.invalid)
+
+    @property
+    def stored_values(self):
+        """The values this worker keeps of the blocks it computed
+        (kvcsum.vllm.tier_values.StoredValues)."""
+        return self._tier.values
 
     def close(self) -> None:
         if self._checksummer is not None:
