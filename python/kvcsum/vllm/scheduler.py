@@ -444,12 +444,21 @@ class SchedulerRole:
         progress = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs
         progress += list(zip(cached.req_ids, cached.num_computed_tokens))
+        # Every block boundary is a multiple of the sizes' gcd: where no
+        # multiple of it is passed, no block becomes full.
+        unit = math.gcd(*self._block_sizes.values()) if self._block_sizes else 0
+        if unit <= 0:
+            return
+        scheduled = scheduler_output.num_scheduled_tokens
         for req_id, computed in progress:
+            end = computed + scheduled.get(req_id, 0)
+            if computed // unit == end // unit:
+                continue  # no block becomes full (most decode steps)
             request = self._known.get(req_id)
             if request is None:
                 continue
             # Speculative tokens are scheduled but not yet the request's.
-            end = min(computed + scheduler_output.num_scheduled_tokens.get(req_id, 0), request.num_tokens)
+            end = min(end, request.num_tokens)
             blocks = self._hashed_blocks(request, computed, end, full_only=True)
             if blocks is not None:
                 self._new_stores.append(blocks)
@@ -533,11 +542,11 @@ class SchedulerRole:
         progress += list(zip(cached.req_ids, cached.num_computed_tokens))
         for req_id, computed in progress:
             request = self._known.get(req_id)
-            if request is None or not self._wants_send(request):
+            if request is None:
                 continue
             prompt = request.num_prompt_tokens
             done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            if computed >= prompt or done < prompt:
+            if computed >= prompt or done < prompt or not self._wants_send(request):
                 continue
             job = self._job(req_id, 0, prompt)
             if job is None:

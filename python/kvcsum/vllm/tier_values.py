@@ -22,7 +22,11 @@ are unknown, never a mismatch). A loaded block is
 
 `TierChecker` does a worker's part over a CacheChecksummer: it checksums
 the blocks that became full (queued on a device: their values are kept once
-ready), and compares a tier load's blocks with the values kept.
+ready), and compares a tier load's blocks with the values kept. The blocks
+that became full in a step go to the library in one store call (SPEC
+section 8's store, into a buffer of 16 bytes a block id: host memory, or
+pinned host memory for a device worker), whose values `sum XOR tag` are
+read back with the tags of their hashes.
 
 This module needs neither vLLM nor torch (numpy and kvcsum alone).
 """
@@ -197,7 +201,20 @@ class TierChecker:
     def __init__(self, checksummer, capacity: int = DEFAULT_CAPACITY):
         self.checksummer = checksummer
         self.values = StoredValues(capacity)
-        self._pending: list = []  # (kvcsum.Result, [HashedBlocks])
+        self._pending: list = []  # (kvcsum.Result, {group: [(block id, position, hash)]})
+        # A buffer of stored checksums per group the worker checksums.
+        self._buffers: dict = {}
+        for group_id in sorted(checksummer.fingerprints):
+            if checksummer.device == kvcsum.HOST:
+                buffer = np.zeros((checksummer.num_blocks, 2), dtype=np.uint64)
+                view = buffer
+            else:
+                import torch
+
+                buffer = torch.zeros((checksummer.num_blocks, 16), dtype=torch.uint8, pin_memory=True)
+                view = buffer.numpy().view(np.uint64)
+            checksummer.worker.add_stored_of(group_id, buffer)
+            self._buffers[group_id] = view
 
     @property
     def pending(self) -> int:
@@ -208,11 +225,34 @@ class TierChecker:
         """Checksums blocks that became full (on a device: queued on
         `cuda_stream`, torch's current stream by default, after the forward
         that filled them); their values are kept once read (`settle`)."""
-        stores = [blocks for blocks in stores if blocks.groups]
         if not stores:
             return
-        pending = self.checksummer.checksum([blocks.job() for blocks in stores], kvcsum.CONSUMER, cuda_stream)
-        self._pending.append((pending.result, stores))
+        # A block id freed and filled again would overwrite a value not yet
+        # read: earlier stores are read first (their work is long done).
+        self.settle(wait=True)
+        entries: dict = {}
+        with kvcsum.Blocks() as call:
+            for blocks in stores:
+                groups = {
+                    g: (first, ids, hashes)
+                    for g, (first, ids, hashes) in blocks.groups.items()
+                    if g in self._buffers and ids and all(h is not None for h in hashes)
+                }
+                if not groups:
+                    continue
+                call.add_request(blocks.req_id, blocks.num_tokens)
+                for group_id, (first, ids, hashes) in groups.items():
+                    call.add_group(blocks.req_id, group_id, list(ids), first)
+                    call.set_hashes(blocks.req_id, group_id, list(hashes))
+                    entries.setdefault(group_id, []).extend((b, first + i, h) for i, (b, h) in enumerate(zip(ids, hashes)))
+            if not entries:
+                return
+            if self.checksummer.device != kvcsum.HOST and cuda_stream is None:
+                import torch
+
+                cuda_stream = torch.cuda.current_stream(self.checksummer.device).cuda_stream
+            result = self.checksummer.worker.store(call, cuda_stream)
+        self._pending.append((result, entries))
 
     @staticmethod
     def sums(result: "kvcsum.Result", req_id: str, group_id: int, first: int, count: int):
@@ -233,20 +273,20 @@ class TierChecker:
         """Keeps the values of the stored blocks checksummed so far: those
         whose results are ready, or all of them when `wait`."""
         kept = []
-        for result, stores in self._pending:
+        for result, entries in self._pending:
             if not wait and not result.ready():
-                kept.append((result, stores))
+                kept.append((result, entries))
                 continue
             try:
                 result.wait()
-                for blocks in stores:
-                    for group_id, (first, ids, hashes) in blocks.groups.items():
-                        sums = self.sums(result, blocks.req_id, group_id, first, len(ids))
-                        if sums is None:
-                            continue
-                        for i, block_hash in enumerate(hashes):
-                            if block_hash is not None:
-                                self.values.remember(group_id, block_hash, first + i, int(sums[i]))
+                worker = self.checksummer.worker
+                for group_id, blocks in entries.items():
+                    ids = np.array([b for b, _, _ in blocks], dtype=np.int64)
+                    hashes = [h for _, _, h in blocks]
+                    # The buffer holds sum XOR tag (SPEC section 8).
+                    sums = self._buffers[group_id][ids, 0] ^ worker.block_tags(group_id, hashes)
+                    for (_, position, block_hash), value in zip(blocks, sums.tolist()):
+                        self.values.remember(group_id, block_hash, position, value)
             finally:
                 result.close()
         self._pending = kept
