@@ -33,19 +33,40 @@ class Settings:
 
     @classmethod
     def of(cls, extra: dict | None) -> "Settings":
+        """The settings of kv_connector_extra_config; ValueError naming a
+        setting whose value is not one it takes."""
         extra = extra or {}
         tier_values = extra.get("tier_values", DEFAULT_CAPACITY)
         if not isinstance(tier_values, int) or isinstance(tier_values, bool) or tier_values < 1:
             raise ValueError(f"KvcsumConnector: tier_values is {tier_values!r}, not a positive number of blocks")
         return cls(
-            fail_unverified=str(extra.get("unverified", "fail")).lower() != "log",
-            checksum_all=str(extra.get("checksum_requests", "remote_decode")).lower() == "all",
-            verify_all=str(extra.get("verify_loads", "remote_prefill")).lower() == "all",
-            log_matches=bool(extra.get("log_matches", False)),
-            verify_tiers=bool(extra.get("verify_tiers", True)),
-            fail_unverified_tier=str(extra.get("unverified_tier", "log")).lower() == "fail",
+            fail_unverified=_choice(extra, "unverified", ("fail", "log")) == "fail",
+            checksum_all=_choice(extra, "checksum_requests", ("remote_decode", "all")) == "all",
+            verify_all=_choice(extra, "verify_loads", ("remote_prefill", "all")) == "all",
+            log_matches=_flag(extra, "log_matches", False),
+            verify_tiers=_flag(extra, "verify_tiers", True),
+            fail_unverified_tier=_choice(extra, "unverified_tier", ("log", "fail")) == "fail",
             tier_values=tier_values,
         )
+
+
+def _choice(extra: dict, name: str, values: tuple) -> str:
+    """A setting that takes one of `values` (the first is the default)."""
+    value = extra.get(name, values[0])
+    text = str(value).lower() if isinstance(value, str) else None
+    if text not in values:
+        raise ValueError(f"KvcsumConnector: {name} is {value!r}, not one of {', '.join(map(repr, values))}")
+    return text
+
+
+def _flag(extra: dict, name: str, default: bool) -> bool:
+    """A setting that is true or false (JSON's, or the words)."""
+    value = extra.get(name, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError(f"KvcsumConnector: {name} is {value!r}, not true or false")
 
 
 def inner_transfer_config(ktc: "KVTransferConfig") -> "KVTransferConfig":

@@ -7,15 +7,25 @@ Settings (kv_connector_extra_config):
 - "inner": the wrapped connector, in the form of MultiConnector's entries
   ({"kv_connector": "NixlConnector", "kv_connector_extra_config": {...}},
   plus "kv_connector_module_path" for an external one). Required.
-- "unverified": "fail" (default: a load that could not be verified is a
-  load error, like a mismatch) or "log" (log it, count it, and go on).
+- "unverified": "fail" (default: a P/D load that could not be verified is
+  a load error, like a mismatch) or "log" (log it, count it, and go on).
 - "checksum_requests": which finished requests a producer checksums:
   "remote_decode" (default: those whose kv_transfer_params ask for
   do_remote_decode, as a P/D proxy sends them) or "all".
-- "verify_loads": which loads a consumer verifies: "remote_prefill"
-  (default: loads of requests whose kv_transfer_params carried
-  do_remote_prefill or kv_checksums) or "all" (every external load; an
-  offload tier sends no payload, so its loads are unverified).
+- "verify_loads": which P/D loads a consumer verifies against a payload:
+  "remote_prefill" (default: loads of requests whose kv_transfer_params
+  carried do_remote_prefill or kv_checksums) or "all" (with verify_tiers
+  off, every other external load too, which has no payload: unverified).
+- "verify_tiers": true (default) checks every other external load (an
+  offload tier's: vLLM's offloading connector, LMCache, a file or CPU tier)
+  against the values the workers kept of the blocks they computed, by
+  block hash (kvcsum.vllm.tier_values; docs/vllm-tiers.md); false turns
+  that, and the checksums of every block that becomes full, off.
+- "unverified_tier": "log" (default) or "fail": what a tier block whose
+  value is unknown (another engine stored it, or the bounded map dropped
+  it) does; counted apart from the P/D loads.
+- "tier_values": the blocks a worker keeps values of (default 1048576,
+  about 150 MB of host memory a worker).
 - "log_matches": log every verified load at INFO (default false).
 
 Producer: in the step whose forward completes a request's prompt, every
@@ -328,7 +338,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
         return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return self._worker.transfer_results(self._inner.get_transfer_results(finished_req_ids))
+        return self._worker.transfer_results(self._inner.get_transfer_results(finished_req_ids), finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors(self._inner.get_block_ids_with_load_errors())

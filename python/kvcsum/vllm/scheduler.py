@@ -205,7 +205,7 @@ class SchedulerRole:
             self._stats.add("tier_reloads_declined")
             return 0, False
         params = parse_load(request.kv_transfer_params)
-        verified = params.remote_prefill or self._settings.verify_all
+        verified = params.remote_prefill or self._settings.verify_all or self._settings.verify_tiers
         if verified and self._multi_group and not load_async:
             # vLLM 0.33 takes load errors of a model with several KV cache
             # groups only as failed async loads (failed_recving); a sync load

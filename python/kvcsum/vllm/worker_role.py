@@ -121,13 +121,19 @@ class WorkerRole:
         self._tier.store(meta.stores)
         for blocks in meta.tier_sync_loads:
             # vLLM reads this step's load errors before it emits its tokens.
-            self._invalid_out |= self._check_tier(blocks)
+            invalid = self._check_tier(blocks)
+            if self._multi_group:
+                # Never sent (the scheduler declines such loads): vLLM 0.33
+                # raises on block load errors with several KV cache groups.
+                logger.error("kvcsum: worker %s: a sync tier load with several KV cache groups cannot be failed", self._worker_key)
+            else:
+                self._invalid_out |= invalid
 
     def _note(self, role: int, job: Job, generation: int, inner_failed: bool = False) -> None:
         pending = None if inner_failed else self._checksummer.checksum([job], role)
         self._pending_notes.append((role, job.req_id, generation, pending, inner_failed))
 
-    def transfer_results(self, inner: KVConnectorTransferResults) -> KVConnectorTransferResults:
+    def transfer_results(self, inner: KVConnectorTransferResults, finished_req_ids=()) -> KVConnectorTransferResults:
         """get_transfer_results, from the inner connector's: an async load
         being verified is checksummed in the step the inner connector
         reports it received, and reported received in that step too (the
@@ -137,6 +143,10 @@ class WorkerRole:
             finished_recving=set(),
             failed_recving=set(),
         )
+        for req_id in finished_req_ids or ():
+            # Finished (aborted) while its load was awaited: not checked.
+            self._watch_async.pop(req_id, None)
+            self._watch_tier.pop(req_id, None)
         for req_id in inner.finished_recving or ():
             results.finished_recving.add(req_id)
             failed = req_id in (inner.failed_recving or ())

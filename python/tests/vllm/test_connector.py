@@ -407,3 +407,26 @@ def test_an_intact_load_is_first_scheduled_at_the_same_step_as_through_the_wrapp
             assert verdict(c, "req-steps")[0] == kvcsum.MATCH
     print(f"\nSTEPS {load_mode} load: bare wrapped connector {steps[False]}; through KvcsumConnector {steps[True]}", flush=True)
     assert steps[True] == steps[False]
+
+
+@pytest.mark.parametrize(
+    "extra,named",
+    [
+        ({"unverified": "warn"}, "unverified"),
+        ({"verify_loads": True}, "verify_loads"),
+        ({"verify_tiers": "no"}, "verify_tiers"),
+        ({"verify_tiers": 1}, "verify_tiers"),
+        ({"unverified_tier": "ignore"}, "unverified_tier"),
+        ({"tier_values": 0}, "tier_values"),
+        ({"tier_values": "1000"}, "tier_values"),
+        ({"log_matches": "yes"}, "log_matches"),
+    ],
+)
+def test_a_setting_of_another_value_is_refused_at_startup(extra, named):
+    from kvcsum.vllm.config import Settings
+
+    with pytest.raises(ValueError, match=named):
+        Settings.of({"inner": {"kv_connector": "x"}, **extra})
+    defaults = Settings.of({})
+    assert (defaults.fail_unverified, defaults.verify_tiers, defaults.fail_unverified_tier) == (True, True, False)
+    assert Settings.of({"verify_tiers": "false", "unverified_tier": "FAIL"}).verify_tiers is False
