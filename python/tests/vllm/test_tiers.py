@@ -2,12 +2,15 @@
 the values they kept of the blocks they computed (by block hash), in vLLM
 0.33.0's real Scheduler and worker glue, on the CPU.
 
-The tier is the test's TierConnector (tier_connector.py): blocks offloaded
+Two tiers. The test's TierConnector (tier_connector.py): blocks offloaded
 by hash to host memory after the forward that fills them, loaded back by
 prefix, async (the request waits while its KV arrives) or sync (loaded
-inside the step that computes the rest). vLLM's own OffloadingConnector
-cannot be used here: its CPU tier copies with CUDA (its worker's handlers),
-and this machine has no GPU.
+inside the step that computes the rest), evicted, shared between engines,
+with faults injected. And vLLM's own OffloadingConnector with its CPU
+offloading spec (its scheduler, manager and worker logic, async loads),
+whose CUDA copies alone are replaced by host copies (offloading_spec.py,
+loaded through spec_module_path): vLLM's own CPU tier copies with CUDA,
+which this machine has not.
 
 Each case prints one line: the verdict and what vLLM did (the prompt tokens
 computed, the engine step of the first token).
@@ -23,6 +26,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kvcsum  # noqa: E402
+import offloading_spec  # noqa: E402
 import tier_connector  # noqa: E402
 from harness import Engine, KVCacheLayout, sampled_token  # noqa: E402
 
@@ -33,10 +37,10 @@ LOADED = 64  # the tier loads the 4 full blocks; the prompt's last block is comp
 
 @pytest.fixture(autouse=True)
 def tier():
-    for shared in (tier_connector.TIER, tier_connector.INDEX, tier_connector.FAULT):
+    for shared in (tier_connector.TIER, tier_connector.INDEX, tier_connector.FAULT, offloading_spec.FAULT):
         shared.clear()
     yield
-    for shared in (tier_connector.TIER, tier_connector.INDEX, tier_connector.FAULT):
+    for shared in (tier_connector.TIER, tier_connector.INDEX, tier_connector.FAULT, offloading_spec.FAULT):
         shared.clear()
 
 
@@ -252,3 +256,50 @@ def test_a_tier_load_failed_from_its_first_block_is_computed_not_loaded_again(lo
     assert trace.output_tokens == expected(3) and kv_intact(e, "req-bad")
     # (A sync load's request keeps running: vLLM computes it without a lookup.)
     assert counts(e).get("tier_reloads_declined") == (1 if load_mode == "async" else None)
+
+
+# --- vLLM's own OffloadingConnector (CPU spec, host copies) -------------------------------
+
+
+def offloading_engine(*, wrap: bool = True, tp: int = 1) -> Engine:
+    inner = {
+        "kv_connector": "OffloadingConnector",
+        "kv_connector_extra_config": {
+            "spec_name": "HostCopySpec",
+            "spec_module_path": "offloading_spec",
+            "cpu_bytes_to_use": 1 << 26,
+        },
+    }
+    return Engine(
+        "offloading", role="kv_both", tp=tp, block_size=BLOCK, layout=KVCacheLayout.LBNHC, store_dir="",
+        inner=inner, wrap=wrap,
+    )
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vllm_offloading_connector_round_trip_matches_at_the_same_step_as_alone(tp):
+    steps = {}
+    for wrap in (False, True):
+        e = offloading_engine(wrap=wrap, tp=tp)
+        run(e, "req-compute")
+        trace = run(e, "req-load")
+        assert [s for s, _ in trace.scheduled][0] == LOADED, trace.scheduled  # loaded from the CPU tier
+        assert trace.output_tokens == expected(3) and kv_intact(e, "req-load")
+        steps[wrap] = {"first scheduled": trace.first_scheduled(), "first token": trace.token_steps[0] - trace.added_at}
+        if wrap:
+            name, reason, _ = show(f"vLLM OffloadingConnector (CPU spec), intact, TP {tp}", e, "req-load")
+            assert name == kvcsum.MATCH and counts(e).get("tier_blocks_checked") == 4
+    print(f"\nSTEPS vLLM OffloadingConnector TP {tp}: alone {steps[False]}; through KvcsumConnector {steps[True]}", flush=True)
+    assert steps[True] == steps[False]
+
+
+def test_vllm_offloading_connector_with_a_flipped_bit_in_the_cpu_tier_recomputes_from_that_block():
+    e = offloading_engine()
+    run(e, "req-compute")
+    offloading_spec.FAULT["flip"] = 1  # the CPU chunk of the block of tokens 16..32
+    trace = run(e, "req-bad")
+    assert offloading_spec.FAULT.get("done") == 1
+    name, reason, _ = show("vLLM OffloadingConnector (CPU spec), a bit flipped in the CPU tier", e, "req-bad")
+    assert name == kvcsum.MISMATCH
+    assert [s for s, _ in trace.scheduled][0] == BLOCK, trace.scheduled
+    assert trace.output_tokens == expected(3) and kv_intact(e, "req-bad")
