@@ -74,7 +74,12 @@ class WorkerRole:
             pp_rank=pp_rank,
         )
         self._worker_key = f"pp{pp_rank}.tp{tp_rank}"
-        self._tier = TierChecker(self._checksummer, self._settings.tier_values)
+        try:
+            self._tier = TierChecker(self._checksummer, self._settings.tier_values)
+        except (kvcsum.Error, ValueError, RuntimeError) as error:
+            # The loads it would check are then unverified, never matched.
+            logger.error("kvcsum: worker %s keeps no block values for tier checks: %s", self._worker_key, error)
+            self._tier = None
         for group_id, reason in sorted(self._checksummer.skipped.items()):
             logger.warning("kvcsum: worker %s does not checksum KV cache group %d: %s", self._worker_key, group_id, reason)
         logger.info(
@@ -118,7 +123,8 @@ class WorkerRole:
             self._note(kvcsum.CONSUMER, checksum.job, checksum.generation)
         # The forward that filled them is queued before: their values are
         # read once ready (next step, or before a tier check).
-        self._tier.store(meta.stores)
+        if self._tier is not None:
+            self._tier.store(meta.stores)
         for blocks in meta.tier_sync_loads:
             # vLLM reads this step's load errors before it emits its tokens.
             invalid = self._check_tier(blocks)
@@ -192,6 +198,12 @@ class WorkerRole:
     def _check_tier(self, blocks: HashedBlocks) -> set[int]:
         """Compares a tier load's blocks with the values kept: the block ids
         that are load errors. Notes the outcome for the scheduler."""
+        if self._tier is None:
+            count = sum(len(ids) for _, ids, _ in blocks.groups.values())
+            self._tier_notes.append(TierNote(self._worker_key, blocks.req_id, blocks.generation, unknown={"NO_VALUES_KEPT": count}))
+            if self._settings.fail_unverified_tier:
+                return {b for _, ids, _ in blocks.groups.values() for b in ids}
+            return set()
         comparison = self._tier.check(blocks, fail_unknown=self._settings.fail_unverified_tier)
         self._tier_notes.append(
             TierNote(
@@ -204,8 +216,8 @@ class WorkerRole:
     @property
     def stored_values(self):
         """The values this worker keeps of the blocks it computed
-        (kvcsum.vllm.tier_values.StoredValues)."""
-        return self._tier.values
+        (kvcsum.vllm.tier_values.StoredValues; None when it keeps none)."""
+        return self._tier.values if self._tier is not None else None
 
     def close(self) -> None:
         if self._checksummer is not None:
