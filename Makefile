@@ -182,7 +182,11 @@ e2e-test: lib $(VENV)/.nixl $(VENV)/.mooncake
 # of its own, build/vllm-venv: torch 2.14.0 with its CUDA libraries, vLLM
 # itself without its dependencies, and the few packages the scheduler and
 # worker glue import, pinned by python/tests/vllm/constraints.txt (about
-# 6.6 GB). gpu_worker_check.py in the same folder is for a GPU machine.
+# 6.6 GB). Also there: offload tiers checked by the workers (test_tiers.py:
+# the test's tier and vLLM's own OffloadingConnector with host copies),
+# hostile kv_transfer_params (test_hostile_params.py, a seeded fuzz). For a
+# GPU machine: gpu_worker_check.py and gpu_tier_check.py (torch alone); the
+# CPU time per step: bench_connector.py.
 VLLM_VERSION := 0.33.0
 VLLM_VENV := $(BUILD)/vllm-venv
 VLLM_PY := $(abspath $(VLLM_VENV))/bin/python

@@ -7,10 +7,12 @@ other and adds verified transfers.
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"inner": {"kv_connector": "NixlConnector"}}}'
 
-See docs/vllm.md. The connector (kvcsum.vllm.connector) imports
-vLLM; the worker part (kvcsum.vllm.worker) needs torch alone. This package
-imports neither until asked, so `import kvcsum.vllm.worker` works on a
-machine without vLLM.
+See docs/vllm.md. The connector (kvcsum.vllm.connector, a facade
+over kvcsum.vllm.scheduler and kvcsum.vllm.worker_role) imports vLLM; the
+checksums over vLLM's cache tensors (kvcsum.vllm.cache_checksums) need
+torch alone, and kvcsum.vllm.params neither. This package imports nothing
+until asked, so `import kvcsum.vllm.cache_checksums` works on a machine
+without vLLM.
 """
 
 __all__ = ["KvcsumConnector", "KvcsumConnectorMetadata", "KvcsumWorkerMetadata", "KvcsumStats"]

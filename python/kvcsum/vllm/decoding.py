@@ -25,7 +25,7 @@ import math
 import re
 from typing import Iterable, Mapping
 
-from kvcsum.vllm.worker import CacheChecksummer, LayerSpec, layer_number
+from kvcsum.vllm.cache_checksums import CacheChecksummer, LayerSpec, layer_number
 
 __all__ = ["LayerDecodings", "dtype_name"]
 

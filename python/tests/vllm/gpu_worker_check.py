@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import kvcsum  # noqa: E402
-from kvcsum.vllm.worker import Job  # noqa: E402
+from kvcsum.vllm.cache_checksums import Job  # noqa: E402
 from layouts import LAYOUTS, MLA_LAYOUTS, checksummer, jobs, lay_out, layer_specs, logical_caches  # noqa: E402
 
 NUM_LAYERS, NUM_BLOCKS, HEADS, BLOCK, HEAD = 3, 64, 8, 16, 64

@@ -143,9 +143,18 @@ class Trace:
     """What vLLM did with one request on one engine."""
 
     scheduled: list = field(default_factory=list)  # (first position, count) per step
+    steps: list = field(default_factory=list)  # the engine step of each entry of `scheduled`
+    added_at: int = 0  # the engine steps run before the request was added
     finished: str | None = None
     kv_transfer_params: dict | None = None
+    params_step: int | None = None  # the engine step whose output carried kv_transfer_params
     output_tokens: list = field(default_factory=list)
+    token_steps: list = field(default_factory=list)  # the engine step of each output token
+
+    def first_scheduled(self) -> int | None:
+        """Engine steps from the request's arrival to the one that first
+        computed it (1: the first step after it arrived)."""
+        return self.steps[0] - self.added_at if self.steps else None
 
 
 class Engine:
@@ -167,17 +176,20 @@ class Engine:
         max_batched_tokens: int = 512,
         wrap: bool = True,
         load_mode: str = "async",
+        max_num_seqs: int = 8,
+        inner: dict | None = None,
     ):
         global _hash_ready
         if not _hash_ready:
             init_none_hash(sha256)
             _hash_ready = True
         self.name, self.tp, self.block_size = name, tp, block_size
-        inner = {
-            "kv_connector": "StoreConnector",
-            "kv_connector_module_path": "store_connector",
-            "kv_connector_extra_config": {"store_dir": store_dir, "load_mode": load_mode},
-        }
+        if inner is None:
+            inner = {
+                "kv_connector": "StoreConnector",
+                "kv_connector_module_path": "store_connector",
+                "kv_connector_extra_config": {"store_dir": store_dir, "load_mode": load_mode},
+            }
         if wrap:
             ktc = KVTransferConfig(
                 kv_connector="KvcsumConnector",
@@ -193,7 +205,7 @@ class Engine:
             model_config=model_config,
             cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
             scheduler_config=SchedulerConfig(
-                max_num_seqs=8,
+                max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_batched_tokens,
                 max_model_len=2048,
                 enable_chunked_prefill=True,
@@ -222,6 +234,10 @@ class Engine:
             self.ranks.append(RankState(connector, caches))
         self.aggregator = KVOutputAggregator(tp)
         self.traces: dict[str, Trace] = {}
+        self.steps_run = 0
+        # Nonzero: the stand-in model's KV differs in its last bits, as a
+        # kernel that is not batch-invariant computes it in another batch.
+        self.kv_noise = 0
         self.prompts: dict[str, list] = {}
         self.requests: dict[str, Request] = {}
         self.stats: list = []
@@ -266,7 +282,7 @@ class Engine:
         request.kv_transfer_params = kv_transfer_params
         self.prompts[req_id] = list(prompt)
         self.requests[req_id] = request
-        self.traces[req_id] = Trace()
+        self.traces[req_id] = Trace(added_at=self.steps_run)
         self.scheduler.add_request(request)
         return request
 
@@ -298,7 +314,12 @@ class Engine:
                 offsets = positions % self.block_size
                 for name in group.layer_names:
                     layer = int(name.split(".")[2])
-                    state.caches[name][blocks, :, offsets] = self.kv_values(req_id, positions, layer, first_head, heads)
+                    values = self.kv_values(req_id, positions, layer, first_head, heads)
+                    if self.kv_noise:
+                        raw = values.view(torch.int16)
+                        pattern = (torch.arange(raw.numel()).view(raw.shape) + self.kv_noise) % 5 == 0
+                        values = (raw ^ pattern.to(torch.int16)).view(DTYPE)
+                    state.caches[name][blocks, :, offsets] = values
 
     def _update_tables(self, state: RankState, sched) -> None:
         for new in sched.scheduled_new_reqs:
@@ -316,6 +337,7 @@ class Engine:
         """One engine step: schedule, every rank through vLLM's worker glue,
         aggregate, update the scheduler. Returns the EngineCoreOutputs."""
         sched = self.scheduler.schedule()
+        self.steps_run += 1
         self._step_tokens = {}
         for new in sched.scheduled_new_reqs:
             self._step_tokens[new.req_id] = (new.num_computed_tokens, sched.num_scheduled_tokens[new.req_id])
@@ -325,6 +347,7 @@ class Engine:
         for req_id, (start, count) in self._step_tokens.items():
             if req_id in self.traces:
                 self.traces[req_id].scheduled.append((start, count))
+                self.traces[req_id].steps.append(self.steps_run)
         outputs = []
         for rank, state in enumerate(self.ranks):
             self._update_tables(state, sched)
@@ -356,10 +379,12 @@ class Engine:
                 if trace is None:
                     continue
                 trace.output_tokens.extend(output.new_token_ids)
+                trace.token_steps.extend([self.steps_run] * len(output.new_token_ids))
                 if output.finish_reason is not None:
                     trace.finished = str(output.finish_reason)
                 if output.kv_transfer_params is not None:
                     trace.kv_transfer_params = output.kv_transfer_params
+                    trace.params_step = self.steps_run
             if client_outputs.scheduler_stats is not None and client_outputs.scheduler_stats.kv_connector_stats:
                 self.stats.append(client_outputs.scheduler_stats.kv_connector_stats)
         return engine_outputs

@@ -1,5 +1,5 @@
 """The KV cache layouts of vLLM's attention backends, built with torch alone
-(no vLLM), for the worker checks on the host (test_worker.py) and on a GPU
+(no vLLM), for the worker checks on the host (test_cache_checksums.py) and on a GPU
 (gpu_worker_check.py).
 
 One logical cache per layer, `[blocks, heads, tokens, K+V]` (vLLM's per-layer
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcsum.vllm.worker import CacheChecksummer, Job, LayerSpec
+from kvcsum.vllm.cache_checksums import CacheChecksummer, Job, LayerSpec
 
 LAYOUTS = ["LBNHC", "LBHNC", "BLNHC", "FA", "FI", "KB2"]
 MLA_LAYOUTS = ["MLA", "MLA4"]

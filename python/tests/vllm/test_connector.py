@@ -13,7 +13,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 
 import pytest
 
@@ -107,6 +106,13 @@ def show(case: str, engine: Engine, req_id: str, prompt_len: int = len(PROMPT)) 
     return name, count, first, state
 
 
+def nothing_left_behind(engine: Engine) -> None:
+    """Every worker connector of the engine holds no load after its requests finished."""
+    for rank, state in enumerate(engine.ranks):
+        left = state.connector.worker_role.leftovers()
+        assert not any(left.values()), (engine.name, rank, left)
+
+
 def expected_tokens(prompt, n):
     from harness import sampled_token
 
@@ -144,15 +150,16 @@ def test_intact_load_matches_and_continues(store):
     # The payload is the vLLM fork's: [1, num_tokens, [[group, fingerprint,
     # first position, values]]], the fingerprint summing the fork's layer
     # identities (name, spec type, block size, dtype), then, since the
-    # workers compute MIXED (the default), kvcsum's extension naming it
-    # (the algorithm last: docs/SPEC.md section 9).
+    # workers compute the library's default algorithm, not vLLM's WEIGHTED,
+    # kvcsum's extension naming it (the algorithm last: docs/SPEC.md
+    # section 9).
     import hashlib
 
     import msgspec
 
     payload = msgspec.msgpack.decode(kvcsum.base64_decode(params["kv_checksums"]))
     assert len(payload) == 4 and payload[:2] == [1, len(PROMPT)]
-    assert payload[3][0] == kvcsum.EXTENSION_VERSION and payload[3][-1] == kvcsum.MIXED
+    assert payload[3][0] == kvcsum.EXTENSION_VERSION and payload[3][-1] != kvcsum.WEIGHTED
     [[group, fingerprint, first, values]] = payload[2]
     fork = sum(
         int.from_bytes(hashlib.sha256(repr((f"model.layers.{i}.self_attn.attn", "FullAttentionSpec", P_BLOCK, "torch.float16")).encode()).digest()[:8], "little")
@@ -263,6 +270,37 @@ def test_hybrid_two_groups(store, corrupt, policy):
         return
     assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
     assert kv_equal(p, "req-hybrid", c, "req-hybrid", len(PROMPT))
+    nothing_left_behind(c)
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_sync_load_with_several_kv_cache_groups_is_declined_and_computed(store, corrupt):
+    # vLLM 0.33 cannot fail a sync load of a model with several KV cache
+    # groups (failed_recving is read only for requests waiting for an async
+    # load; invalid_block_ids raise there). A verified sync load is declined
+    # up front: the wrapped connector loads nothing and vLLM computes the
+    # prompt, so corrupted KV is never used and no request id is kept.
+    p = producer(store, sliding_window=64)
+    c = consumer(store, sliding_window=64, load_mode="sync")
+    params = prefill(p, "req-hybrid-sync")
+    if corrupt:
+        store_connector.CORRUPT.update(token=20, layer="model.layers.1.self_attn.attn", head=3)
+    trace = decode(c, "req-hybrid-sync", params)
+    count, first = recomputed(trace, len(PROMPT))
+    state = c.request_status("req-hybrid-sync")
+    print(
+        f"\nCASE {'hybrid sync load, ' + ('corrupted' if corrupt else 'intact'):<44} | declined                   | "
+        f"vLLM computed prompt tokens {first}..{len(PROMPT)} ({count} of {len(PROMPT)}), request {state} | stats {totals(c)}",
+        flush=True,
+    )
+    assert "req-hybrid-sync" not in c.connector().last_verdicts
+    assert all(rank.connector.inner.loads_done == 0 for rank in c.ranks)
+    assert store_connector.CORRUPT.get("done") is None
+    assert (count, first) == (len(PROMPT), 0)
+    assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
+    assert kv_equal(p, "req-hybrid-sync", c, "req-hybrid-sync", len(PROMPT))
+    assert totals(c).get("sync_loads_declined") == 1
+    nothing_left_behind(c)
 
 
 @pytest.mark.parametrize("corrupt", [False, True])
@@ -284,6 +322,7 @@ def test_sync_load(store, corrupt):
         assert kv_equal(p, "req-sync", c, "req-sync", len(PROMPT))
     else:
         assert name == kvcsum.MATCH and (count, first) == (1, len(PROMPT) - 1)
+    nothing_left_behind(c)
 
 
 def test_preempted_request(store):
@@ -340,4 +379,54 @@ def test_aborted_request_gets_no_payload(store):
     p.scheduler.finish_requests({"req-abort"}, __import__("vllm.v1.request", fromlist=["RequestStatus"]).RequestStatus.FINISHED_ABORTED)
     p.run()
     print(f"\nCASE {'aborted before its prefill (producer)':<44} | no payload                 | vLLM request {p.request_status('req-abort')}", flush=True)
-    assert p.connector()._sends == {}
+    assert p.connector().scheduler_role.pending_sends == {}
+
+
+# --- engine steps: the wrapper adds none to an intact load ----------------------------
+
+
+@pytest.mark.parametrize("load_mode", ["async", "sync"])
+def test_an_intact_load_is_first_scheduled_at_the_same_step_as_through_the_wrapped_connector_alone(store, load_mode):
+    steps = {}
+    for wrap in (False, True):
+        path = os.path.join(store, "wrapped" if wrap else "bare")
+        p = producer(path, wrap=wrap)
+        p.add_request("req-steps", PROMPT, 1, {"do_remote_decode": True})
+        p.run()
+        params = dict(p.traces["req-steps"].kv_transfer_params)
+        assert ("kv_checksums" in params) == wrap
+        c = consumer(path, wrap=wrap, load_mode=load_mode)
+        trace = decode(c, "req-steps", params)
+        assert trace.output_tokens == expected_tokens(PROMPT, 3)
+        steps[wrap] = {
+            "producer params out": p.traces["req-steps"].params_step - p.traces["req-steps"].added_at,
+            "consumer first scheduled": trace.first_scheduled(),
+            "consumer first token": trace.token_steps[0] - trace.added_at,
+        }
+        if wrap:
+            assert verdict(c, "req-steps")[0] == kvcsum.MATCH
+    print(f"\nSTEPS {load_mode} load: bare wrapped connector {steps[False]}; through KvcsumConnector {steps[True]}", flush=True)
+    assert steps[True] == steps[False]
+
+
+@pytest.mark.parametrize(
+    "extra,named",
+    [
+        ({"unverified": "warn"}, "unverified"),
+        ({"verify_loads": True}, "verify_loads"),
+        ({"verify_tiers": "no"}, "verify_tiers"),
+        ({"verify_tiers": 1}, "verify_tiers"),
+        ({"unverified_tier": "ignore"}, "unverified_tier"),
+        ({"tier_values": 0}, "tier_values"),
+        ({"tier_values": "1000"}, "tier_values"),
+        ({"log_matches": "yes"}, "log_matches"),
+    ],
+)
+def test_a_setting_of_another_value_is_refused_at_startup(extra, named):
+    from kvcsum.vllm.config import Settings
+
+    with pytest.raises(ValueError, match=named):
+        Settings.of({"inner": {"kv_connector": "x"}, **extra})
+    defaults = Settings.of({})
+    assert (defaults.fail_unverified, defaults.verify_tiers, defaults.fail_unverified_tier) == (True, True, False)
+    assert Settings.of({"verify_tiers": "false", "unverified_tier": "FAIL"}).verify_tiers is False

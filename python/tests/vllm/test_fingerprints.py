@@ -17,8 +17,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kvcsum  # noqa: E402
-from kvcsum.vllm.connector import _rewrite_fingerprints  # noqa: E402
-from kvcsum.vllm.worker import Job, layer_fingerprint  # noqa: E402
+from kvcsum.vllm.scheduler import _rewrite_fingerprints  # noqa: E402
+from kvcsum.vllm.cache_checksums import Job, layer_fingerprint  # noqa: E402
 from layouts import checksummer, layer_specs, lay_out, logical_caches  # noqa: E402
 
 LAYERS, BLOCKS, HEADS, HEAD = 4, 8, 4, 8

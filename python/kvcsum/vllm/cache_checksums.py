@@ -247,6 +247,8 @@ class CacheChecksummer:
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, device=self.device, num_threads=num_threads
         )
         self.layers_registered = 0
+        #: The KV cache manager's block count (block ids are below it).
+        self.num_blocks = num_blocks
         self._register(present, kv_caches, num_blocks)
 
     # --- registration ----------------------------------------------------------

@@ -1,0 +1,116 @@
+"""What passes between KvcsumConnector's two roles, each a named dataclass:
+the scheduler's metadata to its workers every step
+(`KvcsumConnectorMetadata`, carrying `ChecksumJob`s, `LoadOutcome`s and
+`HashedBlocks`), and each worker's metadata back (`KvcsumWorkerMetadata`,
+carrying `WorkerNote`s and `TierNote`s)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvcsum.vllm.cache_checksums import Job
+from kvcsum.vllm.tier_values import HashedBlocks
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from vllm.logger import init_logger
+
+# Under vLLM's logger, so that its handlers and VLLM_LOGGING_LEVEL apply.
+logger = init_logger("vllm.kvcsum")
+
+#: The connector's name, as vLLM's factory and its stats know it.
+NAME = "KvcsumConnector"
+
+
+@dataclasses.dataclass(frozen=True)
+class ChecksumJob:
+    """Blocks the workers checksum: a request's `job`, under the
+    scheduler's `generation` for it (a note of an older generation, from
+    before a preemption or a second load, is dropped)."""
+
+    job: Job
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TierNote:
+    """One worker's comparison of a tier load with the values it keeps:
+    the blocks that matched, the block ids that mismatched, and the blocks
+    of unknown value by reason ({reason: count}); or that the wrapped
+    connector failed the load (vLLM handles it; nothing was compared)."""
+
+    worker: str
+    req_id: str
+    generation: int
+    matched: int = 0
+    mismatched: tuple = ()
+    unknown: dict = dataclasses.field(default_factory=dict)
+    inner_failed: bool = False  # the wrapped connector failed the load: not compared
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadOutcome:
+    """What the workers hand to vLLM for a judged load: the block ids that
+    are load errors, whether the whole load failed (failed_recving, where
+    vLLM has several KV cache groups), and whether the workers report the
+    load received again (`release`: an async load the scheduler held back
+    from vLLM, in the step it arrived, to fail it)."""
+
+    invalid_block_ids: tuple = ()
+    failed: bool = False
+    release: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerNote:
+    """One worker's part of a checksum job: its `record` (bytes for the
+    scheduler's kvcsum.Verifier, None when it checksummed nothing), in
+    `role` (kvcsum.PRODUCER or CONSUMER); `inner_failed` when the wrapped
+    connector reported the load failed."""
+
+    worker: str
+    role: int
+    req_id: str
+    generation: int
+    record: bytes | None
+    inner_failed: bool = False
+
+
+@dataclasses.dataclass
+class KvcsumConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, each step: the inner connector's metadata, the
+    requests to checksum after this step's forward (`sends`, producer; and
+    `sync_loads`, consumer), the async loads to checksum once received
+    ({req_id: ChecksumJob}), the outcomes to hand to vLLM this step
+    ({req_id: LoadOutcome}); for offload tiers, the blocks to keep values
+    of and the tier loads to compare (HashedBlocks)."""
+
+    inner: KVConnectorMetadata | None
+    sends: list = dataclasses.field(default_factory=list)
+    sync_loads: list = dataclasses.field(default_factory=list)
+    async_loads: dict = dataclasses.field(default_factory=dict)
+    verdicts: dict = dataclasses.field(default_factory=dict)
+    #: Blocks that become full in this step's forward (HashedBlocks).
+    stores: list = dataclasses.field(default_factory=list)
+    #: Tier loads of this step (sync) and to compare once received (async).
+    tier_sync_loads: list = dataclasses.field(default_factory=list)
+    tier_async_loads: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class KvcsumWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers -> scheduler: the inner connector's worker metadata and the
+    workers' notes (WorkerNote, TierNote), gathered over workers by vLLM."""
+
+    inner: KVConnectorWorkerMetadata | None = None
+    notes: list = dataclasses.field(default_factory=list)
+    tier_notes: list = dataclasses.field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KvcsumWorkerMetadata)
+        if self.inner is None:
+            inner = other.inner
+        elif other.inner is None:
+            inner = self.inner
+        else:
+            inner = self.inner.aggregate(other.inner)
+        return KvcsumWorkerMetadata(inner=inner, notes=self.notes + other.notes, tier_notes=self.tier_notes + other.tier_notes)

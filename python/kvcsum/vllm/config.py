@@ -1,0 +1,184 @@
+"""KvcsumConnector's configuration: its settings (kv_connector_extra_config),
+the wrapped connector's config, and what it reads of vLLM's KV cache config
+(layers, block sizes, group fingerprints)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from kvcsum.vllm.cache_checksums import LayerSpec, layer_fingerprint
+from kvcsum.vllm.tier_values import DEFAULT_CAPACITY
+
+from vllm.config.kv_transfer import KVTransferConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The settings of kv_connector_extra_config (the module's doc of
+    kvcsum.vllm.connector lists them)."""
+
+    fail_unverified: bool = True
+    checksum_all: bool = False
+    verify_all: bool = False
+    log_matches: bool = False
+    verify_tiers: bool = True
+    fail_unverified_tier: bool = False
+    tier_values: int = DEFAULT_CAPACITY
+
+    @classmethod
+    def of(cls, extra: dict | None) -> "Settings":
+        """The settings of kv_connector_extra_config; ValueError naming a
+        setting whose value is not one it takes."""
+        extra = extra or {}
+        tier_values = extra.get("tier_values", DEFAULT_CAPACITY)
+        if not isinstance(tier_values, int) or isinstance(tier_values, bool) or tier_values < 1:
+            raise ValueError(f"KvcsumConnector: tier_values is {tier_values!r}, not a positive number of blocks")
+        return cls(
+            fail_unverified=_choice(extra, "unverified", ("fail", "log")) == "fail",
+            checksum_all=_choice(extra, "checksum_requests", ("remote_decode", "all")) == "all",
+            verify_all=_choice(extra, "verify_loads", ("remote_prefill", "all")) == "all",
+            log_matches=_flag(extra, "log_matches", False),
+            verify_tiers=_flag(extra, "verify_tiers", True),
+            fail_unverified_tier=_choice(extra, "unverified_tier", ("log", "fail")) == "fail",
+            tier_values=tier_values,
+        )
+
+
+def _choice(extra: dict, name: str, values: tuple) -> str:
+    """A setting that takes one of `values` (the first is the default)."""
+    value = extra.get(name, values[0])
+    text = str(value).lower() if isinstance(value, str) else None
+    if text not in values:
+        raise ValueError(f"KvcsumConnector: {name} is {value!r}, not one of {', '.join(map(repr, values))}")
+    return text
+
+
+def _flag(extra: dict, name: str, default: bool) -> bool:
+    """A setting that is true or false (JSON's, or the words)."""
+    value = extra.get(name, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError(f"KvcsumConnector: {name} is {value!r}, not true or false")
+
+
+def inner_transfer_config(ktc: "KVTransferConfig") -> "KVTransferConfig":
+    """The inner entry of kv_connector_extra_config as a KVTransferConfig,
+    with kv_role, kv_load_failure_policy, engine_id and the transport fields
+    taken from the outer config unless the entry sets them."""
+    entry = dict((ktc.kv_connector_extra_config or {}).get("inner") or {})
+    if not entry.get("kv_connector"):
+        raise ValueError(
+            'KvcsumConnector needs kv_connector_extra_config {"inner": {"kv_connector": ...}}: the connector it wraps'
+        )
+    entry.setdefault("kv_role", ktc.kv_role or "kv_both")
+    entry.setdefault("kv_load_failure_policy", ktc.kv_load_failure_policy)
+    for field in ("kv_rank", "kv_parallel_size", "kv_ip", "kv_port", "kv_buffer_device", "kv_buffer_size"):
+        if field not in entry and getattr(ktc, field, None) is not None:
+            entry[field] = getattr(ktc, field)
+    entry.setdefault("engine_id", ktc.engine_id)
+    return KVTransferConfig(**entry)
+
+
+def inner_config(vllm_config: "VllmConfig") -> "VllmConfig":
+    """A copy of vllm_config whose kv_transfer_config is the inner entry's."""
+    inner = copy.copy(vllm_config)
+    inner.kv_transfer_config = inner_transfer_config(vllm_config.kv_transfer_config)
+    return inner
+
+
+def inner_entry_config(extra_config: dict[str, Any] | None) -> tuple["KVTransferConfig", dict]:
+    """(a KVTransferConfig of the inner entry alone, its extra config)."""
+    entry = dict((extra_config or {}).get("inner") or {})
+    return KVTransferConfig(**{"kv_role": "kv_both", **entry}), entry.get("kv_connector_extra_config", {})
+
+
+def transfer_block_sizes(kv_cache_config: "KVCacheConfig") -> dict:
+    """{group: block size} of the transfer groups."""
+    return {
+        g: int(kv_cache_config.kv_cache_groups[g].kv_cache_spec.block_size) for g in kv_cache_config.transfer_group_ids
+    }
+
+
+def total_kv_heads(vllm_config: "VllmConfig") -> int | None:
+    """The model's KV head count, None where its config has none."""
+    model_config = vllm_config.model_config
+    try:
+        return int(model_config.get_total_num_kv_heads()) if model_config else None
+    except Exception:  # noqa: BLE001 - a model config without heads (tests, pooling)
+        return None
+
+
+def layer_specs(kv_cache_config: "KVCacheConfig", total_kv_heads: int | None) -> tuple[list, dict]:
+    """LayerSpecs of every layer in the transfer groups, and {group: block size}."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
+
+    specs, block_sizes = [], {}
+    for group_id in kv_cache_config.transfer_group_ids:
+        group = kv_cache_config.kv_cache_groups[group_id]
+        block_sizes[group_id] = int(group.kv_cache_spec.block_size)
+        for name in group.layer_names:
+            spec = group.kv_cache_spec
+            if isinstance(spec, UniformTypeKVCacheSpecs):
+                spec = spec.kv_cache_specs[name]
+            common = dict(
+                name=name,
+                group_id=group_id,
+                spec_type=type(spec).__name__,
+                block_size=int(spec.block_size),
+                dtype=str(getattr(spec, "dtype", None)),
+            )
+            unsupported = ""
+            if getattr(group, "host_resident", False):
+                unsupported = "its KV is host-resident"
+            if not isinstance(spec, AttentionSpec) or not getattr(spec, "has_layer_views", True):
+                specs.append(LayerSpec(**common, kind="state", unsupported=unsupported or f"{type(spec).__name__} has no per-token KV blocks"))
+                continue
+            if getattr(spec, "tokens_per_state", 1) != 1:
+                unsupported = f"{type(spec).__name__} stores {spec.tokens_per_state} tokens per state"
+            elif getattr(spec, "num_head_slots", None) is not None:
+                unsupported = "its KV heads are packed into head slots"
+            specs.append(
+                LayerSpec(
+                    **common,
+                    num_kv_heads=int(spec.num_kv_heads),
+                    head_size=int(spec.head_size),
+                    head_size_v=int(getattr(spec, "head_size_v", spec.head_size) or 0),
+                    is_mla=isinstance(spec, MLAAttentionSpec),
+                    total_kv_heads=total_kv_heads,
+                    unsupported=unsupported,
+                )
+            )
+    return specs, block_sizes
+
+
+def group_fingerprint(kv_cache_config: "KVCacheConfig", group_id: int, block_size: int) -> int:
+    """The vLLM fork's fingerprint of a group's layers at `block_size`."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    group = kv_cache_config.kv_cache_groups[group_id]
+    total = 0
+    for name in group.layer_names:
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            spec = spec.kv_cache_specs[name]
+        total += layer_fingerprint(name, type(spec).__name__, block_size, str(getattr(spec, "dtype", None)))
+    return total % 2**64
+
+
+def parallel_place() -> tuple[int, int, int]:
+    """(tp_rank, tp_size, pp_rank) from vLLM's parallel state."""
+    from vllm.distributed import parallel_state
+
+    return (
+        int(parallel_state.get_tensor_model_parallel_rank()),
+        int(parallel_state.get_tensor_model_parallel_world_size()),
+        int(parallel_state.get_pp_group().rank_in_group),
+    )

@@ -1,0 +1,768 @@
+"""KvcsumConnector's scheduler role: producer payloads and consumer verdicts.
+
+Producer: in the step whose forward completes a request's prompt, the
+scheduler asks every worker to checksum the request's blocks
+(`KvcsumConnectorMetadata.sends`); the workers' records come back in their
+worker metadata, and `request_finished` adds the payload to the params the
+wrapped connector returns (records that arrive later in the same scheduler
+update still make it into the params).
+
+Consumer: each P/D load to verify becomes a `ChecksumJob` for the workers;
+the scheduler's kvcsum.Verifier compares their records with the payload and
+the verdict goes back to the workers (`KvcsumConnectorMetadata.verdicts`),
+which hand vLLM the load errors.
+
+Offload tiers (any load without P/D params): each step the scheduler names
+the blocks that become full in the step's forward, with their block hashes
+(`KvcsumConnectorMetadata.stores`), and each worker keeps their values
+(kvcsum.vllm.tier_values); a load from a tier goes to the workers with its
+blocks' hashes and each worker compares it itself, in the step of the load,
+handing vLLM the blocks that differ. The workers' TierNotes only feed the
+scheduler's counts and logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+import kvcsum
+from kvcsum.vllm.cache_checksums import NULL_BLOCK_ID, Job
+from kvcsum.vllm.common import (
+    ChecksumJob,
+    HashedBlocks,
+    KvcsumConnectorMetadata,
+    KvcsumWorkerMetadata,
+    LoadOutcome,
+    TierNote,
+    logger,
+)
+from kvcsum.vllm.config import Settings, group_fingerprint
+from kvcsum.vllm.params import (
+    INFO_KEY,
+    PAYLOAD_KEY,
+    Checksums,
+    LoadParams,
+    Unusable,
+    consistency,
+    parse_load,
+    payload_summary,
+    token_digest,
+    wants_remote_decode,
+)
+from kvcsum.vllm.stats import KvcsumStats
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["SchedulerRole"]
+
+
+def _rewrite_fingerprints(payload: bytes, replace: dict) -> bytes:
+    """The payload with group fingerprints replaced ({group: (old, new)})."""
+    import msgspec
+
+    version, num_tokens, groups = msgspec.msgpack.decode(payload)[:3]
+    rest = msgspec.msgpack.decode(payload)[3:]
+    out = []
+    for group_id, fingerprint, first, values in groups:
+        old_new = replace.get(group_id)
+        if old_new is not None and fingerprint == old_new[0]:
+            fingerprint = old_new[1]
+        out.append([group_id, fingerprint, first, values])
+    return msgspec.msgpack.encode([version, num_tokens, out, *rest])
+
+
+def _forget(verifier: "kvcsum.Verifier", req_id: str) -> None:
+    try:
+        verifier.forget(req_id)
+    except kvcsum.NotFound:
+        pass
+
+
+@dataclasses.dataclass
+class _Send:
+    """A producer request: its checksum job (None once preempted, until
+    computed again), the workers that reported, the params to fill."""
+
+    job: Job | None = None
+    generation: int = 0
+    reported: set = dataclasses.field(default_factory=set)
+    params: dict | None = None
+    finished: bool = False
+    digest: str = ""
+
+
+@dataclasses.dataclass
+class _Load:
+    """A consumer load being verified."""
+
+    job: Job
+    is_async: bool
+    params: LoadParams
+    token_ids: list
+    generation: int
+    reported: set = dataclasses.field(default_factory=set)
+    inner_failed: bool = False
+    outcome: LoadOutcome | None = None  # once judged
+
+
+@dataclasses.dataclass
+class _TierLoad:
+    """A tier load whose workers' comparisons are being gathered."""
+
+    blocks: HashedBlocks
+    is_async: bool
+    reported: set = dataclasses.field(default_factory=set)
+    matched: int = 0
+    mismatched: set = dataclasses.field(default_factory=set)
+    unknown: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Match:
+    """What get_num_new_matched_tokens saw of a request, for
+    update_state_after_alloc."""
+
+    num_computed_tokens: int
+    params: LoadParams
+    is_async: bool
+
+
+class SchedulerRole:
+    """The scheduler side of KvcsumConnector.
+
+    Args:
+        settings: the connector's settings.
+        kv_cache_config: vLLM's KV cache config.
+        num_workers: TP size times PP size (every worker sends a note).
+        inner_name: the wrapped connector's class name (for logs).
+        failure_policy: vLLM's kv_load_failure_policy (for logs).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        kv_cache_config: "KVCacheConfig",
+        block_sizes: dict,
+        num_workers: int,
+        inner_name: str,
+        failure_policy: str,
+        hash_block_size: int | None = None,
+    ):
+        self._settings = settings
+        self._kv_cache_config = kv_cache_config
+        self._block_sizes = dict(block_sizes)
+        self._num_workers = num_workers
+        self._multi_group = len(kv_cache_config.kv_cache_groups) > 1
+        self._inner_name = inner_name
+        self._failure_policy = failure_policy
+        self._hash_block_size = hash_block_size or min(self._block_sizes.values(), default=0)
+        self._kv_cache_manager = None
+        self._tier_loads: dict[str, _TierLoad] = {}
+        self._tier_failed: set[str] = set()
+        self._new_stores: list = []
+        self._new_tier_sync: list = []
+        self._new_tier_async: dict = {}
+        self._stats = KvcsumStats()
+        self._sends: dict[str, _Send] = {}
+        self._loads: dict[str, _Load] = {}
+        self._matched: dict[str, _Match] = {}
+        self._new_sends: list = []
+        self._new_sync_loads: list = []
+        self._new_async_loads: dict = {}
+        self._verdicts_out: dict = {}
+        self._unfilled: dict[str, _Send] = {}
+        self._generation = 0
+        self._finished_reqs: list = []
+        self._logged: set = set()
+        self._known: dict = {}
+        self._last_verdicts: dict = {}
+        self._producer = kvcsum.Verifier(num_workers)
+        self._consumer = kvcsum.Verifier(num_workers)
+        self._consumer.set_policy(kvcsum.FAIL_CLOSED if settings.fail_unverified else kvcsum.FAIL_OPEN)
+
+    # --- vLLM's calls --------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        self._kv_cache_manager = kv_cache_manager
+
+    def on_new_request(self, request: "Request") -> None:
+        self._known[request.request_id] = request
+
+    def matched(self, request: "Request", num_computed_tokens: int, tokens, load_async) -> tuple:
+        """get_num_new_matched_tokens, after the inner connector answered
+        (tokens, load_async): what vLLM gets."""
+        if not tokens:
+            return tokens, load_async
+        if request.request_id in self._tier_failed:
+            # Its tier load failed the check: vLLM, which rewinds such a
+            # request to its first bad block, would load the same blocks again
+            # (from 0, every step); they are computed instead.
+            self._stats.add("tier_reloads_declined")
+            return 0, False
+        params = parse_load(request.kv_transfer_params)
+        verified = params.remote_prefill or self._settings.verify_all or self._settings.verify_tiers
+        if verified and self._multi_group and not load_async:
+            # vLLM 0.33 takes load errors of a model with several KV cache
+            # groups only as failed async loads (failed_recving); a sync load
+            # (the request already running) cannot be failed or recomputed,
+            # and invalid_block_ids raise in its scheduler. A verified sync
+            # load is therefore declined: vLLM computes those tokens.
+            self._stats.add("sync_loads_declined")
+            self._log_once(
+                "sync-declined",
+                f"kvcsum: the wrapped {self._inner_name} offers sync loads (request {request.request_id}, {tokens} tokens); "
+                "with several KV cache groups vLLM cannot recompute a sync load that fails verification, so kvcsum "
+                "declines such loads and vLLM computes the tokens (counted as sync_loads_declined)",
+                error=False,
+            )
+            return 0, False
+        self._matched[request.request_id] = _Match(num_computed_tokens, params, bool(load_async))
+        return tokens, load_async
+
+    def allocated(self, request: "Request", num_external_tokens: int, loaded_groups: set) -> None:
+        """update_state_after_alloc, after the inner connector's."""
+        req_id = request.request_id
+        matched = self._matched.pop(req_id, None)
+        if num_external_tokens <= 0 or matched is None:
+            return
+        first = matched.num_computed_tokens
+        if not matched.params.remote_prefill and self._settings.verify_tiers:
+            self._tier_load(request, first, first + num_external_tokens, loaded_groups, matched.is_async)
+            return
+        if not (matched.params.remote_prefill or self._settings.verify_all):
+            return
+        job = self._job(req_id, first, first + num_external_tokens, loaded_groups)
+        if job is None:
+            return
+        self._generation += 1
+        old = self._loads.pop(req_id, None)
+        if old is not None:
+            _forget(self._consumer, req_id)
+        load = _Load(
+            job=job,
+            is_async=matched.is_async,
+            params=matched.params,
+            token_ids=list(request.prompt_token_ids or []),
+            generation=self._generation,
+        )
+        self._loads[req_id] = load
+        with kvcsum.Blocks() as expected:
+            job.to_blocks(expected)
+            self._consumer.expect(expected, kvcsum.CONSUMER)
+        if matched.is_async:
+            self._new_async_loads[req_id] = ChecksumJob(job, load.generation)
+        else:
+            self._new_sync_loads.append(ChecksumJob(job, load.generation))
+
+    def build_meta(self, scheduler_output: "SchedulerOutput", inner) -> KvcsumConnectorMetadata:
+        """build_connector_meta, around the inner connector's metadata."""
+        self._give_up_unfilled()
+        for req_id in self._finished_reqs:
+            if self._loads.pop(req_id, None) is not None:
+                _forget(self._consumer, req_id)
+            self._tier_loads.pop(req_id, None)
+            self._tier_failed.discard(req_id)
+        self._finished_reqs = []
+        for req_id in scheduler_output.preempted_req_ids or ():
+            send = self._sends.get(req_id)
+            if send is not None and not send.finished:
+                # Its KV will be computed again: checksum it again then.
+                _forget(self._producer, req_id)
+                self._sends[req_id] = _Send()
+        self._schedule_sends(scheduler_output)
+        if self._settings.verify_tiers:
+            self._schedule_stores(scheduler_output)
+        meta = KvcsumConnectorMetadata(
+            inner=inner,
+            sends=self._new_sends,
+            sync_loads=self._new_sync_loads,
+            async_loads=self._new_async_loads,
+            verdicts=self._verdicts_out,
+            stores=self._new_stores,
+            tier_sync_loads=self._new_tier_sync,
+            tier_async_loads=self._new_tier_async,
+        )
+        self._new_sends, self._new_sync_loads, self._new_async_loads, self._verdicts_out = [], [], {}, {}
+        self._new_stores, self._new_tier_sync, self._new_tier_async = [], [], {}
+        return meta
+
+    def workers_reported(self, meta: KvcsumWorkerMetadata) -> None:
+        """The workers' notes of this step (update_connector_output)."""
+        for note in meta.notes:
+            if note.role == kvcsum.PRODUCER:
+                self._producer_note(note)
+            else:
+                self._consumer_note(note)
+        for note in meta.tier_notes:
+            self._tier_note(note)
+
+    def received(self, connector_output) -> None:
+        """update_connector_output, after the notes: vLLM reads
+        finished_recving after this call, so an async load that arrived in
+        this step and passed is released in this very step (no engine step
+        added), and one that failed is taken out of finished_recving and
+        handed back next step with its load errors."""
+        finished = connector_output.finished_recving
+        if not finished:
+            return
+        failed_by_inner = connector_output.failed_recving or set()
+        held = set()
+        for req_id in finished:
+            load = self._loads.get(req_id)
+            if load is None or not load.is_async:
+                continue
+            if req_id in failed_by_inner:
+                load.inner_failed = True
+            if load.outcome is None:
+                # Every worker reported it received; one that sent no note
+                # makes it WORKERS_MISSING.
+                self._judge(req_id, load)
+            self._loads.pop(req_id, None)
+            outcome = load.outcome
+            if outcome is not None and (outcome.invalid_block_ids or outcome.failed) and not load.inner_failed:
+                held.add(req_id)
+                self._verdicts_out[req_id] = dataclasses.replace(outcome, release=True)
+        if held:
+            connector_output.finished_recving = set(finished) - held
+
+    def finished(self, request: "Request", delay: bool, params: dict | None):
+        """request_finished, after the inner connector's (delay, params)."""
+        req_id = request.request_id
+        self._known.pop(req_id, None)
+        self._matched.pop(req_id, None)
+        # Its loads' notes of this step still come (update_connector_output
+        # follows request_finished): forgotten next step.
+        self._finished_reqs.append(req_id)
+        send = self._sends.get(req_id)
+        if send is None:
+            return delay, params
+        if send.job is None or request.status.name == "FINISHED_ABORTED" and len(send.reported) < self._num_workers:
+            # Preempted and not computed again, or aborted before its checksums.
+            _forget(self._producer, req_id)
+            self._sends.pop(req_id, None)
+            return delay, params
+        if params is None:
+            params = {}
+        send.params = params
+        send.finished = True
+        if len(send.reported) >= self._num_workers:
+            self._fill(req_id, send)
+        else:
+            self._unfilled[req_id] = send
+        return delay, params
+
+    def take_stats(self) -> KvcsumStats | None:
+        """The counts since the last call (None when there are none)."""
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KvcsumStats()
+        return stats
+
+    @property
+    def last_verdicts(self) -> dict:
+        """{req_id: (verdict, reason, message)} of the loads judged so far
+        (kept for tests and tools; bounded)."""
+        if len(self._last_verdicts) > 4096:
+            self._last_verdicts.clear()
+        return self._last_verdicts
+
+    @property
+    def pending_sends(self) -> dict:
+        """The producer requests not yet given their payload (for tests)."""
+        return self._sends
+
+    # --- jobs ------------------------------------------------------------------------
+
+    def _job(self, req_id: str, first_token: int, num_tokens: int, groups: set | None = None) -> Job | None:
+        """The blocks of req_id holding tokens [first_token, num_tokens), per
+        transfer group (all of them when groups is None), leading null
+        blocks (outside a sliding window) left out."""
+        table = self._kv_cache_manager.get_block_ids(req_id)
+        out = {}
+        for group_id, block_size in self._block_sizes.items():
+            if groups is not None and group_id not in groups:
+                continue
+            ids = list(table[group_id])[: math.ceil(num_tokens / block_size)]
+            first = first_token // block_size
+            while first < len(ids) and ids[first] == NULL_BLOCK_ID:
+                first += 1
+            if first < len(ids):
+                out[group_id] = (first, ids[first:])
+        if not out:
+            return None
+        return Job(req_id, num_tokens, out)
+
+    # --- offload tiers -------------------------------------------------------------------
+
+    def _block_hash(self, request: "Request", group_id: int, position: int):
+        """The block hash of a full block of the request, None where there is
+        none (a block size that is no multiple of the hash block size, or
+        tokens not hashed yet)."""
+        size, unit = self._block_sizes[group_id], self._hash_block_size
+        if unit <= 0 or size % unit:
+            return None
+        index = (position + 1) * (size // unit) - 1
+        hashes = request.block_hashes
+        return bytes(hashes[index]) if index < len(hashes) else None
+
+    def _hashed_blocks(self, request: "Request", first_token: int, end_token: int, full_only: bool, groups=None):
+        """The request's blocks of tokens [first_token, end_token) per group,
+        with their hashes (None for a block not full by end_token), null
+        blocks left out (a run after the last one). None when there are none."""
+        table = self._kv_cache_manager.get_block_ids(request.request_id)
+        out = {}
+        for group_id, size in self._block_sizes.items():
+            if groups is not None and group_id not in groups:
+                continue
+            first = first_token // size
+            end = end_token // size if full_only else math.ceil(end_token / size)
+            ids = list(table[group_id])[first:end]
+            while NULL_BLOCK_ID in ids:
+                cut = ids.index(NULL_BLOCK_ID) + 1
+                ids, first = ids[cut:], first + cut
+            if not ids:
+                continue
+            hashes = tuple(
+                self._block_hash(request, group_id, q) if (q + 1) * size <= end_token else None
+                for q in range(first, first + len(ids))
+            )
+            out[group_id] = (first, tuple(ids), hashes)
+        if not out:
+            return None
+        return HashedBlocks(request.request_id, end_token, out)
+
+    def _schedule_stores(self, scheduler_output: "SchedulerOutput") -> None:
+        """The blocks that become full in this step's forward (the tokens
+        computed, not loaded): every worker keeps their values."""
+        if self._kv_cache_manager is None:
+            return
+        progress = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        progress += list(zip(cached.req_ids, cached.num_computed_tokens))
+        # Every block boundary is a multiple of the sizes' gcd: where no
+        # multiple of it is passed, no block becomes full.
+        unit = math.gcd(*self._block_sizes.values()) if self._block_sizes else 0
+        if unit <= 0:
+            return
+        scheduled = scheduler_output.num_scheduled_tokens
+        for req_id, computed in progress:
+            end = computed + scheduled.get(req_id, 0)
+            if computed // unit == end // unit:
+                continue  # no block becomes full (most decode steps)
+            request = self._known.get(req_id)
+            if request is None:
+                continue
+            # Speculative tokens are scheduled but not yet the request's.
+            end = min(end, request.num_tokens)
+            blocks = self._hashed_blocks(request, computed, end, full_only=True)
+            if blocks is not None:
+                self._new_stores.append(blocks)
+
+    def _tier_load(self, request: "Request", first: int, end: int, groups: set, is_async: bool) -> None:
+        blocks = self._hashed_blocks(request, first, end, full_only=False, groups=groups)
+        if blocks is None:
+            return
+        self._generation += 1
+        blocks = dataclasses.replace(blocks, generation=self._generation)
+        self._tier_loads[request.request_id] = _TierLoad(blocks, is_async)
+        if is_async:
+            self._new_tier_async[request.request_id] = blocks
+        else:
+            self._new_tier_sync.append(blocks)
+
+    def _tier_note(self, note: TierNote) -> None:
+        load = self._tier_loads.get(note.req_id)
+        if load is None or load.blocks.generation != note.generation:
+            return
+        if note.inner_failed:
+            # The wrapped connector failed the load; vLLM handles it.
+            self._tier_loads.pop(note.req_id, None)
+            return
+        if note.mismatched or (note.unknown and self._settings.fail_unverified_tier):
+            self._tier_failed.add(note.req_id)
+        load.reported.add(note.worker)
+        load.matched += note.matched
+        load.mismatched |= set(note.mismatched)
+        for reason, count in note.unknown.items():
+            load.unknown[reason] = load.unknown.get(reason, 0) + count
+        if len(load.reported) >= self._num_workers:
+            self._tier_loads.pop(note.req_id, None)
+            self._tier_verdict(note.req_id, load)
+
+    def _tier_verdict(self, req_id: str, load: _TierLoad) -> None:
+        """Counts and logs a tier load the workers compared (they already
+        handed vLLM its load errors, in the step of the load)."""
+        blocks = sum(len(ids) for _, ids, _ in load.blocks.groups.values())
+        self._stats.add("tier_blocks_checked", blocks)
+        policy = f"kv_load_failure_policy={self._failure_policy}"
+        if load.mismatched:
+            bad = sorted(load.mismatched)
+            self._stats.add("tier_mismatched")
+            self._stats.add("tier_mismatched_blocks", len(bad))
+            verdict, reason = kvcsum.MISMATCH, ""
+            message = f"blocks {bad} differ from the values this engine kept of them (on some worker)"
+            action = "vLLM " + ("gets the whole load as failed" if self._multi_group else f"gets blocks {bad} as load errors")
+            self._log_once(req_id, f"kvcsum: request {req_id}: tier KV MISMATCH: {message}; {action} ({policy})", error=True)
+        elif load.unknown:
+            reason = min(load.unknown, key=lambda r: (-load.unknown[r], r))
+            verdict = kvcsum.UNVERIFIED
+            counts = ", ".join(f"{n} {r}" for r, n in sorted(load.unknown.items()))
+            message = f"block values unknown on some worker ({counts})"
+            self._stats.add("tier_unverified")
+            self._stats.add_reason(reason, key="tier_unverified_reasons")
+            setting = "unverified_tier=fail" if self._settings.fail_unverified_tier else "unverified_tier=log"
+            action = "vLLM gets them as load errors" if self._settings.fail_unverified_tier else "the load is used"
+            self._log_once(
+                req_id,
+                f"kvcsum: request {req_id}: tier KV UNVERIFIED ({reason}): {message}; {setting}: {action}",
+                error=self._settings.fail_unverified_tier,
+            )
+        else:
+            verdict, reason, message = kvcsum.MATCH, "", f"{load.matched} block checks matched"
+            self._stats.add("tier_verified")
+            if self._settings.log_matches:
+                logger.info("kvcsum: request %s: tier KV verified (%s)", req_id, message)
+        self.last_verdicts[req_id] = (verdict, reason, message)
+
+    # --- producer ----------------------------------------------------------------------
+
+    def _wants_send(self, request: "Request") -> bool:
+        return self._settings.checksum_all or wants_remote_decode(request.kv_transfer_params)
+
+    def _schedule_sends(self, scheduler_output: "SchedulerOutput") -> None:
+        if self._kv_cache_manager is None:
+            return
+        progress = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        progress += list(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, computed in progress:
+            request = self._known.get(req_id)
+            if request is None:
+                continue
+            prompt = request.num_prompt_tokens
+            done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if computed >= prompt or done < prompt or not self._wants_send(request):
+                continue
+            job = self._job(req_id, 0, prompt)
+            if job is None:
+                continue
+            self._generation += 1
+            _forget(self._producer, req_id)
+            send = _Send(job=job, generation=self._generation, digest=token_digest(request.prompt_token_ids or [], prompt))
+            self._sends[req_id] = send
+            with kvcsum.Blocks() as expected:
+                job.to_blocks(expected)
+                self._producer.expect(expected, kvcsum.PRODUCER)
+            self._new_sends.append(ChecksumJob(job, send.generation))
+
+    def _producer_note(self, note) -> None:
+        send = self._sends.get(note.req_id)
+        if send is None or send.generation != note.generation or note.record is None:
+            return
+        self._producer.add_record(note.record)
+        send.reported.add(note.worker)
+        if send.finished and len(send.reported) >= self._num_workers:
+            self._fill(note.req_id, send)
+
+    def _payload(self, req_id: str) -> str | None:
+        try:
+            return kvcsum.base64_encode(self._producer.payload(req_id))
+        except kvcsum.Error as error:
+            logger.warning("kvcsum: no checksums for request %s: %s", req_id, error)
+            return None
+
+    def _fill(self, req_id: str, send: _Send) -> None:
+        """Adds the payload to the params request_finished returned."""
+        text = self._payload(req_id)
+        if text is not None and send.params is not None:
+            send.params[PAYLOAD_KEY] = text
+            send.params[INFO_KEY] = {
+                "block_sizes": {str(g): b for g, b in self._block_sizes.items()},
+                "tokens": send.digest,
+            }
+            self._stats.add("payloads_sent")
+        else:
+            self._stats.add("payloads_missing")
+        _forget(self._producer, req_id)
+        self._sends.pop(req_id, None)
+        self._unfilled.pop(req_id, None)
+
+    def _give_up_unfilled(self) -> None:
+        """Requests whose records did not arrive by the end of the scheduler
+        update that finished them: their outputs are gone, without checksums."""
+        for req_id, send in list(self._unfilled.items()):
+            logger.warning(
+                "kvcsum: request %s finished before all workers checksummed its KV (%d of %d); it goes without checksums",
+                req_id, len(send.reported), self._num_workers,
+            )
+            self._stats.add("payloads_missing")
+            _forget(self._producer, req_id)
+            self._sends.pop(req_id, None)
+        self._unfilled.clear()
+
+    # --- consumer ------------------------------------------------------------------------
+
+    def _consumer_note(self, note) -> None:
+        load = self._loads.get(note.req_id)
+        if load is None or load.generation != note.generation or load.outcome is not None:
+            return
+        if note.record is not None:
+            self._consumer.add_record(note.record)
+        load.inner_failed |= note.inner_failed
+        load.reported.add(note.worker)
+        if len(load.reported) >= self._num_workers:
+            self._judge(note.req_id, load)
+
+    def _judge(self, req_id: str, load: _Load) -> None:
+        """Judges a load once every worker reported (an async load stays in
+        _loads until vLLM hears of it: `received`)."""
+        if not load.is_async:
+            self._loads.pop(req_id, None)
+        if load.inner_failed:
+            # The inner connector reported the load failed: vLLM handles it.
+            _forget(self._consumer, req_id)
+            load.outcome = LoadOutcome((), True)
+            return
+        try:
+            verdict, reason, message, invalid = self._check(req_id, load)
+        except Exception as error:  # noqa: BLE001 - a verdict must never take the engine down
+            logger.exception("kvcsum: request %s: the load could not be checked", req_id)
+            verdict, reason, message, invalid = (
+                kvcsum.UNVERIFIED,
+                "CHECK_FAILED",
+                f"the check raised {type(error).__name__}: {error}",
+                [],
+            )
+        _forget(self._consumer, req_id)
+        if verdict == kvcsum.UNVERIFIED:
+            self._stats.add("unverified")
+            self._stats.add_reason(reason)
+            invalid = self._loaded_block_ids(load.job) if self._settings.fail_unverified else []
+        elif verdict == kvcsum.MISMATCH:
+            self._stats.add("mismatched")
+            self._stats.add("mismatched_blocks", len(invalid))
+        else:
+            self._stats.add("verified")
+        # vLLM maps block-level load errors back to requests only where there
+        # is one KV cache group; with several it takes whole failed loads.
+        # (A sync load there is never verified: `matched` declines it, since a
+        # running request's load cannot be failed.)
+        failed = bool(invalid) and self._multi_group
+        if failed and not load.is_async:
+            failed, invalid = False, []
+            action = "vLLM cannot be told (a sync load with several KV cache groups)"
+        elif failed:
+            action = "vLLM gets the whole load as failed (several KV cache groups)"
+        elif invalid:
+            action = f"vLLM gets blocks {sorted(invalid)} as load errors"
+        else:
+            action = "the load is used"
+        policy = f"kv_load_failure_policy={self._failure_policy}"
+        if verdict == kvcsum.MATCH:
+            if self._settings.log_matches:
+                logger.info("kvcsum: request %s: KV verified (%s)", req_id, message)
+        elif verdict == kvcsum.MISMATCH:
+            self._log_once(req_id, f"kvcsum: request {req_id}: KV MISMATCH: {message}; {action} ({policy})", error=True)
+        else:
+            setting = "unverified=fail" if self._settings.fail_unverified else "unverified=log"
+            self._log_once(
+                req_id, f"kvcsum: request {req_id}: KV UNVERIFIED ({reason}): {message}; {setting}: {action}" + (f" ({policy})" if invalid else ""),
+                error=self._settings.fail_unverified,
+            )
+        load.outcome = LoadOutcome(() if failed else tuple(sorted(invalid)), failed)
+        if not load.is_async and (load.outcome.invalid_block_ids or load.outcome.failed):
+            # A sync load's step is over: its load errors go out next step.
+            self._verdicts_out[req_id] = load.outcome
+        self.last_verdicts[req_id] = (verdict, reason, message)
+
+    def _log_once(self, key: str, text: str, error: bool = True) -> None:
+        if key in self._logged:
+            return
+        if len(self._logged) > 65536:
+            self._logged.clear()
+        self._logged.add(key)
+        (logger.error if error else logger.warning)(text)
+
+    def _loaded_block_ids(self, job: Job) -> list[int]:
+        return [b for _, (_, ids) in sorted(job.groups.items()) for b in ids]
+
+    def _check(self, req_id: str, load: _Load) -> tuple[int, str, str, list]:
+        """(verdict, reason name, message, invalid block ids)."""
+        checksums = load.params.checksums
+        if isinstance(checksums, Unusable):
+            return kvcsum.UNVERIFIED, checksums.reason, checksums.message, []
+        payload, producer_sizes = None, {}
+        if isinstance(checksums, Checksums):
+            digest = checksums.tokens
+            if digest is not None and not digest.covers(load.token_ids):
+                return (
+                    kvcsum.UNVERIFIED,
+                    "OTHER_REQUEST",
+                    f"the checksums cover other tokens than this request's first {digest.count} (a payload of another request)",
+                    [],
+                )
+            payload, producer_sizes = checksums.payload, checksums.block_sizes
+            try:
+                raw = kvcsum.base64_decode(payload)
+            except kvcsum.Error:
+                raw = None  # the verifier names what is wrong with it
+            if raw is not None:
+                disagreement = consistency(checksums, payload_summary(raw))
+                if disagreement is not None:
+                    return kvcsum.UNVERIFIED, disagreement.reason, disagreement.message, []
+            replace = {}
+            for group, size in producer_sizes.items():
+                own = self._block_sizes.get(group)
+                if own is not None and size != own:
+                    replace[group] = (
+                        group_fingerprint(self._kv_cache_config, group, size),
+                        group_fingerprint(self._kv_cache_config, group, own),
+                    )
+            if replace:
+                try:
+                    payload = _rewrite_fingerprints(raw, replace)
+                except Exception:  # noqa: BLE001 - left for the verifier to judge
+                    payload = checksums.payload
+        # The verifier keeps one producer block size per group: set every
+        # group's for this load, its own where the producer did not say (a
+        # vLLM fork producer does not). That is no guess: the fork's layer
+        # identities hash the block size into the group fingerprint, so a
+        # producer of another block size sent another fingerprint, and the
+        # verifier reports FINGERPRINT_DIFFERS, never compares.
+        for group, own in self._block_sizes.items():
+            self._consumer.set_producer_block_size(group, producer_sizes.get(group, own))
+        with self._consumer.check(req_id, payload) as report:
+            verdict, message = report.verdict, report.message
+            reason = ""
+            if verdict == kvcsum.UNVERIFIED:
+                findings = report.findings
+                reason = findings[0].reason_name.replace("KVCS_UNVERIFIED_", "") if findings else "UNKNOWN"
+            invalid = []
+            if verdict == kvcsum.MISMATCH:
+                invalid, where = self._repair(report, load.job)
+                message = f"{message} [{where}]"
+        return verdict, reason, message, invalid
+
+    def _repair(self, report: "kvcsum.Report", job: Job) -> tuple[list, str]:
+        """The block ids to load again after a MISMATCH, and where they are.
+        Where the repair plan refuses (another group could not be compared,
+        so reloading blocks would not make the load verified) every loaded
+        block is named: the load is repeated whole."""
+        positions = ", ".join(
+            f"group {m.group_id} positions {m.first_position}..{m.first_position + m.num_positions} "
+            f"(tokens {m.first_token}..{m.first_token + m.num_tokens})"
+            for m in report.mismatches
+        )
+        tables = {g: (first, ids) for g, (first, ids) in job.groups.items()}
+        try:
+            plan = kvcsum.repair_plan(report, tables, dict(self._block_sizes))
+        except kvcsum.Error as error:
+            invalid = self._loaded_block_ids(job)
+            return invalid, f"{positions}; the whole load is repeated: {error}"
+        invalid = sorted({b.block_id for blocks in plan.values() for b in blocks})
+        return invalid, f"{positions}; blocks {invalid}"
