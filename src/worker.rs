@@ -190,13 +190,15 @@ impl Worker {
     /// Registers memory the worker may read (host or device addresses, as the
     /// worker's kind). The caller keeps it readable while the worker lives.
     /// A device worker checks that the range lies in one CUDA allocation of
-    /// its device (or in pinned host memory); a host worker cannot check host
-    /// memory and trusts the caller.
+    /// its device (or in pinned host memory); a host worker checks that
+    /// every page of it is mapped in this process ([`host::check_mapped`]).
     pub fn add_region(&mut self, region: Region) -> Result<()> {
-        // The layout's rules first (address 0, empty, wrapping), then CUDA's.
+        // The layout's rules first (address 0, empty, wrapping), then the
+        // engine's: CUDA's for device memory, the page tables' for host memory.
         Layout::check_region(region)?;
-        if let Engine::Device(device) = &self.engine {
-            device.check_region(region.address, region.length)?;
+        match &self.engine {
+            Engine::Device(device) => device.check_region(region.address, region.length)?,
+            Engine::Host(_) => host::check_mapped(region)?,
         }
         self.layout.add_region(region)?;
         self.layout_changed();

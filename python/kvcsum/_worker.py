@@ -220,7 +220,10 @@ class Worker(_Handle):
 
     def add_region(self, address: int, length: int) -> None:
         """Registers `length` bytes at `address` that the worker may read
-        (memory the caller keeps valid; add_region_of keeps an array)."""
+        (memory the caller keeps valid; add_region_of keeps an array). A
+        host worker refuses memory that is not mapped: kvcsum.InvalidArgument
+        where the first page is not, kvcsum.OutOfBounds where the range runs
+        past its mapping."""
         address = _int(address, "uint64_t", "address")
         length = _int(length, "uint64_t", "length")
         with self._use(exclusive=True) as handle:

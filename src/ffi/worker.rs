@@ -157,8 +157,13 @@ pub extern "C" fn kvcs_worker_destroy(worker: *mut kvcs_worker) {
 /// address space give `KVCS_ERR_INVALID_ARGUMENT`. A device worker checks
 /// the range against CUDA: memory CUDA does not know (a plain host pointer)
 /// gives `KVCS_ERR_INVALID_ARGUMENT`, a range past the end of its
-/// allocation `KVCS_ERR_OUT_OF_BOUNDS`. A host worker cannot check host
-/// memory otherwise and trusts the caller.
+/// allocation `KVCS_ERR_OUT_OF_BOUNDS`. A host worker checks that every page
+/// of the range is mapped in the process (`mincore`, one call per 16 MiB of
+/// 4 KiB pages; nothing is read): an unmapped first page (address 8, memory
+/// already freed) gives `KVCS_ERR_INVALID_ARGUMENT`, a range running past a
+/// mapping `KVCS_ERR_OUT_OF_BOUNDS` naming the first unmapped page. A
+/// mapping without read permission (`PROT_NONE`) is not told apart: the
+/// caller keeps the memory readable.
 #[no_mangle]
 pub extern "C" fn kvcs_worker_add_region(worker: *mut kvcs_worker, address: u64, length: u64) -> kvcs_status {
     ffi_boundary! {

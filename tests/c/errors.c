@@ -146,7 +146,11 @@ static void test_registration(void) {
 
   EXPECT(kvcs_worker_add_region(NULL, address, CACHE_BYTES), KVCS_ERR_INVALID_ARGUMENT, "worker");
   EXPECT(kvcs_worker_add_region(worker, address, 0), KVCS_ERR_INVALID_ARGUMENT, "length is 0");
-  /* A wrapping region and one at address 0: tests/ffi_boundary.rs. */
+  /* Memory that is not mapped: refused before any checksum reads it. */
+  EXPECT(kvcs_worker_add_region(worker, 8, 64), KVCS_ERR_INVALID_ARGUMENT, "address 0x8 (region of length 64) is not mapped");
+  EXPECT(kvcs_worker_add_region(worker, 0x100, 64), KVCS_ERR_INVALID_ARGUMENT, "address 0x100");
+  /* A wrapping region, one at address 0, freed memory and a region running
+     past its mapping: tests/ffi_boundary.rs. */
 
   EXPECT(kvcs_worker_add_group(NULL, 0, BLOCK_SIZE), KVCS_ERR_INVALID_ARGUMENT, "worker");
   EXPECT(kvcs_worker_add_group(worker, 0, 0), KVCS_ERR_INVALID_ARGUMENT, "block_size is 0");
