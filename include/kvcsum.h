@@ -1481,9 +1481,13 @@ kvcs_status kvcs_completion_clear_invalid_blocks(kvcs_completion *completion);
 // `element_size` 0; D not contiguous (stride other than `element_size`
 // where it has more than one element); K of a size other than 2; both a
 // K letter and `v`; `kernel_blocks` 0 or not dividing B; `v` differing
-// from `cache` in B, T or H; a field that does not fit its type. Nothing
-// is read at `address`; `kvcs_worker_add_layer` checks the rest
-// (alignment, bytes per token a multiple of 8, registered regions).
+// from `cache` in B, T or H; a field that does not fit its type; a view
+// whose distinct cells share bytes (a stride of 0 over a dimension of size
+// above 1, as torch's `expand()` and numpy's `broadcast_to` make, K of
+// stride 0, tokens closer than a cell, `v` over the cache: the rule of
+// `kvcs_worker_add_layer`). Nothing is read at `address`;
+// `kvcs_worker_add_layer` checks the rest (alignment, bytes per token a
+// multiple of 8, registered regions).
 kvcs_status kvcs_layer_from_layout(const char *layout,
                                    const kvcs_tensor *cache,
                                    const kvcs_tensor *v,
@@ -2027,8 +2031,13 @@ void kvcs_worker_destroy(kvcs_worker *worker);
 // address space give `KVCS_ERR_INVALID_ARGUMENT`. A device worker checks
 // the range against CUDA: memory CUDA does not know (a plain host pointer)
 // gives `KVCS_ERR_INVALID_ARGUMENT`, a range past the end of its
-// allocation `KVCS_ERR_OUT_OF_BOUNDS`. A host worker cannot check host
-// memory otherwise and trusts the caller.
+// allocation `KVCS_ERR_OUT_OF_BOUNDS`. A host worker checks that every page
+// of the range is mapped in the process (`mincore`, one call per 16 MiB of
+// 4 KiB pages; nothing is read): an unmapped first page (address 8, memory
+// already freed) gives `KVCS_ERR_INVALID_ARGUMENT`, a range running past a
+// mapping `KVCS_ERR_OUT_OF_BOUNDS` naming the first unmapped page. A
+// mapping without read permission (`PROT_NONE`) is not told apart: the
+// caller keeps the memory readable.
 kvcs_status kvcs_worker_add_region(kvcs_worker *worker, uint64_t address, uint64_t length);
 
 // Registers group `group_id` with `block_size` tokens per logical block.
@@ -2040,8 +2049,14 @@ kvcs_status kvcs_worker_add_group(kvcs_worker *worker, uint32_t group_id, uint32
 kvcs_status kvcs_worker_skip_group(kvcs_worker *worker, uint32_t group_id, const char *reason);
 
 // Registers an attention layer's cache. Every byte it can reach must lie in
-// one registered region (else `KVCS_ERR_OUT_OF_BOUNDS`); on any error
-// nothing is registered. A device worker uploads the descriptors here.
+// one registered region (else `KVCS_ERR_OUT_OF_BOUNDS`). Distinct cells
+// must not share a byte (docs/SPEC.md#14-layout-strings; else
+// `KVCS_ERR_INVALID_ARGUMENT`): within a segment, its dimensions of size
+// above 1 sorted by |stride| each step at least the bytes those below it
+// span (no stride of 0 over several heads, tokens or blocks); two segments
+// (K, V) reach disjoint bytes, or share strides with V beside K's cell or a
+// whole step away. On any error nothing is registered. A device worker
+// uploads the descriptors here.
 kvcs_status kvcs_worker_add_layer(kvcs_worker *worker, const kvcs_layer *layer);
 
 // Registers a state layer (docs/SPEC.md#6-state-mamba-groups). A request's state is one block

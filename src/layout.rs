@@ -696,9 +696,15 @@ impl Layout {
         let mut segment_piece_offsets = Vec::with_capacity(spec.segments.len());
         let mut pieces_per_token = 0u64;
         for (index, segment) in spec.segments.iter().enumerate() {
-            self.check_segment(&spec, index, segment)?;
+            check_segment_fields(&spec, index, segment)?;
             segment_piece_offsets.push(pieces_per_token);
             pieces_per_token += segment.bytes_per_token as u64 / PIECE_BYTES;
+        }
+        // Cells that share bytes are refused whatever memory they lie in.
+        check_cells_disjoint(&CellCounts::of(&spec), &spec.segments, &SEGMENT_NAMES)
+            .map_err(|e| e.with_context(&format!("layer_number {layer_number}")))?;
+        for (index, segment) in spec.segments.iter().enumerate() {
+            self.check_segment_memory(&spec, index, segment)?;
         }
         if let Some(&group_id) = self.cacheless.get(&layer_number) {
             return Err(err!(
@@ -729,30 +735,10 @@ impl Layout {
         })
     }
 
-    fn check_segment(&self, spec: &LayerSpec, index: usize, segment: &Segment) -> Result<()> {
+    /// Fails unless the segment's cells lie in a registered region and
+    /// overlap no buffer of stored checksums.
+    fn check_segment_memory(&self, spec: &LayerSpec, index: usize, segment: &Segment) -> Result<()> {
         let layer_number = spec.layer_number;
-        let bytes = segment.bytes_per_token;
-        if bytes == 0 || !(bytes as u64).is_multiple_of(PIECE_BYTES) {
-            return Err(err!(
-                InvalidArgument,
-                "segments[{index}].bytes_per_token {bytes} is not a positive multiple of 8 (layer_number {layer_number})"
-            ));
-        }
-        let fields = [
-            ("address", segment.address as i128),
-            ("block_stride", segment.block_stride as i128),
-            ("kernel_block_stride", segment.kernel_block_stride as i128),
-            ("head_stride", segment.head_stride as i128),
-            ("token_stride", segment.token_stride as i128),
-        ];
-        for (name, value) in fields {
-            if value % PIECE_BYTES as i128 != 0 {
-                return Err(err!(
-                    Unsupported,
-                    "segments[{index}].{name} {value} is not a multiple of 8 (layer_number {layer_number})"
-                ));
-            }
-        }
         let (low, high) = reachable_bytes(spec, segment);
         if !self.in_region(low, high) {
             return Err(err!(
@@ -809,22 +795,203 @@ impl Layout {
     }
 }
 
-/// `value` in hex with its sign: `-0x40`, not the two's complement.
-fn signed_hex(value: i128) -> String {
-    if value < 0 {
-        format!("-{:#x}", value.unsigned_abs())
-    } else {
-        format!("{value:#x}")
+/// Fails unless the segment's fields are a cell of whole pieces at 8-byte
+/// aligned addresses (SPEC section 1).
+fn check_segment_fields(spec: &LayerSpec, index: usize, segment: &Segment) -> Result<()> {
+    let layer_number = spec.layer_number;
+    let bytes = segment.bytes_per_token;
+    if bytes == 0 || !(bytes as u64).is_multiple_of(PIECE_BYTES) {
+        return Err(err!(
+            InvalidArgument,
+            "segments[{index}].bytes_per_token {bytes} is not a positive multiple of 8 (layer_number {layer_number})"
+        ));
+    }
+    let fields = [
+        ("address", segment.address as i128),
+        ("block_stride", segment.block_stride as i128),
+        ("kernel_block_stride", segment.kernel_block_stride as i128),
+        ("head_stride", segment.head_stride as i128),
+        ("token_stride", segment.token_stride as i128),
+    ];
+    for (name, value) in fields {
+        if value % PIECE_BYTES as i128 != 0 {
+            return Err(err!(
+                Unsupported,
+                "segments[{index}].{name} {value} is not a multiple of 8 (layer_number {layer_number})"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// How many of each index a layer's cells have: what, with a segment's
+/// strides, places its cells (SPEC section 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CellCounts {
+    /// Logical blocks.
+    pub blocks: u32,
+    /// Kernel blocks per logical block.
+    pub kernel_blocks: u32,
+    /// Heads.
+    pub heads: u32,
+    /// Tokens per kernel block.
+    pub tokens: u32,
+}
+
+impl CellCounts {
+    /// The counts of a registered layer.
+    pub fn of(spec: &LayerSpec) -> CellCounts {
+        CellCounts {
+            blocks: spec.num_blocks,
+            kernel_blocks: spec.kernel_blocks,
+            heads: spec.num_heads,
+            tokens: spec.tokens_per_kernel_block,
+        }
     }
 }
 
-/// The half-open byte range `[low, high)` that a segment of `spec` can reach.
-fn reachable_bytes(spec: &LayerSpec, segment: &Segment) -> (i128, i128) {
+/// What errors call a layer's dimensions and segments: the fields of a
+/// segment here, the letters of a layout string in `layout_string`.
+#[derive(Debug, Clone, Copy)]
+pub struct CellNames {
+    /// The block, kernel block, head and token dimensions, in that order.
+    pub dims: [&'static str; 4],
+    /// The first and the second segment.
+    pub segments: [&'static str; 2],
+}
+
+/// A registered layer's names: its segments' fields.
+const SEGMENT_NAMES: CellNames = CellNames {
+    dims: ["block_stride", "kernel_block_stride", "head_stride", "token_stride"],
+    segments: ["segments[0]", "segments[1]"],
+};
+
+/// Fails unless distinct cells of a layer never share a byte (SPEC section
+/// 14): within a segment, the cells of distinct (block, kernel block, head,
+/// token) indices; across two segments (K then V), any two cells. A
+/// dimension of stride 0 and size above 1 (a broadcast view: V aliasing K,
+/// or every token one cell) or cells closer than their size would let both
+/// sides of a transfer read the same bytes twice and others never, and
+/// match while those others are corrupt; no KV cache is laid out so.
+///
+/// The rule, exact and linear in the dimensions: within a segment, its
+/// dimensions of size above 1 sorted by `|stride|`, each `|stride|` is at
+/// least the bytes that one index of it spans (the cell's
+/// `bytes_per_token`, plus `|stride| * (size - 1)` of each dimension
+/// before it). Nested layouts pass it (HND, NHD, kernel blocks, cross-layer
+/// caches, padding, negative strides); an interleaving that would need a
+/// search to prove disjoint is refused. Two segments pass when their
+/// reachable bytes are disjoint, or when they have the same strides and
+/// the pair of cells at each index is a cell of the rule (V within one
+/// step of K) or K-then-V is a dimension of size 2 and stride the
+/// distance between them (FlashInfer's `[blocks, 2, ...]`).
+pub fn check_cells_disjoint(counts: &CellCounts, segments: &[Segment], names: &CellNames) -> Result<()> {
+    let sizes = [counts.blocks, counts.kernel_blocks, counts.heads, counts.tokens];
+    let dims_of = |segment: &Segment| {
+        let strides = [
+            segment.block_stride,
+            segment.kernel_block_stride,
+            segment.head_stride,
+            segment.token_stride,
+        ];
+        let mut dims: Vec<(&'static str, i64, u32)> = names
+            .dims
+            .iter()
+            .zip(strides.into_iter().zip(sizes))
+            .map(|(&name, (stride, size))| (name, stride, size))
+            .collect();
+        dims.retain(|&(_, _, size)| size > 1);
+        dims
+    };
+    for (index, segment) in segments.iter().enumerate() {
+        nested(&dims_of(segment), segment.bytes_per_token as u128).map_err(|overlap| {
+            err!(
+                InvalidArgument,
+                "{}: distinct cells share bytes: {overlap}; a broadcast or overlapping view is no KV cache",
+                names.segments[index]
+            )
+        })?;
+    }
+    let [k, v] = match segments {
+        [k, v] => [k, v],
+        _ => return Ok(()),
+    };
+    let (k_low, k_high) = reach(counts, k);
+    let (v_low, v_high) = reach(counts, v);
+    if k_high <= v_low || v_high <= k_low {
+        return Ok(());
+    }
+    let same_strides = (k.block_stride, k.kernel_block_stride, k.head_stride, k.token_stride)
+        == (v.block_stride, v.kernel_block_stride, v.head_stride, v.token_stride);
+    let distance = v.address as i128 - k.address as i128;
+    if same_strides {
+        let dims = dims_of(k);
+        // The pair at one index as one cell: V within one step of K.
+        let (first_bytes, last_end) = if distance >= 0 {
+            (k.bytes_per_token as i128, distance + v.bytes_per_token as i128)
+        } else {
+            (v.bytes_per_token as i128, -distance + k.bytes_per_token as i128)
+        };
+        let pair_cell = first_bytes.max(last_end) as u128;
+        if distance.unsigned_abs() >= first_bytes as u128 && nested(&dims, pair_cell).is_ok() {
+            return Ok(());
+        }
+        // K then V as a dimension of size 2 (cells the larger of the two).
+        let mut with_parts = dims.clone();
+        let distance = i64::try_from(distance).unwrap_or(i64::MAX);
+        with_parts.push(("the distance from K to V", distance, 2));
+        let cell = k.bytes_per_token.max(v.bytes_per_token) as u128;
+        if nested(&with_parts, cell).is_ok() {
+            return Ok(());
+        }
+    }
+    Err(err!(
+        InvalidArgument,
+        "{} (bytes {}..{}) and {} (bytes {}..{}) share bytes: {}; K and V must not overlap",
+        names.segments[0],
+        signed_hex(k_low),
+        signed_hex(k_high),
+        names.segments[1],
+        signed_hex(v_low),
+        signed_hex(v_high),
+        if same_strides {
+            format!(
+                "with the same strides, V starts {distance} bytes from K, which neither lies beside K's cell nor steps over every cell"
+            )
+        } else {
+            "their strides differ and their bytes interleave".to_owned()
+        }
+    ))
+}
+
+/// `Err(what overlaps)` unless `dims` (name, stride, size above 1) nest:
+/// sorted by `|stride|`, each at least the bytes its lower dimensions and
+/// the `cell` span.
+fn nested(dims: &[(&'static str, i64, u32)], cell: u128) -> std::result::Result<(), String> {
+    let mut sorted = dims.to_vec();
+    sorted.sort_by_key(|&(_, stride, _)| stride.unsigned_abs());
+    let mut extent = cell;
+    let mut below = "one cell".to_owned();
+    for (name, stride, size) in sorted {
+        let step = stride.unsigned_abs() as u128;
+        if step < extent {
+            return Err(format!(
+                "{name} {stride} (over {size} indices) steps {step} bytes, fewer than the {extent} bytes that {below} spans"
+            ));
+        }
+        extent += step * (size as u128 - 1);
+        below = format!("an index of {name}");
+    }
+    Ok(())
+}
+
+/// The half-open byte range a segment with `counts` can reach.
+fn reach(counts: &CellCounts, segment: &Segment) -> (i128, i128) {
     let dims = [
-        (segment.block_stride, spec.num_blocks),
-        (segment.kernel_block_stride, spec.kernel_blocks),
-        (segment.head_stride, spec.num_heads),
-        (segment.token_stride, spec.tokens_per_kernel_block),
+        (segment.block_stride, counts.blocks),
+        (segment.kernel_block_stride, counts.kernel_blocks),
+        (segment.head_stride, counts.heads),
+        (segment.token_stride, counts.tokens),
     ];
     let mut low = segment.address as i128;
     let mut high = low + segment.bytes_per_token as i128;
@@ -837,4 +1004,18 @@ fn reachable_bytes(spec: &LayerSpec, segment: &Segment) -> (i128, i128) {
         }
     }
     (low, high)
+}
+
+/// `value` in hex with its sign: `-0x40`, not the two's complement.
+fn signed_hex(value: i128) -> String {
+    if value < 0 {
+        format!("-{:#x}", value.unsigned_abs())
+    } else {
+        format!("{value:#x}")
+    }
+}
+
+/// The half-open byte range `[low, high)` that a segment of `spec` can reach.
+fn reachable_bytes(spec: &LayerSpec, segment: &Segment) -> (i128, i128) {
+    reach(&CellCounts::of(spec), segment)
 }

@@ -202,8 +202,14 @@ pub extern "C" fn kvcs_worker_skip_group(
 }
 
 /// Registers an attention layer's cache. Every byte it can reach must lie in
-/// one registered region (else `KVCS_ERR_OUT_OF_BOUNDS`); on any error
-/// nothing is registered. A device worker uploads the descriptors here.
+/// one registered region (else `KVCS_ERR_OUT_OF_BOUNDS`). Distinct cells
+/// must not share a byte (docs/SPEC.md#14-layout-strings; else
+/// `KVCS_ERR_INVALID_ARGUMENT`): within a segment, its dimensions of size
+/// above 1 sorted by |stride| each step at least the bytes those below it
+/// span (no stride of 0 over several heads, tokens or blocks); two segments
+/// (K, V) reach disjoint bytes, or share strides with V beside K's cell or a
+/// whole step away. On any error nothing is registered. A device worker
+/// uploads the descriptors here.
 #[no_mangle]
 pub extern "C" fn kvcs_worker_add_layer(worker: *mut kvcs_worker, layer: *const kvcs_layer) -> kvcs_status {
     ffi_boundary! {
