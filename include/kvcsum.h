@@ -1565,7 +1565,9 @@ kvcs_status kvcs_report_reason(const kvcs_report *report, uint32_t *reason);
 kvcs_status kvcs_report_message(const kvcs_report *report, const char **message);
 
 // Block positions compared, over all groups (in runs where block sizes
-// differ).
+// differ), those that differ included: a payload check counts every
+// position it compared, an offload load check (`kvcs_verifier_check_stored`)
+// every position checked by every worker or failed by some.
 kvcs_status kvcs_report_compared_positions(const kvcs_report *report, uint64_t *positions);
 
 // The consumer's loaded block positions (holding valid tokens, in the

@@ -584,7 +584,10 @@ fn offload_loads_are_judged_from_load_check_records() {
         );
         assert_eq!(mismatch.failed_workers, vec![tp_rank(1, 2)], "seed {seed}");
         assert!(mismatch.failed_checks.is_empty() && !mismatch.localised);
-        assert_eq!(report.compared_positions, s.count as u64 - 1, "seed {seed}");
+        assert_eq!(
+            report.compared_positions, s.count as u64,
+            "the failed one too (seed {seed})"
+        );
         assert!(
             report.message.contains(&format!("position {q} (tokens {}..", 16 * q)),
             "{}",
@@ -611,6 +614,83 @@ fn offload_loads_are_judged_from_load_check_records() {
                 .collect();
             assert_eq!(found, expected, "seed {seed}");
         }
+    }
+}
+
+/// An offload load's report counts the positions whose load check failed
+/// among those compared, as a payload check counts the positions that
+/// mismatch: every position failing gives MISMATCH with every position
+/// compared (never "0 compared"), and the same corruption judged against a
+/// producer's payload gives the same count.
+#[test]
+fn failed_positions_count_as_compared_as_in_a_payload_check() {
+    let mut rng = Rng::for_test("failed_positions_count_as_compared_as_in_a_payload_check");
+    let seed = rng.seed();
+    for num_tokens in [16, 75, 160] {
+        let mut s = stored_and_reloaded(&mut rng, num_tokens);
+        let blocks = blocks_with_hashes(num_tokens, &s.block_ids, &s.hashes);
+        // The producer's payload of the intact KV (the same blocks and layout).
+        let producer = Verifier::new(2).unwrap();
+        producer.expect(&blocks, Role::Producer).unwrap();
+        for rank in &s.side.ranks {
+            let result = checksum(&rank.worker, &blocks, Role::Producer);
+            producer
+                .add_record(&Record::from_checksums(&result).unwrap().encode())
+                .unwrap();
+        }
+        let payload = producer.payload(REQ).expect("payload").encode();
+        // Corrupt a random set of positions (at least one, up to all) on a random rank.
+        let corrupted: Vec<usize> = (0..s.count).filter(|_| rng.chance(1, 2)).collect();
+        let corrupted = if corrupted.is_empty() || rng.chance(1, 3) {
+            (0..s.count).collect()
+        } else {
+            corrupted
+        };
+        for &q in &corrupted {
+            let r = rng.below(2) as usize;
+            let head = s.side.ranks[r].placement.spec().first_head;
+            let token = rng.below(valid_tokens_at(num_tokens, q) as u64) as u32;
+            s.side.ranks[r].placement.xor_byte(
+                rng.below(3) as u32,
+                head,
+                s.block_ids[q],
+                token,
+                rng.below(64) as u32,
+                0x20,
+            );
+        }
+        let stored = verifier_holding(2, &blocks, &load_check_records(&s.side, &blocks))
+            .check_stored(REQ)
+            .unwrap();
+        let context = format!("seed {seed}, {num_tokens} tokens, positions {corrupted:?} corrupted");
+        assert_eq!(stored.verdict, Verdict::Mismatch, "{context}: {}", stored.message);
+        let failed: Vec<u64> = stored.mismatches.iter().map(|m| m.first_position).collect();
+        assert_eq!(
+            failed,
+            corrupted.iter().map(|&q| q as u64).collect::<Vec<_>>(),
+            "{context}"
+        );
+        assert_eq!(
+            (stored.compared_positions, stored.uncompared_positions),
+            (s.count as u64, 0),
+            "{context}: {}",
+            stored.message
+        );
+        let consumer = Verifier::new(2).unwrap();
+        consumer.expect(&blocks, Role::Consumer).unwrap();
+        for rank in &s.side.ranks {
+            let result = checksum(&rank.worker, &blocks, Role::Consumer);
+            consumer
+                .add_record(&Record::from_checksums(&result).unwrap().encode())
+                .unwrap();
+        }
+        let checked = consumer.check(REQ, Some(&payload)).unwrap();
+        assert_eq!(checked.verdict, Verdict::Mismatch, "{context}: {}", checked.message);
+        assert_eq!(
+            (checked.compared_positions, checked.uncompared_positions),
+            (stored.compared_positions, stored.uncompared_positions),
+            "{context}: the payload check and the load check count alike"
+        );
     }
 }
 
@@ -700,14 +780,15 @@ fn load_check_records_round_trip_with_their_outcomes() {
     // The outcomes are the last group's last element: bin of 4, then no
     // skipped groups, then the record's algorithm (2, MIXED).
     assert_eq!(&bytes[bytes.len() - 8..], &[0xc4, 4, 1, 1, 0, 2, 0x90, 2]);
-    // The verifier names position 2 (tokens 32..40); position 3 is neither compared nor not.
+    // The verifier names position 2 (tokens 32..40), compared like 0 and 1;
+    // position 3 is neither compared nor not.
     let report = verifier_holding(1, &blocks, std::slice::from_ref(&bytes))
         .check_stored(REQ)
         .unwrap();
     assert_eq!(report.verdict, Verdict::Mismatch, "{}", report.message);
     assert_eq!(
         (report.compared_positions, report.uncompared_positions),
-        (2, 0),
+        (3, 0),
         "{}",
         report.message
     );

@@ -114,6 +114,9 @@ impl Load<'_> {
                 valid_tokens(num_tokens, block_size, position) as u64
             };
             if !failed.is_empty() {
+                // A failed position was compared, as a payload check counts
+                // the positions that mismatch.
+                outcome.compared += 1;
                 let first_token = position as u128 * block_size as u128;
                 outcome.mismatches.push(Mismatch {
                     group_id,
@@ -143,7 +146,7 @@ impl Load<'_> {
                 outcome.uncompared += 1;
             }
         }
-        if outcome.compared == 0 && outcome.mismatches.is_empty() {
+        if outcome.compared == 0 {
             return Err(Unverified(
                 Reason::NoCommonPosition,
                 format!(
