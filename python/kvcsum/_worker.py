@@ -19,6 +19,7 @@ from ._base import (
     _c,
     _check,
     _create,
+    _enum,
     _flag,
     _int,
     _member,
@@ -27,7 +28,7 @@ from ._base import (
     _stream,
     library,
 )
-from ._constants import HOST, PRODUCER, Algorithm, Status
+from ._constants import HOST, PRODUCER, Algorithm, Role, Status
 from ._errors import InvalidArgument
 from ._layers import Layer, StateTensor, _stored_buffer, region_of
 from ._lib import BLOCK_CHECKSUM_BYTES
@@ -268,7 +269,7 @@ class Worker(_Handle):
     def set_algorithm(self, algorithm: int) -> None:
         """The checksum algorithm, MIXED (the default) or WEIGHTED (vLLM's),
         set before the worker's first checksum, store or load check."""
-        algorithm = _int(algorithm, "uint32_t", "algorithm")
+        algorithm = _enum(algorithm, Algorithm, "algorithm")
         with self._use(exclusive=True) as handle:
             _check(self._lib.kvcs_worker_set_algorithm(handle, algorithm))
             self._algorithm = _member(Algorithm, algorithm)
@@ -391,7 +392,7 @@ class Worker(_Handle):
         """Computes (host) or queues (device, on `cuda_stream`) the partial
         checksums of every block in `blocks`."""
         _of_type(blocks, Blocks, "blocks")
-        role = _int(role, "uint32_t", "role")
+        role = _enum(role, Role, "role")
         return self._call_result(
             lambda handle, blocks_handle, stream, out: self._lib.kvcs_worker_checksum(
                 handle, blocks_handle, role, stream, out
