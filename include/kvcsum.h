@@ -294,12 +294,21 @@ enum kvcs_stored_outcome
   KVCS_STORED_MATCHED = 1,
   // Not checked: the position holds no valid token.
   KVCS_STORED_NOT_CHECKED = 2,
-  // Not compared: the value was stored by a worker whose group has
-  // other layers or identities (another fingerprint), or its stamp is
-  // damaged; a configuration change, judged unverified (SPEC section 8).
+  // Not compared: a clean entry stored by a worker whose group has other
+  // layers, identities, heads or block size (another fingerprint); a
+  // configuration change, judged unverified (SPEC section 8). A damaged
+  // entry fails instead.
   KVCS_STORED_OTHER_FINGERPRINT = 3,
   // Not compared: the value was stored with another checksum algorithm.
   KVCS_STORED_OTHER_ALGORITHM = 4,
+  // Not compared: stored when the block held another number of valid
+  // tokens (a partial last block stored, the request longer when loaded).
+  KVCS_STORED_OTHER_TOKENS = 5,
+  // Not compared: an entry of kvcsum 0.2.0's format, stored under this
+  // configuration, whose value does not match (that format cannot tell
+  // corruption from another token count). One whose value matches is
+  // `KVCS_STORED_MATCHED`.
+  KVCS_STORED_OTHER_FORMAT = 6,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -1124,6 +1133,19 @@ typedef size_t (*kvcs_tensor_size_fn)(void);
 // The type of `kvcs_repair_block_size`.
 typedef size_t (*kvcs_repair_block_size_fn)(void);
 
+// The type of `kvcs_result_entries`.
+typedef kvcs_status (*kvcs_result_entries_fn)(const kvcs_result *result,
+                                              const char *req_id,
+                                              uint32_t group_id,
+                                              uint64_t *entries);
+
+// The type of `kvcs_result_check_entries`.
+typedef kvcs_status (*kvcs_result_check_entries_fn)(const kvcs_result *result,
+                                                    const char *req_id,
+                                                    uint32_t group_id,
+                                                    const uint64_t *entries,
+                                                    uint8_t *outcomes);
+
 // Every call of the library as one table of function pointers, for a
 // program that loads kvcsum at run time: it resolves the one symbol
 // `kvcs_api_get` and calls through the table, whose entries the compiler
@@ -1351,6 +1373,10 @@ typedef struct {
   kvcs_tensor_size_fn kvcs_tensor_size;
   // Slot 104: `kvcs_repair_block_size`.
   kvcs_repair_block_size_fn kvcs_repair_block_size;
+  // Slot 105: `kvcs_result_entries`.
+  kvcs_result_entries_fn kvcs_result_entries;
+  // Slot 106: `kvcs_result_check_entries`.
+  kvcs_result_check_entries_fn kvcs_result_check_entries;
 } kvcs_api;
 
 // The type of `kvcs_api_get`.
@@ -1660,6 +1686,43 @@ kvcs_status kvcs_result_stored(const kvcs_result *result,
                                const char *req_id,
                                uint32_t group_id,
                                uint8_t *outcomes);
+
+// The entries of docs/SPEC.md#8-stored-checksums-for-offloaded-kv that
+// `kvcs_worker_store` would write for group `group_id` of request `req_id`
+// of `result`, for connectors that keep stored checksums themselves: two
+// words per block position (`num_positions` of `kvcs_result_group`)
+// written to `entries`, the value (`sum XOR tag`) then the stamp (the
+// configuration, algorithm and valid tokens that computed it, with a check
+// binding them to the block hash), as numbers (a buffer of
+// `kvcs_worker_add_stored` holds them little-endian). A position holding no
+// valid token gets `(0, 0)`: a store writes nothing there. Keep both words
+// with the block and judge them with `kvcs_result_check_entries`: the
+// value alone cannot tell a configuration change from corruption.
+//
+// `result` is a `kvcs_worker_checksum` of `KVCS_ROLE_CONSUMER` (every
+// column; `KVCS_ERR_INVALID_ARGUMENT` for a producer's) of blocks with
+// block hashes (`kvcs_blocks_set_hashes`; `KVCS_ERR_INVALID_ARGUMENT`
+// without). `KVCS_ERR_NOT_FOUND` for a request or group not in it (or
+// skipped), `KVCS_ERR_NOT_READY` while a device computes.
+kvcs_status kvcs_result_entries(const kvcs_result *result,
+                                const char *req_id,
+                                uint32_t group_id,
+                                uint64_t *entries);
+
+// The load check of docs/SPEC.md#8-stored-checksums-for-offloaded-kv
+// against entries the caller kept (`kvcs_result_entries` of the stored
+// blocks, copied with them): `entries` holds two words per block position
+// of group `group_id` of request `req_id` (value, stamp), and `outcomes`
+// gets one `kvcs_stored_outcome` per position, as `kvcs_result_stored`
+// gives them after `kvcs_worker_check_stored`: matched, failed (the data
+// or the entry changed, or it is another block's), not checked, or not
+// compared because another configuration, algorithm, valid-token count or
+// format stored it. Requirements and errors as `kvcs_result_entries`.
+kvcs_status kvcs_result_check_entries(const kvcs_result *result,
+                                      const char *req_id,
+                                      uint32_t group_id,
+                                      const uint64_t *entries,
+                                      uint8_t *outcomes);
 
 // Frees a result. NULL is a no-op. Safe while a device is still computing.
 void kvcs_result_destroy(kvcs_result *result);

@@ -881,10 +881,10 @@ const SEGMENT_NAMES: CellNames = CellNames {
 /// before it). Nested layouts pass it (HND, NHD, kernel blocks, cross-layer
 /// caches, padding, negative strides); an interleaving that would need a
 /// search to prove disjoint is refused. Two segments pass when their
-/// reachable bytes are disjoint, or when they have the same strides and
-/// the pair of cells at each index is a cell of the rule (V within one
-/// step of K) or K-then-V is a dimension of size 2 and stride the
-/// distance between them (FlashInfer's `[blocks, 2, ...]`).
+/// reachable bytes are disjoint, or when some outer dimensions, of equal
+/// strides in both, hold K's and V's cells apart ([`pair_nests`]): K and V
+/// side by side per block, interleaved per cell, or K-then-V as a
+/// dimension of size 2 (FlashInfer's `[blocks, 2, ...]`).
 pub fn check_cells_disjoint(counts: &CellCounts, segments: &[Segment], names: &CellNames) -> Result<()> {
     let sizes = [counts.blocks, counts.kernel_blocks, counts.heads, counts.tokens];
     let dims_of = |segment: &Segment| {
@@ -924,26 +924,8 @@ pub fn check_cells_disjoint(counts: &CellCounts, segments: &[Segment], names: &C
     let same_strides = (k.block_stride, k.kernel_block_stride, k.head_stride, k.token_stride)
         == (v.block_stride, v.kernel_block_stride, v.head_stride, v.token_stride);
     let distance = v.address as i128 - k.address as i128;
-    if same_strides {
-        let dims = dims_of(k);
-        // The pair at one index as one cell: V within one step of K.
-        let (first_bytes, last_end) = if distance >= 0 {
-            (k.bytes_per_token as i128, distance + v.bytes_per_token as i128)
-        } else {
-            (v.bytes_per_token as i128, -distance + k.bytes_per_token as i128)
-        };
-        let pair_cell = first_bytes.max(last_end) as u128;
-        if distance.unsigned_abs() >= first_bytes as u128 && nested(&dims, pair_cell).is_ok() {
-            return Ok(());
-        }
-        // K then V as a dimension of size 2 (cells the larger of the two).
-        let mut with_parts = dims.clone();
-        let distance = i64::try_from(distance).unwrap_or(i64::MAX);
-        with_parts.push(("the distance from K to V", distance, 2));
-        let cell = k.bytes_per_token.max(v.bytes_per_token) as u128;
-        if nested(&with_parts, cell).is_ok() {
-            return Ok(());
-        }
+    if pair_nests(&dims_of(k), &dims_of(v), k, v) {
+        return Ok(());
     }
     Err(err!(
         InvalidArgument,
@@ -956,12 +938,66 @@ pub fn check_cells_disjoint(counts: &CellCounts, segments: &[Segment], names: &C
         signed_hex(v_high),
         if same_strides {
             format!(
-                "with the same strides, V starts {distance} bytes from K, which neither lies beside K's cell nor steps over every cell"
+                "with the same strides, V starts {distance} bytes from K, which neither lies beside K's cells nor steps over them"
             )
         } else {
-            "their strides differ and their bytes interleave".to_owned()
+            "their cells interleave without nesting (no outer dimensions of equal strides hold K's and V's cells apart)"
+                .to_owned()
         }
     ))
+}
+
+/// Whether K's and V's cells (`k_dims`, `v_dims`: the dimensions of size
+/// above 1 of each, in the same order) provably never share a byte: for
+/// some split of the dimensions into outer ones, of the same stride in both
+/// segments and at least `threshold` (one of those strides, or 0), and
+/// inner ones, the bytes K's cells reach over the inner dimensions and
+/// V's are disjoint, and the outer dimensions nest over the bytes both
+/// span. Every outer index then holds its K and V cells apart, and no two
+/// outer indices overlap. Covers K and V side by side per block or kernel
+/// block (`[blocks, [K heads, tokens], [V heads, tokens]]`, each of its own
+/// head size), interleaved per cell, and K-then-V as a dimension of size 2
+/// anywhere in a nesting (`[blocks, 2, ...]`).
+fn pair_nests(
+    k_dims: &[(&'static str, i64, u32)],
+    v_dims: &[(&'static str, i64, u32)],
+    k: &Segment,
+    v: &Segment,
+) -> bool {
+    let shared = |i: usize| k_dims[i].1 == v_dims[i].1;
+    let mut thresholds: Vec<u64> = (0..k_dims.len())
+        .filter(|&i| shared(i))
+        .map(|i| k_dims[i].1.unsigned_abs())
+        .collect();
+    thresholds.push(0);
+    let span = |address: u64, dims: &[(&'static str, i64, u32)], bytes: u32| {
+        let mut low = address as i128;
+        let mut high = low + bytes as i128;
+        for &(_, stride, size) in dims {
+            let reach = stride as i128 * (size as i128 - 1);
+            if reach < 0 {
+                low += reach;
+            } else {
+                high += reach;
+            }
+        }
+        (low, high)
+    };
+    thresholds.into_iter().any(|threshold| {
+        let outer = |i: &usize| shared(*i) && k_dims[*i].1.unsigned_abs() >= threshold;
+        let (outer_dims, k_inner, v_inner) = {
+            let indices: Vec<usize> = (0..k_dims.len()).collect();
+            let outer_dims: Vec<_> = indices.iter().filter(|i| outer(i)).map(|&i| k_dims[i]).collect();
+            let k_inner: Vec<_> = indices.iter().filter(|i| !outer(i)).map(|&i| k_dims[i]).collect();
+            let v_inner: Vec<_> = indices.iter().filter(|i| !outer(i)).map(|&i| v_dims[i]).collect();
+            (outer_dims, k_inner, v_inner)
+        };
+        let (k_low, k_high) = span(k.address, &k_inner, k.bytes_per_token);
+        let (v_low, v_high) = span(v.address, &v_inner, v.bytes_per_token);
+        let apart = k_high <= v_low || v_high <= k_low;
+        let both = (k_high.max(v_high) - k_low.min(v_low)) as u128;
+        apart && nested(&outer_dims, both).is_ok()
+    })
 }
 
 /// `Err(what overlaps)` unless `dims` (name, stride, size above 1) nest:

@@ -3,8 +3,9 @@
 //! The modules are layered, each importing only from those below it (a test,
 //! `tests/layers.rs`, fails on an import that runs back up):
 //!
-//! 1. arithmetic and plumbing: `error`, `checksum` (the definition), `msgpack`,
-//!    `pool` (the host engine's helper threads);
+//! 1. arithmetic and plumbing: `error`, `checksum` (the definition),
+//!    `stored_entry` (the 16 bytes stored per block for offloaded KV),
+//!    `msgpack`, `pool` (the host engine's helper threads);
 //! 2. inputs: `state` (state layers), `layout`, `layout_string` (a layer from a
 //!    tensor and a layout string), `blocks`, `fingerprint`, `stream`;
 //! 3. results: `result` (also the facts a record carries);
@@ -43,6 +44,7 @@ pub(crate) mod repair;
 pub(crate) mod result;
 pub(crate) mod state;
 pub(crate) mod stored;
+pub(crate) mod stored_entry;
 pub(crate) mod stream;
 pub mod topology;
 pub mod verify;

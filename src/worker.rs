@@ -445,7 +445,7 @@ impl Worker {
         let fingerprint = group_fingerprint(group);
         Ok(hashes
             .iter()
-            .map(|&hash| stored::block_tag(hash, fingerprint))
+            .map(|&hash| crate::stored_entry::block_tag(hash, fingerprint))
             .collect())
     }
 
@@ -765,8 +765,11 @@ mod tests {
                         .then(|| (g, ((item.address - start) / 8) as usize))
                 })
                 .expect("an address inside a stored buffer");
-            device[group][block] = sum ^ item.tag;
-            device[group][block + 1] = item.stamp;
+            // kvcs_store's arithmetic, written out.
+            let value = sum ^ item.tag;
+            let check = crate::checksum::mix(crate::checksum::mix(value) ^ item.key) >> 32;
+            device[group][block] = value;
+            device[group][block + 1] = (check << 32) | item.digest as u64;
         }
         assert_eq!(device, host_stored, "the items give the host store's values");
         // A load check from gathered values: all match; a changed one fails
@@ -801,14 +804,20 @@ mod tests {
         bad[2 * 7] ^= 1 << 40; // "b", group 1, position 2 (its second)
         let result = check(bad);
         assert_eq!(result.stored_outcomes("b", 1).unwrap(), vec![Matched, Failed]);
-        // A changed stamp is another configuration, not a failure.
-        let mut restamped = gathered;
-        restamped[2 * 6 + 1] ^= 1 << 20; // "b", group 1, position 1
+        // A damaged stamp (its digest or its check) fails too: it does not
+        // read as another configuration.
+        let mut restamped = gathered.clone();
+        restamped[2 * 6 + 1] ^= 1 << 20; // "b", group 1, position 1: the digest
+        restamped[2 * 2 + 1] ^= 1 << 50; // "a", group 0, position 2: the check
         let result = check(restamped);
-        assert_eq!(result.stored_outcomes("b", 1).unwrap(), vec![OtherFingerprint, Matched]);
-        assert_eq!(result.stored_outcomes("a", 1).unwrap(), vec![Matched, Matched, Matched]);
+        assert_eq!(result.stored_outcomes("b", 1).unwrap(), vec![Failed, Matched]);
         assert_eq!(
             result.stored_outcomes("a", 0).unwrap(),
+            vec![Matched, Matched, Failed, NotChecked]
+        );
+        assert_eq!(result.stored_outcomes("a", 1).unwrap(), vec![Matched, Matched, Matched]);
+        assert_eq!(
+            check(gathered.clone()).stored_outcomes("a", 0).unwrap(),
             worker
                 .check_stored(&blocks, stream)
                 .unwrap()

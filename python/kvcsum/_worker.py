@@ -159,13 +159,54 @@ class Result(_Handle):
     def stored(self, req_id: str, group_id: int) -> np.ndarray:
         """A load check's verdicts (Worker.check_stored), one per block
         position, a numpy uint8 array of StoredOutcome values: MATCHED,
-        FAILED, NOT_CHECKED, OTHER_FINGERPRINT or OTHER_ALGORITHM (also
-        named STORED_MATCHED ...)."""
+        FAILED, NOT_CHECKED, OTHER_FINGERPRINT, OTHER_ALGORITHM,
+        OTHER_TOKENS or OTHER_FORMAT (also named STORED_MATCHED ...)."""
         _, positions, _ = self.group(req_id, group_id)
         outcomes = np.zeros(positions, dtype=np.uint8)
         pointer = outcomes.ctypes.data_as(ctypes.POINTER(c_uint8)) if positions else None
         with self._use() as handle:
             _check(self._lib.kvcs_result_stored(handle, _c(req_id, "req_id"), group_id, pointer))
+        return outcomes
+
+    def entries(self, req_id: str, group_id: int) -> np.ndarray:
+        """The stored-checksum entries a Worker.store of these blocks would
+        write for a group (kvcs_result_entries), for connectors that keep
+        them themselves: a numpy uint64 array of shape (positions, 2), the
+        value then the stamp per block position ((0, 0) where a position
+        holds no valid token). Needs a CONSUMER checksum of blocks with
+        hashes (Blocks.set_hashes); judge them with check_entries."""
+        _, positions, _ = self.group(req_id, group_id)
+        entries = np.zeros((positions, 2), dtype=np.uint64)
+        pointer = entries.ctypes.data_as(ctypes.POINTER(c_uint64)) if positions else None
+        with self._use() as handle:
+            _check(self._lib.kvcs_result_entries(handle, _c(req_id, "req_id"), group_id, pointer))
+        return entries
+
+    def check_entries(self, req_id: str, group_id: int, entries) -> np.ndarray:
+        """The load check against entries kept by the caller (as
+        entries() gave them when the blocks were stored):
+        kvcs_result_check_entries, one StoredOutcome value per block
+        position in a numpy uint8 array, as stored() gives them. `entries`
+        is (positions, 2) unsigned 64-bit integers (value, stamp)."""
+        _, positions, _ = self.group(req_id, group_id)
+        words = np.asarray(entries)
+        if words.dtype.kind not in "ui" or words.shape != (positions, 2):
+            raise ValueError(
+                f"entries must be integers of shape ({positions}, 2) (value, stamp per position), "
+                f"got dtype {words.dtype} shape {words.shape}"
+            )
+        if words.size and (int(words.min()) < 0 or int(words.max()) > 2**64 - 1):
+            raise ValueError("entries must be in [0, 2**64)")
+        words = np.ascontiguousarray(words, dtype=np.uint64)
+        outcomes = np.zeros(positions, dtype=np.uint8)
+        entries_pointer = words.ctypes.data_as(ctypes.POINTER(c_uint64)) if positions else None
+        outcomes_pointer = outcomes.ctypes.data_as(ctypes.POINTER(c_uint8)) if positions else None
+        with self._use() as handle:
+            _check(
+                self._lib.kvcs_result_check_entries(
+                    handle, _c(req_id, "req_id"), group_id, entries_pointer, outcomes_pointer
+                )
+            )
         return outcomes
 
     def encode(self) -> bytes:

@@ -484,6 +484,21 @@ pub type kvcs_repair_plan_fn = unsafe extern "C" fn(
 pub type kvcs_tensor_size_fn = unsafe extern "C" fn() -> usize;
 /// The type of `kvcs_repair_block_size`.
 pub type kvcs_repair_block_size_fn = unsafe extern "C" fn() -> usize;
+/// The type of `kvcs_result_entries`.
+pub type kvcs_result_entries_fn = unsafe extern "C" fn(
+    result: *const kvcs_result,
+    req_id: *const c_char,
+    group_id: u32,
+    entries: *mut u64,
+) -> kvcs_status;
+/// The type of `kvcs_result_check_entries`.
+pub type kvcs_result_check_entries_fn = unsafe extern "C" fn(
+    result: *const kvcs_result,
+    req_id: *const c_char,
+    group_id: u32,
+    entries: *const u64,
+    outcomes: *mut u8,
+) -> kvcs_status;
 /// The type of `kvcs_api_get`.
 pub type kvcs_api_get_fn = unsafe extern "C" fn(abi_version: u32, out: *mut *const kvcs_api) -> kvcs_status;
 
@@ -715,6 +730,10 @@ pub struct kvcs_api {
     pub kvcs_tensor_size: kvcs_tensor_size_fn,
     /// Slot 104: `kvcs_repair_block_size`.
     pub kvcs_repair_block_size: kvcs_repair_block_size_fn,
+    /// Slot 105: `kvcs_result_entries`.
+    pub kvcs_result_entries: kvcs_result_entries_fn,
+    /// Slot 106: `kvcs_result_check_entries`.
+    pub kvcs_result_check_entries: kvcs_result_check_entries_fn,
 }
 
 /// The table `kvcs_api_get` gives out.
@@ -826,4 +845,6 @@ pub(crate) static API: kvcs_api = kvcs_api {
     kvcs_repair_plan: super::repair::kvcs_repair_plan,
     kvcs_tensor_size: super::sizes::kvcs_tensor_size,
     kvcs_repair_block_size: super::sizes::kvcs_repair_block_size,
+    kvcs_result_entries: super::result::kvcs_result_entries,
+    kvcs_result_check_entries: super::result::kvcs_result_check_entries,
 };

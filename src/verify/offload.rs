@@ -92,10 +92,15 @@ impl Load<'_> {
             .find_map(|&(rank, outcomes)| other_configuration(outcomes).map(|reason| (rank, reason)))
         {
             let (rank, (reason, what)) = other;
+            let why = if reason == Reason::InvalidChecksums {
+                "this release does not compare them"
+            } else {
+                "they were stored under another configuration and say nothing about the data"
+            };
             return Err(Unverified(
                 reason,
                 format!(
-                    "group {group_id}: worker (pp_rank {}, tp_rank {}) read back stored checksums of {what}; they were stored under another configuration and say nothing about the data",
+                    "group {group_id}: worker (pp_rank {}, tp_rank {}) read back stored checksums of {what}; {why}",
                     rank.pp_rank, rank.tp_rank
                 ),
             ));
@@ -135,6 +140,8 @@ impl Load<'_> {
                 });
                 continue;
             }
+            // A position some worker read as stored for other tokens
+            // (a partial block) is not compared: it counts as uncompared.
             let checked = workers
                 .iter()
                 .filter(|(_, outcomes)| outcomes.get(index) == Some(&StoredOutcome::Matched))
@@ -147,12 +154,20 @@ impl Load<'_> {
             }
         }
         if outcome.compared == 0 {
+            let other_tokens = workers
+                .iter()
+                .any(|(_, outcomes)| outcomes.contains(&StoredOutcome::OtherTokens));
             return Err(Unverified(
                 Reason::NoCommonPosition,
                 format!(
-                    "group {group_id}: no position of {}..{} was checked against its stored checksum by every worker",
+                    "group {group_id}: no position of {}..{} was checked against its stored checksum by every worker{}",
                     scheduled.first_position,
-                    scheduled.first_position + scheduled.block_ids.len() as u64
+                    scheduled.first_position + scheduled.block_ids.len() as u64,
+                    if other_tokens {
+                        " (some were stored holding another number of valid tokens: a partial block)"
+                    } else {
+                        ""
+                    }
                 ),
             ));
         }
@@ -166,9 +181,14 @@ fn other_configuration(outcomes: &[StoredOutcome]) -> Option<(Reason, &'static s
     outcomes.iter().find_map(|outcome| match outcome {
         StoredOutcome::OtherFingerprint => Some((
             Reason::FingerprintDiffers,
-            "another group fingerprint (other layers or identities), or a damaged stamp",
+            "another group fingerprint (other layers, identities, heads or block size)",
         )),
         StoredOutcome::OtherAlgorithm => Some((Reason::AlgorithmDiffers, "another checksum algorithm")),
-        _ => None,
+        StoredOutcome::OtherFormat => Some((
+            Reason::InvalidChecksums,
+            "kvcsum 0.2.0's format (no check, no token count), whose value does not match",
+        )),
+        // Other tokens leave that position uncompared, not the group.
+        StoredOutcome::OtherTokens | StoredOutcome::Failed | StoredOutcome::Matched | StoredOutcome::NotChecked => None,
     })
 }
