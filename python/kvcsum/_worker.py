@@ -417,7 +417,10 @@ class Worker(_Handle):
         return self._call_result(self._lib.kvcs_worker_check_stored, blocks, cuda_stream)
 
     def block_tags(self, group_id: int, hashes: Sequence[bytes]) -> np.ndarray:
-        """The tags of docs/SPEC.md section 8 for blocks with these hashes."""
+        """The tags of docs/SPEC.md section 8 for blocks with these hashes.
+        A value alone cannot tell a configuration change from corruption:
+        connectors that keep entries themselves take Result.entries (value
+        and stamp) and judge them with Result.check_entries."""
         group_id = _int(group_id, "uint32_t", "group_id")
         hashes = _bytes_list(hashes, "hashes")
         size = len(hashes[0]) if hashes else 8

@@ -446,10 +446,13 @@ pub extern "C" fn kvcs_worker_add_stored(
 }
 
 /// Checksums `blocks` (every column, as `KVCS_ROLE_CONSUMER`) and writes,
-/// for each block holding a valid token, its stored checksum `sum XOR tag`
-/// and the stamp of the worker's configuration into its group's buffer,
-/// `tag` binding it to the block hash given with `kvcs_blocks_set_hashes`
-/// and to the group (docs/SPEC.md#8-stored-checksums-for-offloaded-kv).
+/// for each block holding a valid token, its entry into its group's buffer
+/// (docs/SPEC.md#8-stored-checksums-for-offloaded-kv): the value `sum XOR
+/// tag`, `tag` binding it to the block hash given with
+/// `kvcs_blocks_set_hashes` and to the group, then the stamp naming the
+/// worker's configuration, algorithm and the block's valid tokens, with a
+/// check binding both words to the block hash (so that a damaged entry
+/// fails rather than reading as another configuration).
 /// Every group of `blocks` that the worker does not skip needs a buffer and
 /// block hashes, every block id must be inside the buffer, and a block id
 /// that stands at several places of the call must stand at the same
@@ -519,7 +522,10 @@ pub extern "C" fn kvcs_worker_check_stored(
 /// LE_u64(hash_i[0..8]) XOR` the worker's fingerprint of the group, for the
 /// `n` hashes of `hash_bytes` bytes (at least 8) at `hashes`. Store `sum XOR
 /// tag`, where `sum` adds a block's columns in a `kvcs_worker_checksum`
-/// result (as `KVCS_ROLE_CONSUMER`).
+/// result (as `KVCS_ROLE_CONSUMER`). The value alone cannot tell a
+/// configuration change (other layers, heads, block size, algorithm) or a
+/// partial block from corruption: `kvcs_result_entries` gives the whole
+/// entry, value and stamp, and `kvcs_result_check_entries` judges it.
 #[no_mangle]
 pub extern "C" fn kvcs_block_tags(
     worker: *const kvcs_worker,
