@@ -24,7 +24,7 @@ use crate::fingerprint::group_fingerprint;
 use crate::layout::Role;
 use crate::layout::{Group, Layout, StoredBuffer};
 use crate::result::{Checksums, GroupInfo, Placement, Shape, StoredExpectation, StoredRef};
-use crate::stored_entry::{block_tag, entry, entry_key, EntryConfig, StoredOutcome};
+use crate::stored_entry::{block_tag, entry, entry_key, Digests, EntryConfig, EntryReader, StoredOutcome};
 
 /// One (request, group) that a store or load check covers.
 struct Target<'a> {
@@ -38,6 +38,8 @@ struct Target<'a> {
     /// The worker's configuration of the group (fingerprint, coverage of
     /// all its columns, block size, algorithm), which entries name.
     config: EntryConfig,
+    /// Its digests (the configuration hashed once per target).
+    digests: Digests,
 }
 
 impl Target<'_> {
@@ -79,7 +81,7 @@ impl Target<'_> {
 
     /// The digest of the entry at index `i`.
     fn digest(&self, i: usize) -> u32 {
-        self.config.digest(self.tokens(i))
+        self.digests.digest(self.tokens(i))
     }
 
     /// What a load check expects at index `i`, whose value is the `index`-th read back.
@@ -155,6 +157,13 @@ fn targets<'a>(
                 Ok(i) => (infos[i].fingerprint, total_coverage(&infos[i].coverage)),
                 Err(_) => (group_fingerprint(group), total_coverage(&group.coverage())),
             };
+            let config = EntryConfig {
+                fingerprint,
+                coverage,
+                block_size: group.block_size,
+                algorithm,
+                state: group.is_state(),
+            };
             let target = Target {
                 index: index - 1,
                 request,
@@ -162,13 +171,8 @@ fn targets<'a>(
                 hashes,
                 group,
                 buffer,
-                config: EntryConfig {
-                    fingerprint,
-                    coverage,
-                    block_size: group.block_size,
-                    algorithm,
-                    state: group.is_state(),
-                },
+                config,
+                digests: config.digests(),
             };
             targets.push(target);
         }
@@ -297,6 +301,9 @@ fn checked_positions(
 ) -> Vec<StoredExpectation> {
     let mut count = 0usize;
     let mut expectations = Vec::with_capacity(if expect { targets.len() } else { 0 });
+    // One reader per group (a call has few): every request's target of a
+    // group has its configuration.
+    let mut readers: Vec<(u32, std::sync::Arc<EntryReader>)> = Vec::new();
     for (t, target) in targets.iter().enumerate() {
         let block_ids = &target.blocks.block_ids;
         let checked = target.checked_positions();
@@ -318,7 +325,14 @@ fn checked_positions(
             req_id: target.request.req_id.clone(),
             group_id: target.blocks.group_id,
             expected,
-            reader: std::sync::Arc::new(target.config.reader()),
+            reader: match readers.iter().find(|(group_id, _)| *group_id == target.blocks.group_id) {
+                Some((_, reader)) => reader.clone(),
+                None => {
+                    let reader = std::sync::Arc::new(target.config.reader());
+                    readers.push((target.blocks.group_id, reader.clone()));
+                    reader
+                }
+            },
         });
     }
     expectations
@@ -377,11 +391,18 @@ pub fn device_work(
     let expectations = checked_positions(&targets, mode == StoredMode::Gather, |t, i, block_id| {
         let target = &targets[t];
         let (values_offset, num_columns) = places[t];
-        let digest = target.digest(i);
+        // A gather reads the entry back: it needs no key or digest.
+        let (key, digest) = match mode {
+            StoredMode::Store => {
+                let digest = target.digest(i);
+                (entry_key(target.hashes[i], digest), digest)
+            }
+            StoredMode::Gather => (0, 0),
+        };
         items.push(DevStoredItem {
             tag: target.tag(i),
             address: target.slot(block_id) as usize as u64,
-            key: entry_key(target.hashes[i], digest),
+            key,
             out: (values_offset + i) as u32,
             column_stride: target.blocks.block_ids.len() as u32,
             num_columns,
@@ -459,12 +480,13 @@ fn result_positions(result: &Checksums, req_id: &str, group_id: u32) -> Result<R
 /// For connectors that keep stored checksums themselves.
 pub fn result_entries(result: &Checksums, req_id: &str, group_id: u32) -> Result<Vec<(u64, u64)>> {
     let found = result_positions(result, req_id, group_id)?;
+    let digests = found.config.digests();
     Ok(found
         .positions
         .iter()
         .zip(&found.sums)
         .map(|(position, &sum)| match *position {
-            Some((hash, tag, tokens)) => entry(sum, tag, hash, found.config.digest(tokens)),
+            Some((hash, tag, tokens)) => entry(sum, tag, hash, digests.digest(tokens)),
             None => (0, 0),
         })
         .collect())

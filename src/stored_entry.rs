@@ -98,7 +98,16 @@ pub struct EntryConfig {
 
 /// Algorithm ids a load check tells apart (those this library knows).
 fn known_algorithms() -> impl Iterator<Item = u32> {
-    (1..=64u64).filter_map(Algorithm::from_code).map(Algorithm::code)
+    static KNOWN: std::sync::OnceLock<Vec<u32>> = std::sync::OnceLock::new();
+    KNOWN
+        .get_or_init(|| {
+            (1..=64u64)
+                .filter_map(Algorithm::from_code)
+                .map(Algorithm::code)
+                .collect()
+        })
+        .iter()
+        .copied()
 }
 
 impl EntryConfig {
@@ -120,11 +129,13 @@ impl EntryConfig {
         }
     }
 
-    /// The digest of an entry of this configuration for a position counting
-    /// `tokens` ([`EntryConfig::tokens`]): `(config(algorithm) >> 32) XOR
-    /// tokens`.
-    pub fn digest(&self, tokens: u32) -> u32 {
-        self.base(self.algorithm.code()) ^ tokens
+    /// The digests of this configuration's entries, for many positions
+    /// (the configuration hashed once): a position counting `tokens`
+    /// ([`EntryConfig::tokens`]) has `(config(algorithm) >> 32) XOR tokens`.
+    pub fn digests(&self) -> Digests {
+        Digests {
+            base: self.base(self.algorithm.code()),
+        }
     }
 
     /// The stamp kvcsum 0.2.0 wrote for this configuration under algorithm
@@ -144,6 +155,20 @@ impl EntryConfig {
             legacy: known_algorithms().map(|a| (a, self.legacy_stamp(a))).collect(),
             max_tokens: if self.state { 0 } else { self.block_size },
         }
+    }
+}
+
+/// The digests of one configuration's entries ([`EntryConfig::digests`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Digests {
+    /// `config(algorithm) >> 32`.
+    base: u32,
+}
+
+impl Digests {
+    /// The digest of a position counting `tokens`.
+    pub fn digest(&self, tokens: u32) -> u32 {
+        self.base ^ tokens
     }
 }
 
@@ -264,7 +289,7 @@ mod tests {
                 state: false,
             };
             let tag = block_tag(hash, config.fingerprint);
-            let got = entry(sum, tag, hash, config.digest(tokens));
+            let got = entry(sum, tag, hash, config.digests().digest(tokens));
             assert_eq!(
                 got,
                 (0x9001_7623_dccd_ba66, stamp),
@@ -299,7 +324,7 @@ mod tests {
             let (hash, sum) = (random(&mut state), random(&mut state));
             let tag = hash ^ config.fingerprint;
             let stored = 1 + (random(&mut state) % config.block_size as u64) as u32;
-            let entry = entry(sum, tag, hash, config.digest(stored));
+            let entry = entry(sum, tag, hash, config.digests().digest(stored));
             let reader = config.reader();
             assert_eq!(reader.judge(hash, tag, stored, sum, entry), StoredOutcome::Matched);
             assert_eq!(reader.judge(hash, tag, stored, sum ^ 1, entry), StoredOutcome::Failed);
