@@ -5,8 +5,9 @@
 //! A store writes each item's entry to its block's 16 bytes (device memory
 //! of the worker's device or pinned host memory): `sum ^ tag`, then the
 //! stamp, the item's digest under the check the kernel computes from the
-//! value and the item's key (`crate::stored_entry`); a load check gathers each item's stored value and stamp into the
-//! call's slot, which the result compares once the event completed. The
+//! value and the item's key (`crate::stored_entry`); a load check gathers
+//! each item's stored value and stamp into the call's slot, which the
+//! result compares once the event completed. The
 //! items travel in the slot's mapped pinned memory, so they live until the
 //! event completes (a slot whose result is dropped early is parked until
 //! then). The caller (the module `stored`, above this one) builds the items
