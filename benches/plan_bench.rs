@@ -8,9 +8,9 @@
 //!
 //! The layout: a host worker with 32 layers, 8 KV heads, head size 128,
 //! bf16, 16-token blocks in HND (`[num_blocks, 2, heads, 16, head_size]` per
-//! layer), one group. Its region is registered at an address where nothing
-//! is mapped: no call here reads cache memory, so none may be made that
-//! does. The cases, as gpu_bench's: 1 request of 1 block, and 128 requests
+//! layer), one group. Its region is address space reserved without access
+//! (`PROT_NONE`): mapped, as a host worker's regions must be, but no call
+//! here reads cache memory, so none may be made that does. The cases, as gpu_bench's: 1 request of 1 block, and 128 requests
 //! of 16 distinct random blocks each.
 //!
 //! Times include dropping what the call made (a call drops its plan; the
@@ -33,8 +33,8 @@ const BLOCK_SIZE: u32 = 16;
 const HALF_BLOCK_BYTES: u64 = BLOCK_SIZE as u64 * KV_HEADS as u64 * HEAD_BYTES;
 /// Blocks per layer; more than the largest case reads, so ids are scattered.
 const NUM_BLOCKS: u32 = 4096;
-/// Where the (never read) cache is said to be.
-const CACHE_ADDRESS: u64 = 0x7000_0000_0000;
+/// Bytes of stored checksums, just below the cache.
+const STORED_BYTES: u64 = 16 * NUM_BLOCKS as u64;
 /// Calls timed per repetition.
 const CALLS: usize = 2001;
 
@@ -48,15 +48,16 @@ fn worker() -> Worker {
     })
     .expect("host worker");
     let layer_bytes = 2 * HALF_BLOCK_BYTES * NUM_BLOCKS as u64;
+    let cache_address = reserve(STORED_BYTES + layer_bytes * LAYERS as u64) + STORED_BYTES;
     worker
         .add_region(Region {
-            address: CACHE_ADDRESS,
+            address: cache_address,
             length: layer_bytes * LAYERS as u64,
         })
         .unwrap();
     worker.add_group(0, BLOCK_SIZE).unwrap();
     for layer in 0..LAYERS {
-        let base = CACHE_ADDRESS + layer as u64 * layer_bytes;
+        let base = cache_address + layer as u64 * layer_bytes;
         let segments = [base, base + HALF_BLOCK_BYTES]
             .into_iter()
             .map(|address| Segment {
@@ -88,17 +89,34 @@ fn worker() -> Worker {
     }
     // A buffer of stored checksums that nothing reads here, 16 bytes per
     // block id just below the cache, in a region of its own.
-    let stored_bytes = 16 * NUM_BLOCKS as u64;
     worker
         .add_region(Region {
-            address: CACHE_ADDRESS - stored_bytes,
-            length: stored_bytes,
+            address: cache_address - STORED_BYTES,
+            length: STORED_BYTES,
         })
         .unwrap();
     worker
-        .add_stored(0, CACHE_ADDRESS - stored_bytes, NUM_BLOCKS as u64)
+        .add_stored(0, cache_address - STORED_BYTES, NUM_BLOCKS as u64)
         .unwrap();
     worker
+}
+
+/// `length` bytes of address space, mapped without access and never
+/// unmapped (the process ends first): reading them would crash.
+fn reserve(length: u64) -> u64 {
+    // SAFETY: a fresh anonymous mapping that nothing else refers to.
+    let address = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            length as usize,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(address, libc::MAP_FAILED, "reserving {length} bytes");
+    address as u64
 }
 
 /// `requests` requests of `blocks_per_request` distinct random block ids.

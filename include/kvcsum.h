@@ -305,12 +305,21 @@ enum kvcs_stored_outcome
   KVCS_STORED_MATCHED = 1,
   // Not checked: the position holds no valid token.
   KVCS_STORED_NOT_CHECKED = 2,
-  // Not compared: the value was stored by a worker whose group has
-  // other layers or identities (another fingerprint), or its stamp is
-  // damaged; a configuration change, judged unverified (SPEC section 8).
+  // Not compared: a clean entry stored by a worker whose group has other
+  // layers, identities, heads or block size (another fingerprint); a
+  // configuration change, judged unverified (SPEC section 8). A damaged
+  // entry fails instead.
   KVCS_STORED_OTHER_FINGERPRINT = 3,
   // Not compared: the value was stored with another checksum algorithm.
   KVCS_STORED_OTHER_ALGORITHM = 4,
+  // Not compared: stored when the block held another number of valid
+  // tokens (a partial last block stored, the request longer when loaded).
+  KVCS_STORED_OTHER_TOKENS = 5,
+  // Not compared: an entry of kvcsum 0.2.0's format, stored under this
+  // configuration, whose value does not match (that format cannot tell
+  // corruption from another token count). One whose value matches is
+  // `KVCS_STORED_MATCHED`.
+  KVCS_STORED_OTHER_FORMAT = 6,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -1273,6 +1282,19 @@ typedef kvcs_status (*kvcs_worker_set_layer_decoding_fn)(kvcs_worker *worker,
                                                          uint64_t k_scale_bits,
                                                          uint64_t v_scale_bits);
 
+// The type of `kvcs_result_entries`.
+typedef kvcs_status (*kvcs_result_entries_fn)(const kvcs_result *result,
+                                              const char *req_id,
+                                              uint32_t group_id,
+                                              uint64_t *entries);
+
+// The type of `kvcs_result_check_entries`.
+typedef kvcs_status (*kvcs_result_check_entries_fn)(const kvcs_result *result,
+                                                    const char *req_id,
+                                                    uint32_t group_id,
+                                                    const uint64_t *entries,
+                                                    uint8_t *outcomes);
+
 // Every call of the library as one table of function pointers, for a
 // program that loads kvcsum at run time: it resolves the one symbol
 // `kvcs_api_get` and calls through the table, whose entries the compiler
@@ -1518,6 +1540,10 @@ typedef struct {
   kvcs_payload_decoding_fn kvcs_payload_decoding;
   // Slot 113: `kvcs_worker_set_layer_decoding`.
   kvcs_worker_set_layer_decoding_fn kvcs_worker_set_layer_decoding;
+  // Slot 114: `kvcs_result_entries`.
+  kvcs_result_entries_fn kvcs_result_entries;
+  // Slot 115: `kvcs_result_check_entries`.
+  kvcs_result_check_entries_fn kvcs_result_check_entries;
 } kvcs_api;
 
 // The type of `kvcs_api_get`.
@@ -1648,9 +1674,13 @@ kvcs_status kvcs_completion_clear_invalid_blocks(kvcs_completion *completion);
 // `element_size` 0; D not contiguous (stride other than `element_size`
 // where it has more than one element); K of a size other than 2; both a
 // K letter and `v`; `kernel_blocks` 0 or not dividing B; `v` differing
-// from `cache` in B, T or H; a field that does not fit its type. Nothing
-// is read at `address`; `kvcs_worker_add_layer` checks the rest
-// (alignment, bytes per token a multiple of 8, registered regions).
+// from `cache` in B, T or H; a field that does not fit its type; a view
+// whose distinct cells share bytes (a stride of 0 over a dimension of size
+// above 1, as torch's `expand()` and numpy's `broadcast_to` make, K of
+// stride 0, tokens closer than a cell, `v` over the cache: the rule of
+// `kvcs_worker_add_layer`). Nothing is read at `address`;
+// `kvcs_worker_add_layer` checks the rest (alignment, bytes per token a
+// multiple of 8, registered regions).
 kvcs_status kvcs_layer_from_layout(const char *layout,
                                    const kvcs_tensor *cache,
                                    const kvcs_tensor *v,
@@ -1797,7 +1827,9 @@ kvcs_status kvcs_report_reason(const kvcs_report *report, uint32_t *reason);
 kvcs_status kvcs_report_message(const kvcs_report *report, const char **message);
 
 // Block positions compared, over all groups (in runs where block sizes
-// differ).
+// differ), those that differ included: a payload check counts every
+// position it compared, an offload load check (`kvcs_verifier_check_stored`)
+// every position checked by every worker or failed by some.
 kvcs_status kvcs_report_compared_positions(const kvcs_report *report, uint64_t *positions);
 
 // The consumer's loaded block positions (holding valid tokens, in the
@@ -1890,6 +1922,43 @@ kvcs_status kvcs_result_stored(const kvcs_result *result,
                                const char *req_id,
                                uint32_t group_id,
                                uint8_t *outcomes);
+
+// The entries of docs/SPEC.md#8-stored-checksums-for-offloaded-kv that
+// `kvcs_worker_store` would write for group `group_id` of request `req_id`
+// of `result`, for connectors that keep stored checksums themselves: two
+// words per block position (`num_positions` of `kvcs_result_group`)
+// written to `entries`, the value (`sum XOR tag`) then the stamp (the
+// configuration, algorithm and valid tokens that computed it, with a check
+// binding them to the block hash), as numbers (a buffer of
+// `kvcs_worker_add_stored` holds them little-endian). A position holding no
+// valid token gets `(0, 0)`: a store writes nothing there. Keep both words
+// with the block and judge them with `kvcs_result_check_entries`: the
+// value alone cannot tell a configuration change from corruption.
+//
+// `result` is a `kvcs_worker_checksum` of `KVCS_ROLE_CONSUMER` (every
+// column; `KVCS_ERR_INVALID_ARGUMENT` for a producer's) of blocks with
+// block hashes (`kvcs_blocks_set_hashes`; `KVCS_ERR_INVALID_ARGUMENT`
+// without). `KVCS_ERR_NOT_FOUND` for a request or group not in it (or
+// skipped), `KVCS_ERR_NOT_READY` while a device computes.
+kvcs_status kvcs_result_entries(const kvcs_result *result,
+                                const char *req_id,
+                                uint32_t group_id,
+                                uint64_t *entries);
+
+// The load check of docs/SPEC.md#8-stored-checksums-for-offloaded-kv
+// against entries the caller kept (`kvcs_result_entries` of the stored
+// blocks, copied with them): `entries` holds two words per block position
+// of group `group_id` of request `req_id` (value, stamp), and `outcomes`
+// gets one `kvcs_stored_outcome` per position, as `kvcs_result_stored`
+// gives them after `kvcs_worker_check_stored`: matched, failed (the data
+// or the entry changed, or it is another block's), not checked, or not
+// compared because another configuration, algorithm, valid-token count or
+// format stored it. Requirements and errors as `kvcs_result_entries`.
+kvcs_status kvcs_result_check_entries(const kvcs_result *result,
+                                      const char *req_id,
+                                      uint32_t group_id,
+                                      const uint64_t *entries,
+                                      uint8_t *outcomes);
 
 // Frees a result. NULL is a no-op. Safe while a device is still computing.
 void kvcs_result_destroy(kvcs_result *result);
@@ -2266,8 +2335,13 @@ void kvcs_worker_destroy(kvcs_worker *worker);
 // address space give `KVCS_ERR_INVALID_ARGUMENT`. A device worker checks
 // the range against CUDA: memory CUDA does not know (a plain host pointer)
 // gives `KVCS_ERR_INVALID_ARGUMENT`, a range past the end of its
-// allocation `KVCS_ERR_OUT_OF_BOUNDS`. A host worker cannot check host
-// memory otherwise and trusts the caller.
+// allocation `KVCS_ERR_OUT_OF_BOUNDS`. A host worker checks that every page
+// of the range is mapped in the process (`mincore`, one call per 16 MiB of
+// 4 KiB pages; nothing is read): an unmapped first page (address 8, memory
+// already freed) gives `KVCS_ERR_INVALID_ARGUMENT`, a range running past a
+// mapping `KVCS_ERR_OUT_OF_BOUNDS` naming the first unmapped page. A
+// mapping without read permission (`PROT_NONE`) is not told apart: the
+// caller keeps the memory readable.
 kvcs_status kvcs_worker_add_region(kvcs_worker *worker, uint64_t address, uint64_t length);
 
 // Registers group `group_id` with `block_size` tokens per logical block.
@@ -2279,8 +2353,14 @@ kvcs_status kvcs_worker_add_group(kvcs_worker *worker, uint32_t group_id, uint32
 kvcs_status kvcs_worker_skip_group(kvcs_worker *worker, uint32_t group_id, const char *reason);
 
 // Registers an attention layer's cache. Every byte it can reach must lie in
-// one registered region (else `KVCS_ERR_OUT_OF_BOUNDS`); on any error
-// nothing is registered. A device worker uploads the descriptors here.
+// one registered region (else `KVCS_ERR_OUT_OF_BOUNDS`). Distinct cells
+// must not share a byte (docs/SPEC.md#14-layout-strings; else
+// `KVCS_ERR_INVALID_ARGUMENT`): within a segment, its dimensions of size
+// above 1 sorted by |stride| each step at least the bytes those below it
+// span (no stride of 0 over several heads, tokens or blocks); two segments
+// (K, V) reach disjoint bytes, or share strides with V beside K's cell or a
+// whole step away. On any error nothing is registered. A device worker
+// uploads the descriptors here.
 kvcs_status kvcs_worker_add_layer(kvcs_worker *worker, const kvcs_layer *layer);
 
 // Registers a state layer (docs/SPEC.md#6-state-mamba-groups). A request's state is one block
@@ -2379,10 +2459,13 @@ kvcs_status kvcs_worker_add_stored(kvcs_worker *worker,
                                    uint64_t num_blocks);
 
 // Checksums `blocks` (every column, as `KVCS_ROLE_CONSUMER`) and writes,
-// for each block holding a valid token, its stored checksum `sum XOR tag`
-// and the stamp of the worker's configuration into its group's buffer,
-// `tag` binding it to the block hash given with `kvcs_blocks_set_hashes`
-// and to the group (docs/SPEC.md#8-stored-checksums-for-offloaded-kv).
+// for each block holding a valid token, its entry into its group's buffer
+// (docs/SPEC.md#8-stored-checksums-for-offloaded-kv): the value `sum XOR
+// tag`, `tag` binding it to the block hash given with
+// `kvcs_blocks_set_hashes` and to the group, then the stamp naming the
+// worker's configuration, algorithm and the block's valid tokens, with a
+// check binding both words to the block hash (so that a damaged entry
+// fails rather than reading as another configuration).
 // Every group of `blocks` that the worker does not skip needs a buffer and
 // block hashes, every block id must be inside the buffer, and a block id
 // that stands at several places of the call must stand at the same
@@ -2414,7 +2497,10 @@ kvcs_status kvcs_worker_check_stored(kvcs_worker *worker,
 // LE_u64(hash_i[0..8]) XOR` the worker's fingerprint of the group, for the
 // `n` hashes of `hash_bytes` bytes (at least 8) at `hashes`. Store `sum XOR
 // tag`, where `sum` adds a block's columns in a `kvcs_worker_checksum`
-// result (as `KVCS_ROLE_CONSUMER`).
+// result (as `KVCS_ROLE_CONSUMER`). The value alone cannot tell a
+// configuration change (other layers, heads, block size, algorithm) or a
+// partial block from corruption: `kvcs_result_entries` gives the whole
+// entry, value and stamp, and `kvcs_result_check_entries` judges it.
 kvcs_status kvcs_block_tags(const kvcs_worker *worker,
                             uint32_t group_id,
                             const uint8_t *hashes,

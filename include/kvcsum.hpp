@@ -233,10 +233,15 @@ enum class stored_outcome : uint8_t {
   matched = KVCS_STORED_MATCHED,
   /// Not checked: the position holds no valid token.
   not_checked = KVCS_STORED_NOT_CHECKED,
-  /// Not compared: stored under another fingerprint, or a damaged stamp.
+  /// Not compared: a clean entry stored under another configuration (other
+  /// layers, identities, heads or block size). A damaged entry fails.
   other_fingerprint = KVCS_STORED_OTHER_FINGERPRINT,
   /// Not compared: stored with another checksum algorithm.
   other_algorithm = KVCS_STORED_OTHER_ALGORITHM,
+  /// Not compared: stored holding another number of valid tokens (a partial block).
+  other_tokens = KVCS_STORED_OTHER_TOKENS,
+  /// Not compared: kvcsum 0.2.0's format, its value not matching.
+  other_format = KVCS_STORED_OTHER_FORMAT,
 };
 
 /// What a verifier does with an unverified load (kvcs_policy).
@@ -290,6 +295,8 @@ inline std::string to_string(stored_outcome value) {
     case stored_outcome::not_checked: return "KVCS_STORED_NOT_CHECKED";
     case stored_outcome::other_fingerprint: return "KVCS_STORED_OTHER_FINGERPRINT";
     case stored_outcome::other_algorithm: return "KVCS_STORED_OTHER_ALGORITHM";
+    case stored_outcome::other_tokens: return "KVCS_STORED_OTHER_TOKENS";
+    case stored_outcome::other_format: return "KVCS_STORED_OTHER_FORMAT";
   }
   return "unknown kvcs_stored_outcome";
 }
@@ -583,6 +590,35 @@ class result : public detail::owner<kvcs_result, kvcs_result_destroy> {
     size_t positions = num_positions(req_id, group_id);
     std::vector<uint8_t> outcomes(positions + 1);  // never empty, so never NULL
     check(kvcs_result_stored(get(), req_id.c_str(), group_id, outcomes.data()));
+    outcomes.resize(positions);
+    std::vector<stored_outcome> out;
+    out.reserve(outcomes.size());
+    for (uint8_t outcome : outcomes) {
+      out.push_back(static_cast<stored_outcome>(outcome));
+    }
+    return out;
+  }
+  /// The entries a store of these blocks would write for a group, value
+  /// then stamp per position, for connectors that keep them themselves
+  /// (kvcs_result_entries): 2 * num_positions words.
+  std::vector<uint64_t> entries(const std::string &req_id, uint32_t group_id) const {
+    size_t positions = num_positions(req_id, group_id);
+    std::vector<uint64_t> words(2 * positions + 1);  // never empty, so never NULL
+    check(kvcs_result_entries(get(), req_id.c_str(), group_id, words.data()));
+    words.resize(2 * positions);
+    return words;
+  }
+  /// The load check against entries kept by the caller, 2 * num_positions
+  /// words as entries() gave them (kvcs_result_check_entries).
+  std::vector<stored_outcome> check_entries(const std::string &req_id, uint32_t group_id,
+                                            view<uint64_t> entries) const {
+    size_t positions = num_positions(req_id, group_id);
+    if (entries.size() != 2 * positions) {
+      throw error(KVCS_ERR_INVALID_ARGUMENT, "entries holds " + std::to_string(entries.size()) + " words for " +
+                                                 std::to_string(positions) + " positions (2 each)");
+    }
+    std::vector<uint8_t> outcomes(positions + 1);  // never empty, so never NULL
+    check(kvcs_result_check_entries(get(), req_id.c_str(), group_id, entries.data(), outcomes.data()));
     outcomes.resize(positions);
     std::vector<stored_outcome> out;
     out.reserve(outcomes.size());

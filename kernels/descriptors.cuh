@@ -112,11 +112,11 @@ struct kvcs_dev_call {
 struct kvcs_dev_stored_item {
     kvcs_u64 tag;                         // store: block hash ^ group fingerprint, XORed into the sum
     kvcs_u64 address;                     // the block's 16 bytes of stored checksum: value, stamp (device or mapped host memory)
-    kvcs_u64 stamp;                       // store: the configuration stamp written after the value
+    kvcs_u64 key;                         // store: binds the entry to its block hash and digest (the stamp's check)
     kvcs_u32 out;                         // store: value index of column 0
     kvcs_u32 column_stride;               // store: value distance between columns
     kvcs_u32 num_columns;                 // store: columns summed
-    kvcs_u32 reserved;
+    kvcs_u32 digest;                      // store: the stamp's low 32 bits (configuration and valid tokens)
 };
 
 // The one parameter of the stored-checksum kernel.
@@ -125,7 +125,7 @@ struct kvcs_dev_stored_call {
     const kvcs_u64 *values;               // store: the values kvcs_checksum published
     kvcs_u64 *gathered;                   // gather: two words per item, value and stamp (mapped pinned host memory)
     kvcs_u32 num_items;
-    kvcs_u32 gather;                      // 0: write sum ^ tag and the stamp to each item's address; 1: read both into gathered
+    kvcs_u32 gather;                      // 0: write the entry (sum ^ tag, then the stamp) to each item's address; 1: read both into gathered
 };
 
 // A state tensor of one state layer (SPEC section 6) as this worker holds

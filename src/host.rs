@@ -17,7 +17,7 @@ use std::sync::OnceLock;
 
 use crate::checksum::{piece_value, piece_weight, run_checksum, slice_weight, Algorithm, PIECE_BYTES};
 use crate::error::{err, Result};
-use crate::layout::{Layer, Layout, Role, Segment};
+use crate::layout::{Layer, Layout, Region, Role, Segment};
 use crate::plan::{Plan, Row};
 use crate::pool::Pool;
 
@@ -378,6 +378,124 @@ fn prefetch_row(row: &[u64], offset: i64) {
 
 /// Lanes of [`RowSums`]: eight pieces, one cache line.
 const LANES: usize = 8;
+
+/// Pages whose residency one `mincore` call reports: the vector it fills
+/// is one byte per page, so a region of any size is checked with this
+/// fixed buffer (16 MiB of 4 KiB pages per call; a 100 GiB region takes
+/// 1,600 calls).
+const MINCORE_PAGES: usize = 4096;
+
+/// Fails unless every page of `region` (host memory) is mapped in this
+/// process, so that a host worker never registers memory whose reading
+/// would crash it (address 8, a freed mapping, a range running past a
+/// mapping). `mincore` answers `ENOMEM` for a range holding an unmapped
+/// page; it reads no byte of the region and costs one call per
+/// [`MINCORE_PAGES`] pages. A mapping without read permission
+/// (`PROT_NONE`) is mapped, and is not told apart here.
+///
+/// `InvalidArgument` when the region's first page is not mapped (as for
+/// address 0, it is no memory at all); `OutOfBounds` when a later page is
+/// not, naming that page (the region runs past the memory given).
+pub fn check_mapped(region: Region) -> Result<()> {
+    let page = page_size();
+    let start = region.address - region.address % page;
+    // The region's end does not wrap (checked before), but rounding it up
+    // to a page can: such a range is no mapped memory either.
+    let Some(end) = region
+        .address
+        .checked_add(region.length)
+        .and_then(|end| end.checked_next_multiple_of(page))
+    else {
+        return Err(not_mapped(region, region.address));
+    };
+    let mut residency = [0u8; MINCORE_PAGES];
+    let mut at = start;
+    while at < end {
+        let pages = ((end - at) / page).min(MINCORE_PAGES as u64);
+        if !pages_mapped(at, pages * page, &mut residency)? {
+            // Some page of this chunk is unmapped: find the first by halving,
+            // keeping `at .. at + mapped pages` mapped and `at .. at +
+            // unmapped pages` not.
+            let (mut mapped, mut unmapped) = (0u64, pages);
+            while unmapped - mapped > 1 {
+                let middle = (mapped + unmapped) / 2;
+                if pages_mapped(at, middle * page, &mut residency)? {
+                    mapped = middle;
+                } else {
+                    unmapped = middle;
+                }
+            }
+            let first_unmapped = at + mapped * page;
+            return Err(not_mapped(region, first_unmapped));
+        }
+        at += pages * page;
+    }
+    Ok(())
+}
+
+/// The error for `region`, whose page at `unmapped` is not mapped.
+fn not_mapped(region: Region, unmapped: u64) -> crate::error::Error {
+    let page = page_size();
+    if unmapped <= region.address - region.address % page {
+        err!(
+            InvalidArgument,
+            "address {:#x} (region of length {}) is not mapped memory of this process; a host worker would read it and crash",
+            region.address,
+            region.length
+        )
+    } else {
+        err!(
+            OutOfBounds,
+            "region at address {:#x} of length {} runs past mapped memory: the page at {unmapped:#x} is not mapped",
+            region.address,
+            region.length
+        )
+    }
+}
+
+/// Whether the `length` bytes (whole pages) at page-aligned `address` are
+/// all mapped: `mincore` over them, `residency` holding a byte per page.
+fn pages_mapped(address: u64, length: u64, residency: &mut [u8; MINCORE_PAGES]) -> Result<bool> {
+    if length == 0 {
+        return Ok(true);
+    }
+    loop {
+        // SAFETY: mincore reads no memory at `address`, only the page
+        // tables; it writes one byte per page of `length` (at most
+        // MINCORE_PAGES, the callers' bound) into `residency`.
+        let status = unsafe {
+            libc::mincore(
+                address as usize as *mut libc::c_void,
+                length as usize,
+                residency.as_mut_ptr().cast(),
+            )
+        };
+        if status == 0 {
+            return Ok(true);
+        }
+        match std::io::Error::last_os_error().raw_os_error() {
+            Some(libc::ENOMEM) => return Ok(false),
+            // The kernel was short of memory for a moment: ask again.
+            Some(libc::EAGAIN) => continue,
+            other => {
+                return Err(err!(
+                    Internal,
+                    "mincore({address:#x}, {length}) failed with errno {other:?}"
+                ))
+            }
+        }
+    }
+}
+
+/// The size of a page of this process's memory.
+fn page_size() -> u64 {
+    static PAGE: OnceLock<u64> = OnceLock::new();
+    // SAFETY: sysconf reads a constant of the system.
+    *PAGE.get_or_init(|| match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+        size if size > 0 => size as u64,
+        _ => 4096,
+    })
+}
 
 /// Running sums over the rows (one head's pieces of one token) of a slice,
 /// from which [`RowSums::weighted`] gives their slice-checksum contribution

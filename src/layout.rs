@@ -730,9 +730,15 @@ impl Layout {
         let mut segment_piece_offsets = Vec::with_capacity(spec.segments.len());
         let mut pieces_per_token = 0u64;
         for (index, segment) in spec.segments.iter().enumerate() {
-            self.check_segment(&spec, index, segment)?;
+            check_segment_fields(&spec, index, segment)?;
             segment_piece_offsets.push(pieces_per_token);
             pieces_per_token += segment.bytes_per_token as u64 / PIECE_BYTES;
+        }
+        // Cells that share bytes are refused whatever memory they lie in.
+        check_cells_disjoint(&CellCounts::of(&spec), &spec.segments, &SEGMENT_NAMES)
+            .map_err(|e| e.with_context(&format!("layer_number {layer_number}")))?;
+        for (index, segment) in spec.segments.iter().enumerate() {
+            self.check_segment_memory(&spec, index, segment)?;
         }
         if let Some(&group_id) = self.cacheless.get(&layer_number) {
             return Err(err!(
@@ -763,30 +769,10 @@ impl Layout {
         })
     }
 
-    fn check_segment(&self, spec: &LayerSpec, index: usize, segment: &Segment) -> Result<()> {
+    /// Fails unless the segment's cells lie in a registered region and
+    /// overlap no buffer of stored checksums.
+    fn check_segment_memory(&self, spec: &LayerSpec, index: usize, segment: &Segment) -> Result<()> {
         let layer_number = spec.layer_number;
-        let bytes = segment.bytes_per_token;
-        if bytes == 0 || !(bytes as u64).is_multiple_of(PIECE_BYTES) {
-            return Err(err!(
-                InvalidArgument,
-                "segments[{index}].bytes_per_token {bytes} is not a positive multiple of 8 (layer_number {layer_number})"
-            ));
-        }
-        let fields = [
-            ("address", segment.address as i128),
-            ("block_stride", segment.block_stride as i128),
-            ("kernel_block_stride", segment.kernel_block_stride as i128),
-            ("head_stride", segment.head_stride as i128),
-            ("token_stride", segment.token_stride as i128),
-        ];
-        for (name, value) in fields {
-            if value % PIECE_BYTES as i128 != 0 {
-                return Err(err!(
-                    Unsupported,
-                    "segments[{index}].{name} {value} is not a multiple of 8 (layer_number {layer_number})"
-                ));
-            }
-        }
         let (low, high) = reachable_bytes(spec, segment);
         if !self.in_region(low, high) {
             return Err(err!(
@@ -843,22 +829,239 @@ impl Layout {
     }
 }
 
-/// `value` in hex with its sign: `-0x40`, not the two's complement.
-fn signed_hex(value: i128) -> String {
-    if value < 0 {
-        format!("-{:#x}", value.unsigned_abs())
-    } else {
-        format!("{value:#x}")
+/// Fails unless the segment's fields are a cell of whole pieces at 8-byte
+/// aligned addresses (SPEC section 1).
+fn check_segment_fields(spec: &LayerSpec, index: usize, segment: &Segment) -> Result<()> {
+    let layer_number = spec.layer_number;
+    let bytes = segment.bytes_per_token;
+    if bytes == 0 || !(bytes as u64).is_multiple_of(PIECE_BYTES) {
+        return Err(err!(
+            InvalidArgument,
+            "segments[{index}].bytes_per_token {bytes} is not a positive multiple of 8 (layer_number {layer_number})"
+        ));
+    }
+    let fields = [
+        ("address", segment.address as i128),
+        ("block_stride", segment.block_stride as i128),
+        ("kernel_block_stride", segment.kernel_block_stride as i128),
+        ("head_stride", segment.head_stride as i128),
+        ("token_stride", segment.token_stride as i128),
+    ];
+    for (name, value) in fields {
+        if value % PIECE_BYTES as i128 != 0 {
+            return Err(err!(
+                Unsupported,
+                "segments[{index}].{name} {value} is not a multiple of 8 (layer_number {layer_number})"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// How many of each index a layer's cells have: what, with a segment's
+/// strides, places its cells (SPEC section 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CellCounts {
+    /// Logical blocks.
+    pub blocks: u32,
+    /// Kernel blocks per logical block.
+    pub kernel_blocks: u32,
+    /// Heads.
+    pub heads: u32,
+    /// Tokens per kernel block.
+    pub tokens: u32,
+}
+
+impl CellCounts {
+    /// The counts of a registered layer.
+    pub fn of(spec: &LayerSpec) -> CellCounts {
+        CellCounts {
+            blocks: spec.num_blocks,
+            kernel_blocks: spec.kernel_blocks,
+            heads: spec.num_heads,
+            tokens: spec.tokens_per_kernel_block,
+        }
     }
 }
 
-/// The half-open byte range `[low, high)` that a segment of `spec` can reach.
-fn reachable_bytes(spec: &LayerSpec, segment: &Segment) -> (i128, i128) {
+/// What errors call a layer's dimensions and segments: the fields of a
+/// segment here, the letters of a layout string in `layout_string`.
+#[derive(Debug, Clone, Copy)]
+pub struct CellNames {
+    /// The block, kernel block, head and token dimensions, in that order.
+    pub dims: [&'static str; 4],
+    /// The first and the second segment.
+    pub segments: [&'static str; 2],
+}
+
+/// A registered layer's names: its segments' fields.
+const SEGMENT_NAMES: CellNames = CellNames {
+    dims: ["block_stride", "kernel_block_stride", "head_stride", "token_stride"],
+    segments: ["segments[0]", "segments[1]"],
+};
+
+/// Fails unless distinct cells of a layer never share a byte (SPEC section
+/// 14): within a segment, the cells of distinct (block, kernel block, head,
+/// token) indices; across two segments (K then V), any two cells. A
+/// dimension of stride 0 and size above 1 (a broadcast view: V aliasing K,
+/// or every token one cell) or cells closer than their size would let both
+/// sides of a transfer read the same bytes twice and others never, and
+/// match while those others are corrupt; no KV cache is laid out so.
+///
+/// The rule, exact and linear in the dimensions: within a segment, its
+/// dimensions of size above 1 sorted by `|stride|`, each `|stride|` is at
+/// least the bytes that one index of it spans (the cell's
+/// `bytes_per_token`, plus `|stride| * (size - 1)` of each dimension
+/// before it). Nested layouts pass it (HND, NHD, kernel blocks, cross-layer
+/// caches, padding, negative strides); an interleaving that would need a
+/// search to prove disjoint is refused. Two segments pass when their
+/// reachable bytes are disjoint, or when some outer dimensions, of equal
+/// strides in both, hold K's and V's cells apart ([`pair_nests`]): K and V
+/// side by side per block, interleaved per cell, or K-then-V as a
+/// dimension of size 2 (FlashInfer's `[blocks, 2, ...]`).
+pub fn check_cells_disjoint(counts: &CellCounts, segments: &[Segment], names: &CellNames) -> Result<()> {
+    let sizes = [counts.blocks, counts.kernel_blocks, counts.heads, counts.tokens];
+    let dims_of = |segment: &Segment| {
+        let strides = [
+            segment.block_stride,
+            segment.kernel_block_stride,
+            segment.head_stride,
+            segment.token_stride,
+        ];
+        let mut dims: Vec<(&'static str, i64, u32)> = names
+            .dims
+            .iter()
+            .zip(strides.into_iter().zip(sizes))
+            .map(|(&name, (stride, size))| (name, stride, size))
+            .collect();
+        dims.retain(|&(_, _, size)| size > 1);
+        dims
+    };
+    for (index, segment) in segments.iter().enumerate() {
+        nested(&dims_of(segment), segment.bytes_per_token as u128).map_err(|overlap| {
+            err!(
+                InvalidArgument,
+                "{}: distinct cells share bytes: {overlap}; a broadcast or overlapping view is no KV cache",
+                names.segments[index]
+            )
+        })?;
+    }
+    let [k, v] = match segments {
+        [k, v] => [k, v],
+        _ => return Ok(()),
+    };
+    let (k_low, k_high) = reach(counts, k);
+    let (v_low, v_high) = reach(counts, v);
+    if k_high <= v_low || v_high <= k_low {
+        return Ok(());
+    }
+    let same_strides = (k.block_stride, k.kernel_block_stride, k.head_stride, k.token_stride)
+        == (v.block_stride, v.kernel_block_stride, v.head_stride, v.token_stride);
+    let distance = v.address as i128 - k.address as i128;
+    if pair_nests(&dims_of(k), &dims_of(v), k, v) {
+        return Ok(());
+    }
+    Err(err!(
+        InvalidArgument,
+        "{} (bytes {}..{}) and {} (bytes {}..{}) share bytes: {}; K and V must not overlap",
+        names.segments[0],
+        signed_hex(k_low),
+        signed_hex(k_high),
+        names.segments[1],
+        signed_hex(v_low),
+        signed_hex(v_high),
+        if same_strides {
+            format!(
+                "with the same strides, V starts {distance} bytes from K, which neither lies beside K's cells nor steps over them"
+            )
+        } else {
+            "their cells interleave without nesting (no outer dimensions of equal strides hold K's and V's cells apart)"
+                .to_owned()
+        }
+    ))
+}
+
+/// Whether K's and V's cells (`k_dims`, `v_dims`: the dimensions of size
+/// above 1 of each, in the same order) provably never share a byte: for
+/// some split of the dimensions into outer ones, of the same stride in both
+/// segments and at least `threshold` (one of those strides, or 0), and
+/// inner ones, the bytes K's cells reach over the inner dimensions and
+/// V's are disjoint, and the outer dimensions nest over the bytes both
+/// span. Every outer index then holds its K and V cells apart, and no two
+/// outer indices overlap. Covers K and V side by side per block or kernel
+/// block (`[blocks, [K heads, tokens], [V heads, tokens]]`, each of its own
+/// head size), interleaved per cell, and K-then-V as a dimension of size 2
+/// anywhere in a nesting (`[blocks, 2, ...]`).
+fn pair_nests(
+    k_dims: &[(&'static str, i64, u32)],
+    v_dims: &[(&'static str, i64, u32)],
+    k: &Segment,
+    v: &Segment,
+) -> bool {
+    let shared = |i: usize| k_dims[i].1 == v_dims[i].1;
+    let mut thresholds: Vec<u64> = (0..k_dims.len())
+        .filter(|&i| shared(i))
+        .map(|i| k_dims[i].1.unsigned_abs())
+        .collect();
+    thresholds.push(0);
+    let span = |address: u64, dims: &[(&'static str, i64, u32)], bytes: u32| {
+        let mut low = address as i128;
+        let mut high = low + bytes as i128;
+        for &(_, stride, size) in dims {
+            let reach = stride as i128 * (size as i128 - 1);
+            if reach < 0 {
+                low += reach;
+            } else {
+                high += reach;
+            }
+        }
+        (low, high)
+    };
+    thresholds.into_iter().any(|threshold| {
+        let outer = |i: &usize| shared(*i) && k_dims[*i].1.unsigned_abs() >= threshold;
+        let (outer_dims, k_inner, v_inner) = {
+            let indices: Vec<usize> = (0..k_dims.len()).collect();
+            let outer_dims: Vec<_> = indices.iter().filter(|i| outer(i)).map(|&i| k_dims[i]).collect();
+            let k_inner: Vec<_> = indices.iter().filter(|i| !outer(i)).map(|&i| k_dims[i]).collect();
+            let v_inner: Vec<_> = indices.iter().filter(|i| !outer(i)).map(|&i| v_dims[i]).collect();
+            (outer_dims, k_inner, v_inner)
+        };
+        let (k_low, k_high) = span(k.address, &k_inner, k.bytes_per_token);
+        let (v_low, v_high) = span(v.address, &v_inner, v.bytes_per_token);
+        let apart = k_high <= v_low || v_high <= k_low;
+        let both = (k_high.max(v_high) - k_low.min(v_low)) as u128;
+        apart && nested(&outer_dims, both).is_ok()
+    })
+}
+
+/// `Err(what overlaps)` unless `dims` (name, stride, size above 1) nest:
+/// sorted by `|stride|`, each at least the bytes its lower dimensions and
+/// the `cell` span.
+fn nested(dims: &[(&'static str, i64, u32)], cell: u128) -> std::result::Result<(), String> {
+    let mut sorted = dims.to_vec();
+    sorted.sort_by_key(|&(_, stride, _)| stride.unsigned_abs());
+    let mut extent = cell;
+    let mut below = "one cell".to_owned();
+    for (name, stride, size) in sorted {
+        let step = stride.unsigned_abs() as u128;
+        if step < extent {
+            return Err(format!(
+                "{name} {stride} (over {size} indices) steps {step} bytes, fewer than the {extent} bytes that {below} spans"
+            ));
+        }
+        extent += step * (size as u128 - 1);
+        below = format!("an index of {name}");
+    }
+    Ok(())
+}
+
+/// The half-open byte range a segment with `counts` can reach.
+fn reach(counts: &CellCounts, segment: &Segment) -> (i128, i128) {
     let dims = [
-        (segment.block_stride, spec.num_blocks),
-        (segment.kernel_block_stride, spec.kernel_blocks),
-        (segment.head_stride, spec.num_heads),
-        (segment.token_stride, spec.tokens_per_kernel_block),
+        (segment.block_stride, counts.blocks),
+        (segment.kernel_block_stride, counts.kernel_blocks),
+        (segment.head_stride, counts.heads),
+        (segment.token_stride, counts.tokens),
     ];
     let mut low = segment.address as i128;
     let mut high = low + segment.bytes_per_token as i128;
@@ -871,4 +1074,18 @@ fn reachable_bytes(spec: &LayerSpec, segment: &Segment) -> (i128, i128) {
         }
     }
     (low, high)
+}
+
+/// `value` in hex with its sign: `-0x40`, not the two's complement.
+fn signed_hex(value: i128) -> String {
+    if value < 0 {
+        format!("-{:#x}", value.unsigned_abs())
+    } else {
+        format!("{value:#x}")
+    }
+}
+
+/// The half-open byte range `[low, high)` that a segment of `spec` can reach.
+fn reachable_bytes(spec: &LayerSpec, segment: &Segment) -> (i128, i128) {
+    reach(&CellCounts::of(spec), segment)
 }

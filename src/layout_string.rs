@@ -13,7 +13,7 @@
 //! same layout (without `K`) give one segment each.
 
 use crate::error::{err, Result};
-use crate::layout::Segment;
+use crate::layout::{check_cells_disjoint, CellCounts, CellNames, Segment};
 
 /// A strided tensor as a caller describes it: sizes and byte strides,
 /// outermost dimension first, of elements of `element_size` bytes.
@@ -215,11 +215,13 @@ fn segments_of(axes: &Axes, tensor: &TensorView, kernel_blocks: u32, name: &str)
 /// live in two tensors of the same layout) laid out as `layout`, with
 /// `kernel_blocks` kernel blocks (consecutive along B) per logical block.
 ///
-/// Checks only what the layout string decides: the letters, the number of
+/// Checks what the layout string decides: the letters, the number of
 /// dimensions, D contiguous, K of size 2, B a multiple of `kernel_blocks`,
-/// `cache` and `v` agreeing in blocks, tokens and heads, and every field
-/// fitting its type. Registering the layer checks the rest (alignment,
-/// bytes per token a multiple of 8, every byte in a registered region).
+/// `cache` and `v` agreeing in blocks, tokens and heads, every field
+/// fitting its type, and distinct cells sharing no byte (registration's
+/// rule, [`check_cells_disjoint`]). Registering the layer checks the rest
+/// (alignment, bytes per token a multiple of 8, every byte in a registered
+/// region).
 pub fn layer_from_layout(
     layout: &str,
     cache: &TensorView,
@@ -259,13 +261,53 @@ pub fn layer_from_layout(
         }
         segments.extend(segments_of(&v_axes, v, kernel_blocks, "v")?);
     }
-    Ok(LayerGeometry {
+    let geometry = LayerGeometry {
         num_heads: field(cache_axes.size(Axis::Head), "the H size (heads)", "cache")?,
         num_blocks: field(blocks / kernel_blocks as u64, "B over kernel_blocks (blocks)", "cache")?,
         kernel_blocks,
         tokens_per_kernel_block: field(cache_axes.size(Axis::Token), "the T size (tokens per block)", "cache")?,
         segments,
-    })
+    };
+    check_no_aliasing(layout, &geometry, v.is_some())?;
+    Ok(geometry)
+}
+
+/// Fails when distinct cells of `geometry` share bytes (the layout's rule,
+/// [`check_cells_disjoint`]): a dimension of stride 0 and size above 1, as
+/// torch's `expand()` and numpy's `broadcast_to` make, or cells that
+/// overlap. An empty tensor has no cells to alias (registering it fails).
+fn check_no_aliasing(layout: &str, geometry: &LayerGeometry, two_tensors: bool) -> Result<()> {
+    let counts = CellCounts {
+        blocks: geometry.num_blocks,
+        kernel_blocks: geometry.kernel_blocks,
+        heads: geometry.num_heads,
+        tokens: geometry.tokens_per_kernel_block,
+    };
+    let empty = [counts.blocks, counts.heads, counts.tokens].contains(&0)
+        || geometry.segments.iter().any(|segment| segment.bytes_per_token == 0);
+    if empty {
+        return Ok(());
+    }
+    let names = CellNames {
+        dims: [
+            if geometry.kernel_blocks > 1 {
+                "B x kernel_blocks"
+            } else {
+                "B"
+            },
+            "B",
+            "H",
+            "T",
+        ],
+        // K and V parts of one tensor, or one tensor each (or one cell).
+        segments: if geometry.segments.len() == 2 && !two_tensors {
+            ["K", "V"]
+        } else {
+            ["cache", "v"]
+        },
+    };
+    check_cells_disjoint(&counts, &geometry.segments, &names)
+        .map_err(|e| e.with_context(&format!("layout \"{layout}\"")))
 }
 
 #[cfg(test)]

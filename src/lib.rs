@@ -1,22 +1,9 @@
 //! kvcsum: connector-agnostic checksums of LLM KV-cache blocks.
 //!
-//! The modules are layered, each importing only from those below it (a test,
-//! `tests/layers.rs`, fails on an import that runs back up):
-//!
-//! 1. arithmetic and plumbing: `error`, `checksum` (the definition), `msgpack`,
-//!    `pool` (the host engine's helper threads);
-//! 2. inputs: `decoding` (how an engine reads a layer's bytes), `state`
-//!    (state layers), `layout`, `layout_string` (a layer from a
-//!    tensor and a layout string), `blocks`, `fingerprint`, `stream`;
-//! 3. results: `result` (also the facts a record carries);
-//! 4. `plan`: a call's blocks checked and laid out as rows;
-//! 5. engines: `host`, `cuda` (the device), `detail` (per-layer partials),
-//!    `stored` (stored checksums of offloaded KV);
-//! 6. `worker`: a layout plus an engine;
-//! 7. records and payloads: [`record`], [`payload`];
-//! 8. [`verify`]: records and payloads compared; `repair`: the blocks to
-//!    load again after a mismatch;
-//! 9. [`ffi`]: the C boundary and nothing else.
+//! The modules are layered, each importing only from those below it;
+//! `docs/ARCHITECTURE.md` lists them in that order (the one list of them),
+//! and `tests/layers.rs` fails on an import that runs back up and on a
+//! module that page leaves out.
 //!
 //! The Rust API is what is re-exported here plus the public modules
 //! [`record`], [`payload`], [`verify`] (verification from Rust), [`topology`]
@@ -45,6 +32,7 @@ pub(crate) mod repair;
 pub(crate) mod result;
 pub(crate) mod state;
 pub(crate) mod stored;
+pub(crate) mod stored_entry;
 pub(crate) mod stream;
 pub mod topology;
 pub mod verify;

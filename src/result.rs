@@ -4,12 +4,14 @@
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
-use crate::blocks::RequestBlocks;
+use crate::blocks::{GroupBlocks, RequestBlocks};
 use crate::checksum::Algorithm;
 use crate::decoding::LayerDecoding;
 use crate::error::{err, Result};
 use crate::fingerprint::decodings_digest;
 use crate::layout::{ReplicaKey, Role};
+use crate::stored_entry::EntryReader;
+pub use crate::stored_entry::StoredOutcome;
 
 /// Where a worker sits in the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -429,35 +431,20 @@ struct LoadCheck {
 }
 
 /// Where a load check's expected sum at one block position comes from:
-/// the stored value read back at `index` (of the call's [`StoredValues`],
-/// two words each: value and stamp) XOR `tag`; the worker's columns must
-/// add up to it, once the stamp read back is the group's
-/// ([`StoredExpectation::stamp`]).
+/// the entry read back at `index` (of the call's [`StoredValues`], two
+/// words each: value and stamp), read for the block hash `block_hash` and
+/// `tokens` ([`crate::stored_entry::EntryReader::judge`]); the worker's
+/// columns must add up to its value XOR `tag`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StoredRef {
     /// Index of the position's stored value among those read back.
     pub index: usize,
     /// The block's tag (SPEC section 8).
     pub tag: u64,
-}
-
-/// The stamp stored after each value (SPEC section 8): `(fingerprint +
-/// coverage) XOR algorithm`, so that a load check tells a change of
-/// configuration (other layers, identities or heads, another algorithm)
-/// from corrupted data.
-pub fn config_stamp(fingerprint: u64, coverage: u64, algorithm: u32) -> u64 {
-    fingerprint.wrapping_add(coverage) ^ algorithm as u64
-}
-
-/// What a stamp read back says when it is not the worker's `stamp`: another
-/// algorithm when only that part differs, else other layers.
-fn other_configuration(read: u64, stamp: u64, algorithm: u32) -> StoredOutcome {
-    let other = read ^ stamp ^ algorithm as u64;
-    if other != algorithm as u64 && Algorithm::from_code(other).is_some() {
-        StoredOutcome::OtherAlgorithm
-    } else {
-        StoredOutcome::OtherFingerprint
-    }
+    /// The block's hash (its first 8 bytes, little-endian).
+    pub block_hash: u64,
+    /// The valid tokens the position's entry counts (0 in a state group).
+    pub tokens: u32,
 }
 
 /// Where a load check's stored values read back are.
@@ -481,53 +468,8 @@ pub struct StoredExpectation {
     pub group_id: u32,
     /// One per block position of the group in the request.
     pub expected: Vec<Option<StoredRef>>,
-    /// The worker's configuration stamp for the group ([`config_stamp`]).
-    pub stamp: u64,
-    /// The worker's algorithm, which the stamp holds.
-    pub algorithm: u32,
-}
-
-/// A load check's verdict on one block position (SPEC section 8).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StoredOutcome {
-    /// The recomputed checksum differs from the stored one.
-    Failed,
-    /// The recomputed checksum equals the stored one.
-    Matched,
-    /// Not checked: the position holds no valid token.
-    NotChecked,
-    /// Not compared: the value was stored by a worker whose group had other
-    /// layers or identities (another fingerprint), or the stamp is damaged.
-    OtherFingerprint,
-    /// Not compared: the value was stored with another algorithm.
-    OtherAlgorithm,
-}
-
-impl StoredOutcome {
-    /// The outcome's number in records (and `kvcs_stored_outcome`): 0
-    /// failed, 1 matched, 2 not checked, 3 other fingerprint, 4 other
-    /// algorithm.
-    pub fn code(self) -> u8 {
-        match self {
-            StoredOutcome::Failed => 0,
-            StoredOutcome::Matched => 1,
-            StoredOutcome::NotChecked => 2,
-            StoredOutcome::OtherFingerprint => 3,
-            StoredOutcome::OtherAlgorithm => 4,
-        }
-    }
-
-    /// The outcome of number `code`, if it is one.
-    pub fn from_code(code: u8) -> Option<StoredOutcome> {
-        match code {
-            0 => Some(StoredOutcome::Failed),
-            1 => Some(StoredOutcome::Matched),
-            2 => Some(StoredOutcome::NotChecked),
-            3 => Some(StoredOutcome::OtherFingerprint),
-            4 => Some(StoredOutcome::OtherAlgorithm),
-            _ => None,
-        }
-    }
+    /// How entries of the worker's configuration for the group read.
+    pub reader: Arc<EntryReader>,
 }
 
 impl Checksums {
@@ -597,30 +539,29 @@ impl Checksums {
             StoredValues::Read(values) => values.as_slice(),
             StoredValues::Gathered => self.values.gathered()?,
         };
-        let (stamp, algorithm) = (expectation.stamp, expectation.algorithm);
+        let reader = &expectation.reader;
         expectation
             .expected
             .iter()
             .zip(sums)
             .map(|(expected, sum)| {
-                let Some(StoredRef { index, tag }) = *expected else {
+                let Some(StoredRef {
+                    index,
+                    tag,
+                    block_hash,
+                    tokens,
+                }) = *expected
+                else {
                     return Ok(StoredOutcome::NotChecked);
                 };
-                let (Some(value), Some(&read_stamp)) = (read.get(2 * index), read.get(2 * index + 1)) else {
+                let (Some(&value), Some(&stamp)) = (read.get(2 * index), read.get(2 * index + 1)) else {
                     return Err(err!(
                         Internal,
                         "stored value {index} of group_id {group_id} of req_id \"{req_id}\" was not read back ({} words were)",
                         read.len()
                     ));
                 };
-                if read_stamp != stamp {
-                    return Ok(other_configuration(read_stamp, stamp, algorithm));
-                }
-                Ok(if value ^ tag == sum {
-                    StoredOutcome::Matched
-                } else {
-                    StoredOutcome::Failed
-                })
+                Ok(reader.judge(block_hash, tag, tokens, sum, (value, stamp)))
             })
             .collect()
     }
@@ -638,6 +579,31 @@ impl Checksums {
             }
         }
         Ok(sums)
+    }
+
+    /// The block set's request `req_id` and its group `group_id` as the
+    /// call was given them (with block hashes, where set); `NotFound` as
+    /// [`Checksums::group`].
+    pub(crate) fn given_blocks(&self, req_id: &str, group_id: u32) -> Result<(&RequestBlocks, &GroupBlocks)> {
+        self.group(req_id, group_id)?;
+        let index = self
+            .lookup
+            .get()
+            .and_then(|lookup| lookup.requests.get(req_id))
+            .copied();
+        let request = index.and_then(|i| self.shape.requests.get(i)).ok_or_else(|| {
+            err!(
+                Internal,
+                "req_id \"{req_id}\" is in the result but not in its block set"
+            )
+        })?;
+        let blocks = request.groups.iter().find(|g| g.group_id == group_id).ok_or_else(|| {
+            err!(
+                Internal,
+                "group_id {group_id} of req_id \"{req_id}\" is in the result but not in its block set"
+            )
+        })?;
+        Ok((request, blocks))
     }
 
     /// What the worker record needs besides the values, if set.

@@ -2,13 +2,15 @@
 //!
 //! A group may have a buffer of 16 bytes per block id beside its caches,
 //! which an offload connector copies with each block. A store writes, for
-//! each block being offloaded, the value `sum XOR tag`, where `sum` adds the
-//! worker's columns at the block's position and `tag = LE_u64(block_hash[0..8])
-//! XOR fingerprint(group)`, then the stamp of the configuration that computed
-//! it (`fingerprint XOR algorithm`). A load check recomputes the loaded blocks
-//! and compares: another block's bytes, another shard's KV or another block
-//! hash give another value, while another stamp says that the configuration
-//! changed (other layers, identities or algorithm), which is no corruption.
+//! each block being offloaded, the entry of [`crate::stored_entry`]: the
+//! value `sum XOR tag`, where `sum` adds the worker's columns at the block's
+//! position and `tag = LE_u64(block_hash[0..8]) XOR fingerprint(group)`, then
+//! the stamp of the configuration and valid tokens that computed it, with a
+//! check binding both to the block hash. A load check recomputes the loaded
+//! blocks and compares: another block's bytes, another shard's KV, another
+//! block hash or a damaged entry fail, while a clean stamp of another
+//! configuration (other layers, identities, heads, block size or algorithm)
+//! or token count is no corruption and is not compared.
 //!
 //! On a device worker the same checks run here before anything is queued,
 //! and the positions become items of the `kvcs_store` launch that the call
@@ -19,13 +21,10 @@ use crate::checksum::Algorithm;
 use crate::cuda::{DevStoredItem, StoredMode, StoredWork};
 use crate::error::{err, Result};
 use crate::fingerprint::stored_fingerprint;
+use crate::layout::Role;
 use crate::layout::{Group, Layout, StoredBuffer};
-use crate::result::{config_stamp, Checksums, GroupInfo, Placement, Shape, StoredExpectation, StoredRef};
-
-/// The tag that binds a stored checksum to its block hash and group.
-pub fn block_tag(block_hash: u64, group_fingerprint: u64) -> u64 {
-    block_hash ^ group_fingerprint
-}
+use crate::result::{Checksums, GroupInfo, Placement, Shape, StoredExpectation, StoredRef};
+use crate::stored_entry::{block_tag, entry, entry_key, Digests, EntryConfig, EntryReader, StoredOutcome};
 
 /// One (request, group) that a store or load check covers.
 struct Target<'a> {
@@ -36,12 +35,11 @@ struct Target<'a> {
     hashes: &'a [u64],
     group: &'a Group,
     buffer: StoredBuffer,
-    fingerprint: u64,
-    /// The worker's algorithm, which the stamp names.
-    algorithm: Algorithm,
-    /// The coverage of every slice the worker holds in the group (all its
-    /// columns), which the stamp holds.
-    coverage: u64,
+    /// The worker's configuration of the group (fingerprint, coverage of
+    /// all its columns, block size, algorithm), which entries name.
+    config: EntryConfig,
+    /// Its digests (the configuration hashed once per target).
+    digests: Digests,
 }
 
 impl Target<'_> {
@@ -69,16 +67,30 @@ impl Target<'_> {
         (self.buffer.address as usize as *mut u64).wrapping_add(block_id as usize * words)
     }
 
-    /// The stamp of the worker's configuration for this group.
-    fn stamp(&self) -> u64 {
-        config_stamp(self.fingerprint, self.coverage, self.algorithm.code())
+    /// The tag of the block at index `i`.
+    fn tag(&self, i: usize) -> u64 {
+        block_tag(self.hashes[i], self.config.fingerprint)
+    }
+
+    /// The tokens the entry at index `i` counts (0 in a state group).
+    fn tokens(&self, i: usize) -> u32 {
+        let position = self.blocks.first_position + i as u64;
+        let valid = valid_tokens(self.request.num_tokens, self.group.block_size, position);
+        self.config.tokens(valid)
+    }
+
+    /// The digest of the entry at index `i`.
+    fn digest(&self, i: usize) -> u32 {
+        self.digests.digest(self.tokens(i))
     }
 
     /// What a load check expects at index `i`, whose value is the `index`-th read back.
     fn expected(&self, i: usize, index: usize) -> StoredRef {
         StoredRef {
             index,
-            tag: block_tag(self.hashes[i], self.fingerprint),
+            tag: self.tag(i),
+            block_hash: self.hashes[i],
+            tokens: self.tokens(i),
         }
     }
 }
@@ -139,6 +151,21 @@ fn targets<'a>(
                     buffer.num_blocks
                 ));
             }
+            // The worker's fingerprints, hashed once per layout (not per
+            // request: a group's fingerprint hashes every layer's identity).
+            // The stored fingerprint counts the marks and the layer
+            // decodings too (SPEC section 8).
+            let (fingerprint, coverage) = match infos.binary_search_by_key(&group_id, |info| info.group_id) {
+                Ok(i) => (infos[i].stored_fingerprint(), total_coverage(&infos[i].coverage)),
+                Err(_) => (stored_fingerprint(group), total_coverage(&group.coverage())),
+            };
+            let config = EntryConfig {
+                fingerprint,
+                coverage,
+                block_size: group.block_size,
+                algorithm,
+                state: group.is_state(),
+            };
             let target = Target {
                 index: index - 1,
                 request,
@@ -146,16 +173,8 @@ fn targets<'a>(
                 hashes,
                 group,
                 buffer,
-                // The worker's fingerprints, hashed once per layout (not per
-                // request: a group's fingerprint hashes every layer's identity).
-                fingerprint: infos
-                    .binary_search_by_key(&group_id, |info| info.group_id)
-                    .map_or_else(|_| stored_fingerprint(group), |i| infos[i].stored_fingerprint()),
-                algorithm,
-                coverage: match infos.binary_search_by_key(&group_id, |info| info.group_id) {
-                    Ok(i) => total_coverage(&infos[i].coverage),
-                    Err(_) => total_coverage(&group.coverage()),
-                },
+                config,
+                digests: config.digests(),
             };
             targets.push(target);
         }
@@ -236,8 +255,9 @@ pub fn check_blocks(layout: &Layout, infos: &[GroupInfo], blocks: &BlockSet, alg
     targets(layout, infos, blocks, algorithm).map(|_| ())
 }
 
-/// Writes `sum XOR tag` for every block of `blocks` that holds a valid
-/// token, from `result` (this worker's checksums of `blocks`, every column).
+/// Writes the entry (`sum XOR tag`, then the stamp) of every block of
+/// `blocks` that holds a valid token, from `result` (this worker's
+/// checksums of `blocks`, every column).
 ///
 /// The caller of `add_stored` promised the buffers are writable host memory
 /// that nothing else writes meanwhile.
@@ -254,8 +274,8 @@ pub fn store(
         let sums = result.position_sums(&target.request.req_id, target.blocks.group_id)?;
         for (i, (&block_id, sum)) in target.blocks.block_ids.iter().zip(sums).enumerate() {
             if target.holds_tokens(i) {
-                let tag = block_tag(target.hashes[i], target.fingerprint);
-                writes.push((target.slot(block_id), sum ^ tag, target.stamp()));
+                let (value, stamp) = entry(sum, target.tag(i), target.hashes[i], target.digest(i));
+                writes.push((target.slot(block_id), value, stamp));
             }
         }
     }
@@ -283,6 +303,9 @@ fn checked_positions(
 ) -> Vec<StoredExpectation> {
     let mut count = 0usize;
     let mut expectations = Vec::with_capacity(if expect { targets.len() } else { 0 });
+    // One reader per group (a call has few): every request's target of a
+    // group has its configuration.
+    let mut readers: Vec<(u32, std::sync::Arc<EntryReader>)> = Vec::new();
     for (t, target) in targets.iter().enumerate() {
         let block_ids = &target.blocks.block_ids;
         let checked = target.checked_positions();
@@ -304,8 +327,14 @@ fn checked_positions(
             req_id: target.request.req_id.clone(),
             group_id: target.blocks.group_id,
             expected,
-            stamp: target.stamp(),
-            algorithm: target.algorithm.code(),
+            reader: match readers.iter().find(|(group_id, _)| *group_id == target.blocks.group_id) {
+                Some((_, reader)) => reader.clone(),
+                None => {
+                    let reader = std::sync::Arc::new(target.config.reader());
+                    readers.push((target.blocks.group_id, reader.clone()));
+                    reader
+                }
+            },
         });
     }
     expectations
@@ -332,9 +361,10 @@ pub fn expectations(
 
 /// A device worker's store or load check of `blocks`, whose checksum call
 /// has `shape` (every column): one item per block holding a valid token,
-/// with its values' place, tag and stored address, checked before anything
-/// is queued; and, for a load check, the expectations indexing the values
-/// the device gathers (in item order).
+/// with its values' place, tag, key and digest (the stamp but its check,
+/// which `kvcs_store` computes from the value) and stored address, checked
+/// before anything is queued; and, for a load check, the expectations
+/// indexing the values the device gathers (in item order).
 pub fn device_work(
     layout: &Layout,
     infos: &[GroupInfo],
@@ -363,15 +393,134 @@ pub fn device_work(
     let expectations = checked_positions(&targets, mode == StoredMode::Gather, |t, i, block_id| {
         let target = &targets[t];
         let (values_offset, num_columns) = places[t];
+        // A gather reads the entry back: it needs no key or digest.
+        let (key, digest) = match mode {
+            StoredMode::Store => {
+                let digest = target.digest(i);
+                (entry_key(target.hashes[i], digest), digest)
+            }
+            StoredMode::Gather => (0, 0),
+        };
         items.push(DevStoredItem {
-            tag: block_tag(target.hashes[i], target.fingerprint),
+            tag: target.tag(i),
             address: target.slot(block_id) as usize as u64,
-            stamp: target.stamp(),
+            key,
             out: (values_offset + i) as u32,
             column_stride: target.blocks.block_ids.len() as u32,
             num_columns,
-            reserved: 0,
+            digest,
         });
     });
     Ok((StoredWork { mode, items }, expectations))
+}
+
+/// One (request, group) of a checksum result, as a connector that keeps
+/// the entries itself stores or checks them: the worker's configuration
+/// of the group, the sums of every column, and per position its block
+/// hash, tag and tokens (`None` where it holds no valid token).
+struct ResultPositions {
+    config: EntryConfig,
+    sums: Vec<u64>,
+    positions: Vec<Option<(u64, u64, u32)>>,
+}
+
+/// The positions of `group_id` in `req_id` of `result`, which must be a
+/// consumer-role checksum (every column, as a store sums them) of blocks
+/// with block hashes; `NotReady` while a device computes.
+fn result_positions(result: &Checksums, req_id: &str, group_id: u32) -> Result<ResultPositions> {
+    let info = result.record_info().ok_or_else(|| {
+        err!(
+            Internal,
+            "this result carries no worker facts (it was not made by a worker)"
+        )
+    })?;
+    if info.role != Role::Consumer {
+        return Err(err!(
+            InvalidArgument,
+            "the result was computed as KVCS_ROLE_PRODUCER: its sums leave out the replica columns a stored checksum covers; checksum as KVCS_ROLE_CONSUMER (req_id \"{req_id}\", group_id {group_id})"
+        ));
+    }
+    let (request, blocks) = result.given_blocks(req_id, group_id)?;
+    let hashes = blocks.hashes.as_deref().ok_or_else(|| {
+        err!(
+            InvalidArgument,
+            "req_id \"{req_id}\", group_id {group_id} has no block hashes (kvcs_blocks_set_hashes)"
+        )
+    })?;
+    let group = info.groups.iter().find(|g| g.group_id == group_id).ok_or_else(|| {
+        err!(
+            Internal,
+            "group_id {group_id} is in the result but not among the worker's groups"
+        )
+    })?;
+    let config = EntryConfig {
+        fingerprint: group.fingerprint,
+        coverage: total_coverage(&group.coverage),
+        block_size: group.block_size,
+        algorithm: info.algorithm,
+        state: group.state,
+    };
+    let positions = hashes
+        .iter()
+        .enumerate()
+        .map(|(i, &hash)| {
+            let position = blocks.first_position + i as u64;
+            let valid = valid_tokens(request.num_tokens, group.block_size, position);
+            (group.state || valid > 0).then(|| (hash, block_tag(hash, config.fingerprint), config.tokens(valid)))
+        })
+        .collect();
+    Ok(ResultPositions {
+        config,
+        sums: result.position_sums(req_id, group_id)?,
+        positions,
+    })
+}
+
+/// The entries (value, stamp) that a store of the blocks of `result`
+/// would write for `group_id` of `req_id`, one per block position; `(0,
+/// 0)` where a position holds no valid token (a store writes none there).
+/// For connectors that keep stored checksums themselves.
+pub fn result_entries(result: &Checksums, req_id: &str, group_id: u32) -> Result<Vec<(u64, u64)>> {
+    let found = result_positions(result, req_id, group_id)?;
+    let digests = found.config.digests();
+    Ok(found
+        .positions
+        .iter()
+        .zip(&found.sums)
+        .map(|(position, &sum)| match *position {
+            Some((hash, tag, tokens)) => entry(sum, tag, hash, digests.digest(tokens)),
+            None => (0, 0),
+        })
+        .collect())
+}
+
+/// A load check of `result` against `entries` (value, stamp per block
+/// position of `group_id` in `req_id`) kept by the caller: the outcome of
+/// each position, as `Worker::check_stored` gives them.
+pub fn check_result_entries(
+    result: &Checksums,
+    req_id: &str,
+    group_id: u32,
+    entries: &[(u64, u64)],
+) -> Result<Vec<StoredOutcome>> {
+    let found = result_positions(result, req_id, group_id)?;
+    if entries.len() != found.positions.len() {
+        return Err(err!(
+            InvalidArgument,
+            "{} entries for the {} positions of group_id {group_id} of req_id \"{req_id}\"",
+            entries.len(),
+            found.positions.len()
+        ));
+    }
+    let reader = found.config.reader();
+    Ok(found
+        .positions
+        .iter()
+        .zip(&found.sums)
+        .zip(entries)
+        .map(|((position, &sum), &read)| match *position {
+            Some((hash, tag, tokens)) => reader.judge(hash, tag, tokens, sum, read),
+            None => StoredOutcome::NotChecked,
+        })
+        .collect())
 }

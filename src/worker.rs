@@ -193,13 +193,15 @@ impl Worker {
     /// Registers memory the worker may read (host or device addresses, as the
     /// worker's kind). The caller keeps it readable while the worker lives.
     /// A device worker checks that the range lies in one CUDA allocation of
-    /// its device (or in pinned host memory); a host worker cannot check host
-    /// memory and trusts the caller.
+    /// its device (or in pinned host memory); a host worker checks that
+    /// every page of it is mapped in this process ([`host::check_mapped`]).
     pub fn add_region(&mut self, region: Region) -> Result<()> {
-        // The layout's rules first (address 0, empty, wrapping), then CUDA's.
+        // The layout's rules first (address 0, empty, wrapping), then the
+        // engine's: CUDA's for device memory, the page tables' for host memory.
         Layout::check_region(region)?;
-        if let Engine::Device(device) = &self.engine {
-            device.check_region(region.address, region.length)?;
+        match &self.engine {
+            Engine::Device(device) => device.check_region(region.address, region.length)?,
+            Engine::Host(_) => host::check_mapped(region)?,
         }
         self.layout.add_region(region)?;
         self.layout_changed();
@@ -458,7 +460,7 @@ impl Worker {
         let fingerprint = stored_fingerprint(group);
         Ok(hashes
             .iter()
-            .map(|&hash| stored::block_tag(hash, fingerprint))
+            .map(|&hash| crate::stored_entry::block_tag(hash, fingerprint))
             .collect())
     }
 
@@ -761,7 +763,12 @@ mod tests {
             cuda::StoredMode::Gather,
         )
         .unwrap();
-        assert_eq!(gather.items, work.items);
+        // A load check's items are the store's places; it needs no key or digest.
+        let place = |item: &cuda::DevStoredItem| (item.address, item.out, item.column_stride, item.num_columns);
+        assert_eq!(
+            gather.items.iter().map(place).collect::<Vec<_>>(),
+            work.items.iter().map(place).collect::<Vec<_>>()
+        );
         assert_eq!(work.items.len(), 3 + 3 + 2, "positions holding tokens");
         let mut device = [junk.clone(), junk.clone()];
         for item in &work.items {
@@ -778,8 +785,11 @@ mod tests {
                         .then(|| (g, ((item.address - start) / 8) as usize))
                 })
                 .expect("an address inside a stored buffer");
-            device[group][block] = sum ^ item.tag;
-            device[group][block + 1] = item.stamp;
+            // kvcs_store's arithmetic, written out.
+            let value = sum ^ item.tag;
+            let check = crate::checksum::mix(crate::checksum::mix(value) ^ item.key) >> 32;
+            device[group][block] = value;
+            device[group][block + 1] = (check << 32) | item.digest as u64;
         }
         assert_eq!(device, host_stored, "the items give the host store's values");
         // A load check from gathered values: all match; a changed one fails
@@ -814,14 +824,20 @@ mod tests {
         bad[2 * 7] ^= 1 << 40; // "b", group 1, position 2 (its second)
         let result = check(bad);
         assert_eq!(result.stored_outcomes("b", 1).unwrap(), vec![Matched, Failed]);
-        // A changed stamp is another configuration, not a failure.
-        let mut restamped = gathered;
-        restamped[2 * 6 + 1] ^= 1 << 20; // "b", group 1, position 1
+        // A damaged stamp (its digest or its check) fails too: it does not
+        // read as another configuration.
+        let mut restamped = gathered.clone();
+        restamped[2 * 6 + 1] ^= 1 << 20; // "b", group 1, position 1: the digest
+        restamped[2 * 2 + 1] ^= 1 << 50; // "a", group 0, position 2: the check
         let result = check(restamped);
-        assert_eq!(result.stored_outcomes("b", 1).unwrap(), vec![OtherFingerprint, Matched]);
-        assert_eq!(result.stored_outcomes("a", 1).unwrap(), vec![Matched, Matched, Matched]);
+        assert_eq!(result.stored_outcomes("b", 1).unwrap(), vec![Failed, Matched]);
         assert_eq!(
             result.stored_outcomes("a", 0).unwrap(),
+            vec![Matched, Matched, Failed, NotChecked]
+        );
+        assert_eq!(result.stored_outcomes("a", 1).unwrap(), vec![Matched, Matched, Matched]);
+        assert_eq!(
+            check(gathered.clone()).stored_outcomes("a", 0).unwrap(),
             worker
                 .check_stored(&blocks, stream)
                 .unwrap()

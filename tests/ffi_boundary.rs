@@ -8,7 +8,9 @@
 //! - Out-of-bounds messages print negative addresses with a sign.
 //! - Reports count the loaded positions that were not compared, and an
 //!   option makes such loads unverified.
-//! - A region at address 0 is refused (a host worker read it and crashed).
+//! - A region at address 0 is refused (a host worker read it and crashed),
+//!   and so is a host region that is not mapped memory (address 8, freed
+//!   memory, a range running past its mapping).
 //! - Topology calls given a TP size of 2^31 from a handshake refuse it under
 //!   an address-space limit instead of allocating 8 GiB.
 //!
@@ -339,6 +341,175 @@ fn a_region_at_address_0_or_past_the_end_of_the_address_space_is_refused() {
     assert_eq!(worker.add_layer(0, 0, 0, 4, 16), KVCS_OK, "{}", last_error());
     let scheduled = blocks(&[("req", 64, vec![(0, 0, vec![3, 1, 2, 0])])]);
     assert!(worker.record(&scheduled, CONSUMER).is_ok());
+}
+
+// ---------------------------------------------------------------------------
+// Host regions that are not mapped memory
+
+/// Anonymous private memory of `pages` pages (`prot` its protection),
+/// unmapped when dropped: the test's own mappings, whose holes it punches.
+struct Mapping {
+    address: u64,
+    length: usize,
+}
+
+impl Mapping {
+    fn new(pages: usize, prot: i32) -> Mapping {
+        let length = pages * page();
+        // SAFETY: a fresh anonymous mapping; nothing else refers to it.
+        let address = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                length,
+                prot,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(address, libc::MAP_FAILED, "mmap of {pages} pages");
+        Mapping {
+            address: address as u64,
+            length,
+        }
+    }
+
+    /// Unmaps page `index` (already unmapped pages stay so).
+    fn punch(&self, index: usize) -> u64 {
+        let address = self.address + (index * page()) as u64;
+        // SAFETY: a page of this test's own mapping, which nothing reads.
+        assert_eq!(
+            unsafe { libc::munmap(address as usize as *mut libc::c_void, page()) },
+            0
+        );
+        address
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new` (munmap of holes is harmless).
+        unsafe { libc::munmap(self.address as usize as *mut libc::c_void, self.length) };
+    }
+}
+
+fn page() -> usize {
+    // SAFETY: reads a constant of the system.
+    unsafe { libc::sysconf(libc::_SC_PAGESIZE) as usize }
+}
+
+/// Registers `(address, length)` and expects `status` with a message
+/// holding every needle; `KVCS_OK` is expected without a message.
+fn expect_region(worker: &HostWorker, address: u64, length: u64, status: kvcs_status, needles: &[&str]) {
+    let got = kvcs_worker_add_region(worker.handle, address, length);
+    let message = if got == KVCS_OK { String::new() } else { last_error() };
+    assert_eq!(got, status, "region {address:#x} + {length}: {message}");
+    for needle in needles {
+        assert!(
+            message.contains(needle),
+            "region {address:#x} + {length}: {needle:?} not in {message:?}"
+        );
+    }
+}
+
+#[test]
+fn host_regions_that_are_not_mapped_memory_are_refused() {
+    let mut rng = Rng::for_test("host_regions_that_are_not_mapped_memory_are_refused");
+    let seed = rng.seed();
+    let page = page() as u64;
+    let worker = HostWorker::new(&mut rng, 1, 4, 16);
+    // Addresses that were never memory: accepted before, the checksum
+    // then read them and the process died (SIGSEGV).
+    for address in [8u64, 0x100, page - 8] {
+        expect_region(
+            &worker,
+            address,
+            64,
+            KVCS_ERR_INVALID_ARGUMENT,
+            &[&format!("address {address:#x}"), "length 64", "not mapped"],
+        );
+    }
+    // Memory that was mapped (and written) and is freed now: the middle
+    // page of three (a one-page hole, which other threads' mappings do not
+    // fill).
+    let freed = Mapping::new(3, libc::PROT_READ | libc::PROT_WRITE);
+    // SAFETY: the test's own writable mapping of 3 pages.
+    unsafe { std::ptr::write_bytes(freed.address as usize as *mut u8, 0x5a, 3 * page as usize) };
+    let freed_address = freed.punch(1) + 8 * rng.below(page / 8);
+    expect_region(
+        &worker,
+        freed_address,
+        page,
+        KVCS_ERR_INVALID_ARGUMENT,
+        &[&format!("address {freed_address:#x}"), "not mapped"],
+    );
+
+    // A region whose end runs past its mapping: refused, naming the first
+    // page that is not mapped; one ending on the mapping's last byte, at any
+    // offset in a page, is accepted.
+    let mapping = Mapping::new(8, libc::PROT_READ | libc::PROT_WRITE);
+    let hole = mapping.punch(5);
+    let start = mapping.address + 8 * rng.below(page / 8);
+    let inside = mapping.address + 5 * page - start;
+    expect_region(
+        &worker,
+        start,
+        inside + 8 * rng.range(1..page / 8),
+        KVCS_ERR_OUT_OF_BOUNDS,
+        &[
+            &format!("address {start:#x}"),
+            &format!("page at {hole:#x}"),
+            "runs past mapped memory",
+        ],
+    );
+    expect_region(&worker, start, inside, KVCS_OK, &[]);
+    // Past the hole the memory is mapped again: a region over the hole is
+    // refused, one after it accepted.
+    expect_region(
+        &worker,
+        hole - 8,
+        16,
+        KVCS_ERR_OUT_OF_BOUNDS,
+        &[&format!("page at {hole:#x}")],
+    );
+    expect_region(&worker, hole + page, 2 * page, KVCS_OK, &[]);
+
+    // A large reservation (more pages than one mincore call takes) with one
+    // page unmapped at a random place: found exactly, whatever the chunk.
+    let pages = 3 * 4096 + rng.below(4096) as usize;
+    let large = Mapping::new(pages, libc::PROT_NONE);
+    let index = rng.range(1..pages as u64) as usize;
+    let large_hole = large.punch(index);
+    expect_region(
+        &worker,
+        large.address,
+        (pages * page as usize) as u64,
+        KVCS_ERR_OUT_OF_BOUNDS,
+        &[&format!("page at {large_hole:#x}")],
+    );
+    expect_region(&worker, large.address, index as u64 * page, KVCS_OK, &[]);
+
+    // A refused region registered nothing: a layer there reaches memory no
+    // region holds, so no checksum can read it.
+    assert_eq!(kvcs_worker_add_group(worker.handle, 0, 16), KVCS_OK);
+    let segment = kvcs_segment {
+        address: 0x100,
+        block_stride: 256,
+        kernel_block_stride: 0,
+        head_stride: 16,
+        token_stride: 16,
+        bytes_per_token: 16,
+    };
+    assert_eq!(
+        worker.add_segment(0, 0, 4, 16, segment),
+        KVCS_ERR_OUT_OF_BOUNDS,
+        "seed {seed}"
+    );
+    assert!(last_error().contains("no registered region"), "{}", last_error());
+    // The worker's own (mapped) region still works.
+    assert_eq!(worker.add_layer(0, 1, 0, 4, 16), KVCS_OK, "{}", last_error());
+    let scheduled = blocks(&[("req", 64, vec![(0, 0, vec![3, 1, 2, 0])])]);
+    assert!(worker.record(&scheduled, CONSUMER).is_ok(), "seed {seed}");
 }
 
 // ---------------------------------------------------------------------------

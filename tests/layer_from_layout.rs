@@ -539,3 +539,117 @@ fn hostile_descriptions_give_an_error_and_leave_the_outputs() {
     }
     assert!(refused > 10_000, "seed {seed}: only {refused} refused");
 }
+
+/// Runs `kvcs_layer_from_layout` on `case` with the cache's strides
+/// `strides` (and `v` as given); the status and, on an error, the message,
+/// after checking that an error left both outputs as they were.
+fn from_layout_with(case: &Case, strides: &[i64], v: Option<&kvcs_tensor>, context: &str) -> (kvcs_status, String) {
+    let layout = CString::new(case.layout.clone()).unwrap();
+    let mut cache = case.cache.c();
+    cache.strides = strides.as_ptr();
+    // SAFETY: an all-zero kvcs_layer is a valid value (integers and NULL pointers).
+    let mut layer: kvcs_layer = unsafe { std::mem::zeroed() };
+    layer.layer_number = 0xdead;
+    // SAFETY: as above.
+    let mut segments: [kvcs_segment; 2] = unsafe { std::mem::zeroed() };
+    let status = kvcs_layer_from_layout(
+        layout.as_ptr(),
+        &cache,
+        v.map_or(null(), |v| v as *const kvcs_tensor),
+        case.kernel_blocks,
+        &mut layer,
+        segments.as_mut_ptr(),
+    );
+    if status == KVCS_OK {
+        return (status, String::new());
+    }
+    assert_eq!(layer.layer_number, 0xdead, "{context}: layer_out written on an error");
+    assert!(
+        segments.iter().all(|s| s.bytes_per_token == 0),
+        "{context}: segments_out written on an error"
+    );
+    (status, last_error())
+}
+
+/// Views whose cells share bytes, as `expand()` and `broadcast_to` make
+/// (a stride of 0 over blocks, tokens or heads, or over K so that V is K)
+/// or with tokens closer than a cell, or V the cache itself: refused with
+/// `KVCS_ERR_INVALID_ARGUMENT` naming the layout and the dimension. Both
+/// sides registered alike would match while bytes neither reads were
+/// corrupt. The same tensor with its real strides is accepted.
+#[test]
+fn views_whose_cells_share_bytes_are_refused() {
+    let mut rng = Rng::for_test("views_whose_cells_share_bytes_are_refused");
+    let seed = rng.seed();
+    let mut refusals = 0;
+    for (letters, written, separate_v) in [
+        ("KBTHD", "KBTHD", false),
+        ("BKHTD", "bkhtd", false),
+        ("BTHD", "NHD", true),
+        ("BHTD", "HND", false),
+        ("BTD", "BTD", false),
+    ] {
+        let letters: Vec<char> = letters.chars().collect();
+        for _ in 0..20 {
+            let case = make_case(&mut rng, &letters, written, separate_v);
+            let context = case.context(seed);
+            let v = case.v.as_ref().map(Tensor::c);
+            let real = case.cache.strides.clone();
+            let (status, message) = from_layout_with(&case, &real, v.as_ref(), &context);
+            assert_eq!(status, KVCS_OK, "{context}: the real strides: {message}");
+            // Each dimension of size above 1 but D broadcast (stride 0).
+            for (i, &letter) in letters.iter().enumerate() {
+                if letter == 'D' || case.cache.shape[i] < 2 {
+                    continue;
+                }
+                let mut strides = real.clone();
+                strides[i] = 0;
+                let (status, message) = from_layout_with(&case, &strides, v.as_ref(), &context);
+                assert_eq!(
+                    status, KVCS_ERR_INVALID_ARGUMENT,
+                    "{context}: {letter} of stride 0: {message}"
+                );
+                // The dimension named: its letter (B's kernel blocks as "B",
+                // its logical blocks as "B x kernel_blocks"), or V's
+                // distance from K.
+                let named = match letter {
+                    'K' => vec!["V starts 0 bytes from K".to_owned()],
+                    _ => vec![format!("{letter} 0 (over"), format!("{letter} x kernel_blocks 0 (over")],
+                };
+                assert!(
+                    named.iter().any(|needle| message.contains(needle.as_str())),
+                    "{context}: none of {named:?} in {message:?}"
+                );
+                for needle in ["share bytes", &format!("layout \"{written}\"")] {
+                    assert!(message.contains(needle), "{context}: {needle:?} not in {message:?}");
+                }
+                refusals += 1;
+            }
+            // Tokens closer than one cell.
+            let t = letters.iter().position(|&c| c == 'T').unwrap();
+            let cell = case.cache.size('D') * case.cache.element_size as i64;
+            if case.cache.shape[t] > 1 && cell > 8 {
+                let mut strides = real.clone();
+                strides[t] = 8 * rng.range(1..cell as u64 / 8) as i64 * strides[t].signum();
+                let (status, message) = from_layout_with(&case, &strides, v.as_ref(), &context);
+                assert_eq!(
+                    status, KVCS_ERR_INVALID_ARGUMENT,
+                    "{context}: T closer than a cell: {message}"
+                );
+                assert!(message.contains("share bytes"), "{context}: {message}");
+                refusals += 1;
+            }
+            // V the cache itself.
+            if separate_v {
+                let same = case.cache.c();
+                let (status, message) = from_layout_with(&case, &real, Some(&same), &context);
+                assert_eq!(status, KVCS_ERR_INVALID_ARGUMENT, "{context}: v the cache: {message}");
+                for needle in ["cache (bytes", "v (bytes", "K and V must not overlap"] {
+                    assert!(message.contains(needle), "{context}: {needle:?} not in {message:?}");
+                }
+                refusals += 1;
+            }
+        }
+    }
+    assert!(refusals > 100, "seed {seed}: only {refusals} views refused");
+}

@@ -11,6 +11,7 @@ const ORDER: &[&str] = &[
     // arithmetic, errors, msgpack, the host engine's thread pool
     "error",
     "checksum",
+    "stored_entry",
     "msgpack",
     "topology",
     // its unit tests (a file of their own)

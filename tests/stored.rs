@@ -12,6 +12,7 @@
 
 mod support;
 
+use std::collections::BTreeMap;
 use std::ffi::CString;
 
 use kvcsum::ffi::blocks::*;
@@ -276,6 +277,307 @@ fn each_fault_fails_at_its_position_and_nowhere_else() {
         failed_positions(&load_check(&s.side, &blocks)).is_empty(),
         "seed {seed}"
     );
+}
+
+// ---------------------------------------------------------------------------
+// The entry's format (SPEC section 8), written out from the SPEC's text
+
+/// The coverage of a shard's slices (SPEC section 10): `f(m)` summed over
+/// its (layer, head), `f` the MIXED function of section 12.
+fn naive_coverage(layers: &[u32], heads: &[u32]) -> u64 {
+    let mut coverage = 0u64;
+    for &layer in layers {
+        for &head in heads {
+            let m = 2 * (layer as u64 * 65536 + head as u64) + 1;
+            coverage = coverage.wrapping_add(kvcsum::mix(m));
+        }
+    }
+    coverage
+}
+
+/// What one worker's configuration of a group is, for its entries.
+#[derive(Clone, Copy)]
+struct NaiveConfig {
+    fingerprint: u64,
+    coverage: u64,
+    block_size: u32,
+    algorithm: u32,
+}
+
+impl NaiveConfig {
+    /// SPEC section 8: `config = f(f(f(fingerprint) XOR coverage) XOR
+    /// (block_size * 2^32 + algorithm))`, `digest = (config >> 32) XOR tokens`.
+    fn digest(&self, tokens: u32) -> u32 {
+        let f = kvcsum::mix;
+        let config =
+            f(f(f(self.fingerprint) ^ self.coverage) ^ ((self.block_size as u64) << 32 | self.algorithm as u64));
+        (config >> 32) as u32 ^ tokens
+    }
+
+    /// The entry `[value, stamp]` for a position of `tokens` valid tokens
+    /// whose worker's columns add up to `sum`, for block hash `hash`.
+    fn entry(&self, sum: u64, hash: u64, tokens: u32) -> [u64; 2] {
+        let f = kvcsum::mix;
+        let value = sum ^ hash ^ self.fingerprint;
+        let digest = self.digest(tokens);
+        let key = f(hash ^ f(digest as u64));
+        let check = f(f(value) ^ key) >> 32;
+        [value, check << 32 | digest as u64]
+    }
+}
+
+/// Rank `r`'s configuration of group 0 in a [`stored_and_reloaded`] scenario.
+fn rank_config(s: &Scenario, r: usize) -> NaiveConfig {
+    let spec = s.side.ranks[r].placement.spec();
+    let heads: Vec<u32> = (spec.first_head..spec.first_head + spec.num_heads).collect();
+    NaiveConfig {
+        fingerprint: naive_fingerprint(&s.kv),
+        coverage: naive_coverage(&spec.layer_numbers, &heads),
+        block_size: 16,
+        algorithm: algorithm().code(),
+    }
+}
+
+/// Rank `r`'s naive partial checksum of position `q`.
+fn rank_sum(s: &Scenario, r: usize, q: usize) -> u64 {
+    let spec = s.side.ranks[r].placement.spec();
+    let heads: Vec<u32> = (spec.first_head..spec.first_head + spec.num_heads).collect();
+    naive_positions(&s.kv, &spec.layer_numbers, &heads, 16, 0, s.count)[q]
+}
+
+/// Every stored entry is SPEC section 8's formula: the value (the rank's
+/// sum XOR the tag), then the stamp (the check over the value and the
+/// digest, keyed by the block hash; the digest of the configuration and the
+/// position's valid tokens), under each algorithm.
+#[test]
+fn stored_entries_are_the_spec_formula_of_value_and_stamp() {
+    for_each_algorithm(|_| {
+        let mut rng = Rng::for_test("stored_entries_are_the_spec_formula_of_value_and_stamp");
+        let seed = rng.seed();
+        for num_tokens in [16, 75, 160] {
+            let s = stored_and_reloaded(&mut rng, num_tokens);
+            for r in 0..2 {
+                let config = rank_config(&s, r);
+                for (q, &block_id) in s.block_ids.iter().enumerate() {
+                    let tokens = valid_tokens_at(num_tokens, q);
+                    let expected = config.entry(rank_sum(&s, r, q), hash_of(&s.hashes, q), tokens);
+                    assert_eq!(
+                        s.side.ranks[r].stored[block_id as usize], expected,
+                        "rank {r} position {q} ({tokens} tokens, seed {seed})"
+                    );
+                }
+            }
+        }
+    });
+}
+
+/// A damaged entry fails at its position and nowhere else, whatever is
+/// damaged: a bit of the value or of the stamp (its check or its digest),
+/// several bits, either word or both replaced by random words, the entry
+/// zeroed, another position's entry copied over it. None reads as another
+/// configuration, algorithm or token count (which would let a fail-open
+/// load pass unchecked); the offload load is MISMATCH.
+#[test]
+fn a_damaged_entry_fails_and_never_reads_as_another_configuration() {
+    let mut rng = Rng::for_test("a_damaged_entry_fails_and_never_reads_as_another_configuration");
+    let seed = rng.seed();
+    let num_tokens = 75;
+    let mut s = stored_and_reloaded(&mut rng, num_tokens);
+    let blocks = blocks_with_hashes(num_tokens, &s.block_ids, &s.hashes);
+    let faults = [
+        "one bit of the value",
+        "one bit of the check",
+        "one bit of the digest",
+        "2-8 bits anywhere",
+        "a random value",
+        "a random stamp",
+        "a random entry",
+        "the entry zeroed",
+        "another position's entry",
+    ];
+    let mut failed = 0;
+    let trials = 900;
+    for trial in 0..trials {
+        let fault = faults[trial % faults.len()];
+        let (r, q) = (rng.below(2) as usize, rng.below(s.count as u64) as usize);
+        let block = s.block_ids[q] as usize;
+        let intact = s.side.ranks[r].stored[block];
+        let mut entry = intact;
+        match fault {
+            "one bit of the value" => entry[0] ^= 1 << rng.below(64),
+            "one bit of the check" => entry[1] ^= 1 << (32 + rng.below(32)),
+            "one bit of the digest" => entry[1] ^= 1 << rng.below(32),
+            "2-8 bits anywhere" => {
+                while entry == intact || rng.chance(2, 3) {
+                    let bit = rng.below(128);
+                    entry[(bit / 64) as usize] ^= 1 << (bit % 64);
+                }
+            }
+            "a random value" => entry[0] = rng.next_u64(),
+            "a random stamp" => entry[1] = rng.next_u64(),
+            "a random entry" => entry = [rng.next_u64(), rng.next_u64()],
+            "the entry zeroed" => entry = [0, 0],
+            _ => {
+                let other = (q + 1 + rng.below(s.count as u64 - 1) as usize) % s.count;
+                entry = s.side.ranks[r].stored[s.block_ids[other] as usize];
+            }
+        }
+        if entry == intact {
+            continue;
+        }
+        s.side.ranks[r].stored[block] = entry;
+        let outcomes = load_check(&s.side, &blocks);
+        let context = format!("seed {seed}, trial {trial}: {fault} at rank {r} position {q}");
+        for (rank, rank_outcomes) in outcomes.iter().enumerate() {
+            for (position, &outcome) in rank_outcomes.iter().enumerate() {
+                let want = if (rank, position) == (r, q) {
+                    StoredOutcome::Failed
+                } else {
+                    StoredOutcome::Matched
+                };
+                assert_eq!(outcome, want, "{context}: rank {rank} position {position}");
+            }
+        }
+        failed += 1;
+        if trial % 100 == 0 {
+            let report = verifier_holding(2, &blocks, &load_check_records(&s.side, &blocks));
+            report.set_policy(Policy::FailOpen).unwrap();
+            let report = report.check_stored(REQ).unwrap();
+            assert_eq!(report.verdict, Verdict::Mismatch, "{context}: {}", report.message);
+            assert!(!report.passed, "{context}: a fail-open load passed a damaged entry");
+        }
+        s.side.ranks[r].stored[block] = intact;
+    }
+    assert!(failed > trials * 9 / 10, "seed {seed}: only {failed} damaged entries");
+}
+
+/// A partial last block stored (11 of 16 tokens) and load-checked when the
+/// request holds more tokens in it is OTHER_TOKENS, not FAILED: the entry
+/// says how many valid tokens it covers. The other positions match; the
+/// verifier counts that one as uncompared (MATCH, or UNVERIFIED where full
+/// coverage is required). The other way round (stored full, checked
+/// shorter) reads the same, and a load of the partial block alone is
+/// UNVERIFIED, no position in common.
+#[test]
+fn a_partial_block_checked_with_other_valid_tokens_is_other_tokens_not_failed() {
+    let mut rng = Rng::for_test("a_partial_block_checked_with_other_valid_tokens_is_other_tokens_not_failed");
+    let seed = rng.seed();
+    let longer = 80;
+    let kv = LogicalKv::random(&mut rng, KvShape::gqa(3, 4, 64, longer));
+    let mut side = deploy(&mut rng, &kv, 2, LayoutKind::Nhd, 8);
+    let block_ids = [6, 2, 7, 0, 3];
+    for rank in &mut side.ranks {
+        rank.placement.write_request(&kv, 0, &block_ids);
+    }
+    let hashes = random_hashes(&mut rng, block_ids.len());
+    use StoredOutcome::*;
+    for (stored_tokens, checked_tokens) in [(75u64, longer), (longer, 75u64)] {
+        let stored_blocks = blocks_with_hashes(stored_tokens, &block_ids, &hashes);
+        for rank in &side.ranks {
+            rank.worker
+                .store(&stored_blocks, StreamHandle::legacy_default())
+                .expect("store");
+        }
+        let checked = blocks_with_hashes(checked_tokens, &block_ids, &hashes);
+        let outcomes = load_check(&side, &checked);
+        let context = format!("seed {seed}: stored with {stored_tokens} tokens, checked with {checked_tokens}");
+        for rank in &outcomes {
+            assert_eq!(
+                rank,
+                &vec![Matched, Matched, Matched, Matched, OtherTokens],
+                "{context}"
+            );
+        }
+        let records = load_check_records(&side, &checked);
+        let report = verifier_holding(2, &checked, &records).check_stored(REQ).unwrap();
+        assert_eq!(report.verdict, Verdict::Match, "{context}: {}", report.message);
+        assert_eq!(
+            (report.compared_positions, report.uncompared_positions),
+            (4, 1),
+            "{context}"
+        );
+        let verifier = verifier_holding(2, &checked, &records);
+        verifier.set_require_coverage(true).unwrap();
+        let report = verifier.check_stored(REQ).unwrap();
+        assert_eq!(report.verdict, Verdict::Unverified, "{context}: {}", report.message);
+        assert_eq!(report.reason(), Some(Reason::UncomparedPositions), "{context}");
+        // The partial block alone (position 4, its own request): nothing in common.
+        let mut alone = BlockSet::new();
+        alone.add_request(REQ, checked_tokens).unwrap();
+        alone.add_group(REQ, 0, 4, &block_ids[4..]).unwrap();
+        alone.set_hashes(REQ, 0, &hashes[4 * HASH_BYTES..], HASH_BYTES).unwrap();
+        let report = verifier_holding(2, &alone, &load_check_records(&side, &alone))
+            .check_stored(REQ)
+            .unwrap();
+        assert_eq!(report.verdict, Verdict::Unverified, "{context}: {}", report.message);
+        assert_eq!(report.reason(), Some(Reason::NoCommonPosition), "{context}");
+        assert!(
+            report.message.contains("another number of valid tokens"),
+            "{context}: {}",
+            report.message
+        );
+    }
+}
+
+/// Entries in the format kvcsum 0.2.0 stored (the value, then `(fingerprint
+/// + coverage) XOR algorithm`, no check, no token count) under this
+/// configuration: MATCHED where the value matches, OTHER_FORMAT where it does
+/// not (that format cannot tell corruption from a partial block), never
+/// FAILED; the verifier calls such a load UNVERIFIED (INVALID_CHECKSUMS).
+/// Under another algorithm they are OTHER_FORMAT too.
+#[test]
+fn entries_of_the_0_2_0_format_match_or_read_as_their_format_never_failed() {
+    let mut rng = Rng::for_test("entries_of_the_0_2_0_format_match_or_read_as_their_format_never_failed");
+    let seed = rng.seed();
+    let num_tokens = 75;
+    let mut s = stored_and_reloaded(&mut rng, num_tokens);
+    let blocks = blocks_with_hashes(num_tokens, &s.block_ids, &s.hashes);
+    for r in 0..2 {
+        let config = rank_config(&s, r);
+        for q in 0..s.count {
+            let sum = rank_sum(&s, r, q);
+            let value = sum ^ hash_of(&s.hashes, q) ^ config.fingerprint;
+            let stamp = config.fingerprint.wrapping_add(config.coverage) ^ config.algorithm as u64;
+            s.side.ranks[r].stored[s.block_ids[q] as usize] = [value, stamp];
+        }
+    }
+    use StoredOutcome::*;
+    for rank in load_check(&s.side, &blocks) {
+        assert!(rank.iter().all(|&o| o == Matched), "{rank:?} (seed {seed})");
+    }
+    let report = verifier_holding(2, &blocks, &load_check_records(&s.side, &blocks))
+        .check_stored(REQ)
+        .unwrap();
+    assert_eq!(report.verdict, Verdict::Match, "seed {seed}: {}", report.message);
+    // A corrupted byte under a 0.2.0 entry: its format cannot say.
+    let q = rng.below(s.count as u64) as usize;
+    let head = s.side.ranks[0].placement.spec().first_head;
+    let token = rng.below(valid_tokens_at(num_tokens, q) as u64) as u32;
+    s.side.ranks[0].placement.xor_byte(
+        rng.below(3) as u32,
+        head,
+        s.block_ids[q],
+        token,
+        rng.below(64) as u32,
+        0x08,
+    );
+    let outcomes = load_check(&s.side, &blocks);
+    let mut expected = vec![Matched; s.count];
+    expected[q] = OtherFormat;
+    assert_eq!(outcomes[0], expected, "seed {seed}");
+    assert!(outcomes[1].iter().all(|&o| o == Matched), "seed {seed}");
+    let report = verifier_holding(2, &blocks, &load_check_records(&s.side, &blocks))
+        .check_stored(REQ)
+        .unwrap();
+    assert_eq!(report.verdict, Verdict::Unverified, "seed {seed}: {}", report.message);
+    assert_eq!(report.reason(), Some(Reason::InvalidChecksums), "{}", report.message);
+    assert!(report.message.contains("0.2.0"), "{}", report.message);
+    // Stamped with the other algorithm by 0.2.0.
+    let other = if algorithm().code() == 1 { 2 } else { 1 };
+    let config = rank_config(&s, 1);
+    let block = s.block_ids[0] as usize;
+    s.side.ranks[1].stored[block][1] = config.fingerprint.wrapping_add(config.coverage) ^ other;
+    assert_eq!(load_check(&s.side, &blocks)[1][0], OtherFormat, "seed {seed}");
 }
 
 #[test]
@@ -584,7 +886,10 @@ fn offload_loads_are_judged_from_load_check_records() {
         );
         assert_eq!(mismatch.failed_workers, vec![tp_rank(1, 2)], "seed {seed}");
         assert!(mismatch.failed_checks.is_empty() && !mismatch.localised);
-        assert_eq!(report.compared_positions, s.count as u64 - 1, "seed {seed}");
+        assert_eq!(
+            report.compared_positions, s.count as u64,
+            "the failed one too (seed {seed})"
+        );
         assert!(
             report.message.contains(&format!("position {q} (tokens {}..", 16 * q)),
             "{}",
@@ -611,6 +916,83 @@ fn offload_loads_are_judged_from_load_check_records() {
                 .collect();
             assert_eq!(found, expected, "seed {seed}");
         }
+    }
+}
+
+/// An offload load's report counts the positions whose load check failed
+/// among those compared, as a payload check counts the positions that
+/// mismatch: every position failing gives MISMATCH with every position
+/// compared (never "0 compared"), and the same corruption judged against a
+/// producer's payload gives the same count.
+#[test]
+fn failed_positions_count_as_compared_as_in_a_payload_check() {
+    let mut rng = Rng::for_test("failed_positions_count_as_compared_as_in_a_payload_check");
+    let seed = rng.seed();
+    for num_tokens in [16, 75, 160] {
+        let mut s = stored_and_reloaded(&mut rng, num_tokens);
+        let blocks = blocks_with_hashes(num_tokens, &s.block_ids, &s.hashes);
+        // The producer's payload of the intact KV (the same blocks and layout).
+        let producer = Verifier::new(2).unwrap();
+        producer.expect(&blocks, Role::Producer).unwrap();
+        for rank in &s.side.ranks {
+            let result = checksum(&rank.worker, &blocks, Role::Producer);
+            producer
+                .add_record(&Record::from_checksums(&result).unwrap().encode())
+                .unwrap();
+        }
+        let payload = producer.payload(REQ).expect("payload").encode();
+        // Corrupt a random set of positions (at least one, up to all) on a random rank.
+        let corrupted: Vec<usize> = (0..s.count).filter(|_| rng.chance(1, 2)).collect();
+        let corrupted = if corrupted.is_empty() || rng.chance(1, 3) {
+            (0..s.count).collect()
+        } else {
+            corrupted
+        };
+        for &q in &corrupted {
+            let r = rng.below(2) as usize;
+            let head = s.side.ranks[r].placement.spec().first_head;
+            let token = rng.below(valid_tokens_at(num_tokens, q) as u64) as u32;
+            s.side.ranks[r].placement.xor_byte(
+                rng.below(3) as u32,
+                head,
+                s.block_ids[q],
+                token,
+                rng.below(64) as u32,
+                0x20,
+            );
+        }
+        let stored = verifier_holding(2, &blocks, &load_check_records(&s.side, &blocks))
+            .check_stored(REQ)
+            .unwrap();
+        let context = format!("seed {seed}, {num_tokens} tokens, positions {corrupted:?} corrupted");
+        assert_eq!(stored.verdict, Verdict::Mismatch, "{context}: {}", stored.message);
+        let failed: Vec<u64> = stored.mismatches.iter().map(|m| m.first_position).collect();
+        assert_eq!(
+            failed,
+            corrupted.iter().map(|&q| q as u64).collect::<Vec<_>>(),
+            "{context}"
+        );
+        assert_eq!(
+            (stored.compared_positions, stored.uncompared_positions),
+            (s.count as u64, 0),
+            "{context}: {}",
+            stored.message
+        );
+        let consumer = Verifier::new(2).unwrap();
+        consumer.expect(&blocks, Role::Consumer).unwrap();
+        for rank in &s.side.ranks {
+            let result = checksum(&rank.worker, &blocks, Role::Consumer);
+            consumer
+                .add_record(&Record::from_checksums(&result).unwrap().encode())
+                .unwrap();
+        }
+        let checked = consumer.check(REQ, Some(&payload)).unwrap();
+        assert_eq!(checked.verdict, Verdict::Mismatch, "{context}: {}", checked.message);
+        assert_eq!(
+            (checked.compared_positions, checked.uncompared_positions),
+            (stored.compared_positions, stored.uncompared_positions),
+            "{context}: the payload check and the load check count alike"
+        );
     }
 }
 
@@ -700,14 +1082,15 @@ fn load_check_records_round_trip_with_their_outcomes() {
     // The outcomes are the last group's last element: bin of 4, then no
     // skipped groups, then the record's algorithm (2, MIXED).
     assert_eq!(&bytes[bytes.len() - 8..], &[0xc4, 4, 1, 1, 0, 2, 0x90, 2]);
-    // The verifier names position 2 (tokens 32..40); position 3 is neither compared nor not.
+    // The verifier names position 2 (tokens 32..40), compared like 0 and 1;
+    // position 3 is neither compared nor not.
     let report = verifier_holding(1, &blocks, std::slice::from_ref(&bytes))
         .check_stored(REQ)
         .unwrap();
     assert_eq!(report.verdict, Verdict::Mismatch, "{}", report.message);
     assert_eq!(
         (report.compared_positions, report.uncompared_positions),
-        (2, 0),
+        (3, 0),
         "{}",
         report.message
     );
@@ -726,8 +1109,8 @@ fn load_check_records_round_trip_with_their_outcomes() {
     // check's group beside a plain one.
     let mut bad = bytes.clone();
     let at = bad.len() - 4;
-    bad[at] = 5;
-    malformed(Record::decode(&bad), "outcome 2 is 5");
+    bad[at] = 7;
+    malformed(Record::decode(&bad), "outcome 2 is 7");
     let mut bad = bytes.clone();
     let at = bad.len() - 8;
     bad[at] = 0xc2; // a boolean where the outcomes start
@@ -755,5 +1138,176 @@ fn malformed(result: kvcsum::Result<Record>, needle: &str) {
     match result {
         Err(Error::Malformed(message)) => assert!(message.contains(needle), "{message:?} lacks {needle:?}"),
         other => panic!("expected Malformed containing {needle:?}, got {other:?}"),
+    }
+}
+
+/// Random damage to entries kept by a connector (`kvcs_result_entries`,
+/// judged by `kvcs_result_check_entries`): each damaged entry must fail. A
+/// damaged entry passes the check only by a chance of about 2^-32 (SPEC
+/// section 8), so any escape in this many trials is a defect.
+/// `KVCS_STORED_DAMAGE_TRIALS` sets the number of damaged entries (default
+/// 2^16; SPEC section 8 records a run of 10^8); the counts are printed:
+/// `cargo test --release --test stored random_damage -- --nocapture`.
+#[test]
+fn random_damage_to_kept_entries_always_fails() {
+    let mut rng = Rng::for_test("random_damage_to_kept_entries_always_fails");
+    let seed = rng.seed();
+    let trials: u64 = std::env::var("KVCS_STORED_DAMAGE_TRIALS")
+        .ok()
+        .map_or(1 << 16, |text| text.trim().parse().expect("a number of trials"));
+    // 64 positions of 4 tokens, one layer of one head: a cheap checksum.
+    let (positions, block_size) = (64usize, 4u32);
+    let num_tokens = positions as u64 * block_size as u64 - 1; // the last block partial
+    let kv = LogicalKv::random(&mut rng, KvShape::gqa(1, 1, 16, num_tokens));
+    let mut placement = Placement::for_shard(
+        &mut rng,
+        &kv,
+        &shard(&kv, 0, 1, 0, 1),
+        LayoutKind::Hnd,
+        0,
+        block_size,
+        positions as u32,
+    );
+    let block_ids: Vec<u32> = rng.permutation(positions as u32);
+    placement.write_request(&kv, 0, &block_ids);
+    let worker = CWorkerHandle::over(&placement, block_size);
+    let hashes = random_hashes(&mut rng, positions);
+    let req = CString::new(REQ).unwrap();
+    let mut blocks = std::ptr::null_mut();
+    assert_eq!(kvcs_blocks_create(&mut blocks), KVCS_OK);
+    assert_eq!(kvcs_blocks_add_request(blocks, req.as_ptr(), num_tokens), KVCS_OK);
+    assert_eq!(
+        kvcs_blocks_add_group(blocks, req.as_ptr(), 0, 0, block_ids.as_ptr(), positions),
+        KVCS_OK
+    );
+    assert_eq!(
+        kvcs_blocks_set_hashes(blocks, req.as_ptr(), 0, hashes.as_ptr(), HASH_BYTES, positions),
+        KVCS_OK
+    );
+    let mut result = std::ptr::null_mut();
+    assert_eq!(
+        kvcs_worker_checksum(worker.0, blocks, 1, std::ptr::null_mut(), &mut result),
+        KVCS_OK
+    );
+    let mut entries = vec![0u64; 2 * positions];
+    assert_eq!(
+        kvcs_result_entries(result, req.as_ptr(), 0, entries.as_mut_ptr()),
+        KVCS_OK,
+        "{}",
+        last_error()
+    );
+    let mut outcomes = vec![9u8; positions];
+    assert_eq!(
+        kvcs_result_check_entries(result, req.as_ptr(), 0, entries.as_ptr(), outcomes.as_mut_ptr()),
+        KVCS_OK
+    );
+    assert!(
+        outcomes
+            .iter()
+            .all(|&o| o == kvcs_stored_outcome::KVCS_STORED_MATCHED as u8),
+        "{outcomes:?}"
+    );
+    let faults = [
+        "one bit",
+        "2-8 bits",
+        "a random value word",
+        "a random stamp word",
+        "a random entry",
+        "another position's entry",
+    ];
+    let mut escaped: BTreeMap<(&str, u8), u64> = BTreeMap::new();
+    let mut damaged_count = [0u64; 6];
+    let mut done = 0u64;
+    while done < trials {
+        let mut damaged = entries.clone();
+        let mut kinds = Vec::with_capacity(positions);
+        for q in 0..positions {
+            let kind = rng.below(faults.len() as u64) as usize;
+            let intact = [entries[2 * q], entries[2 * q + 1]];
+            let mut entry = intact;
+            while entry == intact {
+                match kind {
+                    0 => {
+                        let bit = rng.below(128);
+                        entry[(bit / 64) as usize] ^= 1 << (bit % 64);
+                    }
+                    1 => {
+                        for _ in 0..rng.range(2..9) {
+                            let bit = rng.below(128);
+                            entry[(bit / 64) as usize] ^= 1 << (bit % 64);
+                        }
+                    }
+                    2 => entry[0] = rng.next_u64(),
+                    3 => entry[1] = rng.next_u64(),
+                    4 => entry = [rng.next_u64(), rng.next_u64()],
+                    _ => {
+                        let other = rng.below(positions as u64) as usize;
+                        entry = [entries[2 * other], entries[2 * other + 1]];
+                    }
+                }
+            }
+            damaged[2 * q] = entry[0];
+            damaged[2 * q + 1] = entry[1];
+            kinds.push(kind);
+        }
+        assert_eq!(
+            kvcs_result_check_entries(result, req.as_ptr(), 0, damaged.as_ptr(), outcomes.as_mut_ptr()),
+            KVCS_OK
+        );
+        for (q, &outcome) in outcomes.iter().enumerate() {
+            damaged_count[kinds[q]] += 1;
+            if outcome != kvcs_stored_outcome::KVCS_STORED_FAILED as u8 {
+                *escaped.entry((faults[kinds[q]], outcome)).or_default() += 1;
+            }
+        }
+        done += positions as u64;
+    }
+    eprintln!("[random damage] seed {seed}: {done} damaged entries");
+    for (kind, name) in faults.iter().enumerate() {
+        let missed: u64 = escaped.iter().filter(|((f, _), _)| f == name).map(|(_, n)| n).sum();
+        eprintln!("  {name}: {} damaged, {missed} not failed", damaged_count[kind]);
+    }
+    kvcs_result_destroy(result);
+    kvcs_blocks_destroy(blocks);
+    assert!(
+        escaped.is_empty(),
+        "seed {seed}: damaged entries that did not fail: {escaped:?}"
+    );
+}
+
+/// An owned C host worker over a placement's buffers (one thread).
+struct CWorkerHandle(*mut kvcs_worker);
+
+impl CWorkerHandle {
+    fn over(placement: &Placement, block_size: u32) -> CWorkerHandle {
+        let options = kvcs_worker_options {
+            tp_rank: 0,
+            tp_size: 1,
+            pp_rank: 0,
+            device: -1,
+            num_threads: 1,
+        };
+        let mut worker = std::ptr::null_mut();
+        assert_eq!(kvcs_worker_create(&options, &mut worker), KVCS_OK);
+        for region in placement.regions(&placement.host_bases()) {
+            assert_eq!(kvcs_worker_add_region(worker, region.address, region.length), KVCS_OK);
+        }
+        assert_eq!(kvcs_worker_add_group(worker, 0, block_size), KVCS_OK);
+        for spec in placement.host_layer_specs() {
+            let segments = c_segments(&spec);
+            assert_eq!(
+                kvcs_worker_add_layer(worker, &c_layer(&spec, &segments)),
+                KVCS_OK,
+                "{}",
+                last_error()
+            );
+        }
+        CWorkerHandle(worker)
+    }
+}
+
+impl Drop for CWorkerHandle {
+    fn drop(&mut self) {
+        kvcs_worker_destroy(self.0);
     }
 }

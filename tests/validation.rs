@@ -428,6 +428,129 @@ fn tight_extents(placement: &Placement) -> Vec<(usize, usize)> {
     extents
 }
 
+/// A layer whose distinct cells share bytes (a stride of 0 over more than
+/// one index, cells closer than their size, V over K) is refused: both
+/// sides registered alike would match while bytes neither reads were
+/// corrupt. The real layout beside it, and K and V as two segments of one
+/// cell, are accepted and give the reference values.
+#[test]
+fn layers_whose_cells_share_bytes_are_refused_and_change_nothing() {
+    let mut rng = Rng::for_test("layers_whose_cells_share_bytes_are_refused_and_change_nothing");
+    let fixture = Fixture::new(&mut rng);
+    let mut worker = fixture.bare_worker();
+    let good = fixture.specs()[0].clone();
+    let named = format!("layer_number {}", good.layer_number);
+    let k = good.segments[0];
+    let cell = k.bytes_per_token as i64;
+    let closer = cell - 8 * rng.range(1..cell as u64 / 8) as i64;
+    let k_bytes = 8 * rng.range(1..cell as u64 / 8) as u32;
+    let split = |v_address: u64, v_block_stride: i64| {
+        let mut spec = good.clone();
+        spec.segments[0].bytes_per_token = k_bytes;
+        let mut v = k;
+        v.address = v_address;
+        v.block_stride = v_block_stride;
+        v.bytes_per_token = k.bytes_per_token - k_bytes;
+        spec.segments.push(v);
+        spec
+    };
+    type Edit = Box<dyn Fn(&mut LayerSpec)>;
+    let cases: Vec<(&str, Edit, Vec<String>)> = vec![
+        (
+            "every token one cell",
+            Box::new(|spec| spec.segments[0].token_stride = 0),
+            vec!["segments[0]".into(), "token_stride 0".into()],
+        ),
+        (
+            "tokens closer than a cell",
+            Box::new(move |spec| spec.segments[0].token_stride = closer),
+            vec![format!("token_stride {closer}"), format!("the {cell} bytes")],
+        ),
+        (
+            "tokens closer than a cell, walking down",
+            Box::new(move |spec| spec.segments[0].token_stride = -closer),
+            vec![format!("token_stride -{closer}")],
+        ),
+        (
+            "every head one",
+            Box::new(|spec| spec.segments[0].head_stride = 0),
+            vec!["head_stride 0".into()],
+        ),
+        (
+            "heads one token apart",
+            Box::new(move |spec| spec.segments[0].head_stride = cell),
+            vec!["share bytes".into()],
+        ),
+        (
+            "blocks one head apart",
+            Box::new(move |spec| spec.segments[0].block_stride = k.head_stride),
+            vec!["share bytes".into()],
+        ),
+        (
+            "logical blocks sharing kernel blocks",
+            Box::new(move |spec| {
+                spec.kernel_blocks = 2;
+                spec.tokens_per_kernel_block = 8;
+                spec.segments[0].kernel_block_stride = k.block_stride;
+            }),
+            vec!["share bytes".into()],
+        ),
+    ];
+    for (context, edit, needles) in cases {
+        let mut spec = good.clone();
+        edit(&mut spec);
+        let mut needles: Vec<&str> = needles.iter().map(String::as_str).collect();
+        needles.extend(["share bytes", named.as_str()]);
+        reject_layer(&mut worker, spec, "InvalidArgument", &needles, context);
+    }
+    // V over K: at K's address, inside K's cells, or with other strides over K's cells.
+    let last_block = (good.num_blocks as i64 - 1) * k.block_stride;
+    let pair_cases = [
+        ("V at K's address", split(k.address, k.block_stride)),
+        (
+            "V inside K's cells",
+            split(k.address + 8 * rng.below(k_bytes as u64 / 8), k.block_stride),
+        ),
+        // V's blocks in reverse, block b over K's block num_blocks - 1 - b.
+        (
+            "V with other strides over K",
+            split(k.address + last_block as u64, -k.block_stride),
+        ),
+    ];
+    for (context, spec) in pair_cases {
+        reject_layer(
+            &mut worker,
+            spec,
+            "InvalidArgument",
+            &[
+                "segments[0] (bytes",
+                "segments[1] (bytes",
+                "K and V must not overlap",
+                &named,
+            ],
+            context,
+        );
+    }
+    fixture.assert_works(&mut worker, "after layers whose cells share bytes");
+
+    // K then V as two segments of the same cell: accepted, the same values.
+    let mut split_worker = fixture.bare_worker();
+    split_worker
+        .add_layer(split(k.address + k_bytes as u64, k.block_stride))
+        .expect("K and V side by side");
+    for spec in fixture.specs().into_iter().skip(1) {
+        split_worker.add_layer(spec).expect("the other layers");
+    }
+    let result = checksum(&split_worker, &block_set(&[fixture.request()]), Role::Producer);
+    let expected = naive_full(&fixture.kv, 16, 0, fixture.table.block_ids.len());
+    assert_eq!(
+        result.column("r", 0, 0).unwrap().1,
+        expected.as_slice(),
+        "seed {}: K and V as two segments of one cell",
+        fixture.seed
+    );
+}
+
 #[test]
 fn layers_reaching_outside_every_region_are_rejected() {
     let mut rng = Rng::for_test("layers_reaching_outside_every_region_are_rejected");

@@ -15,12 +15,18 @@
 //! or not; told (set, or the extension), intact KV matches and a flipped
 //! bit mismatches. `KVCS_TEST_SEED=<seed> KVCS_BLOCK_SIZE_PAIR=<a>,<b>`
 //! reruns one pair.
+
+//! Beside it, layouts whose cells alias (a real layout with one stride or
+//! address changed, tests/verdict_support/aliasing.rs): every one whose
+//! cells share a byte, by a naive reference, is refused at registration.
 //!
 //! `KVCS_PROPERTY_CASES` sets the number of cases (default 1000, about 2 s);
 //! `KVCS_TEST_SEED=<seed> KVCS_PROPERTY_CASE=<i>` reruns one case. The table
 //! of outcomes is printed on stderr: `cargo test --release --test
 //! verdict_property -- --nocapture`.
 
+#[path = "verdict_support/aliasing.rs"]
+mod aliasing;
 #[path = "verdict_support/cabi.rs"]
 mod cabi;
 #[path = "verdict_support/generator.rs"]
@@ -120,6 +126,24 @@ fn every_pair_of_block_sizes_is_compared_only_where_the_producers_is_known() {
     }
     eprintln!("{}", tally.table(seed));
     eprintln!("violations: {}", violations.len());
+
+fn a_layout_whose_cells_share_bytes_is_always_refused_at_registration() {
+    let seed = support::run_seed();
+    eprintln!(
+        "[aliasing property] seed {seed}: rerun with KVCS_TEST_SEED={seed} cargo test --release --test verdict_property -- --nocapture"
+    );
+    let indices: Vec<u64> = match env_u64("KVCS_PROPERTY_CASE") {
+        Some(index) => vec![index],
+        None => (0..env_u64("KVCS_PROPERTY_CASES").unwrap_or(1000)).collect(),
+    };
+    let mut tally = aliasing::AliasingTally::default();
+    let mut violations = Vec::new();
+    for &index in &indices {
+        let result = aliasing::run_aliasing_case(seed, index);
+        tally.add(&result);
+        violations.extend(result.violations);
+    }
+    eprintln!("{}", tally.table(seed));
     for violation in violations.iter().take(20) {
         eprintln!("VIOLATION {violation}");
     }
@@ -130,4 +154,19 @@ fn every_pair_of_block_sizes_is_compared_only_where_the_producers_is_known() {
         tally.pairs,
         violations.first().map_or("", String::as_str)
     );
+
+        "{} violations in {} cases (seed {seed}); the first:\n{}",
+        violations.len(),
+        indices.len(),
+        violations.first().map_or("", String::as_str)
+    );
+    // The changes must make cells alias often enough to test the rule.
+    if indices.len() >= 100 {
+        assert!(
+            tally.aliasing() * 2 > indices.len() as u64,
+            "only {} of {} cases alias (seed {seed})",
+            tally.aliasing(),
+            indices.len()
+        );
+    }
 }

@@ -586,8 +586,8 @@ fn every_malformed_record_class_is_rejected_with_a_message() {
         ),
         (
             "stored outcome that is none",
-            Box::new(|v| *v.at(&[6, 0, 2, 0, 5]) = V::B(vec![1, 5, 1])),
-            "outcome 1 is 5",
+            Box::new(|v| *v.at(&[6, 0, 2, 0, 5]) = V::B(vec![1, 7, 1])),
+            "outcome 1 is 7",
         ),
         (
             "stored outcomes an integer",

@@ -70,6 +70,8 @@ ENUMS = {
             "KVCS_STORED_NOT_CHECKED": 2,
             "KVCS_STORED_OTHER_FINGERPRINT": 3,
             "KVCS_STORED_OTHER_ALGORITHM": 4,
+            "KVCS_STORED_OTHER_TOKENS": 5,
+            "KVCS_STORED_OTHER_FORMAT": 6,
         },
     ),
     "kvcs_status": (
@@ -1154,6 +1156,25 @@ CALLS = {
             ("head_size", "uint32_t"),
             ("k_scale_bits", "uint64_t"),
             ("v_scale_bits", "uint64_t"),
+        ),
+    ),
+    "kvcs_result_entries": (
+        "kvcs_status",
+        (
+            ("result", "const kvcs_result *"),
+            ("req_id", "const char *"),
+            ("group_id", "uint32_t"),
+            ("entries", "uint64_t *"),
+        ),
+    ),
+    "kvcs_result_check_entries": (
+        "kvcs_status",
+        (
+            ("result", "const kvcs_result *"),
+            ("req_id", "const char *"),
+            ("group_id", "uint32_t"),
+            ("entries", "const uint64_t *"),
+            ("outcomes", "uint8_t *"),
         ),
     ),
     "kvcs_api_get": (

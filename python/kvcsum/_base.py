@@ -4,6 +4,7 @@ status check, argument conversion and checks, and the handle base class."""
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
 import struct
 import threading
@@ -56,6 +57,20 @@ def _member(enum_type, value: int):
         return enum_type(value)
     except ValueError:
         return value
+
+
+def _enum(value, enum_type, name: str) -> int:
+    """An argument of the C enum `enum_type` (an IntEnum of this package)
+    as an int: a member of `enum_type` or a plain integer, checked as a
+    uint32_t. TypeError for a member of another enum, which is an int too
+    and would pass as whatever value it has (Verifier.set_policy(kvcsum.MATCH)
+    would mean FAIL_OPEN, checksum(role=kvcsum.WEIGHTED) CONSUMER)."""
+    if isinstance(value, enum.Enum) and not isinstance(value, enum_type):
+        raise TypeError(
+            f"{name} must be a kvcsum.{enum_type.__name__} (or an int), got "
+            f"{type(value).__name__}.{value.name} ({value.value!r})"
+        )
+    return _int(value, "uint32_t", name)
 
 
 def _c(text: str, name: str) -> bytes:

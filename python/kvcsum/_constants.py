@@ -121,8 +121,10 @@ class StoredOutcome(_CEnum):
     FAILED = 0
     MATCHED = 1
     NOT_CHECKED = 2
-    OTHER_FINGERPRINT = 3  # stored under other layers or identities: not compared
+    OTHER_FINGERPRINT = 3  # stored under other layers, identities, heads or block size: not compared
     OTHER_ALGORITHM = 4  # stored with another algorithm: not compared
+    OTHER_TOKENS = 5  # stored holding another number of valid tokens (a partial block): not compared
+    OTHER_FORMAT = 6  # kvcsum 0.2.0's format, its value not matching: not compared
 
 
 #: The encodings kvcsum.h (of ABI_VERSION) says the library writes and
@@ -167,3 +169,5 @@ STORED_MATCHED = StoredOutcome.MATCHED
 STORED_NOT_CHECKED = StoredOutcome.NOT_CHECKED
 STORED_OTHER_FINGERPRINT = StoredOutcome.OTHER_FINGERPRINT
 STORED_OTHER_ALGORITHM = StoredOutcome.OTHER_ALGORITHM
+STORED_OTHER_TOKENS = StoredOutcome.OTHER_TOKENS
+STORED_OTHER_FORMAT = StoredOutcome.OTHER_FORMAT

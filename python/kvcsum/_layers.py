@@ -71,6 +71,34 @@ def _elements(array) -> tuple[str, bool, bool, str]:
     raise TypeError(f"cannot describe a {type(array).__name__}: expected a numpy array or a torch tensor")
 
 
+def _numeric(array, name: str) -> None:
+    """TypeError unless `array` holds numbers (bool, integers, floats,
+    complex, or a numeric scalar type numpy registers, such as ml_dtypes'
+    bfloat16): an array of Python objects holds pointers, a str or bytes
+    array characters, a structured or void one records, and checksumming
+    their bytes would compare pointers and padding, not KV."""
+    if hasattr(array, "data_ptr") and hasattr(array, "element_size") and callable(array.stride):
+        return  # torch's dtypes are all numeric
+    if isinstance(array, np.ndarray):
+        dtype = array.dtype
+    else:
+        interface = getattr(array, "__cuda_array_interface__", None) or getattr(array, "__array_interface__", None)
+        if interface is None:
+            return  # _array_info says what it cannot describe
+        descr = interface.get("descr")
+        structured = descr is not None and (len(descr) > 1 or descr[0][0] != "")
+        dtype = np.dtype(descr if structured else interface["typestr"])
+    registered_scalar = dtype.kind == "V" and dtype.fields is None and dtype.subdtype is None and dtype.type is not np.void
+    if dtype.hasobject or not (dtype.kind in "biufc" or registered_scalar):
+        what = {"O": "Python objects", "U": "str", "S": "bytes", "V": "records (structured or void)"}.get(
+            dtype.kind, f"dtype kind {dtype.kind!r}"
+        )
+        raise TypeError(
+            f"{name} has elements of dtype {dtype} ({what}); a KV cache holds numbers (float16, bfloat16, "
+            f"float8, int8, uint8, ...), and their bytes are what is checksummed"
+        )
+
+
 def _stored_buffer(array, name: str) -> tuple[int, int]:
     """(address, num_blocks) of a buffer of stored checksums: ValueError
     unless it is C-contiguous, writable, of native unsigned integers whose
@@ -189,9 +217,12 @@ def layer(
     head held here (rank * heads for TP rank `rank`).
 
     The layout string's rules are the library's (kvcs_layer_from_layout,
-    SPEC section 14): a layout it refuses raises kvcsum.InvalidArgument (a
-    ValueError) naming the argument and value. Each segment's
-    bytes_per_token is its own part of the cell (K's, or V's).
+    SPEC section 14): a layout it refuses (a view whose cells share bytes,
+    such as np.broadcast_to's or torch's expand()) raises
+    kvcsum.InvalidArgument (a ValueError) naming the argument and value.
+    Each segment's bytes_per_token is its own part of the cell (K's, or
+    V's). An array of non-numeric elements (object, str, bytes, structured
+    or void) raises TypeError.
     """
     if not isinstance(layout, str):
         raise TypeError(f"layout must be a str such as \"NHD\", got {type(layout).__name__}")
@@ -208,6 +239,7 @@ def layer(
     # The layout string's rules (letters, K and V, what is refused) are
     # the library's: kvcs_layer_from_layout, SPEC section 14.
     def tensor_of(array, name: str) -> tuple:
+        _numeric(array, name)
         address, shape, strides, item = _array_info(array)
         sizes = (c_int64 * max(len(shape), 1))(*[_int(n, "int64_t", f"{name} shape") for n in shape])
         steps = (c_int64 * max(len(strides), 1))(*[_int(n, "int64_t", f"{name} strides") for n in strides])

@@ -9,7 +9,8 @@ from ctypes import byref, c_char_p, c_int64, c_uint8, c_uint32
 from typing import Iterable, Sequence
 
 from . import _lib
-from ._base import _Handle, _block_ids, _c, _check, _create, _flag, _int, _of_type, _sized, library
+from ._base import _Handle, _block_ids, _c, _check, _create, _enum, _flag, _int, _of_type, _sized, library
+from ._constants import Direction
 
 # --- Topology (SPEC section 11) -----------------------------------------------
 
@@ -267,7 +268,7 @@ class Completion(_Handle):
         which its aggregator ignores); any other value goes to
         set_expected (a negative one or a bool is refused)."""
         worker = _int(worker, "uint32_t", "worker")
-        direction = _int(direction, "uint32_t", "direction")
+        direction = _enum(direction, Direction, "direction")
         if isinstance(req_ids, (str, bytes)):
             raise TypeError(f"req_ids must be a sequence of str, got one {type(req_ids).__name__}")
         req_ids = list(req_ids)
@@ -282,7 +283,7 @@ class Completion(_Handle):
 
     def reported(self, direction: int, req_id: str) -> int:
         """Workers that reported `req_id` so far (0 once it completed)."""
-        direction = _int(direction, "uint32_t", "direction")
+        direction = _enum(direction, Direction, "direction")
         req = _c(req_id, "req_id")
         value = c_uint32()
         with self._use() as handle:

@@ -8,8 +8,8 @@ import dataclasses
 from ctypes import byref, c_char_p, c_size_t, c_uint32, c_uint64, c_void_p
 
 from . import _lib
-from ._base import _Handle, _bytes_of, _c, _check, _create, _flag, _int, _member, _of_type, _sized, library
-from ._constants import Policy, Reason, Verdict
+from ._base import _Handle, _bytes_of, _c, _check, _create, _enum, _flag, _int, _member, _of_type, _sized, library
+from ._constants import Policy, Reason, Role, Verdict
 from ._worker import Blocks
 
 
@@ -216,7 +216,7 @@ class Verifier(_Handle):
 
     def set_policy(self, policy: int) -> None:
         """FAIL_OPEN or FAIL_CLOSED."""
-        policy = _int(policy, "uint32_t", "policy")
+        policy = _enum(policy, Policy, "policy")
         with self._use() as handle:
             _check(self._lib.kvcs_verifier_set_policy(handle, policy))
             self._policy = _member(Policy, policy)
@@ -257,7 +257,7 @@ class Verifier(_Handle):
     def expect(self, scheduled: Blocks, role: int) -> None:
         """Registers the requests of `scheduled` in `role`."""
         _of_type(scheduled, Blocks, "scheduled")
-        role = _int(role, "uint32_t", "role")
+        role = _enum(role, Role, "role")
         with self._use() as handle, scheduled._use() as blocks_handle:
             _check(self._lib.kvcs_verifier_expect(handle, blocks_handle, role))
 

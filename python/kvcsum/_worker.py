@@ -19,6 +19,7 @@ from ._base import (
     _c,
     _check,
     _create,
+    _enum,
     _flag,
     _int,
     _member,
@@ -28,7 +29,7 @@ from ._base import (
     _stream,
     library,
 )
-from ._constants import HOST, PRODUCER, Algorithm, Status
+from ._constants import HOST, PRODUCER, Algorithm, Role, Status
 from ._errors import InvalidArgument
 from ._layers import Layer, StateTensor, _stored_buffer, region_of
 from ._lib import BLOCK_CHECKSUM_BYTES
@@ -159,13 +160,54 @@ class Result(_Handle):
     def stored(self, req_id: str, group_id: int) -> np.ndarray:
         """A load check's verdicts (Worker.check_stored), one per block
         position, a numpy uint8 array of StoredOutcome values: MATCHED,
-        FAILED, NOT_CHECKED, OTHER_FINGERPRINT or OTHER_ALGORITHM (also
-        named STORED_MATCHED ...)."""
+        FAILED, NOT_CHECKED, OTHER_FINGERPRINT, OTHER_ALGORITHM,
+        OTHER_TOKENS or OTHER_FORMAT (also named STORED_MATCHED ...)."""
         _, positions, _ = self.group(req_id, group_id)
         outcomes = np.zeros(positions, dtype=np.uint8)
         pointer = outcomes.ctypes.data_as(ctypes.POINTER(c_uint8)) if positions else None
         with self._use() as handle:
             _check(self._lib.kvcs_result_stored(handle, _c(req_id, "req_id"), group_id, pointer))
+        return outcomes
+
+    def entries(self, req_id: str, group_id: int) -> np.ndarray:
+        """The stored-checksum entries a Worker.store of these blocks would
+        write for a group (kvcs_result_entries), for connectors that keep
+        them themselves: a numpy uint64 array of shape (positions, 2), the
+        value then the stamp per block position ((0, 0) where a position
+        holds no valid token). Needs a CONSUMER checksum of blocks with
+        hashes (Blocks.set_hashes); judge them with check_entries."""
+        _, positions, _ = self.group(req_id, group_id)
+        entries = np.zeros((positions, 2), dtype=np.uint64)
+        pointer = entries.ctypes.data_as(ctypes.POINTER(c_uint64)) if positions else None
+        with self._use() as handle:
+            _check(self._lib.kvcs_result_entries(handle, _c(req_id, "req_id"), group_id, pointer))
+        return entries
+
+    def check_entries(self, req_id: str, group_id: int, entries) -> np.ndarray:
+        """The load check against entries kept by the caller (as
+        entries() gave them when the blocks were stored):
+        kvcs_result_check_entries, one StoredOutcome value per block
+        position in a numpy uint8 array, as stored() gives them. `entries`
+        is (positions, 2) unsigned 64-bit integers (value, stamp)."""
+        _, positions, _ = self.group(req_id, group_id)
+        words = np.asarray(entries)
+        if words.dtype.kind not in "ui" or words.shape != (positions, 2):
+            raise ValueError(
+                f"entries must be integers of shape ({positions}, 2) (value, stamp per position), "
+                f"got dtype {words.dtype} shape {words.shape}"
+            )
+        if words.size and (int(words.min()) < 0 or int(words.max()) > 2**64 - 1):
+            raise ValueError("entries must be in [0, 2**64)")
+        words = np.ascontiguousarray(words, dtype=np.uint64)
+        outcomes = np.zeros(positions, dtype=np.uint8)
+        entries_pointer = words.ctypes.data_as(ctypes.POINTER(c_uint64)) if positions else None
+        outcomes_pointer = outcomes.ctypes.data_as(ctypes.POINTER(c_uint8)) if positions else None
+        with self._use() as handle:
+            _check(
+                self._lib.kvcs_result_check_entries(
+                    handle, _c(req_id, "req_id"), group_id, entries_pointer, outcomes_pointer
+                )
+            )
         return outcomes
 
     def encode(self) -> bytes:
@@ -221,7 +263,10 @@ class Worker(_Handle):
 
     def add_region(self, address: int, length: int) -> None:
         """Registers `length` bytes at `address` that the worker may read
-        (memory the caller keeps valid; add_region_of keeps an array)."""
+        (memory the caller keeps valid; add_region_of keeps an array). A
+        host worker refuses memory that is not mapped: kvcsum.InvalidArgument
+        where the first page is not, kvcsum.OutOfBounds where the range runs
+        past its mapping."""
         address = _int(address, "uint64_t", "address")
         length = _int(length, "uint64_t", "length")
         with self._use(exclusive=True) as handle:
@@ -291,7 +336,7 @@ class Worker(_Handle):
     def set_algorithm(self, algorithm: int) -> None:
         """The checksum algorithm, MIXED (the default) or WEIGHTED (vLLM's),
         set before the worker's first checksum, store or load check."""
-        algorithm = _int(algorithm, "uint32_t", "algorithm")
+        algorithm = _enum(algorithm, Algorithm, "algorithm")
         with self._use(exclusive=True) as handle:
             _check(self._lib.kvcs_worker_set_algorithm(handle, algorithm))
             self._algorithm = _member(Algorithm, algorithm)
@@ -398,7 +443,10 @@ class Worker(_Handle):
         return self._call_result(self._lib.kvcs_worker_check_stored, blocks, cuda_stream)
 
     def block_tags(self, group_id: int, hashes: Sequence[bytes]) -> np.ndarray:
-        """The tags of docs/SPEC.md section 8 for blocks with these hashes."""
+        """The tags of docs/SPEC.md section 8 for blocks with these hashes.
+        A value alone cannot tell a configuration change from corruption:
+        connectors that keep entries themselves take Result.entries (value
+        and stamp) and judge them with Result.check_entries."""
         group_id = _int(group_id, "uint32_t", "group_id")
         hashes = _bytes_list(hashes, "hashes")
         size = len(hashes[0]) if hashes else 8
@@ -414,7 +462,7 @@ class Worker(_Handle):
         """Computes (host) or queues (device, on `cuda_stream`) the partial
         checksums of every block in `blocks`."""
         _of_type(blocks, Blocks, "blocks")
-        role = _int(role, "uint32_t", "role")
+        role = _enum(role, Role, "role")
         return self._call_result(
             lambda handle, blocks_handle, stream, out: self._lib.kvcs_worker_checksum(
                 handle, blocks_handle, role, stream, out

@@ -636,3 +636,95 @@ def test_completion_report_expected_workers():
             completion.set_expected(0)  # C's rule: at least 1
         with pytest.raises(TypeError, match="req_ids must be a sequence of str, got one str"):
             completion.report(0, kvcsum.SENDING, "abc")
+
+
+# --- enum arguments and element types ------------------------------------------
+
+
+def test_a_member_of_another_enum_is_refused_where_an_enum_is_taken(seed):
+    """A member of another IntEnum is an int too: Verifier.set_policy(MATCH)
+    meant FAIL_OPEN and checksum(role=WEIGHTED) meant CONSUMER. Every
+    enum-taking argument refuses one with a TypeError naming the argument
+    and the member; its own members and plain ints keep working."""
+    rng = np.random.default_rng(seed)
+    cache = random_cache(rng, 4)
+    with kvcsum.Worker(num_threads=1) as worker, kvcsum.Blocks() as blocks, kvcsum.Verifier(1) as verifier:
+        worker.add_region_of(cache)
+        worker.add_group(0, TOKENS)
+        worker.add_layer(kvcsum.layer(cache, "HND", layer_number=0))
+        blocks.add_request("req", 2 * TOKENS).add_group("req", 0, [2, 0])
+        completion = kvcsum.Completion(1)
+        # (call with the argument, the argument's name, its own enum, a member of its own)
+        takers = [
+            (lambda value: worker.checksum(blocks, value).close(), "role", kvcsum.Role, kvcsum.CONSUMER),
+            (lambda value: verifier.expect(blocks, value), "role", kvcsum.Role, kvcsum.PRODUCER),
+            (verifier.set_policy, "policy", kvcsum.Policy, kvcsum.FAIL_OPEN),
+            (lambda value: kvcsum.Worker(algorithm=value).close(), "algorithm", kvcsum.Algorithm, kvcsum.WEIGHTED),
+            (lambda value: completion.report(0, value, ["r"]), "direction", kvcsum.Direction, kvcsum.SENDING),
+            (lambda value: completion.reported(value, "r"), "direction", kvcsum.Direction, kvcsum.RECEIVING),
+        ]
+        others = [
+            kvcsum.MATCH,
+            kvcsum.UNVERIFIED,
+            kvcsum.WEIGHTED,
+            kvcsum.MIXED,
+            kvcsum.CONSUMER,
+            kvcsum.FAIL_CLOSED,
+            kvcsum.SENDING,
+            kvcsum.RECEIVING,
+            kvcsum.Reason.NO_CHECKSUMS,
+            kvcsum.StoredOutcome.MATCHED,
+            kvcsum.Status.INVALID_ARGUMENT,
+        ]
+        for call, name, enum_type, own in takers:
+            for other in others:
+                if isinstance(other, enum_type):
+                    continue
+                message = rf"{name} must be a kvcsum\.{enum_type.__name__} \(or an int\), got {type(other).__name__}\.{other.name}"
+                with pytest.raises(TypeError, match=message):
+                    call(other)
+            call(own)
+            call(int(own))  # a plain int is still taken as the number it is
+        with kvcsum.Worker(num_threads=1) as fresh:
+            with pytest.raises(TypeError, match=r"algorithm must be a kvcsum\.Algorithm .*got Verdict\.MISMATCH"):
+                fresh.set_algorithm(kvcsum.MISMATCH)
+            fresh.set_algorithm(1)
+            assert fresh._algorithm is kvcsum.WEIGHTED
+        completion.close()
+
+
+def test_layer_refuses_arrays_whose_elements_are_not_numbers(seed):
+    """kvcsum.layer() of an object array checksummed the PyObject pointers;
+    str, bytes, structured and void arrays hold no numbers either. Each
+    raises TypeError naming the array and its dtype; numeric dtypes (and
+    the same bytes viewed as integers) are accepted."""
+    rng = np.random.default_rng(seed)
+    shape = (4, TOKENS, 2, 8)
+    numbers = rng.integers(1, 2**16, shape, dtype=np.uint16)
+    refused = [
+        (np.empty(shape, dtype=object), "object", "Python objects"),
+        (np.full(shape, "kv", dtype="<U2"), "<U2", "str"),
+        (np.full(shape, b"kv", dtype="S2"), "|S2", "bytes"),
+        (np.zeros(shape, dtype=[("k", "<u2")]), r"\[\('k', '<u2'\)\]", "records"),
+        (numbers.view("V2"), "|V2", "records"),
+    ]
+    for array, dtype, what in refused:
+        with pytest.raises(TypeError, match=rf"cache has elements of dtype {dtype} \({what}"):
+            kvcsum.layer(array, "NHD", layer_number=0)
+        with pytest.raises(TypeError, match=rf"v has elements of dtype {dtype}"):
+            kvcsum.layer(numbers, "NHD", layer_number=0, v=array)
+    # Through the array interface alone (no ndarray), as other libraries hand it.
+    class Interface:
+        def __init__(self, array):
+            self.__array_interface__ = array.__array_interface__
+            self._keep = array
+
+    with pytest.raises(TypeError, match=r"cache has elements of dtype object"):
+        kvcsum.layer(Interface(np.empty(shape, dtype=object)), "NHD", layer_number=0)
+    with pytest.raises(TypeError, match=r"cache has elements of dtype \[\('k', '<u2'\)\]"):
+        kvcsum.layer(Interface(np.zeros(shape, dtype=[("k", "<u2")])), "NHD", layer_number=0)
+    for dtype in (np.uint16, np.int16, np.float16, np.uint8, np.int8, np.float32, np.bool_, np.complex64):
+        array = rng.integers(0, 2, shape).astype(dtype)
+        layer = kvcsum.layer(array, "NHD", layer_number=0)
+        assert layer.segments[0].bytes_per_token == 8 * array.itemsize
+        kvcsum.layer(Interface(array), "NHD", layer_number=0)

@@ -139,3 +139,44 @@ def test_a_verifier_judges_an_offload_load_from_load_check_records(rng):
                 (0, 2, 16, 4)
             ]
             assert "stored checksum failed on worker (pp_rank 0, tp_rank 0)" in report.message
+
+
+def test_connectors_keeping_entries_get_value_and_stamp_and_the_load_checks_outcomes(rng):
+    """Result.entries gives what Worker.store writes (value and stamp);
+    Result.check_entries judges kept entries as a load check does: a
+    damaged stamp fails (never another configuration), a partial block
+    checked holding more tokens is OTHER_TOKENS."""
+    kv = rng.integers(0, 2**64, (6, 2, 8, 2), dtype=np.uint64)
+    stored = np.zeros((6, 2), dtype=np.uint64)
+    hashes = [bytes(rng.integers(0, 256, 32, dtype=np.uint8)) for _ in range(3)]
+    with kvcsum.Worker(num_threads=1) as worker, kvcsum.Blocks() as blocks, kvcsum.Blocks() as longer:
+        worker.add_region_of(kv)
+        worker.add_group(0, 8)
+        worker.add_layer(kvcsum.layer(kv, "BHTD", layer_number=0, identity=b"layer 0"))
+        worker.add_stored_of(0, stored)
+        blocks.add_request("o", 20).add_group("o", 0, [4, 0, 5]).set_hashes("o", 0, hashes)
+        worker.store(blocks).close()
+        with worker.checksum(blocks, kvcsum.CONSUMER) as result:
+            entries = result.entries("o", 0)
+            assert entries.dtype == np.uint64 and entries.shape == (3, 2)
+            assert (entries == stored[[4, 0, 5]]).all()
+            assert list(result.check_entries("o", 0, entries)) == [kvcsum.STORED_MATCHED] * 3
+            damaged = entries.copy()
+            damaged[1, 1] ^= np.uint64(1 << int(rng.integers(0, 64)))
+            assert list(result.check_entries("o", 0, damaged)) == [
+                kvcsum.STORED_MATCHED,
+                kvcsum.STORED_FAILED,
+                kvcsum.STORED_MATCHED,
+            ]
+            with pytest.raises(ValueError, match=r"entries must be integers of shape \(3, 2\)"):
+                result.check_entries("o", 0, entries[:2])
+        longer.add_request("o", 24).add_group("o", 0, [4, 0, 5]).set_hashes("o", 0, hashes)
+        with worker.checksum(longer, kvcsum.CONSUMER) as result:
+            assert list(result.check_entries("o", 0, entries)) == [
+                kvcsum.STORED_MATCHED,
+                kvcsum.STORED_MATCHED,
+                kvcsum.STORED_OTHER_TOKENS,
+            ]
+        with worker.checksum(blocks, kvcsum.PRODUCER) as result:
+            with pytest.raises(kvcsum.InvalidArgument, match="KVCS_ROLE_PRODUCER"):
+                result.entries("o", 0)

@@ -83,3 +83,26 @@ def test_refusals_name_the_argument():
         kvcsum.layer(k.transpose(0, 1, 3, 2), "BTHD", layer_number=0)
     with pytest.raises(TypeError, match="layout must be a str"):
         kvcsum.layer(k, b"NHD", layer_number=0)
+
+
+def test_views_whose_cells_share_bytes_are_refused():
+    rng = np.random.default_rng(SEED)
+    blocks, tokens, heads, dim = 4, 8, 2, 16
+    cache = rng.integers(0, 2**16, (blocks, tokens, heads, dim), dtype=np.uint16)
+    kvcsum.layer(cache, "NHD", layer_number=0)  # the real strides
+    # numpy's broadcast_to (stride 0) over blocks, tokens or heads.
+    for axis, letter in enumerate("BTH"):
+        base = cache[tuple(slice(0, 1) if i == axis else slice(None) for i in range(4))]
+        view = np.broadcast_to(base, cache.shape)
+        with pytest.raises(kvcsum.InvalidArgument, match=f"share bytes: {letter} 0 "):
+            kvcsum.layer(view, "NHD", layer_number=0)
+    # K of stride 0 (V is K), and V given as the cache itself.
+    flash = np.broadcast_to(cache[None], (2, blocks, tokens, heads, dim))
+    with pytest.raises(kvcsum.InvalidArgument, match="V starts 0 bytes from K"):
+        kvcsum.layer(flash, "KBTHD", layer_number=0)
+    with pytest.raises(kvcsum.InvalidArgument, match="K and V must not overlap"):
+        kvcsum.layer(cache, "NHD", layer_number=0, v=cache)
+    # Tokens closer than their cells: an overlapping as_strided view.
+    overlapping = np.lib.stride_tricks.as_strided(cache, strides=(cache.strides[0], 8, 2 * dim, 2))
+    with pytest.raises(kvcsum.InvalidArgument, match="share bytes"):
+        kvcsum.layer(overlapping, "NHD", layer_number=0)

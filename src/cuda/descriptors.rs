@@ -125,16 +125,18 @@ pub struct DevStoredItem {
     /// The block's 16 bytes of stored checksum (device or mapped host
     /// memory): the value, then the stamp.
     pub address: u64,
-    /// Store: the configuration stamp written after the value (SPEC section 8).
-    pub stamp: u64,
+    /// Store: the key that binds the entry to its block hash and digest
+    /// (SPEC section 8): the stamp's check is `f(f(value) ^ key) >> 32`.
+    pub key: u64,
     /// Store: value index of column 0.
     pub out: u32,
     /// Store: value distance between columns.
     pub column_stride: u32,
     /// Store: columns summed.
     pub num_columns: u32,
-    /// Zero.
-    pub reserved: u32,
+    /// Store: the digest (configuration and valid tokens), the stamp's low
+    /// 32 bits.
+    pub digest: u32,
 }
 
 /// The stored-checksum kernel's one parameter (`struct kvcs_dev_stored_call`).
@@ -619,7 +621,7 @@ pub fn layout_asserts() -> String {
         num_rows, num_values, split, row_units, algorithm, reserved, inline_groups, inline_rows,
     });
     assert_layout!(&mut out, DevStoredItem => "kvcs_dev_stored_item" {
-        tag, address, stamp, out, column_stride, num_columns, reserved,
+        tag, address, key, out, column_stride, num_columns, digest,
     });
     assert_layout!(&mut out, DevStoredCall => "kvcs_dev_stored_call" { items, values, gathered, num_items, gather });
     assert_layout!(&mut out, DevStateTensor => "kvcs_dev_state_tensor" {

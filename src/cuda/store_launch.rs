@@ -2,10 +2,12 @@
 //! `kvcs_store` launch that a store or a load check queues after the
 //! call's `kvcs_checksum`, on the same stream, before the call's event.
 //!
-//! A store writes `sum ^ tag` and the configuration stamp for each item to
-//! its block's 16 bytes (device memory of the worker's device or pinned host
-//! memory); a load check gathers each item's stored value and stamp into the
-//! call's slot, which the result compares once the event completed. The
+//! A store writes each item's entry to its block's 16 bytes (device memory
+//! of the worker's device or pinned host memory): `sum ^ tag`, then the
+//! stamp, the item's digest under the check the kernel computes from the
+//! value and the item's key (`crate::stored_entry`); a load check gathers
+//! each item's stored value and stamp into the call's slot, which the
+//! result compares once the event completed. The
 //! items travel in the slot's mapped pinned memory, so they live until the
 //! event completes (a slot whose result is dropped early is parked until
 //! then). The caller (the module `stored`, above this one) builds the items
@@ -21,7 +23,7 @@ use crate::error::Result;
 /// What a call does with stored checksums.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StoredMode {
-    /// Writes `sum ^ tag` and the stamp to every item's address after the checksums.
+    /// Writes the entry (`sum ^ tag`, then the stamp) to every item's address after the checksums.
     Store,
     /// Reads every item's stored value back into the result (a load check).
     Gather,

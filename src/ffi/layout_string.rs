@@ -81,9 +81,13 @@ unsafe fn view<'a>(tensor: &'a kvcs_tensor, name: &str) -> Result<TensorView<'a>
 /// `element_size` 0; D not contiguous (stride other than `element_size`
 /// where it has more than one element); K of a size other than 2; both a
 /// K letter and `v`; `kernel_blocks` 0 or not dividing B; `v` differing
-/// from `cache` in B, T or H; a field that does not fit its type. Nothing
-/// is read at `address`; `kvcs_worker_add_layer` checks the rest
-/// (alignment, bytes per token a multiple of 8, registered regions).
+/// from `cache` in B, T or H; a field that does not fit its type; a view
+/// whose distinct cells share bytes (a stride of 0 over a dimension of size
+/// above 1, as torch's `expand()` and numpy's `broadcast_to` make, K of
+/// stride 0, tokens closer than a cell, `v` over the cache: the rule of
+/// `kvcs_worker_add_layer`). Nothing is read at `address`;
+/// `kvcs_worker_add_layer` checks the rest (alignment, bytes per token a
+/// multiple of 8, registered regions).
 #[no_mangle]
 pub extern "C" fn kvcs_layer_from_layout(
     layout: *const c_char,

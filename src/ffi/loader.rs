@@ -542,6 +542,21 @@ pub type kvcs_worker_set_layer_decoding_fn = unsafe extern "C" fn(
     k_scale_bits: u64,
     v_scale_bits: u64,
 ) -> kvcs_status;
+/// The type of `kvcs_result_entries`.
+pub type kvcs_result_entries_fn = unsafe extern "C" fn(
+    result: *const kvcs_result,
+    req_id: *const c_char,
+    group_id: u32,
+    entries: *mut u64,
+) -> kvcs_status;
+/// The type of `kvcs_result_check_entries`.
+pub type kvcs_result_check_entries_fn = unsafe extern "C" fn(
+    result: *const kvcs_result,
+    req_id: *const c_char,
+    group_id: u32,
+    entries: *const u64,
+    outcomes: *mut u8,
+) -> kvcs_status;
 /// The type of `kvcs_api_get`.
 pub type kvcs_api_get_fn = unsafe extern "C" fn(abi_version: u32, out: *mut *const kvcs_api) -> kvcs_status;
 
@@ -791,6 +806,10 @@ pub struct kvcs_api {
     pub kvcs_payload_decoding: kvcs_payload_decoding_fn,
     /// Slot 113: `kvcs_worker_set_layer_decoding`.
     pub kvcs_worker_set_layer_decoding: kvcs_worker_set_layer_decoding_fn,
+    /// Slot 114: `kvcs_result_entries`.
+    pub kvcs_result_entries: kvcs_result_entries_fn,
+    /// Slot 115: `kvcs_result_check_entries`.
+    pub kvcs_result_check_entries: kvcs_result_check_entries_fn,
 }
 
 /// The table `kvcs_api_get` gives out.
@@ -911,4 +930,6 @@ pub(crate) static API: kvcs_api = kvcs_api {
     kvcs_payload_layer_values: super::payload::kvcs_payload_layer_values,
     kvcs_payload_decoding: super::payload::kvcs_payload_decoding,
     kvcs_worker_set_layer_decoding: super::worker::kvcs_worker_set_layer_decoding,
+    kvcs_result_entries: super::result::kvcs_result_entries,
+    kvcs_result_check_entries: super::result::kvcs_result_check_entries,
 };

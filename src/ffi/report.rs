@@ -255,7 +255,9 @@ pub extern "C" fn kvcs_report_message(report: *const kvcs_report, message: *mut 
 }
 
 /// Block positions compared, over all groups (in runs where block sizes
-/// differ).
+/// differ), those that differ included: a payload check counts every
+/// position it compared, an offload load check (`kvcs_verifier_check_stored`)
+/// every position checked by every worker or failed by some.
 #[no_mangle]
 pub extern "C" fn kvcs_report_compared_positions(report: *const kvcs_report, positions: *mut u64) -> kvcs_status {
     ffi_boundary! {

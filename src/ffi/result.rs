@@ -5,8 +5,9 @@ use std::ffi::c_char;
 use super::handle::{free, handle, try_handle};
 use super::panic::ffi_boundary;
 use super::status::kvcs_status;
-use super::{c_str, try_engine, write_out};
+use super::{c_array, c_str, try_engine, write_out};
 use crate::result::{Checksums, StoredOutcome};
+use crate::stored;
 
 /// The partial checksums of one `kvcs_worker_checksum` call: per request and
 /// group, one column per replica key, one value per block position.
@@ -124,12 +125,36 @@ pub enum kvcs_stored_outcome {
     KVCS_STORED_MATCHED = 1,
     /// Not checked: the position holds no valid token.
     KVCS_STORED_NOT_CHECKED = 2,
-    /// Not compared: the value was stored by a worker whose group has
-    /// other layers or identities (another fingerprint), or its stamp is
-    /// damaged; a configuration change, judged unverified (SPEC section 8).
+    /// Not compared: a clean entry stored by a worker whose group has other
+    /// layers, identities, heads or block size (another fingerprint); a
+    /// configuration change, judged unverified (SPEC section 8). A damaged
+    /// entry fails instead.
     KVCS_STORED_OTHER_FINGERPRINT = 3,
     /// Not compared: the value was stored with another checksum algorithm.
     KVCS_STORED_OTHER_ALGORITHM = 4,
+    /// Not compared: stored when the block held another number of valid
+    /// tokens (a partial last block stored, the request longer when loaded).
+    KVCS_STORED_OTHER_TOKENS = 5,
+    /// Not compared: an entry of kvcsum 0.2.0's format, stored under this
+    /// configuration, whose value does not match (that format cannot tell
+    /// corruption from another token count). One whose value matches is
+    /// `KVCS_STORED_MATCHED`.
+    KVCS_STORED_OTHER_FORMAT = 6,
+}
+
+impl kvcs_stored_outcome {
+    /// The C value of an engine outcome.
+    pub(super) fn of(outcome: StoredOutcome) -> kvcs_stored_outcome {
+        match outcome {
+            StoredOutcome::Failed => kvcs_stored_outcome::KVCS_STORED_FAILED,
+            StoredOutcome::Matched => kvcs_stored_outcome::KVCS_STORED_MATCHED,
+            StoredOutcome::NotChecked => kvcs_stored_outcome::KVCS_STORED_NOT_CHECKED,
+            StoredOutcome::OtherFingerprint => kvcs_stored_outcome::KVCS_STORED_OTHER_FINGERPRINT,
+            StoredOutcome::OtherAlgorithm => kvcs_stored_outcome::KVCS_STORED_OTHER_ALGORITHM,
+            StoredOutcome::OtherTokens => kvcs_stored_outcome::KVCS_STORED_OTHER_TOKENS,
+            StoredOutcome::OtherFormat => kvcs_stored_outcome::KVCS_STORED_OTHER_FORMAT,
+        }
+    }
 }
 
 /// A load check's verdicts (`kvcs_worker_check_stored`) on group `group_id`
@@ -154,16 +179,99 @@ pub extern "C" fn kvcs_result_stored(
                 "outcomes is NULL for {} positions", verdicts.len()
             )));
         }
-        for (i, verdict) in verdicts.iter().enumerate() {
-            let code = match verdict {
-                StoredOutcome::Failed => kvcs_stored_outcome::KVCS_STORED_FAILED,
-                StoredOutcome::Matched => kvcs_stored_outcome::KVCS_STORED_MATCHED,
-                StoredOutcome::NotChecked => kvcs_stored_outcome::KVCS_STORED_NOT_CHECKED,
-                StoredOutcome::OtherFingerprint => kvcs_stored_outcome::KVCS_STORED_OTHER_FINGERPRINT,
-                StoredOutcome::OtherAlgorithm => kvcs_stored_outcome::KVCS_STORED_OTHER_ALGORITHM,
-            };
+        for (i, &verdict) in verdicts.iter().enumerate() {
             // SAFETY: the contract gives `num_positions` writable bytes.
-            unsafe { outcomes.add(i).write(code as u8) };
+            unsafe { outcomes.add(i).write(kvcs_stored_outcome::of(verdict) as u8) };
+        }
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// The entries of docs/SPEC.md#8-stored-checksums-for-offloaded-kv that
+/// `kvcs_worker_store` would write for group `group_id` of request `req_id`
+/// of `result`, for connectors that keep stored checksums themselves: two
+/// words per block position (`num_positions` of `kvcs_result_group`)
+/// written to `entries`, the value (`sum XOR tag`) then the stamp (the
+/// configuration, algorithm and valid tokens that computed it, with a check
+/// binding them to the block hash), as numbers (a buffer of
+/// `kvcs_worker_add_stored` holds them little-endian). A position holding no
+/// valid token gets `(0, 0)`: a store writes nothing there. Keep both words
+/// with the block and judge them with `kvcs_result_check_entries`: the
+/// value alone cannot tell a configuration change from corruption.
+///
+/// `result` is a `kvcs_worker_checksum` of `KVCS_ROLE_CONSUMER` (every
+/// column; `KVCS_ERR_INVALID_ARGUMENT` for a producer's) of blocks with
+/// block hashes (`kvcs_blocks_set_hashes`; `KVCS_ERR_INVALID_ARGUMENT`
+/// without). `KVCS_ERR_NOT_FOUND` for a request or group not in it (or
+/// skipped), `KVCS_ERR_NOT_READY` while a device computes.
+#[no_mangle]
+pub extern "C" fn kvcs_result_entries(
+    result: *const kvcs_result,
+    req_id: *const c_char,
+    group_id: u32,
+    entries: *mut u64,
+) -> kvcs_status {
+    ffi_boundary! {
+        let result = try_handle!(result, "result");
+        // SAFETY: NULL or a NUL-terminated string per the contract.
+        let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
+        let found = try_engine!(stored::result_entries(result, req_id, group_id));
+        if entries.is_null() && !found.is_empty() {
+            return super::status::fail(&crate::error::Error::InvalidArgument(format!(
+                "entries is NULL for {} positions", found.len()
+            )));
+        }
+        for (i, &(value, stamp)) in found.iter().enumerate() {
+            // SAFETY: the contract gives 2 * `num_positions` writable words.
+            unsafe {
+                entries.add(2 * i).write(value);
+                entries.add(2 * i + 1).write(stamp);
+            }
+        }
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// The load check of docs/SPEC.md#8-stored-checksums-for-offloaded-kv
+/// against entries the caller kept (`kvcs_result_entries` of the stored
+/// blocks, copied with them): `entries` holds two words per block position
+/// of group `group_id` of request `req_id` (value, stamp), and `outcomes`
+/// gets one `kvcs_stored_outcome` per position, as `kvcs_result_stored`
+/// gives them after `kvcs_worker_check_stored`: matched, failed (the data
+/// or the entry changed, or it is another block's), not checked, or not
+/// compared because another configuration, algorithm, valid-token count or
+/// format stored it. Requirements and errors as `kvcs_result_entries`.
+#[no_mangle]
+pub extern "C" fn kvcs_result_check_entries(
+    result: *const kvcs_result,
+    req_id: *const c_char,
+    group_id: u32,
+    entries: *const u64,
+    outcomes: *mut u8,
+) -> kvcs_status {
+    ffi_boundary! {
+        let result = try_handle!(result, "result");
+        // SAFETY: NULL or a NUL-terminated string per the contract.
+        let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
+        let (_, blocks) = try_engine!(result.given_blocks(req_id, group_id));
+        let positions = blocks.block_ids.len();
+        let Some(words) = positions.checked_mul(2) else {
+            return super::status::fail(&crate::error::Error::InvalidArgument(format!(
+                "2 x {positions} positions overflows"
+            )));
+        };
+        // SAFETY: the contract gives 2 * `num_positions` readable words.
+        let words = try_engine!(unsafe { c_array(entries, words, "entries") });
+        let pairs: Vec<(u64, u64)> = words.chunks_exact(2).map(|pair| (pair[0], pair[1])).collect();
+        let verdicts = try_engine!(stored::check_result_entries(result, req_id, group_id, &pairs));
+        if outcomes.is_null() && !verdicts.is_empty() {
+            return super::status::fail(&crate::error::Error::InvalidArgument(format!(
+                "outcomes is NULL for {} positions", verdicts.len()
+            )));
+        }
+        for (i, &verdict) in verdicts.iter().enumerate() {
+            // SAFETY: the contract gives `num_positions` writable bytes.
+            unsafe { outcomes.add(i).write(kvcs_stored_outcome::of(verdict) as u8) };
         }
         kvcs_status::KVCS_OK
     }

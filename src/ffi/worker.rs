@@ -158,8 +158,13 @@ pub extern "C" fn kvcs_worker_destroy(worker: *mut kvcs_worker) {
 /// address space give `KVCS_ERR_INVALID_ARGUMENT`. A device worker checks
 /// the range against CUDA: memory CUDA does not know (a plain host pointer)
 /// gives `KVCS_ERR_INVALID_ARGUMENT`, a range past the end of its
-/// allocation `KVCS_ERR_OUT_OF_BOUNDS`. A host worker cannot check host
-/// memory otherwise and trusts the caller.
+/// allocation `KVCS_ERR_OUT_OF_BOUNDS`. A host worker checks that every page
+/// of the range is mapped in the process (`mincore`, one call per 16 MiB of
+/// 4 KiB pages; nothing is read): an unmapped first page (address 8, memory
+/// already freed) gives `KVCS_ERR_INVALID_ARGUMENT`, a range running past a
+/// mapping `KVCS_ERR_OUT_OF_BOUNDS` naming the first unmapped page. A
+/// mapping without read permission (`PROT_NONE`) is not told apart: the
+/// caller keeps the memory readable.
 #[no_mangle]
 pub extern "C" fn kvcs_worker_add_region(worker: *mut kvcs_worker, address: u64, length: u64) -> kvcs_status {
     ffi_boundary! {
@@ -198,8 +203,14 @@ pub extern "C" fn kvcs_worker_skip_group(
 }
 
 /// Registers an attention layer's cache. Every byte it can reach must lie in
-/// one registered region (else `KVCS_ERR_OUT_OF_BOUNDS`); on any error
-/// nothing is registered. A device worker uploads the descriptors here.
+/// one registered region (else `KVCS_ERR_OUT_OF_BOUNDS`). Distinct cells
+/// must not share a byte (docs/SPEC.md#14-layout-strings; else
+/// `KVCS_ERR_INVALID_ARGUMENT`): within a segment, its dimensions of size
+/// above 1 sorted by |stride| each step at least the bytes those below it
+/// span (no stride of 0 over several heads, tokens or blocks); two segments
+/// (K, V) reach disjoint bytes, or share strides with V beside K's cell or a
+/// whole step away. On any error nothing is registered. A device worker
+/// uploads the descriptors here.
 #[no_mangle]
 pub extern "C" fn kvcs_worker_add_layer(worker: *mut kvcs_worker, layer: *const kvcs_layer) -> kvcs_status {
     ffi_boundary! {
@@ -491,10 +502,13 @@ pub extern "C" fn kvcs_worker_add_stored(
 }
 
 /// Checksums `blocks` (every column, as `KVCS_ROLE_CONSUMER`) and writes,
-/// for each block holding a valid token, its stored checksum `sum XOR tag`
-/// and the stamp of the worker's configuration into its group's buffer,
-/// `tag` binding it to the block hash given with `kvcs_blocks_set_hashes`
-/// and to the group (docs/SPEC.md#8-stored-checksums-for-offloaded-kv).
+/// for each block holding a valid token, its entry into its group's buffer
+/// (docs/SPEC.md#8-stored-checksums-for-offloaded-kv): the value `sum XOR
+/// tag`, `tag` binding it to the block hash given with
+/// `kvcs_blocks_set_hashes` and to the group, then the stamp naming the
+/// worker's configuration, algorithm and the block's valid tokens, with a
+/// check binding both words to the block hash (so that a damaged entry
+/// fails rather than reading as another configuration).
 /// Every group of `blocks` that the worker does not skip needs a buffer and
 /// block hashes, every block id must be inside the buffer, and a block id
 /// that stands at several places of the call must stand at the same
@@ -564,7 +578,10 @@ pub extern "C" fn kvcs_worker_check_stored(
 /// LE_u64(hash_i[0..8]) XOR` the worker's fingerprint of the group, for the
 /// `n` hashes of `hash_bytes` bytes (at least 8) at `hashes`. Store `sum XOR
 /// tag`, where `sum` adds a block's columns in a `kvcs_worker_checksum`
-/// result (as `KVCS_ROLE_CONSUMER`).
+/// result (as `KVCS_ROLE_CONSUMER`). The value alone cannot tell a
+/// configuration change (other layers, heads, block size, algorithm) or a
+/// partial block from corruption: `kvcs_result_entries` gives the whole
+/// entry, value and stamp, and `kvcs_result_check_entries` judges it.
 #[no_mangle]
 pub extern "C" fn kvcs_block_tags(
     worker: *const kvcs_worker,

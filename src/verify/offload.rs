@@ -92,10 +92,15 @@ impl Load<'_> {
             .find_map(|&(rank, outcomes)| other_configuration(outcomes).map(|reason| (rank, reason)))
         {
             let (rank, (reason, what)) = other;
+            let why = if reason == Reason::InvalidChecksums {
+                "this release does not compare them"
+            } else {
+                "they were stored under another configuration and say nothing about the data"
+            };
             return Err(Unverified(
                 reason,
                 format!(
-                    "group {group_id}: worker (pp_rank {}, tp_rank {}) read back stored checksums of {what}; they were stored under another configuration and say nothing about the data",
+                    "group {group_id}: worker (pp_rank {}, tp_rank {}) read back stored checksums of {what}; {why}",
                     rank.pp_rank, rank.tp_rank
                 ),
             ));
@@ -114,6 +119,9 @@ impl Load<'_> {
                 valid_tokens(num_tokens, block_size, position) as u64
             };
             if !failed.is_empty() {
+                // A failed position was compared, as a payload check counts
+                // the positions that mismatch.
+                outcome.compared += 1;
                 let first_token = position as u128 * block_size as u128;
                 outcome.mismatches.push(Mismatch {
                     group_id,
@@ -134,6 +142,8 @@ impl Load<'_> {
                 });
                 continue;
             }
+            // A position some worker read as stored for other tokens
+            // (a partial block) is not compared: it counts as uncompared.
             let checked = workers
                 .iter()
                 .filter(|(_, outcomes)| outcomes.get(index) == Some(&StoredOutcome::Matched))
@@ -145,13 +155,21 @@ impl Load<'_> {
                 outcome.uncompared += 1;
             }
         }
-        if outcome.compared == 0 && outcome.mismatches.is_empty() {
+        if outcome.compared == 0 {
+            let other_tokens = workers
+                .iter()
+                .any(|(_, outcomes)| outcomes.contains(&StoredOutcome::OtherTokens));
             return Err(Unverified(
                 Reason::NoCommonPosition,
                 format!(
-                    "group {group_id}: no position of {}..{} was checked against its stored checksum by every worker",
+                    "group {group_id}: no position of {}..{} was checked against its stored checksum by every worker{}",
                     scheduled.first_position,
-                    scheduled.first_position + scheduled.block_ids.len() as u64
+                    scheduled.first_position + scheduled.block_ids.len() as u64,
+                    if other_tokens {
+                        " (some were stored holding another number of valid tokens: a partial block)"
+                    } else {
+                        ""
+                    }
                 ),
             ));
         }
@@ -165,9 +183,14 @@ fn other_configuration(outcomes: &[StoredOutcome]) -> Option<(Reason, &'static s
     outcomes.iter().find_map(|outcome| match outcome {
         StoredOutcome::OtherFingerprint => Some((
             Reason::FingerprintDiffers,
-            "another group fingerprint (other layers or identities), or a damaged stamp",
+            "another group fingerprint (other layers, identities, heads or block size)",
         )),
         StoredOutcome::OtherAlgorithm => Some((Reason::AlgorithmDiffers, "another checksum algorithm")),
-        _ => None,
+        StoredOutcome::OtherFormat => Some((
+            Reason::InvalidChecksums,
+            "kvcsum 0.2.0's format (no check, no token count), whose value does not match",
+        )),
+        // Other tokens leave that position uncompared, not the group.
+        StoredOutcome::OtherTokens | StoredOutcome::Failed | StoredOutcome::Matched | StoredOutcome::NotChecked => None,
     })
 }

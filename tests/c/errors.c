@@ -146,7 +146,11 @@ static void test_registration(void) {
 
   EXPECT(kvcs_worker_add_region(NULL, address, CACHE_BYTES), KVCS_ERR_INVALID_ARGUMENT, "worker");
   EXPECT(kvcs_worker_add_region(worker, address, 0), KVCS_ERR_INVALID_ARGUMENT, "length is 0");
-  /* A wrapping region and one at address 0: tests/ffi_boundary.rs. */
+  /* Memory that is not mapped: refused before any checksum reads it. */
+  EXPECT(kvcs_worker_add_region(worker, 8, 64), KVCS_ERR_INVALID_ARGUMENT, "address 0x8 (region of length 64) is not mapped");
+  EXPECT(kvcs_worker_add_region(worker, 0x100, 64), KVCS_ERR_INVALID_ARGUMENT, "address 0x100");
+  /* A wrapping region, one at address 0, freed memory and a region running
+     past its mapping: tests/ffi_boundary.rs. */
 
   EXPECT(kvcs_worker_add_group(NULL, 0, BLOCK_SIZE), KVCS_ERR_INVALID_ARGUMENT, "worker");
   EXPECT(kvcs_worker_add_group(worker, 0, 0), KVCS_ERR_INVALID_ARGUMENT, "block_size is 0");
@@ -448,7 +452,21 @@ static void test_layer_from_layout(void) {
          "kernel_blocks is 0");
   EXPECT(kvcs_layer_from_layout("HND", &hnd, NULL, 3, &layer, segments), KVCS_ERR_INVALID_ARGUMENT,
          "2 blocks (B) are not a multiple of kernel_blocks 3");
-  EXPECT(kvcs_layer_from_layout("HND", &hnd, &hnd, 1, &layer, segments), KVCS_OK, NULL);
+  /* V the cache itself: every V cell is a K cell. */
+  EXPECT(kvcs_layer_from_layout("HND", &hnd, &hnd, 1, &layer, segments), KVCS_ERR_INVALID_ARGUMENT,
+         "K and V must not overlap");
+  CHECK(memcmp(&layer, &layer_before, sizeof layer) == 0);
+  /* A stride of 0 over the heads (a broadcast view): tokens of two heads share bytes. */
+  const int64_t broadcast[4] = {NUM_HEADS * BLOCK_SIZE * CELL_BYTES, 0, CELL_BYTES, 2};
+  kvcs_tensor expanded = hnd;
+  expanded.strides = broadcast;
+  EXPECT(kvcs_layer_from_layout("HND", &expanded, NULL, 1, &layer, segments), KVCS_ERR_INVALID_ARGUMENT,
+         "cache: distinct cells share bytes: H 0");
+  CHECK(memcmp(&layer, &layer_before, sizeof layer) == 0);
+  /* V in a tensor of its own, just past the cache (never read here). */
+  kvcs_tensor v_apart = hnd;
+  v_apart.address = hnd.address + (uint64_t)(NUM_BLOCKS * NUM_HEADS * BLOCK_SIZE * CELL_BYTES);
+  EXPECT(kvcs_layer_from_layout("HND", &hnd, &v_apart, 1, &layer, segments), KVCS_OK, NULL);
   CHECK(layer.num_segments == 2); /* K and V in two tensors */
   layer = layer_before;
   memset(segments, 0xAB, sizeof segments);

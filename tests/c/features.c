@@ -198,7 +198,7 @@ static void check_offload_reports(const kvcs_blocks *blocks, const kvcs_result *
         mismatch.first_token == 4 && mismatch.num_tokens == 4 && mismatch.num_failed_checks == 0);
   uint64_t compared = 0;
   EXPECT_OK(kvcs_report_compared_positions(report, &compared));
-  CHECK(compared == 2);
+  CHECK(compared == 3); /* the failed position was compared too */
   const char *message = NULL;
   EXPECT_OK(kvcs_report_message(report, &message));
   CHECK(strstr(message, "position 1 (tokens 4..8, stored checksum failed on worker (pp_rank 0, tp_rank 0))") != NULL);
@@ -349,6 +349,64 @@ static void test_stored_checksums(void) {
   kvcs_verifier_destroy(verifier);
   kvcs_result_destroy(mixed_check);
   kvcs_result_destroy(weighted_check);
+
+  /* Connectors that keep the entries themselves: kvcs_result_entries gives
+   * what the store wrote (value and stamp), kvcs_result_check_entries judges
+   * them as a load check does. */
+  kvcs_result *consumer = NULL, *producer = NULL;
+  EXPECT_OK(kvcs_worker_checksum(worker, blocks, KVCS_ROLE_CONSUMER, NULL, &consumer));
+  EXPECT_OK(kvcs_worker_checksum(worker, blocks, KVCS_ROLE_PRODUCER, NULL, &producer));
+  uint64_t entries[6] = {7, 7, 7, 7, 7, 7};
+  EXPECT(kvcs_result_entries(NULL, "o", 0, entries), KVCS_ERR_INVALID_ARGUMENT, "result");
+  EXPECT(kvcs_result_entries(consumer, NULL, 0, entries), KVCS_ERR_INVALID_ARGUMENT, "req_id");
+  EXPECT(kvcs_result_entries(consumer, "o", 0, NULL), KVCS_ERR_INVALID_ARGUMENT, "entries is NULL for 3");
+  EXPECT(kvcs_result_entries(consumer, "o", 5, entries), KVCS_ERR_NOT_FOUND, "group_id 5");
+  EXPECT(kvcs_result_entries(consumer, "x", 0, entries), KVCS_ERR_NOT_FOUND, "req_id \"x\"");
+  EXPECT(kvcs_result_entries(producer, "o", 0, entries), KVCS_ERR_INVALID_ARGUMENT, "KVCS_ROLE_PRODUCER");
+  CHECK(entries[0] == 7 && entries[5] == 7);
+  kvcs_blocks *unhashed = NULL;
+  EXPECT_OK(kvcs_blocks_create(&unhashed));
+  EXPECT_OK(kvcs_blocks_add_request(unhashed, "o", 10));
+  EXPECT_OK(kvcs_blocks_add_group(unhashed, "o", 0, 0, block_ids, 3));
+  kvcs_result *unhashed_result = NULL;
+  EXPECT_OK(kvcs_worker_checksum(worker, unhashed, KVCS_ROLE_CONSUMER, NULL, &unhashed_result));
+  EXPECT(kvcs_result_entries(unhashed_result, "o", 0, entries), KVCS_ERR_INVALID_ARGUMENT, "no block hashes");
+  EXPECT_OK(kvcs_result_entries(consumer, "o", 0, entries));
+  for (int q = 0; q < 3; q++) {
+    CHECK(entries[2 * q] == stored[block_ids[q]][0] && entries[2 * q + 1] == stored[block_ids[q]][1]);
+  }
+  uint8_t kept[3] = {9, 9, 9};
+  EXPECT(kvcs_result_check_entries(NULL, "o", 0, entries, kept), KVCS_ERR_INVALID_ARGUMENT, "result");
+  EXPECT(kvcs_result_check_entries(consumer, "o", 0, NULL, kept), KVCS_ERR_INVALID_ARGUMENT, "entries is NULL");
+  EXPECT(kvcs_result_check_entries(consumer, "o", 0, entries, NULL), KVCS_ERR_INVALID_ARGUMENT, "outcomes");
+  EXPECT(kvcs_result_check_entries(consumer, "o", 5, entries, kept), KVCS_ERR_NOT_FOUND, "group_id 5");
+  EXPECT(kvcs_result_check_entries(producer, "o", 0, entries, kept), KVCS_ERR_INVALID_ARGUMENT,
+         "KVCS_ROLE_PRODUCER");
+  CHECK(kept[0] == 9);
+  EXPECT_OK(kvcs_result_check_entries(consumer, "o", 0, entries, kept));
+  CHECK(kept[0] == KVCS_STORED_MATCHED && kept[1] == KVCS_STORED_MATCHED && kept[2] == KVCS_STORED_MATCHED);
+  /* A damaged stamp fails; it does not read as another configuration. */
+  entries[2 * 1 + 1] ^= 1u << 9;
+  EXPECT_OK(kvcs_result_check_entries(consumer, "o", 0, entries, kept));
+  CHECK(kept[0] == KVCS_STORED_MATCHED && kept[1] == KVCS_STORED_FAILED && kept[2] == KVCS_STORED_MATCHED);
+  entries[2 * 1 + 1] ^= 1u << 9;
+  /* The partial last block (2 of 4 tokens) load-checked holding 4: other tokens. */
+  kvcs_blocks *longer = NULL;
+  EXPECT_OK(kvcs_blocks_create(&longer));
+  EXPECT_OK(kvcs_blocks_add_request(longer, "o", 12));
+  EXPECT_OK(kvcs_blocks_add_group(longer, "o", 0, 0, block_ids, 3));
+  EXPECT_OK(kvcs_blocks_set_hashes(longer, "o", 0, hashes, HASH_BYTES, 3));
+  kvcs_result *longer_result = NULL;
+  EXPECT_OK(kvcs_worker_checksum(worker, longer, KVCS_ROLE_CONSUMER, NULL, &longer_result));
+  EXPECT_OK(kvcs_result_check_entries(longer_result, "o", 0, entries, kept));
+  CHECK(kept[0] == KVCS_STORED_MATCHED && kept[1] == KVCS_STORED_MATCHED && kept[2] == KVCS_STORED_OTHER_TOKENS);
+  kvcs_result_destroy(longer_result);
+  kvcs_blocks_destroy(longer);
+  kvcs_result_destroy(unhashed_result);
+  kvcs_blocks_destroy(unhashed);
+  kvcs_result_destroy(consumer);
+  kvcs_result_destroy(producer);
+
   kvcs_worker_destroy(weighted);
   kvcs_blocks_destroy(blocks);
   kvcs_worker_destroy(worker);

@@ -388,6 +388,28 @@ void test_stored() {
   EXPECT_THROW(KVCS_ERR_NOT_FOUND, "load check", store.stored("o", 0));
   EXPECT(worker.block_tags(0, {}, kHashBytes).empty());  // no hashes, no tags
 
+  // Entries kept by the connector: the store's words, judged as a load check.
+  kvcs::result consumer = worker.checksum(blocks, kvcs::role::consumer);
+  std::vector<uint64_t> entries = consumer.entries("o", 0);
+  EXPECT(entries.size() == 2 * table.size());
+  for (size_t q = 0; q < table.size(); q++) {
+    EXPECT(entries[2 * q] == stored[table[q] * 2] && entries[2 * q + 1] == stored[table[q] * 2 + 1]);
+  }
+  EXPECT(consumer.check_entries("o", 0, entries) ==
+         (std::vector<kvcs::stored_outcome>(table.size(), kvcs::stored_outcome::matched)));
+  std::vector<uint64_t> damaged = entries;
+  damaged[2 * 2 + 1] ^= uint64_t{1} << (random_bits() % 64);  // the last position's stamp
+  EXPECT(consumer.check_entries("o", 0, damaged) ==
+         (std::vector<kvcs::stored_outcome>{kvcs::stored_outcome::matched, kvcs::stored_outcome::matched,
+                                            kvcs::stored_outcome::failed}));
+  EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "2 each",
+               consumer.check_entries("o", 0, kvcs::view<uint64_t>(entries.data(), 3)));
+  EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "KVCS_ROLE_PRODUCER",
+               worker.checksum(blocks, kvcs::role::producer).entries("o", 0));
+  EXPECT_THROW(KVCS_ERR_NOT_FOUND, "group_id 4", consumer.entries("o", 4));
+  EXPECT(kvcs::to_string(kvcs::stored_outcome::other_tokens) == "KVCS_STORED_OTHER_TOKENS");
+  EXPECT(kvcs::to_string(kvcs::stored_outcome::other_format) == "KVCS_STORED_OTHER_FORMAT");
+
   // A group with no blocks: a load check of nothing, no outcomes.
   kvcs::blocks empty;
   empty.add_request("e", 0);

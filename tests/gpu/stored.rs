@@ -88,6 +88,25 @@ impl StoredBuffer {
     }
 }
 
+impl StoredBuffer {
+    /// XORs `mask` into word `word` of the buffer (a stored value or stamp
+    /// damaged in the tier).
+    fn xor_word(&self, word: usize, mask: u64) {
+        let mut words = self.read();
+        words[word] ^= mask;
+        self.context.bind_to_thread().expect("bind");
+        // SAFETY: the buffer holds `num_words` words; nothing else uses it now.
+        unsafe {
+            match self.memory {
+                StoredMemory::Device => cu::memcpy_htod_sync(self.address, &words).expect("write back"),
+                StoredMemory::Pinned => {
+                    std::ptr::copy_nonoverlapping(words.as_ptr(), self.address as *mut u64, self.num_words)
+                }
+            }
+        }
+    }
+}
+
 impl Drop for StoredBuffer {
     fn drop(&mut self) {
         let _ = self.context.bind_to_thread();
@@ -403,6 +422,37 @@ fn device_stored_faults_fail_at_their_position_only() {
                 outcomes[1].iter().all(|&o| o == kvcsum::StoredOutcome::Matched),
                 "seed {seed}"
             );
+
+            // A damaged stamp (one bit of its check or digest): fails, never
+            // another configuration.
+            let s = device_stored_and_reloaded(&mut rng, num_tokens, memory);
+            let q = rng.below(s.count as u64) as usize;
+            s.ranks[0]
+                .stored
+                .xor_word(2 * s.block_ids[q] as usize + 1, 1 << rng.below(64));
+            let blocks = stored_blocks(num_tokens, &s.block_ids, &s.hashes);
+            let outcomes = device_load_check(&s.ranks, &blocks);
+            assert_eq!(failed_at(&outcomes), vec![q], "{memory:?}: damaged stamp (seed {seed})");
+            assert!(
+                outcomes
+                    .iter()
+                    .flatten()
+                    .all(|&o| matches!(o, kvcsum::StoredOutcome::Matched | kvcsum::StoredOutcome::Failed)),
+                "{memory:?}: {outcomes:?} (seed {seed})"
+            );
+
+            // The partial last block (120 tokens: 8 of 16) checked holding
+            // 16: other tokens, not a failure.
+            let s = device_stored_and_reloaded(&mut rng, num_tokens, memory);
+            let longer_blocks = stored_blocks(num_tokens + 8, &s.block_ids, &s.hashes);
+            for rank in device_load_check(&s.ranks, &longer_blocks) {
+                let last = rank.len() - 1;
+                assert!(
+                    rank[..last].iter().all(|&o| o == kvcsum::StoredOutcome::Matched)
+                        && rank[last] == kvcsum::StoredOutcome::OtherTokens,
+                    "{memory:?}: {rank:?} (seed {seed})"
+                );
+            }
 
             // A wrong block hash for one position.
             let s = device_stored_and_reloaded(&mut rng, num_tokens, memory);

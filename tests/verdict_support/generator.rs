@@ -1713,7 +1713,9 @@ impl CaseResult {
     /// neither can a layer that is an alias (or state that is shard-keyed)
     /// on one side only (SPEC section 10); a shard-keyed state slice is
     /// addressed by its worker's TP rank, so a rank label swapped is the
-    /// state of another rank (SPEC section 6).
+    /// state of another rank (SPEC section 6); a load check of a group the
+    /// storing side never stored reads bytes that are no entry, and they
+    /// fail as a damaged entry does (SPEC section 8).
     pub fn blind_spot(&self) -> Option<&'static str> {
         if !self.changed.intact.is(MISMATCH) {
             return None;
@@ -1735,8 +1737,22 @@ impl CaseResult {
             }
             Kind::AliasFlip | Kind::SplitKnown if plain => Some("a plain payload carries no marks"),
             Kind::RankSwap | Kind::RankDup if shard_keyed => Some("a shard-keyed slice is addressed by its TP rank"),
+            _ if self.never_stored() => Some("a load check reads bytes the storing side never wrote as no entry"),
             _ => None,
         }
+    }
+
+    /// Whether the change left the storing side without entries of a group
+    /// that the load side checks (skipped, left out or not scheduled where
+    /// it stored): the load check reads the bytes left in the buffer, which
+    /// are no entry and fail like a damaged one (SPEC section 8).
+    fn never_stored(&self) -> bool {
+        self.case.flow == Flow::Offload
+            && self.case.change.contains(&format!("on the {}", OFFLOAD_SIDE_NAMES[0]))
+            && matches!(
+                self.case.kind,
+                Kind::SkipAll | Kind::SkipOne | Kind::GroupDrop | Kind::GroupUnscheduled
+            )
     }
 
     pub fn violations(&self) -> Vec<(&'static str, String)> {
