@@ -64,22 +64,28 @@ class KvcsumConnectorMetadata(KVConnectorMetadata):
     requests to checksum after this step's forward (`sends`, producer; and
     `sync_loads`, consumer), the async loads to checksum once received
     ({req_id: ChecksumJob}), and the outcomes to hand to vLLM this step
-    ({req_id: LoadOutcome})."""
+    ({req_id: LoadOutcome}); `sources_released`: the producer requests
+    whose blocks vLLM freed without a send, or that were preempted, whose
+    checksums the workers no longer keep for the re-check after the send
+    (kvcsum.vllm.source_check)."""
 
     inner: KVConnectorMetadata | None
     sends: list = dataclasses.field(default_factory=list)
     sync_loads: list = dataclasses.field(default_factory=list)
     async_loads: dict = dataclasses.field(default_factory=dict)
     verdicts: dict = dataclasses.field(default_factory=dict)
+    sources_released: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class KvcsumWorkerMetadata(KVConnectorWorkerMetadata):
-    """Workers -> scheduler: the inner connector's worker metadata and the
-    workers' notes (WorkerNote), gathered over workers by vLLM."""
+    """Workers -> scheduler: the inner connector's worker metadata, the
+    workers' notes (WorkerNote) and their re-checks of sent requests
+    (kvcsum.vllm.source_check.SourceNote), gathered over workers by vLLM."""
 
     inner: KVConnectorWorkerMetadata | None = None
     notes: list = dataclasses.field(default_factory=list)
+    source_notes: list = dataclasses.field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvcsumWorkerMetadata)
@@ -89,4 +95,6 @@ class KvcsumWorkerMetadata(KVConnectorWorkerMetadata):
             inner = self.inner
         else:
             inner = self.inner.aggregate(other.inner)
-        return KvcsumWorkerMetadata(inner=inner, notes=self.notes + other.notes)
+        return KvcsumWorkerMetadata(
+            inner=inner, notes=self.notes + other.notes, source_notes=self.source_notes + other.source_notes
+        )

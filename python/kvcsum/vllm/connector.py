@@ -205,10 +205,14 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiKVConnectorPromMetrics
 
+        from kvcsum.vllm.metrics import KvcsumPromMetrics
+
         inner = inner_config(vllm_config)
         inner_cls = KVConnectorFactory.get_connector_class(inner.kv_transfer_config)
         prom = inner_cls.build_prom_metrics(inner, metric_types, labelnames, per_engine_labelvalues)
         metrics = {inner_cls.__name__: prom} if prom is not None else {}
+        # kvcsum's own (vllm:kvcsum_*) beside the wrapped connector's.
+        metrics[NAME] = KvcsumPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         return MultiKVConnectorPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, metrics)
 
     # --- plain delegation --------------------------------------------------------
@@ -337,7 +341,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         inner = self._inner.get_kv_connector_stats()
-        ours = self._scheduler.take_stats() if self._scheduler is not None else None
+        ours = self._scheduler.take_stats() if self._scheduler is not None else self._worker.take_stats()
         if inner is None and ours is None:
             return None
         data = {}
@@ -376,6 +380,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
         if ours is not None:
             self._scheduler.workers_reported(ours)
         self._scheduler.received(connector_output)
+        self._scheduler.sent(connector_output.finished_sending)
 
     def request_finished(self, request: "Request", block_ids: list[int]):
         delay, params = self._inner.request_finished(request, block_ids)

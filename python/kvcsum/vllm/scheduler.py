@@ -35,6 +35,7 @@ from kvcsum.vllm.params import (
     token_digest,
     wants_remote_decode,
 )
+from kvcsum.vllm.source_check import SchedulerSourceCheck
 from kvcsum.vllm.stats import KvcsumStats
 
 if TYPE_CHECKING:
@@ -148,6 +149,7 @@ class SchedulerRole:
         self._producer = kvcsum.Verifier(num_workers)
         self._consumer = kvcsum.Verifier(num_workers)
         self._consumer.set_policy(kvcsum.FAIL_CLOSED if settings.fail_unverified else kvcsum.FAIL_OPEN)
+        self._sources = SchedulerSourceCheck(lambda: self._stats, self._block_sizes)
 
     # --- vLLM's calls --------------------------------------------------------------
 
@@ -230,6 +232,7 @@ class SchedulerRole:
             sync_loads=self._new_sync_loads,
             async_loads=self._new_async_loads,
             verdicts=self._verdicts_out,
+            sources_released=self._sources.released(scheduler_output.preempted_req_ids or ()),
         )
         self._new_sends, self._new_sync_loads, self._new_async_loads, self._verdicts_out = [], [], {}, {}
         return meta
@@ -241,6 +244,12 @@ class SchedulerRole:
                 self._producer_note(note)
             else:
                 self._consumer_note(note)
+        self._sources.reported(meta.source_notes)
+
+    def sent(self, finished_sending) -> None:
+        """update_connector_output: vLLM's finished_sending of this step (the
+        producer's re-checks of those requests are judged)."""
+        self._sources.sent(finished_sending)
 
     def received(self, connector_output) -> None:
         """update_connector_output, after the notes: vLLM reads
@@ -279,6 +288,7 @@ class SchedulerRole:
         send = self._sends.get(req_id)
         if send is None:
             return delay, params
+        self._sources.finished(req_id, bool(delay))
         if send.job is None or request.status.name == "FINISHED_ABORTED" and len(send.reported) < self._num_workers:
             # Preempted and not computed again, or aborted before its checksums.
             _forget(self._producer, req_id)
@@ -308,6 +318,11 @@ class SchedulerRole:
         if len(self._last_verdicts) > 4096:
             self._last_verdicts.clear()
         return self._last_verdicts
+
+    @property
+    def source_check(self) -> SchedulerSourceCheck:
+        """The producer's re-check of sent requests (for tests and tools)."""
+        return self._sources
 
     @property
     def pending_sends(self) -> dict:
@@ -445,15 +460,16 @@ class SchedulerRole:
                 [],
             )
         _forget(self._consumer, req_id)
+        # A load from a P/D producer carries its params; any other verified
+        # load (verify_loads "all") comes from an offload tier.
+        path = "pd" if load.params.remote_prefill else "tier"
         if verdict == kvcsum.UNVERIFIED:
-            self._stats.add("unverified")
-            self._stats.add_reason(reason)
+            self._stats.count_load(path, "unverified", reason=reason)
             invalid = self._loaded_block_ids(load.job) if self._settings.fail_unverified else []
         elif verdict == kvcsum.MISMATCH:
-            self._stats.add("mismatched")
-            self._stats.add("mismatched_blocks", len(invalid))
+            self._stats.count_load(path, "mismatched", blocks=len(invalid))
         else:
-            self._stats.add("verified")
+            self._stats.count_load(path, "verified")
         # vLLM maps block-level load errors back to requests only where there
         # is one KV cache group; with several it takes whole failed loads.
         # (A sync load there is never verified: `matched` declines it, since a

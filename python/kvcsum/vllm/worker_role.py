@@ -18,6 +18,8 @@ import kvcsum
 from kvcsum.vllm.cache_checksums import CacheChecksummer, Job
 from kvcsum.vllm.common import KvcsumConnectorMetadata, KvcsumWorkerMetadata, WorkerNote, logger
 from kvcsum.vllm.config import layer_specs, parallel_place
+from kvcsum.vllm.source_check import WorkerSourceCheck
+from kvcsum.vllm.stats import KvcsumStats
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
@@ -43,6 +45,8 @@ class WorkerRole:
         self._release_recving: set[str] = set()
         self._release_failed: set[str] = set()
         self._invalid_out: set[int] = set()
+        self._stats = KvcsumStats()
+        self._sources: WorkerSourceCheck | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         tp_rank, tp_size, pp_rank = parallel_place()
@@ -57,6 +61,9 @@ class WorkerRole:
             pp_rank=pp_rank,
         )
         self._worker_key = f"pp{pp_rank}.tp{tp_rank}"
+        self._sources = WorkerSourceCheck(
+            self._checksummer, self._worker_key, lambda seconds: self._stats.observe_seconds("recheck", seconds)
+        )
         for group_id, reason in sorted(self._checksummer.skipped.items()):
             logger.warning("kvcsum: worker %s does not checksum KV cache group %d: %s", self._worker_key, group_id, reason)
         logger.info(
@@ -69,6 +76,8 @@ class WorkerRole:
     def bind(self, meta: KvcsumConnectorMetadata) -> None:
         """bind_connector_metadata: the step's jobs and verdicts."""
         self._bound = meta
+        if self._sources is not None:
+            self._sources.release(meta.sources_released)
         self._watch_async.update(meta.async_loads)
         for req_id, outcome in meta.verdicts.items():
             self._watch_async.pop(req_id, None)
@@ -98,6 +107,8 @@ class WorkerRole:
 
     def _note(self, role: int, job: Job, generation: int, inner_failed: bool = False) -> None:
         pending = None if inner_failed else self._checksummer.checksum([job], role)
+        if role == kvcsum.PRODUCER and self._sources is not None:
+            self._sources.made(job, pending)
         self._pending_notes.append((role, job.req_id, generation, pending, inner_failed))
 
     def transfer_results(self, inner: KVConnectorTransferResults) -> KVConnectorTransferResults:
@@ -110,6 +121,9 @@ class WorkerRole:
             finished_recving=set(),
             failed_recving=set(),
         )
+        if self._sources is not None:
+            # Sent: the blocks are checksummed again before vLLM frees them.
+            self._sources.sending_finished(results.finished_sending)
         for req_id in inner.finished_recving or ():
             results.finished_recving.add(req_id)
             failed = req_id in (inner.failed_recving or ())
@@ -132,14 +146,27 @@ class WorkerRole:
 
     def build_meta(self, inner) -> KvcsumWorkerMetadata | None:
         """build_connector_worker_meta, around the inner connector's."""
+        if self._sources is not None:
+            self._sources.collect()  # before the records close their results
         notes = []
         for role, req_id, generation, pending, inner_failed in self._pending_notes:
             record = pending.record() if pending is not None else None
+            if pending is not None:
+                self._stats.observe_seconds("send" if role == kvcsum.PRODUCER else "load", pending.seconds)
             notes.append(WorkerNote(self._worker_key, role, req_id, generation, record, inner_failed))
         self._pending_notes = []
-        if inner is None and not notes:
+        source_notes = self._sources.notes() if self._sources is not None else []
+        if inner is None and not notes and not source_notes:
             return None
-        return KvcsumWorkerMetadata(inner=inner, notes=notes)
+        return KvcsumWorkerMetadata(inner=inner, notes=notes, source_notes=source_notes)
+
+    def take_stats(self) -> KvcsumStats | None:
+        """The worker's counts since the last call (its checksum times;
+        None when there are none)."""
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KvcsumStats()
+        return stats
 
     def close(self) -> None:
         if self._checksummer is not None:
@@ -157,3 +184,8 @@ class WorkerRole:
             "watch_async": set(self._watch_async),
             "invalid_out": set(self._invalid_out),
         }
+
+    @property
+    def source_check(self) -> WorkerSourceCheck | None:
+        """The worker's re-check of sent requests (for tests and tools)."""
+        return self._sources
