@@ -44,6 +44,15 @@ has several KV cache groups it cannot fail a sync load (only async ones,
 through failed_recving), so a sync load that would be verified is declined
 and vLLM computes its tokens. Counts go out with the connector's stats.
 
+Where the wrapped connector keeps a request's blocks until it has sent them
+(delay_free_blocks, as NIXL does), the producer's workers checksum them
+again in the step it reports them sent, before vLLM frees them, and the
+scheduler counts and logs a request whose blocks changed ("source changed
+during send", kvcsum.vllm.source_check): a consumer's MISMATCH of it is
+damage on the sender, not on the wire. The counts also go to Prometheus
+(vllm:kvcsum_*, kvcsum.vllm.metrics; docs/metrics.md) beside the wrapped
+connector's metrics.
+
 kv_transfer_params are read in one place, kvcsum.vllm.params: whatever a
 client sends there makes the load UNVERIFIED with a reason, never an
 exception.
