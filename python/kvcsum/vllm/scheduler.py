@@ -149,7 +149,7 @@ class SchedulerRole:
         self._producer = kvcsum.Verifier(num_workers)
         self._consumer = kvcsum.Verifier(num_workers)
         self._consumer.set_policy(kvcsum.FAIL_CLOSED if settings.fail_unverified else kvcsum.FAIL_OPEN)
-        self._sources = SchedulerSourceCheck(lambda: self._stats, self._block_sizes)
+        self._sources = SchedulerSourceCheck(lambda: self._stats, self._block_sizes, num_workers)
 
     # --- vLLM's calls --------------------------------------------------------------
 

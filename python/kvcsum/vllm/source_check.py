@@ -140,7 +140,8 @@ class WorkerSourceCheck:
         self._observe = observe
         self._max_kept = max_kept
         self._kept: dict[str, _Kept] = {}
-        self._rechecks: list = []  # (kept, pending re-check)
+        self._made: list = []  # the _Kept of this step's producer checksums
+        self._rechecks: list = []  # (kept, pending re-check, error)
         self._dropped_logged = False
 
     def made(self, job: "Job", pending: "PendingRecord | None") -> None:
@@ -149,7 +150,9 @@ class WorkerSourceCheck:
         self._kept.pop(job.req_id, None)
         if pending is None:
             return
-        self._kept[job.req_id] = _Kept(job, pending)
+        kept = _Kept(job, pending)
+        self._kept[job.req_id] = kept
+        self._made.append(kept)
         while len(self._kept) > self._max_kept:
             oldest = next(iter(self._kept))
             self._kept.pop(oldest)
@@ -165,10 +168,12 @@ class WorkerSourceCheck:
         """Reads the values of the producer checksums queued this step (in
         build_connector_worker_meta, before their records are encoded and
         their results closed)."""
-        for req_id, kept in list(self._kept.items()):
-            if kept.pending is None:
-                continue
+        made, self._made = self._made, []
+        for kept in made:
             pending, kept.pending = kept.pending, None
+            req_id = kept.job.req_id
+            if self._kept.get(req_id) is not kept:
+                continue  # replaced or dropped since
             try:
                 pending.wait()
                 kept.values = _values(pending.result, kept.job)
@@ -249,13 +254,19 @@ class SchedulerSourceCheck:
     drop, gathers their SourceNotes, and judges a request once vLLM hears
     it finished sending (every worker reported it).
 
+    A request counts as changed when any worker found a block changed; as
+    unchanged only when every worker compared its blocks and none changed;
+    otherwise (a worker could not re-check, or sent no note) as unchecked.
+
     Args:
         stats: returns the KvcsumStats the counts go into.
         block_sizes: {group: block size} (for the token ranges logged).
+        num_workers: TP size times PP size (every worker re-checks its part).
     """
 
-    def __init__(self, stats: Callable[[], "KvcsumStats"], block_sizes: dict):
+    def __init__(self, stats: Callable[[], "KvcsumStats"], block_sizes: dict, num_workers: int):
         self._stats = stats
+        self._num_workers = num_workers
         self._block_sizes = dict(block_sizes)
         self._released: list = []
         self._sending: set = set()
@@ -297,29 +308,33 @@ class SchedulerSourceCheck:
 
     def _judge(self, req_id: str, notes: list) -> None:
         if not notes:
-            return
+            return  # no worker kept its checksums (preempted, or none made)
         stats = self._stats()
         if len(self.outcomes) > 4096:
             self.outcomes.clear()
         changed = [n for n in notes if n.changed]
         failed = [n for n in notes if n.error]
-        if len(failed) == len(notes):
+        compared = {n.worker for n in notes if not n.error}
+        if changed:
+            self._log_changed(req_id, changed)
+            stats.add("sources_rechecked")
+            stats.add("sources_changed")
+            stats.add("sources_changed_blocks", len({(g, b) for n in changed for g, _, b in n.changed}))
+            self.outcomes[req_id] = "changed"
+        elif failed or len(compared) < self._num_workers:
+            why = [f"{n.worker}: {n.error}" for n in failed]
+            if len(compared) + len(failed) < self._num_workers:
+                why.append(f"{self._num_workers - len(compared) - len(failed)} of {self._num_workers} workers kept no checksums")
             stats.add("sources_unchecked")
             self.outcomes[req_id] = "unchecked"
-            logger.warning(
-                "kvcsum: request %s: its blocks could not be re-checked after the send: %s",
-                req_id, "; ".join(f"{n.worker}: {n.error}" for n in failed),
-            )
-            return
-        stats.add("sources_rechecked")
-        if not changed:
+            logger.warning("kvcsum: request %s: its blocks could not all be re-checked after the send: %s", req_id, "; ".join(why))
+        else:
+            stats.add("sources_rechecked")
             self.outcomes[req_id] = "unchanged"
-            return
+
+    def _log_changed(self, req_id: str, changed: list) -> None:
         blocks = sorted({(g, p, b) for n in changed for g, p, b in n.changed})
         num_tokens = max(n.num_tokens for n in changed)
-        stats.add("sources_changed")
-        stats.add("sources_changed_blocks", len({(g, b) for g, _, b in blocks}))
-        self.outcomes[req_id] = "changed"
         where = []
         for group in sorted({g for g, _, _ in blocks}):
             mine = [(p, b) for g, p, b in blocks if g == group]

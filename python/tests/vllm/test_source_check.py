@@ -220,3 +220,34 @@ def test_a_source_freed_without_a_send_is_not_kept(store, rng):
     assert all(not state.connector.worker_role.source_check.kept() for state in p.ranks)
     assert "sources_rechecked" not in totals(p)
     assert "req-source-free" not in p.connector().scheduler_role.source_check.outcomes
+
+
+@pytest.mark.parametrize("written", [False, True])
+def test_a_recheck_that_fails_on_a_worker_is_unchecked_never_unchanged(store, rng, written):
+    # One worker cannot checksum the blocks again: the request is not
+    # called unchanged on the other workers' word (counted unchecked, with
+    # the worker and why); a change another worker saw is still a change.
+    p = producer(store)
+    prompt = random_prompt(rng)
+    prefill_until_params(p, "req-source-part", prompt)
+    changed_on = None
+    if written:
+        blocks, changed_on = write_into_blocks(p, "req-source-part", rng, len(prompt))
+    failing = 1 - int(changed_on[-1]) if changed_on else rng.randrange(P_TP)
+    checksummer = p.ranks[failing].connector.worker_role.source_check._checksummer
+
+    def refuse(jobs, role, cuda_stream=None):
+        raise kvcsum.Error(kvcsum.Status.INVALID_ARGUMENT, "KVCS_ERR_INVALID_ARGUMENT", "the test refuses this checksum")
+
+    checksummer.checksum = refuse
+    with Lines() as log:
+        sent(p, "req-source-part")
+    outcome = p.connector().scheduler_role.source_check.outcomes["req-source-part"]
+    got = totals(p)
+    if written:
+        assert outcome == "changed" and got.get("sources_changed") == 1 and "sources_unchecked" not in got, got
+    else:
+        assert outcome == "unchecked" and got.get("sources_unchecked") == 1, got
+        assert "sources_rechecked" not in got and "sources_changed" not in got, got
+        [line] = [line for line in log.lines if "could not all be re-checked" in line]
+        assert f"pp0.tp{failing}: the re-check's checksum call failed:" in line and "the test refuses" in line, line
