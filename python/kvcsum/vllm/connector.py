@@ -389,7 +389,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
         if ours is not None:
             self._scheduler.workers_reported(ours)
         self._scheduler.received(connector_output)
-        self._scheduler.sent(connector_output.finished_sending)
+        self._scheduler.sent(connector_output.finished_sending, connector_output.expected_finished_count)
 
     def request_finished(self, request: "Request", block_ids: list[int]):
         delay, params = self._inner.request_finished(request, block_ids)

@@ -246,10 +246,11 @@ class SchedulerRole:
                 self._consumer_note(note)
         self._sources.reported(meta.source_notes)
 
-    def sent(self, finished_sending) -> None:
-        """update_connector_output: vLLM's finished_sending of this step (the
-        producer's re-checks of those requests are judged)."""
-        self._sources.sent(finished_sending)
+    def sent(self, finished_sending, expected: int = 0) -> None:
+        """update_connector_output: vLLM's finished_sending of this step and
+        its expected count of reports per request (the producer's re-checks
+        of those requests are judged)."""
+        self._sources.sent(finished_sending, expected)
 
     def received(self, connector_output) -> None:
         """update_connector_output, after the notes: vLLM reads

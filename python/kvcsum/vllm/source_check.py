@@ -255,8 +255,11 @@ class SchedulerSourceCheck:
     it finished sending (every worker reported it).
 
     A request counts as changed when any worker found a block changed; as
-    unchanged only when every worker compared its blocks and none changed;
-    otherwise (a worker could not re-check, or sent no note) as unchecked.
+    unchanged only when every worker vLLM waits for (its expected count of
+    finished_sending reports, all workers by default) compared its blocks
+    and none changed; otherwise (a worker could not re-check, or sent no
+    note) as unchecked. Once judged, every worker drops what it still
+    keeps of the request (those the wrapped connector has report nothing).
 
     Args:
         stats: returns the KvcsumStats the counts go into.
@@ -296,17 +299,18 @@ class SchedulerSourceCheck:
             if note.req_id in self._sending:
                 self._notes.setdefault(note.req_id, []).append(note)
 
-    def sent(self, finished_sending: Iterable[str] | None) -> None:
-        """vLLM's finished_sending of this step (every worker reported the
-        request sent, and sent its note in that step): each request is
-        judged."""
+    def sent(self, finished_sending: Iterable[str] | None, expected: int = 0) -> None:
+        """vLLM's finished_sending of this step (the `expected` workers, all
+        when 0, reported the request sent, each with its note in that
+        step): each request is judged."""
         for req_id in finished_sending or ():
             if req_id not in self._sending:
                 continue
             self._sending.discard(req_id)
-            self._judge(req_id, self._notes.pop(req_id, []))
+            self._released.append(req_id)
+            self._judge(req_id, self._notes.pop(req_id, []), expected if expected > 0 else self._num_workers)
 
-    def _judge(self, req_id: str, notes: list) -> None:
+    def _judge(self, req_id: str, notes: list, expected: int) -> None:
         if not notes:
             return  # no worker kept its checksums (preempted, or none made)
         stats = self._stats()
@@ -321,10 +325,10 @@ class SchedulerSourceCheck:
             stats.add("sources_changed")
             stats.add("sources_changed_blocks", len({(g, b) for n in changed for g, _, b in n.changed}))
             self.outcomes[req_id] = "changed"
-        elif failed or len(compared) < self._num_workers:
+        elif failed or len(compared) < expected:
             why = [f"{n.worker}: {n.error}" for n in failed]
-            if len(compared) + len(failed) < self._num_workers:
-                why.append(f"{self._num_workers - len(compared) - len(failed)} of {self._num_workers} workers kept no checksums")
+            if len(compared) + len(failed) < expected:
+                why.append(f"{expected - len(compared) - len(failed)} of {expected} workers kept no checksums")
             stats.add("sources_unchecked")
             self.outcomes[req_id] = "unchecked"
             logger.warning("kvcsum: request %s: its blocks could not all be re-checked after the send: %s", req_id, "; ".join(why))
