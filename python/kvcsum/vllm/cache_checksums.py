@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
+import time
 from typing import Iterable, Mapping, Sequence
 
 import kvcsum
@@ -186,18 +187,30 @@ def _dtype_bytes(spec: LayerSpec, item: int) -> int:
 
 @dataclasses.dataclass
 class PendingRecord:
-    """A checksum call in flight: its result becomes the record."""
+    """A checksum call in flight: its result becomes the record. `seconds`:
+    the time this worker's thread spent in kvcsum for it, the call and the
+    wait for its result (on a device, the wait includes the work queued
+    before it on the stream)."""
 
     result: "kvcsum.Result"
     req_ids: tuple
+    seconds: float = 0.0
 
     def ready(self) -> bool:
         return self.result.ready()
 
+    def wait(self) -> "kvcsum.Result":
+        """Waits for the result (its time counts in `seconds`)."""
+        start = time.perf_counter()
+        try:
+            return self.result.wait()
+        finally:
+            self.seconds += time.perf_counter() - start
+
     def record(self) -> bytes:
         """The worker's record (waits for a device result)."""
         try:
-            self.result.wait()
+            self.wait()
             return self.result.encode()
         finally:
             self.result.close()
@@ -368,8 +381,10 @@ class CacheChecksummer:
                 import torch
 
                 cuda_stream = torch.cuda.current_stream(self.device).cuda_stream
+            start = time.perf_counter()
             result = self.worker.checksum(blocks, role, cuda_stream)
-        return PendingRecord(result, tuple(job.req_id for job in jobs))
+            seconds = time.perf_counter() - start
+        return PendingRecord(result, tuple(job.req_id for job in jobs), seconds)
 
     def close(self) -> None:
         self.worker.close()

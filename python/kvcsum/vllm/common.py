@@ -82,7 +82,10 @@ class KvcsumConnectorMetadata(KVConnectorMetadata):
     `sync_loads`, consumer), the async loads to checksum once received
     ({req_id: ChecksumJob}), the outcomes to hand to vLLM this step
     ({req_id: LoadOutcome}); for offload tiers, the blocks to keep values
-    of and the tier loads to compare (HashedBlocks)."""
+    of and the tier loads to compare (HashedBlocks); `sources_released`:
+    the producer requests whose blocks vLLM freed without a send, or that
+    were preempted, whose checksums the workers no longer keep for the
+    re-check after the send (kvcsum.vllm.source_check)."""
 
     inner: KVConnectorMetadata | None
     sends: list = dataclasses.field(default_factory=list)
@@ -94,16 +97,20 @@ class KvcsumConnectorMetadata(KVConnectorMetadata):
     #: Tier loads of this step (sync) and to compare once received (async).
     tier_sync_loads: list = dataclasses.field(default_factory=list)
     tier_async_loads: dict = dataclasses.field(default_factory=dict)
+    sources_released: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class KvcsumWorkerMetadata(KVConnectorWorkerMetadata):
-    """Workers -> scheduler: the inner connector's worker metadata and the
-    workers' notes (WorkerNote, TierNote), gathered over workers by vLLM."""
+    """Workers -> scheduler: the inner connector's worker metadata, the
+    workers' notes (WorkerNote, TierNote) and their re-checks of sent
+    requests (kvcsum.vllm.source_check.SourceNote), gathered over workers by
+    vLLM."""
 
     inner: KVConnectorWorkerMetadata | None = None
     notes: list = dataclasses.field(default_factory=list)
     tier_notes: list = dataclasses.field(default_factory=list)
+    source_notes: list = dataclasses.field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvcsumWorkerMetadata)
@@ -113,4 +120,9 @@ class KvcsumWorkerMetadata(KVConnectorWorkerMetadata):
             inner = self.inner
         else:
             inner = self.inner.aggregate(other.inner)
-        return KvcsumWorkerMetadata(inner=inner, notes=self.notes + other.notes, tier_notes=self.tier_notes + other.tier_notes)
+        return KvcsumWorkerMetadata(
+            inner=inner,
+            notes=self.notes + other.notes,
+            tier_notes=self.tier_notes + other.tier_notes,
+            source_notes=self.source_notes + other.source_notes,
+        )

@@ -54,6 +54,15 @@ has several KV cache groups it cannot fail a sync load (only async ones,
 through failed_recving), so a sync load that would be verified is declined
 and vLLM computes its tokens. Counts go out with the connector's stats.
 
+Where the wrapped connector keeps a request's blocks until it has sent them
+(delay_free_blocks, as NIXL does), the producer's workers checksum them
+again in the step it reports them sent, before vLLM frees them, and the
+scheduler counts and logs a request whose blocks changed ("source changed
+during send", kvcsum.vllm.source_check): a consumer's MISMATCH of it is
+damage on the sender, not on the wire. The counts also go to Prometheus
+(vllm:kvcsum_*, kvcsum.vllm.metrics; docs/metrics.md) beside the wrapped
+connector's metrics.
+
 kv_transfer_params are read in one place, kvcsum.vllm.params: whatever a
 client sends there makes the load UNVERIFIED with a reason, never an
 exception.
@@ -216,10 +225,14 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiKVConnectorPromMetrics
 
+        from kvcsum.vllm.metrics import KvcsumPromMetrics
+
         inner = inner_config(vllm_config)
         inner_cls = KVConnectorFactory.get_connector_class(inner.kv_transfer_config)
         prom = inner_cls.build_prom_metrics(inner, metric_types, labelnames, per_engine_labelvalues)
         metrics = {inner_cls.__name__: prom} if prom is not None else {}
+        # kvcsum's own (vllm:kvcsum_*) beside the wrapped connector's.
+        metrics[NAME] = KvcsumPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         return MultiKVConnectorPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, metrics)
 
     # --- plain delegation --------------------------------------------------------
@@ -348,7 +361,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         inner = self._inner.get_kv_connector_stats()
-        ours = self._scheduler.take_stats() if self._scheduler is not None else None
+        ours = self._scheduler.take_stats() if self._scheduler is not None else self._worker.take_stats()
         if inner is None and ours is None:
             return None
         data = {}
@@ -387,6 +400,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
         if ours is not None:
             self._scheduler.workers_reported(ours)
         self._scheduler.received(connector_output)
+        self._scheduler.sent(connector_output.finished_sending, connector_output.expected_finished_count)
 
     def request_finished(self, request: "Request", block_ids: list[int]):
         delay, params = self._inner.request_finished(request, block_ids)

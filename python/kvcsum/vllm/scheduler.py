@@ -51,6 +51,7 @@ from kvcsum.vllm.params import (
     token_digest,
     wants_remote_decode,
 )
+from kvcsum.vllm.source_check import SchedulerSourceCheck
 from kvcsum.vllm.stats import KvcsumStats
 
 if TYPE_CHECKING:
@@ -184,6 +185,7 @@ class SchedulerRole:
         self._producer = kvcsum.Verifier(num_workers)
         self._consumer = kvcsum.Verifier(num_workers)
         self._consumer.set_policy(kvcsum.FAIL_CLOSED if settings.fail_unverified else kvcsum.FAIL_OPEN)
+        self._sources = SchedulerSourceCheck(lambda: self._stats, self._block_sizes, num_workers)
 
     # --- vLLM's calls --------------------------------------------------------------
 
@@ -286,6 +288,7 @@ class SchedulerRole:
             stores=self._new_stores,
             tier_sync_loads=self._new_tier_sync,
             tier_async_loads=self._new_tier_async,
+            sources_released=self._sources.released(scheduler_output.preempted_req_ids or ()),
         )
         self._new_sends, self._new_sync_loads, self._new_async_loads, self._verdicts_out = [], [], {}, {}
         self._new_stores, self._new_tier_sync, self._new_tier_async = [], [], {}
@@ -300,6 +303,13 @@ class SchedulerRole:
                 self._consumer_note(note)
         for note in meta.tier_notes:
             self._tier_note(note)
+        self._sources.reported(meta.source_notes)
+
+    def sent(self, finished_sending, expected: int = 0) -> None:
+        """update_connector_output: vLLM's finished_sending of this step and
+        its expected count of reports per request (the producer's re-checks
+        of those requests are judged)."""
+        self._sources.sent(finished_sending, expected)
 
     def received(self, connector_output) -> None:
         """update_connector_output, after the notes: vLLM reads
@@ -341,6 +351,7 @@ class SchedulerRole:
         send = self._sends.get(req_id)
         if send is None:
             return delay, params
+        self._sources.finished(req_id, bool(delay))
         if send.job is None or request.status.name == "FINISHED_ABORTED" and len(send.reported) < self._num_workers:
             # Preempted and not computed again, or aborted before its checksums.
             _forget(self._producer, req_id)
@@ -370,6 +381,11 @@ class SchedulerRole:
         if len(self._last_verdicts) > 4096:
             self._last_verdicts.clear()
         return self._last_verdicts
+
+    @property
+    def source_check(self) -> SchedulerSourceCheck:
+        """The producer's re-check of sent requests (for tests and tools)."""
+        return self._sources
 
     @property
     def pending_sends(self) -> dict:
@@ -502,8 +518,7 @@ class SchedulerRole:
         policy = f"kv_load_failure_policy={self._failure_policy}"
         if load.mismatched:
             bad = sorted(load.mismatched)
-            self._stats.add("tier_mismatched")
-            self._stats.add("tier_mismatched_blocks", len(bad))
+            self._stats.count_load("tier", "mismatched", blocks=len(bad))
             verdict, reason = kvcsum.MISMATCH, ""
             message = f"blocks {bad} differ from the values this engine kept of them (on some worker)"
             action = "vLLM " + ("gets the whole load as failed" if self._multi_group else f"gets blocks {bad} as load errors")
@@ -513,8 +528,7 @@ class SchedulerRole:
             verdict = kvcsum.UNVERIFIED
             counts = ", ".join(f"{n} {r}" for r, n in sorted(load.unknown.items()))
             message = f"block values unknown on some worker ({counts})"
-            self._stats.add("tier_unverified")
-            self._stats.add_reason(reason, key="tier_unverified_reasons")
+            self._stats.count_load("tier", "unverified", reason=reason)
             setting = "unverified_tier=fail" if self._settings.fail_unverified_tier else "unverified_tier=log"
             action = "vLLM gets them as load errors" if self._settings.fail_unverified_tier else "the load is used"
             self._log_once(
@@ -524,7 +538,7 @@ class SchedulerRole:
             )
         else:
             verdict, reason, message = kvcsum.MATCH, "", f"{load.matched} block checks matched"
-            self._stats.add("tier_verified")
+            self._stats.count_load("tier", "verified")
             if self._settings.log_matches:
                 logger.info("kvcsum: request %s: tier KV verified (%s)", req_id, message)
         self.last_verdicts[req_id] = (verdict, reason, message)
@@ -639,15 +653,16 @@ class SchedulerRole:
                 [],
             )
         _forget(self._consumer, req_id)
+        # A load from a P/D producer carries its params; any other verified
+        # load (verify_loads "all") comes from an offload tier.
+        path = "pd" if load.params.remote_prefill else "tier"
         if verdict == kvcsum.UNVERIFIED:
-            self._stats.add("unverified")
-            self._stats.add_reason(reason)
+            self._stats.count_load(path, "unverified", reason=reason)
             invalid = self._loaded_block_ids(load.job) if self._settings.fail_unverified else []
         elif verdict == kvcsum.MISMATCH:
-            self._stats.add("mismatched")
-            self._stats.add("mismatched_blocks", len(invalid))
+            self._stats.count_load(path, "mismatched", blocks=len(invalid))
         else:
-            self._stats.add("verified")
+            self._stats.count_load(path, "verified")
         # vLLM maps block-level load errors back to requests only where there
         # is one KV cache group; with several it takes whole failed loads.
         # (A sync load there is never verified: `matched` declines it, since a

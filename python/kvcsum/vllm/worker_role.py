@@ -29,6 +29,8 @@ from kvcsum.vllm.cache_checksums import CacheChecksummer, Job
 from kvcsum.vllm.common import HashedBlocks, KvcsumConnectorMetadata, KvcsumWorkerMetadata, TierNote, WorkerNote, logger
 from kvcsum.vllm.config import Settings, layer_specs, parallel_place
 from kvcsum.vllm.decoding import LayerDecodings
+from kvcsum.vllm.source_check import WorkerSourceCheck
+from kvcsum.vllm.stats import KvcsumStats
 from kvcsum.vllm.tier_values import TierChecker
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -70,6 +72,8 @@ class WorkerRole:
         self._release_recving: set[str] = set()
         self._release_failed: set[str] = set()
         self._invalid_out: set[int] = set()
+        self._stats = KvcsumStats()
+        self._sources: WorkerSourceCheck | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         tp_rank, tp_size, pp_rank = parallel_place()
@@ -95,6 +99,9 @@ class WorkerRole:
             # The loads it would check are then unverified, never matched.
             logger.error("kvcsum: worker %s keeps no block values for tier checks: %s", self._worker_key, error)
             self._tier = None
+        self._sources = WorkerSourceCheck(
+            self._checksummer, self._worker_key, lambda seconds: self._stats.observe_seconds("recheck", seconds)
+        )
         for group_id, reason in sorted(self._checksummer.skipped.items()):
             logger.warning("kvcsum: worker %s does not checksum KV cache group %d: %s", self._worker_key, group_id, reason)
         logger.info(
@@ -107,6 +114,8 @@ class WorkerRole:
     def bind(self, meta: KvcsumConnectorMetadata) -> None:
         """bind_connector_metadata: the step's jobs and verdicts."""
         self._bound = meta
+        if self._sources is not None:
+            self._sources.release(meta.sources_released)
         self._watch_async.update(meta.async_loads)
         self._watch_tier.update(meta.tier_async_loads)
         if self._tier is not None:
@@ -161,6 +170,8 @@ class WorkerRole:
         if not inner_failed:
             self._declare_decodings()
         pending = None if inner_failed else self._checksummer.checksum([job], role)
+        if role == kvcsum.PRODUCER and self._sources is not None:
+            self._sources.made(job, pending)
         self._pending_notes.append((role, job.req_id, generation, pending, inner_failed))
 
     def transfer_results(self, inner: KVConnectorTransferResults, finished_req_ids=()) -> KVConnectorTransferResults:
@@ -177,6 +188,9 @@ class WorkerRole:
             # Finished (aborted) while its load was awaited: not checked.
             self._watch_async.pop(req_id, None)
             self._watch_tier.pop(req_id, None)
+        if self._sources is not None:
+            # Sent: the blocks are checksummed again before vLLM frees them.
+            self._sources.sending_finished(results.finished_sending)
         for req_id in inner.finished_recving or ():
             results.finished_recving.add(req_id)
             failed = req_id in (inner.failed_recving or ())
@@ -209,15 +223,28 @@ class WorkerRole:
 
     def build_meta(self, inner) -> KvcsumWorkerMetadata | None:
         """build_connector_worker_meta, around the inner connector's."""
+        if self._sources is not None:
+            self._sources.collect()  # before the records close their results
         notes = []
         for role, req_id, generation, pending, inner_failed in self._pending_notes:
             record = pending.record() if pending is not None else None
+            if pending is not None:
+                self._stats.observe_seconds("send" if role == kvcsum.PRODUCER else "load", pending.seconds)
             notes.append(WorkerNote(self._worker_key, role, req_id, generation, record, inner_failed))
         self._pending_notes = []
         tier_notes, self._tier_notes = self._tier_notes, []
-        if inner is None and not notes and not tier_notes:
+        source_notes = self._sources.notes() if self._sources is not None else []
+        if inner is None and not notes and not tier_notes and not source_notes:
             return None
-        return KvcsumWorkerMetadata(inner=inner, notes=notes, tier_notes=tier_notes)
+        return KvcsumWorkerMetadata(inner=inner, notes=notes, tier_notes=tier_notes, source_notes=source_notes)
+
+    def take_stats(self) -> KvcsumStats | None:
+        """The worker's counts since the last call (its checksum times;
+        None when there are none)."""
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KvcsumStats()
+        return stats
 
     def _check_tier(self, blocks: HashedBlocks) -> set[int]:
         """Compares a tier load's blocks with the values kept: the block ids
@@ -260,3 +287,8 @@ class WorkerRole:
             "watch_tier": set(self._watch_tier),
             "invalid_out": set(self._invalid_out),
         }
+
+    @property
+    def source_check(self) -> WorkerSourceCheck | None:
+        """The worker's re-check of sent requests (for tests and tools)."""
+        return self._sources

@@ -13,6 +13,21 @@ KV.
 
 Fault injection: set `CORRUPT["token"]` (and optionally "layer", "head") and
 the consumer changes one byte of that token's KV as it loads it.
+
+Held sends: with `SEND["held"]` set, the producer sends as a pull-based
+connector (NIXL) does: request_finished asks vLLM to keep the request's
+blocks, the workers read them and write the files only when the scheduler
+reports the request finished (the next step's finished_req_ids), and then
+report it finished sending. The KV sent is then what the blocks hold at the
+end of the send, not at the end of the prompt's forward.
+
+Stats and metrics of its own (the loads its workers did:
+vllm:store_connector_loads), as a wrapped connector may have, beside
+kvcsum's.
+
+Tier loads: a request whose kv_transfer_params carry "store_tier_key" (and
+"remote_num_tokens") loads that key's KV as an offload tier's hit would:
+no do_remote_prefill, no payload.
 """
 
 from __future__ import annotations
@@ -30,15 +45,51 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
 
 #: Fault injection, set by the test: {"token": position, "layer": name, "head": global head}.
 CORRUPT: dict = {}
+#: Send mode, set by the test: {"held": True} holds the blocks until sent.
+SEND: dict = {}
 
 
 @dataclass
 class StoreMetadata(KVConnectorMetadata):
     saves: list = field(default_factory=list)  # (store key, num_tokens, {group: block ids})
     loads: list = field(default_factory=list)  # (req_id, store key, first_token, num_tokens, {group: block ids})
+
+
+@dataclass
+class StoreStats(KVConnectorStats):
+    """The loads the workers did (summed over workers)."""
+
+    def __post_init__(self):
+        if not self.data:
+            self.reset()
+
+    def reset(self):
+        self.data = {"loads": 0}
+
+    def aggregate(self, other):
+        self.data["loads"] += other.data.get("loads", 0)
+        return self
+
+    def reduce(self):
+        return dict(self.data)
+
+    def is_empty(self):
+        return not self.data.get("loads")
+
+
+class StorePromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        counter = self._counter_cls(name="vllm:store_connector_loads", documentation="Loads done by the test's StoreConnector workers.", labelnames=labelnames)
+        self.loads = create_metric_per_engine(counter, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data, engine_idx: int = 0):
+        self.loads[engine_idx].inc(transfer_stats_data.get("loads", 0))
 
 
 class StoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -58,6 +109,9 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._caches: dict = {}
         self._done: set = set()
         self.loads_done = 0
+        self._stats = StoreStats()
+        self._saving: set = set()  # scheduler: requests whose save was scheduled (held sends)
+        self._held: dict = {}  # worker: req_id -> (num_tokens, table) to send once finished
 
     # --- scheduler ---------------------------------------------------------
 
@@ -66,7 +120,7 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         params = request.kv_transfer_params or {}
-        if params.get("do_remote_prefill") and params.get("remote_num_tokens"):
+        if (params.get("do_remote_prefill") or params.get("store_tier_key")) and params.get("remote_num_tokens"):
             self._matched[request.request_id] = num_computed_tokens
             if self._sync:
                 # A sync load leaves the prompt's last token to compute.
@@ -76,7 +130,10 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         params = request.kv_transfer_params or {}
-        if num_external_tokens > 0 and params.get("do_remote_prefill"):
+        if num_external_tokens > 0 and params.get("store_tier_key"):
+            first = self._matched.pop(request.request_id, 0)
+            self._pending_loads[request.request_id] = (params.pop("store_tier_key"), first, first + num_external_tokens)
+        elif num_external_tokens > 0 and params.get("do_remote_prefill"):
             first = self._matched.pop(request.request_id, 0)
             self._pending_loads[request.request_id] = (params["remote_request_id"], first, first + num_external_tokens)
             params["do_remote_prefill"] = False
@@ -103,6 +160,7 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
             prompt = request.num_prompt_tokens
             if computed < prompt <= computed + scheduler_output.num_scheduled_tokens.get(req_id, 0):
                 meta.saves.append((req_id, prompt, self._table(req_id)))
+                self._saving.add(req_id)
         return meta
 
     def request_finished(self, request, block_ids):
@@ -110,10 +168,13 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request, block_ids):
         self._known.pop(request.request_id, None)
+        # Held sends: the blocks stay until the workers report them sent.
+        delay = bool(SEND.get("held")) and request.request_id in self._saving
+        self._saving.discard(request.request_id)
         params = request.kv_transfer_params or {}
         if not params.get("do_remote_decode") or request.status.name == "FINISHED_ABORTED":
-            return False, None
-        return False, {
+            return delay, None
+        return delay, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_request_id": request.request_id,
@@ -163,22 +224,47 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
             if not self._sync:
                 self._done.add(req_id)
             self.loads_done += 1
+            self._stats.data["loads"] += 1
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
+    def get_kv_connector_stats(self):
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, StoreStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return StoreStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return StorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
         return
+
+    def _save(self, key: str, num_tokens: int, table: dict) -> None:
+        os.makedirs(os.path.join(self._dir, key), exist_ok=True)
+        for group, name, cache, heads, first_head in self._layers():
+            _, blocks, offsets = self._slots(group, table, 0, num_tokens)
+            for h in range(heads):
+                torch.save(cache[blocks, h, offsets].clone(), self._path(key, name, first_head + h))
 
     def wait_for_save(self):
         meta = self._get_connector_metadata()
         for key, num_tokens, table in meta.saves:
-            os.makedirs(os.path.join(self._dir, key), exist_ok=True)
-            for group, name, cache, heads, first_head in self._layers():
-                _, blocks, offsets = self._slots(group, table, 0, num_tokens)
-                for h in range(heads):
-                    torch.save(cache[blocks, h, offsets].clone(), self._path(key, name, first_head + h))
+            if SEND.get("held"):
+                self._held[key] = (num_tokens, table)
+            else:
+                self._save(key, num_tokens, table)
 
     def get_finished(self, finished_req_ids):
         done, self._done = self._done, set()
-        return None, done or None
+        sent = set()
+        for req_id in sorted(set(finished_req_ids) & set(self._held)):
+            self._save(req_id, *self._held.pop(req_id))
+            sent.add(req_id)
+        return sent or None, done or None

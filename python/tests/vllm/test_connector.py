@@ -83,8 +83,9 @@ def totals(engine: Engine) -> dict:
         for key, value in data.items():
             if isinstance(value, dict):
                 for k, v in value.items():
-                    out[f"{key}.{k}"] = out.get(f"{key}.{k}", 0) + v
-            elif value:
+                    if isinstance(v, int):  # not the workers' checksum times
+                        out[f"{key}.{k}"] = out.get(f"{key}.{k}", 0) + v
+            elif isinstance(value, int) and value:
                 out[key] = out.get(key, 0) + value
     return out
 
