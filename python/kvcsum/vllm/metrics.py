@@ -18,14 +18,16 @@ from typing import Any
 
 import kvcsum
 from kvcsum.vllm.stats import CHECKSUM_KINDS, PATHS, load_key
+from kvcsum.vllm.tier_values import UNKNOWN_REASONS
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 __all__ = ["KvcsumPromMetrics", "COUNTERS", "HISTOGRAM", "OWN_REASONS", "SECONDS_BUCKETS"]
 
-#: Reasons the connector gives besides kvcsum.Reason's names.
-OWN_REASONS = ("OTHER_REQUEST", "CHECK_FAILED", "INVALID_CHECKSUMS", "UNKNOWN")
+#: Reasons the connector gives besides kvcsum.Reason's names: its own for
+#: P/D loads, and a tier block's unknown value's (tier_values).
+OWN_REASONS = ("OTHER_REQUEST", "CHECK_FAILED", "INVALID_CHECKSUMS", "UNKNOWN") + UNKNOWN_REASONS
 
 #: Buckets of vllm:kvcsum_checksum_seconds: 50 microseconds to 10 seconds.
 SECONDS_BUCKETS = (

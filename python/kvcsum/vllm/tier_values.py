@@ -52,10 +52,24 @@ __all__ = [
     "UNKNOWN",
     "MAX_VALUES",
     "DEFAULT_CAPACITY",
+    "UNKNOWN_REASONS",
 ]
 
 #: The outcomes of one loaded block.
 MATCHED, MISMATCHED, UNKNOWN = "matched", "mismatched", "unknown"
+
+#: Why a loaded block's expected value is unknown (an UNKNOWN outcome's
+#: reason): no block hash, a hash this worker never computed or dropped,
+#: more values than kept, another position than computed, not checksummed,
+#: or a worker that keeps no values at all.
+UNKNOWN_REASONS = (
+    "NO_BLOCK_HASH",
+    "UNKNOWN_BLOCK",
+    "TOO_MANY_VALUES",
+    "OTHER_POSITION",
+    "NOT_CHECKSUMMED",
+    "NO_VALUES_KEPT",
+)
 
 #: Most distinct values kept per hash (a block computed again in other
 #: batches); a hash seen with more is unknown from then on.

@@ -158,7 +158,8 @@ def _damaged_payload(rng: random.Random, text: str) -> tuple[str, str]:
     version, num_tokens, groups, ext = plain
     [[group, fingerprint, first, values]] = groups
     ext_version, tp, ext_groups, algorithm = ext
-    [[ext_group, ext_block, detail, coverage]] = ext_groups
+    # Version 3 of the extension adds marks and decodings per group.
+    [[ext_group, ext_block, detail, coverage, *ext_rest]] = ext_groups
     field = rng.choice(
         [
             "version", "num_tokens", "group", "fingerprint", "first", "values_length", "value_bits",
@@ -199,7 +200,7 @@ def _damaged_payload(rng: random.Random, text: str) -> tuple[str, str]:
         coverage = other(coverage)
     elif field == "algorithm":
         algorithm = other(algorithm, 0, 2**32 - 1)
-    plain = [version, num_tokens, [[group, fingerprint, first, values]], [ext_version, tp, [[ext_group, ext_block, detail, coverage]], algorithm]]
+    plain = [version, num_tokens, [[group, fingerprint, first, values]], [ext_version, tp, [[ext_group, ext_block, detail, coverage, *ext_rest]], algorithm]]
     if field == "extra_element":
         plain.append(rng.randrange(100))
     data = msgspec.msgpack.encode(plain)
@@ -304,25 +305,28 @@ def test_generated_params_never_raise_in_the_scheduler_and_never_match(store):
     outcomes: dict = {}
     batch = 64
     made = 0
-    while made < NUM_GENERATED:
-        cases = {}
-        for _ in range(min(batch, NUM_GENERATED - made)):
-            params, category = generate(rng, genuine)
-            req_id = f"fz-{made}"
-            made += 1
-            cases[req_id] = (params, category)
-            c.add_request(req_id, PROMPT, 1, params)
-        c.run(max_steps=32)  # an exception out of the scheduler fails the test here
-        for req_id, (params, category) in cases.items():
-            name, reason, message = verdict(c, req_id)
-            assert name in allowed(category), (seed, req_id, category, reason, message, params)
-            assert c.traces[req_id].output_tokens == expected(1), (seed, req_id, category)
-            key = (category, getattr(name, "name", name), reason)
-            outcomes[key] = outcomes.get(key, 0) + 1
-            del c.traces[req_id], c.requests[req_id], c.prompts[req_id]
-        c.connector().last_verdicts.clear()
-    for log, level in zip(quiet, levels):
-        log.setLevel(level)
+    try:
+        while made < NUM_GENERATED:
+            cases = {}
+            for _ in range(min(batch, NUM_GENERATED - made)):
+                params, category = generate(rng, genuine)
+                req_id = f"fz-{made}"
+                made += 1
+                cases[req_id] = (params, category)
+                c.add_request(req_id, PROMPT, 1, params)
+            c.run(max_steps=32)  # an exception out of the scheduler fails the test here
+            for req_id, (params, category) in cases.items():
+                name, reason, message = verdict(c, req_id)
+                assert name in allowed(category), (seed, req_id, category, reason, message, params)
+                assert c.traces[req_id].output_tokens == expected(1), (seed, req_id, category)
+                key = (category, getattr(name, "name", name), reason)
+                outcomes[key] = outcomes.get(key, 0) + 1
+                del c.traces[req_id], c.requests[req_id], c.prompts[req_id]
+            c.connector().last_verdicts.clear()
+    finally:
+        # Restored even when the loop fails, so later tests see the log.
+        for log, level in zip(quiet, levels):
+            log.setLevel(level)
     print(f"generated {made} params; outcomes (category, verdict, reason): ", flush=True)
     for key, count in sorted(outcomes.items()):
         print(f"  {count:5d}  {key}", flush=True)

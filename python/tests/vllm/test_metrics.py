@@ -191,9 +191,10 @@ def test_an_unverified_load_counts_under_its_reason(store, rng, unverified):
 
 
 def test_a_tier_load_counts_on_the_tier_path(store, rng):
-    # A load from an offload tier (no do_remote_prefill, no payload), which
-    # verify_loads "all" verifies: UNVERIFIED (NO_CHECKSUMS) on path "tier",
-    # nothing on "pd".
+    # A load from an offload tier (no do_remote_prefill, no payload): the
+    # consumer's workers check it by block hash (verify_tiers, the default),
+    # and the producer's blocks are unknown to them (another engine stored
+    # them): UNVERIFIED (UNKNOWN_BLOCK) on path "tier", nothing on "pd".
     p = producer(store)
     c = consumer(store, extra={"verify_loads": "all", "unverified": "log"})
     prom = Prometheus([p, c])
@@ -202,8 +203,8 @@ def test_a_tier_load_counts_on_the_tier_path(store, rng):
     decode(c, "req-metrics-tier-hit", {"store_tier_key": "req-metrics-tier", "remote_num_tokens": len(prompt)}, prompt)
     prom.flush()
     assert all(rank.connector.inner.loads_done == 1 for rank in c.ranks)
-    assert verdict(c, "req-metrics-tier-hit")[:2] == (kvcsum.UNVERIFIED, "NO_CHECKSUMS")
-    assert load_counts(prom, 1, "tier") == {**NOTHING, "unverified": {"NO_CHECKSUMS": 1}}
+    assert verdict(c, "req-metrics-tier-hit")[:2] == (kvcsum.UNVERIFIED, "UNKNOWN_BLOCK")
+    assert load_counts(prom, 1, "tier") == {**NOTHING, "unverified": {"UNKNOWN_BLOCK": 1}}
     assert load_counts(prom, 1, "pd") == NOTHING
     print(f"CASE metrics of a tier load: {load_counts(prom, 1, 'tier')}", flush=True)
 
