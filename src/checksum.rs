@@ -34,7 +34,9 @@ pub enum Algorithm {
 
 impl Algorithm {
     /// Every algorithm, in the order of their numbers.
-    pub const ALL: [Algorithm; 3] = [Algorithm::Weighted, Algorithm::Mixed, Algorithm::Mixed2];
+    pub fn all() -> [Algorithm; 3] {
+        [Algorithm::Weighted, Algorithm::Mixed, Algorithm::Mixed2]
+    }
 
     /// The algorithm's number (`KVCS_ALGORITHM_*`): 1 weighted, 2 mixed,
     /// 3 mixed2.
@@ -285,7 +287,7 @@ mod tests {
                 })
                 .collect();
             let first = state >> 3;
-            for algorithm in Algorithm::ALL {
+            for algorithm in Algorithm::all() {
                 let f = |x: u64| algorithm.piece(x);
                 let plain = pieces.iter().enumerate().fold(0u64, |acc, (i, &x)| {
                     acc.wrapping_add(f(x).wrapping_mul(piece_weight(first.wrapping_add(i as u64))))

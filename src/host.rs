@@ -636,7 +636,7 @@ mod tests {
                     let pieces: Vec<u64> = (0..row_len * rows).map(|_| next()).collect();
                     let first_index = next() >> 4;
                     let row_index_stride = row_len as u64 + extra_stride;
-                    for algorithm in Algorithm::ALL {
+                    for algorithm in Algorithm::all() {
                         let mut sums = RowSums::default();
                         let mut expected = 0u64;
                         for (r, row) in pieces.chunks_exact(row_len).enumerate() {

@@ -898,7 +898,7 @@ mod tests {
                     identity: Vec::new(),
                 };
                 let layer = StateLayer::new(spec, next(8) as u32, |_, _| true).expect("state layer");
-                let algorithm = Algorithm::ALL[case / 2 % 3];
+                let algorithm = Algorithm::all()[case / 2 % 3];
                 let mut sum = 0u64;
                 for tensor in state_tensors(&layer) {
                     seen_shifts[tensor.lane_shift as usize][tensor.vector_shift as usize] = true;
