@@ -698,8 +698,8 @@ fn load_check_records_round_trip_with_their_outcomes() {
     let bytes = record.encode();
     assert_eq!(Record::decode(&bytes).unwrap(), record, "round trip");
     // The outcomes are the last group's last element: bin of 4, then no
-    // skipped groups, then the record's algorithm (2, MIXED).
-    assert_eq!(&bytes[bytes.len() - 8..], &[0xc4, 4, 1, 1, 0, 2, 0x90, 2]);
+    // skipped groups, then the record's algorithm (3, MIXED2).
+    assert_eq!(&bytes[bytes.len() - 8..], &[0xc4, 4, 1, 1, 0, 2, 0x90, 3]);
     // The verifier names position 2 (tokens 32..40); position 3 is neither compared nor not.
     let report = verifier_holding(1, &blocks, std::slice::from_ref(&bytes))
         .check_stored(REQ)
@@ -718,7 +718,7 @@ fn load_check_records_round_trip_with_their_outcomes() {
     let plain = Record::from_checksums(&checksum(worker, &blocks, Role::Consumer)).unwrap();
     assert_eq!(plain.requests[0].groups[0].stored, None);
     let plain_bytes = plain.encode();
-    assert_eq!(&plain_bytes[plain_bytes.len() - 3..], &[0xc0, 0x90, 2]);
+    assert_eq!(&plain_bytes[plain_bytes.len() - 3..], &[0xc0, 0x90, 3]);
     assert_eq!(Record::decode(&plain_bytes).unwrap(), plain);
 
     // Malformed: an outcome number that is none, a wrong count, nil in the
