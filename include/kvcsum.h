@@ -1732,7 +1732,7 @@ const char *kvcs_status_name(uint32_t status);
 // the header a program was built with, or the program must not use it.
 uint32_t kvcs_abi_version(void);
 
-// The library's version (the crate version, e.g. "0.2.0"; docs/VERSIONING.md), a static string. Never NULL.
+// The library's version (the crate version, e.g. "0.3.0"; docs/VERSIONING.md), a static string. Never NULL.
 const char *kvcs_version(void);
 
 // The layout of the ABI struct `struct_name` (`"kvcs_layer"`, say) in this
