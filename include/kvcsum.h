@@ -891,7 +891,11 @@ typedef struct {
   // worker starts its helper threads (one fewer than this; the calling
   // thread works too) on its first call large enough to split (4 MiB of
   // KV per thread), keeps them parked between calls and joins them in
-  // `kvcs_worker_destroy`.
+  // `kvcs_worker_destroy`. A host worker mixes (MIXED2, MIXED) with the
+  // best SIMD form the CPU has (AVX-512F, AVX2); the environment
+  // variable `KVCS_HOST_SIMD` (`avx512`, `avx2`, `portable`) caps it, for
+  // measurements, and another value fails creation with
+  // `KVCS_ERR_INVALID_ARGUMENT`. Every form gives the same values.
   uint32_t num_threads;
 } kvcs_worker_options;
 

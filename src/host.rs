@@ -36,6 +36,49 @@ pub const MAX_HOST_THREADS: u32 = 256;
 /// with `num_threads` 0.
 pub const THREADS_VARIABLE: &str = "KVCS_HOST_THREADS";
 
+/// The environment variable that caps the SIMD form of the host engine's
+/// mixing (`avx512`, `avx2` or `portable`; unset: the best the CPU runs),
+/// read when a host worker is created. For measurements
+/// (`benches/host_bench.rs`) and for ruling a SIMD form out; every form
+/// gives the same values.
+pub const SIMD_VARIABLE: &str = "KVCS_HOST_SIMD";
+
+/// The SIMD form the host engine's mixing runs in (see [`item_checksum_of`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Simd {
+    /// Plain Rust, vectorised only as far as the compiler does by itself.
+    Portable,
+    /// AVX2 builds and intrinsics (x86-64 CPUs that have AVX2).
+    Avx2,
+    /// AVX-512F intrinsics for MIXED2 (x86-64 CPUs that have AVX-512F).
+    Avx512,
+}
+
+impl Simd {
+    /// The best form this CPU runs.
+    pub fn detect() -> Simd {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Simd::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Simd::Avx2;
+            }
+        }
+        Simd::Portable
+    }
+
+    /// Its name, for logs and [`SIMD_VARIABLE`]: "avx512", "avx2", "portable".
+    pub fn name(self) -> &'static str {
+        match self {
+            Simd::Portable => "portable",
+            Simd::Avx2 => "avx2",
+            Simd::Avx512 => "avx512",
+        }
+    }
+}
+
 /// At most this many threads by default, however many cores there are:
 /// eight ranks of four threads are 32 streams reading memory at once, which
 /// is about what a server's memory channels feed; more would mostly wait on
@@ -53,6 +96,7 @@ const DEFAULT_RANKS_PER_HOST: usize = 8;
 pub struct HostEngine {
     threads: usize,
     pool: OnceLock<Pool>,
+    simd: Simd,
 }
 
 impl HostEngine {
@@ -81,10 +125,33 @@ impl HostEngine {
             }
             n => n as usize,
         };
+        let best = Simd::detect();
+        let simd = match std::env::var(SIMD_VARIABLE) {
+            Err(_) => best,
+            Ok(text) => match [Simd::Avx512, Simd::Avx2, Simd::Portable]
+                .into_iter()
+                .find(|form| form.name() == text.trim())
+            {
+                // A cap: a form the CPU lacks is never run.
+                Some(form) => form.min(best),
+                None => {
+                    return Err(err!(
+                        InvalidArgument,
+                        "{SIMD_VARIABLE} {text:?} is not avx512, avx2 or portable"
+                    ))
+                }
+            },
+        };
         Ok(HostEngine {
             threads,
             pool: OnceLock::new(),
+            simd,
         })
+    }
+
+    /// The SIMD form the engine's mixing runs in.
+    pub fn simd(&self) -> Simd {
+        self.simd
     }
 
     /// The most threads a call uses.
@@ -133,7 +200,7 @@ impl HostEngine {
                     break;
                 }
                 for item in &items[start..(start + ITEMS_PER_GRAB).min(items.len())] {
-                    let sum = item_checksum_of(algorithm, item.row, item.layer, &mut scratch);
+                    let sum = item_checksum_of(algorithm, self.simd, item.row, item.layer, &mut scratch);
                     let out = item.row.out as usize + item.column * item.row.column_stride as usize;
                     values[out].fetch_add(sum, Ordering::Relaxed);
                 }
@@ -187,31 +254,30 @@ fn add_states(layout: &Layout, rows: &[Row], algorithm: Algorithm, values: &mut 
 /// MIXED2's rounds are 32x32->64 multiplies, which the compiler does not
 /// reliably vectorise by itself: [`Mix2Avx2`] and [`Mix2Avx512`] write
 /// them with SIMD intrinsics (BENCHMARKS.md, "Mixing function choice").
-fn item_checksum_of(algorithm: Algorithm, row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
-    match algorithm {
-        Algorithm::Weighted => item_checksum::<Identity>(row, layer, scratch),
-        Algorithm::Mixed => {
-            #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx2") {
-                // SAFETY: the CPU has AVX2 (checked just above).
-                return unsafe { item_checksum_avx2::<Mix>(row, layer, scratch) };
-            }
-            item_checksum::<Mix>(row, layer, scratch)
+///
+/// `simd` is at most [`Simd::detect`]'s (the engine caps it so): each
+/// branch below runs a form only where the CPU has its features.
+fn item_checksum_of(algorithm: Algorithm, simd: Simd, row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
+    debug_assert!(simd <= Simd::detect());
+    match (algorithm, simd) {
+        (Algorithm::Weighted, _) => item_checksum::<Identity>(row, layer, scratch),
+        #[cfg(target_arch = "x86_64")]
+        (Algorithm::Mixed, Simd::Avx2 | Simd::Avx512) => {
+            // SAFETY: `simd` is at least AVX2, which the CPU has.
+            unsafe { item_checksum_avx2::<Mix>(row, layer, scratch) }
         }
-        Algorithm::Mixed2 => {
-            #[cfg(target_arch = "x86_64")]
-            {
-                if std::arch::is_x86_feature_detected!("avx512f") {
-                    // SAFETY: the CPU has AVX-512F (checked just above).
-                    return unsafe { item_checksum_avx512::<Mix2Avx512>(row, layer, scratch) };
-                }
-                if std::arch::is_x86_feature_detected!("avx2") {
-                    // SAFETY: the CPU has AVX2 (checked just above).
-                    return unsafe { item_checksum_avx2::<Mix2Avx2>(row, layer, scratch) };
-                }
-            }
-            item_checksum::<Mix2>(row, layer, scratch)
+        (Algorithm::Mixed, _) => item_checksum::<Mix>(row, layer, scratch),
+        #[cfg(target_arch = "x86_64")]
+        (Algorithm::Mixed2, Simd::Avx512) => {
+            // SAFETY: `simd` is AVX-512F, which the CPU has.
+            unsafe { item_checksum_avx512::<Mix2Avx512>(row, layer, scratch) }
         }
+        #[cfg(target_arch = "x86_64")]
+        (Algorithm::Mixed2, Simd::Avx2) => {
+            // SAFETY: `simd` is AVX2, which the CPU has.
+            unsafe { item_checksum_avx2::<Mix2Avx2>(row, layer, scratch) }
+        }
+        (Algorithm::Mixed2, _) => item_checksum::<Mix2>(row, layer, scratch),
     }
 }
 
@@ -240,8 +306,9 @@ unsafe fn item_checksum_avx512<F: PieceFn>(row: &Row, layer: &Layer, scratch: &m
 /// each round is one `vpmuludq`, one add and one in-lane shuffle (using
 /// `(hi << 32) + lo * K = v + lo * (K - 1)`), each fold a shift and a XOR.
 ///
-/// Only [`item_checksum_of`] names it, inside [`item_checksum_avx2`], after
-/// it found AVX2: that is what makes its intrinsics sound to call.
+/// Only [`item_checksum_of`] names it, inside [`item_checksum_avx2`], where
+/// the engine's [`Simd`] says the CPU has AVX2: that is what makes its
+/// intrinsics sound to call.
 #[cfg(target_arch = "x86_64")]
 struct Mix2Avx2;
 
@@ -293,7 +360,8 @@ impl PieceFn for Mix2Avx2 {
 /// rotate by 32.
 ///
 /// Only [`item_checksum_of`] names it, inside [`item_checksum_avx512`],
-/// after it found AVX-512F: that is what makes its intrinsics sound to call.
+/// where the engine's [`Simd`] says the CPU has AVX-512F: that is what makes
+/// its intrinsics sound to call.
 #[cfg(target_arch = "x86_64")]
 struct Mix2Avx512;
 

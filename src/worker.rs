@@ -174,9 +174,10 @@ impl Worker {
     pub fn engine_description(&self) -> String {
         match &self.engine {
             Engine::Host(host) => format!(
-                "host engine, {} threads ({} helper threads started)",
+                "host engine, {} threads ({} helper threads started), {} mixing",
                 host.threads(),
-                host.helpers()
+                host.helpers(),
+                host.simd().name()
             ),
             Engine::Device(device) => device.description().to_owned(),
         }
