@@ -160,6 +160,23 @@ pub(crate) trait PieceFn {
     fn lanes(pieces: &[u64; 8]) -> [u64; 8] {
         pieces.map(Self::value)
     }
+
+    /// For each chunk of eight pieces in turn: `sum[l] += f(chunk[l])`,
+    /// then `running[l] += sum[l]` (the lane sums of [`run_checksum`] and
+    /// of the host engine's rows). `pieces.len()` is a multiple of 8.
+    #[inline(always)]
+    // One index walks the lane arrays in step; this is what vectorises.
+    #[allow(clippy::needless_range_loop)]
+    fn accumulate(pieces: &[u64], sum: &mut [u64; 8], running: &mut [u64; 8]) {
+        debug_assert!(pieces.len().is_multiple_of(8));
+        for chunk in pieces.chunks_exact(8) {
+            let values = Self::lanes(chunk.try_into().expect("chunks of 8 pieces"));
+            for lane in 0..8 {
+                sum[lane] = sum[lane].wrapping_add(values[lane]);
+                running[lane] = running[lane].wrapping_add(sum[lane]);
+            }
+        }
+    }
 }
 
 /// `f` of WEIGHTED: the identity.
@@ -244,13 +261,7 @@ fn run_sums<F: PieceFn>(pieces: &[u64]) -> (u64, u64) {
     let chunks = pieces.chunks_exact(LANES);
     let tail = chunks.remainder();
     let steps = chunks.len() as u64;
-    for chunk in chunks {
-        let values = F::lanes(chunk.try_into().expect("chunks of LANES pieces"));
-        for lane in 0..LANES {
-            sum[lane] = sum[lane].wrapping_add(values[lane]);
-            running[lane] = running[lane].wrapping_add(sum[lane]);
-        }
-    }
+    F::accumulate(&pieces[..pieces.len() - tail.len()], &mut sum, &mut running);
     let mut total = 0u64;
     let mut index_weighted = 0u64;
     for lane in 0..LANES {
