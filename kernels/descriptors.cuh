@@ -27,7 +27,10 @@ __device__ __forceinline__ kvcs_u64 kvcs_mix(kvcs_u64 x) {
 // halves swapped. The product-and-add is one 32x32->64 multiply-add
 // (IMAD.WIDE.U32); the swap only renames the two words.
 __device__ __forceinline__ kvcs_u64 kvcs_mix2_round(kvcs_u64 v, kvcs_u32 k) {
-    const kvcs_u64 s = (v & 0xffffffff00000000ull) + (kvcs_u64)(kvcs_u32)v * k;
+    kvcs_u64 s;
+    // mad.wide.u32 rather than C's 64-bit product of a zero-extended word,
+    // which NVVM writes as mul.lo.s64 and leaves ptxas to narrow.
+    asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(s) : "r"((kvcs_u32)v), "r"(k), "l"(v & 0xffffffff00000000ull));
     return (s << 32) | (s >> 32);
 }
 
