@@ -127,7 +127,7 @@ impl Worker {
     }
 
     /// The algorithm of every value this worker computes (SPEC section 12):
-    /// [`Algorithm::Mixed`] unless set otherwise.
+    /// [`Algorithm::Mixed2`] unless set otherwise.
     pub fn algorithm(&self) -> Algorithm {
         self.algorithm
     }
