@@ -3,10 +3,10 @@
 //! device engine on the same bytes, for a Llama-3.1-8B-like cache (32 layers,
 //! 8 KV heads, head size 128, bf16, 16-token blocks) in HND, NHD and K/V-split
 //! layouts, plus an MLA-like cache and an fp8 cache, each case under both
-//! checksum algorithms side by side (WEIGHTED and MIXED, docs/SPEC.md section
-//! 12: two workers over the same bytes, timed in turn after the same
+//! checksum algorithms side by side (WEIGHTED and MIXED2, docs/SPEC.md
+//! section 12: two workers over the same bytes, timed in turn after the same
 //! ceiling); then the latency of one block and the host time of a
-//! 128-request call (MIXED, the default).
+//! 128-request call (MIXED2, the default).
 //!
 //! Build here: `cargo build --release --example gpu_bench`; run on a GPU
 //! machine: `target/release/examples/gpu_bench [device]`. It prints a
@@ -192,7 +192,7 @@ fn layer_layout(model: &Model, layout: Layout, base: u64, num_blocks: u64) -> (V
 }
 
 struct Case {
-    /// The default algorithm's (MIXED) worker.
+    /// The default algorithm's (MIXED2) worker.
     worker: Worker,
     /// A WEIGHTED worker over the same layout.
     weighted: Worker,
@@ -237,7 +237,7 @@ fn build_case(
         worker.add_group(0, model.block_size).unwrap();
         worker
     };
-    let mut worker = new_worker(Algorithm::Mixed);
+    let mut worker = new_worker(Algorithm::Mixed2);
     let mut weighted = new_worker(Algorithm::Weighted);
     let mut chunks: Vec<[u64; 2]> = Vec::new();
     let mut layer_segments = Vec::new();
@@ -537,7 +537,7 @@ fn main() {
     );
     println!();
     println!(
-        "| cache | layout | case | bytes read | read ceiling GB/s | WEIGHTED GB/s | fraction | MIXED GB/s | fraction | MIXED - WEIGHTED |"
+        "| cache | layout | case | bytes read | read ceiling GB/s | WEIGHTED GB/s | fraction | MIXED2 GB/s | fraction | MIXED2 - WEIGHTED |"
     );
     println!("|---|---|---|---:|---:|---:|---:|---:|---:|---:|");
     let cases: [(&Model, Layout, &str, usize, usize); 11] = [

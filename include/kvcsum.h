@@ -37,6 +37,16 @@
 // rounded to odd.
 #define KVCS_MIX_MULTIPLIER 11400714819323198485ull
 
+// The odd 32-bit multiplier `K1` of the MIXED2 algorithm's first round
+// (docs/SPEC.md#12-the-mixing-functions).
+#define KVCS_MIX2_MULTIPLIER_1 2654435761
+
+// The odd 32-bit multiplier `K2` of the MIXED2 algorithm's second round.
+#define KVCS_MIX2_MULTIPLIER_2 2246822519
+
+// The odd 32-bit multiplier `K3` of the MIXED2 algorithm's third round.
+#define KVCS_MIX2_MULTIPLIER_3 3266489917
+
 // The longest element type name, in bytes.
 #define KVCS_MAX_DTYPE_LEN 32
 
@@ -148,10 +158,17 @@ enum kvcs_algorithm
   // 63 in an even number of pieces of a block, and swaps of values that
   // differ only in their high bits (docs/SPEC.md#13-what-it-detects).
   KVCS_ALGORITHM_WEIGHTED = 1,
-  // Each piece mixed by a fixed bijection first (docs/SPEC.md#12-the-mixed-algorithm): every
-  // property of the definition holds and no fault class of the catalogue
-  // goes unseen. The default of new workers.
+  // Each piece mixed by kvcsum 0.2's bijection first
+  // (docs/SPEC.md#12-the-mixing-functions), the default of kvcsum 0.2:
+  // kept so that a worker can verify against a 0.2 peer. It has a fixed
+  // differential, so some structured faults (sign flips of fp32 values,
+  // an inverted bit-31 line) can cancel (docs/SPEC.md#13-what-it-detects).
   KVCS_ALGORITHM_MIXED = 2,
+  // Each piece mixed by a fixed bijection without a fixed differential
+  // first (docs/SPEC.md#12-the-mixing-functions): every property of the
+  // definition holds and no fault class of the catalogue goes unseen.
+  // The default of new workers.
+  KVCS_ALGORITHM_MIXED2 = 3,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -903,7 +920,11 @@ typedef struct {
   // worker starts its helper threads (one fewer than this; the calling
   // thread works too) on its first call large enough to split (4 MiB of
   // KV per thread), keeps them parked between calls and joins them in
-  // `kvcs_worker_destroy`.
+  // `kvcs_worker_destroy`. A host worker mixes (MIXED2, MIXED) with the
+  // best SIMD form the CPU has (AVX-512F, AVX2); the environment
+  // variable `KVCS_HOST_SIMD` (`avx512`, `avx2`, `portable`) caps it, for
+  // measurements, and another value fails creation with
+  // `KVCS_ERR_INVALID_ARGUMENT`. Every form gives the same values.
   uint32_t num_threads;
 } kvcs_worker_options;
 
@@ -2020,7 +2041,7 @@ const char *kvcs_status_name(uint32_t status);
 // the header a program was built with, or the program must not use it.
 uint32_t kvcs_abi_version(void);
 
-// The library's version (the crate version, e.g. "0.2.0"; docs/VERSIONING.md), a static string. Never NULL.
+// The library's version (the crate version, e.g. "0.3.0"; docs/VERSIONING.md), a static string. Never NULL.
 const char *kvcs_version(void);
 
 // The layout of the ABI struct `struct_name` (`"kvcs_layer"`, say) in this
@@ -2189,8 +2210,8 @@ kvcs_status kvcs_verifier_set_policy(kvcs_verifier *verifier, uint32_t policy);
 // per-layer partials where every worker is in detail mode), which only
 // kvcsum consumers read; 0 (the default) gives the plain payload vLLM
 // reads, but only for `KVCS_ALGORITHM_WEIGHTED` values: a payload of
-// `KVCS_ALGORITHM_MIXED` values (the workers' default) always carries the
-// extension, since a plain payload means weighted
+// `KVCS_ALGORITHM_MIXED2` (the workers' default) or `KVCS_ALGORITHM_MIXED`
+// values always carries the extension, since a plain payload means weighted
 // (docs/SPEC.md#9-payload-producer-to-consumer). Records of different
 // algorithms make no payload (`kvcs_verifier_payload` fails with
 // `KVCS_ERR_INVALID_ARGUMENT`).
@@ -2520,7 +2541,8 @@ kvcs_status kvcs_block_tags(const kvcs_worker *worker,
 kvcs_status kvcs_worker_set_detail(kvcs_worker *worker, uint32_t on);
 
 // Chooses the worker's checksum algorithm (a `kvcs_algorithm` value:
-// `KVCS_ALGORITHM_MIXED`, the default, or `KVCS_ALGORITHM_WEIGHTED`) for
+// `KVCS_ALGORITHM_MIXED2`, the default, `KVCS_ALGORITHM_MIXED` or
+// `KVCS_ALGORITHM_WEIGHTED`) for
 // every value it computes: checksums, detail mode's partials, state groups
 // and stored checksums. Its records carry it, and a producer's payload
 // carries it in the kvcsum extension (sent whenever the algorithm is not

@@ -221,8 +221,12 @@ enum class unverified_reason : uint32_t {
 enum class algorithm : uint32_t {
   /// Each piece as it is: the values vLLM computes and reads.
   weighted = KVCS_ALGORITHM_WEIGHTED,
-  /// Each piece mixed first; the default of new workers.
+  /// Each piece mixed by kvcsum 0.2's function first (0.2's default; kept
+  /// to verify against a 0.2 peer).
   mixed = KVCS_ALGORITHM_MIXED,
+  /// Each piece mixed by a function without a fixed differential first;
+  /// the default of new workers.
+  mixed2 = KVCS_ALGORITHM_MIXED2,
 };
 
 /// A load check's verdict on one block position (kvcs_stored_outcome).
@@ -278,11 +282,12 @@ inline std::string to_string(role value) {
   return "unknown kvcs_role";
 }
 
-/// The C name of an algorithm ("KVCS_ALGORITHM_MIXED"), or "unknown kvcs_algorithm".
+/// The C name of an algorithm ("KVCS_ALGORITHM_MIXED2"), or "unknown kvcs_algorithm".
 inline std::string to_string(algorithm value) {
   switch (value) {
     case algorithm::weighted: return "KVCS_ALGORITHM_WEIGHTED";
     case algorithm::mixed: return "KVCS_ALGORITHM_MIXED";
+    case algorithm::mixed2: return "KVCS_ALGORITHM_MIXED2";
   }
   return "unknown kvcs_algorithm";
 }

@@ -70,9 +70,9 @@ struct kvcs_lane_sums {
 
 // Reads a lane's vectors BATCH steps at a time: all loads of a batch are in
 // flight before any is used. Products by b are by constants; the rest is one
-// multiply per batch. MIXED passes each piece through kvcs_mix as it is used
-// (pieces not loaded stay 0: kvcs_mix(0) = 0).
-template <int BATCH, bool FULL, bool MIXED>
+// multiply per batch. MIX (a KVCS_F_* value) passes each piece through f as
+// it is used (pieces not loaded stay 0: f(0) = 0 for every f).
+template <int BATCH, bool FULL, int MIX>
 __device__ __forceinline__ void kvcs_accumulate(
     struct kvcs_lane_sums &sums, kvcs_i64 lane_address, kvcs_i64 step_bytes, kvcs_u32 steps,
     kvcs_u32 first_vector, kvcs_u32 vectors, kvcs_u32 lanes, kvcs_u32 vector_shift)
@@ -99,8 +99,8 @@ __device__ __forceinline__ void kvcs_accumulate(
             kvcs_u64 batch_total = 0;
 #pragma unroll
             for (int b = 0; b < BATCH; ++b) {
-                const kvcs_u64 high = kvcs_piece<MIXED>(hi[b]);
-                const kvcs_u64 y = kvcs_piece<MIXED>(lo[b]) + high;
+                const kvcs_u64 high = kvcs_piece<MIX>(hi[b]);
+                const kvcs_u64 y = kvcs_piece<MIX>(lo[b]) + high;
                 sums.high += high;
                 batch_total += y;
                 // Step k + b weighs (k + b) * y: b * y here, k * y below.
@@ -120,7 +120,7 @@ __device__ __forceinline__ void kvcs_accumulate(
 // and MLA fell from 0.966 to 0.931 of the read ceiling.)
 // The per-segment totals are kept apart (their pieces start at different
 // offsets); the other sums are shared.
-template <int BATCH, bool FULL, bool MIXED>
+template <int BATCH, bool FULL, int MIX>
 __device__ __forceinline__ void kvcs_accumulate_pair(
     struct kvcs_lane_sums &sums, kvcs_u64 &first_total, kvcs_i64 first_address, kvcs_i64 second_address,
     kvcs_i64 step_bytes, kvcs_u32 steps, kvcs_u32 first_vector, kvcs_u32 vectors, kvcs_u32 lanes,
@@ -154,8 +154,8 @@ __device__ __forceinline__ void kvcs_accumulate_pair(
                 kvcs_u64 segment_total = 0;
 #pragma unroll
                 for (int b = 0; b < BATCH; ++b) {
-                    const kvcs_u64 high = kvcs_piece<MIXED>(hi[h][b]);
-                    const kvcs_u64 y = kvcs_piece<MIXED>(lo[h][b]) + high;
+                    const kvcs_u64 high = kvcs_piece<MIX>(hi[h][b]);
+                    const kvcs_u64 y = kvcs_piece<MIX>(lo[h][b]) + high;
                     sums.high += high;
                     segment_total += y;
                     sums.step_weighted += (kvcs_u64)b * y;
@@ -174,7 +174,7 @@ __device__ __forceinline__ void kvcs_accumulate_pair(
 // head in both segments of a layer whose segments read alike (see
 // kvcs_segment_unit), the first segment's first token at `first_address`,
 // the second's at `second_address`.
-template <bool MIXED>
+template <int MIX>
 __device__ __forceinline__ kvcs_u64 kvcs_segment_pair(
     const struct kvcs_dev_segment *first, const struct kvcs_dev_segment *second, kvcs_u64 pieces_per_token,
     kvcs_i64 first_address, kvcs_i64 second_address, kvcs_u64 first_token, kvcs_u32 tokens, kvcs_u32 lane,
@@ -196,19 +196,19 @@ __device__ __forceinline__ kvcs_u64 kvcs_segment_pair(
 #if KVCS_PAIR_MODE == 2
 #if KVCS_FULL_BATCHES
     if (steps % KVCS_BATCH == 0)
-        kvcs_accumulate_pair<KVCS_BATCH, true, MIXED>(sums, first_total, first_address + lane_offset,
+        kvcs_accumulate_pair<KVCS_BATCH, true, MIX>(sums, first_total, first_address + lane_offset,
                                                second_address + lane_offset, step_bytes, steps, first_vector, vectors,
                                                lanes, first->vector_shift);
     else
 #endif
-        kvcs_accumulate_pair<KVCS_BATCH, false, MIXED>(sums, first_total, first_address + lane_offset,
+        kvcs_accumulate_pair<KVCS_BATCH, false, MIX>(sums, first_total, first_address + lane_offset,
                                                 second_address + lane_offset, step_bytes, steps, first_vector, vectors,
                                                 lanes, first->vector_shift);
 #else
-    kvcs_accumulate<KVCS_BATCH, false, MIXED>(sums, first_address + lane_offset, step_bytes, steps, first_vector, vectors,
+    kvcs_accumulate<KVCS_BATCH, false, MIX>(sums, first_address + lane_offset, step_bytes, steps, first_vector, vectors,
                                        lanes, first->vector_shift);
     first_total = sums.total;
-    kvcs_accumulate<KVCS_BATCH, false, MIXED>(sums, second_address + lane_offset, step_bytes, steps, first_vector, vectors,
+    kvcs_accumulate<KVCS_BATCH, false, MIX>(sums, second_address + lane_offset, step_bytes, steps, first_vector, vectors,
                                        lanes, first->vector_shift);
 #endif
     // As in kvcs_segment_unit, each segment's pieces starting at its own offset.
@@ -224,7 +224,7 @@ __device__ __forceinline__ kvcs_u64 kvcs_segment_pair(
 // tokens from `address` (request token `first_token`): one run of
 // `tokens * vectors_per_token` vectors whose pieces are numbered in order, so
 // lane l reads vectors l, l + 32, ... with every lane busy, BATCH at a time.
-template <bool MIXED, int BATCH>
+template <int MIX, int BATCH>
 __device__ __forceinline__ kvcs_u64 kvcs_flat_unit(
     const struct kvcs_dev_segment *segment, kvcs_u64 pieces_per_token,
     kvcs_i64 address, kvcs_u64 first_token, kvcs_u32 tokens, kvcs_u32 lane)
@@ -254,8 +254,8 @@ __device__ __forceinline__ kvcs_u64 kvcs_flat_unit(
         kvcs_u64 batch_total = 0;
 #pragma unroll
         for (int b = 0; b < BATCH; ++b) {
-            const kvcs_u64 piece_high = kvcs_piece<MIXED>(hi[b]);
-            const kvcs_u64 y = kvcs_piece<MIXED>(lo[b]) + piece_high;
+            const kvcs_u64 piece_high = kvcs_piece<MIX>(hi[b]);
+            const kvcs_u64 y = kvcs_piece<MIX>(lo[b]) + piece_high;
             high += piece_high;
             batch_total += y;
             index_weighted += (kvcs_u64)b * y;
@@ -272,12 +272,12 @@ __device__ __forceinline__ kvcs_u64 kvcs_flat_unit(
 // This lane's share of sum x_j (2j + 1) over `tokens` tokens of one head in
 // one segment, the first at `address` (kernel block and slot resolved) with
 // request token `first_token`.
-template <bool MIXED, int BATCH>
+template <int MIX, int BATCH>
 __device__ __forceinline__ kvcs_u64 kvcs_segment_unit(
     const struct kvcs_dev_segment *segment, kvcs_u64 pieces_per_token,
     kvcs_i64 address, kvcs_u64 first_token, kvcs_u32 tokens, kvcs_u32 lane, kvcs_u32 head_vector_mask)
 {
-    if (segment->flat) return kvcs_flat_unit<MIXED, BATCH>(segment, pieces_per_token, address, first_token, tokens, lane);
+    if (segment->flat) return kvcs_flat_unit<MIX, BATCH>(segment, pieces_per_token, address, first_token, tokens, lane);
     const kvcs_u32 lanes = 1u << segment->lane_shift;
     const kvcs_u32 tokens_per_step = KVCS_WARP >> segment->lane_shift;
     const kvcs_u32 token = lane >> segment->lane_shift;
@@ -293,15 +293,15 @@ __device__ __forceinline__ kvcs_u64 kvcs_segment_unit(
     struct kvcs_lane_sums sums = {0, 0, 0, 0};
 #if KVCS_WIDE_BATCH != KVCS_BATCH
     if (BATCH == KVCS_BATCH && steps >= KVCS_WIDE_BATCH)
-        kvcs_accumulate<KVCS_WIDE_BATCH, false, MIXED>(sums, lane_address, step_bytes, steps, first_vector, vectors, lanes, segment->vector_shift);
+        kvcs_accumulate<KVCS_WIDE_BATCH, false, MIX>(sums, lane_address, step_bytes, steps, first_vector, vectors, lanes, segment->vector_shift);
     else
 #endif
 #if KVCS_FULL_BATCHES
     if (steps % BATCH == 0)
-        kvcs_accumulate<BATCH, true, MIXED>(sums, lane_address, step_bytes, steps, first_vector, vectors, lanes, segment->vector_shift);
+        kvcs_accumulate<BATCH, true, MIX>(sums, lane_address, step_bytes, steps, first_vector, vectors, lanes, segment->vector_shift);
     else
 #endif
-        kvcs_accumulate<BATCH, false, MIXED>(sums, lane_address, step_bytes, steps, first_vector, vectors, lanes, segment->vector_shift);
+        kvcs_accumulate<BATCH, false, MIX>(sums, lane_address, step_bytes, steps, first_vector, vectors, lanes, segment->vector_shift);
 
     // Piece index of (step k, round i, half h):
     //   j = j0 + k * P * tokens_per_step + i * lanes * pieces_per_vector + h,
@@ -363,7 +363,7 @@ __device__ __forceinline__ kvcs_i64 kvcs_segment_address(
 // Adds to `total` this warp's units of `layer` in `row`, from the layer's
 // unit `in_layer` on, while `unit` is below `end` (`unit` advances past
 // them): each head's share weighed by its slice weight (SPEC section 3).
-template <bool PAIRS, bool MIXED, int BATCH>
+template <bool PAIRS, int MIX, int BATCH>
 __device__ __forceinline__ void kvcs_layer_units(
     const struct kvcs_dev_layer *layer, const struct kvcs_dev_row &row, kvcs_u32 split, kvcs_u32 in_layer,
     kvcs_u64 &unit, kvcs_u64 end, kvcs_u32 lane, kvcs_u64 &total)
@@ -403,7 +403,7 @@ __device__ __forceinline__ void kvcs_layer_units(
         if (pairs && s == 0 && unit + 1 < end) {
             if (slot < per_kernel_block && first < row.valid_tokens) {
                 const kvcs_u32 tokens = min(min(per_unit, per_kernel_block - slot), row.valid_tokens - first);
-                head_sum += kvcs_segment_pair<MIXED>(&pair[0], &pair[1], layer->pieces_per_token,
+                head_sum += kvcs_segment_pair<MIX>(&pair[0], &pair[1], layer->pieces_per_token,
                                               kvcs_segment_address(&pair[0], row.block_id, kernel_block, first_head, slot),
                                               kvcs_segment_address(&pair[1], row.block_id, kernel_block, first_head, slot),
                                               row.first_token + first, tokens, lane, head_vector_mask);
@@ -416,7 +416,7 @@ __device__ __forceinline__ void kvcs_layer_units(
             if (slot < per_kernel_block && first < row.valid_tokens) {
                 const kvcs_u32 tokens = min(min(per_unit, per_kernel_block - slot), row.valid_tokens - first);
                 const struct kvcs_dev_segment *segment = &layer->segments[s];
-                head_sum += kvcs_segment_unit<MIXED, BATCH>(segment, layer->pieces_per_token,
+                head_sum += kvcs_segment_unit<MIX, BATCH>(segment, layer->pieces_per_token,
                                               kvcs_segment_address(segment, row.block_id, kernel_block, first_head, slot),
                                               row.first_token + first, tokens, lane, head_vector_mask);
             }
@@ -453,9 +453,9 @@ __device__ __forceinline__ void kvcs_publish(
 }
 
 // The kernel's work: PAIRS says whether a layer's two segments may be read
-// as one unit (more registers: see kvcs_checksum_unpaired), MIXED whether
-// pieces pass through kvcs_mix (the call's algorithm).
-template <bool PAIRS, bool MIXED, int BATCH>
+// as one unit (more registers: see kvcs_checksum_unpaired), MIX which f
+// (KVCS_F_*) pieces pass through (the call's algorithm).
+template <bool PAIRS, int MIX, int BATCH>
 __device__ __forceinline__ void kvcs_checksum_call(const struct kvcs_dev_call &call)
 {
     const kvcs_u32 lane = threadIdx.x % KVCS_WARP;
@@ -487,7 +487,7 @@ __device__ __forceinline__ void kvcs_checksum_call(const struct kvcs_dev_call &c
                     out = layer_out;
                 }
                 const kvcs_u32 in_layer = (kvcs_u32)(unit - row_start) - layer->unit_start * split;
-                kvcs_layer_units<PAIRS, MIXED, BATCH>(layer, row, split, in_layer, unit, end, lane, total);
+                kvcs_layer_units<PAIRS, MIX, BATCH>(layer, row, split, in_layer, unit, end, lane, total);
             }
         }
         total = kvcs_warp_sum(total);
@@ -502,8 +502,9 @@ kvcs_checksum(const __grid_constant__ struct kvcs_dev_call call)
 {
     // One branch per launch, uniform over the grid: each algorithm's loop
     // is compiled on its own, so WEIGHTED runs the code it ran before.
-    if (call.algorithm == KVCS_ALGORITHM_MIXED) kvcs_checksum_call<true, true, KVCS_BATCH>(call);
-    else kvcs_checksum_call<true, false, KVCS_BATCH>(call);
+    if (call.algorithm == KVCS_ALGORITHM_MIXED2) kvcs_checksum_call<true, KVCS_F_MIX2, KVCS_BATCH>(call);
+    else if (call.algorithm == KVCS_ALGORITHM_MIXED) kvcs_checksum_call<true, KVCS_F_MIX, KVCS_BATCH>(call);
+    else kvcs_checksum_call<true, KVCS_F_IDENTITY, KVCS_BATCH>(call);
 }
 
 // Calls without such layers (MLA latents, say): fewer registers, so more
@@ -511,8 +512,9 @@ kvcs_checksum(const __grid_constant__ struct kvcs_dev_call call)
 extern "C" __global__ void __launch_bounds__(KVCS_THREADS_PER_BLOCK, KVCS_MIN_BLOCKS)
 kvcs_checksum_unpaired(const __grid_constant__ struct kvcs_dev_call call)
 {
-    if (call.algorithm == KVCS_ALGORITHM_MIXED) kvcs_checksum_call<false, true, KVCS_BATCH>(call);
-    else kvcs_checksum_call<false, false, KVCS_BATCH>(call);
+    if (call.algorithm == KVCS_ALGORITHM_MIXED2) kvcs_checksum_call<false, KVCS_F_MIX2, KVCS_BATCH>(call);
+    else if (call.algorithm == KVCS_ALGORITHM_MIXED) kvcs_checksum_call<false, KVCS_F_MIX, KVCS_BATCH>(call);
+    else kvcs_checksum_call<false, KVCS_F_IDENTITY, KVCS_BATCH>(call);
 }
 
 // Calls whose layers all hold one head (MLA latents, say) and none two
@@ -527,6 +529,7 @@ kvcs_checksum_unpaired(const __grid_constant__ struct kvcs_dev_call call)
 extern "C" __global__ void __launch_bounds__(KVCS_THREADS_PER_BLOCK, KVCS_MIN_BLOCKS)
 kvcs_checksum_single_head(const __grid_constant__ struct kvcs_dev_call call)
 {
-    if (call.algorithm == KVCS_ALGORITHM_MIXED) kvcs_checksum_call<false, true, KVCS_SINGLE_HEAD_BATCH>(call);
-    else kvcs_checksum_call<false, false, KVCS_SINGLE_HEAD_BATCH>(call);
+    if (call.algorithm == KVCS_ALGORITHM_MIXED2) kvcs_checksum_call<false, KVCS_F_MIX2, KVCS_SINGLE_HEAD_BATCH>(call);
+    else if (call.algorithm == KVCS_ALGORITHM_MIXED) kvcs_checksum_call<false, KVCS_F_MIX, KVCS_SINGLE_HEAD_BATCH>(call);
+    else kvcs_checksum_call<false, KVCS_F_IDENTITY, KVCS_SINGLE_HEAD_BATCH>(call);
 }

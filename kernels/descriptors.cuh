@@ -4,7 +4,8 @@
 // come the shared constants (KVCS_WARP, KVCS_THREADS_PER_BLOCK,
 // KVCS_MAX_SPLIT, KVCS_INLINE_ROWS, KVCS_INLINE_GROUPS, KVCS_BATCH,
 // KVCS_STATE_LOADS, KVCS_INLINE_STATE_ROWS, KVCS_ALGORITHM_WEIGHTED,
-// KVCS_ALGORITHM_MIXED, KVCS_MIX_MULTIPLIER) and
+// KVCS_ALGORITHM_MIXED, KVCS_ALGORITHM_MIXED2, KVCS_MIX_MULTIPLIER,
+// KVCS_MIX2_MULTIPLIER_1..3) and
 // after it static_asserts of every struct's size and field offsets, both
 // generated from the Rust definitions (kernel_prelude in descriptors.rs).
 #ifndef KVCS_DESCRIPTORS_CUH
@@ -22,10 +23,36 @@ __device__ __forceinline__ kvcs_u64 kvcs_mix(kvcs_u64 x) {
     return g ^ (g >> 32);
 }
 
-// f of the call's algorithm, fixed at compile time.
-template <bool MIXED>
+// One round of MIXED2's f (SPEC section 12): (hi << 32) + lo * k, its
+// halves swapped. The product-and-add is one 32x32->64 multiply-add
+// (IMAD.WIDE.U32); the swap only renames the two words.
+__device__ __forceinline__ kvcs_u64 kvcs_mix2_round(kvcs_u64 v, kvcs_u32 k) {
+    kvcs_u64 s;
+    // mad.wide.u32 rather than C's 64-bit product of a zero-extended word,
+    // which NVVM writes as mul.lo.s64 and leaves ptxas to narrow.
+    asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(s) : "r"((kvcs_u32)v), "r"(k), "l"(v & 0xffffffff00000000ull));
+    return (s << 32) | (s >> 32);
+}
+
+// f of SPEC section 12 for the MIXED2 algorithm: three rounds, a fold
+// (v ^ (v >> 32), one 32-bit XOR) after the second and the third.
+__device__ __forceinline__ kvcs_u64 kvcs_mix2(kvcs_u64 x) {
+    kvcs_u64 v = kvcs_mix2_round(x, KVCS_MIX2_MULTIPLIER_1);
+    v = kvcs_mix2_round(v, KVCS_MIX2_MULTIPLIER_2);
+    v ^= v >> 32;
+    v = kvcs_mix2_round(v, KVCS_MIX2_MULTIPLIER_3);
+    return v ^ (v >> 32);
+}
+
+// Which f a kernel instance computes, fixed at compile time.
+#define KVCS_F_IDENTITY 0
+#define KVCS_F_MIX 1
+#define KVCS_F_MIX2 2
+
+// f of the call's algorithm (a KVCS_F_* value), fixed at compile time.
+template <int MIX>
 __device__ __forceinline__ kvcs_u64 kvcs_piece(kvcs_u64 x) {
-    return MIXED ? kvcs_mix(x) : x;
+    return MIX == KVCS_F_MIX2 ? kvcs_mix2(x) : MIX == KVCS_F_MIX ? kvcs_mix(x) : x;
 }
 
 // One region of a layer's cache (SPEC: a cell is K then V, maybe in two regions).

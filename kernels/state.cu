@@ -40,12 +40,13 @@ __device__ __forceinline__ uint4 kvcs_state_load(kvcs_i64 address, kvcs_u32 vect
 
 // sum f(x_e) * (2 * (index + e) + 1) over the elements e of one loaded
 // vector, its first element numbered `index`; f of the call's algorithm
-// (SPEC section 12: MIXED mixes each zero-extended element).
-template <bool MIXED>
+// (SPEC section 12: MIXED and MIXED2 mix each zero-extended element; MIX is
+// a KVCS_F_* value).
+template <int MIX>
 __device__ __forceinline__ kvcs_u64 kvcs_state_vector(uint4 words, kvcs_u32 element_shift, kvcs_u64 index)
 {
     kvcs_u64 total, weighted;
-    if (MIXED) {
+    if (MIX != KVCS_F_IDENTITY) {
         // Elements e = 0 .. 7 (2-byte) or 0 .. 3 (4-byte), each mixed; words
         // not loaded are zero and mix to zero.
         const kvcs_u32 word[4] = {words.x, words.y, words.z, words.w};
@@ -54,14 +55,14 @@ __device__ __forceinline__ kvcs_u64 kvcs_state_vector(uint4 words, kvcs_u32 elem
         if (element_shift == 1) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-                const kvcs_u64 x = kvcs_mix((word[e >> 1] >> (16 * (e & 1))) & 0xffffu);
+                const kvcs_u64 x = kvcs_piece<MIX>((word[e >> 1] >> (16 * (e & 1))) & 0xffffu);
                 total += x;
                 weighted += (kvcs_u64)e * x;
             }
         } else {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const kvcs_u64 x = kvcs_mix(word[e]);
+                const kvcs_u64 x = kvcs_piece<MIX>(word[e]);
                 total += x;
                 weighted += (kvcs_u64)e * x;
             }
@@ -82,7 +83,7 @@ __device__ __forceinline__ kvcs_u64 kvcs_state_vector(uint4 words, kvcs_u32 elem
 }
 
 // This lane's share of unit `unit` of `tensor` in state slot `block_id`.
-template <bool MIXED>
+template <int MIX>
 __device__ __forceinline__ kvcs_u64 kvcs_state_unit(
     const struct kvcs_dev_state_tensor &tensor, kvcs_u32 block_id, kvcs_u32 unit, kvcs_u32 lane)
 {
@@ -119,12 +120,12 @@ __device__ __forceinline__ kvcs_u64 kvcs_state_unit(
         const kvcs_u32 vector = first_vector + ((kvcs_u32)k & ((1u << column_shift) - 1)) * lanes;
         const kvcs_u64 index = tensor.first_index + row * tensor.index_step + ((kvcs_u64)vector << elements_shift);
         const kvcs_u64 weight = tensor.first_weight + row * tensor.weight_step;
-        total += weight * kvcs_state_vector<MIXED>(words[k], tensor.element_shift, index);
+        total += weight * kvcs_state_vector<MIX>(words[k], tensor.element_shift, index);
     }
     return total;
 }
 
-template <bool MIXED>
+template <int MIX>
 __device__ __forceinline__ void kvcs_state_call(const struct kvcs_dev_state_call &call)
 {
     const kvcs_u32 lane = threadIdx.x % KVCS_WARP;
@@ -143,7 +144,7 @@ __device__ __forceinline__ void kvcs_state_call(const struct kvcs_dev_state_call
             t = kvcs_last_at_or_below(t, group.tensors_end - 1, unit,
                                       [=](kvcs_u32 i) { return tensors[i].unit_start; });
             const struct kvcs_dev_state_tensor &tensor = tensors[t];
-            total += kvcs_state_unit<MIXED>(tensor, row.block_id, unit - tensor.unit_start, lane);
+            total += kvcs_state_unit<MIX>(tensor, row.block_id, unit - tensor.unit_start, lane);
         }
         total = kvcs_warp_sum(total);
         if (lane == 0 && total != 0) atomicAdd(&call.accumulators[row.out], total);
@@ -153,6 +154,7 @@ __device__ __forceinline__ void kvcs_state_call(const struct kvcs_dev_state_call
 extern "C" __global__ void __launch_bounds__(KVCS_THREADS_PER_BLOCK)
 kvcs_state(const __grid_constant__ struct kvcs_dev_state_call call)
 {
-    if (call.algorithm == KVCS_ALGORITHM_MIXED) kvcs_state_call<true>(call);
-    else kvcs_state_call<false>(call);
+    if (call.algorithm == KVCS_ALGORITHM_MIXED2) kvcs_state_call<KVCS_F_MIX2>(call);
+    else if (call.algorithm == KVCS_ALGORITHM_MIXED) kvcs_state_call<KVCS_F_MIX>(call);
+    else kvcs_state_call<KVCS_F_IDENTITY>(call);
 }

@@ -2,9 +2,10 @@
 //!
 //! A slice's checksum is `sum_j f(x_j) * (2j + 1)` over its pieces, and a
 //! block's is `sum m * s` over slices with `m = 2 * (layer * H + head) + 1`.
-//! `f` is the identity for [`Algorithm::Weighted`] and [`mix`] for
-//! [`Algorithm::Mixed`]. All arithmetic is modulo 2^64 (wrapping), so any
-//! order of accumulation gives the same value.
+//! `f` is the identity for [`Algorithm::Weighted`], [`mix`] for
+//! [`Algorithm::Mixed`] and [`mix2`] for [`Algorithm::Mixed2`]. All
+//! arithmetic is modulo 2^64 (wrapping), so any order of accumulation gives
+//! the same value.
 
 /// Bytes per piece: a piece is 8 bytes read as a little-endian `u64`.
 pub(crate) const PIECE_BYTES: u64 = 8;
@@ -19,18 +20,31 @@ pub(crate) const MAX_KV_HEADS_PER_LAYER: u64 = 65536;
 pub enum Algorithm {
     /// SPEC sections 2-3 as first defined: `f(x) = x`. vLLM computes this one.
     Weighted,
-    /// Each piece mixed by [`mix`] first: no structural blind spot (SPEC
-    /// section 13). The default.
-    #[default]
+    /// Each piece mixed by [`mix`] first (SPEC section 12), as kvcsum 0.2
+    /// computed by default. Kept so that a worker can still verify against
+    /// a 0.2 peer; it has a fixed differential (a piece XORed with
+    /// `0x8000000080000000` always changes `f` by the same amount), so
+    /// structured faults can cancel (SPEC section 13).
     Mixed,
+    /// Each piece mixed by [`mix2`] first: no fixed differential, no
+    /// structural blind spot (SPEC sections 12-13). The default.
+    #[default]
+    Mixed2,
 }
 
 impl Algorithm {
-    /// The algorithm's number (`KVCS_ALGORITHM_*`): 1 weighted, 2 mixed.
+    /// Every algorithm, in the order of their numbers.
+    pub fn all() -> [Algorithm; 3] {
+        [Algorithm::Weighted, Algorithm::Mixed, Algorithm::Mixed2]
+    }
+
+    /// The algorithm's number (`KVCS_ALGORITHM_*`): 1 weighted, 2 mixed,
+    /// 3 mixed2.
     pub fn code(self) -> u32 {
         match self {
             Algorithm::Weighted => 1,
             Algorithm::Mixed => 2,
+            Algorithm::Mixed2 => 3,
         }
     }
 
@@ -39,18 +53,35 @@ impl Algorithm {
         match code {
             1 => Some(Algorithm::Weighted),
             2 => Some(Algorithm::Mixed),
+            3 => Some(Algorithm::Mixed2),
             _ => None,
         }
     }
 
-    /// Its name, as the C constants have it: "WEIGHTED" or "MIXED".
+    /// Its name, as the C constants have it: "WEIGHTED", "MIXED" or "MIXED2".
     pub fn name(self) -> &'static str {
         match self {
             Algorithm::Weighted => "WEIGHTED",
             Algorithm::Mixed => "MIXED",
+            Algorithm::Mixed2 => "MIXED2",
+        }
+    }
+
+    /// `f` of the algorithm (SPEC section 12) applied to one piece: the
+    /// identity, [`mix`] or [`mix2`].
+    #[inline]
+    pub fn piece(self, x: u64) -> u64 {
+        match self {
+            Algorithm::Weighted => x,
+            Algorithm::Mixed => mix(x),
+            Algorithm::Mixed2 => mix2(x),
         }
     }
 }
+
+/// What the known algorithm numbers are, for messages: "1 (weighted), 2
+/// (mixed) or 3 (mixed2)".
+pub(crate) const KNOWN_ALGORITHMS: &str = "1 (weighted), 2 (mixed) or 3 (mixed2)";
 
 /// The odd multiplier `C` of the MIXED algorithm's `f`
 /// (docs/SPEC.md#12-the-mixed-algorithm): 2^64 divided by the golden ratio,
@@ -72,13 +103,109 @@ pub fn mix(x: u64) -> u64 {
     g ^ (g >> 32)
 }
 
-/// `f` of `algorithm` at compile time: `mix` when `MIXED`, else the identity.
+/// The odd 32-bit multiplier `K1` of the MIXED2 algorithm's first round
+/// (docs/SPEC.md#12-the-mixing-functions).
+pub const MIX2_MULTIPLIER_1: u32 = 0x9E37_79B1;
+/// The odd 32-bit multiplier `K2` of the MIXED2 algorithm's second round.
+pub const MIX2_MULTIPLIER_2: u32 = 0x85EB_CA77;
+/// The odd 32-bit multiplier `K3` of the MIXED2 algorithm's third round.
+pub const MIX2_MULTIPLIER_3: u32 = 0xC2B2_AE3D;
+
+/// `K1, K2, K3`, one per round of [`mix2`].
+pub(crate) const MIX2_MULTIPLIERS: [u32; 3] = [MIX2_MULTIPLIER_1, MIX2_MULTIPLIER_2, MIX2_MULTIPLIER_3];
+
+/// The MIXED2 algorithm's `f` (SPEC section 12): three rounds on the halves
+/// `(lo, hi)` of `x`. A round multiplies `lo` by an odd 32-bit `K` into a
+/// 64-bit product `p` and adds `hi` to `p`'s high half, then swaps the
+/// halves: `(lo, hi) -> (hi + high32(p), low32(p))`, which is
+/// [`mix2_round`]. After the second and the third round the high half is
+/// XORed into the low one (a fold, `v ^ (v >> 32)`).
+///
+/// Each step is a bijection of 64-bit words (`lo * K mod 2^32` is undone by
+/// `K`'s inverse, which then gives `high32(p)` and so `hi`; a fold is its
+/// own inverse), so `f` is one, and `f(0) = 0`. Unlike [`mix`] it has no
+/// fixed differential: for every XOR pattern `e` the difference
+/// `f(x ^ e) - f(x)` is spread over its low 32 bits (tests/avalanche.rs
+/// measures every 1- and 2-bit pattern, every set of element sign bits and
+/// byte lanes, and random ones). A round is one 32x32->64 multiply-add: one
+/// `IMAD.WIDE.U32` on a GPU, one `vpmuludq` and one add per four pieces
+/// with AVX2 (using `lo * K + (hi << 32) = v + lo * (K - 1)`).
 #[inline(always)]
-pub(crate) fn piece_value<const MIXED: bool>(x: u64) -> u64 {
-    if MIXED {
-        mix(x)
-    } else {
+pub fn mix2(x: u64) -> u64 {
+    let [k1, k2, k3] = MIX2_MULTIPLIERS;
+    let v = mix2_round(x, k1);
+    let v = mix2_round(v, k2);
+    let v = v ^ (v >> 32);
+    let v = mix2_round(v, k3);
+    v ^ (v >> 32)
+}
+
+/// One round of [`mix2`]: `p = lo * k` (64-bit), then `(lo, hi) -> (hi +
+/// high32(p), low32(p))`, i.e. `((hi << 32) + p)` with its halves swapped.
+#[inline(always)]
+pub fn mix2_round(v: u64, k: u32) -> u64 {
+    let product = (v & 0xFFFF_FFFF) * k as u64;
+    (v & 0xFFFF_FFFF_0000_0000).wrapping_add(product).rotate_left(32)
+}
+
+/// A function `f` of SPEC section 12, fixed at compile time, applied to one
+/// piece or to eight consecutive pieces (one cache line) at a time, so that
+/// an engine can give the eight-piece step a SIMD form.
+pub(crate) trait PieceFn {
+    /// `f(x)`.
+    fn value(x: u64) -> u64;
+
+    /// `f` of each of the eight pieces.
+    #[inline(always)]
+    fn lanes(pieces: &[u64; 8]) -> [u64; 8] {
+        pieces.map(Self::value)
+    }
+
+    /// For each chunk of eight pieces in turn: `sum[l] += f(chunk[l])`,
+    /// then `running[l] += sum[l]` (the lane sums of [`run_checksum`] and
+    /// of the host engine's rows). `pieces.len()` is a multiple of 8.
+    #[inline(always)]
+    // One index walks the lane arrays in step; this is what vectorises.
+    #[allow(clippy::needless_range_loop)]
+    fn accumulate(pieces: &[u64], sum: &mut [u64; 8], running: &mut [u64; 8]) {
+        debug_assert!(pieces.len().is_multiple_of(8));
+        for chunk in pieces.chunks_exact(8) {
+            let values = Self::lanes(chunk.try_into().expect("chunks of 8 pieces"));
+            for lane in 0..8 {
+                sum[lane] = sum[lane].wrapping_add(values[lane]);
+                running[lane] = running[lane].wrapping_add(sum[lane]);
+            }
+        }
+    }
+}
+
+/// `f` of WEIGHTED: the identity.
+pub(crate) struct Identity;
+
+impl PieceFn for Identity {
+    #[inline(always)]
+    fn value(x: u64) -> u64 {
         x
+    }
+}
+
+/// `f` of MIXED: [`mix`].
+pub(crate) struct Mix;
+
+impl PieceFn for Mix {
+    #[inline(always)]
+    fn value(x: u64) -> u64 {
+        mix(x)
+    }
+}
+
+/// `f` of MIXED2: [`mix2`], portable (the host engine has SIMD forms).
+pub(crate) struct Mix2;
+
+impl PieceFn for Mix2 {
+    #[inline(always)]
+    fn value(x: u64) -> u64 {
+        mix2(x)
     }
 }
 
@@ -103,8 +230,9 @@ pub fn piece_weight(piece_index: u64) -> u64 {
 #[inline]
 pub fn weighted_run(pieces: &[u64], first_index: u64, algorithm: Algorithm) -> u64 {
     match algorithm {
-        Algorithm::Weighted => run_checksum::<false>(pieces, first_index),
-        Algorithm::Mixed => run_checksum::<true>(pieces, first_index),
+        Algorithm::Weighted => run_checksum::<Identity>(pieces, first_index),
+        Algorithm::Mixed => run_checksum::<Mix>(pieces, first_index),
+        Algorithm::Mixed2 => run_checksum::<Mix2>(pieces, first_index),
     }
 }
 
@@ -114,8 +242,8 @@ pub fn weighted_run(pieces: &[u64], first_index: u64, algorithm: Algorithm) -> u
 /// `S1 = sum i * f(x_i)`; `S1` comes from running sums (adds only), which
 /// vectorises and keeps pace with memory.
 #[inline(always)]
-pub(crate) fn run_checksum<const MIXED: bool>(pieces: &[u64], first_index: u64) -> u64 {
-    let (sum, index_weighted) = run_sums::<MIXED>(pieces);
+pub(crate) fn run_checksum<F: PieceFn>(pieces: &[u64], first_index: u64) -> u64 {
+    let (sum, index_weighted) = run_sums::<F>(pieces);
     piece_weight(first_index)
         .wrapping_mul(sum)
         .wrapping_add(index_weighted.wrapping_mul(2))
@@ -123,7 +251,7 @@ pub(crate) fn run_checksum<const MIXED: bool>(pieces: &[u64], first_index: u64) 
 
 /// `(sum f(x_i), sum i * f(x_i))` over `pieces`, modulo 2^64.
 #[inline(always)]
-fn run_sums<const MIXED: bool>(pieces: &[u64]) -> (u64, u64) {
+fn run_sums<F: PieceFn>(pieces: &[u64]) -> (u64, u64) {
     const LANES: usize = 8;
     // Lane `l` sees pieces `k * LANES + l`. After `steps` steps its `sum` is
     // `sum_k x` and its `running` is `sum_k x * (steps - k)`, so
@@ -133,12 +261,7 @@ fn run_sums<const MIXED: bool>(pieces: &[u64]) -> (u64, u64) {
     let chunks = pieces.chunks_exact(LANES);
     let tail = chunks.remainder();
     let steps = chunks.len() as u64;
-    for chunk in chunks {
-        for lane in 0..LANES {
-            sum[lane] = sum[lane].wrapping_add(piece_value::<MIXED>(chunk[lane]));
-            running[lane] = running[lane].wrapping_add(sum[lane]);
-        }
-    }
+    F::accumulate(&pieces[..pieces.len() - tail.len()], &mut sum, &mut running);
     let mut total = 0u64;
     let mut index_weighted = 0u64;
     for lane in 0..LANES {
@@ -151,7 +274,7 @@ fn run_sums<const MIXED: bool>(pieces: &[u64]) -> (u64, u64) {
     }
     let tail_start = steps * LANES as u64;
     for (offset, &piece) in tail.iter().enumerate() {
-        let piece = piece_value::<MIXED>(piece);
+        let piece = F::value(piece);
         total = total.wrapping_add(piece);
         index_weighted = index_weighted.wrapping_add(piece.wrapping_mul(tail_start + offset as u64));
     }
@@ -175,8 +298,8 @@ mod tests {
                 })
                 .collect();
             let first = state >> 3;
-            for algorithm in [Algorithm::Weighted, Algorithm::Mixed] {
-                let f = |x: u64| if algorithm == Algorithm::Mixed { mix(x) } else { x };
+            for algorithm in Algorithm::all() {
+                let f = |x: u64| algorithm.piece(x);
                 let plain = pieces.iter().enumerate().fold(0u64, |acc, (i, &x)| {
                     acc.wrapping_add(f(x).wrapping_mul(piece_weight(first.wrapping_add(i as u64))))
                 });
@@ -212,6 +335,65 @@ mod tests {
             assert_eq!(unmix(mix(state)), state);
         }
         assert_eq!(mix(0), 0);
+    }
+
+    /// `mix2` undoes round by round: it is a bijection with `f(0) = 0`
+    /// (SPEC section 12).
+    #[test]
+    fn mix2_is_a_bijection() {
+        // The inverse of an odd 32-bit multiplier modulo 2^32, by Newton's iteration.
+        let inverse = |k: u32| {
+            let mut inv = k;
+            for _ in 0..5 {
+                inv = inv.wrapping_mul(2u32.wrapping_sub(k.wrapping_mul(inv)));
+            }
+            assert_eq!(k.wrapping_mul(inv), 1);
+            inv
+        };
+        let unround = |w: u64, k: u32| {
+            // The round's sum (hi << 32) + lo * k, before the swap.
+            let q = w.rotate_right(32);
+            let lo = (q as u32).wrapping_mul(inverse(k)) as u64;
+            let hi = ((q >> 32) as u32).wrapping_sub(((lo * k as u64) >> 32) as u32) as u64;
+            (hi << 32) | lo
+        };
+        let [k1, k2, k3] = MIX2_MULTIPLIERS;
+        let unmix2 = |f: u64| {
+            let v = unround(f ^ (f >> 32), k3);
+            let v = unround(v ^ (v >> 32), k2);
+            unround(v, k1)
+        };
+        let mut state = 0x0123_4567_89ab_cdefu64;
+        for _ in 0..10_000 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            assert_eq!(unmix2(mix2(state)), state, "x {state:#018x}");
+            assert_eq!(mix2(unmix2(state)), state, "f {state:#018x}");
+        }
+        assert_eq!(mix2(0), 0);
+        for k in MIX2_MULTIPLIERS {
+            assert_eq!(k % 2, 1, "multiplier {k:#x} is odd");
+        }
+    }
+
+    /// A round is `(hi << 32) + lo * K` with its halves swapped, as SPEC
+    /// section 12 writes it, computed here from the halves.
+    #[test]
+    fn mix2_round_is_the_spec_round() {
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        for _ in 0..1000 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let (lo, hi) = (state as u32, (state >> 32) as u32);
+            for k in MIX2_MULTIPLIERS {
+                let p = lo as u64 * k as u64;
+                let new_lo = hi.wrapping_add((p >> 32) as u32);
+                let new_hi = p as u32;
+                assert_eq!(mix2_round(state, k), ((new_hi as u64) << 32) | new_lo as u64);
+            }
+        }
     }
 
     #[test]

@@ -15,7 +15,7 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-use crate::checksum::{piece_value, piece_weight, run_checksum, slice_weight, Algorithm, PIECE_BYTES};
+use crate::checksum::{piece_weight, run_checksum, slice_weight, Algorithm, Identity, Mix, Mix2, PieceFn, PIECE_BYTES};
 use crate::error::{err, Result};
 use crate::layout::{Layer, Layout, Region, Role, Segment};
 use crate::plan::{Plan, Row};
@@ -36,6 +36,49 @@ pub const MAX_HOST_THREADS: u32 = 256;
 /// with `num_threads` 0.
 pub const THREADS_VARIABLE: &str = "KVCS_HOST_THREADS";
 
+/// The environment variable that caps the SIMD form of the host engine's
+/// mixing (`avx512`, `avx2` or `portable`; unset: the best the CPU runs),
+/// read when a host worker is created. For measurements
+/// (`benches/host_bench.rs`) and for ruling a SIMD form out; every form
+/// gives the same values.
+pub const SIMD_VARIABLE: &str = "KVCS_HOST_SIMD";
+
+/// The SIMD form the host engine's mixing runs in (see [`item_checksum_of`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Simd {
+    /// Plain Rust, vectorised only as far as the compiler does by itself.
+    Portable,
+    /// AVX2 builds and intrinsics (x86-64 CPUs that have AVX2).
+    Avx2,
+    /// AVX-512F intrinsics for MIXED2 (x86-64 CPUs that have AVX-512F).
+    Avx512,
+}
+
+impl Simd {
+    /// The best form this CPU runs.
+    pub fn detect() -> Simd {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Simd::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Simd::Avx2;
+            }
+        }
+        Simd::Portable
+    }
+
+    /// Its name, for logs and [`SIMD_VARIABLE`]: "avx512", "avx2", "portable".
+    pub fn name(self) -> &'static str {
+        match self {
+            Simd::Portable => "portable",
+            Simd::Avx2 => "avx2",
+            Simd::Avx512 => "avx512",
+        }
+    }
+}
+
 /// At most this many threads by default, however many cores there are:
 /// eight ranks of four threads are 32 streams reading memory at once, which
 /// is about what a server's memory channels feed; more would mostly wait on
@@ -53,6 +96,7 @@ const DEFAULT_RANKS_PER_HOST: usize = 8;
 pub struct HostEngine {
     threads: usize,
     pool: OnceLock<Pool>,
+    simd: Simd,
 }
 
 impl HostEngine {
@@ -81,10 +125,33 @@ impl HostEngine {
             }
             n => n as usize,
         };
+        let best = Simd::detect();
+        let simd = match std::env::var(SIMD_VARIABLE) {
+            Err(_) => best,
+            Ok(text) => match [Simd::Avx512, Simd::Avx2, Simd::Portable]
+                .into_iter()
+                .find(|form| form.name() == text.trim())
+            {
+                // A cap: a form the CPU lacks is never run.
+                Some(form) => form.min(best),
+                None => {
+                    return Err(err!(
+                        InvalidArgument,
+                        "{SIMD_VARIABLE} {text:?} is not avx512, avx2 or portable"
+                    ))
+                }
+            },
+        };
         Ok(HostEngine {
             threads,
             pool: OnceLock::new(),
+            simd,
         })
+    }
+
+    /// The SIMD form the engine's mixing runs in.
+    pub fn simd(&self) -> Simd {
+        self.simd
     }
 
     /// The most threads a call uses.
@@ -133,7 +200,7 @@ impl HostEngine {
                     break;
                 }
                 for item in &items[start..(start + ITEMS_PER_GRAB).min(items.len())] {
-                    let sum = item_checksum_of(algorithm, item.row, item.layer, &mut scratch);
+                    let sum = item_checksum_of(algorithm, self.simd, item.row, item.layer, &mut scratch);
                     let out = item.row.out as usize + item.column * item.row.column_stride as usize;
                     values[out].fetch_add(sum, Ordering::Relaxed);
                 }
@@ -178,41 +245,225 @@ fn add_states(layout: &Layout, rows: &[Row], algorithm: Algorithm, values: &mut 
     }
 }
 
-/// [`item_checksum`] under `algorithm`. MIXED's 64-bit products vectorise
-/// only with AVX2 (SSE2, the default target, has no 64-bit lane multiply:
-/// in cache the mixed loop ran at 6 GB/s with SSE2 and 24 GB/s with AVX2,
-/// against 22 GB/s for WEIGHTED's adds), so where the CPU has AVX2 it runs
-/// an AVX2 build of the same code.
-fn item_checksum_of(algorithm: Algorithm, row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
-    match algorithm {
-        Algorithm::Weighted => item_checksum::<false>(row, layer, scratch),
-        Algorithm::Mixed => {
-            #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx2") {
-                // SAFETY: the CPU has AVX2 (checked just above).
-                return unsafe { item_checksum_mixed_avx2(row, layer, scratch) };
-            }
-            item_checksum::<true>(row, layer, scratch)
+/// [`item_checksum`] under `algorithm`, in the fastest form the CPU runs.
+///
+/// MIXED's 64-bit products vectorise only with AVX2 (SSE2, the default
+/// target, has no 64-bit lane multiply: in cache the mixed loop ran at 6
+/// GB/s with SSE2 and 24 GB/s with AVX2, against 22 GB/s for WEIGHTED's
+/// adds), so where the CPU has AVX2 it runs an AVX2 build of the same code.
+/// MIXED2's rounds are 32x32->64 multiplies, which the compiler does not
+/// reliably vectorise by itself: [`Mix2Avx2`] and [`Mix2Avx512`] write
+/// them with SIMD intrinsics (BENCHMARKS.md, "Mixing function choice").
+///
+/// `simd` is at most [`Simd::detect`]'s (the engine caps it so): each
+/// branch below runs a form only where the CPU has its features.
+fn item_checksum_of(algorithm: Algorithm, simd: Simd, row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
+    debug_assert!(simd <= Simd::detect());
+    match (algorithm, simd) {
+        (Algorithm::Weighted, _) => item_checksum::<Identity>(row, layer, scratch),
+        #[cfg(target_arch = "x86_64")]
+        (Algorithm::Mixed, Simd::Avx2 | Simd::Avx512) => {
+            // SAFETY: `simd` is at least AVX2, which the CPU has.
+            unsafe { item_checksum_avx2::<Mix>(row, layer, scratch) }
         }
+        (Algorithm::Mixed, _) => item_checksum::<Mix>(row, layer, scratch),
+        #[cfg(target_arch = "x86_64")]
+        (Algorithm::Mixed2, Simd::Avx512) => {
+            // SAFETY: `simd` is AVX-512F, which the CPU has.
+            unsafe { item_checksum_avx512::<Mix2Avx512>(row, layer, scratch) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        (Algorithm::Mixed2, Simd::Avx2) => {
+            // SAFETY: `simd` is AVX2, which the CPU has.
+            unsafe { item_checksum_avx2::<Mix2Avx2>(row, layer, scratch) }
+        }
+        (Algorithm::Mixed2, _) => item_checksum::<Mix2>(row, layer, scratch),
     }
 }
 
-/// `item_checksum::<true>` compiled for AVX2 (everything below it is
-/// inlined, so its loops are built with AVX2 too).
+/// `item_checksum::<F>` compiled for AVX2 (everything below it is inlined,
+/// so its loops are built with AVX2 too).
 ///
 /// # Safety
 /// The CPU must have AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn item_checksum_mixed_avx2(row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
-    item_checksum::<true>(row, layer, scratch)
+unsafe fn item_checksum_avx2<F: PieceFn>(row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
+    item_checksum::<F>(row, layer, scratch)
+}
+
+/// `item_checksum::<F>` compiled for AVX-512F.
+///
+/// # Safety
+/// The CPU must have AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn item_checksum_avx512<F: PieceFn>(row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
+    item_checksum::<F>(row, layer, scratch)
+}
+
+/// [`Mix2`] with its eight-piece step in AVX2 intrinsics: per four pieces,
+/// each round is one `vpmuludq`, one add and one in-lane shuffle (using
+/// `(hi << 32) + lo * K = v + lo * (K - 1)`), each fold a shift and a XOR.
+///
+/// Only [`item_checksum_of`] names it, inside [`item_checksum_avx2`], where
+/// the engine's [`Simd`] says the CPU has AVX2: that is what makes its
+/// intrinsics sound to call.
+#[cfg(target_arch = "x86_64")]
+struct Mix2Avx2;
+
+#[cfg(target_arch = "x86_64")]
+impl PieceFn for Mix2Avx2 {
+    #[inline(always)]
+    fn value(x: u64) -> u64 {
+        crate::checksum::mix2(x)
+    }
+
+    #[inline(always)]
+    fn lanes(pieces: &[u64; 8]) -> [u64; 8] {
+        use std::arch::x86_64::*;
+        // SAFETY: this type is used only where the CPU has AVX2 (see the
+        // type's comment). The eight pieces are read and given back as two
+        // 256-bit values by value (transmutes between types of 64 bytes
+        // with no invalid bit patterns), so that they stay in registers.
+        unsafe {
+            let k1 = _mm256_set1_epi64x(MIX2_ROUND_ADDENDS[0]);
+            let k2 = _mm256_set1_epi64x(MIX2_ROUND_ADDENDS[1]);
+            let k3 = _mm256_set1_epi64x(MIX2_ROUND_ADDENDS[2]);
+            // Macros rather than closures, so that every intrinsic is
+            // inlined straight into the AVX2 caller.
+            macro_rules! round {
+                ($v:expr, $k:expr) => {
+                    _mm256_shuffle_epi32::<0xB1>(_mm256_add_epi64($v, _mm256_mul_epu32($v, $k)))
+                };
+            }
+            macro_rules! fold {
+                ($v:expr) => {
+                    _mm256_xor_si256($v, _mm256_srli_epi64::<32>($v))
+                };
+            }
+            let halves: [__m256i; 2] = std::mem::transmute(*pieces);
+            let halves = halves.map(|v| {
+                let v = round!(v, k1);
+                let v = round!(v, k2);
+                let v = fold!(v);
+                let v = round!(v, k3);
+                fold!(v)
+            });
+            std::mem::transmute::<[__m256i; 2], [u64; 8]>(halves)
+        }
+    }
+
+    /// The lane sums in four 256-bit registers throughout (the compiler
+    /// left to itself moved them through general registers, at a third of
+    /// the speed).
+    #[inline(always)]
+    fn accumulate(pieces: &[u64], sum: &mut [u64; 8], running: &mut [u64; 8]) {
+        use std::arch::x86_64::*;
+        debug_assert!(pieces.len().is_multiple_of(8));
+        // SAFETY: the CPU has AVX2 (see the type's comment); `[u64; 8]` and
+        // `[__m256i; 2]` are 64 bytes with no invalid bit patterns, and
+        // every chunk is 8 pieces.
+        unsafe {
+            let mut sums: [__m256i; 2] = std::mem::transmute(*sum);
+            let mut runs: [__m256i; 2] = std::mem::transmute(*running);
+            for chunk in pieces.chunks_exact(8) {
+                let values: [__m256i; 2] = std::mem::transmute(Self::lanes(chunk.try_into().expect("8 pieces")));
+                for half in 0..2 {
+                    sums[half] = _mm256_add_epi64(sums[half], values[half]);
+                    runs[half] = _mm256_add_epi64(runs[half], sums[half]);
+                }
+            }
+            *sum = std::mem::transmute::<[__m256i; 2], [u64; 8]>(sums);
+            *running = std::mem::transmute::<[__m256i; 2], [u64; 8]>(runs);
+        }
+    }
+}
+
+/// `K - 1` for each of MIX2's multipliers `K`, as SIMD lanes take them: a
+/// round `(hi << 32) + lo * K` is `v + lo * (K - 1)`.
+#[cfg(target_arch = "x86_64")]
+const MIX2_ROUND_ADDENDS: [i64; 3] = [
+    crate::checksum::MIX2_MULTIPLIER_1 as i64 - 1,
+    crate::checksum::MIX2_MULTIPLIER_2 as i64 - 1,
+    crate::checksum::MIX2_MULTIPLIER_3 as i64 - 1,
+];
+
+/// [`Mix2`] with its eight-piece step in AVX-512F intrinsics: the eight
+/// pieces in one register, each round one `vpmuludq`, one add and one
+/// rotate by 32.
+///
+/// Only [`item_checksum_of`] names it, inside [`item_checksum_avx512`],
+/// where the engine's [`Simd`] says the CPU has AVX-512F: that is what makes
+/// its intrinsics sound to call.
+#[cfg(target_arch = "x86_64")]
+struct Mix2Avx512;
+
+#[cfg(target_arch = "x86_64")]
+impl PieceFn for Mix2Avx512 {
+    #[inline(always)]
+    fn value(x: u64) -> u64 {
+        crate::checksum::mix2(x)
+    }
+
+    #[inline(always)]
+    fn lanes(pieces: &[u64; 8]) -> [u64; 8] {
+        use std::arch::x86_64::*;
+        // SAFETY: this type is used only where the CPU has AVX-512F (see
+        // the type's comment). The eight pieces are read and given back as
+        // one 512-bit value by value (transmutes between types of 64 bytes
+        // with no invalid bit patterns), so that they stay in a register.
+        unsafe {
+            let k1 = _mm512_set1_epi64(MIX2_ROUND_ADDENDS[0]);
+            let k2 = _mm512_set1_epi64(MIX2_ROUND_ADDENDS[1]);
+            let k3 = _mm512_set1_epi64(MIX2_ROUND_ADDENDS[2]);
+            macro_rules! round {
+                ($v:expr, $k:expr) => {
+                    _mm512_rol_epi64::<32>(_mm512_add_epi64($v, _mm512_mul_epu32($v, $k)))
+                };
+            }
+            macro_rules! fold {
+                ($v:expr) => {
+                    _mm512_xor_si512($v, _mm512_srli_epi64::<32>($v))
+                };
+            }
+            let v: __m512i = std::mem::transmute(*pieces);
+            let v = round!(v, k1);
+            let v = round!(v, k2);
+            let v = fold!(v);
+            let v = round!(v, k3);
+            let v = fold!(v);
+            std::mem::transmute::<__m512i, [u64; 8]>(v)
+        }
+    }
+
+    /// The lane sums in two 512-bit registers throughout.
+    #[inline(always)]
+    fn accumulate(pieces: &[u64], sum: &mut [u64; 8], running: &mut [u64; 8]) {
+        use std::arch::x86_64::*;
+        debug_assert!(pieces.len().is_multiple_of(8));
+        // SAFETY: the CPU has AVX-512F (see the type's comment); `[u64; 8]`
+        // and `__m512i` are 64 bytes with no invalid bit patterns, and
+        // every chunk is 8 pieces.
+        unsafe {
+            let mut sums: __m512i = std::mem::transmute(*sum);
+            let mut runs: __m512i = std::mem::transmute(*running);
+            for chunk in pieces.chunks_exact(8) {
+                let values: __m512i = std::mem::transmute(Self::lanes(chunk.try_into().expect("8 pieces")));
+                sums = _mm512_add_epi64(sums, values);
+                runs = _mm512_add_epi64(runs, sums);
+            }
+            *sum = std::mem::transmute::<__m512i, [u64; 8]>(sums);
+            *running = std::mem::transmute::<__m512i, [u64; 8]>(runs);
+        }
+    }
 }
 
 /// `sum over heads of m * s` for one block position of one layer, `f` of
-/// SPEC section 12 fixed at compile time (`MIXED`). Inlined into its
-/// callers, so that an AVX2 caller builds it with AVX2.
+/// SPEC section 12 fixed at compile time (`F`). Inlined into its callers,
+/// so that an AVX2 caller builds it with AVX2.
 #[inline(always)]
-fn item_checksum<const MIXED: bool>(row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
+fn item_checksum<F: PieceFn>(row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
     let spec = &layer.spec;
     let per_kernel_block = spec.tokens_per_kernel_block;
     let mut sum = 0u64;
@@ -233,7 +484,7 @@ fn item_checksum<const MIXED: bool>(row: &Row, layer: &Layer, scratch: &mut Vec<
                 count,
                 first_index: first_index + piece_offset,
             };
-            sum = sum.wrapping_add(segment_heads::<MIXED>(layer, segment, &tokens, scratch));
+            sum = sum.wrapping_add(segment_heads::<F>(layer, segment, &tokens, scratch));
         }
         token += count;
     }
@@ -258,12 +509,7 @@ struct TokenRun {
 /// row of pieces is added into per-head [`RowSums`], reduced once per head
 /// rather than once per row.
 #[inline(always)]
-fn segment_heads<const MIXED: bool>(
-    layer: &Layer,
-    segment: &Segment,
-    tokens: &TokenRun,
-    scratch: &mut Vec<RowSums>,
-) -> u64 {
+fn segment_heads<F: PieceFn>(layer: &Layer, segment: &Segment, tokens: &TokenRun, scratch: &mut Vec<RowSums>) -> u64 {
     let spec = &layer.spec;
     let pieces = (segment.bytes_per_token as u64 / PIECE_BYTES) as usize;
     let token_stride = segment.token_stride;
@@ -291,7 +537,7 @@ fn segment_heads<const MIXED: bool>(
                     (pieces * tokens.count as usize) as u64,
                 )
             };
-            sum = sum.wrapping_add(weight(head).wrapping_mul(run_checksum::<MIXED>(run, tokens.first_index)));
+            sum = sum.wrapping_add(weight(head).wrapping_mul(run_checksum::<F>(run, tokens.first_index)));
         }
     } else if !pieces.is_multiple_of(LANES) {
         // Rows that do not fill whole lanes: reduce each row on its own.
@@ -301,7 +547,7 @@ fn segment_heads<const MIXED: bool>(
                 .wrapping_add((slot as u64).wrapping_mul(layer.pieces_per_token))
         };
         let row_sum =
-            |head: u32, slot: u32| weight(head).wrapping_mul(run_checksum::<MIXED>(row(head, slot), row_index(slot)));
+            |head: u32, slot: u32| weight(head).wrapping_mul(run_checksum::<F>(row(head, slot), row_index(slot)));
         if heads_outer {
             for head in 0..spec.num_heads {
                 for slot in 0..tokens.count {
@@ -325,7 +571,7 @@ fn segment_heads<const MIXED: bool>(
                 if prefetch {
                     prefetch_row(pieces, head_stride);
                 }
-                sums.add_row::<MIXED>(pieces);
+                sums.add_row::<F>(pieces);
             }
             sum = sum.wrapping_add(weight(head).wrapping_mul(slice_sum(&sums)));
         }
@@ -339,7 +585,7 @@ fn segment_heads<const MIXED: bool>(
                 if prefetch {
                     prefetch_row(pieces, PREFETCH_TOKENS as i64 * token_stride);
                 }
-                sums.add_row::<MIXED>(pieces);
+                sums.add_row::<F>(pieces);
             }
         }
         for (head, sums) in scratch.iter().enumerate() {
@@ -514,21 +760,16 @@ struct RowSums {
 }
 
 impl RowSums {
-    /// Adds the next row (each piece through `f`: [`piece_value`]); its
+    /// Adds the next row (each piece through `f`: [`PieceFn`]); its
     /// length is a multiple of [`LANES`] and the same for every row.
     #[inline(always)]
     // One index walks three lane arrays in step; this is what vectorises.
     #[allow(clippy::needless_range_loop)]
-    fn add_row<const MIXED: bool>(&mut self, row: &[u64]) {
+    fn add_row<F: PieceFn>(&mut self, row: &[u64]) {
         let chunks = row.chunks_exact(LANES);
         debug_assert!(chunks.remainder().is_empty());
         self.chunks += chunks.len() as u64;
-        for chunk in chunks {
-            for lane in 0..LANES {
-                self.sum[lane] = self.sum[lane].wrapping_add(piece_value::<MIXED>(chunk[lane]));
-                self.running[lane] = self.running[lane].wrapping_add(self.sum[lane]);
-            }
-        }
+        F::accumulate(row, &mut self.sum, &mut self.running);
         for lane in 0..LANES {
             self.row_running[lane] = self.row_running[lane].wrapping_add(self.sum[lane]);
         }
@@ -578,6 +819,41 @@ unsafe fn host_pieces<'a>(address: i64, count: u64) -> &'a [u64] {
 mod tests {
     use super::*;
 
+    /// The SIMD forms of MIXED2's eight-piece step give `mix2` of each
+    /// piece, for each form the CPU can run (this machine's CI has both).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn simd_forms_of_mix2_equal_mix2() {
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut forms = Vec::new();
+        if std::arch::is_x86_feature_detected!("avx2") {
+            forms.push(("AVX2", Mix2Avx2::lanes as fn(&[u64; 8]) -> [u64; 8]));
+        }
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            forms.push(("AVX-512F", Mix2Avx512::lanes as fn(&[u64; 8]) -> [u64; 8]));
+        }
+        for _ in 0..10_000 {
+            let pieces: [u64; 8] = std::array::from_fn(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state
+            });
+            for (name, lanes) in &forms {
+                assert_eq!(
+                    lanes(&pieces),
+                    pieces.map(crate::checksum::mix2),
+                    "{name} of {pieces:x?}"
+                );
+            }
+        }
+        // Zeros and all-ones edges.
+        for (name, lanes) in &forms {
+            assert_eq!(lanes(&[0; 8]), [0; 8], "{name}");
+            assert_eq!(lanes(&[u64::MAX; 8]), [crate::checksum::mix2(u64::MAX); 8], "{name}");
+        }
+    }
+
     /// `RowSums` gives what `weighted_run` (the definition) gives row by
     /// row, under both algorithms.
     #[test]
@@ -595,13 +871,14 @@ mod tests {
                     let pieces: Vec<u64> = (0..row_len * rows).map(|_| next()).collect();
                     let first_index = next() >> 4;
                     let row_index_stride = row_len as u64 + extra_stride;
-                    for algorithm in [Algorithm::Weighted, Algorithm::Mixed] {
+                    for algorithm in Algorithm::all() {
                         let mut sums = RowSums::default();
                         let mut expected = 0u64;
                         for (r, row) in pieces.chunks_exact(row_len).enumerate() {
                             match algorithm {
-                                Algorithm::Weighted => sums.add_row::<false>(row),
-                                Algorithm::Mixed => sums.add_row::<true>(row),
+                                Algorithm::Weighted => sums.add_row::<Identity>(row),
+                                Algorithm::Mixed => sums.add_row::<Mix>(row),
+                                Algorithm::Mixed2 => sums.add_row::<Mix2>(row),
                             }
                             let index = first_index.wrapping_add(r as u64 * row_index_stride);
                             expected = expected.wrapping_add(crate::checksum::weighted_run(row, index, algorithm));

@@ -41,7 +41,10 @@ pub(crate) mod worker;
 pub use blocks::{BlockSet, GroupBlocks, RequestBlocks};
 /// The checksum arithmetic (SPEC sections 2, 3 and 12): public for the
 /// fault catalogue and benchmarks, which measure it directly.
-pub use checksum::{mix, slice_weight, weighted_run, Algorithm, MIX_MULTIPLIER};
+pub use checksum::{
+    mix, mix2, mix2_round, slice_weight, weighted_run, Algorithm, MIX2_MULTIPLIER_1, MIX2_MULTIPLIER_2,
+    MIX2_MULTIPLIER_3, MIX_MULTIPLIER,
+};
 pub use cuda::{checksum_ptx, libraries_present};
 pub use decoding::LayerDecoding;
 pub use error::{Error, Result};

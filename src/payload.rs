@@ -47,7 +47,7 @@ use std::collections::{HashMap, HashSet};
 
 use base64::Engine as _;
 
-use crate::checksum::Algorithm;
+use crate::checksum::{Algorithm, KNOWN_ALGORITHMS};
 use crate::decoding::LayerDecoding;
 use crate::error::{err, Result};
 use crate::layout::ReplicaKey;
@@ -423,7 +423,7 @@ fn decode_extension(r: &mut Reader<'_>) -> Result<Extension> {
         Algorithm::from_code(code).ok_or_else(|| {
             err!(
                 Malformed,
-                "payload: byte {at}: algorithm {code} is neither 1 (weighted) nor 2 (mixed)"
+                "payload: byte {at}: algorithm {code} is not {KNOWN_ALGORITHMS}"
             )
         })?
     };

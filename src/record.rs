@@ -61,7 +61,7 @@
 
 use std::collections::HashSet;
 
-use crate::checksum::{Algorithm, MAX_KV_HEADS_PER_LAYER};
+use crate::checksum::{Algorithm, KNOWN_ALGORITHMS, MAX_KV_HEADS_PER_LAYER};
 use crate::decoding::LayerDecoding;
 use crate::error::{err, Result};
 use crate::layout::{ReplicaKey, Role};
@@ -427,7 +427,7 @@ impl Record {
         let algorithm = Algorithm::from_code(code).ok_or_else(|| {
             err!(
                 Malformed,
-                "record: byte {at}: algorithm {code} is neither 1 (weighted) nor 2 (mixed)"
+                "record: byte {at}: algorithm {code} is not {KNOWN_ALGORITHMS}"
             )
         })?;
         r.finish()?;

@@ -11,7 +11,7 @@
 //! the checksums compare only between equal TP sizes (the group is
 //! shard-keyed).
 
-use crate::checksum::{mix, piece_weight, slice_weight, Algorithm, MAX_KV_HEADS_PER_LAYER};
+use crate::checksum::{piece_weight, slice_weight, Algorithm, MAX_KV_HEADS_PER_LAYER};
 use crate::error::{err, Result};
 
 /// Most tensors one state layer may have (Mamba layers have two: conv, ssm).
@@ -161,9 +161,8 @@ impl StateLayer {
 fn elements_run(bytes: &[u8], element_size: u32, first_index: u64, algorithm: Algorithm) -> u64 {
     // (2 * first_index + 1) * S0 + 2 * S1 with S0 = sum f(x_i), S1 = sum i * f(x_i).
     let (mut total, mut index_weighted) = (0u64, 0u64);
-    let mixed = algorithm == Algorithm::Mixed;
     let mut add = |i: usize, x: u64| {
-        let x = if mixed { mix(x) } else { x };
+        let x = algorithm.piece(x);
         total = total.wrapping_add(x);
         index_weighted = index_weighted.wrapping_add(x.wrapping_mul(i as u64));
     };
@@ -280,10 +279,14 @@ mod tests {
             elements_run(&bytes, 4, 0, Algorithm::Weighted),
             0x0001ffff + 3 * 0x80001234u64
         );
-        // Mixed: each zero-extended element through mix first.
+        // Mixed and Mixed2: each zero-extended element through its f first.
         assert_eq!(
             elements_run(&bytes, 4, 0, Algorithm::Mixed),
-            mix(0x0001ffff).wrapping_add(3u64.wrapping_mul(mix(0x80001234)))
+            crate::checksum::mix(0x0001ffff).wrapping_add(3u64.wrapping_mul(crate::checksum::mix(0x80001234)))
+        );
+        assert_eq!(
+            elements_run(&bytes, 4, 0, Algorithm::Mixed2),
+            crate::checksum::mix2(0x0001ffff).wrapping_add(3u64.wrapping_mul(crate::checksum::mix2(0x80001234)))
         );
     }
 }

@@ -98,16 +98,7 @@ pub struct EntryConfig {
 
 /// Algorithm ids a load check tells apart (those this library knows).
 fn known_algorithms() -> impl Iterator<Item = u32> {
-    static KNOWN: std::sync::OnceLock<Vec<u32>> = std::sync::OnceLock::new();
-    KNOWN
-        .get_or_init(|| {
-            (1..=64u64)
-                .filter_map(Algorithm::from_code)
-                .map(Algorithm::code)
-                .collect()
-        })
-        .iter()
-        .copied()
+    Algorithm::all().into_iter().map(Algorithm::code)
 }
 
 impl EntryConfig {

@@ -130,7 +130,7 @@ impl Worker {
     }
 
     /// The algorithm of every value this worker computes (SPEC section 12):
-    /// [`Algorithm::Mixed`] unless set otherwise.
+    /// [`Algorithm::Mixed2`] unless set otherwise.
     pub fn algorithm(&self) -> Algorithm {
         self.algorithm
     }
@@ -177,9 +177,10 @@ impl Worker {
     pub fn engine_description(&self) -> String {
         match &self.engine {
             Engine::Host(host) => format!(
-                "host engine, {} threads ({} helper threads started)",
+                "host engine, {} threads ({} helper threads started), {} mixing",
                 host.threads(),
-                host.helpers()
+                host.helpers(),
+                host.simd().name()
             ),
             Engine::Device(device) => device.description().to_owned(),
         }

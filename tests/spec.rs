@@ -571,11 +571,28 @@ fn positions_past_num_tokens_are_zero() {
     assert_eq!(only_column(&result, "beyond", 0), vec![0, 0, 0], "seed {seed}");
 }
 
-/// The test vectors of SPEC section 12: `f` of a few inputs, and the
-/// checksums of a small block under both algorithms, through a real worker
-/// and the naive reference.
+/// The test vectors of SPEC section 12: `f` of MIXED and of MIXED2 at a few
+/// inputs, and the checksums of a small block under every algorithm,
+/// through a real worker and the naive reference.
 #[test]
 fn mixed_test_vectors() {
+    let mixed2_vectors: [(u64, u64); 7] = [
+        (0x0000_0000_0000_0000, 0x0000_0000_0000_0000),
+        (0x0000_0000_0000_0001, 0x2700_4d2d_5f54_3557),
+        (0x0000_0000_8000_0000, 0x2e74_11df_8400_1e4d),
+        (0x0000_0001_0000_0000, 0x218a_205b_ca4f_d2a5),
+        (0x8000_0000_0000_0000, 0xaf6b_b90f_bb2d_d26e),
+        (0xffff_ffff_ffff_ffff, 0x4e5b_6ad9_6ab7_fcc7),
+        (0x0123_4567_89ab_cdef, 0x4f20_4e65_0a0d_4f1e),
+    ];
+    for (x, fx) in mixed2_vectors {
+        assert_eq!(kvcsum::mix2(x), fx, "MIXED2 f({x:#018x})");
+        assert_eq!(
+            naive_piece(kvcsum::Algorithm::Mixed2, x),
+            fx,
+            "the reference's MIXED2 f({x:#018x})"
+        );
+    }
     let vectors: [(u64, u64); 7] = [
         (0x0000_0000_0000_0000, 0x0000_0000_0000_0000),
         (0x0000_0000_0000_0001, 0x9e37_79b9_e17d_05ac),
@@ -615,6 +632,10 @@ fn mixed_test_vectors() {
             [0xadad_adad_ada4_2c28u64, 0x4747_4747_4736_c2bc],
         ),
         (kvcsum::Algorithm::Mixed, [0xd09c_8cd8_d03a_81c8, 0xf9d4_fc41_f92c_6c8c]),
+        (
+            kvcsum::Algorithm::Mixed2,
+            [0xea2b_7962_98ef_605f, 0x23fe_4bc3_ca07_4ae9],
+        ),
     ];
     for (algorithm, values) in expected {
         let mut worker = kvcsum::Worker::new(kvcsum::WorkerOptions {
@@ -689,11 +710,11 @@ fn mixed_test_vectors() {
     assert!(matches!(error, kvcsum::Error::InvalidArgument(_)), "{error:?}");
 }
 
-/// The properties of SPEC section 3 under WEIGHTED too (the tests above run
-/// the default, MIXED): shards add up, block size and layout do not matter,
+/// The properties of SPEC section 3 under WEIGHTED and MIXED too (the tests
+/// above run the default, MIXED2): shards add up, block size and layout do not matter,
 /// any single changed piece changes `c`.
 #[test]
-fn the_properties_hold_under_both_algorithms() {
+fn the_properties_hold_under_every_algorithm() {
     for_each_algorithm(|_| {
         shards_add_up_over_tp_ranks_and_pp_stages();
         block_size_does_not_matter();

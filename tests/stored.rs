@@ -1080,8 +1080,8 @@ fn load_check_records_round_trip_with_their_outcomes() {
     let bytes = record.encode();
     assert_eq!(Record::decode(&bytes).unwrap(), record, "round trip");
     // The outcomes are the last group's last element: bin of 4, then no
-    // skipped groups, then the record's algorithm (2, MIXED).
-    assert_eq!(&bytes[bytes.len() - 8..], &[0xc4, 4, 1, 1, 0, 2, 0x90, 2]);
+    // skipped groups, then the record's algorithm (3, MIXED2).
+    assert_eq!(&bytes[bytes.len() - 8..], &[0xc4, 4, 1, 1, 0, 2, 0x90, 3]);
     // The verifier names position 2 (tokens 32..40), compared like 0 and 1;
     // position 3 is neither compared nor not.
     let report = verifier_holding(1, &blocks, std::slice::from_ref(&bytes))
@@ -1101,7 +1101,7 @@ fn load_check_records_round_trip_with_their_outcomes() {
     let plain = Record::from_checksums(&checksum(worker, &blocks, Role::Consumer)).unwrap();
     assert_eq!(plain.requests[0].groups[0].stored, None);
     let plain_bytes = plain.encode();
-    assert_eq!(&plain_bytes[plain_bytes.len() - 3..], &[0xc0, 0x90, 2]);
+    assert_eq!(&plain_bytes[plain_bytes.len() - 3..], &[0xc0, 0x90, 3]);
     assert_eq!(Record::decode(&plain_bytes).unwrap(), plain);
 
     // Malformed: an outcome number that is none, a wrong count, nil in the
@@ -1309,5 +1309,89 @@ impl CWorkerHandle {
 impl Drop for CWorkerHandle {
     fn drop(&mut self) {
         kvcs_worker_destroy(self.0);
+    }
+}
+
+/// A worker of `algorithm` over `rank`'s cache and stored-checksum buffer,
+/// registered as `deploy` registers the rank's own.
+fn twin(rank: &Rank, tp_rank: u32, tp_size: u32, algorithm: kvcsum::Algorithm) -> Worker {
+    with_algorithm(algorithm, || {
+        let mut worker = host_worker(tp_rank, tp_size, 0, 2);
+        worker.add_group(0, 16).unwrap();
+        for region in rank.placement.regions(&rank.placement.host_bases()) {
+            worker.add_region(region).unwrap();
+        }
+        for mut spec in rank.placement.host_layer_specs() {
+            spec.identity = identity(spec.layer_number);
+            worker.add_layer(spec).unwrap();
+        }
+        worker
+            .add_region(Region {
+                address: rank.stored.as_ptr() as u64,
+                length: std::mem::size_of_val(rank.stored.as_slice()) as u64,
+            })
+            .unwrap();
+        worker
+            .add_stored(0, rank.stored.as_ptr() as u64, rank.stored.len() as u64)
+            .unwrap();
+        worker
+    })
+}
+
+/// Values stored under MIXED (kvcsum 0.2's default, algorithm 2) and
+/// load-checked under MIXED2 (0.3's, algorithm 3), and the other way round,
+/// are never judged: every position reads "other algorithm", and the
+/// verifier calls the load unverified (the algorithms differ), never a
+/// mismatch, even where the loaded KV is corrupted. A load check under the
+/// storing algorithm still matches, and still fails the corrupted position.
+#[test]
+fn values_stored_under_another_mixing_function_are_other_algorithm() {
+    use kvcsum::Algorithm::{Mixed, Mixed2};
+    let mut rng = Rng::for_test("values_stored_under_another_mixing_function_are_other_algorithm");
+    let seed = rng.seed();
+    for (stored_under, checked_under) in [(Mixed, Mixed2), (Mixed2, Mixed)] {
+        let num_tokens = 75;
+        let mut s = with_algorithm(stored_under, || stored_and_reloaded(&mut rng, num_tokens));
+        let blocks = blocks_with_hashes(num_tokens, &s.block_ids, &s.hashes);
+        let same = load_check(&s.side, &blocks);
+        assert!(
+            same.iter().flatten().all(|&o| o == StoredOutcome::Matched),
+            "{stored_under:?}: {same:?} (seed {seed})"
+        );
+        for corrupt in [false, true] {
+            if corrupt {
+                let head = s.side.ranks[1].placement.spec().first_head;
+                s.side.ranks[1].placement.xor_byte(1, head, s.block_ids[2], 5, 9, 0x40);
+                assert_eq!(failed_positions(&load_check(&s.side, &blocks)), vec![2], "seed {seed}");
+            }
+            let twins: Vec<Worker> = s
+                .side
+                .ranks
+                .iter()
+                .enumerate()
+                .map(|(tp_rank, rank)| twin(rank, tp_rank as u32, 2, checked_under))
+                .collect();
+            let mut records = Vec::new();
+            for worker in &twins {
+                let result = worker
+                    .check_stored(&blocks, StreamHandle::legacy_default())
+                    .expect("check_stored");
+                let outcomes = result.stored_outcomes(REQ, 0).unwrap();
+                assert!(
+                    outcomes.iter().all(|&o| o == StoredOutcome::OtherAlgorithm),
+                    "stored under {stored_under:?}, checked under {checked_under:?}: {outcomes:?} (seed {seed})"
+                );
+                records.push(Record::from_checksums(&result).unwrap().encode());
+            }
+            let report = verifier_holding(2, &blocks, &records).check_stored(REQ).unwrap();
+            assert_eq!(report.verdict, Verdict::Unverified, "{} (seed {seed})", report.message);
+            assert_eq!(
+                report.reason(),
+                Some(Reason::AlgorithmDiffers),
+                "{} (seed {seed})",
+                report.message
+            );
+            assert!(report.mismatches.is_empty(), "seed {seed}");
+        }
     }
 }

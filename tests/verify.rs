@@ -242,13 +242,13 @@ fn payload_is_the_naive_sum_with_the_model_fingerprint() {
     );
     let payload = Payload::decode(&produce(&producer, false)).unwrap();
     assert_eq!(payload.num_tokens, 70);
-    // MIXED values (the default): the extension carries the algorithm even
+    // MIXED2 values (the default): the extension carries the algorithm even
     // when it is off (SPEC section 9), with no layers.
     let extension = payload
         .extension
         .as_ref()
-        .expect("a MIXED payload carries the extension");
-    assert_eq!(extension.algorithm, kvcsum::Algorithm::Mixed);
+        .expect("a MIXED2 payload carries the extension");
+    assert_eq!(extension.algorithm, kvcsum::Algorithm::Mixed2);
     assert!(extension.groups.iter().all(|g| g.layers.is_empty()));
     let group = &payload.groups[0];
     assert_eq!(group.first_position, 0);
@@ -1088,4 +1088,76 @@ fn records_may_arrive_from_many_threads_at_once() {
         }
     });
     assert_eq!(verifier.payload(REQ).unwrap().encode(), sequential, "seed {seed}");
+}
+
+// ---------------------------------------------------------------------------
+// Algorithms of two versions (docs/VERSIONING.md): MIXED (kvcsum 0.2's
+// default, algorithm 2) and MIXED2 (0.3's, algorithm 3)
+// ---------------------------------------------------------------------------
+
+/// Values of MIXED and of MIXED2 are never compared: through a payload, a
+/// load of either algorithm against a producer of the other is unverified
+/// (the algorithms differ), never a mismatch, whatever the data; workers of
+/// both algorithms on one side make the load unverified too, and a producer
+/// verifier refuses to make a payload of their records. Two sides of one
+/// algorithm, MIXED included (a 0.3 engine set to algorithm 2 against a 0.2
+/// peer), still match, and still see a corrupted byte.
+#[test]
+fn mixed_and_mixed2_values_are_never_compared() {
+    use kvcsum::Algorithm::{Mixed, Mixed2};
+    let mut rng = Rng::for_test("mixed_and_mixed2_values_are_never_compared");
+    let seed = rng.seed();
+    let kv = gqa(&mut rng, 4, 4, 70);
+    let groups = one_group(&kv, LayoutKind::Hnd, 16, 0);
+    let side_of = |rng: &mut Rng, algorithm, tp_size| {
+        with_algorithm(algorithm, || deploy(rng, tp_size, 1, 70, &groups, &plain_identity))
+    };
+    for (producer_algorithm, consumer_algorithm) in [(Mixed, Mixed2), (Mixed2, Mixed)] {
+        let producer = side_of(&mut rng, producer_algorithm, 2);
+        let mut consumer = side_of(&mut rng, consumer_algorithm, 4);
+        for extension in [false, true] {
+            let payload = produce(&producer, extension);
+            let decoded = Payload::decode(&payload).unwrap();
+            assert_eq!(decoded.algorithm(), producer_algorithm, "seed {seed}");
+            let report = check(&consumer, &payload);
+            assert_unverified(&report, Reason::AlgorithmDiffers, seed);
+            assert!(report.mismatches.is_empty(), "seed {seed}: {}", report.message);
+            // Corrupted consumer data: still not a mismatch (not compared).
+            consumer.corrupt(1, 0, 0, 2, 1, 20);
+            let report = check(&consumer, &payload);
+            assert_unverified(&report, Reason::AlgorithmDiffers, seed);
+            consumer.corrupt(1, 0, 0, 2, 1, 20);
+        }
+        // The same algorithm on both sides compares: a match, then a
+        // corrupted byte's mismatch.
+        let mut same = side_of(&mut rng, producer_algorithm, 4);
+        let payload = produce(&producer, false);
+        assert_eq!(check(&same, &payload).verdict, Verdict::Match, "seed {seed}");
+        same.corrupt(3, 0, 0, 1, 3, 40);
+        assert_eq!(check(&same, &payload).verdict, Verdict::Mismatch, "seed {seed}");
+    }
+    // One side's workers of both algorithms (records): unverified on the
+    // consumer, no payload on the producer.
+    let mixed = side_of(&mut rng, Mixed, 2);
+    let mixed2 = side_of(&mut rng, Mixed2, 2);
+    let producer = side_of(&mut rng, Mixed2, 2);
+    let records = vec![
+        mixed.records(Role::Consumer)[0].clone(),
+        mixed2.records(Role::Consumer)[1].clone(),
+    ];
+    let report = consumer_verifier(&mixed2, &records)
+        .check(REQ, Some(&produce(&producer, true)))
+        .unwrap();
+    assert_unverified(&report, Reason::AlgorithmDiffers, seed);
+    let verifier = Verifier::new(2).unwrap();
+    verifier.expect(&mixed2.blocks, Role::Producer).unwrap();
+    verifier.add_record(&mixed.records(Role::Producer)[0]).unwrap();
+    verifier.add_record(&mixed2.records(Role::Producer)[1]).unwrap();
+    let error = verifier.payload(REQ).unwrap_err();
+    assert!(matches!(error, Error::InvalidArgument(_)), "seed {seed}: {error:?}");
+    // A record says its algorithm: 2 and 3 read back as such.
+    for (side, algorithm) in [(&mixed, Mixed), (&mixed2, Mixed2)] {
+        let record = Record::decode(&side.records(Role::Consumer)[0]).unwrap();
+        assert_eq!(record.algorithm, algorithm, "seed {seed}");
+    }
 }

@@ -197,6 +197,15 @@ fn extension_versions_carry_the_algorithm() {
     let group = &payload.extension.as_ref().unwrap().groups[0];
     assert_eq!(group.coverage, Some(0x5eed_c0fe_0000_0001));
     assert_eq!(group.marks, Some(0x0a11_a5ed));
+    // Algorithm 3 is MIXED2 (kvcsum 0.3's default), 1 WEIGHTED.
+    for (code, algorithm) in [(1, kvcsum::Algorithm::Weighted), (3, kvcsum::Algorithm::Mixed2)] {
+        let mut other = payload_value();
+        *other.at(&[3, 3]) = V::U(code);
+        assert_eq!(
+            Payload::decode(&other.bytes()).expect("algorithm").algorithm(),
+            algorithm
+        );
+    }
     assert_eq!(
         payload.fingerprint_convention(0),
         FingerprintConvention::Separate { marks: 0x0a11_a5ed }
@@ -416,13 +425,9 @@ fn every_malformed_record_class_is_rejected_with_a_message() {
         (
             "algorithm 0",
             Box::new(|v| *v.at(&[7]) = V::U(0)),
-            "algorithm 0 is neither",
+            "algorithm 0 is not 1 (weighted), 2 (mixed) or 3 (mixed2)",
         ),
-        (
-            "algorithm 3",
-            Box::new(|v| *v.at(&[7]) = V::U(3)),
-            "algorithm 3 is neither",
-        ),
+        ("algorithm 4", Box::new(|v| *v.at(&[7]) = V::U(4)), "algorithm 4 is not"),
         (
             "algorithm a string",
             Box::new(|v| *v.at(&[7]) = s("mixed")),
@@ -796,9 +801,9 @@ fn every_malformed_payload_class_is_rejected_with_a_message() {
             "expected an array",
         ),
         (
-            "extension algorithm 3",
-            Box::new(|v| *v.at(&[3, 3]) = V::U(3)),
-            "algorithm 3 is neither",
+            "extension algorithm 4",
+            Box::new(|v| *v.at(&[3, 3]) = V::U(4)),
+            "algorithm 4 is not 1 (weighted), 2 (mixed) or 3 (mixed2)",
         ),
         (
             "extension version 3 without its algorithm",

@@ -373,7 +373,7 @@ static void encode_records(side *s, kvcs_role role, uint8_t *records[MAX_RANKS],
  * (block size, TP size, algorithm, per-layer partials in detail mode), which
  * vLLM's own decoder does not read; 0 gives the plain, vLLM-compatible
  * payload for KVCS_ALGORITHM_WEIGHTED workers only: the workers here use the
- * default, KVCS_ALGORITHM_MIXED, whose payload always carries the extension
+ * default, KVCS_ALGORITHM_MIXED2, whose payload always carries the extension
  * (a plain payload means weighted). */
 static char *produce_payload(side *producer, uint32_t extension) {
   kvcs_verifier *verifier = NULL;
@@ -509,7 +509,7 @@ static int verification_demo(void) {
   }
   int ok = 1;
   char *plain = produce_payload(&producer, 0);
-  printf("kv_transfer_params[\"kv_checksums\"] = \"%.40s...\" (%zu characters; MIXED values, so with the kvcsum\n"
+  printf("kv_transfer_params[\"kv_checksums\"] = \"%.40s...\" (%zu characters; MIXED2 values, so with the kvcsum\n"
          "   extension that names the algorithm)\n",
          plain, strlen(plain));
   ok &= judge("intact transfer:", &consumer, plain, -1, producer.block_size, KVCS_VERDICT_MATCH,

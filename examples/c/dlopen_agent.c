@@ -99,10 +99,20 @@ static const kvcs_api *load(void *library, const char *path) {
 
 enum { HEADS = 2, TOKENS = 4, BLOCKS = 2, PIECES = 2 };
 
-/* f of SPEC section 12 for the default algorithm, KVCS_ALGORITHM_MIXED. */
+/* One round of MIXED2's f: the low half times k as a 64-bit product, the
+ * high half added to its high half, the halves swapped. */
+static uint64_t mix2_round(uint64_t v, uint32_t k) {
+  uint64_t sum = (v & 0xFFFFFFFF00000000ull) + (v & 0xFFFFFFFFull) * k;
+  return (sum << 32) | (sum >> 32);
+}
+
+/* f of SPEC section 12 for the default algorithm, KVCS_ALGORITHM_MIXED2:
+ * three rounds, the high half folded into the low one after the last two. */
 static uint64_t mix(uint64_t x) {
-  uint64_t g = (x ^ (x >> 32)) * 0x9E3779B97F4A7C15ull;
-  return g ^ (g >> 32);
+  uint64_t v = mix2_round(mix2_round(x, 0x9E3779B1u), 0x85EBCA77u);
+  v ^= v >> 32;
+  v = mix2_round(v, 0xC2B2AE3Du);
+  return v ^ (v >> 32);
 }
 
 /* The checksum of block position `q` by SPEC, loops over logical indices

@@ -49,12 +49,14 @@ class Role(_CEnum):
 
 class Algorithm(_CEnum):
     """kvcs_algorithm: the checksum algorithm (Worker.set_algorithm,
-    docs/SPEC.md section 12); MIXED is the default, WEIGHTED vLLM's.
+    docs/SPEC.md section 12); MIXED2 is the default, WEIGHTED vLLM's, MIXED
+    the default of kvcsum 0.2 (kept to verify against a 0.2 peer).
 
     Thread safety: immutable."""
 
     WEIGHTED = 1
     MIXED = 2
+    MIXED2 = 3
 
 
 class Policy(_CEnum):
@@ -143,7 +145,7 @@ WHOLE_LOAD = 0xFFFFFFFF
 
 # The names of before the enums, each an alias of its member.
 PRODUCER, CONSUMER = Role.PRODUCER, Role.CONSUMER
-WEIGHTED, MIXED = Algorithm.WEIGHTED, Algorithm.MIXED
+WEIGHTED, MIXED, MIXED2 = Algorithm.WEIGHTED, Algorithm.MIXED, Algorithm.MIXED2
 FAIL_OPEN, FAIL_CLOSED = Policy.FAIL_OPEN, Policy.FAIL_CLOSED
 MATCH, MISMATCH, UNVERIFIED = Verdict.MATCH, Verdict.MISMATCH, Verdict.UNVERIFIED
 SENDING, RECEIVING = Direction.SENDING, Direction.RECEIVING

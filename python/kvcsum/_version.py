@@ -2,4 +2,4 @@
 it from here; python/tests/test_package.py checks it equals Cargo.toml's,
 the library's)."""
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

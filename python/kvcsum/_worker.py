@@ -247,7 +247,7 @@ class Worker(_Handle):
         self._on_host = options.device == HOST
         super().__init__(_create(library().kvcs_worker_create, byref(options)))
         self._options = options
-        self._algorithm = Algorithm.MIXED  # the C worker's default until set_algorithm
+        self._algorithm = Algorithm.MIXED2  # the C worker's default until set_algorithm
         self._layers = 0  # added through this object, for the repr
         if algorithm is not None:
             self.set_algorithm(algorithm)
@@ -334,8 +334,9 @@ class Worker(_Handle):
             _check(self._lib.kvcs_worker_set_layer_decoding(handle, group_id, layer_number, name, head_size, k_bits, v_bits))
 
     def set_algorithm(self, algorithm: int) -> None:
-        """The checksum algorithm, MIXED (the default) or WEIGHTED (vLLM's),
-        set before the worker's first checksum, store or load check."""
+        """The checksum algorithm, MIXED2 (the default), MIXED (kvcsum 0.2's
+        default, to verify against a 0.2 peer) or WEIGHTED (vLLM's), set
+        before the worker's first checksum, store or load check."""
         algorithm = _enum(algorithm, Algorithm, "algorithm")
         with self._use(exclusive=True) as handle:
             _check(self._lib.kvcs_worker_set_algorithm(handle, algorithm))

@@ -29,14 +29,28 @@ def logical_kv(rng, layers=1, heads=HEADS):
 
 
 def mix(x):
-    """f of SPEC section 12 (MIXED, the default), written again here."""
+    """f of SPEC section 12 for MIXED (kvcsum 0.2's default), written again here."""
     g = ((x ^ (x >> 32)) * 0x9E3779B97F4A7C15) & MASK
     return g ^ (g >> 32)
 
 
-def reference(kv, block_ids, num_tokens, layer_numbers, first_head=0, heads=None, algorithm=kvcsum.MIXED):
+def mix2(x):
+    """f of SPEC section 12 for MIXED2 (the default), written again here:
+    three rounds on the 32-bit halves (low half times the round's
+    multiplier, high half added to the product's high half, halves
+    swapped), the high half folded into the low one after the last two."""
+    lo, hi = x & 0xFFFFFFFF, x >> 32
+    for r, k in enumerate((0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D)):
+        product = lo * k
+        lo, hi = (hi + (product >> 32)) & 0xFFFFFFFF, product & 0xFFFFFFFF
+        if r > 0:
+            lo ^= hi
+    return (hi << 32) | lo
+
+
+def reference(kv, block_ids, num_tokens, layer_numbers, first_head=0, heads=None, algorithm=kvcsum.MIXED2):
     """c(q) for each position q by SPEC sections 2-3 and 12, heads `first_head ..`."""
-    f = mix if algorithm == kvcsum.MIXED else (lambda x: x)
+    f = {kvcsum.MIXED: mix, kvcsum.MIXED2: mix2}.get(algorithm, lambda x: x)
     heads = kv.shape[2] if heads is None else heads
     out = []
     for q, block in enumerate(block_ids):
@@ -226,7 +240,7 @@ def test_layer_description_errors():
         assert "bytes_per_token" in caught.value.message
 
 
-@pytest.mark.parametrize("algorithm", [kvcsum.WEIGHTED, kvcsum.MIXED])
+@pytest.mark.parametrize("algorithm", [kvcsum.WEIGHTED, kvcsum.MIXED, kvcsum.MIXED2])
 def test_algorithms_against_the_reference(rng, algorithm):
     kv = logical_kv(rng, layers=1)
     array = kv[0].copy()

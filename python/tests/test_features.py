@@ -23,9 +23,17 @@ def rng(request):
 
 
 def mix(x):
-    """f of SPEC section 12 (MIXED, the default): state elements zero-extended, then mixed."""
-    g = ((x ^ (x >> 32)) * 0x9E3779B97F4A7C15) & MASK
-    return g ^ (g >> 32)
+    """f of SPEC section 12 for MIXED2 (the default): state elements
+    zero-extended, then three rounds on the 32-bit halves (low half times
+    the round's multiplier, high half added to the product's high half,
+    halves swapped), the high half folded into the low one after the last two."""
+    lo, hi = x & 0xFFFFFFFF, x >> 32
+    for r, k in enumerate((0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D)):
+        product = lo * k
+        lo, hi = (hi + (product >> 32)) & 0xFFFFFFFF, product & 0xFFFFFFFF
+        if r > 0:
+            lo ^= hi
+    return (hi << 32) | lo
 
 
 def fingerprint_of(identities):

@@ -200,7 +200,7 @@ def test_the_constants_of_before_are_the_enum_members():
     aliases = {"STORED_": kvcsum.StoredOutcome}
     for name in ("PRODUCER", "CONSUMER"):
         assert getattr(kvcsum, name) is kvcsum.Role[name]
-    for name in ("WEIGHTED", "MIXED"):
+    for name in ("WEIGHTED", "MIXED", "MIXED2"):
         assert getattr(kvcsum, name) is kvcsum.Algorithm[name]
     for name in ("FAIL_OPEN", "FAIL_CLOSED"):
         assert getattr(kvcsum, name) is kvcsum.Policy[name]
@@ -306,7 +306,7 @@ def test_handles_say_what_they_are(seed):
     cache = rng.integers(0, 2**16, (4, 8, 2, 32), dtype=np.uint16)
     worker = kvcsum.Worker(tp_rank=1, tp_size=2, num_threads=1)
     assert repr(worker) == (
-        "<kvcsum.Worker tp_rank=1 tp_size=2 pp_rank=0 device=host num_threads=1 algorithm=MIXED layers=0>"
+        "<kvcsum.Worker tp_rank=1 tp_size=2 pp_rank=0 device=host num_threads=1 algorithm=MIXED2 layers=0>"
     )
     worker.set_algorithm(kvcsum.WEIGHTED)
     worker.add_region_of(cache)

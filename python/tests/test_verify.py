@@ -20,7 +20,7 @@ def make_cache(rng):
     return rng.integers(0, 2**64, (5, 2, TOKENS, 4), dtype=np.uint64, endpoint=False)  # HND, 2 heads
 
 
-def checksum(cache, blocks, role, algorithm=kvcsum.MIXED):
+def checksum(cache, blocks, role, algorithm=kvcsum.MIXED2):
     with kvcsum.Worker(algorithm=algorithm) as worker:
         worker.add_region_of(cache)
         worker.add_group(0, TOKENS)
@@ -36,7 +36,7 @@ def scheduled():
         yield blocks
 
 
-def producer_payload(cache, scheduled, algorithm=kvcsum.MIXED):
+def producer_payload(cache, scheduled, algorithm=kvcsum.MIXED2):
     record, values = checksum(cache, scheduled, kvcsum.PRODUCER, algorithm)
     assert isinstance(record, bytes)
     with kvcsum.Verifier(1) as producer:
@@ -93,18 +93,21 @@ def test_payload_is_what_msgspec_reads(scheduled):
     [[group_id, _fingerprint, first_position, raw]] = groups
     assert (group_id, first_position) == (0, 0)
     np.testing.assert_array_equal(np.frombuffer(raw, dtype="<u8"), values)
-    # MIXED values (the default) always carry the extension, whose last
+    # MIXED2 values (the default) always carry the extension, whose last
     # element is the algorithm (docs/SPEC.md section 9).
     payload, values = producer_payload(cache, scheduled)
     version, num_tokens, groups, extension = msgspec.msgpack.decode(payload)
-    assert (version, extension[0], extension[-1]) == (1, kvcsum.EXTENSION_VERSION, kvcsum.MIXED)
+    assert (version, extension[0], extension[-1]) == (1, kvcsum.EXTENSION_VERSION, kvcsum.MIXED2)
     np.testing.assert_array_equal(np.frombuffer(groups[0][3], dtype="<u8"), values)
     with consumer_report(cache, scheduled, payload) as report:
         assert report.verdict == kvcsum.MATCH
-    weighted, _ = producer_payload(cache, scheduled, kvcsum.WEIGHTED)
-    with consumer_report(cache, scheduled, weighted) as report:
-        assert report.verdict == kvcsum.UNVERIFIED
-        assert report.findings[0].reason_name == "KVCS_UNVERIFIED_ALGORITHM_DIFFERS"
+    # Values of another algorithm are never compared: WEIGHTED's, and
+    # MIXED's (kvcsum 0.2's default) against MIXED2's.
+    for other in (kvcsum.WEIGHTED, kvcsum.MIXED):
+        payload_of_other, _ = producer_payload(cache, scheduled, other)
+        with consumer_report(cache, scheduled, payload_of_other) as report:
+            assert report.verdict == kvcsum.UNVERIFIED
+            assert report.findings[0].reason_name == "KVCS_UNVERIFIED_ALGORITHM_DIFFERS"
 
 
 def test_errors_carry_status_and_message(scheduled):

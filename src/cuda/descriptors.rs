@@ -12,7 +12,7 @@
 use std::fmt::Write;
 use std::mem::{offset_of, size_of};
 
-use crate::checksum::{slice_weight, Algorithm, MIX_MULTIPLIER};
+use crate::checksum::{slice_weight, Algorithm, MIX2_MULTIPLIERS, MIX_MULTIPLIER};
 use crate::error::{err, Result};
 use crate::layout::{Layer, LayerSpec, Layout, Role, Segment};
 use crate::plan::Row;
@@ -586,12 +586,20 @@ pub fn kernel_constants() -> String {
          #define KVCS_INLINE_STATE_ROWS {INLINE_STATE_ROWS}\n\
          #define KVCS_ALGORITHM_WEIGHTED {weighted}\n\
          #define KVCS_ALGORITHM_MIXED {mixed}\n\
+         #define KVCS_ALGORITHM_MIXED2 {mixed2}\n\
          #define KVCS_MIX_MULTIPLIER {MIX_MULTIPLIER:#x}ull\n\
+         #define KVCS_MIX2_MULTIPLIER_1 {k1:#x}u\n\
+         #define KVCS_MIX2_MULTIPLIER_2 {k2:#x}u\n\
+         #define KVCS_MIX2_MULTIPLIER_3 {k3:#x}u\n\
          #ifndef KVCS_BATCH\n\
          #define KVCS_BATCH {BATCH}\n\
          #endif\n",
         weighted = Algorithm::Weighted.code(),
         mixed = Algorithm::Mixed.code(),
+        mixed2 = Algorithm::Mixed2.code(),
+        k1 = MIX2_MULTIPLIERS[0],
+        k2 = MIX2_MULTIPLIERS[1],
+        k3 = MIX2_MULTIPLIERS[2],
     )
 }
 
@@ -733,6 +741,9 @@ mod tests {
         assert!(constants.contains(&format!("#define KVCS_STATE_LOADS {STATE_LOADS}\n")));
         assert!(constants.contains("#define KVCS_ALGORITHM_MIXED 2\n"));
         assert!(constants.contains("#define KVCS_MIX_MULTIPLIER 0x9e3779b97f4a7c15ull\n"));
+        assert!(constants.contains("#define KVCS_ALGORITHM_MIXED2 3\n"));
+        assert!(constants.contains("#define KVCS_MIX2_MULTIPLIER_1 0x9e3779b1u\n"));
+        assert!(constants.contains("#define KVCS_MIX2_MULTIPLIER_3 0xc2b2ae3du\n"));
     }
 
     /// The state kernel's arithmetic, lane by lane as `kernels/state.cu`
@@ -762,8 +773,8 @@ mod tests {
         }
 
         fn vector(words: [u32; 4], element_shift: u32, index: u64, algorithm: Algorithm) -> u64 {
-            let (total, weighted) = if algorithm == Algorithm::Mixed {
-                // Each element mixed, as kvcs_state_vector<true> does.
+            let (total, weighted) = if algorithm != Algorithm::Weighted {
+                // Each element mixed, as kvcs_state_vector does for MIXED and MIXED2.
                 let elements: Vec<u64> = if element_shift == 1 {
                     (0..8)
                         .map(|e| ((words[e >> 1] >> (16 * (e & 1))) & 0xffff) as u64)
@@ -772,7 +783,7 @@ mod tests {
                     words.iter().map(|&w| w as u64).collect()
                 };
                 elements.iter().enumerate().fold((0u64, 0u64), |(t, w), (e, &x)| {
-                    let x = crate::checksum::mix(x);
+                    let x = algorithm.piece(x);
                     (t.wrapping_add(x), w.wrapping_add((e as u64).wrapping_mul(x)))
                 })
             } else if element_shift == 1 {
@@ -889,7 +900,7 @@ mod tests {
                     identity: Vec::new(),
                 };
                 let layer = StateLayer::new(spec, next(8) as u32, |_, _| true).expect("state layer");
-                let algorithm = [Algorithm::Weighted, Algorithm::Mixed][case / 2 % 2];
+                let algorithm = Algorithm::all()[case / 2 % 3];
                 let mut sum = 0u64;
                 for tensor in state_tensors(&layer) {
                     seen_shifts[tensor.lane_shift as usize][tensor.vector_shift as usize] = true;

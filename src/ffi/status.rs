@@ -126,7 +126,7 @@ pub extern "C" fn kvcs_abi_version() -> u32 {
     KVCS_ABI_VERSION
 }
 
-/// The library's version (the crate version, e.g. "0.2.0"; docs/VERSIONING.md), a static string. Never NULL.
+/// The library's version (the crate version, e.g. "0.3.0"; docs/VERSIONING.md), a static string. Never NULL.
 #[no_mangle]
 pub extern "C" fn kvcs_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()

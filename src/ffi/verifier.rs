@@ -92,8 +92,8 @@ pub extern "C" fn kvcs_verifier_set_policy(verifier: *mut kvcs_verifier, policy:
 /// per-layer partials where every worker is in detail mode), which only
 /// kvcsum consumers read; 0 (the default) gives the plain payload vLLM
 /// reads, but only for `KVCS_ALGORITHM_WEIGHTED` values: a payload of
-/// `KVCS_ALGORITHM_MIXED` values (the workers' default) always carries the
-/// extension, since a plain payload means weighted
+/// `KVCS_ALGORITHM_MIXED2` (the workers' default) or `KVCS_ALGORITHM_MIXED`
+/// values always carries the extension, since a plain payload means weighted
 /// (docs/SPEC.md#9-payload-producer-to-consumer). Records of different
 /// algorithms make no payload (`kvcs_verifier_payload` fails with
 /// `KVCS_ERR_INVALID_ARGUMENT`).

@@ -52,7 +52,11 @@ pub struct kvcs_worker_options {
     /// worker starts its helper threads (one fewer than this; the calling
     /// thread works too) on its first call large enough to split (4 MiB of
     /// KV per thread), keeps them parked between calls and joins them in
-    /// `kvcs_worker_destroy`.
+    /// `kvcs_worker_destroy`. A host worker mixes (MIXED2, MIXED) with the
+    /// best SIMD form the CPU has (AVX-512F, AVX2); the environment
+    /// variable `KVCS_HOST_SIMD` (`avx512`, `avx2`, `portable`) caps it, for
+    /// measurements, and another value fails creation with
+    /// `KVCS_ERR_INVALID_ARGUMENT`. Every form gives the same values.
     pub num_threads: u32,
 }
 
@@ -650,14 +654,22 @@ pub enum kvcs_algorithm {
     /// 63 in an even number of pieces of a block, and swaps of values that
     /// differ only in their high bits (docs/SPEC.md#13-what-it-detects).
     KVCS_ALGORITHM_WEIGHTED = 1,
-    /// Each piece mixed by a fixed bijection first (docs/SPEC.md#12-the-mixed-algorithm): every
-    /// property of the definition holds and no fault class of the catalogue
-    /// goes unseen. The default of new workers.
+    /// Each piece mixed by kvcsum 0.2's bijection first
+    /// (docs/SPEC.md#12-the-mixing-functions), the default of kvcsum 0.2:
+    /// kept so that a worker can verify against a 0.2 peer. It has a fixed
+    /// differential, so some structured faults (sign flips of fp32 values,
+    /// an inverted bit-31 line) can cancel (docs/SPEC.md#13-what-it-detects).
     KVCS_ALGORITHM_MIXED = 2,
+    /// Each piece mixed by a fixed bijection without a fixed differential
+    /// first (docs/SPEC.md#12-the-mixing-functions): every property of the
+    /// definition holds and no fault class of the catalogue goes unseen.
+    /// The default of new workers.
+    KVCS_ALGORITHM_MIXED2 = 3,
 }
 
 /// Chooses the worker's checksum algorithm (a `kvcs_algorithm` value:
-/// `KVCS_ALGORITHM_MIXED`, the default, or `KVCS_ALGORITHM_WEIGHTED`) for
+/// `KVCS_ALGORITHM_MIXED2`, the default, `KVCS_ALGORITHM_MIXED` or
+/// `KVCS_ALGORITHM_WEIGHTED`) for
 /// every value it computes: checksums, detail mode's partials, state groups
 /// and stored checksums. Its records carry it, and a producer's payload
 /// carries it in the kvcsum extension (sent whenever the algorithm is not
@@ -677,7 +689,7 @@ pub extern "C" fn kvcs_worker_set_algorithm(worker: *mut kvcs_worker, algorithm:
         let Some(algorithm) = Algorithm::from_code(algorithm.into()) else {
             return fail(&err!(
                 InvalidArgument,
-                "algorithm {algorithm} is neither KVCS_ALGORITHM_WEIGHTED (1) nor KVCS_ALGORITHM_MIXED (2)"
+                "algorithm {algorithm} is not KVCS_ALGORITHM_WEIGHTED (1), KVCS_ALGORITHM_MIXED (2) or KVCS_ALGORITHM_MIXED2 (3)"
             ));
         };
         try_engine!(worker.set_algorithm(algorithm));

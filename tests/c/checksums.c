@@ -29,12 +29,27 @@ static uint64_t next_random(void) {
 }
 
 /* The algorithm of the workers and the reference. */
-static uint32_t algorithm = KVCS_ALGORITHM_MIXED;
+static uint32_t algorithm = KVCS_ALGORITHM_MIXED2;
+
+/* One round of MIXED2's f: the low half times k (64-bit), the high half
+ * added to the product's high half, the halves swapped. */
+static uint64_t mix2_round(uint64_t v, uint32_t k) {
+  uint64_t product = (v & 0xFFFFFFFFull) * k;
+  uint64_t sum = (v & 0xFFFFFFFF00000000ull) + product;
+  return (sum << 32) | (sum >> 32);
+}
 
 /* f of SPEC section 12, written here again: the identity for WEIGHTED. */
 static uint64_t piece_value(uint64_t x) {
   if (algorithm == KVCS_ALGORITHM_WEIGHTED) {
     return x;
+  }
+  if (algorithm == KVCS_ALGORITHM_MIXED2) {
+    uint64_t v = mix2_round(x, KVCS_MIX2_MULTIPLIER_1);
+    v = mix2_round(v, KVCS_MIX2_MULTIPLIER_2);
+    v ^= v >> 32;
+    v = mix2_round(v, KVCS_MIX2_MULTIPLIER_3);
+    return v ^ (v >> 32);
   }
   uint64_t g = (x ^ (x >> 32)) * 0x9E3779B97F4A7C15ull;
   return g ^ (g >> 32);
@@ -386,7 +401,7 @@ void test_checksums(uint64_t seed) {
     v_pieces = cells[c][1];
     pieces_per_token = k_pieces + v_pieces;
     make_layouts();
-    for (algorithm = KVCS_ALGORITHM_WEIGHTED; algorithm <= KVCS_ALGORITHM_MIXED; algorithm++) {
+    for (algorithm = KVCS_ALGORITHM_WEIGHTED; algorithm <= KVCS_ALGORITHM_MIXED2; algorithm++) {
       for (size_t l = 0; l < NUM_LAYOUTS; l++) {
         test_layout(&layouts[l]);
       }

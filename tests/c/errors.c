@@ -59,7 +59,7 @@ static kvcs_worker_options host_options(void) {
 
 static void test_versions_and_names(void) {
   CHECK(kvcs_abi_version() == KVCS_ABI_VERSION);
-  CHECK(kvcs_version() != NULL && strcmp(kvcs_version(), "0.2.0") == 0);
+  CHECK(kvcs_version() != NULL && strcmp(kvcs_version(), "0.3.0") == 0);
   static const char *const names[] = {
       "KVCS_OK",          "KVCS_ERR_INVALID_ARGUMENT", "KVCS_ERR_OUT_OF_BOUNDS",    "KVCS_ERR_UNSUPPORTED",
       "KVCS_ERR_NOT_FOUND", "KVCS_ERR_MALFORMED",      "KVCS_ERR_NOT_READY",        "KVCS_ERR_DEVICE",

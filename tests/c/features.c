@@ -56,7 +56,7 @@ static kvcs_worker *attention_worker_of(kvcs_segment *segment, uint32_t pp_rank,
 
 /* The default algorithm's worker, TP rank 0 of 1, PP stage 0. */
 static kvcs_worker *attention_worker(kvcs_segment *segment) {
-  return attention_worker_of(segment, 0, KVCS_ALGORITHM_MIXED);
+  return attention_worker_of(segment, 0, KVCS_ALGORITHM_MIXED2);
 }
 
 static void test_aliases(void) {
@@ -75,13 +75,22 @@ static void test_aliases(void) {
   kvcs_worker_destroy(worker);
 }
 
+/* One round of MIXED2's f (SPEC section 12): the low half times k as a
+ * 64-bit product, the high half added to its high half, halves swapped. */
+static uint64_t mix2_round(uint64_t v, uint32_t k) {
+  uint64_t sum = (v & 0xFFFFFFFF00000000ull) + (v & 0xFFFFFFFFull) * k;
+  return (sum << 32) | (sum >> 32);
+}
+
 /* `sum_j f(x_j) * (2j + 1)` over a row of two-byte elements, each
- * zero-extended and mixed (SPEC section 12: the default, MIXED). */
+ * zero-extended and mixed (SPEC section 12: the default, MIXED2). */
 static uint64_t naive_row(const uint16_t *row) {
   uint64_t sum = 0;
   for (uint64_t j = 0; j < S_ELEMENTS; j++) {
-    uint64_t g = ((uint64_t)row[j] ^ ((uint64_t)row[j] >> 32)) * 0x9E3779B97F4A7C15ull;
-    sum += (g ^ (g >> 32)) * (2 * j + 1);
+    uint64_t v = mix2_round(mix2_round(row[j], KVCS_MIX2_MULTIPLIER_1), KVCS_MIX2_MULTIPLIER_2);
+    v ^= v >> 32;
+    v = mix2_round(v, KVCS_MIX2_MULTIPLIER_3);
+    sum += (v ^ (v >> 32)) * (2 * j + 1);
   }
   return sum;
 }
@@ -312,9 +321,10 @@ static void test_stored_checksums(void) {
   kvcs_result_destroy(result);
 
   /* Another algorithm (docs/SPEC.md sections 8 and 12). The intact blocks,
-   * stored under MIXED, load-checked by a WEIGHTED worker: the stamp stored
-   * with each value names its algorithm, so every position is "other
-   * algorithm", never a failure, and the verifier says unverified. */
+   * stored under MIXED2, load-checked by a WEIGHTED worker and by a MIXED
+   * one (kvcsum 0.2's default): the stamp stored with each value names its
+   * algorithm, so every position is "other algorithm", never a failure,
+   * and the verifier says unverified. */
   ((uint8_t *)kv_cache)[0 * F_HEADS * F_BLOCK_SIZE * F_CELL + 5] ^= 0x40;
   kvcs_segment other_segment;
   kvcs_worker *weighted = attention_worker_of(&other_segment, 1, KVCS_ALGORITHM_WEIGHTED);
@@ -329,6 +339,37 @@ static void test_stored_checksums(void) {
   EXPECT_OK(kvcs_result_stored(weighted_check, "o", 0, outcomes));
   CHECK(outcomes[0] == KVCS_STORED_OTHER_ALGORITHM && outcomes[1] == KVCS_STORED_OTHER_ALGORITHM &&
         outcomes[2] == KVCS_STORED_OTHER_ALGORITHM);
+  kvcs_segment mixed_segment;
+  kvcs_worker *mixed = attention_worker_of(&mixed_segment, 1, KVCS_ALGORITHM_MIXED);
+  EXPECT_OK(kvcs_worker_add_region(mixed, (uint64_t)(uintptr_t)stored, sizeof stored));
+  EXPECT_OK(kvcs_worker_add_stored(mixed, 0, (uint64_t)(uintptr_t)stored, F_BLOCKS));
+  kvcs_result *old_mixed_check = NULL;
+  EXPECT_OK(kvcs_worker_check_stored(mixed, blocks, NULL, &old_mixed_check));
+  EXPECT_OK(kvcs_result_stored(old_mixed_check, "o", 0, outcomes));
+  CHECK(outcomes[0] == KVCS_STORED_OTHER_ALGORITHM && outcomes[1] == KVCS_STORED_OTHER_ALGORITHM &&
+        outcomes[2] == KVCS_STORED_OTHER_ALGORITHM);
+  for (int other = 0; other < 2; other++) {
+    kvcs_verifier *pair = NULL;
+    EXPECT_OK(kvcs_verifier_create(2, &pair)); /* TP 1 x 2 PP stages */
+    EXPECT_OK(kvcs_verifier_expect(pair, blocks, KVCS_ROLE_CONSUMER));
+    const kvcs_result *pair_checks[2] = {mixed_check, other ? old_mixed_check : weighted_check};
+    for (int i = 0; i < 2; i++) {
+      size_t len = 0;
+      uint8_t *bytes = record_bytes(pair_checks[i], &len);
+      EXPECT_OK(kvcs_verifier_add_record(pair, bytes, len));
+      free(bytes);
+    }
+    kvcs_report *pair_report = NULL;
+    EXPECT_OK(kvcs_verifier_check_stored(pair, "o", &pair_report));
+    uint32_t pair_verdict = 9, pair_reason = 9;
+    EXPECT_OK(kvcs_report_verdict(pair_report, &pair_verdict));
+    EXPECT_OK(kvcs_report_reason(pair_report, &pair_reason));
+    CHECK(pair_verdict == KVCS_VERDICT_UNVERIFIED && pair_reason == KVCS_UNVERIFIED_ALGORITHM_DIFFERS);
+    kvcs_report_destroy(pair_report);
+    kvcs_verifier_destroy(pair);
+  }
+  kvcs_result_destroy(old_mixed_check);
+  kvcs_worker_destroy(mixed);
   kvcs_verifier *verifier = NULL;
   EXPECT_OK(kvcs_verifier_create(2, &verifier)); /* TP 1 x 2 PP stages */
   EXPECT_OK(kvcs_verifier_expect(verifier, blocks, KVCS_ROLE_CONSUMER));

@@ -187,7 +187,7 @@ static side consumer_side(void) {
 /* A host worker for `rank` of side `s`: its buffers, group 0, one
  * kvcs_layer per layer with identity `names[layer]`. */
 /* The algorithm of the workers make_worker creates; 0 leaves the default
- * (KVCS_ALGORITHM_MIXED). */
+ * (KVCS_ALGORITHM_MIXED2). */
 static uint32_t worker_algorithm;
 
 static kvcs_worker *make_worker(const side *s, uint32_t rank, uint32_t detail, const char *const names[LAYERS]) {
@@ -879,17 +879,19 @@ static void test_end_to_end(side *consumer, const side *producer, const char *te
   free_records(&r);
 }
 
-/* Algorithms (docs/SPEC.md sections 9 and 12): a producer of MIXED workers
- * sends the extension even with it off, and the consumer's verdict is
- * UNVERIFIED (KVCS_UNVERIFIED_ALGORITHM_DIFFERS), never a mismatch,
- * whenever the payload's algorithm or one of its workers' differs. */
+/* Algorithms (docs/SPEC.md sections 9 and 12): a producer of MIXED2 (or
+ * MIXED) workers sends the extension even with it off, and the consumer's
+ * verdict is UNVERIFIED (KVCS_UNVERIFIED_ALGORITHM_DIFFERS), never a
+ * mismatch, whenever the payload's algorithm or one of its workers'
+ * differs: MIXED (kvcsum 0.2's default) and MIXED2 (0.3's) included. */
 static void test_algorithms(const side *producer, const side *consumer) {
   /* kvcs_worker_set_algorithm's errors. */
   kvcs_worker *worker = make_worker(producer, 0, 0, identities);
   EXPECT(kvcs_worker_set_algorithm(NULL, KVCS_ALGORITHM_MIXED), KVCS_ERR_INVALID_ARGUMENT, "worker is NULL");
-  EXPECT(kvcs_worker_set_algorithm(worker, 0), KVCS_ERR_INVALID_ARGUMENT, "algorithm 0 is neither");
-  EXPECT(kvcs_worker_set_algorithm(worker, 3), KVCS_ERR_INVALID_ARGUMENT, "algorithm 3");
+  EXPECT(kvcs_worker_set_algorithm(worker, 0), KVCS_ERR_INVALID_ARGUMENT, "algorithm 0 is not");
+  EXPECT(kvcs_worker_set_algorithm(worker, 4), KVCS_ERR_INVALID_ARGUMENT, "algorithm 4");
   EXPECT_OK(kvcs_worker_set_algorithm(worker, KVCS_ALGORITHM_WEIGHTED));
+  EXPECT_OK(kvcs_worker_set_algorithm(worker, KVCS_ALGORITHM_MIXED2));
   EXPECT_OK(kvcs_worker_set_algorithm(worker, KVCS_ALGORITHM_MIXED));
   kvcs_result *result = NULL;
   EXPECT_OK(kvcs_worker_checksum(worker, producer->blocks, KVCS_ROLE_PRODUCER, NULL, &result));
@@ -898,36 +900,50 @@ static void test_algorithms(const side *producer, const side *consumer) {
   kvcs_result_destroy(result);
   kvcs_worker_destroy(worker);
 
-  /* Payloads: MIXED (the default) carries the extension, a fixarray of 4;
-   * WEIGHTED without extension is vLLM's plain fixarray of 3. */
-  size_t mixed_len = 0, weighted_len = 0;
+  /* Payloads: MIXED2 (the default) and MIXED carry the extension, a
+   * fixarray of 4; WEIGHTED without extension is vLLM's plain fixarray of 3. */
+  size_t mixed_len = 0, weighted_len = 0, old_mixed_len = 0;
   worker_algorithm = 0;
   uint8_t *mixed = produce(producer, 0, 0, &mixed_len);
   worker_algorithm = KVCS_ALGORITHM_WEIGHTED;
   uint8_t *weighted = produce(producer, 0, 0, &weighted_len);
-  CHECK(mixed[0] == 0x94 && weighted[0] == 0x93);
+  worker_algorithm = KVCS_ALGORITHM_MIXED;
+  uint8_t *old_mixed = produce(producer, 0, 0, &old_mixed_len);
+  CHECK(mixed[0] == 0x94 && weighted[0] == 0x93 && old_mixed[0] == 0x94);
+  /* The extension's last element, the algorithm, is the payload's last byte. */
+  CHECK(mixed[mixed_len - 1] == KVCS_ALGORITHM_MIXED2 && old_mixed[old_mixed_len - 1] == KVCS_ALGORITHM_MIXED);
 
-  /* Consumers of either algorithm: the same algorithm matches, the other
-   * is unverified. */
-  const uint32_t algorithms[2] = {KVCS_ALGORITHM_WEIGHTED, KVCS_ALGORITHM_MIXED};
-  for (int a = 0; a < 2; a++) {
+  /* Consumers of each algorithm: the same algorithm matches, the others
+   * are unverified. */
+  const uint32_t algorithms[3] = {KVCS_ALGORITHM_WEIGHTED, KVCS_ALGORITHM_MIXED, KVCS_ALGORITHM_MIXED2};
+  uint8_t *payloads[3] = {weighted, old_mixed, mixed};
+  const size_t payload_lens[3] = {weighted_len, old_mixed_len, mixed_len};
+  const char *producer_says[3] = {"are WEIGHTED (a plain payload)", "are MIXED,", "are MIXED2"};
+  for (int a = 0; a < 3; a++) {
     worker_algorithm = algorithms[a];
     records r = plain_records(consumer, KVCS_ROLE_CONSUMER);
-    kvcs_report *same = judge(consumer, &r, -1, producer->block_size, a ? mixed : weighted, a ? mixed_len : weighted_len);
+    kvcs_report *same = judge(consumer, &r, -1, producer->block_size, payloads[a], payload_lens[a]);
     EXPECT_REPORT(same, KVCS_VERDICT_MATCH, KVCS_UNVERIFIED_NONE, 1);
     kvcs_report_destroy(same);
-    kvcs_report *other = judge(consumer, &r, -1, producer->block_size, a ? weighted : mixed, a ? weighted_len : mixed_len);
-    EXPECT_REPORT(other, KVCS_VERDICT_UNVERIFIED, KVCS_UNVERIFIED_ALGORITHM_DIFFERS, 0);
-    CHECK(num_mismatches(other) == 0);
-    CHECK(only_finding(other, KVCS_UNVERIFIED_ALGORITHM_DIFFERS, KVCS_WHOLE_LOAD, a ? "WEIGHTED (a plain payload)" : "are MIXED"));
-    kvcs_report_destroy(other);
+    for (int b = 0; b < 3; b++) {
+      if (b == a) {
+        continue;
+      }
+      kvcs_report *other = judge(consumer, &r, -1, producer->block_size, payloads[b], payload_lens[b]);
+      EXPECT_REPORT(other, KVCS_VERDICT_UNVERIFIED, KVCS_UNVERIFIED_ALGORITHM_DIFFERS, 0);
+      CHECK(num_mismatches(other) == 0);
+      CHECK(only_finding(other, KVCS_UNVERIFIED_ALGORITHM_DIFFERS, KVCS_WHOLE_LOAD, producer_says[b]));
+      kvcs_report_destroy(other);
+    }
     free_records(&r);
   }
+  free(old_mixed);
 
-  /* One consumer worker of the other algorithm: unverified, whatever the payload. */
-  worker_algorithm = KVCS_ALGORITHM_MIXED;
+  /* One consumer worker of another algorithm (MIXED among MIXED2 ones):
+   * unverified, whatever the payload. */
+  worker_algorithm = KVCS_ALGORITHM_MIXED2;
   records r = plain_records(consumer, KVCS_ROLE_CONSUMER);
-  worker_algorithm = KVCS_ALGORITHM_WEIGHTED;
+  worker_algorithm = KVCS_ALGORITHM_MIXED;
   records odd = plain_records(consumer, KVCS_ROLE_CONSUMER);
   free(r.bytes[1]);
   r.bytes[1] = odd.bytes[1];
@@ -940,10 +956,10 @@ static void test_algorithms(const side *producer, const side *consumer) {
   free_records(&odd);
   free_records(&r);
 
-  /* Producer workers of different algorithms make no payload. */
-  worker_algorithm = KVCS_ALGORITHM_MIXED;
+  /* Producer workers of different algorithms (MIXED2 and MIXED) make no payload. */
+  worker_algorithm = KVCS_ALGORITHM_MIXED2;
   records p = plain_records(producer, KVCS_ROLE_PRODUCER);
-  worker_algorithm = KVCS_ALGORITHM_WEIGHTED;
+  worker_algorithm = KVCS_ALGORITHM_MIXED;
   records p_odd = plain_records(producer, KVCS_ROLE_PRODUCER);
   kvcs_verifier *verifier = make_verifier(producer, KVCS_ROLE_PRODUCER);
   EXPECT_OK(kvcs_verifier_add_record(verifier, p.bytes[0], p.lens[0]));

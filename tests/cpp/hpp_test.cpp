@@ -62,6 +62,29 @@ uint64_t mix(uint64_t x) {
   return g ^ (g >> 32);
 }
 
+/// One round of MIXED2: the low half times k as a 64-bit product, the high
+/// half added to its high half, the halves swapped.
+uint64_t mix2_round(uint64_t v, uint32_t k) {
+  uint64_t sum = (v & 0xFFFFFFFF00000000ull) + (v & 0xFFFFFFFFull) * k;
+  return (sum << 32) | (sum >> 32);
+}
+
+uint64_t mix2(uint64_t x) {
+  uint64_t v = mix2_round(mix2_round(x, KVCS_MIX2_MULTIPLIER_1), KVCS_MIX2_MULTIPLIER_2);
+  v ^= v >> 32;
+  v = mix2_round(v, KVCS_MIX2_MULTIPLIER_3);
+  return v ^ (v >> 32);
+}
+
+/// f of the algorithm.
+uint64_t piece_value(kvcs::algorithm algorithm, uint64_t x) {
+  switch (algorithm) {
+    case kvcs::algorithm::mixed: return mix(x);
+    case kvcs::algorithm::mixed2: return mix2(x);
+    default: return x;
+  }
+}
+
 constexpr uint32_t kLayers = 2;
 constexpr uint32_t kLayerNumbers[kLayers] = {3, 5};
 constexpr uint32_t kHeads = 2;
@@ -87,7 +110,7 @@ struct flash_layer {
 
 /// c(g, q) of sections 2-3 by their loops, for the block at each position.
 std::vector<uint64_t> naive_checksums(const std::vector<flash_layer> &layers, const std::vector<int32_t> &table,
-                                      uint64_t num_tokens, bool mixed) {
+                                      uint64_t num_tokens, kvcs::algorithm algorithm) {
   std::vector<uint64_t> out;
   for (uint64_t q = 0; q < table.size(); q++) {
     uint64_t total = 0;
@@ -100,7 +123,7 @@ std::vector<uint64_t> naive_checksums(const std::vector<flash_layer> &layers, co
           for (uint32_t p = 0; p < kPieces; p++) {
             uint64_t x = layers[l].piece(static_cast<uint32_t>(table[q]), slot, head, p);
             uint64_t j = t * kPieces + p;
-            slice += (mixed ? mix(x) : x) * (2 * j + 1);
+            slice += piece_value(algorithm, x) * (2 * j + 1);
           }
         }
         total += (2 * (uint64_t{kLayerNumbers[l]} * KVCS_MAX_KV_HEADS_PER_LAYER + head) + 1) * slice;
@@ -178,6 +201,7 @@ void test_basics() {
   EXPECT(kvcs::to_string(kvcs::role::consumer) == "KVCS_ROLE_CONSUMER");
   EXPECT(kvcs::to_string(static_cast<kvcs::role>(9)) == "unknown kvcs_role");
   EXPECT(kvcs::to_string(kvcs::algorithm::weighted) == "KVCS_ALGORITHM_WEIGHTED");
+  EXPECT(kvcs::to_string(kvcs::algorithm::mixed2) == "KVCS_ALGORITHM_MIXED2");
   EXPECT(kvcs::to_string(kvcs::stored_outcome::other_algorithm) == "KVCS_STORED_OTHER_ALGORITHM");
   EXPECT(kvcs::to_string(kvcs::policy::fail_open) == "KVCS_POLICY_FAIL_OPEN");
   EXPECT(kvcs::to_string(kvcs::direction::receiving) == "KVCS_DIRECTION_RECEIVING");
@@ -240,8 +264,8 @@ void test_checksums() {
   blocks.add_request("big", 1);
   blocks.add_group("big", 0, 0, extreme);  // checked against the caches at checksum time only
 
-  for (kvcs::algorithm algorithm : {kvcs::algorithm::weighted, kvcs::algorithm::mixed}) {
-    kvcs::worker worker = flash_worker(layers, algorithm, false, algorithm == kvcs::algorithm::mixed);
+  for (kvcs::algorithm algorithm : {kvcs::algorithm::weighted, kvcs::algorithm::mixed, kvcs::algorithm::mixed2}) {
+    kvcs::worker worker = flash_worker(layers, algorithm, false, algorithm != kvcs::algorithm::weighted);
     kvcs::blocks scheduled;
     scheduled.add_request("r", num_tokens);
     std::vector<uint32_t> unsigned_table(table.begin(), table.end());
@@ -254,15 +278,17 @@ void test_checksums() {
     EXPECT(result.num_positions("r", 0) == 3 && result.num_columns("r", 0) == 1);
     kvcs::column_values column = result.column_with_key("r", 0, 0);
     EXPECT(column.replicas == 1 && column.replica_index == 0);
-    std::vector<uint64_t> expected = naive_checksums(layers, table, num_tokens, algorithm == kvcs::algorithm::mixed);
+    std::vector<uint64_t> expected = naive_checksums(layers, table, num_tokens, algorithm);
     EXPECT(column.values == expected);
     EXPECT(result.column("r", 0) == expected);
     EXPECT_THROW(KVCS_ERR_OUT_OF_BOUNDS, "column", result.column("r", 0, 1));
     EXPECT_THROW(KVCS_ERR_NOT_FOUND, "x", result.group("x", 0));
     EXPECT(!result.encode().empty());
     EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "algorithm", worker.set_algorithm(kvcs::algorithm::weighted));
-    // The other algorithm gives other values.
-    EXPECT(naive_checksums(layers, table, num_tokens, algorithm != kvcs::algorithm::mixed) != expected);
+    // The other algorithms give other values.
+    for (kvcs::algorithm other : {kvcs::algorithm::weighted, kvcs::algorithm::mixed, kvcs::algorithm::mixed2}) {
+      if (other != algorithm) EXPECT(naive_checksums(layers, table, num_tokens, other) != expected);
+    }
     // A block id past the cache fails the call.
     EXPECT_THROW(KVCS_ERR_OUT_OF_BOUNDS, "2147483647", worker.checksum(blocks, kvcs::role::consumer));
   }
@@ -275,7 +301,7 @@ void test_checksums() {
 /// aliases, skipped groups.
 void test_registration() {
   std::vector<flash_layer> layers(kLayers);
-  kvcs::worker worker = flash_worker(layers, kvcs::algorithm::mixed, false);
+  kvcs::worker worker = flash_worker(layers, kvcs::algorithm::mixed2, false);
   EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "address", worker.add_region(uint64_t{0}, 64));
   EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "block_size", worker.add_group(1, 0));
   kvcs_layer outside{};
@@ -354,7 +380,7 @@ void test_registration() {
 void test_stored() {
   constexpr size_t kHashBytes = 32;
   std::vector<flash_layer> layers(kLayers);
-  kvcs::worker worker = flash_worker(layers, kvcs::algorithm::mixed, false);
+  kvcs::worker worker = flash_worker(layers, kvcs::algorithm::mixed2, false);
   std::vector<uint64_t> stored(kNumBlocks * KVCS_BLOCK_CHECKSUM_BYTES / 8);
   EXPECT_THROW(KVCS_ERR_OUT_OF_BOUNDS, "region", worker.add_stored(0, stored.data(), kNumBlocks));
   worker.add_region(stored.data(), stored.size() * 8);
@@ -381,7 +407,7 @@ void test_stored() {
   EXPECT_THROW(KVCS_ERR_NOT_FOUND, "group_id 9", worker.block_tags(9, hashes, kHashBytes));
   kvcs::result store = worker.store(blocks);
   std::vector<uint64_t> values = store.column("o", 0);
-  EXPECT(values == naive_checksums(layers, table, num_tokens, true));
+  EXPECT(values == naive_checksums(layers, table, num_tokens, kvcs::algorithm::mixed2));
   for (size_t q = 0; q < table.size(); q++) {
     EXPECT((stored[table[q] * 2] ^ tags[q]) == values[q]);
   }
@@ -445,7 +471,7 @@ void test_verification() {
   blocks.add_request("v", num_tokens);
   blocks.add_group("v", 0, 0, table);
 
-  kvcs::worker producer_worker = flash_worker(layers, kvcs::algorithm::mixed, true);
+  kvcs::worker producer_worker = flash_worker(layers, kvcs::algorithm::mixed2, true);
   kvcs::verifier producer(1);
   producer.set_extension(true);
   producer.expect(blocks, kvcs::role::producer);
@@ -465,7 +491,7 @@ void test_verification() {
       // Position 2 (block 2) holds 2 valid tokens: slot 1, one head, K.
       loaded[bad_layer].k[((2 * kBlockSize + 1) * kHeads + bad_head) * kHeadPieces] ^= 1 + random_bits() % 255;
     }
-    kvcs::worker consumer_worker = flash_worker(loaded, kvcs::algorithm::mixed, true);
+    kvcs::worker consumer_worker = flash_worker(loaded, kvcs::algorithm::mixed2, true);
     kvcs::verifier consumer(1);
     consumer.set_policy(kvcs::policy::fail_closed);
     consumer.set_require_coverage(true);

@@ -99,10 +99,19 @@ int main(int argc, char **argv) {
         for (uint64_t t = 0; t < BLOCK && q * BLOCK + t < num_tokens; t++) {
           for (uint64_t p = 0; p < PIECES; p++) {
             uint64_t j = (q * BLOCK + t) * PIECES + p;
-            /* f of SPEC section 12 (the default algorithm, MIXED), then the weight. */
-            uint64_t x = load_le(&cache[l][block_ids[q]][h][t][p * 8]);
-            uint64_t g = (x ^ (x >> 32)) * 0x9E3779B97F4A7C15ull;
-            slice += (g ^ (g >> 32)) * (2 * j + 1);
+            /* f of SPEC section 12 (the default algorithm, MIXED2:
+             * three multiply-add rounds on the halves, two folds), then
+             * the weight. */
+            uint64_t v = load_le(&cache[l][block_ids[q]][h][t][p * 8]);
+            const uint32_t k[3] = {KVCS_MIX2_MULTIPLIER_1, KVCS_MIX2_MULTIPLIER_2, KVCS_MIX2_MULTIPLIER_3};
+            for (int round = 0; round < 3; round++) {
+              uint64_t sum = (v & 0xFFFFFFFF00000000ull) + (v & 0xFFFFFFFFull) * k[round];
+              v = (sum << 32) | (sum >> 32);
+              if (round > 0) {
+                v ^= v >> 32;
+              }
+            }
+            slice += v * (2 * j + 1);
           }
         }
         want += (2 * ((uint64_t)(7 + l) * KVCS_MAX_KV_HEADS_PER_LAYER + h) + 1) * slice;

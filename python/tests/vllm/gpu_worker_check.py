@@ -94,7 +94,7 @@ def check_tp_on_device() -> str:
         worker = checksummer(specs, lay_out(shard, "FI", device="cuda"), NUM_BLOCKS, BLOCK, tp_rank=rank, tp_size=2)
         records.append(worker.checksum(_jobs(), kvcsum.PRODUCER).record())
     got = _payloads(records, 2)
-    # The payloads' plain parts are equal; a MIXED payload's extension also
+    # The payloads' plain parts are equal; a MIXED2 payload's extension also
     # names the producer's TP size (1 and 2), so compare by verifying: the
     # device's TP 2 payloads must match the host's TP 1 consumer record.
     consumer_record = whole.checksum(_jobs(), kvcsum.CONSUMER).record()

@@ -63,7 +63,7 @@ def _payload(records: list, num_workers: int, job_list) -> list:
 
 
 def _plain(payload: bytes) -> list:
-    """The payload's plain part, [1, num_tokens, groups]: a MIXED payload's
+    """The payload's plain part, [1, num_tokens, groups]: a MIXED2 payload's
     extension also names the producer's TP size, which differs between the
     TP sizes compared here."""
     import msgspec

@@ -151,16 +151,15 @@ def test_intact_load_matches_and_continues(store):
     # The payload is the vLLM fork's: [1, num_tokens, [[group, fingerprint,
     # first position, values]]], the fingerprint summing the fork's layer
     # identities (name, spec type, block size, dtype), then, since the
-    # workers compute the library's default algorithm, not vLLM's WEIGHTED,
-    # kvcsum's extension naming it (the algorithm last: docs/SPEC.md
-    # section 9).
+    # workers compute MIXED2 (the default), kvcsum's extension naming it
+    # (the algorithm last: docs/SPEC.md section 9).
     import hashlib
 
     import msgspec
 
     payload = msgspec.msgpack.decode(kvcsum.base64_decode(params["kv_checksums"]))
     assert len(payload) == 4 and payload[:2] == [1, len(PROMPT)]
-    assert payload[3][0] == kvcsum.EXTENSION_VERSION and payload[3][-1] != kvcsum.WEIGHTED
+    assert payload[3][0] == kvcsum.EXTENSION_VERSION and payload[3][-1] == kvcsum.MIXED2
     [[group, fingerprint, first, values]] = payload[2]
     fork = sum(
         int.from_bytes(hashlib.sha256(repr((f"model.layers.{i}.self_attn.attn", "FullAttentionSpec", P_BLOCK, "torch.float16")).encode()).digest()[:8], "little")
