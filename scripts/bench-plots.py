@@ -51,7 +51,11 @@ def table_rows(lines: list[str], header_start: str) -> tuple[list[str], list[lis
             rows = []
             for row in lines[at + 1 :]:
                 if not row.startswith("|"):
-                    break
+                    # gpu_bench prints the kernels' register use between the
+                    # header and the first row: the table ends only after one.
+                    if rows:
+                        break
+                    continue
                 if re.fullmatch(r"\|[-:| ]+\|", row.strip()):
                     continue
                 found = cells(row)
