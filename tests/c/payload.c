@@ -2,7 +2,7 @@
  * Payloads read through the C API (kvcs_payload_*) and layer decodings
  * (kvcs_worker_set_layer_decoding): a producer's payload decoded again,
  * its values against a naive reference of SPEC sections 2, 3 and 12 (the
- * MIXED function written here again), its extension's layer partials and
+ * MIXED2 function, the default, written here again), its extension's layer partials and
  * decodings as declared; a consumer whose declared K scale differs is
  * KVCS_UNVERIFIED_DECODING_DIFFERS, never a match; and every error path of
  * those calls.
@@ -38,10 +38,22 @@ static uint64_t p_random(void) {
   return p_rng * 0x2545F4914F6CDD1Dull;
 }
 
-/* f of SPEC section 12, from its definition. */
+/* One round of MIXED2's f (SPEC section 12): the low half times k
+ * (64-bit), the high half added to the product's high half, the halves
+ * swapped. */
+static uint64_t naive_mix2_round(uint64_t v, uint32_t k) {
+  uint64_t sum = (v & 0xFFFFFFFF00000000ull) + (v & 0xFFFFFFFFull) * k;
+  return (sum << 32) | (sum >> 32);
+}
+
+/* f of the default algorithm, MIXED2 (SPEC section 12), from its
+ * definition: three rounds, a fold after the second and the third. */
 static uint64_t naive_mix(uint64_t x) {
-  uint64_t g = (x ^ (x >> 32)) * 0x9E3779B97F4A7C15ull;
-  return g ^ (g >> 32);
+  uint64_t v = naive_mix2_round(x, KVCS_MIX2_MULTIPLIER_1);
+  v = naive_mix2_round(v, KVCS_MIX2_MULTIPLIER_2);
+  v ^= v >> 32;
+  v = naive_mix2_round(v, KVCS_MIX2_MULTIPLIER_3);
+  return v ^ (v >> 32);
 }
 
 /* The checksum of position q over `layers` (a bit mask of layer indices),
@@ -234,7 +246,7 @@ void test_payload(uint64_t seed) {
   EXPECT_OK(kvcs_payload_info(payload, &info));
   CHECK(info.version == KVCS_PAYLOAD_VERSION && info.extension_version == KVCS_EXTENSION_VERSION);
   CHECK(info.num_tokens == P_TOKENS && info.num_groups == 1 && info.producer_tp_size == 1);
-  CHECK(info.algorithm == KVCS_ALGORITHM_MIXED);
+  CHECK(info.algorithm == KVCS_ALGORITHM_MIXED2);
 
   kvcs_group_checksums group = {0};
   EXPECT(kvcs_payload_group(payload, 1, &group), KVCS_ERR_OUT_OF_BOUNDS, "group_index 1");
