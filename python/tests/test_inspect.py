@@ -52,7 +52,7 @@ def bits(value: float) -> int:
     return struct.unpack("<Q", struct.pack("<d", value))[0]
 
 
-def produce(cache, *, detail=False, decodings=(), extension=True, algorithm=kvcsum.MIXED) -> bytes:
+def produce(cache, *, detail=False, decodings=(), extension=True, algorithm=kvcsum.MIXED2) -> bytes:
     """The payload of one request over blocks 3, 1, 6 of `cache` (NHD, two
     layers 0 and 5 in one array each), with `decodings` declared."""
     with kvcsum.Worker(num_threads=1, algorithm=algorithm) as worker, kvcsum.Blocks() as blocks:
@@ -91,7 +91,7 @@ def test_decoded_payloads_say_what_msgspec_reads(rng):
     assert (decoded.version, decoded.num_tokens) == (version, num_tokens) == (1, 40)
     assert decoded.extension_version == extension[0] == kvcsum.EXTENSION_VERSION
     assert decoded.producer_tp_size == extension[1] == 1
-    assert decoded.algorithm == extension[3] == kvcsum.MIXED
+    assert decoded.algorithm == extension[3] == kvcsum.MIXED2
     [(group_id, fingerprint, first, raw)] = groups
     [(ext_id, block_size, layers, coverage, marks, decodings)] = extension[2]
     group = decoded.groups[0]
@@ -194,7 +194,7 @@ def test_inspect_prints_what_the_payload_says(rng):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == f"payload: version 1, {num_tokens} tokens, 1 group"
-    assert lines[1] == f"  extension version {extension[0]}: algorithm MIXED (2), producer TP size 1"
+    assert lines[1] == f"  extension version {extension[0]}: algorithm MIXED2 (3), producer TP size 1"
     assert f"  group {group_id}: fingerprint {fingerprint:#018x}, positions 0..3 (3 values), block size 16" in lines
     assert any("layer 0 decoding: dtype fp8_e4m3, head_size 64, k_scale 0.0125 (bits 0x3f8999999999999a)" in l for l in lines)
     assert "    layer partials: 0 (heads 0..4), 5 (heads 0..4)" in lines
@@ -221,11 +221,11 @@ def test_inspect_names_the_positions_two_payloads_differ_at(rng, tmp_path):
     assert done.stdout.splitlines()[-2:] == ["differences (1):", f"  group 0: position 2: {a[2]:016x} vs {b[2]:016x}"]
     same = inspect(base64.b64encode(first).decode(), "--file", tmp_path / "a.txt")
     assert same.returncode == 0 and same.stdout.endswith("the two payloads say the same\n"), same.stdout
-    # Other facts differ too: a plain payload of WEIGHTED values against a MIXED one.
+    # Other facts differ too: a plain payload of WEIGHTED values against a MIXED2 one.
     plain = produce(cache, extension=False, algorithm=kvcsum.WEIGHTED)
     done = inspect(base64.b64encode(first).decode(), base64.b64encode(plain).decode())
     assert done.returncode == 1
-    assert "  algorithm: MIXED (2) vs WEIGHTED (1)" in done.stdout, done.stdout
+    assert "  algorithm: MIXED2 (3) vs WEIGHTED (1)" in done.stdout, done.stdout
     assert "  producer_tp_size: 1 vs not sent" in done.stdout, done.stdout
     assert "  extension_version: 3 vs 0" in done.stdout, done.stdout
 
