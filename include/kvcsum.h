@@ -1316,6 +1316,16 @@ typedef kvcs_status (*kvcs_result_check_entries_fn)(const kvcs_result *result,
                                                     const uint64_t *entries,
                                                     uint8_t *outcomes);
 
+// The type of `kvcs_report_num_uncompared`.
+typedef kvcs_status (*kvcs_report_num_uncompared_fn)(const kvcs_report *report, size_t *count);
+
+// The type of `kvcs_report_uncompared`.
+typedef kvcs_status (*kvcs_report_uncompared_fn)(const kvcs_report *report,
+                                                 size_t index,
+                                                 uint32_t *group_id,
+                                                 uint64_t *first_position,
+                                                 uint64_t *num_positions);
+
 // Every call of the library as one table of function pointers, for a
 // program that loads kvcsum at run time: it resolves the one symbol
 // `kvcs_api_get` and calls through the table, whose entries the compiler
@@ -1565,6 +1575,10 @@ typedef struct {
   kvcs_result_entries_fn kvcs_result_entries;
   // Slot 115: `kvcs_result_check_entries`.
   kvcs_result_check_entries_fn kvcs_result_check_entries;
+  // Slot 116: `kvcs_report_num_uncompared`.
+  kvcs_report_num_uncompared_fn kvcs_report_num_uncompared;
+  // Slot 117: `kvcs_report_uncompared`.
+  kvcs_report_uncompared_fn kvcs_report_uncompared;
 } kvcs_api;
 
 // The type of `kvcs_api_get`.
@@ -1859,6 +1873,24 @@ kvcs_status kvcs_report_compared_positions(const kvcs_report *report, uint64_t *
 // A match says nothing about them. Counted apart from
 // `kvcs_report_compared_positions`; 0 when everything loaded was compared.
 kvcs_status kvcs_report_uncompared_positions(const kvcs_report *report, uint64_t *positions);
+
+// The number of uncompared ranges (`kvcs_report_uncompared`): where the
+// positions `kvcs_report_uncompared_positions` counts lie. 0 when
+// everything loaded was compared.
+kvcs_status kvcs_report_num_uncompared(const kvcs_report *report, size_t *count);
+
+// Uncompared range `index` (below `kvcs_report_num_uncompared`): the
+// consumer's block positions `first_position .. first_position +
+// num_positions` of group `group_id` were loaded (hold valid tokens) but
+// no compared position covers them, so the verdict says nothing about
+// them. Ranges of one group are ascending and not adjacent; together they
+// hold `kvcs_report_uncompared_positions` positions. Any out-pointer may
+// be NULL.
+kvcs_status kvcs_report_uncompared(const kvcs_report *report,
+                                   size_t index,
+                                   uint32_t *group_id,
+                                   uint64_t *first_position,
+                                   uint64_t *num_positions);
 
 // The number of mismatch entries.
 kvcs_status kvcs_report_num_mismatches(const kvcs_report *report, size_t *count);

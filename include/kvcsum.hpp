@@ -807,6 +807,17 @@ struct finding {
   std::string message;
 };
 
+/// Consumer block positions of one group that were loaded but not compared
+/// (kvcs_report_uncompared).
+struct uncompared_range {
+  /// The group.
+  uint32_t group_id = 0;
+  /// The first consumer block position of the range.
+  uint64_t first_position = 0;
+  /// Consecutive positions in the range.
+  uint64_t num_positions = 0;
+};
+
 /// A mismatch entry with its failed replica checks and layer differences.
 struct mismatch_detail {
   /// The entry (group, positions, tokens, counts).
@@ -857,6 +868,27 @@ class report : public detail::owner<kvcs_report, kvcs_report_destroy> {
     uint64_t positions = 0;
     check(kvcs_report_uncompared_positions(get(), &positions));
     return positions;
+  }
+  /// The number of uncompared ranges (kvcs_report_num_uncompared).
+  size_t num_uncompared() const {
+    size_t count = 0;
+    check(kvcs_report_num_uncompared(get(), &count));
+    return count;
+  }
+  /// Uncompared range `index` (kvcs_report_uncompared).
+  uncompared_range uncompared(size_t index) const {
+    uncompared_range range;
+    check(kvcs_report_uncompared(get(), index, &range.group_id, &range.first_position, &range.num_positions));
+    return range;
+  }
+  /// Every uncompared range: where the positions uncompared_positions()
+  /// counts lie.
+  std::vector<uncompared_range> uncompared_ranges() const {
+    std::vector<uncompared_range> out(num_uncompared());
+    for (size_t i = 0; i < out.size(); i++) {
+      out[i] = uncompared(i);
+    }
+    return out;
   }
   /// The number of mismatch entries (kvcs_report_num_mismatches).
   size_t num_mismatches() const {

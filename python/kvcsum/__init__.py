@@ -158,7 +158,7 @@ from ._topology import (
     remote_ranks,
     tp_ratio,
 )
-from ._verify import Finding, LayerDifference, Mismatch, Report, Verifier, base64_decode, base64_encode
+from ._verify import Finding, LayerDifference, Mismatch, Report, Uncompared, Verifier, base64_decode, base64_encode
 from ._version import __version__  # noqa: F401 (kvcsum.__version__)
 from ._worker import Blocks, Result, Worker
 
@@ -237,6 +237,7 @@ __all__ = [
     "Verifier",
     "Report",
     "Mismatch",
+    "Uncompared",
     "LayerDifference",
     "Finding",
     "base64_encode",

@@ -1181,6 +1181,23 @@ CALLS = {
             ("outcomes", "uint8_t *"),
         ),
     ),
+    "kvcs_report_num_uncompared": (
+        "kvcs_status",
+        (
+            ("report", "const kvcs_report *"),
+            ("count", "size_t *"),
+        ),
+    ),
+    "kvcs_report_uncompared": (
+        "kvcs_status",
+        (
+            ("report", "const kvcs_report *"),
+            ("index", "size_t"),
+            ("group_id", "uint32_t *"),
+            ("first_position", "uint64_t *"),
+            ("num_positions", "uint64_t *"),
+        ),
+    ),
     "kvcs_api_get": (
         "kvcs_status",
         (

@@ -1,5 +1,5 @@
 """The scheduler side: Verifier and its Report (Mismatch, LayerDifference,
-Finding), and the base64 of payloads."""
+Uncompared, Finding), and the base64 of payloads."""
 
 from __future__ import annotations
 
@@ -41,6 +41,19 @@ class Mismatch:
     failed_checks: tuple
     localised: bool
     layers: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Uncompared:
+    """Consumer block positions `[first_position, first_position +
+    num_positions)` of one group that were loaded (hold valid tokens) but
+    that no compared position covers: a verdict says nothing about them.
+
+    Thread safety: immutable (a frozen dataclass); share it freely."""
+
+    group_id: int
+    first_position: int
+    num_positions: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +153,22 @@ class Report(_Handle):
         Verifier.set_require_coverage(True) such a load is UNVERIFIED
         (UNCOMPARED_POSITIONS). 0 when everything loaded was compared."""
         return self._u64(self._lib.kvcs_report_uncompared_positions)
+
+    @property
+    def uncompared(self) -> list[Uncompared]:
+        """Where the positions uncompared_positions counts lie: per group,
+        ranges of the consumer's block positions that were loaded (hold
+        valid tokens) but that no compared position covers, ascending
+        within a group. Empty when everything loaded was compared."""
+        out = []
+        with self._use() as handle:
+            count = c_size_t()
+            _check(self._lib.kvcs_report_num_uncompared(handle, byref(count)))
+            for i in range(count.value):
+                group, first, num = c_uint32(), c_uint64(), c_uint64()
+                _check(self._lib.kvcs_report_uncompared(handle, i, byref(group), byref(first), byref(num)))
+                out.append(Uncompared(group.value, first.value, num.value))
+        return out
 
     @property
     def mismatches(self) -> list[Mismatch]:

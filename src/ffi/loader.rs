@@ -557,6 +557,17 @@ pub type kvcs_result_check_entries_fn = unsafe extern "C" fn(
     entries: *const u64,
     outcomes: *mut u8,
 ) -> kvcs_status;
+/// The type of `kvcs_report_num_uncompared`.
+pub type kvcs_report_num_uncompared_fn =
+    unsafe extern "C" fn(report: *const kvcs_report, count: *mut usize) -> kvcs_status;
+/// The type of `kvcs_report_uncompared`.
+pub type kvcs_report_uncompared_fn = unsafe extern "C" fn(
+    report: *const kvcs_report,
+    index: usize,
+    group_id: *mut u32,
+    first_position: *mut u64,
+    num_positions: *mut u64,
+) -> kvcs_status;
 /// The type of `kvcs_api_get`.
 pub type kvcs_api_get_fn = unsafe extern "C" fn(abi_version: u32, out: *mut *const kvcs_api) -> kvcs_status;
 
@@ -810,6 +821,10 @@ pub struct kvcs_api {
     pub kvcs_result_entries: kvcs_result_entries_fn,
     /// Slot 115: `kvcs_result_check_entries`.
     pub kvcs_result_check_entries: kvcs_result_check_entries_fn,
+    /// Slot 116: `kvcs_report_num_uncompared`.
+    pub kvcs_report_num_uncompared: kvcs_report_num_uncompared_fn,
+    /// Slot 117: `kvcs_report_uncompared`.
+    pub kvcs_report_uncompared: kvcs_report_uncompared_fn,
 }
 
 /// The table `kvcs_api_get` gives out.
@@ -932,4 +947,6 @@ pub(crate) static API: kvcs_api = kvcs_api {
     kvcs_worker_set_layer_decoding: super::worker::kvcs_worker_set_layer_decoding,
     kvcs_result_entries: super::result::kvcs_result_entries,
     kvcs_result_check_entries: super::result::kvcs_result_check_entries,
+    kvcs_report_num_uncompared: super::report::kvcs_report_num_uncompared,
+    kvcs_report_uncompared: super::report::kvcs_report_uncompared,
 };

@@ -285,6 +285,51 @@ pub extern "C" fn kvcs_report_uncompared_positions(report: *const kvcs_report, p
     }
 }
 
+/// The number of uncompared ranges (`kvcs_report_uncompared`): where the
+/// positions `kvcs_report_uncompared_positions` counts lie. 0 when
+/// everything loaded was compared.
+#[no_mangle]
+pub extern "C" fn kvcs_report_num_uncompared(report: *const kvcs_report, count: *mut usize) -> kvcs_status {
+    ffi_boundary! {
+        let handle = try_handle!(report, "report");
+        not_null!(count, "count");
+        // SAFETY: non-NULL (checked) and writable per the contract.
+        unsafe { write_out(count, handle.report.uncompared.len()) };
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// Uncompared range `index` (below `kvcs_report_num_uncompared`): the
+/// consumer's block positions `first_position .. first_position +
+/// num_positions` of group `group_id` were loaded (hold valid tokens) but
+/// no compared position covers them, so the verdict says nothing about
+/// them. Ranges of one group are ascending and not adjacent; together they
+/// hold `kvcs_report_uncompared_positions` positions. Any out-pointer may
+/// be NULL.
+#[no_mangle]
+pub extern "C" fn kvcs_report_uncompared(
+    report: *const kvcs_report,
+    index: usize,
+    group_id: *mut u32,
+    first_position: *mut u64,
+    num_positions: *mut u64,
+) -> kvcs_status {
+    ffi_boundary! {
+        let handle = try_handle!(report, "report");
+        let ranges = &handle.report.uncompared;
+        let Some(range) = ranges.get(index) else {
+            return index_error("index", index, ranges.len());
+        };
+        // SAFETY: each is NULL or writable per the contract.
+        unsafe {
+            write_out(group_id, range.group_id);
+            write_out(first_position, range.first_position);
+            write_out(num_positions, range.num_positions);
+        }
+        kvcs_status::KVCS_OK
+    }
+}
+
 /// The number of mismatch entries.
 #[no_mangle]
 pub extern "C" fn kvcs_report_num_mismatches(report: *const kvcs_report, count: *mut usize) -> kvcs_status {

@@ -293,18 +293,14 @@ impl GroupSides<'_> {
     /// hold are compared whatever the token counts and block sizes.
     fn compare_state(&self, num_tokens: u64, checks: &[(u32, Vec<u64>)]) -> Judged<GroupOutcome> {
         let first = self.scheduled.first_position;
-        let mut outcome = GroupOutcome {
-            compared: 0,
-            uncompared: 0,
-            mismatches: Vec::new(),
-        };
+        let mut outcome = GroupOutcome::new();
         for index in 0..self.scheduled.block_ids.len() {
             let position = first + index as u64;
             let sent = position
                 .checked_sub(self.sent.first_position)
                 .and_then(|at| self.sent.values.get(at as usize));
             let Some(&expected) = sent else {
-                outcome.uncompared += 1;
+                outcome.add_uncompared(position, 1);
                 continue;
             };
             outcome.compared += 1;
@@ -371,12 +367,13 @@ impl GroupSides<'_> {
         let run = run_tokens(producer_block_size, self.consumer_block_size);
         let (q_lo, q_hi) = consumer.with_values(&checks[0].1).runs(run);
         let localised = self.localised();
-        let mut outcome = GroupOutcome {
-            compared: 0,
-            uncompared: 0,
-            mismatches: Vec::new(),
-        };
-        let mut covered = 0u128;
+        let mut outcome = GroupOutcome::new();
+        // The consumer's loaded positions holding valid tokens: `start ..
+        // loaded_end`; compared runs cover some of them, in ascending
+        // order, and the gaps between are uncompared.
+        let start = consumer.first_position as u128;
+        let loaded_end = start + consumer_loaded(consumer, self.scheduled.block_ids.len());
+        let mut cursor = start;
         let mut namer = localised.then(|| LayerNamer::new(self, producer, consumer, run));
         for q in q_lo..q_hi {
             let valid = consumer.run_valid_tokens(run, q);
@@ -391,7 +388,10 @@ impl GroupSides<'_> {
             };
             outcome.compared += 1;
             let (lo, hi) = consumer.blocks_of_run(run, q);
-            covered += hi - lo;
+            if lo > cursor {
+                outcome.add_uncompared(cursor as u64, (lo - cursor) as u64);
+            }
+            cursor = cursor.max(hi);
             if failed_checks.is_empty() {
                 continue;
             }
@@ -410,7 +410,9 @@ impl GroupSides<'_> {
                 failed_workers: Vec::new(),
             });
         }
-        outcome.uncompared = (consumer_loaded(consumer, self.scheduled.block_ids.len()) - covered) as u64;
+        if loaded_end > cursor {
+            outcome.add_uncompared(cursor as u64, (loaded_end - cursor) as u64);
+        }
         outcome
     }
 

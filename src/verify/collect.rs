@@ -12,7 +12,7 @@ use crate::error::{err, Result};
 use crate::layout::Role;
 use crate::record::{GroupInfo, Rank, RecordGroup, RecordRequest};
 
-use super::report::{Finding, Mismatch, Policy, Reason, Report};
+use super::report::{Finding, Mismatch, Policy, Reason, Report, Uncompared};
 
 /// A condition that makes a load (or group) unverified, or a payload
 /// impossible to build.
@@ -47,9 +47,38 @@ pub(super) struct GroupOutcome {
     /// Positions compared (payload) or checked by every worker (offload).
     pub compared: u64,
     /// Loaded positions holding valid tokens that no compared run covers,
-    /// or that not every worker checked.
-    pub uncompared: u64,
+    /// or that not every worker checked: `(first position, positions)`
+    /// ranges, ascending and not adjacent.
+    pub uncompared: Vec<(u64, u64)>,
     pub mismatches: Vec<Mismatch>,
+}
+
+impl GroupOutcome {
+    /// An outcome with nothing compared yet.
+    pub fn new() -> GroupOutcome {
+        GroupOutcome {
+            compared: 0,
+            uncompared: Vec::new(),
+            mismatches: Vec::new(),
+        }
+    }
+
+    /// Adds positions `first .. first + count` as uncompared; they follow
+    /// every range added before (joined with the last where adjacent).
+    pub fn add_uncompared(&mut self, first: u64, count: u64) {
+        if count == 0 {
+            return;
+        }
+        match self.uncompared.last_mut() {
+            Some((last_first, last_count)) if *last_first + *last_count == first => *last_count += count,
+            _ => self.uncompared.push((first, count)),
+        }
+    }
+
+    /// The number of uncompared positions.
+    pub fn uncompared_count(&self) -> u64 {
+        self.uncompared.iter().map(|&(_, count)| count).sum()
+    }
 }
 
 /// How a kind of load words the findings its report adds itself: a
@@ -71,7 +100,13 @@ impl Load<'_> {
             group_id: None,
             message,
         };
-        Report::new(self.req_id, self.settings.policy, (0, 0), Vec::new(), vec![finding])
+        Report::new(
+            self.req_id,
+            self.settings.policy,
+            (0, Vec::new()),
+            Vec::new(),
+            vec![finding],
+        )
     }
 
     /// The report of a load whose scheduled groups `judge` judges one by
@@ -84,7 +119,7 @@ impl Load<'_> {
         mut judge: impl FnMut(&GroupBlocks) -> Judged<Option<GroupOutcome>>,
         wording: &Wording,
     ) -> Report {
-        let (mut compared, mut uncompared) = (0u64, 0u64);
+        let (mut compared, mut uncompared) = (0u64, Vec::new());
         let mut mismatches = Vec::new();
         let mut findings = Vec::new();
         let mut any_group_judged = false;
@@ -94,14 +129,24 @@ impl Load<'_> {
                 Ok(Some(outcome)) => {
                     any_group_judged = true;
                     compared += outcome.compared;
-                    uncompared += outcome.uncompared;
-                    if outcome.uncompared > 0 && self.settings.require_coverage && outcome.mismatches.is_empty() {
+                    let count = outcome.uncompared_count();
+                    if count > 0 && self.settings.require_coverage && outcome.mismatches.is_empty() {
                         findings.push(Finding {
                             reason: Reason::UncomparedPositions,
                             group_id: Some(group_id),
-                            message: (wording.uncompared)(group_id, outcome.uncompared, outcome.compared),
+                            message: (wording.uncompared)(group_id, count, outcome.compared),
                         });
                     }
+                    uncompared.extend(
+                        outcome
+                            .uncompared
+                            .iter()
+                            .map(|&(first_position, num_positions)| Uncompared {
+                                group_id,
+                                first_position,
+                                num_positions,
+                            }),
+                    );
                     mismatches.extend(outcome.mismatches);
                 }
                 Ok(None) => {}

@@ -64,7 +64,7 @@ use crate::record::{GroupInfo, Record};
 
 use collect::{check_rank, Pending, Unverified, WorkerPart};
 use collect::{Load, Settings};
-pub use report::{Finding, LayerDifference, Mismatch, Policy, Reason, Report, Verdict};
+pub use report::{Finding, LayerDifference, Mismatch, Policy, Reason, Report, Uncompared, Verdict};
 
 /// Collects worker records and verifies loads; see the module documentation.
 #[derive(Debug)]

@@ -82,11 +82,7 @@ impl Load<'_> {
             .iter()
             .map(|(part, group)| (part.rank, group.stored.as_deref().unwrap_or_default()))
             .collect();
-        let mut outcome = GroupOutcome {
-            compared: 0,
-            uncompared: 0,
-            mismatches: Vec::new(),
-        };
+        let mut outcome = GroupOutcome::new();
         if let Some(other) = workers
             .iter()
             .find_map(|&(rank, outcomes)| other_configuration(outcomes).map(|reason| (rank, reason)))
@@ -152,7 +148,7 @@ impl Load<'_> {
                 outcome.compared += 1;
             } else if checked > 0 || tokens > 0 || state {
                 // Some worker did not check a position that holds tokens.
-                outcome.uncompared += 1;
+                outcome.add_uncompared(position, 1);
             }
         }
         if outcome.compared == 0 {

@@ -176,6 +176,19 @@ pub struct Mismatch {
     pub failed_workers: Vec<Rank>,
 }
 
+/// Consumer block positions of one group that were loaded (holding valid
+/// tokens) but that no compared position covers, so a verdict says nothing
+/// about them: `first_position .. first_position + num_positions`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Uncompared {
+    /// The group.
+    pub group_id: u32,
+    /// The consumer's first uncompared block position of the range.
+    pub first_position: u64,
+    /// Consecutive consumer positions in the range (at least 1).
+    pub num_positions: u64,
+}
+
 /// The verdict on one finished load and everything behind it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Report {
@@ -192,8 +205,11 @@ pub struct Report {
     /// The consumer's loaded block positions (holding valid tokens, in the
     /// groups compared) that no compared position covers: a leading partial
     /// run where block sizes differ, positions past the producer's tokens.
-    /// A match says nothing about them.
+    /// A match says nothing about them. The sum of `uncompared`'s ranges.
     pub uncompared_positions: u64,
+    /// Where those positions are: ranges per group, ascending by position
+    /// within a group, groups in the order the load scheduled them.
+    pub uncompared: Vec<Uncompared>,
     /// Positions that differ, by group.
     pub mismatches: Vec<Mismatch>,
     /// Why the load or some groups could not be compared. A mismatch wins
@@ -208,10 +224,11 @@ impl Report {
     pub fn new(
         req_id: &str,
         policy: Policy,
-        (compared_positions, uncompared_positions): (u64, u64),
+        (compared_positions, uncompared): (u64, Vec<Uncompared>),
         mismatches: Vec<Mismatch>,
         unverified: Vec<Finding>,
     ) -> Report {
+        let uncompared_positions = uncompared.iter().map(|range| range.num_positions).sum::<u64>();
         let verdict = if !mismatches.is_empty() {
             Verdict::Mismatch
         } else if !unverified.is_empty() {
@@ -275,6 +292,7 @@ impl Report {
             passed,
             compared_positions,
             uncompared_positions,
+            uncompared,
             mismatches,
             unverified,
             message,

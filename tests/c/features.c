@@ -472,6 +472,15 @@ static void test_coverage_calls(void) {
   CHECK(uncompared == 77);
   EXPECT_OK(kvcs_report_uncompared_positions(report, &uncompared));
   CHECK(uncompared == 0);
+  /* No payload: unverified as a whole, so no range either. */
+  size_t ranges = 77;
+  uint32_t group = 77;
+  uint64_t first = 77, count = 77;
+  EXPECT(kvcs_report_num_uncompared(report, NULL), KVCS_ERR_INVALID_ARGUMENT, "count");
+  EXPECT_OK(kvcs_report_num_uncompared(report, &ranges));
+  CHECK(ranges == 0);
+  EXPECT(kvcs_report_uncompared(report, 0, &group, &first, &count), KVCS_ERR_OUT_OF_BOUNDS, "index 0 is not below 0");
+  CHECK(group == 77 && first == 77 && count == 77);
   kvcs_report_destroy(report);
   kvcs_blocks_destroy(blocks);
   kvcs_verifier_destroy(verifier);

@@ -757,6 +757,10 @@ static void test_report_errors(const kvcs_report *report) {
   EXPECT(kvcs_report_message(report, NULL), KVCS_ERR_INVALID_ARGUMENT, "message is NULL");
   EXPECT(kvcs_report_compared_positions(NULL, &positions), KVCS_ERR_INVALID_ARGUMENT, "report is NULL");
   EXPECT(kvcs_report_compared_positions(report, NULL), KVCS_ERR_INVALID_ARGUMENT, "positions is NULL");
+  EXPECT(kvcs_report_num_uncompared(NULL, &count), KVCS_ERR_INVALID_ARGUMENT, "report is NULL");
+  EXPECT(kvcs_report_num_uncompared(report, NULL), KVCS_ERR_INVALID_ARGUMENT, "count is NULL");
+  EXPECT(kvcs_report_uncompared(NULL, 0, &value, &positions, &positions), KVCS_ERR_INVALID_ARGUMENT,
+         "report is NULL");
   EXPECT(kvcs_report_num_mismatches(NULL, &count), KVCS_ERR_INVALID_ARGUMENT, "report is NULL");
   EXPECT(kvcs_report_num_mismatches(report, NULL), KVCS_ERR_INVALID_ARGUMENT, "count is NULL");
   EXPECT(kvcs_report_num_unverified(NULL, &count), KVCS_ERR_INVALID_ARGUMENT, "report is NULL");
@@ -787,6 +791,11 @@ static void test_report_errors(const kvcs_report *report) {
     snprintf(needle, sizeof needle, "index %zu is not below %zu", first.num_layers, first.num_layers);
     EXPECT(kvcs_report_layer_difference(report, 0, first.num_layers, &layer), KVCS_ERR_OUT_OF_BOUNDS, needle);
   }
+  size_t ranges = SIZE_MAX;
+  EXPECT_OK(kvcs_report_num_uncompared(report, &ranges));
+  snprintf(needle, sizeof needle, "index %zu is not below %zu", ranges, ranges);
+  EXPECT(kvcs_report_uncompared(report, ranges, &value, &positions, &positions), KVCS_ERR_OUT_OF_BOUNDS, needle);
+  EXPECT(kvcs_report_uncompared(report, SIZE_MAX, NULL, NULL, NULL), KVCS_ERR_OUT_OF_BOUNDS, "index");
   snprintf(needle, sizeof needle, "index %zu is not below %zu", findings, findings);
   EXPECT(kvcs_report_unverified(report, findings, &value, &value, &message), KVCS_ERR_OUT_OF_BOUNDS, needle);
   CHECK(value == 77 && positions == 77 && count == 77 && message == SENTINEL && mismatch.group_id == 77 &&

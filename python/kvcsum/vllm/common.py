@@ -85,7 +85,8 @@ class KvcsumConnectorMetadata(KVConnectorMetadata):
     of and the tier loads to compare (HashedBlocks); `sources_released`:
     the producer requests whose blocks vLLM freed without a send, or that
     were preempted, whose checksums the workers no longer keep for the
-    re-check after the send (kvcsum.vllm.source_check)."""
+    re-check after the send (kvcsum.vllm.source_check); `uncompared`: sync
+    loads' blocks that no comparison can cover, load errors this step."""
 
     inner: KVConnectorMetadata | None
     sends: list = dataclasses.field(default_factory=list)
@@ -98,6 +99,9 @@ class KvcsumConnectorMetadata(KVConnectorMetadata):
     tier_sync_loads: list = dataclasses.field(default_factory=list)
     tier_async_loads: dict = dataclasses.field(default_factory=dict)
     sources_released: list = dataclasses.field(default_factory=list)
+    #: Block ids of this step's sync loads that no comparison can cover
+    #: (kvcsum.vllm.coverage): load errors of this very step.
+    uncompared: set = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass

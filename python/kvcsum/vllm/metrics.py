@@ -46,6 +46,9 @@ COUNTERS = (
      "configured differently; never counted as a mismatch."),
     ("vllm:kvcsum_mismatched_blocks", "mismatched_blocks", ("path",),
      "KV cache blocks of mismatched loads handed to vLLM as load errors."),
+    ("vllm:kvcsum_uncompared_blocks", "uncompared_blocks", ("path",),
+     "Loaded KV cache blocks that no checksum comparison covered (a last partial block holding other token counts "
+     "on the two sides), handed to vLLM as load errors so that it computes them again: never used unchecked."),
     ("vllm:kvcsum_payloads_sent", "payloads_sent", (),
      "Producer requests whose kv_transfer_params carried kvcsum's checksums."),
     ("vllm:kvcsum_payloads_missing", "payloads_missing", (),

@@ -92,11 +92,13 @@ class LoadParams:
 @dataclasses.dataclass(frozen=True)
 class PayloadSummary:
     """What a payload's bytes say of themselves, read before the verifier
-    judges them: `num_tokens`, and the producer's block size per group
-    where the kvcsum extension gives one."""
+    judges them: `num_tokens`, the producer's block size per group where
+    the kvcsum extension gives one, and the positions it sent per group
+    ({group: (first position, positions)})."""
 
     num_tokens: int
     block_sizes: dict
+    positions: dict = dataclasses.field(default_factory=dict)
 
 
 def payload_summary(raw: bytes) -> PayloadSummary | None:
@@ -114,7 +116,13 @@ def payload_summary(raw: bytes) -> PayloadSummary | None:
             for group in plain[3][2]:
                 if isinstance(group, list) and len(group) >= 2 and is_int(group[0]) and is_int(group[1]):
                     sizes[group[0]] = group[1]
-        return PayloadSummary(plain[1], sizes)
+        positions = {}
+        if isinstance(plain[2], list):
+            for group in plain[2]:
+                # `values`: a bin of one little-endian u64 per position.
+                if isinstance(group, list) and len(group) >= 4 and is_int(group[0]) and is_int(group[2]) and isinstance(group[3], bytes):
+                    positions[group[0]] = (group[2], len(group[3]) // 8)
+        return PayloadSummary(plain[1], sizes, positions)
     except Exception:  # noqa: BLE001 - malformed bytes are the verifier's to report
         return None
 

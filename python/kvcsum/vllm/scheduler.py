@@ -39,6 +39,7 @@ from kvcsum.vllm.common import (
     logger,
 )
 from kvcsum.vllm.config import Settings, group_fingerprint
+from kvcsum.vllm.coverage import uncompared_positions
 from kvcsum.vllm.params import (
     INFO_KEY,
     PAYLOAD_KEY,
@@ -46,13 +47,14 @@ from kvcsum.vllm.params import (
     LoadParams,
     Unusable,
     consistency,
+    is_int,
     parse_load,
     payload_summary,
     token_digest,
     wants_remote_decode,
 )
 from kvcsum.vllm.source_check import SchedulerSourceCheck
-from kvcsum.vllm.stats import KvcsumStats
+from kvcsum.vllm.stats import KvcsumStats, load_key
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -109,6 +111,9 @@ class _Load:
     reported: set = dataclasses.field(default_factory=set)
     inner_failed: bool = False
     outcome: LoadOutcome | None = None  # once judged
+    #: Blocks handed to vLLM as load errors in the step of the load (a
+    #: sync load's that no comparison can cover).
+    handed: frozenset = frozenset()
 
 
 @dataclasses.dataclass
@@ -175,6 +180,7 @@ class SchedulerRole:
         self._new_sends: list = []
         self._new_sync_loads: list = []
         self._new_async_loads: dict = {}
+        self._new_uncompared: set = set()
         self._verdicts_out: dict = {}
         self._unfilled: dict[str, _Send] = {}
         self._generation = 0
@@ -260,6 +266,10 @@ class SchedulerRole:
             self._new_async_loads[req_id] = ChecksumJob(job, load.generation)
         else:
             self._new_sync_loads.append(ChecksumJob(job, load.generation))
+            # Its verdict comes a step later, after vLLM emitted this step's
+            # token: the blocks no comparison can cover are load errors now.
+            load.handed = frozenset(self._predicted_uncompared(load))
+            self._new_uncompared |= load.handed
 
     def build_meta(self, scheduler_output: "SchedulerOutput", inner) -> KvcsumConnectorMetadata:
         """build_connector_meta, around the inner connector's metadata."""
@@ -289,7 +299,9 @@ class SchedulerRole:
             tier_sync_loads=self._new_tier_sync,
             tier_async_loads=self._new_tier_async,
             sources_released=self._sources.released(scheduler_output.preempted_req_ids or ()),
+            uncompared=self._new_uncompared,
         )
+        self._new_uncompared = set()
         self._new_sends, self._new_sync_loads, self._new_async_loads, self._verdicts_out = [], [], {}, {}
         self._new_stores, self._new_tier_sync, self._new_tier_async = [], [], {}
         return meta
@@ -643,14 +655,15 @@ class SchedulerRole:
             load.outcome = LoadOutcome((), True)
             return
         try:
-            verdict, reason, message, invalid = self._check(req_id, load)
+            verdict, reason, message, invalid, uncompared = self._check(req_id, load)
         except Exception as error:  # noqa: BLE001 - a verdict must never take the engine down
             logger.exception("kvcsum: request %s: the load could not be checked", req_id)
-            verdict, reason, message, invalid = (
+            verdict, reason, message, invalid, uncompared = (
                 kvcsum.UNVERIFIED,
                 "CHECK_FAILED",
                 f"the check raised {type(error).__name__}: {error}",
                 [],
+                ([], ""),
             )
         _forget(self._consumer, req_id)
         # A load from a P/D producer carries its params; any other verified
@@ -663,6 +676,15 @@ class SchedulerRole:
             self._stats.count_load(path, "mismatched", blocks=len(invalid))
         else:
             self._stats.count_load(path, "verified")
+        unchecked, where = uncompared
+        if unchecked and verdict != kvcsum.UNVERIFIED:
+            # Blocks no comparison covered (a last partial block holding
+            # other token counts on the two sides, a run the consumer holds
+            # only part of) are never used unchecked: they are load errors,
+            # so vLLM computes them (and what follows them) again.
+            self._stats.add(load_key(path, "uncompared_blocks"), len(unchecked))
+            # Those handed in the step of the load are being computed again.
+            invalid = sorted(set(invalid) | (set(unchecked) - load.handed))
         # vLLM maps block-level load errors back to requests only where there
         # is one KV cache group; with several it takes whole failed loads.
         # (A sync load there is never verified: `matched` declines it, since a
@@ -689,6 +711,21 @@ class SchedulerRole:
                 req_id, f"kvcsum: request {req_id}: KV UNVERIFIED ({reason}): {message}; {setting}: {action}" + (f" ({policy})" if invalid else ""),
                 error=self._settings.fail_unverified,
             )
+        if unchecked and verdict != kvcsum.UNVERIFIED:
+            if failed:
+                then = "vLLM gets the whole load as failed (several KV cache groups)"
+            elif self._multi_group and not load.is_async:
+                then = "vLLM cannot be told (a sync load with several KV cache groups)"
+            elif self._failure_policy == "fail":
+                then = "vLLM fails the request (kv_load_failure_policy=fail)"
+            else:
+                then = "recomputed"
+            self._log_once(
+                f"{req_id} uncompared",
+                f"kvcsum: request {req_id}: loaded blocks {sorted(unchecked)} ({where}) not compared: {then}"
+                + (" (load errors in the step of the load)" if load.handed else ""),
+                error=False,
+            )
         load.outcome = LoadOutcome(() if failed else tuple(sorted(invalid)), failed)
         if not load.is_async and (load.outcome.invalid_block_ids or load.outcome.failed):
             # A sync load's step is over: its load errors go out next step.
@@ -706,11 +743,13 @@ class SchedulerRole:
     def _loaded_block_ids(self, job: Job) -> list[int]:
         return [b for _, (_, ids) in sorted(job.groups.items()) for b in ids]
 
-    def _check(self, req_id: str, load: _Load) -> tuple[int, str, str, list]:
-        """(verdict, reason name, message, invalid block ids)."""
+    def _check(self, req_id: str, load: _Load) -> tuple[int, str, str, list, tuple]:
+        """(verdict, reason name, message, invalid block ids, (uncompared
+        block ids, where they are))."""
+        nothing = ([], "")
         checksums = load.params.checksums
         if isinstance(checksums, Unusable):
-            return kvcsum.UNVERIFIED, checksums.reason, checksums.message, []
+            return kvcsum.UNVERIFIED, checksums.reason, checksums.message, [], nothing
         payload, producer_sizes = None, {}
         if isinstance(checksums, Checksums):
             digest = checksums.tokens
@@ -720,6 +759,7 @@ class SchedulerRole:
                     "OTHER_REQUEST",
                     f"the checksums cover other tokens than this request's first {digest.count} (a payload of another request)",
                     [],
+                    nothing,
                 )
             payload, producer_sizes = checksums.payload, checksums.block_sizes
             try:
@@ -729,7 +769,7 @@ class SchedulerRole:
             if raw is not None:
                 disagreement = consistency(checksums, payload_summary(raw))
                 if disagreement is not None:
-                    return kvcsum.UNVERIFIED, disagreement.reason, disagreement.message, []
+                    return kvcsum.UNVERIFIED, disagreement.reason, disagreement.message, [], nothing
             replace = {}
             for group, size in producer_sizes.items():
                 own = self._block_sizes.get(group)
@@ -761,7 +801,57 @@ class SchedulerRole:
             if verdict == kvcsum.MISMATCH:
                 invalid, where = self._repair(report, load.job)
                 message = f"{message} [{where}]"
-        return verdict, reason, message, invalid
+            uncompared = nothing
+            if verdict != kvcsum.UNVERIFIED and report.uncompared_positions:
+                uncompared = self._uncompared_blocks(report.uncompared, load.job)
+        return verdict, reason, message, invalid, uncompared
+
+    def _predicted_uncompared(self, load: _Load) -> set:
+        """The block ids of a load that no comparison can cover, from the
+        payload's token count and positions and the block sizes
+        (kvcsum.vllm.coverage); empty where the payload cannot say (the
+        verdict then names them)."""
+        checksums = load.params.checksums
+        if not isinstance(checksums, Checksums):
+            return set()
+        try:
+            summary = payload_summary(kvcsum.base64_decode(checksums.payload))
+        except kvcsum.Error:
+            return set()
+        if summary is None:
+            return set()
+        from vllm.v1.kv_cache_interface import AttentionSpec
+
+        groups = self._kv_cache_config.kv_cache_groups
+        out = set()
+        for group, (first, ids) in load.job.groups.items():
+            own, sent = self._block_sizes.get(group), summary.positions.get(group)
+            # State groups are compared whole, whatever the token counts.
+            if own is None or sent is None or group >= len(groups) or not isinstance(groups[group].kv_cache_spec, AttentionSpec):
+                continue
+            size = summary.block_sizes.get(group, checksums.block_sizes.get(group, own))
+            if not is_int(size) or size <= 0:
+                continue
+            for start, count in uncompared_positions((size, summary.num_tokens, *sent), (own, load.job.num_tokens, first, len(ids))):
+                out.update(ids[p - first] for p in range(start, start + count))
+        return out
+
+    def _uncompared_blocks(self, ranges: list, job: Job) -> tuple[list, str]:
+        """The loaded block ids at the report's uncompared positions
+        (kvcsum.Report.uncompared: consumer block positions per group), and
+        where they are in words."""
+        ids, where = set(), []
+        for u in ranges:
+            group = job.groups.get(u.group_id)
+            if group is None:
+                continue
+            first, block_ids = group
+            # Bounded by the job: the library names only positions it loaded.
+            lo = max(u.first_position, first)
+            hi = min(u.first_position + u.num_positions, first + len(block_ids))
+            ids.update(block_ids[p - first] for p in range(lo, hi))
+            where.append(f"group {u.group_id} positions {u.first_position}..{u.first_position + u.num_positions}")
+        return sorted(ids), ", ".join(where)
 
     def _repair(self, report: "kvcsum.Report", job: Job) -> tuple[list, str]:
         """The block ids to load again after a MISMATCH, and where they are.

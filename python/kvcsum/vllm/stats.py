@@ -8,7 +8,10 @@ Prometheus metrics):
 - loads judged, per path (`PATHS`: "pd", a load from a P/D producer with
   its payload; "tier", a load from an offload tier): "verified",
   "mismatched", "unverified", "unverified_reasons" ({reason: count}),
-  "mismatched_blocks" for P/D; the same prefixed "tier_" for tier loads;
+  "mismatched_blocks" for P/D; "uncompared_blocks" (loaded blocks of a
+  MATCH or MISMATCH that no comparison covered, handed to vLLM as load
+  errors so that it computes them again); the same prefixed "tier_" for
+  tier loads;
 - producer: "payloads_sent", "payloads_missing"; and the re-check of a
   sent request's blocks once the wrapped connector reports it sent
   (kvcsum.vllm.source_check): "sources_rechecked", "sources_changed",

@@ -130,6 +130,9 @@ class WorkerRole:
                 if outcome.failed:
                     self._release_failed.add(req_id)
             self._invalid_out |= set(outcome.invalid_block_ids)
+        # A sync load's blocks no comparison can cover: vLLM reads this
+        # step's load errors before it emits the step's tokens.
+        self._invalid_out |= set(meta.uncompared)
 
     def clear(self) -> None:
         """clear_connector_metadata."""

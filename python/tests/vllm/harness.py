@@ -150,6 +150,9 @@ class Trace:
     params_step: int | None = None  # the engine step whose output carried kv_transfer_params
     output_tokens: list = field(default_factory=list)
     token_steps: list = field(default_factory=list)  # the engine step of each output token
+    #: With Engine(track_kv=True): the engine steps whose forward read KV of
+    #: the request that differs from what the stand-in model computes.
+    bad_kv_steps: list = field(default_factory=list)
 
     def first_scheduled(self) -> int | None:
         """Engine steps from the request's arrival to the one that first
@@ -178,6 +181,7 @@ class Engine:
         load_mode: str = "async",
         max_num_seqs: int = 8,
         inner: dict | None = None,
+        track_kv: bool = False,
     ):
         global _hash_ready
         if not _hash_ready:
@@ -241,6 +245,7 @@ class Engine:
         self.prompts: dict[str, list] = {}
         self.requests: dict[str, Request] = {}
         self.stats: list = []
+        self.track_kv = track_kv
 
     def _kv_cache_config(self, num_blocks: int, sliding_window: int | None) -> KVCacheConfig:
         heads = TOTAL_KV_HEADS // self.tp
@@ -321,6 +326,22 @@ class Engine:
                         values = (raw ^ pattern.to(torch.int16)).view(DTYPE)
                     state.caches[name][blocks, :, offsets] = values
 
+    def _kv_as_computed(self, rank: int, state: RankState, req_id: str, num_tokens: int) -> bool:
+        """Whether the rank's KV of the request's first `num_tokens` tokens
+        (what this step's forward attends to) is what the model computes."""
+        heads = TOTAL_KV_HEADS // self.tp
+        table = state.tables[req_id]
+        positions = torch.arange(num_tokens)
+        for group_id, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            ids = torch.tensor(table[group_id])
+            for name in group.layer_names:
+                layer = int(name.split(".")[2])
+                got = state.caches[name][ids[positions // self.block_size], :, positions % self.block_size]
+                want = self.kv_values(req_id, positions, layer, rank * heads, heads)
+                if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+                    return False
+        return True
+
     def _update_tables(self, state: RankState, sched) -> None:
         for new in sched.scheduled_new_reqs:
             state.tables[new.req_id] = [list(ids) for ids in new.block_ids]
@@ -355,6 +376,12 @@ class Engine:
             with place(rank, self.tp), set_forward_context(None, self.vllm_config):
                 with KVConnectorModelRunnerMixin._get_kv_connector_output(sched) as kv_out:
                     self._forward(rank, state, kv_out)
+            if self.track_kv:
+                for req_id, (start, count) in self._step_tokens.items():
+                    if req_id in self.traces and not self._kv_as_computed(rank, state, req_id, start + count):
+                        steps = self.traces[req_id].bad_kv_steps
+                        if not steps or steps[-1] != self.steps_run:
+                            steps.append(self.steps_run)
             req_ids = list(self._step_tokens)
             sampled = []
             for req_id in req_ids:
