@@ -777,8 +777,12 @@ fn stored_checksums(dev: &Device, cache: u64, cache_bytes: u64, model: &Model) {
     println!("|---|---:|---:|---:|---:|---:|");
     let block_bytes = (model.heads * model.block_size * (model.k_bytes + model.v_bytes)) as u64;
     let num_blocks = cache_bytes / model.layers as u64 / block_bytes;
-    // SAFETY: a fresh device allocation of 8 bytes per block id, freed below.
-    let buffer = unsafe { check(cu::malloc_sync(num_blocks as usize * 8), "stored buffer") };
+    // SAFETY: a fresh device allocation of 16 bytes per block id (an entry:
+    // value, then stamp; SPEC section 8), freed below. (It was 8 bytes per
+    // block id: add_stored accepted it because the range ran on into the
+    // next allocation, and stores then wrote entries past its end.)
+    const ENTRY_BYTES: usize = 16;
+    let buffer = unsafe { check(cu::malloc_sync(num_blocks as usize * ENTRY_BYTES), "stored buffer") };
     let mut host_times = Vec::new();
     for (label, requests, per_request) in [
         ("2048 blocks (128 req x 16)", 128, 16),
