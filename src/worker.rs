@@ -390,7 +390,9 @@ impl Worker {
     /// block ids at `address`, memory the worker may write and read while it
     /// lives, overlapping no registered cache and no other group's buffer.
     /// A host worker's buffer lies in a registered region; a device worker
-    /// checks that it is device memory of its device or pinned host memory.
+    /// checks that it is device memory of its device or pinned host memory,
+    /// and that a buffer starting in a `cudaMalloc` allocation ends in it
+    /// (a buffer too small for `num_blocks` is refused, not written past).
     pub fn add_stored(&mut self, group_id: u32, address: u64, num_blocks: u64) -> Result<()> {
         let buffer = StoredBuffer { address, num_blocks };
         let on_host = matches!(self.engine, Engine::Host(_));
@@ -398,7 +400,7 @@ impl Worker {
             // The layout's checks first (group, alignment, length), then CUDA's.
             self.layout.check_stored(group_id, buffer, on_host)?;
             device
-                .check_region(address, num_blocks * StoredBuffer::BYTES_PER_BLOCK)
+                .check_writable(address, num_blocks * StoredBuffer::BYTES_PER_BLOCK)
                 .map_err(|e| {
                     e.with_context(&format!(
                         "stored checksums of group_id {group_id} (address {address:#x}, num_blocks {num_blocks})"

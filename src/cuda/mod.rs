@@ -198,6 +198,52 @@ impl DeviceEngine {
         Ok(())
     }
 
+    /// Checks that `address .. address + length` is memory this device may
+    /// write a caller's buffer of that length into: memory that
+    /// [`DeviceEngine::check_region`] accepts and, where it starts in an
+    /// allocation of `cuMemAlloc` (legacy device memory, one buffer to its
+    /// owner), ends in it. A range that runs from such an allocation on into
+    /// the next one is a buffer too small for its length, and writes past
+    /// its end would land in other memory. Ranges of virtual-memory
+    /// mappings (PyTorch's expandable segments) or pinned host memory may
+    /// still span several allocations, as `check_region` allows.
+    pub fn check_writable(&self, address: u64, length: u64) -> Result<()> {
+        self.check_region(address, length)?;
+        let (start, size) = self
+            .allocation_at(address)
+            .map_err(|reason| err!(InvalidArgument, "address {address:#x} {reason}"))?;
+        let end = address as u128 + length as u128;
+        let allocation_end = start as u128 + size as u128;
+        if end > allocation_end && self.is_legacy_allocation(address) {
+            return Err(err!(
+                OutOfBounds,
+                "address {address:#x} + length {length} runs past the end of its cudaMalloc allocation \
+                 ({start:#x} + {size} bytes) into other memory: the buffer is too small for its length"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether `pointer` lies in legacy device memory (`cuMemAlloc`), the
+    /// memory that legacy CUDA IPC can share; false for virtual-memory
+    /// mappings, pool allocations and host memory, and where the driver
+    /// does not say.
+    fn is_legacy_allocation(&self, pointer: u64) -> bool {
+        let mut legacy: i32 = 0;
+        // SAFETY: the attribute's documented type is a boolean written as
+        // an int to the given place.
+        let known = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut legacy as *mut i32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+                pointer,
+            )
+            .result()
+            .is_ok()
+        };
+        known && legacy != 0
+    }
+
     /// The CUDA allocation holding `pointer` (start, size), if it is one this
     /// device reads; otherwise why not.
     fn allocation_at(&self, pointer: u64) -> std::result::Result<(u64, usize), String> {

@@ -584,3 +584,55 @@ fn device_stored_rejects_bad_buffers() {
     rank.host.store(&blocks, StreamHandle::legacy_default()).unwrap();
     assert_eq!(rank.stored.read(), rank.host_stored, "seed {}", rng.seed());
 }
+
+/// A device worker's buffer of stored checksums needs 16 bytes per block
+/// id: a `cudaMalloc` allocation of 8 bytes per block id is refused with
+/// `OutOfBounds` even where the next allocation follows it in the address
+/// space (which a check of mapped memory alone accepted, and stores then
+/// wrote entries into that other allocation); one that fits exactly is
+/// accepted.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_stored_refuses_a_buffer_too_small_for_num_blocks() {
+    let mut rng = Rng::for_test("device_stored_refuses_a_buffer_too_small_for_num_blocks");
+    println!("seed {} ({NEEDS_GPU})", rng.seed());
+    let kv = LogicalKv::random(&mut rng, KvShape::gqa(2, 2, 64, 64));
+    let mut ranks = stored_ranks(&mut rng, &kv, 1, 8, StoredMemory::Device);
+    let rank = &mut ranks[0];
+    // Small allocations made one after another, so that some lie side by
+    // side (the driver packs small allocations).
+    let sizes: Vec<u64> = (0..32).map(|_| 2 * (32 + rng.next_u64() % 480)).collect();
+    // SAFETY: fresh device allocations, freed below; nothing writes them.
+    let buffers: Vec<u64> = sizes
+        .iter()
+        .map(|&num_blocks| unsafe { cu::malloc_sync(num_blocks as usize * 8).expect("cuMemAlloc") })
+        .collect();
+    for (&address, &num_blocks) in buffers.iter().zip(&sizes) {
+        // 8 bytes per block id: half of what num_blocks needs.
+        let error = rank
+            .device
+            .add_stored(0, address, num_blocks)
+            .expect_err("a buffer of 8 bytes per block id");
+        assert!(
+            matches!(error, Error::OutOfBounds(_)),
+            "{error:?} (seed {})",
+            rng.seed()
+        );
+        assert!(
+            error.to_string().contains(&format!("num_blocks {num_blocks}")),
+            "{error}"
+        );
+        // The same bytes hold num_blocks / 2 entries exactly.
+        rank.device
+            .add_stored(0, address, num_blocks / 2)
+            .unwrap_or_else(|e| panic!("a buffer that fits: {e} (seed {})", rng.seed()));
+    }
+    // The group's buffer back to the one its stores are checked against.
+    rank.device
+        .add_stored(0, rank.stored.address, 8)
+        .expect("the rank's buffer");
+    for address in buffers {
+        // SAFETY: allocated above; the worker no longer holds it.
+        unsafe { cu::free_sync(address).expect("cuMemFree") };
+    }
+}
