@@ -35,6 +35,14 @@
 #ifndef KVCS_FULL_BATCHES
 #define KVCS_FULL_BATCHES 1
 #endif
+// The paired form's per-step sums (tuning variant, measured on no device
+// yet): 1 = both segments' values of a step added first, weighed by the
+// step through suffix sums (fewer integer adds per 16-byte vector, for
+// layouts whose units are one batch long, as fp8 HND's 16-token blocks
+// are); 0 = each segment's weighed on its own.
+#ifndef KVCS_PAIR_SUMS
+#define KVCS_PAIR_SUMS 0
+#endif
 // Blocks per SM the compiler must leave room for (registers), 0 = its choice.
 #ifndef KVCS_MIN_BLOCKS
 #define KVCS_MIN_BLOCKS 0
@@ -148,6 +156,26 @@ __device__ __forceinline__ void kvcs_accumulate_pair(
                     }
                 }
             }
+#if KVCS_PAIR_SUMS
+            // Both segments' y of step b added first, then weighed by b once
+            // per step through suffix sums: sum_b b Y_b = sum_{b >= 1}
+            // sum_{c >= b} Y_c (exact, mod 2^64), fewer 64-bit adds and no
+            // products by b.
+            kvcs_u64 first_batch = 0, batch_total = 0, weighted = 0;
+#pragma unroll
+            for (int b = BATCH - 1; b >= 0; --b) {
+                const kvcs_u64 high0 = kvcs_piece<MIX>(hi[0][b]);
+                const kvcs_u64 high1 = kvcs_piece<MIX>(hi[1][b]);
+                const kvcs_u64 y0 = kvcs_piece<MIX>(lo[0][b]) + high0;
+                const kvcs_u64 y1 = kvcs_piece<MIX>(lo[1][b]) + high1;
+                sums.high += high0 + high1;
+                first_batch += y0;
+                batch_total += y0 + y1;
+                if (b > 0) weighted += batch_total;
+            }
+            first_total += first_batch;
+            sums.step_weighted += weighted;
+#else
             kvcs_u64 batch_total = 0;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -163,6 +191,7 @@ __device__ __forceinline__ void kvcs_accumulate_pair(
                 if (h == 0) first_total += segment_total;
                 batch_total += segment_total;
             }
+#endif
             sums.total += batch_total;
             sums.round_weighted += (kvcs_u64)round * batch_total;
             sums.step_weighted += (kvcs_u64)k * batch_total;
