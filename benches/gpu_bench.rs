@@ -9,7 +9,8 @@
 //! 128-request call (MIXED2, the default).
 //!
 //! Build here: `cargo build --release --example gpu_bench`; run on a GPU
-//! machine: `target/release/examples/gpu_bench [device]`. It prints a
+//! machine: `target/release/examples/gpu_bench [device] [--only N] [--host]
+//! [--settle SECONDS]`. It prints a
 //! Markdown table for BENCHMARKS.md.
 
 use std::sync::Arc;
@@ -470,11 +471,18 @@ fn main() {
         .iter()
         .position(|a| a == "--only")
         .map(|i| args[i + 1].parse().expect("--only N"));
+    // `--settle S`: the card idles S seconds before the stored table (which
+    // follows 400 back-to-back 4 GiB calls), to tell a clock or power state
+    // left by that sustained load from the cost of the calls it times.
+    let settle: Option<f64> = args
+        .iter()
+        .position(|a| a == "--settle")
+        .map(|i| args[i + 1].parse().expect("--settle SECONDS"));
     let ordinal: usize = args
         .iter()
         .enumerate()
         .skip(1)
-        .find(|&(i, a)| !a.starts_with("--") && args[i - 1] != "--only")
+        .find(|&(i, a)| !a.starts_with("--") && args[i - 1] != "--only" && args[i - 1] != "--settle")
         .map(|(_, a)| a)
         .map_or(0, |a| a.parse().expect("device ordinal"));
     let dev = Device::new(ordinal);
@@ -759,6 +767,12 @@ fn main() {
         plan[plan.len() / 2]
     );
     if !host_only {
+        if let Some(seconds) = settle {
+            dev.sync();
+            std::thread::sleep(std::time::Duration::from_secs_f64(seconds));
+            println!();
+            println!("(the card idled {seconds} s before the stored table)");
+        }
         stored_checksums(&dev, cache, cache_bytes, &llama);
     }
 }
