@@ -1,8 +1,8 @@
-//! Issue 18's wrong verdicts, silent passes and the stored-buffer crash,
-//! each through the C ABI as an engine calls it (`kvcsum::ffi`), on fresh
-//! random KV and state: a configuration difference gives UNVERIFIED with its
-//! reason (or an error at registration), never MISMATCH; data never read
-//! never gives MATCH. Each test names its defect (K1, K4 .. K11, S1) and
+//! The verdict rule's wrong verdicts, silent passes and the stored-buffer
+//! crash, each through the C ABI as an engine calls it (`kvcsum::ffi`), on
+//! fresh random KV and state: a configuration difference gives UNVERIFIED
+//! with its reason (or an error at registration), never MISMATCH; data never
+//! read never gives MATCH. Each test names its defect (K1, K4 .. K11, S1) and
 //! also shows that a corrupted byte is still found where it can be.
 //!
 //! Reproduce a failure with the seed it printed:
