@@ -127,7 +127,7 @@ fn imports_run_down_the_layers() {
         modules_seen += 1;
         let Some(own) = rank(&module) else {
             problems.push(format!(
-                "{}: module `{module}` is not in tests/layers.rs's ORDER; add it at its layer",
+                "{}: module `{module}` is not in tests/module_imports.rs's ORDER; add it at its layer",
                 file.display()
             ));
             continue;
@@ -498,7 +498,7 @@ fn the_architecture_page_lists_the_modules_in_layer_order() {
         if let Some((before, before_at)) = last {
             assert!(
                 at > before_at,
-                "{}: `{name}` is listed before `{before}`, but tests/layers.rs's ORDER has it after",
+                "{}: `{name}` is listed before `{before}`, but tests/module_imports.rs's ORDER has it after",
                 path.display()
             );
         }
