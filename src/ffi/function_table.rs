@@ -21,8 +21,7 @@ use super::repair::kvcs_repair_block;
 use super::report::{kvcs_layer_difference, kvcs_mismatch, kvcs_report};
 use super::result::kvcs_result;
 use super::status::{kvcs_status, KVCS_ABI_VERSION};
-use super::tensor_parallel::kvcs_head_source;
-use super::topology::{kvcs_local_engine, kvcs_remote_engine, kvcs_topology};
+use super::topology::{kvcs_head_source, kvcs_local_engine, kvcs_remote_engine, kvcs_topology};
 use super::verifier::kvcs_verifier;
 use super::worker::{kvcs_layer, kvcs_segment, kvcs_state, kvcs_worker, kvcs_worker_options};
 
@@ -867,14 +866,14 @@ pub(crate) static API: kvcs_api = kvcs_api {
     kvcs_local_engine_size: super::sizes::kvcs_local_engine_size,
     kvcs_remote_engine_size: super::sizes::kvcs_remote_engine_size,
     kvcs_head_source_size: super::sizes::kvcs_head_source_size,
-    kvcs_tp_ratio: super::tensor_parallel::kvcs_tp_ratio,
-    kvcs_remote_ranks: super::tensor_parallel::kvcs_remote_ranks,
-    kvcs_handshake_targets: super::tensor_parallel::kvcs_handshake_targets,
-    kvcs_block_size_ratio: super::tensor_parallel::kvcs_block_size_ratio,
-    kvcs_remote_kv_replicated: super::tensor_parallel::kvcs_remote_kv_replicated,
-    kvcs_local_kv_replicated: super::tensor_parallel::kvcs_local_kv_replicated,
-    kvcs_rank_heads: super::tensor_parallel::kvcs_rank_heads,
-    kvcs_head_sources: super::tensor_parallel::kvcs_head_sources,
+    kvcs_tp_ratio: super::topology::kvcs_tp_ratio,
+    kvcs_remote_ranks: super::topology::kvcs_remote_ranks,
+    kvcs_handshake_targets: super::topology::kvcs_handshake_targets,
+    kvcs_block_size_ratio: super::topology::kvcs_block_size_ratio,
+    kvcs_remote_kv_replicated: super::topology::kvcs_remote_kv_replicated,
+    kvcs_local_kv_replicated: super::topology::kvcs_local_kv_replicated,
+    kvcs_rank_heads: super::topology::kvcs_rank_heads,
+    kvcs_head_sources: super::topology::kvcs_head_sources,
     kvcs_topology_create: super::topology::kvcs_topology_create,
     kvcs_topology_destroy: super::topology::kvcs_topology_destroy,
     kvcs_topology_add_remote: super::topology::kvcs_topology_add_remote,

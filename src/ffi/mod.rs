@@ -23,7 +23,6 @@ pub mod result;
 pub mod sizes;
 pub mod status;
 pub mod struct_layout;
-pub mod tensor_parallel;
 pub mod topology;
 pub mod verifier;
 pub mod worker;
