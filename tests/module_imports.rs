@@ -14,8 +14,6 @@ const ORDER: &[&str] = &[
     "stored_entry",
     "msgpack",
     "topology",
-    // its unit tests (a file of their own)
-    "topology_tests",
     "pool",
     // inputs: layer decodings, state layers, layouts, block sets, fingerprints, the caller's stream
     "decoding",
