@@ -1992,6 +1992,22 @@ void kvcs_result_destroy(kvcs_result *result);
 // set). `KVCS_ERR_NOT_READY` while a device is computing the values.
 kvcs_status kvcs_result_encode(const kvcs_result *result, uint8_t *buf, size_t cap, size_t *len);
 
+// The message of the last failed call on this thread: what failed, which
+// argument, which value. Never NULL; valid until the next failing call on
+// this thread. "no error" before any call failed.
+const char *kvcs_last_error(void);
+
+// The name of a status code (`"KVCS_ERR_NOT_FOUND"`, say) as a static
+// string; "unknown kvcs_status" for a value that is none. Never NULL.
+const char *kvcs_status_name(uint32_t status);
+
+// The ABI version of the loaded library; equal to `KVCS_ABI_VERSION` of
+// the header a program was built with, or the program must not use it.
+uint32_t kvcs_abi_version(void);
+
+// The library's version (the crate version, e.g. "0.3.0"; docs/VERSIONING.md), a static string. Never NULL.
+const char *kvcs_version(void);
+
 // `sizeof(kvcs_worker_options)` in this library.
 size_t kvcs_worker_options_size(void);
 
@@ -2027,22 +2043,6 @@ size_t kvcs_tensor_size(void);
 
 // `sizeof(kvcs_repair_block)` in this library.
 size_t kvcs_repair_block_size(void);
-
-// The message of the last failed call on this thread: what failed, which
-// argument, which value. Never NULL; valid until the next failing call on
-// this thread. "no error" before any call failed.
-const char *kvcs_last_error(void);
-
-// The name of a status code (`"KVCS_ERR_NOT_FOUND"`, say) as a static
-// string; "unknown kvcs_status" for a value that is none. Never NULL.
-const char *kvcs_status_name(uint32_t status);
-
-// The ABI version of the loaded library; equal to `KVCS_ABI_VERSION` of
-// the header a program was built with, or the program must not use it.
-uint32_t kvcs_abi_version(void);
-
-// The library's version (the crate version, e.g. "0.3.0"; docs/VERSIONING.md), a static string. Never NULL.
-const char *kvcs_version(void);
 
 // The layout of the ABI struct `struct_name` (`"kvcs_layer"`, say) in this
 // library: `*size` its `sizeof`, `*num_fields` how many fields it has (read

@@ -4,7 +4,7 @@
 - src/ffi/function_table.rs: one function-pointer type `kvcs_<call>_fn` per
   exported call (with its parameter names, which the header's typedefs
   keep) and the function table `kvcs_api` that `kvcs_api_get` hands out;
-- src/ffi/abi_layouts.rs: the layout (size, field names, offsets) of every
+- src/ffi/struct_layout_table.rs: the layout (size, field names, offsets) of every
   struct the ABI passes, which `kvcs_struct_layout` / `kvcs_struct_field`
   report (apart from function_table.rs, whose table points at those calls, so that
   no module of src/ffi imports back);
@@ -37,7 +37,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FFI = ROOT / "src" / "ffi"
 FUNCTION_TABLE = FFI / "function_table.rs"
-LAYOUTS = FFI / "abi_layouts.rs"
+LAYOUTS = FFI / "struct_layout_table.rs"
 SLOTS = FFI / "api-slots.txt"
 PYTHON_ABI = ROOT / "python" / "kvcsum" / "_abi.py"
 CBINDGEN = ROOT / "cbindgen.toml"
@@ -280,7 +280,7 @@ def function_table_rs(abi: Abi, slots: list[str]) -> str:
         "//! `kvcs_<call>_fn`, the function table [`kvcs_api`] that `kvcs_api_get`",
         "//! hands to programs that load the library at run time. Filling the table",
         "//! checks each type against its function, so a stale file does not build.",
-        "//! (The struct layouts are in `abi_layouts.rs`, which the table's",
+        "//! (The struct layouts are in `struct_layout_table.rs`, which the table's",
         "//! `kvcs_struct_layout` reads: kept apart, so no module imports back.)",
         "#![allow(non_camel_case_types)]",
         "",

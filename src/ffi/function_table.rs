@@ -3,7 +3,7 @@
 //! `kvcs_<call>_fn`, the function table [`kvcs_api`] that `kvcs_api_get`
 //! hands to programs that load the library at run time. Filling the table
 //! checks each type against its function, so a stale file does not build.
-//! (The struct layouts are in `abi_layouts.rs`, which the table's
+//! (The struct layouts are in `struct_layout_table.rs`, which the table's
 //! `kvcs_struct_layout` reads: kept apart, so no module imports back.)
 #![allow(non_camel_case_types)]
 
@@ -856,16 +856,16 @@ pub(crate) static API: kvcs_api = kvcs_api {
     kvcs_result_stored: super::result::kvcs_result_stored,
     kvcs_result_destroy: super::result::kvcs_result_destroy,
     kvcs_result_encode: super::result::kvcs_result_encode,
-    kvcs_worker_options_size: super::sizes::kvcs_worker_options_size,
-    kvcs_segment_size: super::sizes::kvcs_segment_size,
-    kvcs_layer_size: super::sizes::kvcs_layer_size,
-    kvcs_state_tensor_size: super::sizes::kvcs_state_tensor_size,
-    kvcs_state_size: super::sizes::kvcs_state_size,
-    kvcs_mismatch_size: super::sizes::kvcs_mismatch_size,
-    kvcs_layer_difference_size: super::sizes::kvcs_layer_difference_size,
-    kvcs_local_engine_size: super::sizes::kvcs_local_engine_size,
-    kvcs_remote_engine_size: super::sizes::kvcs_remote_engine_size,
-    kvcs_head_source_size: super::sizes::kvcs_head_source_size,
+    kvcs_worker_options_size: super::struct_layout::kvcs_worker_options_size,
+    kvcs_segment_size: super::struct_layout::kvcs_segment_size,
+    kvcs_layer_size: super::struct_layout::kvcs_layer_size,
+    kvcs_state_tensor_size: super::struct_layout::kvcs_state_tensor_size,
+    kvcs_state_size: super::struct_layout::kvcs_state_size,
+    kvcs_mismatch_size: super::struct_layout::kvcs_mismatch_size,
+    kvcs_layer_difference_size: super::struct_layout::kvcs_layer_difference_size,
+    kvcs_local_engine_size: super::struct_layout::kvcs_local_engine_size,
+    kvcs_remote_engine_size: super::struct_layout::kvcs_remote_engine_size,
+    kvcs_head_source_size: super::struct_layout::kvcs_head_source_size,
     kvcs_tp_ratio: super::topology::kvcs_tp_ratio,
     kvcs_remote_ranks: super::topology::kvcs_remote_ranks,
     kvcs_handshake_targets: super::topology::kvcs_handshake_targets,
@@ -918,8 +918,8 @@ pub(crate) static API: kvcs_api = kvcs_api {
     kvcs_layer_from_layout: super::layout_string::kvcs_layer_from_layout,
     kvcs_report_repair_plan: super::repair::kvcs_report_repair_plan,
     kvcs_repair_plan: super::repair::kvcs_repair_plan,
-    kvcs_tensor_size: super::sizes::kvcs_tensor_size,
-    kvcs_repair_block_size: super::sizes::kvcs_repair_block_size,
+    kvcs_tensor_size: super::struct_layout::kvcs_tensor_size,
+    kvcs_repair_block_size: super::struct_layout::kvcs_repair_block_size,
     kvcs_payload_decode: super::payload::kvcs_payload_decode,
     kvcs_payload_destroy: super::payload::kvcs_payload_destroy,
     kvcs_payload_info: super::payload::kvcs_payload_info,

@@ -7,7 +7,6 @@
 //! contract, documented per function, so they are not `unsafe fn` in Rust.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
-pub(crate) mod abi_layouts;
 pub mod api;
 pub mod blocks;
 pub mod buffer;
@@ -20,9 +19,9 @@ pub mod payload;
 pub mod repair;
 pub mod report;
 pub mod result;
-pub mod sizes;
 pub mod status;
 pub mod struct_layout;
+pub(crate) mod struct_layout_table;
 pub mod topology;
 pub mod verifier;
 pub mod worker;
