@@ -12,10 +12,10 @@
 mod cabi;
 mod support;
 
+use kvcsum::ffi::constants::KVCS_BLOCK_CHECKSUM_BYTES;
 use kvcsum::ffi::report::kvcs_unverified_reason::{self, *};
 use kvcsum::ffi::result::kvcs_stored_outcome::*;
 use kvcsum::ffi::status::kvcs_status::*;
-use kvcsum::ffi::status::KVCS_BLOCK_CHECKSUM_BYTES;
 use kvcsum::StateSpec;
 
 use cabi::*;

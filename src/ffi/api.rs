@@ -2,10 +2,11 @@
 //! `kvcs_api_get` gives the function table generated into
 //! [`super::function_table`], so a plugin resolves one symbol.
 
+use super::constants::KVCS_ABI_VERSION;
 use super::function_table::{kvcs_api, kvcs_api_get_fn, API};
 use super::not_null;
 use super::panic::ffi_boundary;
-use super::status::{fail_with, kvcs_status, KVCS_ABI_VERSION};
+use super::status::{fail_with, kvcs_status};
 
 /// Gives the table of every call of this library for ABI version
 /// `abi_version` (pass `KVCS_ABI_VERSION`): the one symbol a program that

@@ -13,6 +13,7 @@ use std::ffi::{c_char, c_void};
 
 use super::blocks::kvcs_blocks;
 use super::completion::kvcs_completion;
+use super::constants::KVCS_ABI_VERSION;
 use super::layout_string::kvcs_tensor;
 use super::payload::{
     kvcs_group_checksums, kvcs_layer_checksums, kvcs_layer_decoding, kvcs_payload, kvcs_payload_summary,
@@ -20,7 +21,7 @@ use super::payload::{
 use super::repair::kvcs_repair_block;
 use super::report::{kvcs_layer_difference, kvcs_mismatch, kvcs_report};
 use super::result::kvcs_result;
-use super::status::{kvcs_status, KVCS_ABI_VERSION};
+use super::status::kvcs_status;
 use super::topology::{kvcs_head_source, kvcs_local_engine, kvcs_remote_engine, kvcs_topology};
 use super::verifier::kvcs_verifier;
 use super::worker::{kvcs_layer, kvcs_segment, kvcs_state, kvcs_worker, kvcs_worker_options};
@@ -815,8 +816,8 @@ pub struct kvcs_api {
 pub(crate) static API: kvcs_api = kvcs_api {
     size: size_of::<kvcs_api>(),
     abi_version: KVCS_ABI_VERSION,
-    kvcs_abi_version: super::status::kvcs_abi_version,
-    kvcs_version: super::status::kvcs_version,
+    kvcs_abi_version: super::constants::kvcs_abi_version,
+    kvcs_version: super::constants::kvcs_version,
     kvcs_last_error: super::status::kvcs_last_error,
     kvcs_status_name: super::status::kvcs_status_name,
     kvcs_struct_layout: super::struct_layout::kvcs_struct_layout,

@@ -11,6 +11,7 @@ pub mod api;
 pub mod blocks;
 pub mod buffer;
 pub mod completion;
+pub mod constants;
 pub mod function_table;
 pub(crate) mod handle;
 pub mod layout_string;
