@@ -322,7 +322,7 @@ python-test: install-test python-wheel $(VENV)/.installed
 	cd $(BUILD) && $(INSTALLED_ENV) $(WHEEL_VENV_PY) -m kvcsum --version
 	cd $(BUILD) && $(INSTALLED_ENV) $(WHEEL_VENV_PY) -m pytest -q -p no:cacheprovider -m "not torch" $(abspath python/tests)
 
-# Every binding from src/ffi: scripts/gen-bindings.py writes the loader
+# Every binding from src/ffi: scripts/gen-bindings.py writes the function-pointer
 # types, the function table and its slots, and python/kvcsum/_abi.py; then
 # cbindgen writes include/kvcsum.h (tests/header.rs fails when any is stale).
 header:

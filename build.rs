@@ -8,16 +8,16 @@
 use std::fs;
 
 /// The file that defines `KVCS_ABI_VERSION`, the one place it is written.
-const ABI_SOURCE: &str = "src/ffi/status.rs";
+const ABI_SOURCE: &str = "src/ffi/constants.rs";
 
 fn main() {
-    let source = fs::read_to_string(ABI_SOURCE).expect("build.rs reads src/ffi/status.rs");
+    let source = fs::read_to_string(ABI_SOURCE).expect("build.rs reads src/ffi/constants.rs");
     let abi = source
         .lines()
         .find_map(|line| line.trim().strip_prefix("pub const KVCS_ABI_VERSION: u32 = "))
         .and_then(|rest| rest.strip_suffix(';'))
         .and_then(|value| value.parse::<u32>().ok())
-        .expect("src/ffi/status.rs defines `pub const KVCS_ABI_VERSION: u32 = N;`");
+        .expect("src/ffi/constants.rs defines `pub const KVCS_ABI_VERSION: u32 = N;`");
     let target_os = std::env::var("CARGO_CFG_TARGET_OS").unwrap_or_default();
     if target_os == "linux" {
         println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libkvcsum.so.{abi}");

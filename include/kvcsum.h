@@ -50,9 +50,6 @@
 // The longest element type name, in bytes.
 #define KVCS_MAX_DTYPE_LEN 32
 
-// The `group_id` of a finding about the whole load rather than one group.
-#define KVCS_WHOLE_LOAD UINT32_MAX
-
 // The C ABI version; a loader checks it equals `kvcs_abi_version()`.
 // Version 2: stored checksums take `KVCS_BLOCK_CHECKSUM_BYTES` (16) bytes
 // per block id, where version 1 took 8.
@@ -67,6 +64,9 @@
 
 // The `device` of a worker whose caches are in host memory.
 #define KVCS_HOST -1
+
+// The `group_id` of a finding about the whole load rather than one group.
+#define KVCS_WHOLE_LOAD UINT32_MAX
 
 // The most threads a host worker may use (`num_threads` or
 // `KVCS_HOST_THREADS`); a bound, so that a wild value is an error rather
@@ -1675,6 +1675,13 @@ kvcs_status kvcs_completion_invalid_blocks(const kvcs_completion *completion,
 // Forgets the invalid block ids.
 kvcs_status kvcs_completion_clear_invalid_blocks(kvcs_completion *completion);
 
+// The ABI version of the loaded library; equal to `KVCS_ABI_VERSION` of
+// the header a program was built with, or the program must not use it.
+uint32_t kvcs_abi_version(void);
+
+// The library's version (the crate version, e.g. "0.3.0"; docs/VERSIONING.md), a static string. Never NULL.
+const char *kvcs_version(void);
+
 // Describes one attention layer's cache from its tensor and a layout
 // string (docs/SPEC.md#14-layout-strings), as Python's `kvcsum.layer()`
 // does, so that a FlashAttention or FlashInfer tensor maps to segments
@@ -2024,6 +2031,15 @@ void kvcs_result_destroy(kvcs_result *result);
 // set). `KVCS_ERR_NOT_READY` while a device is computing the values.
 kvcs_status kvcs_result_encode(const kvcs_result *result, uint8_t *buf, size_t cap, size_t *len);
 
+// The message of the last failed call on this thread: what failed, which
+// argument, which value. Never NULL; valid until the next failing call on
+// this thread. "no error" before any call failed.
+const char *kvcs_last_error(void);
+
+// The name of a status code (`"KVCS_ERR_NOT_FOUND"`, say) as a static
+// string; "unknown kvcs_status" for a value that is none. Never NULL.
+const char *kvcs_status_name(uint32_t status);
+
 // `sizeof(kvcs_worker_options)` in this library.
 size_t kvcs_worker_options_size(void);
 
@@ -2059,22 +2075,6 @@ size_t kvcs_tensor_size(void);
 
 // `sizeof(kvcs_repair_block)` in this library.
 size_t kvcs_repair_block_size(void);
-
-// The message of the last failed call on this thread: what failed, which
-// argument, which value. Never NULL; valid until the next failing call on
-// this thread. "no error" before any call failed.
-const char *kvcs_last_error(void);
-
-// The name of a status code (`"KVCS_ERR_NOT_FOUND"`, say) as a static
-// string; "unknown kvcs_status" for a value that is none. Never NULL.
-const char *kvcs_status_name(uint32_t status);
-
-// The ABI version of the loaded library; equal to `KVCS_ABI_VERSION` of
-// the header a program was built with, or the program must not use it.
-uint32_t kvcs_abi_version(void);
-
-// The library's version (the crate version, e.g. "0.3.0"; docs/VERSIONING.md), a static string. Never NULL.
-const char *kvcs_version(void);
 
 // The layout of the ABI struct `struct_name` (`"kvcs_layer"`, say) in this
 // library: `*size` its `sizeof`, `*num_fields` how many fields it has (read

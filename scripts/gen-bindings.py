@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Writes every binding of the C ABI that is not the header, from src/ffi:
 
-- src/ffi/loader.rs: one function-pointer type `kvcs_<call>_fn` per
+- src/ffi/function_table.rs: one function-pointer type `kvcs_<call>_fn` per
   exported call (with its parameter names, which the header's typedefs
   keep) and the function table `kvcs_api` that `kvcs_api_get` hands out;
-- src/ffi/abi_layouts.rs: the layout (size, field names, offsets) of every
+- src/ffi/struct_layout_table.rs: the layout (size, field names, offsets) of every
   struct the ABI passes, which `kvcs_struct_layout` / `kvcs_struct_field`
-  report (apart from loader.rs, whose table points at those calls, so that
+  report (apart from function_table.rs, whose table points at those calls, so that
   no module of src/ffi imports back);
 - python/kvcsum/_abi.py: the same ABI as data for ctypes (every call's
   signature, every struct's fields, handles, enums and constants), in C
@@ -36,8 +36,8 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FFI = ROOT / "src" / "ffi"
-LOADER = FFI / "loader.rs"
-LAYOUTS = FFI / "abi_layouts.rs"
+FUNCTION_TABLE = FFI / "function_table.rs"
+LAYOUTS = FFI / "struct_layout_table.rs"
 SLOTS = FFI / "api-slots.txt"
 PYTHON_ABI = ROOT / "python" / "kvcsum" / "_abi.py"
 CBINDGEN = ROOT / "cbindgen.toml"
@@ -171,7 +171,7 @@ class Abi:
         self.constants: dict[str, tuple[str, int, str]] = {}  # name -> (rust type, value, module)
 
     def read(self) -> None:
-        files = sorted(p for p in FFI.rglob("*.rs") if p not in (LOADER, LAYOUTS))
+        files = sorted(p for p in FFI.rglob("*.rs") if p not in (FUNCTION_TABLE, LAYOUTS))
         for path in files:
             module = "::".join(path.relative_to(FFI).with_suffix("").parts)
             module = module.removesuffix("::mod")
@@ -270,7 +270,7 @@ def rust_uses(abi: Abi, types: list[str], extra: dict[str, str]) -> list[str]:
     return lines
 
 
-def loader_rs(abi: Abi, slots: list[str]) -> str:
+def function_table_rs(abi: Abi, slots: list[str]) -> str:
     calls = slots + [ENTRY_POINT]
     types = [t for n in calls for _, t in abi.calls[n]["args"]] + [abi.calls[n]["ret"] for n in calls]
     extra = {"KVCS_ABI_VERSION": abi.constants["KVCS_ABI_VERSION"][2]}
@@ -280,7 +280,7 @@ def loader_rs(abi: Abi, slots: list[str]) -> str:
         "//! `kvcs_<call>_fn`, the function table [`kvcs_api`] that `kvcs_api_get`",
         "//! hands to programs that load the library at run time. Filling the table",
         "//! checks each type against its function, so a stale file does not build.",
-        "//! (The struct layouts are in `abi_layouts.rs`, which the table's",
+        "//! (The struct layouts are in `struct_layout_table.rs`, which the table's",
         "//! `kvcs_struct_layout` reads: kept apart, so no module imports back.)",
         "#![allow(non_camel_case_types)]",
         "",
@@ -397,7 +397,7 @@ def rustfmt(text: str) -> str:
         text=True,
     )
     if done.returncode != 0:
-        raise Problem(f"rustfmt failed on the generated loader.rs:\n{done.stderr}")
+        raise Problem(f"rustfmt failed on the generated function_table.rs:\n{done.stderr}")
     return done.stdout
 
 
@@ -459,7 +459,7 @@ def python_abi(abi: Abi, slots: list[str]) -> str:
 
 def slots_txt(slots: list[str]) -> str:
     lines = [
-        "# The slot of each call in kvcs_api (src/ffi/loader.rs), one per line.",
+        "# The slot of each call in kvcs_api (src/ffi/function_table.rs), one per line.",
         "# scripts/gen-bindings.py appends new calls; a slot is never renumbered,",
         "# reused or removed within an ABI version (programs built against an",
         "# older header find their entries where they were).",
@@ -478,7 +478,7 @@ def main() -> int:
         slots = abi.slots()
         outputs = {
             SLOTS: slots_txt(slots),
-            LOADER: loader_rs(abi, slots),
+            FUNCTION_TABLE: function_table_rs(abi, slots),
             LAYOUTS: layouts_rs(abi),
             PYTHON_ABI: python_abi(abi, slots),
         }

@@ -1,6 +1,6 @@
 //! Every C call of `include/kvcsum.h` is called by the C++ wrapper
-//! (`include/kvcsum.hpp`) and by the Python package (`python/kvcsum/`)
-//! (issue 22). A call added to the header without a binding fails here,
+//! (`include/kvcsum.hpp`) and by the Python package (`python/kvcsum/`):
+//! every call has a binding in each language. A call added to the header without a binding fails here,
 //! naming it.
 //!
 //! What counts as a call: in the C++ header, the call's name in code (not

@@ -13,7 +13,7 @@ use std::process::Command;
 const STRICT: &[&str] = &["-std=c11", "-Wall", "-Wextra", "-Wpedantic", "-Werror"];
 
 /// The ABI version, which the SONAME carries (`libkvcsum.so.<abi>`, build.rs).
-const ABI_VERSION: u32 = kvcsum::ffi::status::KVCS_ABI_VERSION;
+const ABI_VERSION: u32 = kvcsum::ffi::constants::KVCS_ABI_VERSION;
 
 /// The folder of the library this test run links: cargo puts the cdylib
 /// beside the test binaries (`target/<profile>/deps`).

@@ -19,7 +19,6 @@ use kvcsum::ffi::blocks::*;
 use kvcsum::ffi::report::*;
 use kvcsum::ffi::result::*;
 use kvcsum::ffi::status::kvcs_status::*;
-use kvcsum::ffi::tensor_parallel::*;
 use kvcsum::ffi::topology::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;

@@ -27,7 +27,6 @@ use hand_made::*;
 use kvcsum::ffi::report::*;
 use kvcsum::ffi::status::kvcs_status::*;
 use kvcsum::ffi::status::*;
-use kvcsum::ffi::tensor_parallel::*;
 use kvcsum::ffi::topology::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;

@@ -1,7 +1,7 @@
 //! The checked-in bindings must be what their generators make now:
 //! `include/kvcsum.h` (cbindgen, with the prototypes put under
 //! `KVCS_NO_PROTOTYPES`), and what `scripts/gen-bindings.py` writes from
-//! src/ffi (src/ffi/loader.rs, src/ffi/api-slots.txt, python/kvcsum/_abi.py).
+//! src/ffi (src/ffi/function_table.rs, src/ffi/api-slots.txt, python/kvcsum/_abi.py).
 //! `make header` regenerates them all (`KVCS_BLESS=1 cargo test --test
 //! header` rewrites the header).
 
@@ -64,7 +64,7 @@ fn header_is_current() {
     );
 }
 
-/// The loader types, the function table, its slots and the Python ABI
+/// The function-pointer types, the function table, its slots and the Python ABI
 /// module are what scripts/gen-bindings.py writes from src/ffi now (it
 /// runs with `--check`: the interpreter is `KVCS_PYTHON` or `python3`).
 /// A new call, struct, enum or constant without them fails here.

@@ -1,8 +1,8 @@
-//! Issue 18's wrong verdicts, silent passes and the stored-buffer crash,
-//! each through the C ABI as an engine calls it (`kvcsum::ffi`), on fresh
-//! random KV and state: a configuration difference gives UNVERIFIED with its
-//! reason (or an error at registration), never MISMATCH; data never read
-//! never gives MATCH. Each test names its defect (K1, K4 .. K11, S1) and
+//! The verdict rule's wrong verdicts, silent passes and the stored-buffer
+//! crash, each through the C ABI as an engine calls it (`kvcsum::ffi`), on
+//! fresh random KV and state: a configuration difference gives UNVERIFIED
+//! with its reason (or an error at registration), never MISMATCH; data never
+//! read never gives MATCH. Each test names its defect (K1, K4 .. K11, S1) and
 //! also shows that a corrupted byte is still found where it can be.
 //!
 //! Reproduce a failure with the seed it printed:
@@ -12,10 +12,10 @@
 mod cabi;
 mod support;
 
+use kvcsum::ffi::constants::KVCS_BLOCK_CHECKSUM_BYTES;
 use kvcsum::ffi::report::kvcs_unverified_reason::{self, *};
 use kvcsum::ffi::result::kvcs_stored_outcome::*;
 use kvcsum::ffi::status::kvcs_status::*;
-use kvcsum::ffi::status::KVCS_BLOCK_CHECKSUM_BYTES;
 use kvcsum::StateSpec;
 
 use cabi::*;

@@ -13,10 +13,10 @@ use std::ffi::{c_char, CStr, CString};
 use std::ptr::{null, null_mut};
 
 use kvcsum::ffi::blocks::*;
+use kvcsum::ffi::constants::KVCS_HOST;
 use kvcsum::ffi::report::*;
 use kvcsum::ffi::result::*;
 use kvcsum::ffi::status::kvcs_status::*;
-use kvcsum::ffi::status::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;
 use support::c_abi::{c_layer, c_segments, host_options, last_error, text};

@@ -1,4 +1,5 @@
-//! Issue 18's rule, driven from fuzz bytes: the input seeds the generator of
+//! The verdict rule (a configuration difference never gives MISMATCH,
+//! corrupted KV that is read never MATCH), driven from fuzz bytes: the input seeds the generator of
 //! tests/verdict_property.rs (tests/verdict_support/generator.rs, shared
 //! with `#[path]`, not copied), which builds a random producer/consumer (or
 //! store/load) pair with intact KV, changes one piece of configuration on
@@ -28,6 +29,6 @@ fuzz_target!(|data: &[u8]| {
     let result = generator::run_case(seed, 0);
     let violations = result.violations();
     if let Some((_, details)) = violations.first() {
-        panic!("{} violation(s) of issue 18's rule:\n{details}", violations.len());
+        panic!("{} violation(s) of the verdict rule:\n{details}", violations.len());
     }
 });

@@ -1,5 +1,5 @@
 """What the package checks before a call reaches C, and what it keeps
-alive (issue 18, P1-P8): the coverage option and the uncompared count,
+alive (defects P1-P8): the coverage option and the uncompared count,
 handle types, close from several threads, the arrays behind a worker,
 stored-checksum buffers, integer ranges, NUL in C strings, repair_plan's
 and Completion.report's errors. Code that crashed the interpreter before

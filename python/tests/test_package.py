@@ -1,4 +1,4 @@
-"""The package as Python users meet it (issue 22): every public name of
+"""The package as Python users meet it: every public name of
 before the split by job still there, __version__ from one place, py.typed,
 a missing library as its own exception, the enums equal to kvcsum.h,
 reprs, `python -m kvcsum --version`, and a thread-safety line per class.

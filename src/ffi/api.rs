@@ -1,11 +1,12 @@
 //! The one entry point of a program that loads kvcsum with `dlopen`:
 //! `kvcs_api_get` gives the function table generated into
-//! [`super::loader`], so a plugin resolves one symbol.
+//! [`super::function_table`], so a plugin resolves one symbol.
 
-use super::loader::{kvcs_api, kvcs_api_get_fn, API};
+use super::constants::KVCS_ABI_VERSION;
+use super::function_table::{kvcs_api, kvcs_api_get_fn, API};
 use super::not_null;
 use super::panic::ffi_boundary;
-use super::status::{fail_with, kvcs_status, KVCS_ABI_VERSION};
+use super::status::{fail_with, kvcs_status};
 
 /// Gives the table of every call of this library for ABI version
 /// `abi_version` (pass `KVCS_ABI_VERSION`): the one symbol a program that
@@ -29,5 +30,5 @@ pub extern "C" fn kvcs_api_get(abi_version: u32, out: *mut *const kvcs_api) -> k
 }
 
 // The entry point's own type must be its type too (the table's entries
-// are checked where loader.rs fills it).
+// are checked where function_table.rs fills it).
 const _: kvcs_api_get_fn = kvcs_api_get;

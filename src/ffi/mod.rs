@@ -7,23 +7,22 @@
 //! contract, documented per function, so they are not `unsafe fn` in Rust.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
-pub(crate) mod abi_layouts;
 pub mod api;
 pub mod blocks;
 pub mod buffer;
 pub mod completion;
+pub mod constants;
+pub mod function_table;
 pub(crate) mod handle;
 pub mod layout_string;
-pub mod loader;
 pub mod panic;
 pub mod payload;
 pub mod repair;
 pub mod report;
 pub mod result;
-pub mod sizes;
 pub mod status;
 pub mod struct_layout;
-pub mod tensor_parallel;
+pub(crate) mod struct_layout_table;
 pub mod topology;
 pub mod verifier;
 pub mod worker;

@@ -1,15 +1,97 @@
 //! What a binding learns from the library itself about the structs the ABI
-//! passes: `kvcs_struct_layout` and `kvcs_struct_field` give each struct's
-//! size and its fields' names, offsets and sizes in this build (generated
-//! into [`super::abi_layouts`]), so that a binding such as Python's ctypes
-//! compares field offsets, not only sizes, against the library it loaded.
+//! passes, so that a binding that does not read the header (Python's
+//! ctypes, a dlopen loader) can check its own definitions against the
+//! library it loaded: `KVCS_ABI_VERSION` says which calls exist, these say
+//! whether the structs still have the shape it knows. `kvcs_<struct>_size`
+//! gives one struct's `sizeof`; `kvcs_struct_layout` and `kvcs_struct_field`
+//! give each struct's size and its fields' names, offsets and sizes in this
+//! build (generated into [`super::struct_layout_table`]), so that a binding
+//! compares field offsets, not only sizes.
 
 use std::ffi::c_char;
+use std::mem::size_of;
 
-use super::abi_layouts::{StructLayout, STRUCT_LAYOUTS};
+use super::layout_string::kvcs_tensor;
 use super::panic::ffi_boundary;
+use super::repair::kvcs_repair_block;
+use super::report::{kvcs_layer_difference, kvcs_mismatch};
 use super::status::{fail, fail_with, kvcs_status};
+use super::struct_layout_table::{StructLayout, STRUCT_LAYOUTS};
+use super::topology::{kvcs_head_source, kvcs_local_engine, kvcs_remote_engine};
+use super::worker::{kvcs_layer, kvcs_segment, kvcs_state, kvcs_state_tensor, kvcs_worker_options};
 use super::{c_str, write_out};
+
+/// `sizeof(kvcs_worker_options)` in this library.
+#[no_mangle]
+pub extern "C" fn kvcs_worker_options_size() -> usize {
+    size_of::<kvcs_worker_options>()
+}
+
+/// `sizeof(kvcs_segment)` in this library.
+#[no_mangle]
+pub extern "C" fn kvcs_segment_size() -> usize {
+    size_of::<kvcs_segment>()
+}
+
+/// `sizeof(kvcs_layer)` in this library.
+#[no_mangle]
+pub extern "C" fn kvcs_layer_size() -> usize {
+    size_of::<kvcs_layer>()
+}
+
+/// `sizeof(kvcs_state_tensor)` in this library.
+#[no_mangle]
+pub extern "C" fn kvcs_state_tensor_size() -> usize {
+    size_of::<kvcs_state_tensor>()
+}
+
+/// `sizeof(kvcs_state)` in this library.
+#[no_mangle]
+pub extern "C" fn kvcs_state_size() -> usize {
+    size_of::<kvcs_state>()
+}
+
+/// `sizeof(kvcs_mismatch)` in this library.
+#[no_mangle]
+pub extern "C" fn kvcs_mismatch_size() -> usize {
+    size_of::<kvcs_mismatch>()
+}
+
+/// `sizeof(kvcs_layer_difference)` in this library.
+#[no_mangle]
+pub extern "C" fn kvcs_layer_difference_size() -> usize {
+    size_of::<kvcs_layer_difference>()
+}
+
+/// `sizeof(kvcs_local_engine)` in this library.
+#[no_mangle]
+pub extern "C" fn kvcs_local_engine_size() -> usize {
+    size_of::<kvcs_local_engine>()
+}
+
+/// `sizeof(kvcs_remote_engine)` in this library.
+#[no_mangle]
+pub extern "C" fn kvcs_remote_engine_size() -> usize {
+    size_of::<kvcs_remote_engine>()
+}
+
+/// `sizeof(kvcs_head_source)` in this library.
+#[no_mangle]
+pub extern "C" fn kvcs_head_source_size() -> usize {
+    size_of::<kvcs_head_source>()
+}
+
+/// `sizeof(kvcs_tensor)` in this library.
+#[no_mangle]
+pub extern "C" fn kvcs_tensor_size() -> usize {
+    size_of::<kvcs_tensor>()
+}
+
+/// `sizeof(kvcs_repair_block)` in this library.
+#[no_mangle]
+pub extern "C" fn kvcs_repair_block_size() -> usize {
+    size_of::<kvcs_repair_block>()
+}
 
 /// The layout of the struct named `struct_name`.
 ///

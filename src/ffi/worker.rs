@@ -3,10 +3,11 @@
 use std::ffi::{c_char, c_void};
 
 use super::blocks::kvcs_blocks;
+use super::constants::KVCS_HOST;
 use super::handle::{free, handle, into_handle, try_handle, try_handle_mut};
 use super::panic::ffi_boundary;
 use super::result::kvcs_result;
-use super::status::{fail, kvcs_status, KVCS_HOST};
+use super::status::{fail, kvcs_status};
 use super::{c_array, c_str, not_null, try_engine, try_ref, write_out};
 use crate::blocks::BlockSet;
 use crate::checksum::Algorithm;

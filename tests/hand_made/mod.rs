@@ -16,7 +16,6 @@ use kvcsum::ffi::report::*;
 use kvcsum::ffi::result::*;
 use kvcsum::ffi::status::kvcs_status::*;
 use kvcsum::ffi::status::*;
-use kvcsum::ffi::tensor_parallel::*;
 use kvcsum::ffi::topology::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;

@@ -8,9 +8,10 @@
 use std::ffi::{c_char, CStr};
 use std::ptr::null;
 
+use kvcsum::ffi::constants::KVCS_HOST;
 use kvcsum::ffi::report::*;
+use kvcsum::ffi::status::kvcs_last_error;
 use kvcsum::ffi::status::kvcs_status::KVCS_OK;
-use kvcsum::ffi::status::{kvcs_last_error, KVCS_HOST};
 use kvcsum::ffi::worker::{kvcs_layer, kvcs_segment, kvcs_worker_options};
 use kvcsum::LayerSpec;
 

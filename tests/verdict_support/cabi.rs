@@ -12,6 +12,7 @@ use std::ffi::CString;
 use std::ptr::{null, null_mut};
 
 use kvcsum::ffi::blocks::*;
+use kvcsum::ffi::constants::{KVCS_BLOCK_CHECKSUM_BYTES, KVCS_HOST};
 use kvcsum::ffi::repair::*;
 use kvcsum::ffi::report::*;
 use kvcsum::ffi::result::*;

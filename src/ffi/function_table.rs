@@ -3,7 +3,7 @@
 //! `kvcs_<call>_fn`, the function table [`kvcs_api`] that `kvcs_api_get`
 //! hands to programs that load the library at run time. Filling the table
 //! checks each type against its function, so a stale file does not build.
-//! (The struct layouts are in `abi_layouts.rs`, which the table's
+//! (The struct layouts are in `struct_layout_table.rs`, which the table's
 //! `kvcs_struct_layout` reads: kept apart, so no module imports back.)
 #![allow(non_camel_case_types)]
 
@@ -13,6 +13,7 @@ use std::ffi::{c_char, c_void};
 
 use super::blocks::kvcs_blocks;
 use super::completion::kvcs_completion;
+use super::constants::KVCS_ABI_VERSION;
 use super::layout_string::kvcs_tensor;
 use super::payload::{
     kvcs_group_checksums, kvcs_layer_checksums, kvcs_layer_decoding, kvcs_payload, kvcs_payload_summary,
@@ -20,9 +21,8 @@ use super::payload::{
 use super::repair::kvcs_repair_block;
 use super::report::{kvcs_layer_difference, kvcs_mismatch, kvcs_report};
 use super::result::kvcs_result;
-use super::status::{kvcs_status, KVCS_ABI_VERSION};
-use super::tensor_parallel::kvcs_head_source;
-use super::topology::{kvcs_local_engine, kvcs_remote_engine, kvcs_topology};
+use super::status::kvcs_status;
+use super::topology::{kvcs_head_source, kvcs_local_engine, kvcs_remote_engine, kvcs_topology};
 use super::verifier::kvcs_verifier;
 use super::worker::{kvcs_layer, kvcs_segment, kvcs_state, kvcs_worker, kvcs_worker_options};
 
@@ -831,8 +831,8 @@ pub struct kvcs_api {
 pub(crate) static API: kvcs_api = kvcs_api {
     size: size_of::<kvcs_api>(),
     abi_version: KVCS_ABI_VERSION,
-    kvcs_abi_version: super::status::kvcs_abi_version,
-    kvcs_version: super::status::kvcs_version,
+    kvcs_abi_version: super::constants::kvcs_abi_version,
+    kvcs_version: super::constants::kvcs_version,
     kvcs_last_error: super::status::kvcs_last_error,
     kvcs_status_name: super::status::kvcs_status_name,
     kvcs_struct_layout: super::struct_layout::kvcs_struct_layout,
@@ -872,24 +872,24 @@ pub(crate) static API: kvcs_api = kvcs_api {
     kvcs_result_stored: super::result::kvcs_result_stored,
     kvcs_result_destroy: super::result::kvcs_result_destroy,
     kvcs_result_encode: super::result::kvcs_result_encode,
-    kvcs_worker_options_size: super::sizes::kvcs_worker_options_size,
-    kvcs_segment_size: super::sizes::kvcs_segment_size,
-    kvcs_layer_size: super::sizes::kvcs_layer_size,
-    kvcs_state_tensor_size: super::sizes::kvcs_state_tensor_size,
-    kvcs_state_size: super::sizes::kvcs_state_size,
-    kvcs_mismatch_size: super::sizes::kvcs_mismatch_size,
-    kvcs_layer_difference_size: super::sizes::kvcs_layer_difference_size,
-    kvcs_local_engine_size: super::sizes::kvcs_local_engine_size,
-    kvcs_remote_engine_size: super::sizes::kvcs_remote_engine_size,
-    kvcs_head_source_size: super::sizes::kvcs_head_source_size,
-    kvcs_tp_ratio: super::tensor_parallel::kvcs_tp_ratio,
-    kvcs_remote_ranks: super::tensor_parallel::kvcs_remote_ranks,
-    kvcs_handshake_targets: super::tensor_parallel::kvcs_handshake_targets,
-    kvcs_block_size_ratio: super::tensor_parallel::kvcs_block_size_ratio,
-    kvcs_remote_kv_replicated: super::tensor_parallel::kvcs_remote_kv_replicated,
-    kvcs_local_kv_replicated: super::tensor_parallel::kvcs_local_kv_replicated,
-    kvcs_rank_heads: super::tensor_parallel::kvcs_rank_heads,
-    kvcs_head_sources: super::tensor_parallel::kvcs_head_sources,
+    kvcs_worker_options_size: super::struct_layout::kvcs_worker_options_size,
+    kvcs_segment_size: super::struct_layout::kvcs_segment_size,
+    kvcs_layer_size: super::struct_layout::kvcs_layer_size,
+    kvcs_state_tensor_size: super::struct_layout::kvcs_state_tensor_size,
+    kvcs_state_size: super::struct_layout::kvcs_state_size,
+    kvcs_mismatch_size: super::struct_layout::kvcs_mismatch_size,
+    kvcs_layer_difference_size: super::struct_layout::kvcs_layer_difference_size,
+    kvcs_local_engine_size: super::struct_layout::kvcs_local_engine_size,
+    kvcs_remote_engine_size: super::struct_layout::kvcs_remote_engine_size,
+    kvcs_head_source_size: super::struct_layout::kvcs_head_source_size,
+    kvcs_tp_ratio: super::topology::kvcs_tp_ratio,
+    kvcs_remote_ranks: super::topology::kvcs_remote_ranks,
+    kvcs_handshake_targets: super::topology::kvcs_handshake_targets,
+    kvcs_block_size_ratio: super::topology::kvcs_block_size_ratio,
+    kvcs_remote_kv_replicated: super::topology::kvcs_remote_kv_replicated,
+    kvcs_local_kv_replicated: super::topology::kvcs_local_kv_replicated,
+    kvcs_rank_heads: super::topology::kvcs_rank_heads,
+    kvcs_head_sources: super::topology::kvcs_head_sources,
     kvcs_topology_create: super::topology::kvcs_topology_create,
     kvcs_topology_destroy: super::topology::kvcs_topology_destroy,
     kvcs_topology_add_remote: super::topology::kvcs_topology_add_remote,
@@ -934,8 +934,8 @@ pub(crate) static API: kvcs_api = kvcs_api {
     kvcs_layer_from_layout: super::layout_string::kvcs_layer_from_layout,
     kvcs_report_repair_plan: super::repair::kvcs_report_repair_plan,
     kvcs_repair_plan: super::repair::kvcs_repair_plan,
-    kvcs_tensor_size: super::sizes::kvcs_tensor_size,
-    kvcs_repair_block_size: super::sizes::kvcs_repair_block_size,
+    kvcs_tensor_size: super::struct_layout::kvcs_tensor_size,
+    kvcs_repair_block_size: super::struct_layout::kvcs_repair_block_size,
     kvcs_payload_decode: super::payload::kvcs_payload_decode,
     kvcs_payload_destroy: super::payload::kvcs_payload_destroy,
     kvcs_payload_info: super::payload::kvcs_payload_info,

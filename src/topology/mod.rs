@@ -506,5 +506,4 @@ impl Completion {
 }
 
 #[cfg(test)]
-#[path = "topology_tests.rs"]
 mod tests;

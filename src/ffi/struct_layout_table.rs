@@ -11,8 +11,7 @@ use super::layout_string::kvcs_tensor;
 use super::payload::{kvcs_group_checksums, kvcs_layer_checksums, kvcs_layer_decoding, kvcs_payload_summary};
 use super::repair::kvcs_repair_block;
 use super::report::{kvcs_layer_difference, kvcs_mismatch};
-use super::tensor_parallel::kvcs_head_source;
-use super::topology::{kvcs_local_engine, kvcs_remote_engine};
+use super::topology::{kvcs_head_source, kvcs_local_engine, kvcs_remote_engine};
 use super::worker::{kvcs_layer, kvcs_segment, kvcs_state, kvcs_state_tensor, kvcs_worker_options};
 
 /// The layout of one struct of the ABI in this build.

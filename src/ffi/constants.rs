@@ -1,0 +1,35 @@
+//! The C ABI's constants and versions: `KVCS_ABI_VERSION` (the one place it
+//! is written; build.rs reads it for the SONAME) and the library's version,
+//! the stored-checksum and head limits, and `KVCS_HOST`.
+
+use std::ffi::c_char;
+
+/// The C ABI version; a loader checks it equals `kvcs_abi_version()`.
+/// Version 2: stored checksums take `KVCS_BLOCK_CHECKSUM_BYTES` (16) bytes
+/// per block id, where version 1 took 8.
+pub const KVCS_ABI_VERSION: u32 = 2;
+
+/// Bytes of stored checksum per block id (docs/SPEC.md#8-stored-checksums-for-offloaded-kv):
+/// the value, then the stamp of the configuration that stored it.
+pub const KVCS_BLOCK_CHECKSUM_BYTES: u64 = 16;
+const _: () = assert!(KVCS_BLOCK_CHECKSUM_BYTES == crate::layout::StoredBuffer::BYTES_PER_BLOCK);
+
+/// `H` of docs/SPEC.md#3-block-checksum: no layer may have more heads than this.
+pub const KVCS_MAX_KV_HEADS_PER_LAYER: u64 = 65536;
+const _: () = assert!(KVCS_MAX_KV_HEADS_PER_LAYER == crate::checksum::MAX_KV_HEADS_PER_LAYER);
+
+/// The `device` of a worker whose caches are in host memory.
+pub const KVCS_HOST: i32 = -1;
+
+/// The ABI version of the loaded library; equal to `KVCS_ABI_VERSION` of
+/// the header a program was built with, or the program must not use it.
+#[no_mangle]
+pub extern "C" fn kvcs_abi_version() -> u32 {
+    KVCS_ABI_VERSION
+}
+
+/// The library's version (the crate version, e.g. "0.3.0"; docs/VERSIONING.md), a static string. Never NULL.
+#[no_mangle]
+pub extern "C" fn kvcs_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
