@@ -2504,8 +2504,9 @@ kvcs_status kvcs_worker_checksum(kvcs_worker *worker,
 // lie in a registered region (`KVCS_ERR_OUT_OF_BOUNDS` otherwise); on a
 // device worker it must be device memory of the worker's device or pinned
 // host memory (`KVCS_ERR_INVALID_ARGUMENT` otherwise,
-// `KVCS_ERR_OUT_OF_BOUNDS` when it runs past mapped memory). On error
-// nothing changes.
+// `KVCS_ERR_OUT_OF_BOUNDS` when it runs past mapped memory, or past the
+// end of the cudaMalloc allocation it starts in). On error nothing
+// changes.
 kvcs_status kvcs_worker_add_stored(kvcs_worker *worker,
                                    uint32_t group_id,
                                    uint64_t address,

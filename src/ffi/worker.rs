@@ -490,8 +490,9 @@ pub extern "C" fn kvcs_worker_checksum(
 /// lie in a registered region (`KVCS_ERR_OUT_OF_BOUNDS` otherwise); on a
 /// device worker it must be device memory of the worker's device or pinned
 /// host memory (`KVCS_ERR_INVALID_ARGUMENT` otherwise,
-/// `KVCS_ERR_OUT_OF_BOUNDS` when it runs past mapped memory). On error
-/// nothing changes.
+/// `KVCS_ERR_OUT_OF_BOUNDS` when it runs past mapped memory, or past the
+/// end of the cudaMalloc allocation it starts in). On error nothing
+/// changes.
 #[no_mangle]
 pub extern "C" fn kvcs_worker_add_stored(
     worker: *mut kvcs_worker,
