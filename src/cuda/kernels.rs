@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{CompileError, CompileOptions};
 
-use super::descriptors::kernel_prelude;
+use super::kernel_prelude::kernel_prelude;
 use crate::error::{err, Result};
 
 /// Shared descriptors, prepended to every kernel source.

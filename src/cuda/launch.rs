@@ -6,9 +6,8 @@
 //! without a GPU; the engine (`DeviceEngine::checksum`) only writes the
 //! slot and queues what they say.
 
-use super::descriptors::{
-    role_index, DevGroup, LayerTable, INLINE_ROWS, INLINE_STATE_ROWS, MAX_SPLIT, THREADS_PER_BLOCK, WARP,
-};
+use super::descriptors::{DevGroup, INLINE_ROWS, INLINE_STATE_ROWS, MAX_SPLIT, THREADS_PER_BLOCK, WARP};
+use super::layer_table::{role_index, LayerTable};
 use crate::layout::Role;
 use crate::plan::Row;
 

@@ -17,8 +17,10 @@
 
 mod buffers;
 mod descriptors;
+mod kernel_prelude;
 mod kernels;
 mod launch;
+mod layer_table;
 mod store_launch;
 
 pub use self::descriptors::DevStoredItem;
@@ -31,14 +33,15 @@ use cudarc::driver::{result as cu, sys, CudaContext};
 
 use self::buffers::{device_error, DeviceTable, Slot, SlotPool};
 use self::descriptors::{
-    role_index, DevCall, DevGroup, DevStateCall, DevStoredCall, LayerTable, INLINE_GROUPS, INLINE_ROWS,
-    INLINE_STATE_ROWS, THREADS_PER_BLOCK, WARP,
+    DevCall, DevGroup, DevStateCall, DevStoredCall, INLINE_GROUPS, INLINE_ROWS, INLINE_STATE_ROWS, THREADS_PER_BLOCK,
+    WARP,
 };
 use self::kernels::Kernels;
 use self::launch::{
     call_room, partition_state_rows, plan_launch, row_starts, CallInputs, CallLaunch, ChecksumKernel, ChecksumLaunch,
     ResidentWarps, RowPlace,
 };
+use self::layer_table::{role_index, LayerTable};
 use crate::blocks::BlockSet;
 use crate::checksum::Algorithm;
 use crate::error::{err, Result};
