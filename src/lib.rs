@@ -28,6 +28,7 @@ pub mod payload;
 pub(crate) mod plan;
 pub(crate) mod pool;
 pub mod record;
+pub(crate) mod record_facts;
 pub(crate) mod repair;
 pub(crate) mod result;
 pub(crate) mod state;

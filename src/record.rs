@@ -66,8 +66,9 @@ use crate::decoding::LayerDecoding;
 use crate::error::{err, Result};
 use crate::layout::{ReplicaKey, Role};
 use crate::msgpack::{initial_capacity, Reader, Writer};
+pub use crate::record_facts::{GroupInfo, Rank};
+pub use crate::result::LayerPartial;
 use crate::result::{Checksums, SkippedGroup, StoredOutcome};
-pub use crate::result::{GroupInfo, LayerPartial, Rank};
 
 /// The first element of every record.
 pub const RECORD_MAGIC: &str = "kvcsum.record";

@@ -1,70 +1,18 @@
 //! Checksum results: per request and group, one column of partial checksums
-//! per replica key, one value per block position (SPEC section 4).
+//! per replica key, one value per block position (SPEC section 4), and what
+//! a result carries to become a record ([`RecordInfo`]; the worker facts in
+//! it are `record_facts`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
 use crate::blocks::{GroupBlocks, RequestBlocks};
 use crate::checksum::Algorithm;
-use crate::decoding::LayerDecoding;
 use crate::error::{err, Result};
-use crate::fingerprint::decodings_digest;
 use crate::layout::{ReplicaKey, Role};
+use crate::record_facts::{GroupInfo, Rank};
 use crate::stored_entry::EntryReader;
 pub use crate::stored_entry::StoredOutcome;
-
-/// Where a worker sits in the model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Rank {
-    /// Tensor-parallel rank, below `tp_size`.
-    pub tp_rank: u32,
-    /// Tensor-parallel size.
-    pub tp_size: u32,
-    /// Pipeline-parallel stage.
-    pub pp_rank: u32,
-}
-
-/// What a worker knows about one of its registered groups.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GroupInfo {
-    /// The group.
-    pub group_id: u32,
-    /// Tokens per logical block on this worker.
-    pub block_size: u32,
-    /// The worker's fingerprint of the group (SPEC section 7, vLLM's).
-    pub fingerprint: u64,
-    /// The worker's marks of the group (SPEC section 7: aliases and
-    /// shard-keyed state layers).
-    pub marks: u64,
-    /// Whether the group's checksums are shard-keyed state (SPEC section 6:
-    /// TP split unknown), comparable only between equal TP sizes. Attention
-    /// groups never are; state layers set it when the split is unknown.
-    pub shard_keyed: bool,
-    /// Whether the worker registered any cache (attention or state layer)
-    /// in the group: where no worker does, nothing of the group was read.
-    pub holds_caches: bool,
-    /// Whether the group is a state group (SPEC section 6): one block at
-    /// position 0 that `num_tokens` does not limit.
-    pub state: bool,
-    /// Per replica key held here, the coverage of its slices (SPEC section
-    /// 10), sorted by key: which layers and heads the worker checksums.
-    pub coverage: Vec<(ReplicaKey, u64)>,
-    /// Per layer number, what the worker declared about decoding its cache
-    /// (SPEC section 7), sorted by layer number; empty where it declared
-    /// nothing.
-    pub decodings: Vec<(u32, LayerDecoding)>,
-}
-
-impl GroupInfo {
-    /// What stored checksums use (SPEC section 8): the fingerprint plus the
-    /// marks plus the digest of the declared layer decodings (the same as
-    /// `fingerprint::stored_fingerprint` of the group).
-    pub fn stored_fingerprint(&self) -> u64 {
-        self.fingerprint
-            .wrapping_add(self.marks)
-            .wrapping_add(decodings_digest(&self.decodings))
-    }
-}
 
 /// The per-layer partial checksums of one layer entry of a worker (detail
 /// mode): the heads `first_head .. first_head + num_heads` of layer

@@ -23,7 +23,8 @@ use crate::error::{err, Result};
 use crate::fingerprint::stored_fingerprint;
 use crate::layout::Role;
 use crate::layout::{Group, Layout, StoredBuffer};
-use crate::result::{Checksums, GroupInfo, Placement, Shape, StoredExpectation, StoredRef};
+use crate::record_facts::GroupInfo;
+use crate::result::{Checksums, Placement, Shape, StoredExpectation, StoredRef};
 use crate::stored_entry::{block_tag, entry, entry_key, Digests, EntryConfig, EntryReader, StoredOutcome};
 
 /// One (request, group) that a store or load check covers.

@@ -23,7 +23,8 @@ const ORDER: &[&str] = &[
     "blocks",
     "fingerprint",
     "stream",
-    // results
+    // results: the worker facts a record carries, a call's checksums
+    "record_facts",
     "result",
     // the plan of a call
     "plan",
