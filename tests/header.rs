@@ -2,65 +2,22 @@
 //! `include/kvcsum.h` (cbindgen, with the prototypes put under
 //! `KVCS_NO_PROTOTYPES`), and what `scripts/gen-bindings.py` writes from
 //! src/ffi (src/ffi/function_table.rs, src/ffi/api-slots.txt, python/kvcsum/_abi.py).
-//! `make header` regenerates them all (`KVCS_BLESS=1 cargo test --test
-//! header` rewrites the header).
+//! These only check; `make header` regenerates them all (the header through
+//! tests/gen_header.rs, which writes what `header_gen` makes).
+
+mod header_gen;
 
 use std::path::Path;
 use std::process::Command;
 
-/// The header as cbindgen writes it, with its prototypes under
-/// `#if !defined(KVCS_NO_PROTOTYPES)`: a program that loads the library at
-/// run time defines it, so a direct call does not compile.
-fn generated_header(root: &Path) -> Vec<u8> {
-    let config = cbindgen::Config::from_file(root.join("cbindgen.toml")).expect("cbindgen.toml parses");
-    let mut generated = Vec::new();
-    cbindgen::Builder::new()
-        .with_crate(root)
-        .with_config(config)
-        .generate()
-        .expect("cbindgen generates the header")
-        .write(&mut generated);
-    let text = String::from_utf8(generated).expect("the header is UTF-8");
-    guard_prototypes(&text).into_bytes()
-}
-
-/// `header` with the function declarations of its `extern "C"` block
-/// between `#if !defined(KVCS_NO_PROTOTYPES)` and `#endif`.
-fn guard_prototypes(header: &str) -> String {
-    let open = "extern \"C\" {\n#endif // __cplusplus\n";
-    let close = "\n#ifdef __cplusplus\n}  // extern \"C\"";
-    assert_eq!(
-        header.matches(open).count(),
-        1,
-        "cbindgen's extern \"C\" block has changed shape"
-    );
-    assert_eq!(
-        header.matches(close).count(),
-        1,
-        "cbindgen's extern \"C\" block has changed shape"
-    );
-    header
-        .replacen(open, &format!("{open}\n#if !defined(KVCS_NO_PROTOTYPES)\n"), 1)
-        .replacen(
-            close,
-            &format!("\n#endif  /* !defined(KVCS_NO_PROTOTYPES) */\n{close}"),
-            1,
-        )
-}
-
 #[test]
 fn header_is_current() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let generated = generated_header(root);
-    let path = root.join("include/kvcsum.h");
-    if std::env::var_os("KVCS_BLESS").is_some() {
-        std::fs::write(&path, &generated).expect("write include/kvcsum.h");
-        return;
-    }
-    let checked_in = std::fs::read(&path).unwrap_or_default();
+    let generated = header_gen::generated_header(root);
+    let checked_in = std::fs::read(root.join("include/kvcsum.h")).unwrap_or_default();
     assert!(
         checked_in == generated,
-        "include/kvcsum.h is stale: run `make header` (KVCS_BLESS=1 cargo test --test header) and commit it"
+        "include/kvcsum.h is stale: run `make header` and commit it"
     );
 }
 
