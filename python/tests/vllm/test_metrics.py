@@ -194,7 +194,7 @@ def test_a_tier_load_counts_on_the_tier_path(store, rng):
     # A load from an offload tier (no do_remote_prefill, no payload): the
     # consumer's workers check it by block hash (verify_tiers, the default),
     # and the producer's blocks are unknown to them (another engine stored
-    # them): UNVERIFIED (UNKNOWN_BLOCK) on path "tier", nothing on "pd".
+    # them): UNVERIFIED on path "tier", nothing on "pd".
     p = producer(store)
     c = consumer(store, extra={"verify_loads": "all", "unverified": "log"})
     prom = Prometheus([p, c])
@@ -203,8 +203,12 @@ def test_a_tier_load_counts_on_the_tier_path(store, rng):
     decode(c, "req-metrics-tier-hit", {"store_tier_key": "req-metrics-tier", "remote_num_tokens": len(prompt)}, prompt)
     prom.flush()
     assert all(rank.connector.inner.loads_done == 1 for rank in c.ranks)
-    assert verdict(c, "req-metrics-tier-hit")[:2] == (kvcsum.UNVERIFIED, "UNKNOWN_BLOCK")
-    assert load_counts(prom, 1, "tier") == {**NOTHING, "unverified": {"UNKNOWN_BLOCK": 1}}
+    # The full blocks' hashes are unknown to the consumer (UNKNOWN_BLOCK); a
+    # partial last block has no hash (NO_BLOCK_HASH): the random prompt's
+    # length decides which the verdict names.
+    name, reason = verdict(c, "req-metrics-tier-hit")[:2]
+    assert name == kvcsum.UNVERIFIED and reason in ("UNKNOWN_BLOCK", "NO_BLOCK_HASH"), (name, reason)
+    assert load_counts(prom, 1, "tier") == {**NOTHING, "unverified": {reason: 1}}
     assert load_counts(prom, 1, "pd") == NOTHING
     print(f"CASE metrics of a tier load: {load_counts(prom, 1, 'tier')}", flush=True)
 
