@@ -199,6 +199,18 @@ __device__ __forceinline__ void kvcs_accumulate_pair(
     }
 }
 
+// Byte offset of vector `vector` of a token's (grouped) vectors: a group's
+// heads lie head_stride apart (side by side in token-major layouts, where
+// head_stride is one head's bytes and this is vector << vector_shift;
+// heads-outer layouts are grouped the same way: see `head_group` in
+// layer_table.rs), each head's vectors side by side.
+__device__ __forceinline__ kvcs_i64 kvcs_vector_offset(
+    const struct kvcs_dev_segment *segment, kvcs_u32 vector, kvcs_u32 head_vector_shift)
+{
+    const kvcs_u32 in_head = vector & ((1u << head_vector_shift) - 1);
+    return (kvcs_i64)(vector >> head_vector_shift) * segment->head_stride + ((kvcs_i64)in_head << segment->vector_shift);
+}
+
 // This lane's share of sum x_j (2j + 1) over the same `tokens` tokens of one
 // head in both segments of a layer whose segments read alike (see
 // kvcs_segment_unit), the first segment's first token at `first_address`,
@@ -207,8 +219,9 @@ template <int MIX>
 __device__ __forceinline__ kvcs_u64 kvcs_segment_pair(
     const struct kvcs_dev_segment *first, const struct kvcs_dev_segment *second, kvcs_u64 pieces_per_token,
     kvcs_i64 first_address, kvcs_i64 second_address, kvcs_u64 first_token, kvcs_u32 tokens, kvcs_u32 lane,
-    kvcs_u32 head_vector_mask)
+    kvcs_u32 head_vector_shift)
 {
+    const kvcs_u32 head_vector_mask = (1u << head_vector_shift) - 1;
     const kvcs_u32 lanes = 1u << first->lane_shift;
     const kvcs_u32 tokens_per_step = KVCS_WARP >> first->lane_shift;
     const kvcs_u32 token = lane >> first->lane_shift;
@@ -218,7 +231,9 @@ __device__ __forceinline__ kvcs_u64 kvcs_segment_pair(
     const kvcs_u32 steps = (tokens - token + tokens_per_step - 1) >> (5 - first->lane_shift);
     const kvcs_u64 pieces_per_vector = first->vector_shift == 4 ? 2 : 1;
     const kvcs_i64 step_bytes = (kvcs_i64)tokens_per_step * first->token_stride;
-    const kvcs_i64 lane_offset = (kvcs_i64)token * first->token_stride + ((kvcs_i64)first_vector << first->vector_shift);
+    // Both segments hold their heads alike (kvcs_layer_units' condition
+    // includes the head stride where heads are grouped).
+    const kvcs_i64 lane_offset = (kvcs_i64)token * first->token_stride + kvcs_vector_offset(first, first_vector, head_vector_shift);
 
     struct kvcs_lane_sums sums = {0, 0, 0, 0};
     kvcs_u64 first_total = 0;
@@ -304,8 +319,9 @@ __device__ __forceinline__ kvcs_u64 kvcs_flat_unit(
 template <int MIX, int BATCH>
 __device__ __forceinline__ kvcs_u64 kvcs_segment_unit(
     const struct kvcs_dev_segment *segment, kvcs_u64 pieces_per_token,
-    kvcs_i64 address, kvcs_u64 first_token, kvcs_u32 tokens, kvcs_u32 lane, kvcs_u32 head_vector_mask)
+    kvcs_i64 address, kvcs_u64 first_token, kvcs_u32 tokens, kvcs_u32 lane, kvcs_u32 head_vector_shift)
 {
+    const kvcs_u32 head_vector_mask = (1u << head_vector_shift) - 1;
     if (segment->flat) return kvcs_flat_unit<MIX, BATCH>(segment, pieces_per_token, address, first_token, tokens, lane);
     const kvcs_u32 lanes = 1u << segment->lane_shift;
     const kvcs_u32 tokens_per_step = KVCS_WARP >> segment->lane_shift;
@@ -317,7 +333,7 @@ __device__ __forceinline__ kvcs_u64 kvcs_segment_unit(
     const kvcs_u64 pieces_per_vector = segment->vector_shift == 4 ? 2 : 1;
     const kvcs_i64 step_bytes = (kvcs_i64)tokens_per_step * segment->token_stride;
     const kvcs_i64 lane_address = address + (kvcs_i64)token * segment->token_stride
-        + ((kvcs_i64)first_vector << segment->vector_shift);
+        + kvcs_vector_offset(segment, first_vector, head_vector_shift);
 
     struct kvcs_lane_sums sums = {0, 0, 0, 0};
 #if KVCS_WIDE_BATCH != KVCS_BATCH
@@ -403,7 +419,6 @@ __device__ __forceinline__ void kvcs_layer_units(
     // Head groups (one head each where heads are not grouped), and this
     // lane's head within a group.
     const kvcs_u32 heads = layer->num_heads >> layer->head_shift;
-    const kvcs_u32 head_vector_mask = (1u << layer->head_vector_shift) - 1;
     const kvcs_u32 lane_head = (lane & ((1u << layer->segments[0].lane_shift) - 1)) >> layer->head_vector_shift;
     // in_layer = ((head * kernel_blocks + kernel_block) * split + chunk) * segments + s,
     // head counting head groups;
@@ -421,7 +436,8 @@ __device__ __forceinline__ void kvcs_layer_units(
     const struct kvcs_dev_segment *pair = layer->segments;
     const bool pairs = PAIRS && segments == 2 && !pair[0].flat && !pair[1].flat
         && pair[0].vector_shift == pair[1].vector_shift && pair[0].vectors_per_token == pair[1].vectors_per_token
-        && pair[0].token_stride == pair[1].token_stride;
+        && pair[0].token_stride == pair[1].token_stride
+        && (layer->head_shift == 0 || pair[0].head_stride == pair[1].head_stride);
 #endif
     while (head < heads && unit < end) {
         const kvcs_u32 first_head = head << layer->head_shift;
@@ -435,7 +451,7 @@ __device__ __forceinline__ void kvcs_layer_units(
                 head_sum += kvcs_segment_pair<MIX>(&pair[0], &pair[1], layer->pieces_per_token,
                                               kvcs_segment_address(&pair[0], row.block_id, kernel_block, first_head, slot),
                                               kvcs_segment_address(&pair[1], row.block_id, kernel_block, first_head, slot),
-                                              row.first_token + first, tokens, lane, head_vector_mask);
+                                              row.first_token + first, tokens, lane, layer->head_vector_shift);
             }
             unit += 2;
             s = 1;
@@ -447,7 +463,7 @@ __device__ __forceinline__ void kvcs_layer_units(
                 const struct kvcs_dev_segment *segment = &layer->segments[s];
                 head_sum += kvcs_segment_unit<MIX, BATCH>(segment, layer->pieces_per_token,
                                               kvcs_segment_address(segment, row.block_id, kernel_block, first_head, slot),
-                                              row.first_token + first, tokens, lane, head_vector_mask);
+                                              row.first_token + first, tokens, lane, layer->head_vector_shift);
             }
             ++unit;
         }

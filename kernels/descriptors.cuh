@@ -74,10 +74,12 @@ struct kvcs_dev_segment {
 // An attention layer as one (group, role) computes it. Its units are
 // (head group, kernel block, chunk, segment): a call cuts each kernel block
 // into `split` chunks; a unit reads one segment of one chunk of one group of
-// 2^head_shift heads. Heads are grouped where a token's heads lie side by
-// side (token-major layouts): a unit then reads runs of whole groups, and
-// its segments' vectors_per_token and lane_shift are the group's; lane l's
-// vectors belong to the group's head (l & (lanes - 1)) >> head_vector_shift.
+// 2^head_shift heads. Heads are grouped where a head's vectors are fewer
+// than a warp's lanes (`head_group` in layer_table.rs): its segments'
+// vectors_per_token and lane_shift are then the group's; lane l's vectors
+// belong to the group's head (l & (lanes - 1)) >> head_vector_shift, at that
+// head's own address (kvcs_vector_offset: side by side in token-major
+// layouts, head_stride apart in heads-outer ones).
 struct kvcs_dev_layer {
     struct kvcs_dev_segment segments[2];
     kvcs_u64 first_slice_weight;  // 2 * (layer * 65536 + first_head) + 1; head h adds 2h

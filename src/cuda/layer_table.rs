@@ -289,13 +289,18 @@ fn dev_layer(layer: &Layer, column: u32, unit_start: u64) -> DevLayer {
     }
 }
 
-/// log2 of the heads one unit of `spec` reads, if more than one: where each
-/// segment holds a token's heads side by side (`head_stride ==
-/// bytes_per_token`, as in token-major layouts), a unit reads a group of
-/// heads whose vectors fill up to a warp's lanes, one run per token, rather
-/// than one head's short piece of each token (fp8 K/V split, 128-byte
-/// pieces 1 KiB apart: 0.87 of the read ceiling). Every segment must be
-/// read alike, by whole vectors, a power of two of them per head.
+/// log2 of the heads one unit of `spec` reads, if more than one: a unit
+/// reads a group of heads whose vectors fill up to a warp's lanes, lane `l`
+/// reading vector `l & (head vectors - 1)` of head `l >> log2(head
+/// vectors)` of the group (`kvcs_vector_offset` in the kernel), rather than
+/// one head's short piece of each token. Where a token's heads lie side by
+/// side (token-major layouts: fp8 K/V split, 128-byte pieces 1 KiB apart,
+/// 0.87 of the read ceiling ungrouped) a step reads one run; in heads-outer
+/// layouts (HND) it reads one piece of each head, and a unit covers the
+/// group's tokens in as many steps as a block has tokens, rather than a
+/// head's few (fp8 HND, 16-token blocks: 4 steps, one batch, a head).
+/// Every segment must be read alike, by whole vectors, a power of two of
+/// them per head, and fewer than a warp's lanes.
 fn head_group(spec: &LayerSpec, segments: &[DevSegment]) -> Option<u32> {
     let first = segments.first()?;
     let head_vectors = first.vectors_per_token;
@@ -304,7 +309,6 @@ fn head_group(spec: &LayerSpec, segments: &[DevSegment]) -> Option<u32> {
             && segment.vector_shift == first.vector_shift
             && segment.vectors_per_token == head_vectors
             && (given.bytes_per_token as u64) == (head_vectors as u64) << first.vector_shift
-            && given.head_stride == given.bytes_per_token as i64
     });
     if !alike || !head_vectors.is_power_of_two() || head_vectors >= WARP {
         return None;
@@ -324,6 +328,7 @@ fn pairs(layer: &DevLayer) -> bool {
         && first.vector_shift == second.vector_shift
         && first.vectors_per_token == second.vectors_per_token
         && first.token_stride == second.token_stride
+        && (layer.head_shift == 0 || first.head_stride == second.head_stride)
 }
 
 fn dev_segment(segment: &Segment, piece_offset: u64, pieces_per_token: u64) -> DevSegment {
@@ -364,11 +369,12 @@ fn dev_segment(segment: &Segment, piece_offset: u64, pieces_per_token: u64) -> D
 mod tests {
     use super::*;
 
-    /// The heads a unit reads: grouped only where a token's heads lie side
-    /// by side in every segment, whole vectors, a power of two per head,
-    /// as many as fit a warp and divide the layer's heads.
+    /// The heads a unit reads: grouped where every segment reads whole
+    /// vectors, a power of two per head, fewer than a warp's lanes, whether
+    /// a token's heads lie side by side or heads-outer; as many as fit a
+    /// warp and divide the layer's heads.
     #[test]
-    fn heads_are_grouped_only_where_they_lie_side_by_side() {
+    fn heads_are_grouped_where_whole_vectors_of_a_power_of_two_of_them_fit_a_warp() {
         // (heads, head bytes, K and V apart, heads side by side) -> head_shift.
         let cases = [
             ((8, 128, true, true), Some(2)), // fp8 K/V split: 4 heads of 8 vectors
@@ -376,11 +382,13 @@ mod tests {
             ((8, 256, false, true), Some(1)),
             ((6, 64, true, true), Some(1)), // 4 vectors a head, 6 heads: groups of 2
             ((12, 16, true, true), Some(2)),
-            ((4, 8, true, true), Some(2)), // 8-byte vectors: 1 a head, 4 heads
-            ((3, 64, true, true), None),   // no power of two divides 3 heads but 1
-            ((2, 24, true, true), None),   // 3 vectors a head
-            ((4, 512, true, true), None),  // a head fills the warp
-            ((8, 128, true, false), None), // heads-outer (HND): not side by side
+            ((4, 8, true, true), Some(2)),     // 8-byte vectors: 1 a head, 4 heads
+            ((3, 64, true, true), None),       // no power of two divides 3 heads but 1
+            ((2, 24, true, true), None),       // 3 vectors a head
+            ((4, 512, true, true), None),      // a head fills the warp
+            ((8, 128, true, false), Some(2)),  // heads-outer (HND): 4 heads, one piece of each a step
+            ((8, 256, false, false), Some(1)), // bf16 HND, K and V in one block
+            ((2, 512, true, false), None),     // a head fills the warp
             ((1, 128, true, true), None),
         ];
         for ((heads, head_bytes, split, side_by_side), expected) in cases {
