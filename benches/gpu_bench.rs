@@ -10,8 +10,12 @@
 //!
 //! Build here: `cargo build --release --example gpu_bench`; run on a GPU
 //! machine: `target/release/examples/gpu_bench [device] [--only N] [--host]
-//! [--settle SECONDS]`. It prints a
-//! Markdown table for BENCHMARKS.md.
+//! [--settle SECONDS] [--sustain SECONDS]`. It prints a
+//! Markdown table for BENCHMARKS.md. `--sustain S` prints instead the
+//! sustained table: each kernel run back to back for S seconds alone, timed
+//! over its last half, so that a card held at its power limit (clocks
+//! lowered: nvidia-smi's `clocks_event_reasons.active` 0x4, SW power cap)
+//! runs each at the clocks that kernel leaves it.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -70,6 +74,16 @@ enum Layout {
     Hnd,
     Nhd,
     KvSplit,
+}
+
+impl Layout {
+    fn name(self) -> &'static str {
+        match self {
+            Layout::Hnd => "HND",
+            Layout::Nhd => "NHD",
+            Layout::KvSplit => "K/V split",
+        }
+    }
 }
 
 struct Device {
@@ -478,11 +492,15 @@ fn main() {
         .iter()
         .position(|a| a == "--settle")
         .map(|i| args[i + 1].parse().expect("--settle SECONDS"));
+    let sustain: Option<f64> = args
+        .iter()
+        .position(|a| a == "--sustain")
+        .map(|i| args[i + 1].parse().expect("--sustain SECONDS"));
     let ordinal: usize = args
         .iter()
         .enumerate()
         .skip(1)
-        .find(|&(i, a)| !a.starts_with("--") && args[i - 1] != "--only" && args[i - 1] != "--settle")
+        .find(|&(i, a)| !a.starts_with("--") && !["--only", "--settle", "--sustain"].contains(&args[i - 1].as_str()))
         .map(|(_, a)| a)
         .map_or(0, |a| a.parse().expect("device ordinal"));
     let dev = Device::new(ordinal);
@@ -544,6 +562,16 @@ fn main() {
         cache_bytes >> 30
     );
     println!();
+    if let Some(seconds) = sustain {
+        sustained(
+            &dev,
+            cache,
+            cache_bytes,
+            &[(&llama, Layout::Hnd), (&fp8, Layout::Hnd), (&llama, Layout::Nhd)],
+            seconds,
+        );
+        return;
+    }
     println!(
         "| cache | layout | case | bytes read | read ceiling GB/s | WEIGHTED GB/s | fraction | MIXED2 GB/s | fraction | MIXED2 - WEIGHTED |"
     );
@@ -583,11 +611,7 @@ fn main() {
         let weighted = checksum_ms(&dev, &case, &case.weighted);
         let mixed = checksum_ms(&dev, &case, &case.worker);
         let gbs = |ms: f64| case.bytes as f64 / ms / 1e6;
-        let layout_name = match layout {
-            Layout::Hnd => "HND",
-            Layout::Nhd => "NHD",
-            Layout::KvSplit => "K/V split",
-        };
+        let layout_name = layout.name();
         println!(
             "| {} | {layout_name} | {label} | {:.0} MiB | {:.0} | {:.0} | {:.3} | {:.0} | {:.3} | {:+.3} |",
             model.name,
@@ -774,6 +798,73 @@ fn main() {
             println!("(the card idled {seconds} s before the stored table)");
         }
         stored_checksums(&dev, cache, cache_bytes, &llama);
+    }
+}
+
+/// Milliseconds per call of `work` run back to back for `seconds`: the
+/// median over batches of 10 calls in the second half (the card has by then
+/// settled into the clocks and power that this work leaves it).
+fn sustained_ms(dev: &Device, seconds: f64, mut work: impl FnMut()) -> f64 {
+    let start = check(cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT), "event");
+    let stop = check(cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT), "event");
+    let began = Instant::now();
+    let mut times = Vec::new();
+    while began.elapsed().as_secs_f64() < seconds {
+        unsafe { check(cu::event::record(start, dev.stream), "record") };
+        for _ in 0..10 {
+            work();
+        }
+        unsafe { check(cu::event::record(stop, dev.stream), "record") };
+        dev.sync();
+        if began.elapsed().as_secs_f64() >= seconds / 2.0 {
+            times.push(unsafe { check(cu::event::elapsed(start, stop), "elapsed") } as f64 / 10.0);
+        }
+    }
+    unsafe {
+        let _ = cu::event::destroy(start);
+        let _ = cu::event::destroy(stop);
+    }
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
+/// The sustained table (`--sustain S`): per case, the read ceiling, WEIGHTED
+/// and MIXED2 each run alone back to back for S seconds (then 2 s idle),
+/// as fractions of the sustained read ceiling.
+fn sustained(dev: &Device, cache: u64, cache_bytes: u64, cases: &[(&Model, Layout)], seconds: f64) {
+    println!("sustained: each kernel back to back for {seconds} s alone, timed over its last half, 2 s idle between");
+    println!();
+    println!("| cache | layout | bytes read | read ceiling GB/s | WEIGHTED GB/s | fraction | MIXED2 GB/s | fraction | MIXED2 - WEIGHTED |");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
+    let idle = || std::thread::sleep(std::time::Duration::from_secs(2));
+    for (i, &(model, layout)) in cases.iter().enumerate() {
+        let case = build_case(dev, cache, cache_bytes, model, layout, 128, 16, 0x5EED + i as u64);
+        let checksum = |worker: &Worker| {
+            drop(
+                worker
+                    .checksum(&case.blocks, Role::Consumer, StreamHandle(dev.stream.cast()))
+                    .unwrap(),
+            )
+        };
+        idle();
+        let ceiling = sustained_ms(dev, seconds, || read_case(dev, &case, 132 * 8));
+        idle();
+        let weighted = sustained_ms(dev, seconds, || checksum(&case.weighted));
+        idle();
+        let mixed = sustained_ms(dev, seconds, || checksum(&case.worker));
+        let gbs = |ms: f64| case.bytes as f64 / ms / 1e6;
+        let layout_name = layout.name();
+        println!(
+            "| {} | {layout_name} | {:.0} MiB | {:.0} | {:.0} | {:.3} | {:.0} | {:.3} | {:+.3} |",
+            model.name,
+            case.bytes as f64 / (1 << 20) as f64,
+            gbs(ceiling),
+            gbs(weighted),
+            ceiling / weighted,
+            gbs(mixed),
+            ceiling / mixed,
+            ceiling / mixed - ceiling / weighted
+        );
     }
 }
 
