@@ -7,23 +7,30 @@
 //! Reproduce a failure with the seed it printed:
 //! `KVCS_TEST_SEED=<seed> cargo test --release --test cost <name>`.
 
-mod hand_made;
 mod support;
 
 use std::ffi::CString;
 use std::ptr::null_mut;
 use std::time::{Duration, Instant};
 
-use hand_made::*;
 use kvcsum::ffi::blocks::*;
-use kvcsum::ffi::report::*;
-use kvcsum::ffi::result::*;
 use kvcsum::ffi::status::kvcs_status::*;
 use kvcsum::ffi::topology::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;
-use support::c_abi::last_error;
+use support::c_abi::*;
+use support::hand_made_records::*;
 use support::Rng;
+
+/// A generous bound on work the fixed code does in a small fraction of it;
+/// the quadratic code took many times longer on the same input.
+fn assert_fast(what: &str, elapsed: Duration, bound_s: f64) {
+    assert!(
+        elapsed.as_secs_f64() < bound_s,
+        "{what} took {:.2} s (bound {bound_s} s): work is not linear in the input",
+        elapsed.as_secs_f64()
+    );
+}
 
 // ---------------------------------------------------------------------------
 // Validating payloads and records
@@ -41,14 +48,9 @@ fn a_payload_of_many_extension_groups_validates_in_linear_time() {
     }
     .encode();
     let start = Instant::now();
-    let report = verifier.check("req", &payload);
+    let report = verifier.check("req", &payload).expect("check");
     assert_fast("checking a payload of 160k extension groups", start.elapsed(), 3.0);
-    assert_eq!(
-        report.verdict(),
-        kvcs_verdict::KVCS_VERDICT_MATCH,
-        "{}",
-        report.message()
-    );
+    assert_eq!(report.verdict(), MATCH, "{}", report.message());
     // A duplicate extension group is still found.
     let mut duplicate = TPayload {
         num_tokens: 16,
@@ -56,8 +58,8 @@ fn a_payload_of_many_extension_groups_validates_in_linear_time() {
         extension: Some((1, (0..n).rev().map(|id| (id, 16, Vec::new())).collect())),
     };
     duplicate.extension.as_mut().unwrap().1.push((n / 2, 16, Vec::new()));
-    let report = verifier.check("req", &duplicate.encode());
-    assert_eq!(report.reason(), "KVCS_UNVERIFIED_INVALID_CHECKSUMS");
+    let report = verifier.check("req", &duplicate.encode()).expect("check");
+    assert_eq!(reason_name(report.reason()), "KVCS_UNVERIFIED_INVALID_CHECKSUMS");
     assert!(
         report.message().contains(&format!("group {} appears twice", n / 2)),
         "{}",
@@ -85,15 +87,15 @@ fn a_record_of_many_columns_and_layers_validates_in_linear_time() {
             }],
         }],
     };
-    let verifier = Verifier::new(1);
+    let verifier = CVerifier::new(1);
     let bytes = record.encode();
     let start = Instant::now();
-    assert_eq!(verifier.add(&bytes), KVCS_OK, "{}", last_error());
+    verifier.add(&bytes).expect("add_record");
     assert_fast("adding a record of 60k columns and 60k layers", start.elapsed(), 3.0);
     // A layer whose key no column has is still refused.
     let mut bad = record;
     bad.requests[0].groups[0].columns.pop();
-    assert_eq!(verifier.add(&bad.encode()), KVCS_ERR_MALFORMED);
+    assert_eq!(status_of(&verifier.add(&bad.encode())), KVCS_ERR_MALFORMED);
     assert!(
         last_error().contains("no column has its replica key"),
         "{}",
@@ -168,7 +170,7 @@ fn naming_differing_layers_is_linear_and_never_holds_the_lock() {
     let (verifier, _blocks) = consumer_with_record(&record, positions as u32, positions * 16);
     let start = Instant::now();
     let (report, longest_wait) = std::thread::scope(|scope| {
-        let checking = scope.spawn(|| verifier.check("req", &payload));
+        let checking = scope.spawn(|| verifier.check("req", &payload).expect("check"));
         // set_policy from another thread, while the check runs.
         let mut longest = Duration::ZERO;
         while !checking.is_finished() {
@@ -188,7 +190,7 @@ fn naming_differing_layers_is_linear_and_never_holds_the_lock() {
         longest_wait < Duration::from_millis(500),
         "kvcs_verifier_set_policy waited {longest_wait:?} for a check"
     );
-    assert_eq!(report.verdict(), kvcs_verdict::KVCS_VERDICT_MISMATCH, "seed {seed}");
+    assert_eq!(report.verdict(), MISMATCH, "seed {seed}");
     let mismatches = report.mismatches();
     assert_eq!(mismatches.len() as u64, positions, "seed {seed}");
     for (i, mismatch) in mismatches.iter().enumerate() {
@@ -245,7 +247,7 @@ fn naming_layers_of_many_failing_replica_checks_is_bounded_by_the_input() {
     // Small: every check names the other copies' layers.
     let (record, payload) = every_check_differs(&mut rng, 8);
     let (verifier, _blocks) = consumer_with_record(&record, 1, 16);
-    let report = verifier.check("req", &payload);
+    let report = verifier.check("req", &payload).expect("check");
     let mismatches = report.mismatches();
     assert_eq!(mismatches.len(), 1, "seed {seed}: {}", report.message());
     assert_eq!(
@@ -265,7 +267,7 @@ fn naming_layers_of_many_failing_replica_checks_is_bounded_by_the_input() {
     let (record, payload) = every_check_differs(&mut rng, r);
     let (verifier, _blocks) = consumer_with_record(&record, 1, 16);
     let start = Instant::now();
-    let report = verifier.check("req", &payload);
+    let report = verifier.check("req", &payload).expect("check");
     assert_fast("a check with 5000 failing replica checks", start.elapsed(), 5.0);
     let mismatches = report.mismatches();
     assert_eq!(mismatches.len(), 1, "seed {seed}");
@@ -320,7 +322,7 @@ fn result_columns_are_found_in_constant_time() {
         .collect();
     let mut handle = null_mut();
     assert_eq!(kvcs_blocks_create(&mut handle), KVCS_OK);
-    let scheduled = Blocks(handle);
+    let scheduled = CBlocks(handle);
     for (i, name) in names.iter().enumerate() {
         assert_eq!(kvcs_blocks_add_request(scheduled.0, name.as_ptr(), 16), KVCS_OK);
         let block = [(i % 4) as u32];
@@ -329,15 +331,18 @@ fn result_columns_are_found_in_constant_time() {
             KVCS_OK
         );
     }
-    let result = worker.checksum(&scheduled, CONSUMER);
-    let first: Vec<Vec<u64>> = (0..4).map(|i| column(result, &names[i], 0, 1)).collect();
+    let result = worker.checksum(&scheduled, CONSUMER).expect("checksum");
+    let first: Vec<Vec<u64>> = (0..4).map(|i| result.column(&names[i], 0, 0, 1).unwrap()).collect();
     assert!(first.iter().all(|c| c[0] != 0), "seed {seed}");
     let start = Instant::now();
     for (i, name) in names.iter().enumerate().rev() {
-        assert_eq!(column(result, name, 0, 1), first[i % 4], "seed {seed}: request {i}");
+        assert_eq!(
+            result.column(name, 0, 0, 1).unwrap(),
+            first[i % 4],
+            "seed {seed}: request {i}"
+        );
     }
     assert_fast("40k kvcs_result_column calls", start.elapsed(), 3.0);
-    kvcs_result_destroy(result);
 }
 
 #[test]

@@ -1,6 +1,6 @@
 //! The C boundary under careless callers: each case through the
 //! `extern "C"` functions as C would call them, with hand-made records and
-//! payloads (tests/hand_made/).
+//! payloads (tests/support/hand_made_records.rs).
 //!
 //! - Registration order of groups does not matter (records list groups by id).
 //! - A record's role is compared with the role its request is expected in.
@@ -17,20 +17,19 @@
 //! Reproduce a failure with the seed it printed:
 //! `KVCS_TEST_SEED=<seed> cargo test --release --test ffi_boundary <name>`.
 
-mod hand_made;
 mod support;
 
 use std::ffi::CString;
 use std::ptr::null_mut;
 
-use hand_made::*;
-use kvcsum::ffi::report::*;
 use kvcsum::ffi::status::kvcs_status::*;
 use kvcsum::ffi::status::*;
 use kvcsum::ffi::topology::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;
-use support::c_abi::last_error;
+use support::address_limit::under_address_space_limit;
+use support::c_abi::*;
+use support::hand_made_records::*;
 use support::Rng;
 
 // ---------------------------------------------------------------------------
@@ -68,23 +67,18 @@ fn groups_registered_out_of_id_order_give_valid_records_that_match() {
         panic!("seed {seed}: kvcs_result_encode gave {status:?}: {message}");
     });
     let consumer_record = worker.record(&scheduled, CONSUMER).unwrap();
-    let producer = Verifier::new(1);
+    let producer = CVerifier::new(1);
     producer.expect(&scheduled, PRODUCER);
-    assert_eq!(producer.add(&producer_record), KVCS_OK, "{}", last_error());
+    producer.add(&producer_record).expect("add_record");
     let payload = producer.payload("req").unwrap();
-    let consumer = Verifier::new(1);
+    let consumer = CVerifier::new(1);
     // A plain payload (WEIGHTED) does not say the producer's block sizes.
     consumer.producer_block_size(0, block_size);
     consumer.producer_block_size(1, block_size);
     consumer.expect(&scheduled, CONSUMER);
-    assert_eq!(consumer.add(&consumer_record), KVCS_OK, "{}", last_error());
-    let report = consumer.check("req", &payload);
-    assert_eq!(
-        report.verdict(),
-        kvcs_verdict::KVCS_VERDICT_MATCH,
-        "seed {seed}: {}",
-        report.message()
-    );
+    consumer.add(&consumer_record).expect("add_record");
+    let report = consumer.check("req", &payload).expect("check");
+    assert_eq!(report.verdict(), MATCH, "seed {seed}: {}", report.message());
     assert_eq!((report.compared(), report.uncompared()), (6, 0), "seed {seed}");
 }
 
@@ -102,37 +96,39 @@ fn a_record_of_the_other_role_is_unverified_not_corrupt() {
         assert_eq!(worker.add_layer(0, layer, layer, num_blocks, block_size), KVCS_OK);
     }
     let scheduled = blocks(&[("req", 100, vec![(0, 0, vec![3, 1, 4, 0, 5, 2, 6])])]);
-    let producer = Verifier::new(1);
+    let producer = CVerifier::new(1);
     producer.expect(&scheduled, PRODUCER);
-    assert_eq!(producer.add(&worker.record(&scheduled, PRODUCER).unwrap()), KVCS_OK);
+    producer
+        .add(&worker.record(&scheduled, PRODUCER).unwrap())
+        .expect("add_record");
     let payload = producer.payload("req").unwrap();
     // The consumer rank ran its checksum with KVCS_ROLE_PRODUCER by mistake.
-    let consumer = Verifier::new(1);
+    let consumer = CVerifier::new(1);
     consumer.producer_block_size(0, block_size);
     consumer.expect(&scheduled, CONSUMER);
-    assert_eq!(consumer.add(&worker.record(&scheduled, PRODUCER).unwrap()), KVCS_OK);
-    let report = consumer.check("req", &payload);
+    consumer
+        .add(&worker.record(&scheduled, PRODUCER).unwrap())
+        .expect("add_record");
+    let report = consumer.check("req", &payload).expect("check");
+    assert_eq!(report.verdict(), UNVERIFIED, "seed {seed}: {}", report.message());
     assert_eq!(
-        report.verdict(),
-        kvcs_verdict::KVCS_VERDICT_UNVERIFIED,
-        "seed {seed}: {}",
-        report.message()
+        reason_name(report.reason()),
+        "KVCS_UNVERIFIED_ROLE_DIFFERS",
+        "seed {seed}"
     );
-    assert_eq!(report.reason(), "KVCS_UNVERIFIED_ROLE_DIFFERS", "seed {seed}");
     assert!(report.message().contains("as a producer"), "{}", report.message());
     // The right role matches.
-    assert_eq!(consumer.add(&worker.record(&scheduled, CONSUMER).unwrap()), KVCS_OK);
-    let report = consumer.check("req", &payload);
-    assert_eq!(
-        report.verdict(),
-        kvcs_verdict::KVCS_VERDICT_MATCH,
-        "seed {seed}: {}",
-        report.message()
-    );
+    consumer
+        .add(&worker.record(&scheduled, CONSUMER).unwrap())
+        .expect("add_record");
+    let report = consumer.check("req", &payload).expect("check");
+    assert_eq!(report.verdict(), MATCH, "seed {seed}: {}", report.message());
     // A producer's verifier given a consumer's record builds no payload.
-    let producer = Verifier::new(1);
+    let producer = CVerifier::new(1);
     producer.expect(&scheduled, PRODUCER);
-    assert_eq!(producer.add(&worker.record(&scheduled, CONSUMER).unwrap()), KVCS_OK);
+    producer
+        .add(&worker.record(&scheduled, CONSUMER).unwrap())
+        .expect("add_record");
     let (status, message) = producer.payload("req").unwrap_err();
     assert_eq!(status, KVCS_ERR_INVALID_ARGUMENT);
     assert!(message.contains("as a consumer"), "{message}");
@@ -150,13 +146,13 @@ fn tp_record(req_id: &str, tp_rank: u32, tp_size: u32, pp_rank: u32) -> Vec<u8> 
 
 #[test]
 fn records_of_requests_not_expected_change_nothing() {
-    let verifier = Verifier::new(2);
+    let verifier = CVerifier::new(2);
     // A stray record (TP size 1, two stages) is accepted and pins nothing.
-    assert_eq!(verifier.add(&tp_record("stray", 0, 1, 1)), KVCS_OK);
+    verifier.add(&tp_record("stray", 0, 1, 1)).expect("add_record");
     let scheduled = blocks(&[("req", 16, vec![(0, 0, vec![0])])]);
     verifier.expect(&scheduled, CONSUMER);
-    assert_eq!(verifier.add(&tp_record("req", 0, 2, 0)), KVCS_OK, "{}", last_error());
-    assert_eq!(verifier.add(&tp_record("req", 1, 2, 0)), KVCS_OK, "{}", last_error());
+    verifier.add(&tp_record("req", 0, 2, 0)).expect("add_record");
+    verifier.add(&tp_record("req", 1, 2, 0)).expect("add_record");
     // Every worker reported: the verdict is about the payload.
     let req_id = CString::new("req").unwrap();
     let mut out = null_mut();
@@ -164,20 +160,23 @@ fn records_of_requests_not_expected_change_nothing() {
         kvcs_verifier_check_no_payload(verifier.0, req_id.as_ptr(), &mut out),
         KVCS_OK
     );
-    assert_eq!(Report(out).reason(), "KVCS_UNVERIFIED_NO_CHECKSUMS");
+    assert_eq!(reason_name(CReport(out).reason()), "KVCS_UNVERIFIED_NO_CHECKSUMS");
     // While records are held, their TP size is enforced.
-    assert_eq!(verifier.add(&tp_record("req", 0, 1, 1)), KVCS_ERR_INVALID_ARGUMENT);
+    assert_eq!(
+        status_of(&verifier.add(&tp_record("req", 0, 1, 1))),
+        KVCS_ERR_INVALID_ARGUMENT
+    );
     assert!(last_error().contains("differs from tp_size 2"), "{}", last_error());
     // A stray record of another TP size is still fine, and changes nothing.
-    assert_eq!(verifier.add(&tp_record("stray", 0, 1, 1)), KVCS_OK);
+    verifier.add(&tp_record("stray", 0, 1, 1)).expect("add_record");
     // Once forgotten, a request's records pin nothing either.
     assert_eq!(kvcs_verifier_forget(verifier.0, req_id.as_ptr()), KVCS_OK);
     verifier.expect(&scheduled, CONSUMER);
-    assert_eq!(verifier.add(&tp_record("req", 0, 1, 0)), KVCS_OK, "{}", last_error());
-    assert_eq!(verifier.add(&tp_record("req", 0, 1, 1)), KVCS_OK, "{}", last_error());
+    verifier.add(&tp_record("req", 0, 1, 0)).expect("add_record");
+    verifier.add(&tp_record("req", 0, 1, 1)).expect("add_record");
     // Expecting the request again drops its records: the TP size is free.
     verifier.expect(&scheduled, CONSUMER);
-    assert_eq!(verifier.add(&tp_record("req", 1, 2, 0)), KVCS_OK, "{}", last_error());
+    verifier.add(&tp_record("req", 1, 2, 0)).expect("add_record");
 }
 
 // ---------------------------------------------------------------------------
@@ -232,22 +231,17 @@ fn reports_count_loaded_positions_not_compared_and_may_require_them() {
         }
         .encode()
     };
-    let verifier = Verifier::new(1);
+    let verifier = CVerifier::new(1);
     let scheduled = blocks(&[("req", 80, vec![(0, 1, vec![0, 1, 2, 3])])]);
     verifier.expect(&scheduled, CONSUMER);
     let mut corrupted = c.clone();
     corrupted[0] ^= 1 << 17;
     for values in [c.clone(), corrupted] {
-        assert_eq!(verifier.add(&record(80, values)), KVCS_OK, "{}", last_error());
-        let report = verifier.check("req", &payload(80));
+        verifier.add(&record(80, values)).expect("add_record");
+        let report = verifier.check("req", &payload(80)).expect("check");
         // By the definition a match, even with position 1 corrupted; the
         // report says position 1 was not compared.
-        assert_eq!(
-            report.verdict(),
-            kvcs_verdict::KVCS_VERDICT_MATCH,
-            "seed {seed}: {}",
-            report.message()
-        );
+        assert_eq!(report.verdict(), MATCH, "seed {seed}: {}", report.message());
         assert_eq!((report.compared(), report.uncompared()), (2, 1), "seed {seed}");
         assert!(
             report.message().contains("1 loaded positions not compared"),
@@ -257,13 +251,8 @@ fn reports_count_loaded_positions_not_compared_and_may_require_them() {
     }
     // A producer of fewer tokens (64): the consumer's position 4 is not
     // compared either.
-    let report = verifier.check("req", &payload(64));
-    assert_eq!(
-        report.verdict(),
-        kvcs_verdict::KVCS_VERDICT_MATCH,
-        "seed {seed}: {}",
-        report.message()
-    );
+    let report = verifier.check("req", &payload(64)).expect("check");
+    assert_eq!(report.verdict(), MATCH, "seed {seed}: {}", report.message());
     assert_eq!((report.compared(), report.uncompared()), (1, 2), "seed {seed}");
     // Required coverage: such a load is unverified with its own reason.
     assert_eq!(
@@ -271,16 +260,21 @@ fn reports_count_loaded_positions_not_compared_and_may_require_them() {
         KVCS_ERR_INVALID_ARGUMENT
     );
     assert_eq!(kvcs_verifier_set_require_coverage(verifier.0, 1), KVCS_OK);
-    let report = verifier.check("req", &payload(80));
-    assert_eq!(report.verdict(), kvcs_verdict::KVCS_VERDICT_UNVERIFIED, "seed {seed}");
-    assert_eq!(report.reason(), "KVCS_UNVERIFIED_UNCOMPARED_POSITIONS", "seed {seed}");
+    let report = verifier.check("req", &payload(80)).expect("check");
+    assert_eq!(report.verdict(), UNVERIFIED, "seed {seed}");
+    assert_eq!(
+        reason_name(report.reason()),
+        "KVCS_UNVERIFIED_UNCOMPARED_POSITIONS",
+        "seed {seed}"
+    );
     // A load that compares everything still matches under it.
-    let full = Verifier::new(1);
+    let full = CVerifier::new(1);
     let scheduled = blocks(&[("req", 80, vec![(0, 0, vec![0, 1, 2, 3, 4])])]);
     full.expect(&scheduled, CONSUMER);
     assert_eq!(kvcs_verifier_set_require_coverage(full.0, 1), KVCS_OK);
     let values: Vec<u64> = (0..5).map(|_| rng.next_u64()).collect();
-    assert_eq!(full.add(&simple_record(values.clone(), 80).encode()), KVCS_OK);
+    full.add(&simple_record(values.clone(), 80).encode())
+        .expect("add_record");
     let sent = vec![
         values[0].wrapping_add(values[1]),
         values[2].wrapping_add(values[3]),
@@ -291,13 +285,8 @@ fn reports_count_loaded_positions_not_compared_and_may_require_them() {
         groups: vec![(0, 7, 0, sent)],
         extension: Some((1, vec![(0, 32, Vec::new())])),
     };
-    let report = full.check("req", &payload.encode());
-    assert_eq!(
-        report.verdict(),
-        kvcs_verdict::KVCS_VERDICT_MATCH,
-        "seed {seed}: {}",
-        report.message()
-    );
+    let report = full.check("req", &payload.encode()).expect("check");
+    assert_eq!(report.verdict(), MATCH, "seed {seed}: {}", report.message());
     assert_eq!((report.compared(), report.uncompared()), (3, 0), "seed {seed}");
 }
 

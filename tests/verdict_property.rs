@@ -6,7 +6,7 @@
 //! the C ABI. Intact KV must never give MISMATCH; the same pairs unchanged
 //! with one corrupted byte must give MISMATCH; a changed pair with a
 //! corrupted byte the consumer reads must never give MATCH. The generator
-//! is tests/verdict_support/generator.rs (also the fuzz target `verdicts`).
+//! is tests/verdict_property/generator.rs (also the fuzz target `verdicts`).
 //!
 //! A second property sweeps every pair of producer and consumer block
 //! sizes from 1 to 64 (a token count per pair, half the time one under
@@ -17,7 +17,7 @@
 //! reruns one pair.
 //!
 //! Beside it, layouts whose cells alias (a real layout with one stride or
-//! address changed, tests/verdict_support/aliasing.rs): every one whose
+//! address changed, tests/verdict_property/aliasing.rs): every one whose
 //! cells share a byte, by a naive reference, is refused at registration.
 //!
 //! `KVCS_PROPERTY_CASES` sets the number of cases (default 1000, about 2 s);
@@ -25,11 +25,9 @@
 //! of outcomes is printed on stderr: `cargo test --release --test
 //! verdict_property -- --nocapture`.
 
-#[path = "verdict_support/aliasing.rs"]
+#[path = "verdict_property/aliasing.rs"]
 mod aliasing;
-#[path = "verdict_support/cabi.rs"]
-mod cabi;
-#[path = "verdict_support/generator.rs"]
+#[path = "verdict_property/generator.rs"]
 mod generator;
 mod support;
 

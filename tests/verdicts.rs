@@ -8,8 +8,6 @@
 //! Reproduce a failure with the seed it printed:
 //! `KVCS_TEST_SEED=<seed> cargo test --release --test verdicts <name>`.
 
-#[path = "verdict_support/cabi.rs"]
-mod cabi;
 mod support;
 
 use kvcsum::ffi::constants::KVCS_BLOCK_CHECKSUM_BYTES;
@@ -18,7 +16,7 @@ use kvcsum::ffi::result::kvcs_stored_outcome::*;
 use kvcsum::ffi::status::kvcs_status::*;
 use kvcsum::StateSpec;
 
-use cabi::*;
+use support::c_abi::*;
 use support::state::{place_rank, random_state, LogicalState, RankCaches};
 use support::*;
 
@@ -151,7 +149,7 @@ impl Side {
 fn records<'a>(workers: impl IntoIterator<Item = &'a CWorker>, blocks: &CBlocks, role: u32) -> Vec<Vec<u8>> {
     workers
         .into_iter()
-        .map(|worker| worker.checksum(blocks, role).expect("checksum").encode())
+        .map(|worker| worker.record(blocks, role).expect("record"))
         .collect()
 }
 
@@ -276,7 +274,7 @@ fn load_check(workers: &[CWorker], blocks: &CBlocks, group_id: u32) -> (Vec<Vec<
     for worker in workers {
         let result = worker.check_stored(blocks).expect("check_stored");
         outcomes.push(result.stored(REQ, group_id).expect("outcomes"));
-        records.push(result.encode());
+        records.push(result.encode().expect("encode"));
     }
     (outcomes, records)
 }

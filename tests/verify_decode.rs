@@ -7,14 +7,11 @@
 //! Reproduce a failure with the seed it printed:
 //! `KVCS_TEST_SEED=<seed> cargo test --test verify_decode <name>`.
 
-mod hand_made;
 mod support;
 
 use std::ffi::CString;
 use std::ptr::null_mut;
 
-use hand_made::*;
-use kvcsum::ffi::report::kvcs_verdict;
 use kvcsum::ffi::status::kvcs_status::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::payload::{
@@ -23,6 +20,9 @@ use kvcsum::payload::{
 };
 use kvcsum::record::Record;
 use kvcsum::{Error, Role, StoredOutcome};
+use support::address_limit::under_address_space_limit;
+use support::c_abi::*;
+use support::hand_made_records::*;
 use support::msgpack::Msgpack;
 use support::*;
 
@@ -1026,9 +1026,13 @@ fn payloads_declaring_huge_lengths_give_unverified_reports_under_a_memory_limit(
             prefix.extend(array32(n));
             cases.push(("extension layers", padded(&prefix, n)));
             for (what, payload) in &cases {
-                let report = verifier.check("req", payload);
-                assert_eq!(report.verdict(), kvcs_verdict::KVCS_VERDICT_UNVERIFIED, "{what}");
-                assert_eq!(report.reason(), "KVCS_UNVERIFIED_INVALID_CHECKSUMS", "{what}");
+                let report = verifier.check("req", payload).expect("check");
+                assert_eq!(report.verdict(), UNVERIFIED, "{what}");
+                assert_eq!(
+                    reason_name(report.reason()),
+                    "KVCS_UNVERIFIED_INVALID_CHECKSUMS",
+                    "{what}"
+                );
             }
             // The same as base64 text.
             let mut text = vec![0u8; cases[0].1.len().div_ceil(3) * 4 + 1];
@@ -1050,21 +1054,16 @@ fn payloads_declaring_huge_lengths_give_unverified_reports_under_a_memory_limit(
                 kvcs_verifier_check_base64(verifier.0, req_id.as_ptr(), text.as_ptr().cast(), &mut out),
                 KVCS_OK
             );
-            let report = Report(out);
-            assert_eq!(report.reason(), "KVCS_UNVERIFIED_INVALID_CHECKSUMS");
+            let report = CReport(out);
+            assert_eq!(reason_name(report.reason()), "KVCS_UNVERIFIED_INVALID_CHECKSUMS");
             // Many real elements: a million one-value groups decode and compare.
             let mut w = Msgpack::default();
             w.array(3).uint(1).uint(16).array(1 << 20);
             for id in 0..1u64 << 20 {
                 w.array(4).uint(id).uint(7).uint(0).u64s(&[5]);
             }
-            let report = verifier.check("req", &w.0);
-            assert_eq!(
-                report.verdict(),
-                kvcs_verdict::KVCS_VERDICT_MATCH,
-                "{}",
-                report.message()
-            );
+            let report = verifier.check("req", &w.0).expect("check");
+            assert_eq!(report.verdict(), MATCH, "{}", report.message());
         },
     );
 }
@@ -1074,7 +1073,7 @@ fn records_declaring_huge_lengths_are_malformed_under_a_memory_limit() {
     under_address_space_limit(
         "records_declaring_huge_lengths_are_malformed_under_a_memory_limit",
         || {
-            let verifier = Verifier::new(1);
+            let verifier = CVerifier::new(1);
             let n = 60 << 20;
             let head = |w: &mut Msgpack| {
                 w.array(8).str("kvcsum.record").uint(4);
@@ -1123,7 +1122,7 @@ fn records_declaring_huge_lengths_are_malformed_under_a_memory_limit() {
                 let mut prefix = prefix;
                 prefix.extend(array32(n));
                 let record = padded(&prefix, n);
-                assert_eq!(verifier.add(&record), KVCS_ERR_MALFORMED, "{what}");
+                assert_eq!(status_of(&verifier.add(&record)), KVCS_ERR_MALFORMED, "{what}");
             }
         },
     );

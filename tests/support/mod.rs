@@ -1,7 +1,10 @@
 //! Shared test support: a seeded PRNG, a logical KV model with a deliberately
 //! naive reference of SPEC sections 2-3, layout builders that place logical KV
 //! (or a TP/PP shard of it) into byte buffers, and helpers to register those
-//! buffers on a `kvcsum::Worker` and read its results.
+//! buffers on a `kvcsum::Worker` and read its results. Beside them: owning
+//! wrappers over the C ABI (`c_abi`), records and payloads written by hand
+//! (`hand_made_records`, with the msgpack writer `msgpack`), and a child
+//! process under an address-space limit (`address_limit`).
 //!
 //! Placements keep their bytes in host buffers and describe their caches
 //! relative to each buffer's base address ([`Placement::layer_specs`]), so the
@@ -12,8 +15,10 @@
 
 #![allow(dead_code)]
 
+pub mod address_limit;
 pub mod c_abi;
 pub mod faults;
+pub mod hand_made_records;
 mod layouts;
 pub mod msgpack;
 mod random;

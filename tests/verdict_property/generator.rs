@@ -29,8 +29,8 @@
 //! a flipped bit).
 //!
 //! Shared by `tests/verdict_property.rs` and the fuzz target `verdicts`
-//! (included with `#[path]`); the crate root declares `mod support;` and
-//! `mod cabi;` (tests/verdict_support/cabi.rs).
+//! (included with `#[path]`); the crate root declares `mod support;`
+//! (tests/support, whose `c_abi` wraps the C ABI).
 
 #![allow(dead_code)]
 
@@ -40,7 +40,7 @@ use std::fmt::Write as _;
 use kvcsum::ffi::status::kvcs_status;
 use kvcsum::{ReplicaKey, StateSpec};
 
-use crate::cabi::*;
+use crate::support::c_abi::*;
 use crate::support::state::{place_requests, random_state, LogicalState, RankCaches};
 use crate::support::*;
 
@@ -1513,7 +1513,9 @@ fn records(side: &Deployed, config: &SideConfig, role: u32, at: &'static str) ->
                 Call::Store => worker.handle.store(&worker.blocks),
                 Call::CheckStored => worker.handle.check_stored(&worker.blocks),
             };
-            result.map(|r| r.encode()).map_err(|f| Outcome::refused(at, f))
+            result
+                .map(|r| r.encode().expect("encode"))
+                .map_err(|f| Outcome::refused(at, f))
         })
         .collect()
 }
@@ -1600,7 +1602,7 @@ fn load_check(loading: &Deployed, config: &SideConfig) -> Outcome {
                 .handle
                 .check_stored(&worker.blocks)
                 .map_err(|f| Outcome::refused("load check", f))?;
-            records.push(result.encode());
+            records.push(result.encode().expect("encode"));
         }
         let verifier = CVerifier::new(config.num_workers());
         verifier.expect(&loading.scheduled, CONSUMER);
@@ -1637,7 +1639,7 @@ fn run_arm(rng: &mut Rng, case: &Case, configs: &[SideConfig; 2], producer_too: 
         }
         _ => 0,
     };
-    crate::cabi::with_algorithm(algorithm, || run_arm_with(rng, case, configs, producer_too))
+    crate::support::c_abi::with_algorithm(algorithm, || run_arm_with(rng, case, configs, producer_too))
 }
 
 fn run_arm_with(rng: &mut Rng, case: &Case, configs: &[SideConfig; 2], producer_too: bool) -> Arm {

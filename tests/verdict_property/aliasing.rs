@@ -12,8 +12,8 @@
 //! that interleave without nesting); those are counted, not judged.
 //!
 //! Used by `tests/verdict_property.rs` beside the configuration generator
-//! (tests/verdict_support/generator.rs); the crate root declares
-//! `mod support;` and `mod cabi;`.
+//! (tests/verdict_property/generator.rs); the crate root declares
+//! `mod support;`.
 
 #![allow(dead_code)]
 
@@ -27,7 +27,7 @@ use kvcsum::ffi::status::kvcs_status::{self, *};
 use kvcsum::ffi::worker::*;
 use kvcsum::{LayerSpec, ReplicaKey, Segment};
 
-use crate::cabi::*;
+use crate::support::c_abi::*;
 use crate::support::*;
 
 /// What was changed in a real layout.
