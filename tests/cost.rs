@@ -18,8 +18,8 @@ use kvcsum::ffi::status::kvcs_status::*;
 use kvcsum::ffi::topology::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;
-use support::c_abi::*;
 use support::hand_made_records::*;
+use support::handles::*;
 use support::Rng;
 
 /// A generous bound on work the fixed code does in a small fraction of it;

@@ -28,8 +28,8 @@ use kvcsum::ffi::topology::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;
 use support::address_limit::under_address_space_limit;
-use support::c_abi::*;
 use support::hand_made_records::*;
+use support::handles::*;
 use support::Rng;
 
 // ---------------------------------------------------------------------------

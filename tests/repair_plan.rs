@@ -25,7 +25,7 @@ use kvcsum::ffi::status::kvcs_status::*;
 use kvcsum::ffi::status::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;
-use support::c_abi::{host_options, last_error};
+use support::handles::{host_options, last_error};
 use support::*;
 
 /// Asserts that a call succeeded; `context` says which case.

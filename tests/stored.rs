@@ -23,7 +23,7 @@ use kvcsum::record::{self, Record};
 use kvcsum::verify::{Policy, Reason, Verdict, Verifier};
 use kvcsum::{BlockSet, Error, Region, Role, StoredOutcome, StreamHandle, Worker};
 use sha2::{Digest, Sha256};
-use support::c_abi::{c_layer, c_segments, last_error};
+use support::handles::{c_layer, c_segments, last_error};
 use support::*;
 
 const REQ: &str = "offload-1";

@@ -16,7 +16,7 @@ use kvcsum::ffi::result::kvcs_stored_outcome::*;
 use kvcsum::ffi::status::kvcs_status::*;
 use kvcsum::StateSpec;
 
-use support::c_abi::*;
+use support::handles::*;
 use support::state::{place_rank, random_state, LogicalState, RankCaches};
 use support::*;
 

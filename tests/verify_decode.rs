@@ -21,8 +21,8 @@ use kvcsum::payload::{
 use kvcsum::record::Record;
 use kvcsum::{Error, Role, StoredOutcome};
 use support::address_limit::under_address_space_limit;
-use support::c_abi::*;
 use support::hand_made_records::*;
+use support::handles::*;
 use support::msgpack::Msgpack;
 use support::*;
 

@@ -19,7 +19,7 @@ use kvcsum::ffi::result::*;
 use kvcsum::ffi::status::kvcs_status::*;
 use kvcsum::ffi::verifier::*;
 use kvcsum::ffi::worker::*;
-use support::c_abi::{c_layer, c_segments, host_options, last_error, text};
+use support::handles::{c_layer, c_segments, host_options, last_error, text};
 use support::*;
 
 const REQ: &CStr = c"req-c";

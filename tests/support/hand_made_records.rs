@@ -4,9 +4,9 @@
 //! by the tests' msgpack writer (tests/support/msgpack.rs), independently
 //! of the library's encoder (layouts per the record and payload module
 //! documentation); they meet the library through the owning wrappers of
-//! tests/support/c_abi. Each test binary uses a part of it.
+//! tests/support/handles. Each test binary uses a part of it.
 
-use super::c_abi::{CBlocks, CVerifier, CONSUMER};
+use super::handles::{CBlocks, CVerifier, CONSUMER};
 use super::msgpack::Msgpack;
 use super::{GroupTable, TestRequest};
 

@@ -2,7 +2,7 @@
 //! naive reference of SPEC sections 2-3, layout builders that place logical KV
 //! (or a TP/PP shard of it) into byte buffers, and helpers to register those
 //! buffers on a `kvcsum::Worker` and read its results. Beside them: owning
-//! wrappers over the C ABI (`c_abi`), records and payloads written by hand
+//! wrappers over the C ABI (`handles`), records and payloads written by hand
 //! (`hand_made_records`, with the msgpack writer `msgpack`), and a child
 //! process under an address-space limit (`address_limit`).
 //!
@@ -16,9 +16,9 @@
 #![allow(dead_code)]
 
 pub mod address_limit;
-pub mod c_abi;
 pub mod faults;
 pub mod hand_made_records;
+pub mod handles;
 mod layouts;
 pub mod msgpack;
 mod random;

@@ -27,7 +27,7 @@ use kvcsum::ffi::status::kvcs_status::{self, *};
 use kvcsum::ffi::worker::*;
 use kvcsum::{LayerSpec, ReplicaKey, Segment};
 
-use crate::support::c_abi::*;
+use crate::support::handles::*;
 use crate::support::*;
 
 /// What was changed in a real layout.

@@ -30,7 +30,7 @@
 //!
 //! Shared by `tests/verdict_property.rs` and the fuzz target `verdicts`
 //! (included with `#[path]`); the crate root declares `mod support;`
-//! (tests/support, whose `c_abi` wraps the C ABI).
+//! (tests/support, whose `handles` wraps the C ABI).
 
 #![allow(dead_code)]
 
@@ -40,7 +40,7 @@ use std::fmt::Write as _;
 use kvcsum::ffi::status::kvcs_status;
 use kvcsum::{ReplicaKey, StateSpec};
 
-use crate::support::c_abi::*;
+use crate::support::handles::*;
 use crate::support::state::{place_requests, random_state, LogicalState, RankCaches};
 use crate::support::*;
 
@@ -1639,7 +1639,7 @@ fn run_arm(rng: &mut Rng, case: &Case, configs: &[SideConfig; 2], producer_too: 
         }
         _ => 0,
     };
-    crate::support::c_abi::with_algorithm(algorithm, || run_arm_with(rng, case, configs, producer_too))
+    crate::support::handles::with_algorithm(algorithm, || run_arm_with(rng, case, configs, producer_too))
 }
 
 fn run_arm_with(rng: &mut Rng, case: &Case, configs: &[SideConfig; 2], producer_too: bool) -> Arm {
