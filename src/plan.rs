@@ -237,11 +237,11 @@ impl Plan {
                 // fewer, or none.
                 let short_last = (with_short_last && request.num_tokens - 1 > (first + rows as u64 - 1) * block_size)
                     .then_some((values_offset + columns * num_positions) as u32);
-                let rows = rows + short_last.is_some() as usize;
-                rows_per_slot[group.slot as usize] += rows as u64;
-                num_rows += rows;
+                let all_rows = rows + short_last.is_some() as usize;
+                rows_per_slot[group.slot as usize] += all_rows as u64;
+                num_rows += all_rows;
                 let this = RowRun {
-                    rows: (rows - short_last.is_some() as usize) as u32,
+                    rows: rows as u32,
                     group_slot: group.slot,
                     // position < end, so position * block_size < num_tokens: no
                     // overflow (a state group's position is 0).

@@ -645,6 +645,95 @@ fn a_load_of_one_token_fewer_compares_its_last_position_against_the_short_last_v
 }
 
 #[test]
+fn short_last_values_are_one_per_column_and_in_producer_records_only() {
+    let mut rng = Rng::for_test("short_last_values_are_one_per_column_and_in_producer_records_only");
+    let kv = gqa(&mut rng, 2, 2, 40);
+    let side = deploy(
+        &mut rng,
+        1,
+        1,
+        40,
+        &one_group(&kv, LayoutKind::Hnd, 16, 0),
+        &plain_identity,
+    );
+    let producer = Record::decode(&side.records(Role::Producer)[0]).unwrap();
+    let group = &producer.requests[0].groups[0];
+    assert_eq!(group.short_last.as_ref().map(Vec::len), Some(group.columns.len()));
+    let consumer = Record::decode(&side.records(Role::Consumer)[0]).unwrap();
+    assert_eq!(
+        consumer.requests[0].groups[0].short_last, None,
+        "consumers compute none"
+    );
+    let malformed = |record: &Record, needle: &str| match Record::decode(&record.encode()) {
+        Err(Error::Malformed(message)) => assert!(message.contains(needle), "{message}"),
+        other => panic!("expected Malformed containing {needle:?}, got {other:?}"),
+    };
+    let mut wrong_count = producer.clone();
+    wrong_count.requests[0].groups[0].short_last = Some(vec![1, 2, 3]);
+    malformed(&wrong_count, "3 short last values for 1 columns");
+    let mut in_consumer = consumer.clone();
+    in_consumer.requests[0].groups[0].short_last = Some(vec![1; consumer.requests[0].groups[0].columns.len()]);
+    malformed(&in_consumer, "short last values in a consumer record");
+}
+
+#[test]
+fn detail_mode_names_no_layers_at_the_position_compared_over_one_token_fewer() {
+    // The layer partials the producer sends are over all its 70 tokens:
+    // a mismatch at its last position, compared over 69, names no layers;
+    // one at an earlier position still does.
+    let mut rng = Rng::for_test("detail_mode_names_no_layers_at_the_position_compared_over_one_token_fewer");
+    let seed = rng.seed();
+    let kv = gqa(&mut rng, 2, 2, 70);
+    let mut producer = deploy(
+        &mut rng,
+        1,
+        1,
+        70,
+        &one_group(&kv, LayoutKind::Hnd, 16, 0),
+        &plain_identity,
+    );
+    let mut consumer = deploy(
+        &mut rng,
+        1,
+        1,
+        69,
+        &one_group(&kv, LayoutKind::Nhd, 16, 0),
+        &plain_identity,
+    );
+    producer.worker(0, 0).set_detail(true).unwrap();
+    consumer.worker(0, 0).set_detail(true).unwrap();
+    let payload = produce(&producer, true);
+    let report = check(&consumer, &payload);
+    assert_eq!(report.verdict, Verdict::Match, "seed {seed}: {}", report.message);
+    assert_eq!((report.compared_positions, report.uncompared_positions), (5, 0));
+    consumer.corrupt(0, 0, 0, 1, 1, 66);
+    let report = check(&consumer, &payload);
+    assert_eq!(report.verdict, Verdict::Mismatch, "seed {seed}: {}", report.message);
+    let mismatch = &report.mismatches[0];
+    assert_eq!((mismatch.first_position, mismatch.num_tokens), (4, 5), "seed {seed}");
+    assert!(
+        !mismatch.localised && mismatch.layers.is_empty(),
+        "seed {seed}: {mismatch:?}"
+    );
+    consumer.corrupt(0, 0, 0, 1, 1, 20);
+    let report = check(&consumer, &payload);
+    let earlier = &report.mismatches[0];
+    assert_eq!(earlier.first_position, 1, "seed {seed}");
+    assert!(earlier.localised, "seed {seed}: {earlier:?}");
+    assert_eq!(
+        earlier.layers,
+        // One worker: its layer partial covers both heads of the layer.
+        vec![LayerDifference {
+            layer_number: 1,
+            first_head: 0,
+            num_heads: 2,
+            check: 0
+        }],
+        "seed {seed}"
+    );
+}
+
+#[test]
 fn detail_mode_names_the_layer_and_heads_across_tp_sizes() {
     let mut rng = Rng::for_test("detail_mode_names_the_layer_and_heads_across_tp_sizes");
     let seed = rng.seed();
