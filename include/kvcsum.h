@@ -82,7 +82,8 @@
 // decodings) and 3 (without short last values).
 #define KVCS_EXTENSION_VERSION 4
 
-// The record encoding this library writes and reads.
+// The record encoding this library writes and reads; it also reads
+// version 4 (kvcsum 0.3.0's development builds: no `short_last`).
 #define KVCS_RECORD_VERSION 5
 
 // The largest TP size the topology helpers take. A TP size comes from a
