@@ -76,13 +76,15 @@
 // The payload version this library writes and reads.
 #define KVCS_PAYLOAD_VERSION 1
 
-// The extension version this library writes; it also reads versions 1
-// (without `algorithm`, which means weighted, and without coverage) and 2
-// (without marks and decodings).
-#define KVCS_EXTENSION_VERSION 3
+// The newest extension version, which this library writes where a group
+// has a short last value; it also reads versions 1 (without `algorithm`,
+// which means weighted, and without coverage), 2 (without marks and
+// decodings) and 3 (without short last values).
+#define KVCS_EXTENSION_VERSION 4
 
-// The record encoding this library writes and reads.
-#define KVCS_RECORD_VERSION 4
+// The record encoding this library writes and reads; it also reads
+// version 4 (kvcsum 0.3.0's development builds: no `short_last`).
+#define KVCS_RECORD_VERSION 5
 
 // The largest TP size the topology helpers take. A TP size comes from a
 // remote engine's handshake; a wild one (2^31, say) is an error here rather

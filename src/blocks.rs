@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::error::{err, Result};
+use crate::layout::Role;
 
 /// One group's blocks of one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,6 +62,9 @@ pub struct BlockSet {
     num_groups: usize,
     /// Block ids over all requests and groups, counted as they are added.
     num_blocks: usize,
+    /// Whether a producer's call leaves out the value of each group's last
+    /// position over one token fewer ([`BlockSet::computes_short_last`]).
+    without_short_last: bool,
 }
 
 impl BlockSet {
@@ -171,9 +175,35 @@ impl BlockSet {
         self.num_groups
     }
 
-    /// Block ids over all requests and groups: at most the rows of a call.
+    /// Block ids over all requests and groups.
     pub fn num_blocks(&self) -> usize {
         self.num_blocks
+    }
+
+    /// Whether a call in `role` also computes, per (request, attention
+    /// group) holding the request's last token, the value of that last
+    /// position over `num_tokens - 1` tokens (SPEC section 9, the
+    /// extension's `short_last`): producer calls do, unless
+    /// [`BlockSet::leave_out_short_last`] was called.
+    pub fn computes_short_last(&self, role: Role) -> bool {
+        role == Role::Producer && !self.without_short_last
+    }
+
+    /// Makes producer calls on this set leave out the short last values
+    /// (detail mode's shadow call, whose layer partials the payload does
+    /// not carry over one token fewer).
+    pub(crate) fn leave_out_short_last(&mut self) {
+        self.without_short_last = true;
+    }
+
+    /// The most rows a call on this set in `role` has: one per block id,
+    /// and one more per group where the call computes short last values.
+    pub fn max_rows(&self, role: Role) -> usize {
+        if self.computes_short_last(role) {
+            self.num_blocks + self.num_groups
+        } else {
+            self.num_blocks
+        }
     }
 
     /// The request `req_id`, if present.

@@ -64,6 +64,7 @@ impl Shadow {
     /// `blocks` must already have passed `Plan::new` against `layout`.
     pub fn blocks(&self, layout: &Layout, blocks: &BlockSet) -> Result<BlockSet> {
         let mut shadow_blocks = BlockSet::new();
+        shadow_blocks.leave_out_short_last();
         for request in blocks.requests() {
             shadow_blocks.add_request(&request.req_id, request.num_tokens)?;
             for group_blocks in &request.groups {

@@ -16,9 +16,9 @@
 //! rejects, so it is opt-in and only for kvcsum consumers:
 //!
 //! ```text
-//! [3, producer_tp_size,
+//! [4, producer_tp_size,
 //!  [[group_id, block_size, [[layer_number, first_head, num_heads, values], ...], coverage, marks,
-//!    [[layer_number, dtype, head_size, k_scale, v_scale], ...]], ...],
+//!    [[layer_number, dtype, head_size, k_scale, v_scale], ...], short_last], ...],
 //!  algorithm]
 //! ```
 //!
@@ -32,7 +32,11 @@
 //! a mismatch), per group its marks (SPEC section 7: aliases and
 //! shard-keyed state, which the plain fingerprint, vLLM's, does not count)
 //! and what the producer declared about decoding each layer (SPEC section
-//! 7). Version 2 had no marks and no decodings (groups of 4 elements), and
+//! 7), and per group `short_last`: a `bin` of no `u64` or of one, the
+//! value of the group's position holding the request's last token over
+//! `num_tokens - 1` tokens, which lets a consumer that loaded one token
+//! fewer compare that position (SPEC section 10). Version 3 had no
+//! `short_last` (groups of 6 elements); version 2 had no marks and no decodings (groups of 4 elements), and
 //! its fingerprints included the marks (kvcsum 0.2.0); version 1 had no
 //! `algorithm` (3 elements) and no coverage (groups of 3 elements) and
 //! means weighted, as does a payload without extension; its fingerprints
@@ -57,10 +61,11 @@ use crate::record::{check_decodings, check_layer_partials, read_decodings, write
 /// The payload version this library writes and reads.
 pub const PAYLOAD_VERSION: u64 = 1;
 
-/// The extension version this library writes; it also reads versions 1
-/// (without `algorithm`, which means weighted, and without coverage) and 2
-/// (without marks and decodings).
-pub const EXTENSION_VERSION: u64 = 3;
+/// The newest extension version, which this library writes where a group
+/// has a short last value; it also reads versions 1 (without `algorithm`,
+/// which means weighted, and without coverage), 2 (without marks and
+/// decodings) and 3 (without short last values).
+pub const EXTENSION_VERSION: u64 = 4;
 
 /// The `kv_transfer_params` key of the base64 payload.
 pub const TRANSFER_PARAMS_KEY: &str = "kv_checksums";
@@ -110,12 +115,17 @@ pub struct ExtensionGroup {
     /// What the producer declared about decoding the group's layers (SPEC
     /// section 7), sorted by layer number; empty before version 3.
     pub decodings: Vec<(u32, LayerDecoding)>,
+    /// The value of the group's position holding the request's last token
+    /// over `num_tokens - 1` tokens (0 where it then holds none), summed as
+    /// the values are; `None` where not sent (before version 4, or where
+    /// the group does not hold the last token).
+    pub short_last: Option<u64>,
 }
 
 /// What a group's fingerprint in a payload counts (SPEC section 7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FingerprintConvention {
-    /// Extension version 3: the fingerprint without marks, the marks beside it.
+    /// Extension version 3 or 4: the fingerprint without marks, the marks beside it.
     Separate {
         /// The producer's marks of the group.
         marks: u64,
@@ -152,12 +162,16 @@ pub struct Payload {
 }
 
 impl Extension {
-    /// The version [`Payload::encode`] writes: 3 where a group has marks
-    /// or decodings, else 1 where that says all there is (weighted values,
-    /// no coverage, as a version-1 extension decodes), else 2.
+    /// The version [`Payload::encode`] writes, the earliest that carries
+    /// all there is: 4 where a group has a short last value, else 3 where
+    /// a group has marks or decodings, else 1 where that says all there is
+    /// (weighted values, no coverage, as a version-1 extension decodes),
+    /// else 2.
     pub fn version(&self) -> u64 {
-        if self.groups.iter().any(|g| g.marks.is_some() || !g.decodings.is_empty()) {
+        if self.groups.iter().any(|g| g.short_last.is_some()) {
             EXTENSION_VERSION
+        } else if self.groups.iter().any(|g| g.marks.is_some() || !g.decodings.is_empty()) {
+            3
         } else if self.algorithm == Algorithm::Weighted && self.groups.iter().all(|g| g.coverage.is_none()) {
             1
         } else {
@@ -192,7 +206,8 @@ impl Payload {
                 w.array(match version {
                     1 => 3,
                     2 => 4,
-                    _ => 6,
+                    3 => 6,
+                    _ => 7,
                 });
                 w.uint(group.group_id as u64);
                 w.uint(group.block_size as u64);
@@ -207,9 +222,13 @@ impl Payload {
                 if !version_1 {
                     w.uint(group.coverage.unwrap_or(0));
                 }
-                if version == EXTENSION_VERSION {
+                if version >= 3 {
                     w.uint(group.marks.unwrap_or(0));
                     write_decodings(&mut w, &group.decodings);
+                }
+                if version >= 4 {
+                    let short_last: Vec<u64> = group.short_last.into_iter().collect();
+                    w.u64s(&short_last);
                 }
             }
             if !version_1 {
@@ -290,8 +309,8 @@ impl Payload {
         if extension.producer_tp_size == 0 {
             return Err(err!(Malformed, "payload extension: producer_tp_size is 0"));
         }
-        // Version 3 gives every group its marks; earlier versions none.
-        let with_marks = extension.version() == EXTENSION_VERSION;
+        // Versions 3 and 4 give every group its marks; earlier versions none.
+        let with_marks = extension.version() >= 3;
         if let Some(group) = extension.groups.iter().find(|g| g.marks.is_some() != with_marks) {
             return Err(err!(
                 Malformed,
@@ -323,6 +342,23 @@ impl Payload {
                 &format!("payload extension: group {group_id}"),
             )?;
             check_decodings(&group.decodings, &format!("payload extension: group {group_id}"))?;
+            // A short last value belongs to the position holding the last
+            // token, which the group must hold.
+            let holds_last = self.num_tokens > 0 && {
+                let last = (self.num_tokens - 1) / group.block_size as u64;
+                last >= plain.first_position && last - plain.first_position < plain.values.len() as u64
+            };
+            if group.short_last.is_some() && !holds_last {
+                return Err(err!(
+                    Malformed,
+                    "payload extension: group {group_id} has a short last value but its positions {}..{} (block size {}) do not hold token {} of {} (the last)",
+                    plain.first_position,
+                    plain.first_position + plain.values.len() as u64,
+                    group.block_size,
+                    self.num_tokens.saturating_sub(1),
+                    self.num_tokens
+                ));
+            }
         }
         Ok(())
     }
@@ -363,11 +399,13 @@ fn decode_extension(r: &mut Reader<'_>) -> Result<Extension> {
     let version = r.uint("extension version")?;
     // Version 1: 3 elements, weighted, groups of 3; version 2: 4, the
     // algorithm last, groups of 4 (the coverage last); version 3: 4,
-    // groups of 6 (the marks and decodings after the coverage).
+    // groups of 6 (the marks and decodings after the coverage); version
+    // 4: 4, groups of 7 (the short last value last).
     let (expected_len, group_len) = match version {
         1 => (3, 3),
         2 => (4, 4),
-        EXTENSION_VERSION => (4, 6),
+        3 => (4, 6),
+        EXTENSION_VERSION => (4, 7),
         _ => {
             return Err(err!(
                 Malformed,
@@ -401,10 +439,26 @@ fn decode_extension(r: &mut Reader<'_>) -> Result<Extension> {
             });
         }
         let coverage = if version == 1 { None } else { Some(r.uint("coverage")?) };
-        let (marks, decodings) = if version == EXTENSION_VERSION {
+        let (marks, decodings) = if version >= 3 {
             (Some(r.uint("marks")?), read_decodings(r, "payload")?)
         } else {
             (None, Vec::new())
+        };
+        let short_last = if version >= 4 {
+            let at = r.position();
+            match r.u64s("short_last")?[..] {
+                [] => None,
+                [value] => Some(value),
+                ref values => {
+                    return Err(err!(
+                        Malformed,
+                        "payload: byte {at}: group {group_id}'s short_last holds {} values, not at most 1",
+                        values.len()
+                    ))
+                }
+            }
+        } else {
+            None
         };
         groups.push(ExtensionGroup {
             group_id,
@@ -413,6 +467,7 @@ fn decode_extension(r: &mut Reader<'_>) -> Result<Extension> {
             coverage,
             marks,
             decodings,
+            short_last,
         });
     }
     let algorithm = if version == 1 {

@@ -56,7 +56,7 @@ pub struct Plan {
 /// block ids (those with valid tokens; a state group's one block).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RowRun {
-    /// Rows of the run.
+    /// Rows of the run's block ids (the short last row, if any, comes on top).
     pub rows: u32,
     /// The group's slot on the worker.
     pub group_slot: u32,
@@ -71,6 +71,13 @@ pub struct RowRun {
     pub out: u32,
     /// Value distance between columns (the group's positions in the request).
     pub column_stride: u32,
+    /// Where one more row goes, after the run's rows: the last row again
+    /// with one token fewer (the request's last position over `num_tokens
+    /// - 1` tokens, SPEC section 9's `short_last`), column `c`'s value at
+    /// index `out + c`. `None` where the call computes none for the run, or
+    /// where that last position holds one token (over one token fewer it
+    /// holds none, and its value slots stay 0).
+    pub short_last: Option<u32>,
 }
 
 impl Plan {
@@ -79,7 +86,7 @@ impl Plan {
     pub fn new(layout: &Layout, blocks: &BlockSet, role: Role) -> Result<(Plan, Vec<Row>)> {
         // Sized from the count kept as the blocks were added (an upper bound
         // on the rows): no pass over the set.
-        let mut rows = Vec::with_capacity(blocks.num_blocks());
+        let mut rows = Vec::with_capacity(blocks.max_rows(role));
         let room = RowRoom {
             rows: rows.spare_capacity_mut(),
             streaming: false,
@@ -92,16 +99,16 @@ impl Plan {
     }
 
     /// As [`Plan::new`], with the rows written to `room.rows[..num_rows]`,
-    /// which holds at least `blocks.num_blocks()` rows (no call has more),
+    /// which holds at least `blocks.max_rows(role)` rows (no call has more),
     /// run by run as [`Plan::lay_out`] decides them. On error what the room
     /// holds means nothing.
     pub fn write(layout: &Layout, blocks: &BlockSet, role: Role, room: RowRoom<'_>) -> Result<Plan> {
-        if room.rows.len() < blocks.num_blocks() {
+        if room.rows.len() < blocks.max_rows(role) {
             return Err(err!(
                 Internal,
-                "room for {} rows, for a set of {} blocks",
+                "room for {} rows, for a call of at most {} rows",
                 room.rows.len(),
-                blocks.num_blocks()
+                blocks.max_rows(role)
             ));
         }
         let mut rows = RowWriter {
@@ -138,6 +145,7 @@ impl Plan {
         let mut num_rows = 0usize;
         let mut rows_per_slot = vec![0u64; layout.groups().count()];
         let mut last_group: Option<&Group> = None;
+        let short_last = blocks.computes_short_last(role);
         for request in requests.iter() {
             let req_id = &request.req_id;
             for group_blocks in &request.groups {
@@ -177,6 +185,18 @@ impl Plan {
                 let columns = group.columns(role).len();
                 let values_offset = num_values;
                 num_values += columns * num_positions;
+                // The group holds the request's last token: a producer's
+                // call also gives that position over one token fewer, in
+                // one more value per column after the group's columns.
+                let first = group_blocks.first_position;
+                let holds_last = !group.is_state()
+                    && request.num_tokens > 0
+                    && (request.num_tokens - 1) / group.block_size as u64 >= first
+                    && (request.num_tokens - 1) / group.block_size as u64 - first < num_positions as u64;
+                let with_short_last = short_last && holds_last;
+                if with_short_last {
+                    num_values += columns;
+                }
                 if num_values > u32::MAX as usize {
                     return Err(err!(
                         Unsupported,
@@ -187,11 +207,11 @@ impl Plan {
                 placements.push(Placement::Computed {
                     slot: group.slot,
                     values_offset,
+                    short_last: with_short_last,
                 });
                 if columns == 0 {
                     continue;
                 }
-                let first = group_blocks.first_position;
                 let (rows, block_size) = if group.is_state() {
                     // SPEC section 6: the state is one block at position 0,
                     // whatever num_tokens says.
@@ -212,8 +232,14 @@ impl Plan {
                 if rows == 0 {
                     continue;
                 }
-                rows_per_slot[group.slot as usize] += rows as u64;
-                num_rows += rows;
+                // The last row is the request's last position (the group
+                // holds it); over one token fewer it holds one token
+                // fewer, or none.
+                let short_last = (with_short_last && request.num_tokens - 1 > (first + rows as u64 - 1) * block_size)
+                    .then_some((values_offset + columns * num_positions) as u32);
+                let all_rows = rows + short_last.is_some() as usize;
+                rows_per_slot[group.slot as usize] += all_rows as u64;
+                num_rows += all_rows;
                 let this = RowRun {
                     rows: rows as u32,
                     group_slot: group.slot,
@@ -224,6 +250,7 @@ impl Plan {
                     num_tokens: request.num_tokens,
                     out: values_offset as u32,
                     column_stride: num_positions as u32,
+                    short_last,
                 };
                 run(&this, block_ids);
             }
@@ -276,6 +303,7 @@ impl RowWriter<'_> {
             num_tokens,
             out,
             column_stride,
+            short_last,
         } = *run;
         let written = self.len;
         self.extend(
@@ -305,6 +333,22 @@ impl RowWriter<'_> {
                     row.valid_tokens == valid_tokens(num_tokens, block_size as u32, position)
                 })
         );
+        if let Some(short_out) = short_last {
+            // The run's last row, over one token fewer (the plan made it
+            // only where that leaves the row a token): its columns' values
+            // follow one another.
+            let first_token = first_token + (rows as u64 - 1) * block_size;
+            let row = Row {
+                first_token,
+                block_id: block_ids[rows as usize - 1],
+                valid_tokens: (num_tokens - 1 - first_token) as u32,
+                out: short_out,
+                column_stride: 1,
+                group_slot,
+                reserved: 0,
+            };
+            self.extend(1, std::iter::once(row));
+        }
     }
 
     /// Appends the `count` rows of `rows` (a run's, so that

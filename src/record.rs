@@ -11,7 +11,7 @@
 //! 8, `Worker::check_stored`) the verdict on each block position's stored
 //! checksum.
 //!
-//! # Encoding (version 4)
+//! # Encoding (version 5)
 //!
 //! A msgpack array, so that any msgpack reader (Python's `msgspec` included)
 //! can inspect a record; integers are unsigned, values are `bin`s of
@@ -28,6 +28,7 @@
 //!    [[group_id, first_position, num_positions,
 //!      [[replicas, replica_index, values], ...],                       # sorted by key
 //!      [[layer_number, first_head, num_heads, replicas, replica_index, values], ...],  # detail only
+//!      short_last,                                                     # nil, or a bin (producers)
 //!      stored],                                                        # nil, or a bin (load checks)
 //!     ...],
 //!    [[group_id, reason (str)], ...]],                                 # skipped groups
@@ -42,7 +43,11 @@
 //! the numbers of `kvcs_stored_outcome`; 3 and 4: the value was stored by
 //! another configuration (fingerprint or algorithm) and not compared. Load
 //! checks compute in the consumer role, so only consumer records carry
-//! them. `holds_caches` says whether the worker registered any cache (layer
+//! them. `short_last` is `nil` except in a producer's record where the
+//! group holds the request's last token: then a `bin` of one `u64` per
+//! column, in column order, each the column's value of that last position
+//! over `num_tokens - 1` tokens (0 where it then holds none), which the
+//! payload extension carries (SPEC section 9). `holds_caches` says whether the worker registered any cache (layer
 //! or state layer) in the group: a group none holds was never read; `state`
 //! whether it is a state group (SPEC section 6); `coverage` per replica key
 //! which slices the worker checksums (SPEC section 10); `fingerprint` and
@@ -53,9 +58,11 @@
 //! elements); version 2 had no `algorithm` (7 elements; its values were all
 //! weighted), no `holds_caches`, no `state` and no outcomes 3 and 4;
 //! version 3 had no `marks` (its fingerprints included them) and no
-//! decodings (groups of 7 elements).
+//! decodings (groups of 7 elements); version 4 (kvcsum 0.3.0's
+//! development builds) had no `short_last` (request groups of 6 elements)
+//! and is still read, as a record without short last values.
 //!
-//! [`Record::decode`] accepts exactly this shape and version and validates
+//! [`Record::decode`] accepts exactly this shape and version (and version 4) and validates
 //! every value (ranks, keys, orders, lengths, uniqueness); anything else is
 //! `Error::Malformed` with a message naming the field and byte offset.
 
@@ -73,8 +80,9 @@ use crate::result::{Checksums, SkippedGroup, StoredOutcome};
 /// The first element of every record.
 pub const RECORD_MAGIC: &str = "kvcsum.record";
 
-/// The record encoding this library writes and reads.
-pub const RECORD_VERSION: u64 = 4;
+/// The record encoding this library writes and reads; it also reads
+/// version 4 (kvcsum 0.3.0's development builds: no `short_last`).
+pub const RECORD_VERSION: u64 = 5;
 
 /// One column of a group in a record.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -102,6 +110,10 @@ pub struct RecordGroup {
     /// A load check's verdict on each block position's stored checksum (SPEC
     /// section 8), `num_positions` of them; `None` for any other call.
     pub stored: Option<Vec<StoredOutcome>>,
+    /// A producer's call where the group holds the request's last token:
+    /// per column, in column order, the value of that last position over
+    /// `num_tokens - 1` tokens (SPEC section 9); `None` otherwise.
+    pub short_last: Option<Vec<u64>>,
 }
 
 /// One request in a record.
@@ -175,6 +187,9 @@ impl Record {
                 } else {
                     None
                 };
+                let short_last = group
+                    .short_last
+                    .map(|start| values[start..start + group.columns.len()].to_vec());
                 groups.push(RecordGroup {
                     group_id: group.group_id,
                     first_position: group.first_position,
@@ -182,6 +197,7 @@ impl Record {
                     columns,
                     layers,
                     stored,
+                    short_last,
                 });
             }
             requests.push(RecordRequest {
@@ -243,7 +259,7 @@ impl Record {
             w.uint(request.num_tokens);
             w.array(request.groups.len());
             for group in &request.groups {
-                w.array(6);
+                w.array(7);
                 w.uint(group.group_id as u64);
                 w.uint(group.first_position);
                 w.uint(group.num_positions);
@@ -263,6 +279,10 @@ impl Record {
                     w.uint(layer.replica.replicas as u64);
                     w.uint(layer.replica.replica_index as u64);
                     w.u64s(&layer.values);
+                }
+                match &group.short_last {
+                    None => w.nil(),
+                    Some(values) => w.u64s(values),
                 }
                 match &group.stored {
                     None => w.nil(),
@@ -284,7 +304,7 @@ impl Record {
     }
 
     /// Decodes and validates a record; `Error::Malformed` with a message for
-    /// anything but a valid version-4 record. Allocates at most in proportion
+    /// anything but a valid record of version 5 (or 4). Allocates at most in proportion
     /// to `bytes.len()`.
     pub fn decode(bytes: &[u8]) -> Result<Record> {
         let mut r = Reader::new(bytes, "record");
@@ -299,10 +319,10 @@ impl Record {
         }
         let at = r.position();
         let version = r.uint("version")?;
-        if version != RECORD_VERSION {
+        if version != RECORD_VERSION && version != 4 {
             return Err(err!(
                 Malformed,
-                "record: byte {at}: version {version} is not supported (this library reads version {RECORD_VERSION})"
+                "record: byte {at}: version {version} is not supported (this library reads versions 4 and {RECORD_VERSION})"
             ));
         }
         r.array_of("rank", 3)?;
@@ -363,7 +383,7 @@ impl Record {
             let num_request_groups = r.array("the request's groups")?;
             let mut request_groups = Vec::with_capacity(initial_capacity(num_request_groups));
             for _ in 0..num_request_groups {
-                r.array_of("a request group", 6)?;
+                r.array_of("a request group", if version == 4 { 6 } else { 7 })?;
                 let group_id = r.u32("group_id")?;
                 let first_position = r.uint("first_position")?;
                 let num_positions = r.uint("num_positions")?;
@@ -394,6 +414,14 @@ impl Record {
                     });
                 }
                 let at = r.position();
+                let short_last = match version {
+                    4 => None,
+                    _ => match r.nil_or_bin("short_last")? {
+                        None => None,
+                        Some(bytes) => Some(short_last_values(bytes, at)?),
+                    },
+                };
+                let at = r.position();
                 let stored = match r.nil_or_bin("stored outcomes")? {
                     None => None,
                     Some(codes) => Some(stored_outcomes(codes, at)?),
@@ -405,6 +433,7 @@ impl Record {
                     columns,
                     layers,
                     stored,
+                    short_last,
                 });
             }
             let num_skipped = r.array("skipped groups")?;
@@ -602,6 +631,22 @@ impl Record {
                 ));
             }
         }
+        if let Some(short_last) = &group.short_last {
+            if self.role != Role::Producer {
+                return Err(err!(
+                    Malformed,
+                    "record: {place} has short last values in a consumer record (only producers compute them)"
+                ));
+            }
+            if short_last.len() != group.columns.len() {
+                return Err(err!(
+                    Malformed,
+                    "record: {place}: {} short last values for {} columns",
+                    short_last.len(),
+                    group.columns.len()
+                ));
+            }
+        }
         if !self.detail && !group.layers.is_empty() {
             return Err(err!(
                 Malformed,
@@ -759,6 +804,21 @@ fn stored_outcomes(codes: &[u8], at: usize) -> Result<Vec<StoredOutcome>> {
             })
         })
         .collect()
+}
+
+/// The `u64`s of a `short_last` bin that starts at byte `at`.
+fn short_last_values(bytes: &[u8], at: usize) -> Result<Vec<u64>> {
+    if bytes.len() % 8 != 0 {
+        return Err(err!(
+            Malformed,
+            "record: short_last (byte {at}): {} bytes are not a whole number of u64s",
+            bytes.len()
+        ));
+    }
+    Ok(bytes
+        .chunks_exact(8)
+        .map(|word| u64::from_le_bytes(word.try_into().expect("8 bytes")))
+        .collect())
 }
 
 fn role_code(role: Role) -> u64 {

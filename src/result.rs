@@ -159,6 +159,10 @@ pub struct GroupChecksums {
     /// Index of column 0, position 0 in the value array; column `c` follows
     /// at `values_offset + c * num_positions`.
     pub values_offset: usize,
+    /// A producer call where the group holds the request's last token:
+    /// the index of column 0's value of that position over `num_tokens -
+    /// 1` tokens (SPEC section 9's `short_last`); column `c`'s at `+ c`.
+    pub short_last: Option<usize>,
 }
 
 /// A group this worker does not checksum, and why (SPEC section 7).
@@ -262,6 +266,9 @@ pub enum Placement {
         slot: u32,
         /// Index of column 0, position 0 in the value array.
         values_offset: usize,
+        /// Whether the group's short last values follow its columns
+        /// ([`GroupChecksums::short_last`]).
+        short_last: bool,
     },
     /// Skipped by the worker: index into [`Shape::skipped`].
     Skipped {
@@ -297,13 +304,22 @@ impl Shape {
                 let mut skipped = Vec::new();
                 for blocks in &request.groups {
                     match *placements.next().expect("one placement per (request, group)") {
-                        Placement::Computed { slot, values_offset } => groups.push(GroupChecksums {
-                            group_id: blocks.group_id,
-                            first_position: blocks.first_position,
-                            num_positions: blocks.block_ids.len(),
-                            columns: self.columns[slot as usize].clone(),
+                        Placement::Computed {
+                            slot,
                             values_offset,
-                        }),
+                            short_last,
+                        } => {
+                            let columns = self.columns[slot as usize].clone();
+                            let num_positions = blocks.block_ids.len();
+                            groups.push(GroupChecksums {
+                                group_id: blocks.group_id,
+                                first_position: blocks.first_position,
+                                num_positions,
+                                short_last: short_last.then_some(values_offset + columns.len() * num_positions),
+                                columns,
+                                values_offset,
+                            })
+                        }
                         Placement::Skipped { index } => skipped.push(self.skipped[index as usize].clone()),
                     }
                 }

@@ -379,9 +379,9 @@ pub fn device_work(
     let places = targets
         .iter()
         .map(|target| match shape.placements.get(target.index) {
-            Some(&Placement::Computed { slot, values_offset }) => {
-                Ok((values_offset, shape.columns[slot as usize].len() as u32))
-            }
+            Some(&Placement::Computed {
+                slot, values_offset, ..
+            }) => Ok((values_offset, shape.columns[slot as usize].len() as u32)),
             _ => Err(err!(
                 Internal,
                 "group_id {} of req_id \"{}\" has no values in the call",

@@ -354,7 +354,8 @@ fn a_version_2_extension_compares_under_its_fingerprint_that_counted_the_marks()
         for (group, entry) in payload.groups.iter_mut().zip(&mut extension.groups) {
             group.fingerprint = group
                 .fingerprint
-                .wrapping_add(entry.marks.take().expect("version 3 marks"));
+                .wrapping_add(entry.marks.take().expect("version 4 marks"));
+            entry.short_last = None;
         }
         assert_eq!(extension.version(), 2);
         payload.encode()

@@ -508,6 +508,231 @@ fn only_positions_with_equal_valid_tokens_are_compared() {
     assert_eq!(report.mismatches[0].first_position, 3);
 }
 
+/// The consumer positions holding valid tokens that SPEC section 10's run
+/// rule leaves uncompared where both sides hold every block, straight from
+/// the rule: position `p` lies in run `p * b_c / L`, compared when both
+/// sides' valid tokens in it are equal and not zero.
+fn naive_uncompared(b_p: u32, n_p: u64, b_c: u32, n_c: u64) -> (u64, u64) {
+    let (mut gcd, mut rest) = (b_p as u64, b_c as u64);
+    while rest != 0 {
+        (gcd, rest) = (rest, gcd % rest);
+    }
+    let run = b_p as u64 / gcd * b_c as u64;
+    let run_valid = |n: u64, q: u64| n.saturating_sub(q * run).min(run);
+    let (mut compared_runs, mut uncompared) = (std::collections::BTreeSet::new(), 0);
+    for position in 0..n_c.div_ceil(b_c as u64) {
+        let q = position * b_c as u64 / run;
+        if run_valid(n_c, q) != 0 && run_valid(n_c, q) == run_valid(n_p, q) {
+            compared_runs.insert(q);
+        } else {
+            uncompared += 1;
+        }
+    }
+    (compared_runs.len() as u64, uncompared)
+}
+
+/// A consumer whose connector loaded one token fewer than the producer
+/// computed (LMCache, sync connectors: the prompt's last token is left to
+/// the engine) compares every loaded position, its last one against the
+/// producer's short last value (SPEC sections 9 and 10), whatever the two
+/// block sizes; the value is the naive checksum of that position over one
+/// token fewer. Two tokens fewer is judged as before.
+#[test]
+fn a_load_of_one_token_fewer_compares_its_last_position_against_the_short_last_value() {
+    let mut rng = Rng::for_test("a_load_of_one_token_fewer_compares_its_last_position_against_the_short_last_value");
+    let seed = rng.seed();
+    let mut pairs: Vec<(u32, u32)> = vec![
+        (16, 16),
+        (1, 1),
+        (16, 32),
+        (32, 16),
+        (12, 8),
+        (64, 48),
+        (1, 64),
+        (64, 1),
+    ];
+    while pairs.len() < 40 {
+        let b_p = 1 + rng.below(64) as u32;
+        let b_c = if rng.chance(1, 4) {
+            b_p
+        } else {
+            1 + rng.below(64) as u32
+        };
+        pairs.push((b_p, b_c));
+    }
+    for (b_p, b_c) in pairs {
+        let n = 3 + rng.below(200);
+        let context = format!("seed {seed}, producer block size {b_p}, consumer {b_c}, {n} tokens");
+        let kv = gqa(&mut rng, 2, 2, n);
+        let kinds = [LayoutKind::Hnd, LayoutKind::Nhd];
+        let (p_tp, c_tp) = (1 + rng.below(2) as u32, 1 + rng.below(2) as u32);
+        let (p_kind, c_kind) = (*rng.pick(&kinds), *rng.pick(&kinds));
+        let producer = deploy(&mut rng, p_tp, 1, n, &one_group(&kv, p_kind, b_p, 0), &plain_identity);
+        let payload = produce(&producer, true);
+        // The short last value is the producer's last position over n - 1 tokens.
+        let decoded = Payload::decode(&payload).expect("payload");
+        let short_last = decoded.extension_group(0).and_then(|g| g.short_last);
+        let last = (n - 1) / b_p as u64;
+        let naive = naive_block_checksum(
+            &kv,
+            &kv.layer_numbers(),
+            &kv.heads(),
+            last * b_p as u64,
+            naive_valid_tokens(n - 1, b_p, last),
+        );
+        assert_eq!(short_last, Some(naive), "{context}");
+        assert_eq!(decoded.extension.as_ref().map(|e| e.version()), Some(4), "{context}");
+
+        // One token fewer, intact: every loaded position compared.
+        let mut consumer = deploy(
+            &mut rng,
+            c_tp,
+            1,
+            n - 1,
+            &one_group(&kv, c_kind, b_c, 0),
+            &plain_identity,
+        );
+        let report = check(&consumer, &payload);
+        assert_eq!(report.verdict, Verdict::Match, "{context}: {}", report.message);
+        assert_eq!(report.uncompared_positions, 0, "{context}: {:?}", report.uncompared);
+        assert_eq!(
+            report.compared_positions,
+            naive_uncompared(b_p, n - 1, b_c, n - 1).0,
+            "{context}"
+        );
+        // A flipped byte in the last loaded token: a mismatch of that position.
+        let token = n - 2;
+        let (head, layer) = (rng.below(2) as u32, rng.below(2) as u32);
+        consumer.corrupt(head % c_tp, 0, 0, layer, head, token);
+        let report = check(&consumer, &payload);
+        assert_eq!(report.verdict, Verdict::Mismatch, "{context}: {}", report.message);
+        assert_eq!(report.mismatches.len(), 1, "{context}: {:?}", report.mismatches);
+        let mismatch = &report.mismatches[0];
+        let position = token / b_c as u64;
+        assert!(
+            (mismatch.first_position..mismatch.first_position + mismatch.num_positions).contains(&position),
+            "{context}: position {position} in {mismatch:?}"
+        );
+        assert_eq!(
+            mismatch.first_token + mismatch.num_tokens,
+            n - 1,
+            "{context}: {mismatch:?}"
+        );
+
+        // Two tokens fewer: the run rule over the payload's own tokens.
+        let consumer = deploy(
+            &mut rng,
+            c_tp,
+            1,
+            n - 2,
+            &one_group(&kv, c_kind, b_c, 0),
+            &plain_identity,
+        );
+        let report = check(&consumer, &payload);
+        let (compared, uncompared) = naive_uncompared(b_p, n, b_c, n - 2);
+        if compared == 0 {
+            assert_unverified(&report, Reason::NoCommonPosition, seed);
+        } else {
+            assert_eq!(report.verdict, Verdict::Match, "{context}: {}", report.message);
+            assert_eq!(report.compared_positions, compared, "{context}");
+            assert_eq!(
+                report.uncompared_positions, uncompared,
+                "{context}: {:?}",
+                report.uncompared
+            );
+        }
+    }
+}
+
+#[test]
+fn short_last_values_are_one_per_column_and_in_producer_records_only() {
+    let mut rng = Rng::for_test("short_last_values_are_one_per_column_and_in_producer_records_only");
+    let kv = gqa(&mut rng, 2, 2, 40);
+    let side = deploy(
+        &mut rng,
+        1,
+        1,
+        40,
+        &one_group(&kv, LayoutKind::Hnd, 16, 0),
+        &plain_identity,
+    );
+    let producer = Record::decode(&side.records(Role::Producer)[0]).unwrap();
+    let group = &producer.requests[0].groups[0];
+    assert_eq!(group.short_last.as_ref().map(Vec::len), Some(group.columns.len()));
+    let consumer = Record::decode(&side.records(Role::Consumer)[0]).unwrap();
+    assert_eq!(
+        consumer.requests[0].groups[0].short_last, None,
+        "consumers compute none"
+    );
+    let malformed = |record: &Record, needle: &str| match Record::decode(&record.encode()) {
+        Err(Error::Malformed(message)) => assert!(message.contains(needle), "{message}"),
+        other => panic!("expected Malformed containing {needle:?}, got {other:?}"),
+    };
+    let mut wrong_count = producer.clone();
+    wrong_count.requests[0].groups[0].short_last = Some(vec![1, 2, 3]);
+    malformed(&wrong_count, "3 short last values for 1 columns");
+    let mut in_consumer = consumer.clone();
+    in_consumer.requests[0].groups[0].short_last = Some(vec![1; consumer.requests[0].groups[0].columns.len()]);
+    malformed(&in_consumer, "short last values in a consumer record");
+}
+
+#[test]
+fn detail_mode_names_no_layers_at_the_position_compared_over_one_token_fewer() {
+    // The layer partials the producer sends are over all its 70 tokens:
+    // a mismatch at its last position, compared over 69, names no layers;
+    // one at an earlier position still does.
+    let mut rng = Rng::for_test("detail_mode_names_no_layers_at_the_position_compared_over_one_token_fewer");
+    let seed = rng.seed();
+    let kv = gqa(&mut rng, 2, 2, 70);
+    let mut producer = deploy(
+        &mut rng,
+        1,
+        1,
+        70,
+        &one_group(&kv, LayoutKind::Hnd, 16, 0),
+        &plain_identity,
+    );
+    let mut consumer = deploy(
+        &mut rng,
+        1,
+        1,
+        69,
+        &one_group(&kv, LayoutKind::Nhd, 16, 0),
+        &plain_identity,
+    );
+    producer.worker(0, 0).set_detail(true).unwrap();
+    consumer.worker(0, 0).set_detail(true).unwrap();
+    let payload = produce(&producer, true);
+    let report = check(&consumer, &payload);
+    assert_eq!(report.verdict, Verdict::Match, "seed {seed}: {}", report.message);
+    assert_eq!((report.compared_positions, report.uncompared_positions), (5, 0));
+    consumer.corrupt(0, 0, 0, 1, 1, 66);
+    let report = check(&consumer, &payload);
+    assert_eq!(report.verdict, Verdict::Mismatch, "seed {seed}: {}", report.message);
+    let mismatch = &report.mismatches[0];
+    assert_eq!((mismatch.first_position, mismatch.num_tokens), (4, 5), "seed {seed}");
+    assert!(
+        !mismatch.localised && mismatch.layers.is_empty(),
+        "seed {seed}: {mismatch:?}"
+    );
+    consumer.corrupt(0, 0, 0, 1, 1, 20);
+    let report = check(&consumer, &payload);
+    let earlier = &report.mismatches[0];
+    assert_eq!(earlier.first_position, 1, "seed {seed}");
+    assert!(earlier.localised, "seed {seed}: {earlier:?}");
+    assert_eq!(
+        earlier.layers,
+        // One worker: its layer partial covers both heads of the layer.
+        vec![LayerDifference {
+            layer_number: 1,
+            first_head: 0,
+            num_heads: 2,
+            check: 0
+        }],
+        "seed {seed}"
+    );
+}
+
 #[test]
 fn detail_mode_names_the_layer_and_heads_across_tp_sizes() {
     let mut rng = Rng::for_test("detail_mode_names_the_layer_and_heads_across_tp_sizes");
@@ -927,13 +1152,18 @@ fn unverified_when_a_replica_was_not_checksummed() {
     let seed = rng.seed();
     let (_, producer, consumer) = transfer(&mut rng);
     // Consumer workers computed replica 0 only (their records computed as a
-    // producer, relabelled as a consumer's so that the roles agree).
+    // producer, relabelled as a consumer's so that the roles agree, without
+    // the producer's short last values).
     let records: Vec<Vec<u8>> = consumer
         .records(Role::Producer)
         .iter()
         .map(|bytes| {
             let mut record = Record::decode(bytes).unwrap();
             record.role = Role::Consumer;
+            // Only a producer's call computes short last values.
+            for group in record.requests.iter_mut().flat_map(|r| r.groups.iter_mut()) {
+                group.short_last = None;
+            }
             record.encode()
         })
         .collect();

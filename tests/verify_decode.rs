@@ -276,7 +276,16 @@ fn valid_inputs_decode() {
             StoredOutcome::NotChecked
         ])
     );
-    assert_eq!(decoded.encode(), load_check.bytes(), "shortest forms, same bytes");
+    // A version-4 record (0.3.0's development builds) reads as one without
+    // short last values, and is written as version 5: the same bytes with
+    // a nil short_last before the group's stored outcomes.
+    let mut as_version_5 = load_check.clone();
+    *as_version_5.at(&[1]) = V::U(5);
+    if let V::A(items) = as_version_5.at(&[6, 0, 2, 0]) {
+        items.insert(5, V::Nil);
+    }
+    assert_eq!(decoded.encode(), as_version_5.bytes(), "shortest forms, same bytes");
+    assert_eq!(Record::decode(&as_version_5.bytes()).unwrap(), decoded);
     let payload = Payload::decode(&payload_value().bytes()).expect("valid payload");
     assert_eq!(payload.groups[1].values, vec![10, 11]);
     assert_eq!(payload.extension.as_ref().unwrap().groups[0].layers[1].first_head, 4);
@@ -368,9 +377,14 @@ fn every_malformed_record_class_is_rejected_with_a_message() {
             "version 3 is not supported",
         ),
         (
-            "version 5",
+            "version 6",
+            Box::new(|v| *v.at(&[1]) = V::U(6)),
+            "version 6 is not supported",
+        ),
+        (
+            "version 5 with version 4's request groups (no short_last)",
             Box::new(|v| *v.at(&[1]) = V::U(5)),
-            "version 5 is not supported",
+            "a request group",
         ),
         (
             "group of 7 elements (version 3's)",
@@ -926,6 +940,8 @@ fn mutated_encodings_never_panic() {
                     kvcsum::LayerDecoding::from_parts("fp8_e4m3", 128, 0.0625f64.to_bits(), 0.125f64.to_bits())
                         .unwrap(),
                 )],
+                // Position 18 holds token 299, the last.
+                short_last: Some(rng.next_u64()),
             }],
             algorithm: kvcsum::Algorithm::Mixed,
         }),

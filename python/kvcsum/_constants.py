@@ -135,8 +135,8 @@ class StoredOutcome(_CEnum):
 #: (Result.encode()). The library has no call that tells them, so these are
 #: the header's; python/tests/test_package.py checks them against it.
 PAYLOAD_VERSION = 1
-EXTENSION_VERSION = 3
-RECORD_VERSION = 4
+EXTENSION_VERSION = 4
+RECORD_VERSION = 5
 
 #: The `device` of a host worker (KVCS_HOST).
 HOST = -1

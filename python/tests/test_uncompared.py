@@ -51,8 +51,13 @@ def naive_uncompared(b_p, n_p, p_first, p_count, b_c, n_c, c_first, c_count):
     """The consumer's loaded positions holding valid tokens whose run of
     lcm(b_p, b_c) tokens is not compared: a run is compared when both sides
     hold the same non-zero number of valid tokens in it and each side holds
-    every one of its blocks of the run that holds valid tokens."""
+    every one of its blocks of the run that holds valid tokens. A producer
+    holding its last token sends that position over one token fewer too
+    (the extension's short last value): a consumer of exactly one token
+    fewer is compared against the producer's values over its own count."""
     run = math.lcm(b_p, b_c)
+    if n_c + 1 == n_p and p_first <= (n_p - 1) // b_p < p_first + p_count:
+        n_p = n_c
 
     def valid(n, q):
         return max(0, min(run, n - q * run))
@@ -132,13 +137,15 @@ def test_uncompared_ranges_follow_the_run_rule_for_random_block_sizes_and_token_
 
 def test_a_corruption_in_an_uncompared_position_leaves_the_verdict_a_match_that_names_it(seed):
     # Why the ranges matter: the producer sent 45 tokens, the consumer loaded
-    # 44 (8- and 16-token blocks); the last consumer block (tokens 32..44)
+    # 42 (8- and 16-token blocks); the last consumer block (tokens 32..42)
     # is not compared, so a corruption there is not seen, and the report
-    # says exactly which position that is.
+    # says exactly which position that is. (A load of 44, one token fewer,
+    # is compared whole: the producer sent its last position over 44
+    # tokens too.)
     rng = np.random.default_rng(seed)
     kv = rng.integers(1, 2**64, (45, HEADS, PIECES), dtype=np.uint64, endpoint=False)
     p_cache, p_ids = side_cache(rng, kv, 8, 0, 6, 45)
-    c_cache, c_ids = side_cache(rng, kv, 16, 0, 3, 44)
+    c_cache, c_ids = side_cache(rng, kv, 16, 0, 3, 42)
     c_cache[c_ids[2], 1, 40 - 32, 0] ^= np.uint64(1 << int(rng.integers(0, 64)))
     with kvcsum.Verifier(1) as producer, kvcsum.Blocks() as blocks:
         blocks.add_request("req", 45).add_group("req", 0, p_ids)
@@ -147,9 +154,9 @@ def test_a_corruption_in_an_uncompared_position_leaves_the_verdict_a_match_that_
         payload = producer.payload("req")
     with kvcsum.Verifier(1) as consumer, kvcsum.Blocks() as scheduled:
         consumer.set_producer_block_size(0, 8)
-        scheduled.add_request("req", 44).add_group("req", 0, c_ids)
+        scheduled.add_request("req", 42).add_group("req", 0, c_ids)
         consumer.expect(scheduled, kvcsum.CONSUMER)
-        consumer.add_record(record(c_cache, 16, 44, 0, c_ids, kvcsum.CONSUMER))
+        consumer.add_record(record(c_cache, 16, 42, 0, c_ids, kvcsum.CONSUMER))
         with consumer.check("req", payload) as report:
             assert report.verdict == kvcsum.MATCH and report.compared_positions == 2, f"seed {seed:#x}: {report.message}"
             assert report.uncompared == [kvcsum.Uncompared(0, 2, 1)], f"seed {seed:#x}"

@@ -120,9 +120,10 @@ pub struct ChecksumLaunch {
 /// straight into the slot's pinned memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CallRoom {
-    /// Rows: one per block of the call's set (no call has more).
+    /// Rows: at most one per block of the call's set and one per group (a
+    /// producer's short last rows).
     pub rows: usize,
-    /// Values: every column of the worker's widest group, per block.
+    /// Values: every column of the worker's widest group, per row.
     pub values: usize,
     /// Whether the rows are written past the CPU's caches
     /// ([`crate::plan::RowRoom::streaming`]): calls of more rows than go
@@ -130,13 +131,14 @@ pub struct CallRoom {
     pub stream_rows: bool,
 }
 
-/// The room of a call of `num_blocks` blocks on a worker whose widest
-/// group has `max_columns` columns in the call's role.
-pub fn call_room(num_blocks: usize, max_columns: usize) -> CallRoom {
+/// The room of a call of at most `max_rows` rows
+/// ([`crate::blocks::BlockSet::max_rows`]) on a worker whose widest group
+/// has `max_columns` columns in the call's role: a value per column per row.
+pub fn call_room(max_rows: usize, max_columns: usize) -> CallRoom {
     CallRoom {
-        rows: num_blocks,
-        values: num_blocks.saturating_mul(max_columns),
-        stream_rows: num_blocks > INLINE_ROWS,
+        rows: max_rows,
+        values: max_rows.saturating_mul(max_columns),
+        stream_rows: max_rows > INLINE_ROWS,
     }
 }
 

@@ -328,7 +328,7 @@ impl DeviceEngine {
     ) -> Result<(Plan, Values)> {
         self.context.bind_to_thread().map_err(device_error("cuCtxSetCurrent"))?;
         let max_columns = layout.groups().map(|group| group.columns(role).len()).max();
-        let room = call_room(blocks.num_blocks(), max_columns.unwrap_or(0));
+        let room = call_room(blocks.max_rows(role), max_columns.unwrap_or(0));
         let mut slot = self.pool.take(room.rows, room.values)?;
         let queue = |slot: &mut Slot| -> Result<(Plan, CallLaunch, usize)> {
             let rows = RowRoom {

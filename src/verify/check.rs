@@ -130,7 +130,8 @@ impl Load<'_> {
         }
         let producer_block_size = sides.producer_block_size.ok_or_else(|| sides.block_size_unknown())?;
         let tokens = (self.pending.scheduled.num_tokens, payload.num_tokens);
-        let outcome = sides.compare_runs(producer_block_size, tokens, &checks);
+        let short = sides.one_token_fewer(producer_block_size, tokens);
+        let outcome = sides.compare_runs(producer_block_size, tokens, &checks, short.as_ref());
         if outcome.compared == 0 {
             return Err(sides.no_common_position(producer_block_size, tokens));
         }
@@ -345,12 +346,36 @@ impl GroupSides<'_> {
         self.parts.iter().all(|(part, _)| part.detail) && self.extension.is_some_and(|e| !e.layers.is_empty())
     }
 
-    /// Compares every run both sides hold with equal valid tokens.
+    /// Where the consumer holds exactly one token fewer than the producer
+    /// and the extension sent the group's short last value (SPEC section
+    /// 10): the producer's values over the consumer's tokens, its position
+    /// holding the last token replaced by that value. Only that position
+    /// differs from the values over one token fewer: every other position
+    /// keeps its valid tokens.
+    fn one_token_fewer(
+        &self,
+        producer_block_size: u32,
+        (consumer_tokens, producer_tokens): (u64, u64),
+    ) -> Option<OneTokenFewer> {
+        let short_last = self.extension?.short_last?;
+        if consumer_tokens.checked_add(1) != Some(producer_tokens) {
+            return None;
+        }
+        // The payload validated that the group holds this position.
+        let position = consumer_tokens / producer_block_size as u64;
+        let mut values = self.sent.values.clone();
+        *values.get_mut(position.checked_sub(self.sent.first_position)? as usize)? = short_last;
+        Some(OneTokenFewer { values, position })
+    }
+
+    /// Compares every run both sides hold with equal valid tokens; with
+    /// `short`, against the producer's values over one token fewer.
     fn compare_runs(
         &self,
         producer_block_size: u32,
         (consumer_tokens, producer_tokens): (u64, u64),
         checks: &[(u32, Vec<u64>)],
+        short: Option<&OneTokenFewer>,
     ) -> GroupOutcome {
         let consumer = Series {
             block_size: self.consumer_block_size,
@@ -358,11 +383,19 @@ impl GroupSides<'_> {
             values: &[],
             num_tokens: consumer_tokens,
         };
-        let producer = Series {
-            block_size: producer_block_size,
-            first_position: self.sent.first_position,
-            values: &self.sent.values,
-            num_tokens: producer_tokens,
+        let producer = match short {
+            Some(short) => Series {
+                block_size: producer_block_size,
+                first_position: self.sent.first_position,
+                values: &short.values,
+                num_tokens: consumer_tokens,
+            },
+            None => Series {
+                block_size: producer_block_size,
+                first_position: self.sent.first_position,
+                values: &self.sent.values,
+                num_tokens: producer_tokens,
+            },
         };
         let run = run_tokens(producer_block_size, self.consumer_block_size);
         let (q_lo, q_hi) = consumer.with_values(&checks[0].1).runs(run);
@@ -395,7 +428,14 @@ impl GroupSides<'_> {
             if failed_checks.is_empty() {
                 continue;
             }
-            let layers = namer.as_mut().and_then(|namer| namer.name(&failed_checks, q));
+            // The producer's layer partials of its short position are over
+            // all its tokens: a run holding it names no layers.
+            let (p_lo, p_hi) = producer.blocks_of_run(run, q);
+            let short_in_run = short.is_some_and(|s| (p_lo..p_hi).contains(&(s.position as u128)));
+            let layers = match short_in_run {
+                true => None,
+                false => namer.as_mut().and_then(|namer| namer.name(&failed_checks, q)),
+            };
             outcome.mismatches.push(Mismatch {
                 group_id: self.scheduled.group_id,
                 first_position: lo as u64,
@@ -489,6 +529,15 @@ fn check_fingerprint(
         }
     }
     Ok(())
+}
+
+/// The producer's values of a group over one token fewer than it
+/// computed ([`GroupSides::one_token_fewer`]).
+struct OneTokenFewer {
+    /// Its values, the one at `position` replaced by the short last value.
+    values: Vec<u64>,
+    /// The producer's position holding its last token.
+    position: u64,
 }
 
 /// The consumer's positions holding valid tokens among the `count` it

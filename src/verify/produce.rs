@@ -79,8 +79,27 @@ fn payload_group(pending: &Pending, scheduled: &GroupBlocks, detail: bool) -> Ju
         coverage: Some(first_copy_coverage(&parts, group_id)),
         marks: Some(marks),
         decodings: pending.decodings(group_id)?,
+        short_last: first_copy_short_last(&parts),
     };
     Ok((group, extension_group))
+}
+
+/// The sum of every worker's `replica_index == 0` short last values, as
+/// [`first_copy_sum`] sums the values: the group's last position over one
+/// token fewer. `None` unless every worker computed them (the group holds
+/// the request's last token).
+fn first_copy_short_last(parts: &[(&WorkerPart, &RecordGroup)]) -> Option<u64> {
+    parts.iter().try_fold(0u64, |sum, (_, group)| {
+        let short_last = group.short_last.as_ref()?;
+        Some(
+            group
+                .columns
+                .iter()
+                .zip(short_last)
+                .filter(|(column, _)| column.replica.replica_index == 0)
+                .fold(sum, |sum, (_, value)| sum.wrapping_add(*value)),
+        )
+    })
 }
 
 /// The coverage of the slices in every worker's `replica_index == 0`

@@ -574,10 +574,10 @@ static void test_record_errors(const side *producer) {
   kvcs_result_destroy(result);
   kvcs_worker_destroy(worker);
 
-  /* The record is ["kvcsum.record", 4, ...]: a fixarray of 8, a 13-byte
+  /* The record is ["kvcsum.record", 5, ...]: a fixarray of 8, a 13-byte
    * fixstr, then the version at byte 15. */
   CHECK(record[0] == 0x98 && record[1] == 0xad && memcmp(record + 2, "kvcsum.record", 13) == 0 &&
-        record[15] == 0x04);
+        record[15] == KVCS_RECORD_VERSION && KVCS_RECORD_VERSION == 0x05);
 
   kvcs_verifier *verifier = make_verifier(producer, KVCS_ROLE_PRODUCER);
   EXPECT(kvcs_verifier_add_record(NULL, record, record_len), KVCS_ERR_INVALID_ARGUMENT, "verifier is NULL");
@@ -598,15 +598,15 @@ static void test_record_errors(const side *producer) {
   memcpy(changed, record, record_len);
   changed[record_len] = 0x00;
   EXPECT(kvcs_verifier_add_record(verifier, changed, record_len + 1), KVCS_ERR_MALFORMED, "1 trailing bytes");
-  changed[15] = 0x05;
-  EXPECT(kvcs_verifier_add_record(verifier, changed, record_len), KVCS_ERR_MALFORMED, "version 5 is not supported");
+  changed[15] = 0x06;
+  EXPECT(kvcs_verifier_add_record(verifier, changed, record_len), KVCS_ERR_MALFORMED, "version 6 is not supported");
   changed[15] = 0x03;
   EXPECT(kvcs_verifier_add_record(verifier, changed, record_len), KVCS_ERR_MALFORMED, "version 3 is not supported");
   changed[15] = 0x01;
   EXPECT(kvcs_verifier_add_record(verifier, changed, record_len), KVCS_ERR_MALFORMED, "version 1 is not supported");
   changed[15] = 0x02;
   EXPECT(kvcs_verifier_add_record(verifier, changed, record_len), KVCS_ERR_MALFORMED, "version 2 is not supported");
-  changed[15] = 0x04;
+  changed[15] = KVCS_RECORD_VERSION;
   changed[2] = 'K';
   EXPECT(kvcs_verifier_add_record(verifier, changed, record_len), KVCS_ERR_MALFORMED, "not a kvcsum record");
   for (size_t i = 0; i < record_len; i++) {

@@ -6,7 +6,9 @@ The verifier applies the rule when it judges (kvcsum.Report.uncompared
 names the positions); this reading of it lets the scheduler hand a sync
 P/D load's uncompared blocks to vLLM as load errors in the step of the
 load, before vLLM emits a token computed from them, where the verdict
-itself comes a step later. The verdict's own list stays the authority:
+itself comes a step later. A kvcsum 0.3 producer also sends each group's
+last position over one token fewer, so a sync load of all of a prompt's
+tokens but the last is compared whole. The verdict's own list stays the authority:
 blocks it names that this did not are handed when it comes.
 """
 
@@ -17,7 +19,7 @@ import math
 __all__ = ["uncompared_positions"]
 
 
-def uncompared_positions(producer: tuple, consumer: tuple) -> list[tuple[int, int]]:
+def uncompared_positions(producer: tuple, consumer: tuple, short_last: bool = False) -> list[tuple[int, int]]:
     """The consumer's block positions holding valid tokens that no
     compared run covers, as ascending `(first position, positions)` ranges.
 
@@ -28,11 +30,17 @@ def uncompared_positions(producer: tuple, consumer: tuple) -> list[tuple[int, in
     size)` tokens: run `q` (tokens `q*L .. (q+1)*L`) is compared when both
     sides' valid tokens in it, `min(L, max(0, num_tokens - q*L))`, are
     equal and not zero and each side holds every one of its blocks of the
-    run that holds valid tokens. Work is linear in the consumer's
-    positions, whatever the block sizes.
+    run that holds valid tokens. `short_last`: the producer sent the
+    group's short last value (its last position over one token fewer,
+    extension version 4), so a consumer of exactly one token fewer is
+    compared against the producer's values over the consumer's token
+    count. Work is linear in the consumer's positions, whatever the block
+    sizes.
     """
     b_p, n_p, p_first, p_count = (int(v) for v in producer)
     b_c, n_c, c_first, c_count = (int(v) for v in consumer)
+    if short_last and n_c + 1 == n_p:
+        n_p = n_c
     if min(b_p, b_c) <= 0 or c_count <= 0:
         return []
     run = math.lcm(b_p, b_c)

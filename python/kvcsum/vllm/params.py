@@ -93,12 +93,15 @@ class LoadParams:
 class PayloadSummary:
     """What a payload's bytes say of themselves, read before the verifier
     judges them: `num_tokens`, the producer's block size per group where
-    the kvcsum extension gives one, and the positions it sent per group
-    ({group: (first position, positions)})."""
+    the kvcsum extension gives one, the positions it sent per group
+    ({group: (first position, positions)}), and the groups whose short
+    last value (extension version 4: their last position over one token
+    fewer, SPEC section 9) it sent."""
 
     num_tokens: int
     block_sizes: dict
     positions: dict = dataclasses.field(default_factory=dict)
+    short_last: frozenset = frozenset()
 
 
 def payload_summary(raw: bytes) -> PayloadSummary | None:
@@ -111,18 +114,22 @@ def payload_summary(raw: bytes) -> PayloadSummary | None:
         plain = msgspec.msgpack.decode(raw)
         if not isinstance(plain, list) or len(plain) < 3 or not is_int(plain[1]):
             return None
-        sizes = {}
+        sizes, short_last = {}, set()
         if len(plain) == 4 and isinstance(plain[3], list) and len(plain[3]) >= 3 and isinstance(plain[3][2], list):
+            version_4 = plain[3][0] == 4
             for group in plain[3][2]:
                 if isinstance(group, list) and len(group) >= 2 and is_int(group[0]) and is_int(group[1]):
                     sizes[group[0]] = group[1]
+                    # A version-4 group's seventh element: a bin of no u64, or one.
+                    if version_4 and len(group) == 7 and isinstance(group[6], bytes) and len(group[6]) == 8:
+                        short_last.add(group[0])
         positions = {}
         if isinstance(plain[2], list):
             for group in plain[2]:
                 # `values`: a bin of one little-endian u64 per position.
                 if isinstance(group, list) and len(group) >= 4 and is_int(group[0]) and is_int(group[2]) and isinstance(group[3], bytes):
                     positions[group[0]] = (group[2], len(group[3]) // 8)
-        return PayloadSummary(plain[1], sizes, positions)
+        return PayloadSummary(plain[1], sizes, positions, frozenset(short_last))
     except Exception:  # noqa: BLE001 - malformed bytes are the verifier's to report
         return None
 

@@ -832,7 +832,8 @@ class SchedulerRole:
             size = summary.block_sizes.get(group, checksums.block_sizes.get(group, own))
             if not is_int(size) or size <= 0:
                 continue
-            for start, count in uncompared_positions((size, summary.num_tokens, *sent), (own, load.job.num_tokens, first, len(ids))):
+            short = group in summary.short_last
+            for start, count in uncompared_positions((size, summary.num_tokens, *sent), (own, load.job.num_tokens, first, len(ids)), short):
                 out.update(ids[p - first] for p in range(start, start + count))
         return out
 

@@ -322,50 +322,62 @@ def test_sync_load(store, corrupt):
         assert kv_equal(p, "req-sync", c, "req-sync", len(PROMPT))
     else:
         # 44 of the 45 tokens loaded: the last consumer block (tokens 32..44)
-        # holds 12 tokens, the producer's 13, so it is not compared and vLLM
-        # computes it again in the step after the load.
+        # holds 12 tokens, the producer's 13; it is compared against the
+        # producer's value of it over 44 tokens, so nothing is computed again.
         assert name == kvcsum.MATCH
-        assert trace.scheduled[:2] == [(len(PROMPT) - 1, 1), (32, len(PROMPT) - 32)], trace.scheduled
+        assert trace.scheduled[0] == (len(PROMPT) - 1, 1) and all(start >= len(PROMPT) - 1 for start, _ in trace.scheduled), trace.scheduled
         assert kv_equal(p, "req-sync", c, "req-sync", len(PROMPT))
     nothing_left_behind(c)
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_a_sync_load_never_uses_its_uncompared_last_partial_block(store, policy):
+def test_a_sync_load_compares_its_partial_last_block_against_the_producers_value_over_one_token_fewer(store, policy):
     # The sync load leaves the prompt's last token to vLLM: the consumer
     # loads 44 tokens, whose last 16-token block holds 12 of them and the
-    # producer's payload 13, so no comparison covers it (SPEC section 10).
-    # A corruption there is invisible to the verifier: the block is a load
-    # error in the step of the load, so vLLM computes it again before any
-    # token computed from it is emitted.
+    # producer's 13. The producer also sent that block's value over 44
+    # tokens (the extension's short last value, SPEC section 9), so the
+    # block is compared like the others (SPEC section 10): intact, it is
+    # used as loaded (no step is added, see the steps test below);
+    # corrupted, the load is a MISMATCH naming it.
     import random
 
     rng = random.Random(int(os.environ.get("KVCS_SEED", "0x636B73"), 0) + len(policy))
     token = rng.randrange(32, len(PROMPT) - 1)
     layer, head = rng.randrange(4), rng.randrange(4)
     print(f"\ncorrupted token {token}, layer {layer}, head {head} (KVCS_SEED changes them)")
+    # Intact: compared whole, nothing recomputed.
     p, c = producer(store), consumer(store, load_mode="sync", policy=policy, track_kv=True)
     params = prefill(p, "req-partial")
-    store_connector.CORRUPT.update(token=token, layer=f"model.layers.{layer}.self_attn.attn", head=head)
     trace = decode(c, "req-partial", params)
+    name, count, first, state = show(f"sync load, intact partial last block, {policy}", c, "req-partial")
+    assert name == kvcsum.MATCH and "not compared" not in verdict(c, "req-partial")[2]
+    assert trace.scheduled[0] == (len(PROMPT) - 1, 1) and (32, len(PROMPT) - 32) not in trace.scheduled, trace.scheduled
+    assert not totals(c).get("uncompared_blocks")
+    assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
+    nothing_left_behind(c)
+    # Corrupted in that block: a mismatch of it.
+    p, c = producer(store), consumer(store, load_mode="sync", policy=policy, track_kv=True)
+    params = prefill(p, "req-partial-bad")
+    store_connector.CORRUPT.update(token=token, layer=f"model.layers.{layer}.self_attn.attn", head=head)
+    trace = decode(c, "req-partial-bad", params)
     assert store_connector.CORRUPT.get("done") == 1
-    name, count, first, state = show(f"sync load, token {token} of its partial last block corrupted, {policy}", c, "req-partial")
-    # The verdict is about what was compared (blocks 0 and 1): a match,
-    # whose message says a loaded position was not compared.
-    assert name == kvcsum.MATCH and "1 loaded positions not compared" in verdict(c, "req-partial")[2]
+    name, count, first, state = show(f"sync load, token {token} of its partial last block corrupted, {policy}", c, "req-partial-bad")
+    assert name == kvcsum.MISMATCH and "position 2 (tokens 32..44" in verdict(c, "req-partial-bad")[2]
+    assert totals(c).get("mismatched_blocks") == 1 and not totals(c).get("uncompared_blocks")
     load_step = trace.steps[0]
-    # The forward of the load step read the bad KV (the tracking sees it) ...
-    assert trace.bad_kv_steps == [load_step], (trace.bad_kv_steps, trace.scheduled)
-    # ... and no token that step computed was emitted.
-    assert load_step not in trace.token_steps, (trace.token_steps, trace.scheduled)
-    assert totals(c).get("uncompared_blocks") == 1
+    assert trace.bad_kv_steps[0] == load_step, (trace.bad_kv_steps, trace.scheduled)
+    # The verdict comes after the load step (a sync P/D load is judged once
+    # its values are read, the step after), so that step's token, computed
+    # from the bad block, is emitted; the block goes back to vLLM then.
+    assert trace.token_steps[0] == load_step, (trace.token_steps, trace.scheduled)
     if policy == "recompute":
-        assert trace.scheduled[:2] == [(len(PROMPT) - 1, 1), (32, len(PROMPT) - 32)], trace.scheduled
-        assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
-        assert kv_equal(p, "req-partial", c, "req-partial", len(PROMPT))
+        # The step after the load: vLLM rewinds to the bad block's first token.
+        assert trace.scheduled[:3] == [(len(PROMPT) - 1, 1), (len(PROMPT), 1), (32, len(PROMPT) + 1 - 32)], trace.scheduled
+        assert state == "FINISHED_LENGTH_CAPPED" and len(trace.output_tokens) == 3
+        assert kv_equal(p, "req-partial-bad", c, "req-partial-bad", len(PROMPT))
     else:
-        # kv_load_failure_policy=fail: vLLM fails the request rather than use the block.
-        assert state == "FINISHED_ERROR" and trace.output_tokens == []
+        # kv_load_failure_policy=fail: vLLM fails the request.
+        assert state == "FINISHED_ERROR" and len(trace.output_tokens) == 1
     nothing_left_behind(c)
 
 
@@ -451,16 +463,10 @@ def test_an_intact_load_is_first_scheduled_at_the_same_step_as_through_the_wrapp
         if wrap:
             assert verdict(c, "req-steps")[0] == kvcsum.MATCH
     print(f"\nSTEPS {load_mode} load: bare wrapped connector {steps[False]}; through KvcsumConnector {steps[True]}", flush=True)
-    if load_mode == "sync":
-        # The sync load's last block (12 of its 16 tokens loaded, 13 on the
-        # producer) is not compared: vLLM computes it again, in the one step
-        # after the load; nothing else is added.
-        bare = dict(steps[False])
-        bare["consumer first token"] += 1
-        bare["prompt tokens computed"] += len(PROMPT) - 32
-        assert steps[True] == bare
-    else:
-        assert steps[True] == steps[False]
+    # The sync load's last block (12 of its 16 tokens loaded, 13 on the
+    # producer) is compared too, against the producer's value of it over
+    # one token fewer: nothing is computed again, no step is added.
+    assert steps[True] == steps[False]
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ import numpy as np
 
 import kvcsum
 from kvcsum.vllm.coverage import uncompared_positions
+from kvcsum.vllm.params import payload_summary
 
 _spec = importlib.util.spec_from_file_location(
     "library_uncompared", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "test_uncompared.py")
@@ -25,7 +26,8 @@ SEED = int(os.environ.get("KVCS_SEED", "0x636B73"), 0)
 
 
 def judged_uncompared(rng, b_p, n_p, p_first, p_count, b_c, n_c, c_first, c_count):
-    """(the library's uncompared ranges of group 0, whether the load was judged)."""
+    """(the library's uncompared ranges of group 0, whether the load was
+    judged, the report's message, the payload's summary)."""
     kv = rng.integers(1, 2**64, (max(n_p, n_c), library.HEADS, library.PIECES), dtype=np.uint64, endpoint=False)
     p_cache, p_ids = library.side_cache(rng, kv, b_p, p_first, p_count, n_p)
     c_cache, c_ids = library.side_cache(rng, kv, b_c, c_first, c_count, n_c)
@@ -41,7 +43,8 @@ def judged_uncompared(rng, b_p, n_p, p_first, p_count, b_c, n_c, c_first, c_coun
         consumer.add_record(library.record(c_cache, b_c, n_c, c_first, c_ids, kvcsum.CONSUMER))
         with consumer.check("req", payload) as report:
             judged = report.verdict == kvcsum.MATCH
-            return [(u.first_position, u.num_positions) for u in report.uncompared], judged, report.message
+            ranges = [(u.first_position, u.num_positions) for u in report.uncompared]
+            return ranges, judged, report.message, payload_summary(payload)
 
 
 def test_the_schedulers_uncompared_positions_are_the_verifiers_for_random_sizes():
@@ -60,8 +63,12 @@ def test_the_schedulers_uncompared_positions_are_the_verifiers_for_random_sizes(
         if p_count <= 0 or c_count <= 0:
             continue
         where = f"seed {seed:#x} case {case}: producer {b_p}x{p_count}@{p_first} {n_p} tokens, consumer {b_c}x{c_count}@{c_first} {n_c} tokens"
-        got, judged, message = judged_uncompared(rng, b_p, n_p, p_first, p_count, b_c, n_c, c_first, c_count)
-        predicted = uncompared_positions((b_p, n_p, p_first, p_count), (b_c, n_c, c_first, c_count))
+        got, judged, message, summary = judged_uncompared(rng, b_p, n_p, p_first, p_count, b_c, n_c, c_first, c_count)
+        # The producer's payload carries the short last value of a group
+        # holding its last token, and the scheduler's summary reads it.
+        short = 0 in summary.short_last
+        assert short == (p_first <= (n_p - 1) // b_p < p_first + p_count), where
+        predicted = uncompared_positions((b_p, n_p, p_first, p_count), (b_c, n_c, c_first, c_count), short)
         if judged:
             assert predicted == got, f"{where}: {message}"
             judged_with_gaps += bool(got)
@@ -80,4 +87,9 @@ def test_uncompared_positions_take_work_linear_in_the_consumers_positions():
     assert math.lcm(b_p, b_c) == b_p * b_c
     assert uncompared_positions((b_p, 2**60, 0, 2**40), (b_c, 3 * b_c - 5, 0, 3)) == [(0, 3)]
     assert uncompared_positions((16, 45, 0, 3), (16, 44, 0, 3)) == [(2, 1)]
+    # One token fewer, against a producer that sent its short last value:
+    # every position compared; two fewer, not.
+    assert uncompared_positions((16, 45, 0, 3), (16, 44, 0, 3), short_last=True) == []
+    assert uncompared_positions((8, 45, 0, 6), (16, 44, 0, 3), short_last=True) == []
+    assert uncompared_positions((16, 45, 0, 3), (16, 43, 0, 3), short_last=True) == [(2, 1)]
     assert uncompared_positions((8, 45, 0, 6), (16, 45, 0, 3)) == []
