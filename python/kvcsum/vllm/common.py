@@ -2,13 +2,16 @@
 the scheduler's metadata to its workers every step
 (`KvcsumConnectorMetadata`, carrying `ChecksumJob`s, `LoadOutcome`s and
 `HashedBlocks`), and each worker's metadata back (`KvcsumWorkerMetadata`,
-carrying `WorkerNote`s and `TierNote`s)."""
+carrying `WorkerNote`s and `TierNote`s). What a worker judges a load by
+and the verdict it sends back are kvcsum.vllm.load_verdict's `LoadCheck`
+and `LoadVerdict`."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from kvcsum.vllm.cache_checksums import Job
+from kvcsum.vllm.load_verdict import LoadCheck, LoadVerdict
 from kvcsum.vllm.tier_values import HashedBlocks
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
@@ -25,10 +28,13 @@ NAME = "KvcsumConnector"
 class ChecksumJob:
     """Blocks the workers checksum: a request's `job`, under the
     scheduler's `generation` for it (a note of an older generation, from
-    before a preemption or a second load, is dropped)."""
+    before a preemption or a second load, is dropped). A sync load's
+    `check`: what the workers judge it by themselves, in the step of the
+    load (None: they send their records to the scheduler)."""
 
     job: Job
     generation: int
+    check: LoadCheck | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +71,9 @@ class WorkerNote:
     """One worker's part of a checksum job: its `record` (bytes for the
     scheduler's kvcsum.Verifier, None when it checksummed nothing), in
     `role` (kvcsum.PRODUCER or CONSUMER); `inner_failed` when the wrapped
-    connector reported the load failed."""
+    connector reported the load failed. `verdict`: a sync load the worker
+    judged with every worker's record, in the step of the load (it handed
+    vLLM the load errors; the scheduler counts and logs it)."""
 
     worker: str
     role: int
@@ -73,13 +81,14 @@ class WorkerNote:
     generation: int
     record: bytes | None
     inner_failed: bool = False
+    verdict: LoadVerdict | None = None
 
 
 @dataclasses.dataclass
 class KvcsumConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> workers, each step: the inner connector's metadata, the
     requests to checksum after this step's forward (`sends`, producer; and
-    `sync_loads`, consumer), the async loads to checksum once received
+    `sync_loads`, consumer, with what to judge them by), the async loads to checksum once received
     ({req_id: ChecksumJob}), the outcomes to hand to vLLM this step
     ({req_id: LoadOutcome}); for offload tiers, the blocks to keep values
     of and the tier loads to compare (HashedBlocks); `sources_released`:

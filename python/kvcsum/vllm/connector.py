@@ -40,13 +40,18 @@ arrive later in the same scheduler update still make it into the params.
 
 Consumer: each load's blocks are checksummed once the load is complete
 (sync loads after the step's forward, async loads in the step the inner
-connector reports them received). The scheduler's verifier compares the
-records of all workers with the payload. An async load is judged in the
-step it arrives: vLLM reads finished_recving after the connector's
-update_connector_output, so an intact load is released in that very step
-(no engine step added) and one that fails is held back and handed to vLLM
-the next step with its load errors. A sync load's verdict goes to vLLM the
-step after its load. A MISMATCH reports the differing blocks through
+connector reports them received), and a kvcsum.Verifier compares the
+records of all workers with the payload (kvcsum.vllm.load_verdict). An
+async load the scheduler judges in the step it arrives: vLLM reads
+finished_recving after the connector's update_connector_output, so an
+intact load is released in that very step (no engine step added) and one
+that fails is held back and handed to vLLM the next step with its load
+errors. A sync load the workers judge in the step of the load: their
+records meet in one worker (kvcsum.vllm.record_exchange, over vLLM's TP
+group), which hands vLLM the load errors in that step's output, read
+before the step's tokens are emitted; with several PP stages the records
+go to the scheduler instead, which judges the load a step late. A
+MISMATCH reports the differing blocks through
 get_block_ids_with_load_errors (`failed_recving` where vLLM has several KV
 cache groups, as it requires), and vLLM's kv_load_failure_policy
 recomputes them ("recompute") or fails the request ("fail"). Where vLLM

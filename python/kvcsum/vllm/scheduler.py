@@ -7,10 +7,21 @@ worker metadata, and `request_finished` adds the payload to the params the
 wrapped connector returns (records that arrive later in the same scheduler
 update still make it into the params).
 
-Consumer: each P/D load to verify becomes a `ChecksumJob` for the workers;
-the scheduler's kvcsum.Verifier compares their records with the payload and
-the verdict goes back to the workers (`KvcsumConnectorMetadata.verdicts`),
-which hand vLLM the load errors.
+Consumer: each P/D load to verify becomes a `ChecksumJob` for the workers.
+An async load the scheduler judges (kvcsum.vllm.load_verdict: the workers'
+records and the payload in a kvcsum.Verifier) in the step it arrives, in
+update_connector_output, before vLLM reads finished_recving; one that
+failed is held back and its verdict goes back to the workers
+(`KvcsumConnectorMetadata.verdicts`), which hand vLLM the load errors. A
+sync load (loaded inside the step) goes to the workers with what to judge
+it by (`ChecksumJob.check`: the parsed payload, whether its token digest
+covers the request's tokens, the blocks already handed): the workers
+gather their records in one worker (kvcsum.vllm.record_exchange), which
+judges it with the same rule and hands vLLM its load errors in that very
+step, before vLLM emits the step's tokens; its WorkerNote carries the
+verdict, which the scheduler counts and logs as its own. Where the workers
+cannot exchange records (several PP stages) they send the records instead,
+and the scheduler judges the load and hands its errors a step late.
 
 Offload tiers (any load without P/D params): each step the scheduler names
 the blocks that become full in the step's forward, with their block hashes
@@ -38,15 +49,14 @@ from kvcsum.vllm.common import (
     TierNote,
     logger,
 )
-from kvcsum.vllm.config import Settings, group_fingerprint
+from kvcsum.vllm.config import Settings
 from kvcsum.vllm.coverage import uncompared_positions
+from kvcsum.vllm.load_verdict import LoadCheck, LoadJudge, LoadVerdict
 from kvcsum.vllm.params import (
     INFO_KEY,
     PAYLOAD_KEY,
     Checksums,
     LoadParams,
-    Unusable,
-    consistency,
     is_int,
     parse_load,
     payload_summary,
@@ -62,21 +72,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["SchedulerRole"]
-
-
-def _rewrite_fingerprints(payload: bytes, replace: dict) -> bytes:
-    """The payload with group fingerprints replaced ({group: (old, new)})."""
-    import msgspec
-
-    version, num_tokens, groups = msgspec.msgpack.decode(payload)[:3]
-    rest = msgspec.msgpack.decode(payload)[3:]
-    out = []
-    for group_id, fingerprint, first, values in groups:
-        old_new = replace.get(group_id)
-        if old_new is not None and fingerprint == old_new[0]:
-            fingerprint = old_new[1]
-        out.append([group_id, fingerprint, first, values])
-    return msgspec.msgpack.encode([version, num_tokens, out, *rest])
 
 
 def _forget(verifier: "kvcsum.Verifier", req_id: str) -> None:
@@ -106,14 +101,14 @@ class _Load:
     job: Job
     is_async: bool
     params: LoadParams
-    token_ids: list
     generation: int
+    #: What it is judged by (LoadCheck.handed: the blocks handed to vLLM as
+    #: load errors in the step of the load, a sync load's that no
+    #: comparison can cover).
+    check: LoadCheck
     reported: set = dataclasses.field(default_factory=set)
     inner_failed: bool = False
     outcome: LoadOutcome | None = None  # once judged
-    #: Blocks handed to vLLM as load errors in the step of the load (a
-    #: sync load's that no comparison can cover).
-    handed: frozenset = frozenset()
 
 
 @dataclasses.dataclass
@@ -189,8 +184,7 @@ class SchedulerRole:
         self._known: dict = {}
         self._last_verdicts: dict = {}
         self._producer = kvcsum.Verifier(num_workers)
-        self._consumer = kvcsum.Verifier(num_workers)
-        self._consumer.set_policy(kvcsum.FAIL_CLOSED if settings.fail_unverified else kvcsum.FAIL_OPEN)
+        self._load_judge = LoadJudge(kv_cache_config, self._block_sizes, num_workers, settings.fail_unverified)
         self._sources = SchedulerSourceCheck(lambda: self._stats, self._block_sizes, num_workers)
 
     # --- vLLM's calls --------------------------------------------------------------
@@ -250,33 +244,34 @@ class SchedulerRole:
         self._generation += 1
         old = self._loads.pop(req_id, None)
         if old is not None:
-            _forget(self._consumer, req_id)
+            self._load_judge.forget(req_id)
+        # The blocks of a sync load that no comparison can cover are load
+        # errors of the step of the load, whoever judges it (a step late
+        # where the workers cannot: record_exchange).
+        handed = frozenset() if matched.is_async else frozenset(self._predicted_uncompared(matched.params, job))
         load = _Load(
             job=job,
             is_async=matched.is_async,
             params=matched.params,
-            token_ids=list(request.prompt_token_ids or []),
             generation=self._generation,
+            check=LoadCheck.of(matched.params, request.prompt_token_ids or [], handed),
         )
         self._loads[req_id] = load
-        with kvcsum.Blocks() as expected:
-            job.to_blocks(expected)
-            self._consumer.expect(expected, kvcsum.CONSUMER)
+        # Also for a sync load, which the scheduler judges where the workers
+        # send their records instead of a verdict.
+        self._load_judge.expect(job)
         if matched.is_async:
             self._new_async_loads[req_id] = ChecksumJob(job, load.generation)
         else:
-            self._new_sync_loads.append(ChecksumJob(job, load.generation))
-            # Its verdict comes a step later, after vLLM emitted this step's
-            # token: the blocks no comparison can cover are load errors now.
-            load.handed = frozenset(self._predicted_uncompared(load))
-            self._new_uncompared |= load.handed
+            self._new_sync_loads.append(ChecksumJob(job, load.generation, load.check))
+            self._new_uncompared |= handed
 
     def build_meta(self, scheduler_output: "SchedulerOutput", inner) -> KvcsumConnectorMetadata:
         """build_connector_meta, around the inner connector's metadata."""
         self._give_up_unfilled()
         for req_id in self._finished_reqs:
             if self._loads.pop(req_id, None) is not None:
-                _forget(self._consumer, req_id)
+                self._load_judge.forget(req_id)
             self._tier_loads.pop(req_id, None)
             self._tier_failed.discard(req_id)
         self._finished_reqs = []
@@ -637,8 +632,15 @@ class SchedulerRole:
         load = self._loads.get(note.req_id)
         if load is None or load.generation != note.generation or load.outcome is not None:
             return
+        if note.verdict is not None:
+            # A sync load a worker judged with every worker's record: it
+            # handed vLLM the load errors in the step of the load.
+            self._loads.pop(note.req_id, None)
+            self._load_judge.forget(note.req_id)
+            self._conclude(note.req_id, load, note.verdict, handed_by_workers=True)
+            return
         if note.record is not None:
-            self._consumer.add_record(note.record)
+            self._load_judge.add_record(note.record)
         load.inner_failed |= note.inner_failed
         load.reported.add(note.worker)
         if len(load.reported) >= self._num_workers:
@@ -651,40 +653,29 @@ class SchedulerRole:
             self._loads.pop(req_id, None)
         if load.inner_failed:
             # The inner connector reported the load failed: vLLM handles it.
-            _forget(self._consumer, req_id)
+            self._load_judge.forget(req_id)
             load.outcome = LoadOutcome((), True)
             return
-        try:
-            verdict, reason, message, invalid, uncompared = self._check(req_id, load)
-        except Exception as error:  # noqa: BLE001 - a verdict must never take the engine down
-            logger.exception("kvcsum: request %s: the load could not be checked", req_id)
-            verdict, reason, message, invalid, uncompared = (
-                kvcsum.UNVERIFIED,
-                "CHECK_FAILED",
-                f"the check raised {type(error).__name__}: {error}",
-                [],
-                ([], ""),
-            )
-        _forget(self._consumer, req_id)
+        self._conclude(req_id, load, self._load_judge.judge(load.job, load.check), handed_by_workers=False)
+
+    def _conclude(self, req_id: str, load: _Load, judged: LoadVerdict, handed_by_workers: bool) -> None:
+        """Counts and logs a judged load and sets its outcome; a sync load's
+        load errors go out next step unless the workers handed them in the
+        step of the load (`handed_by_workers`)."""
+        verdict, reason, message = judged.verdict, judged.reason, judged.message
+        invalid = list(judged.invalid)
         # A load from a P/D producer carries its params; any other verified
         # load (verify_loads "all") comes from an offload tier.
         path = "pd" if load.params.remote_prefill else "tier"
         if verdict == kvcsum.UNVERIFIED:
             self._stats.count_load(path, "unverified", reason=reason)
-            invalid = self._loaded_block_ids(load.job) if self._settings.fail_unverified else []
         elif verdict == kvcsum.MISMATCH:
-            self._stats.count_load(path, "mismatched", blocks=len(invalid))
+            self._stats.count_load(path, "mismatched", blocks=judged.mismatched_blocks)
         else:
             self._stats.count_load(path, "verified")
-        unchecked, where = uncompared
-        if unchecked and verdict != kvcsum.UNVERIFIED:
-            # Blocks no comparison covered (a last partial block holding
-            # other token counts on the two sides, a run the consumer holds
-            # only part of) are never used unchecked: they are load errors,
-            # so vLLM computes them (and what follows them) again.
+        unchecked, where = judged.uncompared, judged.where
+        if unchecked:
             self._stats.add(load_key(path, "uncompared_blocks"), len(unchecked))
-            # Those handed in the step of the load are being computed again.
-            invalid = sorted(set(invalid) | (set(unchecked) - load.handed))
         # vLLM maps block-level load errors back to requests only where there
         # is one KV cache group; with several it takes whole failed loads.
         # (A sync load there is never verified: `matched` declines it, since a
@@ -697,6 +688,8 @@ class SchedulerRole:
             action = "vLLM gets the whole load as failed (several KV cache groups)"
         elif invalid:
             action = f"vLLM gets blocks {sorted(invalid)} as load errors"
+            if not load.is_async:
+                action += " in the step of the load" if handed_by_workers else " a step after the load"
         else:
             action = "the load is used"
         policy = f"kv_load_failure_policy={self._failure_policy}"
@@ -711,7 +704,7 @@ class SchedulerRole:
                 req_id, f"kvcsum: request {req_id}: KV UNVERIFIED ({reason}): {message}; {setting}: {action}" + (f" ({policy})" if invalid else ""),
                 error=self._settings.fail_unverified,
             )
-        if unchecked and verdict != kvcsum.UNVERIFIED:
+        if unchecked:
             if failed:
                 then = "vLLM gets the whole load as failed (several KV cache groups)"
             elif self._multi_group and not load.is_async:
@@ -720,14 +713,15 @@ class SchedulerRole:
                 then = "vLLM fails the request (kv_load_failure_policy=fail)"
             else:
                 then = "recomputed"
+            in_step = load.check.handed or (handed_by_workers and not load.is_async)
             self._log_once(
                 f"{req_id} uncompared",
                 f"kvcsum: request {req_id}: loaded blocks {sorted(unchecked)} ({where}) not compared: {then}"
-                + (" (load errors in the step of the load)" if load.handed else ""),
+                + (" (load errors in the step of the load)" if in_step else ""),
                 error=False,
             )
         load.outcome = LoadOutcome(() if failed else tuple(sorted(invalid)), failed)
-        if not load.is_async and (load.outcome.invalid_block_ids or load.outcome.failed):
+        if not load.is_async and not handed_by_workers and (load.outcome.invalid_block_ids or load.outcome.failed):
             # A sync load's step is over: its load errors go out next step.
             self._verdicts_out[req_id] = load.outcome
         self.last_verdicts[req_id] = (verdict, reason, message)
@@ -740,78 +734,12 @@ class SchedulerRole:
         self._logged.add(key)
         (logger.error if error else logger.warning)(text)
 
-    def _loaded_block_ids(self, job: Job) -> list[int]:
-        return [b for _, (_, ids) in sorted(job.groups.items()) for b in ids]
-
-    def _check(self, req_id: str, load: _Load) -> tuple[int, str, str, list, tuple]:
-        """(verdict, reason name, message, invalid block ids, (uncompared
-        block ids, where they are))."""
-        nothing = ([], "")
-        checksums = load.params.checksums
-        if isinstance(checksums, Unusable):
-            return kvcsum.UNVERIFIED, checksums.reason, checksums.message, [], nothing
-        payload, producer_sizes = None, {}
-        if isinstance(checksums, Checksums):
-            digest = checksums.tokens
-            if digest is not None and not digest.covers(load.token_ids):
-                return (
-                    kvcsum.UNVERIFIED,
-                    "OTHER_REQUEST",
-                    f"the checksums cover other tokens than this request's first {digest.count} (a payload of another request)",
-                    [],
-                    nothing,
-                )
-            payload, producer_sizes = checksums.payload, checksums.block_sizes
-            try:
-                raw = kvcsum.base64_decode(payload)
-            except kvcsum.Error:
-                raw = None  # the verifier names what is wrong with it
-            if raw is not None:
-                disagreement = consistency(checksums, payload_summary(raw))
-                if disagreement is not None:
-                    return kvcsum.UNVERIFIED, disagreement.reason, disagreement.message, [], nothing
-            replace = {}
-            for group, size in producer_sizes.items():
-                own = self._block_sizes.get(group)
-                if own is not None and size != own:
-                    replace[group] = (
-                        group_fingerprint(self._kv_cache_config, group, size),
-                        group_fingerprint(self._kv_cache_config, group, own),
-                    )
-            if replace:
-                try:
-                    payload = _rewrite_fingerprints(raw, replace)
-                except Exception:  # noqa: BLE001 - left for the verifier to judge
-                    payload = checksums.payload
-        # The verifier keeps one producer block size per group: set every
-        # group's for this load, its own where the producer did not say (a
-        # vLLM fork producer does not). That is no guess: the fork's layer
-        # identities hash the block size into the group fingerprint, so a
-        # producer of another block size sent another fingerprint, and the
-        # verifier reports FINGERPRINT_DIFFERS, never compares.
-        for group, own in self._block_sizes.items():
-            self._consumer.set_producer_block_size(group, producer_sizes.get(group, own))
-        with self._consumer.check(req_id, payload) as report:
-            verdict, message = report.verdict, report.message
-            reason = ""
-            if verdict == kvcsum.UNVERIFIED:
-                findings = report.findings
-                reason = findings[0].reason_name.replace("KVCS_UNVERIFIED_", "") if findings else "UNKNOWN"
-            invalid = []
-            if verdict == kvcsum.MISMATCH:
-                invalid, where = self._repair(report, load.job)
-                message = f"{message} [{where}]"
-            uncompared = nothing
-            if verdict != kvcsum.UNVERIFIED and report.uncompared_positions:
-                uncompared = self._uncompared_blocks(report.uncompared, load.job)
-        return verdict, reason, message, invalid, uncompared
-
-    def _predicted_uncompared(self, load: _Load) -> set:
+    def _predicted_uncompared(self, params: LoadParams, job: Job) -> set:
         """The block ids of a load that no comparison can cover, from the
         payload's token count and positions and the block sizes
         (kvcsum.vllm.coverage); empty where the payload cannot say (the
         verdict then names them)."""
-        checksums = load.params.checksums
+        checksums = params.checksums
         if not isinstance(checksums, Checksums):
             return set()
         try:
@@ -824,7 +752,7 @@ class SchedulerRole:
 
         groups = self._kv_cache_config.kv_cache_groups
         out = set()
-        for group, (first, ids) in load.job.groups.items():
+        for group, (first, ids) in job.groups.items():
             own, sent = self._block_sizes.get(group), summary.positions.get(group)
             # State groups are compared whole, whatever the token counts.
             if own is None or sent is None or group >= len(groups) or not isinstance(groups[group].kv_cache_spec, AttentionSpec):
@@ -833,42 +761,6 @@ class SchedulerRole:
             if not is_int(size) or size <= 0:
                 continue
             short = group in summary.short_last
-            for start, count in uncompared_positions((size, summary.num_tokens, *sent), (own, load.job.num_tokens, first, len(ids)), short):
+            for start, count in uncompared_positions((size, summary.num_tokens, *sent), (own, job.num_tokens, first, len(ids)), short):
                 out.update(ids[p - first] for p in range(start, start + count))
         return out
-
-    def _uncompared_blocks(self, ranges: list, job: Job) -> tuple[list, str]:
-        """The loaded block ids at the report's uncompared positions
-        (kvcsum.Report.uncompared: consumer block positions per group), and
-        where they are in words."""
-        ids, where = set(), []
-        for u in ranges:
-            group = job.groups.get(u.group_id)
-            if group is None:
-                continue
-            first, block_ids = group
-            # Bounded by the job: the library names only positions it loaded.
-            lo = max(u.first_position, first)
-            hi = min(u.first_position + u.num_positions, first + len(block_ids))
-            ids.update(block_ids[p - first] for p in range(lo, hi))
-            where.append(f"group {u.group_id} positions {u.first_position}..{u.first_position + u.num_positions}")
-        return sorted(ids), ", ".join(where)
-
-    def _repair(self, report: "kvcsum.Report", job: Job) -> tuple[list, str]:
-        """The block ids to load again after a MISMATCH, and where they are.
-        Where the repair plan refuses (another group could not be compared,
-        so reloading blocks would not make the load verified) every loaded
-        block is named: the load is repeated whole."""
-        positions = ", ".join(
-            f"group {m.group_id} positions {m.first_position}..{m.first_position + m.num_positions} "
-            f"(tokens {m.first_token}..{m.first_token + m.num_tokens})"
-            for m in report.mismatches
-        )
-        tables = {g: (first, ids) for g, (first, ids) in job.groups.items()}
-        try:
-            plan = kvcsum.repair_plan(report, tables, dict(self._block_sizes))
-        except kvcsum.Error as error:
-            invalid = self._loaded_block_ids(job)
-            return invalid, f"{positions}; the whole load is repeated: {error}"
-        invalid = sorted({b.block_id for blocks in plan.values() for b in blocks})
-        return invalid, f"{positions}; blocks {invalid}"

@@ -9,6 +9,18 @@ reports it received, and reports it received in that step too (the
 scheduler judges it before vLLM reads finished_recving, and holds back one
 that failed). Notes go back in KvcsumWorkerMetadata.
 
+Sync P/D loads are judged by the workers, in the step of the load: in
+get_block_ids_with_load_errors (which vLLM reads before it emits the
+step's tokens) each worker waits for its records of the step's sync loads,
+the records meet in one worker (kvcsum.vllm.record_exchange: vLLM's TP
+group, or none with one worker), and that worker judges each load with
+the rule the scheduler uses (kvcsum.vllm.load_verdict), hands vLLM its
+load errors in that same output, and sends the verdict to the scheduler in
+its note. Only steps with sync loads wait or exchange anything. Where the
+records cannot meet (several PP stages: see record_exchange) the workers
+send them to the scheduler instead, which judges the load a step late
+(logged once).
+
 Offload tiers: after each forward the worker checksums the blocks that
 became full in it (queued on the device's current stream) and keeps their
 values by block hash (kvcsum.vllm.tier_values) once they are ready. A tier
@@ -27,8 +39,10 @@ from typing import TYPE_CHECKING
 import kvcsum
 from kvcsum.vllm.cache_checksums import CacheChecksummer, Job
 from kvcsum.vllm.common import HashedBlocks, KvcsumConnectorMetadata, KvcsumWorkerMetadata, TierNote, WorkerNote, logger
-from kvcsum.vllm.config import Settings, layer_specs, parallel_place
+from kvcsum.vllm.config import Settings, layer_specs, parallel_place, transfer_block_sizes
 from kvcsum.vllm.decoding import LayerDecodings
+from kvcsum.vllm.load_verdict import LoadJudge
+from kvcsum.vllm.record_exchange import LoadRecord, RecordExchange, WorkerRecords, engine_exchange
 from kvcsum.vllm.source_check import WorkerSourceCheck
 from kvcsum.vllm.stats import KvcsumStats
 from kvcsum.vllm.tier_values import TierChecker
@@ -41,6 +55,19 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 __all__ = ["WorkerRole"]
+
+#: How a worker judges sync loads (decided at the first one, alike on every
+#: worker of the engine): alone (one worker), through a RecordExchange, or
+#: not at all (the scheduler judges them a step late).
+_ALONE, _EXCHANGE, _SCHEDULER = "alone", "exchange", "scheduler"
+
+
+def _num_workers(vllm_config) -> int:
+    """TP size times PP size: the records a load needs."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if parallel is None:
+        return 1
+    return int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
 
 
 class WorkerRole:
@@ -74,6 +101,22 @@ class WorkerRole:
         self._invalid_out: set[int] = set()
         self._stats = KvcsumStats()
         self._sources: WorkerSourceCheck | None = None
+        self._num_workers = _num_workers(vllm_config)
+        self._exchange: RecordExchange | None = None
+        self._sync_mode: str | None = None
+        self._load_judge: LoadJudge | None = None
+        #: The step's sync loads to judge, with this worker's pending
+        #: record of each ([(ChecksumJob, PendingRecord | None)]).
+        self._sync_pending: list = []
+        self._sync_taken = False
+        #: Notes whose record or verdict is ready (build_meta sends them).
+        self._ready_notes: list = []
+
+    def use_record_exchange(self, exchange: RecordExchange) -> None:
+        """The exchange this worker's records of sync loads go through
+        (instead of vLLM's TP group: for a test harness)."""
+        self._exchange = exchange
+        self._sync_mode = None
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         tp_rank, tp_size, pp_rank = parallel_place()
@@ -114,6 +157,7 @@ class WorkerRole:
     def bind(self, meta: KvcsumConnectorMetadata) -> None:
         """bind_connector_metadata: the step's jobs and verdicts."""
         self._bound = meta
+        self._sync_taken = False
         if self._sources is not None:
             self._sources.release(meta.sources_released)
         self._watch_async.update(meta.async_loads)
@@ -146,8 +190,7 @@ class WorkerRole:
             return
         for checksum in meta.sends:
             self._note(kvcsum.PRODUCER, checksum.job, checksum.generation)
-        for checksum in meta.sync_loads:
-            self._note(kvcsum.CONSUMER, checksum.job, checksum.generation)
+        self._take_sync_loads()
         # The forward that filled them is queued before: their values are
         # read once ready (next step, or before a tier check).
         if self._tier is not None:
@@ -162,6 +205,118 @@ class WorkerRole:
                 logger.error("kvcsum: worker %s: a sync tier load with several KV cache groups cannot be failed", self._worker_key)
             else:
                 self._invalid_out |= invalid
+
+    def _take_sync_loads(self) -> None:
+        """Checksums the step's sync loads (queued on a device), once a step:
+        after the forward, or in get_block_ids_with_load_errors where vLLM
+        calls wait_for_save after it (a speculative decoding step)."""
+        meta = self._bound
+        if self._sync_taken or meta is None:
+            return
+        self._sync_taken = True
+        for checksum in meta.sync_loads:
+            if checksum.check is None or not self._judges_sync_loads():
+                if self._checksummer is not None:
+                    self._note(kvcsum.CONSUMER, checksum.job, checksum.generation)
+                continue
+            pending = None
+            if self._checksummer is not None:
+                self._declare_decodings()
+                try:
+                    pending = self._checksummer.checksum([checksum.job], kvcsum.CONSUMER)
+                except kvcsum.Error as error:
+                    # Its record is missing: the verdict says WORKERS_MISSING.
+                    logger.error("kvcsum: worker %s could not checksum request %s: %s", self._worker_key, checksum.job.req_id, error)
+            self._sync_pending.append((checksum, pending))
+
+    def _judges_sync_loads(self) -> bool:
+        """Whether the workers judge sync loads (else the scheduler does, a
+        step late); decided once, alike on every worker."""
+        if self._sync_mode is None:
+            if self._num_workers <= 1:
+                self._sync_mode = _ALONE
+            elif self._exchange is not None:
+                self._sync_mode = _EXCHANGE
+            else:
+                exchange, why = engine_exchange(self._vllm_config)
+                if exchange is not None:
+                    self._exchange, self._sync_mode = exchange, _EXCHANGE
+                else:
+                    self._sync_mode = _SCHEDULER
+                    if self._worker_key == "pp0.tp0":  # once an engine
+                        logger.warning(
+                            "kvcsum: the workers cannot exchange their records of a sync load (%s): sync P/D loads are "
+                            "judged by the scheduler, one engine step late (the token sampled in the step of a bad "
+                            "load is emitted before vLLM computes its blocks again)",
+                            why,
+                        )
+        return self._sync_mode != _SCHEDULER
+
+    def _judge_sync_loads(self) -> None:
+        """The step's sync loads: this worker's records waited for and
+        exchanged; the judging worker judges each load, hands its load
+        errors to vLLM in this step and notes the verdict for the scheduler."""
+        pending, self._sync_pending = self._sync_pending, []
+        mine = []
+        for checksum, record_pending in pending:
+            record = None
+            if record_pending is not None:
+                try:
+                    record = record_pending.record()
+                except kvcsum.Error as error:
+                    logger.error("kvcsum: worker %s: no record of request %s: %s", self._worker_key, checksum.job.req_id, error)
+                self._stats.observe_seconds("load", record_pending.seconds)
+            mine.append(LoadRecord(checksum.job.req_id, checksum.generation, record))
+        if self._sync_mode == _ALONE:
+            gathered = [WorkerRecords(self._worker_key, tuple(mine))]
+        else:
+            try:
+                gathered = self._exchange.gather(self._worker_key, mine)
+            except Exception:  # noqa: BLE001 - the loads then go to the scheduler, a step late
+                logger.exception(
+                    "kvcsum: worker %s: the exchange of sync load records failed; from now on the scheduler judges sync "
+                    "loads, a step late",
+                    self._worker_key,
+                )
+                self._sync_mode = _SCHEDULER
+                for record in mine:
+                    self._ready_notes.append(WorkerNote(self._worker_key, kvcsum.CONSUMER, record.req_id, record.generation, record.record))
+                return
+        if gathered is None:
+            return  # another worker judges them
+        judge = self._judge()
+        for checksum, _ in pending:
+            job = checksum.job
+            judge.expect(job)
+            for worker in gathered:
+                for record in worker.records:
+                    if record.req_id != job.req_id or record.generation != checksum.generation or record.record is None:
+                        continue
+                    try:
+                        judge.add_record(record.record)
+                    except kvcsum.Error as error:
+                        # Left out: the verdict says which worker is missing.
+                        logger.error("kvcsum: request %s: the record of worker %s is unusable: %s", job.req_id, worker.worker, error)
+            verdict = judge.judge(job, checksum.check)
+            if self._multi_group:
+                # Never sent (the scheduler declines such loads): vLLM 0.33
+                # raises on block load errors with several KV cache groups.
+                logger.error("kvcsum: worker %s: a sync load with several KV cache groups cannot be failed", self._worker_key)
+            else:
+                self._invalid_out |= set(verdict.invalid)
+            self._ready_notes.append(
+                WorkerNote(self._worker_key, kvcsum.CONSUMER, job.req_id, checksum.generation, None, verdict=verdict)
+            )
+
+    def _judge(self) -> LoadJudge:
+        if self._load_judge is None:
+            self._load_judge = LoadJudge(
+                self._kv_cache_config,
+                transfer_block_sizes(self._kv_cache_config),
+                self._num_workers,
+                self._settings.fail_unverified,
+            )
+        return self._load_judge
 
     def _declare_decodings(self) -> None:
         """Declares the layers' decodings again where vLLM changed them
@@ -219,7 +374,12 @@ class WorkerRole:
         return results
 
     def load_errors(self, inner: set[int]) -> set[int]:
-        """get_block_ids_with_load_errors, with the inner connector's."""
+        """get_block_ids_with_load_errors, with the inner connector's: with
+        this step's sync loads judged (vLLM reads these before it emits the
+        step's tokens)."""
+        self._take_sync_loads()
+        if self._sync_pending:
+            self._judge_sync_loads()
         out = set(inner) | self._invalid_out
         self._invalid_out = set()
         return out
@@ -228,7 +388,7 @@ class WorkerRole:
         """build_connector_worker_meta, around the inner connector's."""
         if self._sources is not None:
             self._sources.collect()  # before the records close their results
-        notes = []
+        notes, self._ready_notes = self._ready_notes, []
         for role, req_id, generation, pending, inner_failed in self._pending_notes:
             record = pending.record() if pending is not None else None
             if pending is not None:
@@ -277,6 +437,9 @@ class WorkerRole:
         if self._checksummer is not None:
             self._checksummer.close()
             self._checksummer = None
+        if self._load_judge is not None:
+            self._load_judge.close()
+            self._load_judge = None
 
     # For tests: what the worker still holds.
 
@@ -289,6 +452,8 @@ class WorkerRole:
             "watch_async": set(self._watch_async),
             "watch_tier": set(self._watch_tier),
             "invalid_out": set(self._invalid_out),
+            "sync_pending": {checksum.job.req_id for checksum, _ in self._sync_pending},
+            "ready_notes": {note.req_id for note in self._ready_notes},
         }
 
     @property

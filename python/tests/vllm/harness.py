@@ -5,13 +5,21 @@ glue (KVConnectorModelRunnerMixin), over KV caches vLLM itself lays out
 config.json (no weights, no tokenizer) and a "forward" that writes, for each
 scheduled token, KV that depends only on the token, its position, the layer
 and the global head, so a recomputed token gets the same KV again.
+
+The ranks of an engine run one after another, so a collective across them
+(vLLM's TP group, over which the workers of a real engine gather their
+records of a sync load: kvcsum.vllm.record_exchange) cannot work here:
+each engine's workers share an `InProcessRecordExchange` instead, whose
+judging worker is the last rank to call it in the step (the last TP rank).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
+import pickle
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -131,6 +139,28 @@ def place(tp_rank: int, tp_size: int):
         ) = saved
 
 
+class InProcessRecordExchange:
+    """The harness's RecordExchange (kvcsum.vllm.record_exchange): the
+    ranks call it one after another in the step; each rank's records wait
+    here, and the last of the engine's `num_workers` ranks to call gets
+    everyone's (so it is the judging worker), the others None."""
+
+    def __init__(self, num_workers: int):
+        self._num_workers = num_workers
+        self._held: list = []
+        self.judges: list = []  # the worker that judged, per gather
+
+    def gather(self, worker_key: str, records: list):
+        from kvcsum.vllm.record_exchange import WorkerRecords
+
+        self._held.append(WorkerRecords(worker_key, tuple(records)))
+        if len(self._held) < self._num_workers:
+            return None
+        gathered, self._held = self._held, []
+        self.judges.append(worker_key)
+        return gathered
+
+
 @dataclass
 class RankState:
     connector: object
@@ -182,7 +212,17 @@ class Engine:
         max_num_seqs: int = 8,
         inner: dict | None = None,
         track_kv: bool = False,
+        record_exchange: bool = True,
+        wire: bool = False,
+        defer_finalize: bool = False,
     ):
+        """record_exchange: the ranks share an InProcessRecordExchange (off:
+        they have none, as the workers of an engine with several PP stages).
+        wire: each rank binds a pickled copy of the step's metadata and sends
+        a pickled copy of its worker metadata, as vLLM's executors move them
+        between processes. defer_finalize: vLLM's worker glue calls
+        wait_for_save after it collected the step's connector output, as it
+        does with speculative decoding."""
         global _hash_ready
         if not _hash_ready:
             init_none_hash(sha256)
@@ -236,6 +276,14 @@ class Engine:
                 caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), layout)
                 connector.register_kv_caches(caches)
             self.ranks.append(RankState(connector, caches))
+        self.exchange = None
+        if wrap and record_exchange and tp > 1:
+            self.exchange = InProcessRecordExchange(tp)
+            for state in self.ranks:
+                state.connector.worker_role.use_record_exchange(self.exchange)
+        self.wire, self.defer_finalize = wire, defer_finalize
+        #: {engine step: the block ids vLLM got as load errors in its output}.
+        self.load_errors: dict = {}
         self.aggregator = KVOutputAggregator(tp)
         self.traces: dict[str, Trace] = {}
         self.steps_run = 0
@@ -373,9 +421,17 @@ class Engine:
         for rank, state in enumerate(self.ranks):
             self._update_tables(state, sched)
             kv_transfer_state._KV_CONNECTOR_AGENT = state.connector
+            rank_sched = sched
+            if self.wire:
+                rank_sched = copy.copy(sched)
+                rank_sched.kv_connector_metadata = pickle.loads(pickle.dumps(sched.kv_connector_metadata))
             with place(rank, self.tp), set_forward_context(None, self.vllm_config):
-                with KVConnectorModelRunnerMixin._get_kv_connector_output(sched) as kv_out:
+                with KVConnectorModelRunnerMixin._get_kv_connector_output(rank_sched, defer_finalize=self.defer_finalize) as kv_out:
                     self._forward(rank, state, kv_out)
+                if self.defer_finalize:
+                    KVConnectorModelRunnerMixin.finalize_kv_connector()
+            if self.wire and kv_out.kv_connector_worker_meta is not None:
+                kv_out.kv_connector_worker_meta = pickle.loads(pickle.dumps(kv_out.kv_connector_worker_meta))
             if self.track_kv:
                 for req_id, (start, count) in self._step_tokens.items():
                     if req_id in self.traces and not self._kv_as_computed(rank, state, req_id, start + count):
@@ -399,6 +455,8 @@ class Engine:
             )
         kv_transfer_state._KV_CONNECTOR_AGENT = None
         merged = self.aggregator.aggregate(outputs)
+        if merged.kv_connector_output is not None and merged.kv_connector_output.invalid_block_ids:
+            self.load_errors[self.steps_run] = set(merged.kv_connector_output.invalid_block_ids)
         engine_outputs = self.scheduler.update_from_output(sched, merged)
         for client_outputs in engine_outputs.values():
             for output in client_outputs.outputs:

@@ -305,8 +305,9 @@ def test_sync_load_with_several_kv_cache_groups_is_declined_and_computed(store, 
 
 @pytest.mark.parametrize("corrupt", [False, True])
 def test_sync_load(store, corrupt):
-    # The wrapped connector loads inside the step (as LMCache may): the load
-    # is judged after that step, and its blocks go back to vLLM one step later.
+    # The wrapped connector loads inside the step (as LMCache may): the
+    # workers judge the load after that step's forward and hand vLLM its
+    # bad blocks in that step's output.
     p, c = producer(store), consumer(store, load_mode="sync")
     params = prefill(p, "req-sync")
     if corrupt:
@@ -318,7 +319,7 @@ def test_sync_load(store, corrupt):
         assert name == kvcsum.MISMATCH
         # The step after the load: vLLM rewinds to the bad block's first token.
         starts = [start for start, _ in trace.scheduled]
-        assert starts[0] == len(PROMPT) - 1 and 16 in starts[1:], trace.scheduled
+        assert starts[:2] == [len(PROMPT) - 1, 16], trace.scheduled
         assert kv_equal(p, "req-sync", c, "req-sync", len(PROMPT))
     else:
         # 44 of the 45 tokens loaded: the last consumer block (tokens 32..44)
@@ -327,6 +328,103 @@ def test_sync_load(store, corrupt):
         assert name == kvcsum.MATCH
         assert trace.scheduled[0] == (len(PROMPT) - 1, 1) and all(start >= len(PROMPT) - 1 for start, _ in trace.scheduled), trace.scheduled
         assert kv_equal(p, "req-sync", c, "req-sync", len(PROMPT))
+    nothing_left_behind(c)
+
+
+def prompt_of(length: int) -> list:
+    return [11 + (i * 7) % 500 for i in range(length)]
+
+
+@pytest.mark.parametrize(
+    "tp,prompt_len,glue",
+    [
+        (4, 49, "in process"),
+        (1, 49, "in process"),
+        (4, 45, "in process"),
+        (4, 49, "pickled metadata"),
+        (4, 49, "wait_for_save deferred"),
+    ],
+)
+def test_a_corrupted_sync_load_is_a_load_error_of_its_own_step_and_no_token_of_that_step_is_emitted(store, tp, prompt_len, glue):
+    # A sync load's first forward reads the loaded KV and samples a token;
+    # vLLM reads the step's load errors before it emits that token. The
+    # workers judge the load in that step (their records gathered in one
+    # worker), so the corrupted block is a load error of the load's own
+    # step and vLLM drops the token. 49 tokens: the consumer loads 48, three
+    # full 16-token blocks, all compared; 45: its last block is partial and
+    # uncompared, handed in the same step. "pickled metadata": the metadata
+    # crosses to the workers and back pickled, as between vLLM's processes;
+    # "wait_for_save deferred": vLLM's glue of a speculative decoding step,
+    # which calls wait_for_save after it read the load errors.
+    import random
+
+    seed = int(os.environ.get("KVCS_SEED", "0x73796E63"), 0) + tp * 1000 + prompt_len
+    rng = random.Random(seed)
+    token, layer, head = rng.randrange(16, 32), rng.randrange(4), rng.randrange(4)
+    print(f"\nseed {seed:#x}: corrupted token {token}, layer {layer}, head {head} (KVCS_SEED changes them)")
+    prompt = prompt_of(prompt_len)
+    p = producer(store)
+    c = consumer(
+        store, tp=tp, load_mode="sync", track_kv=True,
+        wire=glue == "pickled metadata", defer_finalize=glue == "wait_for_save deferred",
+    )
+    params = prefill(p, "req-sync-bad", prompt)
+    store_connector.CORRUPT.update(token=token, layer=f"model.layers.{layer}.self_attn.attn", head=head)
+    trace = decode(c, "req-sync-bad", params, prompt)
+    assert store_connector.CORRUPT.get("done") == 1
+    name, count, first, state = show(f"sync load, TP {tp}, {prompt_len} tokens, {glue}, corrupted", c, "req-sync-bad", len(prompt))
+    load_step = trace.steps[0]
+    bad_block = c.ranks[0].tables["req-sync-bad"][0][token // C_BLOCK]
+    print(
+        f"load at step {load_step}; vLLM got load errors {c.load_errors} (step: blocks), bad block {bad_block}; "
+        f"the forward read bad KV at steps {trace.bad_kv_steps}; tokens emitted at steps {trace.token_steps}; "
+        f"judged by {c.exchange.judges if c.exchange else 'the one worker'}",
+        flush=True,
+    )
+    assert name == kvcsum.MISMATCH
+    # The bad block is a load error of the load's own step, and of no other.
+    assert set(c.load_errors) == {load_step} and bad_block in c.load_errors[load_step], c.load_errors
+    if c.exchange is not None:
+        assert c.exchange.judges == [f"pp0.tp{tp - 1}"]
+    # Only the load step's forward read the bad KV, and none of its tokens went out.
+    assert trace.bad_kv_steps == [load_step], (trace.bad_kv_steps, trace.scheduled)
+    assert load_step not in trace.token_steps, (trace.token_steps, trace.scheduled)
+    # The next step computes again from the bad block's first token.
+    assert trace.scheduled[:2] == [(prompt_len - 1, 1), (16, prompt_len - 16)], trace.scheduled
+    assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(prompt, 3)
+    assert kv_equal(p, "req-sync-bad", c, "req-sync-bad", prompt_len)
+    assert totals(c).get("mismatched") == 1 and totals(c).get("mismatched_blocks") == 1
+    assert totals(c).get("uncompared_blocks") == (1 if prompt_len == 45 else None)
+    nothing_left_behind(c)
+
+
+def test_without_a_record_exchange_the_scheduler_judges_a_sync_load_a_step_late(store, monkeypatch):
+    # Where the workers cannot meet (several PP stages), they send their
+    # records to the scheduler, which judges the load as before: its bad
+    # block is a load error of the next step, so the token sampled in the
+    # step of the load, from the bad KV, is emitted (the documented limit).
+    from kvcsum.vllm import worker_role
+
+    warnings = []
+    monkeypatch.setattr(worker_role.logger, "warning", lambda text, *args: warnings.append(text % args))
+    prompt = prompt_of(49)
+    p = producer(store)
+    c = consumer(store, load_mode="sync", track_kv=True, record_exchange=False)
+    params = prefill(p, "req-sync-late", prompt)
+    store_connector.CORRUPT.update(token=20, layer="model.layers.1.self_attn.attn", head=2)
+    trace = decode(c, "req-sync-late", params, prompt)
+    name, count, first, state = show("sync load, no record exchange, corrupted", c, "req-sync-late", len(prompt))
+    load_step = trace.steps[0]
+    print(f"load at step {load_step}; vLLM got load errors {c.load_errors}; tokens emitted at steps {trace.token_steps}", flush=True)
+    assert name == kvcsum.MISMATCH
+    assert set(c.load_errors) == {load_step + 1}, c.load_errors
+    # The load step's token, sampled from the bad KV, went out; the next
+    # step's forward read it too, and that token was dropped.
+    assert load_step in trace.token_steps and load_step + 1 not in trace.token_steps, trace.token_steps
+    assert trace.bad_kv_steps == [load_step, load_step + 1], trace.bad_kv_steps
+    assert trace.scheduled[:3] == [(48, 1), (49, 1), (16, 34)], trace.scheduled
+    assert kv_equal(p, "req-sync-late", c, "req-sync-late", len(prompt))
+    assert [w for w in warnings if "cannot exchange their records" in w] and len(warnings) == 1, warnings
     nothing_left_behind(c)
 
 
@@ -365,19 +463,19 @@ def test_a_sync_load_compares_its_partial_last_block_against_the_producers_value
     assert name == kvcsum.MISMATCH and "position 2 (tokens 32..44" in verdict(c, "req-partial-bad")[2]
     assert totals(c).get("mismatched_blocks") == 1 and not totals(c).get("uncompared_blocks")
     load_step = trace.steps[0]
-    assert trace.bad_kv_steps[0] == load_step, (trace.bad_kv_steps, trace.scheduled)
-    # The verdict comes after the load step (a sync P/D load is judged once
-    # its values are read, the step after), so that step's token, computed
-    # from the bad block, is emitted; the block goes back to vLLM then.
-    assert trace.token_steps[0] == load_step, (trace.token_steps, trace.scheduled)
+    # The forward of the load step read the bad KV (the tracking sees it) ...
+    assert trace.bad_kv_steps == [load_step], (trace.bad_kv_steps, trace.scheduled)
+    # ... and the workers judged the load in that step, so no token it
+    # computed was emitted: the block went back to vLLM as a load error.
+    assert load_step not in trace.token_steps, (trace.token_steps, trace.scheduled)
     if policy == "recompute":
-        # The step after the load: vLLM rewinds to the bad block's first token.
-        assert trace.scheduled[:3] == [(len(PROMPT) - 1, 1), (len(PROMPT), 1), (32, len(PROMPT) + 1 - 32)], trace.scheduled
-        assert state == "FINISHED_LENGTH_CAPPED" and len(trace.output_tokens) == 3
+        # vLLM computes again from the bad block's first token.
+        assert trace.scheduled[:2] == [(len(PROMPT) - 1, 1), (32, len(PROMPT) - 32)], trace.scheduled
+        assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
         assert kv_equal(p, "req-partial-bad", c, "req-partial-bad", len(PROMPT))
     else:
-        # kv_load_failure_policy=fail: vLLM fails the request.
-        assert state == "FINISHED_ERROR" and len(trace.output_tokens) == 1
+        # kv_load_failure_policy=fail: vLLM fails the request, no token out.
+        assert state == "FINISHED_ERROR" and trace.output_tokens == []
     nothing_left_behind(c)
 
 
@@ -441,31 +539,34 @@ def test_aborted_request_gets_no_payload(store):
 # --- engine steps: the wrapper adds none to an intact load ----------------------------
 
 
-@pytest.mark.parametrize("load_mode", ["async", "sync"])
-def test_an_intact_load_is_first_scheduled_at_the_same_step_as_through_the_wrapped_connector_alone(store, load_mode):
+@pytest.mark.parametrize("load_mode,prompt_len", [("async", 45), ("sync", 45), ("sync", 49)])
+def test_an_intact_load_is_first_scheduled_at_the_same_step_as_through_the_wrapped_connector_alone(store, load_mode, prompt_len):
+    prompt = prompt_of(prompt_len)
     steps = {}
     for wrap in (False, True):
         path = os.path.join(store, "wrapped" if wrap else "bare")
         p = producer(path, wrap=wrap)
-        p.add_request("req-steps", PROMPT, 1, {"do_remote_decode": True})
+        p.add_request("req-steps", prompt, 1, {"do_remote_decode": True})
         p.run()
         params = dict(p.traces["req-steps"].kv_transfer_params)
         assert ("kv_checksums" in params) == wrap
         c = consumer(path, wrap=wrap, load_mode=load_mode)
-        trace = decode(c, "req-steps", params)
-        assert trace.output_tokens == expected_tokens(PROMPT, 3)
+        trace = decode(c, "req-steps", params, prompt)
+        assert trace.output_tokens == expected_tokens(prompt, 3)
         steps[wrap] = {
             "producer params out": p.traces["req-steps"].params_step - p.traces["req-steps"].added_at,
             "consumer first scheduled": trace.first_scheduled(),
             "consumer first token": trace.token_steps[0] - trace.added_at,
-            "prompt tokens computed": recomputed(trace, len(PROMPT))[0],
+            "prompt tokens computed": recomputed(trace, prompt_len)[0],
         }
         if wrap:
             assert verdict(c, "req-steps")[0] == kvcsum.MATCH
-    print(f"\nSTEPS {load_mode} load: bare wrapped connector {steps[False]}; through KvcsumConnector {steps[True]}", flush=True)
-    # The sync load's last block (12 of its 16 tokens loaded, 13 on the
-    # producer) is compared too, against the producer's value of it over
-    # one token fewer: nothing is computed again, no step is added.
+    print(f"\nSTEPS {load_mode} load of {prompt_len} tokens: bare wrapped connector {steps[False]}; through KvcsumConnector {steps[True]}", flush=True)
+    # Async, a sync load of whole blocks (48 of 49 tokens), or a sync load
+    # whose last block holds 12 of its 16 tokens (13 on the producer), that
+    # block compared against the producer's value of it over one token
+    # fewer: every loaded block compared, judged in its own step, nothing
+    # computed again, no step added.
     assert steps[True] == steps[False]
 
 

@@ -1,5 +1,5 @@
 """KV sharing across block sizes through the connector's fingerprint
-rewrite (`_rewrite_fingerprints`): the vLLM fork's layer identities name the
+rewrite (`kvcsum.vllm.load_verdict.rewrite_fingerprints`): the vLLM fork's layer identities name the
 block size, so a consumer of another block size rewrites the producer's
 fingerprint into its own before verifying. The fingerprint counts every
 layer as the fork does (no marks); the alias marks travel in the payload
@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kvcsum  # noqa: E402
-from kvcsum.vllm.scheduler import _rewrite_fingerprints  # noqa: E402
+from kvcsum.vllm.load_verdict import rewrite_fingerprints  # noqa: E402
 from kvcsum.vllm.cache_checksums import Job, layer_fingerprint  # noqa: E402
 from layouts import checksummer, layer_specs, lay_out, logical_caches  # noqa: E402
 
@@ -71,7 +71,7 @@ def consumer_report(logical, payload: bytes, shared=SHARED, caches=None) -> kvcs
 
 def rewritten(payload: bytes, logical, shared=SHARED) -> bytes:
     specs = layer_specs(len(logical), 8, HEADS, HEAD, shared=shared)
-    return _rewrite_fingerprints(payload, {0: (fork_fingerprint(specs, 8), fork_fingerprint(specs, 16))})
+    return rewrite_fingerprints(payload, {0: (fork_fingerprint(specs, 8), fork_fingerprint(specs, 16))})
 
 
 def test_the_rewrite_replaces_the_fingerprint_and_keeps_the_extension():
