@@ -272,16 +272,19 @@ class WorkerRole:
         else:
             try:
                 gathered = self._exchange.gather(self._worker_key, mine)
-            except Exception:  # noqa: BLE001 - the loads then go to the scheduler, a step late
+            except Exception:  # noqa: BLE001 - judged here alone; later loads go to the scheduler, a step late
                 logger.exception(
-                    "kvcsum: worker %s: the exchange of sync load records failed; from now on the scheduler judges sync "
-                    "loads, a step late",
+                    "kvcsum: worker %s: the exchange of sync load records failed; this step's sync loads are judged "
+                    "without the other workers' records (UNVERIFIED, WORKERS_MISSING), later ones by the scheduler, "
+                    "a step late",
                     self._worker_key,
                 )
                 self._sync_mode = _SCHEDULER
-                for record in mine:
-                    self._ready_notes.append(WorkerNote(self._worker_key, kvcsum.CONSUMER, record.req_id, record.generation, record.record))
-                return
+                # Whether or not another worker got this step's records, this
+                # worker's verdict (the first to reach the scheduler counts;
+                # vLLM unites the load errors) never passes a load it could
+                # not compare: alone it is WORKERS_MISSING.
+                gathered = [WorkerRecords(self._worker_key, tuple(mine))]
         if gathered is None:
             return  # another worker judges them
         judge = self._judge()

@@ -351,8 +351,9 @@ def test_a_corrupted_sync_load_is_a_load_error_of_its_own_step_and_no_token_of_t
     # workers judge the load in that step (their records gathered in one
     # worker), so the corrupted block is a load error of the load's own
     # step and vLLM drops the token. 49 tokens: the consumer loads 48, three
-    # full 16-token blocks, all compared; 45: its last block is partial and
-    # uncompared, handed in the same step. "pickled metadata": the metadata
+    # full 16-token blocks; 45: its last block is partial, compared against
+    # the producer's value of it over one token fewer; every loaded block is
+    # compared either way. "pickled metadata": the metadata
     # crosses to the workers and back pickled, as between vLLM's processes;
     # "wait_for_save deferred": vLLM's glue of a speculative decoding step,
     # which calls wait_for_save after it read the load errors.
@@ -394,7 +395,7 @@ def test_a_corrupted_sync_load_is_a_load_error_of_its_own_step_and_no_token_of_t
     assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(prompt, 3)
     assert kv_equal(p, "req-sync-bad", c, "req-sync-bad", prompt_len)
     assert totals(c).get("mismatched") == 1 and totals(c).get("mismatched_blocks") == 1
-    assert totals(c).get("uncompared_blocks") == (1 if prompt_len == 45 else None)
+    assert totals(c).get("uncompared_blocks") is None
     nothing_left_behind(c)
 
 
@@ -425,6 +426,35 @@ def test_without_a_record_exchange_the_scheduler_judges_a_sync_load_a_step_late(
     assert trace.scheduled[:3] == [(48, 1), (49, 1), (16, 34)], trace.scheduled
     assert kv_equal(p, "req-sync-late", c, "req-sync-late", len(prompt))
     assert [w for w in warnings if "cannot exchange their records" in w] and len(warnings) == 1, warnings
+    nothing_left_behind(c)
+
+
+@pytest.mark.parametrize("unverified", ["fail", "log"])
+def test_an_exchange_that_raises_leaves_the_sync_load_unverified_in_its_step(store, unverified):
+    # The records cannot meet (the exchange raises on every rank): each
+    # worker judges with its own record alone, so the load is UNVERIFIED
+    # (WORKERS_MISSING), never a match, in the step of the load; under
+    # unverified=fail its blocks are load errors of that step.
+    class Broken:
+        def gather(self, worker_key, records):
+            raise RuntimeError("the exchange is down")
+
+    prompt = prompt_of(49)
+    p = producer(store)
+    c = consumer(store, load_mode="sync", extra={"unverified": unverified})
+    for state in c.ranks:
+        state.connector.worker_role.use_record_exchange(Broken())
+    params = prefill(p, "req-broken", prompt)
+    trace = decode(c, "req-broken", params, prompt)
+    name, count, first, state = show(f"sync load, the exchange raises, unverified={unverified}", c, "req-broken", len(prompt))
+    load_step = trace.steps[0]
+    assert name == kvcsum.UNVERIFIED and verdict(c, "req-broken")[1] == "WORKERS_MISSING"
+    if unverified == "fail":
+        assert set(c.load_errors) == {load_step}, c.load_errors
+        assert load_step not in trace.token_steps, trace.token_steps
+    else:
+        assert not c.load_errors and trace.output_tokens == expected_tokens(prompt, 3)
+    assert state == "FINISHED_LENGTH_CAPPED"
     nothing_left_behind(c)
 
 
