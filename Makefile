@@ -343,7 +343,7 @@ bench:
 MATPLOTLIB_VERSION := 3.11.2
 PLOTS_VENV := $(BUILD)/plots-venv
 PLOTS_PY := $(abspath $(PLOTS_VENV))/bin/python
-BENCH_RUNS ?= benches/results/h200-2026-12-01-mixed2/bench_1.md benches/results/h200-2026-12-01-mixed2/bench_2.md benches/results/h200-2026-12-01-mixed2/bench_3.md
+BENCH_RUNS ?= $(wildcard benches/results/h200-2026-12-01-hnd-groups/final/bench_[123].md)
 CATALOGUE ?= benches/results/fault_catalogue.txt
 
 $(PLOTS_VENV)/.installed: Makefile | $(BUILD)
