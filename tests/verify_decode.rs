@@ -905,6 +905,69 @@ fn base64_is_standard_and_padded() {
     }
 }
 
+/// A version-4 extension's short last value is one `u64` or none, and only
+/// where the group's positions hold the request's last token: two values,
+/// or one on a group that ends before the last token, are refused with a
+/// message naming the group (SPEC section 9).
+#[test]
+fn a_short_last_value_of_two_or_off_the_last_position_is_refused() {
+    let mut rng = Rng::for_test("a_short_last_value_of_two_or_off_the_last_position_is_refused");
+    let seed = rng.seed();
+    let short = 0x5A5A_0123_4567_89ABu64 ^ (rng.next_u64() & 0xFFFF);
+    let mut payload = |first_position: u64, positions: usize| Payload {
+        num_tokens: 300,
+        groups: vec![PayloadGroup {
+            group_id: 1,
+            fingerprint: rng.next_u64(),
+            first_position,
+            values: (0..positions).map(|_| rng.next_u64() | 1).collect(),
+        }],
+        extension: Some(Extension {
+            producer_tp_size: 1,
+            groups: vec![ExtensionGroup {
+                group_id: 1,
+                block_size: 16,
+                layers: Vec::new(),
+                coverage: Some(rng.next_u64()),
+                marks: Some(rng.next_u64()),
+                decodings: Vec::new(),
+                short_last: Some(short),
+            }],
+            algorithm: kvcsum::Algorithm::Mixed2,
+        }),
+    };
+    // Positions 2..22 of 16 tokens hold token 299 (position 18): valid.
+    let valid = payload(2, 20).encode();
+    let decoded = Payload::decode(&valid).unwrap_or_else(|e| panic!("seed {seed}: {e:?}"));
+    assert_eq!(
+        decoded.extension.unwrap().groups[0].short_last,
+        Some(short),
+        "seed {seed}"
+    );
+    // Two values: the bin8 of 8 bytes holding `short` made one of 16.
+    let needle: Vec<u8> = [&[0xc4u8, 8][..], &short.to_le_bytes()].concat();
+    let at = valid
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .unwrap_or_else(|| panic!("seed {seed}: the short last value's bin is not in {valid:02x?}"));
+    let mut two = valid[..at].to_vec();
+    two.extend_from_slice(&[0xc4, 16]);
+    two.extend_from_slice(&short.to_le_bytes());
+    two.extend_from_slice(&short.to_le_bytes());
+    two.extend_from_slice(&valid[at + needle.len()..]);
+    malformed(
+        Payload::decode(&two),
+        "group 1's short_last holds 2 values, not at most 1",
+        "two values",
+    );
+    // Positions 0..10 end at token 160, before the last.
+    malformed(
+        Payload::decode(&payload(0, 10).encode()),
+        "group 1 has a short last value but its positions 0..10",
+        "off the last position",
+    );
+}
+
 /// Valid encodings mutated many ways (bit flips, byte changes, insertions,
 /// deletions, truncations, huge lengths) never panic and always decode or
 /// fail with a `Malformed` message. A short, seeded pass for every test run;
