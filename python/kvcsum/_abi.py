@@ -1198,6 +1198,16 @@ CALLS = {
             ("num_positions", "uint64_t *"),
         ),
     ),
+    "kvcs_payload_short_last": (
+        "kvcs_status",
+        (
+            ("payload", "const kvcs_payload *"),
+            ("group_index", "size_t"),
+            ("values", "uint64_t *"),
+            ("cap", "size_t"),
+            ("len", "size_t *"),
+        ),
+    ),
     "kvcs_api_get": (
         "kvcs_status",
         (
