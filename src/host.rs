@@ -21,6 +21,20 @@ use crate::layout::{Layer, Layout, Region, Role, Segment};
 use crate::plan::{Plan, Row};
 use crate::pool::Pool;
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod lanes;
+
+#[cfg(target_arch = "x86_64")]
+use avx2::{Avx2, Avx2Lanes};
+#[cfg(target_arch = "x86_64")]
+use avx512::{Avx512, Avx512Lanes};
+#[cfg(target_arch = "x86_64")]
+use lanes::Mix2Lanes;
+
 /// Work items handed to a thread at a time.
 const ITEMS_PER_GRAB: usize = 16;
 
@@ -55,26 +69,62 @@ pub enum Simd {
 }
 
 impl Simd {
-    /// The best form this CPU runs.
-    pub fn detect() -> Simd {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                return Simd::Avx512;
-            }
-            if std::arch::is_x86_feature_detected!("avx2") {
-                return Simd::Avx2;
-            }
-        }
-        Simd::Portable
-    }
-
     /// Its name, for logs and [`SIMD_VARIABLE`]: "avx512", "avx2", "portable".
     pub fn name(self) -> &'static str {
         match self {
             Simd::Portable => "portable",
             Simd::Avx2 => "avx2",
             Simd::Avx512 => "avx512",
+        }
+    }
+}
+
+/// A [`Simd`] form with what lets it run: the detection token of its
+/// instruction set (`host/avx2.rs`, `host/avx512.rs`), which exists only
+/// where the CPU has them. The engine picks one when it is created.
+#[derive(Debug, Clone, Copy)]
+enum Form {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2(Avx2),
+    #[cfg(target_arch = "x86_64")]
+    Avx512(Avx512),
+}
+
+impl Form {
+    /// The best form this CPU runs.
+    fn best() -> Form {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if let Some(isa) = Avx512::new() {
+                return Form::Avx512(isa);
+            }
+            if let Some(isa) = Avx2::new() {
+                return Form::Avx2(isa);
+            }
+        }
+        Form::Portable
+    }
+
+    /// Which form it is.
+    fn simd(self) -> Simd {
+        match self {
+            Form::Portable => Simd::Portable,
+            #[cfg(target_arch = "x86_64")]
+            Form::Avx2(_) => Simd::Avx2,
+            #[cfg(target_arch = "x86_64")]
+            Form::Avx512(_) => Simd::Avx512,
+        }
+    }
+
+    /// This form, or the lower `cap` where it is below it (a form is never
+    /// raised: a token is never made up).
+    fn capped(self, cap: Simd) -> Form {
+        match (self, cap) {
+            #[cfg(target_arch = "x86_64")]
+            (Form::Avx512(isa), Simd::Avx2) => Form::Avx2(isa.avx2()),
+            (_, Simd::Portable) => Form::Portable,
+            (form, _) => form,
         }
     }
 }
@@ -96,7 +146,7 @@ const DEFAULT_RANKS_PER_HOST: usize = 8;
 pub struct HostEngine {
     threads: usize,
     pool: OnceLock<Pool>,
-    simd: Simd,
+    form: Form,
 }
 
 impl HostEngine {
@@ -125,15 +175,15 @@ impl HostEngine {
             }
             n => n as usize,
         };
-        let best = Simd::detect();
-        let simd = match std::env::var(SIMD_VARIABLE) {
-            Err(_) => best,
+        let best = Form::best();
+        let cap = match std::env::var(SIMD_VARIABLE) {
+            Err(_) => best.simd(),
             Ok(text) => match [Simd::Avx512, Simd::Avx2, Simd::Portable]
                 .into_iter()
                 .find(|form| form.name() == text.trim())
             {
                 // A cap: a form the CPU lacks is never run.
-                Some(form) => form.min(best),
+                Some(form) => form,
                 None => {
                     return Err(err!(
                         InvalidArgument,
@@ -145,13 +195,13 @@ impl HostEngine {
         Ok(HostEngine {
             threads,
             pool: OnceLock::new(),
-            simd,
+            form: best.capped(cap),
         })
     }
 
     /// The SIMD form the engine's mixing runs in.
     pub fn simd(&self) -> Simd {
-        self.simd
+        self.form.simd()
     }
 
     /// The most threads a call uses.
@@ -200,7 +250,7 @@ impl HostEngine {
                     break;
                 }
                 for item in &items[start..(start + ITEMS_PER_GRAB).min(items.len())] {
-                    let sum = item_checksum_of(algorithm, self.simd, item.row, item.layer, &mut scratch);
+                    let sum = item_checksum_of(algorithm, self.form, item.row, item.layer, &mut scratch);
                     let out = item.row.out as usize + item.column * item.row.column_stride as usize;
                     values[out].fetch_add(sum, Ordering::Relaxed);
                 }
@@ -245,225 +295,40 @@ fn add_states(layout: &Layout, rows: &[Row], algorithm: Algorithm, values: &mut 
     }
 }
 
-/// [`item_checksum`] under `algorithm`, in the fastest form the CPU runs.
+/// [`item_checksum`] under `algorithm`, in the form `form`.
 ///
 /// MIXED's 64-bit products vectorise only with AVX2 (SSE2, the default
 /// target, has no 64-bit lane multiply: in cache the mixed loop ran at 6
 /// GB/s with SSE2 and 24 GB/s with AVX2, against 22 GB/s for WEIGHTED's
 /// adds), so where the CPU has AVX2 it runs an AVX2 build of the same code.
 /// MIXED2's rounds are 32x32->64 multiplies, which the compiler does not
-/// reliably vectorise by itself: [`Mix2Avx2`] and [`Mix2Avx512`] write
-/// them with SIMD intrinsics (BENCHMARKS.md, "Mixing function choice").
+/// reliably vectorise by itself: [`lanes::Mix2Lanes`] writes them once over
+/// a lane type, with an AVX2 and an AVX-512F lane type (BENCHMARKS.md,
+/// "Mixing function choice").
 ///
-/// `simd` is at most [`Simd::detect`]'s (the engine caps it so): each
-/// branch below runs a form only where the CPU has its features.
-fn item_checksum_of(algorithm: Algorithm, simd: Simd, row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
-    debug_assert!(simd <= Simd::detect());
-    match (algorithm, simd) {
-        (Algorithm::Weighted, _) => item_checksum::<Identity>(row, layer, scratch),
+/// Each SIMD arm runs only with the detection token its [`Form`] holds, so
+/// no form runs on a CPU without its instructions.
+fn item_checksum_of(algorithm: Algorithm, form: Form, row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
+    match (algorithm, form) {
+        (Algorithm::Weighted, _) => item_checksum(Identity, row, layer, scratch),
+        (Algorithm::Mixed, Form::Portable) => item_checksum(Mix, row, layer, scratch),
+        (Algorithm::Mixed2, Form::Portable) => item_checksum(Mix2, row, layer, scratch),
         #[cfg(target_arch = "x86_64")]
-        (Algorithm::Mixed, Simd::Avx2 | Simd::Avx512) => {
-            // SAFETY: `simd` is at least AVX2, which the CPU has.
-            unsafe { item_checksum_avx2::<Mix>(row, layer, scratch) }
-        }
-        (Algorithm::Mixed, _) => item_checksum::<Mix>(row, layer, scratch),
+        (Algorithm::Mixed, Form::Avx2(isa)) => isa.item_checksum(Mix, row, layer, scratch),
         #[cfg(target_arch = "x86_64")]
-        (Algorithm::Mixed2, Simd::Avx512) => {
-            // SAFETY: `simd` is AVX-512F, which the CPU has.
-            unsafe { item_checksum_avx512::<Mix2Avx512>(row, layer, scratch) }
-        }
+        (Algorithm::Mixed, Form::Avx512(isa)) => isa.avx2().item_checksum(Mix, row, layer, scratch),
         #[cfg(target_arch = "x86_64")]
-        (Algorithm::Mixed2, Simd::Avx2) => {
-            // SAFETY: `simd` is AVX2, which the CPU has.
-            unsafe { item_checksum_avx2::<Mix2Avx2>(row, layer, scratch) }
-        }
-        (Algorithm::Mixed2, _) => item_checksum::<Mix2>(row, layer, scratch),
-    }
-}
-
-/// `item_checksum::<F>` compiled for AVX2 (everything below it is inlined,
-/// so its loops are built with AVX2 too).
-///
-/// # Safety
-/// The CPU must have AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn item_checksum_avx2<F: PieceFn>(row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
-    item_checksum::<F>(row, layer, scratch)
-}
-
-/// `item_checksum::<F>` compiled for AVX-512F.
-///
-/// # Safety
-/// The CPU must have AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn item_checksum_avx512<F: PieceFn>(row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
-    item_checksum::<F>(row, layer, scratch)
-}
-
-/// [`Mix2`] with its eight-piece step in AVX2 intrinsics: per four pieces,
-/// each round is one `vpmuludq`, one add and one in-lane shuffle (using
-/// `(hi << 32) + lo * K = v + lo * (K - 1)`), each fold a shift and a XOR.
-///
-/// Only [`item_checksum_of`] names it, inside [`item_checksum_avx2`], where
-/// the engine's [`Simd`] says the CPU has AVX2: that is what makes its
-/// intrinsics sound to call.
-#[cfg(target_arch = "x86_64")]
-struct Mix2Avx2;
-
-#[cfg(target_arch = "x86_64")]
-impl PieceFn for Mix2Avx2 {
-    #[inline(always)]
-    fn value(x: u64) -> u64 {
-        crate::checksum::mix2(x)
-    }
-
-    #[inline(always)]
-    fn lanes(pieces: &[u64; 8]) -> [u64; 8] {
-        use std::arch::x86_64::*;
-        // SAFETY: this type is used only where the CPU has AVX2 (see the
-        // type's comment). The eight pieces are read and given back as two
-        // 256-bit values by value (transmutes between types of 64 bytes
-        // with no invalid bit patterns), so that they stay in registers.
-        unsafe {
-            let k1 = _mm256_set1_epi64x(MIX2_ROUND_ADDENDS[0]);
-            let k2 = _mm256_set1_epi64x(MIX2_ROUND_ADDENDS[1]);
-            let k3 = _mm256_set1_epi64x(MIX2_ROUND_ADDENDS[2]);
-            // Macros rather than closures, so that every intrinsic is
-            // inlined straight into the AVX2 caller.
-            macro_rules! round {
-                ($v:expr, $k:expr) => {
-                    _mm256_shuffle_epi32::<0xB1>(_mm256_add_epi64($v, _mm256_mul_epu32($v, $k)))
-                };
-            }
-            macro_rules! fold {
-                ($v:expr) => {
-                    _mm256_xor_si256($v, _mm256_srli_epi64::<32>($v))
-                };
-            }
-            let halves: [__m256i; 2] = std::mem::transmute(*pieces);
-            let halves = halves.map(|v| {
-                let v = round!(v, k1);
-                let v = round!(v, k2);
-                let v = fold!(v);
-                let v = round!(v, k3);
-                fold!(v)
-            });
-            std::mem::transmute::<[__m256i; 2], [u64; 8]>(halves)
-        }
-    }
-
-    /// The lane sums in four 256-bit registers throughout (the compiler
-    /// left to itself moved them through general registers, at a third of
-    /// the speed).
-    #[inline(always)]
-    fn accumulate(pieces: &[u64], sum: &mut [u64; 8], running: &mut [u64; 8]) {
-        use std::arch::x86_64::*;
-        debug_assert!(pieces.len().is_multiple_of(8));
-        // SAFETY: the CPU has AVX2 (see the type's comment); `[u64; 8]` and
-        // `[__m256i; 2]` are 64 bytes with no invalid bit patterns, and
-        // every chunk is 8 pieces.
-        unsafe {
-            let mut sums: [__m256i; 2] = std::mem::transmute(*sum);
-            let mut runs: [__m256i; 2] = std::mem::transmute(*running);
-            for chunk in pieces.chunks_exact(8) {
-                let values: [__m256i; 2] = std::mem::transmute(Self::lanes(chunk.try_into().expect("8 pieces")));
-                for half in 0..2 {
-                    sums[half] = _mm256_add_epi64(sums[half], values[half]);
-                    runs[half] = _mm256_add_epi64(runs[half], sums[half]);
-                }
-            }
-            *sum = std::mem::transmute::<[__m256i; 2], [u64; 8]>(sums);
-            *running = std::mem::transmute::<[__m256i; 2], [u64; 8]>(runs);
-        }
-    }
-}
-
-/// `K - 1` for each of MIX2's multipliers `K`, as SIMD lanes take them: a
-/// round `(hi << 32) + lo * K` is `v + lo * (K - 1)`.
-#[cfg(target_arch = "x86_64")]
-const MIX2_ROUND_ADDENDS: [i64; 3] = [
-    crate::checksum::MIX2_MULTIPLIER_1 as i64 - 1,
-    crate::checksum::MIX2_MULTIPLIER_2 as i64 - 1,
-    crate::checksum::MIX2_MULTIPLIER_3 as i64 - 1,
-];
-
-/// [`Mix2`] with its eight-piece step in AVX-512F intrinsics: the eight
-/// pieces in one register, each round one `vpmuludq`, one add and one
-/// rotate by 32.
-///
-/// Only [`item_checksum_of`] names it, inside [`item_checksum_avx512`],
-/// where the engine's [`Simd`] says the CPU has AVX-512F: that is what makes
-/// its intrinsics sound to call.
-#[cfg(target_arch = "x86_64")]
-struct Mix2Avx512;
-
-#[cfg(target_arch = "x86_64")]
-impl PieceFn for Mix2Avx512 {
-    #[inline(always)]
-    fn value(x: u64) -> u64 {
-        crate::checksum::mix2(x)
-    }
-
-    #[inline(always)]
-    fn lanes(pieces: &[u64; 8]) -> [u64; 8] {
-        use std::arch::x86_64::*;
-        // SAFETY: this type is used only where the CPU has AVX-512F (see
-        // the type's comment). The eight pieces are read and given back as
-        // one 512-bit value by value (transmutes between types of 64 bytes
-        // with no invalid bit patterns), so that they stay in a register.
-        unsafe {
-            let k1 = _mm512_set1_epi64(MIX2_ROUND_ADDENDS[0]);
-            let k2 = _mm512_set1_epi64(MIX2_ROUND_ADDENDS[1]);
-            let k3 = _mm512_set1_epi64(MIX2_ROUND_ADDENDS[2]);
-            macro_rules! round {
-                ($v:expr, $k:expr) => {
-                    _mm512_rol_epi64::<32>(_mm512_add_epi64($v, _mm512_mul_epu32($v, $k)))
-                };
-            }
-            macro_rules! fold {
-                ($v:expr) => {
-                    _mm512_xor_si512($v, _mm512_srli_epi64::<32>($v))
-                };
-            }
-            let v: __m512i = std::mem::transmute(*pieces);
-            let v = round!(v, k1);
-            let v = round!(v, k2);
-            let v = fold!(v);
-            let v = round!(v, k3);
-            let v = fold!(v);
-            std::mem::transmute::<__m512i, [u64; 8]>(v)
-        }
-    }
-
-    /// The lane sums in two 512-bit registers throughout.
-    #[inline(always)]
-    fn accumulate(pieces: &[u64], sum: &mut [u64; 8], running: &mut [u64; 8]) {
-        use std::arch::x86_64::*;
-        debug_assert!(pieces.len().is_multiple_of(8));
-        // SAFETY: the CPU has AVX-512F (see the type's comment); `[u64; 8]`
-        // and `__m512i` are 64 bytes with no invalid bit patterns, and
-        // every chunk is 8 pieces.
-        unsafe {
-            let mut sums: __m512i = std::mem::transmute(*sum);
-            let mut runs: __m512i = std::mem::transmute(*running);
-            for chunk in pieces.chunks_exact(8) {
-                let values: __m512i = std::mem::transmute(Self::lanes(chunk.try_into().expect("8 pieces")));
-                sums = _mm512_add_epi64(sums, values);
-                runs = _mm512_add_epi64(runs, sums);
-            }
-            *sum = std::mem::transmute::<__m512i, [u64; 8]>(sums);
-            *running = std::mem::transmute::<__m512i, [u64; 8]>(runs);
-        }
+        (Algorithm::Mixed2, Form::Avx2(isa)) => isa.item_checksum(Mix2Lanes::<Avx2Lanes>(isa), row, layer, scratch),
+        #[cfg(target_arch = "x86_64")]
+        (Algorithm::Mixed2, Form::Avx512(isa)) => isa.item_checksum(Mix2Lanes::<Avx512Lanes>(isa), row, layer, scratch),
     }
 }
 
 /// `sum over heads of m * s` for one block position of one layer, `f` of
 /// SPEC section 12 fixed at compile time (`F`). Inlined into its callers,
-/// so that an AVX2 caller builds it with AVX2.
+/// so that an AVX2 caller (`host/avx2.rs`) builds it with AVX2.
 #[inline(always)]
-fn item_checksum<F: PieceFn>(row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
+fn item_checksum<F: PieceFn>(f: F, row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
     let spec = &layer.spec;
     let per_kernel_block = spec.tokens_per_kernel_block;
     let mut sum = 0u64;
@@ -484,7 +349,7 @@ fn item_checksum<F: PieceFn>(row: &Row, layer: &Layer, scratch: &mut Vec<RowSums
                 count,
                 first_index: first_index + piece_offset,
             };
-            sum = sum.wrapping_add(segment_heads::<F>(layer, segment, &tokens, scratch));
+            sum = sum.wrapping_add(segment_heads(f, layer, segment, &tokens, scratch));
         }
         token += count;
     }
@@ -509,21 +374,32 @@ struct TokenRun {
 /// row of pieces is added into per-head [`RowSums`], reduced once per head
 /// rather than once per row.
 #[inline(always)]
-fn segment_heads<F: PieceFn>(layer: &Layer, segment: &Segment, tokens: &TokenRun, scratch: &mut Vec<RowSums>) -> u64 {
+fn segment_heads<F: PieceFn>(
+    f: F,
+    layer: &Layer,
+    segment: &Segment,
+    tokens: &TokenRun,
+    scratch: &mut Vec<RowSums>,
+) -> u64 {
     let spec = &layer.spec;
     let pieces = (segment.bytes_per_token as u64 / PIECE_BYTES) as usize;
     let token_stride = segment.token_stride;
     let head_stride = segment.head_stride;
     let heads_outer = token_stride.unsigned_abs() <= head_stride.unsigned_abs();
     let weight = |head: u32| slice_weight(spec.layer_number, spec.first_head + head);
-    // SAFETY (for every `row` below): registration checked that every
-    // (block, kernel block, head, token) cell of this segment lies in a
-    // registered region.
-    let row = |head: u32, slot: u32| unsafe {
-        host_pieces(
-            tokens.address + head as i64 * head_stride + slot as i64 * token_stride,
-            pieces as u64,
-        )
+    let row = |head: u32, slot: u32| {
+        debug_assert!(head < spec.num_heads && slot < tokens.count);
+        // SAFETY: every call below passes a head below `num_heads` and a
+        // slot below the run's count, and registration checked that every
+        // (block, kernel block, head, token) cell of this segment lies in a
+        // registered region, which the caller of `add_region` promised is
+        // readable host memory.
+        unsafe {
+            host_pieces(
+                tokens.address + head as i64 * head_stride + slot as i64 * token_stride,
+                pieces as u64,
+            )
+        }
     };
     let slice_sum = |sums: &RowSums| sums.weighted(pieces as u64, tokens.first_index, layer.pieces_per_token);
     let mut sum = 0u64;
@@ -537,7 +413,7 @@ fn segment_heads<F: PieceFn>(layer: &Layer, segment: &Segment, tokens: &TokenRun
                     (pieces * tokens.count as usize) as u64,
                 )
             };
-            sum = sum.wrapping_add(weight(head).wrapping_mul(run_checksum::<F>(run, tokens.first_index)));
+            sum = sum.wrapping_add(weight(head).wrapping_mul(run_checksum(f, run, tokens.first_index)));
         }
     } else if !pieces.is_multiple_of(LANES) {
         // Rows that do not fill whole lanes: reduce each row on its own.
@@ -547,7 +423,7 @@ fn segment_heads<F: PieceFn>(layer: &Layer, segment: &Segment, tokens: &TokenRun
                 .wrapping_add((slot as u64).wrapping_mul(layer.pieces_per_token))
         };
         let row_sum =
-            |head: u32, slot: u32| weight(head).wrapping_mul(run_checksum::<F>(row(head, slot), row_index(slot)));
+            |head: u32, slot: u32| weight(head).wrapping_mul(run_checksum(f, row(head, slot), row_index(slot)));
         if heads_outer {
             for head in 0..spec.num_heads {
                 for slot in 0..tokens.count {
@@ -571,7 +447,7 @@ fn segment_heads<F: PieceFn>(layer: &Layer, segment: &Segment, tokens: &TokenRun
                 if prefetch {
                     prefetch_row(pieces, head_stride);
                 }
-                sums.add_row::<F>(pieces);
+                sums.add_row(f, pieces);
             }
             sum = sum.wrapping_add(weight(head).wrapping_mul(slice_sum(&sums)));
         }
@@ -585,7 +461,7 @@ fn segment_heads<F: PieceFn>(layer: &Layer, segment: &Segment, tokens: &TokenRun
                 if prefetch {
                     prefetch_row(pieces, PREFETCH_TOKENS as i64 * token_stride);
                 }
-                sums.add_row::<F>(pieces);
+                sums.add_row(f, pieces);
             }
         }
         for (head, sums) in scratch.iter().enumerate() {
@@ -765,11 +641,11 @@ impl RowSums {
     #[inline(always)]
     // One index walks three lane arrays in step; this is what vectorises.
     #[allow(clippy::needless_range_loop)]
-    fn add_row<F: PieceFn>(&mut self, row: &[u64]) {
+    fn add_row<F: PieceFn>(&mut self, f: F, row: &[u64]) {
         let chunks = row.chunks_exact(LANES);
         debug_assert!(chunks.remainder().is_empty());
         self.chunks += chunks.len() as u64;
-        F::accumulate(row, &mut self.sum, &mut self.running);
+        f.accumulate(row, &mut self.sum, &mut self.running);
         for lane in 0..LANES {
             self.row_running[lane] = self.row_running[lane].wrapping_add(self.sum[lane]);
         }
@@ -812,7 +688,8 @@ impl RowSums {
 /// `address .. address + 8 * count` must be readable memory, 8-byte aligned,
 /// not written while the returned slice is alive.
 unsafe fn host_pieces<'a>(address: i64, count: u64) -> &'a [u64] {
-    std::slice::from_raw_parts(address as usize as *const u64, count as usize)
+    // SAFETY: the caller's promise above.
+    unsafe { std::slice::from_raw_parts(address as usize as *const u64, count as usize) }
 }
 
 #[cfg(test)]
@@ -820,18 +697,29 @@ mod tests {
     use super::*;
 
     /// The SIMD forms of MIXED2's eight-piece step give `mix2` of each
-    /// piece, for each form the CPU can run (this machine's CI has both).
+    /// piece, for each form the CPU can run (this machine's CI has both),
+    /// called outside any AVX build (so not inlined into one).
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn simd_forms_of_mix2_equal_mix2() {
+        use crate::checksum::PieceFn;
         let mut state = 0x9E37_79B9_7F4A_7C15u64;
-        let mut forms = Vec::new();
-        if std::arch::is_x86_feature_detected!("avx2") {
-            forms.push(("AVX2", Mix2Avx2::lanes as fn(&[u64; 8]) -> [u64; 8]));
+        type Step = Box<dyn Fn(&[u64; 8]) -> [u64; 8]>;
+        let mut forms: Vec<(&str, Step)> = Vec::new();
+        if let Some(isa) = Avx2::new() {
+            forms.push(("AVX2", Box::new(move |p| Mix2Lanes::<Avx2Lanes>(isa).lanes(p))));
         }
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            forms.push(("AVX-512F", Mix2Avx512::lanes as fn(&[u64; 8]) -> [u64; 8]));
+        if let Some(isa) = Avx512::new() {
+            forms.push(("AVX-512F", Box::new(move |p| Mix2Lanes::<Avx512Lanes>(isa).lanes(p))));
         }
+        assert_eq!(
+            forms.len(),
+            [Simd::Avx2, Simd::Avx512]
+                .iter()
+                .filter(|&&form| form <= Form::best().simd())
+                .count(),
+            "a token for each form the CPU reports"
+        );
         for _ in 0..10_000 {
             let pieces: [u64; 8] = std::array::from_fn(|_| {
                 state ^= state << 13;
@@ -851,6 +739,37 @@ mod tests {
         for (name, lanes) in &forms {
             assert_eq!(lanes(&[0; 8]), [0; 8], "{name}");
             assert_eq!(lanes(&[u64::MAX; 8]), [crate::checksum::mix2(u64::MAX); 8], "{name}");
+        }
+    }
+
+    /// The accumulate step of each SIMD form of MIXED2 gives the portable
+    /// one's lane sums, over rows of several lines.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn simd_forms_of_mix2_accumulate_as_the_portable_one() {
+        use crate::checksum::PieceFn;
+        let mut state = 0x0DDB_1A5E_5BAD_5EEDu64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for lines in [1usize, 2, 7, 32] {
+            let pieces: Vec<u64> = (0..8 * lines).map(|_| next()).collect();
+            let start: [u64; 8] = std::array::from_fn(|_| next());
+            let (mut sum, mut running) = (start, start.map(|x| x.rotate_left(7)));
+            Mix2.accumulate(&pieces, &mut sum, &mut running);
+            if let Some(isa) = Avx2::new() {
+                let (mut s, mut r) = (start, start.map(|x| x.rotate_left(7)));
+                Mix2Lanes::<Avx2Lanes>(isa).accumulate(&pieces, &mut s, &mut r);
+                assert_eq!((s, r), (sum, running), "AVX2, {lines} lines");
+            }
+            if let Some(isa) = Avx512::new() {
+                let (mut s, mut r) = (start, start.map(|x| x.rotate_left(7)));
+                Mix2Lanes::<Avx512Lanes>(isa).accumulate(&pieces, &mut s, &mut r);
+                assert_eq!((s, r), (sum, running), "AVX-512F, {lines} lines");
+            }
         }
     }
 
@@ -876,9 +795,9 @@ mod tests {
                         let mut expected = 0u64;
                         for (r, row) in pieces.chunks_exact(row_len).enumerate() {
                             match algorithm {
-                                Algorithm::Weighted => sums.add_row::<Identity>(row),
-                                Algorithm::Mixed => sums.add_row::<Mix>(row),
-                                Algorithm::Mixed2 => sums.add_row::<Mix2>(row),
+                                Algorithm::Weighted => sums.add_row(Identity, row),
+                                Algorithm::Mixed => sums.add_row(Mix, row),
+                                Algorithm::Mixed2 => sums.add_row(Mix2, row),
                             }
                             let index = first_index.wrapping_add(r as u64 * row_index_stride);
                             expected = expected.wrapping_add(crate::checksum::weighted_run(row, index, algorithm));
