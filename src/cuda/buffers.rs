@@ -420,8 +420,11 @@ impl DeviceTable {
 
 impl Drop for DeviceTable {
     fn drop(&mut self) {
-        // SAFETY: owned; every call that read it holds an Arc until it is done.
         if self.address != 0 && self.context.bind_to_thread().is_ok() {
+            // SAFETY: the table owns the allocation at `address` (made by
+            // `malloc_sync` in its context, bound just above), and every
+            // call that read it holds an Arc of it until it is done, so no
+            // launch still uses it.
             let _ = unsafe { cu::free_sync(self.address) };
         }
     }
