@@ -1,6 +1,6 @@
 //! The host engine's AVX2 form: the detection token [`Avx2`], the lane
 //! type [`Avx2Lanes`] (eight `u64`s in two 256-bit registers) and the
-//! AVX2 build of [`super::item_checksum`].
+//! AVX2 build of [`item_checksum`].
 
 use std::arch::x86_64::{
     __m256i, _mm256_add_epi64, _mm256_mul_epu32, _mm256_set1_epi64x, _mm256_shuffle_epi32, _mm256_srli_epi64,
@@ -8,7 +8,7 @@ use std::arch::x86_64::{
 };
 
 use super::lanes::Lanes;
-use super::RowSums;
+use super::walk::{item_checksum, RowSums};
 use crate::checksum::PieceFn;
 use crate::layout::Layer;
 use crate::plan::Row;
@@ -26,7 +26,7 @@ impl Avx2 {
         std::arch::is_x86_feature_detected!("avx2").then_some(Avx2 { _detected: () })
     }
 
-    /// [`super::item_checksum`] of `row` in `layer` under `f`, built for AVX2
+    /// [`item_checksum`] of `row` in `layer` under `f`, built for AVX2
     /// (everything below it is inlined, so its loops are built with AVX2
     /// too).
     pub(super) fn item_checksum<F: PieceFn>(self, f: F, row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
@@ -37,7 +37,7 @@ impl Avx2 {
 
 #[target_feature(enable = "avx2")]
 fn item_checksum_avx2<F: PieceFn>(f: F, row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
-    super::item_checksum(f, row, layer, scratch)
+    item_checksum(f, row, layer, scratch)
 }
 
 /// Eight `u64` lanes in two 256-bit registers (lanes 0-3, 4-7). A value

@@ -1,6 +1,6 @@
 //! The host engine's AVX-512F form: the detection token [`Avx512`], the
 //! lane type [`Avx512Lanes`] (eight `u64`s in one 512-bit register) and
-//! the AVX-512F build of [`super::item_checksum`].
+//! the AVX-512F build of [`item_checksum`].
 
 use std::arch::x86_64::{
     __m512i, _mm512_add_epi64, _mm512_mul_epu32, _mm512_rol_epi64, _mm512_set1_epi64, _mm512_srli_epi64,
@@ -9,7 +9,7 @@ use std::arch::x86_64::{
 
 use super::avx2::Avx2;
 use super::lanes::Lanes;
-use super::RowSums;
+use super::walk::{item_checksum, RowSums};
 use crate::checksum::PieceFn;
 use crate::layout::Layer;
 use crate::plan::Row;
@@ -33,7 +33,7 @@ impl Avx512 {
         self.avx2
     }
 
-    /// [`super::item_checksum`] of `row` in `layer` under `f`, built for AVX-512F.
+    /// [`item_checksum`] of `row` in `layer` under `f`, built for AVX-512F.
     pub(super) fn item_checksum<F: PieceFn>(self, f: F, row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
         // SAFETY: `self` exists, so the CPU has AVX-512F (see the type).
         unsafe { item_checksum_avx512(f, row, layer, scratch) }
@@ -42,7 +42,7 @@ impl Avx512 {
 
 #[target_feature(enable = "avx512f")]
 fn item_checksum_avx512<F: PieceFn>(f: F, row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
-    super::item_checksum(f, row, layer, scratch)
+    item_checksum(f, row, layer, scratch)
 }
 
 /// Eight `u64` lanes in one 512-bit register. A value exists only where
