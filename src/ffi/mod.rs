@@ -10,6 +10,7 @@
 pub mod api;
 pub mod blocks;
 pub mod buffer;
+pub(crate) mod c_enum;
 pub mod completion;
 pub mod constants;
 pub mod function_table;
@@ -30,7 +31,6 @@ pub mod worker;
 use std::ffi::{c_char, CStr};
 
 use crate::error::{err, Result};
-use crate::layout::Role;
 
 /// Turns a NULL pointer to a C struct argument (not a handle: see
 /// [`handle`]) into `KVCS_ERR_INVALID_ARGUMENT` (with a message naming it)
@@ -107,16 +107,6 @@ pub(crate) unsafe fn c_array<'a, T>(ptr: *const T, len: usize, name: &str) -> Re
     // elements valid for `'a` (the caller's promise), whose bytes fit in
     // `isize` (checked above).
     Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
-}
-
-/// The `role` argument (`KVCS_ROLE_*`).
-pub(crate) fn role_arg(role: u32) -> Result<Role> {
-    Role::from_code(role.into()).ok_or_else(|| {
-        err!(
-            InvalidArgument,
-            "role {role} is neither KVCS_ROLE_PRODUCER (0) nor KVCS_ROLE_CONSUMER (1)"
-        )
-    })
 }
 
 /// A 0/1 flag argument named `name` (C has no bool in these calls).
