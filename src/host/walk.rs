@@ -71,7 +71,6 @@ fn segment_heads<F: PieceFn>(
     let heads_outer = token_stride.unsigned_abs() <= head_stride.unsigned_abs();
     let weight = |head: u32| slice_weight(spec.layer_number, spec.first_head + head);
     let row = |head: u32, slot: u32| {
-        debug_assert!(head < spec.num_heads && slot < tokens.count);
         // SAFETY: every call below passes a head below `num_heads` and a
         // slot below the run's count, and registration checked that every
         // (block, kernel block, head, token) cell of this segment lies in a
