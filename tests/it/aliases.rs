@@ -506,6 +506,8 @@ fn c_api_add_alias_checks_its_arguments() {
     let mut worker = std::ptr::null_mut();
     assert_eq!(kvcs_worker_create(&options, &mut worker), KVCS_OK);
     let last_error = || {
+        // SAFETY: kvcs_last_error gives a NUL-terminated string that lives
+        // until this thread's next call into the library.
         unsafe { CStr::from_ptr(kvcs_last_error()) }
             .to_string_lossy()
             .into_owned()

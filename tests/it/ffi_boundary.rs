@@ -366,10 +366,8 @@ impl Mapping {
     fn punch(&self, index: usize) -> u64 {
         let address = self.address + (index * page()) as u64;
         // SAFETY: a page of this test's own mapping, which nothing reads.
-        assert_eq!(
-            unsafe { libc::munmap(address as usize as *mut libc::c_void, page()) },
-            0
-        );
+        let status = unsafe { libc::munmap(address as usize as *mut libc::c_void, page()) };
+        assert_eq!(status, 0);
         address
     }
 }

@@ -114,6 +114,8 @@ fn a_changed_element_or_a_write_outside_the_state_is_seen_or_ignored() {
     // Another slot (block 3) is not the request's: writing it changes nothing.
     let spec = side._caches[1].specs[0].tensors[1];
     let other_slot = (spec.address as i64 + 3 * spec.block_stride) as usize as *mut u8;
+    // SAFETY: the first byte of block 3 of a state tensor this test
+    // allocated (`side._caches`, alive), which no worker call reads now.
     unsafe { *other_slot ^= 0x40 };
     assert_eq!(
         rank_value(&side.workers[1], &blocks, "r", 3, Role::Producer),
@@ -124,6 +126,8 @@ fn a_changed_element_or_a_write_outside_the_state_is_seen_or_ignored() {
     let last = (spec.address as i64 + 2 * spec.block_stride + (spec.num_rows as i64 - 1) * spec.row_stride) as usize
         + spec.bytes_per_row as usize
         - 1;
+    // SAFETY: the last byte of block 2's last row, inside the tensor this
+    // test allocated (`side._caches`, alive), which no worker call reads now.
     unsafe { *(last as *mut u8) ^= 0x01 };
     assert_ne!(
         rank_value(&side.workers[1], &blocks, "r", 3, Role::Producer),
@@ -201,6 +205,8 @@ fn verifier_matches_known_splits_across_tp_and_reports_shard_keyed_tp_difference
     let report = verify(&producer, &consumer, &blocks);
     assert_eq!(report.verdict, Verdict::Match, "seed {seed}: {}", report.message);
     let spec = consumer._caches[2].specs[1].tensors[0];
+    // SAFETY: the first byte of block 1 of a state tensor this test
+    // allocated (`consumer._caches`, alive), which no worker call reads now.
     unsafe { *((spec.address as i64 + spec.block_stride) as usize as *mut u8) ^= 0x04 };
     let report = verify(&producer, &consumer, &blocks);
     assert_eq!(report.verdict, Verdict::Mismatch, "seed {seed}: {}", report.message);

@@ -519,8 +519,8 @@ fn a_partial_block_checked_with_other_valid_tokens_is_other_tokens_not_failed() 
     }
 }
 
-/// Entries in the format kvcsum 0.2.0 stored (the value, then `(fingerprint
-/// + coverage) XOR algorithm`, no check, no token count) under this
+/// Entries in the format kvcsum 0.2.0 stored (the value, then
+/// `(fingerprint + coverage) XOR algorithm`, no check, no token count) under this
 /// configuration: MATCHED where the value matches, OTHER_FORMAT where it does
 /// not (that format cannot tell corruption from a partial block), never
 /// FAILED; the verifier calls such a load UNVERIFIED (INVALID_CHECKSUMS).

@@ -1187,7 +1187,7 @@ impl TwoGroups {
             tp_size,
         } = *self;
         let kind = *rng.pick(&all_kinds());
-        let mut side = attention_side(rng, &kv, plan(tp_size, kind, 16), &identity);
+        let mut side = attention_side(rng, kv, plan(tp_size, kind, 16), &identity);
         let count = positions_for(num_tokens, 16, 0, 0);
         let table1 = GroupTable {
             group_id: 1,
@@ -1198,14 +1198,14 @@ impl TwoGroups {
             if group1_layers {
                 let mut placement = Placement::for_shard(
                     rng,
-                    &kv1,
-                    &shard(&kv1, tp_rank as u32, tp_size, 0, 1),
+                    kv1,
+                    &shard(kv1, tp_rank as u32, tp_size, 0, 1),
                     LayoutKind::Nhd,
                     1,
                     16,
                     count as u32 + 2,
                 );
-                placement.write_request(&kv1, 0, &table1.block_ids);
+                placement.write_request(kv1, 0, &table1.block_ids);
                 let plan1 = AttentionPlan {
                     group_id: 1,
                     ..plan(tp_size, LayoutKind::Nhd, 16)

@@ -288,7 +288,7 @@ fn kinds_for(model: &Model, g: usize, block_size: u32) -> Vec<LayoutKind> {
     };
     kinds
         .into_iter()
-        .filter(|kind| !matches!(kind, LayoutKind::KernelBlocks { kernel_blocks } if block_size % kernel_blocks != 0))
+        .filter(|kind| !matches!(kind, LayoutKind::KernelBlocks { kernel_blocks } if !block_size.is_multiple_of(*kernel_blocks)))
         .collect()
 }
 

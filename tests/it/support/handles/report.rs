@@ -10,6 +10,10 @@ use kvcsum::ffi::status::kvcs_status::*;
 
 use super::{check, last_error, text, CBlocks, Failure};
 
+/// One entry of a repair plan: (group, position, block id, start token,
+/// end token).
+pub type RepairEntry = (u32, u64, u32, u64, u64);
+
 pub const MATCH: u32 = kvcs_verdict::KVCS_VERDICT_MATCH as u32;
 pub const MISMATCH: u32 = kvcs_verdict::KVCS_VERDICT_MISMATCH as u32;
 pub const UNVERIFIED: u32 = kvcs_verdict::KVCS_VERDICT_UNVERIFIED as u32;
@@ -155,7 +159,7 @@ impl CReport {
         blocks: &CBlocks,
         req_id: &str,
         sizes: &[(u32, u32)],
-    ) -> Result<Vec<(u32, u64, u32, u64, u64)>, Failure> {
+    ) -> Result<Vec<RepairEntry>, Failure> {
         let req_id = CString::new(req_id).expect("no NUL");
         let (group_ids, block_sizes): (Vec<u32>, Vec<u32>) = sizes.iter().copied().unzip();
         let plan = |buf: *mut kvcs_repair_block, cap: usize, len: &mut usize| {
