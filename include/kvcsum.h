@@ -1655,8 +1655,8 @@ kvcs_status kvcs_blocks_set_hashes(kvcs_blocks *blocks,
 // `kvcs_blocks_set_hashes` would one request and group at a time:
 //
 // - request `i`'s id is bytes `req_id_ends[i - 1] .. req_id_ends[i]` of
-//   `req_ids` (from 0 for `i = 0`; UTF-8, non-empty, new to this set and
-//   to these arrays, no NUL needed), its token count `num_tokens[i]`, its
+//   `req_ids` (from 0 for `i = 0`; UTF-8 without NUL, non-empty, new to
+//   this set and to these arrays; no terminating NUL), its token count `num_tokens[i]`, its
 //   groups `group_ends[i - 1] .. group_ends[i]` of the group arrays;
 // - group `g` (of `num_groups`) is `group_ids[g]` (once per request), its
 //   first block at position `first_positions[g]`, its blocks

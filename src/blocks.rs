@@ -370,6 +370,11 @@ impl<'a> BlockArrays<'a> {
             if req_id.is_empty() {
                 return Err(err!(InvalidArgument, "req_ids[{i}] is empty"));
             }
+            if let Some(at) = bytes.iter().position(|&b| b == 0) {
+                // The calls that name a request take a C string, which
+                // would end there.
+                return Err(err!(InvalidArgument, "req_ids[{i}] holds a NUL byte at {at}"));
+            }
             let groups = group_start..self.group_ends[i];
             group_start = self.group_ends[i];
             seen.clear();

@@ -91,6 +91,102 @@ class Blocks(_Handle):
             _check(self._lib.kvcs_blocks_set_hashes(handle, req, group_id, buffer, size, len(hashes)))
         return self
 
+    def add_arrays(
+        self,
+        req_ids: Sequence[str],
+        num_tokens,
+        group_ends,
+        group_ids,
+        first_positions,
+        block_ends,
+        block_ids,
+        hashes=None,
+    ) -> "Blocks":
+        """Adds a batch of requests with their groups and blocks in one call
+        (kvcs_blocks_add_arrays), from arrays in compressed rows (numpy
+        arrays or sequences of integers, passed through without a loop over
+        blocks):
+
+        - `req_ids` (str) and `num_tokens`: one per request;
+        - `group_ends`: per request, where its groups end in the group
+          arrays (a running total: request i's groups are
+          group_ends[i-1] .. group_ends[i]);
+        - `group_ids`, `first_positions`, `block_ends`: one per group,
+          `block_ends` where its blocks end in `block_ids`;
+        - `hashes`: None, or the block hashes of every block id, a 2-D uint8
+          array of one row (at least 8 bytes) per block id.
+
+        Arrays that disagree raise InvalidArgument naming the array and
+        entry, and then nothing is added."""
+        n = len(req_ids)
+        joined = "".join(req_ids) if all(isinstance(r, str) for r in req_ids) else None
+        if joined is None:
+            bad = next(i for i, r in enumerate(req_ids) if not isinstance(r, str))
+            raise TypeError(f"req_ids[{bad}] must be a str, got {type(req_ids[bad]).__name__}")
+        data = joined.encode()
+        if len(data) == len(joined):
+            id_ends = np.fromiter(map(len, req_ids), dtype=np.uintp, count=n).cumsum(dtype=np.uintp)
+        else:  # ids not all ASCII: their UTF-8 lengths
+            id_ends = np.fromiter((len(r.encode()) for r in req_ids), dtype=np.uintp, count=n).cumsum(dtype=np.uintp)
+        num_tokens = _integers(num_tokens, np.uint64, "num_tokens")
+        group_ends = _integers(group_ends, np.uintp, "group_ends")
+        group_ids = _integers(group_ids, np.uint32, "group_ids")
+        first_positions = _integers(first_positions, np.uint64, "first_positions")
+        block_ends = _integers(block_ends, np.uintp, "block_ends")
+        block_ids = _block_ids(block_ids)
+        # The C call reads as many entries as the counts it is given say.
+        for name, array, want, of in (
+            ("num_tokens", num_tokens, n, "req_ids"),
+            ("group_ends", group_ends, n, "req_ids"),
+            ("first_positions", first_positions, group_ids.size, "group_ids"),
+            ("block_ends", block_ends, group_ids.size, "group_ids"),
+        ):
+            if array.size != want:
+                raise InvalidArgument(1, "KVCS_ERR_INVALID_ARGUMENT", f"{name} has {array.size} entries, {of} {want}")
+        hash_bytes, hash_pointer = 0, None
+        if hashes is not None:
+            hashes = np.ascontiguousarray(hashes)
+            if hashes.ndim != 2 or hashes.dtype != np.uint8:
+                raise TypeError(f"hashes must be a 2-D uint8 array (a row per block id), got dtype {hashes.dtype} shape {hashes.shape}")
+            if hashes.shape[0] != block_ids.size:
+                raise InvalidArgument(
+                    1, "KVCS_ERR_INVALID_ARGUMENT", f"hashes has {hashes.shape[0]} rows, block_ids {block_ids.size} entries"
+                )
+            hash_bytes = hashes.shape[1]
+            hash_pointer = hashes.ctypes.data_as(ctypes.POINTER(c_uint8)) if hashes.size else (c_uint8 * 1)()
+
+        def pointer(array, c_type):
+            return array.ctypes.data_as(ctypes.POINTER(c_type)) if array.size else None
+
+        with self._use(exclusive=True) as handle:
+            _check(
+                self._lib.kvcs_blocks_add_arrays(
+                    handle, n, data, pointer(id_ends, c_size_t), pointer(num_tokens, c_uint64),
+                    pointer(group_ends, c_size_t), group_ids.size, pointer(group_ids, c_uint32),
+                    pointer(first_positions, c_uint64), pointer(block_ends, c_size_t), block_ids.size,
+                    pointer(block_ids, c_uint32), hash_pointer, hash_bytes,
+                )
+            )
+            self._requests += n
+            self._groups += group_ids.size
+        return self
+
+
+def _integers(values, dtype, name: str) -> np.ndarray:
+    """A 1-D array of non-negative integers as a contiguous array of
+    `dtype`: TypeError for another kind (bools too), ValueError for a value
+    `dtype` cannot hold (numpy would wrap it silently)."""
+    array = np.asarray(values)
+    if array.size == 0:
+        return np.zeros(0, dtype=dtype)
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be a 1-D sequence of integers, got dtype {array.dtype} shape {array.shape}")
+    if array.dtype != dtype:
+        low, high = int(array.min()), int(array.max())
+        if low < 0 or high > np.iinfo(dtype).max:
+            raise ValueError(f"{name} must be in [0, {np.iinfo(dtype).max}]: got {low} .. {high}")
+    return np.ascontiguousarray(array, dtype=dtype)
+
 
 class Result(_Handle):
     """A worker's partial checksums (kvcs_result). Independent of its

@@ -324,6 +324,8 @@ static void test_blocks_add_arrays(void) {
          "req_ids[0] is empty");
   EXPECT(ADD("\xc3\x28", id_ends, group_ends, groups, firsts, block_ends, NULL, 0), KVCS_ERR_INVALID_ARGUMENT,
          "req_ids[0] is not UTF-8");
+  EXPECT(ADD("a\0", id_ends, group_ends, groups, firsts, block_ends, NULL, 0), KVCS_ERR_INVALID_ARGUMENT,
+         "req_ids[1] holds a NUL byte at 0");
   EXPECT(ADD("aa", id_ends, group_ends, groups, firsts, block_ends, NULL, 0), KVCS_ERR_INVALID_ARGUMENT,
          "req_ids[1] \"a\" is given twice");
   const size_t group_ends_short[2] = {1, 2};
