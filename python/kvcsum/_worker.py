@@ -133,7 +133,9 @@ class Blocks(_Handle):
         group_ids = _integers(group_ids, np.uint32, "group_ids")
         first_positions = _integers(first_positions, np.uint64, "first_positions")
         block_ends = _integers(block_ends, np.uintp, "block_ends")
-        block_ids = _block_ids(block_ids)
+        if not (type(block_ids) is np.ndarray and block_ids.dtype == np.uint32 and block_ids.ndim == 1):
+            block_ids = _block_ids(block_ids)
+        block_ids = np.ascontiguousarray(block_ids)
         # The C call reads as many entries as the counts it is given say.
         for name, array, want, of in (
             ("num_tokens", num_tokens, n, "req_ids"),
@@ -145,7 +147,7 @@ class Blocks(_Handle):
                 raise InvalidArgument(1, "KVCS_ERR_INVALID_ARGUMENT", f"{name} has {array.size} entries, {of} {want}")
         hash_bytes, hash_pointer = 0, None
         if hashes is not None:
-            hashes = np.ascontiguousarray(hashes)
+            hashes = np.ascontiguousarray(hashes) if isinstance(hashes, np.ndarray) else np.array(hashes, dtype=np.uint8)
             if hashes.ndim != 2 or hashes.dtype != np.uint8:
                 raise TypeError(f"hashes must be a 2-D uint8 array (a row per block id), got dtype {hashes.dtype} shape {hashes.shape}")
             if hashes.shape[0] != block_ids.size:
@@ -176,6 +178,8 @@ def _integers(values, dtype, name: str) -> np.ndarray:
     """A 1-D array of non-negative integers as a contiguous array of
     `dtype`: TypeError for another kind (bools too), ValueError for a value
     `dtype` cannot hold (numpy would wrap it silently)."""
+    if type(values) is np.ndarray and values.dtype == dtype and values.ndim == 1 and values.flags.c_contiguous:
+        return values  # as the C call takes it
     array = np.asarray(values)
     if array.size == 0:
         return np.zeros(0, dtype=dtype)
@@ -539,20 +543,29 @@ class Worker(_Handle):
         verdicts with Result.stored."""
         return self._call_result(self._lib.kvcs_worker_check_stored, blocks, cuda_stream)
 
-    def block_tags(self, group_id: int, hashes: Sequence[bytes]) -> np.ndarray:
-        """The tags of docs/SPEC.md section 8 for blocks with these hashes.
+    def block_tags(self, group_id: int, hashes) -> np.ndarray:
+        """The tags of docs/SPEC.md section 8 for blocks with these hashes
+        (a sequence of bytes, or a 2-D uint8 array of a row per hash).
         A value alone cannot tell a configuration change from corruption:
         connectors that keep entries themselves take Result.entries (value
         and stamp) and judge them with Result.check_entries."""
         group_id = _int(group_id, "uint32_t", "group_id")
-        hashes = _bytes_list(hashes, "hashes")
-        size = len(hashes[0]) if hashes else 8
-        data = b"".join(hashes)
-        buffer = (c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
-        tags = np.zeros(len(hashes), dtype=np.uint64)
-        pointer = tags.ctypes.data_as(ctypes.POINTER(c_uint64)) if len(hashes) else None
+        if isinstance(hashes, np.ndarray):
+            # A row per block hash (uint8): passed through as it is.
+            if hashes.ndim != 2 or hashes.dtype != np.uint8:
+                raise TypeError(f"hashes must be a 2-D uint8 array (a row per hash), got dtype {hashes.dtype} shape {hashes.shape}")
+            rows = np.ascontiguousarray(hashes)
+            count, size = rows.shape
+            buffer = rows.ctypes.data_as(ctypes.POINTER(c_uint8)) if rows.size else (c_uint8 * 1)()
+        else:
+            hashes = _bytes_list(hashes, "hashes")
+            count, size = len(hashes), len(hashes[0]) if hashes else 8
+            data = b"".join(hashes)
+            buffer = (c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
+        tags = np.zeros(count, dtype=np.uint64)
+        pointer = tags.ctypes.data_as(ctypes.POINTER(c_uint64)) if count else None
         with self._use() as handle:
-            _check(self._lib.kvcs_block_tags(handle, group_id, buffer, size, len(hashes), pointer))
+            _check(self._lib.kvcs_block_tags(handle, group_id, buffer, size, count, pointer))
         return tags
 
     def checksum(self, blocks: Blocks, role: int = PRODUCER, cuda_stream: int | None = None) -> Result:
