@@ -167,24 +167,25 @@ impl BlockSet {
     /// arrays' lengths.
     pub fn add_arrays(&mut self, arrays: &BlockArrays<'_>) -> Result<()> {
         let rows = arrays.checked_rows()?;
-        let mut requests = Vec::with_capacity(rows.len());
-        let mut batch: HashSet<&str> = HashSet::with_capacity(rows.len());
+        // Each id goes into the index as it is checked; an id already there
+        // takes back the ones this call put in (nothing half-added).
+        let first = self.requests.len();
+        self.index.reserve(rows.len());
         for (i, row) in rows.iter().enumerate() {
-            if self.index.contains_key(row.req_id) {
-                return Err(err!(
-                    InvalidArgument,
-                    "req_ids[{i}] \"{}\" is already in the block set",
-                    row.req_id
-                ));
+            if let Some(&at) = self.index.get(row.req_id) {
+                for earlier in &rows[..i] {
+                    self.index.remove(earlier.req_id);
+                }
+                let message = if at >= first {
+                    format!("req_ids[{i}] \"{}\" is given twice in these arrays", row.req_id)
+                } else {
+                    format!("req_ids[{i}] \"{}\" is already in the block set", row.req_id)
+                };
+                return Err(crate::error::Error::InvalidArgument(message));
             }
-            if !batch.insert(row.req_id) {
-                return Err(err!(
-                    InvalidArgument,
-                    "req_ids[{i}] \"{}\" is given twice in these arrays",
-                    row.req_id
-                ));
-            }
+            self.index.insert(row.req_id.to_owned(), first + i);
         }
+        let mut requests = Vec::with_capacity(rows.len());
         let (mut num_groups, mut num_blocks) = (0, 0);
         for row in rows {
             let groups = (row.groups.clone())
@@ -215,12 +216,7 @@ impl BlockSet {
             });
         }
         // Checked: now copy the requests if a result still shares them.
-        let all = Arc::make_mut(&mut self.requests);
-        all.reserve(requests.len());
-        for request in requests {
-            self.index.insert(request.req_id.clone(), all.len());
-            all.push(request);
-        }
+        Arc::make_mut(&mut self.requests).extend(requests);
         self.num_groups += num_groups;
         self.num_blocks += num_blocks;
         Ok(())
