@@ -20,6 +20,7 @@
 #                 CMake package (find_package(kvcsum) -> kvcsum::kvcsum)
 #   make header   regenerate include/kvcsum.h from src/ffi (cbindgen)
 #   make bench    the host engine benchmark (BENCHMARKS.md)
+#   make block-set-bench  a 256-request block set built per request and in one call
 #   make plots    BENCHMARKS.md's GPU table and plots (docs/img/*.svg) from
 #                 gpu_bench's and the fault catalogue's output
 #                 (BENCH_RUNS=..., CATALOGUE=...; matplotlib into
@@ -82,7 +83,7 @@ INSTALL_TEST_LIB := $(abspath $(BUILD))/install-test/prefix/lib/libkvcsum.so.$(S
 
 .PHONY: all lib demo file-tier test test-deps rust-test kernel-test c-test demo-test file-tier-test cpp-test \
 	cpp-example install install-test \
-	python-test python-wheel fuzz header bench clean FORCE
+	python-test python-wheel fuzz header bench block-set-bench clean FORCE
 
 all: lib
 
@@ -333,6 +334,11 @@ header:
 bench:
 	$(CARGO) run --$(PROFILE) --example host_bench
 
+# Building a 256-request x 16-block set through the C ABI: per request
+# against one kvcs_blocks_add_arrays call (BENCHMARKS.md).
+block-set-bench: $(BUILD)/block_set_build
+	$(BUILD)/block_set_build
+
 # BENCHMARKS.md's current GPU table and the plots under docs/img, made by
 # scripts/bench-plots.py from the programs' own output: gpu_bench's, one file
 # per run (scripts/gpu-run.sh saves OUTDIR/bench.md, with OUTDIR/run.txt
@@ -366,6 +372,9 @@ $(BUILD):
 
 $(BUILD)/c_tests: $(C_TEST_SOURCES) $(C_TEST_HEADERS) $(HEADER) $(LIB) | $(BUILD)
 	$(CC) $(STRICT) $(SANITIZE) -Iinclude -Itests/c $(C_TEST_SOURCES) $(LINK) -o $@
+
+$(BUILD)/block_set_build: benches/block_set_build.c $(HEADER) $(LIB) | $(BUILD)
+	$(CC) $(STRICT) -O2 -Iinclude $< $(LINK) -o $@
 
 $(BUILD)/demo: examples/c/demo.c $(HEADER) $(LIB) | $(BUILD)
 	$(CC) $(STRICT) -O2 -g -Iinclude $< $(LINK) -o $@

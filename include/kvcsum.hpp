@@ -496,6 +496,37 @@ inline void check_same_length(size_t num_group_ids, size_t num_block_sizes) {
 
 // --- Request block sets --------------------------------------------------------
 
+/// A batch of requests in compressed rows, for blocks::add_arrays
+/// (kvcs_blocks_add_arrays): request `i`'s id is `req_ids[req_id_ends[i -
+/// 1] .. req_id_ends[i])`, its groups `group_ends[i - 1] .. group_ends[i]`
+/// of the group arrays, group `g`'s blocks `block_ends[g - 1] ..
+/// block_ends[g]` of `block_ids`; `hashes` (empty: none) has `hash_bytes`
+/// bytes per block id.
+struct block_arrays {
+  std::string_view req_ids;
+  view<size_t> req_id_ends;
+  view<uint64_t> num_tokens;
+  view<size_t> group_ends;
+  view<uint32_t> group_ids;
+  view<uint64_t> first_positions;
+  view<size_t> block_ends;
+  view<uint32_t> block_ids;
+  view<uint8_t> hashes;
+  size_t hash_bytes = 0;
+};
+
+namespace detail {
+
+/// Throws KVCS_ERR_INVALID_ARGUMENT unless `array` has `want` entries.
+inline void check_entries(const char *array, size_t size, const char *of, size_t want) {
+  if (size != want) {
+    throw error(KVCS_ERR_INVALID_ARGUMENT, std::string(array) + " has " + std::to_string(size) + " entries, " + of +
+                                               " " + std::to_string(want));
+  }
+}
+
+}  // namespace detail
+
 /// A request block set (kvcs_blocks): per request its token count and, per
 /// group, the block ids at consecutive positions.
 class blocks : public detail::owner<kvcs_blocks, kvcs_blocks_destroy> {
@@ -529,6 +560,31 @@ class blocks : public detail::owner<kvcs_blocks, kvcs_blocks_destroy> {
   void set_hashes(const std::string &req_id, uint32_t group_id, view<uint8_t> hashes, size_t hash_bytes) {
     size_t count = detail::hash_count(hashes, hash_bytes);
     check(kvcs_blocks_set_hashes(get(), detail::c_string(req_id, "req_id"), group_id, hashes.data(), hash_bytes, count));
+  }
+
+  /// Adds a batch of requests with their groups, blocks and hashes in one
+  /// call (kvcs_blocks_add_arrays); the views' lengths are checked against
+  /// each other first (KVCS_ERR_INVALID_ARGUMENT), and on any error nothing
+  /// is added.
+  void add_arrays(const block_arrays &arrays) {
+    size_t num_requests = arrays.req_id_ends.size();
+    detail::check_entries("num_tokens", arrays.num_tokens.size(), "req_id_ends", num_requests);
+    detail::check_entries("group_ends", arrays.group_ends.size(), "req_id_ends", num_requests);
+    detail::check_entries("req_ids", arrays.req_ids.size(), "req_id_ends' last",
+                          num_requests ? arrays.req_id_ends[num_requests - 1] : 0);
+    size_t num_groups = arrays.group_ids.size();
+    detail::check_entries("first_positions", arrays.first_positions.size(), "group_ids", num_groups);
+    detail::check_entries("block_ends", arrays.block_ends.size(), "group_ids", num_groups);
+    const uint8_t *hashes = nullptr;
+    if (!arrays.hashes.empty() || arrays.hash_bytes != 0) {
+      detail::check_entries("hashes", detail::hash_count(arrays.hashes, arrays.hash_bytes), "block_ids",
+                            arrays.block_ids.size());
+      hashes = arrays.hashes.data() != nullptr ? arrays.hashes.data() : reinterpret_cast<const uint8_t *>("");
+    }
+    check(kvcs_blocks_add_arrays(get(), num_requests, arrays.req_ids.data(), arrays.req_id_ends.data(),
+                                 arrays.num_tokens.data(), arrays.group_ends.data(), num_groups,
+                                 arrays.group_ids.data(), arrays.first_positions.data(), arrays.block_ends.data(),
+                                 arrays.block_ids.size(), arrays.block_ids.data(), hashes, arrays.hash_bytes));
   }
 
  private:

@@ -39,7 +39,7 @@ pub mod topology;
 pub mod verify;
 pub(crate) mod worker;
 
-pub use blocks::{BlockSet, GroupBlocks, RequestBlocks};
+pub use blocks::{BlockArrays, BlockSet, GroupBlocks, RequestBlocks};
 /// The checksum arithmetic (SPEC sections 2, 3 and 12): public for the
 /// fault catalogue and benchmarks, which measure it directly.
 pub use checksum::{

@@ -1208,6 +1208,25 @@ CALLS = {
             ("len", "size_t *"),
         ),
     ),
+    "kvcs_blocks_add_arrays": (
+        "kvcs_status",
+        (
+            ("blocks", "kvcs_blocks *"),
+            ("num_requests", "size_t"),
+            ("req_ids", "const char *"),
+            ("req_id_ends", "const size_t *"),
+            ("num_tokens", "const uint64_t *"),
+            ("group_ends", "const size_t *"),
+            ("num_groups", "size_t"),
+            ("group_ids", "const uint32_t *"),
+            ("first_positions", "const uint64_t *"),
+            ("block_ends", "const size_t *"),
+            ("num_block_ids", "size_t"),
+            ("block_ids", "const uint32_t *"),
+            ("hashes", "const uint8_t *"),
+            ("hash_bytes", "size_t"),
+        ),
+    ),
     "kvcs_api_get": (
         "kvcs_status",
         (

@@ -91,6 +91,106 @@ class Blocks(_Handle):
             _check(self._lib.kvcs_blocks_set_hashes(handle, req, group_id, buffer, size, len(hashes)))
         return self
 
+    def add_arrays(
+        self,
+        req_ids: Sequence[str],
+        num_tokens,
+        group_ends,
+        group_ids,
+        first_positions,
+        block_ends,
+        block_ids,
+        hashes=None,
+    ) -> "Blocks":
+        """Adds a batch of requests with their groups and blocks in one call
+        (kvcs_blocks_add_arrays), from arrays in compressed rows (numpy
+        arrays or sequences of integers, passed through without a loop over
+        blocks):
+
+        - `req_ids` (str) and `num_tokens`: one per request;
+        - `group_ends`: per request, where its groups end in the group
+          arrays (a running total: request i's groups are
+          group_ends[i-1] .. group_ends[i]);
+        - `group_ids`, `first_positions`, `block_ends`: one per group,
+          `block_ends` where its blocks end in `block_ids`;
+        - `hashes`: None, or the block hashes of every block id, a 2-D uint8
+          array of one row (at least 8 bytes) per block id.
+
+        Arrays that disagree raise InvalidArgument naming the array and
+        entry, and then nothing is added."""
+        n = len(req_ids)
+        joined = "".join(req_ids) if all(isinstance(r, str) for r in req_ids) else None
+        if joined is None:
+            bad = next(i for i, r in enumerate(req_ids) if not isinstance(r, str))
+            raise TypeError(f"req_ids[{bad}] must be a str, got {type(req_ids[bad]).__name__}")
+        data = joined.encode()
+        if len(data) == len(joined):
+            id_ends = np.fromiter(map(len, req_ids), dtype=np.uintp, count=n).cumsum(dtype=np.uintp)
+        else:  # ids not all ASCII: their UTF-8 lengths
+            id_ends = np.fromiter((len(r.encode()) for r in req_ids), dtype=np.uintp, count=n).cumsum(dtype=np.uintp)
+        num_tokens = _integers(num_tokens, np.uint64, "num_tokens")
+        group_ends = _integers(group_ends, np.uintp, "group_ends")
+        group_ids = _integers(group_ids, np.uint32, "group_ids")
+        first_positions = _integers(first_positions, np.uint64, "first_positions")
+        block_ends = _integers(block_ends, np.uintp, "block_ends")
+        if not (type(block_ids) is np.ndarray and block_ids.dtype == np.uint32 and block_ids.ndim == 1):
+            block_ids = _block_ids(block_ids)
+        block_ids = np.ascontiguousarray(block_ids)
+        # The C call reads as many entries as the counts it is given say.
+        for name, array, want, of in (
+            ("num_tokens", num_tokens, n, "req_ids"),
+            ("group_ends", group_ends, n, "req_ids"),
+            ("first_positions", first_positions, group_ids.size, "group_ids"),
+            ("block_ends", block_ends, group_ids.size, "group_ids"),
+        ):
+            if array.size != want:
+                raise InvalidArgument(1, "KVCS_ERR_INVALID_ARGUMENT", f"{name} has {array.size} entries, {of} {want}")
+        hash_bytes, hash_pointer = 0, None
+        if hashes is not None:
+            hashes = np.ascontiguousarray(hashes) if isinstance(hashes, np.ndarray) else np.array(hashes, dtype=np.uint8)
+            if hashes.ndim != 2 or hashes.dtype != np.uint8:
+                raise TypeError(f"hashes must be a 2-D uint8 array (a row per block id), got dtype {hashes.dtype} shape {hashes.shape}")
+            if hashes.shape[0] != block_ids.size:
+                raise InvalidArgument(
+                    1, "KVCS_ERR_INVALID_ARGUMENT", f"hashes has {hashes.shape[0]} rows, block_ids {block_ids.size} entries"
+                )
+            hash_bytes = hashes.shape[1]
+            hash_pointer = hashes.ctypes.data_as(ctypes.POINTER(c_uint8)) if hashes.size else (c_uint8 * 1)()
+
+        def pointer(array, c_type):
+            return array.ctypes.data_as(ctypes.POINTER(c_type)) if array.size else None
+
+        with self._use(exclusive=True) as handle:
+            _check(
+                self._lib.kvcs_blocks_add_arrays(
+                    handle, n, data, pointer(id_ends, c_size_t), pointer(num_tokens, c_uint64),
+                    pointer(group_ends, c_size_t), group_ids.size, pointer(group_ids, c_uint32),
+                    pointer(first_positions, c_uint64), pointer(block_ends, c_size_t), block_ids.size,
+                    pointer(block_ids, c_uint32), hash_pointer, hash_bytes,
+                )
+            )
+            self._requests += n
+            self._groups += group_ids.size
+        return self
+
+
+def _integers(values, dtype, name: str) -> np.ndarray:
+    """A 1-D array of non-negative integers as a contiguous array of
+    `dtype`: TypeError for another kind (bools too), ValueError for a value
+    `dtype` cannot hold (numpy would wrap it silently)."""
+    if type(values) is np.ndarray and values.dtype == dtype and values.ndim == 1 and values.flags.c_contiguous:
+        return values  # as the C call takes it
+    array = np.asarray(values)
+    if array.size == 0:
+        return np.zeros(0, dtype=dtype)
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be a 1-D sequence of integers, got dtype {array.dtype} shape {array.shape}")
+    if array.dtype != dtype:
+        low, high = int(array.min()), int(array.max())
+        if low < 0 or high > np.iinfo(dtype).max:
+            raise ValueError(f"{name} must be in [0, {np.iinfo(dtype).max}]: got {low} .. {high}")
+    return np.ascontiguousarray(array, dtype=dtype)
+
 
 class Result(_Handle):
     """A worker's partial checksums (kvcs_result). Independent of its
@@ -443,20 +543,29 @@ class Worker(_Handle):
         verdicts with Result.stored."""
         return self._call_result(self._lib.kvcs_worker_check_stored, blocks, cuda_stream)
 
-    def block_tags(self, group_id: int, hashes: Sequence[bytes]) -> np.ndarray:
-        """The tags of docs/SPEC.md section 8 for blocks with these hashes.
+    def block_tags(self, group_id: int, hashes) -> np.ndarray:
+        """The tags of docs/SPEC.md section 8 for blocks with these hashes
+        (a sequence of bytes, or a 2-D uint8 array of a row per hash).
         A value alone cannot tell a configuration change from corruption:
         connectors that keep entries themselves take Result.entries (value
         and stamp) and judge them with Result.check_entries."""
         group_id = _int(group_id, "uint32_t", "group_id")
-        hashes = _bytes_list(hashes, "hashes")
-        size = len(hashes[0]) if hashes else 8
-        data = b"".join(hashes)
-        buffer = (c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
-        tags = np.zeros(len(hashes), dtype=np.uint64)
-        pointer = tags.ctypes.data_as(ctypes.POINTER(c_uint64)) if len(hashes) else None
+        if isinstance(hashes, np.ndarray):
+            # A row per block hash (uint8): passed through as it is.
+            if hashes.ndim != 2 or hashes.dtype != np.uint8:
+                raise TypeError(f"hashes must be a 2-D uint8 array (a row per hash), got dtype {hashes.dtype} shape {hashes.shape}")
+            rows = np.ascontiguousarray(hashes)
+            count, size = rows.shape
+            buffer = rows.ctypes.data_as(ctypes.POINTER(c_uint8)) if rows.size else (c_uint8 * 1)()
+        else:
+            hashes = _bytes_list(hashes, "hashes")
+            count, size = len(hashes), len(hashes[0]) if hashes else 8
+            data = b"".join(hashes)
+            buffer = (c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
+        tags = np.zeros(count, dtype=np.uint64)
+        pointer = tags.ctypes.data_as(ctypes.POINTER(c_uint64)) if count else None
         with self._use() as handle:
-            _check(self._lib.kvcs_block_tags(handle, group_id, buffer, size, len(hashes), pointer))
+            _check(self._lib.kvcs_block_tags(handle, group_id, buffer, size, count, pointer))
         return tags
 
     def checksum(self, blocks: Blocks, role: int = PRODUCER, cuda_stream: int | None = None) -> Result:

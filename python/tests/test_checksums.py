@@ -260,3 +260,68 @@ def test_algorithms_against_the_reference(rng, algorithm):
     assert list(values) == list(expected)
     with pytest.raises(kvcsum.InvalidArgument, match="algorithm 7"):
         kvcsum.Worker(algorithm=7)
+
+
+def test_blocks_from_arrays_checksum_as_the_per_request_calls(rng):
+    """Blocks.add_arrays (one C call from numpy arrays) gives the values of
+    the same requests added one call at a time, and the reference."""
+    kv = logical_kv(rng, layers=2)
+    hnd = [np.ascontiguousarray(kv[i]) for i in range(2)]
+    layers = [kvcsum.layer(a, "HND", layer_number=n) for a, n in zip(hnd, [3, 9])]
+    requests = []
+    for r in range(int(rng.integers(2, 9))):
+        count = int(rng.integers(0, 5))
+        ids = [int(b) for b in rng.integers(0, BLOCKS, count)]
+        requests.append((f"req-{r}" + "é" * (r % 2), int(rng.integers(0, 5 * TOKENS)), int(rng.integers(0, 3)), ids))
+    group_ends = np.arange(1, len(requests) + 1)
+    block_ends = np.cumsum([len(ids) for _, _, _, ids in requests])
+    flat = np.array([b for _, _, _, ids in requests for b in ids], dtype=np.int64)
+    with kvcsum.Worker(num_threads=1) as worker, kvcsum.Blocks() as bulk, kvcsum.Blocks() as calls:
+        for array in hnd:
+            worker.add_region_of(array)
+        worker.add_group(0, TOKENS)
+        for layer in layers:
+            worker.add_layer(layer)
+        for req_id, num_tokens, first, ids in requests:
+            calls.add_request(req_id, num_tokens)
+            calls.add_group(req_id, 0, ids, first)
+        bulk.add_arrays(
+            [r for r, _, _, _ in requests],
+            np.array([n for _, n, _, _ in requests]),
+            group_ends,
+            np.zeros(len(requests), dtype=np.uint32),
+            np.array([f for _, _, f, _ in requests]),
+            block_ends,
+            flat,
+        )
+        with worker.checksum(calls, kvcsum.CONSUMER) as a, worker.checksum(bulk, kvcsum.CONSUMER) as b:
+            for req_id, num_tokens, first, ids in requests:
+                got = b.column(req_id, 0)
+                np.testing.assert_array_equal(got, a.column(req_id, 0))
+                # Positions from `first`: the reference over the blocks at
+                # their positions (ids padded before `first`).
+                want = reference(kv, [0] * first + ids, num_tokens, [3, 9])[first:]
+                np.testing.assert_array_equal(got, want)
+
+
+def test_blocks_from_arrays_refuse_disagreeing_arrays_and_add_nothing():
+    with kvcsum.Blocks() as blocks:
+        args = (["a", "b"], [16, 8], [1, 2], [0, 0], [0, 0], [2, 3], [1, 2, 3])
+        with pytest.raises(kvcsum.InvalidArgument, match="num_tokens has 1 entries"):
+            blocks.add_arrays(["a", "b"], [16], *args[2:])
+        with pytest.raises(kvcsum.InvalidArgument, match=r"block_ends ends at 3, but block_ids has 2"):
+            blocks.add_arrays(*args[:6], [1, 2])
+        with pytest.raises(kvcsum.InvalidArgument, match=r"group_ids\[1\] 0 is given twice"):
+            blocks.add_arrays(["a"], [16], [2], [0, 0], [0, 0], [2, 3], [1, 2, 3])
+        with pytest.raises(kvcsum.InvalidArgument, match="hashes has 2 rows"):
+            blocks.add_arrays(*args, hashes=np.zeros((2, 8), dtype=np.uint8))
+        with pytest.raises(ValueError, match="group_ends"):
+            blocks.add_arrays(["a", "b"], [16, 8], [1, -2], *args[3:])
+        blocks.add_request("b", 1)
+        with pytest.raises(kvcsum.InvalidArgument, match=r'req_ids\[1\] "b" is already in the block set'):
+            blocks.add_arrays(*args, hashes=np.ones((3, 32), dtype=np.uint8))
+        # Nothing of the refused calls was added: "a" is new.
+        blocks.add_request("a", 1)
+        blocks.add_arrays(["c"], [4], [1], [0], [0], [1], [5], hashes=np.ones((1, 8), dtype=np.uint8))
+        with pytest.raises(kvcsum.InvalidArgument, match="already"):
+            blocks.add_request("c", 1)

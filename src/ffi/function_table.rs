@@ -576,6 +576,23 @@ pub type kvcs_payload_short_last_fn = unsafe extern "C" fn(
     cap: usize,
     len: *mut usize,
 ) -> kvcs_status;
+/// The type of `kvcs_blocks_add_arrays`.
+pub type kvcs_blocks_add_arrays_fn = unsafe extern "C" fn(
+    blocks: *mut kvcs_blocks,
+    num_requests: usize,
+    req_ids: *const c_char,
+    req_id_ends: *const usize,
+    num_tokens: *const u64,
+    group_ends: *const usize,
+    num_groups: usize,
+    group_ids: *const u32,
+    first_positions: *const u64,
+    block_ends: *const usize,
+    num_block_ids: usize,
+    block_ids: *const u32,
+    hashes: *const u8,
+    hash_bytes: usize,
+) -> kvcs_status;
 /// The type of `kvcs_api_get`.
 pub type kvcs_api_get_fn = unsafe extern "C" fn(abi_version: u32, out: *mut *const kvcs_api) -> kvcs_status;
 
@@ -835,6 +852,8 @@ pub struct kvcs_api {
     pub kvcs_report_uncompared: kvcs_report_uncompared_fn,
     /// Slot 118: `kvcs_payload_short_last`.
     pub kvcs_payload_short_last: kvcs_payload_short_last_fn,
+    /// Slot 119: `kvcs_blocks_add_arrays`.
+    pub kvcs_blocks_add_arrays: kvcs_blocks_add_arrays_fn,
 }
 
 /// The table `kvcs_api_get` gives out.
@@ -960,4 +979,5 @@ pub(crate) static API: kvcs_api = kvcs_api {
     kvcs_report_num_uncompared: super::report::kvcs_report_num_uncompared,
     kvcs_report_uncompared: super::report::kvcs_report_uncompared,
     kvcs_payload_short_last: super::payload::kvcs_payload_short_last,
+    kvcs_blocks_add_arrays: super::blocks::kvcs_blocks_add_arrays,
 };

@@ -291,6 +291,76 @@ static void test_blocks(void) {
   CHECK(1); /* destroying NULL returned */
 }
 
+/* kvcs_blocks_add_arrays: each inconsistent array is refused naming it, and
+ * a refused call adds nothing (request "a" can be added after it). */
+static void test_blocks_add_arrays(void) {
+  kvcs_blocks *blocks = NULL;
+  EXPECT_OK(kvcs_blocks_create(&blocks));
+  const char ids[] = "ab";
+  const size_t id_ends[2] = {1, 2};
+  const uint64_t tokens[2] = {20, 5};
+  const size_t group_ends[2] = {2, 3};
+  const uint32_t groups[3] = {0, 1, 0};
+  const uint64_t firsts[3] = {0, 0, 0};
+  const size_t block_ends[3] = {2, 4, 5};
+  const uint32_t block_ids[5] = {1, 2, 3, 4, 5};
+  uint8_t hashes[5 * 8] = {0};
+#define ADD(req_ids_, id_ends_, group_ends_, groups_, firsts_, block_ends_, hashes_, hash_bytes_)                \
+  kvcs_blocks_add_arrays(blocks, 2, (req_ids_), (id_ends_), tokens, (group_ends_), 3, (groups_), (firsts_),     \
+                         (block_ends_), 5, block_ids, (hashes_), (hash_bytes_))
+  EXPECT(kvcs_blocks_add_arrays(NULL, 0, NULL, NULL, NULL, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL, 0),
+         KVCS_ERR_INVALID_ARGUMENT, "blocks");
+  EXPECT(ADD(ids, NULL, group_ends, groups, firsts, block_ends, NULL, 0), KVCS_ERR_INVALID_ARGUMENT,
+         "req_id_ends is NULL");
+  EXPECT(ADD(NULL, id_ends, group_ends, groups, firsts, block_ends, NULL, 0), KVCS_ERR_INVALID_ARGUMENT,
+         "req_ids is NULL");
+  EXPECT(ADD(ids, id_ends, group_ends, groups, firsts, NULL, NULL, 0), KVCS_ERR_INVALID_ARGUMENT,
+         "block_ends is NULL");
+  const size_t id_ends_down[2] = {2, 1};
+  EXPECT(ADD(ids, id_ends_down, group_ends, groups, firsts, block_ends, NULL, 0), KVCS_ERR_INVALID_ARGUMENT,
+         "req_id_ends[1] 1 is below");
+  const size_t id_ends_empty[2] = {0, 2};
+  EXPECT(ADD(ids, id_ends_empty, group_ends, groups, firsts, block_ends, NULL, 0), KVCS_ERR_INVALID_ARGUMENT,
+         "req_ids[0] is empty");
+  EXPECT(ADD("\xc3\x28", id_ends, group_ends, groups, firsts, block_ends, NULL, 0), KVCS_ERR_INVALID_ARGUMENT,
+         "req_ids[0] is not UTF-8");
+  EXPECT(ADD("a\0", id_ends, group_ends, groups, firsts, block_ends, NULL, 0), KVCS_ERR_INVALID_ARGUMENT,
+         "req_ids[1] holds a NUL byte at 0");
+  EXPECT(ADD("aa", id_ends, group_ends, groups, firsts, block_ends, NULL, 0), KVCS_ERR_INVALID_ARGUMENT,
+         "req_ids[1] \"a\" is given twice");
+  const size_t group_ends_short[2] = {1, 2};
+  EXPECT(ADD(ids, id_ends, group_ends_short, groups, firsts, block_ends, NULL, 0), KVCS_ERR_INVALID_ARGUMENT,
+         "group_ends ends at 2, but group_ids has 3");
+  const size_t block_ends_long[3] = {2, 4, 6};
+  EXPECT(ADD(ids, id_ends, group_ends, groups, firsts, block_ends_long, NULL, 0), KVCS_ERR_INVALID_ARGUMENT,
+         "block_ends ends at 6, but block_ids has 5");
+  const uint32_t groups_twice[3] = {1, 1, 0};
+  EXPECT(ADD(ids, id_ends, group_ends, groups_twice, firsts, block_ends, NULL, 0), KVCS_ERR_INVALID_ARGUMENT,
+         "group_ids[1] 1 is given twice for req_ids[0] \"a\"");
+  const uint64_t firsts_over[3] = {0, 0, UINT64_MAX};
+  EXPECT(ADD(ids, id_ends, group_ends, groups, firsts_over, block_ends, NULL, 0), KVCS_ERR_INVALID_ARGUMENT,
+         "first_positions[2]");
+  EXPECT(ADD(ids, id_ends, group_ends, groups, firsts, block_ends, hashes, 4), KVCS_ERR_INVALID_ARGUMENT,
+         "hash_bytes is 4");
+  EXPECT(kvcs_blocks_add_arrays(blocks, 2, ids, id_ends, tokens, group_ends, 3, groups, firsts, block_ends,
+                                SIZE_MAX, block_ids, hashes, 8),
+         KVCS_ERR_INVALID_ARGUMENT, "overflows");
+  /* Request "b" already in the set: nothing of the call is added, "a" neither. */
+  EXPECT_OK(kvcs_blocks_add_request(blocks, "b", 1));
+  EXPECT(ADD(ids, id_ends, group_ends, groups, firsts, block_ends, hashes, 8), KVCS_ERR_INVALID_ARGUMENT,
+         "req_ids[1] \"b\" is already in the block set");
+  EXPECT_OK(kvcs_blocks_add_request(blocks, "a", 1));
+  kvcs_blocks_destroy(blocks);
+  /* The same arrays on a fresh set: added, with their groups. */
+  EXPECT_OK(kvcs_blocks_create(&blocks));
+  EXPECT_OK(ADD(ids, id_ends, group_ends, groups, firsts, block_ends, hashes, 8));
+  EXPECT(kvcs_blocks_add_request(blocks, "a", 1), KVCS_ERR_INVALID_ARGUMENT, "\"a\" is already");
+  EXPECT(kvcs_blocks_add_group(blocks, "a", 1, 0, block_ids, 1), KVCS_ERR_INVALID_ARGUMENT, "group_id 1 already");
+  EXPECT_OK(kvcs_blocks_add_arrays(blocks, 0, NULL, NULL, NULL, NULL, 0, NULL, NULL, NULL, 0, NULL, NULL, 0));
+#undef ADD
+  kvcs_blocks_destroy(blocks);
+}
+
 static void test_checksum_and_result(void) {
   kvcs_worker_options options = host_options();
   kvcs_worker *worker = NULL;
@@ -659,6 +729,7 @@ void test_errors(void) {
   test_worker_create();
   test_registration();
   test_blocks();
+  test_blocks_add_arrays();
   test_checksum_and_result();
   test_layer_from_layout();
   test_repair_plan();

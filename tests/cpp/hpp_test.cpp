@@ -303,6 +303,44 @@ void test_checksums() {
   EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "7", fresh.set_algorithm(static_cast<kvcs::algorithm>(7)));
 }
 
+/// A block set from arrays (add_arrays) checksums as the one built per
+/// request; views of mismatched lengths are refused before the call.
+void test_block_arrays() {
+  std::vector<flash_layer> layers(kLayers);
+  kvcs::worker worker = flash_worker(layers, kvcs::algorithm::mixed2, false);
+  uint64_t num_tokens = 2 * kBlockSize + 1 + random_bits() % (kBlockSize - 1);
+  std::vector<uint32_t> table = {4, 1, 3};
+  kvcs::blocks one_by_one;
+  one_by_one.add_request("r", num_tokens);
+  one_by_one.add_group("r", 0, 0, table);
+  one_by_one.add_request("s", kBlockSize);
+  one_by_one.add_group("s", 0, 1, {2u});
+  const size_t id_ends[2] = {1, 2};
+  const uint64_t tokens[2] = {num_tokens, kBlockSize};
+  const size_t group_ends[2] = {1, 2};
+  const uint32_t group_ids[2] = {0, 0};
+  const uint64_t firsts[2] = {0, 1};
+  const size_t block_ends[2] = {3, 4};
+  const uint32_t block_ids[4] = {4, 1, 3, 2};
+  kvcs::block_arrays arrays{"rs", id_ends, tokens, group_ends, group_ids, firsts, block_ends, block_ids, {}, 0};
+  kvcs::blocks bulk;
+  bulk.add_arrays(arrays);
+  kvcs::result a = worker.checksum(one_by_one, kvcs::role::consumer);
+  kvcs::result b = worker.checksum(bulk, kvcs::role::consumer);
+  a.wait();
+  b.wait();
+  EXPECT(a.column("r", 0) == b.column("r", 0) && a.column("s", 0) == b.column("s", 0));
+  EXPECT(b.column("r", 0) == naive_checksums(layers, {4, 1, 3}, num_tokens, kvcs::algorithm::mixed2));
+  kvcs::block_arrays short_tokens = arrays;
+  short_tokens.num_tokens = kvcs::view<uint64_t>(tokens, 1);
+  kvcs::blocks other;
+  EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "num_tokens has 1", other.add_arrays(short_tokens));
+  kvcs::block_arrays short_ids = arrays;
+  short_ids.req_ids = "r";
+  EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "req_ids has 1", other.add_arrays(short_ids));
+  EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "already", bulk.add_arrays(arrays));
+}
+
 /// The registration calls and their errors: regions, layers, state layers,
 /// aliases, skipped groups.
 void test_registration() {
@@ -739,6 +777,7 @@ int main() {
     test_basics();
     test_base64();
     test_checksums();
+    test_block_arrays();
     test_registration();
     test_stored();
     test_verification();

@@ -11,6 +11,7 @@ mod support;
 mod aliases;
 mod avalanche;
 mod bindings_coverage;
+mod block_arrays;
 mod c_abi;
 mod cost;
 mod decoding;

@@ -111,6 +111,12 @@ class LayerDecodings:
         self._fp8 = _platform_fp8()
         self._declared: dict[tuple, tuple] = {}
         self._failed: set = set()
+        #: Layers whose facts cannot change any more: not fp8 (only fp8
+        #: scales change, when vLLM calculates them) while the forward
+        #: context holds the same number of layers. declare() looks at the
+        #: others only.
+        self._settled: set = set()
+        self._context_size = -1
 
     def _forward_context(self) -> Mapping:
         compilation = getattr(self._config, "compilation_config", None)
@@ -133,11 +139,20 @@ class LayerDecodings:
         worker refuses is logged once and left undeclared (it then compares
         as if nothing were declared)."""
         context = self._forward_context()
+        if len(context) != self._context_size:
+            # Layers came or went: look at every layer again.
+            self._context_size = len(context)
+            self._settled.clear()
+        if len(self._settled) == len(self._layers):
+            return
         for spec in self._layers:
             key = (spec.group_id, spec.name)
-            if key in self._failed:
+            if key in self._failed or key in self._settled:
                 continue
-            facts = self.facts(spec, context.get(spec.name))
+            layer = context.get(spec.name)
+            facts = self.facts(spec, layer)
+            if not (facts[0] or "").startswith("fp8") and self._declared.get(key, facts) == facts:
+                self._settled.add(key)
             if self._declared.get(key) == facts:
                 continue
             dtype, head_size, k_scale, v_scale = facts

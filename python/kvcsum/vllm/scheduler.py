@@ -38,6 +38,8 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 import kvcsum
 from kvcsum.vllm.cache_checksums import NULL_BLOCK_ID, Job
 from kvcsum.vllm.common import (
@@ -65,6 +67,7 @@ from kvcsum.vllm.params import (
 )
 from kvcsum.vllm.source_check import SchedulerSourceCheck
 from kvcsum.vllm.stats import KvcsumStats, load_key
+from kvcsum.vllm.tier_values import EMPTY_BATCH, BlockBatch
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -72,6 +75,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["SchedulerRole"]
+
+
+def _zeros(count: int):
+    """`count` zeros, for map(dict.get, keys, defaults)."""
+    return (0,) * count
 
 
 def _forget(verifier: "kvcsum.Verifier", req_id: str) -> None:
@@ -182,6 +190,9 @@ class SchedulerRole:
         self._finished_reqs: list = []
         self._logged: set = set()
         self._known: dict = {}
+        #: The requests whose prompt may complete in a later step (known, not
+        #: yet seen past their prompt): only these are looked at for sends.
+        self._before_prompt: set = set()
         self._last_verdicts: dict = {}
         self._producer = kvcsum.Verifier(num_workers)
         self._load_judge = LoadJudge(kv_cache_config, self._block_sizes, num_workers, settings.fail_unverified)
@@ -194,6 +205,7 @@ class SchedulerRole:
 
     def on_new_request(self, request: "Request") -> None:
         self._known[request.request_id] = request
+        self._before_prompt.add(request.request_id)
 
     def matched(self, request: "Request", num_computed_tokens: int, tokens, load_async) -> tuple:
         """get_num_new_matched_tokens, after the inner connector answered
@@ -276,6 +288,8 @@ class SchedulerRole:
             self._tier_failed.discard(req_id)
         self._finished_reqs = []
         for req_id in scheduler_output.preempted_req_ids or ():
+            if req_id in self._known:
+                self._before_prompt.add(req_id)  # computed again from its start
             send = self._sends.get(req_id)
             if send is not None and not send.finished:
                 # Its KV will be computed again: checksum it again then.
@@ -290,7 +304,7 @@ class SchedulerRole:
             sync_loads=self._new_sync_loads,
             async_loads=self._new_async_loads,
             verdicts=self._verdicts_out,
-            stores=self._new_stores,
+            stores=BlockBatch.of(self._new_stores) if self._new_stores else EMPTY_BATCH,
             tier_sync_loads=self._new_tier_sync,
             tier_async_loads=self._new_tier_async,
             sources_released=self._sources.released(scheduler_output.preempted_req_ids or ()),
@@ -324,6 +338,10 @@ class SchedulerRole:
         this step and passed is released in this very step (no engine step
         added), and one that failed is taken out of finished_recving and
         handed back next step with its load errors."""
+        if getattr(connector_output, "invalid_block_ids", None):
+            # vLLM rewinds the requests of load errors to their first bad
+            # block, maybe into their prompt: look at every request again.
+            self._before_prompt.update(self._known)
         finished = connector_output.finished_recving
         if not finished:
             return
@@ -351,6 +369,7 @@ class SchedulerRole:
         """request_finished, after the inner connector's (delay, params)."""
         req_id = request.request_id
         self._known.pop(req_id, None)
+        self._before_prompt.discard(req_id)
         self._matched.pop(req_id, None)
         # Its loads' notes of this step still come (update_connector_output
         # follows request_finished): forgotten next step.
@@ -433,18 +452,31 @@ class SchedulerRole:
         hashes = request.block_hashes
         return bytes(hashes[index]) if index < len(hashes) else None
 
+    def _block_table(self, req_id: str):
+        """(group_id, first, end) -> the request's block ids at positions
+        [first, end) of that group: read from vLLM's block lists directly
+        (the coordinator's get_blocks), so that a step's few new blocks are
+        read without converting every block of the request; through
+        get_block_ids where the manager has no coordinator."""
+        get_blocks = getattr(getattr(self._kv_cache_manager, "coordinator", None), "get_blocks", None)
+        if get_blocks is not None:
+            blocks = get_blocks(req_id)
+            return lambda group_id, first, end: [b.block_id for b in blocks[group_id][first:end]]
+        table = self._kv_cache_manager.get_block_ids(req_id)
+        return lambda group_id, first, end: list(table[group_id])[first:end]
+
     def _hashed_blocks(self, request: "Request", first_token: int, end_token: int, full_only: bool, groups=None):
         """The request's blocks of tokens [first_token, end_token) per group,
         with their hashes (None for a block not full by end_token), null
         blocks left out (a run after the last one). None when there are none."""
-        table = self._kv_cache_manager.get_block_ids(request.request_id)
+        table = self._block_table(request.request_id)
         out = {}
         for group_id, size in self._block_sizes.items():
             if groups is not None and group_id not in groups:
                 continue
             first = first_token // size
             end = end_token // size if full_only else math.ceil(end_token / size)
-            ids = list(table[group_id])[first:end]
+            ids = table(group_id, first, end)
             while NULL_BLOCK_ID in ids:
                 cut = ids.index(NULL_BLOCK_ID) + 1
                 ids, first = ids[cut:], first + cut
@@ -461,22 +493,29 @@ class SchedulerRole:
 
     def _schedule_stores(self, scheduler_output: "SchedulerOutput") -> None:
         """The blocks that become full in this step's forward (the tokens
-        computed, not loaded): every worker keeps their values."""
+        computed, not loaded): every worker keeps their values. Only the
+        requests that pass a block boundary are looked at, found over the
+        step's arrays at once."""
         if self._kv_cache_manager is None:
             return
-        progress = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
-        cached = scheduler_output.scheduled_cached_reqs
-        progress += list(zip(cached.req_ids, cached.num_computed_tokens))
         # Every block boundary is a multiple of the sizes' gcd: where no
         # multiple of it is passed, no block becomes full.
         unit = math.gcd(*self._block_sizes.values()) if self._block_sizes else 0
         if unit <= 0:
             return
         scheduled = scheduler_output.num_scheduled_tokens
+        progress = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        if cached.req_ids:
+            count = len(cached.req_ids)
+            computed = np.fromiter(cached.num_computed_tokens, dtype=np.int64, count=count)
+            step = np.fromiter(map(scheduled.get, cached.req_ids, _zeros(count)), dtype=np.int64, count=count)
+            crossing = np.flatnonzero(computed // unit != (computed + step) // unit)
+            progress += [(cached.req_ids[i], int(computed[i])) for i in crossing.tolist()]
         for req_id, computed in progress:
             end = computed + scheduled.get(req_id, 0)
             if computed // unit == end // unit:
-                continue  # no block becomes full (most decode steps)
+                continue  # no block becomes full
             request = self._known.get(req_id)
             if request is None:
                 continue
@@ -556,17 +595,26 @@ class SchedulerRole:
         return self._settings.checksum_all or wants_remote_decode(request.kv_transfer_params)
 
     def _schedule_sends(self, scheduler_output: "SchedulerOutput") -> None:
-        if self._kv_cache_manager is None:
+        """The producer jobs of the requests whose prompt completes in this
+        step's forward. Only requests not yet seen past their prompt are
+        looked at (a request computes from before its prompt's end again
+        only after a preemption or load errors, which put it back)."""
+        if self._kv_cache_manager is None or not self._before_prompt:
             return
         progress = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs
-        progress += list(zip(cached.req_ids, cached.num_computed_tokens))
+        before = self._before_prompt
+        progress += [(r, c) for r, c in zip(cached.req_ids, cached.num_computed_tokens) if r in before]
         for req_id, computed in progress:
+            if req_id not in self._before_prompt:
+                continue
             request = self._known.get(req_id)
             if request is None:
                 continue
             prompt = request.num_prompt_tokens
             done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if done >= prompt:
+                self._before_prompt.discard(req_id)
             if computed >= prompt or done < prompt or not self._wants_send(request):
                 continue
             job = self._job(req_id, 0, prompt)

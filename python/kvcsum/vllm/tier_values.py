@@ -42,6 +42,7 @@ import kvcsum
 from kvcsum.vllm.cache_checksums import Job
 
 __all__ = [
+    "BlockBatch",
     "StoredValues",
     "TierChecker",
     "TierComparison",
@@ -104,6 +105,126 @@ class HashedBlocks:
         return Job(self.req_id, self.num_tokens, {g: (first, list(ids)) for g, (first, ids, _) in self.groups.items()})
 
 
+def _empty(dtype) -> np.ndarray:
+    array = np.zeros(0, dtype=dtype)
+    array.flags.writeable = False
+    return array
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockBatch:
+    """The blocks of several requests with their block hashes, as arrays in
+    compressed rows (kvcsum.Blocks.add_arrays): what the scheduler sends the
+    workers each step of the blocks that became full
+    (`KvcsumConnectorMetadata.stores`), one set of numpy arrays however many
+    requests, built by the worker into one block set in one call.
+
+    Request i is `req_ids[i]` with `num_tokens[i]` tokens; its groups are
+    `group_ends[i-1] .. group_ends[i]` of `group_ids` / `first_positions` /
+    `block_ends`, group g's blocks `block_ends[g-1] .. block_ends[g]` of
+    `block_ids`, each with its hash, a row of `hashes` (uint8, one length)."""
+
+    req_ids: tuple = ()
+    num_tokens: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.uint64))
+    group_ends: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.uintp))
+    group_ids: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.uint32))
+    first_positions: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.uint64))
+    block_ends: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.uintp))
+    block_ids: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.uint32))
+    hashes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 8), dtype=np.uint8))
+    #: Per block id, its position in its request and its group (what the
+    #: worker keeps with its value), and the groups present.
+    positions: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.int64))
+    block_groups: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.uint32))
+    groups: frozenset = frozenset()
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.block_ids.size)
+
+    @classmethod
+    def of(cls, stores: Sequence[HashedBlocks]) -> "BlockBatch":
+        """The batch of these requests' blocks: the groups whose blocks all
+        have a hash, of the length of the first hash (a group with a block
+        without one, or of another length, is left out, as is a request
+        left with no group)."""
+        req_ids, num_tokens, group_ends = [], [], []
+        group_ids, firsts, block_ends, ids, hashes = [], [], [], [], []
+        positions, block_groups = [], []
+        size = None
+        for blocks in stores:
+            kept = 0
+            for group_id, (first, block_ids, block_hashes) in blocks.groups.items():
+                if not block_ids or any(h is None for h in block_hashes):
+                    continue
+                if size is None:
+                    size = len(block_hashes[0])
+                if any(len(h) != size for h in block_hashes):
+                    continue
+                group_ids.append(group_id)
+                firsts.append(first)
+                ids.extend(block_ids)
+                hashes.extend(block_hashes)
+                positions.extend(range(first, first + len(block_ids)))
+                block_groups.extend([group_id] * len(block_ids))
+                block_ends.append(len(ids))
+                kept += 1
+            if kept:
+                req_ids.append(blocks.req_id)
+                num_tokens.append(blocks.num_tokens)
+                group_ends.append(len(group_ids))
+        if not req_ids:
+            return EMPTY_BATCH
+        return cls(
+            tuple(req_ids),
+            np.array(num_tokens, dtype=np.uint64),
+            np.array(group_ends, dtype=np.uintp),
+            np.array(group_ids, dtype=np.uint32),
+            np.array(firsts, dtype=np.uint64),
+            np.array(block_ends, dtype=np.uintp),
+            np.array(ids, dtype=np.uint32),
+            np.frombuffer(b"".join(hashes), dtype=np.uint8).reshape(len(ids), size),
+            np.array(positions, dtype=np.int64),
+            np.array(block_groups, dtype=np.uint32),
+            frozenset(group_ids),
+        )
+
+    def only_groups(self, keep) -> "BlockBatch":
+        """The batch without the groups not in `keep` (itself where it has
+        none such)."""
+        if self.groups.issubset(keep):
+            return self
+        groups = self.group_ids.tolist()
+        block_ends = self.block_ends.tolist()
+        stores, start_group = [], 0
+        for i, req_id in enumerate(self.req_ids):
+            end_group = int(self.group_ends[i])
+            out = {}
+            for g in range(start_group, end_group):
+                start = block_ends[g - 1] if g else 0
+                if groups[g] in keep:
+                    out[groups[g]] = (
+                        int(self.first_positions[g]),
+                        self.block_ids[start : block_ends[g]].tolist(),
+                        [bytes(row) for row in self.hashes[start : block_ends[g]]],
+                    )
+            start_group = end_group
+            if out:
+                stores.append(HashedBlocks(req_id, int(self.num_tokens[i]), out))
+        return BlockBatch.of(stores)
+
+    def add_to(self, blocks: "kvcsum.Blocks") -> None:
+        """Adds the batch to a block set, in one call."""
+        blocks.add_arrays(
+            self.req_ids, self.num_tokens, self.group_ends, self.group_ids, self.first_positions,
+            self.block_ends, self.block_ids, self.hashes,
+        )
+
+
+#: The batch of no blocks (most decode steps).
+EMPTY_BATCH = BlockBatch()
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockOutcome:
     """A loaded block's comparison: `outcome` (MATCHED, MISMATCHED or
@@ -161,6 +282,13 @@ class StoredValues:
             del self._entries[next(iter(self._entries))]
             self.dropped += 1
 
+    def remember_many(self, group_id: int, hashes: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
+        """`remember` for a row of `hashes` (uint8, a hash a row) per block."""
+        size = hashes.shape[1] if hashes.ndim == 2 else 0
+        data = hashes.tobytes()
+        for i, (position, value) in enumerate(zip(positions.tolist(), values.tolist())):
+            self.remember(group_id, data[i * size : (i + 1) * size], position, value)
+
     def compare(self, group_id: int, block_hash: bytes | None, position: int, value: int) -> BlockOutcome:
         """The outcome of a loaded block whose sum is `value`."""
         if block_hash is None:
@@ -215,7 +343,7 @@ class TierChecker:
     def __init__(self, checksummer, capacity: int = DEFAULT_CAPACITY):
         self.checksummer = checksummer
         self.values = StoredValues(capacity)
-        self._pending: list = []  # (kvcsum.Result, {group: [(block id, position, hash)]})
+        self._pending: list = []  # (kvcsum.Result, BlockBatch)
         # A buffer of stored checksums per group the worker checksums.
         self._buffers: dict = {}
         for group_id in sorted(checksummer.fingerprints):
@@ -235,38 +363,28 @@ class TierChecker:
         """Checksums of stored blocks not yet read."""
         return len(self._pending)
 
-    def store(self, stores: Sequence[HashedBlocks], cuda_stream: int | None = None) -> None:
-        """Checksums blocks that became full (on a device: queued on
-        `cuda_stream`, torch's current stream by default, after the forward
-        that filled them); their values are kept once read (`settle`)."""
-        if not stores:
+    def store(self, stores, cuda_stream: int | None = None) -> None:
+        """Checksums blocks that became full (a BlockBatch, or a sequence of
+        HashedBlocks; on a device: queued on `cuda_stream`, torch's current
+        stream by default, after the forward that filled them) in one call;
+        their values are kept once read (`settle`)."""
+        batch = stores if isinstance(stores, BlockBatch) else BlockBatch.of(stores)
+        if not batch.num_blocks:
+            return
+        batch = batch.only_groups(self._buffers)
+        if not batch.num_blocks:
             return
         # A block id freed and filled again would overwrite a value not yet
         # read: earlier stores are read first (their work is long done).
         self.settle(wait=True)
-        entries: dict = {}
         with kvcsum.Blocks() as call:
-            for blocks in stores:
-                groups = {
-                    g: (first, ids, hashes)
-                    for g, (first, ids, hashes) in blocks.groups.items()
-                    if g in self._buffers and ids and all(h is not None for h in hashes)
-                }
-                if not groups:
-                    continue
-                call.add_request(blocks.req_id, blocks.num_tokens)
-                for group_id, (first, ids, hashes) in groups.items():
-                    call.add_group(blocks.req_id, group_id, list(ids), first)
-                    call.set_hashes(blocks.req_id, group_id, list(hashes))
-                    entries.setdefault(group_id, []).extend((b, first + i, h) for i, (b, h) in enumerate(zip(ids, hashes)))
-            if not entries:
-                return
+            batch.add_to(call)
             if self.checksummer.device != kvcsum.HOST and cuda_stream is None:
                 import torch
 
                 cuda_stream = torch.cuda.current_stream(self.checksummer.device).cuda_stream
             result = self.checksummer.worker.store(call, cuda_stream)
-        self._pending.append((result, entries))
+        self._pending.append((result, batch))
 
     @staticmethod
     def sums(result: "kvcsum.Result", req_id: str, group_id: int, first: int, count: int):
@@ -293,17 +411,20 @@ class TierChecker:
                 continue
             try:
                 result.wait()
-                worker = self.checksummer.worker
-                for group_id, blocks in entries.items():
-                    ids = np.array([b for b, _, _ in blocks], dtype=np.int64)
-                    hashes = [h for _, _, h in blocks]
-                    # The buffer holds sum XOR tag (SPEC section 8).
-                    sums = self._buffers[group_id][ids, 0] ^ worker.block_tags(group_id, hashes)
-                    for (_, position, block_hash), value in zip(blocks, sums.tolist()):
-                        self.values.remember(group_id, block_hash, position, value)
+                self._keep(result, entries)
             finally:
                 result.close()
         self._pending = kept
+
+    def _keep(self, result, batch: BlockBatch) -> None:
+        """Keeps the values a store wrote of a batch's blocks (the buffer
+        holds sum XOR tag, SPEC section 8)."""
+        worker = self.checksummer.worker
+        for group_id in batch.groups:
+            chosen = slice(None) if len(batch.groups) == 1 else batch.block_groups == group_id
+            ids, hashes = batch.block_ids[chosen], batch.hashes[chosen]
+            sums = self._buffers[group_id][ids, 0] ^ worker.block_tags(group_id, hashes)
+            self.values.remember_many(group_id, hashes, batch.positions[chosen], sums)
 
     def check(self, blocks: HashedBlocks, fail_unknown: bool = False, cuda_stream: int | None = None) -> TierComparison:
         """Compares loaded blocks with the values kept (waiting for the

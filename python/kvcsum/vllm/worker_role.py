@@ -53,7 +53,7 @@ from kvcsum.vllm.load_verdict import LoadJudge
 from kvcsum.vllm.record_exchange import LoadRecord, RecordExchange, WorkerRecords, engine_exchange
 from kvcsum.vllm.source_check import WorkerSourceCheck
 from kvcsum.vllm.stats import KvcsumStats
-from kvcsum.vllm.tier_values import TierChecker
+from kvcsum.vllm.tier_values import BlockBatch, TierChecker
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
@@ -201,9 +201,10 @@ class WorkerRole:
         self._take_sync_loads()
         # The forward that filled them is queued before: their values are
         # read once ready (next step, or before a tier check).
-        if self._tier is not None:
+        stores = meta.stores
+        if self._tier is not None and (stores.num_blocks if isinstance(stores, BlockBatch) else stores):
             self._declare_decodings()
-            self._tier.store(meta.stores)
+            self._tier.store(stores)
         for blocks in meta.tier_sync_loads:
             # vLLM reads this step's load errors before it emits its tokens.
             invalid = self._check_tier(blocks)

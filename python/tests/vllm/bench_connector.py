@@ -1,21 +1,35 @@
-"""CPU time of KvcsumConnector per engine step, scheduler and worker, at 256
-running requests, against the wrapped connector alone.
+"""CPU time of KvcsumConnector per engine step, scheduler and each worker,
+against vLLM's own scheduler time in the same run and against the wrapped
+connector alone.
 
 One engine of the vLLM test harness (vLLM 0.33.0's real Scheduler and
-worker glue, KV caches in CPU memory, TP 1, 16-token blocks, 4 layers of 4
-KV heads of 16 elements, fp16) with 256 requests of 100 to 115 prompt tokens,
-decoding (a sixteenth of them fill a block each step). The wrapped connector is a null connector (it loads and stores
-nothing), so "wrapped alone" is vLLM's calls into a connector and the
-difference is kvcsum's work: every block that becomes full is checksummed
-(on the host here, since the caches are in CPU memory: on a GPU that work
-is a kernel queued on the stream, and the worker's CPU time is the call),
-its values kept, and the scheduler's metadata built. Only time spent
-inside the connectors' calls is counted (time.process_time of this
-process, which runs scheduler and worker alike), per step, median and
-mean over the decode steps.
+worker glue, KV caches in CPU memory, TP 2 by default, 16-token blocks, 4
+layers of 4 KV heads of 16 elements, fp16) with N running requests of 100
+to 115 prompt tokens, decoding: a sixteenth of them fill a block each step
+(requests out of lockstep), the connector's default settings. The wrapped
+connector is a null connector (it loads and stores nothing), so "wrapped
+alone" is vLLM's calls into a connector and the difference is kvcsum's
+work: every block that becomes full is checksummed (on the host here, since
+the caches are in CPU memory: on a GPU that work is a kernel queued on the
+stream, and the worker's CPU time is the call), its value kept, and the
+scheduler's metadata built.
+
+Times are CPU time of this process (time.process_time, which counts the
+host checksum threads too) per decode step, medians over the decode steps:
+
+- vLLM's own scheduler: Scheduler.schedule + Scheduler.update_from_output,
+  less the connector calls made inside them, in the run with kvcsum;
+- connector, scheduler: inside the scheduler connector's calls;
+- connector, worker: inside one worker connector's calls (the slowest rank).
+
+kvcsum's added time is the run with it less the run with the null
+connector alone, and its share is that over vLLM's own scheduler time.
+`--lockstep` gives every request the same prompt length, so that most
+steps fill no block: those steps are reported apart ("no block fills").
 
     cd build && PYTHONPATH=$PWD/../python KVCSUM_LIBRARY=$PWD/../target/release/libkvcsum.so \\
-        VLLM_LOGGING_LEVEL=ERROR ./vllm-venv/bin/python ../python/tests/vllm/bench_connector.py [--requests 256] [--steps 48]
+        VLLM_LOGGING_LEVEL=ERROR ./vllm-venv/bin/python ../python/tests/vllm/bench_connector.py \\
+        [--requests 256 1024] [--steps 48] [--tp 2] [--lockstep]
 """
 
 from __future__ import annotations
@@ -93,53 +107,83 @@ class Clock:
             setattr(connector, name, timed)
 
 
-def measure(wrap: bool, requests: int, steps: int) -> dict:
+def measure(wrap: bool, requests: int, steps: int, tp: int, lockstep: bool) -> dict:
+    """Per decode step with every request running: (vLLM's own scheduler
+    time, the scheduler connector's, the slowest worker connector's, the
+    blocks that became full), in seconds, one tuple a step."""
     inner = {"kv_connector": "NullConnector", "kv_connector_module_path": __name__ if __name__ != "__main__" else "bench_connector"}
     engine = Engine(
-        "bench", role="kv_both", tp=1, block_size=16, layout=KVCacheLayout.LBNHC, store_dir="", inner=inner, wrap=wrap,
+        "bench", role="kv_both", tp=tp, block_size=16, layout=KVCacheLayout.LBNHC, store_dir="", inner=inner, wrap=wrap,
         num_blocks=requests * 12 + 64, max_num_seqs=requests, max_batched_tokens=8192,
     )
-    scheduler_clock, worker_clock = Clock(), Clock()
+    scheduler_clock, vllm_clock = Clock(), Clock()
+    worker_clocks = [Clock() for _ in engine.ranks]
     scheduler_clock.wrap(engine.scheduler.connector, SCHEDULER_CALLS)
-    for rank in engine.ranks:
-        worker_clock.wrap(rank.connector, WORKER_CALLS)
+    vllm_clock.wrap(engine.scheduler, ["schedule", "update_from_output"])
+    for clock, rank in zip(worker_clocks, engine.ranks):
+        clock.wrap(rank.connector, WORKER_CALLS)
     for r in range(requests):
         # Prompts of 100 to 115 tokens: a sixteenth of the requests fill a
         # block in each decode step, as requests out of lockstep do.
-        engine.add_request(f"r{r}", [11 + (r * 31 + i * 7) % 900 for i in range(100 + r % 16)], steps + 40)
+        length = 100 if lockstep else 100 + r % 16
+        engine.add_request(f"r{r}", [11 + (r * 31 + i * 7) % 900 for i in range(length)], steps + 40)
     samples = []
     while len(samples) < steps:
-        before = (scheduler_clock.seconds, worker_clock.seconds)
+        before = (scheduler_clock.seconds, vllm_clock.seconds, [c.seconds for c in worker_clocks])
         engine.step()
         running = len(engine.scheduler.running)
         decoding = all(len(t.output_tokens) > 0 for t in engine.traces.values())
         if decoding and running == requests:
-            samples.append((scheduler_clock.seconds - before[0], worker_clock.seconds - before[1]))
+            connector = scheduler_clock.seconds - before[0]
+            # A full block: a request whose tokens reached a multiple of 16.
+            filled = sum(1 for t in engine.traces.values() if t.scheduled and sum(t.scheduled[-1]) % 16 == 0)
+            samples.append((
+                vllm_clock.seconds - before[1] - connector,
+                connector,
+                max(c.seconds - b for c, b in zip(worker_clocks, before[2])),
+                filled,
+            ))
     engine.close()
-    sched = [s for s, _ in samples]
-    work = [w for _, w in samples]
-    return {
-        "scheduler_median_us": statistics.median(sched) * 1e6,
-        "scheduler_mean_us": statistics.mean(sched) * 1e6,
-        "worker_median_us": statistics.median(work) * 1e6,
-        "worker_mean_us": statistics.mean(work) * 1e6,
-    }
+    return samples
+
+
+def _median_us(samples, index: int, where=lambda s: True) -> float:
+    chosen = [s[index] for s in samples if where(s)]
+    return statistics.median(chosen) * 1e6 if chosen else float("nan")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--requests", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--lockstep", action="store_true", help="equal prompts: most steps fill no block")
     args = parser.parse_args()
-    print(f"{args.requests} running requests, {args.steps} decode steps, 16-token blocks ({args.requests // 16} blocks fill a step)")
-    for wrap in (False, True):
-        m = measure(wrap, args.requests, args.steps)
-        label = "KvcsumConnector(NullConnector)" if wrap else "NullConnector alone          "
-        print(
-            f"{label}: scheduler {m['scheduler_median_us']:8.0f} us a step (mean {m['scheduler_mean_us']:8.0f}), "
-            f"worker {m['worker_median_us']:8.0f} us a step (mean {m['worker_mean_us']:8.0f})",
-            flush=True,
-        )
+    kinds = [("every step", lambda s: True)]
+    if args.lockstep:
+        kinds = [("no block fills", lambda s: s[3] == 0), ("blocks fill", lambda s: s[3] > 0)]
+    print(
+        f"TP {args.tp}, 16-token blocks, {args.steps} decode steps a run, "
+        + ("prompts of 100 tokens (all fill together)" if args.lockstep else "prompts of 100-115 tokens (a sixteenth fill a step)")
+        + "; CPU time per decode step, median, in us"
+    )
+    print()
+    print("| running requests | steps | vLLM's own scheduler | null connector, scheduler | null connector, each worker "
+          "| kvcsum, scheduler | kvcsum, each worker | kvcsum adds, scheduler | kvcsum adds, each worker |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for requests in args.requests:
+        alone = measure(False, requests, args.steps, args.tp, args.lockstep)
+        kvcsum = measure(True, requests, args.steps, args.tp, args.lockstep)
+        for label, where in kinds:
+            own = _median_us(kvcsum, 0, where)
+            null_s, null_w = _median_us(alone, 1, where), _median_us(alone, 2, where)
+            ks, kw = _median_us(kvcsum, 1, where), _median_us(kvcsum, 2, where)
+            add_s, add_w = ks - null_s, kw - null_w
+            print(
+                f"| {requests:,} | {label} | {own:,.0f} | {null_s:,.0f} | {null_w:,.0f} | {ks:,.0f} | {kw:,.0f} "
+                f"| {add_s:,.0f} ({add_s / own:.1%}) | {add_w:,.0f} ({add_w / own:.1%}) |",
+                flush=True,
+            )
     return 0
 
 
