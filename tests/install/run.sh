@@ -41,6 +41,13 @@ soname=$(readelf -d "$lib/libkvcsum.so.$version" | sed -n 's/.*Library soname: \
 size=$(stat -c %s "$lib/libkvcsum.so.$version")
 [ "$size" -lt $((2 * 1024 * 1024)) ] && pass "shared library is $size bytes (< 2 MiB)" ||
     fail "shared library is $size bytes, not under 2 MiB"
+# docs/c-api.md says "about N MB": within a quarter of the size installed.
+said=$(sed -n 's/.*without debug info (about \([0-9.]*\) MB.*/\1/p' docs/c-api.md)
+if [ -n "$said" ] && awk -v s="$size" -v d="$said" 'BEGIN { m = s / 1e6; exit !(m > 0.75 * d && m < 1.25 * d) }'; then
+    pass "docs/c-api.md says about $said MB for the shared library: $size bytes"
+else
+    fail "docs/c-api.md says about '${said}' MB for the shared library, which is $size bytes"
+fi
 if readelf -SW "$lib/libkvcsum.so.$version" | grep -q '\.debug_'; then
     fail "the installed shared library has debug sections"
 else
@@ -130,6 +137,16 @@ elif grep -q "error: implicit declaration of function .kvcs_version." "$work/no_
         sed 's/.*error: //')"
 else
     fail "under KVCS_NO_PROTOTYPES the direct call failed for another reason: $(cat "$work/no_prototypes.log")"
+fi
+# Without -Werror (docs/c-api.md says so): gcc 12 in C11 only warns, and
+# the link of a program not linked with -lkvcsum fails.
+if gcc -std=c11 -I"$prefix/include" "$work/no_prototypes.c" -o "$work/no_prototypes" >"$work/no_prototypes_plain.log" 2>&1; then
+    fail "a direct call under KVCS_NO_PROTOTYPES, without -Werror or -lkvcsum, linked"
+elif grep -q "implicit declaration of function .kvcs_version." "$work/no_prototypes_plain.log" &&
+    grep -q "undefined reference to .kvcs_version." "$work/no_prototypes_plain.log"; then
+    pass "KVCS_NO_PROTOTYPES without -Werror: an implicit-declaration diagnostic and a link error"
+else
+    fail "KVCS_NO_PROTOTYPES without -Werror: $(cat "$work/no_prototypes_plain.log")"
 fi
 # What a plugin needs stays: types, constants, kvcs_<call>_fn, the table.
 cat >"$work/plugin_types.c" <<'EOF'
