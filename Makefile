@@ -14,6 +14,11 @@
 #                 0.33.0's scheduler and worker glue, on the CPU) and a
 #                 bounded fuzz run of the decoders; fetches what they need
 #                 into build/
+#   make check    the fast lane, minutes: the Rust tests, the C tests, the
+#                 demo, the file tier example, the kvcsum.hpp test and the
+#                 C++ example under ASan/UBSan, the Python tests of the source
+#                 tree; fetches only the small test venv (msgspec, numpy,
+#                 pytest), no vLLM, NIXL, Mooncake, wheel tools or fuzzer
 #   make install  install under PREFIX (default /usr/local; DESTDIR honoured):
 #                 libkvcsum.so.X.Y.Z with SONAME libkvcsum.so.X, libkvcsum.a,
 #                 kvcsum.h, kvcsum.hpp, kvcsum.pc, kvcsum-static.pc and the
@@ -80,7 +85,7 @@ DESTDIR ?=
 SOVERSION := $(shell sed -n 's/^\#define KVCS_ABI_VERSION \([0-9]*\)$$/\1/p' include/kvcsum.h)
 INSTALL_TEST_LIB := $(abspath $(BUILD))/install-test/prefix/lib/libkvcsum.so.$(SOVERSION)
 
-.PHONY: all lib demo file-tier test test-deps rust-test kernel-test c-test demo-test file-tier-test cpp-test \
+.PHONY: all lib demo file-tier test check check-python test-deps rust-test kernel-test c-test demo-test file-tier-test cpp-test \
 	cpp-example install install-test \
 	python-test python-wheel fuzz header bench clean FORCE
 
@@ -104,6 +109,20 @@ file-tier: $(BUILD)/file_tier
 	$(BUILD)/file_tier $(BUILD)/file_tier.kv
 
 test: test-deps rust-test kernel-test c-test demo-test file-tier-test cpp-test cpp-example install-test python-test e2e-test vllm-test fuzz
+
+# The fast lane (docs/developing.md#the-fast-lane): what a change to the
+# library, its bindings or the docs' examples can break, without the
+# downloads of make test (NVRTC, NIXL, Mooncake, vLLM, the wheel tools,
+# cargo-fuzz). `make -j2 check` runs the C programs beside the Rust tests.
+check: rust-check c-test demo-test file-tier-test cpp-test cpp-example check-python
+
+.PHONY: rust-check
+rust-check: $(VENV)/.installed
+	KVCS_PYTHON=$(VENV_PY) $(CARGO) test --$(PROFILE)
+
+# The source tree's package over target/release/libkvcsum.so.
+check-python: lib $(VENV)/.installed
+	cd $(BUILD) && $(E2E_ENV) $(VENV_PY) -m pytest -q -p no:cacheprovider -m "not torch" $(abspath python/tests)
 
 # What the tests need beyond the toolchain, all under build/: a venv with
 # msgspec (payload compatibility test), numpy and pytest (Python tests);

@@ -8,6 +8,8 @@ import re
 
 import numpy as np
 
+import kvcsum
+
 from test_checksums import MASK, mix2
 
 DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
@@ -129,3 +131,43 @@ def test_c_api_md_c_example_compiles_and_gives_the_reference(tmp_path):
                 total = (total + (2 * (layer * 65536 + h) + 1) * s) & MASK
         want.append(total)
     assert got == want
+
+
+CONFIGURATION_REASONS = {
+    "FINGERPRINT_DIFFERS", "ALGORITHM_DIFFERS", "STATE_TP_DIFFERS", "ONE_SIDED_GROUP", "ROLE_DIFFERS",
+    "DECODING_DIFFERS", "BLOCK_SIZE_UNKNOWN", "COVERAGE_DIFFERS",
+}
+
+
+def alert_rules() -> dict:
+    """{alert name: its text} of docs/metrics.md's rules file."""
+    text = (DOCS / "metrics.md").read_text()
+    block = re.search(r"```yaml\n(groups:.*?)```", text, flags=re.S).group(1)
+    parts = re.split(r"\n\s+- alert: ", block)[1:]
+    return {part.split("\n", 1)[0].strip(): part for part in parts}
+
+
+def test_metrics_md_alerts_name_only_metrics_the_connector_exports():
+    exported = set(re.findall(r'"(vllm:kvcsum_[a-z_]+)"', (ROOT / "python/kvcsum/vllm/metrics.py").read_text()))
+    assert len(exported) > 10
+    for name, rule in alert_rules().items():
+        for metric in re.findall(r"(vllm:kvcsum_[a-z_]+?)(?:_total)?\b", rule):
+            assert metric in exported, (name, metric)
+
+
+def test_metrics_md_alerts_cover_every_configuration_reason_and_missing_checksums():
+    rules = alert_rules()
+    config = rules["KvcsumEnginesConfiguredDifferently"]
+    for reason in CONFIGURATION_REASONS:
+        assert reason in config, reason
+        assert reason in kvcsum.Reason.__members__, reason
+    missing = rules["KvcsumNoChecksums"]
+    assert 'reason="NO_CHECKSUMS"' in missing and "vllm:kvcsum_payloads_missing_total" in missing
+
+
+def test_metrics_md_pages_on_pd_mismatches_only_and_keeps_tier_mismatches_apart():
+    rules = alert_rules()
+    page = rules["KvcsumKVMismatch"]
+    assert 'path="pd"' in page and "severity: page" in page and 'path="tier"' not in page
+    tier = rules["KvcsumTierKVMismatch"]
+    assert 'path="tier"' in tier and "severity: ticket" in tier
