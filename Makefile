@@ -19,10 +19,13 @@
 #                 C++ example under ASan/UBSan, the Python tests of the source
 #                 tree; fetches only the small test venv (msgspec, numpy,
 #                 pytest), no vLLM, NIXL, Mooncake, wheel tools or fuzzer
-#   make install  install under PREFIX (default /usr/local; DESTDIR honoured):
+#   make install  install under PREFIX (default /usr/local), the libraries
+#                 in LIBDIR (PREFIX/lib), the headers in INCLUDEDIR
+#                 (PREFIX/include), all under DESTDIR when set:
 #                 libkvcsum.so.X.Y.Z with SONAME libkvcsum.so.X, libkvcsum.a,
-#                 kvcsum.h, kvcsum.hpp, kvcsum.pc, kvcsum-static.pc and the
-#                 CMake package (find_package(kvcsum) -> kvcsum::kvcsum)
+#                 kvcsum.h, kvcsum.hpp, kvcsum.pc and the CMake package
+#                 (find_package(kvcsum) -> kvcsum::kvcsum)
+#   make uninstall  remove what make install put there (same variables)
 #   make header   regenerate include/kvcsum.h from src/ffi (cbindgen)
 #   make bench    the host engine benchmark (BENCHMARKS.md)
 #   make plots    BENCHMARKS.md's GPU table and plots (docs/img/*.svg) from
@@ -80,6 +83,8 @@ PIP := $(VENV_PY) -m pip --disable-pip-version-check --cache-dir $(abspath $(BUI
 PYTHON_TEST_PACKAGES := msgspec==$(MSGSPEC_VERSION) numpy==2.4.6 pytest==9.2.0
 
 PREFIX ?= /usr/local
+LIBDIR ?= $(PREFIX)/lib
+INCLUDEDIR ?= $(PREFIX)/include
 DESTDIR ?=
 # The SONAME's number is the C ABI version (build.rs, docs/VERSIONING.md).
 SOVERSION := $(shell sed -n 's/^\#define KVCS_ABI_VERSION \([0-9]*\)$$/\1/p' include/kvcsum.h)
@@ -247,7 +252,11 @@ cpp-example: $(BUILD)/flash_transfer
 	$(ASAN_ENV) $(BUILD)/flash_transfer
 
 install: lib
-	scripts/install.sh $(PREFIX) $(DESTDIR)
+	scripts/install.sh "$(PREFIX)" "$(DESTDIR)" "$(LIBDIR)" "$(INCLUDEDIR)"
+
+.PHONY: uninstall
+uninstall:
+	scripts/install.sh --uninstall "$(PREFIX)" "$(DESTDIR)" "$(LIBDIR)" "$(INCLUDEDIR)"
 
 # Installs into build/install-test/prefix and builds and runs C (pkg-config)
 # and C++ (CMake) programs against it, shared and static, and the dlopen
