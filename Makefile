@@ -26,6 +26,9 @@
 #                 kvcsum.h, kvcsum.hpp, kvcsum.pc and the CMake package
 #                 (find_package(kvcsum) -> kvcsum::kvcsum)
 #   make uninstall  remove what make install put there (same variables)
+#   make dist     release artifacts in build/release: the C tarball
+#                 (headers, shared and static library, pkg-config and CMake
+#                 files, LICENSE) and the manylinux wheel, with SHA256SUMS
 #   make header   regenerate include/kvcsum.h from src/ffi (cbindgen)
 #   make bench    the host engine benchmark (BENCHMARKS.md)
 #   make plots    BENCHMARKS.md's GPU table and plots (docs/img/*.svg) from
@@ -253,6 +256,21 @@ cpp-example: $(BUILD)/flash_transfer
 
 install: lib
 	scripts/install.sh "$(PREFIX)" "$(DESTDIR)" "$(LIBDIR)" "$(INCLUDEDIR)"
+
+# Release artifacts in build/release/: the C tarball (scripts/dist.sh:
+# headers, shared and static library, pkg-config and CMake files, LICENSE;
+# relocatable, no Rust needed to use it) and the manylinux wheel of
+# python-wheel, with SHA256SUMS of both. `make dist-c` makes the tarball
+# alone (the install test unpacks and uses it).
+RELEASE_DIR := $(BUILD)/release
+.PHONY: dist dist-c
+dist-c: lib
+	rm -f $(RELEASE_DIR)/kvcsum-*.tar.gz
+	scripts/dist.sh $(RELEASE_DIR)
+
+dist: dist-c python-wheel
+	rm -f $(RELEASE_DIR)/kvcsum-*.whl && cp $(WHEEL_DIR)/kvcsum-*-py3-none-$(WHEEL_PLATFORM).whl $(RELEASE_DIR)/
+	cd $(RELEASE_DIR) && sha256sum kvcsum-*.tar.gz kvcsum-*.whl > SHA256SUMS && sha256sum -c SHA256SUMS && cat SHA256SUMS
 
 .PHONY: uninstall
 uninstall:

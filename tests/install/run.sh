@@ -15,6 +15,8 @@
 #     `make uninstall` removes every file of it
 #   - tests/install/consumer.cpp (kvcsum.hpp) with CMake find_package(kvcsum),
 #     shared and static (KVCSUM_USE_STATIC_LIBS=ON), then run
+#   - make dist-c's tarball unpacked: C (pkg-config) and C++ (CMake)
+#     programs built from it with no cargo or rustc on PATH, and run
 #   - KVCS_NO_PROTOTYPES: a program that defines it and calls kvcs_version()
 #     directly fails to compile (implicit declaration), one that uses only
 #     types, constants, kvcs_<call>_fn and the table kvcs_api compiles
@@ -174,6 +176,49 @@ make --no-print-directory uninstall PREFIX=$custom LIBDIR=$multiarch INCLUDEDIR=
     DESTDIR="$stage" >"$work/custom-uninstall.log" 2>&1 || fail "make uninstall"
 left=$(cd "$stage" && find . -type f -o -type l)
 [ -z "$left" ] && pass "make uninstall removed every file it installed" || fail "make uninstall left: $left"
+
+# --- The release tarball, unpacked, with no Rust toolchain --------------------
+# make dist-c's tarball unpacked in a directory of its own, then C
+# (pkg-config) and C++ (CMake) programs built from it alone, in an
+# environment whose PATH has no cargo or rustc (env -i: nothing of this
+# shell's either), and run.
+make --no-print-directory dist-c >"$work/dist.log" 2>&1 || { cat "$work/dist.log"; fail "make dist-c"; }
+tarball=$(ls build/release/kvcsum-"$version"-*-linux-gnu.tar.gz 2>/dev/null | head -n 1)
+unpacked=$work/unpacked
+mkdir -p "$unpacked"
+if [ -n "$tarball" ] && tar -C "$unpacked" -xzf "$tarball"; then
+    tree=$(ls -d "$unpacked"/kvcsum-"$version"-*)
+    for want in include/kvcsum.h include/kvcsum.hpp "lib/libkvcsum.so.$version" "lib/libkvcsum.so.$soversion" \
+        lib/libkvcsum.so lib/libkvcsum.a lib/pkgconfig/kvcsum.pc lib/cmake/kvcsum/kvcsumConfig.cmake \
+        lib/cmake/kvcsum/kvcsumConfigVersion.cmake LICENSE README; do
+        [ -e "$tree/$want" ] || fail "the tarball lacks $want"
+    done
+    no_rust_path=$(echo "$PATH" | tr : '\n' | while read -r dir; do
+        [ -n "$dir" ] && [ ! -x "$dir/cargo" ] && [ ! -x "$dir/rustc" ] && echo "$dir"; done | paste -sd:)
+    mkdir -p "$work/from-tarball"
+    cp tests/install/consumer.c tests/install/consumer.cpp tests/install/CMakeLists.txt "$work/from-tarball/"
+    cat >"$work/from-tarball/build.sh" <<'BUILD'
+set -eu
+if command -v cargo >/dev/null || command -v rustc >/dev/null; then echo "a Rust toolchain is on PATH"; exit 1; fi
+cd "$(dirname "$0")"
+export PKG_CONFIG_PATH=$1/lib/pkgconfig
+gcc -std=c11 -Wall -Wextra -Wpedantic -Werror consumer.c $(pkg-config --cflags --libs kvcsum) \
+    -Wl,-rpath,"$(pkg-config --variable=libdir kvcsum)" -o consumer_c
+./consumer_c
+cmake -S . -B cmake-build -DCMAKE_PREFIX_PATH="$1" -DCMAKE_BUILD_TYPE=Release >cmake.log 2>&1 || { cat cmake.log; exit 1; }
+cmake --build cmake-build >>cmake.log 2>&1 || { cat cmake.log; exit 1; }
+./cmake-build/consumer_cpp
+BUILD
+    if env -i HOME="$HOME" PATH="$no_rust_path" bash "$work/from-tarball/build.sh" "$tree" >"$work/from-tarball.log" 2>&1; then
+        pass "$(basename "$tarball"): C (pkg-config) and C++ (CMake) programs built and run from it, no cargo or rustc on PATH"
+    else
+        fail "programs from the unpacked tarball: $(cat "$work/from-tarball.log")"
+    fi
+    readelf -d "$work/from-tarball/consumer_c" 2>/dev/null | grep -q "RUNPATH.*$tree/lib\|RPATH.*$tree/lib" ||
+        fail "the C program from the tarball does not load the tarball's library"
+else
+    fail "no tarball from make dist-c ($(cat "$work/dist.log"))"
+fi
 
 # --- C++ with CMake find_package ----------------------------------------------
 for variant in shared static; do
