@@ -461,11 +461,11 @@ class Worker(_Handle):
         result._kept = self._kept
         return result
 
-    def store(self, blocks: Blocks, cuda_stream: int | None = None) -> Result:
+    def store(self, blocks: Blocks, cuda_stream=None) -> Result:
         """Checksums `blocks` and writes each block's stored checksum."""
         return self._call_result(self._lib.kvcs_worker_store, blocks, cuda_stream)
 
-    def check_stored(self, blocks: Blocks, cuda_stream: int | None = None) -> Result:
+    def check_stored(self, blocks: Blocks, cuda_stream=None) -> Result:
         """Checksums loaded `blocks` against their stored checksums; read the
         verdicts with Result.stored."""
         return self._call_result(self._lib.kvcs_worker_check_stored, blocks, cuda_stream)
@@ -486,9 +486,12 @@ class Worker(_Handle):
             _check(self._lib.kvcs_block_tags(handle, group_id, buffer, size, len(hashes), pointer))
         return tags
 
-    def checksum(self, blocks: Blocks, role: int = PRODUCER, cuda_stream: int | None = None) -> Result:
+    def checksum(self, blocks: Blocks, role: int = PRODUCER, cuda_stream=None) -> Result:
         """Computes (host) or queues (device, on `cuda_stream`) the partial
-        checksums of every block in `blocks`."""
+        checksums of every block in `blocks`. `cuda_stream` is None (the
+        legacy default stream), a CUstream handle, a torch.cuda.Stream (or
+        anything with `cuda_stream` or `__cuda_stream__`); a host worker
+        ignores it. A device result is ready after Result.wait()."""
         _of_type(blocks, Blocks, "blocks")
         role = _enum(role, Role, "role")
         return self._call_result(
