@@ -171,3 +171,29 @@ def test_metrics_md_pages_on_pd_mismatches_only_and_keeps_tier_mismatches_apart(
     assert 'path="pd"' in page and "severity: page" in page and 'path="tier"' not in page
     tier = rules["KvcsumTierKVMismatch"]
     assert 'path="tier"' in tier and "severity: ticket" in tier
+
+
+def test_c_api_md_cpp_walk_compiles_and_runs_under_asan(tmp_path):
+    import os
+    import subprocess
+
+    text = (DOCS / "c-api.md").read_text()
+    start = text.index("\n## C++\n")
+    snippet = re.search(r"```cpp\n(#include <kvcsum.hpp>.*?)```", text[start:], flags=re.S).group(1)
+    source = tmp_path / "cpp_walk.cpp"
+    source.write_text(snippet)
+    library = pathlib.Path(os.environ.get("KVCSUM_LIBRARY") or ROOT / "target/release/libkvcsum.so").resolve()
+    program = tmp_path / "cpp_walk"
+    subprocess.run(
+        ["g++", "-std=c++17", "-Wall", "-Wextra", "-Wpedantic", "-Werror", "-fsanitize=address,undefined",
+         "-fno-sanitize-recover=undefined", f"-I{ROOT / 'include'}", str(source), str(library),
+         f"-Wl,-rpath,{library.parent}", "-o", str(program)],
+        check=True,
+    )
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1")
+    env.pop("LD_PRELOAD", None)
+    out = subprocess.run([str(program)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    assert out.stdout.strip() == (
+        "KVCS_VERDICT_MATCH, then KVCS_VERDICT_MISMATCH: load block 6 again (tokens 16..32)"
+    ), out.stdout
