@@ -596,12 +596,7 @@ class result : public detail::owner<kvcs_result, kvcs_result_destroy> {
       return kvcs_result_column_buf(get(), req_id.c_str(), group_id, column, &out.replicas, &out.replica_index,
                                     buf, cap, len);
     });
-    if (out.values.empty()) {  // the size query alone does not write the key
-      size_t len = 0;
-      check(kvcs_result_column_buf(get(), req_id.c_str(), group_id, column, &out.replicas, &out.replica_index,
-                                   nullptr, 0, &len));
-    }
-    return out;
+    return out;  // the call that succeeded (the size query, for no values) wrote the key
   }
   /// The values of column `column` (kvcs_result_column_buf).
   std::vector<uint64_t> column(const std::string &req_id, uint32_t group_id, size_t column = 0) const {
