@@ -125,7 +125,7 @@ pub(crate) const MIX2_MULTIPLIERS: [u32; 3] = [MIX2_MULTIPLIER_1, MIX2_MULTIPLIE
 /// `K`'s inverse, which then gives `high32(p)` and so `hi`; a fold is its
 /// own inverse), so `f` is one, and `f(0) = 0`. Unlike [`mix`] it has no
 /// fixed differential: for every XOR pattern `e` the difference
-/// `f(x ^ e) - f(x)` is spread over its low 32 bits (tests/avalanche.rs
+/// `f(x ^ e) - f(x)` is spread over its low 32 bits (tests/it/avalanche.rs
 /// measures every 1- and 2-bit pattern, every set of element sign bits and
 /// byte lanes, and random ones). A round is one 32x32->64 multiply-add: one
 /// `IMAD.WIDE.U32` on a GPU, one `vpmuludq` and one add per four pieces

@@ -568,6 +568,14 @@ pub type kvcs_report_uncompared_fn = unsafe extern "C" fn(
     first_position: *mut u64,
     num_positions: *mut u64,
 ) -> kvcs_status;
+/// The type of `kvcs_payload_short_last`.
+pub type kvcs_payload_short_last_fn = unsafe extern "C" fn(
+    payload: *const kvcs_payload,
+    group_index: usize,
+    values: *mut u64,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status;
 /// The type of `kvcs_result_column_buf`.
 pub type kvcs_result_column_buf_fn = unsafe extern "C" fn(
     result: *const kvcs_result,
@@ -866,13 +874,15 @@ pub struct kvcs_api {
     pub kvcs_report_num_uncompared: kvcs_report_num_uncompared_fn,
     /// Slot 117: `kvcs_report_uncompared`.
     pub kvcs_report_uncompared: kvcs_report_uncompared_fn,
-    /// Slot 118: `kvcs_result_column_buf`.
+    /// Slot 118: `kvcs_payload_short_last`.
+    pub kvcs_payload_short_last: kvcs_payload_short_last_fn,
+    /// Slot 119: `kvcs_result_column_buf`.
     pub kvcs_result_column_buf: kvcs_result_column_buf_fn,
-    /// Slot 119: `kvcs_result_stored_buf`.
+    /// Slot 120: `kvcs_result_stored_buf`.
     pub kvcs_result_stored_buf: kvcs_result_stored_buf_fn,
-    /// Slot 120: `kvcs_result_entries_buf`.
+    /// Slot 121: `kvcs_result_entries_buf`.
     pub kvcs_result_entries_buf: kvcs_result_entries_buf_fn,
-    /// Slot 121: `kvcs_result_check_entries_buf`.
+    /// Slot 122: `kvcs_result_check_entries_buf`.
     pub kvcs_result_check_entries_buf: kvcs_result_check_entries_buf_fn,
 }
 
@@ -998,6 +1008,7 @@ pub(crate) static API: kvcs_api = kvcs_api {
     kvcs_result_check_entries: super::result::kvcs_result_check_entries,
     kvcs_report_num_uncompared: super::report::kvcs_report_num_uncompared,
     kvcs_report_uncompared: super::report::kvcs_report_uncompared,
+    kvcs_payload_short_last: super::payload::kvcs_payload_short_last,
     kvcs_result_column_buf: super::result::kvcs_result_column_buf,
     kvcs_result_stored_buf: super::result::kvcs_result_stored_buf,
     kvcs_result_entries_buf: super::result::kvcs_result_entries_buf,

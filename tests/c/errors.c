@@ -60,7 +60,7 @@ static kvcs_worker_options host_options(void) {
 static void test_versions_and_names(void) {
   CHECK(kvcs_abi_version() == KVCS_ABI_VERSION);
   CHECK(kvcs_version() != NULL && strcmp(kvcs_version(), "0.3.0") == 0);
-  /* The header's version is the library's (tests/header.rs checks it is Cargo.toml's). */
+  /* The header's version is the library's (tests/it/docs.rs checks it is Cargo.toml's). */
   char header_version[32];
   snprintf(header_version, sizeof header_version, "%d.%d.%d", KVCS_VERSION_MAJOR, KVCS_VERSION_MINOR,
            KVCS_VERSION_PATCH);

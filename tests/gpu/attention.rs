@@ -622,7 +622,7 @@ fn device_flat_cells_equal_the_reference() {
     });
 }
 
-/// The fault catalogue (docs/SPEC.md section 13, `tests/fault_catalogue.rs`)
+/// The fault catalogue (docs/SPEC.md section 13, `tests/it/fault_catalogue.rs`)
 /// in device memory: each class injected into fresh random KV of its
 /// geometry on the host, copied to the device, one fault per block of a
 /// 512-block cache; device workers of every algorithm checksum it before
