@@ -14,6 +14,7 @@ mod bindings_coverage;
 mod c_abi;
 mod cost;
 mod decoding;
+mod docs;
 mod fault_catalogue;
 mod ffi_boundary;
 mod header;
