@@ -124,8 +124,11 @@ test: test-deps rust-test kernel-test c-test demo-test file-tier-test cpp-test c
 # cargo-fuzz). `make -j2 check` runs the C programs beside the Rust tests.
 check: rust-check c-test demo-test file-tier-test cpp-test cpp-example check-python
 
+# After `lib`: cargo test's LD_LIBRARY_PATH holds target/release, whose
+# libkvcsum.so.2 link (made by `lib`) would find a stale libkvcsum.so there
+# before the C test's own runpath (tests/it/c_abi.rs).
 .PHONY: rust-check
-rust-check: $(VENV)/.installed
+rust-check: lib $(VENV)/.installed
 	KVCS_PYTHON=$(VENV_PY) $(CARGO) test --$(PROFILE)
 
 # The source tree's package over target/release/libkvcsum.so.
@@ -152,7 +155,7 @@ $(NVRTC_LIB)/libnvrtc.so.13: | $(VENV)/.installed $(BUILD)
 # Then the fault catalogue (detected and missed per algorithm) and the
 # verdict property test (configuration changes never MISMATCH, corruption
 # never MATCH) again with their tables printed.
-rust-test: $(VENV)/.installed
+rust-test: lib $(VENV)/.installed
 	KVCS_PYTHON=$(VENV_PY) $(CARGO) test --$(PROFILE)
 	$(CARGO) test --$(PROFILE) --test it -- --nocapture fault_catalogue:: verdict_property::
 
