@@ -14,10 +14,21 @@
 #                 0.33.0's scheduler and worker glue, on the CPU) and a
 #                 bounded fuzz run of the decoders; fetches what they need
 #                 into build/
-#   make install  install under PREFIX (default /usr/local; DESTDIR honoured):
+#   make check    the fast lane, minutes: the Rust tests, the C tests, the
+#                 demo, the file tier example, the kvcsum.hpp test and the
+#                 C++ example under ASan/UBSan, the Python tests of the source
+#                 tree; fetches only the small test venv (msgspec, numpy,
+#                 pytest), no vLLM, NIXL, Mooncake, wheel tools or fuzzer
+#   make install  install under PREFIX (default /usr/local), the libraries
+#                 in LIBDIR (PREFIX/lib), the headers in INCLUDEDIR
+#                 (PREFIX/include), all under DESTDIR when set:
 #                 libkvcsum.so.X.Y.Z with SONAME libkvcsum.so.X, libkvcsum.a,
-#                 kvcsum.h, kvcsum.hpp, kvcsum.pc, kvcsum-static.pc and the
-#                 CMake package (find_package(kvcsum) -> kvcsum::kvcsum)
+#                 kvcsum.h, kvcsum.hpp, kvcsum.pc and the CMake package
+#                 (find_package(kvcsum) -> kvcsum::kvcsum)
+#   make uninstall  remove what make install put there (same variables)
+#   make dist     release artifacts in build/release: the C tarball
+#                 (headers, shared and static library, pkg-config and CMake
+#                 files, LICENSE) and the manylinux wheel, with SHA256SUMS
 #   make header   regenerate include/kvcsum.h from src/ffi (cbindgen)
 #   make bench    the host engine benchmark (BENCHMARKS.md)
 #   make block-set-bench  a 256-request block set built per request and in one call
@@ -76,12 +87,14 @@ PIP := $(VENV_PY) -m pip --disable-pip-version-check --cache-dir $(abspath $(BUI
 PYTHON_TEST_PACKAGES := msgspec==$(MSGSPEC_VERSION) numpy==2.4.6 pytest==9.2.0
 
 PREFIX ?= /usr/local
+LIBDIR ?= $(PREFIX)/lib
+INCLUDEDIR ?= $(PREFIX)/include
 DESTDIR ?=
 # The SONAME's number is the C ABI version (build.rs, docs/VERSIONING.md).
 SOVERSION := $(shell sed -n 's/^\#define KVCS_ABI_VERSION \([0-9]*\)$$/\1/p' include/kvcsum.h)
 INSTALL_TEST_LIB := $(abspath $(BUILD))/install-test/prefix/lib/libkvcsum.so.$(SOVERSION)
 
-.PHONY: all lib demo file-tier test test-deps rust-test kernel-test c-test demo-test file-tier-test cpp-test \
+.PHONY: all lib demo file-tier test check check-python test-deps rust-test kernel-test c-test demo-test file-tier-test cpp-test \
 	cpp-example install install-test \
 	python-test python-wheel fuzz header bench block-set-bench clean FORCE
 
@@ -106,6 +119,23 @@ file-tier: $(BUILD)/file_tier
 
 test: test-deps rust-test kernel-test c-test demo-test file-tier-test cpp-test cpp-example install-test python-test e2e-test vllm-test fuzz
 
+# The fast lane (docs/developing.md#the-fast-lane): what a change to the
+# library, its bindings or the docs' examples can break, without the
+# downloads of make test (NVRTC, NIXL, Mooncake, vLLM, the wheel tools,
+# cargo-fuzz). `make -j2 check` runs the C programs beside the Rust tests.
+check: rust-check c-test demo-test file-tier-test cpp-test cpp-example check-python
+
+# After `lib`: cargo test's LD_LIBRARY_PATH holds target/release, whose
+# libkvcsum.so.2 link (made by `lib`) would find a stale libkvcsum.so there
+# before the C test's own runpath (tests/it/c_abi.rs).
+.PHONY: rust-check
+rust-check: lib $(VENV)/.installed
+	KVCS_PYTHON=$(VENV_PY) $(CARGO) test --$(PROFILE)
+
+# The source tree's package over target/release/libkvcsum.so.
+check-python: lib $(VENV)/.installed
+	cd $(BUILD) && $(E2E_ENV) $(VENV_PY) -m pytest -q -p no:cacheprovider -m "not torch" $(abspath python/tests)
+
 # What the tests need beyond the toolchain, all under build/: a venv with
 # msgspec (payload compatibility test), numpy and pytest (Python tests);
 # NVRTC (kernel compile test).
@@ -126,7 +156,7 @@ $(NVRTC_LIB)/libnvrtc.so.13: | $(VENV)/.installed $(BUILD)
 # Then the fault catalogue (detected and missed per algorithm) and the
 # verdict property test (configuration changes never MISMATCH, corruption
 # never MATCH) again with their tables printed.
-rust-test: $(VENV)/.installed
+rust-test: lib $(VENV)/.installed
 	KVCS_PYTHON=$(VENV_PY) $(CARGO) test --$(PROFILE)
 	$(CARGO) test --$(PROFILE) --test it -- --nocapture fault_catalogue:: verdict_property::
 
@@ -229,7 +259,26 @@ cpp-example: $(BUILD)/flash_transfer
 	$(ASAN_ENV) $(BUILD)/flash_transfer
 
 install: lib
-	scripts/install.sh $(PREFIX) $(DESTDIR)
+	scripts/install.sh "$(PREFIX)" "$(DESTDIR)" "$(LIBDIR)" "$(INCLUDEDIR)"
+
+# Release artifacts in build/release/: the C tarball (scripts/dist.sh:
+# headers, shared and static library, pkg-config and CMake files, LICENSE;
+# relocatable, no Rust needed to use it) and the manylinux wheel of
+# python-wheel, with SHA256SUMS of both. `make dist-c` makes the tarball
+# alone (the install test unpacks and uses it).
+RELEASE_DIR := $(BUILD)/release
+.PHONY: dist dist-c
+dist-c: lib
+	rm -f $(RELEASE_DIR)/kvcsum-*.tar.gz
+	scripts/dist.sh $(RELEASE_DIR)
+
+dist: dist-c python-wheel
+	rm -f $(RELEASE_DIR)/kvcsum-*.whl && cp $(WHEEL_DIR)/kvcsum-*-py3-none-$(WHEEL_PLATFORM).whl $(RELEASE_DIR)/
+	cd $(RELEASE_DIR) && sha256sum kvcsum-*.tar.gz kvcsum-*.whl > SHA256SUMS && sha256sum -c SHA256SUMS && cat SHA256SUMS
+
+.PHONY: uninstall
+uninstall:
+	scripts/install.sh --uninstall "$(PREFIX)" "$(DESTDIR)" "$(LIBDIR)" "$(INCLUDEDIR)"
 
 # Installs into build/install-test/prefix and builds and runs C (pkg-config)
 # and C++ (CMake) programs against it, shared and static, and the dlopen

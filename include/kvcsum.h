@@ -16,8 +16,9 @@
  * Loading at run time (dlopen): define KVCS_NO_PROTOTYPES before including
  * this header and it declares no function, only types, constants, the
  * function-pointer types kvcs_<call>_fn and the table kvcs_api, so that a
- * direct call such as kvcs_version() fails to compile instead of failing
- * to load. Resolve the one symbol "kvcs_api_get" (type kvcs_api_get_fn),
+ * direct call such as kvcs_version() is an implicit declaration (an error
+ * under -Werror=implicit-function-declaration, else a warning and a link
+ * error) instead of a load failure. Resolve the one symbol "kvcs_api_get" (type kvcs_api_get_fn),
  * call it with KVCS_ABI_VERSION and call through the table it gives.
  */
 
@@ -31,6 +32,16 @@
  * than this header gives a shorter table (its `size`). */
 #define KVCS_API_HAS(api, entry) \
   ((api)->size >= offsetof(kvcs_api, entry) + sizeof((api)->entry))
+
+/* Initialisers of the caller-filled structs whose zero means something
+ * (libgit2's GIT_*_OPTIONS_INIT): `kvcs_worker_options o =
+ * KVCS_WORKER_OPTIONS_INIT;` is a host worker (device KVCS_HOST, not CUDA
+ * device 0 as `{0}` is), TP rank 0 of 1, PP stage 0, the default threads;
+ * `kvcs_layer l = KVCS_LAYER_INIT;` has replicas 1, kernel_blocks 1 and
+ * num_segments 1 (`{0}` is refused: replicas 0). Set the other fields
+ * after. Both are C and C++ brace initialisers, in field order. */
+#define KVCS_WORKER_OPTIONS_INIT {0, 1, 0, KVCS_HOST, 0}
+#define KVCS_LAYER_INIT {0, 0, 0, 0, 1, 0, 0, 1, 0, 1, NULL, NULL, 0}
 
 // The odd multiplier `C` of the MIXED algorithm's `f`
 // (docs/SPEC.md#12-the-mixed-algorithm): 2^64 divided by the golden ratio,
@@ -64,6 +75,20 @@
 
 // The `device` of a worker whose caches are in host memory.
 #define KVCS_HOST -1
+
+// The major version of the library this header comes with (the crate
+// version, docs/VERSIONING.md); `kvcs_version()` gives the loaded one's.
+#define KVCS_VERSION_MAJOR 0
+
+// The minor version of the library this header comes with.
+#define KVCS_VERSION_MINOR 3
+
+// The patch version of the library this header comes with.
+#define KVCS_VERSION_PATCH 0
+
+// `MAJOR * 10000 + MINOR * 100 + PATCH` of the library this header comes
+// with, for `#if KVCS_VERSION_NUMBER >= 300` (zstd's `ZSTD_VERSION_NUMBER`).
+#define KVCS_VERSION_NUMBER 300
 
 // The `group_id` of a finding about the whole load rather than one group.
 #define KVCS_WHOLE_LOAD UINT32_MAX
@@ -1335,6 +1360,43 @@ typedef kvcs_status (*kvcs_payload_short_last_fn)(const kvcs_payload *payload,
                                                   size_t cap,
                                                   size_t *len);
 
+// The type of `kvcs_result_column_buf`.
+typedef kvcs_status (*kvcs_result_column_buf_fn)(const kvcs_result *result,
+                                                 const char *req_id,
+                                                 uint32_t group_id,
+                                                 size_t column,
+                                                 uint32_t *replicas,
+                                                 uint32_t *replica_index,
+                                                 uint64_t *values,
+                                                 size_t cap,
+                                                 size_t *len);
+
+// The type of `kvcs_result_stored_buf`.
+typedef kvcs_status (*kvcs_result_stored_buf_fn)(const kvcs_result *result,
+                                                 const char *req_id,
+                                                 uint32_t group_id,
+                                                 uint8_t *outcomes,
+                                                 size_t cap,
+                                                 size_t *len);
+
+// The type of `kvcs_result_entries_buf`.
+typedef kvcs_status (*kvcs_result_entries_buf_fn)(const kvcs_result *result,
+                                                  const char *req_id,
+                                                  uint32_t group_id,
+                                                  uint64_t *entries,
+                                                  size_t cap,
+                                                  size_t *len);
+
+// The type of `kvcs_result_check_entries_buf`.
+typedef kvcs_status (*kvcs_result_check_entries_buf_fn)(const kvcs_result *result,
+                                                        const char *req_id,
+                                                        uint32_t group_id,
+                                                        const uint64_t *entries,
+                                                        size_t num_words,
+                                                        uint8_t *outcomes,
+                                                        size_t cap,
+                                                        size_t *len);
+
 // Every call of the library as one table of function pointers, for a
 // program that loads kvcsum at run time: it resolves the one symbol
 // `kvcs_api_get` and calls through the table, whose entries the compiler
@@ -1590,6 +1652,14 @@ typedef struct {
   kvcs_report_uncompared_fn kvcs_report_uncompared;
   // Slot 118: `kvcs_payload_short_last`.
   kvcs_payload_short_last_fn kvcs_payload_short_last;
+  // Slot 119: `kvcs_result_column_buf`.
+  kvcs_result_column_buf_fn kvcs_result_column_buf;
+  // Slot 120: `kvcs_result_stored_buf`.
+  kvcs_result_stored_buf_fn kvcs_result_stored_buf;
+  // Slot 121: `kvcs_result_entries_buf`.
+  kvcs_result_entries_buf_fn kvcs_result_entries_buf;
+  // Slot 122: `kvcs_result_check_entries_buf`.
+  kvcs_result_check_entries_buf_fn kvcs_result_check_entries_buf;
 } kvcs_api;
 
 // The type of `kvcs_api_get`.
@@ -1989,6 +2059,10 @@ kvcs_status kvcs_result_group(const kvcs_result *result,
 // when `num_positions` is 0). `replicas` and `replica_index` may be NULL.
 // `KVCS_ERR_NOT_READY` while a device is computing,
 // `KVCS_ERR_OUT_OF_BOUNDS` for a column at or past `num_columns`.
+//
+// Deprecated: it writes a count it never sees; use
+// `kvcs_result_column_buf`, which takes the buffer's capacity. Kept for
+// ABI 2.
 kvcs_status kvcs_result_column(const kvcs_result *result,
                                const char *req_id,
                                uint32_t group_id,
@@ -2002,6 +2076,10 @@ kvcs_status kvcs_result_column(const kvcs_result *result,
 // (`num_positions` of `kvcs_result_group`) written to `outcomes`.
 // `KVCS_ERR_NOT_FOUND` when the result is not a load check's or the group
 // is not in it, `KVCS_ERR_NOT_READY` while a device computes.
+//
+// Deprecated: it writes a count it never sees; use
+// `kvcs_result_stored_buf`, which takes the buffer's capacity. Kept for
+// ABI 2.
 kvcs_status kvcs_result_stored(const kvcs_result *result,
                                const char *req_id,
                                uint32_t group_id,
@@ -2024,6 +2102,10 @@ kvcs_status kvcs_result_stored(const kvcs_result *result,
 // block hashes (`kvcs_blocks_set_hashes`; `KVCS_ERR_INVALID_ARGUMENT`
 // without). `KVCS_ERR_NOT_FOUND` for a request or group not in it (or
 // skipped), `KVCS_ERR_NOT_READY` while a device computes.
+//
+// Deprecated: it writes a count it never sees; use
+// `kvcs_result_entries_buf`, which takes the buffer's capacity. Kept for
+// ABI 2.
 kvcs_status kvcs_result_entries(const kvcs_result *result,
                                 const char *req_id,
                                 uint32_t group_id,
@@ -2038,11 +2120,75 @@ kvcs_status kvcs_result_entries(const kvcs_result *result,
 // or the entry changed, or it is another block's), not checked, or not
 // compared because another configuration, algorithm, valid-token count or
 // format stored it. Requirements and errors as `kvcs_result_entries`.
+//
+// Deprecated: it reads and writes counts it never sees; use
+// `kvcs_result_check_entries_buf`, which takes both lengths. Kept for
+// ABI 2.
 kvcs_status kvcs_result_check_entries(const kvcs_result *result,
                                       const char *req_id,
                                       uint32_t group_id,
                                       const uint64_t *entries,
                                       uint8_t *outcomes);
+
+// Column `column` of group `group_id` of request `req_id`, as
+// `kvcs_result_column` gives it, into the caller's buffer of `cap`
+// values (the buffer convention of `kvcs_result_encode`): `*len` gets the
+// number of values (`num_positions`), and a `cap` below it gives
+// `KVCS_ERR_BUFFER_TOO_SMALL` with `*len` set to the number needed and
+// nothing else written; `(NULL, 0)` asks for it. `replicas` and
+// `replica_index` may be NULL; they are written on success. Errors as
+// `kvcs_result_column`; `len` NULL is `KVCS_ERR_INVALID_ARGUMENT`.
+kvcs_status kvcs_result_column_buf(const kvcs_result *result,
+                                   const char *req_id,
+                                   uint32_t group_id,
+                                   size_t column,
+                                   uint32_t *replicas,
+                                   uint32_t *replica_index,
+                                   uint64_t *values,
+                                   size_t cap,
+                                   size_t *len);
+
+// A load check's verdicts on group `group_id` of request `req_id`, as
+// `kvcs_result_stored` gives them (one `kvcs_stored_outcome` byte per
+// block position), into the caller's `cap` bytes at `outcomes`, with the
+// count in `*len` (the buffer convention: a `cap` below it gives
+// `KVCS_ERR_BUFFER_TOO_SMALL` with `*len` set and nothing written).
+// Errors as `kvcs_result_stored`.
+kvcs_status kvcs_result_stored_buf(const kvcs_result *result,
+                                   const char *req_id,
+                                   uint32_t group_id,
+                                   uint8_t *outcomes,
+                                   size_t cap,
+                                   size_t *len);
+
+// The stored-checksum entries of group `group_id` of request `req_id`, as
+// `kvcs_result_entries` gives them (two words per block position: value,
+// stamp), into the caller's `cap` words at `entries`, with the number of
+// words (`2 * num_positions`) in `*len` (the buffer convention: a `cap`
+// below it gives `KVCS_ERR_BUFFER_TOO_SMALL` with `*len` set and nothing
+// written). Requirements and errors as `kvcs_result_entries`.
+kvcs_status kvcs_result_entries_buf(const kvcs_result *result,
+                                    const char *req_id,
+                                    uint32_t group_id,
+                                    uint64_t *entries,
+                                    size_t cap,
+                                    size_t *len);
+
+// The load check of `kvcs_result_check_entries` with both lengths given:
+// `entries` holds `num_words` words, which must be two per block position
+// of the group (value, stamp; `KVCS_ERR_INVALID_ARGUMENT` naming both
+// counts otherwise), and the outcomes go to the caller's `cap` bytes at
+// `outcomes` with their count in `*len` (the buffer convention: a `cap`
+// below it gives `KVCS_ERR_BUFFER_TOO_SMALL` with `*len` set and nothing
+// written). Requirements and other errors as `kvcs_result_entries`.
+kvcs_status kvcs_result_check_entries_buf(const kvcs_result *result,
+                                          const char *req_id,
+                                          uint32_t group_id,
+                                          const uint64_t *entries,
+                                          size_t num_words,
+                                          uint8_t *outcomes,
+                                          size_t cap,
+                                          size_t *len);
 
 // Frees a result. NULL is a no-op. Safe while a device is still computing.
 void kvcs_result_destroy(kvcs_result *result);

@@ -73,7 +73,8 @@ inline void check(kvcs_status status) {
   }
 }
 
-/// The library's version ("0.1.0"; kvcs_version).
+/// The loaded library's version ("MAJOR.MINOR.PATCH", kvcs_version); the
+/// header's is KVCS_VERSION_MAJOR, KVCS_VERSION_MINOR, KVCS_VERSION_PATCH.
 inline std::string version() { return kvcs_version(); }
 
 namespace detail {
@@ -429,6 +430,16 @@ std::vector<Element> read_sized(Call call) {
   return out;
 }
 
+/// kvcs_stored_outcome bytes as the enum.
+inline std::vector<stored_outcome> outcomes(const std::vector<uint8_t> &bytes) {
+  std::vector<stored_outcome> out;
+  out.reserve(bytes.size());
+  for (uint8_t outcome : bytes) {
+    out.push_back(static_cast<stored_outcome>(outcome));
+  }
+  return out;
+}
+
 /// The binary64 bits of a scale for kvcs_worker_set_layer_decoding; 0.0
 /// (not declared) gives 0 bits.
 inline uint64_t scale_bits(double value) noexcept {
@@ -648,59 +659,42 @@ class result : public detail::owner<kvcs_result, kvcs_result_destroy> {
   size_t num_columns(const std::string &req_id, uint32_t group_id) const {
     return group(req_id, group_id).num_columns;
   }
-  /// Column `column` with its replica key (kvcs_result_column).
+  /// Column `column` with its replica key (kvcs_result_column_buf).
   column_values column_with_key(const std::string &req_id, uint32_t group_id, size_t column) const {
     column_values out;
-    out.values.resize(num_positions(req_id, group_id));
-    check(kvcs_result_column(get(), detail::c_string(req_id, "req_id"), group_id, column, &out.replicas, &out.replica_index,
-                             out.values.data()));
-    return out;
+    out.values = detail::read_sized<uint64_t>([&](uint64_t *buf, size_t cap, size_t *len) {
+      return kvcs_result_column_buf(get(), detail::c_string(req_id, "req_id"), group_id, column, &out.replicas, &out.replica_index,
+                                    buf, cap, len);
+    });
+    return out;  // the call that succeeded (the size query, for no values) wrote the key
   }
-  /// The values of column `column` (kvcs_result_column).
+  /// The values of column `column` (kvcs_result_column_buf).
   std::vector<uint64_t> column(const std::string &req_id, uint32_t group_id, size_t column = 0) const {
     return column_with_key(req_id, group_id, column).values;
   }
-  /// A load check's outcome per position of a group (kvcs_result_stored).
+  /// A load check's outcome per position of a group (kvcs_result_stored_buf).
   std::vector<stored_outcome> stored(const std::string &req_id, uint32_t group_id) const {
-    size_t positions = num_positions(req_id, group_id);
-    std::vector<uint8_t> outcomes(positions + 1);  // never empty, so never NULL
-    check(kvcs_result_stored(get(), detail::c_string(req_id, "req_id"), group_id, outcomes.data()));
-    outcomes.resize(positions);
-    std::vector<stored_outcome> out;
-    out.reserve(outcomes.size());
-    for (uint8_t outcome : outcomes) {
-      out.push_back(static_cast<stored_outcome>(outcome));
-    }
-    return out;
+    return detail::outcomes(detail::read_sized<uint8_t>([&](uint8_t *buf, size_t cap, size_t *len) {
+      return kvcs_result_stored_buf(get(), detail::c_string(req_id, "req_id"), group_id, buf, cap, len);
+    }));
   }
   /// The entries a store of these blocks would write for a group, value
   /// then stamp per position, for connectors that keep them themselves
-  /// (kvcs_result_entries): 2 * num_positions words.
+  /// (kvcs_result_entries_buf): 2 * num_positions words.
   std::vector<uint64_t> entries(const std::string &req_id, uint32_t group_id) const {
-    size_t positions = num_positions(req_id, group_id);
-    std::vector<uint64_t> words(2 * positions + 1);  // never empty, so never NULL
-    check(kvcs_result_entries(get(), detail::c_string(req_id, "req_id"), group_id, words.data()));
-    words.resize(2 * positions);
-    return words;
+    return detail::read_sized<uint64_t>([&](uint64_t *buf, size_t cap, size_t *len) {
+      return kvcs_result_entries_buf(get(), detail::c_string(req_id, "req_id"), group_id, buf, cap, len);
+    });
   }
   /// The load check against entries kept by the caller, 2 * num_positions
-  /// words as entries() gave them (kvcs_result_check_entries).
+  /// words as entries() gave them (kvcs_result_check_entries_buf: another
+  /// count throws KVCS_ERR_INVALID_ARGUMENT).
   std::vector<stored_outcome> check_entries(const std::string &req_id, uint32_t group_id,
                                             view<uint64_t> entries) const {
-    size_t positions = num_positions(req_id, group_id);
-    if (entries.size() != 2 * positions) {
-      throw error(KVCS_ERR_INVALID_ARGUMENT, "entries holds " + std::to_string(entries.size()) + " words for " +
-                                                 std::to_string(positions) + " positions (2 each)");
-    }
-    std::vector<uint8_t> outcomes(positions + 1);  // never empty, so never NULL
-    check(kvcs_result_check_entries(get(), detail::c_string(req_id, "req_id"), group_id, entries.data(), outcomes.data()));
-    outcomes.resize(positions);
-    std::vector<stored_outcome> out;
-    out.reserve(outcomes.size());
-    for (uint8_t outcome : outcomes) {
-      out.push_back(static_cast<stored_outcome>(outcome));
-    }
-    return out;
+    return detail::outcomes(detail::read_sized<uint8_t>([&](uint8_t *buf, size_t cap, size_t *len) {
+      return kvcs_result_check_entries_buf(get(), detail::c_string(req_id, "req_id"), group_id, entries.data(), entries.size(), buf,
+                                           cap, len);
+    }));
   }
   /// The worker's record of this result, for verifier::add_record
   /// (kvcs_result_encode).

@@ -22,6 +22,10 @@ CONSTANTS = {
     "KVCS_MIX_MULTIPLIER": 11400714819323198485,
     "KVCS_PAYLOAD_VERSION": 1,
     "KVCS_RECORD_VERSION": 5,
+    "KVCS_VERSION_MAJOR": 0,
+    "KVCS_VERSION_MINOR": 3,
+    "KVCS_VERSION_NUMBER": 300,
+    "KVCS_VERSION_PATCH": 0,
     "KVCS_WHOLE_LOAD": 4294967295,
 }
 
@@ -1225,6 +1229,55 @@ CALLS = {
             ("block_ids", "const uint32_t *"),
             ("hashes", "const uint8_t *"),
             ("hash_bytes", "size_t"),
+        ),
+    ),
+    "kvcs_result_column_buf": (
+        "kvcs_status",
+        (
+            ("result", "const kvcs_result *"),
+            ("req_id", "const char *"),
+            ("group_id", "uint32_t"),
+            ("column", "size_t"),
+            ("replicas", "uint32_t *"),
+            ("replica_index", "uint32_t *"),
+            ("values", "uint64_t *"),
+            ("cap", "size_t"),
+            ("len", "size_t *"),
+        ),
+    ),
+    "kvcs_result_stored_buf": (
+        "kvcs_status",
+        (
+            ("result", "const kvcs_result *"),
+            ("req_id", "const char *"),
+            ("group_id", "uint32_t"),
+            ("outcomes", "uint8_t *"),
+            ("cap", "size_t"),
+            ("len", "size_t *"),
+        ),
+    ),
+    "kvcs_result_entries_buf": (
+        "kvcs_status",
+        (
+            ("result", "const kvcs_result *"),
+            ("req_id", "const char *"),
+            ("group_id", "uint32_t"),
+            ("entries", "uint64_t *"),
+            ("cap", "size_t"),
+            ("len", "size_t *"),
+        ),
+    ),
+    "kvcs_result_check_entries_buf": (
+        "kvcs_status",
+        (
+            ("result", "const kvcs_result *"),
+            ("req_id", "const char *"),
+            ("group_id", "uint32_t"),
+            ("entries", "const uint64_t *"),
+            ("num_words", "size_t"),
+            ("outcomes", "uint8_t *"),
+            ("cap", "size_t"),
+            ("len", "size_t *"),
         ),
     ),
     "kvcs_api_get": (

@@ -137,8 +137,34 @@ def _of_type(value, cls: type, name: str):
 
 
 def _stream(cuda_stream) -> int | None:
-    """A CUstream as an int (None is the legacy default stream)."""
-    return None if cuda_stream is None else _int(cuda_stream, "uintptr_t", "cuda_stream")
+    """A CUstream as an int: None (the legacy default stream), an int (a
+    CUstream handle, numpy integers too), or an object that carries one: a
+    torch.cuda.Stream or a CuPy stream (its `cuda_stream` attribute, or
+    `ptr`), or anything with `__cuda_stream__()` (the CUDA stream protocol:
+    a (version, handle) pair). TypeError for anything else, naming it."""
+    if cuda_stream is None:
+        return None
+    if isinstance(cuda_stream, bool):
+        raise TypeError("cuda_stream is a bool, not a CUDA stream (an int handle, a torch.cuda.Stream, ...)")
+    if isinstance(cuda_stream, (int, np.integer)):
+        return _int(cuda_stream, "uintptr_t", "cuda_stream")
+    protocol = getattr(cuda_stream, "__cuda_stream__", None)
+    if protocol is not None:
+        pair = protocol() if callable(protocol) else protocol
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise TypeError(
+                f"cuda_stream's __cuda_stream__() gave {pair!r}, not a (version, handle) pair "
+                f"({type(cuda_stream).__name__})"
+            )
+        return _int(pair[1], "uintptr_t", f"cuda_stream ({type(cuda_stream).__name__}.__cuda_stream__()[1])")
+    for attribute in ("cuda_stream", "ptr"):
+        handle = getattr(cuda_stream, attribute, None)
+        if handle is not None and not callable(handle):
+            return _int(handle, "uintptr_t", f"cuda_stream ({type(cuda_stream).__name__}.{attribute})")
+    raise TypeError(
+        f"cuda_stream is a {type(cuda_stream).__name__}, not a CUDA stream: pass an int handle, a "
+        "torch.cuda.Stream, or an object with cuda_stream or __cuda_stream__"
+    )
 
 
 def _sized(call, element=c_uint8):

@@ -16,12 +16,115 @@ from ._lib import BLOCK_CHECKSUM_BYTES
 # --- Layers from arrays --------------------------------------------------------
 
 
+# --- DLPack (https://dmlc.github.io/dlpack/latest/c_api.html) ------------------
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [
+        ("major", ctypes.c_uint32),
+        ("minor", ctypes.c_uint32),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", _DLTensor),
+    ]
+
+
+#: DLPack's type codes as numpy's dtype kinds (kDLInt, kDLUInt, kDLFloat,
+#: kDLBfloat, kDLComplex, kDLBool; kDLOpaqueHandle is no number).
+_DL_KINDS = {0: "i", 1: "u", 2: "f", 4: "f", 5: "c", 6: "b"}
+#: kDLCPU, kDLCUDA, kDLCUDAHost (pinned), kDLCUDAManaged: memory a worker
+#: can read (a host worker the first, third and fourth, a device worker
+#: the CUDA ones).
+_DL_DEVICES = {1: "cpu", 2: "cuda", 3: "cuda_host", 13: "cuda_managed"}
+
+
+def _has_dlpack(array) -> bool:
+    return callable(getattr(array, "__dlpack__", None))
+
+
+def _dlpack_info(array) -> tuple[int, tuple, tuple, int, str]:
+    """(address, shape, byte strides, item size, numpy kind) of a DLPack
+    producer (`__dlpack__`: JAX, CuPy, TensorFlow, numpy ...). Only the
+    description is read: the capsule is left unconsumed, so its own
+    destructor releases the producer's export, and the caller keeps the
+    producer (which owns the memory) alive, as for any tensor."""
+    pythonapi = ctypes.pythonapi
+    pythonapi.PyCapsule_IsValid.restype = ctypes.c_int
+    pythonapi.PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    pythonapi.PyCapsule_GetPointer.restype = ctypes.c_void_p
+    pythonapi.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    capsule = array.__dlpack__()
+    if pythonapi.PyCapsule_IsValid(capsule, b"dltensor"):
+        managed = _DLManagedTensor.from_address(pythonapi.PyCapsule_GetPointer(capsule, b"dltensor"))
+    elif pythonapi.PyCapsule_IsValid(capsule, b"dltensor_versioned"):
+        managed = _DLManagedTensorVersioned.from_address(pythonapi.PyCapsule_GetPointer(capsule, b"dltensor_versioned"))
+        if managed.major != 1:
+            raise TypeError(f"{type(array).__name__}.__dlpack__() gave DLPack {managed.major}.{managed.minor}, not 1.x")
+    else:
+        raise TypeError(f"{type(array).__name__}.__dlpack__() gave {capsule!r}, not a DLPack capsule")
+    tensor = managed.dl_tensor
+    device = _DL_DEVICES.get(tensor.device.device_type)
+    if device is None:
+        raise TypeError(
+            f"{type(array).__name__} lives on DLPack device type {tensor.device.device_type}, not the host or CUDA"
+        )
+    dtype = tensor.dtype
+    kind = _DL_KINDS.get(dtype.code)
+    if kind is None or dtype.bits % 8 or dtype.bits == 0:
+        raise TypeError(
+            f"{type(array).__name__} has DLPack elements of code {dtype.code}, {dtype.bits} bits: kvcsum reads "
+            "whole bytes of numbers"
+        )
+    item = dtype.bits // 8 * max(dtype.lanes, 1)
+    ndim = int(tensor.ndim)
+    shape = tuple(int(tensor.shape[i]) for i in range(ndim))
+    if tensor.strides:
+        strides = tuple(int(tensor.strides[i]) * item for i in range(ndim))
+    else:  # compact, row-major
+        steps, step = [], item
+        for n in reversed(shape):
+            steps.append(step)
+            step *= n
+        strides = tuple(reversed(steps))
+    address = int(tensor.data or 0) + int(tensor.byte_offset)
+    del capsule
+    return address, shape, strides, item, kind
+
+
 def _array_info(array) -> tuple[int, tuple, tuple, int]:
     """(address, shape, byte strides, item size) of a numpy array, a torch
-    tensor, or anything with __cuda_array_interface__ / __array_interface__."""
+    tensor, anything with __cuda_array_interface__ / __array_interface__,
+    or a DLPack producer (__dlpack__)."""
     if hasattr(array, "data_ptr") and hasattr(array, "element_size") and callable(array.stride):
         item = int(array.element_size())
         return int(array.data_ptr()), tuple(int(n) for n in array.shape), tuple(int(s) * item for s in array.stride()), item
+    if not hasattr(array, "__cuda_array_interface__") and not hasattr(array, "__array_interface__") and _has_dlpack(array):
+        return _dlpack_info(array)[:4]
     for name in ("__cuda_array_interface__", "__array_interface__"):
         interface = getattr(array, name, None)
         if interface is not None:
@@ -35,7 +138,9 @@ def _array_info(array) -> tuple[int, tuple, tuple, int]:
                     step *= n
                 strides = tuple(reversed(strides))
             return int(interface["data"][0]), shape, tuple(int(s) for s in strides), item
-    raise TypeError(f"cannot describe a {type(array).__name__}: expected a numpy array or a torch tensor")
+    raise TypeError(
+        f"cannot describe a {type(array).__name__}: expected a numpy array, a torch tensor or a DLPack producer"
+    )
 
 
 def region_of(array) -> tuple[int, int]:
@@ -63,6 +168,11 @@ def _elements(array) -> tuple[str, bool, bool, str]:
         else:
             kind = "i" if dtype.is_signed else "u"
         return kind, True, True, str(dtype)
+    if not hasattr(array, "__cuda_array_interface__") and not hasattr(array, "__array_interface__") and _has_dlpack(array):
+        *_, item, kind = _dlpack_info(array)
+        # DLPack says nothing of writability (1.x's read-only flag aside): a
+        # stored-checksum buffer takes a numpy array or a torch tensor.
+        return kind, True, False, f"DLPack {kind}{8 * item}"
     for name in ("__cuda_array_interface__", "__array_interface__"):
         interface = getattr(array, name, None)
         if interface is not None:
@@ -81,6 +191,8 @@ def _numeric(array, name: str) -> None:
         return  # torch's dtypes are all numeric
     if isinstance(array, np.ndarray):
         dtype = array.dtype
+    elif not hasattr(array, "__cuda_array_interface__") and not hasattr(array, "__array_interface__") and _has_dlpack(array):
+        return  # _dlpack_info refuses what is not whole bytes of numbers
     else:
         interface = getattr(array, "__cuda_array_interface__", None) or getattr(array, "__array_interface__", None)
         if interface is None:

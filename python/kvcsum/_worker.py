@@ -238,19 +238,28 @@ class Result(_Handle):
         return self.column_with_key(req_id, group_id, column)[1]
 
     def column_with_key(self, req_id: str, group_id: int, column: int = 0) -> tuple[tuple[int, int], np.ndarray]:
-        """((replicas, replica_index), values) of one column."""
+        """((replicas, replica_index), values) of one column
+        (kvcs_result_column_buf)."""
         column = _int(column, "size_t", "column")
         _, positions, _ = self.group(req_id, group_id)
         values = np.zeros(positions, dtype=np.uint64)
-        replicas, index = c_uint32(), c_uint32()
+        replicas, index, length = c_uint32(), c_uint32(), c_size_t()
         pointer = values.ctypes.data_as(ctypes.POINTER(c_uint64)) if positions else None
         with self._use() as handle:
             _check(
-                self._lib.kvcs_result_column(
-                    handle, _c(req_id, "req_id"), group_id, column, byref(replicas), byref(index), pointer
+                self._lib.kvcs_result_column_buf(
+                    handle,
+                    _c(req_id, "req_id"),
+                    group_id,
+                    column,
+                    byref(replicas),
+                    byref(index),
+                    pointer,
+                    positions,
+                    byref(length),
                 )
             )
-        return (replicas.value, index.value), values
+        return (replicas.value, index.value), values[: length.value]
 
     def columns(self, req_id: str, group_id: int) -> dict:
         """Every column of a group: {(replicas, replica_index): values}."""
@@ -265,9 +274,14 @@ class Result(_Handle):
         _, positions, _ = self.group(req_id, group_id)
         outcomes = np.zeros(positions, dtype=np.uint8)
         pointer = outcomes.ctypes.data_as(ctypes.POINTER(c_uint8)) if positions else None
+        length = c_size_t()
         with self._use() as handle:
-            _check(self._lib.kvcs_result_stored(handle, _c(req_id, "req_id"), group_id, pointer))
-        return outcomes
+            _check(
+                self._lib.kvcs_result_stored_buf(
+                    handle, _c(req_id, "req_id"), group_id, pointer, positions, byref(length)
+                )
+            )
+        return outcomes[: length.value]
 
     def entries(self, req_id: str, group_id: int) -> np.ndarray:
         """The stored-checksum entries a Worker.store of these blocks would
@@ -279,9 +293,14 @@ class Result(_Handle):
         _, positions, _ = self.group(req_id, group_id)
         entries = np.zeros((positions, 2), dtype=np.uint64)
         pointer = entries.ctypes.data_as(ctypes.POINTER(c_uint64)) if positions else None
+        length = c_size_t()
         with self._use() as handle:
-            _check(self._lib.kvcs_result_entries(handle, _c(req_id, "req_id"), group_id, pointer))
-        return entries
+            _check(
+                self._lib.kvcs_result_entries_buf(
+                    handle, _c(req_id, "req_id"), group_id, pointer, 2 * positions, byref(length)
+                )
+            )
+        return entries[: length.value // 2]
 
     def check_entries(self, req_id: str, group_id: int, entries) -> np.ndarray:
         """The load check against entries kept by the caller (as
@@ -302,13 +321,21 @@ class Result(_Handle):
         outcomes = np.zeros(positions, dtype=np.uint8)
         entries_pointer = words.ctypes.data_as(ctypes.POINTER(c_uint64)) if positions else None
         outcomes_pointer = outcomes.ctypes.data_as(ctypes.POINTER(c_uint8)) if positions else None
+        length = c_size_t()
         with self._use() as handle:
             _check(
-                self._lib.kvcs_result_check_entries(
-                    handle, _c(req_id, "req_id"), group_id, entries_pointer, outcomes_pointer
+                self._lib.kvcs_result_check_entries_buf(
+                    handle,
+                    _c(req_id, "req_id"),
+                    group_id,
+                    entries_pointer,
+                    words.size,
+                    outcomes_pointer,
+                    positions,
+                    byref(length),
                 )
             )
-        return outcomes
+        return outcomes[: length.value]
 
     def encode(self) -> bytes:
         """The worker's record of this result, for Verifier.add_record."""
@@ -534,11 +561,11 @@ class Worker(_Handle):
         result._kept = self._kept
         return result
 
-    def store(self, blocks: Blocks, cuda_stream: int | None = None) -> Result:
+    def store(self, blocks: Blocks, cuda_stream=None) -> Result:
         """Checksums `blocks` and writes each block's stored checksum."""
         return self._call_result(self._lib.kvcs_worker_store, blocks, cuda_stream)
 
-    def check_stored(self, blocks: Blocks, cuda_stream: int | None = None) -> Result:
+    def check_stored(self, blocks: Blocks, cuda_stream=None) -> Result:
         """Checksums loaded `blocks` against their stored checksums; read the
         verdicts with Result.stored."""
         return self._call_result(self._lib.kvcs_worker_check_stored, blocks, cuda_stream)
@@ -568,9 +595,12 @@ class Worker(_Handle):
             _check(self._lib.kvcs_block_tags(handle, group_id, buffer, size, count, pointer))
         return tags
 
-    def checksum(self, blocks: Blocks, role: int = PRODUCER, cuda_stream: int | None = None) -> Result:
+    def checksum(self, blocks: Blocks, role: int = PRODUCER, cuda_stream=None) -> Result:
         """Computes (host) or queues (device, on `cuda_stream`) the partial
-        checksums of every block in `blocks`."""
+        checksums of every block in `blocks`. `cuda_stream` is None (the
+        legacy default stream), a CUstream handle, a torch.cuda.Stream (or
+        anything with `cuda_stream` or `__cuda_stream__`); a host worker
+        ignores it. A device result is ready after Result.wait()."""
         _of_type(blocks, Blocks, "blocks")
         role = _enum(role, Role, "role")
         return self._call_result(

@@ -30,11 +30,29 @@ pub(crate) unsafe fn write_items<T: Copy>(
     len: *mut usize,
     unit: &str,
 ) -> kvcs_status {
+    // SAFETY: the caller's contract.
+    unsafe { write_named(items, (buf, "buf"), cap, len, unit) }
+}
+
+/// [`write_items`] for a buffer argument named `buf.1` (`values`,
+/// `outcomes`): its NULL message names it.
+///
+/// # Safety
+/// `buf.0` is NULL or points to `cap` writable items; `len` is NULL or
+/// writable.
+pub(crate) unsafe fn write_named<T: Copy>(
+    items: &[T],
+    buf: (*mut T, &str),
+    cap: usize,
+    len: *mut usize,
+    unit: &str,
+) -> kvcs_status {
+    let (buf, name) = buf;
     if len.is_null() {
         return fail(&err!(InvalidArgument, "len is NULL"));
     }
     if buf.is_null() && cap != 0 {
-        return fail(&err!(InvalidArgument, "buf is NULL with cap {cap}"));
+        return fail(&err!(InvalidArgument, "{name} is NULL with cap {cap}"));
     }
     if items.len() > cap {
         // SAFETY: `len` is not NULL (checked above), so writable (the caller's promise).

@@ -21,6 +21,39 @@ const _: () = assert!(KVCS_MAX_KV_HEADS_PER_LAYER == crate::checksum::MAX_KV_HEA
 /// The `device` of a worker whose caches are in host memory.
 pub const KVCS_HOST: i32 = -1;
 
+/// The major version of the library this header comes with (the crate
+/// version, docs/VERSIONING.md); `kvcs_version()` gives the loaded one's.
+pub const KVCS_VERSION_MAJOR: u32 = 0;
+
+/// The minor version of the library this header comes with.
+pub const KVCS_VERSION_MINOR: u32 = 3;
+
+/// The patch version of the library this header comes with.
+pub const KVCS_VERSION_PATCH: u32 = 0;
+
+/// `MAJOR * 10000 + MINOR * 100 + PATCH` of the library this header comes
+/// with, for `#if KVCS_VERSION_NUMBER >= 300` (zstd's `ZSTD_VERSION_NUMBER`).
+pub const KVCS_VERSION_NUMBER: u32 = 300;
+const _: () =
+    assert!(KVCS_VERSION_NUMBER == KVCS_VERSION_MAJOR * 10000 + KVCS_VERSION_MINOR * 100 + KVCS_VERSION_PATCH);
+
+/// A decimal number of the crate's version at compile time.
+const fn decimal(text: &str) -> u32 {
+    let bytes = text.as_bytes();
+    let mut value = 0;
+    let mut i = 0;
+    while i < bytes.len() {
+        value = value * 10 + (bytes[i] - b'0') as u32;
+        i += 1;
+    }
+    value
+}
+// The three are written out for cbindgen; a release that changes the
+// crate version and not them does not build.
+const _: () = assert!(KVCS_VERSION_MAJOR == decimal(env!("CARGO_PKG_VERSION_MAJOR")));
+const _: () = assert!(KVCS_VERSION_MINOR == decimal(env!("CARGO_PKG_VERSION_MINOR")));
+const _: () = assert!(KVCS_VERSION_PATCH == decimal(env!("CARGO_PKG_VERSION_PATCH")));
+
 /// The ABI version of the loaded library; equal to `KVCS_ABI_VERSION` of
 /// the header a program was built with, or the program must not use it.
 #[no_mangle]

@@ -593,6 +593,47 @@ pub type kvcs_blocks_add_arrays_fn = unsafe extern "C" fn(
     hashes: *const u8,
     hash_bytes: usize,
 ) -> kvcs_status;
+/// The type of `kvcs_result_column_buf`.
+pub type kvcs_result_column_buf_fn = unsafe extern "C" fn(
+    result: *const kvcs_result,
+    req_id: *const c_char,
+    group_id: u32,
+    column: usize,
+    replicas: *mut u32,
+    replica_index: *mut u32,
+    values: *mut u64,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status;
+/// The type of `kvcs_result_stored_buf`.
+pub type kvcs_result_stored_buf_fn = unsafe extern "C" fn(
+    result: *const kvcs_result,
+    req_id: *const c_char,
+    group_id: u32,
+    outcomes: *mut u8,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status;
+/// The type of `kvcs_result_entries_buf`.
+pub type kvcs_result_entries_buf_fn = unsafe extern "C" fn(
+    result: *const kvcs_result,
+    req_id: *const c_char,
+    group_id: u32,
+    entries: *mut u64,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status;
+/// The type of `kvcs_result_check_entries_buf`.
+pub type kvcs_result_check_entries_buf_fn = unsafe extern "C" fn(
+    result: *const kvcs_result,
+    req_id: *const c_char,
+    group_id: u32,
+    entries: *const u64,
+    num_words: usize,
+    outcomes: *mut u8,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status;
 /// The type of `kvcs_api_get`.
 pub type kvcs_api_get_fn = unsafe extern "C" fn(abi_version: u32, out: *mut *const kvcs_api) -> kvcs_status;
 
@@ -854,6 +895,14 @@ pub struct kvcs_api {
     pub kvcs_payload_short_last: kvcs_payload_short_last_fn,
     /// Slot 119: `kvcs_blocks_add_arrays`.
     pub kvcs_blocks_add_arrays: kvcs_blocks_add_arrays_fn,
+    /// Slot 120: `kvcs_result_column_buf`.
+    pub kvcs_result_column_buf: kvcs_result_column_buf_fn,
+    /// Slot 121: `kvcs_result_stored_buf`.
+    pub kvcs_result_stored_buf: kvcs_result_stored_buf_fn,
+    /// Slot 122: `kvcs_result_entries_buf`.
+    pub kvcs_result_entries_buf: kvcs_result_entries_buf_fn,
+    /// Slot 123: `kvcs_result_check_entries_buf`.
+    pub kvcs_result_check_entries_buf: kvcs_result_check_entries_buf_fn,
 }
 
 /// The table `kvcs_api_get` gives out.
@@ -980,4 +1029,8 @@ pub(crate) static API: kvcs_api = kvcs_api {
     kvcs_report_uncompared: super::report::kvcs_report_uncompared,
     kvcs_payload_short_last: super::payload::kvcs_payload_short_last,
     kvcs_blocks_add_arrays: super::blocks::kvcs_blocks_add_arrays,
+    kvcs_result_column_buf: super::result::kvcs_result_column_buf,
+    kvcs_result_stored_buf: super::result::kvcs_result_stored_buf,
+    kvcs_result_entries_buf: super::result::kvcs_result_entries_buf,
+    kvcs_result_check_entries_buf: super::result::kvcs_result_check_entries_buf,
 };

@@ -2,11 +2,12 @@
 
 use std::ffi::c_char;
 
+use super::buffer::write_named;
 use super::c_enum::c_enum;
 use super::handle::{free, handle, try_handle};
 use super::panic::ffi_boundary;
 use super::status::kvcs_status;
-use super::{c_array, c_str, try_engine, write_out};
+use super::{c_array, c_str, not_null, try_engine, write_out};
 use crate::result::{Checksums, StoredOutcome};
 use crate::stored;
 
@@ -83,6 +84,10 @@ pub extern "C" fn kvcs_result_group(
 /// when `num_positions` is 0). `replicas` and `replica_index` may be NULL.
 /// `KVCS_ERR_NOT_READY` while a device is computing,
 /// `KVCS_ERR_OUT_OF_BOUNDS` for a column at or past `num_columns`.
+///
+/// Deprecated: it writes a count it never sees; use
+/// `kvcs_result_column_buf`, which takes the buffer's capacity. Kept for
+/// ABI 2.
 #[no_mangle]
 pub extern "C" fn kvcs_result_column(
     result: *const kvcs_result,
@@ -173,6 +178,10 @@ impl kvcs_stored_outcome {
 /// (`num_positions` of `kvcs_result_group`) written to `outcomes`.
 /// `KVCS_ERR_NOT_FOUND` when the result is not a load check's or the group
 /// is not in it, `KVCS_ERR_NOT_READY` while a device computes.
+///
+/// Deprecated: it writes a count it never sees; use
+/// `kvcs_result_stored_buf`, which takes the buffer's capacity. Kept for
+/// ABI 2.
 #[no_mangle]
 pub extern "C" fn kvcs_result_stored(
     result: *const kvcs_result,
@@ -215,6 +224,10 @@ pub extern "C" fn kvcs_result_stored(
 /// block hashes (`kvcs_blocks_set_hashes`; `KVCS_ERR_INVALID_ARGUMENT`
 /// without). `KVCS_ERR_NOT_FOUND` for a request or group not in it (or
 /// skipped), `KVCS_ERR_NOT_READY` while a device computes.
+///
+/// Deprecated: it writes a count it never sees; use
+/// `kvcs_result_entries_buf`, which takes the buffer's capacity. Kept for
+/// ABI 2.
 #[no_mangle]
 pub extern "C" fn kvcs_result_entries(
     result: *const kvcs_result,
@@ -252,6 +265,10 @@ pub extern "C" fn kvcs_result_entries(
 /// or the entry changed, or it is another block's), not checked, or not
 /// compared because another configuration, algorithm, valid-token count or
 /// format stored it. Requirements and errors as `kvcs_result_entries`.
+///
+/// Deprecated: it reads and writes counts it never sees; use
+/// `kvcs_result_check_entries_buf`, which takes both lengths. Kept for
+/// ABI 2.
 #[no_mangle]
 pub extern "C" fn kvcs_result_check_entries(
     result: *const kvcs_result,
@@ -285,6 +302,139 @@ pub extern "C" fn kvcs_result_check_entries(
             unsafe { outcomes.add(i).write(kvcs_stored_outcome::of(verdict) as u8) };
         }
         kvcs_status::KVCS_OK
+    }
+}
+
+/// Column `column` of group `group_id` of request `req_id`, as
+/// `kvcs_result_column` gives it, into the caller's buffer of `cap`
+/// values (the buffer convention of `kvcs_result_encode`): `*len` gets the
+/// number of values (`num_positions`), and a `cap` below it gives
+/// `KVCS_ERR_BUFFER_TOO_SMALL` with `*len` set to the number needed and
+/// nothing else written; `(NULL, 0)` asks for it. `replicas` and
+/// `replica_index` may be NULL; they are written on success. Errors as
+/// `kvcs_result_column`; `len` NULL is `KVCS_ERR_INVALID_ARGUMENT`.
+#[no_mangle]
+pub extern "C" fn kvcs_result_column_buf(
+    result: *const kvcs_result,
+    req_id: *const c_char,
+    group_id: u32,
+    column: usize,
+    replicas: *mut u32,
+    replica_index: *mut u32,
+    values: *mut u64,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status {
+    ffi_boundary! {
+        let result = try_handle!(result, "result");
+        not_null!(len, "len");
+        // SAFETY: NULL or a NUL-terminated string per the contract.
+        let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
+        let (key, column_values) = try_engine!(result.column(req_id, group_id, column));
+        // SAFETY: `values` has `cap` writable values and `len` is writable per the contract.
+        let status = unsafe { write_named(column_values, (values, "values"), cap, len, "values") };
+        if status == kvcs_status::KVCS_OK {
+            // SAFETY: each is NULL or writable per the contract.
+            unsafe {
+                write_out(replicas, key.replicas);
+                write_out(replica_index, key.replica_index);
+            }
+        }
+        status
+    }
+}
+
+/// A load check's verdicts on group `group_id` of request `req_id`, as
+/// `kvcs_result_stored` gives them (one `kvcs_stored_outcome` byte per
+/// block position), into the caller's `cap` bytes at `outcomes`, with the
+/// count in `*len` (the buffer convention: a `cap` below it gives
+/// `KVCS_ERR_BUFFER_TOO_SMALL` with `*len` set and nothing written).
+/// Errors as `kvcs_result_stored`.
+#[no_mangle]
+pub extern "C" fn kvcs_result_stored_buf(
+    result: *const kvcs_result,
+    req_id: *const c_char,
+    group_id: u32,
+    outcomes: *mut u8,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status {
+    ffi_boundary! {
+        let result = try_handle!(result, "result");
+        not_null!(len, "len");
+        // SAFETY: NULL or a NUL-terminated string per the contract.
+        let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
+        let verdicts = try_engine!(result.stored_outcomes(req_id, group_id));
+        let bytes: Vec<u8> = verdicts.iter().map(|&verdict| kvcs_stored_outcome::of(verdict) as u8).collect();
+        // SAFETY: `outcomes` has `cap` writable bytes and `len` is writable per the contract.
+        unsafe { write_named(&bytes, (outcomes, "outcomes"), cap, len, "outcomes") }
+    }
+}
+
+/// The stored-checksum entries of group `group_id` of request `req_id`, as
+/// `kvcs_result_entries` gives them (two words per block position: value,
+/// stamp), into the caller's `cap` words at `entries`, with the number of
+/// words (`2 * num_positions`) in `*len` (the buffer convention: a `cap`
+/// below it gives `KVCS_ERR_BUFFER_TOO_SMALL` with `*len` set and nothing
+/// written). Requirements and errors as `kvcs_result_entries`.
+#[no_mangle]
+pub extern "C" fn kvcs_result_entries_buf(
+    result: *const kvcs_result,
+    req_id: *const c_char,
+    group_id: u32,
+    entries: *mut u64,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status {
+    ffi_boundary! {
+        let result = try_handle!(result, "result");
+        not_null!(len, "len");
+        // SAFETY: NULL or a NUL-terminated string per the contract.
+        let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
+        let found = try_engine!(stored::result_entries(result, req_id, group_id));
+        let words: Vec<u64> = found.iter().flat_map(|&(value, stamp)| [value, stamp]).collect();
+        // SAFETY: `entries` has `cap` writable words and `len` is writable per the contract.
+        unsafe { write_named(&words, (entries, "entries"), cap, len, "words") }
+    }
+}
+
+/// The load check of `kvcs_result_check_entries` with both lengths given:
+/// `entries` holds `num_words` words, which must be two per block position
+/// of the group (value, stamp; `KVCS_ERR_INVALID_ARGUMENT` naming both
+/// counts otherwise), and the outcomes go to the caller's `cap` bytes at
+/// `outcomes` with their count in `*len` (the buffer convention: a `cap`
+/// below it gives `KVCS_ERR_BUFFER_TOO_SMALL` with `*len` set and nothing
+/// written). Requirements and other errors as `kvcs_result_entries`.
+#[no_mangle]
+pub extern "C" fn kvcs_result_check_entries_buf(
+    result: *const kvcs_result,
+    req_id: *const c_char,
+    group_id: u32,
+    entries: *const u64,
+    num_words: usize,
+    outcomes: *mut u8,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status {
+    ffi_boundary! {
+        let result = try_handle!(result, "result");
+        not_null!(len, "len");
+        // SAFETY: NULL or a NUL-terminated string per the contract.
+        let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
+        let (_, blocks) = try_engine!(result.given_blocks(req_id, group_id));
+        let positions = blocks.block_ids.len();
+        if positions.checked_mul(2) != Some(num_words) {
+            return super::status::fail(&crate::error::Error::InvalidArgument(format!(
+                "num_words {num_words} is not 2 x the {positions} positions of group_id {group_id} (2 each: value, stamp)"
+            )));
+        }
+        // SAFETY: the contract gives `num_words` readable words.
+        let words = try_engine!(unsafe { c_array(entries, num_words, "entries") });
+        let pairs: Vec<(u64, u64)> = words.chunks_exact(2).map(|pair| (pair[0], pair[1])).collect();
+        let verdicts = try_engine!(stored::check_result_entries(result, req_id, group_id, &pairs));
+        let bytes: Vec<u8> = verdicts.iter().map(|&verdict| kvcs_stored_outcome::of(verdict) as u8).collect();
+        // SAFETY: `outcomes` has `cap` writable bytes and `len` is writable per the contract.
+        unsafe { write_named(&bytes, (outcomes, "outcomes"), cap, len, "outcomes") }
     }
 }
 

@@ -60,6 +60,15 @@ static kvcs_worker_options host_options(void) {
 static void test_versions_and_names(void) {
   CHECK(kvcs_abi_version() == KVCS_ABI_VERSION);
   CHECK(kvcs_version() != NULL && strcmp(kvcs_version(), "0.3.0") == 0);
+  /* The header's version is the library's (tests/it/docs.rs checks it is Cargo.toml's). */
+  char header_version[32];
+  snprintf(header_version, sizeof header_version, "%d.%d.%d", KVCS_VERSION_MAJOR, KVCS_VERSION_MINOR,
+           KVCS_VERSION_PATCH);
+  CHECK(strcmp(kvcs_version(), header_version) == 0);
+  CHECK(KVCS_VERSION_NUMBER == KVCS_VERSION_MAJOR * 10000 + KVCS_VERSION_MINOR * 100 + KVCS_VERSION_PATCH);
+#if KVCS_VERSION_NUMBER < 300
+  CHECK(!"KVCS_VERSION_NUMBER is usable in #if");
+#endif
   static const char *const names[] = {
       "KVCS_OK",          "KVCS_ERR_INVALID_ARGUMENT", "KVCS_ERR_OUT_OF_BOUNDS",    "KVCS_ERR_UNSUPPORTED",
       "KVCS_ERR_NOT_FOUND", "KVCS_ERR_MALFORMED",      "KVCS_ERR_NOT_READY",        "KVCS_ERR_DEVICE",
@@ -128,6 +137,19 @@ static void test_worker_create(void) {
     EXPECT(kvcs_worker_create(&options, &worker), KVCS_ERR_DEVICE, "device 0");
   }
   CHECK(worker == SENTINEL);
+
+  /* KVCS_WORKER_OPTIONS_INIT is a host worker of TP rank 0 of 1 (where
+   * `{0}` is CUDA device 0 with tp_size 0), and creates one. */
+  kvcs_worker_options init = KVCS_WORKER_OPTIONS_INIT;
+  CHECK(init.device == KVCS_HOST && init.tp_rank == 0 && init.tp_size == 1 && init.pp_rank == 0 &&
+        init.num_threads == 0);
+  EXPECT_OK(kvcs_worker_create(&init, &worker));
+  kvcs_worker_destroy(worker);
+  worker = SENTINEL;
+  kvcs_layer layer_init = KVCS_LAYER_INIT;
+  CHECK(layer_init.replicas == 1 && layer_init.replica_index == 0 && layer_init.kernel_blocks == 1 &&
+        layer_init.num_segments == 1 && layer_init.segments == NULL && layer_init.identity == NULL &&
+        layer_init.identity_len == 0 && layer_init.group_id == 0 && layer_init.num_heads == 0);
 
   options = host_options();
   options.num_threads = 0; /* KVCS_HOST_THREADS, or a share of the cores */
@@ -468,6 +490,35 @@ static void test_checksum_and_result(void) {
   CHECK(replicas == 1 && replica_index == 0);
   /* An all-zero cache checksums to zero; the random-data tests are in checksums.c. */
   CHECK(values[0] == 0 && values[1] == 0);
+  /* The capacity-taking form: the buffer convention. */
+  uint64_t buf_values[3] = {77, 77, 77};
+  size_t len = 77;
+  replicas = 77;
+  replica_index = 77;
+  EXPECT(kvcs_result_column_buf(NULL, "r", 0, 0, &replicas, &replica_index, buf_values, 3, &len),
+         KVCS_ERR_INVALID_ARGUMENT, "result");
+  EXPECT(kvcs_result_column_buf(result, "r", 0, 0, &replicas, &replica_index, buf_values, 3, NULL),
+         KVCS_ERR_INVALID_ARGUMENT, "len is NULL");
+  EXPECT(kvcs_result_column_buf(result, NULL, 0, 0, &replicas, &replica_index, buf_values, 3, &len),
+         KVCS_ERR_INVALID_ARGUMENT, "req_id is NULL");
+  EXPECT(kvcs_result_column_buf(result, "r", 4, 0, &replicas, &replica_index, buf_values, 3, &len),
+         KVCS_ERR_NOT_FOUND, "group_id 4");
+  EXPECT(kvcs_result_column_buf(result, "r", 0, 1, &replicas, &replica_index, buf_values, 3, &len),
+         KVCS_ERR_OUT_OF_BOUNDS, "column 1 is not below num_columns 1");
+  EXPECT(kvcs_result_column_buf(result, "r", 0, 0, &replicas, &replica_index, NULL, 3, &len),
+         KVCS_ERR_INVALID_ARGUMENT, "values is NULL with cap 3");
+  CHECK(len == 77 && buf_values[0] == 77 && replicas == 77 && replica_index == 77);
+  EXPECT(kvcs_result_column_buf(result, "r", 0, 0, &replicas, &replica_index, buf_values, 1, &len),
+         KVCS_ERR_BUFFER_TOO_SMALL, "cap 1 is below the 2 values needed");
+  CHECK(len == 2 && buf_values[0] == 77 && buf_values[1] == 77 && replicas == 77 && replica_index == 77);
+  len = 77;
+  EXPECT(kvcs_result_column_buf(result, "r", 0, 0, NULL, NULL, NULL, 0, &len), KVCS_ERR_BUFFER_TOO_SMALL, "cap 0");
+  CHECK(len == 2);
+  EXPECT_OK(kvcs_result_column_buf(result, "r", 0, 0, &replicas, &replica_index, buf_values, 3, &len));
+  CHECK(len == 2 && buf_values[0] == values[0] && buf_values[1] == values[1] && buf_values[2] == 77);
+  CHECK(replicas == 1 && replica_index == 0);
+  EXPECT_OK(kvcs_result_column_buf(result, "empty", 0, 0, NULL, NULL, NULL, 0, &len));
+  CHECK(len == 0);
   /* A group with no positions: values may be NULL. */
   EXPECT_OK(kvcs_result_group(result, "empty", 0, &first_position, &num_positions, &num_columns));
   CHECK(first_position == 3 && num_positions == 0 && num_columns == 1);

@@ -314,6 +314,20 @@ static void test_stored_checksums(void) {
   EXPECT_OK(kvcs_result_stored(result, "o", 0, outcomes));
   CHECK(outcomes[0] == KVCS_STORED_MATCHED && outcomes[1] == KVCS_STORED_FAILED &&
         outcomes[2] == KVCS_STORED_MATCHED);
+  /* The capacity-taking form: the buffer convention. */
+  uint8_t buf_outcomes[4] = {9, 9, 9, 9};
+  size_t len = 77;
+  EXPECT(kvcs_result_stored_buf(NULL, "o", 0, buf_outcomes, 4, &len), KVCS_ERR_INVALID_ARGUMENT, "result");
+  EXPECT(kvcs_result_stored_buf(result, "o", 0, buf_outcomes, 4, NULL), KVCS_ERR_INVALID_ARGUMENT, "len is NULL");
+  EXPECT(kvcs_result_stored_buf(result, "o", 5, buf_outcomes, 4, &len), KVCS_ERR_NOT_FOUND, "group_id 5");
+  EXPECT(kvcs_result_stored_buf(result, "o", 0, NULL, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "outcomes is NULL with cap 4");
+  CHECK(len == 77);
+  EXPECT(kvcs_result_stored_buf(result, "o", 0, buf_outcomes, 2, &len), KVCS_ERR_BUFFER_TOO_SMALL,
+         "cap 2 is below the 3 outcomes needed");
+  CHECK(len == 3 && buf_outcomes[0] == 9 && buf_outcomes[1] == 9);
+  EXPECT_OK(kvcs_result_stored_buf(result, "o", 0, buf_outcomes, 4, &len));
+  CHECK(len == 3 && memcmp(buf_outcomes, outcomes, 3) == 0 && buf_outcomes[3] == 9);
   kvcs_result *plain = NULL;
   EXPECT_OK(kvcs_worker_checksum(worker, blocks, KVCS_ROLE_CONSUMER, NULL, &plain));
   check_offload_reports(blocks, result, plain);
@@ -426,10 +440,52 @@ static void test_stored_checksums(void) {
   CHECK(kept[0] == 9);
   EXPECT_OK(kvcs_result_check_entries(consumer, "o", 0, entries, kept));
   CHECK(kept[0] == KVCS_STORED_MATCHED && kept[1] == KVCS_STORED_MATCHED && kept[2] == KVCS_STORED_MATCHED);
+  /* The capacity-taking forms: the buffer convention, both lengths. */
+  uint64_t buf_entries[7] = {7, 7, 7, 7, 7, 7, 7};
+  len = 77;
+  EXPECT(kvcs_result_entries_buf(NULL, "o", 0, buf_entries, 7, &len), KVCS_ERR_INVALID_ARGUMENT, "result");
+  EXPECT(kvcs_result_entries_buf(consumer, "o", 0, buf_entries, 7, NULL), KVCS_ERR_INVALID_ARGUMENT, "len is NULL");
+  EXPECT(kvcs_result_entries_buf(consumer, "o", 5, buf_entries, 7, &len), KVCS_ERR_NOT_FOUND, "group_id 5");
+  EXPECT(kvcs_result_entries_buf(producer, "o", 0, buf_entries, 7, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "KVCS_ROLE_PRODUCER");
+  EXPECT(kvcs_result_entries_buf(consumer, "o", 0, NULL, 7, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "entries is NULL with cap 7");
+  CHECK(len == 77);
+  EXPECT(kvcs_result_entries_buf(consumer, "o", 0, buf_entries, 5, &len), KVCS_ERR_BUFFER_TOO_SMALL,
+         "cap 5 is below the 6 words needed");
+  CHECK(len == 6 && buf_entries[0] == 7 && buf_entries[4] == 7);
+  EXPECT_OK(kvcs_result_entries_buf(consumer, "o", 0, buf_entries, 7, &len));
+  CHECK(len == 6 && memcmp(buf_entries, entries, sizeof entries) == 0 && buf_entries[6] == 7);
+  uint8_t buf_kept[4] = {9, 9, 9, 9};
+  len = 77;
+  EXPECT(kvcs_result_check_entries_buf(NULL, "o", 0, entries, 6, buf_kept, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "result");
+  EXPECT(kvcs_result_check_entries_buf(consumer, "o", 0, entries, 6, buf_kept, 4, NULL),
+         KVCS_ERR_INVALID_ARGUMENT, "len is NULL");
+  EXPECT(kvcs_result_check_entries_buf(consumer, "o", 0, entries, 5, buf_kept, 4, &len),
+         KVCS_ERR_INVALID_ARGUMENT, "num_words 5 is not 2 x the 3 positions of group_id 0");
+  EXPECT(kvcs_result_check_entries_buf(consumer, "o", 0, entries, 8, buf_kept, 4, &len),
+         KVCS_ERR_INVALID_ARGUMENT, "num_words 8");
+  EXPECT(kvcs_result_check_entries_buf(consumer, "o", 0, NULL, 6, buf_kept, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "entries is NULL");
+  EXPECT(kvcs_result_check_entries_buf(consumer, "o", 0, entries, 6, NULL, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "outcomes is NULL with cap 4");
+  EXPECT(kvcs_result_check_entries_buf(consumer, "o", 5, entries, 6, buf_kept, 4, &len), KVCS_ERR_NOT_FOUND,
+         "group_id 5");
+  EXPECT(kvcs_result_check_entries_buf(producer, "o", 0, entries, 6, buf_kept, 4, &len),
+         KVCS_ERR_INVALID_ARGUMENT, "KVCS_ROLE_PRODUCER");
+  CHECK(len == 77 && buf_kept[0] == 9);
+  EXPECT(kvcs_result_check_entries_buf(consumer, "o", 0, entries, 6, buf_kept, 2, &len), KVCS_ERR_BUFFER_TOO_SMALL,
+         "cap 2 is below the 3 outcomes needed");
+  CHECK(len == 3 && buf_kept[0] == 9 && buf_kept[1] == 9);
+  EXPECT_OK(kvcs_result_check_entries_buf(consumer, "o", 0, entries, 6, buf_kept, 4, &len));
+  CHECK(len == 3 && memcmp(buf_kept, kept, 3) == 0 && buf_kept[3] == 9);
   /* A damaged stamp fails; it does not read as another configuration. */
   entries[2 * 1 + 1] ^= 1u << 9;
   EXPECT_OK(kvcs_result_check_entries(consumer, "o", 0, entries, kept));
   CHECK(kept[0] == KVCS_STORED_MATCHED && kept[1] == KVCS_STORED_FAILED && kept[2] == KVCS_STORED_MATCHED);
+  EXPECT_OK(kvcs_result_check_entries_buf(consumer, "o", 0, entries, 6, buf_kept, 3, &len));
+  CHECK(len == 3 && memcmp(buf_kept, kept, 3) == 0);
   entries[2 * 1 + 1] ^= 1u << 9;
   /* The partial last block (2 of 4 tokens) load-checked holding 4: other tokens. */
   kvcs_blocks *longer = NULL;

@@ -194,6 +194,13 @@ void test_basics() {
          fields[5].offset == offsetof(kvcs_segment, bytes_per_token) && fields[5].size == sizeof(uint32_t));
   EXPECT_THROW(KVCS_ERR_NOT_FOUND, "kvcs_nothing", kvcs::struct_fields("kvcs_nothing"));
   EXPECT(kvcs::version() == kvcs_version());
+  EXPECT(kvcs::version() == std::to_string(KVCS_VERSION_MAJOR) + "." + std::to_string(KVCS_VERSION_MINOR) + "." +
+                                std::to_string(KVCS_VERSION_PATCH));
+  kvcs_worker_options init = KVCS_WORKER_OPTIONS_INIT;  // a host worker, in C++ too
+  EXPECT(init.device == KVCS_HOST && init.tp_size == 1);
+  kvcs::worker from_init(init);
+  kvcs_layer layer_init = KVCS_LAYER_INIT;
+  EXPECT(layer_init.replicas == 1 && layer_init.kernel_blocks == 1 && layer_init.num_segments == 1);
   EXPECT(kvcs::status_name(KVCS_ERR_NOT_FOUND) == "KVCS_ERR_NOT_FOUND");
   EXPECT(kvcs::to_string(kvcs::verdict::mismatch) == "KVCS_VERDICT_MISMATCH");
   EXPECT(kvcs::to_string(static_cast<kvcs::verdict>(77)) == "unknown kvcs_verdict");

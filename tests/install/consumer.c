@@ -1,7 +1,7 @@
 /*
  * A C program built against an installed kvcsum (tests/install/run.sh):
- * with `pkg-config kvcsum` (shared) and `pkg-config kvcsum-static`
- * (static). It checksums a seeded random HND cache of 2 layers x 4 heads
+ * with `pkg-config kvcsum` (shared), its `static_libs` variable (a static
+ * libkvcsum) and `pkg-config --static` (a -static program). It checksums a seeded random HND cache of 2 layers x 4 heads
  * through the C API and compares every block position with a naive
  * reference of docs/SPEC.md written here (loops over logical indices), and
  * calls a topology helper. Prints "consumer.c: OK" and exits 0 when all

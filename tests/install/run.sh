@@ -5,10 +5,18 @@
 #   - the installed tree: SONAME links, the shared library without debug info
 #     and under 2 MB, `nm` on the static library showing only kvcs_ global
 #     symbols, every header call having its kvcs_<call>_fn type
-#   - tests/install/consumer.c with pkg-config, against the shared library
-#     (`kvcsum`) and the static one (`kvcsum-static`), then run
+#   - tests/install/consumer.c with pkg-config (one kvcsum.pc), against the
+#     shared library, the static one (its `static_libs` variable) and fully
+#     static (`cc -static`, `pkg-config --static`), then run; a shared
+#     build without an rpath fails to start until LD_LIBRARY_PATH names
+#     the prefix (docs/c-api.md says so)
+#   - a second install with DESTDIR and GNUInstallDirs-style LIBDIR and
+#     INCLUDEDIR, relocated: pkg-config and CMake find what it holds, and
+#     `make uninstall` removes every file of it
 #   - tests/install/consumer.cpp (kvcsum.hpp) with CMake find_package(kvcsum),
 #     shared and static (KVCSUM_USE_STATIC_LIBS=ON), then run
+#   - make dist-c's tarball unpacked: C (pkg-config) and C++ (CMake)
+#     programs built from it with no cargo or rustc on PATH, and run
 #   - KVCS_NO_PROTOTYPES: a program that defines it and calls kvcs_version()
 #     directly fails to compile (implicit declaration), one that uses only
 #     types, constants, kvcs_<call>_fn and the table kvcs_api compiles
@@ -41,6 +49,13 @@ soname=$(readelf -d "$lib/libkvcsum.so.$version" | sed -n 's/.*Library soname: \
 size=$(stat -c %s "$lib/libkvcsum.so.$version")
 [ "$size" -lt $((2 * 1024 * 1024)) ] && pass "shared library is $size bytes (< 2 MiB)" ||
     fail "shared library is $size bytes, not under 2 MiB"
+# docs/c-api.md says "about N MB": within a quarter of the size installed.
+said=$(sed -n 's/.*without debug info (about \([0-9.]*\) MB.*/\1/p' docs/c-api.md)
+if [ -n "$said" ] && awk -v s="$size" -v d="$said" 'BEGIN { m = s / 1e6; exit !(m > 0.75 * d && m < 1.25 * d) }'; then
+    pass "docs/c-api.md says about $said MB for the shared library: $size bytes"
+else
+    fail "docs/c-api.md says about '${said}' MB for the shared library, which is $size bytes"
+fi
 if readelf -SW "$lib/libkvcsum.so.$version" | grep -q '\.debug_'; then
     fail "the installed shared library has debug sections"
 else
@@ -81,7 +96,31 @@ export PKG_CONFIG_PATH=$lib/pkgconfig
 gcc "${strict[@]}" tests/install/consumer.c $(pkg-config --cflags --libs kvcsum) -Wl,-rpath,"$lib" \
     -o "$work/consumer_shared"
 # shellcheck disable=SC2046
-gcc "${strict[@]}" tests/install/consumer.c $(pkg-config --cflags --libs kvcsum-static) -o "$work/consumer_static"
+gcc "${strict[@]}" tests/install/consumer.c $(pkg-config --cflags kvcsum) $(pkg-config --variable=static_libs kvcsum) \
+    -o "$work/consumer_static"
+# shellcheck disable=SC2046
+gcc "${strict[@]}" -static tests/install/consumer.c $(pkg-config --static --cflags --libs kvcsum) \
+    -o "$work/consumer_full_static" 2>"$work/full_static.log" || { cat "$work/full_static.log"; fail "cc -static with pkg-config --static"; }
+if [ -x "$work/consumer_full_static" ] && ! readelf -d "$work/consumer_full_static" | grep -q NEEDED; then
+    "$work/consumer_full_static" && pass "C, cc -static \$(pkg-config --static --libs kvcsum): no shared library needed" ||
+        fail "the -static C program"
+else
+    fail "the -static C program needs shared libraries"
+fi
+if [ -f "$lib/pkgconfig/kvcsum-static.pc" ]; then
+    fail "kvcsum-static.pc is installed: one kvcsum.pc is"
+fi
+# A custom prefix without an rpath: the loader does not look there.
+# shellcheck disable=SC2046
+gcc "${strict[@]}" tests/install/consumer.c $(pkg-config --cflags --libs kvcsum) -o "$work/consumer_no_rpath"
+if env -u LD_LIBRARY_PATH "$work/consumer_no_rpath" >"$work/no_rpath.log" 2>&1; then
+    fail "a program without an rpath found libkvcsum.so.$soversion in $lib by itself"
+elif grep -q "libkvcsum.so.$soversion: cannot open shared object file" "$work/no_rpath.log" &&
+    LD_LIBRARY_PATH=$lib "$work/consumer_no_rpath" >/dev/null; then
+    pass "without -Wl,-rpath the program does not start (libkvcsum.so.$soversion not found); LD_LIBRARY_PATH=$lib starts it"
+else
+    fail "a program without an rpath: $(cat "$work/no_rpath.log")"
+fi
 if readelf -d "$work/consumer_shared" | grep -q "NEEDED.*\[libkvcsum.so.$soversion\]"; then
     pass "the shared C program needs libkvcsum.so.$soversion"
 else
@@ -93,7 +132,93 @@ else
     pass "the static C program needs no libkvcsum shared library"
 fi
 "$work/consumer_shared" && pass "C, pkg-config kvcsum (shared)" || fail "C program against the shared library"
-"$work/consumer_static" && pass "C, pkg-config kvcsum-static" || fail "C program against the static library"
+"$work/consumer_static" && pass "C, pkg-config --variable=static_libs kvcsum (static libkvcsum)" ||
+    fail "C program against the static library"
+
+# --- DESTDIR, LIBDIR, INCLUDEDIR, relocated, uninstalled ----------------------
+# Staged under DESTDIR with Debian's multiarch LIBDIR and an INCLUDEDIR
+# of its own, as a package would; then moved where DESTDIR pointed, as
+# the package manager does.
+stage=$work/stage
+custom=/opt/kvcsum-test
+multiarch=$custom/lib/x86_64-linux-gnu
+make --no-print-directory install PREFIX=$custom LIBDIR=$multiarch INCLUDEDIR=$custom/include/kvcsum \
+    DESTDIR="$stage" >"$work/custom-install.log" 2>&1 || { cat "$work/custom-install.log"; fail "make install DESTDIR LIBDIR INCLUDEDIR"; }
+if [ -e "$custom" ]; then
+    fail "make install with DESTDIR wrote outside it ($custom exists)"
+fi
+staged=$(cd "$stage" && find . -type f -o -type l | sort)
+want_files=$(printf '%s\n' ".$custom/include/kvcsum/kvcsum.h" ".$custom/include/kvcsum/kvcsum.hpp" \
+    ".$multiarch/cmake/kvcsum/kvcsumConfig.cmake" ".$multiarch/cmake/kvcsum/kvcsumConfigVersion.cmake" \
+    ".$multiarch/libkvcsum.a" ".$multiarch/libkvcsum.so" ".$multiarch/libkvcsum.so.$soversion" \
+    ".$multiarch/libkvcsum.so.$version" ".$multiarch/pkgconfig/kvcsum.pc" | sort)
+[ "$staged" = "$want_files" ] && pass "DESTDIR, LIBDIR, INCLUDEDIR: $(echo "$staged" | wc -l) files where they belong" ||
+    fail "the staged install holds: $staged"
+pc=$stage$multiarch/pkgconfig/kvcsum.pc
+grep -qx "libdir=\${prefix}/lib/x86_64-linux-gnu" "$pc" && grep -qx "includedir=\${prefix}/include/kvcsum" "$pc" &&
+    grep -qx "prefix=$custom" "$pc" && pass "kvcsum.pc names PREFIX, LIBDIR and INCLUDEDIR (not DESTDIR)" ||
+    fail "kvcsum.pc: $(cat "$pc")"
+# Where DESTDIR pointed is not writable here: the pkg-config file is read
+# with its prefix redefined, as for an unpacked package.
+# shellcheck disable=SC2046
+gcc "${strict[@]}" tests/install/consumer.c \
+    $(PKG_CONFIG_PATH=$stage$multiarch/pkgconfig pkg-config --define-variable=prefix="$stage$custom" --cflags --libs kvcsum) \
+    -Wl,-rpath,"$stage$multiarch" -o "$work/consumer_custom" && "$work/consumer_custom" >/dev/null &&
+    pass "C against the LIBDIR/INCLUDEDIR install (pkg-config)" || fail "C against the LIBDIR/INCLUDEDIR install"
+{
+    cmake -S tests/install -B "$work/cmake-custom" -DCMAKE_PREFIX_PATH="$stage$custom" -DCMAKE_BUILD_TYPE=Release \
+        -DCMAKE_LIBRARY_ARCHITECTURE=x86_64-linux-gnu >"$work/cmake-custom.log" 2>&1 &&
+        cmake --build "$work/cmake-custom" >>"$work/cmake-custom.log" 2>&1 && "$work/cmake-custom/consumer_cpp" >/dev/null &&
+        pass "C++ against the LIBDIR/INCLUDEDIR install (CMake, relocated)" ||
+        { cat "$work/cmake-custom.log"; fail "C++ against the LIBDIR/INCLUDEDIR install"; }
+}
+make --no-print-directory uninstall PREFIX=$custom LIBDIR=$multiarch INCLUDEDIR=$custom/include/kvcsum \
+    DESTDIR="$stage" >"$work/custom-uninstall.log" 2>&1 || fail "make uninstall"
+left=$(cd "$stage" && find . -type f -o -type l)
+[ -z "$left" ] && pass "make uninstall removed every file it installed" || fail "make uninstall left: $left"
+
+# --- The release tarball, unpacked, with no Rust toolchain --------------------
+# make dist-c's tarball unpacked in a directory of its own, then C
+# (pkg-config) and C++ (CMake) programs built from it alone, in an
+# environment whose PATH has no cargo or rustc (env -i: nothing of this
+# shell's either), and run.
+make --no-print-directory dist-c >"$work/dist.log" 2>&1 || { cat "$work/dist.log"; fail "make dist-c"; }
+tarball=$(ls build/release/kvcsum-"$version"-*-linux-gnu.tar.gz 2>/dev/null | head -n 1)
+unpacked=$work/unpacked
+mkdir -p "$unpacked"
+if [ -n "$tarball" ] && tar -C "$unpacked" -xzf "$tarball"; then
+    tree=$(ls -d "$unpacked"/kvcsum-"$version"-*)
+    for want in include/kvcsum.h include/kvcsum.hpp "lib/libkvcsum.so.$version" "lib/libkvcsum.so.$soversion" \
+        lib/libkvcsum.so lib/libkvcsum.a lib/pkgconfig/kvcsum.pc lib/cmake/kvcsum/kvcsumConfig.cmake \
+        lib/cmake/kvcsum/kvcsumConfigVersion.cmake LICENSE README; do
+        [ -e "$tree/$want" ] || fail "the tarball lacks $want"
+    done
+    no_rust_path=$(echo "$PATH" | tr : '\n' | while read -r dir; do
+        [ -n "$dir" ] && [ ! -x "$dir/cargo" ] && [ ! -x "$dir/rustc" ] && echo "$dir"; done | paste -sd:)
+    mkdir -p "$work/from-tarball"
+    cp tests/install/consumer.c tests/install/consumer.cpp tests/install/CMakeLists.txt "$work/from-tarball/"
+    cat >"$work/from-tarball/build.sh" <<'BUILD'
+set -eu
+if command -v cargo >/dev/null || command -v rustc >/dev/null; then echo "a Rust toolchain is on PATH"; exit 1; fi
+cd "$(dirname "$0")"
+export PKG_CONFIG_PATH=$1/lib/pkgconfig
+gcc -std=c11 -Wall -Wextra -Wpedantic -Werror consumer.c $(pkg-config --cflags --libs kvcsum) \
+    -Wl,-rpath,"$(pkg-config --variable=libdir kvcsum)" -o consumer_c
+./consumer_c
+cmake -S . -B cmake-build -DCMAKE_PREFIX_PATH="$1" -DCMAKE_BUILD_TYPE=Release >cmake.log 2>&1 || { cat cmake.log; exit 1; }
+cmake --build cmake-build >>cmake.log 2>&1 || { cat cmake.log; exit 1; }
+./cmake-build/consumer_cpp
+BUILD
+    if env -i HOME="$HOME" PATH="$no_rust_path" bash "$work/from-tarball/build.sh" "$tree" >"$work/from-tarball.log" 2>&1; then
+        pass "$(basename "$tarball"): C (pkg-config) and C++ (CMake) programs built and run from it, no cargo or rustc on PATH"
+    else
+        fail "programs from the unpacked tarball: $(cat "$work/from-tarball.log")"
+    fi
+    readelf -d "$work/from-tarball/consumer_c" 2>/dev/null | grep -q "RUNPATH.*$tree/lib\|RPATH.*$tree/lib" ||
+        fail "the C program from the tarball does not load the tarball's library"
+else
+    fail "no tarball from make dist-c ($(cat "$work/dist.log"))"
+fi
 
 # --- C++ with CMake find_package ----------------------------------------------
 for variant in shared static; do
@@ -130,6 +255,16 @@ elif grep -q "error: implicit declaration of function .kvcs_version." "$work/no_
         sed 's/.*error: //')"
 else
     fail "under KVCS_NO_PROTOTYPES the direct call failed for another reason: $(cat "$work/no_prototypes.log")"
+fi
+# Without -Werror (docs/c-api.md says so): gcc 12 in C11 only warns, and
+# the link of a program not linked with -lkvcsum fails.
+if gcc -std=c11 -I"$prefix/include" "$work/no_prototypes.c" -o "$work/no_prototypes" >"$work/no_prototypes_plain.log" 2>&1; then
+    fail "a direct call under KVCS_NO_PROTOTYPES, without -Werror or -lkvcsum, linked"
+elif grep -q "implicit declaration of function .kvcs_version." "$work/no_prototypes_plain.log" &&
+    grep -q "undefined reference to .kvcs_version." "$work/no_prototypes_plain.log"; then
+    pass "KVCS_NO_PROTOTYPES without -Werror: an implicit-declaration diagnostic and a link error"
+else
+    fail "KVCS_NO_PROTOTYPES without -Werror: $(cat "$work/no_prototypes_plain.log")"
 fi
 # What a plugin needs stays: types, constants, kvcs_<call>_fn, the table.
 cat >"$work/plugin_types.c" <<'EOF'

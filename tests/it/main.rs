@@ -15,6 +15,7 @@ mod block_arrays;
 mod c_abi;
 mod cost;
 mod decoding;
+mod docs;
 mod fault_catalogue;
 mod ffi_boundary;
 mod header;

@@ -239,6 +239,7 @@ class CacheChecksummer:
         tp_size: int = 1,
         pp_rank: int = 0,
         num_threads: int = 0,
+        algorithm: int | None = None,
     ):
         self.tp_rank, self.tp_size, self.pp_rank = tp_rank, tp_size, pp_rank
         self.skipped: dict[int, str] = {}
@@ -257,7 +258,12 @@ class CacheChecksummer:
         if self.device != kvcsum.HOST and self.device is None:
             self.device = 0
         self.worker = kvcsum.Worker(
-            tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, device=self.device, num_threads=num_threads
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            pp_rank=pp_rank,
+            device=self.device,
+            num_threads=num_threads,
+            algorithm=algorithm,
         )
         self.layers_registered = 0
         #: The KV cache manager's block count (block ids are below it).

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 from typing import TYPE_CHECKING, Any
 
+import kvcsum
 from kvcsum.vllm.cache_checksums import LayerSpec, layer_fingerprint
 from kvcsum.vllm.tier_values import DEFAULT_CAPACITY
 
@@ -16,6 +18,46 @@ from vllm.config.kv_transfer import KVTransferConfig
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+#: Every key kv_connector_extra_config may hold, with what it takes: the
+#: one list of them (a key not here is refused at startup, naming these).
+#: A new setting goes here, in Settings and in kvcsum.vllm.connector's doc.
+KNOWN_KEYS: dict[str, str] = {
+    "inner": "the wrapped connector's entry (required)",
+    "unverified": "'fail' or 'log'",
+    "checksum_requests": "'remote_decode' or 'all'",
+    "verify_loads": "'remote_prefill' or 'all'",
+    "verify_tiers": "true or false",
+    "unverified_tier": "'log' or 'fail'",
+    "tier_values": "a positive number of blocks",
+    "log_matches": "true or false",
+    "algorithm": "'mixed2', 'mixed' or 'weighted'",
+}
+
+#: The names the "algorithm" setting takes (docs/SPEC.md section 12).
+ALGORITHMS: dict[str, int] = {
+    "mixed2": int(kvcsum.Algorithm.MIXED2),
+    "mixed": int(kvcsum.Algorithm.MIXED),
+    "weighted": int(kvcsum.Algorithm.WEIGHTED),
+}
+
+
+def check_keys(extra: dict) -> None:
+    """ValueError naming each key of kv_connector_extra_config that is not
+    a setting (with the closest one, where there is one) and the valid ones."""
+    unknown = sorted(str(key) for key in extra if key not in KNOWN_KEYS)
+    if not unknown:
+        return
+    named = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, KNOWN_KEYS, n=1)
+        named.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+    valid = "; ".join(f"{key}: {what}" for key, what in KNOWN_KEYS.items())
+    raise ValueError(
+        f"KvcsumConnector: kv_connector_extra_config has {'an unknown key' if len(unknown) == 1 else 'unknown keys'} "
+        f"{', '.join(named)}; the valid ones are {valid}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,12 +72,20 @@ class Settings:
     verify_tiers: bool = True
     fail_unverified_tier: bool = False
     tier_values: int = DEFAULT_CAPACITY
+    #: The checksum algorithm of every worker (kvcsum.Algorithm); the
+    #: other side learns it from the records and the payload's extension,
+    #: and a difference is UNVERIFIED (ALGORITHM_DIFFERS), never MISMATCH.
+    algorithm: int = ALGORITHMS["mixed2"]
 
     @classmethod
     def of(cls, extra: dict | None) -> "Settings":
         """The settings of kv_connector_extra_config; ValueError naming a
-        setting whose value is not one it takes."""
+        key that is not a setting, or a setting whose value is not one it
+        takes."""
         extra = extra or {}
+        if not isinstance(extra, dict):
+            raise ValueError(f"KvcsumConnector: kv_connector_extra_config is {extra!r}, not a mapping")
+        check_keys(extra)
         tier_values = extra.get("tier_values", DEFAULT_CAPACITY)
         if not isinstance(tier_values, int) or isinstance(tier_values, bool) or tier_values < 1:
             raise ValueError(f"KvcsumConnector: tier_values is {tier_values!r}, not a positive number of blocks")
@@ -47,6 +97,7 @@ class Settings:
             verify_tiers=_flag(extra, "verify_tiers", True),
             fail_unverified_tier=_choice(extra, "unverified_tier", ("log", "fail")) == "fail",
             tier_values=tier_values,
+            algorithm=ALGORITHMS[_choice(extra, "algorithm", tuple(ALGORITHMS))],
         )
 
 

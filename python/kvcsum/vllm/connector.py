@@ -27,6 +27,14 @@ Settings (kv_connector_extra_config):
 - "tier_values": the blocks a worker keeps values of (default 1048576,
   about 150 MB of host memory a worker).
 - "log_matches": log every verified load at INFO (default false).
+- "algorithm": the checksum algorithm of every worker: "mixed2" (default,
+  kvcsum 0.3's), "mixed" (kvcsum 0.2's, to verify against 0.2 engines
+  during an upgrade) or "weighted" (vLLM's own). The other side learns it
+  from the payload's extension (a plain vLLM payload means weighted); a
+  difference makes loads UNVERIFIED (ALGORITHM_DIFFERS), never MISMATCH.
+
+Any other key is refused at startup, naming the valid ones
+(kvcsum.vllm.config.KNOWN_KEYS).
 
 Producer: in the step whose forward completes a request's prompt, every
 worker checksums the request's blocks after the forward (host workers at

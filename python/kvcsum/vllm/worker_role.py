@@ -137,6 +137,7 @@ class WorkerRole:
             tp_rank=tp_rank,
             tp_size=tp_size,
             pp_rank=pp_rank,
+            algorithm=self._settings.algorithm,
         )
         self._worker_key = f"pp{pp_rank}.tp{tp_rank}"
         # Each layer's kv_cache_dtype, fp8 scales and head size, declared
