@@ -73,16 +73,6 @@ pub fn group_marks(group: &Group) -> u64 {
     aliases.wrapping_add(shard_keyed.wrapping_mul(mark(SHARD_KEYED_MARK)))
 }
 
-/// What stored checksums' tags and stamps use for `group` (SPEC section
-/// 8): the marked fingerprint ([`group_fingerprint`] plus [`group_marks`],
-/// what kvcsum 0.2.0 sent as the fingerprint) plus [`decodings_digest`] of
-/// its declared layer decodings (0 where none is declared).
-pub fn stored_fingerprint(group: &Group) -> u64 {
-    group_fingerprint(group)
-        .wrapping_add(group_marks(group))
-        .wrapping_add(decodings_digest(&group.decodings()))
-}
-
 /// The layer decodings of a group as one number (SPEC section 8): the sum
 /// over the declared layers of `LE_u64(SHA-256("kvcsum decoding" ||
 /// LE_u32(layer_number) || LE_u32(len(dtype)) || dtype || LE_u32(head_size)

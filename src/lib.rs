@@ -57,5 +57,6 @@ pub use result::{
     StoredValues,
 };
 pub use state::{StateSpec, StateTensor};
+pub use stored::{check_result_entries, result_entries};
 pub use stream::StreamHandle;
 pub use worker::{Worker, WorkerOptions};

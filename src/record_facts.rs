@@ -2,9 +2,11 @@
 //! it sits in the model ([`Rank`]) and what it knows about each registered
 //! group ([`GroupInfo`]).
 
+use crate::checksum::Algorithm;
 use crate::decoding::LayerDecoding;
 use crate::fingerprint::decodings_digest;
 use crate::layout::ReplicaKey;
+use crate::stored_entry::EntryConfig;
 
 /// Where a worker sits in the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -50,11 +52,30 @@ pub struct GroupInfo {
 
 impl GroupInfo {
     /// What stored checksums use (SPEC section 8): the fingerprint plus the
-    /// marks plus the digest of the declared layer decodings (the same as
-    /// `fingerprint::stored_fingerprint` of the group).
+    /// marks plus the digest of the declared layer decodings.
     pub fn stored_fingerprint(&self) -> u64 {
         self.fingerprint
             .wrapping_add(self.marks)
             .wrapping_add(decodings_digest(&self.decodings))
+    }
+
+    /// The configuration a stored entry of this group names (SPEC section
+    /// 8) under `algorithm`: the one rule every path that makes or checks
+    /// an entry follows (a store, a load check, `kvcs_block_tags`, and the
+    /// entries a connector keeps, `kvcs_result_entries` and
+    /// `kvcs_result_check_entries`), so that an entry made on one path is
+    /// read alike on another and never passes across a change of layers,
+    /// marks, decodings, coverage, block size or algorithm.
+    pub fn entry_config(&self, algorithm: Algorithm) -> EntryConfig {
+        EntryConfig {
+            fingerprint: self.stored_fingerprint(),
+            coverage: self
+                .coverage
+                .iter()
+                .fold(0u64, |sum, (_, value)| sum.wrapping_add(*value)),
+            block_size: self.block_size,
+            algorithm,
+            state: self.state,
+        }
     }
 }
