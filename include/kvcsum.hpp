@@ -997,8 +997,8 @@ class verifier : public detail::owner<kvcs_verifier, kvcs_verifier_destroy> {
   void set_policy(kvcs::policy value) { kvcs::check(kvcs_verifier_set_policy(get(), static_cast<uint32_t>(value))); }
   /// Producer: payloads carry the kvcsum extension (kvcs_verifier_set_extension).
   void set_extension(bool on) { kvcs::check(kvcs_verifier_set_extension(get(), on ? 1u : 0u)); }
-  /// Consumer: uncompared loaded positions make a load unverified
-  /// (kvcs_verifier_set_require_coverage).
+  /// Consumer: uncompared loaded positions make a load unverified (true,
+  /// the default); false opts out (kvcs_verifier_set_require_coverage).
   void set_require_coverage(bool on) { kvcs::check(kvcs_verifier_set_require_coverage(get(), on ? 1u : 0u)); }
   /// Consumer: the producer's TP size, for plain payloads
   /// (kvcs_verifier_set_producer_tp_size).

@@ -489,18 +489,27 @@ fn a_partial_block_checked_with_other_valid_tokens_is_other_tokens_not_failed() 
             );
         }
         let records = load_check_records(&side, &checked);
+        // By default the position nobody compared makes the load not
+        // passed, and the finding names it.
         let report = verifier_holding(2, &checked, &records).check_stored(REQ).unwrap();
+        assert_eq!(report.verdict, Verdict::Unverified, "{context}: {}", report.message);
+        assert_eq!(report.reason(), Some(Reason::UncomparedPositions), "{context}");
+        assert!(!report.passed, "{context}");
+        assert!(
+            report.message.contains("positions 4..5"),
+            "{context}: {}",
+            report.message
+        );
+        // The explicit opt-out judges the compared positions alone.
+        let verifier = verifier_holding(2, &checked, &records);
+        verifier.set_require_coverage(false).unwrap();
+        let report = verifier.check_stored(REQ).unwrap();
         assert_eq!(report.verdict, Verdict::Match, "{context}: {}", report.message);
         assert_eq!(
             (report.compared_positions, report.uncompared_positions),
             (4, 1),
             "{context}"
         );
-        let verifier = verifier_holding(2, &checked, &records);
-        verifier.set_require_coverage(true).unwrap();
-        let report = verifier.check_stored(REQ).unwrap();
-        assert_eq!(report.verdict, Verdict::Unverified, "{context}: {}", report.message);
-        assert_eq!(report.reason(), Some(Reason::UncomparedPositions), "{context}");
         // The partial block alone (position 4, its own request): nothing in common.
         let mut alone = BlockSet::new();
         alone.add_request(REQ, checked_tokens).unwrap();

@@ -207,6 +207,15 @@ fn check(side: &Side, payload: &[u8]) -> Report {
         .expect("check")
 }
 
+/// [`check`] by a verifier that opted out of requiring every loaded
+/// position compared (`set_require_coverage(false)`): the load is judged on
+/// its compared positions alone.
+fn check_opted_out(side: &Side, payload: &[u8]) -> Report {
+    let verifier = consumer_verifier(side, &side.records(Role::Consumer));
+    verifier.set_require_coverage(false).unwrap();
+    verifier.check(REQ, Some(payload)).expect("check")
+}
+
 fn assert_unverified(report: &Report, reason: Reason, seed: u64) {
     assert_eq!(report.verdict, Verdict::Unverified, "seed {seed}: {}", report.message);
     assert_eq!(report.reason(), Some(reason), "seed {seed}: {}", report.message);
@@ -338,7 +347,19 @@ fn intact_transfers_match_across_tp_pp_block_sizes_and_layouts() {
         if !extension && p_bs != c_bs {
             verifier.set_producer_block_size(0, p_bs).unwrap();
         }
-        let report = verifier.check(REQ, Some(&payload)).unwrap();
+        let mut report = verifier.check(REQ, Some(&payload)).unwrap();
+        if report.uncompared_positions > 0 {
+            // Positions nobody compared (a run the consumer holds only part
+            // of) make the load not passed by default; opted out, the
+            // compared runs match.
+            assert_unverified(&report, Reason::UncomparedPositions, seed);
+            let verifier = consumer_verifier(&consumer, &consumer.records(Role::Consumer));
+            verifier.set_require_coverage(false).unwrap();
+            if !extension && p_bs != c_bs {
+                verifier.set_producer_block_size(0, p_bs).unwrap();
+            }
+            report = verifier.check(REQ, Some(&payload)).unwrap();
+        }
         assert_eq!(
             report.verdict,
             Verdict::Match,
@@ -494,12 +515,25 @@ fn only_positions_with_equal_valid_tokens_are_compared() {
         &plain_identity,
     );
     let payload = produce(&producer, false);
+    // By default the position nobody compared makes the load not passed,
+    // named in the report.
     let report = check(&consumer, &payload);
+    assert_unverified(&report, Reason::UncomparedPositions, seed);
+    assert!(
+        report.message.contains("group 0: 1 loaded positions were not compared")
+            && report.message.contains("positions 4..5"),
+        "seed {seed}: {}",
+        report.message
+    );
+    assert_eq!(report.compared_positions, 4, "position 4 is not compared");
+    let report = check_opted_out(&consumer, &payload);
     assert_eq!(report.verdict, Verdict::Match, "seed {seed}: {}", report.message);
     assert_eq!(report.compared_positions, 4, "position 4 is not compared");
-    // A change in position 4 (valid on the consumer) is therefore not seen...
+    // A change in position 4 (valid on the consumer) is therefore not seen:
+    // never a MATCH by default, a match of the rest opted out...
     consumer.corrupt(0, 0, 0, 1, 0, 65);
-    let report = check(&consumer, &payload);
+    assert_unverified(&check(&consumer, &payload), Reason::UncomparedPositions, seed);
+    let report = check_opted_out(&consumer, &payload);
     assert_eq!(report.verdict, Verdict::Match, "seed {seed}: {}", report.message);
     // ...and one in position 3 is.
     consumer.corrupt(1, 0, 0, 1, 1, 50);
@@ -633,6 +667,10 @@ fn a_load_of_one_token_fewer_compares_its_last_position_against_the_short_last_v
         if compared == 0 {
             assert_unverified(&report, Reason::NoCommonPosition, seed);
         } else {
+            if uncompared > 0 {
+                assert_unverified(&report, Reason::UncomparedPositions, seed);
+            }
+            let report = check_opted_out(&consumer, &payload);
             assert_eq!(report.verdict, Verdict::Match, "{context}: {}", report.message);
             assert_eq!(report.compared_positions, compared, "{context}");
             assert_eq!(

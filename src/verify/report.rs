@@ -205,7 +205,9 @@ pub struct Report {
     /// The consumer's loaded block positions (holding valid tokens, in the
     /// groups compared) that no compared position covers: a leading partial
     /// run where block sizes differ, positions past the producer's tokens.
-    /// A match says nothing about them. The sum of `uncompared`'s ranges.
+    /// They make the load unverified unless the verifier opted out
+    /// (`Verifier::set_require_coverage(false)`); a match then says nothing
+    /// about them. The sum of `uncompared`'s ranges.
     pub uncompared_positions: u64,
     /// Where those positions are: ranges per group, ascending by position
     /// within a group, groups in the order the load scheduled them.
