@@ -215,6 +215,8 @@ enum class unverified_reason : uint32_t {
   coverage_differs = KVCS_UNVERIFIED_COVERAGE_DIFFERS,
   /// The sides declare that they decode a layer's bytes differently.
   decoding_differs = KVCS_UNVERIFIED_DECODING_DIFFERS,
+  /// The sides' caches of a layer have another geometry (heads, cell or K bytes).
+  geometry_differs = KVCS_UNVERIFIED_GEOMETRY_DIFFERS,
 };
 
 /// A worker's checksum algorithm (kvcs_algorithm).

@@ -13,7 +13,7 @@
 
 use sha2::{Digest, Sha256};
 
-use crate::decoding::LayerDecoding;
+use crate::decoding::{LayerDecoding, LayerGeometry};
 use crate::layout::Group;
 
 /// `LE_u64(SHA-256(identity)[0..8])`: one layer's share of its group's
@@ -88,6 +88,26 @@ pub fn decodings_digest(decodings: &[(u32, LayerDecoding)]) -> u64 {
         bytes.extend(head_size.to_le_bytes());
         bytes.extend(k_scale.to_le_bytes());
         bytes.extend(v_scale.to_le_bytes());
+        sum.wrapping_add(layer_fingerprint(&bytes))
+    })
+}
+
+/// The geometry of a worker's caches of a group as one number (SPEC
+/// section 8): the sum over its runs of `LE_u64(SHA-256("kvcsum geometry"
+/// || LE_u32(layer_number) || LE_u32(first_head) || LE_u32(num_heads) ||
+/// LE_u32(cell_bytes) || LE_u32(k_bytes))[0..8])`; 0 for none.
+pub fn geometry_digest(geometry: &[LayerGeometry]) -> u64 {
+    geometry.iter().fold(0u64, |sum, run| {
+        let mut bytes = b"kvcsum geometry".to_vec();
+        for word in [
+            run.layer_number,
+            run.first_head,
+            run.num_heads,
+            run.cell_bytes,
+            run.k_bytes,
+        ] {
+            bytes.extend(word.to_le_bytes());
+        }
         sum.wrapping_add(layer_fingerprint(&bytes))
     })
 }

@@ -3,8 +3,8 @@
 //! group ([`GroupInfo`]).
 
 use crate::checksum::Algorithm;
-use crate::decoding::LayerDecoding;
-use crate::fingerprint::decodings_digest;
+use crate::decoding::{LayerDecoding, LayerGeometry};
+use crate::fingerprint::{decodings_digest, geometry_digest};
 use crate::layout::ReplicaKey;
 use crate::stored_entry::EntryConfig;
 
@@ -48,6 +48,11 @@ pub struct GroupInfo {
     /// (SPEC section 7), sorted by layer number; empty where it declared
     /// nothing.
     pub decodings: Vec<(u32, LayerDecoding)>,
+    /// The geometry of every attention cache the worker registered in the
+    /// group (SPEC section 7, "Geometry"), sorted by (layer, first head),
+    /// one run per registration; empty in records of version 5 and
+    /// earlier, which do not carry it.
+    pub geometry: Vec<LayerGeometry>,
 }
 
 impl GroupInfo {
@@ -65,10 +70,11 @@ impl GroupInfo {
     /// entries a connector keeps, `kvcs_result_entries` and
     /// `kvcs_result_check_entries`), so that an entry made on one path is
     /// read alike on another and never passes across a change of layers,
-    /// marks, decodings, coverage, block size or algorithm.
+    /// marks, decodings, geometry, coverage, block size or algorithm.
     pub fn entry_config(&self, algorithm: Algorithm) -> EntryConfig {
         EntryConfig {
             fingerprint: self.stored_fingerprint(),
+            geometry: geometry_digest(&self.geometry),
             coverage: self
                 .coverage
                 .iter()

@@ -63,6 +63,7 @@ fn group_infos(layout: &Layout) -> Vec<GroupInfo> {
             state: group.is_state(),
             coverage: group.coverage(),
             decodings: group.decodings(),
+            geometry: group.geometry(),
         })
         .collect();
     infos.sort_by_key(|info| info.group_id);

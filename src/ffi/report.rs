@@ -99,6 +99,14 @@ pub enum kvcs_unverified_reason {
     /// one side do: equal checksums would not mean equal KV. A
     /// configuration difference, never reported as corrupt data.
     KVCS_UNVERIFIED_DECODING_DIFFERS = 17,
+    /// The two sides' caches of a layer have another geometry
+    /// (docs/SPEC.md#7-group-fingerprint, "Geometry": the layer's heads, a
+    /// cell's bytes, or K's bytes where both register K and V apart), as
+    /// every registration tells without a call: engines wired by hand with
+    /// another head size or element width, no identity set. Or the workers
+    /// of one side register a layer's heads with other cells. A
+    /// configuration difference, never reported as corrupt data.
+    KVCS_UNVERIFIED_GEOMETRY_DIFFERS = 18,
 }
 
 /// The `group_id` of a finding about the whole load rather than one group.
@@ -189,6 +197,7 @@ fn reason_code(reason: Reason) -> kvcs_unverified_reason {
         Reason::NothingRead => KVCS_UNVERIFIED_NOTHING_READ,
         Reason::CoverageDiffers => KVCS_UNVERIFIED_COVERAGE_DIFFERS,
         Reason::DecodingDiffers => KVCS_UNVERIFIED_DECODING_DIFFERS,
+        Reason::GeometryDiffers => KVCS_UNVERIFIED_GEOMETRY_DIFFERS,
     }
 }
 
@@ -512,6 +521,7 @@ pub extern "C" fn kvcs_unverified_reason_name(reason: u32) -> *const c_char {
         15 => c"KVCS_UNVERIFIED_NOTHING_READ",
         16 => c"KVCS_UNVERIFIED_COVERAGE_DIFFERS",
         17 => c"KVCS_UNVERIFIED_DECODING_DIFFERS",
+        18 => c"KVCS_UNVERIFIED_GEOMETRY_DIFFERS",
         _ => c"unknown kvcs_unverified_reason",
     };
     name.as_ptr()
