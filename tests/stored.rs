@@ -328,21 +328,16 @@ impl NaiveConfig {
     }
 }
 
-/// SPEC section 8's geometry digest of the layers a rank registered: per
-/// registration `LE_u64(SHA-256("kvcsum geometry" || LE_u32(layer_number)
-/// || LE_u32(first_head) || LE_u32(num_heads) || LE_u32(cell_bytes) ||
-/// LE_u32(k_bytes))[0..8])`, the cell the sum of its segments' bytes per
-/// token, K the first segment's where there are two (else 0).
+/// SPEC section 8's geometry digest of the layers a rank registered (each
+/// one run of its heads: a rank's layers never join), per layer
+/// `LE_u64(SHA-256("kvcsum geometry" || LE_u32(layer_number) ||
+/// LE_u32(first_head) || LE_u32(num_heads) || LE_u32(cell_bytes))[0..8])`,
+/// the cell the sum of its segments' bytes per token.
 fn naive_geometry(specs: &[kvcsum::LayerSpec]) -> u64 {
     specs.iter().fold(0u64, |sum, spec| {
         let cell: u32 = spec.segments.iter().map(|segment| segment.bytes_per_token).sum();
-        let k = if spec.segments.len() == 2 {
-            spec.segments[0].bytes_per_token
-        } else {
-            0
-        };
         let mut bytes = b"kvcsum geometry".to_vec();
-        for word in [spec.layer_number, spec.first_head, spec.num_heads, cell, k] {
+        for word in [spec.layer_number, spec.first_head, spec.num_heads, cell] {
             bytes.extend(word.to_le_bytes());
         }
         let digest = Sha256::digest(&bytes);
