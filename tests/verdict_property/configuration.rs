@@ -165,7 +165,7 @@ impl Side {
 }
 
 fn tp_for(rng: &mut Rng, heads: u32) -> u32 {
-    let sizes: Vec<u32> = [1u32, 2, 4].into_iter().filter(|t| heads % t == 0).collect();
+    let sizes: Vec<u32> = [1u32, 2, 4].into_iter().filter(|t| heads.is_multiple_of(*t)).collect();
     *rng.pick(&sizes)
 }
 
