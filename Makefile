@@ -127,7 +127,7 @@ $(NVRTC_LIB)/libnvrtc.so.13: | $(VENV)/.installed $(BUILD)
 # never MATCH) again with their tables printed.
 rust-test: $(VENV)/.installed
 	KVCS_PYTHON=$(VENV_PY) $(CARGO) test --$(PROFILE)
-	$(CARGO) test --$(PROFILE) --test fault_catalogue --test verdict_property -- --nocapture
+	$(CARGO) test --$(PROFILE) --test it -- --nocapture fault_catalogue:: verdict_property::
 
 # The GPU tests stay ignored here (no device); the kernels must still compile.
 kernel-test: $(NVRTC_LIB)/libnvrtc.so.13
@@ -324,7 +324,7 @@ python-test: install-test python-wheel $(VENV)/.installed
 
 # Every binding from src/ffi: scripts/gen-bindings.py writes the function-pointer
 # types, the function table and its slots, and python/kvcsum/_abi.py; then
-# cbindgen writes include/kvcsum.h (tests/gen_header.rs, run --ignored; tests/header.rs
+# cbindgen writes include/kvcsum.h (tests/gen_header.rs, run --ignored; tests/it/header.rs
 # fails when any is stale).
 header:
 	python3 scripts/gen-bindings.py
@@ -337,7 +337,7 @@ bench:
 # scripts/bench-plots.py from the programs' own output: gpu_bench's, one file
 # per run (scripts/gpu-run.sh saves OUTDIR/bench.md, with OUTDIR/run.txt
 # naming card, date and commit), and the fault catalogue's (`cargo test
-# --release --test fault_catalogue -- --nocapture > FILE`). The defaults are
+# --release --test it fault_catalogue:: -- --nocapture > FILE`). The defaults are
 # the inputs of the committed table and plots. matplotlib, pinned, goes into
 # a venv of its own.
 MATPLOTLIB_VERSION := 3.11.2

@@ -22,7 +22,7 @@ fn main() {
     if target_os == "linux" {
         println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libkvcsum.so.{abi}");
     }
-    // The target triple, for tests/c_abi.rs, which compiles the C tests with
+    // The target triple, for tests/it/c_abi.rs, which compiles the C tests with
     // the `cc` crate for the same target (cargo sets TARGET for build
     // scripts only).
     if let Ok(target) = std::env::var("TARGET") {

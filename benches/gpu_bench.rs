@@ -116,6 +116,7 @@ impl Device {
         let fill = check(module.load_function("fill"), "fill").cu_function();
         let big_params = check(module.load_function("big_params"), "big_params").cu_function();
         let stream = check(cu::stream::create(cu::stream::StreamKind::NonBlocking), "stream");
+        // SAFETY: a plain allocation on the context bound to this thread.
         let sink = unsafe { check(cu::malloc_sync(8), "sink") };
         Device {
             ordinal,
@@ -130,6 +131,9 @@ impl Device {
     }
 
     fn launch(&self, f: sys::CUfunction, blocks: u32, params: &mut [*mut std::ffi::c_void]) {
+        // SAFETY: `f` is a kernel of this device's module on its context, and `params` holds
+        // one pointer per kernel parameter, each to a value of that parameter's type that lives
+        // through the call (cuLaunchKernel copies them).
         unsafe {
             check(
                 cu::launch_kernel(f, (blocks, 1, 1), (256, 1, 1), 0, self.stream, params),
@@ -139,6 +143,7 @@ impl Device {
     }
 
     fn sync(&self) {
+        // SAFETY: the device's own stream, alive while `self` is.
         unsafe { check(cu::stream::synchronize(self.stream), "sync") };
     }
 
@@ -157,14 +162,20 @@ impl Device {
         let mut times = Vec::new();
         for _ in 0..reps {
             before();
+            // SAFETY: events created above and the device's own stream, all alive.
             unsafe { check(cu::event::record(start, self.stream), "record") };
             for _ in 0..inner {
                 work();
             }
+            // SAFETY: events created above and the device's own stream, all alive.
             unsafe { check(cu::event::record(stop, self.stream), "record") };
             self.sync();
+            // SAFETY: both events were recorded, and have completed (the stream is
+            // synchronized).
             times.push(unsafe { check(cu::event::elapsed(start, stop), "elapsed") } as f64 / inner as f64);
         }
+        // SAFETY: events created above; the stream is synchronized, so no record of them is
+        // pending, and they are not used again.
         unsafe {
             let _ = cu::event::destroy(start);
             let _ = cu::event::destroy(stop);
@@ -320,6 +331,8 @@ fn build_case(
         }
     }
     let bytes = chunks.iter().map(|c| c[1]).sum();
+    // SAFETY: a plain allocation on the context bound to this thread, then a synchronous copy
+    // of `chunks` (16 bytes each, the size allocated) into it.
     let chunks_device = unsafe {
         let p = check(cu::malloc_sync(chunks.len() * 16), "chunks");
         check(cu::memcpy_htod_sync(p, &chunks), "chunks copy");
@@ -373,6 +386,7 @@ fn checksum_ms(dev: &Device, case: &Case, worker: &Worker) -> f64 {
 
 /// A device's cache buffer of `bytes`, filled with random data.
 fn random_cache(dev: &Device, bytes: u64, seed: u64) -> u64 {
+    // SAFETY: a plain allocation on the context bound to this thread.
     let cache = unsafe { check(cu::malloc_sync(bytes as usize), "cache") };
     let (mut p, mut n, mut seed) = (cache, bytes / 8, seed);
     dev.launch(
@@ -506,6 +520,7 @@ fn main() {
     let dev = Device::new(ordinal);
     let name = cudarc::driver::result::device::get_name(check(cu::device::get(ordinal as i32), "device")).unwrap();
     let cache_bytes: u64 = 9 << 30;
+    // SAFETY: a plain allocation on the context bound to this thread.
     let cache = unsafe { check(cu::malloc_sync(cache_bytes as usize), "cache") };
     {
         let mut p = cache;
@@ -682,6 +697,7 @@ fn main() {
     for _ in 0..200 {
         let t = Instant::now();
         read_case(&dev, &one, one_blocks);
+        // SAFETY: events created above and the device's own stream, all alive.
         unsafe { check(cu::event::record(floor_event, dev.stream), "record") };
         bare.push(t.elapsed().as_secs_f64() * 1e6);
         dev.sync();
@@ -690,6 +706,7 @@ fn main() {
         launch_only.push(t.elapsed().as_secs_f64() * 1e6);
         dev.sync();
         let t = Instant::now();
+        // SAFETY: events created above and the device's own stream, all alive.
         unsafe { check(cu::event::record(floor_event, dev.stream), "record") };
         record_only.push(t.elapsed().as_secs_f64() * 1e6);
         dev.sync();
@@ -702,6 +719,8 @@ fn main() {
         big.push(t.elapsed().as_secs_f64() * 1e6);
         dev.sync();
     }
+    // SAFETY: events created above; the stream is synchronized, so no record of them is
+    // pending, and they are not used again.
     unsafe {
         let _ = cu::event::destroy(floor_event);
     }
@@ -810,16 +829,22 @@ fn sustained_ms(dev: &Device, seconds: f64, mut work: impl FnMut()) -> f64 {
     let began = Instant::now();
     let mut times = Vec::new();
     while began.elapsed().as_secs_f64() < seconds {
+        // SAFETY: events created above and the device's own stream, all alive.
         unsafe { check(cu::event::record(start, dev.stream), "record") };
         for _ in 0..10 {
             work();
         }
+        // SAFETY: events created above and the device's own stream, all alive.
         unsafe { check(cu::event::record(stop, dev.stream), "record") };
         dev.sync();
         if began.elapsed().as_secs_f64() >= seconds / 2.0 {
+            // SAFETY: both events were recorded, and have completed (the stream is
+            // synchronized).
             times.push(unsafe { check(cu::event::elapsed(start, stop), "elapsed") } as f64 / 10.0);
         }
     }
+    // SAFETY: events created above; the stream is synchronized, so no record of them is
+    // pending, and they are not used again.
     unsafe {
         let _ = cu::event::destroy(start);
         let _ = cu::event::destroy(stop);
@@ -887,6 +912,7 @@ fn stored_checksums(dev: &Device, cache: u64, cache_bytes: u64, model: &Model) {
     // block id: add_stored accepted it because the range ran on into the
     // next allocation, and stores then wrote entries past its end.)
     const ENTRY_BYTES: usize = 16;
+    // SAFETY: a plain allocation on the context bound to this thread.
     let buffer = unsafe { check(cu::malloc_sync(num_blocks as usize * ENTRY_BYTES), "stored buffer") };
     let mut host_times = Vec::new();
     for (label, requests, per_request) in [

@@ -1338,6 +1338,13 @@ typedef kvcs_status (*kvcs_report_uncompared_fn)(const kvcs_report *report,
                                                  uint64_t *first_position,
                                                  uint64_t *num_positions);
 
+// The type of `kvcs_payload_short_last`.
+typedef kvcs_status (*kvcs_payload_short_last_fn)(const kvcs_payload *payload,
+                                                  size_t group_index,
+                                                  uint64_t *values,
+                                                  size_t cap,
+                                                  size_t *len);
+
 // Every call of the library as one table of function pointers, for a
 // program that loads kvcsum at run time: it resolves the one symbol
 // `kvcs_api_get` and calls through the table, whose entries the compiler
@@ -1591,6 +1598,8 @@ typedef struct {
   kvcs_report_num_uncompared_fn kvcs_report_num_uncompared;
   // Slot 117: `kvcs_report_uncompared`.
   kvcs_report_uncompared_fn kvcs_report_uncompared;
+  // Slot 118: `kvcs_payload_short_last`.
+  kvcs_payload_short_last_fn kvcs_payload_short_last;
 } kvcs_api;
 
 // The type of `kvcs_api_get`.
@@ -1772,6 +1781,19 @@ kvcs_status kvcs_payload_values(const kvcs_payload *payload,
                                 uint64_t *values,
                                 size_t cap,
                                 size_t *len);
+
+// The short last value of group `group_index` (extension version 4): the
+// value of the group's position holding the request's last token, over
+// `num_tokens - 1` tokens, which the verifier compares against a load of
+// one token fewer (docs/SPEC.md#10-verification). Into `(values, cap)` as
+// `kvcs_payload_values` gives a group's values: `*len` is 1 where the
+// producer sent one, 0 where it did not (a plain payload, an extension
+// before version 4, a group that does not hold the last token).
+kvcs_status kvcs_payload_short_last(const kvcs_payload *payload,
+                                    size_t group_index,
+                                    uint64_t *values,
+                                    size_t cap,
+                                    size_t *len);
 
 // Per-layer partial `layer_index` (below the group's `num_layers`) of
 // group `group_index`. `KVCS_ERR_OUT_OF_BOUNDS` for an index past the last.

@@ -442,6 +442,20 @@ inline uint64_t scale_bits(double value) noexcept {
   return bits;
 }
 
+/// `text` as the NUL-terminated string the C calls take; a `text` holding
+/// a NUL throws KVCS_ERR_INVALID_ARGUMENT naming `argument` and the byte,
+/// since C would read it only up to there ("job\0A" and "job\0B" would
+/// both be "job"), as the Python package refuses such strings.
+inline const char *c_string(const std::string &text, const char *argument) {
+  size_t nul = text.find('\0');
+  if (nul != std::string::npos) {
+    throw error(KVCS_ERR_INVALID_ARGUMENT, std::string(argument) + " holds a NUL at byte " + std::to_string(nul) +
+                                               " of " + std::to_string(text.size()) +
+                                               " (C strings end there, so it would name another string)");
+  }
+  return text.c_str();
+}
+
 /// Block ids of an int32 table (vLLM's) as the uint32 ids the C calls take;
 /// a negative one throws KVCS_ERR_INVALID_ARGUMENT naming `argument`, its
 /// index and its value.
@@ -492,13 +506,13 @@ class blocks : public detail::owner<kvcs_blocks, kvcs_blocks_destroy> {
   blocks() : owner(create()) {}
   /// Adds request `req_id` holding `num_tokens` tokens (kvcs_blocks_add_request).
   void add_request(const std::string &req_id, uint64_t num_tokens) {
-    check(kvcs_blocks_add_request(get(), req_id.c_str(), num_tokens));
+    check(kvcs_blocks_add_request(get(), detail::c_string(req_id, "req_id"), num_tokens));
   }
   /// Adds group `group_id`'s blocks of `req_id`: `block_ids[i]` at position
   /// `first_position + i` (kvcs_blocks_add_group).
   void add_group(const std::string &req_id, uint32_t group_id, uint64_t first_position,
                  view<uint32_t> block_ids) {
-    check(kvcs_blocks_add_group(get(), req_id.c_str(), group_id, first_position, block_ids.data(),
+    check(kvcs_blocks_add_group(get(), detail::c_string(req_id, "req_id"), group_id, first_position, block_ids.data(),
                                 block_ids.size()));
   }
   /// add_group over int32 block ids (a vLLM block table); a negative id
@@ -516,7 +530,7 @@ class blocks : public detail::owner<kvcs_blocks, kvcs_blocks_destroy> {
   /// `hashes` (kvcs_blocks_set_hashes).
   void set_hashes(const std::string &req_id, uint32_t group_id, view<uint8_t> hashes, size_t hash_bytes) {
     size_t count = detail::hash_count(hashes, hash_bytes);
-    check(kvcs_blocks_set_hashes(get(), req_id.c_str(), group_id, hashes.data(), hash_bytes, count));
+    check(kvcs_blocks_set_hashes(get(), detail::c_string(req_id, "req_id"), group_id, hashes.data(), hash_bytes, count));
   }
 
  private:
@@ -568,7 +582,7 @@ class result : public detail::owner<kvcs_result, kvcs_result_destroy> {
   /// The shape of group `group_id` of `req_id` (kvcs_result_group).
   group_shape group(const std::string &req_id, uint32_t group_id) const {
     group_shape shape;
-    check(kvcs_result_group(get(), req_id.c_str(), group_id, &shape.first_position, &shape.num_positions,
+    check(kvcs_result_group(get(), detail::c_string(req_id, "req_id"), group_id, &shape.first_position, &shape.num_positions,
                             &shape.num_columns));
     return shape;
   }
@@ -584,7 +598,7 @@ class result : public detail::owner<kvcs_result, kvcs_result_destroy> {
   column_values column_with_key(const std::string &req_id, uint32_t group_id, size_t column) const {
     column_values out;
     out.values.resize(num_positions(req_id, group_id));
-    check(kvcs_result_column(get(), req_id.c_str(), group_id, column, &out.replicas, &out.replica_index,
+    check(kvcs_result_column(get(), detail::c_string(req_id, "req_id"), group_id, column, &out.replicas, &out.replica_index,
                              out.values.data()));
     return out;
   }
@@ -596,7 +610,7 @@ class result : public detail::owner<kvcs_result, kvcs_result_destroy> {
   std::vector<stored_outcome> stored(const std::string &req_id, uint32_t group_id) const {
     size_t positions = num_positions(req_id, group_id);
     std::vector<uint8_t> outcomes(positions + 1);  // never empty, so never NULL
-    check(kvcs_result_stored(get(), req_id.c_str(), group_id, outcomes.data()));
+    check(kvcs_result_stored(get(), detail::c_string(req_id, "req_id"), group_id, outcomes.data()));
     outcomes.resize(positions);
     std::vector<stored_outcome> out;
     out.reserve(outcomes.size());
@@ -611,7 +625,7 @@ class result : public detail::owner<kvcs_result, kvcs_result_destroy> {
   std::vector<uint64_t> entries(const std::string &req_id, uint32_t group_id) const {
     size_t positions = num_positions(req_id, group_id);
     std::vector<uint64_t> words(2 * positions + 1);  // never empty, so never NULL
-    check(kvcs_result_entries(get(), req_id.c_str(), group_id, words.data()));
+    check(kvcs_result_entries(get(), detail::c_string(req_id, "req_id"), group_id, words.data()));
     words.resize(2 * positions);
     return words;
   }
@@ -625,7 +639,7 @@ class result : public detail::owner<kvcs_result, kvcs_result_destroy> {
                                                  std::to_string(positions) + " positions (2 each)");
     }
     std::vector<uint8_t> outcomes(positions + 1);  // never empty, so never NULL
-    check(kvcs_result_check_entries(get(), req_id.c_str(), group_id, entries.data(), outcomes.data()));
+    check(kvcs_result_check_entries(get(), detail::c_string(req_id, "req_id"), group_id, entries.data(), outcomes.data()));
     outcomes.resize(positions);
     std::vector<stored_outcome> out;
     out.reserve(outcomes.size());
@@ -701,7 +715,7 @@ inline layout_layer layer_from_layout(const std::string &layout, const tensor &c
     c_v = c_tensor(*v, "v");
   }
   layout_layer out;
-  check(kvcs_layer_from_layout(layout.c_str(), &c_cache, v != nullptr ? &c_v : nullptr, kernel_blocks, &out.layer_,
+  check(kvcs_layer_from_layout(detail::c_string(layout, "layout"), &c_cache, v != nullptr ? &c_v : nullptr, kernel_blocks, &out.layer_,
                                out.segments_.data()));
   return out;
 }
@@ -724,7 +738,7 @@ class worker : public detail::owner<kvcs_worker, kvcs_worker_destroy> {
   void add_group(uint32_t group_id, uint32_t block_size) { check(kvcs_worker_add_group(get(), group_id, block_size)); }
   /// Declares that this worker cannot checksum a group (kvcs_worker_skip_group).
   void skip_group(uint32_t group_id, const std::string &reason) {
-    check(kvcs_worker_skip_group(get(), group_id, reason.c_str()));
+    check(kvcs_worker_skip_group(get(), group_id, detail::c_string(reason, "reason")));
   }
   /// Registers an attention layer's cache (kvcs_worker_add_layer).
   void add_layer(const kvcs_layer &layer) { check(kvcs_worker_add_layer(get(), &layer)); }
@@ -756,7 +770,7 @@ class worker : public detail::owner<kvcs_worker, kvcs_worker_destroy> {
   /// declared; compared bit for bit as binary64).
   void set_layer_decoding(uint32_t group_id, uint32_t layer_number, const std::string &dtype, uint32_t head_size = 0,
                           double k_scale = 0.0, double v_scale = 0.0) {
-    check(kvcs_worker_set_layer_decoding(get(), group_id, layer_number, dtype.empty() ? nullptr : dtype.c_str(),
+    check(kvcs_worker_set_layer_decoding(get(), group_id, layer_number, dtype.empty() ? nullptr : detail::c_string(dtype, "dtype"),
                                          head_size, detail::scale_bits(k_scale), detail::scale_bits(v_scale)));
   }
   /// Computes (host) or queues on `cuda_stream` (device) the partial
@@ -967,7 +981,7 @@ class report : public detail::owner<kvcs_report, kvcs_report_destroy> {
                                              view<uint32_t> group_ids, view<uint32_t> block_sizes) const {
     detail::check_same_length(group_ids.size(), block_sizes.size());
     return detail::read_sized<kvcs_repair_block>([&](kvcs_repair_block *buf, size_t cap, size_t *len) {
-      return kvcs_report_repair_plan(get(), consumer_blocks.get(), req_id.c_str(), group_ids.data(),
+      return kvcs_report_repair_plan(get(), consumer_blocks.get(), detail::c_string(req_id, "req_id"), group_ids.data(),
                                      block_sizes.data(), group_ids.size(), buf, cap, len);
     });
   }
@@ -982,7 +996,7 @@ inline std::vector<kvcs_repair_block> repair_plan(view<kvcs_mismatch> mismatches
                                                   view<uint32_t> block_sizes) {
   detail::check_same_length(group_ids.size(), block_sizes.size());
   return detail::read_sized<kvcs_repair_block>([&](kvcs_repair_block *buf, size_t cap, size_t *len) {
-    return kvcs_repair_plan(mismatches.data(), mismatches.size(), consumer_blocks.get(), req_id.c_str(),
+    return kvcs_repair_plan(mismatches.data(), mismatches.size(), consumer_blocks.get(), detail::c_string(req_id, "req_id"),
                             group_ids.data(), block_sizes.data(), group_ids.size(), buf, cap, len);
   });
 }
@@ -1015,41 +1029,41 @@ class verifier : public detail::owner<kvcs_verifier, kvcs_verifier_destroy> {
     kvcs::check(kvcs_verifier_expect(get(), scheduled.get(), static_cast<uint32_t>(role)));
   }
   /// Drops a request's state (kvcs_verifier_forget).
-  void forget(const std::string &req_id) { kvcs::check(kvcs_verifier_forget(get(), req_id.c_str())); }
+  void forget(const std::string &req_id) { kvcs::check(kvcs_verifier_forget(get(), detail::c_string(req_id, "req_id"))); }
   /// Adds a worker's record (kvcs_verifier_add_record).
   void add_record(view<uint8_t> record) { kvcs::check(kvcs_verifier_add_record(get(), record.data(), record.size())); }
   /// Producer: the payload of a request (kvcs_verifier_payload).
   std::vector<uint8_t> payload(const std::string &req_id) {
     return detail::read_sized<uint8_t>([&](uint8_t *buf, size_t cap, size_t *len) {
-      return kvcs_verifier_payload(get(), req_id.c_str(), buf, cap, len);
+      return kvcs_verifier_payload(get(), detail::c_string(req_id, "req_id"), buf, cap, len);
     });
   }
   /// Consumer: judges a finished load against the producer's payload bytes
   /// (kvcs_verifier_check).
   kvcs::report check(const std::string &req_id, view<uint8_t> payload) {
     kvcs_report *out = nullptr;
-    kvcs::check(kvcs_verifier_check(get(), req_id.c_str(), payload.data(), payload.size(), &out));
+    kvcs::check(kvcs_verifier_check(get(), detail::c_string(req_id, "req_id"), payload.data(), payload.size(), &out));
     return kvcs::report(out);
   }
   /// Consumer: judges a load against the payload's base64 text
   /// (kvcs_verifier_check_base64).
   kvcs::report check_base64(const std::string &req_id, const std::string &payload_base64) {
     kvcs_report *out = nullptr;
-    kvcs::check(kvcs_verifier_check_base64(get(), req_id.c_str(), payload_base64.c_str(), &out));
+    kvcs::check(kvcs_verifier_check_base64(get(), detail::c_string(req_id, "req_id"), detail::c_string(payload_base64, "payload_base64"), &out));
     return kvcs::report(out);
   }
   /// Consumer: judges a load for which the producer sent nothing
   /// (kvcs_verifier_check_no_payload).
   kvcs::report check_no_payload(const std::string &req_id) {
     kvcs_report *out = nullptr;
-    kvcs::check(kvcs_verifier_check_no_payload(get(), req_id.c_str(), &out));
+    kvcs::check(kvcs_verifier_check_no_payload(get(), detail::c_string(req_id, "req_id"), &out));
     return kvcs::report(out);
   }
   /// Consumer: judges an offload load from its workers' load-check records
   /// (kvcs_verifier_check_stored).
   kvcs::report check_stored(const std::string &req_id) {
     kvcs_report *out = nullptr;
-    kvcs::check(kvcs_verifier_check_stored(get(), req_id.c_str(), &out));
+    kvcs::check(kvcs_verifier_check_stored(get(), detail::c_string(req_id, "req_id"), &out));
     return kvcs::report(out);
   }
 
@@ -1113,6 +1127,13 @@ class payload : public detail::owner<kvcs_payload, kvcs_payload_destroy> {
   std::vector<uint64_t> values(size_t index) const {
     return detail::read_sized<uint64_t>([&](uint64_t *buf, size_t cap, size_t *len) {
       return kvcs_payload_values(get(), index, buf, cap, len);
+    });
+  }
+  /// The short last value of group `index`: empty, or the one value of its
+  /// last position over one token fewer (kvcs_payload_short_last).
+  std::vector<uint64_t> short_last(size_t index) const {
+    return detail::read_sized<uint64_t>([&](uint64_t *buf, size_t cap, size_t *len) {
+      return kvcs_payload_short_last(get(), index, buf, cap, len);
     });
   }
   /// Layer partial `layer` of group `index` (kvcs_payload_layer).
@@ -1222,50 +1243,50 @@ class topology : public detail::owner<kvcs_topology, kvcs_topology_destroy> {
   /// registered before (kvcs_topology_add_remote).
   bool add_remote(const std::string &engine_id, const kvcs_remote_engine &remote) {
     uint32_t added = 0;
-    check(kvcs_topology_add_remote(get(), engine_id.c_str(), &remote, &added));
+    check(kvcs_topology_add_remote(get(), detail::c_string(engine_id, "engine_id"), &remote, &added));
     return added != 0;
   }
   /// What a remote engine's handshake told (kvcs_topology_remote).
   kvcs_remote_engine remote(const std::string &engine_id) const {
     kvcs_remote_engine out{};
-    check(kvcs_topology_remote(get(), engine_id.c_str(), &out));
+    check(kvcs_topology_remote(get(), detail::c_string(engine_id, "engine_id"), &out));
     return out;
   }
   /// kvcs_topology_tp_ratio.
   int64_t tp_ratio(const std::string &engine_id) const {
     int64_t ratio = 0;
-    check(kvcs_topology_tp_ratio(get(), engine_id.c_str(), &ratio));
+    check(kvcs_topology_tp_ratio(get(), detail::c_string(engine_id, "engine_id"), &ratio));
     return ratio;
   }
   /// kvcs_topology_block_size_ratio.
   uint32_t block_size_ratio(const std::string &engine_id) const {
     uint32_t ratio = 0;
-    check(kvcs_topology_block_size_ratio(get(), engine_id.c_str(), &ratio));
+    check(kvcs_topology_block_size_ratio(get(), detail::c_string(engine_id, "engine_id"), &ratio));
     return ratio;
   }
   /// kvcs_topology_remote_kv_replicated.
   bool remote_kv_replicated(const std::string &engine_id) const {
     uint32_t replicated = 0;
-    check(kvcs_topology_remote_kv_replicated(get(), engine_id.c_str(), &replicated));
+    check(kvcs_topology_remote_kv_replicated(get(), detail::c_string(engine_id, "engine_id"), &replicated));
     return replicated != 0;
   }
   /// kvcs_topology_remote_ranks.
   std::vector<uint32_t> remote_ranks(const std::string &engine_id) const {
     return detail::read_sized<uint32_t>([&](uint32_t *buf, size_t cap, size_t *len) {
-      return kvcs_topology_remote_ranks(get(), engine_id.c_str(), buf, cap, len);
+      return kvcs_topology_remote_ranks(get(), detail::c_string(engine_id, "engine_id"), buf, cap, len);
     });
   }
   /// kvcs_topology_head_sources.
   std::vector<kvcs_head_source> head_sources(const std::string &engine_id) const {
     return detail::read_sized<kvcs_head_source>([&](kvcs_head_source *buf, size_t cap, size_t *len) {
-      return kvcs_topology_head_sources(get(), engine_id.c_str(), buf, cap, len);
+      return kvcs_topology_head_sources(get(), detail::c_string(engine_id, "engine_id"), buf, cap, len);
     });
   }
 
  private:
   static kvcs_topology *create(const std::string &local_engine_id, const kvcs_local_engine &local) {
     kvcs_topology *handle = nullptr;
-    check(kvcs_topology_create(local_engine_id.c_str(), &local, &handle));
+    check(kvcs_topology_create(detail::c_string(local_engine_id, "local_engine_id"), &local, &handle));
     return handle;
   }
 };
@@ -1287,7 +1308,7 @@ class completion : public detail::owner<kvcs_completion, kvcs_completion_destroy
     std::vector<const char *> ids;
     ids.reserve(req_ids.size());
     for (const std::string &id : req_ids) {
-      ids.push_back(id.c_str());
+      ids.push_back(detail::c_string(id, "req_ids[]"));
     }
     std::vector<uint8_t> done(req_ids.size() + 1);  // never empty, so never NULL
     check(kvcs_completion_report(get(), worker, static_cast<uint32_t>(direction), ids.data(), ids.size(),
@@ -1301,7 +1322,7 @@ class completion : public detail::owner<kvcs_completion, kvcs_completion_destroy
   /// The workers that reported `req_id` finished so far (kvcs_completion_reported).
   uint32_t reported(kvcs::direction direction, const std::string &req_id) const {
     uint32_t count = 0;
-    check(kvcs_completion_reported(get(), static_cast<uint32_t>(direction), req_id.c_str(), &count));
+    check(kvcs_completion_reported(get(), static_cast<uint32_t>(direction), detail::c_string(req_id, "req_id"), &count));
     return count;
   }
   /// Adds block ids a worker found invalid (kvcs_completion_add_invalid_blocks).

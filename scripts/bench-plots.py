@@ -227,7 +227,7 @@ def plots(out: str, algorithms, cases, card, date, commit, runs, catalogue) -> l
         ax.set_xlim(0, 1.15)
         ax.set_xlabel("fraction of injected faults missed (engine and direct paths together)")
         seed = re.search(r"seed (\d+)", heading)
-        ax.set_title("kvcsum fault catalogue (tests/fault_catalogue.rs)"
+        ax.set_title("kvcsum fault catalogue (tests/it/fault_catalogue.rs)"
                      + (f"\nseed {seed.group(1)}" if seed else ""), fontsize=9)
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.06), ncol=len(cat_algorithms), fontsize=8)
         fig.tight_layout()

@@ -4,7 +4,7 @@
 # with large declared lengths and many elements (target shapes), each for a
 # bounded time, and fails on any crash, hang, oversized allocation or
 # decoder error that is not Malformed (the targets assert that). Target
-# verdicts seeds the generator of tests/verdict_property.rs (the verdict
+# verdicts seeds the generator of tests/it/verdict_property.rs (the verdict
 # rule: a configuration change never gives MISMATCH, corrupted KV that is
 # read never MATCH) with its input and fails on any violation.
 #

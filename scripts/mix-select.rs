@@ -10,7 +10,7 @@
 // the sign bits of its 8-, 16- and 32-bit elements, every set of whole bytes
 // and random patterns, the distinct values of f(x ^ e) - f(x) mod 2^32 over
 // 65,536 random x (uniform gives about 65,535.5; MIXED2 must give >= 65,500,
-// tests/avalanche.rs): the least per family and how many patterns fall below
+// tests/it/avalanche.rs): the least per family and how many patterns fall below
 // 65,500. MIXED's e = 0x8000000080000000 gives 1.
 //
 // faults: structured faults on a bf16-like block of 2 heads x 16 tokens x 64

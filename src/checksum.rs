@@ -125,7 +125,7 @@ pub(crate) const MIX2_MULTIPLIERS: [u32; 3] = [MIX2_MULTIPLIER_1, MIX2_MULTIPLIE
 /// `K`'s inverse, which then gives `high32(p)` and so `hi`; a fold is its
 /// own inverse), so `f` is one, and `f(0) = 0`. Unlike [`mix`] it has no
 /// fixed differential: for every XOR pattern `e` the difference
-/// `f(x ^ e) - f(x)` is spread over its low 32 bits (tests/avalanche.rs
+/// `f(x ^ e) - f(x)` is spread over its low 32 bits (tests/it/avalanche.rs
 /// measures every 1- and 2-bit pattern, every set of element sign bits and
 /// byte lanes, and random ones). A round is one 32x32->64 multiply-add: one
 /// `IMAD.WIDE.U32` on a GPU, one `vpmuludq` and one add per four pieces
@@ -150,15 +150,18 @@ pub fn mix2_round(v: u64, k: u32) -> u64 {
 
 /// A function `f` of SPEC section 12, fixed at compile time, applied to one
 /// piece or to eight consecutive pieces (one cache line) at a time, so that
-/// an engine can give the eight-piece step a SIMD form.
-pub(crate) trait PieceFn {
+/// an engine can give the eight-piece step a SIMD form. The methods take a
+/// value of the type, so that a SIMD form can be a type whose values exist
+/// only where the CPU runs its instructions (the host engine's
+/// `host/lanes.rs`); the portable forms are unit structs.
+pub(crate) trait PieceFn: Copy {
     /// `f(x)`.
-    fn value(x: u64) -> u64;
+    fn value(self, x: u64) -> u64;
 
     /// `f` of each of the eight pieces.
     #[inline(always)]
-    fn lanes(pieces: &[u64; 8]) -> [u64; 8] {
-        pieces.map(Self::value)
+    fn lanes(self, pieces: &[u64; 8]) -> [u64; 8] {
+        pieces.map(|x| self.value(x))
     }
 
     /// For each chunk of eight pieces in turn: `sum[l] += f(chunk[l])`,
@@ -167,10 +170,10 @@ pub(crate) trait PieceFn {
     #[inline(always)]
     // One index walks the lane arrays in step; this is what vectorises.
     #[allow(clippy::needless_range_loop)]
-    fn accumulate(pieces: &[u64], sum: &mut [u64; 8], running: &mut [u64; 8]) {
+    fn accumulate(self, pieces: &[u64], sum: &mut [u64; 8], running: &mut [u64; 8]) {
         debug_assert!(pieces.len().is_multiple_of(8));
         for chunk in pieces.chunks_exact(8) {
-            let values = Self::lanes(chunk.try_into().expect("chunks of 8 pieces"));
+            let values = self.lanes(chunk.try_into().expect("chunks of 8 pieces"));
             for lane in 0..8 {
                 sum[lane] = sum[lane].wrapping_add(values[lane]);
                 running[lane] = running[lane].wrapping_add(sum[lane]);
@@ -180,31 +183,35 @@ pub(crate) trait PieceFn {
 }
 
 /// `f` of WEIGHTED: the identity.
+#[derive(Clone, Copy)]
 pub(crate) struct Identity;
 
 impl PieceFn for Identity {
     #[inline(always)]
-    fn value(x: u64) -> u64 {
+    fn value(self, x: u64) -> u64 {
         x
     }
 }
 
 /// `f` of MIXED: [`mix`].
+#[derive(Clone, Copy)]
 pub(crate) struct Mix;
 
 impl PieceFn for Mix {
     #[inline(always)]
-    fn value(x: u64) -> u64 {
+    fn value(self, x: u64) -> u64 {
         mix(x)
     }
 }
 
-/// `f` of MIXED2: [`mix2`], portable (the host engine has SIMD forms).
+/// `f` of MIXED2: [`mix2`], portable (the host engine has SIMD forms:
+/// `host/lanes.rs`).
+#[derive(Clone, Copy)]
 pub(crate) struct Mix2;
 
 impl PieceFn for Mix2 {
     #[inline(always)]
-    fn value(x: u64) -> u64 {
+    fn value(self, x: u64) -> u64 {
         mix2(x)
     }
 }
@@ -230,9 +237,9 @@ pub fn piece_weight(piece_index: u64) -> u64 {
 #[inline]
 pub fn weighted_run(pieces: &[u64], first_index: u64, algorithm: Algorithm) -> u64 {
     match algorithm {
-        Algorithm::Weighted => run_checksum::<Identity>(pieces, first_index),
-        Algorithm::Mixed => run_checksum::<Mix>(pieces, first_index),
-        Algorithm::Mixed2 => run_checksum::<Mix2>(pieces, first_index),
+        Algorithm::Weighted => run_checksum(Identity, pieces, first_index),
+        Algorithm::Mixed => run_checksum(Mix, pieces, first_index),
+        Algorithm::Mixed2 => run_checksum(Mix2, pieces, first_index),
     }
 }
 
@@ -242,8 +249,8 @@ pub fn weighted_run(pieces: &[u64], first_index: u64, algorithm: Algorithm) -> u
 /// `S1 = sum i * f(x_i)`; `S1` comes from running sums (adds only), which
 /// vectorises and keeps pace with memory.
 #[inline(always)]
-pub(crate) fn run_checksum<F: PieceFn>(pieces: &[u64], first_index: u64) -> u64 {
-    let (sum, index_weighted) = run_sums::<F>(pieces);
+pub(crate) fn run_checksum<F: PieceFn>(f: F, pieces: &[u64], first_index: u64) -> u64 {
+    let (sum, index_weighted) = run_sums(f, pieces);
     piece_weight(first_index)
         .wrapping_mul(sum)
         .wrapping_add(index_weighted.wrapping_mul(2))
@@ -251,7 +258,7 @@ pub(crate) fn run_checksum<F: PieceFn>(pieces: &[u64], first_index: u64) -> u64 
 
 /// `(sum f(x_i), sum i * f(x_i))` over `pieces`, modulo 2^64.
 #[inline(always)]
-fn run_sums<F: PieceFn>(pieces: &[u64]) -> (u64, u64) {
+fn run_sums<F: PieceFn>(f: F, pieces: &[u64]) -> (u64, u64) {
     const LANES: usize = 8;
     // Lane `l` sees pieces `k * LANES + l`. After `steps` steps its `sum` is
     // `sum_k x` and its `running` is `sum_k x * (steps - k)`, so
@@ -261,7 +268,7 @@ fn run_sums<F: PieceFn>(pieces: &[u64]) -> (u64, u64) {
     let chunks = pieces.chunks_exact(LANES);
     let tail = chunks.remainder();
     let steps = chunks.len() as u64;
-    F::accumulate(&pieces[..pieces.len() - tail.len()], &mut sum, &mut running);
+    f.accumulate(&pieces[..pieces.len() - tail.len()], &mut sum, &mut running);
     let mut total = 0u64;
     let mut index_weighted = 0u64;
     for lane in 0..LANES {
@@ -274,7 +281,7 @@ fn run_sums<F: PieceFn>(pieces: &[u64]) -> (u64, u64) {
     }
     let tail_start = steps * LANES as u64;
     for (offset, &piece) in tail.iter().enumerate() {
-        let piece = F::value(piece);
+        let piece = f.value(piece);
         total = total.wrapping_add(piece);
         index_weighted = index_weighted.wrapping_add(piece.wrapping_mul(tail_start + offset as u64));
     }

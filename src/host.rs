@@ -15,11 +15,27 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-use crate::checksum::{piece_weight, run_checksum, slice_weight, Algorithm, Identity, Mix, Mix2, PieceFn, PIECE_BYTES};
+use crate::checksum::{Algorithm, Identity, Mix, Mix2, PIECE_BYTES};
 use crate::error::{err, Result};
-use crate::layout::{Layer, Layout, Region, Role, Segment};
+use crate::layout::{Layer, Layout, Region, Role};
 use crate::plan::{Plan, Row};
 use crate::pool::Pool;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod lanes;
+mod walk;
+
+#[cfg(target_arch = "x86_64")]
+use avx2::{Avx2, Avx2Lanes};
+#[cfg(target_arch = "x86_64")]
+use avx512::{Avx512, Avx512Lanes};
+#[cfg(target_arch = "x86_64")]
+use lanes::Mix2Lanes;
+use walk::{item_checksum, RowSums};
 
 /// Work items handed to a thread at a time.
 const ITEMS_PER_GRAB: usize = 16;
@@ -55,26 +71,62 @@ pub enum Simd {
 }
 
 impl Simd {
-    /// The best form this CPU runs.
-    pub fn detect() -> Simd {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                return Simd::Avx512;
-            }
-            if std::arch::is_x86_feature_detected!("avx2") {
-                return Simd::Avx2;
-            }
-        }
-        Simd::Portable
-    }
-
     /// Its name, for logs and [`SIMD_VARIABLE`]: "avx512", "avx2", "portable".
     pub fn name(self) -> &'static str {
         match self {
             Simd::Portable => "portable",
             Simd::Avx2 => "avx2",
             Simd::Avx512 => "avx512",
+        }
+    }
+}
+
+/// A [`Simd`] form with what lets it run: the detection token of its
+/// instruction set (`host/avx2.rs`, `host/avx512.rs`), which exists only
+/// where the CPU has them. The engine picks one when it is created.
+#[derive(Debug, Clone, Copy)]
+enum Form {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2(Avx2),
+    #[cfg(target_arch = "x86_64")]
+    Avx512(Avx512),
+}
+
+impl Form {
+    /// The best form this CPU runs.
+    fn best() -> Form {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if let Some(isa) = Avx512::new() {
+                return Form::Avx512(isa);
+            }
+            if let Some(isa) = Avx2::new() {
+                return Form::Avx2(isa);
+            }
+        }
+        Form::Portable
+    }
+
+    /// Which form it is.
+    fn simd(self) -> Simd {
+        match self {
+            Form::Portable => Simd::Portable,
+            #[cfg(target_arch = "x86_64")]
+            Form::Avx2(_) => Simd::Avx2,
+            #[cfg(target_arch = "x86_64")]
+            Form::Avx512(_) => Simd::Avx512,
+        }
+    }
+
+    /// This form, or the lower `cap` where it is below it (a form is never
+    /// raised: a token is never made up).
+    fn capped(self, cap: Simd) -> Form {
+        match (self, cap) {
+            #[cfg(target_arch = "x86_64")]
+            (Form::Avx512(isa), Simd::Avx2) => Form::Avx2(isa.avx2()),
+            (_, Simd::Portable) => Form::Portable,
+            (form, _) => form,
         }
     }
 }
@@ -96,7 +148,7 @@ const DEFAULT_RANKS_PER_HOST: usize = 8;
 pub struct HostEngine {
     threads: usize,
     pool: OnceLock<Pool>,
-    simd: Simd,
+    form: Form,
 }
 
 impl HostEngine {
@@ -125,15 +177,15 @@ impl HostEngine {
             }
             n => n as usize,
         };
-        let best = Simd::detect();
-        let simd = match std::env::var(SIMD_VARIABLE) {
-            Err(_) => best,
+        let best = Form::best();
+        let cap = match std::env::var(SIMD_VARIABLE) {
+            Err(_) => best.simd(),
             Ok(text) => match [Simd::Avx512, Simd::Avx2, Simd::Portable]
                 .into_iter()
                 .find(|form| form.name() == text.trim())
             {
                 // A cap: a form the CPU lacks is never run.
-                Some(form) => form.min(best),
+                Some(form) => form,
                 None => {
                     return Err(err!(
                         InvalidArgument,
@@ -145,13 +197,13 @@ impl HostEngine {
         Ok(HostEngine {
             threads,
             pool: OnceLock::new(),
-            simd,
+            form: best.capped(cap),
         })
     }
 
     /// The SIMD form the engine's mixing runs in.
     pub fn simd(&self) -> Simd {
-        self.simd
+        self.form.simd()
     }
 
     /// The most threads a call uses.
@@ -200,7 +252,7 @@ impl HostEngine {
                     break;
                 }
                 for item in &items[start..(start + ITEMS_PER_GRAB).min(items.len())] {
-                    let sum = item_checksum_of(algorithm, self.simd, item.row, item.layer, &mut scratch);
+                    let sum = item_checksum_of(algorithm, self.form, item.row, item.layer, &mut scratch);
                     let out = item.row.out as usize + item.column * item.row.column_stride as usize;
                     values[out].fetch_add(sum, Ordering::Relaxed);
                 }
@@ -245,385 +297,34 @@ fn add_states(layout: &Layout, rows: &[Row], algorithm: Algorithm, values: &mut 
     }
 }
 
-/// [`item_checksum`] under `algorithm`, in the fastest form the CPU runs.
+/// [`item_checksum`] under `algorithm`, in the form `form`.
 ///
 /// MIXED's 64-bit products vectorise only with AVX2 (SSE2, the default
 /// target, has no 64-bit lane multiply: in cache the mixed loop ran at 6
 /// GB/s with SSE2 and 24 GB/s with AVX2, against 22 GB/s for WEIGHTED's
 /// adds), so where the CPU has AVX2 it runs an AVX2 build of the same code.
 /// MIXED2's rounds are 32x32->64 multiplies, which the compiler does not
-/// reliably vectorise by itself: [`Mix2Avx2`] and [`Mix2Avx512`] write
-/// them with SIMD intrinsics (BENCHMARKS.md, "Mixing function choice").
+/// reliably vectorise by itself: [`lanes::Mix2Lanes`] writes them once over
+/// a lane type, with an AVX2 and an AVX-512F lane type (BENCHMARKS.md,
+/// "Mixing function choice").
 ///
-/// `simd` is at most [`Simd::detect`]'s (the engine caps it so): each
-/// branch below runs a form only where the CPU has its features.
-fn item_checksum_of(algorithm: Algorithm, simd: Simd, row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
-    debug_assert!(simd <= Simd::detect());
-    match (algorithm, simd) {
-        (Algorithm::Weighted, _) => item_checksum::<Identity>(row, layer, scratch),
+/// Each SIMD arm runs only with the detection token its [`Form`] holds, so
+/// no form runs on a CPU without its instructions.
+fn item_checksum_of(algorithm: Algorithm, form: Form, row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
+    match (algorithm, form) {
+        (Algorithm::Weighted, _) => item_checksum(Identity, row, layer, scratch),
+        (Algorithm::Mixed, Form::Portable) => item_checksum(Mix, row, layer, scratch),
+        (Algorithm::Mixed2, Form::Portable) => item_checksum(Mix2, row, layer, scratch),
         #[cfg(target_arch = "x86_64")]
-        (Algorithm::Mixed, Simd::Avx2 | Simd::Avx512) => {
-            // SAFETY: `simd` is at least AVX2, which the CPU has.
-            unsafe { item_checksum_avx2::<Mix>(row, layer, scratch) }
-        }
-        (Algorithm::Mixed, _) => item_checksum::<Mix>(row, layer, scratch),
+        (Algorithm::Mixed, Form::Avx2(isa)) => isa.item_checksum(Mix, row, layer, scratch),
         #[cfg(target_arch = "x86_64")]
-        (Algorithm::Mixed2, Simd::Avx512) => {
-            // SAFETY: `simd` is AVX-512F, which the CPU has.
-            unsafe { item_checksum_avx512::<Mix2Avx512>(row, layer, scratch) }
-        }
+        (Algorithm::Mixed, Form::Avx512(isa)) => isa.avx2().item_checksum(Mix, row, layer, scratch),
         #[cfg(target_arch = "x86_64")]
-        (Algorithm::Mixed2, Simd::Avx2) => {
-            // SAFETY: `simd` is AVX2, which the CPU has.
-            unsafe { item_checksum_avx2::<Mix2Avx2>(row, layer, scratch) }
-        }
-        (Algorithm::Mixed2, _) => item_checksum::<Mix2>(row, layer, scratch),
-    }
-}
-
-/// `item_checksum::<F>` compiled for AVX2 (everything below it is inlined,
-/// so its loops are built with AVX2 too).
-///
-/// # Safety
-/// The CPU must have AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn item_checksum_avx2<F: PieceFn>(row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
-    item_checksum::<F>(row, layer, scratch)
-}
-
-/// `item_checksum::<F>` compiled for AVX-512F.
-///
-/// # Safety
-/// The CPU must have AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn item_checksum_avx512<F: PieceFn>(row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
-    item_checksum::<F>(row, layer, scratch)
-}
-
-/// [`Mix2`] with its eight-piece step in AVX2 intrinsics: per four pieces,
-/// each round is one `vpmuludq`, one add and one in-lane shuffle (using
-/// `(hi << 32) + lo * K = v + lo * (K - 1)`), each fold a shift and a XOR.
-///
-/// Only [`item_checksum_of`] names it, inside [`item_checksum_avx2`], where
-/// the engine's [`Simd`] says the CPU has AVX2: that is what makes its
-/// intrinsics sound to call.
-#[cfg(target_arch = "x86_64")]
-struct Mix2Avx2;
-
-#[cfg(target_arch = "x86_64")]
-impl PieceFn for Mix2Avx2 {
-    #[inline(always)]
-    fn value(x: u64) -> u64 {
-        crate::checksum::mix2(x)
-    }
-
-    #[inline(always)]
-    fn lanes(pieces: &[u64; 8]) -> [u64; 8] {
-        use std::arch::x86_64::*;
-        // SAFETY: this type is used only where the CPU has AVX2 (see the
-        // type's comment). The eight pieces are read and given back as two
-        // 256-bit values by value (transmutes between types of 64 bytes
-        // with no invalid bit patterns), so that they stay in registers.
-        unsafe {
-            let k1 = _mm256_set1_epi64x(MIX2_ROUND_ADDENDS[0]);
-            let k2 = _mm256_set1_epi64x(MIX2_ROUND_ADDENDS[1]);
-            let k3 = _mm256_set1_epi64x(MIX2_ROUND_ADDENDS[2]);
-            // Macros rather than closures, so that every intrinsic is
-            // inlined straight into the AVX2 caller.
-            macro_rules! round {
-                ($v:expr, $k:expr) => {
-                    _mm256_shuffle_epi32::<0xB1>(_mm256_add_epi64($v, _mm256_mul_epu32($v, $k)))
-                };
-            }
-            macro_rules! fold {
-                ($v:expr) => {
-                    _mm256_xor_si256($v, _mm256_srli_epi64::<32>($v))
-                };
-            }
-            let halves: [__m256i; 2] = std::mem::transmute(*pieces);
-            let halves = halves.map(|v| {
-                let v = round!(v, k1);
-                let v = round!(v, k2);
-                let v = fold!(v);
-                let v = round!(v, k3);
-                fold!(v)
-            });
-            std::mem::transmute::<[__m256i; 2], [u64; 8]>(halves)
-        }
-    }
-
-    /// The lane sums in four 256-bit registers throughout (the compiler
-    /// left to itself moved them through general registers, at a third of
-    /// the speed).
-    #[inline(always)]
-    fn accumulate(pieces: &[u64], sum: &mut [u64; 8], running: &mut [u64; 8]) {
-        use std::arch::x86_64::*;
-        debug_assert!(pieces.len().is_multiple_of(8));
-        // SAFETY: the CPU has AVX2 (see the type's comment); `[u64; 8]` and
-        // `[__m256i; 2]` are 64 bytes with no invalid bit patterns, and
-        // every chunk is 8 pieces.
-        unsafe {
-            let mut sums: [__m256i; 2] = std::mem::transmute(*sum);
-            let mut runs: [__m256i; 2] = std::mem::transmute(*running);
-            for chunk in pieces.chunks_exact(8) {
-                let values: [__m256i; 2] = std::mem::transmute(Self::lanes(chunk.try_into().expect("8 pieces")));
-                for half in 0..2 {
-                    sums[half] = _mm256_add_epi64(sums[half], values[half]);
-                    runs[half] = _mm256_add_epi64(runs[half], sums[half]);
-                }
-            }
-            *sum = std::mem::transmute::<[__m256i; 2], [u64; 8]>(sums);
-            *running = std::mem::transmute::<[__m256i; 2], [u64; 8]>(runs);
-        }
-    }
-}
-
-/// `K - 1` for each of MIX2's multipliers `K`, as SIMD lanes take them: a
-/// round `(hi << 32) + lo * K` is `v + lo * (K - 1)`.
-#[cfg(target_arch = "x86_64")]
-const MIX2_ROUND_ADDENDS: [i64; 3] = [
-    crate::checksum::MIX2_MULTIPLIER_1 as i64 - 1,
-    crate::checksum::MIX2_MULTIPLIER_2 as i64 - 1,
-    crate::checksum::MIX2_MULTIPLIER_3 as i64 - 1,
-];
-
-/// [`Mix2`] with its eight-piece step in AVX-512F intrinsics: the eight
-/// pieces in one register, each round one `vpmuludq`, one add and one
-/// rotate by 32.
-///
-/// Only [`item_checksum_of`] names it, inside [`item_checksum_avx512`],
-/// where the engine's [`Simd`] says the CPU has AVX-512F: that is what makes
-/// its intrinsics sound to call.
-#[cfg(target_arch = "x86_64")]
-struct Mix2Avx512;
-
-#[cfg(target_arch = "x86_64")]
-impl PieceFn for Mix2Avx512 {
-    #[inline(always)]
-    fn value(x: u64) -> u64 {
-        crate::checksum::mix2(x)
-    }
-
-    #[inline(always)]
-    fn lanes(pieces: &[u64; 8]) -> [u64; 8] {
-        use std::arch::x86_64::*;
-        // SAFETY: this type is used only where the CPU has AVX-512F (see
-        // the type's comment). The eight pieces are read and given back as
-        // one 512-bit value by value (transmutes between types of 64 bytes
-        // with no invalid bit patterns), so that they stay in a register.
-        unsafe {
-            let k1 = _mm512_set1_epi64(MIX2_ROUND_ADDENDS[0]);
-            let k2 = _mm512_set1_epi64(MIX2_ROUND_ADDENDS[1]);
-            let k3 = _mm512_set1_epi64(MIX2_ROUND_ADDENDS[2]);
-            macro_rules! round {
-                ($v:expr, $k:expr) => {
-                    _mm512_rol_epi64::<32>(_mm512_add_epi64($v, _mm512_mul_epu32($v, $k)))
-                };
-            }
-            macro_rules! fold {
-                ($v:expr) => {
-                    _mm512_xor_si512($v, _mm512_srli_epi64::<32>($v))
-                };
-            }
-            let v: __m512i = std::mem::transmute(*pieces);
-            let v = round!(v, k1);
-            let v = round!(v, k2);
-            let v = fold!(v);
-            let v = round!(v, k3);
-            let v = fold!(v);
-            std::mem::transmute::<__m512i, [u64; 8]>(v)
-        }
-    }
-
-    /// The lane sums in two 512-bit registers throughout.
-    #[inline(always)]
-    fn accumulate(pieces: &[u64], sum: &mut [u64; 8], running: &mut [u64; 8]) {
-        use std::arch::x86_64::*;
-        debug_assert!(pieces.len().is_multiple_of(8));
-        // SAFETY: the CPU has AVX-512F (see the type's comment); `[u64; 8]`
-        // and `__m512i` are 64 bytes with no invalid bit patterns, and
-        // every chunk is 8 pieces.
-        unsafe {
-            let mut sums: __m512i = std::mem::transmute(*sum);
-            let mut runs: __m512i = std::mem::transmute(*running);
-            for chunk in pieces.chunks_exact(8) {
-                let values: __m512i = std::mem::transmute(Self::lanes(chunk.try_into().expect("8 pieces")));
-                sums = _mm512_add_epi64(sums, values);
-                runs = _mm512_add_epi64(runs, sums);
-            }
-            *sum = std::mem::transmute::<__m512i, [u64; 8]>(sums);
-            *running = std::mem::transmute::<__m512i, [u64; 8]>(runs);
-        }
-    }
-}
-
-/// `sum over heads of m * s` for one block position of one layer, `f` of
-/// SPEC section 12 fixed at compile time (`F`). Inlined into its callers,
-/// so that an AVX2 caller builds it with AVX2.
-#[inline(always)]
-fn item_checksum<F: PieceFn>(row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
-    let spec = &layer.spec;
-    let per_kernel_block = spec.tokens_per_kernel_block;
-    let mut sum = 0u64;
-    let mut token = 0u32;
-    // Walk the valid tokens kernel block by kernel block.
-    while token < row.valid_tokens {
-        let kernel_block = token / per_kernel_block;
-        let first_slot = token % per_kernel_block;
-        let count = (per_kernel_block - first_slot).min(row.valid_tokens - token);
-        let first_index = (row.first_token + token as u64).wrapping_mul(layer.pieces_per_token);
-        for (segment, &piece_offset) in spec.segments.iter().zip(&layer.segment_piece_offsets) {
-            let base = segment.address as i64
-                + row.block_id as i64 * segment.block_stride
-                + kernel_block as i64 * segment.kernel_block_stride
-                + first_slot as i64 * segment.token_stride;
-            let tokens = TokenRun {
-                address: base,
-                count,
-                first_index: first_index + piece_offset,
-            };
-            sum = sum.wrapping_add(segment_heads::<F>(layer, segment, &tokens, scratch));
-        }
-        token += count;
-    }
-    sum
-}
-
-/// `count` consecutive tokens of one kernel block in one segment: head 0's
-/// first token at `address`, its first piece numbered `first_index`.
-struct TokenRun {
-    address: i64,
-    count: u32,
-    first_index: u64,
-}
-
-/// `sum over heads of m * (the slice contribution of the tokens)` for one
-/// segment.
-///
-/// Memory is read in the order it is laid out, so that the hardware
-/// prefetchers stream it: heads outer when a head's tokens are closer
-/// together than a token's heads (HND), tokens outer otherwise (NHD; reading
-/// NHD heads outer ran at 0.6-0.7 of the read ceiling). Each (head, token)
-/// row of pieces is added into per-head [`RowSums`], reduced once per head
-/// rather than once per row.
-#[inline(always)]
-fn segment_heads<F: PieceFn>(layer: &Layer, segment: &Segment, tokens: &TokenRun, scratch: &mut Vec<RowSums>) -> u64 {
-    let spec = &layer.spec;
-    let pieces = (segment.bytes_per_token as u64 / PIECE_BYTES) as usize;
-    let token_stride = segment.token_stride;
-    let head_stride = segment.head_stride;
-    let heads_outer = token_stride.unsigned_abs() <= head_stride.unsigned_abs();
-    let weight = |head: u32| slice_weight(spec.layer_number, spec.first_head + head);
-    // SAFETY (for every `row` below): registration checked that every
-    // (block, kernel block, head, token) cell of this segment lies in a
-    // registered region.
-    let row = |head: u32, slot: u32| unsafe {
-        host_pieces(
-            tokens.address + head as i64 * head_stride + slot as i64 * token_stride,
-            pieces as u64,
-        )
-    };
-    let slice_sum = |sums: &RowSums| sums.weighted(pieces as u64, tokens.first_index, layer.pieces_per_token);
-    let mut sum = 0u64;
-    if spec.segments.len() == 1 && token_stride == segment.bytes_per_token as i64 {
-        // A head's tokens are one run of consecutive pieces.
-        for head in 0..spec.num_heads {
-            // SAFETY: as above; the run is the head's `count` cells.
-            let run = unsafe {
-                host_pieces(
-                    tokens.address + head as i64 * head_stride,
-                    (pieces * tokens.count as usize) as u64,
-                )
-            };
-            sum = sum.wrapping_add(weight(head).wrapping_mul(run_checksum::<F>(run, tokens.first_index)));
-        }
-    } else if !pieces.is_multiple_of(LANES) {
-        // Rows that do not fill whole lanes: reduce each row on its own.
-        let row_index = |slot: u32| {
-            tokens
-                .first_index
-                .wrapping_add((slot as u64).wrapping_mul(layer.pieces_per_token))
-        };
-        let row_sum =
-            |head: u32, slot: u32| weight(head).wrapping_mul(run_checksum::<F>(row(head, slot), row_index(slot)));
-        if heads_outer {
-            for head in 0..spec.num_heads {
-                for slot in 0..tokens.count {
-                    sum = sum.wrapping_add(row_sum(head, slot));
-                }
-            }
-        } else {
-            for slot in 0..tokens.count {
-                for head in 0..spec.num_heads {
-                    sum = sum.wrapping_add(row_sum(head, slot));
-                }
-            }
-        }
-    } else if heads_outer {
-        for head in 0..spec.num_heads {
-            let mut sums = RowSums::default();
-            // The next head's rows, one head ahead (see PREFETCH_TOKENS).
-            let prefetch = head + 1 < spec.num_heads;
-            for slot in 0..tokens.count {
-                let pieces = row(head, slot);
-                if prefetch {
-                    prefetch_row(pieces, head_stride);
-                }
-                sums.add_row::<F>(pieces);
-            }
-            sum = sum.wrapping_add(weight(head).wrapping_mul(slice_sum(&sums)));
-        }
-    } else {
-        scratch.clear();
-        scratch.resize(spec.num_heads as usize, RowSums::default());
-        for slot in 0..tokens.count {
-            let prefetch = slot + PREFETCH_TOKENS < tokens.count;
-            for (head, sums) in scratch.iter_mut().enumerate() {
-                let pieces = row(head as u32, slot);
-                if prefetch {
-                    prefetch_row(pieces, PREFETCH_TOKENS as i64 * token_stride);
-                }
-                sums.add_row::<F>(pieces);
-            }
-        }
-        for (head, sums) in scratch.iter().enumerate() {
-            sum = sum.wrapping_add(weight(head as u32).wrapping_mul(slice_sum(sums)));
-        }
-    }
-    sum
-}
-
-/// How many tokens ahead a token-outer walk prefetches. A token's heads
-/// are one short contiguous stretch (2 KiB for 8 heads of 256 bytes), too
-/// short for the hardware prefetchers to run far enough ahead on their own;
-/// fetching two tokens ahead lifted NHD from about 0.88 to 0.97 of the read
-/// ceiling in `benches/host_bench.rs`. Heads-outer walks over rows of whole
-/// lanes prefetch the same row of the next head (4 KiB ahead for 16 tokens
-/// of 256 bytes): on the 2-core AMD machine that changed nothing, but on
-/// the GPU host's Xeon one thread went from 0.77 to 1.05 of the read (HND,
-/// K and V apart), where the hardware prefetchers alone did not keep enough
-/// lines in flight.
-const PREFETCH_TOKENS: u32 = 2;
-
-/// Asks for the cache lines of the row that lies `offset` bytes past `row`.
-#[inline(always)]
-fn prefetch_row(row: &[u64], offset: i64) {
-    let ahead = row.as_ptr().wrapping_byte_offset(offset as isize);
-    for line in (0..row.len()).step_by(LANES) {
+        (Algorithm::Mixed2, Form::Avx2(isa)) => isa.item_checksum(Mix2Lanes::<Avx2Lanes>(isa), row, layer, scratch),
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: a prefetch is a hint that never faults, whatever the address.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(ahead.wrapping_add(line).cast());
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = ahead.wrapping_add(line);
+        (Algorithm::Mixed2, Form::Avx512(isa)) => isa.item_checksum(Mix2Lanes::<Avx512Lanes>(isa), row, layer, scratch),
     }
 }
-
-/// Lanes of [`RowSums`]: eight pieces, one cache line.
-const LANES: usize = 8;
 
 /// Pages whose residency one `mincore` call reports: the vector it fills
 /// is one byte per page, so a region of any size is checked with this
@@ -743,95 +444,34 @@ fn page_size() -> u64 {
     })
 }
 
-/// Running sums over the rows (one head's pieces of one token) of a slice,
-/// from which [`RowSums::weighted`] gives their slice-checksum contribution
-/// with one reduction for all rows. The same identity as
-/// `checksum::run_checksum`, extended by a row index: within lane `l`,
-/// after each chunk `running += sum`, so `sum_k k * x = chunks * sum -
-/// running`; after each row `row_running += sum`, so `sum_r r * x = rows *
-/// sum - row_running`. Adds only, so the chunk loop vectorises.
-#[derive(Clone, Copy, Default)]
-struct RowSums {
-    sum: [u64; LANES],
-    running: [u64; LANES],
-    row_running: [u64; LANES],
-    chunks: u64,
-    rows: u64,
-}
-
-impl RowSums {
-    /// Adds the next row (each piece through `f`: [`PieceFn`]); its
-    /// length is a multiple of [`LANES`] and the same for every row.
-    #[inline(always)]
-    // One index walks three lane arrays in step; this is what vectorises.
-    #[allow(clippy::needless_range_loop)]
-    fn add_row<F: PieceFn>(&mut self, row: &[u64]) {
-        let chunks = row.chunks_exact(LANES);
-        debug_assert!(chunks.remainder().is_empty());
-        self.chunks += chunks.len() as u64;
-        F::accumulate(row, &mut self.sum, &mut self.running);
-        for lane in 0..LANES {
-            self.row_running[lane] = self.row_running[lane].wrapping_add(self.sum[lane]);
-        }
-        self.rows += 1;
-    }
-
-    /// `sum over rows r, pieces p of x * (2 * (first_index + r * row_index_stride + p) + 1)`
-    /// for rows of `row_len` pieces.
-    fn weighted(&self, row_len: u64, first_index: u64, row_index_stride: u64) -> u64 {
-        let mut total = 0u64;
-        // sum_i i * x over the rows laid end to end, and sum_r r * x.
-        let mut flat_weighted = 0u64;
-        let mut row_weighted = 0u64;
-        for lane in 0..LANES {
-            let sum = self.sum[lane];
-            total = total.wrapping_add(sum);
-            let chunk_weighted = self.chunks.wrapping_mul(sum).wrapping_sub(self.running[lane]);
-            flat_weighted = flat_weighted
-                .wrapping_add(chunk_weighted.wrapping_mul(LANES as u64))
-                .wrapping_add((lane as u64).wrapping_mul(sum));
-            row_weighted = row_weighted.wrapping_add(self.rows.wrapping_mul(sum).wrapping_sub(self.row_running[lane]));
-        }
-        // Piece p of row r is flat piece i = r * row_len + p; its index is
-        // first_index + i + r * (row_index_stride - row_len).
-        piece_weight(first_index)
-            .wrapping_mul(total)
-            .wrapping_add(flat_weighted.wrapping_mul(2))
-            .wrapping_add(
-                row_index_stride
-                    .wrapping_sub(row_len)
-                    .wrapping_mul(row_weighted)
-                    .wrapping_mul(2),
-            )
-    }
-}
-
-/// The `count` pieces at host address `address`.
-///
-/// # Safety
-/// `address .. address + 8 * count` must be readable memory, 8-byte aligned,
-/// not written while the returned slice is alive.
-unsafe fn host_pieces<'a>(address: i64, count: u64) -> &'a [u64] {
-    std::slice::from_raw_parts(address as usize as *const u64, count as usize)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// The SIMD forms of MIXED2's eight-piece step give `mix2` of each
-    /// piece, for each form the CPU can run (this machine's CI has both).
+    /// piece, for each form the CPU can run (this machine's CI has both),
+    /// called outside any AVX build (so not inlined into one).
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn simd_forms_of_mix2_equal_mix2() {
+        use crate::checksum::PieceFn;
         let mut state = 0x9E37_79B9_7F4A_7C15u64;
-        let mut forms = Vec::new();
-        if std::arch::is_x86_feature_detected!("avx2") {
-            forms.push(("AVX2", Mix2Avx2::lanes as fn(&[u64; 8]) -> [u64; 8]));
+        type Step = Box<dyn Fn(&[u64; 8]) -> [u64; 8]>;
+        let mut forms: Vec<(&str, Step)> = Vec::new();
+        if let Some(isa) = Avx2::new() {
+            forms.push(("AVX2", Box::new(move |p| Mix2Lanes::<Avx2Lanes>(isa).lanes(p))));
         }
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            forms.push(("AVX-512F", Mix2Avx512::lanes as fn(&[u64; 8]) -> [u64; 8]));
+        if let Some(isa) = Avx512::new() {
+            forms.push(("AVX-512F", Box::new(move |p| Mix2Lanes::<Avx512Lanes>(isa).lanes(p))));
         }
+        assert_eq!(
+            forms.len(),
+            [Simd::Avx2, Simd::Avx512]
+                .iter()
+                .filter(|&&form| form <= Form::best().simd())
+                .count(),
+            "a token for each form the CPU reports"
+        );
         for _ in 0..10_000 {
             let pieces: [u64; 8] = std::array::from_fn(|_| {
                 state ^= state << 13;
@@ -854,42 +494,33 @@ mod tests {
         }
     }
 
-    /// `RowSums` gives what `weighted_run` (the definition) gives row by
-    /// row, under both algorithms.
+    /// The accumulate step of each SIMD form of MIXED2 gives the portable
+    /// one's lane sums, over rows of several lines.
+    #[cfg(target_arch = "x86_64")]
     #[test]
-    fn row_sums_equal_rows_of_weighted_runs() {
-        let mut state = 0x2545_F491_4F6C_DD1Du64;
+    fn simd_forms_of_mix2_accumulate_as_the_portable_one() {
+        use crate::checksum::PieceFn;
+        let mut state = 0x0DDB_1A5E_5BAD_5EEDu64;
         let mut next = || {
             state ^= state << 13;
             state ^= state >> 7;
             state ^= state << 17;
             state
         };
-        for row_len in [8usize, 16, 32, 72] {
-            for rows in [1usize, 2, 5, 16] {
-                for extra_stride in [0u64, 8, 29] {
-                    let pieces: Vec<u64> = (0..row_len * rows).map(|_| next()).collect();
-                    let first_index = next() >> 4;
-                    let row_index_stride = row_len as u64 + extra_stride;
-                    for algorithm in Algorithm::all() {
-                        let mut sums = RowSums::default();
-                        let mut expected = 0u64;
-                        for (r, row) in pieces.chunks_exact(row_len).enumerate() {
-                            match algorithm {
-                                Algorithm::Weighted => sums.add_row::<Identity>(row),
-                                Algorithm::Mixed => sums.add_row::<Mix>(row),
-                                Algorithm::Mixed2 => sums.add_row::<Mix2>(row),
-                            }
-                            let index = first_index.wrapping_add(r as u64 * row_index_stride);
-                            expected = expected.wrapping_add(crate::checksum::weighted_run(row, index, algorithm));
-                        }
-                        assert_eq!(
-                            sums.weighted(row_len as u64, first_index, row_index_stride),
-                            expected,
-                            "row_len {row_len}, rows {rows}, row_index_stride {row_index_stride}, {algorithm:?}"
-                        );
-                    }
-                }
+        for lines in [1usize, 2, 7, 32] {
+            let pieces: Vec<u64> = (0..8 * lines).map(|_| next()).collect();
+            let start: [u64; 8] = std::array::from_fn(|_| next());
+            let (mut sum, mut running) = (start, start.map(|x| x.rotate_left(7)));
+            Mix2.accumulate(&pieces, &mut sum, &mut running);
+            if let Some(isa) = Avx2::new() {
+                let (mut s, mut r) = (start, start.map(|x| x.rotate_left(7)));
+                Mix2Lanes::<Avx2Lanes>(isa).accumulate(&pieces, &mut s, &mut r);
+                assert_eq!((s, r), (sum, running), "AVX2, {lines} lines");
+            }
+            if let Some(isa) = Avx512::new() {
+                let (mut s, mut r) = (start, start.map(|x| x.rotate_left(7)));
+                Mix2Lanes::<Avx512Lanes>(isa).accumulate(&pieces, &mut s, &mut r);
+                assert_eq!((s, r), (sum, running), "AVX-512F, {lines} lines");
             }
         }
     }

@@ -2,7 +2,7 @@
 //!
 //! The modules are layered, each importing only from those below it;
 //! `docs/ARCHITECTURE.md` lists them in that order (the one list of them),
-//! and `tests/module_imports.rs` fails on an import that runs back up and on a
+//! and `tests/it/module_imports.rs` fails on an import that runs back up and on a
 //! module that page leaves out.
 //!
 //! The Rust API is what is re-exported here plus the public modules

@@ -72,8 +72,8 @@ pub struct RowRun {
     /// Value distance between columns (the group's positions in the request).
     pub column_stride: u32,
     /// Where one more row goes, after the run's rows: the last row again
-    /// with one token fewer (the request's last position over `num_tokens
-    /// - 1` tokens, SPEC section 9's `short_last`), column `c`'s value at
+    /// with one token fewer (the request's last position over
+    /// `num_tokens - 1` tokens, SPEC section 9's `short_last`), column `c`'s value at
     /// index `out + c`. `None` where the call computes none for the run, or
     /// where that last position holds one token (over one token fewer it
     /// holds none, and its value slots stay 0).

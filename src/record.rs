@@ -900,7 +900,7 @@ fn stored_outcomes(codes: &[u8], at: usize) -> Result<Vec<StoredOutcome>> {
 
 /// The `u64`s of a `short_last` bin that starts at byte `at`.
 fn short_last_values(bytes: &[u8], at: usize) -> Result<Vec<u64>> {
-    if bytes.len() % 8 != 0 {
+    if !bytes.len().is_multiple_of(8) {
         return Err(err!(
             Malformed,
             "record: short_last (byte {at}): {} bytes are not a whole number of u64s",

@@ -1,8 +1,9 @@
 //! The generator of `include/kvcsum.h`, run by `make header` (with
-//! `--ignored`): it writes what tests/header_gen makes, which
-//! tests/header.rs checks the checked-in header against. It is ignored so
+//! `--ignored`): it writes what tests/it/header_gen makes, which
+//! tests/it/header.rs checks the checked-in header against. It is ignored so
 //! that a plain `cargo test` never rewrites the header.
 
+#[path = "it/header_gen/mod.rs"]
 mod header_gen;
 
 use std::path::Path;

@@ -4,6 +4,7 @@
 //! and MIXED, for cells of whole cache lines and of partial ones. One test
 //! in its own binary, since it sets the process's environment.
 
+#[path = "it/support/mod.rs"]
 mod support;
 
 use kvcsum::Role;

@@ -9,6 +9,7 @@
 //! in `/proc/self/task`) and setting `KVCS_HOST_THREADS` see no other test's
 //! workers.
 
+#[path = "it/support/mod.rs"]
 mod support;
 
 use std::collections::BTreeSet;

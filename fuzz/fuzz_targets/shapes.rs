@@ -19,7 +19,7 @@ use libfuzzer_sys::fuzz_target;
 
 // The tests' msgpack writer, included rather than copied, so that the
 // shapes do not depend on the library's encoder.
-#[path = "../../tests/support/msgpack.rs"]
+#[path = "../../tests/it/support/msgpack.rs"]
 mod msgpack;
 
 use msgpack::Msgpack;

@@ -1,6 +1,6 @@
 //! The verdict rule (a configuration difference never gives MISMATCH,
 //! corrupted KV that is read never MATCH), driven from fuzz bytes: the input seeds the generator of
-//! tests/verdict_property.rs (tests/verdict_property/generator.rs, shared
+//! tests/it/verdict_property.rs (tests/it/verdict_property/generator.rs, shared
 //! with `#[path]`, not copied), which builds a random producer/consumer (or
 //! store/load) pair with intact KV, changes one piece of configuration on
 //! one side, and judges it through the C ABI. Any violation panics: the
@@ -12,10 +12,10 @@
 
 use libfuzzer_sys::fuzz_target;
 
-#[path = "../../tests/support/mod.rs"]
+#[path = "../../tests/it/support/mod.rs"]
 mod support;
 
-#[path = "../../tests/verdict_property/generator.rs"]
+#[path = "../../tests/it/verdict_property/generator.rs"]
 mod generator;
 
 fuzz_target!(|data: &[u8]| {

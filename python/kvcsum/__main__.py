@@ -47,7 +47,7 @@ def main(argv=None) -> int:
         help="print what a payload says (two: and what differs)",
         description=(
             "Print what a payload says: its version, tokens, groups, fingerprints, algorithm, block sizes and "
-            "values per position; with two payloads, also what differs (exit status 1 when something does). "
+            "values per position and short last values; with two payloads, also what differs (exit status 1 when something does). "
             "A payload is the base64 text of kv_transfer_params['kv_checksums'] (a pasted log line or "
             "dump holding kv_checksums works too), or a file of that text or of the payload's bytes. "
             "Input that is not a payload exits with status 2."
@@ -56,6 +56,11 @@ def main(argv=None) -> int:
     inspect.add_argument("payloads", nargs="*", metavar="PAYLOAD", help="base64 text of kv_checksums")
     inspect.add_argument(
         "--file", action="append", metavar="F", help="read a payload from file F (base64 text or bytes); twice for two"
+    )
+    inspect.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: {'payloads': [...], 'differences': [...]} (the same facts, for scripts)",
     )
     arguments = parser.parse_args(argv)
     if arguments.command == "inspect":

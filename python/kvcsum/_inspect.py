@@ -1,13 +1,18 @@
 """`python -m kvcsum inspect`: what a payload says, for an operator reading
 logs (docs/operations.md). It decodes through the library
 (kvcsum.decode_payload), prints the payload's version, tokens, groups,
-fingerprints, algorithm, block sizes and values per position, and with a
-second payload the differences. Exit status: 0, or with two payloads 0 when
-they say the same and 1 when they differ; 2 for input that is not a
-payload (the message says which input and what is wrong)."""
+fingerprints, algorithm, block sizes, values per position and short last
+values, and with a second payload the differences; `--json` prints the
+same as one JSON object for scripts. Exit status: 0, or with two payloads 0
+when they say the same and 1 when they differ; 2 for input that is not a
+payload (the message says which input and what is wrong). A reader that
+closes the pipe early (`| head`) ends it quietly."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import re
 import struct
 import sys
@@ -115,6 +120,11 @@ def describe(payload, title: str = "payload") -> list[str]:
         width = len(str(max(end - 1, 0)))
         for i, value in enumerate(group.values):
             lines.append(f"    position {group.first_position + i:>{width}}: {value:016x}")
+        if group.short_last is not None:
+            lines.append(
+                f"    short last value (position {end - 1} over {payload.num_tokens - 1} tokens, "
+                f"for a load of one token fewer): {group.short_last:016x}"
+            )
     return lines
 
 
@@ -136,7 +146,7 @@ def differences(first, second) -> list[str]:
         if a is None or b is None:
             out.append(f"group {group_id}: only in the {'second' if a is None else 'first'} payload")
             continue
-        for name in ("fingerprint", "block_size", "coverage", "marks"):
+        for name in ("fingerprint", "block_size", "coverage", "marks", "short_last"):
             x, y = getattr(a, name), getattr(b, name)
             if x != y:
                 show = (lambda v: "not sent" if v is None else _hex(v)) if name != "block_size" else str
@@ -179,8 +189,46 @@ def _runs(positions: list[int]) -> str:
     return ", ".join(runs)
 
 
+def as_json(payload) -> dict:
+    """One payload as plain JSON values: every field of kvcsum.Payload, the
+    algorithm by name, scales beside their bits."""
+    out = dataclasses.asdict(payload)
+    out["algorithm"] = payload.algorithm.name if isinstance(payload.algorithm, Algorithm) else int(payload.algorithm)
+    for group in out["groups"]:
+        for decoding in group["decodings"]:
+            for name in ("k_scale", "v_scale"):
+                bits = decoding[f"{name}_bits"]
+                decoding[name] = None if bits is None else struct.unpack("<d", struct.pack("<Q", bits))[0]
+    return out
+
+
+def _print(text: str) -> None:
+    """Prints `text`; a reader that closed the pipe (`| head`) ends the
+    output quietly: BrokenPipeError is turned into a quiet stop, with
+    stdout pointed at /dev/null so that Python's flush at exit raises
+    nothing either."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        raise _PipeClosed from None
+
+
+class _PipeClosed(Exception):
+    """The reader of stdout went away."""
+
+
 def main(arguments) -> int:
-    """Runs `inspect` on parsed arguments (payloads, files)."""
+    """Runs `inspect` on parsed arguments (payloads, files); a closed
+    stdout ends it with the status it would have had."""
+    try:
+        return _main(arguments)
+    except _PipeClosed:
+        return getattr(arguments, "status_if_closed", 0)
+
+
+def _main(arguments) -> int:
     from ._errors import Error
     from ._payload import decode_payload
 
@@ -205,14 +253,22 @@ def main(arguments) -> int:
         except ImportError as error:  # no library to decode with
             print(f"python -m kvcsum inspect: {type(error).__name__}: {error}", file=sys.stderr)
             return 2
+    found = differences(*payloads) if len(payloads) == 2 else []
+    status = 1 if found else 0
+    arguments.status_if_closed = status
+    if getattr(arguments, "json", False):
+        document = {"payloads": [as_json(p) for p in payloads]}
+        if len(payloads) == 2:
+            document["differences"] = found
+        _print(json.dumps(document, indent=2))
+        return status
     for number, payload in enumerate(payloads, 1):
-        print("\n".join(describe(payload, f"payload {number}" if len(payloads) > 1 else "payload")))
+        _print("\n".join(describe(payload, f"payload {number}" if len(payloads) > 1 else "payload")))
     if len(payloads) == 1:
         return 0
-    found = differences(*payloads)
     if not found:
-        print("the two payloads say the same")
+        _print("the two payloads say the same")
         return 0
-    print(f"differences ({len(found)}):")
-    print("\n".join(f"  {line}" for line in found))
+    _print(f"differences ({len(found)}):")
+    _print("\n".join(f"  {line}" for line in found))
     return 1

@@ -68,6 +68,10 @@ class PayloadGroup:
     marks: int | None
     layers: tuple
     decodings: tuple
+    #: The value of the group's position holding the request's last token
+    #: over one token fewer (extension version 4), which a load of one
+    #: token fewer is compared with (SPEC section 10); None where not sent.
+    short_last: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +130,7 @@ def _read(lib, handle) -> Payload:
         entry = _lib.STRUCTS["kvcs_group_checksums"]()
         _check(lib.kvcs_payload_group(handle, g, byref(entry)))
         values = _values(lambda buf, cap, n: lib.kvcs_payload_values(handle, g, buf, cap, n))
+        short_last = _values(lambda buf, cap, n: lib.kvcs_payload_short_last(handle, g, buf, cap, n))
         layers = []
         for i in range(entry.num_layers):
             layer = _lib.STRUCTS["kvcs_layer_checksums"]()
@@ -156,6 +161,7 @@ def _read(lib, handle) -> Payload:
                 entry.marks if entry.has_marks else None,
                 tuple(layers),
                 tuple(decodings),
+                short_last[0] if short_last else None,
             )
         )
     return Payload(

@@ -206,7 +206,9 @@ def test_inspect_prints_what_the_payload_says(rng):
     assert any("layer 0 decoding: dtype fp8_e4m3, head_size 64, k_scale 0.0125 (bits 0x3f8999999999999a)" in l for l in lines)
     assert "    layer partials: 0 (heads 0..4), 5 (heads 0..4)" in lines
     values = struct.unpack("<3Q", raw)
-    assert lines[-3:] == [f"    position {q}: {v:016x}" for q, v in enumerate(values)]
+    assert lines[-4:-1] == [f"    position {q}: {v:016x}" for q, v in enumerate(values)]
+    (short_last,) = struct.unpack("<Q", extension[2][0][6])
+    assert lines[-1] == f"    short last value (position 2 over 39 tokens, for a load of one token fewer): {short_last:016x}"
     # A pasted log line or kv_transfer_params dump holding it reads the same.
     for pasted in [f"{{'do_remote_prefill': True, 'kv_checksums': '{text}', 'remote_block_ids': [1]}}", f'"{text[:30]}\n{text[30:]}"']:
         again = inspect(pasted)
@@ -216,7 +218,8 @@ def test_inspect_prints_what_the_payload_says(rng):
 def test_inspect_names_the_positions_two_payloads_differ_at(rng, tmp_path):
     cache = random_cache(rng)
     flipped = cache.copy()
-    flipped[1, 6, int(rng.integers(0, 8)), int(rng.integers(0, 4)), int(rng.integers(0, 32))] ^= 1 << int(rng.integers(0, 16))
+    token = int(rng.integers(0, 8))  # of block 6, position 2: request tokens 32..39
+    flipped[1, 6, token, int(rng.integers(0, 4)), int(rng.integers(0, 32))] ^= 1 << int(rng.integers(0, 16))
     first, second = produce(cache), produce(flipped)
     (tmp_path / "a.txt").write_text(base64.b64encode(first).decode() + "\n")
     (tmp_path / "b.bin").write_bytes(second)
@@ -225,7 +228,12 @@ def test_inspect_names_the_positions_two_payloads_differ_at(rng, tmp_path):
     a = struct.unpack("<3Q", msgspec.msgpack.decode(first)[2][0][3])
     b = struct.unpack("<3Q", msgspec.msgpack.decode(second)[2][0][3])
     assert a[2] != b[2] and a[:2] == b[:2], "the flip is in block 6, position 2"
-    assert done.stdout.splitlines()[-2:] == ["differences (1):", f"  group 0: position 2: {a[2]:016x} vs {b[2]:016x}"]
+    # The short last value covers tokens 32..38 of position 2: it differs too unless the flip is in token 39.
+    short = [kvcsum.decode_payload(p).groups[0].short_last for p in (first, second)]
+    expected = [f"  group 0: short_last {short[0]:#018x} vs {short[1]:#018x}"] if token < 7 else []
+    assert (short[0] != short[1]) == (token < 7)
+    expected.append(f"  group 0: position 2: {a[2]:016x} vs {b[2]:016x}")
+    assert done.stdout.splitlines()[-len(expected) - 1 :] == [f"differences ({len(expected)}):", *expected]
     same = inspect(base64.b64encode(first).decode(), "--file", tmp_path / "a.txt")
     assert same.returncode == 0 and same.stdout.endswith("the two payloads say the same\n"), same.stdout
     # Other facts differ too: a plain payload of WEIGHTED values against a MIXED2 one.
@@ -235,6 +243,73 @@ def test_inspect_names_the_positions_two_payloads_differ_at(rng, tmp_path):
     assert "  algorithm: MIXED2 (3) vs WEIGHTED (1)" in done.stdout, done.stdout
     assert "  producer_tp_size: 1 vs not sent" in done.stdout, done.stdout
     assert f"  extension_version: {kvcsum.EXTENSION_VERSION} vs 0" in done.stdout, done.stdout
+
+
+def with_short_last(payload: bytes, value: int) -> bytes:
+    """`payload` with its one group's short last value replaced by `value`
+    (re-encoded by msgspec: any valid msgpack of the shape decodes)."""
+    plain_version, num_tokens, groups, extension = msgspec.msgpack.decode(payload)
+    extension[2][0][6] = struct.pack("<Q", value)
+    return msgspec.msgpack.encode([plain_version, num_tokens, groups, extension])
+
+
+def test_the_short_last_value_is_decoded_shown_and_compared(rng):
+    first = produce(random_cache(rng))
+    (sent,) = struct.unpack("<Q", msgspec.msgpack.decode(first)[3][2][0][6])
+    assert kvcsum.decode_payload(first).groups[0].short_last == sent
+    plain = produce(random_cache(rng), extension=False, algorithm=kvcsum.WEIGHTED)
+    assert kvcsum.decode_payload(plain).extension_version == 0 and kvcsum.decode_payload(plain).groups[0].short_last is None
+    other = (sent + 1 + int(rng.integers(0, 2**32))) % 2**64
+    second = with_short_last(first, other)
+    assert kvcsum.decode_payload(second).groups[0].short_last == other
+    assert kvcsum.decode_payload(second).groups[0].values == kvcsum.decode_payload(first).groups[0].values
+    done = inspect(base64.b64encode(first).decode(), base64.b64encode(second).decode())
+    assert done.returncode == 1, done.stdout
+    assert done.stdout.splitlines()[-2:] == ["differences (1):", f"  group 0: short_last {sent:#018x} vs {other:#018x}"]
+
+
+def test_inspect_json_holds_what_the_text_says(rng):
+    import json
+
+    cache = random_cache(rng)
+    first, second = produce(cache, decodings=[(0, FP8)]), produce(cache)
+    done = inspect("--json", base64.b64encode(first).decode())
+    assert done.returncode == 0, done.stderr
+    (payload,) = json.loads(done.stdout)["payloads"]
+    decoded = kvcsum.decode_payload(first)
+    assert payload["num_tokens"] == decoded.num_tokens and payload["algorithm"] == "MIXED2"
+    (group,) = payload["groups"]
+    assert group["values"] == list(decoded.groups[0].values)
+    assert group["short_last"] == decoded.groups[0].short_last and group["fingerprint"] == decoded.groups[0].fingerprint
+    assert group["decodings"][0]["dtype"] == "fp8_e4m3" and group["decodings"][0]["k_scale"] == 0.0125
+    both = inspect("--json", base64.b64encode(first).decode(), base64.b64encode(second).decode())
+    assert both.returncode == 1
+    differences = json.loads(both.stdout)["differences"]
+    assert differences and all(line.startswith("group 0: layer 0 decoding") for line in differences), differences
+
+
+def test_inspect_into_a_closed_pipe_ends_quietly(rng):
+    """`inspect ... | head` must not print a BrokenPipe traceback: the
+    reader's end is closed before the inspector writes its first line."""
+    text = base64.b64encode(produce(random_cache(rng))).decode()
+    environment = dict(os.environ)
+    environment["PYTHONPATH"] = os.pathsep.join([str(PACKAGE.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    environment["KVCSUM_LIBRARY"] = kvcsum.library().path
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "kvcsum", "inspect", text],
+            env=environment,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert done.stderr == "", done.stderr
+    assert done.returncode == 0
 
 
 def hostile_inputs(payload: bytes) -> list:

@@ -8,14 +8,15 @@
 use std::mem::{size_of, MaybeUninit};
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{result as cu, sys, CudaContext};
+use cudarc::driver::CudaContext;
 
 use super::descriptors::DevStoredItem;
+use super::raw::{self, DevicePtr, DriverError, Event};
 use crate::error::{err, Result};
 use crate::plan::Row;
 
 /// Maps a driver error to `Error::Device` with what was being done.
-pub fn device_error(what: &str) -> impl FnOnce(cu::DriverError) -> crate::error::Error + '_ {
+pub fn device_error(what: &str) -> impl FnOnce(DriverError) -> crate::error::Error + '_ {
     move |e| err!(Device, "{what} failed: {e}")
 }
 
@@ -29,7 +30,7 @@ pub struct Pinned {
     /// Host address (page-aligned); null until allocated.
     host: *mut u8,
     /// The same memory as the device sees it.
-    on_device: sys::CUdeviceptr,
+    on_device: DevicePtr,
 }
 
 // SAFETY: owned by its slot, which serialises access (see `Slot`).
@@ -40,17 +41,13 @@ unsafe impl Sync for Pinned {}
 impl Pinned {
     /// `len` bytes of mapped pinned memory (the context is bound).
     pub fn new(len: usize) -> Result<Pinned> {
-        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
         let mut pinned = Pinned { len, ..Pinned::none() };
         // SAFETY: a plain allocation on the bound context, owned (and on
-        // failure freed) by `pinned`.
+        // failure freed) by `pinned`; its device address while it is live.
         unsafe {
-            pinned.host = cu::malloc_host(len, flags)
-                .map_err(device_error("cuMemHostAlloc"))?
-                .cast();
-            sys::cuMemHostGetDevicePointer_v2(&mut pinned.on_device, pinned.host.cast(), 0)
-                .result()
-                .map_err(device_error("cuMemHostGetDevicePointer"))?;
+            pinned.host = raw::malloc_host_mapped(len).map_err(device_error("cuMemHostAlloc"))?;
+            pinned.on_device =
+                raw::device_pointer_of(pinned.host).map_err(device_error("cuMemHostGetDevicePointer"))?;
         }
         Ok(pinned)
     }
@@ -81,7 +78,7 @@ impl Drop for Pinned {
     fn drop(&mut self) {
         if !self.host.is_null() {
             // SAFETY: owned; dropped with its slot, which is idle by then.
-            let _ = unsafe { cu::free_host(self.host.cast()) };
+            let _ = unsafe { raw::free_host(self.host) };
         }
     }
 }
@@ -100,9 +97,9 @@ pub struct Slot {
     /// starts (uploaded from here, or read in place).
     pinned: Pinned,
     /// Device memory: accumulators, the counter (8 bytes), rows, row starts.
-    device: sys::CUdeviceptr,
+    device: DevicePtr,
     /// Recorded after the call's work.
-    pub event: sys::CUevent,
+    pub event: Event,
     /// The layer table the call's kernel reads, kept until the call is done.
     pub table: Option<Arc<DeviceTable>>,
     /// Stored checksums' items, then two gathered words per item, for as
@@ -135,11 +132,10 @@ impl Slot {
         };
         // SAFETY: plain allocations on the bound context, owned by the slot.
         unsafe {
-            slot.device = cu::malloc_sync(device_bytes).map_err(device_error("cuMemAlloc"))?;
+            slot.device = raw::malloc(device_bytes).map_err(device_error("cuMemAlloc"))?;
             // Accumulators and counter start at zero; the kernel leaves them so.
-            cu::memset_d8_sync(slot.device, 0, value_capacity * 8 + 8).map_err(device_error("cuMemsetD8"))?;
-            slot.event = cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                .map_err(device_error("cuEventCreate"))?;
+            raw::zero(slot.device, value_capacity * 8 + 8).map_err(device_error("cuMemsetD8"))?;
+            slot.event = raw::create_event().map_err(device_error("cuEventCreate"))?;
         }
         Ok(slot)
     }
@@ -256,11 +252,7 @@ impl Slot {
     /// Whether the slot's last work completed.
     pub fn is_idle(&self) -> Result<bool> {
         // SAFETY: the event is live while the slot is.
-        match unsafe { cu::event::query(self.event) } {
-            Ok(()) => Ok(true),
-            Err(cu::DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
-            Err(e) => Err(device_error("cuEventQuery")(e)),
-        }
+        unsafe { raw::has_completed(self.event) }.map_err(device_error("cuEventQuery"))
     }
 }
 
@@ -271,10 +263,10 @@ impl Drop for Slot {
         // pinned memory frees itself.
         unsafe {
             if !self.event.is_null() {
-                let _ = cu::event::destroy(self.event);
+                let _ = raw::destroy_event(self.event);
             }
             if self.device != 0 {
-                let _ = cu::free_sync(self.device);
+                let _ = raw::free(self.device);
             }
         }
     }
@@ -389,7 +381,7 @@ impl Drop for SlotPool {
         if let Ok(parked) = self.parked.get_mut() {
             for slot in parked.iter() {
                 // SAFETY: the event is live; wait so its memory is no longer in use.
-                let _ = unsafe { cu::event::synchronize(slot.event) };
+                let _ = unsafe { raw::wait(slot.event) };
             }
         }
     }
@@ -399,7 +391,7 @@ impl Drop for SlotPool {
 pub struct DeviceTable {
     context: Arc<CudaContext>,
     /// Device address of the first descriptor.
-    pub address: sys::CUdeviceptr,
+    pub address: DevicePtr,
 }
 
 impl DeviceTable {
@@ -411,8 +403,8 @@ impl DeviceTable {
         };
         // SAFETY: a plain allocation and copy on the bound context.
         unsafe {
-            table.address = cu::malloc_sync(bytes.len().max(8)).map_err(device_error("cuMemAlloc"))?;
-            cu::memcpy_htod_sync(table.address, bytes).map_err(device_error("cuMemcpyHtoD"))?;
+            table.address = raw::malloc(bytes.len().max(8)).map_err(device_error("cuMemAlloc"))?;
+            raw::copy_to_device(table.address, bytes).map_err(device_error("cuMemcpyHtoD"))?;
         }
         Ok(table)
     }
@@ -420,9 +412,12 @@ impl DeviceTable {
 
 impl Drop for DeviceTable {
     fn drop(&mut self) {
-        // SAFETY: owned; every call that read it holds an Arc until it is done.
         if self.address != 0 && self.context.bind_to_thread().is_ok() {
-            let _ = unsafe { cu::free_sync(self.address) };
+            // SAFETY: the table owns the allocation at `address` (made by
+            // `malloc_sync` in its context, bound just above), and every
+            // call that read it holds an Arc of it until it is done, so no
+            // launch still uses it.
+            let _ = unsafe { raw::free(self.address) };
         }
     }
 }

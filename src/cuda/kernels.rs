@@ -112,8 +112,7 @@ pub fn compile(context: &Arc<CudaContext>, source: &str, name: &str) -> Result<A
 /// The kernels' PTX (`kvcs_checksum` and `kvcs_state`) for `arch` (`"sm_90"`, say), compiled by NVRTC
 /// without a device: lets a machine with NVRTC but no GPU check the kernels.
 pub fn checksum_ptx(arch: &str) -> Result<String> {
-    // SAFETY: only tries to dlopen the library.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+    if !super::raw::nvrtc_present() {
         return Err(err!(Device, "NVRTC (libnvrtc) cannot be loaded on this machine"));
     }
     let ptx = nvrtc(&checksum_source(), "kvcsum_checksum.cu", arch).map_err(|m| err!(Device, "{m}"))?;

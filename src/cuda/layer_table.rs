@@ -435,7 +435,7 @@ mod tests {
     /// The state kernel's arithmetic, lane by lane as `kernels/state.cu`
     /// does it (units, rows and vectors per lane, loads, weights), run over
     /// host memory: it gives `StateLayer::block_checksum` (the host
-    /// engine, checked against the naive reference in tests/state.rs) for
+    /// engine, checked against the naive reference in tests/it/state.rs) for
     /// narrow and wide rows, every load width, both group kinds.
     mod state_kernel {
         use super::super::*;

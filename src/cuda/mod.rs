@@ -21,6 +21,7 @@ mod kernel_prelude;
 mod kernels;
 mod launch;
 mod layer_table;
+mod raw;
 mod store_launch;
 
 pub use self::descriptors::DevStoredItem;
@@ -29,7 +30,7 @@ pub use self::store_launch::{StoredMode, StoredWork};
 
 use std::sync::Arc;
 
-use cudarc::driver::{result as cu, sys, CudaContext};
+use cudarc::driver::CudaContext;
 
 use self::buffers::{device_error, DeviceTable, Slot, SlotPool};
 use self::descriptors::{
@@ -55,8 +56,7 @@ const RESERVED_SLOTS: usize = 4;
 
 /// Whether the CUDA driver and NVRTC libraries can be loaded.
 pub fn libraries_present() -> bool {
-    // SAFETY: these only try to dlopen the libraries and drop the handles.
-    unsafe { cudarc::driver::sys::is_culib_present() && cudarc::nvrtc::sys::is_culib_present() }
+    raw::libraries_present()
 }
 
 /// The primary context of device `ordinal`, or `Error::Device`.
@@ -108,31 +108,14 @@ impl DeviceEngine {
         let context = primary_context(ordinal)?;
         context.bind_to_thread().map_err(device_error("cuCtxSetCurrent"))?;
         let kernels = kernels::kernels(&context)?;
-        let processors = context
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(device_error("cuDeviceGetAttribute"))?;
+        let processors = raw::multiprocessors(&context).map_err(device_error("cuDeviceGetAttribute"))?;
         let blocks_per_processor = |function: &cudarc::driver::CudaFunction| -> Result<i32> {
-            let mut blocks = 0;
-            // SAFETY: a valid function of a loaded module.
-            unsafe {
-                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                    &mut blocks,
-                    function.cu_function(),
-                    THREADS_PER_BLOCK as i32,
-                    0,
-                )
-                .result()
-                .map_err(device_error("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
-            }
-            Ok(blocks)
+            raw::blocks_per_multiprocessor(function, THREADS_PER_BLOCK)
+                .map_err(device_error("cuOccupancyMaxActiveBlocksPerMultiprocessor"))
         };
         let resident =
             |blocks: i32| (processors.max(1) as u64) * (blocks.max(1) as u64) * (THREADS_PER_BLOCK / WARP) as u64;
-        let registers = |function: &cudarc::driver::CudaFunction| {
-            function
-                .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS)
-                .unwrap_or(0)
-        };
+        let registers = raw::registers;
         let checksum_blocks = blocks_per_processor(&kernels.checksum)?;
         let unpaired_blocks = blocks_per_processor(&kernels.checksum_unpaired)?;
         let single_head_blocks = blocks_per_processor(&kernels.checksum_single_head)?;
@@ -232,61 +215,22 @@ impl DeviceEngine {
     /// mappings, pool allocations and host memory, and where the driver
     /// does not say.
     fn is_legacy_allocation(&self, pointer: u64) -> bool {
-        let mut legacy: i32 = 0;
-        // SAFETY: the attribute's documented type is a boolean written as
-        // an int to the given place.
-        let known = unsafe {
-            sys::cuPointerGetAttribute(
-                (&mut legacy as *mut i32).cast(),
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
-                pointer,
-            )
-            .result()
-            .is_ok()
-        };
-        known && legacy != 0
+        raw::is_legacy_allocation(pointer)
     }
 
     /// The CUDA allocation holding `pointer` (start, size), if it is one this
     /// device reads; otherwise why not.
     fn allocation_at(&self, pointer: u64) -> std::result::Result<(u64, usize), String> {
         let ordinal = self.context.ordinal();
-        let mut start: sys::CUdeviceptr = 0;
-        let mut size: usize = 0;
-        let mut memory_type: u32 = 0;
-        let mut device: i32 = -1;
-        // SAFETY: each call writes one value of the attribute's documented
-        // type (CUdeviceptr, size_t, CUmemorytype, int) to the given place.
-        unsafe {
-            let attributes: [(*mut std::ffi::c_void, sys::CUpointer_attribute); 4] = [
-                (
-                    (&mut start as *mut u64).cast(),
-                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-                ),
-                (
-                    (&mut size as *mut usize).cast(),
-                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-                ),
-                (
-                    (&mut memory_type as *mut u32).cast(),
-                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                ),
-                (
-                    (&mut device as *mut i32).cast(),
-                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                ),
-            ];
-            for (place, attribute) in attributes {
-                sys::cuPointerGetAttribute(place, attribute, pointer)
-                    .result()
-                    .map_err(|e| {
-                        format!(
-                        "is not memory that CUDA knows ({e}); a device worker reads device memory or pinned host memory"
-                    )
-                    })?;
-            }
-        }
-        if memory_type == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 && device != ordinal as i32 {
+        let raw::Allocation {
+            start,
+            size,
+            on_device,
+            device,
+        } = raw::allocation_at(pointer).map_err(|e| {
+            format!("is not memory that CUDA knows ({e}); a device worker reads device memory or pinned host memory")
+        })?;
+        if on_device && device != ordinal as i32 {
             return Err(format!(
                 "is memory of device {device}, not of this worker's device {ordinal}"
             ));
@@ -508,7 +452,7 @@ impl DeviceEngine {
     ) -> Result<()> {
         // Null stays null: CUDA's legacy default stream, never a private
         // one, so the work is ordered after what the caller queued there.
-        let stream = stream.0 as sys::CUstream;
+        let stream = raw::foreign_stream(stream.0);
         let threads = (THREADS_PER_BLOCK, 1, 1);
         // SAFETY: per this function's contract; each launch copies its one
         // parameter before it returns; the kernels read cache bytes that
@@ -519,9 +463,8 @@ impl DeviceEngine {
             if let (Some(launch), Some((call, state_call))) = (&launch.checksum, &mut parameters.checksum) {
                 if let Some(upload) = launch.upload {
                     let to = slot.device_rows() + upload.offset as u64;
-                    let from = slot.pinned_rows(upload.offset).cast();
-                    sys::cuMemcpyHtoDAsync_v2(to, from, upload.bytes, stream)
-                        .result()
+                    let from = slot.pinned_rows(upload.offset);
+                    raw::copy_to_device_async(to, from, upload.bytes, stream)
                         .map_err(device_error("cuMemcpyHtoDAsync"))?;
                 }
                 if let Some(state) = launch.state {
@@ -529,8 +472,7 @@ impl DeviceEngine {
                     // block publishes what this one added.
                     let mut params = [(state_call as *mut DevStateCall).cast::<std::ffi::c_void>()];
                     let grid = (state.grid.0, state.grid.1, 1);
-                    let function = self.kernels.state.cu_function();
-                    cu::launch_kernel(function, grid, threads, 0, stream, &mut params)
+                    raw::launch(&self.kernels.state, grid, threads, stream, &mut params)
                         .map_err(device_error("launching kvcs_state"))?;
                 }
                 let function = match launch.kernel {
@@ -540,7 +482,7 @@ impl DeviceEngine {
                 };
                 let mut params = [(call as *mut DevCall).cast::<std::ffi::c_void>()];
                 let grid = (launch.shape.blocks, 1, 1);
-                cu::launch_kernel(function.cu_function(), grid, threads, 0, stream, &mut params)
+                raw::launch(function, grid, threads, stream, &mut params)
                     .map_err(device_error("launching kvcs_checksum"))?;
             }
             // The event is recorded even when the stored launch fails, so
@@ -549,7 +491,7 @@ impl DeviceEngine {
                 (Some(call), Some(blocks)) => store_launch::enqueue(&self.kernels, call, blocks, stream),
                 _ => Ok(()),
             };
-            cu::event::record(slot.event, stream).map_err(device_error("cuEventRecord"))?;
+            raw::record(slot.event, stream).map_err(device_error("cuEventRecord"))?;
             stored
         }
     }
@@ -589,7 +531,7 @@ impl PendingValues for DevicePending {
     fn wait(&self) -> Result<()> {
         self.context.bind_to_thread().map_err(device_error("cuCtxSetCurrent"))?;
         // SAFETY: the event is live while the slot is held.
-        unsafe { cu::event::synchronize(self.slot().event) }.map_err(device_error("cuEventSynchronize"))
+        unsafe { raw::wait(self.slot().event) }.map_err(device_error("cuEventSynchronize"))
     }
 
     fn values(&self) -> &[u64] {

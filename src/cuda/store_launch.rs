@@ -13,11 +13,10 @@
 //! then). The caller (the module `stored`, above this one) builds the items
 //! and checks every block id against its buffer before anything is queued.
 
-use cudarc::driver::{result as cu, sys};
-
 use super::buffers::{device_error, Slot};
 use super::descriptors::{DevStoredCall, DevStoredItem, THREADS_PER_BLOCK};
 use super::kernels::Kernels;
+use super::raw::{self, Stream};
 use crate::error::Result;
 
 /// What a call does with stored checksums.
@@ -69,15 +68,14 @@ pub fn write_items(slot: &mut Slot, work: &StoredWork, values: u64) -> Result<De
 /// The slot whose items `call` names stays held until an event recorded
 /// after this completes; every item's address is 16 bytes this device may
 /// write (store) or read (gather).
-pub unsafe fn enqueue(kernels: &Kernels, call: &mut DevStoredCall, blocks: u32, stream: sys::CUstream) -> Result<()> {
+pub unsafe fn enqueue(kernels: &Kernels, call: &mut DevStoredCall, blocks: u32, stream: Stream) -> Result<()> {
     let mut params = [(call as *mut DevStoredCall).cast::<std::ffi::c_void>()];
     // SAFETY: per this function's contract; the launch copies the parameter.
     unsafe {
-        cu::launch_kernel(
-            kernels.store.cu_function(),
+        raw::launch(
+            &kernels.store,
             (blocks, 1, 1),
             (THREADS_PER_BLOCK, 1, 1),
-            0,
             stream,
             &mut params,
         )

@@ -37,7 +37,8 @@ pub(crate) unsafe fn write_items<T: Copy>(
         return fail(&err!(InvalidArgument, "buf is NULL with cap {cap}"));
     }
     if items.len() > cap {
-        len.write(items.len());
+        // SAFETY: `len` is not NULL (checked above), so writable (the caller's promise).
+        unsafe { len.write(items.len()) };
         return fail_with(
             kvcs_status::KVCS_ERR_BUFFER_TOO_SMALL,
             &format!(
@@ -47,9 +48,13 @@ pub(crate) unsafe fn write_items<T: Copy>(
         );
     }
     if !items.is_empty() {
-        std::ptr::copy_nonoverlapping(items.as_ptr(), buf, items.len());
+        // SAFETY: `buf` is not NULL (a NULL `buf` has `cap` 0, below the
+        // count) and holds `cap` >= `items.len()` writable items (the
+        // caller's promise); a Rust slice does not overlap the caller's buffer.
+        unsafe { std::ptr::copy_nonoverlapping(items.as_ptr(), buf, items.len()) };
     }
-    len.write(items.len());
+    // SAFETY: `len` is not NULL (checked above), so writable (the caller's promise).
+    unsafe { len.write(items.len()) };
     kvcs_status::KVCS_OK
 }
 

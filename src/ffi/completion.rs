@@ -5,6 +5,7 @@
 use std::ffi::c_char;
 
 use super::buffer::write_entries;
+use super::c_enum::c_enum;
 use super::handle::{free, handle, into_handle, try_handle, try_handle_mut};
 use super::panic::ffi_boundary;
 use super::status::{fail, kvcs_status};
@@ -24,15 +25,16 @@ pub enum kvcs_direction {
     KVCS_DIRECTION_RECEIVING = 1,
 }
 
+c_enum!(kvcs_direction {
+    KVCS_DIRECTION_SENDING,
+    KVCS_DIRECTION_RECEIVING
+});
+
 fn direction(value: u32) -> crate::error::Result<Direction> {
-    match value {
-        0 => Ok(Direction::Sending),
-        1 => Ok(Direction::Receiving),
-        _ => Err(err!(
-            InvalidArgument,
-            "direction {value} is not a kvcs_direction (0 or 1)"
-        )),
-    }
+    Ok(match kvcs_direction::from_arg(value, "direction")? {
+        kvcs_direction::KVCS_DIRECTION_SENDING => Direction::Sending,
+        kvcs_direction::KVCS_DIRECTION_RECEIVING => Direction::Receiving,
+    })
 }
 
 /// Counts, per request and direction, the workers that reported it

@@ -568,6 +568,14 @@ pub type kvcs_report_uncompared_fn = unsafe extern "C" fn(
     first_position: *mut u64,
     num_positions: *mut u64,
 ) -> kvcs_status;
+/// The type of `kvcs_payload_short_last`.
+pub type kvcs_payload_short_last_fn = unsafe extern "C" fn(
+    payload: *const kvcs_payload,
+    group_index: usize,
+    values: *mut u64,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status;
 /// The type of `kvcs_api_get`.
 pub type kvcs_api_get_fn = unsafe extern "C" fn(abi_version: u32, out: *mut *const kvcs_api) -> kvcs_status;
 
@@ -825,6 +833,8 @@ pub struct kvcs_api {
     pub kvcs_report_num_uncompared: kvcs_report_num_uncompared_fn,
     /// Slot 117: `kvcs_report_uncompared`.
     pub kvcs_report_uncompared: kvcs_report_uncompared_fn,
+    /// Slot 118: `kvcs_payload_short_last`.
+    pub kvcs_payload_short_last: kvcs_payload_short_last_fn,
 }
 
 /// The table `kvcs_api_get` gives out.
@@ -949,4 +959,5 @@ pub(crate) static API: kvcs_api = kvcs_api {
     kvcs_result_check_entries: super::result::kvcs_result_check_entries,
     kvcs_report_num_uncompared: super::report::kvcs_report_num_uncompared,
     kvcs_report_uncompared: super::report::kvcs_report_uncompared,
+    kvcs_payload_short_last: super::payload::kvcs_payload_short_last,
 };

@@ -10,6 +10,7 @@
 pub mod api;
 pub mod blocks;
 pub mod buffer;
+pub(crate) mod c_enum;
 pub mod completion;
 pub mod constants;
 pub mod function_table;
@@ -30,7 +31,6 @@ pub mod worker;
 use std::ffi::{c_char, CStr};
 
 use crate::error::{err, Result};
-use crate::layout::Role;
 
 /// Turns a NULL pointer to a C struct argument (not a handle: see
 /// [`handle`]) into `KVCS_ERR_INVALID_ARGUMENT` (with a message naming it)
@@ -82,7 +82,9 @@ pub(crate) unsafe fn c_str<'a>(ptr: *const c_char, name: &str) -> Result<&'a str
     if ptr.is_null() {
         return Err(err!(InvalidArgument, "{name} is NULL"));
     }
-    CStr::from_ptr(ptr)
+    // SAFETY: not NULL (checked above), so a NUL-terminated string valid
+    // for `'a` (the caller's promise).
+    unsafe { CStr::from_ptr(ptr) }
         .to_str()
         .map_err(|e| err!(InvalidArgument, "{name} is not UTF-8: {e}"))
 }
@@ -101,17 +103,10 @@ pub(crate) unsafe fn c_array<'a, T>(ptr: *const T, len: usize, name: &str) -> Re
     if len > isize::MAX as usize / std::mem::size_of::<T>().max(1) {
         return Err(err!(InvalidArgument, "{name} length {len} is too large"));
     }
-    Ok(std::slice::from_raw_parts(ptr, len))
-}
-
-/// The `role` argument (`KVCS_ROLE_*`).
-pub(crate) fn role_arg(role: u32) -> Result<Role> {
-    Role::from_code(role.into()).ok_or_else(|| {
-        err!(
-            InvalidArgument,
-            "role {role} is neither KVCS_ROLE_PRODUCER (0) nor KVCS_ROLE_CONSUMER (1)"
-        )
-    })
+    // SAFETY: not NULL and `len` > 0 (checked above), so `len` readable
+    // elements valid for `'a` (the caller's promise), whose bytes fit in
+    // `isize` (checked above).
+    Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
 }
 
 /// A 0/1 flag argument named `name` (C has no bool in these calls).
@@ -129,6 +124,7 @@ pub(crate) fn flag_arg(value: u32, name: &str) -> Result<bool> {
 /// `out` is NULL or points to writable memory for a `T`.
 pub(crate) unsafe fn write_out<T>(out: *mut T, value: T) {
     if !out.is_null() {
-        out.write(value);
+        // SAFETY: not NULL, so writable for a `T` (the caller's promise).
+        unsafe { out.write(value) };
     }
 }

@@ -271,6 +271,33 @@ pub extern "C" fn kvcs_payload_values(
     }
 }
 
+/// The short last value of group `group_index` (extension version 4): the
+/// value of the group's position holding the request's last token, over
+/// `num_tokens - 1` tokens, which the verifier compares against a load of
+/// one token fewer (docs/SPEC.md#10-verification). Into `(values, cap)` as
+/// `kvcs_payload_values` gives a group's values: `*len` is 1 where the
+/// producer sent one, 0 where it did not (a plain payload, an extension
+/// before version 4, a group that does not hold the last token).
+#[no_mangle]
+pub extern "C" fn kvcs_payload_short_last(
+    payload: *const kvcs_payload,
+    group_index: usize,
+    values: *mut u64,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status {
+    ffi_boundary! {
+        let handle = try_handle!(payload, "payload");
+        let (_, extension) = match handle.group(group_index) {
+            Ok(found) => found,
+            Err(status) => return status,
+        };
+        let short_last: Vec<u64> = extension.and_then(|e| e.short_last).into_iter().collect();
+        // SAFETY: `values` has `cap` writable elements and `len` is writable per the contract.
+        unsafe { write_items(&short_last, values, cap, len, "values") }
+    }
+}
+
 /// Per-layer partial `layer_index` (below the group's `num_layers`) of
 /// group `group_index`. `KVCS_ERR_OUT_OF_BOUNDS` for an index past the last.
 #[no_mangle]

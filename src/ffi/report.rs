@@ -3,8 +3,9 @@
 // C entry points take raw pointers by design; their documented contract,
 // not `unsafe fn`, is what C callers see.
 
-use std::ffi::{c_char, CStr, CString};
+use std::ffi::{c_char, CString};
 
+use super::c_enum::c_enum;
 use super::handle::{free, handle, into_handle, try_handle};
 use super::panic::ffi_boundary;
 use super::status::{fail, kvcs_status};
@@ -36,6 +37,12 @@ pub enum kvcs_verdict {
     /// The load could not be compared; see the reasons.
     KVCS_VERDICT_UNVERIFIED = 2,
 }
+
+c_enum!(kvcs_verdict {
+    KVCS_VERDICT_MATCH,
+    KVCS_VERDICT_MISMATCH,
+    KVCS_VERDICT_UNVERIFIED
+});
 
 /// Why a load or a group could not be compared (docs/SPEC.md#10-verification). Values are
 /// fixed and never renumbered; a retired value stays reserved.
@@ -108,6 +115,28 @@ pub enum kvcs_unverified_reason {
     /// configuration difference, never reported as corrupt data.
     KVCS_UNVERIFIED_GEOMETRY_DIFFERS = 18,
 }
+
+c_enum!(kvcs_unverified_reason {
+    KVCS_UNVERIFIED_NONE,
+    KVCS_UNVERIFIED_NO_CHECKSUMS,
+    KVCS_UNVERIFIED_INVALID_CHECKSUMS,
+    KVCS_UNVERIFIED_WORKERS_MISSING,
+    KVCS_UNVERIFIED_OTHER_BLOCKS,
+    KVCS_UNVERIFIED_ONE_SIDED_GROUP,
+    KVCS_UNVERIFIED_FINGERPRINT_DIFFERS,
+    KVCS_UNVERIFIED_NO_COMMON_POSITION,
+    KVCS_UNVERIFIED_REPLICA_MISSING,
+    KVCS_UNVERIFIED_STATE_TP_DIFFERS,
+    KVCS_UNVERIFIED_ROLE_DIFFERS,
+    KVCS_UNVERIFIED_UNCOMPARED_POSITIONS,
+    KVCS_UNVERIFIED_NOT_LOAD_CHECK,
+    KVCS_UNVERIFIED_ALGORITHM_DIFFERS,
+    KVCS_UNVERIFIED_BLOCK_SIZE_UNKNOWN,
+    KVCS_UNVERIFIED_NOTHING_READ,
+    KVCS_UNVERIFIED_COVERAGE_DIFFERS,
+    KVCS_UNVERIFIED_DECODING_DIFFERS,
+    KVCS_UNVERIFIED_GEOMETRY_DIFFERS
+});
 
 /// The `group_id` of a finding about the whole load rather than one group.
 pub const KVCS_WHOLE_LOAD: u32 = u32::MAX;
@@ -488,13 +517,7 @@ pub extern "C" fn kvcs_report_destroy(report: *mut kvcs_report) {
 /// "unknown kvcs_verdict" for a value that is none. Never NULL.
 #[no_mangle]
 pub extern "C" fn kvcs_verdict_name(verdict: u32) -> *const c_char {
-    let name: &'static CStr = match verdict {
-        0 => c"KVCS_VERDICT_MATCH",
-        1 => c"KVCS_VERDICT_MISMATCH",
-        2 => c"KVCS_VERDICT_UNVERIFIED",
-        _ => c"unknown kvcs_verdict",
-    };
-    name.as_ptr()
+    kvcs_verdict::name_of(verdict).as_ptr()
 }
 
 /// The name of an unverified reason ("KVCS_UNVERIFIED_WORKERS_MISSING",
@@ -502,27 +525,5 @@ pub extern "C" fn kvcs_verdict_name(verdict: u32) -> *const c_char {
 /// is none. Never NULL.
 #[no_mangle]
 pub extern "C" fn kvcs_unverified_reason_name(reason: u32) -> *const c_char {
-    let name: &'static CStr = match reason {
-        0 => c"KVCS_UNVERIFIED_NONE",
-        1 => c"KVCS_UNVERIFIED_NO_CHECKSUMS",
-        2 => c"KVCS_UNVERIFIED_INVALID_CHECKSUMS",
-        3 => c"KVCS_UNVERIFIED_WORKERS_MISSING",
-        4 => c"KVCS_UNVERIFIED_OTHER_BLOCKS",
-        5 => c"KVCS_UNVERIFIED_ONE_SIDED_GROUP",
-        6 => c"KVCS_UNVERIFIED_FINGERPRINT_DIFFERS",
-        7 => c"KVCS_UNVERIFIED_NO_COMMON_POSITION",
-        8 => c"KVCS_UNVERIFIED_REPLICA_MISSING",
-        9 => c"KVCS_UNVERIFIED_STATE_TP_DIFFERS",
-        10 => c"KVCS_UNVERIFIED_ROLE_DIFFERS",
-        11 => c"KVCS_UNVERIFIED_UNCOMPARED_POSITIONS",
-        12 => c"KVCS_UNVERIFIED_NOT_LOAD_CHECK",
-        13 => c"KVCS_UNVERIFIED_ALGORITHM_DIFFERS",
-        14 => c"KVCS_UNVERIFIED_BLOCK_SIZE_UNKNOWN",
-        15 => c"KVCS_UNVERIFIED_NOTHING_READ",
-        16 => c"KVCS_UNVERIFIED_COVERAGE_DIFFERS",
-        17 => c"KVCS_UNVERIFIED_DECODING_DIFFERS",
-        18 => c"KVCS_UNVERIFIED_GEOMETRY_DIFFERS",
-        _ => c"unknown kvcs_unverified_reason",
-    };
-    name.as_ptr()
+    kvcs_unverified_reason::name_of(reason).as_ptr()
 }

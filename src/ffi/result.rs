@@ -2,6 +2,7 @@
 
 use std::ffi::c_char;
 
+use super::c_enum::c_enum;
 use super::handle::{free, handle, try_handle};
 use super::panic::ffi_boundary;
 use super::status::kvcs_status;
@@ -141,6 +142,16 @@ pub enum kvcs_stored_outcome {
     /// `KVCS_STORED_MATCHED`.
     KVCS_STORED_OTHER_FORMAT = 6,
 }
+
+c_enum!(kvcs_stored_outcome {
+    KVCS_STORED_FAILED,
+    KVCS_STORED_MATCHED,
+    KVCS_STORED_NOT_CHECKED,
+    KVCS_STORED_OTHER_FINGERPRINT,
+    KVCS_STORED_OTHER_ALGORITHM,
+    KVCS_STORED_OTHER_TOKENS,
+    KVCS_STORED_OTHER_FORMAT
+});
 
 impl kvcs_stored_outcome {
     /// The C value of an engine outcome.

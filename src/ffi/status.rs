@@ -1,8 +1,9 @@
 //! Status codes and the per-thread last error message. The versions and the
 //! ABI's other constants are `constants.rs`.
 
+use super::c_enum::c_enum;
 use std::cell::RefCell;
-use std::ffi::{c_char, CStr, CString};
+use std::ffi::{c_char, CString};
 
 use crate::error::Error;
 
@@ -34,6 +35,19 @@ pub enum kvcs_status {
     KVCS_ERR_INTERNAL = 9,
 }
 
+c_enum!(kvcs_status {
+    KVCS_OK,
+    KVCS_ERR_INVALID_ARGUMENT,
+    KVCS_ERR_OUT_OF_BOUNDS,
+    KVCS_ERR_UNSUPPORTED,
+    KVCS_ERR_NOT_FOUND,
+    KVCS_ERR_MALFORMED,
+    KVCS_ERR_NOT_READY,
+    KVCS_ERR_DEVICE,
+    KVCS_ERR_BUFFER_TOO_SMALL,
+    KVCS_ERR_INTERNAL
+});
+
 impl kvcs_status {
     /// The status of an engine error.
     pub fn of(error: &Error) -> kvcs_status {
@@ -46,22 +60,6 @@ impl kvcs_status {
             Error::NotReady(_) => kvcs_status::KVCS_ERR_NOT_READY,
             Error::Device(_) => kvcs_status::KVCS_ERR_DEVICE,
             Error::Internal(_) => kvcs_status::KVCS_ERR_INTERNAL,
-        }
-    }
-
-    fn name(code: u32) -> &'static CStr {
-        match code {
-            0 => c"KVCS_OK",
-            1 => c"KVCS_ERR_INVALID_ARGUMENT",
-            2 => c"KVCS_ERR_OUT_OF_BOUNDS",
-            3 => c"KVCS_ERR_UNSUPPORTED",
-            4 => c"KVCS_ERR_NOT_FOUND",
-            5 => c"KVCS_ERR_MALFORMED",
-            6 => c"KVCS_ERR_NOT_READY",
-            7 => c"KVCS_ERR_DEVICE",
-            8 => c"KVCS_ERR_BUFFER_TOO_SMALL",
-            9 => c"KVCS_ERR_INTERNAL",
-            _ => c"unknown kvcs_status",
         }
     }
 }
@@ -100,5 +98,5 @@ pub extern "C" fn kvcs_last_error() -> *const c_char {
 /// string; "unknown kvcs_status" for a value that is none. Never NULL.
 #[no_mangle]
 pub extern "C" fn kvcs_status_name(status: u32) -> *const c_char {
-    kvcs_status::name(status).as_ptr()
+    kvcs_status::name_of(status).as_ptr()
 }

@@ -98,7 +98,9 @@ pub extern "C" fn kvcs_repair_block_size() -> usize {
 /// # Safety
 /// `struct_name` is NULL or a NUL-terminated string.
 unsafe fn find_struct(struct_name: *const c_char) -> Result<&'static StructLayout, kvcs_status> {
-    let name = c_str(struct_name, "struct_name").map_err(|e| fail(&e))?;
+    // SAFETY: `struct_name` is NULL or a NUL-terminated string (this
+    // function's own contract), which lives through the call.
+    let name = unsafe { c_str(struct_name, "struct_name") }.map_err(|e| fail(&e))?;
     STRUCT_LAYOUTS
         .iter()
         .find(|s| s.name.to_bytes() == name.as_bytes())

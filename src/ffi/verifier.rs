@@ -8,6 +8,7 @@ use std::ffi::c_char;
 
 use super::blocks::kvcs_blocks;
 use super::buffer::write_bytes;
+use super::c_enum::c_enum;
 use super::handle::{free, handle, into_handle, try_handle};
 use super::panic::ffi_boundary;
 use super::report::{kvcs_report, report_into_handle};
@@ -47,6 +48,11 @@ pub enum kvcs_policy {
     KVCS_POLICY_FAIL_CLOSED = 1,
 }
 
+c_enum!(kvcs_policy {
+    KVCS_POLICY_FAIL_OPEN,
+    KVCS_POLICY_FAIL_CLOSED
+});
+
 handle!(kvcs_verifier => Verifier);
 
 /// Creates a verifier for an engine of `num_workers` workers (TP size x PP
@@ -77,10 +83,9 @@ pub extern "C" fn kvcs_verifier_destroy(verifier: *mut kvcs_verifier) {
 pub extern "C" fn kvcs_verifier_set_policy(verifier: *mut kvcs_verifier, policy: u32) -> kvcs_status {
     ffi_boundary! {
         let verifier = try_handle!(verifier, "verifier");
-        let policy = match policy {
-            0 => Policy::FailOpen,
-            1 => Policy::FailClosed,
-            p => return fail(&err!(InvalidArgument, "policy {p} is neither KVCS_POLICY_FAIL_OPEN (0) nor KVCS_POLICY_FAIL_CLOSED (1)")),
+        let policy = match try_engine!(kvcs_policy::from_arg(policy, "policy")) {
+            kvcs_policy::KVCS_POLICY_FAIL_OPEN => Policy::FailOpen,
+            kvcs_policy::KVCS_POLICY_FAIL_CLOSED => Policy::FailClosed,
         };
         try_engine!(verifier.set_policy(policy));
         kvcs_status::KVCS_OK
@@ -171,7 +176,7 @@ pub extern "C" fn kvcs_verifier_expect(
     ffi_boundary! {
         let verifier = try_handle!(verifier, "verifier");
         let scheduled = try_handle!(scheduled, "scheduled");
-        let role = try_engine!(super::role_arg(role));
+        let role = try_engine!(super::worker::role_arg(role));
         try_engine!(verifier.expect(scheduled, role));
         kvcs_status::KVCS_OK
     }

@@ -3,6 +3,7 @@
 use std::ffi::{c_char, c_void};
 
 use super::blocks::kvcs_blocks;
+use super::c_enum::c_enum;
 use super::constants::KVCS_HOST;
 use super::handle::{free, handle, into_handle, try_handle, try_handle_mut};
 use super::panic::ffi_boundary;
@@ -452,6 +453,20 @@ pub enum kvcs_role {
     KVCS_ROLE_CONSUMER = 1,
 }
 
+c_enum!(kvcs_role {
+    KVCS_ROLE_PRODUCER,
+    KVCS_ROLE_CONSUMER
+});
+
+/// The `role` argument (`KVCS_ROLE_*`).
+pub(super) fn role_arg(role: u32) -> crate::error::Result<crate::layout::Role> {
+    use crate::layout::Role;
+    Ok(match kvcs_role::from_arg(role, "role")? {
+        kvcs_role::KVCS_ROLE_PRODUCER => Role::Producer,
+        kvcs_role::KVCS_ROLE_CONSUMER => Role::Consumer,
+    })
+}
+
 /// Computes (host worker) or queues (device worker) the partial checksums of
 /// every block in `blocks`, in `role` (a `kvcs_role` value). A device worker
 /// queues its work on `cuda_stream`, a `CUstream` that NULL names as it does
@@ -471,7 +486,7 @@ pub extern "C" fn kvcs_worker_checksum(
     out: *mut *mut kvcs_result,
 ) -> kvcs_status {
     ffi_boundary! {
-        let role = try_engine!(super::role_arg(role));
+        let role = try_engine!(role_arg(role));
         // SAFETY: the caller's contract for these arguments.
         unsafe { call_into_result(worker, blocks, out, |w, b| w.checksum(b, role, StreamHandle(cuda_stream))) }
     }
@@ -669,6 +684,12 @@ pub enum kvcs_algorithm {
     KVCS_ALGORITHM_MIXED2 = 3,
 }
 
+c_enum!(kvcs_algorithm {
+    KVCS_ALGORITHM_WEIGHTED,
+    KVCS_ALGORITHM_MIXED,
+    KVCS_ALGORITHM_MIXED2
+});
+
 /// Chooses the worker's checksum algorithm (a `kvcs_algorithm` value:
 /// `KVCS_ALGORITHM_MIXED2`, the default, `KVCS_ALGORITHM_MIXED` or
 /// `KVCS_ALGORITHM_WEIGHTED`) for
@@ -688,11 +709,10 @@ pub enum kvcs_algorithm {
 pub extern "C" fn kvcs_worker_set_algorithm(worker: *mut kvcs_worker, algorithm: u32) -> kvcs_status {
     ffi_boundary! {
         let worker = try_handle_mut!(worker, "worker");
-        let Some(algorithm) = Algorithm::from_code(algorithm.into()) else {
-            return fail(&err!(
-                InvalidArgument,
-                "algorithm {algorithm} is not KVCS_ALGORITHM_WEIGHTED (1), KVCS_ALGORITHM_MIXED (2) or KVCS_ALGORITHM_MIXED2 (3)"
-            ));
+        let algorithm = match try_engine!(kvcs_algorithm::from_arg(algorithm, "algorithm")) {
+            kvcs_algorithm::KVCS_ALGORITHM_WEIGHTED => Algorithm::Weighted,
+            kvcs_algorithm::KVCS_ALGORITHM_MIXED => Algorithm::Mixed,
+            kvcs_algorithm::KVCS_ALGORITHM_MIXED2 => Algorithm::Mixed2,
         };
         try_engine!(worker.set_algorithm(algorithm));
         kvcs_status::KVCS_OK

@@ -56,9 +56,10 @@ static uint64_t naive_mix(uint64_t x) {
   return v ^ (v >> 32);
 }
 
-/* The checksum of position q over `layers` (a bit mask of layer indices),
- * as SPEC section 3's reference loops write it. */
-static uint64_t naive_position(uint32_t q, unsigned layers) {
+/* The checksum of position q over `layers` (a bit mask of layer indices)
+ * and the request's first `tokens` tokens, as SPEC section 3's reference
+ * loops write it. */
+static uint64_t naive_position_over(uint32_t q, unsigned layers, uint64_t tokens) {
   uint64_t total = 0;
   for (uint32_t l = 0; l < P_LAYERS; l++) {
     if (!(layers & (1u << l))) {
@@ -68,7 +69,7 @@ static uint64_t naive_position(uint32_t q, unsigned layers) {
       uint64_t s = 0;
       for (uint32_t i = 0; i < P_BLOCK; i++) {
         uint64_t t = (uint64_t)q * P_BLOCK + i;
-        if (t >= P_TOKENS) {
+        if (t >= tokens) {
           break;
         }
         for (uint32_t p = 0; p < P_PIECES; p++) {
@@ -81,6 +82,9 @@ static uint64_t naive_position(uint32_t q, unsigned layers) {
   }
   return total;
 }
+
+/* The checksum of position q over `layers` and all P_TOKENS tokens. */
+static uint64_t naive_position(uint32_t q, unsigned layers) { return naive_position_over(q, layers, P_TOKENS); }
 
 static uint64_t bits_of(double value) {
   uint64_t bits;
@@ -267,6 +271,17 @@ void test_payload(uint64_t seed) {
   for (uint32_t q = 0; q < P_POSITIONS; q++) {
     CHECK(values[q] == naive_position(q, 3));
   }
+  /* The short last value: the last position (tokens 8 and 9) over one
+   * token fewer, which a load of P_TOKENS - 1 tokens is compared with. */
+  uint64_t short_last[2] = {0, 0};
+  EXPECT(kvcs_payload_short_last(NULL, 0, short_last, 2, &count), KVCS_ERR_INVALID_ARGUMENT, "payload");
+  EXPECT(kvcs_payload_short_last(payload, 0, short_last, 2, NULL), KVCS_ERR_INVALID_ARGUMENT, "len");
+  EXPECT(kvcs_payload_short_last(payload, 1, short_last, 2, &count), KVCS_ERR_OUT_OF_BOUNDS, "group_index 1");
+  EXPECT(kvcs_payload_short_last(payload, 0, NULL, 0, &count), KVCS_ERR_BUFFER_TOO_SMALL, "cap 0");
+  CHECK(count == 1);
+  EXPECT_OK(kvcs_payload_short_last(payload, 0, short_last, 2, &count));
+  CHECK(count == 1 && short_last[0] == naive_position_over(P_POSITIONS - 1, 3, P_TOKENS - 1));
+  CHECK(short_last[0] != values[P_POSITIONS - 1]);
   for (size_t l = 0; l < P_LAYERS; l++) {
     kvcs_layer_checksums layer = {0};
     EXPECT_OK(kvcs_payload_layer(payload, 0, l, &layer));

@@ -256,6 +256,12 @@ void test_checksums() {
   blocks.add_request("r", num_tokens);
   blocks.add_group("r", 0, 0, kvcs::view<int32_t>(table));
   EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "req_id", blocks.add_request("", 1));
+  // A std::string holding a NUL is refused, never cut there ("job\0A" and
+  // "job\0B" would both be "job").
+  const std::string nul_a("job\0A", 5), nul_b("job\0B", 5);
+  EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "req_id holds a NUL at byte 3", blocks.add_request(nul_a, 1));
+  EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "req_id holds a NUL", blocks.add_group(nul_b, 0, 0, {1u}));
+  EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "req_id holds a NUL", kvcs::verifier(1).forget(nul_b));
   EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "r", blocks.add_request("r", 1));  // added before
   EXPECT_THROW(KVCS_ERR_NOT_FOUND, "nobody", blocks.add_group("nobody", 0, 0, {1u}));
   const int32_t negative[2] = {2, -3};
@@ -337,6 +343,8 @@ void test_registration() {
   kvcs::layout_layer copy = described;  // the copy's layer points at its own segments
   EXPECT(copy.layer().segments == copy.segments().data() && copy.layer().segments != layer.segments);
   EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "layout", kvcs::layer_from_layout("BTQD", k, &v));
+  EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "layout holds a NUL at byte 4",
+               kvcs::layer_from_layout(std::string("BTHD\0D", 6), k, &v));
   EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "v is given too", kvcs::layer_from_layout("KBTHD", k, &v));
   kvcs::tensor ragged{k.address, shape, kvcs::view<int64_t>(strides, 3), 2};
   EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "cache.strides 3", kvcs::layer_from_layout("BTHD", ragged));
@@ -623,6 +631,17 @@ void test_payload_and_decodings() {
     for (size_t q = 0; q < summed.size() && q < values.size(); q++) summed[q] += values[q];
   }
   EXPECT(summed == payload.values(0));
+  // The short last value: position 2 over one token fewer, as a call over
+  // that many tokens computes it.
+  {
+    kvcs::blocks fewer;
+    fewer.add_request("d", 2 * kBlockSize + 2);
+    fewer.add_group("d", 0, 0, std::vector<int32_t>{1, 4, 0});
+    std::vector<uint64_t> over_fewer = producer_worker.checksum(fewer, kvcs::role::consumer).column("d", 0);
+    std::vector<uint64_t> short_last = payload.short_last(0);
+    EXPECT(short_last.size() == 1 && short_last[0] == over_fewer[2] && short_last[0] != payload.values(0)[2]);
+    EXPECT_THROW(KVCS_ERR_OUT_OF_BOUNDS, "group_index 1", payload.short_last(1));
+  }
   kvcs::layer_decoding decoding = payload.decoding(0, 0);
   EXPECT(decoding.layer_number == kLayerNumbers[0] && decoding.dtype == "fp8_e4m3" && decoding.head_size == 16);
   EXPECT(decoding.k_scale_bits == kvcs::detail::scale_bits(0.0125) &&

@@ -260,6 +260,7 @@ fn device_runs_on_the_callers_stream_and_survives_early_destroy() {
         }
         // SAFETY: our stream, no work left on it after the waits.
         unsafe { cu::stream::synchronize(stream).unwrap() };
+        // SAFETY: our stream, synchronized above; nothing uses it after this.
         let _ = unsafe { cu::stream::destroy(stream as sys::CUstream) };
     });
 }
@@ -622,7 +623,7 @@ fn device_flat_cells_equal_the_reference() {
     });
 }
 
-/// The fault catalogue (docs/SPEC.md section 13, `tests/fault_catalogue.rs`)
+/// The fault catalogue (docs/SPEC.md section 13, `tests/it/fault_catalogue.rs`)
 /// in device memory: each class injected into fresh random KV of its
 /// geometry on the host, copied to the device, one fault per block of a
 /// 512-block cache; device workers of every algorithm checksum it before
@@ -674,12 +675,17 @@ fn device_fault_catalogue() {
             .iter()
             .map(|&a| catalogue_worker(None, a, host_address, num_blocks, g))
             .collect();
-        // SAFETY (both closures): the first `bytes` of the u64 cache viewed
-        // as bytes; the device buffer holds `capacity` >= `bytes` bytes.
-        let as_bytes =
-            |host: &mut Vec<u64>| unsafe { std::slice::from_raw_parts_mut(host.as_mut_ptr().cast::<u8>(), bytes) };
-        let upload =
-            |host: &[u64]| unsafe { cu::memcpy_htod_sync(device, &host[..bytes / 8]).expect("copy to device") };
+        let as_bytes = |host: &mut Vec<u64>| {
+            assert!(bytes <= host.len() * 8);
+            // SAFETY: the first `bytes` (asserted within it) of the u64
+            // cache, borrowed mutably, viewed as bytes (any bit pattern is a u8).
+            unsafe { std::slice::from_raw_parts_mut(host.as_mut_ptr().cast::<u8>(), bytes) }
+        };
+        let upload = |host: &[u64]| {
+            // SAFETY: the device buffer holds `capacity` >= `bytes` bytes,
+            // and the copy is synchronous.
+            unsafe { cu::memcpy_htod_sync(device, &host[..bytes / 8]).expect("copy to device") }
+        };
         // Both engines' values under each algorithm, asserted equal.
         let both = |host: &[u64], what: &str| -> Vec<Vec<u64>> {
             upload(host);

@@ -10,7 +10,7 @@
 //! --include-ignored` (scripts/gpu-run.sh also runs them under
 //! compute-sanitizer memcheck and racecheck).
 
-#[path = "../support/mod.rs"]
+#[path = "../it/support/mod.rs"]
 mod support;
 
 mod attention;

@@ -24,6 +24,17 @@ logger = init_logger("vllm.kvcsum")
 NAME = "KvcsumConnector"
 
 
+class UnusableLoadError(RuntimeError):
+    """A worker judged a sync load bad that vLLM 0.33 cannot fail (a model
+    with several KV cache groups: vLLM takes no block errors there and
+    reads failed_recving only for requests still waiting for an async
+    load). The KV is already in the cache and this step's forward read it,
+    so the worker stops the step before vLLM emits its tokens: the engine
+    fails rather than serve tokens from KV known to be bad. The scheduler
+    declines such loads up front (sync_loads_declined), so this is only
+    reached where that was bypassed."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ChecksumJob:
     """Blocks the workers checksum: a request's `job`, under the

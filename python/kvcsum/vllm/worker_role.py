@@ -38,7 +38,15 @@ from typing import TYPE_CHECKING
 
 import kvcsum
 from kvcsum.vllm.cache_checksums import CacheChecksummer, Job
-from kvcsum.vllm.common import HashedBlocks, KvcsumConnectorMetadata, KvcsumWorkerMetadata, TierNote, WorkerNote, logger
+from kvcsum.vllm.common import (
+    HashedBlocks,
+    KvcsumConnectorMetadata,
+    KvcsumWorkerMetadata,
+    TierNote,
+    UnusableLoadError,
+    WorkerNote,
+    logger,
+)
 from kvcsum.vllm.config import Settings, layer_specs, parallel_place, transfer_block_sizes
 from kvcsum.vllm.decoding import LayerDecodings
 from kvcsum.vllm.load_verdict import LoadJudge
@@ -200,9 +208,7 @@ class WorkerRole:
             # vLLM reads this step's load errors before it emits its tokens.
             invalid = self._check_tier(blocks)
             if self._multi_group:
-                # Never sent (the scheduler declines such loads): vLLM 0.33
-                # raises on block load errors with several KV cache groups.
-                logger.error("kvcsum: worker %s: a sync tier load with several KV cache groups cannot be failed", self._worker_key)
+                self._refuse_unfailable("sync tier", blocks.req_id, invalid)
             else:
                 self._invalid_out |= invalid
 
@@ -302,14 +308,32 @@ class WorkerRole:
                         logger.error("kvcsum: request %s: the record of worker %s is unusable: %s", job.req_id, worker.worker, error)
             verdict = judge.judge(job, checksum.check)
             if self._multi_group:
-                # Never sent (the scheduler declines such loads): vLLM 0.33
-                # raises on block load errors with several KV cache groups.
-                logger.error("kvcsum: worker %s: a sync load with several KV cache groups cannot be failed", self._worker_key)
+                self._refuse_unfailable("sync P/D", job.req_id, set(verdict.invalid), verdict.message)
             else:
                 self._invalid_out |= set(verdict.invalid)
             self._ready_notes.append(
                 WorkerNote(self._worker_key, kvcsum.CONSUMER, job.req_id, checksum.generation, None, verdict=verdict)
             )
+
+    def _refuse_unfailable(self, what: str, req_id: str, invalid: set, why: str = "") -> None:
+        """A sync load judged bad on a model with several KV cache groups,
+        which vLLM 0.33 cannot fail (it raises on block load errors there,
+        and a running request is no failed_recving): the step is stopped
+        here, before vLLM emits the tokens its forward computed from that
+        KV. Never reached while the scheduler declines such loads."""
+        if not invalid:
+            return
+        blocks = sorted(invalid)
+        shown = ", ".join(map(str, blocks[:16])) + (f", ... ({len(blocks)} blocks)" if len(blocks) > 16 else "")
+        message = (
+            f"kvcsum: worker {self._worker_key}: the {what} load of request {req_id} is bad in blocks {shown}"
+            + (f" ({why})" if why else "")
+            + ", and "
+            "vLLM cannot fail a sync load of a model with several KV cache groups; this step is stopped so that no "
+            "token computed from that KV is emitted (the scheduler declines such loads unless that was bypassed)"
+        )
+        logger.error("%s", message)
+        raise UnusableLoadError(message)
 
     def _judge(self) -> LoadJudge:
         if self._load_judge is None:

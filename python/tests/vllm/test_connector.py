@@ -303,6 +303,34 @@ def test_sync_load_with_several_kv_cache_groups_is_declined_and_computed(store, 
     nothing_left_behind(c)
 
 
+@pytest.mark.parametrize("corrupt,tp", [(False, 4), (True, 4), (True, 1)])
+def test_a_bad_sync_load_vllm_cannot_fail_stops_the_step_before_its_tokens(store, corrupt, tp):
+    # The scheduler's decline of verified sync loads on a model with several
+    # KV cache groups bypassed: the workers must not rely on it. An intact
+    # load is used as loaded; a bad one stops the step in the judging worker
+    # (kvcsum.vllm.common.UnusableLoadError) before vLLM emits any token
+    # computed from it, since vLLM 0.33 cannot fail such a load.
+    from kvcsum.vllm.common import UnusableLoadError
+
+    p = producer(store, sliding_window=64)
+    c = consumer(store, sliding_window=64, load_mode="sync", tp=tp)
+    c.connector().scheduler_role._multi_group = False  # the decline bypassed
+    params = prefill(p, "req-hybrid-bypass")
+    if not corrupt:
+        trace = decode(c, "req-hybrid-bypass", params)
+        name, count, first, state = show("hybrid sync load, decline bypassed, intact", c, "req-hybrid-bypass")
+        assert name == kvcsum.MATCH and (count, first) == (1, len(PROMPT) - 1)
+        assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
+        return
+    store_connector.CORRUPT.update(token=20, layer="model.layers.1.self_attn.attn", head=3 if tp == 4 else 1)
+    c.add_request("req-hybrid-bypass", PROMPT, 3, params)
+    with pytest.raises(UnusableLoadError, match="req-hybrid-bypass"):
+        c.run()
+    assert all(rank.connector.inner.loads_done == 1 for rank in c.ranks)
+    assert c.traces["req-hybrid-bypass"].output_tokens == []
+    print(f"\nCASE {'hybrid sync load, decline bypassed, corrupted, TP ' + str(tp):<44} | step stopped, 0 tokens out", flush=True)
+
+
 @pytest.mark.parametrize("corrupt", [False, True])
 def test_sync_load(store, corrupt):
     # The wrapped connector loads inside the step (as LMCache may): the
