@@ -102,14 +102,16 @@
 #define KVCS_PAYLOAD_VERSION 1
 
 // The newest extension version, which this library writes where a group
-// has a short last value; it also reads versions 1 (without `algorithm`,
-// which means weighted, and without coverage), 2 (without marks and
-// decodings) and 3 (without short last values).
-#define KVCS_EXTENSION_VERSION 4
+// has a geometry (every group a producer of this release checksummed); it
+// also reads versions 1 (without `algorithm`, which means weighted, and
+// without coverage), 2 (without marks and decodings), 3 (without short
+// last values) and 4 (without geometry).
+#define KVCS_EXTENSION_VERSION 5
 
 // The record encoding this library writes and reads; it also reads
-// version 4 (kvcsum 0.3.0's development builds: no `short_last`).
-#define KVCS_RECORD_VERSION 5
+// versions 4 and 5 (kvcsum 0.3.0's development builds: no `short_last`,
+// no geometry).
+#define KVCS_RECORD_VERSION 6
 
 // The largest TP size the topology helpers take. A TP size comes from a
 // remote engine's handshake; a wild one (2^31, say) is an error here rather
@@ -308,6 +310,14 @@ enum kvcs_unverified_reason
   // one side do: equal checksums would not mean equal KV. A
   // configuration difference, never reported as corrupt data.
   KVCS_UNVERIFIED_DECODING_DIFFERS = 17,
+  // The two sides' caches of a layer have another geometry
+  // (docs/SPEC.md#7-group-fingerprint, "Geometry": the layer's heads, a
+  // cell's bytes, or K's bytes where both register K and V apart), as
+  // every registration tells without a call: engines wired by hand with
+  // another head size or element width, no identity set. Or the workers
+  // of one side register a layer's heads with other cells. A
+  // configuration difference, never reported as corrupt data.
+  KVCS_UNVERIFIED_GEOMETRY_DIFFERS = 18,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -2419,11 +2429,16 @@ kvcs_status kvcs_verifier_set_policy(kvcs_verifier *verifier, uint32_t policy);
 // `KVCS_ERR_INVALID_ARGUMENT`).
 kvcs_status kvcs_verifier_set_extension(kvcs_verifier *verifier, uint32_t on);
 
-// Consumer: `on` = 1 makes a load unverified
-// (`KVCS_UNVERIFIED_UNCOMPARED_POSITIONS`) when some loaded position was
-// not compared (`kvcs_report_uncompared_positions` > 0) and none differs;
-// 0 (the default, as vLLM) compares only the positions both sides hold
-// with equal valid tokens and lets the rest pass.
+// Consumer: `on` = 1 (the default) makes a load unverified
+// (`KVCS_UNVERIFIED_UNCOMPARED_POSITIONS`, the finding naming each group's
+// uncompared ranges) when some loaded position was not compared
+// (`kvcs_report_uncompared_positions` > 0) and none differs: positions
+// nobody compared never count as passed. 0 is the explicit opt-out of a
+// consumer that reloads or recomputes the positions
+// `kvcs_report_uncompared` lists itself (the vLLM connector does): the
+// load is then judged on the positions both sides hold with equal valid
+// tokens alone. Applies to `kvcs_verifier_check` and
+// `kvcs_verifier_check_stored`.
 kvcs_status kvcs_verifier_set_require_coverage(kvcs_verifier *verifier, uint32_t on);
 
 // Consumer: the producer's TP size, for payloads that do not carry it

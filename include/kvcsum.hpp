@@ -216,6 +216,8 @@ enum class unverified_reason : uint32_t {
   coverage_differs = KVCS_UNVERIFIED_COVERAGE_DIFFERS,
   /// The sides declare that they decode a layer's bytes differently.
   decoding_differs = KVCS_UNVERIFIED_DECODING_DIFFERS,
+  /// The sides' caches of a layer have another geometry (heads, cell or K bytes).
+  geometry_differs = KVCS_UNVERIFIED_GEOMETRY_DIFFERS,
 };
 
 /// A worker's checksum algorithm (kvcs_algorithm).
@@ -1061,8 +1063,8 @@ class verifier : public detail::owner<kvcs_verifier, kvcs_verifier_destroy> {
   void set_policy(kvcs::policy value) { kvcs::check(kvcs_verifier_set_policy(get(), static_cast<uint32_t>(value))); }
   /// Producer: payloads carry the kvcsum extension (kvcs_verifier_set_extension).
   void set_extension(bool on) { kvcs::check(kvcs_verifier_set_extension(get(), on ? 1u : 0u)); }
-  /// Consumer: uncompared loaded positions make a load unverified
-  /// (kvcs_verifier_set_require_coverage).
+  /// Consumer: uncompared loaded positions make a load unverified (true,
+  /// the default); false opts out (kvcs_verifier_set_require_coverage).
   void set_require_coverage(bool on) { kvcs::check(kvcs_verifier_set_require_coverage(get(), on ? 1u : 0u)); }
   /// Consumer: the producer's TP size, for plain payloads
   /// (kvcs_verifier_set_producer_tp_size).

@@ -139,6 +139,154 @@ impl LayerDecoding {
     }
 }
 
+/// The geometry of one registered cache of a layer (SPEC section 7,
+/// "Geometry"), which every registration already tells and records, the
+/// payload extension and stored stamps carry without a call: the global
+/// heads `first_head .. first_head + num_heads` it holds, the bytes of one
+/// cell (one head's K then V of one token) and, where K and V are
+/// registered as two segments, the bytes of K (0: not known, one segment).
+/// Two engines wired by hand with another head size or element width hold
+/// cells of other sizes: a difference of configuration, never corrupt data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LayerGeometry {
+    /// Model-wide layer number.
+    pub layer_number: u32,
+    /// The first global head of the run.
+    pub first_head: u32,
+    /// Heads in the run, at least 1.
+    pub num_heads: u32,
+    /// Bytes of one cell: a head's K then V of one token (a multiple of 8).
+    pub cell_bytes: u32,
+    /// Bytes of K in a cell where K and V are two segments; 0 where not
+    /// known (one segment: the split is not registered).
+    pub k_bytes: u32,
+}
+
+/// A geometry fact two sides (or two workers of one side) hold differently.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GeometryDifference {
+    /// The layer.
+    pub layer_number: u32,
+    /// The fact: `heads` (the layer's heads, one past its last global
+    /// head), `cell_bytes` or `k_bytes`.
+    pub field: &'static str,
+    /// The heads the fact is about, `first .. end` (all of the layer's for
+    /// `heads`).
+    pub heads: (u32, u32),
+    /// The first side's value.
+    pub first: u32,
+    /// The second side's value.
+    pub second: u32,
+}
+
+impl LayerGeometry {
+    /// One past the run's last head.
+    pub fn end(&self) -> u64 {
+        self.first_head as u64 + self.num_heads as u64
+    }
+
+    /// The first fact of heads both runs hold that differs (cell bytes,
+    /// then K bytes where both know them), if any.
+    fn difference(&self, other: &LayerGeometry) -> Option<GeometryDifference> {
+        let first = self.first_head.max(other.first_head);
+        let end = self.end().min(other.end());
+        if first as u64 >= end {
+            return None;
+        }
+        let (field, a, b) = if self.cell_bytes != other.cell_bytes {
+            ("cell_bytes", self.cell_bytes, other.cell_bytes)
+        } else if self.k_bytes != 0 && other.k_bytes != 0 && self.k_bytes != other.k_bytes {
+            ("k_bytes", self.k_bytes, other.k_bytes)
+        } else {
+            return None;
+        };
+        Some(GeometryDifference {
+            layer_number: self.layer_number,
+            field,
+            heads: (first, end as u32),
+            first: a,
+            second: b,
+        })
+    }
+}
+
+/// The runs of several workers of one side as one list: sorted by (layer,
+/// first head), overlapping or adjacent runs of the same cell and K bytes
+/// joined (replicas hold the same heads), a K split one worker knows taken
+/// where another does not. Two workers' runs of common heads with other
+/// cell or K bytes are the [`GeometryDifference`] (first: the run held
+/// earlier in layer order). Work is `n log n` in the runs given.
+pub fn merge_geometry(
+    runs: impl IntoIterator<Item = LayerGeometry>,
+) -> std::result::Result<Vec<LayerGeometry>, GeometryDifference> {
+    let mut runs: Vec<LayerGeometry> = runs.into_iter().collect();
+    runs.sort_unstable();
+    let mut merged: Vec<LayerGeometry> = Vec::with_capacity(runs.len());
+    for run in runs {
+        if let Some(last) = merged.last_mut() {
+            if last.layer_number == run.layer_number && run.first_head as u64 <= last.end() {
+                if let Some(difference) = last.difference(&run) {
+                    return Err(difference);
+                }
+                let same = last.cell_bytes == run.cell_bytes
+                    && (last.k_bytes == run.k_bytes || run.k_bytes == 0 || last.k_bytes == 0);
+                if same {
+                    let end = last.end().max(run.end());
+                    last.num_heads = (end - last.first_head as u64) as u32;
+                    last.k_bytes = last.k_bytes.max(run.k_bytes);
+                    continue;
+                }
+            }
+        }
+        merged.push(run);
+    }
+    Ok(merged)
+}
+
+/// The first difference between two sides' merged runs ([`merge_geometry`])
+/// of the layers both hold: the layer's heads (one past its last global
+/// head), then the cell and K bytes of heads both hold. Layers one side
+/// does not hold are not compared (their fingerprints differ). Linear in
+/// the runs.
+pub fn first_geometry_difference(first: &[LayerGeometry], second: &[LayerGeometry]) -> Option<GeometryDifference> {
+    let layers = |runs: &[LayerGeometry]| {
+        let mut ends: std::collections::BTreeMap<u32, u64> = std::collections::BTreeMap::new();
+        for run in runs {
+            let end = ends.entry(run.layer_number).or_insert(0);
+            *end = (*end).max(run.end());
+        }
+        ends
+    };
+    let (ends_a, ends_b) = (layers(first), layers(second));
+    for (layer_number, &a) in &ends_a {
+        if let Some(&b) = ends_b.get(layer_number) {
+            if a != b {
+                return Some(GeometryDifference {
+                    layer_number: *layer_number,
+                    field: "heads",
+                    heads: (0, a.max(b) as u32),
+                    first: a as u32,
+                    second: b as u32,
+                });
+            }
+        }
+    }
+    // Both lists are sorted by (layer, first head): walk them together.
+    let (mut i, mut j) = (0, 0);
+    while i < first.len() && j < second.len() {
+        let (a, b) = (&first[i], &second[j]);
+        if let Some(difference) = (a.layer_number == b.layer_number).then(|| a.difference(b)).flatten() {
+            return Some(difference);
+        }
+        if (a.layer_number, a.end()) <= (b.layer_number, b.end()) {
+            i += 1;
+        } else {
+            j += 1;
+        }
+    }
+    None
+}
+
 /// A scale's value and bits, as messages write it: `0.0125 (bits
 /// 0x3f89999999999998)`.
 pub fn scale_text(bits: u64) -> String {
@@ -193,6 +341,51 @@ mod tests {
         assert!(difference.second.starts_with("0.25 "), "{difference:?}");
         let d = LayerDecoding::from_parts("bfloat16", 0, 0, 0).unwrap();
         assert_eq!(a.first_difference(&d).unwrap().field, "dtype");
+    }
+
+    fn run(layer_number: u32, first_head: u32, num_heads: u32, cell_bytes: u32, k_bytes: u32) -> LayerGeometry {
+        LayerGeometry {
+            layer_number,
+            first_head,
+            num_heads,
+            cell_bytes,
+            k_bytes,
+        }
+    }
+
+    #[test]
+    fn geometry_of_several_workers_joins_and_other_cells_differ() {
+        // TP 2 halves and a replica of the first half join into one run;
+        // an indexer's heads after them stay a run of their own.
+        let merged = merge_geometry([
+            run(3, 4, 4, 256, 128),
+            run(3, 0, 4, 256, 0),
+            run(3, 0, 4, 256, 128),
+            run(3, 8, 1, 136, 0),
+        ])
+        .unwrap();
+        assert_eq!(merged, vec![run(3, 0, 8, 256, 128), run(3, 8, 1, 136, 0)]);
+        let conflict = merge_geometry([run(3, 0, 4, 256, 0), run(3, 2, 4, 128, 0)]).unwrap_err();
+        assert_eq!(
+            (conflict.field, conflict.heads, conflict.first, conflict.second),
+            ("cell_bytes", (2, 4), 256, 128)
+        );
+        // Sides: heads, then cell bytes, then K bytes where both know them.
+        let ours = [run(1, 0, 8, 256, 0), run(2, 0, 8, 256, 128)];
+        assert_eq!(first_geometry_difference(&ours, &ours), None);
+        let d = first_geometry_difference(&ours, &[run(1, 0, 4, 256, 0)]).unwrap();
+        assert_eq!((d.layer_number, d.field, d.first, d.second), (1, "heads", 8, 4));
+        let d = first_geometry_difference(&ours, &[run(2, 0, 4, 256, 128), run(2, 4, 4, 512, 256)]).unwrap();
+        assert_eq!(
+            (d.layer_number, d.field, d.heads, d.first, d.second),
+            (2, "cell_bytes", (4, 8), 256, 512)
+        );
+        let d = first_geometry_difference(&ours, &[run(2, 0, 8, 256, 64)]).unwrap();
+        assert_eq!((d.field, d.first, d.second), ("k_bytes", 128, 64));
+        assert_eq!(
+            first_geometry_difference(&ours, &[run(2, 0, 8, 256, 0), run(9, 0, 1, 8, 0)]),
+            None
+        );
     }
 
     #[test]

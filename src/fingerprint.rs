@@ -13,7 +13,7 @@
 
 use sha2::{Digest, Sha256};
 
-use crate::decoding::LayerDecoding;
+use crate::decoding::{merge_geometry, LayerDecoding, LayerGeometry};
 use crate::layout::Group;
 
 /// `LE_u64(SHA-256(identity)[0..8])`: one layer's share of its group's
@@ -73,16 +73,6 @@ pub fn group_marks(group: &Group) -> u64 {
     aliases.wrapping_add(shard_keyed.wrapping_mul(mark(SHARD_KEYED_MARK)))
 }
 
-/// What stored checksums' tags and stamps use for `group` (SPEC section
-/// 8): the marked fingerprint ([`group_fingerprint`] plus [`group_marks`],
-/// what kvcsum 0.2.0 sent as the fingerprint) plus [`decodings_digest`] of
-/// its declared layer decodings (0 where none is declared).
-pub fn stored_fingerprint(group: &Group) -> u64 {
-    group_fingerprint(group)
-        .wrapping_add(group_marks(group))
-        .wrapping_add(decodings_digest(&group.decodings()))
-}
-
 /// The layer decodings of a group as one number (SPEC section 8): the sum
 /// over the declared layers of `LE_u64(SHA-256("kvcsum decoding" ||
 /// LE_u32(layer_number) || LE_u32(len(dtype)) || dtype || LE_u32(head_size)
@@ -98,6 +88,25 @@ pub fn decodings_digest(decodings: &[(u32, LayerDecoding)]) -> u64 {
         bytes.extend(head_size.to_le_bytes());
         bytes.extend(k_scale.to_le_bytes());
         bytes.extend(v_scale.to_le_bytes());
+        sum.wrapping_add(layer_fingerprint(&bytes))
+    })
+}
+
+/// The geometry of a worker's caches of a group as one number (SPEC
+/// section 8): its runs merged ([`merge_geometry`]: a layer registered as
+/// several head ranges of equal cells is one run), then the sum over them
+/// of `LE_u64(SHA-256("kvcsum geometry" || LE_u32(layer_number) ||
+/// LE_u32(first_head) || LE_u32(num_heads) || LE_u32(cell_bytes))[0..8])`;
+/// 0 for none. K's bytes are left out: whether K and V are registered
+/// apart is layout, which does not change a checksum (SPEC section 3).
+pub fn geometry_digest(geometry: &[LayerGeometry]) -> u64 {
+    // One worker's runs never overlap (a layout refuses it), so they merge.
+    let merged = merge_geometry(geometry.iter().copied()).unwrap_or_else(|_| geometry.to_vec());
+    merged.iter().fold(0u64, |sum, run| {
+        let mut bytes = b"kvcsum geometry".to_vec();
+        for word in [run.layer_number, run.first_head, run.num_heads, run.cell_bytes] {
+            bytes.extend(word.to_le_bytes());
+        }
         sum.wrapping_add(layer_fingerprint(&bytes))
     })
 }

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use crate::checksum::{mix, slice_weight, MAX_KV_HEADS_PER_LAYER, PIECE_BYTES};
-use crate::decoding::LayerDecoding;
+use crate::decoding::{LayerDecoding, LayerGeometry};
 use crate::error::{err, Result};
 use crate::state::{tensor_bytes, StateLayer, StateSpec};
 
@@ -285,6 +285,35 @@ impl Group {
     /// section 7), sorted by layer number.
     pub fn decodings(&self) -> Vec<(u32, LayerDecoding)> {
         self.decodings.iter().map(|(&n, d)| (n, d.clone())).collect()
+    }
+
+    /// The geometry of the group's attention caches (SPEC section 7,
+    /// "Geometry"), one run per registered layer entry, sorted by (layer,
+    /// first head): its heads, its cell bytes (the segments' bytes per
+    /// token) and, with two segments (K then V), the bytes of K.
+    pub fn geometry(&self) -> Vec<LayerGeometry> {
+        let mut runs: Vec<LayerGeometry> = self
+            .layers
+            .iter()
+            .map(|layer| {
+                let spec = &layer.spec;
+                LayerGeometry {
+                    layer_number: spec.layer_number,
+                    first_head: spec.first_head,
+                    num_heads: spec.num_heads,
+                    cell_bytes: spec
+                        .segments
+                        .iter()
+                        .fold(0u32, |sum, s| sum.saturating_add(s.bytes_per_token)),
+                    k_bytes: match &spec.segments[..] {
+                        [k, _] => k.bytes_per_token,
+                        _ => 0,
+                    },
+                }
+            })
+            .collect();
+        runs.sort_unstable();
+        runs
     }
 
     /// Registered state layers, in registration order.

@@ -47,7 +47,7 @@ pub use checksum::{
     MIX2_MULTIPLIER_3, MIX_MULTIPLIER,
 };
 pub use cuda::{checksum_ptx, libraries_present};
-pub use decoding::LayerDecoding;
+pub use decoding::{GeometryDifference, LayerDecoding, LayerGeometry};
 pub use error::{Error, Result};
 pub use layout::{Alias, LayerSpec, Layout, Region, ReplicaKey, Role, Segment};
 /// A call's blocks checked and laid out; public so that benchmarks can time it.
@@ -57,5 +57,6 @@ pub use result::{
     StoredValues,
 };
 pub use state::{StateSpec, StateTensor};
+pub use stored::{check_result_entries, result_entries};
 pub use stream::StreamHandle;
 pub use worker::{Worker, WorkerOptions};

@@ -16,9 +16,10 @@
 //! rejects, so it is opt-in and only for kvcsum consumers:
 //!
 //! ```text
-//! [4, producer_tp_size,
+//! [5, producer_tp_size,
 //!  [[group_id, block_size, [[layer_number, first_head, num_heads, values], ...], coverage, marks,
-//!    [[layer_number, dtype, head_size, k_scale, v_scale], ...], short_last], ...],
+//!    [[layer_number, dtype, head_size, k_scale, v_scale], ...], short_last,
+//!    [[layer_number, first_head, num_heads, cell_bytes, k_bytes], ...]], ...],
 //!  algorithm]
 //! ```
 //!
@@ -35,7 +36,12 @@
 //! 7), and per group `short_last`: a `bin` of no `u64` or of one, the
 //! value of the group's position holding the request's last token over
 //! `num_tokens - 1` tokens, which lets a consumer that loaded one token
-//! fewer compare that position (SPEC section 10). Version 3 had no
+//! fewer compare that position (SPEC section 10), and per group the
+//! geometry of the producer's caches (SPEC section 7, "Geometry": per run
+//! of a layer's heads its cell bytes and K bytes), which every
+//! registration tells, so that engines wired with another head size or
+//! element width are unverified, not a mismatch. Version 4 had no
+//! geometry (groups of 7 elements); version 3 had no
 //! `short_last` (groups of 6 elements); version 2 had no marks and no decodings (groups of 4 elements), and
 //! its fingerprints included the marks (kvcsum 0.2.0); version 1 had no
 //! `algorithm` (3 elements) and no coverage (groups of 3 elements) and
@@ -52,20 +58,24 @@ use std::collections::{HashMap, HashSet};
 use base64::Engine as _;
 
 use crate::checksum::{Algorithm, KNOWN_ALGORITHMS};
-use crate::decoding::LayerDecoding;
+use crate::decoding::{LayerDecoding, LayerGeometry};
 use crate::error::{err, Result};
 use crate::layout::ReplicaKey;
 use crate::msgpack::{initial_capacity, Reader, Writer};
-use crate::record::{check_decodings, check_layer_partials, read_decodings, write_decodings};
+use crate::record::{
+    check_decodings, check_geometry, check_layer_partials, read_decodings, read_geometry, write_decodings,
+    write_geometry,
+};
 
 /// The payload version this library writes and reads.
 pub const PAYLOAD_VERSION: u64 = 1;
 
 /// The newest extension version, which this library writes where a group
-/// has a short last value; it also reads versions 1 (without `algorithm`,
-/// which means weighted, and without coverage), 2 (without marks and
-/// decodings) and 3 (without short last values).
-pub const EXTENSION_VERSION: u64 = 4;
+/// has a geometry (every group a producer of this release checksummed); it
+/// also reads versions 1 (without `algorithm`, which means weighted, and
+/// without coverage), 2 (without marks and decodings), 3 (without short
+/// last values) and 4 (without geometry).
+pub const EXTENSION_VERSION: u64 = 5;
 
 /// The `kv_transfer_params` key of the base64 payload.
 pub const TRANSFER_PARAMS_KEY: &str = "kv_checksums";
@@ -120,12 +130,16 @@ pub struct ExtensionGroup {
     /// the values are; `None` where not sent (before version 4, or where
     /// the group does not hold the last token).
     pub short_last: Option<u64>,
+    /// The geometry of the producer's caches of the group (SPEC section 7),
+    /// its workers' runs merged, sorted by (layer, first head); empty
+    /// before version 5.
+    pub geometry: Vec<LayerGeometry>,
 }
 
 /// What a group's fingerprint in a payload counts (SPEC section 7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FingerprintConvention {
-    /// Extension version 3 or 4: the fingerprint without marks, the marks beside it.
+    /// Extension version 3, 4 or 5: the fingerprint without marks, the marks beside it.
     Separate {
         /// The producer's marks of the group.
         marks: u64,
@@ -163,13 +177,16 @@ pub struct Payload {
 
 impl Extension {
     /// The version [`Payload::encode`] writes, the earliest that carries
-    /// all there is: 4 where a group has a short last value, else 3 where
+    /// all there is: 5 where a group has a geometry, else 4 where a group
+    /// has a short last value, else 3 where
     /// a group has marks or decodings, else 1 where that says all there is
     /// (weighted values, no coverage, as a version-1 extension decodes),
     /// else 2.
     pub fn version(&self) -> u64 {
-        if self.groups.iter().any(|g| g.short_last.is_some()) {
+        if self.groups.iter().any(|g| !g.geometry.is_empty()) {
             EXTENSION_VERSION
+        } else if self.groups.iter().any(|g| g.short_last.is_some()) {
+            4
         } else if self.groups.iter().any(|g| g.marks.is_some() || !g.decodings.is_empty()) {
             3
         } else if self.algorithm == Algorithm::Weighted && self.groups.iter().all(|g| g.coverage.is_none()) {
@@ -207,7 +224,8 @@ impl Payload {
                     1 => 3,
                     2 => 4,
                     3 => 6,
-                    _ => 7,
+                    4 => 7,
+                    _ => 8,
                 });
                 w.uint(group.group_id as u64);
                 w.uint(group.block_size as u64);
@@ -229,6 +247,9 @@ impl Payload {
                 if version >= 4 {
                     let short_last: Vec<u64> = group.short_last.into_iter().collect();
                     w.u64s(&short_last);
+                }
+                if version >= 5 {
+                    write_geometry(&mut w, &group.geometry);
                 }
             }
             if !version_1 {
@@ -342,6 +363,7 @@ impl Payload {
                 &format!("payload extension: group {group_id}"),
             )?;
             check_decodings(&group.decodings, &format!("payload extension: group {group_id}"))?;
+            check_geometry(&group.geometry, &format!("payload extension: group {group_id}"))?;
             // A short last value belongs to the position holding the last
             // token, which the group must hold.
             let holds_last = self.num_tokens > 0 && {
@@ -400,12 +422,14 @@ fn decode_extension(r: &mut Reader<'_>) -> Result<Extension> {
     // Version 1: 3 elements, weighted, groups of 3; version 2: 4, the
     // algorithm last, groups of 4 (the coverage last); version 3: 4,
     // groups of 6 (the marks and decodings after the coverage); version
-    // 4: 4, groups of 7 (the short last value last).
+    // 4: 4, groups of 7 (the short last value); version 5: 4, groups of 8
+    // (the geometry last).
     let (expected_len, group_len) = match version {
         1 => (3, 3),
         2 => (4, 4),
         3 => (4, 6),
-        EXTENSION_VERSION => (4, 7),
+        4 => (4, 7),
+        EXTENSION_VERSION => (4, 8),
         _ => {
             return Err(err!(
                 Malformed,
@@ -460,6 +484,7 @@ fn decode_extension(r: &mut Reader<'_>) -> Result<Extension> {
         } else {
             None
         };
+        let geometry = if version >= 5 { read_geometry(r)? } else { Vec::new() };
         groups.push(ExtensionGroup {
             group_id,
             block_size,
@@ -468,6 +493,7 @@ fn decode_extension(r: &mut Reader<'_>) -> Result<Extension> {
             marks,
             decodings,
             short_last,
+            geometry,
         });
     }
     let algorithm = if version == 1 {

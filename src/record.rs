@@ -11,18 +11,19 @@
 //! 8, `Worker::check_stored`) the verdict on each block position's stored
 //! checksum.
 //!
-//! # Encoding (version 5)
+//! # Encoding (version 6)
 //!
 //! A msgpack array, so that any msgpack reader (Python's `msgspec` included)
 //! can inspect a record; integers are unsigned, values are `bin`s of
 //! little-endian `u64`s, one per block position:
 //!
 //! ```text
-//! ["kvcsum.record", 4,
+//! ["kvcsum.record", 6,
 //!  [tp_rank, tp_size, pp_rank], role (0 producer, 1 consumer), detail (bool),
 //!  [[group_id, block_size, fingerprint, marks, shard_keyed (bool), holds_caches (bool), state (bool),
 //!    [[replicas, replica_index, coverage], ...],                      # sorted by key
-//!    [[layer_number, dtype (str), head_size, k_scale, v_scale], ...]], # sorted by layer_number
+//!    [[layer_number, dtype (str), head_size, k_scale, v_scale], ...],  # sorted by layer_number
+//!    [[layer_number, first_head, num_heads, cell_bytes, k_bytes], ...]], # sorted by (layer, first_head)
 //!   ...],                                                              # sorted by group_id
 //!  [[req_id (str), num_tokens,
 //!    [[group_id, first_position, num_positions,
@@ -54,7 +55,11 @@
 //! `marks` those of SPEC section 7 (the fingerprint without the marks);
 //! the last list what the worker declared about decoding each layer (SPEC
 //! section 7: `""` and `0` where a fact is not declared, scales as the bits
-//! of a binary64). Version 1 had no `stored` element (groups of 5
+//! of a binary64), and the geometry of each attention cache it registered
+//! (SPEC section 7, "Geometry": its heads, its cell bytes, the bytes of K
+//! where K and V are two segments, else 0). Version 5 had no geometry
+//! (groups of 9 elements) and is still read, as a record without it; so
+//! is version 4. Version 1 had no `stored` element (groups of 5
 //! elements); version 2 had no `algorithm` (7 elements; its values were all
 //! weighted), no `holds_caches`, no `state` and no outcomes 3 and 4;
 //! version 3 had no `marks` (its fingerprints included them) and no
@@ -69,7 +74,7 @@
 use std::collections::HashSet;
 
 use crate::checksum::{Algorithm, KNOWN_ALGORITHMS, MAX_KV_HEADS_PER_LAYER};
-use crate::decoding::LayerDecoding;
+use crate::decoding::{LayerDecoding, LayerGeometry};
 use crate::error::{err, Result};
 use crate::layout::{ReplicaKey, Role};
 use crate::msgpack::{initial_capacity, Reader, Writer};
@@ -81,8 +86,9 @@ use crate::result::{Checksums, SkippedGroup, StoredOutcome};
 pub const RECORD_MAGIC: &str = "kvcsum.record";
 
 /// The record encoding this library writes and reads; it also reads
-/// version 4 (kvcsum 0.3.0's development builds: no `short_last`).
-pub const RECORD_VERSION: u64 = 5;
+/// versions 4 and 5 (kvcsum 0.3.0's development builds: no `short_last`,
+/// no geometry).
+pub const RECORD_VERSION: u64 = 6;
 
 /// One column of a group in a record.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -235,7 +241,7 @@ impl Record {
         w.bool(self.detail);
         w.array(self.groups.len());
         for group in &self.groups {
-            w.array(9);
+            w.array(10);
             w.uint(group.group_id as u64);
             w.uint(group.block_size as u64);
             w.uint(group.fingerprint);
@@ -251,6 +257,7 @@ impl Record {
                 w.uint(*coverage);
             }
             write_decodings(&mut w, &group.decodings);
+            write_geometry(&mut w, &group.geometry);
         }
         w.array(self.requests.len());
         for request in &self.requests {
@@ -304,7 +311,7 @@ impl Record {
     }
 
     /// Decodes and validates a record; `Error::Malformed` with a message for
-    /// anything but a valid record of version 5 (or 4). Allocates at most in proportion
+    /// anything but a valid record of version 6 (or 5, or 4). Allocates at most in proportion
     /// to `bytes.len()`.
     pub fn decode(bytes: &[u8]) -> Result<Record> {
         let mut r = Reader::new(bytes, "record");
@@ -319,10 +326,10 @@ impl Record {
         }
         let at = r.position();
         let version = r.uint("version")?;
-        if version != RECORD_VERSION && version != 4 {
+        if !(4..=RECORD_VERSION).contains(&version) {
             return Err(err!(
                 Malformed,
-                "record: byte {at}: version {version} is not supported (this library reads versions 4 and {RECORD_VERSION})"
+                "record: byte {at}: version {version} is not supported (this library reads versions 4 to {RECORD_VERSION})"
             ));
         }
         r.array_of("rank", 3)?;
@@ -343,7 +350,7 @@ impl Record {
         let num_groups = r.array("groups")?;
         let mut groups = Vec::with_capacity(initial_capacity(num_groups));
         for _ in 0..num_groups {
-            r.array_of("a group", 9)?;
+            r.array_of("a group", if version >= 6 { 10 } else { 9 })?;
             let group_id = r.u32("group_id")?;
             let block_size = r.u32("block_size")?;
             let fingerprint = r.uint("fingerprint")?;
@@ -362,6 +369,11 @@ impl Record {
                 coverage.push((key, r.uint("coverage")?));
             }
             let decodings = read_decodings(&mut r, "record")?;
+            let geometry = if version >= 6 {
+                read_geometry(&mut r)?
+            } else {
+                Vec::new()
+            };
             groups.push(GroupInfo {
                 group_id,
                 block_size,
@@ -372,6 +384,7 @@ impl Record {
                 state,
                 coverage,
                 decodings,
+                geometry,
             });
         }
         let num_requests = r.array("requests")?;
@@ -510,6 +523,7 @@ impl Record {
                 ));
             }
             check_decodings(&group.decodings, &format!("record: group {}", group.group_id))?;
+            check_geometry(&group.geometry, &format!("record: group {}", group.group_id))?;
         }
         let mut req_ids = HashSet::with_capacity(self.requests.len());
         let mut load_check: Option<(&str, u32, bool)> = None;
@@ -725,6 +739,84 @@ pub(crate) fn read_decodings(r: &mut Reader<'_>, what: &str) -> Result<Vec<(u32,
         decodings.push((layer_number, decoding));
     }
     Ok(decodings)
+}
+
+/// Writes a group's geometry (SPEC section 7): `[[layer_number,
+/// first_head, num_heads, cell_bytes, k_bytes], ...]`.
+pub(crate) fn write_geometry(w: &mut Writer, geometry: &[LayerGeometry]) {
+    w.array(geometry.len());
+    for run in geometry {
+        w.array(5);
+        for word in [
+            run.layer_number,
+            run.first_head,
+            run.num_heads,
+            run.cell_bytes,
+            run.k_bytes,
+        ] {
+            w.uint(word as u64);
+        }
+    }
+}
+
+/// Reads what [`write_geometry`] writes.
+pub(crate) fn read_geometry(r: &mut Reader<'_>) -> Result<Vec<LayerGeometry>> {
+    let num_runs = r.array("geometry")?;
+    let mut geometry = Vec::with_capacity(initial_capacity(num_runs));
+    for _ in 0..num_runs {
+        r.array_of("a geometry run", 5)?;
+        geometry.push(LayerGeometry {
+            layer_number: r.u32("layer_number")?,
+            first_head: r.u32("first_head")?,
+            num_heads: r.u32("num_heads")?,
+            cell_bytes: r.u32("cell_bytes")?,
+            k_bytes: r.u32("k_bytes")?,
+        });
+    }
+    Ok(geometry)
+}
+
+/// Geometry runs hold at least one head and none at or past
+/// `MAX_KV_HEADS_PER_LAYER`, cells of a positive multiple of 8 bytes with
+/// K (where known) shorter than the cell, and are sorted by (layer, first
+/// head) without overlap.
+pub(crate) fn check_geometry(geometry: &[LayerGeometry], place: &str) -> Result<()> {
+    for run in geometry {
+        let what = format!(
+            "{place}: the geometry of layer {} heads from {}",
+            run.layer_number, run.first_head
+        );
+        if run.num_heads == 0 || run.end() > MAX_KV_HEADS_PER_LAYER {
+            return Err(err!(
+                Malformed,
+                "{what}: num_heads {} is 0 or reaches past head {MAX_KV_HEADS_PER_LAYER}",
+                run.num_heads
+            ));
+        }
+        if run.cell_bytes == 0 || run.cell_bytes % 8 != 0 || run.k_bytes % 8 != 0 || run.k_bytes >= run.cell_bytes {
+            return Err(err!(
+                Malformed,
+                "{what}: cell_bytes {} and k_bytes {} are not a positive multiple of 8 and a multiple of 8 below it",
+                run.cell_bytes,
+                run.k_bytes
+            ));
+        }
+    }
+    match geometry
+        .windows(2)
+        .find(|pair| (pair[0].layer_number, pair[0].first_head) >= (pair[1].layer_number, pair[1].first_head) || (pair[0].layer_number == pair[1].layer_number && pair[0].end() > pair[1].first_head as u64))
+    {
+        Some(pair) => Err(err!(
+            Malformed,
+            "{place}: the geometry of layer {} heads from {} follows or overlaps that of layer {} heads {}..{}: runs must be sorted by (layer, first head) and not overlap",
+            pair[1].layer_number,
+            pair[1].first_head,
+            pair[0].layer_number,
+            pair[0].first_head,
+            pair[0].end()
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Layer decodings are sorted by layer number, each once.

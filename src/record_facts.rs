@@ -2,9 +2,11 @@
 //! it sits in the model ([`Rank`]) and what it knows about each registered
 //! group ([`GroupInfo`]).
 
-use crate::decoding::LayerDecoding;
-use crate::fingerprint::decodings_digest;
+use crate::checksum::Algorithm;
+use crate::decoding::{LayerDecoding, LayerGeometry};
+use crate::fingerprint::{decodings_digest, geometry_digest};
 use crate::layout::ReplicaKey;
+use crate::stored_entry::EntryConfig;
 
 /// Where a worker sits in the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -46,15 +48,40 @@ pub struct GroupInfo {
     /// (SPEC section 7), sorted by layer number; empty where it declared
     /// nothing.
     pub decodings: Vec<(u32, LayerDecoding)>,
+    /// The geometry of every attention cache the worker registered in the
+    /// group (SPEC section 7, "Geometry"), sorted by (layer, first head),
+    /// one run per registration; empty in records of version 5 and
+    /// earlier, which do not carry it.
+    pub geometry: Vec<LayerGeometry>,
 }
 
 impl GroupInfo {
     /// What stored checksums use (SPEC section 8): the fingerprint plus the
-    /// marks plus the digest of the declared layer decodings (the same as
-    /// `fingerprint::stored_fingerprint` of the group).
+    /// marks plus the digest of the declared layer decodings.
     pub fn stored_fingerprint(&self) -> u64 {
         self.fingerprint
             .wrapping_add(self.marks)
             .wrapping_add(decodings_digest(&self.decodings))
+    }
+
+    /// The configuration a stored entry of this group names (SPEC section
+    /// 8) under `algorithm`: the one rule every path that makes or checks
+    /// an entry follows (a store, a load check, `kvcs_block_tags`, and the
+    /// entries a connector keeps, `kvcs_result_entries` and
+    /// `kvcs_result_check_entries`), so that an entry made on one path is
+    /// read alike on another and never passes across a change of layers,
+    /// marks, decodings, geometry, coverage, block size or algorithm.
+    pub fn entry_config(&self, algorithm: Algorithm) -> EntryConfig {
+        EntryConfig {
+            fingerprint: self.stored_fingerprint(),
+            geometry: geometry_digest(&self.geometry),
+            coverage: self
+                .coverage
+                .iter()
+                .fold(0u64, |sum, (_, value)| sum.wrapping_add(*value)),
+            block_size: self.block_size,
+            algorithm,
+            state: self.state,
+        }
     }
 }

@@ -20,7 +20,6 @@ use crate::blocks::{valid_tokens, BlockSet, GroupBlocks, RequestBlocks};
 use crate::checksum::Algorithm;
 use crate::cuda::{DevStoredItem, StoredMode, StoredWork};
 use crate::error::{err, Result};
-use crate::fingerprint::stored_fingerprint;
 use crate::layout::Role;
 use crate::layout::{Group, Layout, StoredBuffer};
 use crate::record_facts::GroupInfo;
@@ -96,11 +95,6 @@ impl Target<'_> {
     }
 }
 
-/// The coverage of all of a group's columns (SPEC section 8's stamp).
-fn total_coverage(coverage: &[(crate::layout::ReplicaKey, u64)]) -> u64 {
-    coverage.iter().fold(0u64, |sum, (_, value)| sum.wrapping_add(*value))
-}
-
 /// Checks that every (request, group) of `blocks` that the worker does not
 /// skip has a stored buffer, block hashes, and block ids inside the buffer,
 /// each block id holding one value (see [`check_one_value_per_block`]): all
@@ -152,21 +146,19 @@ fn targets<'a>(
                     buffer.num_blocks
                 ));
             }
-            // The worker's fingerprints, hashed once per layout (not per
-            // request: a group's fingerprint hashes every layer's identity).
-            // The stored fingerprint counts the marks and the layer
-            // decodings too (SPEC section 8).
-            let (fingerprint, coverage) = match infos.binary_search_by_key(&group_id, |info| info.group_id) {
-                Ok(i) => (infos[i].stored_fingerprint(), total_coverage(&infos[i].coverage)),
-                Err(_) => (stored_fingerprint(group), total_coverage(&group.coverage())),
-            };
-            let config = EntryConfig {
-                fingerprint,
-                coverage,
-                block_size: group.block_size,
-                algorithm,
-                state: group.is_state(),
-            };
+            // The worker's group facts, hashed once per layout (not per
+            // request: a group's fingerprint hashes every layer's identity),
+            // name the entry's configuration (SPEC section 8).
+            let info = infos
+                .binary_search_by_key(&group_id, |info| info.group_id)
+                .map(|i| &infos[i])
+                .map_err(|_| {
+                    err!(
+                        Internal,
+                        "group_id {group_id} is registered but not among the worker's group facts"
+                    )
+                })?;
+            let config = info.entry_config(algorithm);
             let target = Target {
                 index: index - 1,
                 request,
@@ -454,13 +446,9 @@ fn result_positions(result: &Checksums, req_id: &str, group_id: u32) -> Result<R
             "group_id {group_id} is in the result but not among the worker's groups"
         )
     })?;
-    let config = EntryConfig {
-        fingerprint: group.fingerprint,
-        coverage: total_coverage(&group.coverage),
-        block_size: group.block_size,
-        algorithm: info.algorithm,
-        state: group.state,
-    };
+    // The rule a store follows (SPEC section 8), so that the entries a
+    // connector keeps are those a store writes.
+    let config = group.entry_config(info.algorithm);
     let positions = hashes
         .iter()
         .enumerate()

@@ -82,8 +82,12 @@ pub fn block_tag(block_hash: u64, group_fingerprint: u64) -> u64 {
 /// The configuration of the group that stores or checks an entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EntryConfig {
-    /// The worker's fingerprint of the group (SPEC section 7).
+    /// The worker's fingerprint of the group (SPEC section 7), as the tag
+    /// counts it (SPEC section 8: marked, plus the decodings' digest).
     pub fingerprint: u64,
+    /// The digest of the geometry of the worker's caches of the group
+    /// (SPEC section 8), which the digest counts and the tag does not.
+    pub geometry: u64,
     /// The coverage of every slice the worker holds in the group, all its
     /// columns (SPEC section 10).
     pub coverage: u64,
@@ -102,12 +106,13 @@ fn known_algorithms() -> impl Iterator<Item = u32> {
 }
 
 impl EntryConfig {
-    /// `config(algorithm) = f(f(f(fingerprint) XOR coverage) XOR
+    /// `config(algorithm) = f(f(f(fingerprint + geometry) XOR coverage) XOR
     /// (block_size * 2^32 + algorithm))`: the high 32 bits name the
     /// configuration in the digest.
     fn base(&self, algorithm: u32) -> u32 {
         let sizes = ((self.block_size as u64) << 32) | algorithm as u64;
-        (mix(mix(mix(self.fingerprint) ^ self.coverage) ^ sizes) >> 32) as u32
+        let fingerprint = self.fingerprint.wrapping_add(self.geometry);
+        (mix(mix(mix(fingerprint) ^ self.coverage) ^ sizes) >> 32) as u32
     }
 
     /// The tokens an entry of a position with `valid_tokens` counts: 0 in a
@@ -255,6 +260,7 @@ mod tests {
     fn config(state: &mut u64) -> EntryConfig {
         EntryConfig {
             fingerprint: random(state),
+            geometry: 0,
             coverage: random(state),
             block_size: 1 + (random(state) % 256) as u32,
             algorithm: Algorithm::Mixed,
@@ -274,6 +280,7 @@ mod tests {
         ] {
             let config = EntryConfig {
                 fingerprint: 0x0123_4567_89ab_cdef,
+                geometry: 0,
                 coverage: 0xfedc_ba98_7654_3210,
                 block_size,
                 algorithm,
@@ -339,6 +346,15 @@ mod tests {
             };
             assert_eq!(
                 other.reader().judge(hash, hash ^ other.fingerprint, stored, sum, entry),
+                StoredOutcome::OtherFingerprint
+            );
+            // Another cell size (geometry) reads as another configuration.
+            let reshaped = EntryConfig {
+                geometry: random(&mut state),
+                ..config
+            };
+            assert_eq!(
+                reshaped.reader().judge(hash, tag, stored, sum, entry),
                 StoredOutcome::OtherFingerprint
             );
             let resized = EntryConfig {

@@ -10,7 +10,7 @@ use crate::cuda;
 use crate::decoding::LayerDecoding;
 use crate::detail::Shadow;
 use crate::error::{err, Result};
-use crate::fingerprint::{group_fingerprint, group_marks, stored_fingerprint};
+use crate::fingerprint::{group_fingerprint, group_marks};
 use crate::host;
 use crate::layout::{Alias, LayerSpec, Layout, Region, Role, StoredBuffer};
 use crate::plan::Plan;
@@ -63,6 +63,7 @@ fn group_infos(layout: &Layout) -> Vec<GroupInfo> {
             state: group.is_state(),
             coverage: group.coverage(),
             decodings: group.decodings(),
+            geometry: group.geometry(),
         })
         .collect();
     infos.sort_by_key(|info| info.group_id);
@@ -457,11 +458,12 @@ impl Worker {
     /// block hashes (first 8 bytes, little-endian), for connectors that keep
     /// stored checksums themselves.
     pub fn block_tags(&self, group_id: u32, hashes: &[u64]) -> Result<Vec<u64>> {
-        let group = self
-            .layout
-            .group(group_id)
+        let infos = self.infos();
+        let info = infos
+            .iter()
+            .find(|info| info.group_id == group_id)
             .ok_or_else(|| err!(NotFound, "group_id {group_id} is not registered"))?;
-        let fingerprint = stored_fingerprint(group);
+        let fingerprint = info.entry_config(self.algorithm).fingerprint;
         Ok(hashes
             .iter()
             .map(|&hash| crate::stored_entry::block_tag(hash, fingerprint))

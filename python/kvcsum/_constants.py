@@ -112,6 +112,7 @@ class Reason(_CEnum):
     NOTHING_READ = 15
     COVERAGE_DIFFERS = 16
     DECODING_DIFFERS = 17
+    GEOMETRY_DIFFERS = 18
 
 
 class StoredOutcome(_CEnum):
@@ -135,8 +136,8 @@ class StoredOutcome(_CEnum):
 #: (Result.encode()). The library has no call that tells them, so these are
 #: the header's; python/tests/test_package.py checks them against it.
 PAYLOAD_VERSION = 1
-EXTENSION_VERSION = 4
-RECORD_VERSION = 5
+EXTENSION_VERSION = 5
+RECORD_VERSION = 6
 
 #: The `device` of a host worker (KVCS_HOST).
 HOST = -1
@@ -166,6 +167,7 @@ BLOCK_SIZE_UNKNOWN = Reason.BLOCK_SIZE_UNKNOWN
 NOTHING_READ = Reason.NOTHING_READ
 COVERAGE_DIFFERS = Reason.COVERAGE_DIFFERS
 DECODING_DIFFERS = Reason.DECODING_DIFFERS
+GEOMETRY_DIFFERS = Reason.GEOMETRY_DIFFERS
 STORED_FAILED = StoredOutcome.FAILED
 STORED_MATCHED = StoredOutcome.MATCHED
 STORED_NOT_CHECKED = StoredOutcome.NOT_CHECKED

@@ -149,9 +149,9 @@ class Report(_Handle):
         """The consumer's loaded block positions (holding valid tokens, in
         the groups compared) that no compared position covers: where block
         sizes differ, a leading partial run; positions past the producer's
-        token count. A MATCH says nothing about them; with
-        Verifier.set_require_coverage(True) such a load is UNVERIFIED
-        (UNCOMPARED_POSITIONS). 0 when everything loaded was compared."""
+        token count. Such a load is UNVERIFIED (UNCOMPARED_POSITIONS) unless
+        Verifier.set_require_coverage(False) opted out; then a MATCH says
+        nothing about them. 0 when everything loaded was compared."""
         return self._u64(self._lib.kvcs_report_uncompared_positions)
 
     @property
@@ -257,12 +257,15 @@ class Verifier(_Handle):
             _check(self._lib.kvcs_verifier_set_extension(handle, on))
 
     def set_require_coverage(self, on: bool) -> None:
-        """Consumer: with True a load is UNVERIFIED (UNCOMPARED_POSITIONS)
-        when some loaded position was not compared
-        (Report.uncompared_positions > 0) and none differs; False (the
-        default, as vLLM) compares only the positions both sides hold with
-        equal valid tokens and lets the rest pass. Applies to check and
-        check_stored."""
+        """Consumer: with True (the default) a load is UNVERIFIED
+        (UNCOMPARED_POSITIONS, the finding naming each group's uncompared
+        ranges) when some loaded position was not compared
+        (Report.uncompared_positions > 0) and none differs: positions
+        nobody compared never count as passed. False is the explicit
+        opt-out of a caller that reloads or recomputes the positions
+        Report.uncompared lists itself (the vLLM connector does): the load
+        is then judged on the positions both sides hold with equal valid
+        tokens alone. Applies to check and check_stored."""
         on = _flag(on, "on")
         with self._use() as handle:
             _check(self._lib.kvcs_verifier_set_require_coverage(handle, on))

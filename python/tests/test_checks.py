@@ -94,7 +94,7 @@ def test_reason_constants_are_the_headers():
     assert kvcsum.WHOLE_LOAD == 0xFFFFFFFF and "#define KVCS_WHOLE_LOAD UINT32_MAX" in header
 
 
-def test_require_coverage_turns_uncompared_positions_into_unverified(seed):
+def test_uncompared_positions_are_unverified_by_default_and_pass_only_when_opted_out(seed):
     rng = np.random.default_rng(seed)
     cache = random_cache(rng, 5)
     block_ids = [int(b) for b in rng.permutation(5)[:3]]
@@ -102,16 +102,19 @@ def test_require_coverage_turns_uncompared_positions_into_unverified(seed):
     # holds 5 tokens on one side and 8 on the other, so it is not compared.
     payload = producer_payload(cache, 2 * TOKENS + 5, block_ids)
     record = checksum_record(cache, 3 * TOKENS, block_ids, kvcsum.CONSUMER)
-    for require in (False, True):
+    # None: the default, which requires every loaded position compared.
+    for require in (None, False, True):
         with kvcsum.Verifier(1) as consumer, kvcsum.Blocks() as scheduled:
-            consumer.set_require_coverage(require)
+            if require is not None:
+                consumer.set_require_coverage(require)
             scheduled.add_request("req", 3 * TOKENS).add_group("req", 0, block_ids)
             consumer.expect(scheduled, kvcsum.CONSUMER)
             consumer.add_record(record)
             with consumer.check("req", payload) as report:
                 assert (report.compared_positions, report.uncompared_positions) == (2, 1), f"seed {seed:#x}"
-                if require:
+                if require is not False:
                     assert report.verdict == kvcsum.UNVERIFIED and not report.passed, report.message
+                    assert "positions 2..3" in report.message, report.message
                     assert report.reason == kvcsum.UNCOMPARED_POSITIONS
                     assert [(f.reason, f.group_id) for f in report.findings] == [(kvcsum.UNCOMPARED_POSITIONS, 0)]
                 else:

@@ -188,3 +188,44 @@ def test_connectors_keeping_entries_get_value_and_stamp_and_the_load_checks_outc
         with worker.checksum(blocks, kvcsum.PRODUCER) as result:
             with pytest.raises(kvcsum.InvalidArgument, match="KVCS_ROLE_PRODUCER"):
                 result.entries("o", 0)
+
+
+def test_kept_entries_never_pass_across_a_change_of_decoding(rng):
+    """Result.entries follows the rule a store follows (SPEC section 8:
+    the marked fingerprint plus the digest of the declared decodings): it
+    is what Worker.store writes with a decoding declared, and an entry kept
+    under one decoding (bfloat16, K scale 0.5, head size 64, or none)
+    reads OTHER_FINGERPRINT, never MATCHED, when checked under another
+    (fp8_e4m3, K scale 1.0, head size 128, or none)."""
+    kv = rng.integers(0, 2**64, (6, 2, 8, 2), dtype=np.uint64)
+    hashes = [bytes(rng.integers(0, 256, 32, dtype=np.uint8)) for _ in range(3)]
+    cases = [
+        ({"dtype": "bfloat16"}, {"dtype": "fp8_e4m3"}),
+        ({"dtype": "fp8_e4m3", "k_scale": 0.5}, {"dtype": "fp8_e4m3", "k_scale": 1.0}),
+        ({"head_size": 64}, {"head_size": 128}),
+        ({"dtype": "bfloat16"}, None),
+        (None, {"dtype": "bfloat16"}),
+        ({"dtype": "bfloat16", "head_size": 64}, {"dtype": "bfloat16", "head_size": 64}),
+    ]
+    for stored_under, checked_under in cases:
+        entries = {}
+        for name, decoding in (("stored", stored_under), ("checked", checked_under)):
+            stored = np.zeros((6, 2), dtype=np.uint64)
+            with kvcsum.Worker(num_threads=1) as worker, kvcsum.Blocks() as blocks:
+                worker.add_region_of(kv)
+                worker.add_group(0, 8)
+                worker.add_layer(kvcsum.layer(kv, "BHTD", layer_number=0, identity=b"layer 0"))
+                worker.add_stored_of(0, stored)
+                if decoding is not None:
+                    worker.set_layer_decoding(0, 0, **decoding)
+                blocks.add_request("o", 20).add_group("o", 0, [4, 0, 5]).set_hashes("o", 0, hashes)
+                if name == "stored":
+                    with worker.checksum(blocks, kvcsum.CONSUMER) as result:
+                        entries["kept"] = result.entries("o", 0)
+                    worker.store(blocks).close()
+                    assert (entries["kept"] == stored[[4, 0, 5]]).all(), f"{stored_under}: entries() is what a store writes"
+                else:
+                    with worker.checksum(blocks, kvcsum.CONSUMER) as result:
+                        outcomes = list(result.check_entries("o", 0, entries["kept"]))
+        expected = kvcsum.STORED_MATCHED if stored_under == checked_under else kvcsum.STORED_OTHER_FINGERPRINT
+        assert outcomes == [expected] * 3, f"stored under {stored_under}, checked under {checked_under}: {outcomes}"

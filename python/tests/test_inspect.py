@@ -93,7 +93,11 @@ def test_decoded_payloads_say_what_msgspec_reads(rng):
     assert decoded.producer_tp_size == extension[1] == 1
     assert decoded.algorithm == extension[3] == kvcsum.MIXED2
     [(group_id, fingerprint, first, raw)] = groups
-    [(ext_id, block_size, layers, coverage, marks, decodings, short_last)] = extension[2]
+    [(ext_id, block_size, layers, coverage, marks, decodings, short_last, geometry)] = extension[2]
+    # The geometry each registration tells (extension version 5): layers 0
+    # and 5, heads 0..4, cells of 32 uint16 elements, one segment (K's
+    # bytes not known).
+    assert geometry == [[0, 0, 4, 64, 0], [5, 0, 4, 64, 0]]
     # 40 tokens, 16-token blocks from position 0: the group holds the last
     # token, so its last position over 39 tokens is sent, one u64.
     assert len(short_last) == 8

@@ -115,27 +115,37 @@ def test_uncompared_ranges_follow_the_run_rule_for_random_block_sizes_and_token_
             producer.expect(blocks, kvcsum.PRODUCER)
             producer.add_record(record(p_cache, b_p, n_p, p_first, p_ids, kvcsum.PRODUCER))
             payload = producer.payload("req")
-        with kvcsum.Verifier(1) as consumer, kvcsum.Blocks() as scheduled:
-            consumer.set_producer_block_size(0, b_p)
-            scheduled.add_request("req", n_c).add_group("req", 0, c_ids, c_first)
-            consumer.expect(scheduled, kvcsum.CONSUMER)
-            consumer.add_record(record(c_cache, b_c, n_c, c_first, c_ids, kvcsum.CONSUMER))
-            with consumer.check("req", payload) as report:
-                expected, any_compared = naive_uncompared(b_p, n_p, p_first, p_end - p_first, b_c, n_c, c_first, c_end - c_first)
-                if not any_compared:
-                    assert report.verdict == kvcsum.UNVERIFIED and report.reason == kvcsum.NO_COMMON_POSITION, where
-                    assert report.uncompared == [] and report.uncompared_positions == 0, where
-                    continue
-                assert report.verdict == kvcsum.MATCH, f"{where}: {report.message}"
-                got = [(u.group_id, u.first_position, u.num_positions) for u in report.uncompared]
-                assert got == [(0, first, count) for first, count in ranges_of(expected)], f"{where}: {report.message}"
-                assert report.uncompared_positions == len(expected), where
-                seen_uncompared += bool(expected)
-                seen_clean += not expected
+        expected, any_compared = naive_uncompared(b_p, n_p, p_first, p_end - p_first, b_c, n_c, c_first, c_end - c_first)
+        # By default positions nobody compared make the load UNVERIFIED;
+        # opted out, the compared positions alone are judged.
+        for opted_out in (False, True):
+            with kvcsum.Verifier(1) as consumer, kvcsum.Blocks() as scheduled:
+                consumer.set_producer_block_size(0, b_p)
+                if opted_out:
+                    consumer.set_require_coverage(False)
+                scheduled.add_request("req", n_c).add_group("req", 0, c_ids, c_first)
+                consumer.expect(scheduled, kvcsum.CONSUMER)
+                consumer.add_record(record(c_cache, b_c, n_c, c_first, c_ids, kvcsum.CONSUMER))
+                with consumer.check("req", payload) as report:
+                    if not any_compared:
+                        assert report.verdict == kvcsum.UNVERIFIED and report.reason == kvcsum.NO_COMMON_POSITION, where
+                        assert report.uncompared == [] and report.uncompared_positions == 0, where
+                        continue
+                    if expected and not opted_out:
+                        assert report.verdict == kvcsum.UNVERIFIED, f"{where}: {report.message}"
+                        assert report.reason == kvcsum.UNCOMPARED_POSITIONS and not report.passed, where
+                    else:
+                        assert report.verdict == kvcsum.MATCH, f"{where}: {report.message}"
+                    got = [(u.group_id, u.first_position, u.num_positions) for u in report.uncompared]
+                    assert got == [(0, first, count) for first, count in ranges_of(expected)], f"{where}: {report.message}"
+                    assert report.uncompared_positions == len(expected), where
+        if any_compared:
+            seen_uncompared += bool(expected)
+            seen_clean += not expected
     assert seen_uncompared >= 10 and seen_clean >= 10, (seen_uncompared, seen_clean)
 
 
-def test_a_corruption_in_an_uncompared_position_leaves_the_verdict_a_match_that_names_it(seed):
+def test_a_corruption_in_an_uncompared_position_is_never_a_match_by_default_and_is_named(seed):
     # Why the ranges matter: the producer sent 45 tokens, the consumer loaded
     # 42 (8- and 16-token blocks); the last consumer block (tokens 32..42)
     # is not compared, so a corruption there is not seen, and the report
@@ -152,11 +162,20 @@ def test_a_corruption_in_an_uncompared_position_leaves_the_verdict_a_match_that_
         producer.expect(blocks, kvcsum.PRODUCER)
         producer.add_record(record(p_cache, 8, 45, 0, p_ids, kvcsum.PRODUCER))
         payload = producer.payload("req")
-    with kvcsum.Verifier(1) as consumer, kvcsum.Blocks() as scheduled:
-        consumer.set_producer_block_size(0, 8)
-        scheduled.add_request("req", 42).add_group("req", 0, c_ids)
-        consumer.expect(scheduled, kvcsum.CONSUMER)
-        consumer.add_record(record(c_cache, 16, 42, 0, c_ids, kvcsum.CONSUMER))
-        with consumer.check("req", payload) as report:
-            assert report.verdict == kvcsum.MATCH and report.compared_positions == 2, f"seed {seed:#x}: {report.message}"
-            assert report.uncompared == [kvcsum.Uncompared(0, 2, 1)], f"seed {seed:#x}"
+    for opted_out in (False, True):
+        with kvcsum.Verifier(1) as consumer, kvcsum.Blocks() as scheduled:
+            consumer.set_producer_block_size(0, 8)
+            if opted_out:
+                # The explicit opt-out: a match of what was compared, which
+                # says nothing of the position it names.
+                consumer.set_require_coverage(False)
+            scheduled.add_request("req", 42).add_group("req", 0, c_ids)
+            consumer.expect(scheduled, kvcsum.CONSUMER)
+            consumer.add_record(record(c_cache, 16, 42, 0, c_ids, kvcsum.CONSUMER))
+            with consumer.check("req", payload) as report:
+                expected = kvcsum.MATCH if opted_out else kvcsum.UNVERIFIED
+                assert report.verdict == expected and report.compared_positions == 2, f"seed {seed:#x}: {report.message}"
+                assert report.passed == opted_out, f"seed {seed:#x}"
+                assert report.uncompared == [kvcsum.Uncompared(0, 2, 1)], f"seed {seed:#x}"
+                if not opted_out:
+                    assert "positions 2..3" in report.message, report.message

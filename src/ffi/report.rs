@@ -106,6 +106,14 @@ pub enum kvcs_unverified_reason {
     /// one side do: equal checksums would not mean equal KV. A
     /// configuration difference, never reported as corrupt data.
     KVCS_UNVERIFIED_DECODING_DIFFERS = 17,
+    /// The two sides' caches of a layer have another geometry
+    /// (docs/SPEC.md#7-group-fingerprint, "Geometry": the layer's heads, a
+    /// cell's bytes, or K's bytes where both register K and V apart), as
+    /// every registration tells without a call: engines wired by hand with
+    /// another head size or element width, no identity set. Or the workers
+    /// of one side register a layer's heads with other cells. A
+    /// configuration difference, never reported as corrupt data.
+    KVCS_UNVERIFIED_GEOMETRY_DIFFERS = 18,
 }
 
 c_enum!(kvcs_unverified_reason {
@@ -126,7 +134,8 @@ c_enum!(kvcs_unverified_reason {
     KVCS_UNVERIFIED_BLOCK_SIZE_UNKNOWN,
     KVCS_UNVERIFIED_NOTHING_READ,
     KVCS_UNVERIFIED_COVERAGE_DIFFERS,
-    KVCS_UNVERIFIED_DECODING_DIFFERS
+    KVCS_UNVERIFIED_DECODING_DIFFERS,
+    KVCS_UNVERIFIED_GEOMETRY_DIFFERS
 });
 
 /// The `group_id` of a finding about the whole load rather than one group.
@@ -217,6 +226,7 @@ fn reason_code(reason: Reason) -> kvcs_unverified_reason {
         Reason::NothingRead => KVCS_UNVERIFIED_NOTHING_READ,
         Reason::CoverageDiffers => KVCS_UNVERIFIED_COVERAGE_DIFFERS,
         Reason::DecodingDiffers => KVCS_UNVERIFIED_DECODING_DIFFERS,
+        Reason::GeometryDiffers => KVCS_UNVERIFIED_GEOMETRY_DIFFERS,
     }
 }
 

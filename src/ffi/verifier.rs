@@ -112,11 +112,16 @@ pub extern "C" fn kvcs_verifier_set_extension(verifier: *mut kvcs_verifier, on: 
     }
 }
 
-/// Consumer: `on` = 1 makes a load unverified
-/// (`KVCS_UNVERIFIED_UNCOMPARED_POSITIONS`) when some loaded position was
-/// not compared (`kvcs_report_uncompared_positions` > 0) and none differs;
-/// 0 (the default, as vLLM) compares only the positions both sides hold
-/// with equal valid tokens and lets the rest pass.
+/// Consumer: `on` = 1 (the default) makes a load unverified
+/// (`KVCS_UNVERIFIED_UNCOMPARED_POSITIONS`, the finding naming each group's
+/// uncompared ranges) when some loaded position was not compared
+/// (`kvcs_report_uncompared_positions` > 0) and none differs: positions
+/// nobody compared never count as passed. 0 is the explicit opt-out of a
+/// consumer that reloads or recomputes the positions
+/// `kvcs_report_uncompared` lists itself (the vLLM connector does): the
+/// load is then judged on the positions both sides hold with equal valid
+/// tokens alone. Applies to `kvcs_verifier_check` and
+/// `kvcs_verifier_check_stored`.
 #[no_mangle]
 pub extern "C" fn kvcs_verifier_set_require_coverage(verifier: *mut kvcs_verifier, on: u32) -> kvcs_status {
     ffi_boundary! {

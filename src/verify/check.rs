@@ -11,7 +11,7 @@ use crate::record::{LayerPartial, RecordGroup};
 
 use super::collect::{add_into, GroupOutcome, Judged, Load, Unverified, Wording, WorkerPart};
 use super::compare::{consumer_ranges, differing_ranges, producer_ranges, run_tokens, Series};
-use super::decoding::compare_decodings;
+use super::decoding::{compare_decodings, compare_geometry};
 use super::report::{LayerDifference, Mismatch, Reason, Report};
 
 /// The payload's groups and extension groups by id.
@@ -176,6 +176,7 @@ impl Load<'_> {
         )?;
         if let Some(extension) = extension {
             compare_decodings(group_id, &extension.decodings, &self.pending.decodings(group_id)?)?;
+            compare_geometry(group_id, &extension.geometry, &self.pending.geometry(group_id)?)?;
         }
         let consumer_block_size = self.pending.block_size(group_id)?;
         let producer_block_size = extension

@@ -28,7 +28,8 @@ pub(super) struct Settings {
     pub producer_tp_size: Option<u32>,
     /// Shared, so that a check copies it cheaply before leaving the lock.
     pub producer_block_sizes: Arc<HashMap<u32, u32>>,
-    /// Loads with uncompared positions are unverified (off by default).
+    /// Loads with uncompared positions are unverified (on by default;
+    /// off is the caller's explicit opt-out).
     pub require_coverage: bool,
 }
 
@@ -134,7 +135,11 @@ impl Load<'_> {
                         findings.push(Finding {
                             reason: Reason::UncomparedPositions,
                             group_id: Some(group_id),
-                            message: (wording.uncompared)(group_id, count, outcome.compared),
+                            message: format!(
+                                "{}: {}",
+                                (wording.uncompared)(group_id, count, outcome.compared),
+                                uncompared_ranges(&outcome.uncompared)
+                            ),
                         });
                     }
                     uncompared.extend(
@@ -172,6 +177,24 @@ impl Load<'_> {
             findings,
         )
     }
+}
+
+/// A group's uncompared ranges in words, `positions a..b, c..d` (the first
+/// eight, then how many more), for the finding that names them.
+fn uncompared_ranges(ranges: &[(u64, u64)]) -> String {
+    const SHOWN: usize = 8;
+    let mut text = String::from("positions ");
+    for (i, &(first, count)) in ranges.iter().take(SHOWN).enumerate() {
+        if i > 0 {
+            text.push_str(", ");
+        }
+        text.push_str(&format!("{first}..{}", first + count));
+    }
+    if ranges.len() > SHOWN {
+        text.push_str(&format!(" and {} more ranges", ranges.len() - SHOWN));
+    }
+    text.push_str(" (set_require_coverage off judges the compared positions alone)");
+    text
 }
 
 /// A request whose records are being collected. Cheap to clone (its parts

@@ -11,7 +11,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::decoding::LayerDecoding;
+use crate::decoding::{first_geometry_difference, merge_geometry, GeometryDifference, LayerDecoding, LayerGeometry};
 
 use super::collect::{Judged, Pending, Unverified};
 use super::report::Reason;
@@ -50,6 +50,64 @@ impl Pending {
             }
         }
         Ok(merged.into_iter().map(|(n, (d, _))| (n, d)).collect())
+    }
+
+    /// The geometry of this side's caches of `group_id` (SPEC section 7,
+    /// "Geometry"): every worker's runs merged. Two workers holding heads
+    /// of a layer with other cells (a rank registered otherwise) make it
+    /// unverified.
+    pub fn geometry(&self, group_id: u32) -> Judged<Vec<LayerGeometry>> {
+        let runs = self
+            .reports
+            .values()
+            .filter_map(|part| part.group_info(group_id))
+            .flat_map(|info| info.geometry.iter().copied());
+        merge_geometry(runs).map_err(|d| {
+            Unverified(
+                Reason::GeometryDiffers,
+                format!(
+                    "group {group_id}: {} (the workers of one side register the layer's heads with other cells)",
+                    geometry_text(&d, "one worker's", "another's")
+                ),
+            )
+        })
+    }
+}
+
+/// A geometry difference in words: `layer 3, heads 0..8: cell_bytes 256
+/// (the producer's), 128 (the consumer's)`.
+fn geometry_text(d: &GeometryDifference, first: &str, second: &str) -> String {
+    let what = match d.field {
+        "heads" => "heads (one past the last global head)",
+        "cell_bytes" => "cell_bytes (a head's K and V bytes per token)",
+        _ => "k_bytes (a head's K bytes per token)",
+    };
+    let heads = if d.field == "heads" {
+        String::new()
+    } else {
+        format!(", heads {}..{}", d.heads.0, d.heads.1)
+    };
+    format!(
+        "layer {}{heads}: {what} differs: {first} {}, {second} {}",
+        d.layer_number, d.first, d.second
+    )
+}
+
+/// Compares the geometry the producer sent (the extension, version 5) with
+/// the consumer's: the first layer and fact that differ (the layer's
+/// heads, a cell's bytes, K's bytes where both know them) make the group
+/// unverified, naming the layer, the fact and both values. Nothing is
+/// compared where the producer sent none (an earlier extension).
+pub(super) fn compare_geometry(group_id: u32, producer: &[LayerGeometry], consumer: &[LayerGeometry]) -> Judged<()> {
+    match first_geometry_difference(producer, consumer) {
+        None => Ok(()),
+        Some(d) => Err(Unverified(
+            Reason::GeometryDiffers,
+            format!(
+                "group {group_id}: {} (another head size or element width: a configuration difference, not corrupt data)",
+                geometry_text(&d, "the producer's", "the consumer's")
+            ),
+        )),
     }
 }
 

@@ -99,7 +99,7 @@ impl Verifier {
                     policy: Policy::FailClosed,
                     producer_tp_size: None,
                     producer_block_sizes: Arc::new(HashMap::new()),
-                    require_coverage: false,
+                    require_coverage: true,
                 },
                 extension: false,
                 tp_size: None,
@@ -161,11 +161,14 @@ impl Verifier {
     }
 
     /// Consumer: whether a load must compare every loaded position to
-    /// verify. On, a load whose report counts uncompared positions (see
-    /// [`Report::uncompared_positions`]) and no mismatch is unverified
-    /// ([`Reason::UncomparedPositions`]). Off by default: SPEC section 10
-    /// (and vLLM) compare only the positions both sides hold with equal
-    /// valid tokens.
+    /// verify. On (the default), a load whose report counts uncompared
+    /// positions (see [`Report::uncompared_positions`]) and no mismatch is
+    /// unverified ([`Reason::UncomparedPositions`]), the finding naming
+    /// each group's uncompared ranges: positions nobody compared never
+    /// count as passed. Off is the explicit opt-out of a consumer that
+    /// handles [`Report::uncompared`] itself (reloads or recomputes those
+    /// blocks, as the vLLM connector does): such a load is then judged on
+    /// its compared positions alone.
     pub fn set_require_coverage(&self, on: bool) -> Result<()> {
         self.lock()?.settings.require_coverage = on;
         Ok(())

@@ -79,6 +79,7 @@ fn payload_group(pending: &Pending, scheduled: &GroupBlocks, detail: bool) -> Ju
         coverage: Some(first_copy_coverage(&parts, group_id)),
         marks: Some(marks),
         decodings: pending.decodings(group_id)?,
+        geometry: pending.geometry(group_id)?,
         short_last: first_copy_short_last(&parts),
     };
     Ok((group, extension_group))

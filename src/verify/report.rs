@@ -43,8 +43,8 @@ pub enum Reason {
     /// A worker computed its record in the other role than the request is
     /// expected in (a configuration error).
     RoleDiffers,
-    /// Loaded positions were not compared, and the verifier requires every
-    /// loaded position to be ([`crate::verify::Verifier::set_require_coverage`]).
+    /// Loaded positions were not compared (the default; a verifier may opt
+    /// out, [`crate::verify::Verifier::set_require_coverage`]).
     UncomparedPositions,
     /// An offload load was judged from records that are not load checks
     /// (a worker sent a plain checksum call's record, which says nothing
@@ -69,6 +69,12 @@ pub enum Reason {
     /// section 7: another element type, head size or K or V scale), so
     /// equal checksums would not mean equal KV.
     DecodingDiffers,
+    /// The sides' caches of a layer have another geometry (SPEC section 7,
+    /// "Geometry": its heads, a cell's bytes or K's bytes), as
+    /// registrations tell without any call: engines wired with another
+    /// head size or element width. A configuration difference, never
+    /// corrupt data.
+    GeometryDiffers,
 }
 
 impl Reason {
@@ -92,6 +98,7 @@ impl Reason {
             Reason::NothingRead => "no worker read any cache of a group",
             Reason::CoverageDiffers => "the sides checksummed other layers or heads",
             Reason::DecodingDiffers => "the sides decode a layer's bytes differently",
+            Reason::GeometryDiffers => "the sides' caches of a layer have another geometry",
         }
     }
 }
@@ -205,7 +212,9 @@ pub struct Report {
     /// The consumer's loaded block positions (holding valid tokens, in the
     /// groups compared) that no compared position covers: a leading partial
     /// run where block sizes differ, positions past the producer's tokens.
-    /// A match says nothing about them. The sum of `uncompared`'s ranges.
+    /// They make the load unverified unless the verifier opted out
+    /// (`Verifier::set_require_coverage(false)`); a match then says nothing
+    /// about them. The sum of `uncompared`'s ranges.
     pub uncompared_positions: u64,
     /// Where those positions are: ranges per group, ascending by position
     /// within a group, groups in the order the load scheduled them.

@@ -383,3 +383,134 @@ fn a_tier_stored_under_other_decodings_reads_back_as_another_configuration() {
     worker.set_layer_decoding(0, 1, fp8(0.5, 0.5)).unwrap();
     assert_eq!(outcomes(worker), matched, "seed {seed}");
 }
+
+/// A side of one TP rank with a buffer of stored checksums for group 0
+/// (junk, so that a value never written cannot pass) and `blocks` with
+/// block hashes.
+struct TierSide {
+    side: Side,
+    stored: Vec<[u64; 2]>,
+    blocks: BlockSet,
+}
+
+fn tier_side(rng: &mut Rng, kv: &LogicalKv, table: &GroupTable, hashes: &[u8]) -> TierSide {
+    let mut side = side(rng, kv, table, 1, 1, LayoutKind::Nhd);
+    let num_blocks = table.block_ids.len() as u64 + 3;
+    let stored: Vec<[u64; 2]> = (0..num_blocks).map(|_| [rng.next_u64(), rng.next_u64()]).collect();
+    let worker = &mut side.ranks[0].worker;
+    worker
+        .add_region(kvcsum::Region {
+            address: stored.as_ptr() as u64,
+            length: std::mem::size_of_val(stored.as_slice()) as u64,
+        })
+        .unwrap();
+    worker.add_stored(0, stored.as_ptr() as u64, num_blocks).unwrap();
+    let mut blocks = side.blocks.clone();
+    blocks.set_hashes(REQ, 0, hashes, 32).unwrap();
+    TierSide { side, stored, blocks }
+}
+
+impl TierSide {
+    fn worker(&self) -> &kvcsum::Worker {
+        &self.side.ranks[0].worker
+    }
+
+    /// The entries a connector keeps (`kvcs_result_entries` of a consumer
+    /// checksum).
+    fn kept_entries(&self) -> Vec<(u64, u64)> {
+        let result = checksum(self.worker(), &self.blocks, Role::Consumer);
+        kvcsum::result_entries(&result, REQ, 0).unwrap()
+    }
+
+    /// `kvcs_result_check_entries` of kept `entries`.
+    fn check_kept(&self, entries: &[(u64, u64)]) -> Vec<kvcsum::StoredOutcome> {
+        let result = checksum(self.worker(), &self.blocks, Role::Consumer);
+        kvcsum::check_result_entries(&result, REQ, 0, entries).unwrap()
+    }
+
+    /// The entries in the buffer at the table's block ids.
+    fn buffer_entries(&self, table: &GroupTable) -> Vec<(u64, u64)> {
+        table
+            .block_ids
+            .iter()
+            .map(|&id| (self.stored[id as usize][0], self.stored[id as usize][1]))
+            .collect()
+    }
+
+    /// A load check of the buffer (`kvcs_worker_check_stored`).
+    fn check_buffer(&self) -> Vec<kvcsum::StoredOutcome> {
+        self.worker()
+            .check_stored(&self.blocks, kvcsum::StreamHandle::legacy_default())
+            .unwrap()
+            .stored_outcomes(REQ, 0)
+            .unwrap()
+    }
+}
+
+/// Entries a connector keeps (`kvcs_result_entries`,
+/// `kvcs_result_check_entries`) follow the rule stores follow (SPEC
+/// section 8: the marked fingerprint plus the digest of the declared
+/// decodings): an entry made while a layer was read as bfloat16, with K
+/// scale 0.5 or head size 64, or with a fact declared on one side only,
+/// reads back as another configuration (never a match, never a failure)
+/// when checked while it is read as fp8_e4m3, with K scale 1.0 or head
+/// size 128, on either path; and what `entries()` gives is byte for byte
+/// what a store writes, declarations or not.
+#[test]
+fn kept_entries_never_pass_across_a_change_of_decoding() {
+    let mut rng = Rng::for_test("kept_entries_never_pass_across_a_change_of_decoding");
+    let seed = rng.seed();
+    let decl = |dtype: &str, head_size: u32, k_scale: f64| {
+        Some(LayerDecoding::from_parts(dtype, head_size, if k_scale > 0.0 { k_scale.to_bits() } else { 0 }, 0).unwrap())
+    };
+    let cases: [(&str, Option<LayerDecoding>, Option<LayerDecoding>); 6] = [
+        ("dtype", decl("bfloat16", 0, 0.0), decl("fp8_e4m3", 0, 0.0)),
+        ("k_scale", decl("fp8_e4m3", 0, 0.5), decl("fp8_e4m3", 0, 1.0)),
+        ("head_size", decl("bfloat16", 64, 0.0), decl("bfloat16", 128, 0.0)),
+        ("declared when stored only", decl("bfloat16", 0, 0.0), None),
+        ("declared when checked only", None, decl("fp8_e4m3", 0, 0.0)),
+        ("the same", decl("fp8_e4m3", 128, 0.5), decl("fp8_e4m3", 128, 0.5)),
+    ];
+    for (what, stored_under, checked_under) in cases {
+        let num_tokens = 20 + rng.below(40);
+        let (kv, table) = model(&mut rng, num_tokens);
+        let count = table.block_ids.len();
+        let hashes: Vec<u8> = (0..count * 32).map(|_| rng.next_u64() as u8).collect();
+        let mut storer = tier_side(&mut rng, &kv, &table, &hashes);
+        let mut checker = tier_side(&mut rng, &kv, &table, &hashes);
+        if let Some(decoding) = &stored_under {
+            storer.side.declare(1, decoding);
+        }
+        if let Some(decoding) = &checked_under {
+            checker.side.declare(1, decoding);
+        }
+        let kept = storer.kept_entries();
+        storer
+            .worker()
+            .store(&storer.blocks, kvcsum::StreamHandle::legacy_default())
+            .unwrap();
+        assert_eq!(
+            kept,
+            storer.buffer_entries(&table),
+            "{what}: entries() is what a store writes (seed {seed})"
+        );
+        // The same entries, kept or carried in the buffer, checked by the
+        // other side over the same KV.
+        checker.stored.copy_from_slice(&storer.stored);
+        let expected = if stored_under == checked_under {
+            kvcsum::StoredOutcome::Matched
+        } else {
+            kvcsum::StoredOutcome::OtherFingerprint
+        };
+        assert_eq!(
+            checker.check_kept(&kept),
+            vec![expected; count],
+            "{what}: kept entries checked under {checked_under:?}, stored under {stored_under:?} (seed {seed})"
+        );
+        assert_eq!(
+            checker.check_buffer(),
+            vec![expected; count],
+            "{what}: stored entries (seed {seed})"
+        );
+    }
+}

@@ -207,7 +207,7 @@ fn out_of_bounds_messages_print_negative_bounds_with_a_sign() {
 // Coverage: loaded positions that were not compared
 
 #[test]
-fn reports_count_loaded_positions_not_compared_and_may_require_them() {
+fn reports_count_loaded_positions_not_compared_and_require_them_unless_opted_out() {
     let mut rng = Rng::for_test("reports_count_loaded_positions_not_compared_and_may_require_them");
     let seed = rng.seed();
     // Consumer: block size 16, positions 1..5 (tokens 16..80) of 80 tokens.
@@ -236,6 +236,21 @@ fn reports_count_loaded_positions_not_compared_and_may_require_them() {
     verifier.expect(&scheduled, CONSUMER);
     let mut corrupted = c.clone();
     corrupted[0] ^= 1 << 17;
+    // By default a position nobody compared makes the load unverified,
+    // intact or corrupted there, and the finding names it.
+    for values in [c.clone(), corrupted.clone()] {
+        verifier.add(&record(80, values)).expect("add_record");
+        let report = verifier.check("req", &payload(80)).expect("check");
+        assert_eq!(report.verdict(), UNVERIFIED, "seed {seed}: {}", report.message());
+        assert_eq!(
+            reason_name(report.reason()),
+            "KVCS_UNVERIFIED_UNCOMPARED_POSITIONS",
+            "seed {seed}"
+        );
+        assert!(report.message().contains("positions 1..2"), "{}", report.message());
+    }
+    // Opted out (0), the compared positions alone are judged.
+    assert_eq!(kvcs_verifier_set_require_coverage(verifier.0, 0), KVCS_OK);
     for values in [c.clone(), corrupted] {
         verifier.add(&record(80, values)).expect("add_record");
         let report = verifier.check("req", &payload(80)).expect("check");

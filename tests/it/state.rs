@@ -313,3 +313,66 @@ fn bad_state_registrations_are_rejected_and_change_nothing() {
     assert!(matches!(error, Error::InvalidArgument(_)), "{error}");
     assert!(error.to_string().contains("state group"), "{error}");
 }
+
+/// A state entry a connector keeps (`kvcs_result_entries`) or a store
+/// writes while the state's split is known reads back as another
+/// configuration (the marks differ, SPEC section 7) when checked as
+/// shard-keyed state over the same bytes, and the other way round: never
+/// a match, never a failure. Under the same convention it matches, and
+/// `entries()` is what the store wrote.
+#[test]
+fn kept_state_entries_never_pass_between_split_known_and_shard_keyed() {
+    let mut rng = Rng::for_test("kept_state_entries_never_pass_between_split_known_and_shard_keyed");
+    let seed = rng.seed();
+    let state = random_state(&mut rng, &[1, 4]);
+    let block_id = rng.below(4) as u32;
+    let hash: Vec<u8> = (0..32).map(|_| rng.next_u64() as u8).collect();
+    let mut blocks = state_blocks("r", 1 + rng.below(100), 3, block_id);
+    blocks.set_hashes("r", 3, &hash, 32).unwrap();
+    // One TP rank per convention, each with a buffer of stored checksums.
+    let side = |rng: &mut Rng, split_known: bool| {
+        let mut worker = host_worker(0, 1, 0, 1);
+        let caches = place_rank(rng, &state, 0, 1, 3, split_known, block_id + 2, block_id);
+        register(&mut worker, &caches, 3);
+        let stored: Vec<[u64; 2]> = (0..block_id + 2).map(|_| [rng.next_u64(), rng.next_u64()]).collect();
+        worker
+            .add_region(kvcsum::Region {
+                address: stored.as_ptr() as u64,
+                length: std::mem::size_of_val(stored.as_slice()) as u64,
+            })
+            .unwrap();
+        worker
+            .add_stored(3, stored.as_ptr() as u64, stored.len() as u64)
+            .unwrap();
+        (worker, caches, stored)
+    };
+    for (stored_known, checked_known) in [(true, false), (false, true), (true, true), (false, false)] {
+        let (storer, _storer_caches, stored) = side(&mut rng, stored_known);
+        let (checker, _checker_caches, mut checker_stored) = side(&mut rng, checked_known);
+        let kept = kvcsum::result_entries(&checksum(&storer, &blocks, Role::Consumer), "r", 3).unwrap();
+        storer.store(&blocks, kvcsum::StreamHandle::legacy_default()).unwrap();
+        let written = (stored[block_id as usize][0], stored[block_id as usize][1]);
+        assert_eq!(kept, vec![written], "entries() is what a store writes (seed {seed})");
+        checker_stored.copy_from_slice(&stored);
+        let expected = if stored_known == checked_known {
+            kvcsum::StoredOutcome::Matched
+        } else {
+            kvcsum::StoredOutcome::OtherFingerprint
+        };
+        let kept_outcome =
+            kvcsum::check_result_entries(&checksum(&checker, &blocks, Role::Consumer), "r", 3, &kept).unwrap();
+        let buffer_outcome = checker
+            .check_stored(&blocks, kvcsum::StreamHandle::legacy_default())
+            .unwrap()
+            .stored_outcomes("r", 3)
+            .unwrap();
+        for (path, outcome) in [("kept", kept_outcome), ("stored", buffer_outcome)] {
+            assert_eq!(
+                outcome,
+                vec![expected],
+                "{path}: stored split known {stored_known}, checked split known {checked_known} (seed {seed})"
+            );
+        }
+        drop(checker);
+    }
+}

@@ -299,18 +299,20 @@ fn naive_coverage(layers: &[u32], heads: &[u32]) -> u64 {
 #[derive(Clone, Copy)]
 struct NaiveConfig {
     fingerprint: u64,
+    geometry: u64,
     coverage: u64,
     block_size: u32,
     algorithm: u32,
 }
 
 impl NaiveConfig {
-    /// SPEC section 8: `config = f(f(f(fingerprint) XOR coverage) XOR
-    /// (block_size * 2^32 + algorithm))`, `digest = (config >> 32) XOR tokens`.
+    /// SPEC section 8: `config = f(f(f(fingerprint + geometry) XOR
+    /// coverage) XOR (block_size * 2^32 + algorithm))`, `digest = (config
+    /// >> 32) XOR tokens`.
     fn digest(&self, tokens: u32) -> u32 {
         let f = kvcsum::mix;
-        let config =
-            f(f(f(self.fingerprint) ^ self.coverage) ^ ((self.block_size as u64) << 32 | self.algorithm as u64));
+        let fingerprint = self.fingerprint.wrapping_add(self.geometry);
+        let config = f(f(f(fingerprint) ^ self.coverage) ^ ((self.block_size as u64) << 32 | self.algorithm as u64));
         (config >> 32) as u32 ^ tokens
     }
 
@@ -326,12 +328,30 @@ impl NaiveConfig {
     }
 }
 
+/// SPEC section 8's geometry digest of the layers a rank registered (each
+/// one run of its heads: a rank's layers never join), per layer
+/// `LE_u64(SHA-256("kvcsum geometry" || LE_u32(layer_number) ||
+/// LE_u32(first_head) || LE_u32(num_heads) || LE_u32(cell_bytes))[0..8])`,
+/// the cell the sum of its segments' bytes per token.
+fn naive_geometry(specs: &[kvcsum::LayerSpec]) -> u64 {
+    specs.iter().fold(0u64, |sum, spec| {
+        let cell: u32 = spec.segments.iter().map(|segment| segment.bytes_per_token).sum();
+        let mut bytes = b"kvcsum geometry".to_vec();
+        for word in [spec.layer_number, spec.first_head, spec.num_heads, cell] {
+            bytes.extend(word.to_le_bytes());
+        }
+        let digest = Sha256::digest(&bytes);
+        sum.wrapping_add(u64::from_le_bytes(digest[..8].try_into().unwrap()))
+    })
+}
+
 /// Rank `r`'s configuration of group 0 in a [`stored_and_reloaded`] scenario.
 fn rank_config(s: &Scenario, r: usize) -> NaiveConfig {
     let spec = s.side.ranks[r].placement.spec();
     let heads: Vec<u32> = (spec.first_head..spec.first_head + spec.num_heads).collect();
     NaiveConfig {
         fingerprint: naive_fingerprint(&s.kv),
+        geometry: naive_geometry(&s.side.ranks[r].placement.host_layer_specs()),
         coverage: naive_coverage(&spec.layer_numbers, &heads),
         block_size: 16,
         algorithm: algorithm().code(),
@@ -489,18 +509,27 @@ fn a_partial_block_checked_with_other_valid_tokens_is_other_tokens_not_failed() 
             );
         }
         let records = load_check_records(&side, &checked);
+        // By default the position nobody compared makes the load not
+        // passed, and the finding names it.
         let report = verifier_holding(2, &checked, &records).check_stored(REQ).unwrap();
+        assert_eq!(report.verdict, Verdict::Unverified, "{context}: {}", report.message);
+        assert_eq!(report.reason(), Some(Reason::UncomparedPositions), "{context}");
+        assert!(!report.passed, "{context}");
+        assert!(
+            report.message.contains("positions 4..5"),
+            "{context}: {}",
+            report.message
+        );
+        // The explicit opt-out judges the compared positions alone.
+        let verifier = verifier_holding(2, &checked, &records);
+        verifier.set_require_coverage(false).unwrap();
+        let report = verifier.check_stored(REQ).unwrap();
         assert_eq!(report.verdict, Verdict::Match, "{context}: {}", report.message);
         assert_eq!(
             (report.compared_positions, report.uncompared_positions),
             (4, 1),
             "{context}"
         );
-        let verifier = verifier_holding(2, &checked, &records);
-        verifier.set_require_coverage(true).unwrap();
-        let report = verifier.check_stored(REQ).unwrap();
-        assert_eq!(report.verdict, Verdict::Unverified, "{context}: {}", report.message);
-        assert_eq!(report.reason(), Some(Reason::UncomparedPositions), "{context}");
         // The partial block alone (position 4, its own request): nothing in common.
         let mut alone = BlockSet::new();
         alone.add_request(REQ, checked_tokens).unwrap();

@@ -27,6 +27,8 @@
 
 #[path = "verdict_property/aliasing.rs"]
 mod aliasing;
+#[path = "verdict_property/configuration.rs"]
+mod configuration;
 #[path = "verdict_property/generator.rs"]
 mod generator;
 use crate::support;
@@ -132,6 +134,45 @@ fn every_pair_of_block_sizes_is_compared_only_where_the_producers_is_known() {
         "{} violations in {} block-size pairs (seed {seed}); the first:\n{}",
         violations.len(),
         tally.pairs,
+        violations.first().map_or("", String::as_str)
+    );
+}
+
+/// tests/verdict_property/configuration.rs: geometry changes with no
+/// identity (intact: never MISMATCH, always GeometryDiffers), uncompared
+/// positions (never MATCH by default, counted as the naive rule says) and
+/// kept entries against stores under changed decodings, geometry and
+/// marks (the same bytes, the same outcomes, never a match across a
+/// configuration change). `KVCS_CONFIGURATION_CASES` (default 400).
+#[test]
+fn configuration_changes_are_never_a_mismatch_nor_a_match_without_help() {
+    let seed = support::run_seed();
+    eprintln!(
+        "[configuration property] seed {seed}: rerun with KVCS_TEST_SEED={seed} cargo test --release --test verdict_property -- --nocapture"
+    );
+    let indices: Vec<u64> = match env_u64("KVCS_PROPERTY_CASE") {
+        Some(index) => vec![index],
+        None => (0..env_u64("KVCS_CONFIGURATION_CASES").unwrap_or(400)).collect(),
+    };
+    let mut tally = configuration::ConfigTally::default();
+    let mut violations = Vec::new();
+    for &index in &indices {
+        let result = configuration::run_configuration_case(seed, index);
+        tally.add(&result);
+        if let Some(violation) = result.violation {
+            violations.push(format!("case {index}: {violation}"));
+        }
+    }
+    eprintln!("{}", tally.table(seed));
+    eprintln!("violations: {}", violations.len());
+    for violation in violations.iter().take(20) {
+        eprintln!("VIOLATION {violation}");
+    }
+    assert!(
+        violations.is_empty(),
+        "{} violations in {} cases (seed {seed}); the first:\n{}",
+        violations.len(),
+        tally.cases,
         violations.first().map_or("", String::as_str)
     );
 }

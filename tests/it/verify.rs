@@ -207,6 +207,15 @@ fn check(side: &Side, payload: &[u8]) -> Report {
         .expect("check")
 }
 
+/// [`check`] by a verifier that opted out of requiring every loaded
+/// position compared (`set_require_coverage(false)`): the load is judged on
+/// its compared positions alone.
+fn check_opted_out(side: &Side, payload: &[u8]) -> Report {
+    let verifier = consumer_verifier(side, &side.records(Role::Consumer));
+    verifier.set_require_coverage(false).unwrap();
+    verifier.check(REQ, Some(payload)).expect("check")
+}
+
 fn assert_unverified(report: &Report, reason: Reason, seed: u64) {
     assert_eq!(report.verdict, Verdict::Unverified, "seed {seed}: {}", report.message);
     assert_eq!(report.reason(), Some(reason), "seed {seed}: {}", report.message);
@@ -338,7 +347,19 @@ fn intact_transfers_match_across_tp_pp_block_sizes_and_layouts() {
         if !extension && p_bs != c_bs {
             verifier.set_producer_block_size(0, p_bs).unwrap();
         }
-        let report = verifier.check(REQ, Some(&payload)).unwrap();
+        let mut report = verifier.check(REQ, Some(&payload)).unwrap();
+        if report.uncompared_positions > 0 {
+            // Positions nobody compared (a run the consumer holds only part
+            // of) make the load not passed by default; opted out, the
+            // compared runs match.
+            assert_unverified(&report, Reason::UncomparedPositions, seed);
+            let verifier = consumer_verifier(&consumer, &consumer.records(Role::Consumer));
+            verifier.set_require_coverage(false).unwrap();
+            if !extension && p_bs != c_bs {
+                verifier.set_producer_block_size(0, p_bs).unwrap();
+            }
+            report = verifier.check(REQ, Some(&payload)).unwrap();
+        }
         assert_eq!(
             report.verdict,
             Verdict::Match,
@@ -494,12 +515,25 @@ fn only_positions_with_equal_valid_tokens_are_compared() {
         &plain_identity,
     );
     let payload = produce(&producer, false);
+    // By default the position nobody compared makes the load not passed,
+    // named in the report.
     let report = check(&consumer, &payload);
+    assert_unverified(&report, Reason::UncomparedPositions, seed);
+    assert!(
+        report.message.contains("group 0: 1 loaded positions were not compared")
+            && report.message.contains("positions 4..5"),
+        "seed {seed}: {}",
+        report.message
+    );
+    assert_eq!(report.compared_positions, 4, "position 4 is not compared");
+    let report = check_opted_out(&consumer, &payload);
     assert_eq!(report.verdict, Verdict::Match, "seed {seed}: {}", report.message);
     assert_eq!(report.compared_positions, 4, "position 4 is not compared");
-    // A change in position 4 (valid on the consumer) is therefore not seen...
+    // A change in position 4 (valid on the consumer) is therefore not seen:
+    // never a MATCH by default, a match of the rest opted out...
     consumer.corrupt(0, 0, 0, 1, 0, 65);
-    let report = check(&consumer, &payload);
+    assert_unverified(&check(&consumer, &payload), Reason::UncomparedPositions, seed);
+    let report = check_opted_out(&consumer, &payload);
     assert_eq!(report.verdict, Verdict::Match, "seed {seed}: {}", report.message);
     // ...and one in position 3 is.
     consumer.corrupt(1, 0, 0, 1, 1, 50);
@@ -581,7 +615,7 @@ fn a_load_of_one_token_fewer_compares_its_last_position_against_the_short_last_v
             naive_valid_tokens(n - 1, b_p, last),
         );
         assert_eq!(short_last, Some(naive), "{context}");
-        assert_eq!(decoded.extension.as_ref().map(|e| e.version()), Some(4), "{context}");
+        assert_eq!(decoded.extension.as_ref().map(|e| e.version()), Some(5), "{context}");
 
         // One token fewer, intact: every loaded position compared.
         let mut consumer = deploy(
@@ -633,6 +667,10 @@ fn a_load_of_one_token_fewer_compares_its_last_position_against_the_short_last_v
         if compared == 0 {
             assert_unverified(&report, Reason::NoCommonPosition, seed);
         } else {
+            if uncompared > 0 {
+                assert_unverified(&report, Reason::UncomparedPositions, seed);
+            }
+            let report = check_opted_out(&consumer, &payload);
             assert_eq!(report.verdict, Verdict::Match, "{context}: {}", report.message);
             assert_eq!(report.compared_positions, compared, "{context}");
             assert_eq!(
@@ -1390,4 +1428,130 @@ fn mixed_and_mixed2_values_are_never_compared() {
         let record = Record::decode(&side.records(Role::Consumer)[0]).unwrap();
         assert_eq!(record.algorithm, algorithm, "seed {seed}");
     }
+}
+
+/// Two engines wired by hand (no identity: every layer's identity empty,
+/// so the fingerprints agree) whose caches have another geometry, as a
+/// misconfigured side would: head size 64 against 32 (fp16: cells of 256
+/// and 128 bytes), or fp16 against fp32 elements at head size 64 (256 and
+/// 512). What each side registered tells it, and the payload extension
+/// and records carry it with no call: the load is UNVERIFIED
+/// (`GeometryDiffers`), naming the layer, the fact and both values,
+/// whether the consumer's KV is intact or corrupted, never a MISMATCH.
+/// The same geometry on both sides still matches.
+#[test]
+fn hand_wired_engines_of_another_head_size_or_element_width_are_unverified_never_a_mismatch() {
+    let mut rng =
+        Rng::for_test("hand_wired_engines_of_another_head_size_or_element_width_are_unverified_never_a_mismatch");
+    let seed = rng.seed();
+    let no_identity = |_: u32, _: u32| Vec::new();
+    let kinds = [
+        LayoutKind::Hnd,
+        LayoutKind::Nhd,
+        LayoutKind::KvSplit,
+        LayoutKind::HndKvSplit,
+    ];
+    // (what, the producer's K bytes per head and token, the consumer's).
+    let cases = [
+        ("head size 64 against 32 (fp16)", 128u32, 64u32),
+        ("head size 32 against 64 (fp16)", 64, 128),
+        ("fp16 against fp32 (head size 64)", 128, 256),
+        ("the same geometry", 128, 128),
+    ];
+    for (what, producer_k, consumer_k) in cases {
+        for round in 0..3 {
+            let num_tokens = 20 + rng.below(60);
+            let block_size = *rng.pick(&[8u32, 16, 32]);
+            let (p_tp, c_tp) = (1 + rng.below(2) as u32, 1 + rng.below(2) as u32);
+            let (p_kind, c_kind) = (*rng.pick(&kinds), *rng.pick(&kinds));
+            let p_kv = LogicalKv::random(&mut rng, KvShape::gqa(3, 4, producer_k, num_tokens));
+            // The same geometry: the same KV (a transfer); another: KV of its own shape.
+            let c_kv = if producer_k == consumer_k {
+                p_kv.clone()
+            } else {
+                LogicalKv::random(&mut rng, KvShape::gqa(3, 4, consumer_k, num_tokens))
+            };
+            let producer = deploy(
+                &mut rng,
+                p_tp,
+                1,
+                num_tokens,
+                &one_group(&p_kv, p_kind, block_size, 0),
+                &no_identity,
+            );
+            let mut consumer = deploy(
+                &mut rng,
+                c_tp,
+                1,
+                num_tokens,
+                &one_group(&c_kv, c_kind, block_size, 0),
+                &no_identity,
+            );
+            let context = format!("{what}, round {round}, seed {seed}: TP {p_tp} {p_kind:?} -> TP {c_tp} {c_kind:?}, block size {block_size}");
+            let payload = produce(&producer, true);
+            for corrupted in [false, true] {
+                if corrupted {
+                    consumer.corrupt(0, 0, 0, 1, rng.below(4 / c_tp as u64) as u32, rng.below(num_tokens));
+                }
+                let report = check(&consumer, &payload);
+                if producer_k == consumer_k {
+                    let expected = if corrupted { Verdict::Mismatch } else { Verdict::Match };
+                    assert_eq!(report.verdict, expected, "{context}: {}", report.message);
+                    continue;
+                }
+                assert_unverified(&report, Reason::GeometryDiffers, seed);
+                assert!(report.mismatches.is_empty(), "{context}: never a mismatch");
+                let (p_cell, c_cell) = (2 * producer_k, 2 * consumer_k);
+                for needle in [
+                    "layer 0".to_owned(),
+                    "cell_bytes".to_owned(),
+                    format!("the producer's {p_cell}, the consumer's {c_cell}"),
+                ] {
+                    assert!(
+                        report.message.contains(&needle),
+                        "{context}, corrupted {corrupted}: {needle:?} in {}",
+                        report.message
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A plain payload (vLLM's, WEIGHTED, no extension) carries no geometry:
+/// the limit SPEC section 10 states. Such hand-wired engines then compare
+/// their values, and the difference is a MISMATCH as corrupted data would
+/// be; with the extension (every MIXED2 producer sends it) it is
+/// UNVERIFIED.
+#[test]
+fn a_plain_payload_carries_no_geometry() {
+    let mut rng = Rng::for_test("a_plain_payload_carries_no_geometry");
+    let seed = rng.seed();
+    let no_identity = |_: u32, _: u32| Vec::new();
+    with_algorithm(kvcsum::Algorithm::Weighted, || {
+        let p_kv = LogicalKv::random(&mut rng, KvShape::gqa(2, 2, 128, 40));
+        let c_kv = LogicalKv::random(&mut rng, KvShape::gqa(2, 2, 64, 40));
+        let producer = deploy(
+            &mut rng,
+            1,
+            1,
+            40,
+            &one_group(&p_kv, LayoutKind::Hnd, 16, 0),
+            &no_identity,
+        );
+        let consumer = deploy(
+            &mut rng,
+            1,
+            1,
+            40,
+            &one_group(&c_kv, LayoutKind::Hnd, 16, 0),
+            &no_identity,
+        );
+        let verifier = consumer_verifier(&consumer, &consumer.records(Role::Consumer));
+        verifier.set_producer_block_size(0, 16).unwrap();
+        let report = verifier.check(REQ, Some(&produce(&producer, false))).unwrap();
+        assert_eq!(report.verdict, Verdict::Mismatch, "seed {seed}: {}", report.message);
+        let report = check(&consumer, &produce(&producer, true));
+        assert_unverified(&report, Reason::GeometryDiffers, seed);
+    });
 }

@@ -277,15 +277,56 @@ fn valid_inputs_decode() {
         ])
     );
     // A version-4 record (0.3.0's development builds) reads as one without
-    // short last values, and is written as version 5: the same bytes with
-    // a nil short_last before the group's stored outcomes.
+    // short last values and geometry, and is written as version 6: the
+    // same bytes with a nil short_last before the group's stored outcomes
+    // and an empty geometry after each group's decodings.
+    let mut as_version_6 = load_check.clone();
+    *as_version_6.at(&[1]) = V::U(6);
+    if let V::A(items) = as_version_6.at(&[6, 0, 2, 0]) {
+        items.insert(5, V::Nil);
+    }
+    if let V::A(items) = as_version_6.at(&[5, 0]) {
+        items.push(V::A(Vec::new()));
+    }
+    assert_eq!(decoded.encode(), as_version_6.bytes(), "shortest forms, same bytes");
+    assert_eq!(Record::decode(&as_version_6.bytes()).unwrap(), decoded);
+    // Version 5 (short last values, no geometry) reads the same.
     let mut as_version_5 = load_check.clone();
     *as_version_5.at(&[1]) = V::U(5);
     if let V::A(items) = as_version_5.at(&[6, 0, 2, 0]) {
         items.insert(5, V::Nil);
     }
-    assert_eq!(decoded.encode(), as_version_5.bytes(), "shortest forms, same bytes");
     assert_eq!(Record::decode(&as_version_5.bytes()).unwrap(), decoded);
+    // A version-6 record's geometry runs: sorted, not overlapping, cells of
+    // a positive multiple of 8 bytes with K shorter.
+    let run = |layer: u64, first: u64, heads: u64, cell: u64, k: u64| {
+        V::A(vec![V::U(layer), V::U(first), V::U(heads), V::U(cell), V::U(k)])
+    };
+    let with_geometry = |runs: Vec<V>| {
+        let mut record = as_version_6.clone();
+        *record.at(&[5, 0, 9]) = V::A(runs);
+        Record::decode(&record.bytes())
+    };
+    let good = with_geometry(vec![run(0, 0, 4, 256, 128), run(0, 4, 1, 136, 0), run(2, 0, 4, 256, 0)]).unwrap();
+    assert_eq!(good.groups[0].geometry.len(), 3);
+    assert_eq!(Record::decode(&good.encode()).unwrap(), good);
+    for (case, runs, needle) in [
+        (
+            "overlapping",
+            vec![run(0, 0, 4, 256, 0), run(0, 2, 4, 256, 0)],
+            "follows or overlaps",
+        ),
+        (
+            "out of order",
+            vec![run(2, 0, 4, 256, 0), run(0, 0, 4, 256, 0)],
+            "follows or overlaps",
+        ),
+        ("no heads", vec![run(0, 0, 0, 256, 0)], "num_heads 0"),
+        ("a cell of 12 bytes", vec![run(0, 0, 4, 12, 0)], "cell_bytes 12"),
+        ("K as long as the cell", vec![run(0, 0, 4, 256, 256)], "k_bytes 256"),
+    ] {
+        malformed(with_geometry(runs), needle, case);
+    }
     let payload = Payload::decode(&payload_value().bytes()).expect("valid payload");
     assert_eq!(payload.groups[1].values, vec![10, 11]);
     assert_eq!(payload.extension.as_ref().unwrap().groups[0].layers[1].first_head, 4);
@@ -377,9 +418,9 @@ fn every_malformed_record_class_is_rejected_with_a_message() {
             "version 3 is not supported",
         ),
         (
-            "version 6",
-            Box::new(|v| *v.at(&[1]) = V::U(6)),
-            "version 6 is not supported",
+            "version 7",
+            Box::new(|v| *v.at(&[1]) = V::U(7)),
+            "version 7 is not supported",
         ),
         (
             "version 5 with version 4's request groups (no short_last)",
@@ -932,6 +973,7 @@ fn a_short_last_value_of_two_or_off_the_last_position_is_refused() {
                 marks: Some(rng.next_u64()),
                 decodings: Vec::new(),
                 short_last: Some(short),
+                geometry: Vec::new(),
             }],
             algorithm: kvcsum::Algorithm::Mixed2,
         }),
@@ -1005,6 +1047,13 @@ fn mutated_encodings_never_panic() {
                 )],
                 // Position 18 holds token 299, the last.
                 short_last: Some(rng.next_u64()),
+                geometry: vec![kvcsum::LayerGeometry {
+                    layer_number: 3,
+                    first_head: 0,
+                    num_heads: 8,
+                    cell_bytes: 256,
+                    k_bytes: 128,
+                }],
             }],
             algorithm: kvcsum::Algorithm::Mixed,
         }),

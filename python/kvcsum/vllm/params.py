@@ -95,8 +95,8 @@ class PayloadSummary:
     judges them: `num_tokens`, the producer's block size per group where
     the kvcsum extension gives one, the positions it sent per group
     ({group: (first position, positions)}), and the groups whose short
-    last value (extension version 4: their last position over one token
-    fewer, SPEC section 9) it sent."""
+    last value (extension version 4 and later: their last position over
+    one token fewer, SPEC section 9) it sent."""
 
     num_tokens: int
     block_sizes: dict
@@ -116,12 +116,13 @@ def payload_summary(raw: bytes) -> PayloadSummary | None:
             return None
         sizes, short_last = {}, set()
         if len(plain) == 4 and isinstance(plain[3], list) and len(plain[3]) >= 3 and isinstance(plain[3][2], list):
-            version_4 = plain[3][0] == 4
+            # Version 4 groups have 7 elements, version 5 (the geometry last) 8.
+            group_len = {4: 7, 5: 8}.get(plain[3][0]) if is_int(plain[3][0]) else None
             for group in plain[3][2]:
                 if isinstance(group, list) and len(group) >= 2 and is_int(group[0]) and is_int(group[1]):
                     sizes[group[0]] = group[1]
-                    # A version-4 group's seventh element: a bin of no u64, or one.
-                    if version_4 and len(group) == 7 and isinstance(group[6], bytes) and len(group[6]) == 8:
+                    # A version-4 or -5 group's seventh element: a bin of no u64, or one.
+                    if group_len and len(group) == group_len and isinstance(group[6], bytes) and len(group[6]) == 8:
                         short_last.add(group[0])
         positions = {}
         if isinstance(plain[2], list):

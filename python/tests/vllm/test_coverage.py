@@ -38,6 +38,9 @@ def judged_uncompared(rng, b_p, n_p, p_first, p_count, b_c, n_c, c_first, c_coun
         payload = producer.payload("req")
     with kvcsum.Verifier(1) as consumer, kvcsum.Blocks() as scheduled:
         consumer.set_producer_block_size(0, b_p)
+        # As the connector's LoadJudge: it hands uncompared blocks to vLLM
+        # itself, so it opts out of the library's default (UNVERIFIED).
+        consumer.set_require_coverage(False)
         scheduled.add_request("req", n_c).add_group("req", 0, c_ids, c_first)
         consumer.expect(scheduled, kvcsum.CONSUMER)
         consumer.add_record(library.record(c_cache, b_c, n_c, c_first, c_ids, kvcsum.CONSUMER))
