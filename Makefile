@@ -203,6 +203,23 @@ $(VLLM_VENV)/.installed: $(VLLM_CONSTRAINTS) | $(BUILD)
 	$(VLLM_PIP) install --quiet --no-deps vllm==$(VLLM_VERSION)
 	touch $@
 
+# LMCache in the vLLM test venv (test_lmcache.py: vLLM's real
+# LMCacheConnectorV1 over LMCache's local CPU backend, bare and wrapped by
+# KvcsumConnector): LMCache itself without its dependencies (they declare
+# CUDA packages, exporters and clients the CPU test never imports) and the
+# packages its adapter, engine and CPU backend import, pinned by
+# python/tests/vllm/lmcache-constraints.txt (about 80 MB downloaded).
+LMCACHE_VERSION := 0.5.6
+LMCACHE_CONSTRAINTS := python/tests/vllm/lmcache-constraints.txt
+LMCACHE_PACKAGES := aiofile caio cffi cryptography llvmlite numba pycparser sortedcontainers uvicorn
+
+$(VLLM_VENV)/.lmcache: $(LMCACHE_CONSTRAINTS) $(VLLM_VENV)/.installed
+	$(VLLM_PIP) install --quiet -c $(VLLM_CONSTRAINTS) -c $(LMCACHE_CONSTRAINTS) $(LMCACHE_PACKAGES)
+	$(VLLM_PIP) install --quiet --no-deps lmcache==$(LMCACHE_VERSION)
+	touch $@
+
+vllm-test: $(VLLM_VENV)/.lmcache
+
 .PHONY: vllm-test
 vllm-test: lib $(VLLM_VENV)/.installed
 	cd $(BUILD) && $(E2E_ENV) VLLM_LOGGING_LEVEL=WARNING PYTHONWARNINGS=ignore $(VLLM_PY) -m pytest -q -s \
