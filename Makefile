@@ -174,6 +174,20 @@ e2e-test: lib $(VENV)/.nixl $(VENV)/.mooncake
 	$(E2E_ENV) $(VENV_PY) python/tests/e2e/mooncake_host.py
 	$(E2E_ENV) $(VENV_PY) examples/python/mooncake_transfer.py
 
+# Mooncake Store as a storage tier (python/tests/e2e/mooncake_store_host.py,
+# then its example examples/python/mooncake_store.py): a real mooncake_master
+# on 127.0.0.1 (shipped in the same mooncake-transfer-engine-non-cuda wheel,
+# with the store client; nothing more to install), started and stopped by
+# each script; a request's blocks put with their 16-byte stored checksums,
+# got back and checked, a bit flipped in the store named at its position,
+# range reads checked. Part of e2e-test.
+.PHONY: mooncake-store-test
+mooncake-store-test: lib $(VENV)/.mooncake
+	$(E2E_ENV) $(VENV_PY) python/tests/e2e/mooncake_store_host.py
+	$(E2E_ENV) $(VENV_PY) examples/python/mooncake_store.py
+
+e2e-test: mooncake-store-test
+
 # The vLLM tests (python/tests/vllm): kvcsum.vllm.KvcsumConnector wrapping a
 # small P/D connector in two engines of one process, each with vLLM's real
 # Scheduler and one worker connector per TP rank driven through vLLM's worker
