@@ -240,6 +240,36 @@ vllm-test: lib $(VLLM_VENV)/.installed
 	  -p no:cacheprovider -p no:warnings -p no:logging $(abspath python/tests/vllm)
 	cd $(BUILD) && $(E2E_ENV) $(VLLM_PY) -m pytest -q -p no:cacheprovider -m torch $(abspath python/tests)
 
+# The SGLang test (python/tests/sglang): kvcsum.sglang.KvcsumHiCacheStorage
+# created by SGLang's own StorageBackendFactory (the documented dynamic
+# backend) wrapping SGLang's file backend, pages round-tripped between
+# SGLang's real MHATokenToKVPoolHost and the files on the CPU. SGLang 0.5.23
+# goes into a venv of its own, build/sglang-venv: torch 2.14.1 with its CUDA
+# libraries, SGLang itself without its dependencies, and the packages its
+# HiCache, memory pool and storage modules import, pinned by
+# python/tests/sglang/constraints.txt (about 6 GB installed).
+SGLANG_VERSION := 0.5.23
+SGLANG_VENV := $(BUILD)/sglang-venv
+SGLANG_PY := $(abspath $(SGLANG_VENV))/bin/python
+SGLANG_PIP := $(SGLANG_PY) -m pip --disable-pip-version-check --cache-dir $(abspath $(BUILD))/pip-cache
+SGLANG_CONSTRAINTS := python/tests/sglang/constraints.txt
+SGLANG_PACKAGES := torch==2.14.1 numpy pytest orjson psutil pybase64 requests pillow starlette msgspec pydantic \
+	pyzmq tqdm IPython aiohttp transformers torchvision dill apache-tvm-ffi sentencepiece compressed-tensors gguf
+
+$(SGLANG_VENV)/.installed: $(SGLANG_CONSTRAINTS) | $(BUILD)
+	rm -rf $(SGLANG_VENV)
+	python3 -m venv $(SGLANG_VENV)
+	$(SGLANG_PIP) install --quiet -c $(SGLANG_CONSTRAINTS) $(SGLANG_PACKAGES)
+	$(SGLANG_PIP) install --quiet --no-deps sglang==$(SGLANG_VERSION)
+	touch $@
+
+.PHONY: sglang-test
+sglang-test: lib $(SGLANG_VENV)/.installed
+	cd $(BUILD) && $(E2E_ENV) PYTHONWARNINGS=ignore $(SGLANG_PY) -m pytest -q -s -p no:cacheprovider -p no:warnings \
+	  $(abspath python/tests/sglang)
+
+test: sglang-test
+
 c-test: $(BUILD)/c_tests
 	$(ASAN_ENV) $(BUILD)/c_tests
 
