@@ -11,8 +11,10 @@
 #                 tree, the dlopen example), the Python tests, the host
 #                 end-to-end test over NIXL and over Mooncake's Transfer
 #                 Engine, the vLLM tests (KvcsumConnector inside vLLM
-#                 0.33.0's scheduler and worker glue, on the CPU) and a
-#                 bounded fuzz run of the decoders; fetches what they need
+#                 0.33.0's scheduler and worker glue, on the CPU; LMCache
+#                 0.5.6 through vLLM's LMCacheConnectorV1), Mooncake Store
+#                 as a storage tier, the SGLang 0.5.23 HiCache storage
+#                 test and a bounded fuzz run of the decoders; fetches what they need
 #                 into build/
 #   make install  install under PREFIX (default /usr/local; DESTDIR honoured):
 #                 libkvcsum.so.X.Y.Z with SONAME libkvcsum.so.X, libkvcsum.a,
