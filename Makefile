@@ -11,8 +11,10 @@
 #                 tree, the dlopen example), the Python tests, the host
 #                 end-to-end test over NIXL and over Mooncake's Transfer
 #                 Engine, the vLLM tests (KvcsumConnector inside vLLM
-#                 0.33.0's scheduler and worker glue, on the CPU) and a
-#                 bounded fuzz run of the decoders; fetches what they need
+#                 0.33.0's scheduler and worker glue, on the CPU; LMCache
+#                 0.5.6 through vLLM's LMCacheConnectorV1), Mooncake Store
+#                 as a storage tier, the SGLang 0.5.23 HiCache storage
+#                 test and a bounded fuzz run of the decoders; fetches what they need
 #                 into build/
 #   make check    the fast lane, minutes: the Rust tests, the C tests, the
 #                 demo, the file tier example, the kvcsum.hpp test and the
@@ -205,6 +207,20 @@ e2e-test: lib $(VENV)/.nixl $(VENV)/.mooncake
 	$(E2E_ENV) $(VENV_PY) python/tests/e2e/mooncake_host.py
 	$(E2E_ENV) $(VENV_PY) examples/python/mooncake_transfer.py
 
+# Mooncake Store as a storage tier (python/tests/e2e/mooncake_store_host.py,
+# then its example examples/python/mooncake_store.py): a real mooncake_master
+# on 127.0.0.1 (shipped in the same mooncake-transfer-engine-non-cuda wheel,
+# with the store client; nothing more to install), started and stopped by
+# each script; a request's blocks put with their 16-byte stored checksums,
+# got back and checked, a bit flipped in the store named at its position,
+# range reads checked. Part of e2e-test.
+.PHONY: mooncake-store-test
+mooncake-store-test: lib $(VENV)/.mooncake
+	$(E2E_ENV) $(VENV_PY) python/tests/e2e/mooncake_store_host.py
+	$(E2E_ENV) $(VENV_PY) examples/python/mooncake_store.py
+
+e2e-test: mooncake-store-test
+
 # The vLLM tests (python/tests/vllm): kvcsum.vllm.KvcsumConnector wrapping a
 # small P/D connector in two engines of one process, each with vLLM's real
 # Scheduler and one worker connector per TP rank driven through vLLM's worker
@@ -234,11 +250,58 @@ $(VLLM_VENV)/.installed: $(VLLM_CONSTRAINTS) | $(BUILD)
 	$(VLLM_PIP) install --quiet --no-deps vllm==$(VLLM_VERSION)
 	touch $@
 
+# LMCache in the vLLM test venv (test_lmcache.py: vLLM's real
+# LMCacheConnectorV1 over LMCache's local CPU backend, bare and wrapped by
+# KvcsumConnector): LMCache itself without its dependencies (they declare
+# CUDA packages, exporters and clients the CPU test never imports) and the
+# packages its adapter, engine and CPU backend import, pinned by
+# python/tests/vllm/lmcache-constraints.txt (about 80 MB downloaded).
+LMCACHE_VERSION := 0.5.6
+LMCACHE_CONSTRAINTS := python/tests/vllm/lmcache-constraints.txt
+LMCACHE_PACKAGES := aiofile caio cffi cryptography llvmlite numba pycparser sortedcontainers uvicorn
+
+$(VLLM_VENV)/.lmcache: $(LMCACHE_CONSTRAINTS) $(VLLM_VENV)/.installed
+	$(VLLM_PIP) install --quiet -c $(VLLM_CONSTRAINTS) -c $(LMCACHE_CONSTRAINTS) $(LMCACHE_PACKAGES)
+	$(VLLM_PIP) install --quiet --no-deps lmcache==$(LMCACHE_VERSION)
+	touch $@
+
+vllm-test: $(VLLM_VENV)/.lmcache
+
 .PHONY: vllm-test
 vllm-test: lib $(VLLM_VENV)/.installed
 	cd $(BUILD) && $(E2E_ENV) VLLM_LOGGING_LEVEL=WARNING PYTHONWARNINGS=ignore $(VLLM_PY) -m pytest -q -s \
 	  -p no:cacheprovider -p no:warnings -p no:logging $(abspath python/tests/vllm)
 	cd $(BUILD) && $(E2E_ENV) $(VLLM_PY) -m pytest -q -p no:cacheprovider -m torch $(abspath python/tests)
+
+# The SGLang test (python/tests/sglang): kvcsum.sglang.KvcsumHiCacheStorage
+# created by SGLang's own StorageBackendFactory (the documented dynamic
+# backend) wrapping SGLang's file backend, pages round-tripped between
+# SGLang's real MHATokenToKVPoolHost and the files on the CPU. SGLang 0.5.23
+# goes into a venv of its own, build/sglang-venv: torch 2.14.1 with its CUDA
+# libraries, SGLang itself without its dependencies, and the packages its
+# HiCache, memory pool and storage modules import, pinned by
+# python/tests/sglang/constraints.txt (about 6 GB installed).
+SGLANG_VERSION := 0.5.23
+SGLANG_VENV := $(BUILD)/sglang-venv
+SGLANG_PY := $(abspath $(SGLANG_VENV))/bin/python
+SGLANG_PIP := $(SGLANG_PY) -m pip --disable-pip-version-check --cache-dir $(abspath $(BUILD))/pip-cache
+SGLANG_CONSTRAINTS := python/tests/sglang/constraints.txt
+SGLANG_PACKAGES := torch==2.14.1 numpy pytest orjson psutil pybase64 requests pillow starlette msgspec pydantic \
+	pyzmq tqdm IPython aiohttp transformers torchvision dill apache-tvm-ffi sentencepiece compressed-tensors gguf
+
+$(SGLANG_VENV)/.installed: $(SGLANG_CONSTRAINTS) | $(BUILD)
+	rm -rf $(SGLANG_VENV)
+	python3 -m venv $(SGLANG_VENV)
+	$(SGLANG_PIP) install --quiet -c $(SGLANG_CONSTRAINTS) $(SGLANG_PACKAGES)
+	$(SGLANG_PIP) install --quiet --no-deps sglang==$(SGLANG_VERSION)
+	touch $@
+
+.PHONY: sglang-test
+sglang-test: lib $(SGLANG_VENV)/.installed
+	cd $(BUILD) && $(E2E_ENV) PYTHONWARNINGS=ignore $(SGLANG_PY) -m pytest -q -s -p no:cacheprovider -p no:warnings \
+	  $(abspath python/tests/sglang)
+
+test: sglang-test
 
 c-test: $(BUILD)/c_tests
 	$(ASAN_ENV) $(BUILD)/c_tests

@@ -215,6 +215,8 @@ class Engine:
         record_exchange: bool = True,
         wire: bool = False,
         defer_finalize: bool = False,
+        record_layout: bool = False,
+        attn_metadata: object = None,
     ):
         """record_exchange: the ranks share an InProcessRecordExchange (off:
         they have none, as the workers of an engine with several PP stages).
@@ -222,7 +224,12 @@ class Engine:
         a pickled copy of its worker metadata, as vLLM's executors move them
         between processes. defer_finalize: vLLM's worker glue calls
         wait_for_save after it collected the step's connector output, as it
-        does with speculative decoding."""
+        does with speculative decoding. record_layout: the layout is recorded
+        on the cache config as vLLM's engine core records the one it resolved
+        (an inner connector that reads it, as LMCache does, needs it).
+        attn_metadata: the forward context's attention metadata in each step
+        (None, the default, as in a step with no attention; LMCache loads
+        nothing in such a step)."""
         global _hash_ready
         if not _hash_ready:
             init_none_hash(sha256)
@@ -261,6 +268,8 @@ class Engine:
             device_config=DeviceConfig("cpu"),
         )
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        if record_layout:
+            self.vllm_config.cache_config.kv_cache_layout = layout.name
         self.kv_cache_config = self._kv_cache_config(num_blocks, sliding_window)
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config,
@@ -294,6 +303,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.stats: list = []
         self.track_kv = track_kv
+        self.attn_metadata = attn_metadata
 
     def _kv_cache_config(self, num_blocks: int, sliding_window: int | None) -> KVCacheConfig:
         heads = TOTAL_KV_HEADS // self.tp
@@ -425,7 +435,7 @@ class Engine:
             if self.wire:
                 rank_sched = copy.copy(sched)
                 rank_sched.kv_connector_metadata = pickle.loads(pickle.dumps(sched.kv_connector_metadata))
-            with place(rank, self.tp), set_forward_context(None, self.vllm_config):
+            with place(rank, self.tp), set_forward_context(self.attn_metadata, self.vllm_config):
                 with KVConnectorModelRunnerMixin._get_kv_connector_output(rank_sched, defer_finalize=self.defer_finalize) as kv_out:
                     self._forward(rank, state, kv_out)
                 if self.defer_finalize:
