@@ -1370,6 +1370,22 @@ typedef kvcs_status (*kvcs_payload_short_last_fn)(const kvcs_payload *payload,
                                                   size_t cap,
                                                   size_t *len);
 
+// The type of `kvcs_blocks_add_arrays`.
+typedef kvcs_status (*kvcs_blocks_add_arrays_fn)(kvcs_blocks *blocks,
+                                                 size_t num_requests,
+                                                 const char *req_ids,
+                                                 const size_t *req_id_ends,
+                                                 const uint64_t *num_tokens,
+                                                 const size_t *group_ends,
+                                                 size_t num_groups,
+                                                 const uint32_t *group_ids,
+                                                 const uint64_t *first_positions,
+                                                 const size_t *block_ends,
+                                                 size_t num_block_ids,
+                                                 const uint32_t *block_ids,
+                                                 const uint8_t *hashes,
+                                                 size_t hash_bytes);
+
 // The type of `kvcs_result_column_buf`.
 typedef kvcs_status (*kvcs_result_column_buf_fn)(const kvcs_result *result,
                                                  const char *req_id,
@@ -1662,13 +1678,15 @@ typedef struct {
   kvcs_report_uncompared_fn kvcs_report_uncompared;
   // Slot 118: `kvcs_payload_short_last`.
   kvcs_payload_short_last_fn kvcs_payload_short_last;
-  // Slot 119: `kvcs_result_column_buf`.
+  // Slot 119: `kvcs_blocks_add_arrays`.
+  kvcs_blocks_add_arrays_fn kvcs_blocks_add_arrays;
+  // Slot 120: `kvcs_result_column_buf`.
   kvcs_result_column_buf_fn kvcs_result_column_buf;
-  // Slot 120: `kvcs_result_stored_buf`.
+  // Slot 121: `kvcs_result_stored_buf`.
   kvcs_result_stored_buf_fn kvcs_result_stored_buf;
-  // Slot 121: `kvcs_result_entries_buf`.
+  // Slot 122: `kvcs_result_entries_buf`.
   kvcs_result_entries_buf_fn kvcs_result_entries_buf;
-  // Slot 122: `kvcs_result_check_entries_buf`.
+  // Slot 123: `kvcs_result_check_entries_buf`.
   kvcs_result_check_entries_buf_fn kvcs_result_check_entries_buf;
 } kvcs_api;
 
@@ -1719,6 +1737,44 @@ kvcs_status kvcs_blocks_set_hashes(kvcs_blocks *blocks,
                                    const uint8_t *hashes,
                                    size_t hash_bytes,
                                    size_t n);
+
+// Adds `num_requests` requests with their groups and blocks in one call,
+// from arrays in compressed rows (docs/SPEC.md#5-request-block-sets), as
+// `kvcs_blocks_add_request`, `kvcs_blocks_add_group` and
+// `kvcs_blocks_set_hashes` would one request and group at a time:
+//
+// - request `i`'s id is bytes `req_id_ends[i - 1] .. req_id_ends[i]` of
+//   `req_ids` (from 0 for `i = 0`; UTF-8 without NUL, non-empty, new to
+//   this set and to these arrays; no terminating NUL), its token count `num_tokens[i]`, its
+//   groups `group_ends[i - 1] .. group_ends[i]` of the group arrays;
+// - group `g` (of `num_groups`) is `group_ids[g]` (once per request), its
+//   first block at position `first_positions[g]`, its blocks
+//   `block_ends[g - 1] .. block_ends[g]` of `block_ids` (of
+//   `num_block_ids`);
+// - `hashes`, NULL or `num_block_ids * hash_bytes` bytes: a block hash per
+//   block id, as `kvcs_blocks_set_hashes` gives them (`hash_bytes` at
+//   least 8), for every group; with NULL `hash_bytes` is ignored.
+//
+// Each `*_ends` array never decreases and its last entry is the length of
+// what it divides (`req_id_ends[num_requests - 1]` the bytes of `req_ids`,
+// `group_ends[num_requests - 1] == num_groups`, `block_ends[num_groups -
+// 1] == num_block_ids`). An array of length 0 may be NULL. Every argument
+// is checked before the set changes: on an error (`KVCS_ERR_INVALID_ARGUMENT`,
+// the message naming the argument and entry) nothing is added.
+kvcs_status kvcs_blocks_add_arrays(kvcs_blocks *blocks,
+                                   size_t num_requests,
+                                   const char *req_ids,
+                                   const size_t *req_id_ends,
+                                   const uint64_t *num_tokens,
+                                   const size_t *group_ends,
+                                   size_t num_groups,
+                                   const uint32_t *group_ids,
+                                   const uint64_t *first_positions,
+                                   const size_t *block_ends,
+                                   size_t num_block_ids,
+                                   const uint32_t *block_ids,
+                                   const uint8_t *hashes,
+                                   size_t hash_bytes);
 
 // Creates a counter expecting `expected_workers` (at least 1) reports per
 // request and direction; `*out` owns it.
