@@ -144,7 +144,7 @@ mod tests {
     fn every_c_enum_converts_both_ways_and_names_its_values() {
         assert_eq!(check_enum!(kvcs_status), 10);
         assert_eq!(check_enum!(kvcs_verdict), 3);
-        assert_eq!(check_enum!(kvcs_unverified_reason), 18);
+        assert_eq!(check_enum!(kvcs_unverified_reason), 19);
         assert_eq!(check_enum!(kvcs_policy), 2);
         assert_eq!(check_enum!(kvcs_role), 2);
         assert_eq!(check_enum!(kvcs_algorithm), 3);
