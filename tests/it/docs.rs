@@ -21,10 +21,9 @@ fn flat(doc: &str) -> String {
 fn verification_md_names_the_record_version_written_and_the_one_still_read() {
     let text = flat(&read("docs/verification.md"));
     let written = kvcsum::record::RECORD_VERSION;
-    let said = format!(
-        "this library writes version {written} and reads versions {} and {written}",
-        written - 1
-    );
+    // Versions 4 (0.3.0's development builds, no short last values) and 5
+    // (no geometry) are still read (src/record.rs).
+    let said = format!("this library writes version {written} and reads versions 4 to {written}");
     assert!(
         text.contains(&said),
         "docs/verification.md does not say \"{said}\" (src/record.rs writes version {written})"
