@@ -148,7 +148,7 @@ fn every_pair_of_block_sizes_is_compared_only_where_the_producers_is_known() {
 fn configuration_changes_are_never_a_mismatch_nor_a_match_without_help() {
     let seed = support::run_seed();
     eprintln!(
-        "[configuration property] seed {seed}: rerun with KVCS_TEST_SEED={seed} cargo test --release --test verdict_property -- --nocapture"
+        "[configuration property] seed {seed}: rerun with KVCS_TEST_SEED={seed} cargo test --release --test it verdict_property:: -- --nocapture"
     );
     let indices: Vec<u64> = match env_u64("KVCS_PROPERTY_CASE") {
         Some(index) => vec![index],
