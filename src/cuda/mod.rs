@@ -513,7 +513,8 @@ struct DevicePending {
     num_values: usize,
     /// Stored values a load check gathers into the slot.
     num_gathered: usize,
-    /// The values of a call that read nothing (see `stored_alone`).
+    /// The values of a call that launched no checksum kernel (nothing to
+    /// read): the empty sums, zeros.
     zeros: Option<Vec<u64>>,
 }
 
