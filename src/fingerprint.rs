@@ -15,6 +15,7 @@ use sha2::{Digest, Sha256};
 
 use crate::decoding::{merge_geometry, LayerDecoding, LayerGeometry};
 use crate::layout::Group;
+use crate::placement::GroupPlacement;
 
 /// `LE_u64(SHA-256(identity)[0..8])`: one layer's share of its group's
 /// fingerprint.
@@ -109,6 +110,28 @@ pub fn geometry_digest(geometry: &[LayerGeometry]) -> u64 {
         }
         sum.wrapping_add(layer_fingerprint(&bytes))
     })
+}
+
+/// The digest of a group's placement (SPEC sections 8 and 16) that a
+/// stored entry's configuration adds to the geometry's: 0 for the default
+/// placement (so stamps stored before placements existed still read as
+/// the worker's own), else `LE_u64(SHA-256("kvcsum placement" ||
+/// LE_u32(dcp_size) || LE_u32(dcp_rank) || LE_u32(interleave) ||
+/// LE_u32(tokens_per_slot))[0..8])`.
+pub fn placement_digest(placement: &GroupPlacement) -> u64 {
+    if placement.is_default() {
+        return 0;
+    }
+    let mut bytes = b"kvcsum placement".to_vec();
+    for word in [
+        placement.dcp_size,
+        placement.dcp_rank,
+        placement.interleave,
+        placement.tokens_per_slot,
+    ] {
+        bytes.extend(word.to_le_bytes());
+    }
+    layer_fingerprint(&bytes)
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@ use crate::error::{err, Result};
 use crate::fingerprint::{group_fingerprint, group_marks};
 use crate::host;
 use crate::layout::{Alias, LayerSpec, Layout, Region, Role, StoredBuffer};
+use crate::placement::GroupPlacement;
 use crate::plan::Plan;
 use crate::record_facts::{GroupInfo, Rank};
 use crate::result::{Checksums, DetailValues, RecordInfo, StoredExpectation, StoredValues, Values};
@@ -64,6 +65,7 @@ fn group_infos(layout: &Layout) -> Vec<GroupInfo> {
             coverage: group.coverage(),
             decodings: group.decodings(),
             geometry: group.geometry(),
+            placement: group.placement(),
         })
         .collect();
     infos.sort_by_key(|info| info.group_id);
@@ -214,6 +216,30 @@ impl Worker {
     /// Registers a group of layers sharing one block table.
     pub fn add_group(&mut self, group_id: u32, block_size: u32) -> Result<()> {
         self.layout.add_group(group_id, block_size)?;
+        self.layout_changed();
+        Ok(())
+    }
+
+    /// Sets where `group_id`'s tokens sit in this worker's caches (SPEC
+    /// section 16: DCP shard, tokens per slot), before any of its layers
+    /// (see [`Layout::set_group_placement`]); on error nothing changes.
+    pub fn set_group_placement(&mut self, group_id: u32, placement: GroupPlacement) -> Result<()> {
+        if let Engine::Device(_) = &self.engine {
+            if placement.is_spread() {
+                // The kernels number a unit's slots consecutively from the
+                // row's first unit, which compressed slots (numbered by the
+                // plan) are and DCP shards are not: refuse rather than
+                // compute values that would mismatch intact KV.
+                return Err(err!(
+                    Unsupported,
+                    "group_id {group_id}: the device engine does not checksum DCP shards yet (dcp_size {}, dcp_rank {}, interleave {}); use a host worker, or dcp_size 1",
+                    placement.dcp_size,
+                    placement.dcp_rank,
+                    placement.interleave
+                ));
+            }
+        }
+        self.layout.set_group_placement(group_id, placement)?;
         self.layout_changed();
         Ok(())
     }

@@ -24,7 +24,7 @@ use super::result::kvcs_result;
 use super::status::kvcs_status;
 use super::topology::{kvcs_head_source, kvcs_local_engine, kvcs_remote_engine, kvcs_topology};
 use super::verifier::kvcs_verifier;
-use super::worker::{kvcs_layer, kvcs_segment, kvcs_state, kvcs_worker, kvcs_worker_options};
+use super::worker::{kvcs_group_placement, kvcs_layer, kvcs_segment, kvcs_state, kvcs_worker, kvcs_worker_options};
 
 /// The type of `kvcs_abi_version`.
 pub type kvcs_abi_version_fn = unsafe extern "C" fn() -> u32;
@@ -634,6 +634,12 @@ pub type kvcs_result_check_entries_buf_fn = unsafe extern "C" fn(
     cap: usize,
     len: *mut usize,
 ) -> kvcs_status;
+/// The type of `kvcs_worker_set_group_placement`.
+pub type kvcs_worker_set_group_placement_fn = unsafe extern "C" fn(
+    worker: *mut kvcs_worker,
+    group_id: u32,
+    placement: *const kvcs_group_placement,
+) -> kvcs_status;
 /// The type of `kvcs_api_get`.
 pub type kvcs_api_get_fn = unsafe extern "C" fn(abi_version: u32, out: *mut *const kvcs_api) -> kvcs_status;
 
@@ -903,6 +909,8 @@ pub struct kvcs_api {
     pub kvcs_result_entries_buf: kvcs_result_entries_buf_fn,
     /// Slot 123: `kvcs_result_check_entries_buf`.
     pub kvcs_result_check_entries_buf: kvcs_result_check_entries_buf_fn,
+    /// Slot 124: `kvcs_worker_set_group_placement`.
+    pub kvcs_worker_set_group_placement: kvcs_worker_set_group_placement_fn,
 }
 
 /// The table `kvcs_api_get` gives out.
@@ -1033,4 +1041,5 @@ pub(crate) static API: kvcs_api = kvcs_api {
     kvcs_result_stored_buf: super::result::kvcs_result_stored_buf,
     kvcs_result_entries_buf: super::result::kvcs_result_entries_buf,
     kvcs_result_check_entries_buf: super::result::kvcs_result_check_entries_buf,
+    kvcs_worker_set_group_placement: super::worker::kvcs_worker_set_group_placement,
 };
