@@ -71,7 +71,24 @@ pub fn group_fingerprint(group: &Group) -> u64 {
 pub fn group_marks(group: &Group) -> u64 {
     let aliases = (group.aliases.len() as u64).wrapping_mul(mark(ALIAS_MARK));
     let shard_keyed = group.states.iter().filter(|state| !state.spec.split_known).count() as u64;
-    aliases.wrapping_add(shard_keyed.wrapping_mul(mark(SHARD_KEYED_MARK)))
+    aliases
+        .wrapping_add(shard_keyed.wrapping_mul(mark(SHARD_KEYED_MARK)))
+        .wrapping_add(slots_mark(group))
+}
+
+/// The marks of compressed slots (SPEC section 16): with `k =
+/// tokens_per_slot > 1`, each layer number of the group counts
+/// `mark("kvcsum tokens per slot " || decimal k)`, so that sides whose
+/// slots summarise other numbers of tokens (one of them per token) never
+/// compare; 0 with one slot per token. DCP adds no mark: the verifier sums
+/// its shards before anything crosses between engines.
+fn slots_mark(group: &Group) -> u64 {
+    let k = group.placement().tokens_per_slot;
+    if k == 1 {
+        return 0;
+    }
+    let layers: std::collections::BTreeSet<u32> = group.layers.iter().map(|l| l.spec.layer_number).collect();
+    (layers.len() as u64).wrapping_mul(mark(format!("kvcsum tokens per slot {k}").as_bytes()))
 }
 
 /// The layer decodings of a group as one number (SPEC section 8): the sum

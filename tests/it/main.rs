@@ -28,6 +28,7 @@ mod replicas;
 mod spec;
 mod state;
 mod stored;
+mod token_placement;
 mod validation;
 mod verdict_property;
 mod verdicts;
