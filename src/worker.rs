@@ -224,21 +224,6 @@ impl Worker {
     /// section 16: DCP shard, tokens per slot), before any of its layers
     /// (see [`Layout::set_group_placement`]); on error nothing changes.
     pub fn set_group_placement(&mut self, group_id: u32, placement: GroupPlacement) -> Result<()> {
-        if let Engine::Device(_) = &self.engine {
-            if placement.is_spread() {
-                // The kernels number a unit's slots consecutively from the
-                // row's first unit, which compressed slots (numbered by the
-                // plan) are and DCP shards are not: refuse rather than
-                // compute values that would mismatch intact KV.
-                return Err(err!(
-                    Unsupported,
-                    "group_id {group_id}: the device engine does not checksum DCP shards yet (dcp_size {}, dcp_rank {}, interleave {}); use a host worker, or dcp_size 1",
-                    placement.dcp_size,
-                    placement.dcp_rank,
-                    placement.interleave
-                ));
-            }
-        }
         self.layout.set_group_placement(group_id, placement)?;
         self.layout_changed();
         Ok(())
