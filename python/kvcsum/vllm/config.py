@@ -33,6 +33,7 @@ KNOWN_KEYS: dict[str, str] = {
     "tier_values": "a positive number of blocks",
     "log_matches": "true or false",
     "algorithm": "'mixed2', 'mixed' or 'weighted'",
+    "unfailable_sync_loads": "'async' or 'decline'",
 }
 
 #: The names the "algorithm" setting takes (docs/SPEC.md section 12).
@@ -76,6 +77,11 @@ class Settings:
     #: other side learns it from the records and the payload's extension,
     #: and a difference is UNVERIFIED (ALGORITHM_DIFFERS), never MISMATCH.
     algorithm: int = ALGORITHMS["mixed2"]
+    #: A verified sync load vLLM could not fail (several KV cache groups;
+    #: a sync P/D load whose records cannot meet in its step): "async" hands
+    #: it to vLLM as an async load, checked before vLLM uses it
+    #: (kvcsum.vllm.load_order), "decline" has vLLM compute its tokens.
+    async_unfailable_sync_loads: bool = True
 
     @classmethod
     def of(cls, extra: dict | None) -> "Settings":
@@ -98,6 +104,7 @@ class Settings:
             fail_unverified_tier=_choice(extra, "unverified_tier", ("log", "fail")) == "fail",
             tier_values=tier_values,
             algorithm=ALGORITHMS[_choice(extra, "algorithm", tuple(ALGORITHMS))],
+            async_unfailable_sync_loads=_choice(extra, "unfailable_sync_loads", ("async", "decline")) == "async",
         )
 
 

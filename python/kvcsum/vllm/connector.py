@@ -33,6 +33,14 @@ Settings (kv_connector_extra_config):
   from the payload's extension (a plain vLLM payload means weighted); a
   difference makes loads UNVERIFIED (ALGORITHM_DIFFERS), never MISMATCH.
 
+- "unfailable_sync_loads": "async" (default) or "decline": what becomes of
+  a verified sync load that vLLM could not take back if it failed (several
+  KV cache groups; a sync P/D load whose workers' records cannot meet in
+  its step, as with several PP stages): handed to vLLM as an async load,
+  checked in the step it is done before vLLM uses it, or declined so that
+  vLLM computes its tokens (kvcsum.vllm.load_order; a wrapped connector
+  that loads only the step's scheduled requests is always declined).
+
 Any other key is refused at startup, naming the valid ones
 (kvcsum.vllm.config.KNOWN_KEYS).
 
@@ -103,6 +111,7 @@ from kvcsum.vllm.config import (
     total_kv_heads,
     transfer_block_sizes,
 )
+from kvcsum.vllm.load_order import records_meet_in_step
 from kvcsum.vllm.scheduler import SchedulerRole
 from kvcsum.vllm.stats import KvcsumCombinedStats, KvcsumStats
 from kvcsum.vllm.worker_role import WorkerRole
@@ -164,6 +173,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
                 self._inner_name,
                 str(self._kv_transfer_config.kv_load_failure_policy),
                 hash_block_size=int(vllm_config.cache_config.block_size),
+                records_meet=records_meet_in_step(vllm_config),
             )
         else:
             self._worker = WorkerRole(kv_cache_config, total_kv_heads(vllm_config), self._settings, vllm_config=vllm_config)
@@ -364,7 +374,15 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
         return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return self._worker.transfer_results(self._inner.get_transfer_results(finished_req_ids), finished_req_ids)
+        inner = self._inner.get_transfer_results(finished_req_ids)
+        meta = self._connector_metadata
+        converted = meta.converted if isinstance(meta, KvcsumConnectorMetadata) else None
+        if converted:
+            # The wrapped connector's sync loads that vLLM sees as async
+            # (kvcsum.vllm.load_order): done in this step's start_load_kv,
+            # so received now, and checked as any async load.
+            inner.finished_recving = set(inner.finished_recving or ()) | (set(converted) - set(finished_req_ids or ()))
+        return self._worker.transfer_results(inner, finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors(self._inner.get_block_ids_with_load_errors())

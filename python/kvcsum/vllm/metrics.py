@@ -54,7 +54,12 @@ COUNTERS = (
     ("vllm:kvcsum_payloads_missing", "payloads_missing", (),
      "Producer requests that went without checksums (a worker's did not arrive in time, or could not be made)."),
     ("vllm:kvcsum_sync_loads_declined", "sync_loads_declined", (),
-     "Sync loads declined because vLLM could not fail them (several KV cache groups); vLLM computed those tokens."),
+     "Sync loads declined because vLLM could not fail them (several KV cache groups, or a sync P/D load whose "
+     "workers' records cannot meet in its step) and they could not go to vLLM as async loads; vLLM computed those "
+     "tokens."),
+    ("vllm:kvcsum_sync_loads_as_async", "sync_loads_as_async", (),
+     "The wrapped connector's sync loads that vLLM could not fail, handed to vLLM as async loads: checked in the step "
+     "they are done, before vLLM uses them."),
     ("vllm:kvcsum_sources_rechecked", "sources_rechecked", (),
      "Sent requests whose blocks the producer checksummed again when the wrapped connector reported them sent."),
     ("vllm:kvcsum_sources_changed", "sources_changed", (),
