@@ -39,6 +39,7 @@ import time
 from typing import Iterable, Mapping, Sequence
 
 import kvcsum
+from kvcsum.vllm import cache_kinds
 
 __all__ = [
     "LayerSpec",
@@ -79,6 +80,15 @@ class LayerSpec:
     total_kv_heads: int | None = None
     kind: str = "attention"
     unsupported: str = ""
+    #: Head slots of the cache where they are not one per KV head (nvfp4:
+    #: 2 * num_kv_heads, K slots then V slots); 0 otherwise.
+    num_slots: int = 0
+    #: Bytes of one head's (slot's) cell where the spec packs it
+    #: (`state_content_bytes`: quantized cells with their scales); 0: dense.
+    cell_bytes: int = 0
+    #: A state layer's tensors (MambaSpec: conv, then ssm): shapes and dtypes.
+    state_shapes: tuple = ()
+    state_dtypes: tuple = ()
 
 
 @dataclasses.dataclass
@@ -130,8 +140,9 @@ def _describe(tensor, spec: LayerSpec, num_blocks: int):
     shape is not one vLLM uses for this spec."""
     shape = tuple(int(n) for n in tensor.shape)
     item = int(tensor.element_size())
-    heads = 1 if spec.is_mla else spec.num_kv_heads
+    heads = spec.num_slots or (1 if spec.is_mla else spec.num_kv_heads)
     content = spec.head_size + spec.head_size_v
+    cell = spec.cell_bytes or content * _dtype_bytes(spec, item)
     tokens = spec.block_size
 
     def kernel_blocks(count: int) -> int:
@@ -146,17 +157,17 @@ def _describe(tensor, spec: LayerSpec, num_blocks: int):
     if len(shape) == 4:
         # vLLM's per-layer view [B, H, N, C] (C: K then V of a head's token).
         B, H, N, C = shape
-        if H == heads and C * item == content * _dtype_bytes(spec, item):
+        if H == heads and C * item == cell:
             candidates.append(("BHTD", B, N))
     if len(shape) == 5 and shape[0] == 2:
         # FlashAttention [2, B, N, H, D].
         _, B, N, H, D = shape
-        if H == heads and D == spec.head_size == spec.head_size_v:
+        if H == heads and D == spec.head_size == spec.head_size_v and not spec.cell_bytes:
             candidates.append(("KBTHD", B, N))
     if len(shape) == 5 and shape[1] == 2:
         # FlashInfer [B, 2, N, H, D] (HND through its strides).
         B, _, N, H, D = shape
-        if H == heads and D == spec.head_size == spec.head_size_v:
+        if H == heads and D == spec.head_size == spec.head_size_v and not spec.cell_bytes:
             candidates.append(("BKTHD", B, N))
     if len(shape) == 3 and spec.is_mla:
         # MLA [B, N, latent].
@@ -171,7 +182,7 @@ def _describe(tensor, spec: LayerSpec, num_blocks: int):
             return layout, ratio
     raise ValueError(
         f"its cache of shape {shape} is no layout kvcsum knows for {heads} heads, "
-        f"{tokens}-token blocks and {content}-element cells over {num_blocks} blocks"
+        f"{tokens}-token blocks and {cell}-byte cells over {num_blocks} blocks"
     )
 
 
@@ -297,6 +308,11 @@ class CacheChecksummer:
             for layer in plan["layers"]:
                 worker.add_layer(layer)
                 self.layers_registered += 1
+            for number, tensors, ident in plan["states"]:
+                # MambaSpec does not say along which dimension TP splits the
+                # state: shard-keyed (compared between equal TP sizes only).
+                worker.add_state(group_id, number, tensors, num_blocks, split_known=False, identity=ident)
+                self.layers_registered += 1
             for number, target, ident in plan["aliases"]:
                 worker.add_alias(group_id, number, target, ident)
             self.fingerprints[group_id] = sum(
@@ -304,17 +320,21 @@ class CacheChecksummer:
             ) % 2**64
 
     def _plan_group(self, group_id: int, specs: list, kv_caches, num_blocks: int) -> dict:
-        """The kvcsum layers and aliases of one group; ValueError names why
-        the group cannot be checksummed."""
+        """The kvcsum layers, state layers and aliases of one group
+        (kvcsum.vllm.cache_kinds: the rules of each kind); ValueError names
+        why the group cannot be checksummed."""
         block_size = self.group_block_sizes.get(group_id)
         caches: dict = {}  # (data_ptr, strides, shape) -> [numbers, spec, tensor, identities]
+        kinds = {spec.kind for spec in specs}
+        if len(kinds) > 1:
+            raise ValueError(f"it holds layers of kinds {sorted(kinds)}")
         for spec in specs:
-            if spec.kind != "attention":
-                raise ValueError(spec.unsupported or f"layer {spec.name} is a {spec.spec_type}, not attention")
             if spec.unsupported:
                 raise ValueError(spec.unsupported)
-            if block_size is not None and spec.block_size != block_size:
+            if spec.kind == "attention" and block_size is not None and spec.block_size != block_size:
                 raise ValueError(f"layer {spec.name} has {spec.block_size}-token blocks, its group {block_size}")
+            if spec.kind == "state" and not spec.state_shapes:
+                raise ValueError(f"layer {spec.name} is a {spec.spec_type} kvcsum has no rule for")
             tensor = kv_caches[spec.name]
             number = layer_number(spec.name)
             key = (int(tensor.data_ptr()), tuple(tensor.stride()), tuple(tensor.shape))
@@ -322,33 +342,55 @@ class CacheChecksummer:
             entry = caches.setdefault(key, {"numbers": [], "spec": spec, "tensor": tensor, "idents": []})
             entry["numbers"].append(number)
             entry["idents"].append((number, ident))
-        layers, aliases, used = [], [], set()
-        for entry in caches.values():
+        layers, states, aliases = [], [], []
+        # Several caches of one layer number (an MLA cache and its indexer's,
+        # a head-slot cache's K and V slots): heads one cache after the other,
+        # in layer-name order (SPEC section 1).
+        next_head: dict[int, int] = {}
+        used_states: set = set()
+        for entry in sorted(caches.values(), key=lambda e: (min(e["numbers"]), e["spec"].name)):
             spec, tensor = entry["spec"], entry["tensor"]
             target = min(entry["numbers"])
-            if target in used:
-                raise ValueError(f"two of its KV caches share layer number {target}")
-            used.add(target)
-            layout, kernel_blocks = _describe(tensor, spec, num_blocks)
-            first_head, replicas, replica_index = self._heads(spec)
             target_ident = next(i for n, i in entry["idents"] if n == target)
-            layers.append(
-                kvcsum.layer(
-                    tensor,
-                    layout,
-                    layer_number=target,
-                    group_id=group_id,
-                    first_head=first_head,
-                    kernel_blocks=kernel_blocks,
-                    replicas=replicas,
-                    replica_index=replica_index,
-                    identity=target_ident,
-                )
-            )
             for number, ident in entry["idents"]:
                 if ident is not target_ident:
                     aliases.append((number, target, ident))
-        return {"layers": layers, "aliases": aliases, "tensors": [e["tensor"] for e in caches.values()]}
+            if spec.kind == "state":
+                if target in used_states:
+                    raise ValueError(f"two of its state caches share layer number {target}")
+                used_states.add(target)
+                states.append((target, cache_kinds.state_tensors(tensor, spec, self.tp_rank), target_ident))
+                continue
+            layout, kernel_blocks = _describe(tensor, spec, num_blocks)
+            offset = next_head.get(target, 0)
+            next_head[target] = offset + cache_kinds.global_heads(spec, self.tp_size)
+            first_head, replicas, replica_index = self._heads(spec)
+            parts = [(tensor, first_head + offset)]
+            if spec.num_slots:
+                # K slots then V slots: the V slots' heads after every K slot's.
+                half = spec.num_slots // 2
+                total = cache_kinds.global_heads(spec, self.tp_size) // 2
+                parts = [(tensor[:, :half], first_head + offset), (tensor[:, half:], first_head + offset + total)]
+            for view, head in parts:
+                layers.append(
+                    kvcsum.layer(
+                        view,
+                        layout,
+                        layer_number=target,
+                        group_id=group_id,
+                        first_head=head,
+                        kernel_blocks=kernel_blocks,
+                        replicas=replicas,
+                        replica_index=replica_index,
+                        identity=target_ident if head == parts[0][1] else b"",
+                    )
+                )
+        return {
+            "layers": layers,
+            "states": states,
+            "aliases": aliases,
+            "tensors": [e["tensor"] for e in caches.values()],
+        }
 
     def _heads(self, spec: LayerSpec) -> tuple[int, int, int]:
         """(first global head, replicas, replica index) of this rank's heads."""

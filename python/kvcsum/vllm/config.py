@@ -174,9 +174,12 @@ def total_kv_heads(vllm_config: "VllmConfig") -> int | None:
         return None
 
 
-def layer_specs(kv_cache_config: "KVCacheConfig", total_kv_heads: int | None) -> tuple[list, dict]:
-    """LayerSpecs of every layer in the transfer groups, and {group: block size}."""
-    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
+def layer_specs(kv_cache_config: "KVCacheConfig", total_kv_heads: int | None, dcp_size: int = 1) -> tuple[list, dict]:
+    """LayerSpecs of every layer in the transfer groups (each kind's fields:
+    kvcsum.vllm.cache_kinds), and {group: block size}."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, UniformTypeKVCacheSpecs
+
+    from kvcsum.vllm.cache_kinds import describe_spec
 
     specs, block_sizes = [], {}
     for group_id in kv_cache_config.transfer_group_ids:
@@ -186,34 +189,10 @@ def layer_specs(kv_cache_config: "KVCacheConfig", total_kv_heads: int | None) ->
             spec = group.kv_cache_spec
             if isinstance(spec, UniformTypeKVCacheSpecs):
                 spec = spec.kv_cache_specs[name]
-            common = dict(
-                name=name,
-                group_id=group_id,
-                spec_type=type(spec).__name__,
-                block_size=int(spec.block_size),
-                dtype=str(getattr(spec, "dtype", None)),
-            )
-            unsupported = ""
+            fields = describe_spec(name, group_id, spec, total_kv_heads, dcp_size, isinstance(spec, MLAAttentionSpec))
             if getattr(group, "host_resident", False):
-                unsupported = "its KV is host-resident"
-            if not isinstance(spec, AttentionSpec) or not getattr(spec, "has_layer_views", True):
-                specs.append(LayerSpec(**common, kind="state", unsupported=unsupported or f"{type(spec).__name__} has no per-token KV blocks"))
-                continue
-            if getattr(spec, "tokens_per_state", 1) != 1:
-                unsupported = f"{type(spec).__name__} stores {spec.tokens_per_state} tokens per state"
-            elif getattr(spec, "num_head_slots", None) is not None:
-                unsupported = "its KV heads are packed into head slots"
-            specs.append(
-                LayerSpec(
-                    **common,
-                    num_kv_heads=int(spec.num_kv_heads),
-                    head_size=int(spec.head_size),
-                    head_size_v=int(getattr(spec, "head_size_v", spec.head_size) or 0),
-                    is_mla=isinstance(spec, MLAAttentionSpec),
-                    total_kv_heads=total_kv_heads,
-                    unsupported=unsupported,
-                )
-            )
+                fields["unsupported"] = "its KV is host-resident"
+            specs.append(LayerSpec(**fields))
     return specs, block_sizes
 
 
@@ -229,6 +208,12 @@ def group_fingerprint(kv_cache_config: "KVCacheConfig", group_id: int, block_siz
             spec = spec.kv_cache_specs[name]
         total += layer_fingerprint(name, type(spec).__name__, block_size, str(getattr(spec, "dtype", None)))
     return total % 2**64
+
+
+def dcp_size(vllm_config) -> int:
+    """vLLM's decode context parallel size (1 without one)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    return int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
 
 
 def parallel_place() -> tuple[int, int, int]:

@@ -47,7 +47,7 @@ from kvcsum.vllm.common import (
     WorkerNote,
     logger,
 )
-from kvcsum.vllm.config import Settings, layer_specs, parallel_place, transfer_block_sizes
+from kvcsum.vllm.config import Settings, dcp_size, layer_specs, parallel_place, transfer_block_sizes
 from kvcsum.vllm.decoding import LayerDecodings
 from kvcsum.vllm.load_verdict import LoadJudge
 from kvcsum.vllm.record_exchange import LoadRecord, RecordExchange, WorkerRecords, engine_exchange
@@ -128,7 +128,7 @@ class WorkerRole:
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         tp_rank, tp_size, pp_rank = parallel_place()
-        layers, block_sizes = layer_specs(self._kv_cache_config, self._total_kv_heads)
+        layers, block_sizes = layer_specs(self._kv_cache_config, self._total_kv_heads, dcp_size(self._vllm_config))
         self._checksummer = CacheChecksummer(
             layers,
             kv_caches,
