@@ -196,6 +196,18 @@ def layer_specs(kv_cache_config: "KVCacheConfig", total_kv_heads: int | None, dc
     return specs, block_sizes
 
 
+def groups_not_checksummed(kv_cache_config: "KVCacheConfig", total_kv_heads: int | None, dcp: int = 1) -> dict:
+    """{group: why kvcsum cannot checksum it} of the transfer groups, from
+    vLLM's KV cache config alone (the same on the scheduler and on every
+    worker): the reasons kvcsum.vllm.cache_kinds names at registration."""
+    specs, _ = layer_specs(kv_cache_config, total_kv_heads, dcp)
+    out: dict = {}
+    for spec in specs:
+        if spec.unsupported and spec.group_id not in out:
+            out[spec.group_id] = f"layer {spec.name}: {spec.unsupported}"
+    return out
+
+
 def group_fingerprint(kv_cache_config: "KVCacheConfig", group_id: int, block_size: int) -> int:
     """The vLLM fork's fingerprint of a group's layers at `block_size`."""
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs

@@ -105,6 +105,8 @@ import torch
 from kvcsum.vllm.common import NAME, KvcsumConnectorMetadata, KvcsumWorkerMetadata
 from kvcsum.vllm.config import (
     Settings,
+    dcp_size,
+    groups_not_checksummed,
     inner_config,
     inner_entry_config,
     inner_transfer_config,
@@ -174,6 +176,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
                 str(self._kv_transfer_config.kv_load_failure_policy),
                 hash_block_size=int(vllm_config.cache_config.block_size),
                 records_meet=records_meet_in_step(vllm_config),
+                not_checksummed=groups_not_checksummed(kv_cache_config, total_kv_heads(vllm_config), dcp_size(vllm_config)),
             )
         else:
             self._worker = WorkerRole(kv_cache_config, total_kv_heads(vllm_config), self._settings, vllm_config=vllm_config)

@@ -57,6 +57,9 @@ COUNTERS = (
      "Sync loads declined because vLLM could not fail them (several KV cache groups, or a sync P/D load whose "
      "workers' records cannot meet in its step) and they could not go to vLLM as async loads; vLLM computed those "
      "tokens."),
+    ("vllm:kvcsum_groups_not_checksummed", "groups_not_checksummed", (),
+     "KV cache groups kvcsum cannot checksum (counted once at startup, named in the log): loads that fill them are "
+     "UNVERIFIED (GROUP_NOT_CHECKSUMMED), never MATCH."),
     ("vllm:kvcsum_sync_loads_as_async", "sync_loads_as_async", (),
      "The wrapped connector's sync loads that vLLM could not fail, handed to vLLM as async loads: checked in the step "
      "they are done, before vLLM uses them."),

@@ -166,6 +166,7 @@ class SchedulerRole:
         failure_policy: str,
         hash_block_size: int | None = None,
         records_meet: tuple = (True, ""),
+        not_checksummed: dict | None = None,
     ):
         self._settings = settings
         self._kv_cache_config = kv_cache_config
@@ -205,7 +206,20 @@ class SchedulerRole:
         self._before_prompt: set = set()
         self._last_verdicts: dict = {}
         self._producer = kvcsum.Verifier(num_workers)
-        self._load_judge = LoadJudge(kv_cache_config, self._block_sizes, num_workers, settings.fail_unverified)
+        #: {group: reason}: groups kvcsum cannot checksum (never silent: a
+        #: P/D load covering one is UNVERIFIED GROUP_NOT_CHECKSUMMED).
+        self.not_checksummed = dict(not_checksummed or {})
+        for group_id, reason in sorted(self.not_checksummed.items()):
+            logger.warning(
+                "kvcsum: KV cache group %d is not checksummed (%s): a P/D load that fills it is UNVERIFIED "
+                "(GROUP_NOT_CHECKSUMMED; with unverified=fail a load error), a tier load's blocks of it are unverified "
+                "(NOT_CHECKSUMMED; with unverified_tier=fail load errors)",
+                group_id, reason,
+            )
+            self._stats.add("groups_not_checksummed")
+        self._load_judge = LoadJudge(
+            kv_cache_config, self._block_sizes, num_workers, settings.fail_unverified, self.not_checksummed
+        )
         self._sources = SchedulerSourceCheck(lambda: self._stats, self._block_sizes, num_workers)
 
     # --- vLLM's calls --------------------------------------------------------------

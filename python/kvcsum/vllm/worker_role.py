@@ -47,7 +47,7 @@ from kvcsum.vllm.common import (
     WorkerNote,
     logger,
 )
-from kvcsum.vllm.config import Settings, dcp_size, layer_specs, parallel_place, transfer_block_sizes
+from kvcsum.vllm.config import Settings, dcp_size, groups_not_checksummed, layer_specs, parallel_place, transfer_block_sizes
 from kvcsum.vllm.decoding import LayerDecodings
 from kvcsum.vllm.load_verdict import LoadJudge
 from kvcsum.vllm.record_exchange import LoadRecord, RecordExchange, WorkerRecords, engine_exchange
@@ -344,6 +344,7 @@ class WorkerRole:
                 transfer_block_sizes(self._kv_cache_config),
                 self._num_workers,
                 self._settings.fail_unverified,
+                groups_not_checksummed(self._kv_cache_config, self._total_kv_heads, dcp_size(self._vllm_config)),
             )
         return self._load_judge
 

@@ -164,7 +164,8 @@ PD_PROMPT = [11 + (i * 7) % 500 for i in range(49)]
 
 
 def pd_pair(store: str, *, c_tp: int = 2, **kw) -> tuple[Engine, Engine]:
-    p = Engine("producer", role="kv_producer", tp=2, block_size=P_BLOCK, layout=KVCacheLayout.LBNHC, store_dir=store)
+    p = Engine("producer", role="kv_producer", tp=2, block_size=P_BLOCK, layout=KVCacheLayout.LBNHC, store_dir=store,
+               sliding_window=kw.get("sliding_window"))
     c = Engine("consumer", role="kv_consumer", tp=c_tp, block_size=C_BLOCK, layout=KVCacheLayout.LBHNC, store_dir=store, **kw)
     return p, c
 
@@ -224,3 +225,44 @@ def test_a_sync_pd_load_of_several_pp_stages_goes_to_vllm_as_async_and_no_token_
         # The sync load's tokens (all but the prompt's last) reused.
         assert computed(c, "req-pp", len(PD_PROMPT)) == (1, len(PD_PROMPT) - 1)
     assert c.request_status("req-pp") == "FINISHED_LENGTH_CAPPED"
+
+
+# --- 7. never silent: a group kvcsum cannot checksum --------------------------------------
+
+
+@pytest.mark.parametrize("unverified", ["fail", "log"])
+def test_a_group_kvcsum_cannot_checksum_is_named_counted_and_fails_the_load_under_unverified_fail(store, monkeypatch, unverified):
+    # The sliding-window group stands in for a kind kvcsum cannot checksum
+    # (a compressed state without the token placement, say): both sides
+    # skip it, the payload leaves it out, and the library's verdict on the
+    # other group is MATCH. The load filled it too: UNVERIFIED.
+    from kvcsum.vllm import cache_kinds
+
+    describe = cache_kinds.describe_spec
+
+    def stand_in(name, group_id, spec, *args, **kw):
+        fields = describe(name, group_id, spec, *args, **kw)
+        if type(spec).__name__ == "SlidingWindowSpec":
+            fields["unsupported"] = "a stand-in for a kind kvcsum cannot checksum"
+        return fields
+
+    monkeypatch.setattr(cache_kinds, "describe_spec", stand_in)
+    warnings = []
+    from kvcsum.vllm import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module.logger, "warning", lambda text, *a: warnings.append(text % a))
+    p, c = pd_pair(store, track_kv=True, sliding_window=64, extra={"unverified": unverified})
+    trace = pd_round_trip(p, c, "req-skip")
+    line(f"a group kvcsum cannot checksum, unverified={unverified}", c, "req-skip", len(PD_PROMPT))
+    name, reason, message = c.connector().last_verdicts["req-skip"]
+    assert (name, reason) == (kvcsum.UNVERIFIED, "GROUP_NOT_CHECKSUMMED"), message
+    assert "group 1" in message and "stand-in" in message
+    assert [w for w in warnings if "KV cache group 1 is not checksummed" in w], warnings
+    assert counts(c).get("groups_not_checksummed") == 1
+    assert counts(c).get("unverified_reasons.GROUP_NOT_CHECKSUMMED") == 1
+    assert trace.bad_kv_steps == [] and trace.output_tokens == expected(3, PD_PROMPT)
+    if unverified == "fail":
+        # Several groups: vLLM takes the whole load as failed, from token 0.
+        assert computed(c, "req-skip", len(PD_PROMPT)) == (len(PD_PROMPT), 0)
+    else:
+        assert computed(c, "req-skip", len(PD_PROMPT)) == (1, len(PD_PROMPT) - 1)
