@@ -27,7 +27,7 @@ __all__ = ["KvcsumPromMetrics", "COUNTERS", "HISTOGRAM", "OWN_REASONS", "SECONDS
 
 #: Reasons the connector gives besides kvcsum.Reason's names: its own for
 #: P/D loads, and a tier block's unknown value's (tier_values).
-OWN_REASONS = ("OTHER_REQUEST", "CHECK_FAILED", "INVALID_CHECKSUMS", "UNKNOWN") + UNKNOWN_REASONS
+OWN_REASONS = ("OTHER_REQUEST", "CHECK_FAILED", "INVALID_CHECKSUMS", "GROUP_NOT_CHECKSUMMED", "UNKNOWN") + UNKNOWN_REASONS
 
 #: Buckets of vllm:kvcsum_checksum_seconds: 50 microseconds to 10 seconds.
 SECONDS_BUCKETS = (
