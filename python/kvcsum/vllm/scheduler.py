@@ -181,6 +181,14 @@ class SchedulerRole:
         self._inner_name = inner_name
         self._failure_policy = failure_policy
         self._hash_block_size = hash_block_size or min(self._block_sizes.values(), default=0)
+        #: State (Mamba) groups: a request's state is its first block (the
+        #: state index vLLM's Mamba kernels read, column 0 of its block
+        #: table), at position 0 (SPEC section 6).
+        self._state_groups = {
+            g for g in self._block_sizes
+            if g < len(kv_cache_config.kv_cache_groups)
+            and type(kv_cache_config.kv_cache_groups[g].kv_cache_spec).__name__ == "MambaSpec"
+        }
         self._kv_cache_manager = None
         self._tier_loads: dict[str, _TierLoad] = {}
         self._tier_failed: set[str] = set()
@@ -473,6 +481,11 @@ class SchedulerRole:
         for group_id, block_size in self._block_sizes.items():
             if groups is not None and group_id not in groups:
                 continue
+            if group_id in self._state_groups:
+                ids = list(table[group_id])[:1]
+                if ids and ids[0] != NULL_BLOCK_ID:
+                    out[group_id] = (0, ids)
+                continue
             ids = list(table[group_id])[: math.ceil(num_tokens / block_size)]
             first = first_token // block_size
             while first < len(ids) and ids[first] == NULL_BLOCK_ID:
@@ -517,6 +530,13 @@ class SchedulerRole:
         out = {}
         for group_id, size in self._block_sizes.items():
             if groups is not None and group_id not in groups:
+                continue
+            if group_id in self._state_groups:
+                # A state has no block hash: no value is kept of it, and a
+                # tier load's state is unknown to the check (NO_BLOCK_HASH).
+                state = table(group_id, 0, 1)
+                if not full_only and state and state[0] != NULL_BLOCK_ID:
+                    out[group_id] = (0, tuple(state), (None,))
                 continue
             first = first_token // size
             end = end_token // size if full_only else math.ceil(end_token / size)

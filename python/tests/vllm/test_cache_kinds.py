@@ -266,3 +266,240 @@ def test_a_group_kvcsum_cannot_checksum_is_named_counted_and_fails_the_load_unde
         assert computed(c, "req-skip", len(PD_PROMPT)) == (len(PD_PROMPT), 0)
     else:
         assert computed(c, "req-skip", len(PD_PROMPT)) == (1, len(PD_PROMPT) - 1)
+
+
+# --- engine pairs per kind of KV cache (kinds_engine.KindEngine) ---------------------------
+
+import torch  # noqa: E402
+from kinds_engine import KindEngine  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVQuantMode,
+    MambaSpec,
+    MLAAttentionSpec,
+    SparseCacheRole,
+    UniformTypeKVCacheSpecs,
+)
+
+KIND_PROMPT = [11 + (i * 7) % 500 for i in range(49)]
+STORE = {"kv_connector": "StoreConnector", "kv_connector_module_path": "store_connector"}
+
+
+def kind_pair(store: str, groups, *, p_tp: int, c_tp: int, block_size: int = BLOCK, wrap: bool = True, **kw):
+    inner = dict(STORE, kv_connector_extra_config={"store_dir": store, "load_mode": kw.pop("load_mode", "async")})
+    common = dict(groups=groups, block_size=block_size, layout=KVCacheLayout.LBNHC, store_dir=store, inner=inner, wrap=wrap)
+    p = KindEngine("producer", role="kv_producer", tp=p_tp, **common)
+    c = KindEngine("consumer", role="kv_consumer", tp=c_tp, track_kv=True, **common, **kw)
+    return p, c
+
+
+def kind_pd(store: str, case: str, groups, corrupt: dict | None, *, p_tp: int, c_tp: int, **kw) -> dict:
+    """A P/D round trip, bare and wrapped, with the same fault (if any):
+    {"bare": consumer, "wrapped": consumer}."""
+    out = {}
+    for wrap in (False, True):
+        store_connector.CORRUPT.clear()
+        path = os.path.join(store, "wrapped" if wrap else "bare")
+        p, c = kind_pair(path, groups, p_tp=p_tp, c_tp=c_tp, wrap=wrap, **kw)
+        if corrupt:
+            store_connector.CORRUPT.update(corrupt)
+        pd_round_trip(p, c, "req", KIND_PROMPT)
+        if corrupt:
+            assert store_connector.CORRUPT.get("done"), "the fault was made"
+        line(f"{case}, P/D, {'wrapped' if wrap else 'bare'}", c, "req", len(KIND_PROMPT))
+        out["wrapped" if wrap else "bare"] = c
+    return out
+
+
+def kind_tier(case: str, groups, fault: dict | None, *, tp: int, load_mode: str = "sync") -> dict:
+    """A tier round trip (the test's TierConnector, raw blocks by hash),
+    bare and wrapped: {"bare": engine, "wrapped": engine}."""
+    out = {}
+    for wrap in (False, True):
+        for shared in (tier_connector.TIER, tier_connector.INDEX, tier_connector.FAULT):
+            shared.clear()
+        inner = {
+            "kv_connector": "TierConnector",
+            "kv_connector_module_path": "tier_connector",
+            "kv_connector_extra_config": {"load_mode": load_mode, "capacity": 256},
+        }
+        e = KindEngine(
+            "tiered", groups=groups, role="kv_both", tp=tp, block_size=BLOCK, layout=KVCacheLayout.LBNHC, store_dir="",
+            inner=inner, wrap=wrap, track_kv=True,
+        )
+        if fault:
+            tier_connector.FAULT.update(fault)
+        tier_round_trip(e)
+        if fault:
+            assert tier_connector.FAULT.get("done"), "the fault was made"
+        line(f"{case}, tier ({load_mode}), {'wrapped' if wrap else 'bare'}", e, "again")
+        out["wrapped" if wrap else "bare"] = e
+    return out
+
+
+def intact(pair: dict, req_id: str, prompt) -> None:
+    bare, wrapped = pair["bare"], pair["wrapped"]
+    assert wrapped.connector().last_verdicts[req_id][0] == kvcsum.MATCH, wrapped.connector().last_verdicts[req_id]
+    assert computed(wrapped, req_id, len(prompt)) == computed(bare, req_id, len(prompt))
+    assert computed(wrapped, req_id, len(prompt))[1] > 0, "tokens were reused"
+    assert wrapped.traces[req_id].bad_kv_steps == bare.traces[req_id].bad_kv_steps == []
+    assert wrapped.traces[req_id].output_tokens == bare.traces[req_id].output_tokens
+
+
+def flipped(pair: dict, req_id: str, prompt, want=kvcsum.MISMATCH) -> None:
+    """The bare connector's forward reads the flipped byte and emits tokens
+    computed from it; through kvcsum no token computed from it gets out
+    (a sync load of one group is read by its own step's forward, whose
+    tokens vLLM drops with the load errors; any other load is never read)."""
+    bare, wrapped = pair["bare"], pair["wrapped"]
+    assert set(bare.traces[req_id].bad_kv_steps) & set(bare.traces[req_id].token_steps), "the bare connector uses the flipped byte"
+    assert wrapped.connector().last_verdicts[req_id][0] == want, wrapped.connector().last_verdicts[req_id]
+    trace = wrapped.traces[req_id]
+    assert not set(trace.bad_kv_steps) & set(trace.token_steps), (trace.bad_kv_steps, trace.token_steps)
+    assert len(trace.bad_kv_steps) <= 1
+    assert trace.output_tokens == bare.traces[req_id].output_tokens[:0] + expected(3, prompt)
+    assert wrapped.request_status(req_id) == "FINISHED_LENGTH_CAPPED"
+
+
+# --- 2. attention + Mamba state group ---------------------------------------------------
+
+MAMBA_LEN = 2048  # vLLM's mamba_block_size without prefix caching: max_model_len
+
+
+def mamba_groups(tp: int):
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=4 // tp, head_size=16, dtype=torch.float16)
+    # conv bf16 then ssm fp32, TP-split, padded to the attention page.
+    mamba = MambaSpec(
+        block_size=MAMBA_LEN, shapes=((3, 64 // tp), (4 // tp, 8, 4)), dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=full.page_size_bytes,
+    )
+    return [
+        ([f"model.layers.{i}.self_attn.attn" for i in (0, 2)], full),
+        ([f"model.layers.{i}.mixer" for i in (1, 3)], mamba),
+    ]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("fault", [None, "conv", "ssm"])
+def test_attention_plus_mamba_pd_round_trip(store, tp, fault):
+    # vLLM's scheduler block is the Mamba group's (max_model_len) as vLLM
+    # resolves it (resolve_kv_cache_block_sizes: the LCM of the groups').
+    conv_bytes = 3 * (64 // tp) * 2
+    corrupt = None if fault is None else {"state": 3 if fault == "conv" else conv_bytes + 9, "layer": "model.layers.3.mixer"}
+    pair = kind_pd(store, f"attention + Mamba TP {tp}, {fault or 'intact'}", mamba_groups, corrupt, p_tp=tp, c_tp=tp, block_size=MAMBA_LEN)
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+        assert "5 block positions compared" in pair["wrapped"].connector().last_verdicts["req"][2]
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        # Several groups: the whole load failed, computed from token 0.
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT)) == (len(KIND_PROMPT), 0)
+        assert "group 1 position 0" in pair["wrapped"].connector().last_verdicts["req"][2]
+
+
+def test_a_mamba_model_has_no_block_hashes_so_no_tier_can_offer_its_blocks():
+    # vLLM itself: without prefix caching (mamba_cache_mode "none") the
+    # hash block is the scheduler block, max_model_len, so a request has no
+    # block hash and a tier (keyed by block hash) has nothing to load.
+    e = KindEngine(
+        "tiered", groups=mamba_groups, role="kv_both", tp=1, block_size=MAMBA_LEN, layout=KVCacheLayout.LBNHC, store_dir="",
+        inner={"kv_connector": "TierConnector", "kv_connector_module_path": "tier_connector",
+               "kv_connector_extra_config": {"load_mode": "sync"}},
+    )
+    tier_round_trip(e)
+    assert e.requests["again"].block_hashes == [] and computed(e, "again") == (len(PROMPT), 0)
+
+
+# --- 3. quantized cells --------------------------------------------------------------------
+
+
+def int8_groups(tp: int):
+    # Triton's int8 per-token-head cell: K (32 int8), K scale (fp32), V, V scale.
+    spec = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=4 // tp, head_size=32, dtype=torch.int8,
+        kv_quant_mode=KVQuantMode.INT8_PER_TOKEN_HEAD, state_content_bytes=72,
+    )
+    return [([f"model.layers.{i}.self_attn.attn" for i in range(4)], spec)]
+
+
+def nvfp4_groups(tp: int):
+    # FlashInfer nvfp4: 2*H head slots, K slots then V slots.
+    heads = 4 // tp
+    spec = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=heads, head_size=32, dtype=torch.uint8,
+        kv_quant_mode=KVQuantMode.NVFP4, num_head_slots=2 * heads, state_content_bytes=24,
+    )
+    return [([f"model.layers.{i}.self_attn.attn" for i in range(4)], spec)]
+
+
+QUANT = {"int8": (int8_groups, 1, 2), "nvfp4": (nvfp4_groups, 2, 2)}
+
+
+@pytest.mark.parametrize("kind", sorted(QUANT))
+@pytest.mark.parametrize("fault", [None, "data", "scale"])
+def test_quantized_cells_pd_round_trip(store, kind, fault):
+    groups, p_tp, c_tp = QUANT[kind]
+    # int8: byte 33 of the 72-byte cell is K's scale; nvfp4: byte 17 of a
+    # 24-byte slot is in its fp8 block scales (head slot 1 on rank 1: a V slot).
+    byte = {"data": 2, "scale": 33 if kind == "int8" else 17}.get(fault)
+    corrupt = None if fault is None else {"token": 20, "layer": "model.layers.2.self_attn.attn", "head": 3, "byte": byte}
+    pair = kind_pd(store, f"{kind} (P TP {p_tp}, C TP {c_tp}), {fault or 'intact'}", groups, corrupt, p_tp=p_tp, c_tp=c_tp)
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        # One group: computed again from the bad block (token 16 on).
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == 16
+
+
+@pytest.mark.parametrize("kind", sorted(QUANT))
+@pytest.mark.parametrize("fault", [None, "data", "scale"])
+def test_quantized_cells_tier_round_trip(kind, fault):
+    groups, _, tp = QUANT[kind]
+    # The block's first cells: int8 head 0 token 0 (byte 33: K's scale);
+    # nvfp4 K slot 0 token 0 (byte 17: its scales).
+    byte = {"data": 2, "scale": 33 if kind == "int8" else 17}.get(fault)
+    fault_spec = None if fault is None else {"flip": 1, "rank": 1, "layer": "model.layers.3.self_attn.attn", "byte": byte}
+    pair = kind_tier(f"{kind} TP {tp}, {fault or 'intact'}", groups, fault_spec, tp=tp)
+    if fault is None:
+        intact(pair, "again", PROMPT)
+    else:
+        flipped(pair, "again", PROMPT)
+        assert computed(pair["wrapped"], "again")[1] == BLOCK
+
+
+# --- 4. MLA plus its indexer's k-cache -------------------------------------------------------
+
+
+def mla_groups(tp: int):
+    specs = {}
+    for i in range(2):
+        specs[f"model.layers.{i}.self_attn.attn"] = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+        specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
+            block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=136, dtype=torch.uint8, cache_role=SparseCacheRole.INDEXER,
+        )
+    return [(list(specs), UniformTypeKVCacheSpecs(block_size=BLOCK, kv_cache_specs=specs))]
+
+
+@pytest.mark.parametrize("fault", [None, "mla", "indexer"])
+def test_mla_with_indexer_pd_round_trip(store, fault):
+    layer = "model.layers.1.self_attn." + ("attn" if fault == "mla" else "indexer.k_cache")
+    corrupt = None if fault is None else {"token": 30, "layer": layer, "head": 1}
+    pair = kind_pd(store, f"MLA + indexer TP 2, {fault or 'intact'}", mla_groups, corrupt, p_tp=2, c_tp=2)
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == 16
+
+
+@pytest.mark.parametrize("fault", [None, "mla", "indexer"])
+def test_mla_with_indexer_tier_round_trip(fault):
+    layer = "model.layers.0.self_attn." + ("attn" if fault == "mla" else "indexer.k_cache")
+    fault_spec = None if fault is None else {"flip": 2, "layer": layer, "byte": 40}
+    pair = kind_tier(f"MLA + indexer TP 2, {fault or 'intact'}", mla_groups, fault_spec, tp=2, load_mode="async")
+    if fault is None:
+        intact(pair, "again", PROMPT)
+    else:
+        flipped(pair, "again", PROMPT)
+        assert computed(pair["wrapped"], "again")[1] == 2 * BLOCK

@@ -16,7 +16,9 @@ its earlier copy).
 
 Fault injection, set by the test in FAULT: {"flip": position} flips one
 bit of the tier's copy of the block at that position as it is loaded
-(optionally only on TP rank FAULT["rank"]); {"stale": position} loads the
+(optionally only on TP rank FAULT["rank"]; of layer FAULT["layer"],
+layer 1's attention unless set; at byte FAULT["byte"] of the block, 5
+unless set); {"stale": position} loads the
 bytes of the tier's block at position + 1 into that position's slot (a
 stale tier slot holding another hash's bytes).
 """
@@ -162,9 +164,11 @@ class TierConnector(KVConnectorBase_V1, SupportsHMA):
                 stored = TIER[(self._rank, source)]
                 for name, cache in self._caches.items():
                     block = stored[name].contiguous().clone()
-                    if FAULT.get("flip") == position and FAULT.get("rank", self._rank) == self._rank and name.endswith(".1.self_attn.attn"):
+                    layer = FAULT.get("layer")
+                    hit = name == layer if layer is not None else name.endswith(".1.self_attn.attn")
+                    if FAULT.get("flip") == position and FAULT.get("rank", self._rank) == self._rank and hit:
                         raw = block.view(-1).view(torch.uint8)
-                        raw[5] ^= 0x01
+                        raw[FAULT.get("byte", 5)] ^= 0x01
                         FAULT["done"] = FAULT.get("done", 0) + 1
                     cache[block_ids[self._group_of[name]]].copy_(block)
                 self.blocks_loaded += 1
