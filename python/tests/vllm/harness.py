@@ -114,12 +114,13 @@ def sampled_token(position: int) -> int:
 
 
 @contextlib.contextmanager
-def place(tp_rank: int, tp_size: int):
-    """vLLM's parallel state as one TP rank sees it (one process plays all)."""
+def place(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1):
+    """vLLM's parallel state as one TP rank of one PP stage sees it (one
+    process plays all)."""
 
     class _PP:
-        rank_in_group = 0
-        world_size = 1
+        rank_in_group = pp_rank
+        world_size = pp_size
 
     saved = (
         parallel_state.get_tensor_model_parallel_rank,
@@ -166,6 +167,10 @@ class RankState:
     connector: object
     caches: dict
     tables: dict = field(default_factory=dict)  # req_id -> {group: [block ids]}
+    tp_rank: int = 0
+    pp_rank: int = 0
+    #: This worker's KV cache config (with several PP stages: its stage's layers).
+    kv_cache_config: object = None
 
 
 @dataclass
@@ -217,6 +222,7 @@ class Engine:
         defer_finalize: bool = False,
         record_layout: bool = False,
         attn_metadata: object = None,
+        pp: int = 1,
     ):
         """record_exchange: the ranks share an InProcessRecordExchange (off:
         they have none, as the workers of an engine with several PP stages).
@@ -229,12 +235,14 @@ class Engine:
         (an inner connector that reads it, as LMCache does, needs it).
         attn_metadata: the forward context's attention metadata in each step
         (None, the default, as in a step with no attention; LMCache loads
-        nothing in such a step)."""
+        nothing in such a step). pp: PP stages, each with `tp` workers whose
+        KV cache config holds only the stage's layers (as vLLM gives each
+        stage's worker), layers split in consecutive runs."""
         global _hash_ready
         if not _hash_ready:
             init_none_hash(sha256)
             _hash_ready = True
-        self.name, self.tp, self.block_size = name, tp, block_size
+        self.name, self.tp, self.block_size, self.pp = name, tp, block_size, pp
         if inner is None:
             inner = {
                 "kv_connector": "StoreConnector",
@@ -263,7 +271,7 @@ class Engine:
                 is_encoder_decoder=False,
                 disable_hybrid_kv_cache_manager=True if sliding_window is None else None,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=tp),
+            parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
             kv_transfer_config=ktc,
             device_config=DeviceConfig("cpu"),
         )
@@ -279,12 +287,14 @@ class Engine:
             log_stats=True,
         )
         self.ranks: list[RankState] = []
-        for rank in range(tp):
-            with place(rank, tp):
-                connector = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
-                caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), layout)
-                connector.register_kv_caches(caches)
-            self.ranks.append(RankState(connector, caches))
+        for stage in range(pp):
+            stage_config = self.stage_config(stage)
+            for rank in range(tp):
+                with place(rank, tp, stage, pp):
+                    connector = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER, stage_config)
+                    caches = allocate_kv_cache(stage_config, torch.device("cpu"), layout)
+                    connector.register_kv_caches(caches)
+                self.ranks.append(RankState(connector, caches, tp_rank=rank, pp_rank=stage, kv_cache_config=stage_config))
         self.exchange = None
         if wrap and record_exchange and tp > 1:
             self.exchange = InProcessRecordExchange(tp)
@@ -293,7 +303,7 @@ class Engine:
         self.wire, self.defer_finalize = wire, defer_finalize
         #: {engine step: the block ids vLLM got as load errors in its output}.
         self.load_errors: dict = {}
-        self.aggregator = KVOutputAggregator(tp)
+        self.aggregator = KVOutputAggregator(tp * pp)
         self.traces: dict[str, Trace] = {}
         self.steps_run = 0
         # Nonzero: the stand-in model's KV differs in its last bits, as a
@@ -304,6 +314,23 @@ class Engine:
         self.stats: list = []
         self.track_kv = track_kv
         self.attn_metadata = attn_metadata
+
+    def stage_layers(self, stage: int) -> set:
+        """The layer names of PP stage `stage` (consecutive runs of layers)."""
+        names = sorted({n for g in self.kv_cache_config.kv_cache_groups for n in g.layer_names}, key=lambda n: int(n.split(".")[2]))
+        per = -(-len(names) // self.pp)
+        return set(names[stage * per : (stage + 1) * per])
+
+    def stage_config(self, stage: int) -> KVCacheConfig:
+        """The KV cache config of a worker of PP stage `stage`: its layers only."""
+        if self.pp == 1:
+            return self.kv_cache_config
+        own = self.stage_layers(stage)
+        groups = [
+            KVCacheGroupSpec([n for n in g.layer_names if n in own], g.kv_cache_spec) for g in self.kv_cache_config.kv_cache_groups
+        ]
+        tensors = [t for t in self.kv_cache_config.kv_cache_tensors if t.layers[0] in own]
+        return KVCacheConfig(num_blocks=self.kv_cache_config.num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
     def _kv_cache_config(self, num_blocks: int, sliding_window: int | None) -> KVCacheConfig:
         heads = TOTAL_KV_HEADS // self.tp
@@ -371,7 +398,7 @@ class Engine:
         for req_id, (start, count) in self._step_tokens.items():
             table = state.tables[req_id]
             positions = torch.arange(start, start + count)
-            for group_id, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            for group_id, group in enumerate((state.kv_cache_config or self.kv_cache_config).kv_cache_groups):
                 ids = torch.tensor(table[group_id])
                 blocks = ids[positions // self.block_size]
                 offsets = positions % self.block_size
@@ -390,7 +417,7 @@ class Engine:
         heads = TOTAL_KV_HEADS // self.tp
         table = state.tables[req_id]
         positions = torch.arange(num_tokens)
-        for group_id, group in enumerate(self.kv_cache_config.kv_cache_groups):
+        for group_id, group in enumerate((state.kv_cache_config or self.kv_cache_config).kv_cache_groups):
             ids = torch.tensor(table[group_id])
             for name in group.layer_names:
                 layer = int(name.split(".")[2])
@@ -428,14 +455,15 @@ class Engine:
                 self.traces[req_id].scheduled.append((start, count))
                 self.traces[req_id].steps.append(self.steps_run)
         outputs = []
-        for rank, state in enumerate(self.ranks):
+        for state in self.ranks:
+            rank = state.tp_rank
             self._update_tables(state, sched)
             kv_transfer_state._KV_CONNECTOR_AGENT = state.connector
             rank_sched = sched
             if self.wire:
                 rank_sched = copy.copy(sched)
                 rank_sched.kv_connector_metadata = pickle.loads(pickle.dumps(sched.kv_connector_metadata))
-            with place(rank, self.tp), set_forward_context(self.attn_metadata, self.vllm_config):
+            with place(rank, self.tp, state.pp_rank, self.pp), set_forward_context(self.attn_metadata, self.vllm_config):
                 with KVConnectorModelRunnerMixin._get_kv_connector_output(rank_sched, defer_finalize=self.defer_finalize) as kv_out:
                     self._forward(rank, state, kv_out)
                 if self.defer_finalize:

@@ -115,6 +115,8 @@ class KindEngine(Engine):
             for group_id, group in enumerate(self.kv_cache_config.kv_cache_groups):
                 ids = table[group_id]
                 for name in group.layer_names:
+                    if name not in state.caches:
+                        continue  # another PP stage's
                     layer, cache = layer_of(name), state.caches[name]
                     if self._is_state(group_id):
                         page = self._state_view(cache)
@@ -144,6 +146,8 @@ class KindEngine(Engine):
             ids = torch.tensor(table[group_id])
             size = int(group.kv_cache_spec.block_size)
             for name in group.layer_names:
+                if name not in state.caches:
+                    continue
                 raw = state.caches[name].view(torch.uint8)
                 slots, width = raw.shape[1], raw.shape[3]
                 got = raw[ids[positions // size], :, positions % size]

@@ -179,6 +179,46 @@ def pd_round_trip(p: Engine, c: Engine, req_id: str, prompt=PD_PROMPT, max_token
     return c.traces[req_id]
 
 
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_a_sync_pd_load_into_two_pp_stages_is_judged_before_any_token_and_a_stage_1_flip_never_gets_out(store, corrupt):
+    # The consumer: TP 1, PP 2, each stage's worker holding its own layers
+    # (stage 0: layers 0 and 1, stage 1: layers 2 and 3), the wrapped
+    # StoreConnector loading sync. The scheduler reads the PP size from
+    # vLLM's config (records_meet_in_step) and hands the load to vLLM as
+    # async; a flip in a stage-1 layer is a MISMATCH before any forward.
+    inner = dict(STORE, kv_connector_extra_config={"store_dir": store, "load_mode": "sync"})
+    results = {}
+    for wrap in (False, True):
+        store_connector.CORRUPT.clear()
+        p = Engine("producer", role="kv_producer", tp=2, block_size=P_BLOCK, layout=KVCacheLayout.LBNHC, store_dir=store,
+                   inner=inner, wrap=wrap)
+        c = Engine("consumer", role="kv_consumer", tp=1, pp=2, block_size=C_BLOCK, layout=KVCacheLayout.LBHNC, store_dir=store,
+                   inner=inner, wrap=wrap, track_kv=True)
+        assert [sorted(s.caches) for s in c.ranks] == [
+            ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"],
+            ["model.layers.2.self_attn.attn", "model.layers.3.self_attn.attn"],
+        ]
+        if corrupt:
+            store_connector.CORRUPT.update(token=20, layer="model.layers.3.self_attn.attn", head=2)
+        trace = pd_round_trip(p, c, f"req-pp-{wrap}")
+        line(f"sync P/D into PP 2, {'wrapped' if wrap else 'bare'}, {'stage-1 flip' if corrupt else 'intact'}", c,
+             f"req-pp-{wrap}", len(PD_PROMPT))
+        if corrupt:
+            assert store_connector.CORRUPT.get("done") == 1
+        results[wrap] = (c, trace)
+    (bare, bare_trace), (c, trace) = results[False], results[True]
+    assert c.connector().scheduler_role._order.records_meet is False
+    assert counts(c).get("sync_loads_as_async") == 1
+    assert trace.bad_kv_steps == [] and trace.output_tokens == expected(3, PD_PROMPT)
+    if corrupt:
+        assert set(bare_trace.bad_kv_steps) & set(bare_trace.token_steps), "the bare connector emits tokens from the flip"
+        assert c.connector().last_verdicts["req-pp-True"][0] == kvcsum.MISMATCH
+        assert computed(c, "req-pp-True", len(PD_PROMPT))[1] == 16
+    else:
+        assert c.connector().last_verdicts["req-pp-True"][0] == kvcsum.MATCH
+        assert computed(c, "req-pp-True", len(PD_PROMPT)) == computed(bare, "req-pp-False", len(PD_PROMPT)) == (1, len(PD_PROMPT) - 1)
+
+
 def test_the_scheduler_knows_from_the_config_when_the_records_of_a_sync_load_cannot_meet():
     from types import SimpleNamespace
 
