@@ -89,6 +89,10 @@ class LayerSpec:
     #: A state layer's tensors (MambaSpec: conv, then ssm): shapes and dtypes.
     state_shapes: tuple = ()
     state_dtypes: tuple = ()
+    #: Tokens one slot of the cache summarises (compressed states), and
+    #: the DCP ranks its tokens are spread over (1: not DCP-sharded).
+    tokens_per_state: int = 1
+    dcp_size: int = 1
 
 
 @dataclasses.dataclass
@@ -143,7 +147,10 @@ def _describe(tensor, spec: LayerSpec, num_blocks: int):
     heads = spec.num_slots or (1 if spec.is_mla else spec.num_kv_heads)
     content = spec.head_size + spec.head_size_v
     cell = spec.cell_bytes or content * _dtype_bytes(spec, item)
-    tokens = spec.block_size
+    # The slots of one of this rank's blocks (block_size is the rank's own
+    # tokens of a block under DCP; a compressed cache holds a slot per
+    # tokens_per_state tokens).
+    tokens = spec.block_size // max(1, spec.tokens_per_state)
 
     def kernel_blocks(count: int) -> int:
         if count % num_blocks:
@@ -251,8 +258,11 @@ class CacheChecksummer:
         pp_rank: int = 0,
         num_threads: int = 0,
         algorithm: int | None = None,
+        dcp_rank: int = 0,
+        dcp_interleave: int = 1,
     ):
         self.tp_rank, self.tp_size, self.pp_rank = tp_rank, tp_size, pp_rank
+        self.dcp_rank, self.dcp_interleave = dcp_rank, dcp_interleave
         self.skipped: dict[int, str] = {}
         self.fingerprints: dict[int, int] = {}
         self.group_block_sizes = dict(group_block_sizes)
@@ -294,11 +304,20 @@ class CacheChecksummer:
         for group_id, specs in sorted(by_group.items()):
             try:
                 plan = self._plan_group(group_id, specs, kv_caches, num_blocks)
+                placement = self._placement(specs)
             except ValueError as error:
                 reason = str(error)
                 worker.skip_group(group_id, reason)
                 self.skipped[group_id] = reason
                 continue
+            if placement is not None:
+                try:
+                    worker.set_group_placement(group_id, **placement)
+                except kvcsum.Error as error:
+                    reason = f"its token placement {placement} is refused: {error}"
+                    worker.skip_group(group_id, reason)
+                    self.skipped[group_id] = reason
+                    continue
             for tensor in plan["tensors"]:
                 storage = tensor.untyped_storage()
                 regions[storage.data_ptr()] = storage.nbytes()
@@ -331,8 +350,10 @@ class CacheChecksummer:
         for spec in specs:
             if spec.unsupported:
                 raise ValueError(spec.unsupported)
-            if spec.kind == "attention" and block_size is not None and spec.block_size != block_size:
-                raise ValueError(f"layer {spec.name} has {spec.block_size}-token blocks, its group {block_size}")
+            if spec.kind == "attention" and block_size is not None and spec.block_size * spec.dcp_size != block_size:
+                raise ValueError(
+                    f"layer {spec.name} has {spec.block_size}-token blocks on each of {spec.dcp_size} DCP ranks, its group {block_size}"
+                )
             if spec.kind == "state" and not spec.state_shapes:
                 raise ValueError(f"layer {spec.name} is a {spec.spec_type} kvcsum has no rule for")
             tensor = kv_caches[spec.name]
@@ -392,11 +413,33 @@ class CacheChecksummer:
             "tensors": [e["tensor"] for e in caches.values()],
         }
 
+    def _placement(self, specs) -> dict | None:
+        """The group's token placement (DCP shards, compressed states) for
+        Worker.set_group_placement; None where every token has a slot of
+        this rank's blocks in order (the default)."""
+        dcp = {s.dcp_size for s in specs}
+        tokens = {s.tokens_per_state for s in specs}
+        if len(dcp) != 1 or len(tokens) != 1:
+            raise ValueError(f"its layers disagree on DCP ({sorted(dcp)}) or tokens per state ({sorted(tokens)})")
+        (dcp_size,), (tokens_per_slot,) = dcp, tokens
+        if dcp_size == 1 and tokens_per_slot == 1:
+            return None
+        return dict(
+            dcp_size=dcp_size,
+            dcp_rank=self.dcp_rank if dcp_size > 1 else 0,
+            interleave=self.dcp_interleave if dcp_size > 1 else 1,
+            tokens_per_slot=tokens_per_slot,
+        )
+
     def _heads(self, spec: LayerSpec) -> tuple[int, int, int]:
-        """(first global head, replicas, replica index) of this rank's heads."""
-        tp, rank = self.tp_size, self.tp_rank
+        """(first global head, replicas, replica index) of this rank's heads.
+        With DCP, the consecutive TP ranks of a DCP group (vLLM's
+        parallel_state: dcp_rank = tp_rank % dcp, where TP exceeds the KV
+        heads dcp times over) hold the same heads' different tokens: no
+        replicas of each other."""
+        tp, rank, dcp = self.tp_size, self.tp_rank, max(1, spec.dcp_size)
         if spec.is_mla:
-            return 0, tp, rank
+            return 0, max(1, tp // dcp), rank // dcp
         local = spec.num_kv_heads
         total = spec.total_kv_heads
         if total is None:
@@ -412,6 +455,11 @@ class CacheChecksummer:
                 f"layer {spec.name}: rank {rank} of {tp} should hold {len(heads)} of {total} KV heads, its cache holds {local}"
             )
         replicas = max(1, tp // total) if tp > total else 1
+        if dcp > 1:
+            if replicas % dcp:
+                raise ValueError(f"layer {spec.name}: {replicas} ranks hold each KV head, not a multiple of DCP {dcp}")
+            replicas //= dcp
+            return heads.start, replicas, (rank // dcp) % replicas
         return heads.start, replicas, rank % replicas
 
     # --- checksums ---------------------------------------------------------------

@@ -39,12 +39,19 @@ spec's dtype) and what kvcsum makes of it:
   **shard-keyed**: compared between equal TP sizes only (another TP size is
   UNVERIFIED, never MISMATCH).
 
+- DCP-sharded token positions (`decode_context_parallel_size` > 1: a
+  manager block covers block_size x dcp tokens, the token at in-block
+  offset o on DCP rank (o // I) % dcp at local slot (o // (dcp I)) I + o % I)
+  and compressed states (`tokens_per_state` > 1): the group's token
+  placement registered with the library (Worker.set_group_placement,
+  where this kvcsum has it: `PLACEMENT`), each token numbered by its place
+  in the request, so the DCP ranks' sums add up to the block's value.
+
 What kvcsum still cannot checksum is named (`unsupported`) and never
-silent (kvcsum.vllm.load_verdict): compressed states (`tokens_per_state`
-other than 1) and DCP-sharded token positions need the library's token
-placement (kvcs_worker_set_group_placement), host-resident groups are not
-in device memory the workers read, and a state of an element size other
-than 2 or 4 bytes has no piece rule.
+silent (kvcsum.vllm.load_verdict): compressed states and DCP without the
+library's token placement, fractional tokens_per_state (several states a
+token), host-resident groups (not in memory the workers read), and state
+elements of other than 2 or 4 bytes.
 """
 
 from __future__ import annotations
@@ -53,7 +60,19 @@ import math
 
 import kvcsum
 
-__all__ = ["describe_spec", "state_tensors", "global_heads", "DTYPE_BYTES"]
+__all__ = ["describe_spec", "state_tensors", "global_heads", "group_block_size", "PLACEMENT", "DTYPE_BYTES"]
+
+#: Whether this kvcsum registers a group's token placement (DCP shards,
+#: compressed states: Worker.set_group_placement, SPEC section 16).
+PLACEMENT = callable(getattr(kvcsum.Worker, "set_group_placement", None))
+
+
+def group_block_size(spec, dcp: int = 1) -> int:
+    """The tokens of one of the KV cache manager's blocks of a group: with
+    DCP, a DCP-sharded group's block covers block_size x dcp tokens
+    (vllm.v1.worker.block_table; AttentionSpec.max_num_blocks_per_req)."""
+    size = int(spec.block_size)
+    return size * dcp if dcp > 1 and getattr(spec, "dcp_sharded", False) else size
 
 #: Element sizes of the dtypes vLLM's specs name.
 DTYPE_BYTES = {
@@ -108,9 +127,10 @@ def describe_spec(
     if not is_attention or not getattr(spec, "has_layer_views", True):
         return dict(common, kind="state", unsupported=f"{type_name} has no per-token KV blocks")
     tokens_per_state = getattr(spec, "tokens_per_state", 1)
-    if tokens_per_state != 1:
+    dcp_sharded = dcp_size > 1 and bool(getattr(spec, "dcp_sharded", False))
+    if tokens_per_state != 1 and not (PLACEMENT and isinstance(tokens_per_state, int) and tokens_per_state > 1):
         unsupported = f"{type_name} stores {tokens_per_state} tokens per state (no token placement registered)"
-    elif dcp_size > 1 and getattr(spec, "dcp_sharded", False):
+    elif dcp_sharded and not PLACEMENT:
         unsupported = f"DCP shards its token positions across {dcp_size} ranks (no token placement registered)"
     heads = int(spec.num_kv_heads)
     slots = getattr(spec, "num_head_slots", None)
@@ -133,6 +153,8 @@ def describe_spec(
         total_kv_heads=total_kv_heads,
         num_slots=num_slots,
         cell_bytes=int(cell) if cell is not None else 0,
+        tokens_per_state=int(tokens_per_state) if isinstance(tokens_per_state, int) else 1,
+        dcp_size=dcp_size if dcp_sharded else 1,
         unsupported=unsupported,
     )
 

@@ -158,10 +158,14 @@ def inner_entry_config(extra_config: dict[str, Any] | None) -> tuple["KVTransfer
     return KVTransferConfig(**{"kv_role": "kv_both", **entry}), entry.get("kv_connector_extra_config", {})
 
 
-def transfer_block_sizes(kv_cache_config: "KVCacheConfig") -> dict:
-    """{group: block size} of the transfer groups."""
+def transfer_block_sizes(kv_cache_config: "KVCacheConfig", dcp: int = 1) -> dict:
+    """{group: block size} of the transfer groups: the tokens of one of the
+    KV cache manager's blocks (with DCP, a DCP-sharded group's block covers
+    block_size x dcp tokens, kvcsum.vllm.cache_kinds.group_block_size)."""
+    from kvcsum.vllm.cache_kinds import group_block_size
+
     return {
-        g: int(kv_cache_config.kv_cache_groups[g].kv_cache_spec.block_size) for g in kv_cache_config.transfer_group_ids
+        g: group_block_size(kv_cache_config.kv_cache_groups[g].kv_cache_spec, dcp) for g in kv_cache_config.transfer_group_ids
     }
 
 
@@ -179,12 +183,12 @@ def layer_specs(kv_cache_config: "KVCacheConfig", total_kv_heads: int | None, dc
     kvcsum.vllm.cache_kinds), and {group: block size}."""
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, UniformTypeKVCacheSpecs
 
-    from kvcsum.vllm.cache_kinds import describe_spec
+    from kvcsum.vllm.cache_kinds import describe_spec, group_block_size
 
     specs, block_sizes = [], {}
     for group_id in kv_cache_config.transfer_group_ids:
         group = kv_cache_config.kv_cache_groups[group_id]
-        block_sizes[group_id] = int(group.kv_cache_spec.block_size)
+        block_sizes[group_id] = group_block_size(group.kv_cache_spec, dcp_size)
         for name in group.layer_names:
             spec = group.kv_cache_spec
             if isinstance(spec, UniformTypeKVCacheSpecs):
@@ -226,6 +230,23 @@ def dcp_size(vllm_config) -> int:
     """vLLM's decode context parallel size (1 without one)."""
     parallel = getattr(vllm_config, "parallel_config", None)
     return int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
+
+
+def dcp_interleave(vllm_config) -> int:
+    """vLLM's cp_kv_cache_interleave_size: consecutive tokens a DCP rank holds."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    return int(getattr(parallel, "cp_kv_cache_interleave_size", 1) or 1)
+
+
+def dcp_place() -> tuple[int, int]:
+    """(dcp_rank, dcp_size) from vLLM's parallel state ((0, 1) without a DCP group)."""
+    from vllm.distributed import parallel_state
+
+    try:
+        group = parallel_state.get_dcp_group()
+        return int(group.rank_in_group), int(group.world_size)
+    except (AssertionError, AttributeError):
+        return 0, 1
 
 
 def parallel_place() -> tuple[int, int, int]:

@@ -170,7 +170,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerRole(
                 self._settings,
                 kv_cache_config,
-                transfer_block_sizes(kv_cache_config),
+                transfer_block_sizes(kv_cache_config, dcp_size(vllm_config)),
                 num_workers,
                 self._inner_name,
                 str(self._kv_transfer_config.kv_load_failure_policy),

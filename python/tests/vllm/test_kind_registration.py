@@ -267,3 +267,94 @@ def test_mla_and_its_indexer_cache_are_one_group_with_consecutive_heads(where):
 
     report = round_trip(f"MLA + indexer (one group), flip in {where}", [(names, spec)], flip if where else None, total_kv_heads=1)
     check(report, where is not None, IDS[1])
+
+
+# --- 6. DCP shards and compressed states (the library's token placement) ---------------------
+
+from kvcsum.vllm.cache_kinds import PLACEMENT  # noqa: E402
+
+needs_placement = pytest.mark.skipif(not PLACEMENT, reason="this kvcsum has no Worker.set_group_placement")
+DCP_IDS = [3, 7]  # 45 tokens in two 32-token manager blocks
+
+
+def dcp_slot(offset: int, dcp: int, interleave: int) -> tuple[int, int]:
+    """(DCP rank, local slot) of in-block token offset `offset`
+    (vllm.v1.worker.block_table)."""
+    return (offset // interleave) % dcp, (offset // (dcp * interleave)) * interleave + offset % interleave
+
+
+@needs_placement
+@pytest.mark.parametrize("interleave", [1, 2])
+@pytest.mark.parametrize("flip_rank", [None, 0, 1])
+def test_dcp_shards_line_up_by_global_token(interleave, flip_rank):
+    # Producer: TP 1, DCP 1, 32-token blocks, 1 KV head. Consumer: TP 2 with
+    # DCP 2: each rank holds the head's tokens of its DCP rank, 16 slots of
+    # each 32-token manager block.
+    dcp, global_block = 2, 32
+    head = lambda size: FullAttentionSpec(block_size=size, num_kv_heads=1, head_size=32, dtype=torch.float16)  # noqa: E731
+    p_cfg = config([(ATTN, head(global_block))])
+    p_caches, producer = engine_side(p_cfg, seed=17, total_kv_heads=1)
+    c_cfg = config([(ATTN, head(global_block // dcp))])
+    consumers, c_caches = [], []
+    for rank in range(dcp):
+        caches = allocate_kv_cache(c_cfg, torch.device("cpu"), KVCacheLayout.LBNHC)
+        layers, sizes = layer_specs(c_cfg, 1, dcp)
+        assert sizes == {0: global_block}
+        worker = CacheChecksummer(layers, caches, NUM_BLOCKS, sizes, tp_rank=rank, tp_size=2, dcp_rank=rank, dcp_interleave=interleave)
+        assert not worker.skipped, worker.skipped
+        consumers.append(worker)
+        c_caches.append(caches)
+    for name in ATTN:
+        src = p_caches[name].view(torch.uint8)
+        for b in DCP_IDS:
+            for o in range(global_block):
+                rank, slot = dcp_slot(o, dcp, interleave)
+                c_caches[rank][name].view(torch.uint8)[b, :, slot] = src[b, :, o]
+    if flip_rank is not None:
+        o = next(o for o in range(global_block) if dcp_slot(o, dcp, interleave)[0] == flip_rank and o > 3)
+        c_caches[flip_rank][ATTN[1]].view(torch.uint8)[DCP_IDS[1], 0, dcp_slot(o, dcp, interleave)[1], 6] ^= 0x20
+    the_job = Job("req", NUM_TOKENS, {0: (0, list(DCP_IDS))})
+    with kvcsum.Blocks() as blocks:
+        the_job.to_blocks(blocks)
+        with kvcsum.Verifier(1) as p:
+            p.expect(blocks, kvcsum.PRODUCER)
+            p.add_record(producer.checksum([the_job], kvcsum.PRODUCER).record())
+            payload = p.payload("req")
+        c = kvcsum.Verifier(2)
+        c.set_producer_tp_size(1)
+        c.expect(blocks, kvcsum.CONSUMER)
+        for w in consumers:
+            c.add_record(w.checksum([the_job], kvcsum.CONSUMER).record())
+        report = c.check("req", payload)
+    print(f"\nCASE {f'DCP 2 interleave {interleave}, flip on rank {flip_rank}':<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}")
+    check(report, flip_rank is not None)
+    if flip_rank is not None:
+        assert {(m.first_position, m.num_positions) for m in report.mismatches} == {(1, 1)}
+
+
+@needs_placement
+@pytest.mark.parametrize("where", [None, "state"])
+def test_compressed_states_four_tokens_a_state(where):
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=32, dtype=torch.bfloat16, tokens_per_state=4)
+
+    def flip(caches):
+        cache = caches[ATTN[0]]
+        assert tuple(cache.shape)[:3] == (NUM_BLOCKS, 1, BLOCK // 4), cache.shape
+        cache.view(torch.uint8)[IDS[1], 0, 2, 5] ^= 0x01
+
+    report = round_trip(f"compressed states (4 tokens a state), flip in {where}", [(ATTN, spec)], flip if where else None, total_kv_heads=1)
+    check(report, where is not None, IDS[1])
+
+
+def test_without_the_token_placement_dcp_and_compressed_groups_are_named_not_checksummed(monkeypatch):
+    from kvcsum.vllm import cache_kinds
+    from kvcsum.vllm.config import groups_not_checksummed
+
+    monkeypatch.setattr(cache_kinds, "PLACEMENT", False)
+    dcp = config([(ATTN, FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=32, dtype=torch.float16))])
+    assert "DCP shards its token positions across 2 ranks" in groups_not_checksummed(dcp, 1, 2)[0]
+    assert groups_not_checksummed(dcp, 1, 1) == {}
+    compressed = config([(ATTN, FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=32, dtype=torch.bfloat16, tokens_per_state=4))])
+    assert "4 tokens per state" in groups_not_checksummed(compressed, 1)[0]
+    _, worker = engine_side(compressed, seed=1, total_kv_heads=1)
+    assert "4 tokens per state" in worker.skipped[0]
