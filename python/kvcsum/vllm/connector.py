@@ -351,6 +351,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
     # ==========================================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        self._layer_names = tuple(kv_caches)
         self._inner.register_kv_caches(kv_caches)
         self._worker.register_kv_caches(kv_caches)
 
@@ -382,8 +383,12 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
         converted = meta.converted if isinstance(meta, KvcsumConnectorMetadata) else None
         if converted:
             # The wrapped connector's sync loads that vLLM sees as async
-            # (kvcsum.vllm.load_order): done in this step's start_load_kv,
-            # so received now, and checked as any async load.
+            # (kvcsum.vllm.load_order): started in this step's
+            # start_load_kv; no forward read them, so the waits a forward
+            # makes for each layer are made here, and they are received
+            # now and checked as any async load.
+            for name in getattr(self, "_layer_names", ()):
+                self._inner.wait_for_layer_load(name)
             inner.finished_recving = set(inner.finished_recving or ()) | (set(converted) - set(finished_req_ids or ()))
         return self._worker.transfer_results(inner, finished_req_ids)
 

@@ -25,17 +25,20 @@ vLLM's async one: the scheduler answers get_num_new_matched_tokens with
 the blocks, calls update_state_after_alloc (the wrapped connector records
 the load as it would for its sync load), puts the request in
 WAITING_FOR_REMOTE_KVS and schedules nothing of it in that step; the
-wrapped connector loads the blocks in that step's start_load_kv (a sync
-loader finishes inside its calls of the step). After the step's
-wait_for_save the workers report the request received
+wrapped connector loads the blocks in that step's start_load_kv. No
+forward reads them, so the connector makes the waits a forward makes
+(wait_for_layer_load of every layer) before the workers report the
+request received in that step's get_transfer_results
 (`KvcsumConnectorMetadata.converted`, added to the wrapped connector's
 finished_recving), and kvcsum checks it there as any async load: a tier
 load against the values the workers kept, a P/D load against its payload,
 both in that very step (kvcsum.vllm.worker_role, kvcsum.vllm.scheduler).
 An intact load is cached and computed on from in the next step, with the
 same tokens reused as through the wrapped connector alone; a bad one is a
-failed_recving, which vLLM recomputes from token 0 (or fails, with
-kv_load_failure_policy "fail"). The cost is the step the request waits.
+failed_recving where vLLM has several KV cache groups (computed again from
+token 0) and its bad blocks' load errors where it has one (computed again
+from the first bad block), or a failed request with kv_load_failure_policy
+"fail". The cost is the step the request waits.
 
 This needs a wrapped connector that loads what update_state_after_alloc
 recorded in the step's start_load_kv whether or not vLLM schedules the

@@ -148,6 +148,50 @@ def test_hybrid_sync_tier_hit_with_a_flipped_byte_is_never_used(rank):
     assert e.request_status("again") == "FINISHED_LENGTH_CAPPED"
 
 
+@pytest.mark.parametrize("flip", [False, True])
+def test_vllm_offloading_connector_sync_loads_on_a_hybrid_model_reuse_as_alone_and_never_use_a_flip(flip):
+    # vLLM 0.33's own OffloadingConnector (CPU spec, host copies:
+    # offloading_spec.py) with sync loads (sync_load_budget_bytes): it
+    # emits its loads from its own list, so the load handed to vLLM as
+    # async is done in the step vLLM allocates it.
+    import offloading_spec
+
+    results = {}
+    for wrap in (False, True):
+        offloading_spec.FAULT.clear()
+        inner = {
+            "kv_connector": "OffloadingConnector",
+            "kv_connector_extra_config": {
+                "spec_name": "HostCopySpec", "spec_module_path": "offloading_spec",
+                "cpu_bytes_to_use": 1 << 26, "sync_load_budget_bytes": 1 << 26,
+            },
+        }
+        e = Engine("offloading", role="kv_both", tp=1, block_size=BLOCK, layout=KVCacheLayout.LBNHC, store_dir="",
+                   inner=inner, wrap=wrap, sliding_window=WINDOW, track_kv=True)
+        e.add_request("first", PROMPT, 2)
+        e.run()
+        if flip:
+            offloading_spec.FAULT["flip"] = 1
+        e.add_request("again", PROMPT, 3)
+        e.run()
+        if flip:
+            assert offloading_spec.FAULT.get("done"), "the fault was made"
+        line(f"hybrid, vLLM OffloadingConnector sync, {'wrapped' if wrap else 'bare'}, {'flip' if flip else 'intact'}", e, "again")
+        results[wrap] = e
+    bare, e = results[False], results[True]
+    assert counts(e).get("sync_loads_as_async") == 1
+    assert e.traces["again"].output_tokens == expected(3)
+    if flip:
+        assert set(bare.traces["again"].bad_kv_steps) & set(bare.traces["again"].token_steps)
+        assert e.connector().last_verdicts["again"][0] == kvcsum.MISMATCH
+        assert e.traces["again"].bad_kv_steps == [] and computed(e, "again") == (len(PROMPT), 0)
+    else:
+        assert e.connector().last_verdicts["again"][0] == kvcsum.MATCH
+        assert computed(e, "again") == computed(bare, "again") == (len(PROMPT) - 64, 64)
+        assert e.traces["again"].bad_kv_steps == []
+        assert e.traces["again"].first_scheduled() == bare.traces["again"].first_scheduled() + 1
+
+
 def test_hybrid_sync_tier_hit_declined_where_the_setting_says_so():
     e = tier_engine("sync", extra={"unfailable_sync_loads": "decline"})
     tier_round_trip(e)
