@@ -389,7 +389,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
             # now and checked as any async load.
             for name in getattr(self, "_layer_names", ()):
                 self._inner.wait_for_layer_load(name)
-            inner.finished_recving = set(inner.finished_recving or ()) | (set(converted) - set(finished_req_ids or ()))
+            inner.finished_recving = set(inner.finished_recving or ()) | set(converted)
         return self._worker.transfer_results(inner, finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
