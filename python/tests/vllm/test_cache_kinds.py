@@ -1,5 +1,5 @@
 """Every kind of KV cache vLLM 0.33 allocates, through KvcsumConnector in
-vLLM's real Scheduler and worker glue, on the CPU (issue 36): per kind an
+vLLM's real Scheduler and worker glue, on the CPU: per kind an
 engine pair (or one engine and a tier) with a tier and a P/D round trip.
 Intact loads are used, with the tokens reused equal to the bare wrapped
 connector's; a flipped byte is never used (the stand-in model's forward
