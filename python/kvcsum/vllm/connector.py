@@ -144,6 +144,17 @@ if TYPE_CHECKING:
 __all__ = ["KvcsumConnector", "KvcsumConnectorMetadata", "KvcsumWorkerMetadata", "KvcsumStats"]
 
 
+def hash_block_size(kv_cache_config: "KVCacheConfig", vllm_config: "VllmConfig") -> int:
+    """The tokens of one of vLLM's block hashes (its own resolution: with
+    DCP or several groups it is not cache_config.block_size)."""
+    try:
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        return int(resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1])
+    except Exception:  # noqa: BLE001 - an older vLLM, or a config it cannot resolve
+        return int(vllm_config.cache_config.block_size)
+
+
 class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
     """Wraps the connector named by kv_connector_extra_config["inner"] and
     adds kvcsum checksums: payloads on the producer, verdicts on the
@@ -174,7 +185,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
                 num_workers,
                 self._inner_name,
                 str(self._kv_transfer_config.kv_load_failure_policy),
-                hash_block_size=int(vllm_config.cache_config.block_size),
+                hash_block_size=hash_block_size(kv_cache_config, vllm_config),
                 records_meet=records_meet_in_step(vllm_config),
                 not_checksummed=groups_not_checksummed(kv_cache_config, total_kv_heads(vllm_config), dcp_size(vllm_config)),
             )

@@ -79,9 +79,10 @@ EOS = 2
 _hash_ready = False
 
 
-def model_dir() -> str:
+def model_dir(kv_heads: int = TOTAL_KV_HEADS) -> str:
     """A model directory holding only a tiny Llama config.json."""
-    path = os.path.join(tempfile.gettempdir(), f"kvcsum-vllm-tiny-llama-{os.getpid()}")
+    suffix = "" if kv_heads == TOTAL_KV_HEADS else f"-kv{kv_heads}"
+    path = os.path.join(tempfile.gettempdir(), f"kvcsum-vllm-tiny-llama-{os.getpid()}{suffix}")
     os.makedirs(path, exist_ok=True)
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -89,7 +90,7 @@ def model_dir() -> str:
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_attention_heads": 4,
-        "num_key_value_heads": TOTAL_KV_HEADS,
+        "num_key_value_heads": kv_heads,
         "head_dim": HEAD_SIZE,
         "num_hidden_layers": NUM_LAYERS,
         "vocab_size": 1024,
@@ -114,22 +115,30 @@ def sampled_token(position: int) -> int:
 
 
 @contextlib.contextmanager
-def place(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1):
+def place(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1, dcp_size: int = 1):
     """vLLM's parallel state as one TP rank of one PP stage sees it (one
-    process plays all)."""
+    process plays all); with DCP, the rank's DCP group is consecutive TP
+    ranks (vLLM's parallel_state: dcp_rank = tp_rank % dcp)."""
 
     class _PP:
         rank_in_group = pp_rank
         world_size = pp_size
 
+    class _DCP:
+        rank_in_group = tp_rank % dcp_size
+        world_size = dcp_size
+
     saved = (
         parallel_state.get_tensor_model_parallel_rank,
         parallel_state.get_tensor_model_parallel_world_size,
         parallel_state.get_pp_group,
+        parallel_state.get_dcp_group,
     )
     parallel_state.get_tensor_model_parallel_rank = lambda: tp_rank
     parallel_state.get_tensor_model_parallel_world_size = lambda: tp_size
     parallel_state.get_pp_group = lambda: _PP()
+    if dcp_size > 1:
+        parallel_state.get_dcp_group = lambda: _DCP()
     try:
         yield
     finally:
@@ -137,6 +146,7 @@ def place(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1):
             parallel_state.get_tensor_model_parallel_rank,
             parallel_state.get_tensor_model_parallel_world_size,
             parallel_state.get_pp_group,
+            parallel_state.get_dcp_group,
         ) = saved
 
 
@@ -223,6 +233,9 @@ class Engine:
         record_layout: bool = False,
         attn_metadata: object = None,
         pp: int = 1,
+        dcp: int = 1,
+        kv_heads: int = TOTAL_KV_HEADS,
+        interleave: int = 1,
     ):
         """record_exchange: the ranks share an InProcessRecordExchange (off:
         they have none, as the workers of an engine with several PP stages).
@@ -237,12 +250,17 @@ class Engine:
         (None, the default, as in a step with no attention; LMCache loads
         nothing in such a step). pp: PP stages, each with `tp` workers whose
         KV cache config holds only the stage's layers (as vLLM gives each
-        stage's worker), layers split in consecutive runs."""
+        stage's worker), layers split in consecutive runs. dcp: vLLM's
+        decode context parallel size (the scheduler's blocks cover
+        block_size x dcp tokens, `interleave` of them at a time on each DCP
+        rank); kv_heads: the model's KV heads (DCP needs TP >= dcp x KV
+        heads)."""
         global _hash_ready
         if not _hash_ready:
             init_none_hash(sha256)
             _hash_ready = True
         self.name, self.tp, self.block_size, self.pp = name, tp, block_size, pp
+        self.dcp, self.interleave = dcp, interleave
         if inner is None:
             inner = {
                 "kv_connector": "StoreConnector",
@@ -259,7 +277,7 @@ class Engine:
             )
         else:
             ktc = KVTransferConfig(kv_role=role, kv_load_failure_policy=policy, **inner)
-        model_config = ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=2048)
+        model_config = ModelConfig(model=model_dir(kv_heads), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=2048)
         self.vllm_config = VllmConfig(
             model_config=model_config,
             cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
@@ -271,7 +289,10 @@ class Engine:
                 is_encoder_decoder=False,
                 disable_hybrid_kv_cache_manager=True if sliding_window is None else None,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=tp, pipeline_parallel_size=pp, decode_context_parallel_size=dcp,
+                cp_kv_cache_interleave_size=interleave,
+            ),
             kv_transfer_config=ktc,
             device_config=DeviceConfig("cpu"),
         )
@@ -283,14 +304,14 @@ class Engine:
             vllm_config=self.vllm_config,
             kv_cache_config=self.kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
-            block_size=block_size,
+            block_size=block_size * dcp,  # the scheduler's block (resolve_kv_cache_block_sizes)
             log_stats=True,
         )
         self.ranks: list[RankState] = []
         for stage in range(pp):
             stage_config = self.stage_config(stage)
             for rank in range(tp):
-                with place(rank, tp, stage, pp):
+                with place(rank, tp, stage, pp, dcp):
                     connector = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER, stage_config)
                     caches = allocate_kv_cache(stage_config, torch.device("cpu"), layout)
                     connector.register_kv_caches(caches)
@@ -367,7 +388,7 @@ class Engine:
             prompt_token_ids=list(prompt),
             sampling_params=params,
             pooling_params=None,
-            block_hasher=get_request_block_hasher(self.block_size, sha256),
+            block_hasher=get_request_block_hasher(self.block_size * self.dcp, sha256),
         )
         request.kv_transfer_params = kv_transfer_params
         self.prompts[req_id] = list(prompt)
@@ -463,7 +484,7 @@ class Engine:
             if self.wire:
                 rank_sched = copy.copy(sched)
                 rank_sched.kv_connector_metadata = pickle.loads(pickle.dumps(sched.kv_connector_metadata))
-            with place(rank, self.tp, state.pp_rank, self.pp), set_forward_context(self.attn_metadata, self.vllm_config):
+            with place(rank, self.tp, state.pp_rank, self.pp, self.dcp), set_forward_context(self.attn_metadata, self.vllm_config):
                 with KVConnectorModelRunnerMixin._get_kv_connector_output(rank_sched, defer_finalize=self.defer_finalize) as kv_out:
                     self._forward(rank, state, kv_out)
                 if self.defer_finalize:

@@ -102,7 +102,25 @@ class KindEngine(Engine):
         group = next(g for g in self.kv_cache_config.kv_cache_groups if name in g.layer_names)
         spec = group.kv_cache_spec
         spec = spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
-        return 0 if type(spec).__name__ == "MLAAttentionSpec" else rank * slots
+        if type(spec).__name__ == "MLAAttentionSpec":
+            return 0
+        # The ranks of a DCP group hold the same heads (their tokens differ).
+        return (rank // self.dcp) * slots
+
+    def token_slots(self, spec, rank: int, positions: torch.Tensor, ids):
+        """(the positions this rank holds, their blocks, their slots): with
+        DCP a manager block covers block_size x dcp tokens, the token at
+        in-block offset o on DCP rank (o // I) % dcp at local slot
+        (o // (dcp I)) I + o % I (vllm.v1.worker.block_table)."""
+        size, dcp, interleave = int(spec.block_size), self.dcp, self.interleave
+        if dcp == 1 or not getattr(spec, "dcp_sharded", False):
+            return positions, torch.tensor(ids)[positions // size], positions % size
+        span = size * dcp
+        offsets = positions % span
+        mine = (offsets // interleave) % dcp == rank % dcp
+        positions, offsets = positions[mine], offsets[mine]
+        slots = (offsets // (dcp * interleave)) * interleave + offsets % interleave
+        return positions, torch.tensor(ids)[positions // span], slots
 
     def _state_view(self, cache: torch.Tensor) -> torch.Tensor:
         return cache.view(torch.uint8).reshape(cache.shape[0], -1)
@@ -127,12 +145,11 @@ class KindEngine(Engine):
                                 self._read_bad.add((req_id, rank))
                         page[ids[0]] = self.state(req_id, layer, rank, start + count, width)
                         continue
-                    size = int(group.kv_cache_spec.block_size)
                     raw = cache.view(torch.uint8)
                     slots, width = raw.shape[1], raw.shape[3]
-                    blocks = torch.tensor(ids)[positions // size]
+                    held, blocks, local = self.token_slots(group.kv_cache_spec, rank, positions, ids)
                     first = self._first_slot(name, rank, slots)
-                    raw[blocks, :, positions % size] = self.cells(req_id, positions, layer, first, slots, width)
+                    raw[blocks, :, local] = self.cells(req_id, held, layer, first, slots, width)
 
     def _kv_as_computed(self, rank: int, state: RankState, req_id: str, num_tokens: int) -> bool:
         if (req_id, rank) in getattr(self, "_read_bad", set()):
@@ -143,15 +160,14 @@ class KindEngine(Engine):
         for group_id, group in enumerate(self.kv_cache_config.kv_cache_groups):
             if self._is_state(group_id):
                 continue  # read (and judged) by the forward, before it writes
-            ids = torch.tensor(table[group_id])
-            size = int(group.kv_cache_spec.block_size)
+            held, blocks, local = self.token_slots(group.kv_cache_spec, rank, positions, table[group_id])
             for name in group.layer_names:
                 if name not in state.caches:
                     continue
                 raw = state.caches[name].view(torch.uint8)
                 slots, width = raw.shape[1], raw.shape[3]
-                got = raw[ids[positions // size], :, positions % size]
+                got = raw[blocks, :, local]
                 first = self._first_slot(name, rank, slots)
-                if not torch.equal(got, self.cells(req_id, positions, layer_of(name), first, slots, width)):
+                if not torch.equal(got, self.cells(req_id, held, layer_of(name), first, slots, width)):
                     return False
         return True

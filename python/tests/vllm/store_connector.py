@@ -191,19 +191,32 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches):
         self._caches = dict(kv_caches)
         self._rank = parallel_state.get_tensor_model_parallel_rank()
+        parallel = self._vllm_config.parallel_config
+        self._dcp = (int(parallel.decode_context_parallel_size), int(parallel.cp_kv_cache_interleave_size))
 
     def _slots(self, group: int, table: dict, first: int, num_tokens: int):
-        size = self._groups[group].kv_cache_spec.block_size
+        """(positions this rank holds, their blocks, their slots); with DCP a
+        block covers block_size x dcp tokens, spread over the DCP ranks
+        (vllm.v1.worker.block_table)."""
+        spec = self._groups[group].kv_cache_spec
+        size = spec.block_size
         positions = torch.arange(first, num_tokens)
-        blocks = torch.tensor(table[group])[positions // size]
-        return positions, blocks, positions % size
+        dcp, interleave = self._dcp
+        if dcp == 1 or not getattr(spec, "dcp_sharded", False):
+            return positions, torch.tensor(table[group])[positions // size], positions % size
+        offsets = positions % (size * dcp)
+        mine = (offsets // interleave) % dcp == self._rank % dcp
+        positions, offsets = positions[mine], offsets[mine]
+        slots = (offsets // (dcp * interleave)) * interleave + offsets % interleave
+        return positions, torch.tensor(table[group])[positions // (size * dcp)], slots
 
     def _layers(self):
         for group, spec in self._groups.items():
             for name in spec.layer_names:
                 cache = self._caches[name]
                 heads = cache.shape[1]
-                yield group, name, cache, heads, self._rank * heads
+                # The ranks of a DCP group hold the same heads.
+                yield group, name, cache, heads, (self._rank // self._dcp[0]) * heads
 
     def _is_state(self, group: int) -> bool:
         return type(self._groups[group].kv_cache_spec).__name__ == "MambaSpec"
@@ -225,15 +238,15 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
                     continue
                 positions, blocks, offsets = self._slots(group, table, first, num_tokens)
                 for h in range(heads):
-                    stored = torch.load(self._path(key, name, first_head + h))[first:num_tokens].clone()
+                    stored = torch.load(self._path(key, name, first_head + h))[positions].clone()
                     token = CORRUPT.get("token")
                     if (
                         token is not None
-                        and first <= token < num_tokens
+                        and token in positions.tolist()
                         and CORRUPT.get("layer", name) == name
                         and CORRUPT.get("head", first_head + h) == first_head + h
                     ):
-                        raw = stored[token - first].view(torch.uint8)
+                        raw = stored[positions.tolist().index(token)].view(torch.uint8)
                         raw[CORRUPT.get("byte", 3)] ^= 0x10
                         CORRUPT["done"] = CORRUPT.get("done", 0) + 1
                     cache[blocks, h, offsets] = stored

@@ -587,3 +587,56 @@ def test_mla_with_indexer_tier_round_trip(fault):
     else:
         flipped(pair, "again", PROMPT)
         assert computed(pair["wrapped"], "again")[1] == 2 * BLOCK
+
+
+# --- 6. DCP: consumer TP 2 with DCP 2, producer DCP 1 -------------------------------------
+
+from kvcsum.vllm.cache_kinds import PLACEMENT  # noqa: E402
+
+
+def dcp_groups(tp: int):
+    # One KV head (DCP needs TP >= dcp x KV heads): every rank holds it.
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=16, dtype=torch.float16)
+    return [([f"model.layers.{i}.self_attn.attn" for i in range(4)], spec)]
+
+
+def dcp_pair(store: str, wrap: bool, interleave: int):
+    inner = dict(STORE, kv_connector_extra_config={"store_dir": store})
+    common = dict(groups=dcp_groups, block_size=BLOCK, layout=KVCacheLayout.LBNHC, store_dir=store, inner=inner, wrap=wrap, kv_heads=1)
+    p = KindEngine("producer", role="kv_producer", tp=1, **common)
+    c = KindEngine("consumer", role="kv_consumer", tp=2, dcp=2, interleave=interleave, track_kv=True, **common)
+    return p, c
+
+
+@pytest.mark.parametrize("interleave", [1, 2])
+@pytest.mark.parametrize("flip_rank", [None, 0, 1])
+def test_dcp_consumer_pd_round_trip(store, interleave, flip_rank):
+    # Token 21's in-block offset is 21: DCP rank (21 // I) % 2.
+    token = next(t for t in range(17, 32) if (t // interleave) % 2 == flip_rank) if flip_rank is not None else None
+    pair = {}
+    for wrap in (False, True):
+        store_connector.CORRUPT.clear()
+        if token is not None:
+            store_connector.CORRUPT.update(token=token, layer="model.layers.2.self_attn.attn", head=0)
+        p, c = dcp_pair(os.path.join(store, str(wrap)), wrap, interleave)
+        pd_round_trip(p, c, "req", KIND_PROMPT)
+        if token is not None:
+            # The consumer's two DCP ranks: only the one holding the token loads it.
+            assert store_connector.CORRUPT.get("done") == 1
+        line(f"DCP 2 (I {interleave}), P/D, {'wrapped' if wrap else 'bare'}, flip on rank {flip_rank}", c, "req", len(KIND_PROMPT))
+        pair["wrapped" if wrap else "bare"] = c
+    wrapped = pair["wrapped"]
+    verdict, reason, message = wrapped.connector().last_verdicts["req"]
+    if not PLACEMENT:
+        # Without the library's token placement: named, counted, never
+        # silent (the producer sent the group the consumer skipped).
+        assert verdict == kvcsum.UNVERIFIED and reason in ("ONE_SIDED_GROUP", "GROUP_NOT_CHECKSUMMED"), message
+        assert counts(wrapped).get("groups_not_checksummed") == 1
+        assert "DCP shards" in message
+        assert wrapped.traces["req"].bad_kv_steps == [] and wrapped.traces["req"].output_tokens == expected(3, KIND_PROMPT)
+        return
+    if flip_rank is None:
+        intact(pair, "req", KIND_PROMPT)
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        assert computed(wrapped, "req", len(KIND_PROMPT))[1] == 0  # the manager block of tokens 0..32

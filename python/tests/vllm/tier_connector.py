@@ -60,7 +60,11 @@ class TierConnector(KVConnectorBase_V1, SupportsHMA):
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._sync = extra.get("load_mode", "async") == "sync"
         self._capacity = int(extra.get("capacity", 1024))
-        self._block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        dcp = int(vllm_config.parallel_config.decode_context_parallel_size)
+        # A manager block: with DCP it covers block_size x dcp tokens (each
+        # rank keeps its own part of it, as every rank keeps its heads).
+        self._block_size = spec.block_size * (dcp if getattr(spec, "dcp_sharded", False) else 1)
         # Every group's block at a position (one block size for all groups).
         self._groups = tuple(range(len(kv_cache_config.kv_cache_groups)))
         self._group_of = {
