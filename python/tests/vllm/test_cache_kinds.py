@@ -640,3 +640,36 @@ def test_dcp_consumer_pd_round_trip(store, interleave, flip_rank):
     else:
         flipped(pair, "req", KIND_PROMPT)
         assert computed(wrapped, "req", len(KIND_PROMPT))[1] == 0  # the manager block of tokens 0..32
+
+
+@pytest.mark.parametrize("flip_rank", [None, 1])
+def test_dcp_tier_round_trip(flip_rank):
+    results = {}
+    for wrap in (False, True):
+        for shared in (tier_connector.TIER, tier_connector.INDEX, tier_connector.FAULT):
+            shared.clear()
+        inner = {
+            "kv_connector": "TierConnector", "kv_connector_module_path": "tier_connector",
+            "kv_connector_extra_config": {"load_mode": "sync", "capacity": 256},
+        }
+        e = KindEngine("tiered", groups=dcp_groups, role="kv_both", tp=2, dcp=2, kv_heads=1, block_size=BLOCK,
+                       layout=KVCacheLayout.LBNHC, store_dir="", inner=inner, wrap=wrap, track_kv=True,
+                       extra={"unverified_tier": "fail"} if wrap else None)
+        if flip_rank is not None:
+            tier_connector.FAULT.update(flip=1, rank=flip_rank, layer="model.layers.1.self_attn.attn", byte=40)
+        tier_round_trip(e)
+        line(f"DCP 2, tier (sync), {'wrapped' if wrap else 'bare'}, flip on rank {flip_rank}", e, "again")
+        results["wrapped" if wrap else "bare"] = e
+    wrapped = results["wrapped"]
+    verdict, reason, message = wrapped.connector().last_verdicts["again"]
+    if not PLACEMENT:
+        # Not checksummed: every block unverified, load errors under
+        # unverified_tier=fail; never used.
+        assert verdict == kvcsum.UNVERIFIED and reason == "NOT_CHECKSUMMED", message
+        assert not set(wrapped.traces["again"].bad_kv_steps) & set(wrapped.traces["again"].token_steps)
+        assert wrapped.traces["again"].output_tokens == expected(3)
+        return
+    if flip_rank is None:
+        intact(results, "again", PROMPT)
+    else:
+        flipped(results, "again", PROMPT)
