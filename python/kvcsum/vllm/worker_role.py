@@ -47,7 +47,16 @@ from kvcsum.vllm.common import (
     WorkerNote,
     logger,
 )
-from kvcsum.vllm.config import Settings, dcp_interleave, dcp_place, dcp_size, groups_not_checksummed, layer_specs, parallel_place, transfer_block_sizes
+from kvcsum.vllm.config import (
+    Settings,
+    dcp_interleave,
+    dcp_place,
+    dcp_size,
+    groups_not_checksummed,
+    layer_specs,
+    parallel_place,
+    transfer_block_sizes,
+)
 from kvcsum.vllm.decoding import LayerDecodings
 from kvcsum.vllm.load_verdict import LoadJudge
 from kvcsum.vllm.record_exchange import LoadRecord, RecordExchange, WorkerRecords, engine_exchange
