@@ -359,7 +359,10 @@ class CacheChecksummer:
             tensor = kv_caches[spec.name]
             number = layer_number(spec.name)
             key = (int(tensor.data_ptr()), tuple(tensor.stride()), tuple(tensor.shape))
-            ident = identity(spec.name, spec.spec_type, spec.block_size, spec.dtype)
+            # Under DCP a rank's spec has its local block (block_size / dcp):
+            # the identity names the block every rank's slots belong to, the
+            # scheduler's, as a DCP-1 engine's of the same block size does.
+            ident = identity(spec.name, spec.spec_type, spec.block_size * max(1, spec.dcp_size), spec.dtype)
             entry = caches.setdefault(key, {"numbers": [], "spec": spec, "tensor": tensor, "idents": []})
             entry["numbers"].append(number)
             entry["idents"].append((number, ident))
