@@ -273,7 +273,13 @@ def test_mla_and_its_indexer_cache_are_one_group_with_consecutive_heads(where):
 
 from kvcsum.vllm.cache_kinds import PLACEMENT  # noqa: E402
 
-needs_placement = pytest.mark.skipif(not PLACEMENT, reason="this kvcsum has no Worker.set_group_placement")
+def needs_placement(test):
+    """This kvcsum has the token placement (SPEC §16): the cases run, never skip."""
+    return test
+
+
+def test_this_kvcsum_has_the_token_placement():
+    assert PLACEMENT, "kvcsum.Worker.set_group_placement is missing"
 DCP_IDS = [3, 7]  # 45 tokens in two 32-token manager blocks
 
 
