@@ -11,8 +11,9 @@ decode queues would.
 
 SPEC (JSON): role (prefill | decode), tp_rank, tp_size, bootstrap_port,
 dist_port (torch.distributed among this instance's ranks), seed,
-requests [{room, tokens, flip: [layer, page_index_in_request, head] | null,
-payload_of: ROOM | null}], out (a JSON file for the results).
+requests [{room, tokens, flip: [layer, page position, local head, decode
+rank] | null, payload_of: ROOM | "none" | null}], out (a JSON file for the
+results), dir (where each request's K and V are saved as .npy).
 """
 
 from __future__ import annotations
@@ -130,6 +131,15 @@ class Rank:
         self.req_to_token_pool.req_to_token[row, : len(indices)] = indices.to(self.req_to_token_pool.req_to_token.dtype)
         return row, indices[:tokens]
 
+    def dump(self, room: int, indices: torch.Tensor) -> None:
+        """The request's K and V as this rank holds them, [layer, token, head,
+        dim] int16, for the test's reference comparison."""
+        import numpy as np
+
+        for name, buffers in (("k", self.pool.k_buffer), ("v", self.pool.v_buffer)):
+            data = torch.stack([b[indices].view(torch.int16) for b in buffers]).numpy()
+            np.save(os.path.join(self.spec["dir"], f"{self.role}{self.rank}-{room}-{name}.npy"), data)
+
     def wait(self, poller, wanted, what: str):
         from sglang.srt.disaggregation.base import KVPoll
 
@@ -197,6 +207,7 @@ def run_prefill(rank: Rank) -> dict:
         state = rank.wait(sender, {KVPoll.Success, KVPoll.Failed}, f"prefill room {room} send")
         pages = [int(p) for p in (indices[::PAGE] // PAGE)]
         out[str(room)] = {"state": state.name if hasattr(state, "name") else str(state), "pages": pages}
+        rank.dump(room, indices)
     return out
 
 
@@ -264,8 +275,11 @@ def run_decode(rank: Rank) -> dict:
             layer, position, head = flip[:3]
             token = int(pages[position]) * PAGE
             rank.pool.k_buffer[layer][token, head, 0:1].view(torch.int16).bitwise_xor_(1)
+        rank.dump(room, indices)
     for r in rank.spec["requests"]:
-        if r.get("payload_of") is not None:  # another request's payload in this one's row
+        if r.get("payload_of") == "none":  # the row as an engine without kvcsum leaves it
+            reqs[r["room"]]._kvcsum_pd_payload = (None, "no kvcsum payload arrived (test)")
+        elif r.get("payload_of") is not None:  # another request's payload in this one's row
             reqs[r["room"]]._kvcsum_pd_payload = payloads[r["payload_of"]]
     batch = _Batch(reqs[r["room"]] for r in rank.spec["requests"])
     scheduler._verify_kv_checksums(batch)
