@@ -276,10 +276,15 @@ vllm-test: lib $(VLLM_VENV)/.installed
 # The SGLang test (python/tests/sglang): kvcsum.sglang.KvcsumHiCacheStorage
 # created by SGLang's own StorageBackendFactory (the documented dynamic
 # backend) wrapping SGLang's file backend, pages round-tripped between
-# SGLang's real MHATokenToKVPoolHost and the files on the CPU. SGLang 0.5.23
-# goes into a venv of its own, build/sglang-venv: torch 2.14.1 with its CUDA
-# libraries, SGLang itself without its dependencies, and the packages its
-# HiCache, memory pool and storage modules import, pinned by
+# SGLang's real MHATokenToKVPoolHost and the files on the CPU; and
+# kvcsum.sglang.activate_pd's P/D check, MHATokenToKVPool pages moved by
+# SGLang's real Mooncake bootstrap server, manager, sender and receiver
+# between a prefill and a decode instance (one process per TP rank, TP 1 to 2
+# and 2 to 1) over Mooncake's TCP transport on 127.0.0.1. SGLang 0.5.23 goes
+# into a venv of its own, build/sglang-venv: torch 2.14.1 with its CUDA
+# libraries, SGLang itself and Mooncake's transfer engine (the non-CUDA wheel
+# the e2e venv uses, 46 MB) without their dependencies, and the packages its
+# HiCache, memory pool, storage and P/D modules import, pinned by
 # python/tests/sglang/constraints.txt (about 6 GB installed).
 SGLANG_VERSION := 0.5.23
 SGLANG_VENV := $(BUILD)/sglang-venv
@@ -287,13 +292,15 @@ SGLANG_PY := $(abspath $(SGLANG_VENV))/bin/python
 SGLANG_PIP := $(SGLANG_PY) -m pip --disable-pip-version-check --cache-dir $(abspath $(BUILD))/pip-cache
 SGLANG_CONSTRAINTS := python/tests/sglang/constraints.txt
 SGLANG_PACKAGES := torch==2.14.1 numpy pytest orjson psutil pybase64 requests pillow starlette msgspec pydantic \
-	pyzmq tqdm IPython aiohttp transformers torchvision dill apache-tvm-ffi sentencepiece compressed-tensors gguf
+	pyzmq tqdm IPython aiohttp transformers torchvision dill apache-tvm-ffi sentencepiece compressed-tensors gguf \
+	openai partial-json-parser einops prometheus_client
 
 $(SGLANG_VENV)/.installed: $(SGLANG_CONSTRAINTS) | $(BUILD)
 	rm -rf $(SGLANG_VENV)
 	python3 -m venv $(SGLANG_VENV)
 	$(SGLANG_PIP) install --quiet -c $(SGLANG_CONSTRAINTS) $(SGLANG_PACKAGES)
-	$(SGLANG_PIP) install --quiet --no-deps sglang==$(SGLANG_VERSION)
+	$(SGLANG_PIP) install --quiet --no-deps sglang==$(SGLANG_VERSION) \
+	  mooncake-transfer-engine-non-cuda==$(MOONCAKE_VERSION)
 	touch $@
 
 .PHONY: sglang-test
