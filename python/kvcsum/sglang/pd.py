@@ -205,6 +205,54 @@ def active() -> Optional[PdActivation]:
     return _ACTIVE
 
 
+ENV = "KVCSUM_SGLANG_PD"
+
+
+def settings_from_env(value: Optional[str]) -> Optional[dict]:
+    """KVCSUM_SGLANG_PD's settings: unset, "" or "0": off (None); "1": the
+    defaults; otherwise comma-separated key=value pairs of activate_pd's
+    arguments ("max_payload_bytes=32768,unverified=fail")."""
+    if value is None or value.strip() in ("", "0"):
+        return None
+    if value.strip() == "1":
+        return {}
+    settings = {}
+    for item in value.split(","):
+        key, sep, raw = item.strip().partition("=")
+        if not sep or key not in ("max_payload_bytes", "unverified"):
+            raise ValueError(
+                f'{ENV}={value!r}: expected "1" or key=value pairs of max_payload_bytes, unverified; got {item.strip()!r}'
+            )
+        if key == "max_payload_bytes":
+            try:
+                settings[key] = int(raw)
+            except ValueError:
+                raise ValueError(f"{ENV}={value!r}: max_payload_bytes must be an integer, got {raw!r}") from None
+        else:
+            settings[key] = raw
+    return settings
+
+
+def sglang_plugin() -> None:
+    """SGLang's general plugin entry point (group "sglang.srt.plugins", name
+    "kvcsum_pd"), which SGLang's load_plugins() runs early in every one of
+    its processes, schedulers included. Activates the P/D check when
+    KVCSUM_SGLANG_PD is set, and does nothing otherwise. A refusal (another
+    SGLang, a bad setting) stops the process with the message: SGLang's
+    plugin loader logs and continues past ordinary exceptions, which would
+    leave the engine running without the check the operator asked for."""
+    import os
+
+    try:
+        settings = settings_from_env(os.environ.get(ENV))
+        if settings is None:
+            return
+        activate_pd(**settings)
+    except (SGLangMismatch, ValueError, RuntimeError) as error:
+        raise SystemExit(f"kvcsum: {ENV} is set but the P/D check cannot start: {error}") from error
+    logger.info("kvcsum: SGLang P/D check active (%s)", settings or "defaults")
+
+
 # --- the payload row -------------------------------------------------------------------
 
 

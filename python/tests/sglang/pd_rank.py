@@ -2,7 +2,8 @@
 for test_pd.py: SGLang's real MHATokenToKVPool, ReqToTokenPool,
 PagedTokenToKVPoolAllocator and MetadataBuffers, and Mooncake's real
 bootstrap server, manager, sender and receiver over the TCP transport on
-127.0.0.1. kvcsum's P/D check is on (kvcsum.sglang.activate_pd()); SGLang's
+127.0.0.1. kvcsum's P/D check is turned on as an operator would: SGLang's
+plugin loader finds kvcsum's entry point and KVCSUM_SGLANG_PD=1; SGLang's
 own send_kv_chunk runs on a stand-in scheduler (the scheduler loop itself
 does not run on the CPU), and the decode handshake is driven here as the
 decode queues would.
@@ -31,7 +32,9 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from kvcsum.sglang import activate_pd  # noqa: E402
+from sglang.srt.plugins import load_plugins  # noqa: E402
+
+from kvcsum.sglang import pd  # noqa: E402
 from kvcsum.sglang.pd import take_payload  # noqa: E402
 
 
@@ -66,7 +69,12 @@ class Rank:
         from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
 
         self.spec = spec
-        self.activation = activate_pd()  # before SGLang builds its metadata buffers
+        # As SGLang's run_scheduler_process does first: its plugin loader runs
+        # kvcsum's entry point (KVCSUM_SGLANG_PD is set), which activates.
+        load_plugins()
+        self.activation = pd.active()
+        if self.activation is None:
+            raise RuntimeError("SGLang's load_plugins() did not activate kvcsum's P/D check (entry point not found?)")
         self.role, self.rank, self.tp = spec["role"], spec["tp_rank"], spec["tp_size"]
         self.args = server_args(self.role, self.tp, spec["bootstrap_port"])
         publish(self.args, role="scheduler", ranks=SpawnRanks(world_rank=self.rank, gpu_id=0))

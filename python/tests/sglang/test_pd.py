@@ -54,9 +54,10 @@ def requests(rng: np.random.Generator, flip_rank: int, flip_head: int) -> list:
     ]
 
 
-def run_instances(tmp_path, prefill_tp: int, decode_tp: int, seed: int, reqs: list) -> dict:
+def run_instances(tmp_path, site: str, prefill_tp: int, decode_tp: int, seed: int, reqs: list) -> dict:
     bootstrap = free_port()
-    env = dict(os.environ, PYTHONWARNINGS="ignore", GLOG_minloglevel="2", SGLANG_LOG_LEVEL="error")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", GLOG_minloglevel="2", SGLANG_LOG_LEVEL="error", KVCSUM_SGLANG_PD="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
     procs = []
     for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
         dist_port = free_port()
@@ -109,14 +110,14 @@ def differing_positions(a: np.ndarray, b: np.ndarray) -> list:
 
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1)])
 def test_pd_transfer_across_tp_sizes_is_judged_and_a_bad_page_goes_to_sglangs_failure_path(
-    tmp_path, prefill_tp, decode_tp
+    tmp_path, plugin_site, prefill_tp, decode_tp
 ):
     seed = int.from_bytes(os.urandom(4), "little")
     rng = np.random.default_rng(seed)
     flip_rank = decode_tp - 1
     reqs = requests(rng, flip_rank=flip_rank, flip_head=int(rng.integers(0, 4 // decode_tp)))
     started = time.monotonic()
-    results = run_instances(tmp_path, prefill_tp, decode_tp, seed, reqs)
+    results = run_instances(tmp_path, plugin_site, prefill_tp, decode_tp, seed, reqs)
     print(f"\nP/D prefill TP {prefill_tp} -> decode TP {decode_tp}: {time.monotonic() - started:.1f} s (seed {seed})")
     where = f"seed {seed}, prefill TP {prefill_tp} -> decode TP {decode_tp}"
     for r in reqs:

@@ -121,3 +121,46 @@ def test_the_payload_row_carries_a_payload_and_reads_every_other_row_as_none(ori
     buffers.kvcsum_payload[0, 8:12] = torch.frombuffer(bytearray((2048).to_bytes(4, "little")), dtype=torch.uint8)
     got, why = pd.read_row(buffers, 0)
     assert got is None and "holds 2048 bytes, this decode's 1024" in why, why
+
+
+def test_the_sglang_plugin_does_nothing_unless_asked(originals, monkeypatch):
+    monkeypatch.delenv(pd.ENV, raising=False)
+    pd.sglang_plugin()
+    monkeypatch.setenv(pd.ENV, "0")
+    pd.sglang_plugin()
+    assert pd.active() is None and unwrapped(originals)
+
+
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ("max_payload_bytes=lots", "max_payload_bytes must be an integer, got 'lots'"),
+        ("colour=blue", "got 'colour=blue'"),
+        ("unverified=sometimes", "unverified must be \"admit\" or \"fail\", got 'sometimes'"),
+    ],
+)
+def test_bad_plugin_settings_stop_the_process_by_name(originals, monkeypatch, value, message):
+    monkeypatch.setenv(pd.ENV, value)
+    with pytest.raises(SystemExit, match=message):
+        pd.sglang_plugin()
+    assert unwrapped(originals)
+
+
+def test_sglangs_plugin_loader_finds_the_entry_point_and_does_not_swallow_a_refusal(originals, monkeypatch, plugin_site):
+    import importlib
+
+    import sglang.srt.plugins as plugins
+
+    monkeypatch.syspath_prepend(plugin_site)
+    importlib.invalidate_caches()
+    monkeypatch.setenv(pd.ENV, "max_payload_bytes=2048")
+    monkeypatch.setattr(plugins, "_plugins_loaded", False)
+    plugins.load_plugins()  # SGLang's own loader, as each of its processes runs it
+    assert pd.active() is not None and pd.active().max_payload_bytes == 2048
+    pd.active().deactivate()
+
+    monkeypatch.setattr(sglang, "__version__", "0.6.0")
+    monkeypatch.setattr(plugins, "_plugins_loaded", False)
+    with pytest.raises(SystemExit, match=r"KVCSUM_SGLANG_PD is set but the P/D check cannot start: .*'0\.6\.0'"):
+        plugins.load_plugins()
+    assert pd.active() is None and unwrapped(originals)
