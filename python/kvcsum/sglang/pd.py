@@ -307,7 +307,13 @@ class _Side:
         self.page = int(pool.page_size)
         self.tp_rank, self.tp_size, self.group = tp_rank, tp_size, group
         first_head = kvcsum.rank_heads(tp_rank, tp_size, total_kv_heads).start
-        worker = kvcsum.Worker(tp_rank=tp_rank, tp_size=tp_size)
+        device = pool.k_buffer[0].device
+        # A GPU pool is read where it lives, on the stream SGLang is on when it
+        # computes its own digest at the same two points (not run on the CPU test).
+        self.cuda = device.type == "cuda"
+        worker = kvcsum.Worker(
+            tp_rank=tp_rank, tp_size=tp_size, device=device.index if self.cuda else kvcsum.HOST
+        )
         for layer in range(pool.layer_num):
             k, v = pool.k_buffer[layer], pool.v_buffer[layer]
             worker.add_region_of(k)
@@ -329,8 +335,13 @@ class _Side:
         return blocks
 
     def records(self, blocks: kvcsum.Blocks, role) -> list:
-        with self.lock, self.worker.checksum(blocks, role) as result:
-            mine = result.encode()
+        stream = None
+        if self.cuda:
+            import torch
+
+            stream = torch.cuda.current_stream()
+        with self.lock, self.worker.checksum(blocks, role, cuda_stream=stream) as result:
+            mine = result.wait().encode()
         return _all_gather(mine, self.group, self.tp_size)
 
 
@@ -420,12 +431,35 @@ def prefill_payload(scheduler, req, end_idx: Optional[int], activation: PdActiva
             return verifier.payload(req_id)
 
 
+def _unsupported(manager) -> str:
+    """Why this engine's transfers are not checked ("" when they are)."""
+    pp = int(getattr(manager, "pp_size", 1) or 1)
+    if pp > 1:
+        return f"pipeline parallelism (pp_size {pp}) is not covered: each stage sends its own layers and metadata"
+    return ""
+
+
+_TOLD = set()
+
+
+def _tell_once(why: str) -> None:
+    if why not in _TOLD:
+        _TOLD.add(why)
+        logger.warning("kvcsum: P/D transfers of this engine are not checked: %s", why)
+
+
 def _wrapped_send_kv_chunk(original: Callable, activation: PdActivation):
     def send_kv_chunk(self, req, last_chunk: bool = False, end_idx: Optional[int] = None):
         if last_chunk:
-            payload = None if _is_health_check(req) else prefill_payload(self, req, end_idx, activation)
-            if payload is not None:
-                if write_row(self.disagg_metadata_buffers, req.metadata_buffer_index, payload, activation):
+            buffers, index = self.disagg_metadata_buffers, req.metadata_buffer_index
+            why = _unsupported(self.disagg_prefill_bootstrap_queue.kv_manager)
+            if why:
+                _tell_once(why)
+            if why or _is_health_check(req):
+                buffers.kvcsum_payload[index].zero_()  # no payload, never a previous request's
+            else:
+                payload = prefill_payload(self, req, end_idx, activation)
+                if write_row(buffers, index, payload, activation):
                     activation.stats.payloads_sent += 1
                 else:
                     activation.stats.payloads_too_large += 1
@@ -461,10 +495,21 @@ def decode_judge(scheduler, batch, activation: PdActivation) -> list:
     failed ones to SGLang's `_handle_kv_checksum_mismatch` and filters them
     out of the batch. Collective over the attention-TP CPU group (every
     rank runs the same batch). Returns the PdVerdicts."""
-    candidates = [(i, req) for i, req in enumerate(batch.reqs) if hasattr(req, "_kvcsum_pd_payload")]
+    candidates = []
+    for i, req in enumerate(batch.reqs):
+        if hasattr(req, "_kvcsum_pd_payload"):
+            if _is_health_check(req):  # SGLang's own digest skips these too
+                del req._kvcsum_pd_payload
+            else:
+                candidates.append((i, req))
     if not candidates:
         return []
     manager = scheduler.disagg_decode_prealloc_queue.kv_manager
+    why = _unsupported(manager)
+    if why:
+        _tell_once(why)
+        for _, req in candidates:
+            req._kvcsum_pd_payload = (None, why)
     side = _side_of(scheduler, manager)
     judged = []
     for i, req in candidates:
@@ -487,9 +532,9 @@ def decode_judge(scheduler, batch, activation: PdActivation) -> list:
                     positions = sorted(
                         {q for m in report.mismatches for q in range(m.first_position, m.first_position + m.num_positions)}
                     )
-                    message = report.message or why
+                    message = report.message if payload is not None else f"{why} ({report.message})"
         bad_pages = tuple(page_ids[q - first_page] for q in positions if 0 <= q - first_page < len(page_ids))
-        judged.append((i, req, verdict, tuple(positions), bad_pages, message or why))
+        judged.append((i, req, verdict, tuple(positions), bad_pages, message))
 
     def fails(verdict) -> bool:
         return verdict == kvcsum.MISMATCH or (verdict == kvcsum.UNVERIFIED and activation.unverified == "fail")
