@@ -101,6 +101,15 @@ class PdVerdict:
     failed: bool  # handed to SGLang's failure path
 
 
+@dataclass(frozen=True)
+class ArrivedPayload:
+    """What a request's payload row held when its transfer was committed
+    (decode): the payload, or None and why none."""
+
+    payload: Optional[bytes]
+    why: str = ""
+
+
 @dataclass
 class PdActivation:
     max_payload_bytes: int
@@ -382,18 +391,26 @@ def _agree(flags: list, group, size: int) -> list:
 
 
 def _side_of(scheduler, manager):
+    """This rank's _Side, or a string saying why the engine is not checked."""
     side = getattr(scheduler, "_kvcsum_pd_side", None)
     if side is None:
-        pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
-        args = manager.kv_args
-        side = _Side(
-            pool,
-            tp_rank=int(manager.attn_tp_rank),
-            tp_size=int(manager.attn_tp_size),
-            total_kv_heads=int(getattr(args, "total_kv_head_num", 0) or pool.head_num * manager.attn_tp_size),
-            group=scheduler.attn_tp_cpu_group,
-        )
+        side = _unsupported(manager)
+        if not side:
+            pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+            args = manager.kv_args
+            try:
+                side = _Side(
+                    pool,
+                    tp_rank=int(manager.attn_tp_rank),
+                    tp_size=int(manager.attn_tp_size),
+                    total_kv_heads=int(getattr(args, "total_kv_head_num", 0) or pool.head_num * manager.attn_tp_size),
+                    group=scheduler.attn_tp_cpu_group,
+                )
+            except TypeError as error:  # another pool: the same on every rank
+                side = str(error)
         scheduler._kvcsum_pd_side = side
+    if isinstance(side, str):
+        _tell_once(side)
     return side
 
 
@@ -452,10 +469,8 @@ def _wrapped_send_kv_chunk(original: Callable, activation: PdActivation):
     def send_kv_chunk(self, req, last_chunk: bool = False, end_idx: Optional[int] = None):
         if last_chunk:
             buffers, index = self.disagg_metadata_buffers, req.metadata_buffer_index
-            why = _unsupported(self.disagg_prefill_bootstrap_queue.kv_manager)
-            if why:
-                _tell_once(why)
-            if why or _is_health_check(req):
+            side = _side_of(self, self.disagg_prefill_bootstrap_queue.kv_manager)
+            if isinstance(side, str) or _is_health_check(req):
                 buffers.kvcsum_payload[index].zero_()  # no payload, never a previous request's
             else:
                 payload = prefill_payload(self, req, end_idx, activation)
@@ -479,7 +494,7 @@ def take_payload(metadata_buffers, decode_req) -> None:
     """Copies the request's payload row onto its Req before SGLang frees
     the metadata slot (what the _commit_transfer_to_req wrapper does)."""
     payload, why = read_row(metadata_buffers, decode_req.metadata_buffer_index)
-    decode_req.req._kvcsum_pd_payload = (payload, why)
+    decode_req.req._kvcsum_pd_payload = ArrivedPayload(payload, why)
 
 
 def _wrapped_commit(original: Callable):
@@ -505,15 +520,17 @@ def decode_judge(scheduler, batch, activation: PdActivation) -> list:
     if not candidates:
         return []
     manager = scheduler.disagg_decode_prealloc_queue.kv_manager
-    why = _unsupported(manager)
-    if why:
-        _tell_once(why)
-        for _, req in candidates:
-            req._kvcsum_pd_payload = (None, why)
     side = _side_of(scheduler, manager)
+    if isinstance(side, str):  # not checked here: UNVERIFIED, with the reason (the same on every rank)
+        out = [_unchecked(scheduler, req, side, activation) for _, req in candidates]
+        if activation.unverified == "fail":
+            drop = {i for i, _ in candidates}
+            batch.filter_batch(keep_indices=[i for i in range(len(batch.reqs)) if i not in drop])
+        return out
     judged = []
     for i, req in candidates:
-        payload, why = req._kvcsum_pd_payload
+        arrived = req._kvcsum_pd_payload
+        payload, why = arrived.payload, arrived.why
         del req._kvcsum_pd_payload  # judged once, as SGLang's own digest
         end = len(req.origin_input_ids)
         start = int(req.kv.cache_protected_len)
@@ -576,6 +593,22 @@ def decode_judge(scheduler, batch, activation: PdActivation) -> list:
     if drop:
         batch.filter_batch(keep_indices=[i for i in range(len(batch.reqs)) if i not in drop])
     return out
+
+
+def _unchecked(scheduler, req, why: str, activation: PdActivation) -> PdVerdict:
+    del req._kvcsum_pd_payload
+    activation.stats.unverified += 1
+    failed = activation.unverified == "fail"
+    text = f"kvcsum: KV of req={req.rid} bootstrap_room={req.bootstrap_room} could not be verified: {why}"
+    if failed:
+        logger.error(text)
+        scheduler._handle_kv_checksum_mismatch(req, text)
+    result = PdVerdict(
+        rid=str(req.rid), bootstrap_room=int(req.bootstrap_room), verdict="UNVERIFIED", bad_pages=(),
+        bad_positions=(), message=text, failed=failed,
+    )
+    activation._note(result)
+    return result
 
 
 def _wrapped_verify(original: Callable, activation: PdActivation):

@@ -286,7 +286,7 @@ def run_decode(rank: Rank) -> dict:
         rank.dump(room, indices)
     for r in rank.spec["requests"]:
         if r.get("payload_of") == "none":  # the row as an engine without kvcsum leaves it
-            reqs[r["room"]]._kvcsum_pd_payload = (None, "no kvcsum payload arrived (test)")
+            reqs[r["room"]]._kvcsum_pd_payload = pd.ArrivedPayload(None, "no kvcsum payload arrived (test)")
         elif r.get("payload_of") is not None:  # another request's payload in this one's row
             reqs[r["room"]]._kvcsum_pd_payload = payloads[r["payload_of"]]
     batch = _Batch(reqs[r["room"]] for r in rank.spec["requests"])

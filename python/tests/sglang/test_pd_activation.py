@@ -164,3 +164,125 @@ def test_sglangs_plugin_loader_finds_the_entry_point_and_does_not_swallow_a_refu
     with pytest.raises(SystemExit, match=r"KVCSUM_SGLANG_PD is set but the P/D check cannot start: .*'0\.6\.0'"):
         plugins.load_plugins()
     assert pd.active() is None and unwrapped(originals)
+
+
+# --- The wrapped methods in this process, the transport a copy ---------------------------------
+
+
+class _Sender:
+    """Records what SGLang's _send_kv_chunk hands the sender (the transport
+    stands in: the test copies those pages into the decode pool)."""
+
+    supports_host_tensor_indices = False
+
+    def __init__(self):
+        self.sent = []
+
+    def get_max_transfer_tokens(self):
+        return None
+
+    def should_send_kv_chunk(self, num_pages, last_chunk):
+        return num_pages > 0 or last_chunk
+
+    def send(self, page_indices, state_indices=None, num_kv_tokens=None):
+        self.sent.extend(int(p) for p in page_indices)
+
+
+def _engine(prefill: bool, pool_type=None):
+    import types
+
+    from sglang.srt.disaggregation.decode import SchedulerDisaggregationDecodeMixin
+    from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+    pool = (pool_type or MHATokenToKVPool)(128, 4, torch.float16, 4, 8, 2, "cpu", False, start_layer=0, end_layer=1)
+    mixin = SchedulerDisaggregationPrefillMixin if prefill else SchedulerDisaggregationDecodeMixin
+    s = type("Scheduler", (mixin,), {})()
+    s.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(128, 4, torch.int64, "cpu", pool, False)
+    s.req_to_token_pool = ReqToTokenPool(4, 64, "cpu", False)
+    s.disagg_metadata_buffers = MetadataBuffers(4, hidden_size=16, hidden_states_dtype=torch.float16, max_sampling_mask_tokens=16)
+    manager = types.SimpleNamespace(
+        kv_args=types.SimpleNamespace(state_types=[], total_kv_head_num=4), attn_tp_rank=0, attn_tp_size=1, pp_size=1
+    )
+    s.disagg_prefill_bootstrap_queue = s.disagg_decode_prealloc_queue = types.SimpleNamespace(
+        kv_manager=manager, kv_checksum_signature=0
+    )
+    s.kv_checksum_computer, s.enable_staging, s.attn_tp_cpu_group = None, False, None
+    s.disagg_prefill_pending_chunk_rids = set()
+    s.failed = []
+    s._handle_kv_checksum_mismatch = lambda req, msg: s.failed.append((req.rid, msg))  # the failure path, recorded
+    return s, pool
+
+
+def _request(s, tokens, rid, prefix):
+    import types
+
+    row = int(s.req_to_token_pool.alloc_rows(1)[0])
+    indices = s.token_to_kv_pool_allocator.alloc(-(-len(tokens) // 4) * 4)
+    s.req_to_token_pool.req_to_token[row, : len(indices)] = indices.to(torch.int32)
+    return types.SimpleNamespace(
+        rid=rid, bootstrap_room=abs(hash(rid)) % 10**9, origin_input_ids=tokens, extend_end=len(tokens),
+        start_send_idx=prefix, disagg_decode_prefix_len=prefix, kv=types.SimpleNamespace(req_pool_idx=row, cache_protected_len=prefix),
+        metadata_buffer_index=row % 4, output_ids=[1], cached_tokens=0, cached_tokens_device=0, cached_tokens_host=0,
+        cached_tokens_storage=0, get_mm_token_counts=lambda: (0, 0, 0), return_logprob=False, return_sampling_mask=False,
+        hidden_states_tensor=None, disagg_kv_sender=_Sender(),
+    ), indices[: len(tokens)]
+
+
+def test_only_the_pages_sent_are_judged_health_checks_are_not_and_an_uncovered_pool_is_unverified(originals):
+    """A decode that already holds a 1-page prefix: only the rest is sent and
+    judged (damage in the prefix is decode's own and not this transfer's);
+    a health check carries no payload and is not judged; a pool kvcsum does
+    not cover is UNVERIFIED, and with unverified="fail" goes to the failure path."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    generator = torch.Generator().manual_seed(seed)
+    activation = activate_pd(max_payload_bytes=1024)
+    prefill, ppool = _engine(True)
+    decode, dpool = _engine(False)
+    for buffer in (*ppool.k_buffer, *ppool.v_buffer, *dpool.k_buffer, *dpool.v_buffer):
+        buffer.view(torch.int16).copy_(torch.randint(-30000, 30000, buffer.shape, generator=generator, dtype=torch.int16))
+    tokens = torch.randint(1, 1000, (15,), generator=generator).tolist()
+    reqs = []
+    for rid in ("a", "b", "HEALTH_CHECK_c"):
+        preq, pidx = _request(prefill, tokens, rid, prefix=4)
+        prefill.send_kv_chunk(preq, last_chunk=True)  # SGLang's own, wrapped
+        dreq, didx = _request(decode, tokens, rid, prefix=4)
+        assert preq.disagg_kv_sender.sent == [int(p) for p in pidx[4::4] // 4], seed  # the pages past the prefix
+        for name in ("k_buffer", "v_buffer"):  # the transport
+            for p, d in zip(getattr(ppool, name), getattr(dpool, name)):
+                d[didx[4:]] = p[pidx[4:]]
+        decode.disagg_metadata_buffers.kvcsum_payload[dreq.metadata_buffer_index] = (
+            prefill.disagg_metadata_buffers.kvcsum_payload[preq.metadata_buffer_index]
+        )
+        pd.take_payload(decode.disagg_metadata_buffers, __import__("types").SimpleNamespace(req=dreq, metadata_buffer_index=dreq.metadata_buffer_index))
+        reqs.append((dreq, didx))
+    dpool.k_buffer[0][reqs[0][1][1], 0, 0:1].view(torch.int16).bitwise_xor_(1)  # in a's prefix page
+    dpool.v_buffer[1][reqs[1][1][9], 2, 3:4].view(torch.int16).bitwise_xor_(1)  # in b's page position 2
+    batch = __import__("types").SimpleNamespace(reqs=[r for r, _ in reqs])
+    batch.filter_batch = lambda keep_indices: setattr(batch, "reqs", [batch.reqs[i] for i in keep_indices])
+    decode._verify_kv_checksums(batch)
+    assert activation.verdicts["a"].verdict == "MATCH", (seed, activation.verdicts["a"])
+    b = activation.verdicts["b"]
+    assert b.verdict == "MISMATCH" and b.bad_positions == (2,) and b.bad_pages == (int(reqs[1][1][8]) // 4,), (seed, b)
+    assert "HEALTH_CHECK_c" not in activation.verdicts, seed
+    assert [r.rid for r in batch.reqs] == ["a", "HEALTH_CHECK_c"] and [f[0] for f in decode.failed] == ["b"], seed
+    assert not prefill.disagg_metadata_buffers.kvcsum_payload[reqs[2][0].metadata_buffer_index].any(), seed
+    activation.deactivate()
+
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    other = type("OtherPool", (MHATokenToKVPool,), {})
+    for mode in ("admit", "fail"):
+        activation = activate_pd(unverified=mode)
+        decode, _ = _engine(False, pool_type=other)
+        dreq, _ = _request(decode, tokens, f"d-{mode}", prefix=0)
+        dreq._kvcsum_pd_payload = pd.ArrivedPayload(b"not judged")
+        batch = __import__("types").SimpleNamespace(reqs=[dreq])
+        batch.filter_batch = lambda keep_indices, batch=batch: setattr(batch, "reqs", [batch.reqs[i] for i in keep_indices])
+        decode._verify_kv_checksums(batch)
+        got = activation.verdicts[f"d-{mode}"]
+        assert got.verdict == "UNVERIFIED" and "OtherPool" in got.message, got
+        assert got.failed == (mode == "fail") and len(batch.reqs) == (0 if mode == "fail" else 1), got
+        assert [f[0] for f in decode.failed] == ([f"d-{mode}"] if mode == "fail" else []), got
+        activation.deactivate()
