@@ -35,6 +35,7 @@ pub(crate) mod state;
 pub(crate) mod stored;
 pub(crate) mod stored_entry;
 pub(crate) mod stream;
+pub(crate) mod tier_index;
 pub mod topology;
 pub mod verify;
 pub(crate) mod worker;
