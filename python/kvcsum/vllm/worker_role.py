@@ -50,7 +50,7 @@ from kvcsum.vllm.common import (
 from kvcsum.vllm.config import Settings, layer_specs, parallel_place, transfer_block_sizes
 from kvcsum.vllm.decoding import LayerDecodings
 from kvcsum.vllm.load_verdict import LoadJudge
-from kvcsum.vllm.record_exchange import LoadRecord, RecordExchange, WorkerRecords, engine_exchange
+from kvcsum.vllm.record_exchange import LoadRecord, RecordExchange, WorkerRecords, engine_exchange, record_bound
 from kvcsum.vllm.source_check import WorkerSourceCheck
 from kvcsum.vllm.stats import KvcsumStats
 from kvcsum.vllm.tier_values import TierChecker
@@ -290,7 +290,7 @@ class WorkerRole:
             gathered = [WorkerRecords(self._worker_key, tuple(mine))]
         else:
             try:
-                gathered = self._exchange.gather(self._worker_key, mine)
+                gathered = self._exchange.gather(self._worker_key, mine, bound=self._record_bound(pending))
             except Exception:  # noqa: BLE001 - judged here alone; later loads go to the scheduler, a step late
                 logger.exception(
                     "kvcsum: worker %s: the exchange of sync load records failed; this step's sync loads are judged "
@@ -327,6 +327,17 @@ class WorkerRole:
             self._ready_notes.append(
                 WorkerNote(self._worker_key, kvcsum.CONSUMER, job.req_id, checksum.generation, None, verdict=verdict)
             )
+
+    def _record_bound(self, pending: list) -> int:
+        """The bytes every worker's records of this step's sync loads fit
+        in, alike on every worker (the scheduler's jobs, the engine's
+        layers and TP size)."""
+        blocks = sum(len(ids) for checksum, _ in pending for _, ids in checksum.job.groups.values())
+        groups = sum(len(checksum.job.groups) for checksum, _ in pending)
+        layers = sum(len(group.layer_names) for group in self._kv_cache_config.kv_cache_groups)
+        parallel = getattr(self._vllm_config, "parallel_config", None)
+        columns = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+        return record_bound(blocks, groups, layers, columns, len(pending))
 
     def _refuse_unfailable(self, what: str, req_id: str, invalid: set, why: str = "") -> None:
         """A sync load judged bad on a model with several KV cache groups,
