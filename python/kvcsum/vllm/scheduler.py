@@ -34,6 +34,7 @@ scheduler's counts and logs.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import math
 from typing import TYPE_CHECKING
@@ -70,7 +71,7 @@ from kvcsum.vllm.params import (
 )
 from kvcsum.vllm.source_check import SchedulerSourceCheck
 from kvcsum.vllm.stats import KvcsumStats, load_key
-from kvcsum.vllm.tier_values import EMPTY_STORES, StoreBatch
+from kvcsum.vllm.tier_values import EMPTY_STORES, StoreBatch, uint32_array
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -572,16 +573,13 @@ class SchedulerRole:
             return EMPTY_STORES
         known = self._known
         tables = self._block_tables()
-        group_ids, positions, block_ids, hashes = [], [], [], []
+        group_ids, positions, block_ids, hashes = uint32_array(), array.array("Q"), uint32_array(), []
         for req_id, computed, step in progress:
-            end = computed + step
-            if computed // unit == end // unit:
-                continue  # no block becomes full
             request = known.get(req_id)
             if request is None:
                 continue
             # Speculative tokens are scheduled but not yet the request's.
-            end = min(end, request.num_tokens)
+            end = min(computed + step, request.num_tokens)
             block_hashes = request.block_hashes
             for group_id, size, ratio in groups:
                 first, last = computed // size, min(end // size, len(block_hashes) // ratio)
@@ -590,13 +588,12 @@ class SchedulerRole:
                 blocks = tables(req_id, group_id)
                 for q in range(first, last):
                     block_id = blocks[q].block_id
-                    if block_id == NULL_BLOCK_ID:
-                        continue
-                    group_ids.append(group_id)
-                    positions.append(q)
-                    block_ids.append(block_id)
-                    hashes.append(block_hashes[(q + 1) * ratio - 1])
-        return StoreBatch.of_lists(group_ids, positions, block_ids, hashes)
+                    if block_id != NULL_BLOCK_ID:
+                        group_ids.append(group_id)
+                        positions.append(q)
+                        block_ids.append(block_id)
+                        hashes.append(block_hashes[(q + 1) * ratio - 1])
+        return StoreBatch.of_arrays(group_ids, positions, block_ids, hashes)
 
     def _tier_load(self, request: "Request", first: int, end: int, groups: set, is_async: bool) -> None:
         blocks = self._hashed_blocks(request, first, end, full_only=False, groups=groups)

@@ -116,11 +116,12 @@ def _empty(dtype) -> np.ndarray:
     return array
 
 
-def _uint32s(values=()) -> array.array:
+def uint32_array(values=()) -> array.array:
+    """An array.array of uint32 (StoreBatch's block and group ids)."""
     return array.array(_U32_CODE, values)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class StoreBatch:
     """The blocks that become full in a step, as flat arrays, one entry a
     block: what the scheduler sends the workers each step
@@ -132,15 +133,28 @@ class StoreBatch:
     blocks (56 bytes a block with 32-byte hashes), which the worker passes
     to the library as they are."""
 
-    group_ids: array.array = dataclasses.field(default_factory=_uint32s)
+    group_ids: array.array = dataclasses.field(default_factory=uint32_array)
     positions: array.array = dataclasses.field(default_factory=lambda: array.array("Q"))
-    block_ids: array.array = dataclasses.field(default_factory=_uint32s)
+    block_ids: array.array = dataclasses.field(default_factory=uint32_array)
     hashes: bytes = b""
     hash_bytes: int = 8
 
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
+
+    @classmethod
+    def of_arrays(cls, group_ids: array.array, positions: array.array, block_ids: array.array, hashes: list) -> "StoreBatch":
+        """The batch of these blocks: machine arrays as StoreBatch holds
+        them and a list of their hashes (bytes of one length; blocks whose
+        hash has another length than the first are left out)."""
+        if not block_ids:
+            return EMPTY_STORES
+        size = len(hashes[0])
+        joined = b"".join(hashes)
+        if len(joined) != size * len(hashes):
+            return cls.of_lists(list(group_ids), list(positions), list(block_ids), hashes)
+        return cls(group_ids, positions, block_ids, joined, size)
 
     @classmethod
     def of_lists(cls, group_ids: list, positions: list, block_ids: list, hashes: list) -> "StoreBatch":
@@ -155,7 +169,7 @@ class StoreBatch:
             kept = [i for i, h in enumerate(hashes) if len(h) == size]
             group_ids, positions, block_ids = ([v[i] for i in kept] for v in (group_ids, positions, block_ids))
             joined = b"".join(hashes[i] for i in kept)
-        return cls(_uint32s(group_ids), array.array("Q", positions), _uint32s(block_ids), joined, size)
+        return cls(uint32_array(group_ids), array.array("Q", positions), uint32_array(block_ids), joined, size)
 
     @classmethod
     def of(cls, stores: Sequence[HashedBlocks]) -> "StoreBatch":
