@@ -32,6 +32,12 @@ const CALLED_BY_NAME: &[(Binding, &str, &str)] = &[
     ),
     (
         Binding::Python,
+        "kvcs_tier_index_*",
+        "kvcsum._tier declares the store and check a second time from the loaded library by name (cdll[name]), \
+         taking plain addresses for a decode step's hot call",
+    ),
+    (
+        Binding::Python,
         "kvcs_*_size",
         "_lib's layout check calls getattr(api, f\"{c_name}_size\")() for each struct that has one, the names \
          being keys of the generated _abi.CALLS",

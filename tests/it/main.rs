@@ -28,6 +28,7 @@ mod replicas;
 mod spec;
 mod state;
 mod stored;
+mod tier_index;
 mod validation;
 mod verdict_property;
 mod verdicts;
