@@ -262,11 +262,12 @@ fn the_header_parser_finds_known_calls_and_no_types() {
     assert!(!c_code("a /* kvcs_x( */ b // kvcs_y(\n\"kvcs_z(\"").contains("kvcs_"));
     let by_name = called_by_name(
         Binding::Python,
-        "_destroy = \"kvcs_blocks_destroy\"\nSIZES = {'kvcs_layer_size': L, \"kvcs_add\": 1}\nkvcs_state_size",
+        "_destroy = \"kvcs_blocks_destroy\"\nSIZES = {'kvcs_layer_size': L, \"kvcs_add\": 1}\nkvcs_state_size\n\
+         _raw(\"kvcs_tier_index_store\", ARGS)",
     );
     assert_eq!(
         by_name.into_iter().collect::<Vec<_>>(),
-        ["kvcs_blocks_destroy", "kvcs_layer_size"]
+        ["kvcs_blocks_destroy", "kvcs_layer_size", "kvcs_tier_index_store"]
     );
     assert_eq!(
         python_code("x = 1  # lib.kvcs_a()\n\"\"\"lib.kvcs_b()\"\"\"\nlib.kvcs_c()"),
