@@ -94,11 +94,11 @@
 #define KVCS_WHOLE_LOAD UINT32_MAX
 
 // The most bytes a tier index holds per entry of its capacity (a slot of
-// 96 bytes and a hash map bucket with the map's spare room): an index of
+// 96 bytes and at most four 4-byte buckets of its table): an index of
 // `capacity` entries never holds more than `capacity` times this, and
 // holds less while it is not full (`kvcs_tier_index_info` gives the bytes
 // held).
-#define KVCS_TIER_INDEX_ENTRY_BYTES 200
+#define KVCS_TIER_INDEX_ENTRY_BYTES 112
 
 // The most threads a host worker may use (`num_threads` or
 // `KVCS_HOST_THREADS`); a bound, so that a wild value is an error rather

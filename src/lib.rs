@@ -59,7 +59,7 @@ pub use result::{
 };
 pub use state::{StateSpec, StateTensor};
 pub use stored::{check_result_entries, result_entries};
+pub use stream::StreamHandle;
 /// The values of a worker's full blocks by block hash (docs/vllm-tiers.md).
 pub use tier_index::{TierBlock, TierIndex, TierIndexInfo, TierOutcome};
-pub use stream::StreamHandle;
 pub use worker::{Worker, WorkerOptions};

@@ -15,12 +15,11 @@
 //! position, a group the worker does not checksum).
 //!
 //! Memory: at most `capacity` entries of [`ENTRY_BYTES`] each in the slot
-//! array plus the hash map's buckets; the least recently stored or matched
+//! array plus a table of 4-byte slot numbers at most half full; the least
+//! recently stored or matched
 //! entry goes first when the index is full. A device worker's store is
 //! queued on its stream: its values are read at the next call on the index
 //! that finds the work done, and by every check before it compares.
-
-use std::collections::HashMap;
 
 use crate::blocks::BlockSet;
 use crate::error::{err, Result};
@@ -37,11 +36,9 @@ pub(crate) const MIN_HASH_BYTES: usize = 8;
 pub(crate) const MAX_HASH_BYTES: usize = 32;
 /// The most entries an index may be created for (slots are `u32`).
 pub(crate) const MAX_CAPACITY: u64 = (u32::MAX - 1) as u64;
-/// Bytes of one entry in the slot array (the hash map adds about
-/// [`MAP_ENTRY_BYTES`] per entry).
+/// Bytes of one entry in the slot array (the table adds 8 to 16 bytes an
+/// entry: 4 a bucket, between a quarter and half of them in use).
 pub(crate) const ENTRY_BYTES: usize = std::mem::size_of::<Entry>();
-/// Bytes of one hash map bucket (key, slot and control byte).
-pub(crate) const MAP_ENTRY_BYTES: usize = std::mem::size_of::<(Key, u32)>() + 1;
 /// Stores still queued on a device past which a store waits for the
 /// oldest (their results hold the values until read).
 const MAX_PENDING: usize = 64;
@@ -144,7 +141,7 @@ pub struct TierIndexInfo {
 pub struct TierIndex {
     capacity: usize,
     slots: Vec<Entry>,
-    map: HashMap<Key, u32>,
+    map: Table,
     oldest: u32,
     newest: u32,
     dropped: u64,
@@ -165,7 +162,7 @@ impl TierIndex {
         Ok(TierIndex {
             capacity: capacity as usize,
             slots: Vec::new(),
-            map: HashMap::new(),
+            map: Table::default(),
             oldest: NIL,
             newest: NIL,
             dropped: 0,
@@ -177,10 +174,10 @@ impl TierIndex {
     /// Its counts and memory now.
     pub fn info(&self) -> TierIndexInfo {
         TierIndexInfo {
-            entries: self.map.len() as u64,
+            entries: self.map.len as u64,
             dropped: self.dropped,
             lost_stores: self.lost_stores,
-            memory_bytes: (self.slots.capacity() * ENTRY_BYTES + self.map.capacity() * MAP_ENTRY_BYTES) as u64,
+            memory_bytes: (self.slots.capacity() * ENTRY_BYTES + self.map.buckets.capacity() * 4) as u64,
         }
     }
 
@@ -188,7 +185,7 @@ impl TierIndex {
     /// kept, or too many). Stores still queued are not looked at.
     pub fn values(&self, group_id: u32, hash: &[u8]) -> Result<Option<(u64, Vec<u64>)>> {
         check_hash_len(hash.len(), "hash_bytes")?;
-        let Some(&slot) = self.map.get(&Key::of(group_id, hash)) else {
+        let Some(slot) = self.map.get(&self.slots, &Key::of(group_id, hash)) else {
             return Ok(None);
         };
         let entry = &self.slots[slot as usize];
@@ -308,7 +305,7 @@ impl TierIndex {
     }
 
     fn remember(&mut self, key: Key, position: u64, value: u64) {
-        if let Some(&slot) = self.map.get(&key) {
+        if let Some(slot) = self.map.get(&self.slots, &key) {
             let entry = &mut self.slots[slot as usize];
             if entry.count != TOO_MANY {
                 let count = entry.count as usize;
@@ -334,12 +331,12 @@ impl TierIndex {
             older: NIL,
             newer: NIL,
         };
-        let slot = if self.map.len() >= self.capacity {
+        let slot = if self.map.len >= self.capacity {
             // Full: the least recently used entry's slot is reused.
             let slot = self.oldest;
             self.unlink(slot);
             let old = self.slots[slot as usize].key;
-            self.map.remove(&old);
+            self.map.remove(&self.slots, &old);
             self.dropped += 1;
             self.slots[slot as usize] = entry;
             slot
@@ -352,12 +349,12 @@ impl TierIndex {
             self.slots.push(entry);
             (self.slots.len() - 1) as u32
         };
-        self.map.insert(key, slot);
+        self.map.insert(&self.slots, slot);
         self.link_newest(slot);
     }
 
     fn compare(&mut self, key: &Key, position: u64, value: u64) -> TierOutcome {
-        let Some(&slot) = self.map.get(key) else {
+        let Some(slot) = self.map.get(&self.slots, key) else {
             return TierOutcome::UnknownBlock;
         };
         let entry = &self.slots[slot as usize];
@@ -412,6 +409,101 @@ impl TierIndex {
             n => self.slots[n as usize].newer = slot,
         }
         self.newest = slot;
+    }
+}
+
+/// An open-addressing table of slot numbers keyed by their entries' keys
+/// (linear probing, at most half full, backward-shift removal): 4 bytes a
+/// bucket instead of a copy of each key.
+#[derive(Default)]
+struct Table {
+    buckets: Vec<u32>,
+    len: usize,
+}
+
+impl Key {
+    /// A mix of every byte of the key (block hashes need not be random).
+    fn home(&self) -> u64 {
+        let mut h = (self.group_id as u64) << 8 | self.len as u64;
+        for word in self.hash.chunks_exact(8) {
+            h = (h ^ u64::from_le_bytes(word.try_into().expect("8 bytes"))).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            h ^= h >> 29;
+        }
+        h
+    }
+}
+
+impl Table {
+    fn mask(&self) -> usize {
+        self.buckets.len() - 1
+    }
+
+    /// The bucket of `key`, or of the empty bucket where it would go.
+    fn find(&self, slots: &[Entry], key: &Key) -> (usize, bool) {
+        let mask = self.mask();
+        let mut i = key.home() as usize & mask;
+        loop {
+            match self.buckets[i] {
+                NIL => return (i, false),
+                slot if slots[slot as usize].key == *key => return (i, true),
+                _ => i = (i + 1) & mask,
+            }
+        }
+    }
+
+    fn get(&self, slots: &[Entry], key: &Key) -> Option<u32> {
+        if self.len == 0 {
+            return None;
+        }
+        match self.find(slots, key) {
+            (i, true) => Some(self.buckets[i]),
+            _ => None,
+        }
+    }
+
+    /// Adds `slot` (whose key is not in the table).
+    fn insert(&mut self, slots: &[Entry], slot: u32) {
+        if (self.len + 1) * 2 > self.buckets.len() {
+            let size = (self.buckets.len() * 2).max(16);
+            let old = std::mem::replace(&mut self.buckets, vec![NIL; size]);
+            for s in old.into_iter().filter(|&s| s != NIL) {
+                let (i, _) = self.find(slots, &slots[s as usize].key);
+                self.buckets[i] = s;
+            }
+        }
+        let (i, _) = self.find(slots, &slots[slot as usize].key);
+        self.buckets[i] = slot;
+        self.len += 1;
+    }
+
+    /// Removes `key` (in the table), shifting later buckets of its run back.
+    fn remove(&mut self, slots: &[Entry], key: &Key) {
+        let (mut hole, found) = self.find(slots, key);
+        if !found {
+            return;
+        }
+        let mask = self.mask();
+        let mut j = hole;
+        loop {
+            j = (j + 1) & mask;
+            let slot = self.buckets[j];
+            if slot == NIL {
+                break;
+            }
+            let home = slots[slot as usize].key.home() as usize & mask;
+            // The entry at j may move to the hole unless its home lies in (hole, j].
+            let stays = if hole <= j {
+                hole < home && home <= j
+            } else {
+                hole < home || home <= j
+            };
+            if !stays {
+                self.buckets[hole] = slot;
+                hole = j;
+            }
+        }
+        self.buckets[hole] = NIL;
+        self.len -= 1;
     }
 }
 

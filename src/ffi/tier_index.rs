@@ -36,11 +36,13 @@ pub struct kvcs_tier_index {
 handle!(kvcs_tier_index => TierIndex);
 
 /// The most bytes a tier index holds per entry of its capacity (a slot of
-/// 96 bytes and a hash map bucket with the map's spare room): an index of
+/// 96 bytes and at most four 4-byte buckets of its table): an index of
 /// `capacity` entries never holds more than `capacity` times this, and
 /// holds less while it is not full (`kvcs_tier_index_info` gives the bytes
 /// held).
-pub const KVCS_TIER_INDEX_ENTRY_BYTES: u32 = 200;
+pub const KVCS_TIER_INDEX_ENTRY_BYTES: u32 = 112;
+
+const _: () = assert!(crate::tier_index::ENTRY_BYTES + 16 <= KVCS_TIER_INDEX_ENTRY_BYTES as usize);
 
 /// The outcome of one block of a tier check (`kvcs_tier_index_check`).
 #[allow(non_camel_case_types)]

@@ -51,7 +51,10 @@ fn fixture(rng: &mut Rng) -> Fixture {
         placement.write_request(kv, 0, &ids);
     }
     register_host(&mut worker, &placement);
-    let values = kvs.iter().map(|kv| naive_full(kv, BLOCK_SIZE, 0, POSITIONS as usize)).collect();
+    let values = kvs
+        .iter()
+        .map(|kv| naive_full(kv, BLOCK_SIZE, 0, POSITIONS as usize))
+        .collect();
     Fixture {
         worker,
         _placement: placement,
@@ -98,7 +101,9 @@ impl Model {
     }
 
     fn compare(&mut self, hash: Option<u64>, position: u64, value: u64) -> TierOutcome {
-        let Some(hash) = hash else { return TierOutcome::NoBlockHash };
+        let Some(hash) = hash else {
+            return TierOutcome::NoBlockHash;
+        };
         let Some(i) = self.entries.iter().position(|e| e.0 == hash) else {
             return TierOutcome::UnknownBlock;
         };
@@ -141,7 +146,11 @@ fn a_store_keeps_the_naive_checksum_of_each_block_by_its_hash() {
     index.store(&f.worker, &blocks, StreamHandle::legacy_default()).unwrap();
     for p in 0..POSITIONS {
         let kept = index.values(0, &hashes[p as usize]).unwrap();
-        assert_eq!(kept, Some((p, vec![f.values[1][p as usize]])), "position {p} (seed {seed})");
+        assert_eq!(
+            kept,
+            Some((p, vec![f.values[1][p as usize]])),
+            "position {p} (seed {seed})"
+        );
     }
     assert_eq!(index.info().entries, POSITIONS, "seed {seed}");
     // The same hash in another group is another entry.
@@ -170,7 +179,11 @@ fn random_stores_and_checks_give_the_naive_models_outcomes() {
                 .map(|_| {
                     let hash = rng.below(hashes.len() as u64);
                     let version = rng.below(VERSIONS as u64) as u32;
-                    let position = if rng.below(8) == 0 { rng.below(POSITIONS) } else { hash % POSITIONS };
+                    let position = if rng.below(8) == 0 {
+                        rng.below(POSITIONS)
+                    } else {
+                        hash % POSITIONS
+                    };
                     (hash, version, position, rng.below(6) != 0)
                 })
                 .collect();
@@ -196,7 +209,11 @@ fn random_stores_and_checks_give_the_naive_models_outcomes() {
                 let want: Vec<TierOutcome> = picks
                     .iter()
                     .map(|&(hash, version, position, hashed)| {
-                        model.compare(hashed.then_some(hash), position, f.values[version as usize][position as usize])
+                        model.compare(
+                            hashed.then_some(hash),
+                            position,
+                            f.values[version as usize][position as usize],
+                        )
                     })
                     .collect();
                 assert_eq!(got, want, "round {round} step {step}: {picks:?} (seed {seed})");
@@ -205,7 +222,11 @@ fn random_stores_and_checks_give_the_naive_models_outcomes() {
                 }
             }
             let info = index.info();
-            assert_eq!(info.entries as usize, model.entries.len(), "round {round} step {step} (seed {seed})");
+            assert_eq!(
+                info.entries as usize,
+                model.entries.len(),
+                "round {round} step {step} (seed {seed})"
+            );
         }
     }
     // Every outcome but NOT_CHECKSUMMED (no skipped group here) came up.
@@ -217,7 +238,10 @@ fn random_stores_and_checks_give_the_naive_models_outcomes() {
         TierOutcome::TooManyValues,
         TierOutcome::OtherPosition,
     ] {
-        assert!(counts[outcome as usize] > 0, "{outcome:?} never came up: {counts:?} (seed {seed})");
+        assert!(
+            counts[outcome as usize] > 0,
+            "{outcome:?} never came up: {counts:?} (seed {seed})"
+        );
     }
 }
 
@@ -278,10 +302,22 @@ fn bad_arguments_are_refused_and_change_nothing() {
     let short: &'static [u8] = Box::leak(Box::new(short));
     let long: &'static [u8] = Box::leak(Box::new(long));
     let cases: Vec<(&str, Vec<TierBlock<'static>>, &str)> = vec![
-        ("a short hash", vec![block(Some(good), 0, 1), block(Some(short), 0, 2)], "hash_bytes is 7"),
+        (
+            "a short hash",
+            vec![block(Some(good), 0, 1), block(Some(short), 0, 2)],
+            "hash_bytes is 7",
+        ),
         ("a long hash", vec![block(Some(long), 0, 1)], "hash_bytes is 33"),
-        ("an unknown group", vec![block(Some(good), 0, 1), block(Some(good), 9, 1)], "group_ids[1] 9"),
-        ("a block past the cache", vec![block(Some(good), 0, NUM_BLOCKS + 5)], "block"),
+        (
+            "an unknown group",
+            vec![block(Some(good), 0, 1), block(Some(good), 9, 1)],
+            "group_ids[1] 9",
+        ),
+        (
+            "a block past the cache",
+            vec![block(Some(good), 0, NUM_BLOCKS + 5)],
+            "block",
+        ),
         ("no hash in a store", vec![block(None, 0, 1)], "no block hash"),
     ];
     for (what, blocks, words) in cases {
