@@ -95,8 +95,8 @@
 
 // The most bytes a tier index holds per entry of its capacity (a slot of
 // 96 bytes and at most four 4-byte buckets of its table): an index of
-// `capacity` entries never holds more than `capacity` times this, and
-// holds less while it is not full (`kvcs_tier_index_info` gives the bytes
+// `capacity` entries never holds more than `capacity` times this plus 64
+// bytes (its smallest table), and holds less while it is not full (`kvcs_tier_index_info` gives the bytes
 // held).
 #define KVCS_TIER_INDEX_ENTRY_BYTES 112
 

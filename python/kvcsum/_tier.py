@@ -67,7 +67,7 @@ class TierIndex(_Handle):
     (kvcs_tier_index; docs/vllm-tiers.md): `store` checksums the blocks a
     step filled and keeps their values, `check` compares loaded blocks with
     them, each in one call from numpy arrays. At most `capacity` entries,
-    about KVCS_TIER_INDEX_ENTRY_BYTES (200) bytes each at most; the least
+    at most KVCS_TIER_INDEX_ENTRY_BYTES (112) bytes each; the least
     recently stored or matched goes first when full.
 
     Thread safety: store and check need the index alone (they wait for
