@@ -558,7 +558,10 @@ class SchedulerRole:
                 # One token for every request (a decode step): a block fills
                 # where the token computed is a boundary's last.
                 last = unit - 1
-                progress += [(req_ids[i], c, 1) for i, c in enumerate(computed) if c % unit == last]
+                filling = [(req_ids[i], c) for i, c in enumerate(computed) if c % unit == last]
+                if len(groups) == 1 and not progress:
+                    return self._decode_stores(filling, groups[0])
+                progress += [(req_id, c, 1) for req_id, c in filling]
             else:
                 # vLLM schedules the running requests first, in the order of
                 # scheduled_cached_reqs: their counts are then the dict's
@@ -594,6 +597,29 @@ class SchedulerRole:
                         block_ids.append(block_id)
                         hashes.append(block_hashes[(q + 1) * ratio - 1])
         return StoreBatch.of_arrays(group_ids, positions, block_ids, hashes)
+
+    def _decode_stores(self, filling: list, group: tuple) -> StoreBatch:
+        """_schedule_stores of a decode step of one group: each request of
+        `filling` ((req_id, computed tokens)) fills the one block its
+        computed token ends, if that block has its hash yet."""
+        known, tables = self._known, self._block_tables()
+        group_id, size, ratio = group
+        positions, block_ids, hashes = array.array("Q"), uint32_array(), []
+        for req_id, computed in filling:
+            request = known.get(req_id)
+            if request is None:
+                continue
+            q = computed // size
+            block_hashes = request.block_hashes
+            # A block whose tokens are not all known yet (speculative) has no hash.
+            if (q + 1) * ratio > len(block_hashes):
+                continue
+            block_id = tables(req_id, group_id)[q].block_id
+            if block_id != NULL_BLOCK_ID:
+                positions.append(q)
+                block_ids.append(block_id)
+                hashes.append(block_hashes[(q + 1) * ratio - 1])
+        return StoreBatch.of_arrays(uint32_array([group_id]) * len(block_ids), positions, block_ids, hashes)
 
     def _tier_load(self, request: "Request", first: int, end: int, groups: set, is_async: bool) -> None:
         blocks = self._hashed_blocks(request, first, end, full_only=False, groups=groups)
