@@ -36,6 +36,7 @@ pub(crate) mod state;
 pub(crate) mod stored;
 pub(crate) mod stored_entry;
 pub(crate) mod stream;
+pub(crate) mod tier_index;
 pub mod topology;
 pub mod verify;
 pub(crate) mod worker;
@@ -61,4 +62,6 @@ pub use result::{
 pub use state::{StateSpec, StateTensor};
 pub use stored::{check_result_entries, result_entries};
 pub use stream::StreamHandle;
+/// The values of a worker's full blocks by block hash (docs/vllm-tiers.md).
+pub use tier_index::{TierBlock, TierIndex, TierIndexInfo, TierOutcome};
 pub use worker::{Worker, WorkerOptions};

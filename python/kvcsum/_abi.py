@@ -22,6 +22,7 @@ CONSTANTS = {
     "KVCS_MIX_MULTIPLIER": 11400714819323198485,
     "KVCS_PAYLOAD_VERSION": 1,
     "KVCS_RECORD_VERSION": 7,
+    "KVCS_TIER_INDEX_ENTRY_BYTES": 112,
     "KVCS_VERSION_MAJOR": 0,
     "KVCS_VERSION_MINOR": 3,
     "KVCS_VERSION_NUMBER": 300,
@@ -97,6 +98,18 @@ ENUMS = {
             "KVCS_ERR_INTERNAL": 9,
         },
     ),
+    "kvcs_tier_outcome": (
+        "uint8_t",
+        {
+            "KVCS_TIER_MATCHED": 1,
+            "KVCS_TIER_MISMATCHED": 2,
+            "KVCS_TIER_NO_BLOCK_HASH": 3,
+            "KVCS_TIER_UNKNOWN_BLOCK": 4,
+            "KVCS_TIER_TOO_MANY_VALUES": 5,
+            "KVCS_TIER_OTHER_POSITION": 6,
+            "KVCS_TIER_NOT_CHECKSUMMED": 7,
+        },
+    ),
     "kvcs_policy": (
         "uint32_t",
         {
@@ -128,6 +141,7 @@ HANDLES = (
     "kvcs_payload",
     "kvcs_report",
     "kvcs_result",
+    "kvcs_tier_index",
     "kvcs_topology",
     "kvcs_verifier",
     "kvcs_worker",
@@ -1293,6 +1307,72 @@ CALLS = {
             ("worker", "kvcs_worker *"),
             ("group_id", "uint32_t"),
             ("placement", "const kvcs_group_placement *"),
+        ),
+    ),
+    "kvcs_tier_index_create": (
+        "kvcs_status",
+        (
+            ("capacity", "uint64_t"),
+            ("out", "kvcs_tier_index **"),
+        ),
+    ),
+    "kvcs_tier_index_destroy": (
+        "void",
+        (
+            ("index", "kvcs_tier_index *"),
+        ),
+    ),
+    "kvcs_tier_index_store": (
+        "kvcs_status",
+        (
+            ("index", "kvcs_tier_index *"),
+            ("worker", "kvcs_worker *"),
+            ("num_blocks", "size_t"),
+            ("group_ids", "const uint32_t *"),
+            ("positions", "const uint64_t *"),
+            ("block_ids", "const uint32_t *"),
+            ("hashes", "const uint8_t *"),
+            ("hash_bytes", "size_t"),
+            ("cuda_stream", "void *"),
+        ),
+    ),
+    "kvcs_tier_index_check": (
+        "kvcs_status",
+        (
+            ("index", "kvcs_tier_index *"),
+            ("worker", "kvcs_worker *"),
+            ("num_blocks", "size_t"),
+            ("group_ids", "const uint32_t *"),
+            ("positions", "const uint64_t *"),
+            ("block_ids", "const uint32_t *"),
+            ("hashes", "const uint8_t *"),
+            ("hash_bytes", "size_t"),
+            ("hashed", "const uint8_t *"),
+            ("cuda_stream", "void *"),
+            ("outcomes", "uint8_t *"),
+        ),
+    ),
+    "kvcs_tier_index_info": (
+        "kvcs_status",
+        (
+            ("index", "const kvcs_tier_index *"),
+            ("entries", "uint64_t *"),
+            ("dropped", "uint64_t *"),
+            ("lost_stores", "uint64_t *"),
+            ("memory_bytes", "uint64_t *"),
+        ),
+    ),
+    "kvcs_tier_index_values": (
+        "kvcs_status",
+        (
+            ("index", "const kvcs_tier_index *"),
+            ("group_id", "uint32_t"),
+            ("hash", "const uint8_t *"),
+            ("hash_bytes", "size_t"),
+            ("position", "uint64_t *"),
+            ("values", "uint64_t *"),
+            ("cap", "size_t"),
+            ("len", "size_t *"),
         ),
     ),
     "kvcs_api_get": (

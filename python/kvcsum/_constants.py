@@ -130,6 +130,21 @@ class StoredOutcome(_CEnum):
     OTHER_FORMAT = 6  # kvcsum 0.2.0's format, its value not matching: not compared
 
 
+class TierOutcome(_CEnum):
+    """kvcs_tier_outcome without the KVCS_TIER_ prefix: a tier check's
+    outcome of one loaded block (the values TierIndex.check gives).
+
+    Thread safety: immutable."""
+
+    MATCHED = 1
+    MISMATCHED = 2
+    NO_BLOCK_HASH = 3  # unknown: a partial block
+    UNKNOWN_BLOCK = 4  # unknown: never stored here, or dropped by the bound
+    TOO_MANY_VALUES = 5  # unknown: more values than kept, or two positions
+    OTHER_POSITION = 6  # unknown: stored at another position
+    NOT_CHECKSUMMED = 7  # unknown: a group the worker skips
+
+
 #: The encodings kvcsum.h (of ABI_VERSION) says the library writes and
 #: reads: KVCS_PAYLOAD_VERSION (the payload a producer sends),
 #: KVCS_EXTENSION_VERSION (its kvcsum extension) and KVCS_RECORD_VERSION

@@ -282,6 +282,7 @@ class Api:
     (checked_int: ctypes would silently wrap -1 to 4294967295)."""
 
     path: str
+    cdll: ctypes.CDLL
 
 
 def _range_checked(name, function, checks):
@@ -336,6 +337,9 @@ def load(path: str | None = None) -> Api:
         raise AbiError(f"kvcsum: {path} lacks {', '.join(missing)} (an older build of ABI {abi}?)")
     api = Api()
     api.path = path
+    # The loaded library itself, for a second declaration of a hot call
+    # (kvcsum._tier) that takes plain addresses.
+    api.cdll = library
     for name, (restype, argtypes) in SIGNATURES.items():
         function = getattr(library, name)
         function.restype = restype

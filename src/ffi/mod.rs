@@ -24,6 +24,7 @@ pub mod result;
 pub mod status;
 pub mod struct_layout;
 pub(crate) mod struct_layout_table;
+pub mod tier_index;
 pub mod topology;
 pub mod verifier;
 pub mod worker;

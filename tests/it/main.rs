@@ -29,6 +29,7 @@ mod spec;
 mod state;
 mod stored;
 mod token_placement;
+mod tier_index;
 mod validation;
 mod verdict_property;
 mod verdicts;

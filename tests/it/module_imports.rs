@@ -36,6 +36,8 @@ const ORDER: &[&str] = &[
     "stored",
     // the worker
     "worker",
+    // the values of a worker's full blocks by block hash
+    "tier_index",
     // records and payloads
     "record",
     "payload",

@@ -477,7 +477,7 @@ def test_an_exchange_that_raises_leaves_the_sync_load_unverified_in_its_step(sto
     # (WORKERS_MISSING), never a match, in the step of the load; under
     # unverified=fail its blocks are load errors of that step.
     class Broken:
-        def gather(self, worker_key, records):
+        def gather(self, worker_key, records, bound=None):
             raise RuntimeError("the exchange is down")
 
     prompt = prompt_of(49)
