@@ -360,11 +360,22 @@ class SchedulerRole:
         released = self._sources.released(preempted or ())
         if not (
             self._new_sends or self._new_sync_loads or self._new_async_loads or self._verdicts_out or self._new_tier_sync
-            or self._new_tier_async or released or self._new_uncompared
+            or self._new_tier_async or released or self._new_uncompared or self._new_converted
         ):
             # Most decode steps: nothing but the blocks that fill.
             return KvcsumConnectorMetadata(
-                inner, NO_JOBS, NO_JOBS, NO_ENTRIES, NO_ENTRIES, stores, NO_JOBS, NO_ENTRIES, NO_JOBS, NO_BLOCKS, True
+                inner=inner,
+                sends=NO_JOBS,
+                sync_loads=NO_JOBS,
+                async_loads=NO_ENTRIES,
+                verdicts=NO_ENTRIES,
+                stores=stores,
+                tier_sync_loads=NO_JOBS,
+                tier_async_loads=NO_ENTRIES,
+                sources_released=NO_JOBS,
+                uncompared=NO_BLOCKS,
+                converted=NO_BLOCKS,
+                quiet=True,
             )
         meta = KvcsumConnectorMetadata(
             inner=inner,
