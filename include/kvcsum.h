@@ -38,10 +38,13 @@
  * KVCS_WORKER_OPTIONS_INIT;` is a host worker (device KVCS_HOST, not CUDA
  * device 0 as `{0}` is), TP rank 0 of 1, PP stage 0, the default threads;
  * `kvcs_layer l = KVCS_LAYER_INIT;` has replicas 1, kernel_blocks 1 and
- * num_segments 1 (`{0}` is refused: replicas 0). Set the other fields
- * after. Both are C and C++ brace initialisers, in field order. */
+ * num_segments 1 (`{0}` is refused: replicas 0); `kvcs_group_placement p =
+ * KVCS_GROUP_PLACEMENT_INIT;` is every token on this worker, one slot per
+ * token (dcp_size 1, dcp_rank 0, interleave 1, tokens_per_slot 1). Set the
+ * other fields after. All are C and C++ brace initialisers, in field order. */
 #define KVCS_WORKER_OPTIONS_INIT {0, 1, 0, KVCS_HOST, 0}
 #define KVCS_LAYER_INIT {0, 0, 0, 0, 1, 0, 0, 1, 0, 1, NULL, NULL, 0}
+#define KVCS_GROUP_PLACEMENT_INIT {1, 0, 1, 1}
 
 // The odd multiplier `C` of the MIXED algorithm's `f`
 // (docs/SPEC.md#12-the-mixed-algorithm): 2^64 divided by the golden ratio,
@@ -116,9 +119,9 @@
 #define KVCS_EXTENSION_VERSION 5
 
 // The record encoding this library writes and reads; it also reads
-// versions 4 and 5 (kvcsum 0.3.0's development builds: no `short_last`,
-// no geometry).
-#define KVCS_RECORD_VERSION 6
+// versions 4 to 6 (kvcsum 0.3.0's development builds: no `short_last`,
+// no geometry; no placement).
+#define KVCS_RECORD_VERSION 7
 
 // The largest TP size the topology helpers take. A TP size comes from a
 // remote engine's handshake; a wild one (2^31, say) is an error here rather
@@ -1475,6 +1478,31 @@ typedef kvcs_status (*kvcs_result_check_entries_buf_fn)(const kvcs_result *resul
                                                         size_t cap,
                                                         size_t *len);
 
+// Where a group's tokens sit in this worker's caches
+// (docs/SPEC.md#16-token-placement): vLLM's decode context parallelism,
+// which spreads each scheduler block's tokens over `dcp_size` ranks, and
+// compressed states, where one cache slot summarises `tokens_per_slot`
+// consecutive tokens. `KVCS_GROUP_PLACEMENT_INIT` is the default (every
+// token here, one slot per token): `{1, 0, 1, 1}`.
+typedef struct {
+  // Ranks the group's tokens are spread over (vLLM's DCP size), 1 to
+  // 65536; 1 = no DCP.
+  uint32_t dcp_size;
+  // This worker's DCP rank, below `dcp_size`.
+  uint32_t dcp_rank;
+  // Consecutive slots one rank holds before the next rank's (vLLM's
+  // `cp_kv_cache_interleave_size`); it divides the local block.
+  uint32_t interleave;
+  // Tokens one slot summarises (vLLM's `tokens_per_state`); 1 = a slot
+  // per token. It divides the group's block size.
+  uint32_t tokens_per_slot;
+} kvcs_group_placement;
+
+// The type of `kvcs_worker_set_group_placement`.
+typedef kvcs_status (*kvcs_worker_set_group_placement_fn)(kvcs_worker *worker,
+                                                          uint32_t group_id,
+                                                          const kvcs_group_placement *placement);
+
 // The type of `kvcs_tier_index_create`.
 typedef kvcs_status (*kvcs_tier_index_create_fn)(uint64_t capacity, kvcs_tier_index **out);
 
@@ -1787,22 +1815,26 @@ typedef struct {
   kvcs_result_entries_buf_fn kvcs_result_entries_buf;
   // Slot 123: `kvcs_result_check_entries_buf`.
   kvcs_result_check_entries_buf_fn kvcs_result_check_entries_buf;
-  // Slot 124: `kvcs_tier_index_create`.
+  // Slot 124: `kvcs_worker_set_group_placement`.
+  kvcs_worker_set_group_placement_fn kvcs_worker_set_group_placement;
+  // Slot 125: `kvcs_tier_index_create`.
   kvcs_tier_index_create_fn kvcs_tier_index_create;
-  // Slot 125: `kvcs_tier_index_destroy`.
+  // Slot 126: `kvcs_tier_index_destroy`.
   kvcs_tier_index_destroy_fn kvcs_tier_index_destroy;
-  // Slot 126: `kvcs_tier_index_store`.
+  // Slot 127: `kvcs_tier_index_store`.
   kvcs_tier_index_store_fn kvcs_tier_index_store;
-  // Slot 127: `kvcs_tier_index_check`.
+  // Slot 128: `kvcs_tier_index_check`.
   kvcs_tier_index_check_fn kvcs_tier_index_check;
-  // Slot 128: `kvcs_tier_index_info`.
+  // Slot 129: `kvcs_tier_index_info`.
   kvcs_tier_index_info_fn kvcs_tier_index_info;
-  // Slot 129: `kvcs_tier_index_values`.
+  // Slot 130: `kvcs_tier_index_values`.
   kvcs_tier_index_values_fn kvcs_tier_index_values;
 } kvcs_api;
 
 // The type of `kvcs_api_get`.
 typedef kvcs_status (*kvcs_api_get_fn)(uint32_t abi_version, const kvcs_api **out);
+
+
 
 #ifdef __cplusplus
 extern "C" {
@@ -2826,6 +2858,27 @@ kvcs_status kvcs_worker_add_region(kvcs_worker *worker, uint64_t address, uint64
 
 // Registers group `group_id` with `block_size` tokens per logical block.
 kvcs_status kvcs_worker_add_group(kvcs_worker *worker, uint32_t group_id, uint32_t block_size);
+
+// Sets where group `group_id`'s tokens sit in this worker's caches
+// (docs/SPEC.md#16-token-placement). Call it after
+// `kvcs_worker_add_group` and before any layer, alias or state layer of
+// the group: its layers then tile the local slots of a block,
+// `kernel_blocks * tokens_per_kernel_block = block_size / tokens_per_slot
+// / dcp_size` (the group's `block_size` stays the scheduler's, `B =
+// local_block_size * dcp_size` tokens). A call again before any layer
+// replaces the placement; once the group holds a layer it fails with
+// `KVCS_ERR_INVALID_ARGUMENT`, and so does a state group's layer added to
+// a group with a placement. `KVCS_ERR_NOT_FOUND` for a group not
+// registered; `KVCS_ERR_INVALID_ARGUMENT`, naming the field and value,
+// for `dcp_size` 0 or above 65536, `dcp_rank >= dcp_size`, `interleave`
+// or `tokens_per_slot` 0, a block size that `tokens_per_slot` does not
+// divide, slots per block that `dcp_size` does not divide, and a local
+// block that `interleave` does not divide. On any error nothing changes.
+// Records carry the placement, so the worker's verifier knows which DCP
+// shard each worker's columns cover (docs/SPEC.md#16-token-placement).
+kvcs_status kvcs_worker_set_group_placement(kvcs_worker *worker,
+                                            uint32_t group_id,
+                                            const kvcs_group_placement *placement);
 
 // Declares that this worker cannot checksum group `group_id`, for `reason`
 // (a non-empty string). The group is then never computed and results list

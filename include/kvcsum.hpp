@@ -804,6 +804,22 @@ class worker : public detail::owner<kvcs_worker, kvcs_worker_destroy> {
   }
   /// Registers a group of `block_size` tokens per block (kvcs_worker_add_group).
   void add_group(uint32_t group_id, uint32_t block_size) { check(kvcs_worker_add_group(get(), group_id, block_size)); }
+  /// Where group `group_id`'s tokens sit in this worker's caches: DCP
+  /// shard and tokens per slot (kvcs_worker_set_group_placement), after
+  /// add_group and before the group's layers.
+  void set_group_placement(uint32_t group_id, const kvcs_group_placement &placement) {
+    check(kvcs_worker_set_group_placement(get(), group_id, &placement));
+  }
+  /// set_group_placement from its fields (defaults: no DCP, a slot per token).
+  void set_group_placement(uint32_t group_id, uint32_t dcp_size, uint32_t dcp_rank, uint32_t interleave = 1,
+                           uint32_t tokens_per_slot = 1) {
+    kvcs_group_placement placement = KVCS_GROUP_PLACEMENT_INIT;
+    placement.dcp_size = dcp_size;
+    placement.dcp_rank = dcp_rank;
+    placement.interleave = interleave;
+    placement.tokens_per_slot = tokens_per_slot;
+    set_group_placement(group_id, placement);
+  }
   /// Declares that this worker cannot checksum a group (kvcs_worker_skip_group).
   void skip_group(uint32_t group_id, const std::string &reason) {
     check(kvcs_worker_skip_group(get(), group_id, detail::c_string(reason, "reason")));

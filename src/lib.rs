@@ -25,6 +25,7 @@ pub(crate) mod layout;
 pub(crate) mod layout_string;
 pub(crate) mod msgpack;
 pub mod payload;
+pub(crate) mod placement;
 pub(crate) mod plan;
 pub(crate) mod pool;
 pub mod record;
@@ -51,6 +52,7 @@ pub use cuda::{checksum_ptx, libraries_present};
 pub use decoding::{GeometryDifference, LayerDecoding, LayerGeometry};
 pub use error::{Error, Result};
 pub use layout::{Alias, LayerSpec, Layout, Region, ReplicaKey, Role, Segment};
+pub use placement::GroupPlacement;
 /// A call's blocks checked and laid out; public so that benchmarks can time it.
 pub use plan::{Plan, RowRoom};
 pub use result::{

@@ -11,19 +11,20 @@
 //! 8, `Worker::check_stored`) the verdict on each block position's stored
 //! checksum.
 //!
-//! # Encoding (version 6)
+//! # Encoding (version 7)
 //!
 //! A msgpack array, so that any msgpack reader (Python's `msgspec` included)
 //! can inspect a record; integers are unsigned, values are `bin`s of
 //! little-endian `u64`s, one per block position:
 //!
 //! ```text
-//! ["kvcsum.record", 6,
+//! ["kvcsum.record", 7,
 //!  [tp_rank, tp_size, pp_rank], role (0 producer, 1 consumer), detail (bool),
 //!  [[group_id, block_size, fingerprint, marks, shard_keyed (bool), holds_caches (bool), state (bool),
 //!    [[replicas, replica_index, coverage], ...],                      # sorted by key
 //!    [[layer_number, dtype (str), head_size, k_scale, v_scale], ...],  # sorted by layer_number
-//!    [[layer_number, first_head, num_heads, cell_bytes, k_bytes], ...]], # sorted by (layer, first_head)
+//!    [[layer_number, first_head, num_heads, cell_bytes, k_bytes], ...], # sorted by (layer, first_head)
+//!    [dcp_size, dcp_rank, interleave, tokens_per_slot]],               # placement
 //!   ...],                                                              # sorted by group_id
 //!  [[req_id (str), num_tokens,
 //!    [[group_id, first_position, num_positions,
@@ -57,7 +58,11 @@
 //! section 7: `""` and `0` where a fact is not declared, scales as the bits
 //! of a binary64), and the geometry of each attention cache it registered
 //! (SPEC section 7, "Geometry": its heads, its cell bytes, the bytes of K
-//! where K and V are two segments, else 0). Version 5 had no geometry
+//! where K and V are two segments, else 0), and where the group's
+//! tokens sit in the worker's caches (SPEC section 16: the DCP token
+//! shard its columns cover, the interleave, the tokens per slot). Version
+//! 6 had no placement (groups of 10 elements) and is still read, as a
+//! record of the default placement `[1, 0, 1, 1]`. Version 5 had no geometry
 //! (groups of 9 elements) and is still read, as a record without it; so
 //! is version 4. Version 1 had no `stored` element (groups of 5
 //! elements); version 2 had no `algorithm` (7 elements; its values were all
@@ -78,6 +83,7 @@ use crate::decoding::{LayerDecoding, LayerGeometry};
 use crate::error::{err, Result};
 use crate::layout::{ReplicaKey, Role};
 use crate::msgpack::{initial_capacity, Reader, Writer};
+use crate::placement::GroupPlacement;
 pub use crate::record_facts::{GroupInfo, Rank};
 pub use crate::result::LayerPartial;
 use crate::result::{Checksums, SkippedGroup, StoredOutcome};
@@ -86,9 +92,9 @@ use crate::result::{Checksums, SkippedGroup, StoredOutcome};
 pub const RECORD_MAGIC: &str = "kvcsum.record";
 
 /// The record encoding this library writes and reads; it also reads
-/// versions 4 and 5 (kvcsum 0.3.0's development builds: no `short_last`,
-/// no geometry).
-pub const RECORD_VERSION: u64 = 6;
+/// versions 4 to 6 (kvcsum 0.3.0's development builds: no `short_last`,
+/// no geometry; no placement).
+pub const RECORD_VERSION: u64 = 7;
 
 /// One column of a group in a record.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -241,7 +247,7 @@ impl Record {
         w.bool(self.detail);
         w.array(self.groups.len());
         for group in &self.groups {
-            w.array(10);
+            w.array(11);
             w.uint(group.group_id as u64);
             w.uint(group.block_size as u64);
             w.uint(group.fingerprint);
@@ -258,6 +264,16 @@ impl Record {
             }
             write_decodings(&mut w, &group.decodings);
             write_geometry(&mut w, &group.geometry);
+            let placement = &group.placement;
+            w.array(4);
+            for word in [
+                placement.dcp_size,
+                placement.dcp_rank,
+                placement.interleave,
+                placement.tokens_per_slot,
+            ] {
+                w.uint(word as u64);
+            }
         }
         w.array(self.requests.len());
         for request in &self.requests {
@@ -311,7 +327,7 @@ impl Record {
     }
 
     /// Decodes and validates a record; `Error::Malformed` with a message for
-    /// anything but a valid record of version 6 (or 5, or 4). Allocates at most in proportion
+    /// anything but a valid record of version 7 (or 6, 5 or 4). Allocates at most in proportion
     /// to `bytes.len()`.
     pub fn decode(bytes: &[u8]) -> Result<Record> {
         let mut r = Reader::new(bytes, "record");
@@ -350,7 +366,14 @@ impl Record {
         let num_groups = r.array("groups")?;
         let mut groups = Vec::with_capacity(initial_capacity(num_groups));
         for _ in 0..num_groups {
-            r.array_of("a group", if version >= 6 { 10 } else { 9 })?;
+            r.array_of(
+                "a group",
+                match version {
+                    7.. => 11,
+                    6 => 10,
+                    _ => 9,
+                },
+            )?;
             let group_id = r.u32("group_id")?;
             let block_size = r.u32("block_size")?;
             let fingerprint = r.uint("fingerprint")?;
@@ -374,6 +397,17 @@ impl Record {
             } else {
                 Vec::new()
             };
+            let placement = if version >= 7 {
+                r.array_of("a placement", 4)?;
+                GroupPlacement {
+                    dcp_size: r.u32("dcp_size")?,
+                    dcp_rank: r.u32("dcp_rank")?,
+                    interleave: r.u32("interleave")?,
+                    tokens_per_slot: r.u32("tokens_per_slot")?,
+                }
+            } else {
+                GroupPlacement::DEFAULT
+            };
             groups.push(GroupInfo {
                 group_id,
                 block_size,
@@ -385,6 +419,7 @@ impl Record {
                 coverage,
                 decodings,
                 geometry,
+                placement,
             });
         }
         let num_requests = r.array("requests")?;
@@ -524,6 +559,17 @@ impl Record {
             }
             check_decodings(&group.decodings, &format!("record: group {}", group.group_id))?;
             check_geometry(&group.geometry, &format!("record: group {}", group.group_id))?;
+            group
+                .placement
+                .check(group.group_id, group.block_size)
+                .map_err(|e| err!(Malformed, "record: {e}"))?;
+            if group.state && !group.placement.is_default() {
+                return Err(err!(
+                    Malformed,
+                    "record: state group {} has a placement (state groups have none)",
+                    group.group_id
+                ));
+            }
         }
         let mut req_ids = HashSet::with_capacity(self.requests.len());
         let mut load_check: Option<(&str, u32, bool)> = None;

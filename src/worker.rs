@@ -13,6 +13,7 @@ use crate::error::{err, Result};
 use crate::fingerprint::{group_fingerprint, group_marks};
 use crate::host;
 use crate::layout::{Alias, LayerSpec, Layout, Region, Role, StoredBuffer};
+use crate::placement::GroupPlacement;
 use crate::plan::Plan;
 use crate::record_facts::{GroupInfo, Rank};
 use crate::result::{Checksums, DetailValues, RecordInfo, StoredExpectation, StoredValues, Values};
@@ -64,6 +65,7 @@ fn group_infos(layout: &Layout) -> Vec<GroupInfo> {
             coverage: group.coverage(),
             decodings: group.decodings(),
             geometry: group.geometry(),
+            placement: group.placement(),
         })
         .collect();
     infos.sort_by_key(|info| info.group_id);
@@ -214,6 +216,15 @@ impl Worker {
     /// Registers a group of layers sharing one block table.
     pub fn add_group(&mut self, group_id: u32, block_size: u32) -> Result<()> {
         self.layout.add_group(group_id, block_size)?;
+        self.layout_changed();
+        Ok(())
+    }
+
+    /// Sets where `group_id`'s tokens sit in this worker's caches (SPEC
+    /// section 16: DCP shard, tokens per slot), before any of its layers
+    /// (see [`Layout::set_group_placement`]); on error nothing changes.
+    pub fn set_group_placement(&mut self, group_id: u32, placement: GroupPlacement) -> Result<()> {
+        self.layout.set_group_placement(group_id, placement)?;
         self.layout_changed();
         Ok(())
     }

@@ -21,7 +21,7 @@ CONSTANTS = {
     "KVCS_MIX2_MULTIPLIER_3": 3266489917,
     "KVCS_MIX_MULTIPLIER": 11400714819323198485,
     "KVCS_PAYLOAD_VERSION": 1,
-    "KVCS_RECORD_VERSION": 6,
+    "KVCS_RECORD_VERSION": 7,
     "KVCS_TIER_INDEX_ENTRY_BYTES": 112,
     "KVCS_VERSION_MAJOR": 0,
     "KVCS_VERSION_MINOR": 3,
@@ -262,6 +262,12 @@ STRUCTS = {
         ("segments", "const kvcs_segment *"),
         ("identity", "const uint8_t *"),
         ("identity_len", "size_t"),
+    ),
+    "kvcs_group_placement": (
+        ("dcp_size", "uint32_t"),
+        ("dcp_rank", "uint32_t"),
+        ("interleave", "uint32_t"),
+        ("tokens_per_slot", "uint32_t"),
     ),
     "kvcs_state_tensor": (
         ("address", "uint64_t"),
@@ -1293,6 +1299,14 @@ CALLS = {
             ("outcomes", "uint8_t *"),
             ("cap", "size_t"),
             ("len", "size_t *"),
+        ),
+    ),
+    "kvcs_worker_set_group_placement": (
+        "kvcs_status",
+        (
+            ("worker", "kvcs_worker *"),
+            ("group_id", "uint32_t"),
+            ("placement", "const kvcs_group_placement *"),
         ),
     ),
     "kvcs_tier_index_create": (

@@ -152,7 +152,7 @@ class TierOutcome(_CEnum):
 #: the header's; python/tests/test_package.py checks them against it.
 PAYLOAD_VERSION = 1
 EXTENSION_VERSION = 5
-RECORD_VERSION = 6
+RECORD_VERSION = 7
 
 #: The `device` of a host worker (KVCS_HOST).
 HOST = -1

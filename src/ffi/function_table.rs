@@ -25,7 +25,7 @@ use super::status::kvcs_status;
 use super::tier_index::kvcs_tier_index;
 use super::topology::{kvcs_head_source, kvcs_local_engine, kvcs_remote_engine, kvcs_topology};
 use super::verifier::kvcs_verifier;
-use super::worker::{kvcs_layer, kvcs_segment, kvcs_state, kvcs_worker, kvcs_worker_options};
+use super::worker::{kvcs_group_placement, kvcs_layer, kvcs_segment, kvcs_state, kvcs_worker, kvcs_worker_options};
 
 /// The type of `kvcs_abi_version`.
 pub type kvcs_abi_version_fn = unsafe extern "C" fn() -> u32;
@@ -635,6 +635,12 @@ pub type kvcs_result_check_entries_buf_fn = unsafe extern "C" fn(
     cap: usize,
     len: *mut usize,
 ) -> kvcs_status;
+/// The type of `kvcs_worker_set_group_placement`.
+pub type kvcs_worker_set_group_placement_fn = unsafe extern "C" fn(
+    worker: *mut kvcs_worker,
+    group_id: u32,
+    placement: *const kvcs_group_placement,
+) -> kvcs_status;
 /// The type of `kvcs_tier_index_create`.
 pub type kvcs_tier_index_create_fn = unsafe extern "C" fn(capacity: u64, out: *mut *mut kvcs_tier_index) -> kvcs_status;
 /// The type of `kvcs_tier_index_destroy`.
@@ -953,17 +959,19 @@ pub struct kvcs_api {
     pub kvcs_result_entries_buf: kvcs_result_entries_buf_fn,
     /// Slot 123: `kvcs_result_check_entries_buf`.
     pub kvcs_result_check_entries_buf: kvcs_result_check_entries_buf_fn,
-    /// Slot 124: `kvcs_tier_index_create`.
+    /// Slot 124: `kvcs_worker_set_group_placement`.
+    pub kvcs_worker_set_group_placement: kvcs_worker_set_group_placement_fn,
+    /// Slot 125: `kvcs_tier_index_create`.
     pub kvcs_tier_index_create: kvcs_tier_index_create_fn,
-    /// Slot 125: `kvcs_tier_index_destroy`.
+    /// Slot 126: `kvcs_tier_index_destroy`.
     pub kvcs_tier_index_destroy: kvcs_tier_index_destroy_fn,
-    /// Slot 126: `kvcs_tier_index_store`.
+    /// Slot 127: `kvcs_tier_index_store`.
     pub kvcs_tier_index_store: kvcs_tier_index_store_fn,
-    /// Slot 127: `kvcs_tier_index_check`.
+    /// Slot 128: `kvcs_tier_index_check`.
     pub kvcs_tier_index_check: kvcs_tier_index_check_fn,
-    /// Slot 128: `kvcs_tier_index_info`.
+    /// Slot 129: `kvcs_tier_index_info`.
     pub kvcs_tier_index_info: kvcs_tier_index_info_fn,
-    /// Slot 129: `kvcs_tier_index_values`.
+    /// Slot 130: `kvcs_tier_index_values`.
     pub kvcs_tier_index_values: kvcs_tier_index_values_fn,
 }
 
@@ -1095,6 +1103,7 @@ pub(crate) static API: kvcs_api = kvcs_api {
     kvcs_result_stored_buf: super::result::kvcs_result_stored_buf,
     kvcs_result_entries_buf: super::result::kvcs_result_entries_buf,
     kvcs_result_check_entries_buf: super::result::kvcs_result_check_entries_buf,
+    kvcs_worker_set_group_placement: super::worker::kvcs_worker_set_group_placement,
     kvcs_tier_index_create: super::tier_index::kvcs_tier_index_create,
     kvcs_tier_index_destroy: super::tier_index::kvcs_tier_index_destroy,
     kvcs_tier_index_store: super::tier_index::kvcs_tier_index_store,

@@ -29,6 +29,7 @@ mod spec;
 mod state;
 mod stored;
 mod tier_index;
+mod token_placement;
 mod validation;
 mod verdict_property;
 mod verdicts;

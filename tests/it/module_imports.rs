@@ -15,8 +15,9 @@ const ORDER: &[&str] = &[
     "msgpack",
     "topology",
     "pool",
-    // inputs: layer decodings, state layers, layouts, block sets, fingerprints, the caller's stream
+    // inputs: layer decodings, token placements, state layers, layouts, block sets, fingerprints, the caller's stream
     "decoding",
+    "placement",
     "state",
     "layout",
     "layout_string",

@@ -124,6 +124,10 @@ class KvcsumConnectorMetadata(KVConnectorMetadata):
     #: Block ids of this step's sync loads that no comparison can cover
     #: (kvcsum.vllm.coverage): load errors of this very step.
     uncompared: set = dataclasses.field(default_factory=set)
+    #: Requests whose wrapped connector's sync load vLLM sees as async
+    #: (kvcsum.vllm.load_order): done in this step's start_load_kv, so the
+    #: workers report them received in this step.
+    converted: set = dataclasses.field(default_factory=set)
     #: Nothing in this step but `stores` (and the inner metadata): the
     #: workers skip every other field (most decode steps).
     quiet: bool = False

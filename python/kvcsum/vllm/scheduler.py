@@ -58,6 +58,7 @@ from kvcsum.vllm.common import (
 from kvcsum.vllm.config import Settings
 from kvcsum.vllm.coverage import uncompared_positions
 from kvcsum.vllm.load_verdict import LoadCheck, LoadJudge, LoadVerdict
+from kvcsum.vllm.load_order import ASYNC, DECLINE, LoadOrder
 from kvcsum.vllm.params import (
     INFO_KEY,
     PAYLOAD_KEY,
@@ -143,6 +144,9 @@ class _Match:
     num_computed_tokens: int
     params: LoadParams
     is_async: bool
+    #: The wrapped connector's sync load, handed to vLLM as async
+    #: (kvcsum.vllm.load_order): the workers report it received.
+    converted: bool = False
 
 
 class SchedulerRole:
@@ -165,15 +169,30 @@ class SchedulerRole:
         inner_name: str,
         failure_policy: str,
         hash_block_size: int | None = None,
+        records_meet: tuple = (True, ""),
+        not_checksummed: dict | None = None,
     ):
         self._settings = settings
         self._kv_cache_config = kv_cache_config
         self._block_sizes = dict(block_sizes)
         self._num_workers = num_workers
         self._multi_group = len(kv_cache_config.kv_cache_groups) > 1
+        self._order = LoadOrder(
+            self._multi_group, bool(records_meet[0]), inner_name, settings.async_unfailable_sync_loads, str(records_meet[1])
+        )
+        #: Requests whose sync load goes to vLLM as async this step.
+        self._new_converted: set = set()
         self._inner_name = inner_name
         self._failure_policy = failure_policy
         self._hash_block_size = hash_block_size or min(self._block_sizes.values(), default=0)
+        #: State (Mamba) groups: a request's state is its first block (the
+        #: state index vLLM's Mamba kernels read, column 0 of its block
+        #: table), at position 0 (SPEC section 6).
+        self._state_groups = {
+            g for g in self._block_sizes
+            if g < len(kv_cache_config.kv_cache_groups)
+            and type(kv_cache_config.kv_cache_groups[g].kv_cache_spec).__name__ == "MambaSpec"
+        }
         self._kv_cache_manager = None
         self._tier_loads: dict[str, _TierLoad] = {}
         self._tier_failed: set[str] = set()
@@ -200,7 +219,20 @@ class SchedulerRole:
         self._before_prompt: set = set()
         self._last_verdicts: dict = {}
         self._producer = kvcsum.Verifier(num_workers)
-        self._load_judge = LoadJudge(kv_cache_config, self._block_sizes, num_workers, settings.fail_unverified)
+        #: {group: reason}: groups kvcsum cannot checksum (never silent: a
+        #: P/D load covering one is UNVERIFIED GROUP_NOT_CHECKSUMMED).
+        self.not_checksummed = dict(not_checksummed or {})
+        for group_id, reason in sorted(self.not_checksummed.items()):
+            logger.warning(
+                "kvcsum: KV cache group %d is not checksummed (%s): a P/D load that fills it is UNVERIFIED "
+                "(GROUP_NOT_CHECKSUMMED; with unverified=fail a load error), a tier load's blocks of it are unverified "
+                "(NOT_CHECKSUMMED; with unverified_tier=fail load errors)",
+                group_id, reason,
+            )
+            self._stats.add("groups_not_checksummed")
+        self._load_judge = LoadJudge(
+            kv_cache_config, self._block_sizes, num_workers, settings.fail_unverified, self.not_checksummed
+        )
         self._sources = SchedulerSourceCheck(lambda: self._stats, self._block_sizes, num_workers)
 
     # --- vLLM's calls --------------------------------------------------------------
@@ -225,22 +257,39 @@ class SchedulerRole:
             return 0, False
         params = parse_load(request.kv_transfer_params)
         verified = params.remote_prefill or self._settings.verify_all or self._settings.verify_tiers
-        if verified and self._multi_group and not load_async:
-            # vLLM 0.33 takes load errors of a model with several KV cache
-            # groups only as failed async loads (failed_recving); a sync load
-            # (the request already running) cannot be failed or recomputed,
-            # and invalid_block_ids raise in its scheduler. A verified sync
-            # load is therefore declined: vLLM computes those tokens.
-            self._stats.add("sync_loads_declined")
-            self._log_once(
-                "sync-declined",
-                f"kvcsum: the wrapped {self._inner_name} offers sync loads (request {request.request_id}, {tokens} tokens); "
-                "with several KV cache groups vLLM cannot recompute a sync load that fails verification, so kvcsum "
-                "declines such loads and vLLM computes the tokens (counted as sync_loads_declined)",
-                error=False,
-            )
-            return 0, False
-        self._matched[request.request_id] = _Match(num_computed_tokens, params, bool(load_async))
+        converted = False
+        if verified and not load_async:
+            # A load judged against a payload (P/D, or verify_loads "all"
+            # without tier checks) or against the workers' kept values.
+            pd = params.remote_prefill or not self._settings.verify_tiers
+            decision = self._order.sync_load(pd)
+            if decision == ASYNC:
+                # vLLM could not take this load back once used: it goes to
+                # vLLM as an async load, checked in the step it is done and
+                # failed (failed_recving) before vLLM uses it if bad
+                # (kvcsum.vllm.load_order).
+                converted, load_async = True, True
+                self._stats.add("sync_loads_as_async")
+                self._log_once(
+                    "sync-as-async",
+                    f"kvcsum: the wrapped {self._inner_name} offers sync loads (request {request.request_id}, {tokens} "
+                    f"tokens); {self._order.why_unfailable(pd)}, so kvcsum hands such loads to vLLM as async loads, "
+                    "checked before vLLM uses them (one engine step of wait; counted as sync_loads_as_async)",
+                    error=False,
+                )
+            elif decision == DECLINE:
+                # vLLM could not recompute such a load if it failed: vLLM
+                # computes those tokens instead.
+                self._stats.add("sync_loads_declined")
+                self._log_once(
+                    "sync-declined",
+                    f"kvcsum: the wrapped {self._inner_name} offers sync loads (request {request.request_id}, {tokens} tokens); "
+                    f"{self._order.why_unfailable(pd)} and {self._order.decline_reason()}, so kvcsum declines such loads "
+                    "and vLLM computes the tokens (counted as sync_loads_declined)",
+                    error=False,
+                )
+                return 0, False
+        self._matched[request.request_id] = _Match(num_computed_tokens, params, bool(load_async), converted)
         return tokens, load_async
 
     def allocated(self, request: "Request", num_external_tokens: int, loaded_groups: set) -> None:
@@ -250,6 +299,8 @@ class SchedulerRole:
         if num_external_tokens <= 0 or matched is None:
             return
         first = matched.num_computed_tokens
+        if matched.converted:
+            self._new_converted.add(req_id)
         if not matched.params.remote_prefill and self._settings.verify_tiers:
             self._tier_load(request, first, first + num_external_tokens, loaded_groups, matched.is_async)
             return
@@ -309,11 +360,12 @@ class SchedulerRole:
         released = self._sources.released(preempted or ())
         if not (
             self._new_sends or self._new_sync_loads or self._new_async_loads or self._verdicts_out or self._new_tier_sync
-            or self._new_tier_async or released or self._new_uncompared
+            or self._new_tier_async or released or self._new_uncompared or self._new_converted
         ):
             # Most decode steps: nothing but the blocks that fill.
             return KvcsumConnectorMetadata(
-                inner, NO_JOBS, NO_JOBS, NO_ENTRIES, NO_ENTRIES, stores, NO_JOBS, NO_ENTRIES, NO_JOBS, NO_BLOCKS, True
+                inner, NO_JOBS, NO_JOBS, NO_ENTRIES, NO_ENTRIES, stores, NO_JOBS, NO_ENTRIES, NO_JOBS, NO_BLOCKS,
+                converted=NO_BLOCKS, quiet=True,
             )
         meta = KvcsumConnectorMetadata(
             inner=inner,
@@ -326,8 +378,9 @@ class SchedulerRole:
             tier_async_loads=self._new_tier_async,
             sources_released=released,
             uncompared=self._new_uncompared,
+            converted=self._new_converted,
         )
-        self._new_uncompared = set()
+        self._new_uncompared, self._new_converted = set(), set()
         self._new_sends, self._new_sync_loads, self._new_async_loads, self._verdicts_out = [], [], {}, {}
         self._new_tier_sync, self._new_tier_async = [], {}
         return meta
@@ -446,6 +499,11 @@ class SchedulerRole:
         for group_id, block_size in self._block_sizes.items():
             if groups is not None and group_id not in groups:
                 continue
+            if group_id in self._state_groups:
+                ids = list(table[group_id])[:1]
+                if ids and ids[0] != NULL_BLOCK_ID:
+                    out[group_id] = (0, ids)
+                continue
             ids = list(table[group_id])[: math.ceil(num_tokens / block_size)]
             first = first_token // block_size
             while first < len(ids) and ids[first] == NULL_BLOCK_ID:
@@ -490,6 +548,13 @@ class SchedulerRole:
         out = {}
         for group_id, size in self._block_sizes.items():
             if groups is not None and group_id not in groups:
+                continue
+            if group_id in self._state_groups:
+                # A state has no block hash: no value is kept of it, and a
+                # tier load's state is unknown to the check (NO_BLOCK_HASH).
+                state = table(group_id, 0, 1)
+                if not full_only and state and state[0] != NULL_BLOCK_ID:
+                    out[group_id] = (0, tuple(state), (None,))
                 continue
             first = first_token // size
             end = end_token // size if full_only else math.ceil(end_token / size)

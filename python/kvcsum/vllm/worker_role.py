@@ -47,7 +47,16 @@ from kvcsum.vllm.common import (
     WorkerNote,
     logger,
 )
-from kvcsum.vllm.config import Settings, layer_specs, parallel_place, transfer_block_sizes
+from kvcsum.vllm.config import (
+    Settings,
+    dcp_interleave,
+    dcp_place,
+    dcp_size,
+    groups_not_checksummed,
+    layer_specs,
+    parallel_place,
+    transfer_block_sizes,
+)
 from kvcsum.vllm.decoding import LayerDecodings
 from kvcsum.vllm.load_verdict import LoadJudge
 from kvcsum.vllm.record_exchange import LoadRecord, RecordExchange, WorkerRecords, engine_exchange, record_bound
@@ -128,7 +137,7 @@ class WorkerRole:
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         tp_rank, tp_size, pp_rank = parallel_place()
-        layers, block_sizes = layer_specs(self._kv_cache_config, self._total_kv_heads)
+        layers, block_sizes = layer_specs(self._kv_cache_config, self._total_kv_heads, dcp_size(self._vllm_config))
         self._checksummer = CacheChecksummer(
             layers,
             kv_caches,
@@ -138,6 +147,8 @@ class WorkerRole:
             tp_size=tp_size,
             pp_rank=pp_rank,
             algorithm=self._settings.algorithm,
+            dcp_rank=dcp_place()[0],
+            dcp_interleave=dcp_interleave(self._vllm_config),
         )
         self._worker_key = f"pp{pp_rank}.tp{tp_rank}"
         # Each layer's kv_cache_dtype, fp8 scales and head size, declared
@@ -363,9 +374,10 @@ class WorkerRole:
         if self._load_judge is None:
             self._load_judge = LoadJudge(
                 self._kv_cache_config,
-                transfer_block_sizes(self._kv_cache_config),
+                transfer_block_sizes(self._kv_cache_config, dcp_size(self._vllm_config)),
                 self._num_workers,
                 self._settings.fail_unverified,
+                groups_not_checksummed(self._kv_cache_config, self._total_kv_heads, dcp_size(self._vllm_config)),
             )
         return self._load_judge
 
