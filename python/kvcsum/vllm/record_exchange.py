@@ -18,8 +18,9 @@ the step's sync loads (`record_bound`: their blocks and the workers'
 layers and columns), and one `gather` brings them together. A worker whose
 records do not fit (never, with the bound's margin) sends none, and its
 records count as missing (UNVERIFIED, WORKERS_MISSING): never a
-mismatch. Without a bound it falls back to gather_object (pickled). `engine_exchange` picks vLLM's group
-of this engine's workers, or says why there is none:
+mismatch. Without a bound it falls back to gather_object (pickled).
+`engine_exchange` picks vLLM's group of this engine's workers, or says
+why there is none:
 
 - pipeline parallelism: an earlier stage sends its activations to the next
   only after the connector's calls of the step returned (vLLM 0.33's

@@ -20,13 +20,13 @@ are unknown, never a mismatch). A loaded block is
   dropped it (it is bounded: the least recently used hashes go first), the
   block has no hash (a partial block), or more than MAX_VALUES were seen.
 
-`TierChecker` does a worker's part over a CacheChecksummer: it checksums
-the blocks that became full (queued on a device: their values are kept once
-ready), and compares a tier load's blocks with the values kept. The blocks
-that became full in a step go to the library in one store call (SPEC
-section 8's store, into a buffer of 16 bytes a block id: host memory, or
-pinned host memory for a device worker), whose values `sum XOR tag` are
-read back with the tags of their hashes.
+`TierChecker` does a worker's part over a CacheChecksummer: the values
+live in the library (kvcsum.TierIndex, bounded, its memory stated there);
+the blocks that became full in a step (a `StoreBatch` of flat arrays) are
+checksummed and kept in one library call (queued on a device: their
+values are kept once ready), and a tier load's blocks are compared in one
+call. `StoredValues` is the same map in Python, kept as a reference the
+tests read.
 
 This module needs neither vLLM nor torch (numpy and kvcsum alone).
 """
@@ -79,7 +79,7 @@ UNKNOWN_REASONS = (
 #: batches); a hash seen with more is unknown from then on.
 MAX_VALUES = 4
 
-#: Blocks a worker keeps values of, by default (about 150 MB of host memory
+#: Blocks a worker keeps values of, by default (at most 112 MiB of host memory
 #: a worker per million blocks: docs/vllm-tiers.md).
 DEFAULT_CAPACITY = 1 << 20
 

@@ -112,6 +112,10 @@ def nothing_left_behind(engine: Engine) -> None:
     for rank, state in enumerate(engine.ranks):
         left = state.connector.worker_role.leftovers()
         assert not any(left.values()), (engine.name, rank, left)
+    # Every exchange of sync load records fit the bound the workers computed.
+    exchange = engine.exchange
+    if exchange is not None:
+        assert all(packed <= bound for packed, bound in exchange.bounds), (engine.name, exchange.bounds)
 
 
 def expected_tokens(prompt, n):
