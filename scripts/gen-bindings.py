@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Writes every binding of the C ABI that is not the header, from src/ffi:
 
-- src/ffi/function_table.rs: one function-pointer type `kvcs_<call>_fn` per
+- src/ffi/generated/function_table.rs: one function-pointer type `kvcs_<call>_fn` per
   exported call (with its parameter names, which the header's typedefs
   keep) and the function table `kvcs_api` that `kvcs_api_get` hands out;
-- src/ffi/struct_layout_table.rs: the layout (size, field names, offsets) of every
+- src/ffi/generated/struct_layout_table.rs: the layout (size, field names, offsets) of every
   struct the ABI passes, which `kvcs_struct_layout` / `kvcs_struct_field`
   report (apart from function_table.rs, whose table points at those calls, so that
   no module of src/ffi imports back);
@@ -36,8 +36,9 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FFI = ROOT / "src" / "ffi"
-FUNCTION_TABLE = FFI / "function_table.rs"
-LAYOUTS = FFI / "struct_layout_table.rs"
+GENERATED = FFI / "generated"
+FUNCTION_TABLE = GENERATED / "function_table.rs"
+LAYOUTS = GENERATED / "struct_layout_table.rs"
 SLOTS = FFI / "api-slots.txt"
 PYTHON_ABI = ROOT / "python" / "kvcsum" / "_abi.py"
 CBINDGEN = ROOT / "cbindgen.toml"
@@ -171,7 +172,7 @@ class Abi:
         self.constants: dict[str, tuple[str, int, str]] = {}  # name -> (rust type, value, module)
 
     def read(self) -> None:
-        files = sorted(p for p in FFI.rglob("*.rs") if p not in (FUNCTION_TABLE, LAYOUTS))
+        files = sorted(p for p in FFI.rglob("*.rs") if GENERATED not in p.parents)
         for path in files:
             module = "::".join(path.relative_to(FFI).with_suffix("").parts)
             module = module.removesuffix("::mod")
@@ -266,7 +267,7 @@ def rust_uses(abi: Abi, types: list[str], extra: dict[str, str]) -> list[str]:
     for module in sorted(by_module):
         names = sorted(by_module[module])
         inner = names[0] if len(names) == 1 else "{" + ", ".join(names) + "}"
-        lines.append(f"use super::{module}::{inner};")
+        lines.append(f"use crate::ffi::{module}::{inner};")
     return lines
 
 
@@ -328,7 +329,7 @@ def function_table_rs(abi: Abi, slots: list[str]) -> str:
         "    abi_version: KVCS_ABI_VERSION,",
     ]
     for name in slots:
-        out.append(f"    {name}: super::{abi.calls[name]['module']}::{name},")
+        out.append(f"    {name}: crate::ffi::{abi.calls[name]['module']}::{name},")
     out += [
         "};",
     ]
@@ -459,7 +460,7 @@ def python_abi(abi: Abi, slots: list[str]) -> str:
 
 def slots_txt(slots: list[str]) -> str:
     lines = [
-        "# The slot of each call in kvcs_api (src/ffi/function_table.rs), one per line.",
+        "# The slot of each call in kvcs_api (src/ffi/generated/function_table.rs), one per line.",
         "# scripts/gen-bindings.py appends new calls; a slot is never renumbered,",
         "# reused or removed within an ABI version (programs built against an",
         "# older header find their entries where they were).",

@@ -4,21 +4,22 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use crate::blocks::BlockSet;
-use crate::checksum::Algorithm;
-use crate::cuda;
-use crate::decoding::LayerDecoding;
-use crate::detail::Shadow;
-use crate::error::{err, Result};
-use crate::fingerprint::{group_fingerprint, group_marks};
-use crate::host;
-use crate::layout::{Alias, LayerSpec, Layout, Region, Role, StoredBuffer};
+use crate::base::checksum::Algorithm;
+use crate::base::error::{err, Result};
+use crate::engines::cuda;
+use crate::engines::detail::Shadow;
+use crate::engines::host;
+use crate::engines::stored;
+use crate::inputs::blocks::BlockSet;
+use crate::inputs::decoding::LayerDecoding;
+use crate::inputs::fingerprint::{group_fingerprint, group_marks};
+use crate::inputs::layout::{Alias, LayerSpec, Layout, Region, StoredBuffer};
+use crate::inputs::role::Role;
+use crate::inputs::state::StateSpec;
+use crate::inputs::stream::StreamHandle;
 use crate::plan::Plan;
-use crate::record_facts::{GroupInfo, Rank};
-use crate::result::{Checksums, DetailValues, RecordInfo, StoredExpectation, StoredValues, Values};
-use crate::state::StateSpec;
-use crate::stored;
-use crate::stream::StreamHandle;
+use crate::results::checksums::{Checksums, DetailValues, RecordInfo, StoredExpectation, StoredValues, Values};
+use crate::results::record_facts::{GroupInfo, Rank};
 
 /// Where a worker's caches live and how it is placed in the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -466,7 +467,7 @@ impl Worker {
         let fingerprint = info.entry_config(self.algorithm).fingerprint;
         Ok(hashes
             .iter()
-            .map(|&hash| crate::stored_entry::block_tag(hash, fingerprint))
+            .map(|&hash| crate::base::stored_entry::block_tag(hash, fingerprint))
             .collect())
     }
 
@@ -555,9 +556,9 @@ mod tests {
     //! host load check's verdicts.
 
     use super::*;
-    use crate::layout::{ReplicaKey, Segment};
+    use crate::inputs::layout::{ReplicaKey, Segment};
     use crate::plan::{Row, RowRoom};
-    use crate::result::StoredOutcome;
+    use crate::results::checksums::StoredOutcome;
 
     const HEADS: u32 = 2;
     const BLOCK: u32 = 16;
@@ -693,7 +694,7 @@ mod tests {
                     let n = group_blocks.block_ids.len() as u32;
                     for (i, &block_id) in group_blocks.block_ids.iter().enumerate() {
                         let position = group_blocks.first_position + i as u64;
-                        let valid = crate::blocks::valid_tokens(request.num_tokens, group.block_size, position);
+                        let valid = crate::inputs::blocks::valid_tokens(request.num_tokens, group.block_size, position);
                         if valid > 0 {
                             naive.push(Row {
                                 first_token: position * group.block_size as u64,
@@ -793,7 +794,7 @@ mod tests {
                 .expect("an address inside a stored buffer");
             // kvcs_store's arithmetic, written out.
             let value = sum ^ item.tag;
-            let check = crate::checksum::mix(crate::checksum::mix(value) ^ item.key) >> 32;
+            let check = crate::base::checksum::mix(crate::base::checksum::mix(value) ^ item.key) >> 32;
             device[group][block] = value;
             device[group][block + 1] = (check << 32) | item.digest as u64;
         }

@@ -20,7 +20,7 @@
 
 use std::collections::BTreeSet;
 
-use crate::result::LayerPartial;
+use crate::results::checksums::LayerPartial;
 use crate::verify::report::LayerDifference;
 
 /// One side's values of a group: block positions of its own block size.

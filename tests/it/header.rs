@@ -1,7 +1,7 @@
 //! The checked-in bindings must be what their generators make now:
 //! `include/kvcsum.h` (cbindgen, with the prototypes put under
 //! `KVCS_NO_PROTOTYPES`), and what `scripts/gen-bindings.py` writes from
-//! src/ffi (src/ffi/function_table.rs, src/ffi/api-slots.txt, python/kvcsum/_abi.py).
+//! src/ffi (src/ffi/generated/function_table.rs, src/ffi/api-slots.txt, python/kvcsum/_abi.py).
 //! These only check; `make header` regenerates them all (the header through
 //! tests/gen_header.rs, which writes what `header_gen` makes).
 
