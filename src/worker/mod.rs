@@ -1,5 +1,11 @@
 //! A worker: one TP rank / PP stage's registered layout and the engine that
-//! computes its partial checksums.
+//! computes its partial checksums. What differs between the engines is the
+//! [`Engine`] trait (`engine.rs`), each engine's rules in a file of its own:
+//! `host_engine.rs` and `device_engine.rs`.
+
+mod device_engine;
+mod engine;
+mod host_engine;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -18,8 +24,9 @@ use crate::inputs::role::Role;
 use crate::inputs::state::StateSpec;
 use crate::inputs::stream::StreamHandle;
 use crate::plan::Plan;
-use crate::results::checksums::{Checksums, DetailValues, RecordInfo, StoredExpectation, StoredValues, Values};
+use crate::results::checksums::{Checksums, DetailValues, RecordInfo, StoredExpectation, Values};
 use crate::results::record_facts::{GroupInfo, Rank};
+use engine::{Call, Detail, Engine};
 
 /// Where a worker's caches live and how it is placed in the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,23 +78,11 @@ fn group_infos(layout: &Layout) -> Vec<GroupInfo> {
     infos
 }
 
-/// Detail mode's shadow layout and, on a device worker, the engine that
-/// holds its descriptors.
-struct Detail {
-    shadow: Shadow,
-    engine: Option<cuda::DeviceEngine>,
-}
-
-enum Engine {
-    Host(host::HostEngine),
-    Device(Box<cuda::DeviceEngine>),
-}
-
 /// One worker's layout and engine.
 pub struct Worker {
     options: WorkerOptions,
     layout: Layout,
-    engine: Engine,
+    engine: Box<dyn Engine>,
     /// Detail mode: results also carry per-layer partials (see
     /// `set_detail`). The shadow is built from the layout at the first call
     /// that needs it and reset when the layout changes, so that registering
@@ -117,9 +112,9 @@ impl Worker {
                 options.tp_size
             ));
         }
-        let engine = match options.device {
-            None => Engine::Host(host::HostEngine::new(options.num_threads)?),
-            Some(ordinal) => Engine::Device(Box::new(cuda::DeviceEngine::new(ordinal)?)),
+        let engine: Box<dyn Engine> = match options.device {
+            None => Box::new(host::HostEngine::new(options.num_threads)?),
+            Some(ordinal) => Box::new(cuda::DeviceEngine::new(ordinal)?),
         };
         Ok(Worker {
             options,
@@ -175,18 +170,19 @@ impl Worker {
             .clone()
     }
 
+    /// What the engine's part of a call needs of the worker.
+    fn call(&self) -> Call<'_> {
+        Call {
+            layout: &self.layout,
+            infos: self.infos(),
+            algorithm: self.algorithm,
+        }
+    }
+
     /// What the worker's engine runs on, for logs: host threads, or the
     /// device and its kernel's registers and occupancy.
     pub fn engine_description(&self) -> String {
-        match &self.engine {
-            Engine::Host(host) => format!(
-                "host engine, {} threads ({} helper threads started), {} mixing",
-                host.threads(),
-                host.helpers(),
-                host.simd().name()
-            ),
-            Engine::Device(device) => device.description().to_owned(),
-        }
+        self.engine.description()
     }
 
     /// What has been registered.
@@ -203,10 +199,7 @@ impl Worker {
         // The layout's rules first (address 0, empty, wrapping), then the
         // engine's: CUDA's for device memory, the page tables' for host memory.
         Layout::check_region(region)?;
-        match &self.engine {
-            Engine::Device(device) => device.check_region(region.address, region.length)?,
-            Engine::Host(_) => host::check_mapped(region)?,
-        }
+        self.engine.check_region(region)?;
         self.layout.add_region(region)?;
         self.layout_changed();
         Ok(())
@@ -229,15 +222,8 @@ impl Worker {
     /// device worker keeps its layout until the device has the new one. In
     /// detail mode the shadow is rebuilt at the next call, not here.
     pub fn add_layer(&mut self, spec: LayerSpec) -> Result<()> {
-        match &mut self.engine {
-            Engine::Host { .. } => self.layout.add_layer(spec)?,
-            Engine::Device(device) => {
-                let mut layout = self.layout.clone();
-                layout.add_layer(spec)?;
-                device.upload_layout(&layout)?;
-                self.layout = layout;
-            }
-        }
+        self.engine
+            .change_layout(&mut self.layout, Box::new(|layout| layout.add_layer(spec)))?;
         self.layout_changed();
         Ok(())
     }
@@ -268,17 +254,13 @@ impl Worker {
     /// has the new tables. Detail mode's shadow has no state layers, so it
     /// stays as it is.
     pub fn add_state(&mut self, spec: StateSpec) -> Result<()> {
-        match &mut self.engine {
-            Engine::Host(_) => self.layout.add_state(spec, self.options.tp_rank)?,
-            Engine::Device(device) => {
-                // The tensors lie in registered regions (checked here), which
-                // add_region checked are memory this device reads.
-                let mut layout = self.layout.clone();
-                layout.add_state(spec, self.options.tp_rank)?;
-                device.upload_layout(&layout)?;
-                self.layout = layout;
-            }
-        }
+        // The tensors lie in registered regions (checked here), which
+        // add_region checked are memory this worker's engine reads.
+        let tp_rank = self.options.tp_rank;
+        self.engine.change_layout(
+            &mut self.layout,
+            Box::new(move |layout| layout.add_state(spec, tp_rank)),
+        )?;
         self.layout_changed();
         Ok(())
     }
@@ -308,29 +290,9 @@ impl Worker {
             None => None,
         };
         let mut expectations = Vec::new();
-        let algorithm = self.algorithm;
-        let (plan, values) = match &self.engine {
-            Engine::Host(host) => {
-                let (plan, rows) = Plan::new(&self.layout, blocks, role)?;
-                let values = Values::Ready(host.compute(&self.layout, &plan, &rows, role, algorithm));
-                (plan, values)
-            }
-            Engine::Device(device) => {
-                // The engine lays out the blocks into the call's pinned
-                // memory, then asks for the stored items of that plan.
-                let stored_work = |plan: &Plan| match stored {
-                    None => Ok(None),
-                    Some(mode) => {
-                        let infos = self.infos();
-                        let (work, expected) =
-                            stored::device_work(&self.layout, &infos, blocks, algorithm, &plan.shape, mode)?;
-                        expectations = expected;
-                        Ok(Some(work))
-                    }
-                };
-                device.checksum(&self.layout, blocks, role, algorithm, stream, stored_work)?
-            }
-        };
+        let (plan, values) = self
+            .engine
+            .checksum(&self.call(), blocks, role, stream, stored, &mut expectations)?;
         let detail = match detail {
             Some(detail) => Some(Arc::new(self.detail_values(detail, blocks, role, stream)?)),
             None => None,
@@ -398,19 +360,7 @@ impl Worker {
     /// (a buffer too small for `num_blocks` is refused, not written past).
     pub fn add_stored(&mut self, group_id: u32, address: u64, num_blocks: u64) -> Result<()> {
         let buffer = StoredBuffer { address, num_blocks };
-        let on_host = matches!(self.engine, Engine::Host(_));
-        if let Engine::Device(device) = &self.engine {
-            // The layout's checks first (group, alignment, length), then CUDA's.
-            self.layout.check_stored(group_id, buffer, on_host)?;
-            device
-                .check_writable(address, num_blocks * StoredBuffer::BYTES_PER_BLOCK)
-                .map_err(|e| {
-                    e.with_context(&format!(
-                        "stored checksums of group_id {group_id} (address {address:#x}, num_blocks {num_blocks})"
-                    ))
-                })?;
-        }
-        self.layout.set_stored(group_id, buffer, on_host)
+        self.engine.add_stored(&mut self.layout, group_id, buffer)
     }
 
     /// Checksums `blocks` (every column) and writes each block's stored
@@ -419,19 +369,8 @@ impl Worker {
     /// before anything is computed or written. A device worker queues the
     /// writes on `stream` after the checksums and returns without waiting.
     pub fn store(&self, blocks: &BlockSet, stream: StreamHandle) -> Result<Checksums> {
-        match &self.engine {
-            Engine::Host(_) => {
-                // Checked before the (host) checksums are computed.
-                stored::check_blocks(&self.layout, &self.infos(), blocks, self.algorithm)?;
-                let result = self.checksum(blocks, Role::Consumer, stream)?;
-                stored::store(&self.layout, &self.infos(), blocks, self.algorithm, &result)?;
-                Ok(result)
-            }
-            // The items are checked before anything is queued.
-            Engine::Device(_) => Ok(self
-                .checksum_with(blocks, Role::Consumer, stream, Some(cuda::StoredMode::Store))?
-                .0),
-        }
+        let checksum_with = |stored| self.checksum_with(blocks, Role::Consumer, stream, stored);
+        self.engine.store(&self.call(), blocks, &checksum_with)
     }
 
     /// Checksums loaded `blocks` (every column) and keeps, in the result,
@@ -440,19 +379,8 @@ impl Worker {
     /// values on `stream` with the checksums: the verdicts are ready when
     /// the result is.
     pub fn check_stored(&self, blocks: &BlockSet, stream: StreamHandle) -> Result<Checksums> {
-        match &self.engine {
-            Engine::Host(_) => {
-                let (expectations, read) = stored::expectations(&self.layout, &self.infos(), blocks, self.algorithm)?;
-                Ok(self
-                    .checksum(blocks, Role::Consumer, stream)?
-                    .with_stored(expectations, StoredValues::Read(read)))
-            }
-            Engine::Device(_) => {
-                let (result, expectations) =
-                    self.checksum_with(blocks, Role::Consumer, stream, Some(cuda::StoredMode::Gather))?;
-                Ok(result.with_stored(expectations, StoredValues::Gathered))
-            }
-        }
+        let checksum_with = |stored| self.checksum_with(blocks, Role::Consumer, stream, stored);
+        self.engine.check_stored(&self.call(), blocks, &checksum_with)
     }
 
     /// The tags of SPEC section 8 for blocks of `group_id` with the given
@@ -502,16 +430,7 @@ impl Worker {
     /// holding its descriptors.
     fn build_detail(&self, layout: &Layout) -> Result<Detail> {
         let shadow = Shadow::new(layout)?;
-        let engine = match &self.engine {
-            Engine::Host { .. } => None,
-            Engine::Device(device) => {
-                let mut engine = cuda::DeviceEngine::new(device.ordinal())?;
-                if shadow.layout.groups().next().is_some() {
-                    engine.upload_layout(&shadow.layout)?;
-                }
-                Some(engine)
-            }
-        };
+        let engine = self.engine.detail_engine(&shadow)?;
         Ok(Detail { shadow, engine })
     }
 
@@ -525,21 +444,9 @@ impl Worker {
     ) -> Result<DetailValues> {
         let shadow = &detail.shadow;
         let shadow_blocks = shadow.blocks(&self.layout, blocks)?;
-        let (plan, values) = match (&self.engine, &detail.engine) {
-            (Engine::Host(host), _) => {
-                let (plan, rows) = Plan::new(&shadow.layout, &shadow_blocks, role)?;
-                let values = Values::Ready(host.compute(&shadow.layout, &plan, &rows, role, self.algorithm));
-                (plan, values)
-            }
-            (Engine::Device(_), Some(engine)) => {
-                engine.checksum(&shadow.layout, &shadow_blocks, role, self.algorithm, stream, |_| {
-                    Ok(None)
-                })?
-            }
-            (Engine::Device(_), None) => {
-                return Err(err!(Internal, "detail mode on a device worker has no shadow engine"))
-            }
-        };
+        let (plan, values) = self
+            .engine
+            .detail_values(detail, &shadow_blocks, role, self.algorithm, stream)?;
         Ok(DetailValues {
             shape: plan.shape,
             entries: shadow.entries.clone(),
@@ -558,7 +465,7 @@ mod tests {
     use super::*;
     use crate::inputs::layout::{ReplicaKey, Segment};
     use crate::plan::{Row, RowRoom};
-    use crate::results::checksums::StoredOutcome;
+    use crate::results::checksums::{StoredOutcome, StoredValues};
 
     const HEADS: u32 = 2;
     const BLOCK: u32 = 16;
