@@ -1,53 +1,14 @@
 //! The payload of SPEC section 9: a producer's checksums of one request, as
 //! sent to its consumer.
 //!
-//! The plain payload is the msgpack array
-//! `[1, num_tokens, [[group_id, fingerprint, first_position, values], ...]]`,
-//! byte for byte what Python's `msgspec.msgpack.encode` gives for the tuple
-//! `(1, num_tokens, [(group_id, fingerprint, start, values_bytes), ...])`
-//! (vLLM's `KVChecksumPayload.to_bytes()`): integers in their shortest form,
-//! `values` a `bin` of little-endian `u64`s, one per block position. In
-//! `kv_transfer_params` it travels as standard padded base64 under
-//! [`TRANSFER_PARAMS_KEY`].
-//!
-//! # Extension (kvcsum to kvcsum only)
-//!
-//! A kvcsum producer may append a fourth element, which vLLM's decoder
-//! rejects, so it is opt-in and only for kvcsum consumers:
-//!
-//! ```text
-//! [5, producer_tp_size,
-//!  [[group_id, block_size, [[layer_number, first_head, num_heads, values], ...], coverage, marks,
-//!    [[layer_number, dtype, head_size, k_scale, v_scale], ...], short_last,
-//!    [[layer_number, first_head, num_heads, cell_bytes, k_bytes], ...]], ...],
-//!  algorithm]
-//! ```
-//!
-//! It tells the consumer the producer's TP size (shard-keyed state groups
-//! are comparable only between equal TP sizes), per group its block size
-//! (so positions of different block sizes can be lined up) and, in detail
-//! mode, per-layer partial checksums (so a mismatch names layers), and the
-//! algorithm of every value (SPEC section 12: 1 weighted, 2 mixed), and per
-//! group the coverage of the slices the producer checksummed (SPEC section
-//! 10: a consumer that checksummed other layers or heads is unverified, not
-//! a mismatch), per group its marks (SPEC section 7: aliases and
-//! shard-keyed state, which the plain fingerprint, vLLM's, does not count)
-//! and what the producer declared about decoding each layer (SPEC section
-//! 7), and per group `short_last`: a `bin` of no `u64` or of one, the
-//! value of the group's position holding the request's last token over
-//! `num_tokens - 1` tokens, which lets a consumer that loaded one token
-//! fewer compare that position (SPEC section 10), and per group the
-//! geometry of the producer's caches (SPEC section 7, "Geometry": per run
-//! of a layer's heads its cell bytes and K bytes), which every
-//! registration tells, so that engines wired with another head size or
-//! element width are unverified, not a mismatch. Version 4 had no
-//! geometry (groups of 7 elements); version 3 had no
-//! `short_last` (groups of 6 elements); version 2 had no marks and no decodings (groups of 4 elements), and
-//! its fingerprints included the marks (kvcsum 0.2.0); version 1 had no
-//! `algorithm` (3 elements) and no coverage (groups of 3 elements) and
-//! means weighted, as does a payload without extension; its fingerprints
-//! had no marks (kvcsum 0.1.0). [`Payload::fingerprint_convention`] says
-//! which a group's fingerprint follows.
+//! [docs/SPEC.md section 9](../../docs/SPEC.md#9-payload-producer-to-consumer)
+//! defines both encodings, so they are not repeated here: the plain
+//! payload, byte for byte what vLLM's `KVChecksumPayload.to_bytes()` gives
+//! (in `kv_transfer_params` as standard padded base64 under
+//! [`TRANSFER_PARAMS_KEY`]), and the kvcsum extension (kvcsum to kvcsum
+//! only, since vLLM's decoder rejects it), whose versions this module
+//! writes ([`EXTENSION_VERSION`]) and reads. [`Payload::fingerprint_convention`]
+//! says which convention a group's fingerprint follows.
 //!
 //! [`Payload::decode`] accepts any valid msgpack of these shapes (integers in
 //! any width) and rejects everything else with `Error::Malformed` and a

@@ -11,63 +11,17 @@
 //! 8, `Worker::check_stored`) the verdict on each block position's stored
 //! checksum.
 //!
-//! # Encoding (version 6)
+//! # Encoding
 //!
-//! A msgpack array, so that any msgpack reader (Python's `msgspec` included)
-//! can inspect a record; integers are unsigned, values are `bin`s of
-//! little-endian `u64`s, one per block position:
+//! A versioned msgpack array; [docs/SPEC.md section
+//! 16](../../docs/SPEC.md#16-worker-records) is its definition (every
+//! element, what each version lacks, which versions are read), so it is not
+//! repeated here. [`RECORD_VERSION`] is the version written. Each part of
+//! a record has a writer and a reader beside it in this file, in encoding
+//! order, so [`Record::decode`] reads what [`Record::encode`] writes, part
+//! for part.
 //!
-//! ```text
-//! ["kvcsum.record", 6,
-//!  [tp_rank, tp_size, pp_rank], role (0 producer, 1 consumer), detail (bool),
-//!  [[group_id, block_size, fingerprint, marks, shard_keyed (bool), holds_caches (bool), state (bool),
-//!    [[replicas, replica_index, coverage], ...],                      # sorted by key
-//!    [[layer_number, dtype (str), head_size, k_scale, v_scale], ...],  # sorted by layer_number
-//!    [[layer_number, first_head, num_heads, cell_bytes, k_bytes], ...]], # sorted by (layer, first_head)
-//!   ...],                                                              # sorted by group_id
-//!  [[req_id (str), num_tokens,
-//!    [[group_id, first_position, num_positions,
-//!      [[replicas, replica_index, values], ...],                       # sorted by key
-//!      [[layer_number, first_head, num_heads, replicas, replica_index, values], ...],  # detail only
-//!      short_last,                                                     # nil, or a bin (producers)
-//!      stored],                                                        # nil, or a bin (load checks)
-//!     ...],
-//!    [[group_id, reason (str)], ...]],                                 # skipped groups
-//!   ...],
-//!  algorithm]                                                          # 1 weighted, 2 mixed
-//! ```
-//!
-//! `stored` is `nil` in a record of any call but a load check. A load
-//! check's record has, in every group it computed, a `bin` of
-//! `num_positions` bytes, one per block position: 0 the stored checksum
-//! failed, 1 it matched, 2 not checked (the position holds no valid token);
-//! the numbers of `kvcs_stored_outcome`; 3 and 4: the value was stored by
-//! another configuration (fingerprint or algorithm) and not compared. Load
-//! checks compute in the consumer role, so only consumer records carry
-//! them. `short_last` is `nil` except in a producer's record where the
-//! group holds the request's last token: then a `bin` of one `u64` per
-//! column, in column order, each the column's value of that last position
-//! over `num_tokens - 1` tokens (0 where it then holds none), which the
-//! payload extension carries (SPEC section 9). `holds_caches` says whether the worker registered any cache (layer
-//! or state layer) in the group: a group none holds was never read; `state`
-//! whether it is a state group (SPEC section 6); `coverage` per replica key
-//! which slices the worker checksums (SPEC section 10); `fingerprint` and
-//! `marks` those of SPEC section 7 (the fingerprint without the marks);
-//! the last list what the worker declared about decoding each layer (SPEC
-//! section 7: `""` and `0` where a fact is not declared, scales as the bits
-//! of a binary64), and the geometry of each attention cache it registered
-//! (SPEC section 7, "Geometry": its heads, its cell bytes, the bytes of K
-//! where K and V are two segments, else 0). Version 5 had no geometry
-//! (groups of 9 elements) and is still read, as a record without it; so
-//! is version 4. Version 1 had no `stored` element (groups of 5
-//! elements); version 2 had no `algorithm` (7 elements; its values were all
-//! weighted), no `holds_caches`, no `state` and no outcomes 3 and 4;
-//! version 3 had no `marks` (its fingerprints included them) and no
-//! decodings (groups of 7 elements); version 4 (kvcsum 0.3.0's
-//! development builds) had no `short_last` (request groups of 6 elements)
-//! and is still read, as a record without short last values.
-//!
-//! [`Record::decode`] accepts exactly this shape and version (and version 4) and validates
+//! [`Record::decode`] accepts exactly that shape in versions 4 to 6 and validates
 //! every value (ranks, keys, orders, lengths, uniqueness); anything else is
 //! `Error::Malformed` with a message naming the field and byte offset.
 
@@ -228,84 +182,23 @@ impl Record {
         Ok(record)
     }
 
-    /// The record's bytes (see the module documentation).
+    /// The record's bytes (see the module documentation). Each part has
+    /// its writer here and its reader, in the same order, in [`Record::decode`].
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::new();
         w.array(8);
         w.str(RECORD_MAGIC);
         w.uint(RECORD_VERSION);
-        w.array(3);
-        w.uint(self.rank.tp_rank as u64);
-        w.uint(self.rank.tp_size as u64);
-        w.uint(self.rank.pp_rank as u64);
+        write_rank(&mut w, self.rank);
         w.uint(role_code(self.role));
         w.bool(self.detail);
         w.array(self.groups.len());
         for group in &self.groups {
-            w.array(10);
-            w.uint(group.group_id as u64);
-            w.uint(group.block_size as u64);
-            w.uint(group.fingerprint);
-            w.uint(group.marks);
-            w.bool(group.shard_keyed);
-            w.bool(group.holds_caches);
-            w.bool(group.state);
-            w.array(group.coverage.len());
-            for (key, coverage) in &group.coverage {
-                w.array(3);
-                w.uint(key.replicas as u64);
-                w.uint(key.replica_index as u64);
-                w.uint(*coverage);
-            }
-            write_decodings(&mut w, &group.decodings);
-            write_geometry(&mut w, &group.geometry);
+            write_group_info(&mut w, group);
         }
         w.array(self.requests.len());
         for request in &self.requests {
-            w.array(4);
-            w.str(&request.req_id);
-            w.uint(request.num_tokens);
-            w.array(request.groups.len());
-            for group in &request.groups {
-                w.array(7);
-                w.uint(group.group_id as u64);
-                w.uint(group.first_position);
-                w.uint(group.num_positions);
-                w.array(group.columns.len());
-                for column in &group.columns {
-                    w.array(3);
-                    w.uint(column.replica.replicas as u64);
-                    w.uint(column.replica.replica_index as u64);
-                    w.u64s(&column.values);
-                }
-                w.array(group.layers.len());
-                for layer in &group.layers {
-                    w.array(6);
-                    w.uint(layer.layer_number as u64);
-                    w.uint(layer.first_head as u64);
-                    w.uint(layer.num_heads as u64);
-                    w.uint(layer.replica.replicas as u64);
-                    w.uint(layer.replica.replica_index as u64);
-                    w.u64s(&layer.values);
-                }
-                match &group.short_last {
-                    None => w.nil(),
-                    Some(values) => w.u64s(values),
-                }
-                match &group.stored {
-                    None => w.nil(),
-                    Some(outcomes) => {
-                        let codes: Vec<u8> = outcomes.iter().map(|o| o.code()).collect();
-                        w.bin(&codes);
-                    }
-                }
-            }
-            w.array(request.skipped.len());
-            for skipped in &request.skipped {
-                w.array(2);
-                w.uint(skipped.group_id as u64);
-                w.str(&skipped.reason);
-            }
+            write_request(&mut w, request);
         }
         w.uint(self.algorithm.code().into());
         w.into_bytes()
@@ -313,167 +206,26 @@ impl Record {
 
     /// Decodes and validates a record; `Error::Malformed` with a message for
     /// anything but a valid record of version 6 (or 5, or 4). Allocates at most in proportion
-    /// to `bytes.len()`.
+    /// to `bytes.len()`. Each part is read by the reader paired with its
+    /// writer in [`Record::encode`]; `version` picks the parts a version has.
     pub fn decode(bytes: &[u8]) -> Result<Record> {
         let mut r = Reader::new(bytes, "record");
         r.array_of("the record", 8)?;
-        let at = r.position();
-        let magic = r.str("the record's first element")?;
-        if magic != RECORD_MAGIC {
-            return Err(err!(
-                Malformed,
-                "record: byte {at}: the first element is {magic:?}, not {RECORD_MAGIC:?} (not a kvcsum record)"
-            ));
-        }
-        let at = r.position();
-        let version = r.uint("version")?;
-        if !(4..=RECORD_VERSION).contains(&version) {
-            return Err(err!(
-                Malformed,
-                "record: byte {at}: version {version} is not supported (this library reads versions 4 to {RECORD_VERSION})"
-            ));
-        }
-        r.array_of("rank", 3)?;
-        let rank = Rank {
-            tp_rank: r.u32("tp_rank")?,
-            tp_size: r.u32("tp_size")?,
-            pp_rank: r.u32("pp_rank")?,
-        };
-        let at = r.position();
-        let code = r.uint("role")?;
-        let role = Role::from_code(code).ok_or_else(|| {
-            err!(
-                Malformed,
-                "record: byte {at}: role {code} is neither 0 (producer) nor 1 (consumer)"
-            )
-        })?;
+        let version = read_magic_and_version(&mut r)?;
+        let rank = read_rank(&mut r)?;
+        let role = read_role(&mut r)?;
         let detail = r.bool("detail")?;
         let num_groups = r.array("groups")?;
         let mut groups = Vec::with_capacity(initial_capacity(num_groups));
         for _ in 0..num_groups {
-            r.array_of("a group", if version >= 6 { 10 } else { 9 })?;
-            let group_id = r.u32("group_id")?;
-            let block_size = r.u32("block_size")?;
-            let fingerprint = r.uint("fingerprint")?;
-            let marks = r.uint("marks")?;
-            let shard_keyed = r.bool("shard_keyed")?;
-            let holds_caches = r.bool("holds_caches")?;
-            let state = r.bool("state")?;
-            let num_keys = r.array("coverage")?;
-            let mut coverage = Vec::with_capacity(initial_capacity(num_keys));
-            for _ in 0..num_keys {
-                r.array_of("a coverage entry", 3)?;
-                let key = ReplicaKey {
-                    replicas: r.u32("replicas")?,
-                    replica_index: r.u32("replica_index")?,
-                };
-                coverage.push((key, r.uint("coverage")?));
-            }
-            let decodings = read_decodings(&mut r, "record")?;
-            let geometry = if version >= 6 {
-                read_geometry(&mut r)?
-            } else {
-                Vec::new()
-            };
-            groups.push(GroupInfo {
-                group_id,
-                block_size,
-                fingerprint,
-                marks,
-                shard_keyed,
-                holds_caches,
-                state,
-                coverage,
-                decodings,
-                geometry,
-            });
+            groups.push(read_group_info(&mut r, version)?);
         }
         let num_requests = r.array("requests")?;
         let mut requests = Vec::with_capacity(initial_capacity(num_requests));
         for _ in 0..num_requests {
-            r.array_of("a request", 4)?;
-            let req_id = r.str("req_id")?.to_owned();
-            let num_tokens = r.uint("num_tokens")?;
-            let num_request_groups = r.array("the request's groups")?;
-            let mut request_groups = Vec::with_capacity(initial_capacity(num_request_groups));
-            for _ in 0..num_request_groups {
-                r.array_of("a request group", if version == 4 { 6 } else { 7 })?;
-                let group_id = r.u32("group_id")?;
-                let first_position = r.uint("first_position")?;
-                let num_positions = r.uint("num_positions")?;
-                let num_columns = r.array("columns")?;
-                let mut columns = Vec::with_capacity(initial_capacity(num_columns));
-                for _ in 0..num_columns {
-                    r.array_of("a column", 3)?;
-                    let replica = ReplicaKey {
-                        replicas: r.u32("replicas")?,
-                        replica_index: r.u32("replica_index")?,
-                    };
-                    let values = r.u64s("column values")?;
-                    columns.push(Column { replica, values });
-                }
-                let num_layers = r.array("layers")?;
-                let mut layers = Vec::with_capacity(initial_capacity(num_layers));
-                for _ in 0..num_layers {
-                    r.array_of("a layer", 6)?;
-                    layers.push(LayerPartial {
-                        layer_number: r.u32("layer_number")?,
-                        first_head: r.u32("first_head")?,
-                        num_heads: r.u32("num_heads")?,
-                        replica: ReplicaKey {
-                            replicas: r.u32("replicas")?,
-                            replica_index: r.u32("replica_index")?,
-                        },
-                        values: r.u64s("layer values")?,
-                    });
-                }
-                let at = r.position();
-                let short_last = match version {
-                    4 => None,
-                    _ => match r.nil_or_bin("short_last")? {
-                        None => None,
-                        Some(bytes) => Some(short_last_values(bytes, at)?),
-                    },
-                };
-                let at = r.position();
-                let stored = match r.nil_or_bin("stored outcomes")? {
-                    None => None,
-                    Some(codes) => Some(stored_outcomes(codes, at)?),
-                };
-                request_groups.push(RecordGroup {
-                    group_id,
-                    first_position,
-                    num_positions,
-                    columns,
-                    layers,
-                    stored,
-                    short_last,
-                });
-            }
-            let num_skipped = r.array("skipped groups")?;
-            let mut skipped = Vec::with_capacity(initial_capacity(num_skipped));
-            for _ in 0..num_skipped {
-                r.array_of("a skipped group", 2)?;
-                skipped.push(SkippedGroup {
-                    group_id: r.u32("group_id")?,
-                    reason: r.str("reason")?.to_owned(),
-                });
-            }
-            requests.push(RecordRequest {
-                req_id,
-                num_tokens,
-                groups: request_groups,
-                skipped,
-            });
+            requests.push(read_request(&mut r, version)?);
         }
-        let at = r.position();
-        let code = r.uint("algorithm")?;
-        let algorithm = Algorithm::from_code(code).ok_or_else(|| {
-            err!(
-                Malformed,
-                "record: byte {at}: algorithm {code} is not {KNOWN_ALGORITHMS}"
-            )
-        })?;
+        let algorithm = read_algorithm(&mut r)?;
         r.finish()?;
         let record = Record {
             rank,
@@ -700,6 +452,271 @@ impl Record {
     }
 }
 
+// The parts of a record, each writer beside its reader, in encoding order.
+
+/// The magic and the version; the version is one this library reads.
+fn read_magic_and_version(r: &mut Reader<'_>) -> Result<u64> {
+    let at = r.position();
+    let magic = r.str("the record's first element")?;
+    if magic != RECORD_MAGIC {
+        return Err(err!(
+            Malformed,
+            "record: byte {at}: the first element is {magic:?}, not {RECORD_MAGIC:?} (not a kvcsum record)"
+        ));
+    }
+    let at = r.position();
+    let version = r.uint("version")?;
+    if !(4..=RECORD_VERSION).contains(&version) {
+        return Err(err!(
+            Malformed,
+            "record: byte {at}: version {version} is not supported (this library reads versions 4 to {RECORD_VERSION})"
+        ));
+    }
+    Ok(version)
+}
+
+fn write_rank(w: &mut Writer, rank: Rank) {
+    w.array(3);
+    w.uint(rank.tp_rank as u64);
+    w.uint(rank.tp_size as u64);
+    w.uint(rank.pp_rank as u64);
+}
+
+fn read_rank(r: &mut Reader<'_>) -> Result<Rank> {
+    r.array_of("rank", 3)?;
+    Ok(Rank {
+        tp_rank: r.u32("tp_rank")?,
+        tp_size: r.u32("tp_size")?,
+        pp_rank: r.u32("pp_rank")?,
+    })
+}
+
+fn role_code(role: Role) -> u64 {
+    role.code().into()
+}
+
+fn read_role(r: &mut Reader<'_>) -> Result<Role> {
+    let at = r.position();
+    let code = r.uint("role")?;
+    Role::from_code(code).ok_or_else(|| {
+        err!(
+            Malformed,
+            "record: byte {at}: role {code} is neither 0 (producer) nor 1 (consumer)"
+        )
+    })
+}
+
+/// A registered group's facts: 10 elements (9 before version 6, without
+/// the geometry).
+fn write_group_info(w: &mut Writer, group: &GroupInfo) {
+    w.array(10);
+    w.uint(group.group_id as u64);
+    w.uint(group.block_size as u64);
+    w.uint(group.fingerprint);
+    w.uint(group.marks);
+    w.bool(group.shard_keyed);
+    w.bool(group.holds_caches);
+    w.bool(group.state);
+    w.array(group.coverage.len());
+    for (key, coverage) in &group.coverage {
+        w.array(3);
+        w.uint(key.replicas as u64);
+        w.uint(key.replica_index as u64);
+        w.uint(*coverage);
+    }
+    write_decodings(w, &group.decodings);
+    write_geometry(w, &group.geometry);
+}
+
+fn read_group_info(r: &mut Reader<'_>, version: u64) -> Result<GroupInfo> {
+    r.array_of("a group", if version >= 6 { 10 } else { 9 })?;
+    let group_id = r.u32("group_id")?;
+    let block_size = r.u32("block_size")?;
+    let fingerprint = r.uint("fingerprint")?;
+    let marks = r.uint("marks")?;
+    let shard_keyed = r.bool("shard_keyed")?;
+    let holds_caches = r.bool("holds_caches")?;
+    let state = r.bool("state")?;
+    let num_keys = r.array("coverage")?;
+    let mut coverage = Vec::with_capacity(initial_capacity(num_keys));
+    for _ in 0..num_keys {
+        r.array_of("a coverage entry", 3)?;
+        let key = ReplicaKey {
+            replicas: r.u32("replicas")?,
+            replica_index: r.u32("replica_index")?,
+        };
+        coverage.push((key, r.uint("coverage")?));
+    }
+    let decodings = read_decodings(r, "record")?;
+    let geometry = if version >= 6 { read_geometry(r)? } else { Vec::new() };
+    Ok(GroupInfo {
+        group_id,
+        block_size,
+        fingerprint,
+        marks,
+        shard_keyed,
+        holds_caches,
+        state,
+        coverage,
+        decodings,
+        geometry,
+    })
+}
+
+/// A request: its id, token count, groups and skipped groups.
+fn write_request(w: &mut Writer, request: &RecordRequest) {
+    w.array(4);
+    w.str(&request.req_id);
+    w.uint(request.num_tokens);
+    w.array(request.groups.len());
+    for group in &request.groups {
+        write_request_group(w, group);
+    }
+    w.array(request.skipped.len());
+    for skipped in &request.skipped {
+        w.array(2);
+        w.uint(skipped.group_id as u64);
+        w.str(&skipped.reason);
+    }
+}
+
+fn read_request(r: &mut Reader<'_>, version: u64) -> Result<RecordRequest> {
+    r.array_of("a request", 4)?;
+    let req_id = r.str("req_id")?.to_owned();
+    let num_tokens = r.uint("num_tokens")?;
+    let num_request_groups = r.array("the request's groups")?;
+    let mut groups = Vec::with_capacity(initial_capacity(num_request_groups));
+    for _ in 0..num_request_groups {
+        groups.push(read_request_group(r, version)?);
+    }
+    let num_skipped = r.array("skipped groups")?;
+    let mut skipped = Vec::with_capacity(initial_capacity(num_skipped));
+    for _ in 0..num_skipped {
+        r.array_of("a skipped group", 2)?;
+        skipped.push(SkippedGroup {
+            group_id: r.u32("group_id")?,
+            reason: r.str("reason")?.to_owned(),
+        });
+    }
+    Ok(RecordRequest {
+        req_id,
+        num_tokens,
+        groups,
+        skipped,
+    })
+}
+
+/// A group of a request: 7 elements (6 in version 4, without `short_last`).
+fn write_request_group(w: &mut Writer, group: &RecordGroup) {
+    w.array(7);
+    w.uint(group.group_id as u64);
+    w.uint(group.first_position);
+    w.uint(group.num_positions);
+    w.array(group.columns.len());
+    for column in &group.columns {
+        w.array(3);
+        w.uint(column.replica.replicas as u64);
+        w.uint(column.replica.replica_index as u64);
+        w.u64s(&column.values);
+    }
+    w.array(group.layers.len());
+    for layer in &group.layers {
+        write_layer_partial(w, layer);
+    }
+    match &group.short_last {
+        None => w.nil(),
+        Some(values) => w.u64s(values),
+    }
+    match &group.stored {
+        None => w.nil(),
+        Some(outcomes) => {
+            let codes: Vec<u8> = outcomes.iter().map(|o| o.code()).collect();
+            w.bin(&codes);
+        }
+    }
+}
+
+fn read_request_group(r: &mut Reader<'_>, version: u64) -> Result<RecordGroup> {
+    r.array_of("a request group", if version == 4 { 6 } else { 7 })?;
+    let group_id = r.u32("group_id")?;
+    let first_position = r.uint("first_position")?;
+    let num_positions = r.uint("num_positions")?;
+    let num_columns = r.array("columns")?;
+    let mut columns = Vec::with_capacity(initial_capacity(num_columns));
+    for _ in 0..num_columns {
+        r.array_of("a column", 3)?;
+        let replica = ReplicaKey {
+            replicas: r.u32("replicas")?,
+            replica_index: r.u32("replica_index")?,
+        };
+        let values = r.u64s("column values")?;
+        columns.push(Column { replica, values });
+    }
+    let num_layers = r.array("layers")?;
+    let mut layers = Vec::with_capacity(initial_capacity(num_layers));
+    for _ in 0..num_layers {
+        layers.push(read_layer_partial(r)?);
+    }
+    let at = r.position();
+    let short_last = match version {
+        4 => None,
+        _ => match r.nil_or_bin("short_last")? {
+            None => None,
+            Some(bytes) => Some(short_last_values(bytes, at)?),
+        },
+    };
+    let at = r.position();
+    let stored = match r.nil_or_bin("stored outcomes")? {
+        None => None,
+        Some(codes) => Some(stored_outcomes(codes, at)?),
+    };
+    Ok(RecordGroup {
+        group_id,
+        first_position,
+        num_positions,
+        columns,
+        layers,
+        stored,
+        short_last,
+    })
+}
+
+/// A layer partial of detail mode.
+fn write_layer_partial(w: &mut Writer, layer: &LayerPartial) {
+    w.array(6);
+    w.uint(layer.layer_number as u64);
+    w.uint(layer.first_head as u64);
+    w.uint(layer.num_heads as u64);
+    w.uint(layer.replica.replicas as u64);
+    w.uint(layer.replica.replica_index as u64);
+    w.u64s(&layer.values);
+}
+
+fn read_layer_partial(r: &mut Reader<'_>) -> Result<LayerPartial> {
+    r.array_of("a layer", 6)?;
+    Ok(LayerPartial {
+        layer_number: r.u32("layer_number")?,
+        first_head: r.u32("first_head")?,
+        num_heads: r.u32("num_heads")?,
+        replica: ReplicaKey {
+            replicas: r.u32("replicas")?,
+            replica_index: r.u32("replica_index")?,
+        },
+        values: r.u64s("layer values")?,
+    })
+}
+
+fn read_algorithm(r: &mut Reader<'_>) -> Result<Algorithm> {
+    let at = r.position();
+    let code = r.uint("algorithm")?;
+    Algorithm::from_code(code).ok_or_else(|| {
+        err!(
+            Malformed,
+            "record: byte {at}: algorithm {code} is not {KNOWN_ALGORITHMS}"
+        )
+    })
+}
+
 /// Writes a group's layer decodings (SPEC section 7): `[[layer_number,
 /// dtype, head_size, k_scale, v_scale], ...]`, `""` and `0` where a fact is
 /// not declared.
@@ -912,8 +929,4 @@ fn short_last_values(bytes: &[u8], at: usize) -> Result<Vec<u64>> {
         .chunks_exact(8)
         .map(|word| u64::from_le_bytes(word.try_into().expect("8 bytes")))
         .collect())
-}
-
-fn role_code(role: Role) -> u64 {
-    role.code().into()
 }
