@@ -38,10 +38,13 @@
  * KVCS_WORKER_OPTIONS_INIT;` is a host worker (device KVCS_HOST, not CUDA
  * device 0 as `{0}` is), TP rank 0 of 1, PP stage 0, the default threads;
  * `kvcs_layer l = KVCS_LAYER_INIT;` has replicas 1, kernel_blocks 1 and
- * num_segments 1 (`{0}` is refused: replicas 0). Set the other fields
- * after. Both are C and C++ brace initialisers, in field order. */
+ * num_segments 1 (`{0}` is refused: replicas 0); `kvcs_group_placement p =
+ * KVCS_GROUP_PLACEMENT_INIT;` is every token on this worker, one slot per
+ * token (dcp_size 1, dcp_rank 0, interleave 1, tokens_per_slot 1). Set the
+ * other fields after. All are C and C++ brace initialisers, in field order. */
 #define KVCS_WORKER_OPTIONS_INIT {0, 1, 0, KVCS_HOST, 0}
 #define KVCS_LAYER_INIT {0, 0, 0, 0, 1, 0, 0, 1, 0, 1, NULL, NULL, 0}
+#define KVCS_GROUP_PLACEMENT_INIT {1, 0, 1, 1}
 
 // The odd multiplier `C` of the MIXED algorithm's `f`
 // (docs/SPEC.md#12-the-mixed-algorithm): 2^64 divided by the golden ratio,
@@ -73,9 +76,9 @@
 #define KVCS_MAX_HOST_THREADS 256
 
 // The record encoding this library writes and reads; it also reads
-// versions 4 and 5 (kvcsum 0.3.0's development builds: no `short_last`,
-// no geometry).
-#define KVCS_RECORD_VERSION 6
+// versions 4 to 6 (kvcsum 0.3.0's development builds: no `short_last`,
+// no geometry; no placement).
+#define KVCS_RECORD_VERSION 7
 
 // The payload version this library writes and reads.
 #define KVCS_PAYLOAD_VERSION 1
@@ -118,6 +121,13 @@
 
 // The `group_id` of a finding about the whole load rather than one group.
 #define KVCS_WHOLE_LOAD UINT32_MAX
+
+// The most bytes a tier index holds per entry of its capacity (a slot of
+// 96 bytes and at most four 4-byte buckets of its table): an index of
+// `capacity` entries never holds more than `capacity` times this plus 64
+// bytes (its smallest table), and holds less while it is not full (`kvcs_tier_index_info` gives the bytes
+// held).
+#define KVCS_TIER_INDEX_ENTRY_BYTES 112
 
 // The outcome of a call. Values are fixed and never renumbered; a retired
 // value stays reserved. Calls that take a status from C take `uint32_t`.
@@ -383,6 +393,35 @@ typedef uint8_t kvcs_stored_outcome;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// The outcome of one block of a tier check (`kvcs_tier_index_check`).
+enum kvcs_tier_outcome
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint8_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // Its value is one of those kept for its hash at its position.
+  KVCS_TIER_MATCHED = 1,
+  // Values are kept for its hash at its position and its value is none of them.
+  KVCS_TIER_MISMATCHED = 2,
+  // Unknown: the block has no hash (a partial block; `hashed[i]` 0).
+  KVCS_TIER_NO_BLOCK_HASH = 3,
+  // Unknown: no value is kept for its hash (never stored, or dropped).
+  KVCS_TIER_UNKNOWN_BLOCK = 4,
+  // Unknown: its hash was stored with more than 4 values, or at two positions.
+  KVCS_TIER_TOO_MANY_VALUES = 5,
+  // Unknown: its hash was stored at another position.
+  KVCS_TIER_OTHER_POSITION = 6,
+  // Unknown: the worker does not checksum the block's group (it skips it).
+  KVCS_TIER_NOT_CHECKSUMMED = 7,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvcs_tier_outcome kvcs_tier_outcome;
+#else
+typedef uint8_t kvcs_tier_outcome;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // A request block set (docs/SPEC.md#5-request-block-sets): per request its token count and,
 // per group, the block ids at consecutive positions.
 //
@@ -429,6 +468,22 @@ typedef struct kvcs_report kvcs_report;
 // Thread safety: `const kvcs_result *` calls may run concurrently;
 // `kvcs_result_wait` and `kvcs_result_destroy` need exclusive access.
 typedef struct kvcs_result kvcs_result;
+
+// A bounded index of block values by (group, block hash), one per worker:
+// a tier store keeps the values of the blocks a step filled, a tier check
+// compares loaded blocks with them. At most `capacity` entries (block
+// hashes), each with its position and up to 4 values; the least recently
+// stored or matched goes first when it is full. Memory: at most
+// `KVCS_TIER_INDEX_ENTRY_BYTES` per entry of its capacity, growing with
+// the entries kept (`kvcs_tier_index_info` gives the bytes held), nothing
+// allocated up front.
+//
+// Ownership: created by `kvcs_tier_index_create`, freed by
+// `kvcs_tier_index_destroy`; it may outlive the workers it was used with
+// (a queued store keeps what it reads alive).
+// Thread safety: `kvcs_tier_index *` calls need exclusive access; `const
+// kvcs_tier_index *` calls may run concurrently with each other.
+typedef struct kvcs_tier_index kvcs_tier_index;
 
 // One local worker's view of the engines it transfers with: per remote
 // engine id, what its handshake told (docs/SPEC.md#11-transfer-topology-for-transfer-agents).
@@ -1423,6 +1478,78 @@ typedef kvcs_status (*kvcs_result_check_entries_buf_fn)(const kvcs_result *resul
                                                         size_t cap,
                                                         size_t *len);
 
+// Where a group's tokens sit in this worker's caches
+// (docs/SPEC.md#16-token-placement): vLLM's decode context parallelism,
+// which spreads each scheduler block's tokens over `dcp_size` ranks, and
+// compressed states, where one cache slot summarises `tokens_per_slot`
+// consecutive tokens. `KVCS_GROUP_PLACEMENT_INIT` is the default (every
+// token here, one slot per token): `{1, 0, 1, 1}`.
+typedef struct {
+  // Ranks the group's tokens are spread over (vLLM's DCP size), 1 to
+  // 65536; 1 = no DCP.
+  uint32_t dcp_size;
+  // This worker's DCP rank, below `dcp_size`.
+  uint32_t dcp_rank;
+  // Consecutive slots one rank holds before the next rank's (vLLM's
+  // `cp_kv_cache_interleave_size`); it divides the local block.
+  uint32_t interleave;
+  // Tokens one slot summarises (vLLM's `tokens_per_state`); 1 = a slot
+  // per token. It divides the group's block size.
+  uint32_t tokens_per_slot;
+} kvcs_group_placement;
+
+// The type of `kvcs_worker_set_group_placement`.
+typedef kvcs_status (*kvcs_worker_set_group_placement_fn)(kvcs_worker *worker,
+                                                          uint32_t group_id,
+                                                          const kvcs_group_placement *placement);
+
+// The type of `kvcs_tier_index_create`.
+typedef kvcs_status (*kvcs_tier_index_create_fn)(uint64_t capacity, kvcs_tier_index **out);
+
+// The type of `kvcs_tier_index_destroy`.
+typedef void (*kvcs_tier_index_destroy_fn)(kvcs_tier_index *index);
+
+// The type of `kvcs_tier_index_store`.
+typedef kvcs_status (*kvcs_tier_index_store_fn)(kvcs_tier_index *index,
+                                                kvcs_worker *worker,
+                                                size_t num_blocks,
+                                                const uint32_t *group_ids,
+                                                const uint64_t *positions,
+                                                const uint32_t *block_ids,
+                                                const uint8_t *hashes,
+                                                size_t hash_bytes,
+                                                void *cuda_stream);
+
+// The type of `kvcs_tier_index_check`.
+typedef kvcs_status (*kvcs_tier_index_check_fn)(kvcs_tier_index *index,
+                                                kvcs_worker *worker,
+                                                size_t num_blocks,
+                                                const uint32_t *group_ids,
+                                                const uint64_t *positions,
+                                                const uint32_t *block_ids,
+                                                const uint8_t *hashes,
+                                                size_t hash_bytes,
+                                                const uint8_t *hashed,
+                                                void *cuda_stream,
+                                                uint8_t *outcomes);
+
+// The type of `kvcs_tier_index_info`.
+typedef kvcs_status (*kvcs_tier_index_info_fn)(const kvcs_tier_index *index,
+                                               uint64_t *entries,
+                                               uint64_t *dropped,
+                                               uint64_t *lost_stores,
+                                               uint64_t *memory_bytes);
+
+// The type of `kvcs_tier_index_values`.
+typedef kvcs_status (*kvcs_tier_index_values_fn)(const kvcs_tier_index *index,
+                                                 uint32_t group_id,
+                                                 const uint8_t *hash,
+                                                 size_t hash_bytes,
+                                                 uint64_t *position,
+                                                 uint64_t *values,
+                                                 size_t cap,
+                                                 size_t *len);
+
 // Every call of the library as one table of function pointers, for a
 // program that loads kvcsum at run time: it resolves the one symbol
 // `kvcs_api_get` and calls through the table, whose entries the compiler
@@ -1688,10 +1815,26 @@ typedef struct {
   kvcs_result_entries_buf_fn kvcs_result_entries_buf;
   // Slot 123: `kvcs_result_check_entries_buf`.
   kvcs_result_check_entries_buf_fn kvcs_result_check_entries_buf;
+  // Slot 124: `kvcs_worker_set_group_placement`.
+  kvcs_worker_set_group_placement_fn kvcs_worker_set_group_placement;
+  // Slot 125: `kvcs_tier_index_create`.
+  kvcs_tier_index_create_fn kvcs_tier_index_create;
+  // Slot 126: `kvcs_tier_index_destroy`.
+  kvcs_tier_index_destroy_fn kvcs_tier_index_destroy;
+  // Slot 127: `kvcs_tier_index_store`.
+  kvcs_tier_index_store_fn kvcs_tier_index_store;
+  // Slot 128: `kvcs_tier_index_check`.
+  kvcs_tier_index_check_fn kvcs_tier_index_check;
+  // Slot 129: `kvcs_tier_index_info`.
+  kvcs_tier_index_info_fn kvcs_tier_index_info;
+  // Slot 130: `kvcs_tier_index_values`.
+  kvcs_tier_index_values_fn kvcs_tier_index_values;
 } kvcs_api;
 
 // The type of `kvcs_api_get`.
 typedef kvcs_status (*kvcs_api_get_fn)(uint32_t abi_version, const kvcs_api **out);
+
+
 
 #ifdef __cplusplus
 extern "C" {
@@ -2330,6 +2473,81 @@ kvcs_status kvcs_struct_field(const char *struct_name,
                               size_t *offset,
                               size_t *size);
 
+// Creates an empty tier index of at most `capacity` entries (1 to
+// 4294967294; `KVCS_ERR_INVALID_ARGUMENT` otherwise); `*out` owns it.
+kvcs_status kvcs_tier_index_create(uint64_t capacity, kvcs_tier_index **out);
+
+// Frees a tier index. NULL is a no-op.
+void kvcs_tier_index_destroy(kvcs_tier_index *index);
+
+// A tier store, in one call: checksums `num_blocks` full blocks (every
+// column, as `KVCS_ROLE_CONSUMER`), block `i` being `block_ids[i]` at
+// position `positions[i]` of group `group_ids[i]` with the block hash of
+// row `i` of `hashes` (`hash_bytes` bytes each, 8 to 32), and keeps each
+// block's value (the sum of its columns) for its hash. A host worker keeps
+// them before it returns; a device worker queues the checksums on
+// `cuda_stream` (as `kvcs_worker_checksum`) and the index reads them in a
+// later call once they are done (a check waits for them). Blocks of a
+// group the worker skips are checksummed by no one and not kept. Every
+// argument is checked before anything is computed or kept
+// (`KVCS_ERR_INVALID_ARGUMENT` naming the argument and entry: a group the
+// worker does not have, a bad hash length; `KVCS_ERR_OUT_OF_BOUNDS` for a
+// block id past its cache). `num_blocks` 0 reads finished stores only.
+kvcs_status kvcs_tier_index_store(kvcs_tier_index *index,
+                                  kvcs_worker *worker,
+                                  size_t num_blocks,
+                                  const uint32_t *group_ids,
+                                  const uint64_t *positions,
+                                  const uint32_t *block_ids,
+                                  const uint8_t *hashes,
+                                  size_t hash_bytes,
+                                  void *cuda_stream);
+
+// A tier check, in one call: checksums the loaded blocks (as
+// `kvcs_tier_index_store` gives them; `hashed`, NULL or a flag 0/1 per
+// block, says which have a hash: a block without one is not checksummed),
+// waits for them and for every queued store, and writes each block's
+// `kvcs_tier_outcome` to `outcomes[i]` (`num_blocks` bytes). A matched
+// entry becomes the most recently used. On a device worker the checksums
+// are queued on `cuda_stream` and waited for. Every argument is checked
+// before anything is computed; on an error `outcomes` is not written.
+kvcs_status kvcs_tier_index_check(kvcs_tier_index *index,
+                                  kvcs_worker *worker,
+                                  size_t num_blocks,
+                                  const uint32_t *group_ids,
+                                  const uint64_t *positions,
+                                  const uint32_t *block_ids,
+                                  const uint8_t *hashes,
+                                  size_t hash_bytes,
+                                  const uint8_t *hashed,
+                                  void *cuda_stream,
+                                  uint8_t *outcomes);
+
+// The index's counts: `*entries` kept now, `*dropped` pushed out by the
+// bound so far, `*lost_stores` stores whose device work failed (their
+// blocks stay unknown), `*memory_bytes` held now. Any out-pointer may be
+// NULL.
+kvcs_status kvcs_tier_index_info(const kvcs_tier_index *index,
+                                 uint64_t *entries,
+                                 uint64_t *dropped,
+                                 uint64_t *lost_stores,
+                                 uint64_t *memory_bytes);
+
+// The values kept for block hash `hash` (`hash_bytes` bytes, 8 to 32) of
+// group `group_id`: `*len` gets how many (0: none kept, or too many to
+// compare), `*position` (may be NULL) the position they were stored at, and
+// `values` (room for `cap`) the values; `KVCS_ERR_BUFFER_TOO_SMALL` with
+// `*len` set when `cap` is short. For tests and tools: stores still queued
+// on a device are not read.
+kvcs_status kvcs_tier_index_values(const kvcs_tier_index *index,
+                                   uint32_t group_id,
+                                   const uint8_t *hash,
+                                   size_t hash_bytes,
+                                   uint64_t *position,
+                                   uint64_t *values,
+                                   size_t cap,
+                                   size_t *len);
+
 // `local_tp / remote_tp` when `local_tp >= remote_tp`, else `-(remote_tp /
 // local_tp)`, into `*ratio`. `KVCS_ERR_INVALID_ARGUMENT` when a size is 0
 // or above `KVCS_MAX_TP_SIZE`, or the larger is not a multiple of the
@@ -2640,6 +2858,27 @@ kvcs_status kvcs_worker_add_region(kvcs_worker *worker, uint64_t address, uint64
 
 // Registers group `group_id` with `block_size` tokens per logical block.
 kvcs_status kvcs_worker_add_group(kvcs_worker *worker, uint32_t group_id, uint32_t block_size);
+
+// Sets where group `group_id`'s tokens sit in this worker's caches
+// (docs/SPEC.md#16-token-placement). Call it after
+// `kvcs_worker_add_group` and before any layer, alias or state layer of
+// the group: its layers then tile the local slots of a block,
+// `kernel_blocks * tokens_per_kernel_block = block_size / tokens_per_slot
+// / dcp_size` (the group's `block_size` stays the scheduler's, `B =
+// local_block_size * dcp_size` tokens). A call again before any layer
+// replaces the placement; once the group holds a layer it fails with
+// `KVCS_ERR_INVALID_ARGUMENT`, and so does a state group's layer added to
+// a group with a placement. `KVCS_ERR_NOT_FOUND` for a group not
+// registered; `KVCS_ERR_INVALID_ARGUMENT`, naming the field and value,
+// for `dcp_size` 0 or above 65536, `dcp_rank >= dcp_size`, `interleave`
+// or `tokens_per_slot` 0, a block size that `tokens_per_slot` does not
+// divide, slots per block that `dcp_size` does not divide, and a local
+// block that `interleave` does not divide. On any error nothing changes.
+// Records carry the placement, so the worker's verifier knows which DCP
+// shard each worker's columns cover (docs/SPEC.md#16-token-placement).
+kvcs_status kvcs_worker_set_group_placement(kvcs_worker *worker,
+                                            uint32_t group_id,
+                                            const kvcs_group_placement *placement);
 
 // Declares that this worker cannot checksum group `group_id`, for `reason`
 // (a non-empty string). The group is then never computed and results list

@@ -316,10 +316,14 @@ __device__ __forceinline__ kvcs_u64 kvcs_flat_unit(
 // This lane's share of sum x_j (2j + 1) over `tokens` tokens of one head in
 // one segment, the first at `address` (kernel block and slot resolved) with
 // request token `first_token`.
+// `token_pieces` is the piece distance between consecutive tokens: P, or
+// under a DCP placement of interleave 1 P times the DCP size (SPEC section
+// 16); `first_token` is the first slot's unit in the request.
 template <int MIX, int BATCH>
 __device__ __forceinline__ kvcs_u64 kvcs_segment_unit(
     const struct kvcs_dev_segment *segment, kvcs_u64 pieces_per_token,
-    kvcs_i64 address, kvcs_u64 first_token, kvcs_u32 tokens, kvcs_u32 lane, kvcs_u32 head_vector_shift)
+    kvcs_i64 address, kvcs_u64 first_token, kvcs_u32 tokens, kvcs_u32 lane, kvcs_u32 head_vector_shift,
+    kvcs_u64 token_pieces)
 {
     const kvcs_u32 head_vector_mask = (1u << head_vector_shift) - 1;
     if (segment->flat) return kvcs_flat_unit<MIX, BATCH>(segment, pieces_per_token, address, first_token, tokens, lane);
@@ -354,9 +358,9 @@ __device__ __forceinline__ kvcs_u64 kvcs_segment_unit(
     //                       + 2 P tokens_per_step step_weighted.
     // The lane's vectors within its head (the unit's one head, or its
     // head in a group: see struct kvcs_dev_layer).
-    const kvcs_u64 j0 = (first_token + token) * pieces_per_token + segment->piece_offset
+    const kvcs_u64 j0 = first_token * pieces_per_token + token * token_pieces + segment->piece_offset
         + (first_vector & head_vector_mask) * pieces_per_vector;
-    const kvcs_u64 step_pieces = (kvcs_u64)tokens_per_step * pieces_per_token;
+    const kvcs_u64 step_pieces = (kvcs_u64)tokens_per_step * token_pieces;
     return (2 * j0 + 1) * sums.total + 2 * sums.high
         + 2 * (kvcs_u64)lanes * pieces_per_vector * sums.round_weighted
         + 2 * step_pieces * sums.step_weighted;
@@ -408,7 +412,7 @@ __device__ __forceinline__ kvcs_i64 kvcs_segment_address(
 // Adds to `total` this warp's units of `layer` in `row`, from the layer's
 // unit `in_layer` on, while `unit` is below `end` (`unit` advances past
 // them): each head's share weighed by its slice weight (SPEC section 3).
-template <bool PAIRS, int MIX, int BATCH>
+template <bool PAIRS, int MIX, int BATCH, bool PLACED>
 __device__ __forceinline__ void kvcs_layer_units(
     const struct kvcs_dev_layer *layer, const struct kvcs_dev_row &row, kvcs_u32 split, kvcs_u32 in_layer,
     kvcs_u64 &unit, kvcs_u64 end, kvcs_u32 lane, kvcs_u64 &total)
@@ -461,9 +465,30 @@ __device__ __forceinline__ void kvcs_layer_units(
             if (slot < per_kernel_block && first < row.valid_tokens) {
                 const kvcs_u32 tokens = min(min(per_unit, per_kernel_block - slot), row.valid_tokens - first);
                 const struct kvcs_dev_segment *segment = &layer->segments[s];
-                head_sum += kvcs_segment_unit<MIX, BATCH>(segment, layer->pieces_per_token,
-                                              kvcs_segment_address(segment, row.block_id, kernel_block, first_head, slot),
-                                              row.first_token + first, tokens, lane, layer->head_vector_shift);
+                if (!PLACED || layer->dcp_size == 1) {
+                    head_sum += kvcs_segment_unit<MIX, BATCH>(segment, layer->pieces_per_token,
+                                                  kvcs_segment_address(segment, row.block_id, kernel_block, first_head, slot),
+                                                  row.first_token + first, tokens, lane, layer->head_vector_shift,
+                                                  layer->pieces_per_token);
+                } else {
+                    // SPEC section 16: local slot t of the block holds unit
+                    // (t / I) * (D * I) + r * I + t % I. Runs of slots whose
+                    // units step alike: the whole chunk at interleave 1
+                    // (step D), else up to each interleave run's end (step 1).
+                    const kvcs_u32 interleave = layer->interleave;
+                    const kvcs_u64 token_pieces = layer->pieces_per_token * layer->unit_step;
+                    for (kvcs_u32 done = 0; done < tokens;) {
+                        const kvcs_u32 t = first + done;
+                        const kvcs_u32 run = interleave == 1 ? tokens - done : min(tokens - done, interleave - t % interleave);
+                        const kvcs_u64 unit_offset = (kvcs_u64)(t / interleave) * layer->dcp_size * interleave
+                            + (kvcs_u64)layer->dcp_rank * interleave + t % interleave;
+                        head_sum += kvcs_segment_unit<MIX, BATCH>(segment, layer->pieces_per_token,
+                                                      kvcs_segment_address(segment, row.block_id, kernel_block, first_head, slot + done),
+                                                      row.first_token + unit_offset, run, lane, layer->head_vector_shift,
+                                                      token_pieces);
+                        done += run;
+                    }
+                }
             }
             ++unit;
         }
@@ -500,7 +525,7 @@ __device__ __forceinline__ void kvcs_publish(
 // The kernel's work: PAIRS says whether a layer's two segments may be read
 // as one unit (more registers: see kvcs_checksum_unpaired), MIX which f
 // (KVCS_F_*) pieces pass through (the call's algorithm).
-template <bool PAIRS, int MIX, int BATCH>
+template <bool PAIRS, int MIX, int BATCH, bool PLACED = false>
 __device__ __forceinline__ void kvcs_checksum_call(const struct kvcs_dev_call &call)
 {
     const kvcs_u32 lane = threadIdx.x % KVCS_WARP;
@@ -532,7 +557,7 @@ __device__ __forceinline__ void kvcs_checksum_call(const struct kvcs_dev_call &c
                     out = layer_out;
                 }
                 const kvcs_u32 in_layer = (kvcs_u32)(unit - row_start) - layer->unit_start * split;
-                kvcs_layer_units<PAIRS, MIX, BATCH>(layer, row, split, in_layer, unit, end, lane, total);
+                kvcs_layer_units<PAIRS, MIX, BATCH, PLACED>(layer, row, split, in_layer, unit, end, lane, total);
             }
         }
         total = kvcs_warp_sum(total);
@@ -577,4 +602,16 @@ kvcs_checksum_single_head(const __grid_constant__ struct kvcs_dev_call call)
     if (call.algorithm == KVCS_ALGORITHM_MIXED2) kvcs_checksum_call<false, KVCS_F_MIX2, KVCS_SINGLE_HEAD_BATCH>(call);
     else if (call.algorithm == KVCS_ALGORITHM_MIXED) kvcs_checksum_call<false, KVCS_F_MIX, KVCS_SINGLE_HEAD_BATCH>(call);
     else kvcs_checksum_call<false, KVCS_F_IDENTITY, KVCS_SINGLE_HEAD_BATCH>(call);
+}
+
+// Calls with a layer whose tokens are spread over DCP ranks (SPEC section
+// 16): each chunk's slots are read in runs whose units step alike (K and V
+// apart). The other kernels are compiled without that code, so calls
+// without DCP run exactly what they ran before.
+extern "C" __global__ void __launch_bounds__(KVCS_THREADS_PER_BLOCK, KVCS_MIN_BLOCKS)
+kvcs_checksum_placed(const __grid_constant__ struct kvcs_dev_call call)
+{
+    if (call.algorithm == KVCS_ALGORITHM_MIXED2) kvcs_checksum_call<false, KVCS_F_MIX2, KVCS_BATCH, true>(call);
+    else if (call.algorithm == KVCS_ALGORITHM_MIXED) kvcs_checksum_call<false, KVCS_F_MIX, KVCS_BATCH, true>(call);
+    else kvcs_checksum_call<false, KVCS_F_IDENTITY, KVCS_BATCH, true>(call);
 }

@@ -92,6 +92,10 @@ struct kvcs_dev_layer {
     kvcs_u32 unit_start;          // units (at split 1) of the group's layers before this one
     kvcs_u32 head_shift;          // log2(heads per unit); num_heads is a multiple
     kvcs_u32 head_vector_shift;   // log2(one head's vectors per token) when heads are grouped, else 31
+    kvcs_u32 dcp_size;            // SPEC section 16; 1: slots numbered consecutively (all kernels but kvcs_checksum_placed)
+    kvcs_u32 dcp_rank;
+    kvcs_u32 interleave;
+    kvcs_u32 unit_step;           // units between consecutive slots of a run: dcp_size where interleave is 1, else 1
 };
 
 // A group's layers in one role, by group slot.

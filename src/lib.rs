@@ -26,13 +26,15 @@ pub(crate) mod plan;
 pub(crate) mod engines;
 // 6. The worker: a layout plus an engine.
 pub(crate) mod worker;
-// 7. Records and payloads, as bytes.
+// 7. The values of a worker's full blocks by block hash.
+pub(crate) mod tier_index;
+// 8. Records and payloads, as bytes.
 pub(crate) mod wire;
-// 8. The verifier.
+// 9. The verifier.
 pub mod verify;
-// 9. The repair plan of a verifier's report.
+// 10. The repair plan of a verifier's report.
 pub(crate) mod repair;
-// 10. The C boundary.
+// 11. The C boundary.
 pub mod ffi;
 
 pub use base::topology;
@@ -50,6 +52,7 @@ pub use engines::stored::{check_result_entries, result_entries};
 pub use inputs::blocks::{BlockArrays, BlockSet, GroupBlocks, RequestBlocks};
 pub use inputs::decoding::{GeometryDifference, LayerDecoding, LayerGeometry};
 pub use inputs::layout::{Alias, LayerSpec, Layout, Region, ReplicaKey, Segment};
+pub use inputs::placement::GroupPlacement;
 pub use inputs::role::Role;
 pub use inputs::state::{StateSpec, StateTensor};
 pub use inputs::stream::StreamHandle;
@@ -59,4 +62,6 @@ pub use results::checksums::{
     Checksums, GroupChecksums, RequestChecksums, SkippedGroup, StoredExpectation, StoredOutcome, StoredRef,
     StoredValues,
 };
+/// The values of a worker's full blocks by block hash (docs/vllm-tiers.md).
+pub use tier_index::{TierBlock, TierIndex, TierIndexInfo, TierOutcome};
 pub use worker::{Worker, WorkerOptions};

@@ -6,6 +6,7 @@ use std::mem::MaybeUninit;
 use crate::base::error::{err, Result};
 use crate::inputs::blocks::{valid_tokens, BlockSet};
 use crate::inputs::layout::{Group, Layout};
+use crate::inputs::placement::GroupPlacement;
 use crate::inputs::role::Role;
 use crate::results::checksums::{Placement, Shape, SkippedGroup};
 
@@ -14,11 +15,16 @@ use crate::results::checksums::{Placement, Shape, SkippedGroup};
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Row {
-    /// Request position of the block's first token.
+    /// Request number of the block's first unit: its first token, or,
+    /// where the group's placement puts several tokens in a slot, its
+    /// first slot's state index (SPEC section 16). A placed slot's number
+    /// is this plus the slot's unit offset, not its local index.
     pub first_token: u64,
     /// Block id in the group's caches.
     pub block_id: u32,
-    /// Tokens of the block to read, from its first slot.
+    /// Local slots of the block to read, from its first slot: its valid
+    /// tokens, or under a placement the valid slots this worker holds
+    /// (possibly none).
     pub valid_tokens: u32,
     /// Value index of column 0 at this position.
     pub out: u32,
@@ -79,6 +85,9 @@ pub struct RowRun {
     /// where that last position holds one token (over one token fewer it
     /// holds none, and its value slots stay 0).
     pub short_last: Option<u32>,
+    /// Where the group's tokens sit (SPEC section 16); under the default
+    /// one the rows take their plain form.
+    pub placement: GroupPlacement,
 }
 
 impl Plan {
@@ -252,6 +261,7 @@ impl Plan {
                     out: values_offset as u32,
                     column_stride: num_positions as u32,
                     short_last,
+                    placement: group.placement,
                 };
                 run(&this, block_ids);
             }
@@ -305,7 +315,12 @@ impl RowWriter<'_> {
             out,
             column_stride,
             short_last,
+            placement,
         } = *run;
+        if !placement.is_default() {
+            self.write_placed_run(run, block_ids);
+            return;
+        }
         let written = self.len;
         self.extend(
             rows as usize,
@@ -343,6 +358,55 @@ impl RowWriter<'_> {
                 first_token,
                 block_id: block_ids[rows as usize - 1],
                 valid_tokens: (num_tokens - 1 - first_token) as u32,
+                out: short_out,
+                column_stride: 1,
+                group_slot,
+                reserved: 0,
+            };
+            self.extend(1, std::iter::once(row));
+        }
+    }
+
+    /// [`RowWriter::write_run`] for a group with a placement (SPEC section
+    /// 16): each row's first unit and this worker's valid local slots.
+    fn write_placed_run(&mut self, run: &RowRun, block_ids: &[u32]) {
+        let RowRun {
+            rows,
+            group_slot,
+            first_token,
+            block_size,
+            num_tokens,
+            out,
+            column_stride,
+            short_last,
+            placement,
+        } = *run;
+        let size = block_size as u32;
+        let first_position = first_token / block_size;
+        self.extend(
+            rows as usize,
+            block_ids[..rows as usize]
+                .iter()
+                .enumerate()
+                .map(move |(i, &block_id)| {
+                    let position = first_position + i as u64;
+                    Row {
+                        first_token: placement.first_unit(size, position),
+                        block_id,
+                        valid_tokens: placement.valid_slots(size, num_tokens, position),
+                        out: out + i as u32,
+                        column_stride,
+                        group_slot,
+                        reserved: 0,
+                    }
+                }),
+        );
+        if let Some(short_out) = short_last {
+            let position = first_position + rows as u64 - 1;
+            let row = Row {
+                first_token: placement.first_unit(size, position),
+                block_id: block_ids[rows as usize - 1],
+                valid_tokens: placement.valid_slots(size, num_tokens - 1, position),
                 out: short_out,
                 column_stride: 1,
                 group_slot,

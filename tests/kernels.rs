@@ -13,7 +13,13 @@
 fn checksum_kernel_compiles_with_nvrtc() {
     for arch in ["sm_90", "sm_80"] {
         let ptx = kvcsum::checksum_ptx(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
-        for entry in ["kvcs_checksum", "kvcs_checksum_unpaired", "kvcs_store", "kvcs_state"] {
+        for entry in [
+            "kvcs_checksum",
+            "kvcs_checksum_unpaired",
+            "kvcs_checksum_placed",
+            "kvcs_store",
+            "kvcs_state",
+        ] {
             assert!(
                 ptx.contains(&format!(".entry {entry}")),
                 "{arch}: no {entry} entry in the PTX"

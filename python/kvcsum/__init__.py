@@ -128,6 +128,7 @@ from ._constants import (
     Role,
     Status,
     StoredOutcome,
+    TierOutcome,
     Verdict,
 )
 from ._errors import (
@@ -162,6 +163,7 @@ from ._topology import (
 )
 from ._verify import Finding, LayerDifference, Mismatch, Report, Uncompared, Verifier, base64_decode, base64_encode
 from ._version import __version__  # noqa: F401 (kvcsum.__version__)
+from ._tier import TierIndex
 from ._worker import Blocks, Result, Worker
 
 __all__ = [
@@ -190,6 +192,8 @@ __all__ = [
     "Direction",
     "Reason",
     "StoredOutcome",
+    "TierOutcome",
+    "TierIndex",
     "HOST",
     "PRODUCER",
     "CONSUMER",

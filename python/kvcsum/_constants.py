@@ -18,9 +18,11 @@ from ._enums import (  # noqa: F401 (_CEnum, re-exported as before)
     Role,
     Status,
     StoredOutcome,
+    TierOutcome,
     Verdict,
     _CEnum,
 )
+
 
 #: The encodings kvcsum.h (of ABI_VERSION) says the library writes and
 #: reads: KVCS_PAYLOAD_VERSION (the payload a producer sends),

@@ -230,3 +230,27 @@ class StoredOutcome(_CEnum):
     #: corruption from another token count). One whose value matches is
     #: `KVCS_STORED_MATCHED`.
     OTHER_FORMAT = 6
+
+
+class TierOutcome(_CEnum):
+    """kvcs_tier_outcome (the values TierIndex.check gives): The outcome of one
+    block of a tier check (`kvcs_tier_index_check`).
+
+    Thread safety: immutable."""
+
+    #: Its value is one of those kept for its hash at its position.
+    MATCHED = 1
+    #: Values are kept for its hash at its position and its value is none of
+    #: them.
+    MISMATCHED = 2
+    #: Unknown: the block has no hash (a partial block; `hashed[i]` 0).
+    NO_BLOCK_HASH = 3
+    #: Unknown: no value is kept for its hash (never stored, or dropped).
+    UNKNOWN_BLOCK = 4
+    #: Unknown: its hash was stored with more than 4 values, or at two
+    #: positions.
+    TOO_MANY_VALUES = 5
+    #: Unknown: its hash was stored at another position.
+    OTHER_POSITION = 6
+    #: Unknown: the worker does not checksum the block's group (it skips it).
+    NOT_CHECKSUMMED = 7

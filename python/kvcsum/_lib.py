@@ -163,6 +163,7 @@ Segment = STRUCTS["kvcs_segment"]
 LayerStruct = STRUCTS["kvcs_layer"]
 StateTensorStruct = STRUCTS["kvcs_state_tensor"]
 StateStruct = STRUCTS["kvcs_state"]
+GroupPlacementStruct = STRUCTS["kvcs_group_placement"]
 MismatchStruct = STRUCTS["kvcs_mismatch"]
 LayerDifferenceStruct = STRUCTS["kvcs_layer_difference"]
 LocalEngineStruct = STRUCTS["kvcs_local_engine"]
@@ -281,6 +282,7 @@ class Api:
     (checked_int: ctypes would silently wrap -1 to 4294967295)."""
 
     path: str
+    cdll: ctypes.CDLL
 
 
 def _range_checked(name, function, checks):
@@ -335,6 +337,9 @@ def load(path: str | None = None) -> Api:
         raise AbiError(f"kvcsum: {path} lacks {', '.join(missing)} (an older build of ABI {abi}?)")
     api = Api()
     api.path = path
+    # The loaded library itself, for a second declaration of a hot call
+    # (kvcsum._tier) that takes plain addresses.
+    api.cdll = library
     for name, (restype, argtypes) in SIGNATURES.items():
         function = getattr(library, name)
         function.restype = restype

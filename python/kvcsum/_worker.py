@@ -412,6 +412,36 @@ class Worker(_Handle):
         with self._use(exclusive=True) as handle:
             _check(self._lib.kvcs_worker_add_group(handle, group_id, block_size))
 
+    def set_group_placement(
+        self,
+        group_id: int,
+        *,
+        dcp_size: int = 1,
+        dcp_rank: int = 0,
+        interleave: int = 1,
+        tokens_per_slot: int = 1,
+    ) -> None:
+        """Where group `group_id`'s tokens sit in this worker's caches
+        (docs/SPEC.md section 16): vLLM's decode context parallelism
+        (`dcp_size` ranks, this one `dcp_rank`, `interleave` consecutive
+        slots per rank, vLLM's cp_kv_cache_interleave_size) and compressed
+        states (`tokens_per_slot` tokens summarised by one slot, vLLM's
+        tokens_per_state). Call it after add_group and before any layer of
+        the group; the layers then tile block_size / tokens_per_slot /
+        dcp_size local slots per block. Raises InvalidArgument naming the
+        field and value for sizes that do not fit (dcp_rank >= dcp_size,
+        a zero, a size that does not divide), and when the group already
+        holds a layer."""
+        group_id = _int(group_id, "uint32_t", "group_id")
+        placement = _lib.GroupPlacementStruct(
+            dcp_size=_int(dcp_size, "uint32_t", "dcp_size"),
+            dcp_rank=_int(dcp_rank, "uint32_t", "dcp_rank"),
+            interleave=_int(interleave, "uint32_t", "interleave"),
+            tokens_per_slot=_int(tokens_per_slot, "uint32_t", "tokens_per_slot"),
+        )
+        with self._use(exclusive=True) as handle:
+            _check(self._lib.kvcs_worker_set_group_placement(handle, group_id, byref(placement)))
+
     def skip_group(self, group_id: int, reason: str) -> None:
         """Declares a group this worker cannot checksum."""
         group_id = _int(group_id, "uint32_t", "group_id")

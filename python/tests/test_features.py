@@ -229,3 +229,29 @@ def test_kept_entries_never_pass_across_a_change_of_decoding(rng):
                         outcomes = list(result.check_entries("o", 0, entries["kept"]))
         expected = kvcsum.STORED_MATCHED if stored_under == checked_under else kvcsum.STORED_OTHER_FINGERPRINT
         assert outcomes == [expected] * 3, f"stored under {stored_under}, checked under {checked_under}: {outcomes}"
+
+
+def test_group_placement_names_bad_fields_and_must_precede_layers():
+    """Worker.set_group_placement (docs/SPEC.md section 16): bad sizes name
+    the field and its value; a placed group's layers tile its local slots;
+    after a layer, the placement is refused."""
+    worker = kvcsum.Worker()
+    worker.add_group(0, 32)
+    for kwargs, needle in [
+        ({"dcp_size": 2, "dcp_rank": 2}, "dcp_rank 2 is not below placement.dcp_size 2"),
+        ({"dcp_size": 0}, "dcp_size is 0"),
+        ({"interleave": 0}, "interleave is 0"),
+        ({"tokens_per_slot": 3}, "not a multiple of placement.tokens_per_slot 3"),
+        ({"dcp_size": 2, "interleave": 3}, "interleave 3 does not divide the local block of 16 slots"),
+    ]:
+        with pytest.raises(kvcsum.InvalidArgument, match=needle):
+            worker.set_group_placement(0, **kwargs)
+    with pytest.raises(kvcsum.NotFound):
+        worker.set_group_placement(7)
+    worker.set_group_placement(0, dcp_size=2, dcp_rank=1, interleave=2, tokens_per_slot=2)
+    # 32 tokens / 2 per slot / 2 ranks: local blocks of 8 slots.
+    cache = np.ones((4, 8, 16), dtype=np.uint8)
+    worker.add_region_of(cache)
+    worker.add_layer(kvcsum.layer(cache, "BTD", group_id=0, layer_number=0))
+    with pytest.raises(kvcsum.InvalidArgument, match="set its placement before registering them"):
+        worker.set_group_placement(0)

@@ -41,6 +41,7 @@ impl Shadow {
                 let shadow_id = u32::try_from(entries.len())
                     .map_err(|_| err!(Unsupported, "detail mode supports at most 2^32 layer entries"))?;
                 shadow.add_group(shadow_id, group.block_size)?;
+                shadow.set_group_placement(shadow_id, group.placement())?;
                 let mut spec = layer.spec.clone();
                 spec.group_id = shadow_id;
                 entries.push(DetailEntry {

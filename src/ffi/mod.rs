@@ -23,6 +23,7 @@ pub mod report;
 pub mod result;
 pub mod status;
 pub mod struct_layout;
+pub mod tier_index;
 pub mod topology;
 pub mod verifier;
 pub mod worker;

@@ -15,6 +15,7 @@ use crate::base::error::err;
 use crate::inputs::blocks::BlockSet;
 use crate::inputs::decoding::LayerDecoding;
 use crate::inputs::layout::{Alias, LayerSpec, Region, ReplicaKey, Segment};
+use crate::inputs::placement::GroupPlacement;
 use crate::inputs::state::{StateSpec, StateTensor, MAX_STATE_TENSORS};
 use crate::inputs::stream::StreamHandle;
 use crate::results::checksums::Checksums;
@@ -186,6 +187,66 @@ pub extern "C" fn kvcs_worker_add_group(worker: *mut kvcs_worker, group_id: u32,
     ffi_boundary! {
         let worker = try_handle_mut!(worker, "worker");
         try_engine!(worker.add_group(group_id, block_size));
+        kvcs_status::KVCS_OK
+    }
+}
+
+/// Where a group's tokens sit in this worker's caches
+/// (docs/SPEC.md#16-token-placement): vLLM's decode context parallelism,
+/// which spreads each scheduler block's tokens over `dcp_size` ranks, and
+/// compressed states, where one cache slot summarises `tokens_per_slot`
+/// consecutive tokens. `KVCS_GROUP_PLACEMENT_INIT` is the default (every
+/// token here, one slot per token): `{1, 0, 1, 1}`.
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct kvcs_group_placement {
+    /// Ranks the group's tokens are spread over (vLLM's DCP size), 1 to
+    /// 65536; 1 = no DCP.
+    pub dcp_size: u32,
+    /// This worker's DCP rank, below `dcp_size`.
+    pub dcp_rank: u32,
+    /// Consecutive slots one rank holds before the next rank's (vLLM's
+    /// `cp_kv_cache_interleave_size`); it divides the local block.
+    pub interleave: u32,
+    /// Tokens one slot summarises (vLLM's `tokens_per_state`); 1 = a slot
+    /// per token. It divides the group's block size.
+    pub tokens_per_slot: u32,
+}
+
+/// Sets where group `group_id`'s tokens sit in this worker's caches
+/// (docs/SPEC.md#16-token-placement). Call it after
+/// `kvcs_worker_add_group` and before any layer, alias or state layer of
+/// the group: its layers then tile the local slots of a block,
+/// `kernel_blocks * tokens_per_kernel_block = block_size / tokens_per_slot
+/// / dcp_size` (the group's `block_size` stays the scheduler's, `B =
+/// local_block_size * dcp_size` tokens). A call again before any layer
+/// replaces the placement; once the group holds a layer it fails with
+/// `KVCS_ERR_INVALID_ARGUMENT`, and so does a state group's layer added to
+/// a group with a placement. `KVCS_ERR_NOT_FOUND` for a group not
+/// registered; `KVCS_ERR_INVALID_ARGUMENT`, naming the field and value,
+/// for `dcp_size` 0 or above 65536, `dcp_rank >= dcp_size`, `interleave`
+/// or `tokens_per_slot` 0, a block size that `tokens_per_slot` does not
+/// divide, slots per block that `dcp_size` does not divide, and a local
+/// block that `interleave` does not divide. On any error nothing changes.
+/// Records carry the placement, so the worker's verifier knows which DCP
+/// shard each worker's columns cover (docs/SPEC.md#16-token-placement).
+#[no_mangle]
+pub extern "C" fn kvcs_worker_set_group_placement(
+    worker: *mut kvcs_worker,
+    group_id: u32,
+    placement: *const kvcs_group_placement,
+) -> kvcs_status {
+    ffi_boundary! {
+        let worker = try_handle_mut!(worker, "worker");
+        let placement = try_ref!(placement, "placement");
+        let placement = GroupPlacement {
+            dcp_size: placement.dcp_size,
+            dcp_rank: placement.dcp_rank,
+            interleave: placement.interleave,
+            tokens_per_slot: placement.tokens_per_slot,
+        };
+        try_engine!(worker.set_group_placement(group_id, placement));
         kvcs_status::KVCS_OK
     }
 }

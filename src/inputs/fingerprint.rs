@@ -15,6 +15,7 @@ use sha2::{Digest, Sha256};
 
 use crate::inputs::decoding::{merge_geometry, LayerDecoding, LayerGeometry};
 use crate::inputs::layout::Group;
+use crate::inputs::placement::GroupPlacement;
 
 /// `LE_u64(SHA-256(identity)[0..8])`: one layer's share of its group's
 /// fingerprint.
@@ -70,7 +71,24 @@ pub fn group_fingerprint(group: &Group) -> u64 {
 pub fn group_marks(group: &Group) -> u64 {
     let aliases = (group.aliases.len() as u64).wrapping_mul(mark(ALIAS_MARK));
     let shard_keyed = group.states.iter().filter(|state| !state.spec.split_known).count() as u64;
-    aliases.wrapping_add(shard_keyed.wrapping_mul(mark(SHARD_KEYED_MARK)))
+    aliases
+        .wrapping_add(shard_keyed.wrapping_mul(mark(SHARD_KEYED_MARK)))
+        .wrapping_add(slots_mark(group))
+}
+
+/// The marks of compressed slots (SPEC section 16): with `k =
+/// tokens_per_slot > 1`, each layer number of the group counts
+/// `mark("kvcsum tokens per slot " || decimal k)`, so that sides whose
+/// slots summarise other numbers of tokens (one of them per token) never
+/// compare; 0 with one slot per token. DCP adds no mark: the verifier sums
+/// its shards before anything crosses between engines.
+fn slots_mark(group: &Group) -> u64 {
+    let k = group.placement().tokens_per_slot;
+    if k == 1 {
+        return 0;
+    }
+    let layers: std::collections::BTreeSet<u32> = group.layers.iter().map(|l| l.spec.layer_number).collect();
+    (layers.len() as u64).wrapping_mul(mark(format!("kvcsum tokens per slot {k}").as_bytes()))
 }
 
 /// The layer decodings of a group as one number (SPEC section 8): the sum
@@ -109,6 +127,28 @@ pub fn geometry_digest(geometry: &[LayerGeometry]) -> u64 {
         }
         sum.wrapping_add(layer_fingerprint(&bytes))
     })
+}
+
+/// The digest of a group's placement (SPEC sections 8 and 16) that a
+/// stored entry's configuration adds to the geometry's: 0 for the default
+/// placement (so stamps stored before placements existed still read as
+/// the worker's own), else `LE_u64(SHA-256("kvcsum placement" ||
+/// LE_u32(dcp_size) || LE_u32(dcp_rank) || LE_u32(interleave) ||
+/// LE_u32(tokens_per_slot))[0..8])`.
+pub fn placement_digest(placement: &GroupPlacement) -> u64 {
+    if placement.is_default() {
+        return 0;
+    }
+    let mut bytes = b"kvcsum placement".to_vec();
+    for word in [
+        placement.dcp_size,
+        placement.dcp_rank,
+        placement.interleave,
+        placement.tokens_per_slot,
+    ] {
+        bytes.extend(word.to_le_bytes());
+    }
+    layer_fingerprint(&bytes)
 }
 
 #[cfg(test)]

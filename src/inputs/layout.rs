@@ -8,6 +8,7 @@ use std::sync::Arc;
 use crate::base::checksum::{mix, slice_weight, MAX_KV_HEADS_PER_LAYER, PIECE_BYTES};
 use crate::base::error::{err, Result};
 use crate::inputs::decoding::{LayerDecoding, LayerGeometry};
+use crate::inputs::placement::GroupPlacement;
 use crate::inputs::role::Role;
 use crate::inputs::state::{tensor_bytes, StateLayer, StateSpec};
 
@@ -89,6 +90,9 @@ pub struct Layer {
     pub pieces_per_token: u64,
     /// Per segment, the index of its first piece within a token's cell.
     pub segment_piece_offsets: Vec<u64>,
+    /// Where its group's tokens sit (SPEC section 16), as the group had it
+    /// when the layer was registered (it cannot change after).
+    pub placement: GroupPlacement,
 }
 
 /// A layer that reads another layer's cache (vLLM's KV sharing): it counts
@@ -147,6 +151,9 @@ pub struct Group {
     pub slot: u32,
     /// Tokens per logical block.
     pub block_size: u32,
+    /// Where its tokens sit in this worker's caches (SPEC section 16):
+    /// DCP shard and tokens per slot; set before any layer.
+    pub(crate) placement: GroupPlacement,
     /// Registered layers, in registration order (added only through
     /// `push`, which keeps the fields below in step).
     pub(crate) layers: Vec<Layer>,
@@ -184,6 +191,7 @@ impl Group {
             group_id,
             slot,
             block_size,
+            placement: GroupPlacement::DEFAULT,
             layers: Vec::new(),
             aliases: Vec::new(),
             states: Vec::new(),
@@ -213,6 +221,11 @@ impl Group {
             }
         }
         self.layers.push(layer);
+    }
+
+    /// Where the group's tokens sit in this worker's caches (SPEC section 16).
+    pub fn placement(&self) -> GroupPlacement {
+        self.placement
     }
 
     /// Registered layers, in registration order.
@@ -410,6 +423,32 @@ impl Layout {
             return Err(err!(InvalidArgument, "group_id {group_id} is already skipped"));
         }
         self.skipped.insert(group_id, reason.to_owned());
+        Ok(())
+    }
+
+    /// Sets where `group_id`'s tokens sit in this worker's caches (SPEC
+    /// section 16). The group must hold no cache yet: its layers' tiling
+    /// (`kernel_blocks * tokens_per_kernel_block`) is of the local slots
+    /// the placement leaves a block, checked when each is registered. A
+    /// later call before any layer replaces the placement; on error
+    /// nothing changes.
+    pub fn set_group_placement(&mut self, group_id: u32, placement: GroupPlacement) -> Result<()> {
+        let slot = *self.slots.get(&group_id).ok_or_else(|| {
+            err!(
+                NotFound,
+                "group_id {group_id} is not registered (kvcs_worker_add_group first)"
+            )
+        })?;
+        let group = &self.groups[slot as usize];
+        if !group.layers.is_empty() || !group.states.is_empty() || !group.aliases.is_empty() {
+            return Err(err!(
+                InvalidArgument,
+                "group_id {group_id} already holds {} layers; set its placement before registering them",
+                group.layers.len() + group.states.len() + group.aliases.len()
+            ));
+        }
+        placement.check(group_id, group.block_size)?;
+        self.groups[slot as usize].placement = placement;
         Ok(())
     }
 
@@ -616,6 +655,14 @@ impl Layout {
                 "group_id {group_id} holds attention layers; state layer_number {layer_number} needs a group of its own"
             ));
         }
+        if !group.placement.is_default() {
+            return Err(err!(
+                InvalidArgument,
+                "group_id {group_id} has a placement (dcp_size {}, tokens_per_slot {}); a state group's state is one block that no placement applies to (state layer_number {layer_number})",
+                group.placement.dcp_size,
+                group.placement.tokens_per_slot
+            ));
+        }
         if let Some(first) = group.states.first() {
             if first.spec.split_known != spec.split_known {
                 return Err(err!(
@@ -712,13 +759,22 @@ impl Layout {
             return Err(err!(InvalidArgument, "num_blocks is 0 (layer_number {layer_number})"));
         }
         let tiled = spec.kernel_blocks as u64 * spec.tokens_per_kernel_block as u64;
-        if spec.kernel_blocks == 0 || spec.tokens_per_kernel_block == 0 || tiled != group.block_size as u64 {
+        let placement = group.placement;
+        let local_slots = placement.local_slots(group.block_size);
+        if spec.kernel_blocks == 0 || spec.tokens_per_kernel_block == 0 || tiled != local_slots as u64 {
+            let what = if placement.is_default() {
+                format!("block_size {}", group.block_size)
+            } else {
+                format!(
+                    "the {local_slots} local slots per block (block_size {} / tokens_per_slot {} / dcp_size {})",
+                    group.block_size, placement.tokens_per_slot, placement.dcp_size
+                )
+            };
             return Err(err!(
                 InvalidArgument,
-                "kernel_blocks {} x tokens_per_kernel_block {} does not tile block_size {} of group_id {} (layer_number {layer_number})",
+                "kernel_blocks {} x tokens_per_kernel_block {} does not tile {what} of group_id {} (layer_number {layer_number})",
                 spec.kernel_blocks,
                 spec.tokens_per_kernel_block,
-                group.block_size,
                 spec.group_id
             ));
         }
@@ -768,6 +824,7 @@ impl Layout {
             spec,
             pieces_per_token,
             segment_piece_offsets,
+            placement,
         })
     }
 

@@ -4,6 +4,8 @@
 
 // How an engine reads a layer's bytes back (element type, head size, scales).
 pub(crate) mod decoding;
+// Where a group's tokens sit in a worker's caches (SPEC section 16).
+pub(crate) mod placement;
 // State (Mamba) layers.
 pub(crate) mod state;
 // Which columns a worker computes (SPEC section 4).

@@ -5,8 +5,9 @@
 use crate::base::checksum::Algorithm;
 use crate::base::stored_entry::EntryConfig;
 use crate::inputs::decoding::{LayerDecoding, LayerGeometry};
-use crate::inputs::fingerprint::{decodings_digest, geometry_digest};
+use crate::inputs::fingerprint::{decodings_digest, geometry_digest, placement_digest};
 use crate::inputs::layout::ReplicaKey;
+use crate::inputs::placement::GroupPlacement;
 
 /// Where a worker sits in the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -53,6 +54,10 @@ pub struct GroupInfo {
     /// one run per registration; empty in records of version 5 and
     /// earlier, which do not carry it.
     pub geometry: Vec<LayerGeometry>,
+    /// Where the group's tokens sit in the worker's caches (SPEC section
+    /// 16): the DCP token shard its columns cover and the tokens per
+    /// slot; the default in records of version 6 and earlier.
+    pub placement: GroupPlacement,
 }
 
 impl GroupInfo {
@@ -70,11 +75,12 @@ impl GroupInfo {
     /// entries a connector keeps, `kvcs_result_entries` and
     /// `kvcs_result_check_entries`), so that an entry made on one path is
     /// read alike on another and never passes across a change of layers,
-    /// marks, decodings, geometry, coverage, block size or algorithm.
+    /// marks, decodings, geometry, placement, coverage, block size or
+    /// algorithm.
     pub fn entry_config(&self, algorithm: Algorithm) -> EntryConfig {
         EntryConfig {
             fingerprint: self.stored_fingerprint(),
-            geometry: geometry_digest(&self.geometry),
+            geometry: geometry_digest(&self.geometry).wrapping_add(placement_digest(&self.placement)),
             coverage: self
                 .coverage
                 .iter()

@@ -9,7 +9,7 @@ use crate::inputs::layout::ReplicaKey;
 use crate::wire::payload::{ExtensionGroup, FingerprintConvention, Payload, PayloadGroup};
 use crate::wire::record::{LayerPartial, RecordGroup};
 
-use super::collect::{add_into, GroupOutcome, Judged, Load, Unverified, Wording, WorkerPart};
+use super::collect::{add_into, shard_coverage, GroupOutcome, Judged, Load, Unverified, Wording, WorkerPart};
 use super::compare::{consumer_ranges, differing_ranges, producer_ranges, run_tokens, Series};
 use super::decoding::{compare_decodings, compare_geometry};
 use super::report::{LayerDifference, Mismatch, Reason, Report};
@@ -121,8 +121,10 @@ impl Load<'_> {
         let extension = sent.extension.get(&scheduled.group_id).copied();
         let sides = self.group_sides(payload, scheduled, sent_group, extension)?;
         sides.check_state_tp(self.pending.tp_size().unwrap_or(1))?;
+        // Before the replica checks: a DCP rank missing is no replica missing.
+        let covered = shard_coverage(&sides.parts, scheduled.group_id)?;
         let checks = replica_checks(&sides.parts, scheduled.block_ids.len())?;
-        sides.check_coverage()?;
+        sides.check_coverage(covered)?;
         if self.pending.is_state(scheduled.group_id) {
             return sides
                 .compare_state(self.pending.scheduled.num_tokens, &checks)
@@ -234,18 +236,13 @@ impl GroupSides<'_> {
     /// heads: a side that checksums other slices (a head left out, a
     /// replica declared wrongly) is a configuration difference, not
     /// corrupt data.
-    fn check_coverage(&self) -> Judged<()> {
+    /// `totals` is the consumer's coverage per key ([`shard_coverage`]: one
+    /// DCP token shard's, each shard's alike).
+    fn check_coverage(&self, totals: BTreeMap<ReplicaKey, u64>) -> Judged<()> {
         let Some(expected) = self.extension.and_then(|e| e.coverage) else {
             return Ok(());
         };
         let group_id = self.scheduled.group_id;
-        let mut totals: BTreeMap<ReplicaKey, u64> = BTreeMap::new();
-        for (part, _) in &self.parts {
-            for (key, coverage) in part.group_info(group_id).map_or(&[][..], |g| &g.coverage[..]) {
-                let total = totals.entry(*key).or_insert(0);
-                *total = total.wrapping_add(*coverage);
-            }
-        }
         // The record's keys of its registered layers, not only those of the
         // call's columns: complete, or the sides' coverages cannot agree
         // (and the checks stay bounded by the keys).

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use crate::base::checksum::Algorithm;
 use crate::base::error::{err, Result};
 use crate::inputs::blocks::{GroupBlocks, RequestBlocks};
+use crate::inputs::layout::ReplicaKey;
 use crate::inputs::role::Role;
 use crate::wire::record::{GroupInfo, Rank, RecordGroup, RecordRequest};
 
@@ -532,4 +533,79 @@ pub(super) fn add_into(total: &mut [u64], values: &[u64]) {
     for (sum, &value) in total.iter_mut().zip(values) {
         *sum = sum.wrapping_add(value);
     }
+}
+
+/// The coverage of group `group_id`'s token shards (SPEC section 16), per
+/// replica key: every worker that holds a cache of the group places its
+/// tokens alike (DCP size, interleave, tokens per slot; else unverified,
+/// geometry), every DCP rank `0 .. dcp_size` is held by some worker (else
+/// unverified: that rank's tokens were not checksummed), and each rank's
+/// workers together cover the same slices (else unverified, coverage).
+/// The ranks' values then add up to the block's, and one rank's coverage
+/// is the group's: what a side without DCP covers.
+pub(super) fn shard_coverage(
+    parts: &[(&WorkerPart, &RecordGroup)],
+    group_id: u32,
+) -> Judged<BTreeMap<ReplicaKey, u64>> {
+    let mut first: Option<(&WorkerPart, &GroupInfo)> = None;
+    let mut shards: BTreeMap<u32, BTreeMap<ReplicaKey, u64>> = BTreeMap::new();
+    for (part, _) in parts {
+        let Some(info) = part.group_info(group_id) else {
+            continue;
+        };
+        if !info.holds_caches {
+            continue;
+        }
+        let placement = info.placement;
+        if let Some((first_part, first_info)) = first {
+            let a = first_info.placement;
+            if (a.dcp_size, a.interleave, a.tokens_per_slot)
+                != (placement.dcp_size, placement.interleave, placement.tokens_per_slot)
+            {
+                return Err(Unverified(
+                    Reason::GeometryDiffers,
+                    format!(
+                        "group {group_id}: {} places tokens with dcp_size {}, interleave {}, tokens_per_slot {}, {} with dcp_size {}, interleave {}, tokens_per_slot {} (a configuration error, not corrupt data)",
+                        first_part.name(),
+                        a.dcp_size,
+                        a.interleave,
+                        a.tokens_per_slot,
+                        part.name(),
+                        placement.dcp_size,
+                        placement.interleave,
+                        placement.tokens_per_slot
+                    ),
+                ));
+            }
+        } else {
+            first = Some((part, info));
+        }
+        let shard = shards.entry(placement.dcp_rank).or_default();
+        for (key, coverage) in &info.coverage {
+            let total = shard.entry(*key).or_insert(0);
+            *total = total.wrapping_add(*coverage);
+        }
+    }
+    let dcp_size = first.map_or(1, |(_, info)| info.placement.dcp_size);
+    if let Some(missing) = (0..dcp_size).find(|rank| !shards.contains_key(rank)) {
+        return Err(Unverified(
+            Reason::WorkersMissing,
+            format!(
+                "group {group_id}: no worker reported DCP rank {missing} of {dcp_size}, so its tokens were not checksummed"
+            ),
+        ));
+    }
+    let mut shards = shards.into_iter();
+    let Some((_, covered)) = shards.next() else {
+        return Ok(BTreeMap::new());
+    };
+    if let Some((rank, _)) = shards.find(|(_, other)| *other != covered) {
+        return Err(Unverified(
+            Reason::CoverageDiffers,
+            format!(
+                "group {group_id}: the workers of DCP rank {rank} cover other layers, heads or replicas than those of DCP rank 0 (a registration differs)"
+            ),
+        ));
+    }
+    Ok(covered)
 }

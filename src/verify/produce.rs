@@ -7,7 +7,7 @@ use crate::inputs::blocks::GroupBlocks;
 use crate::wire::payload::{Extension, ExtensionGroup, LayerPartial, Payload, PayloadGroup, FIRST_COPY};
 use crate::wire::record::RecordGroup;
 
-use super::collect::{add_into, Judged, Pending, Unverified, WorkerPart};
+use super::collect::{add_into, shard_coverage, Judged, Pending, Unverified, WorkerPart};
 
 /// The payload of `req_id` from its complete parts, all computed with
 /// `algorithm`; `with_extension` adds the kvcsum extension with
@@ -76,7 +76,7 @@ fn payload_group(pending: &Pending, scheduled: &GroupBlocks, detail: bool) -> Ju
         group_id,
         block_size,
         layers: if detail { first_copy_layers(&parts) } else { Vec::new() },
-        coverage: Some(first_copy_coverage(&parts, group_id)),
+        coverage: Some(first_copy_coverage(&parts, group_id)?),
         marks: Some(marks),
         decodings: pending.decodings(group_id)?,
         geometry: pending.geometry(group_id)?,
@@ -104,14 +104,13 @@ fn first_copy_short_last(parts: &[(&WorkerPart, &RecordGroup)]) -> Option<u64> {
 }
 
 /// The coverage of the slices in every worker's `replica_index == 0`
-/// columns: what [`first_copy_sum`] adds up.
-fn first_copy_coverage(parts: &[(&WorkerPart, &RecordGroup)], group_id: u32) -> u64 {
-    parts
+/// columns: what [`first_copy_sum`] adds up, its DCP token shards counted
+/// once ([`shard_coverage`]: each must be there, each covering alike).
+fn first_copy_coverage(parts: &[(&WorkerPart, &RecordGroup)], group_id: u32) -> Judged<u64> {
+    Ok(shard_coverage(parts, group_id)?
         .iter()
-        .filter_map(|(part, _)| part.group_info(group_id))
-        .flat_map(|info| info.coverage.iter())
         .filter(|(key, _)| key.replica_index == 0)
-        .fold(0u64, |sum, (_, coverage)| sum.wrapping_add(*coverage))
+        .fold(0u64, |sum, (_, coverage)| sum.wrapping_add(*coverage)))
 }
 
 /// The sum of every worker's `replica_index == 0` columns: each head counted

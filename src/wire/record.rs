@@ -14,14 +14,14 @@
 //! # Encoding
 //!
 //! A versioned msgpack array; [docs/SPEC.md section
-//! 16](../../docs/SPEC.md#16-worker-records) is its definition (every
+//! 17](../../docs/SPEC.md#17-worker-records) is its definition (every
 //! element, what each version lacks, which versions are read), so it is not
 //! repeated here. [`RECORD_VERSION`] is the version written. Each part of
 //! a record has a writer and a reader beside it in this file, in encoding
 //! order, so [`Record::decode`] reads what [`Record::encode`] writes, part
 //! for part.
 //!
-//! [`Record::decode`] accepts exactly that shape in versions 4 to 6 and validates
+//! [`Record::decode`] accepts exactly that shape in versions 4 to 7 and validates
 //! every value (ranks, keys, orders, lengths, uniqueness); anything else is
 //! `Error::Malformed` with a message naming the field and byte offset.
 
@@ -32,6 +32,7 @@ use crate::base::error::{err, Result};
 use crate::base::msgpack::{initial_capacity, Reader, Writer};
 use crate::inputs::decoding::{LayerDecoding, LayerGeometry};
 use crate::inputs::layout::ReplicaKey;
+use crate::inputs::placement::GroupPlacement;
 use crate::inputs::role::Role;
 pub use crate::results::checksums::LayerPartial;
 use crate::results::checksums::{Checksums, SkippedGroup, StoredOutcome};
@@ -41,9 +42,9 @@ pub use crate::results::record_facts::{GroupInfo, Rank};
 pub const RECORD_MAGIC: &str = "kvcsum.record";
 
 /// The record encoding this library writes and reads; it also reads
-/// versions 4 and 5 (kvcsum 0.3.0's development builds: no `short_last`,
-/// no geometry).
-pub const RECORD_VERSION: u64 = 6;
+/// versions 4 to 6 (kvcsum 0.3.0's development builds: no `short_last`,
+/// no geometry; no placement).
+pub const RECORD_VERSION: u64 = 7;
 
 /// One column of a group in a record.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -205,7 +206,7 @@ impl Record {
     }
 
     /// Decodes and validates a record; `Error::Malformed` with a message for
-    /// anything but a valid record of version 6 (or 5, or 4). Allocates at most in proportion
+    /// anything but a valid record of version 7 (or 6, 5 or 4). Allocates at most in proportion
     /// to `bytes.len()`. Each part is read by the reader paired with its
     /// writer in [`Record::encode`]; `version` picks the parts a version has.
     pub fn decode(bytes: &[u8]) -> Result<Record> {
@@ -277,6 +278,17 @@ impl Record {
             }
             check_decodings(&group.decodings, &format!("record: group {}", group.group_id))?;
             check_geometry(&group.geometry, &format!("record: group {}", group.group_id))?;
+            group
+                .placement
+                .check(group.group_id, group.block_size)
+                .map_err(|e| err!(Malformed, "record: {e}"))?;
+            if group.state && !group.placement.is_default() {
+                return Err(err!(
+                    Malformed,
+                    "record: state group {} has a placement (state groups have none)",
+                    group.group_id
+                ));
+            }
         }
         let mut req_ids = HashSet::with_capacity(self.requests.len());
         let mut load_check: Option<(&str, u32, bool)> = None;
@@ -506,10 +518,10 @@ fn read_role(r: &mut Reader<'_>) -> Result<Role> {
     })
 }
 
-/// A registered group's facts: 10 elements (9 before version 6, without
-/// the geometry).
+/// A registered group's facts: 11 elements (10 in version 6, without the
+/// placement; 9 before, without the geometry).
 fn write_group_info(w: &mut Writer, group: &GroupInfo) {
-    w.array(10);
+    w.array(11);
     w.uint(group.group_id as u64);
     w.uint(group.block_size as u64);
     w.uint(group.fingerprint);
@@ -526,10 +538,27 @@ fn write_group_info(w: &mut Writer, group: &GroupInfo) {
     }
     write_decodings(w, &group.decodings);
     write_geometry(w, &group.geometry);
+    let placement = &group.placement;
+    w.array(4);
+    for word in [
+        placement.dcp_size,
+        placement.dcp_rank,
+        placement.interleave,
+        placement.tokens_per_slot,
+    ] {
+        w.uint(word as u64);
+    }
 }
 
 fn read_group_info(r: &mut Reader<'_>, version: u64) -> Result<GroupInfo> {
-    r.array_of("a group", if version >= 6 { 10 } else { 9 })?;
+    r.array_of(
+        "a group",
+        match version {
+            7.. => 11,
+            6 => 10,
+            _ => 9,
+        },
+    )?;
     let group_id = r.u32("group_id")?;
     let block_size = r.u32("block_size")?;
     let fingerprint = r.uint("fingerprint")?;
@@ -549,6 +578,17 @@ fn read_group_info(r: &mut Reader<'_>, version: u64) -> Result<GroupInfo> {
     }
     let decodings = read_decodings(r, "record")?;
     let geometry = if version >= 6 { read_geometry(r)? } else { Vec::new() };
+    let placement = if version >= 7 {
+        r.array_of("a placement", 4)?;
+        GroupPlacement {
+            dcp_size: r.u32("dcp_size")?,
+            dcp_rank: r.u32("dcp_rank")?,
+            interleave: r.u32("interleave")?,
+            tokens_per_slot: r.u32("tokens_per_slot")?,
+        }
+    } else {
+        GroupPlacement::DEFAULT
+    };
     Ok(GroupInfo {
         group_id,
         block_size,
@@ -560,6 +600,7 @@ fn read_group_info(r: &mut Reader<'_>, version: u64) -> Result<GroupInfo> {
         coverage,
         decodings,
         geometry,
+        placement,
     })
 }
 

@@ -20,6 +20,7 @@ use crate::inputs::blocks::BlockSet;
 use crate::inputs::decoding::LayerDecoding;
 use crate::inputs::fingerprint::{group_fingerprint, group_marks};
 use crate::inputs::layout::{Alias, LayerSpec, Layout, Region, StoredBuffer};
+use crate::inputs::placement::GroupPlacement;
 use crate::inputs::role::Role;
 use crate::inputs::state::StateSpec;
 use crate::inputs::stream::StreamHandle;
@@ -72,6 +73,7 @@ fn group_infos(layout: &Layout) -> Vec<GroupInfo> {
             coverage: group.coverage(),
             decodings: group.decodings(),
             geometry: group.geometry(),
+            placement: group.placement(),
         })
         .collect();
     infos.sort_by_key(|info| info.group_id);
@@ -208,6 +210,15 @@ impl Worker {
     /// Registers a group of layers sharing one block table.
     pub fn add_group(&mut self, group_id: u32, block_size: u32) -> Result<()> {
         self.layout.add_group(group_id, block_size)?;
+        self.layout_changed();
+        Ok(())
+    }
+
+    /// Sets where `group_id`'s tokens sit in this worker's caches (SPEC
+    /// section 16: DCP shard, tokens per slot), before any of its layers
+    /// (see [`Layout::set_group_placement`]); on error nothing changes.
+    pub fn set_group_placement(&mut self, group_id: u32, placement: GroupPlacement) -> Result<()> {
+        self.layout.set_group_placement(group_id, placement)?;
         self.layout_changed();
         Ok(())
     }

@@ -576,10 +576,10 @@ static void test_record_errors(const side *producer) {
   kvcs_result_destroy(result);
   kvcs_worker_destroy(worker);
 
-  /* The record is ["kvcsum.record", 6, ...]: a fixarray of 8, a 13-byte
+  /* The record is ["kvcsum.record", 7, ...]: a fixarray of 8, a 13-byte
    * fixstr, then the version at byte 15. */
   CHECK(record[0] == 0x98 && record[1] == 0xad && memcmp(record + 2, "kvcsum.record", 13) == 0 &&
-        record[15] == KVCS_RECORD_VERSION && KVCS_RECORD_VERSION == 0x06);
+        record[15] == KVCS_RECORD_VERSION && KVCS_RECORD_VERSION == 0x07);
 
   kvcs_verifier *verifier = make_verifier(producer, KVCS_ROLE_PRODUCER);
   EXPECT(kvcs_verifier_add_record(NULL, record, record_len), KVCS_ERR_INVALID_ARGUMENT, "verifier is NULL");
@@ -600,8 +600,8 @@ static void test_record_errors(const side *producer) {
   memcpy(changed, record, record_len);
   changed[record_len] = 0x00;
   EXPECT(kvcs_verifier_add_record(verifier, changed, record_len + 1), KVCS_ERR_MALFORMED, "1 trailing bytes");
-  changed[15] = 0x07;
-  EXPECT(kvcs_verifier_add_record(verifier, changed, record_len), KVCS_ERR_MALFORMED, "version 7 is not supported");
+  changed[15] = 0x08;
+  EXPECT(kvcs_verifier_add_record(verifier, changed, record_len), KVCS_ERR_MALFORMED, "version 8 is not supported");
   changed[15] = 0x03;
   EXPECT(kvcs_verifier_add_record(verifier, changed, record_len), KVCS_ERR_MALFORMED, "version 3 is not supported");
   changed[15] = 0x01;

@@ -15,6 +15,7 @@ mod support;
 
 mod attention;
 mod common;
+mod placement;
 mod state;
 mod stored;
 mod streams;

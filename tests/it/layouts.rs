@@ -246,6 +246,59 @@ fn one_layer_with_two_caches_numbers_heads_consecutively() {
     assert_ne!(as_head_zero, expected, "seed {seed}: head numbers do not weigh in");
 }
 
+/// An MLA latent cache and its indexer's cache under one layer number
+/// (DeepSeek V3.2: heads 0 and 1), replicated on every rank of TP 2: each
+/// rank's consumer column of its replica key, and its producer column on
+/// rank 0 only, equal the naive reference of both caches.
+#[test]
+fn mla_and_indexer_caches_of_one_layer_under_tp_replicas_match_the_reference() {
+    let mut rng = Rng::for_test("mla_and_indexer_caches_of_one_layer_under_tp_replicas_match_the_reference");
+    let seed = rng.seed();
+    let block_size = 16;
+    let num_tokens = rng.range(10..60);
+    let latent = LogicalKv::random(&mut rng, KvShape::mla(2, 72, num_tokens));
+    let mut indexer_shape = KvShape::mla(2, 24, num_tokens);
+    indexer_shape.first_head = 1;
+    let indexer = LogicalKv::random(&mut rng, indexer_shape);
+    let num_positions = positions_for(num_tokens, block_size, 0, 0);
+    let table = GroupTable {
+        group_id: 0,
+        first_position: 0,
+        block_ids: BlockAllocator::new(&mut rng, 6).take(num_positions),
+    };
+    let mut expected = naive_full(&latent, block_size, 0, num_positions);
+    add_values(&mut expected, &naive_full(&indexer, block_size, 0, num_positions));
+    let blocks = block_set(&[request(num_tokens, vec![table.clone()])]);
+    for tp_rank in 0..2 {
+        let mut worker = host_worker(tp_rank, 2, 0, 1);
+        let mut placements = Vec::new();
+        for (kv, kind) in [(&latent, LayoutKind::Nhd), (&indexer, LayoutKind::Nhd)] {
+            let shard = shard(kv, tp_rank, 2, 0, 1);
+            assert_eq!(shard.replica.replicas, 2, "seed {seed}: the one head is on both ranks");
+            let mut placement = Placement::for_shard(&mut rng, kv, &shard, kind, 0, block_size, 6);
+            placement.write_request(kv, 0, &table.block_ids);
+            register_host(&mut worker, &placement);
+            placements.push(placement);
+        }
+        let key = ReplicaKey {
+            replicas: 2,
+            replica_index: tp_rank,
+        };
+        let consumer = columns_of(&checksum(&worker, &blocks, Role::Consumer), "r", 0);
+        assert_eq!(consumer.keys().copied().collect::<Vec<_>>(), vec![key], "seed {seed}");
+        assert_eq!(consumer[&key], expected, "rank {tp_rank}, seed {seed}");
+        let producer = columns_of(&checksum(&worker, &blocks, Role::Producer), "r", 0);
+        if tp_rank == 0 {
+            assert_eq!(producer[&key], expected, "seed {seed}");
+        } else {
+            assert!(
+                producer.is_empty(),
+                "seed {seed}: a replica's producer computes no column"
+            );
+        }
+    }
+}
+
 #[test]
 fn extreme_layer_and_head_numbers() {
     let mut rng = Rng::for_test("extreme_layer_and_head_numbers");

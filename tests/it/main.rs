@@ -28,6 +28,8 @@ mod replicas;
 mod spec;
 mod state;
 mod stored;
+mod tier_index;
+mod token_placement;
 mod validation;
 mod verdict_property;
 mod verdicts;

@@ -18,12 +18,13 @@ const ORDER: &[(&str, &[&str])] = &[
     // arithmetic and plumbing: errors, the checksum arithmetic, the stored
     // entry's bytes, msgpack, transfer topology
     ("base", &["error", "checksum", "stored_entry", "msgpack", "topology"]),
-    // layer decodings, state layers, the worker's role, layouts, block
+    // layer decodings, token placements, state layers, the worker's role, layouts, block
     // sets, fingerprints, the caller's stream
     (
         "inputs",
         &[
             "decoding",
+            "placement",
             "state",
             "role",
             "layout",
@@ -42,6 +43,8 @@ const ORDER: &[(&str, &[&str])] = &[
     ("engines", &["host", "cuda", "detail", "stored"]),
     // the worker
     ("worker", &[]),
+    // the values of a worker's full blocks by block hash
+    ("tier_index", &[]),
     // records and payloads
     ("wire", &["record", "payload"]),
     // the verifier

@@ -277,9 +277,10 @@ fn valid_inputs_decode() {
         ])
     );
     // A version-4 record (0.3.0's development builds) reads as one without
-    // short last values and geometry, and is written as version 6: the
-    // same bytes with a nil short_last before the group's stored outcomes
-    // and an empty geometry after each group's decodings.
+    // short last values and geometry, and is written as version 7: the
+    // same bytes with a nil short_last before the group's stored outcomes,
+    // an empty geometry after each group's decodings and the default
+    // placement [1, 0, 1, 1] after that.
     let mut as_version_6 = load_check.clone();
     *as_version_6.at(&[1]) = V::U(6);
     if let V::A(items) = as_version_6.at(&[6, 0, 2, 0]) {
@@ -288,7 +289,13 @@ fn valid_inputs_decode() {
     if let V::A(items) = as_version_6.at(&[5, 0]) {
         items.push(V::A(Vec::new()));
     }
-    assert_eq!(decoded.encode(), as_version_6.bytes(), "shortest forms, same bytes");
+    let mut as_version_7 = as_version_6.clone();
+    *as_version_7.at(&[1]) = V::U(7);
+    if let V::A(items) = as_version_7.at(&[5, 0]) {
+        items.push(V::A(vec![V::U(1), V::U(0), V::U(1), V::U(1)]));
+    }
+    assert_eq!(decoded.encode(), as_version_7.bytes(), "shortest forms, same bytes");
+    assert_eq!(Record::decode(&as_version_7.bytes()).unwrap(), decoded);
     assert_eq!(Record::decode(&as_version_6.bytes()).unwrap(), decoded);
     // Version 5 (short last values, no geometry) reads the same.
     let mut as_version_5 = load_check.clone();
@@ -418,9 +425,9 @@ fn every_malformed_record_class_is_rejected_with_a_message() {
             "version 3 is not supported",
         ),
         (
-            "version 7",
-            Box::new(|v| *v.at(&[1]) = V::U(7)),
-            "version 7 is not supported",
+            "version 8",
+            Box::new(|v| *v.at(&[1]) = V::U(8)),
+            "version 8 is not supported",
         ),
         (
             "version 5 with version 4's request groups (no short_last)",

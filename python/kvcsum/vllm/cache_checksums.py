@@ -39,6 +39,7 @@ import time
 from typing import Iterable, Mapping, Sequence
 
 import kvcsum
+from kvcsum.vllm import cache_kinds
 
 __all__ = [
     "LayerSpec",
@@ -79,6 +80,19 @@ class LayerSpec:
     total_kv_heads: int | None = None
     kind: str = "attention"
     unsupported: str = ""
+    #: Head slots of the cache where they are not one per KV head (nvfp4:
+    #: 2 * num_kv_heads, K slots then V slots); 0 otherwise.
+    num_slots: int = 0
+    #: Bytes of one head's (slot's) cell where the spec packs it
+    #: (`state_content_bytes`: quantized cells with their scales); 0: dense.
+    cell_bytes: int = 0
+    #: A state layer's tensors (MambaSpec: conv, then ssm): shapes and dtypes.
+    state_shapes: tuple = ()
+    state_dtypes: tuple = ()
+    #: Tokens one slot of the cache summarises (compressed states), and
+    #: the DCP ranks its tokens are spread over (1: not DCP-sharded).
+    tokens_per_state: int = 1
+    dcp_size: int = 1
 
 
 @dataclasses.dataclass
@@ -130,9 +144,13 @@ def _describe(tensor, spec: LayerSpec, num_blocks: int):
     shape is not one vLLM uses for this spec."""
     shape = tuple(int(n) for n in tensor.shape)
     item = int(tensor.element_size())
-    heads = 1 if spec.is_mla else spec.num_kv_heads
+    heads = spec.num_slots or (1 if spec.is_mla else spec.num_kv_heads)
     content = spec.head_size + spec.head_size_v
-    tokens = spec.block_size
+    cell = spec.cell_bytes or content * _dtype_bytes(spec, item)
+    # The slots of one of this rank's blocks (block_size is the rank's own
+    # tokens of a block under DCP; a compressed cache holds a slot per
+    # tokens_per_state tokens).
+    tokens = spec.block_size // max(1, spec.tokens_per_state)
 
     def kernel_blocks(count: int) -> int:
         if count % num_blocks:
@@ -146,17 +164,17 @@ def _describe(tensor, spec: LayerSpec, num_blocks: int):
     if len(shape) == 4:
         # vLLM's per-layer view [B, H, N, C] (C: K then V of a head's token).
         B, H, N, C = shape
-        if H == heads and C * item == content * _dtype_bytes(spec, item):
+        if H == heads and C * item == cell:
             candidates.append(("BHTD", B, N))
     if len(shape) == 5 and shape[0] == 2:
         # FlashAttention [2, B, N, H, D].
         _, B, N, H, D = shape
-        if H == heads and D == spec.head_size == spec.head_size_v:
+        if H == heads and D == spec.head_size == spec.head_size_v and not spec.cell_bytes:
             candidates.append(("KBTHD", B, N))
     if len(shape) == 5 and shape[1] == 2:
         # FlashInfer [B, 2, N, H, D] (HND through its strides).
         B, _, N, H, D = shape
-        if H == heads and D == spec.head_size == spec.head_size_v:
+        if H == heads and D == spec.head_size == spec.head_size_v and not spec.cell_bytes:
             candidates.append(("BKTHD", B, N))
     if len(shape) == 3 and spec.is_mla:
         # MLA [B, N, latent].
@@ -171,7 +189,7 @@ def _describe(tensor, spec: LayerSpec, num_blocks: int):
             return layout, ratio
     raise ValueError(
         f"its cache of shape {shape} is no layout kvcsum knows for {heads} heads, "
-        f"{tokens}-token blocks and {content}-element cells over {num_blocks} blocks"
+        f"{tokens}-token blocks and {cell}-byte cells over {num_blocks} blocks"
     )
 
 
@@ -240,8 +258,11 @@ class CacheChecksummer:
         pp_rank: int = 0,
         num_threads: int = 0,
         algorithm: int | None = None,
+        dcp_rank: int = 0,
+        dcp_interleave: int = 1,
     ):
         self.tp_rank, self.tp_size, self.pp_rank = tp_rank, tp_size, pp_rank
+        self.dcp_rank, self.dcp_interleave = dcp_rank, dcp_interleave
         self.skipped: dict[int, str] = {}
         self.fingerprints: dict[int, int] = {}
         self.group_block_sizes = dict(group_block_sizes)
@@ -283,11 +304,20 @@ class CacheChecksummer:
         for group_id, specs in sorted(by_group.items()):
             try:
                 plan = self._plan_group(group_id, specs, kv_caches, num_blocks)
+                placement = self._placement(specs)
             except ValueError as error:
                 reason = str(error)
                 worker.skip_group(group_id, reason)
                 self.skipped[group_id] = reason
                 continue
+            if placement is not None:
+                try:
+                    worker.set_group_placement(group_id, **placement)
+                except kvcsum.Error as error:
+                    reason = f"its token placement {placement} is refused: {error}"
+                    worker.skip_group(group_id, reason)
+                    self.skipped[group_id] = reason
+                    continue
             for tensor in plan["tensors"]:
                 storage = tensor.untyped_storage()
                 regions[storage.data_ptr()] = storage.nbytes()
@@ -297,6 +327,11 @@ class CacheChecksummer:
             for layer in plan["layers"]:
                 worker.add_layer(layer)
                 self.layers_registered += 1
+            for number, tensors, ident in plan["states"]:
+                # MambaSpec does not say along which dimension TP splits the
+                # state: shard-keyed (compared between equal TP sizes only).
+                worker.add_state(group_id, number, tensors, num_blocks, split_known=False, identity=ident)
+                self.layers_registered += 1
             for number, target, ident in plan["aliases"]:
                 worker.add_alias(group_id, number, target, ident)
             self.fingerprints[group_id] = sum(
@@ -304,57 +339,110 @@ class CacheChecksummer:
             ) % 2**64
 
     def _plan_group(self, group_id: int, specs: list, kv_caches, num_blocks: int) -> dict:
-        """The kvcsum layers and aliases of one group; ValueError names why
-        the group cannot be checksummed."""
+        """The kvcsum layers, state layers and aliases of one group
+        (kvcsum.vllm.cache_kinds: the rules of each kind); ValueError names
+        why the group cannot be checksummed."""
         block_size = self.group_block_sizes.get(group_id)
         caches: dict = {}  # (data_ptr, strides, shape) -> [numbers, spec, tensor, identities]
+        kinds = {spec.kind for spec in specs}
+        if len(kinds) > 1:
+            raise ValueError(f"it holds layers of kinds {sorted(kinds)}")
         for spec in specs:
-            if spec.kind != "attention":
-                raise ValueError(spec.unsupported or f"layer {spec.name} is a {spec.spec_type}, not attention")
             if spec.unsupported:
                 raise ValueError(spec.unsupported)
-            if block_size is not None and spec.block_size != block_size:
-                raise ValueError(f"layer {spec.name} has {spec.block_size}-token blocks, its group {block_size}")
+            if spec.kind == "attention" and block_size is not None and spec.block_size * spec.dcp_size != block_size:
+                raise ValueError(
+                    f"layer {spec.name} has {spec.block_size}-token blocks on each of {spec.dcp_size} DCP ranks, its group {block_size}"
+                )
+            if spec.kind == "state" and not spec.state_shapes:
+                raise ValueError(f"layer {spec.name} is a {spec.spec_type} kvcsum has no rule for")
             tensor = kv_caches[spec.name]
             number = layer_number(spec.name)
             key = (int(tensor.data_ptr()), tuple(tensor.stride()), tuple(tensor.shape))
-            ident = identity(spec.name, spec.spec_type, spec.block_size, spec.dtype)
+            # Under DCP a rank's spec has its local block (block_size / dcp):
+            # the identity names the block every rank's slots belong to, the
+            # scheduler's, as a DCP-1 engine's of the same block size does.
+            ident = identity(spec.name, spec.spec_type, spec.block_size * max(1, spec.dcp_size), spec.dtype)
             entry = caches.setdefault(key, {"numbers": [], "spec": spec, "tensor": tensor, "idents": []})
             entry["numbers"].append(number)
             entry["idents"].append((number, ident))
-        layers, aliases, used = [], [], set()
-        for entry in caches.values():
+        layers, states, aliases = [], [], []
+        # Several caches of one layer number (an MLA cache and its indexer's,
+        # a head-slot cache's K and V slots): heads one cache after the other,
+        # in layer-name order (SPEC section 1).
+        next_head: dict[int, int] = {}
+        used_states: set = set()
+        for entry in sorted(caches.values(), key=lambda e: (min(e["numbers"]), e["spec"].name)):
             spec, tensor = entry["spec"], entry["tensor"]
             target = min(entry["numbers"])
-            if target in used:
-                raise ValueError(f"two of its KV caches share layer number {target}")
-            used.add(target)
-            layout, kernel_blocks = _describe(tensor, spec, num_blocks)
-            first_head, replicas, replica_index = self._heads(spec)
             target_ident = next(i for n, i in entry["idents"] if n == target)
-            layers.append(
-                kvcsum.layer(
-                    tensor,
-                    layout,
-                    layer_number=target,
-                    group_id=group_id,
-                    first_head=first_head,
-                    kernel_blocks=kernel_blocks,
-                    replicas=replicas,
-                    replica_index=replica_index,
-                    identity=target_ident,
-                )
-            )
             for number, ident in entry["idents"]:
                 if ident is not target_ident:
                     aliases.append((number, target, ident))
-        return {"layers": layers, "aliases": aliases, "tensors": [e["tensor"] for e in caches.values()]}
+            if spec.kind == "state":
+                if target in used_states:
+                    raise ValueError(f"two of its state caches share layer number {target}")
+                used_states.add(target)
+                states.append((target, cache_kinds.state_tensors(tensor, spec, self.tp_rank), target_ident))
+                continue
+            layout, kernel_blocks = _describe(tensor, spec, num_blocks)
+            offset = next_head.get(target, 0)
+            next_head[target] = offset + cache_kinds.global_heads(spec, self.tp_size)
+            first_head, replicas, replica_index = self._heads(spec)
+            parts = [(tensor, first_head + offset)]
+            if spec.num_slots:
+                # K slots then V slots: the V slots' heads after every K slot's.
+                half = spec.num_slots // 2
+                total = cache_kinds.global_heads(spec, self.tp_size) // 2
+                parts = [(tensor[:, :half], first_head + offset), (tensor[:, half:], first_head + offset + total)]
+            for view, head in parts:
+                layers.append(
+                    kvcsum.layer(
+                        view,
+                        layout,
+                        layer_number=target,
+                        group_id=group_id,
+                        first_head=head,
+                        kernel_blocks=kernel_blocks,
+                        replicas=replicas,
+                        replica_index=replica_index,
+                        identity=target_ident if head == parts[0][1] else b"",
+                    )
+                )
+        return {
+            "layers": layers,
+            "states": states,
+            "aliases": aliases,
+            "tensors": [e["tensor"] for e in caches.values()],
+        }
+
+    def _placement(self, specs) -> dict | None:
+        """The group's token placement (DCP shards, compressed states) for
+        Worker.set_group_placement; None where every token has a slot of
+        this rank's blocks in order (the default)."""
+        dcp = {s.dcp_size for s in specs}
+        tokens = {s.tokens_per_state for s in specs}
+        if len(dcp) != 1 or len(tokens) != 1:
+            raise ValueError(f"its layers disagree on DCP ({sorted(dcp)}) or tokens per state ({sorted(tokens)})")
+        (dcp_size,), (tokens_per_slot,) = dcp, tokens
+        if dcp_size == 1 and tokens_per_slot == 1:
+            return None
+        return dict(
+            dcp_size=dcp_size,
+            dcp_rank=self.dcp_rank if dcp_size > 1 else 0,
+            interleave=self.dcp_interleave if dcp_size > 1 else 1,
+            tokens_per_slot=tokens_per_slot,
+        )
 
     def _heads(self, spec: LayerSpec) -> tuple[int, int, int]:
-        """(first global head, replicas, replica index) of this rank's heads."""
-        tp, rank = self.tp_size, self.tp_rank
+        """(first global head, replicas, replica index) of this rank's heads.
+        With DCP, the consecutive TP ranks of a DCP group (vLLM's
+        parallel_state: dcp_rank = tp_rank % dcp, where TP exceeds the KV
+        heads dcp times over) hold the same heads' different tokens: no
+        replicas of each other."""
+        tp, rank, dcp = self.tp_size, self.tp_rank, max(1, spec.dcp_size)
         if spec.is_mla:
-            return 0, tp, rank
+            return 0, max(1, tp // dcp), rank // dcp
         local = spec.num_kv_heads
         total = spec.total_kv_heads
         if total is None:
@@ -370,6 +458,11 @@ class CacheChecksummer:
                 f"layer {spec.name}: rank {rank} of {tp} should hold {len(heads)} of {total} KV heads, its cache holds {local}"
             )
         replicas = max(1, tp // total) if tp > total else 1
+        if dcp > 1:
+            if replicas % dcp:
+                raise ValueError(f"layer {spec.name}: {replicas} ranks hold each KV head, not a multiple of DCP {dcp}")
+            replicas //= dcp
+            return heads.start, replicas, (rank // dcp) % replicas
         return heads.start, replicas, rank % replicas
 
     # --- checksums ---------------------------------------------------------------

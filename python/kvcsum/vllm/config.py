@@ -33,6 +33,7 @@ KNOWN_KEYS: dict[str, str] = {
     "tier_values": "a positive number of blocks",
     "log_matches": "true or false",
     "algorithm": "'mixed2', 'mixed' or 'weighted'",
+    "unfailable_sync_loads": "'async' or 'decline'",
 }
 
 #: The names the "algorithm" setting takes (docs/SPEC.md section 12).
@@ -76,6 +77,11 @@ class Settings:
     #: other side learns it from the records and the payload's extension,
     #: and a difference is UNVERIFIED (ALGORITHM_DIFFERS), never MISMATCH.
     algorithm: int = ALGORITHMS["mixed2"]
+    #: A verified sync load vLLM could not fail (several KV cache groups;
+    #: a sync P/D load whose records cannot meet in its step): "async" hands
+    #: it to vLLM as an async load, checked before vLLM uses it
+    #: (kvcsum.vllm.load_order), "decline" has vLLM compute its tokens.
+    async_unfailable_sync_loads: bool = True
 
     @classmethod
     def of(cls, extra: dict | None) -> "Settings":
@@ -98,6 +104,7 @@ class Settings:
             fail_unverified_tier=_choice(extra, "unverified_tier", ("log", "fail")) == "fail",
             tier_values=tier_values,
             algorithm=ALGORITHMS[_choice(extra, "algorithm", tuple(ALGORITHMS))],
+            async_unfailable_sync_loads=_choice(extra, "unfailable_sync_loads", ("async", "decline")) == "async",
         )
 
 
@@ -151,10 +158,14 @@ def inner_entry_config(extra_config: dict[str, Any] | None) -> tuple["KVTransfer
     return KVTransferConfig(**{"kv_role": "kv_both", **entry}), entry.get("kv_connector_extra_config", {})
 
 
-def transfer_block_sizes(kv_cache_config: "KVCacheConfig") -> dict:
-    """{group: block size} of the transfer groups."""
+def transfer_block_sizes(kv_cache_config: "KVCacheConfig", dcp: int = 1) -> dict:
+    """{group: block size} of the transfer groups: the tokens of one of the
+    KV cache manager's blocks (with DCP, a DCP-sharded group's block covers
+    block_size x dcp tokens, kvcsum.vllm.cache_kinds.group_block_size)."""
+    from kvcsum.vllm.cache_kinds import group_block_size
+
     return {
-        g: int(kv_cache_config.kv_cache_groups[g].kv_cache_spec.block_size) for g in kv_cache_config.transfer_group_ids
+        g: group_block_size(kv_cache_config.kv_cache_groups[g].kv_cache_spec, dcp) for g in kv_cache_config.transfer_group_ids
     }
 
 
@@ -167,47 +178,38 @@ def total_kv_heads(vllm_config: "VllmConfig") -> int | None:
         return None
 
 
-def layer_specs(kv_cache_config: "KVCacheConfig", total_kv_heads: int | None) -> tuple[list, dict]:
-    """LayerSpecs of every layer in the transfer groups, and {group: block size}."""
-    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
+def layer_specs(kv_cache_config: "KVCacheConfig", total_kv_heads: int | None, dcp_size: int = 1) -> tuple[list, dict]:
+    """LayerSpecs of every layer in the transfer groups (each kind's fields:
+    kvcsum.vllm.cache_kinds), and {group: block size}."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, UniformTypeKVCacheSpecs
+
+    from kvcsum.vllm.cache_kinds import describe_spec, group_block_size
 
     specs, block_sizes = [], {}
     for group_id in kv_cache_config.transfer_group_ids:
         group = kv_cache_config.kv_cache_groups[group_id]
-        block_sizes[group_id] = int(group.kv_cache_spec.block_size)
+        block_sizes[group_id] = group_block_size(group.kv_cache_spec, dcp_size)
         for name in group.layer_names:
             spec = group.kv_cache_spec
             if isinstance(spec, UniformTypeKVCacheSpecs):
                 spec = spec.kv_cache_specs[name]
-            common = dict(
-                name=name,
-                group_id=group_id,
-                spec_type=type(spec).__name__,
-                block_size=int(spec.block_size),
-                dtype=str(getattr(spec, "dtype", None)),
-            )
-            unsupported = ""
+            fields = describe_spec(name, group_id, spec, total_kv_heads, dcp_size, isinstance(spec, MLAAttentionSpec))
             if getattr(group, "host_resident", False):
-                unsupported = "its KV is host-resident"
-            if not isinstance(spec, AttentionSpec) or not getattr(spec, "has_layer_views", True):
-                specs.append(LayerSpec(**common, kind="state", unsupported=unsupported or f"{type(spec).__name__} has no per-token KV blocks"))
-                continue
-            if getattr(spec, "tokens_per_state", 1) != 1:
-                unsupported = f"{type(spec).__name__} stores {spec.tokens_per_state} tokens per state"
-            elif getattr(spec, "num_head_slots", None) is not None:
-                unsupported = "its KV heads are packed into head slots"
-            specs.append(
-                LayerSpec(
-                    **common,
-                    num_kv_heads=int(spec.num_kv_heads),
-                    head_size=int(spec.head_size),
-                    head_size_v=int(getattr(spec, "head_size_v", spec.head_size) or 0),
-                    is_mla=isinstance(spec, MLAAttentionSpec),
-                    total_kv_heads=total_kv_heads,
-                    unsupported=unsupported,
-                )
-            )
+                fields["unsupported"] = "its KV is host-resident"
+            specs.append(LayerSpec(**fields))
     return specs, block_sizes
+
+
+def groups_not_checksummed(kv_cache_config: "KVCacheConfig", total_kv_heads: int | None, dcp: int = 1) -> dict:
+    """{group: why kvcsum cannot checksum it} of the transfer groups, from
+    vLLM's KV cache config alone (the same on the scheduler and on every
+    worker): the reasons kvcsum.vllm.cache_kinds names at registration."""
+    specs, _ = layer_specs(kv_cache_config, total_kv_heads, dcp)
+    out: dict = {}
+    for spec in specs:
+        if spec.unsupported and spec.group_id not in out:
+            out[spec.group_id] = f"layer {spec.name}: {spec.unsupported}"
+    return out
 
 
 def group_fingerprint(kv_cache_config: "KVCacheConfig", group_id: int, block_size: int) -> int:
@@ -222,6 +224,29 @@ def group_fingerprint(kv_cache_config: "KVCacheConfig", group_id: int, block_siz
             spec = spec.kv_cache_specs[name]
         total += layer_fingerprint(name, type(spec).__name__, block_size, str(getattr(spec, "dtype", None)))
     return total % 2**64
+
+
+def dcp_size(vllm_config) -> int:
+    """vLLM's decode context parallel size (1 without one)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    return int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
+
+
+def dcp_interleave(vllm_config) -> int:
+    """vLLM's cp_kv_cache_interleave_size: consecutive tokens a DCP rank holds."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    return int(getattr(parallel, "cp_kv_cache_interleave_size", 1) or 1)
+
+
+def dcp_place() -> tuple[int, int]:
+    """(dcp_rank, dcp_size) from vLLM's parallel state ((0, 1) without a DCP group)."""
+    from vllm.distributed import parallel_state
+
+    try:
+        group = parallel_state.get_dcp_group()
+        return int(group.rank_in_group), int(group.world_size)
+    except (AssertionError, AttributeError):
+        return 0, 1
 
 
 def parallel_place() -> tuple[int, int, int]:

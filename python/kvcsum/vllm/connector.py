@@ -33,6 +33,14 @@ Settings (kv_connector_extra_config):
   from the payload's extension (a plain vLLM payload means weighted); a
   difference makes loads UNVERIFIED (ALGORITHM_DIFFERS), never MISMATCH.
 
+- "unfailable_sync_loads": "async" (default) or "decline": what becomes of
+  a verified sync load that vLLM could not take back if it failed (several
+  KV cache groups; a sync P/D load whose workers' records cannot meet in
+  its step, as with several PP stages): handed to vLLM as an async load,
+  checked in the step it is done before vLLM uses it, or declined so that
+  vLLM computes its tokens (kvcsum.vllm.load_order; a wrapped connector
+  that loads only the step's scheduled requests is always declined).
+
 Any other key is refused at startup, naming the valid ones
 (kvcsum.vllm.config.KNOWN_KEYS).
 
@@ -97,12 +105,15 @@ import torch
 from kvcsum.vllm.common import NAME, KvcsumConnectorMetadata, KvcsumWorkerMetadata
 from kvcsum.vllm.config import (
     Settings,
+    dcp_size,
+    groups_not_checksummed,
     inner_config,
     inner_entry_config,
     inner_transfer_config,
     total_kv_heads,
     transfer_block_sizes,
 )
+from kvcsum.vllm.load_order import records_meet_in_step
 from kvcsum.vllm.scheduler import SchedulerRole
 from kvcsum.vllm.stats import KvcsumCombinedStats, KvcsumStats
 from kvcsum.vllm.worker_role import WorkerRole
@@ -133,6 +144,17 @@ if TYPE_CHECKING:
 __all__ = ["KvcsumConnector", "KvcsumConnectorMetadata", "KvcsumWorkerMetadata", "KvcsumStats"]
 
 
+def hash_block_size(kv_cache_config: "KVCacheConfig", vllm_config: "VllmConfig") -> int:
+    """The tokens of one of vLLM's block hashes (its own resolution: with
+    DCP or several groups it is not cache_config.block_size)."""
+    try:
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        return int(resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1])
+    except Exception:  # noqa: BLE001 - an older vLLM, or a config it cannot resolve
+        return int(vllm_config.cache_config.block_size)
+
+
 class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
     """Wraps the connector named by kv_connector_extra_config["inner"] and
     adds kvcsum checksums: payloads on the producer, verdicts on the
@@ -159,11 +181,13 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerRole(
                 self._settings,
                 kv_cache_config,
-                transfer_block_sizes(kv_cache_config),
+                transfer_block_sizes(kv_cache_config, dcp_size(vllm_config)),
                 num_workers,
                 self._inner_name,
                 str(self._kv_transfer_config.kv_load_failure_policy),
-                hash_block_size=int(vllm_config.cache_config.block_size),
+                hash_block_size=hash_block_size(kv_cache_config, vllm_config),
+                records_meet=records_meet_in_step(vllm_config),
+                not_checksummed=groups_not_checksummed(kv_cache_config, total_kv_heads(vllm_config), dcp_size(vllm_config)),
             )
         else:
             self._worker = WorkerRole(kv_cache_config, total_kv_heads(vllm_config), self._settings, vllm_config=vllm_config)
@@ -338,6 +362,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
     # ==========================================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        self._layer_names = tuple(kv_caches)
         self._inner.register_kv_caches(kv_caches)
         self._worker.register_kv_caches(kv_caches)
 
@@ -364,7 +389,19 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
         return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return self._worker.transfer_results(self._inner.get_transfer_results(finished_req_ids), finished_req_ids)
+        inner = self._inner.get_transfer_results(finished_req_ids)
+        meta = self._connector_metadata
+        converted = meta.converted if isinstance(meta, KvcsumConnectorMetadata) else None
+        if converted:
+            # The wrapped connector's sync loads that vLLM sees as async
+            # (kvcsum.vllm.load_order): started in this step's
+            # start_load_kv; no forward read them, so the waits a forward
+            # makes for each layer are made here, and they are received
+            # now and checked as any async load.
+            for name in getattr(self, "_layer_names", ()):
+                self._inner.wait_for_layer_load(name)
+            inner.finished_recving = set(inner.finished_recving or ()) | set(converted)
+        return self._worker.transfer_results(inner, finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors(self._inner.get_block_ids_with_load_errors())

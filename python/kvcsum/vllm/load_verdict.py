@@ -106,8 +106,18 @@ class LoadJudge:
             unverified load is a load error.
     """
 
-    def __init__(self, kv_cache_config: "KVCacheConfig", block_sizes: dict, num_workers: int, fail_unverified: bool):
+    def __init__(
+        self,
+        kv_cache_config: "KVCacheConfig",
+        block_sizes: dict,
+        num_workers: int,
+        fail_unverified: bool,
+        not_checksummed: dict | None = None,
+    ):
         self._kv_cache_config = kv_cache_config
+        #: {group: reason} of the groups kvcsum cannot checksum: a load that
+        #: covers one is never a MATCH (GROUP_NOT_CHECKSUMMED).
+        self._not_checksummed = dict(not_checksummed or {})
         self._block_sizes = dict(block_sizes)
         self._fail_unverified = fail_unverified
         self._verifier = kvcsum.Verifier(num_workers)
@@ -147,6 +157,14 @@ class LoadJudge:
         finally:
             self.forget(job.req_id)
         mismatched = len(invalid) if verdict == kvcsum.MISMATCH else 0
+        skipped = sorted(g for g in job.groups if g in self._not_checksummed)
+        if verdict == kvcsum.MATCH and skipped:
+            # The groups compared matched, but the load also filled a group
+            # no checksum covers: never silent, never a MATCH.
+            verdict, reason = kvcsum.UNVERIFIED, "GROUP_NOT_CHECKSUMMED"
+            message = "the load filled groups kvcsum does not checksum: " + "; ".join(
+                f"group {g} ({self._not_checksummed[g]})" for g in skipped
+            ) + f" (the other groups matched: {message})"
         if verdict == kvcsum.UNVERIFIED:
             invalid = loaded_block_ids(job) if self._fail_unverified else []
             uncompared, where = [], ""

@@ -27,7 +27,7 @@ __all__ = ["KvcsumPromMetrics", "COUNTERS", "HISTOGRAM", "OWN_REASONS", "SECONDS
 
 #: Reasons the connector gives besides kvcsum.Reason's names: its own for
 #: P/D loads, and a tier block's unknown value's (tier_values).
-OWN_REASONS = ("OTHER_REQUEST", "CHECK_FAILED", "INVALID_CHECKSUMS", "UNKNOWN") + UNKNOWN_REASONS
+OWN_REASONS = ("OTHER_REQUEST", "CHECK_FAILED", "INVALID_CHECKSUMS", "GROUP_NOT_CHECKSUMMED", "UNKNOWN") + UNKNOWN_REASONS
 
 #: Buckets of vllm:kvcsum_checksum_seconds: 50 microseconds to 10 seconds.
 SECONDS_BUCKETS = (
@@ -54,7 +54,15 @@ COUNTERS = (
     ("vllm:kvcsum_payloads_missing", "payloads_missing", (),
      "Producer requests that went without checksums (a worker's did not arrive in time, or could not be made)."),
     ("vllm:kvcsum_sync_loads_declined", "sync_loads_declined", (),
-     "Sync loads declined because vLLM could not fail them (several KV cache groups); vLLM computed those tokens."),
+     "Sync loads declined because vLLM could not fail them (several KV cache groups, or a sync P/D load whose "
+     "workers' records cannot meet in its step) and they could not go to vLLM as async loads; vLLM computed those "
+     "tokens."),
+    ("vllm:kvcsum_groups_not_checksummed", "groups_not_checksummed", (),
+     "KV cache groups kvcsum cannot checksum (counted once at startup, named in the log): loads that fill them are "
+     "UNVERIFIED (GROUP_NOT_CHECKSUMMED), never MATCH."),
+    ("vllm:kvcsum_sync_loads_as_async", "sync_loads_as_async", (),
+     "The wrapped connector's sync loads that vLLM could not fail, handed to vLLM as async loads: checked in the step "
+     "they are done, before vLLM uses them."),
     ("vllm:kvcsum_sources_rechecked", "sources_rechecked", (),
      "Sent requests whose blocks the producer checksummed again when the wrapped connector reported them sent."),
     ("vllm:kvcsum_sources_changed", "sources_changed", (),

@@ -34,6 +34,7 @@ scheduler's counts and logs.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import math
 from typing import TYPE_CHECKING
@@ -48,12 +49,16 @@ from kvcsum.vllm.common import (
     KvcsumConnectorMetadata,
     KvcsumWorkerMetadata,
     LoadOutcome,
+    NO_BLOCKS,
+    NO_ENTRIES,
+    NO_JOBS,
     TierNote,
     logger,
 )
 from kvcsum.vllm.config import Settings
 from kvcsum.vllm.coverage import uncompared_positions
 from kvcsum.vllm.load_verdict import LoadCheck, LoadJudge, LoadVerdict
+from kvcsum.vllm.load_order import ASYNC, DECLINE, LoadOrder
 from kvcsum.vllm.params import (
     INFO_KEY,
     PAYLOAD_KEY,
@@ -67,7 +72,7 @@ from kvcsum.vllm.params import (
 )
 from kvcsum.vllm.source_check import SchedulerSourceCheck
 from kvcsum.vllm.stats import KvcsumStats, load_key
-from kvcsum.vllm.tier_values import EMPTY_BATCH, BlockBatch
+from kvcsum.vllm.tier_values import EMPTY_STORES, StoreBatch, uint32_array
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -139,6 +144,9 @@ class _Match:
     num_computed_tokens: int
     params: LoadParams
     is_async: bool
+    #: The wrapped connector's sync load, handed to vLLM as async
+    #: (kvcsum.vllm.load_order): the workers report it received.
+    converted: bool = False
 
 
 class SchedulerRole:
@@ -161,19 +169,33 @@ class SchedulerRole:
         inner_name: str,
         failure_policy: str,
         hash_block_size: int | None = None,
+        records_meet: tuple = (True, ""),
+        not_checksummed: dict | None = None,
     ):
         self._settings = settings
         self._kv_cache_config = kv_cache_config
         self._block_sizes = dict(block_sizes)
         self._num_workers = num_workers
         self._multi_group = len(kv_cache_config.kv_cache_groups) > 1
+        self._order = LoadOrder(
+            self._multi_group, bool(records_meet[0]), inner_name, settings.async_unfailable_sync_loads, str(records_meet[1])
+        )
+        #: Requests whose sync load goes to vLLM as async this step.
+        self._new_converted: set = set()
         self._inner_name = inner_name
         self._failure_policy = failure_policy
         self._hash_block_size = hash_block_size or min(self._block_sizes.values(), default=0)
+        #: State (Mamba) groups: a request's state is its first block (the
+        #: state index vLLM's Mamba kernels read, column 0 of its block
+        #: table), at position 0 (SPEC section 6).
+        self._state_groups = {
+            g for g in self._block_sizes
+            if g < len(kv_cache_config.kv_cache_groups)
+            and type(kv_cache_config.kv_cache_groups[g].kv_cache_spec).__name__ == "MambaSpec"
+        }
         self._kv_cache_manager = None
         self._tier_loads: dict[str, _TierLoad] = {}
         self._tier_failed: set[str] = set()
-        self._new_stores: list = []
         self._new_tier_sync: list = []
         self._new_tier_async: dict = {}
         self._stats = KvcsumStats()
@@ -190,12 +212,27 @@ class SchedulerRole:
         self._finished_reqs: list = []
         self._logged: set = set()
         self._known: dict = {}
+        self._store_plan = None
+        self._tables = None
         #: The requests whose prompt may complete in a later step (known, not
         #: yet seen past their prompt): only these are looked at for sends.
         self._before_prompt: set = set()
         self._last_verdicts: dict = {}
         self._producer = kvcsum.Verifier(num_workers)
-        self._load_judge = LoadJudge(kv_cache_config, self._block_sizes, num_workers, settings.fail_unverified)
+        #: {group: reason}: groups kvcsum cannot checksum (never silent: a
+        #: P/D load covering one is UNVERIFIED GROUP_NOT_CHECKSUMMED).
+        self.not_checksummed = dict(not_checksummed or {})
+        for group_id, reason in sorted(self.not_checksummed.items()):
+            logger.warning(
+                "kvcsum: KV cache group %d is not checksummed (%s): a P/D load that fills it is UNVERIFIED "
+                "(GROUP_NOT_CHECKSUMMED; with unverified=fail a load error), a tier load's blocks of it are unverified "
+                "(NOT_CHECKSUMMED; with unverified_tier=fail load errors)",
+                group_id, reason,
+            )
+            self._stats.add("groups_not_checksummed")
+        self._load_judge = LoadJudge(
+            kv_cache_config, self._block_sizes, num_workers, settings.fail_unverified, self.not_checksummed
+        )
         self._sources = SchedulerSourceCheck(lambda: self._stats, self._block_sizes, num_workers)
 
     # --- vLLM's calls --------------------------------------------------------------
@@ -220,22 +257,39 @@ class SchedulerRole:
             return 0, False
         params = parse_load(request.kv_transfer_params)
         verified = params.remote_prefill or self._settings.verify_all or self._settings.verify_tiers
-        if verified and self._multi_group and not load_async:
-            # vLLM 0.33 takes load errors of a model with several KV cache
-            # groups only as failed async loads (failed_recving); a sync load
-            # (the request already running) cannot be failed or recomputed,
-            # and invalid_block_ids raise in its scheduler. A verified sync
-            # load is therefore declined: vLLM computes those tokens.
-            self._stats.add("sync_loads_declined")
-            self._log_once(
-                "sync-declined",
-                f"kvcsum: the wrapped {self._inner_name} offers sync loads (request {request.request_id}, {tokens} tokens); "
-                "with several KV cache groups vLLM cannot recompute a sync load that fails verification, so kvcsum "
-                "declines such loads and vLLM computes the tokens (counted as sync_loads_declined)",
-                error=False,
-            )
-            return 0, False
-        self._matched[request.request_id] = _Match(num_computed_tokens, params, bool(load_async))
+        converted = False
+        if verified and not load_async:
+            # A load judged against a payload (P/D, or verify_loads "all"
+            # without tier checks) or against the workers' kept values.
+            pd = params.remote_prefill or not self._settings.verify_tiers
+            decision = self._order.sync_load(pd)
+            if decision == ASYNC:
+                # vLLM could not take this load back once used: it goes to
+                # vLLM as an async load, checked in the step it is done and
+                # failed (failed_recving) before vLLM uses it if bad
+                # (kvcsum.vllm.load_order).
+                converted, load_async = True, True
+                self._stats.add("sync_loads_as_async")
+                self._log_once(
+                    "sync-as-async",
+                    f"kvcsum: the wrapped {self._inner_name} offers sync loads (request {request.request_id}, {tokens} "
+                    f"tokens); {self._order.why_unfailable(pd)}, so kvcsum hands such loads to vLLM as async loads, "
+                    "checked before vLLM uses them (one engine step of wait; counted as sync_loads_as_async)",
+                    error=False,
+                )
+            elif decision == DECLINE:
+                # vLLM could not recompute such a load if it failed: vLLM
+                # computes those tokens instead.
+                self._stats.add("sync_loads_declined")
+                self._log_once(
+                    "sync-declined",
+                    f"kvcsum: the wrapped {self._inner_name} offers sync loads (request {request.request_id}, {tokens} tokens); "
+                    f"{self._order.why_unfailable(pd)} and {self._order.decline_reason()}, so kvcsum declines such loads "
+                    "and vLLM computes the tokens (counted as sync_loads_declined)",
+                    error=False,
+                )
+                return 0, False
+        self._matched[request.request_id] = _Match(num_computed_tokens, params, bool(load_async), converted)
         return tokens, load_async
 
     def allocated(self, request: "Request", num_external_tokens: int, loaded_groups: set) -> None:
@@ -245,6 +299,8 @@ class SchedulerRole:
         if num_external_tokens <= 0 or matched is None:
             return
         first = matched.num_computed_tokens
+        if matched.converted:
+            self._new_converted.add(req_id)
         if not matched.params.remote_prefill and self._settings.verify_tiers:
             self._tier_load(request, first, first + num_external_tokens, loaded_groups, matched.is_async)
             return
@@ -280,14 +336,17 @@ class SchedulerRole:
 
     def build_meta(self, scheduler_output: "SchedulerOutput", inner) -> KvcsumConnectorMetadata:
         """build_connector_meta, around the inner connector's metadata."""
-        self._give_up_unfilled()
-        for req_id in self._finished_reqs:
-            if self._loads.pop(req_id, None) is not None:
-                self._load_judge.forget(req_id)
-            self._tier_loads.pop(req_id, None)
-            self._tier_failed.discard(req_id)
-        self._finished_reqs = []
-        for req_id in scheduler_output.preempted_req_ids or ():
+        if self._unfilled:
+            self._give_up_unfilled()
+        if self._finished_reqs:
+            for req_id in self._finished_reqs:
+                if self._loads.pop(req_id, None) is not None:
+                    self._load_judge.forget(req_id)
+                self._tier_loads.pop(req_id, None)
+                self._tier_failed.discard(req_id)
+            self._finished_reqs = []
+        preempted = scheduler_output.preempted_req_ids
+        for req_id in preempted or ():
             if req_id in self._known:
                 self._before_prompt.add(req_id)  # computed again from its start
             send = self._sends.get(req_id)
@@ -295,24 +354,45 @@ class SchedulerRole:
                 # Its KV will be computed again: checksum it again then.
                 _forget(self._producer, req_id)
                 self._sends[req_id] = _Send()
-        self._schedule_sends(scheduler_output)
-        if self._settings.verify_tiers:
-            self._schedule_stores(scheduler_output)
+        if self._before_prompt:
+            self._schedule_sends(scheduler_output)
+        stores = self._schedule_stores(scheduler_output) if self._settings.verify_tiers else EMPTY_STORES
+        released = self._sources.released(preempted or ())
+        if not (
+            self._new_sends or self._new_sync_loads or self._new_async_loads or self._verdicts_out or self._new_tier_sync
+            or self._new_tier_async or released or self._new_uncompared or self._new_converted
+        ):
+            # Most decode steps: nothing but the blocks that fill.
+            return KvcsumConnectorMetadata(
+                inner=inner,
+                sends=NO_JOBS,
+                sync_loads=NO_JOBS,
+                async_loads=NO_ENTRIES,
+                verdicts=NO_ENTRIES,
+                stores=stores,
+                tier_sync_loads=NO_JOBS,
+                tier_async_loads=NO_ENTRIES,
+                sources_released=NO_JOBS,
+                uncompared=NO_BLOCKS,
+                converted=NO_BLOCKS,
+                quiet=True,
+            )
         meta = KvcsumConnectorMetadata(
             inner=inner,
             sends=self._new_sends,
             sync_loads=self._new_sync_loads,
             async_loads=self._new_async_loads,
             verdicts=self._verdicts_out,
-            stores=BlockBatch.of(self._new_stores) if self._new_stores else EMPTY_BATCH,
+            stores=stores,
             tier_sync_loads=self._new_tier_sync,
             tier_async_loads=self._new_tier_async,
-            sources_released=self._sources.released(scheduler_output.preempted_req_ids or ()),
+            sources_released=released,
             uncompared=self._new_uncompared,
+            converted=self._new_converted,
         )
-        self._new_uncompared = set()
+        self._new_uncompared, self._new_converted = set(), set()
         self._new_sends, self._new_sync_loads, self._new_async_loads, self._verdicts_out = [], [], {}, {}
-        self._new_stores, self._new_tier_sync, self._new_tier_async = [], [], {}
+        self._new_tier_sync, self._new_tier_async = [], {}
         return meta
 
     def workers_reported(self, meta: KvcsumWorkerMetadata) -> None:
@@ -429,6 +509,11 @@ class SchedulerRole:
         for group_id, block_size in self._block_sizes.items():
             if groups is not None and group_id not in groups:
                 continue
+            if group_id in self._state_groups:
+                ids = list(table[group_id])[:1]
+                if ids and ids[0] != NULL_BLOCK_ID:
+                    out[group_id] = (0, ids)
+                continue
             ids = list(table[group_id])[: math.ceil(num_tokens / block_size)]
             first = first_token // block_size
             while first < len(ids) and ids[first] == NULL_BLOCK_ID:
@@ -474,6 +559,13 @@ class SchedulerRole:
         for group_id, size in self._block_sizes.items():
             if groups is not None and group_id not in groups:
                 continue
+            if group_id in self._state_groups:
+                # A state has no block hash: no value is kept of it, and a
+                # tier load's state is unknown to the check (NO_BLOCK_HASH).
+                state = table(group_id, 0, 1)
+                if not full_only and state and state[0] != NULL_BLOCK_ID:
+                    out[group_id] = (0, tuple(state), (None,))
+                continue
             first = first_token // size
             end = end_token // size if full_only else math.ceil(end_token / size)
             ids = table(group_id, first, end)
@@ -491,39 +583,118 @@ class SchedulerRole:
             return None
         return HashedBlocks(request.request_id, end_token, out)
 
-    def _schedule_stores(self, scheduler_output: "SchedulerOutput") -> None:
+    def _store_groups(self) -> tuple:
+        """(group_id, block_size, hash blocks per block) of the groups whose
+        full blocks have block hashes (a size that is a multiple of the hash
+        block size), and the gcd of every group's size (a step that passes
+        no multiple of it fills no block); computed once."""
+        if self._store_plan is None:
+            unit = self._hash_block_size
+            groups = tuple(
+                (g, size, size // unit) for g, size in sorted(self._block_sizes.items()) if unit > 0 and size % unit == 0
+            )
+            self._store_plan = (groups, math.gcd(*self._block_sizes.values()) if self._block_sizes else 0)
+        return self._store_plan
+
+    def _block_tables(self):
+        """(req_id, group_id) -> the request's KVCacheBlocks of that group:
+        vLLM's own per-group dicts (the coordinator's managers'
+        req_to_blocks, read without a call per request), else its
+        get_blocks."""
+        if self._tables is None:
+            coordinator = getattr(self._kv_cache_manager, "coordinator", None)
+            managers = getattr(coordinator, "single_type_managers", None)
+            dicts = [getattr(m, "req_to_blocks", None) for m in managers or ()]
+            if dicts and all(isinstance(d, dict) for d in dicts):
+                empty = []
+                self._tables = lambda req_id, group_id: dicts[group_id].get(req_id, empty)
+            else:
+                get_blocks = coordinator.get_blocks
+                self._tables = lambda req_id, group_id: get_blocks(req_id)[group_id]
+        return self._tables
+
+    def _schedule_stores(self, scheduler_output: "SchedulerOutput") -> StoreBatch:
         """The blocks that become full in this step's forward (the tokens
-        computed, not loaded): every worker keeps their values. Only the
-        requests that pass a block boundary are looked at, found over the
-        step's arrays at once."""
+        computed, not loaded), with their hashes, as arrays: every worker
+        keeps their values. Only the requests that pass a block boundary
+        are looked at, found over the step's arrays at once."""
         if self._kv_cache_manager is None:
-            return
-        # Every block boundary is a multiple of the sizes' gcd: where no
-        # multiple of it is passed, no block becomes full.
-        unit = math.gcd(*self._block_sizes.values()) if self._block_sizes else 0
-        if unit <= 0:
-            return
+            return EMPTY_STORES
+        groups, unit = self._store_groups()
+        if unit <= 0 or not groups:
+            return EMPTY_STORES
         scheduled = scheduler_output.num_scheduled_tokens
-        progress = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        progress = [(r.req_id, r.num_computed_tokens, scheduled.get(r.req_id, 0)) for r in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs
-        if cached.req_ids:
-            count = len(cached.req_ids)
-            computed = np.fromiter(cached.num_computed_tokens, dtype=np.int64, count=count)
-            step = np.fromiter(map(scheduled.get, cached.req_ids, _zeros(count)), dtype=np.int64, count=count)
-            crossing = np.flatnonzero(computed // unit != (computed + step) // unit)
-            progress += [(cached.req_ids[i], int(computed[i])) for i in crossing.tolist()]
-        for req_id, computed in progress:
-            end = computed + scheduled.get(req_id, 0)
-            if computed // unit == end // unit:
-                continue  # no block becomes full
-            request = self._known.get(req_id)
+        req_ids = cached.req_ids
+        if req_ids:
+            computed = cached.num_computed_tokens
+            if scheduler_output.total_num_scheduled_tokens == len(scheduled):
+                # One token for every request (a decode step): a block fills
+                # where the token computed is a boundary's last.
+                last = unit - 1
+                filling = [(req_ids[i], c) for i, c in enumerate(computed) if c % unit == last]
+                if len(groups) == 1 and not progress:
+                    return self._decode_stores(filling, groups[0])
+                progress += [(req_id, c, 1) for req_id, c in filling]
+            else:
+                # vLLM schedules the running requests first, in the order of
+                # scheduled_cached_reqs: their counts are then the dict's
+                # first values (checked, else looked up one by one).
+                steps = list(scheduled.values()) if list(scheduled)[: len(req_ids)] == req_ids else None
+                if steps is None:
+                    steps = [scheduled.get(r, 0) for r in req_ids]
+                progress += [
+                    (req_ids[i], c, s) for i, (c, s) in enumerate(zip(computed, steps)) if (c + s) // unit != c // unit
+                ]
+        if not progress:
+            return EMPTY_STORES
+        known = self._known
+        tables = self._block_tables()
+        group_ids, positions, block_ids, hashes = uint32_array(), array.array("Q"), uint32_array(), []
+        for req_id, computed, step in progress:
+            request = known.get(req_id)
             if request is None:
                 continue
             # Speculative tokens are scheduled but not yet the request's.
-            end = min(end, request.num_tokens)
-            blocks = self._hashed_blocks(request, computed, end, full_only=True)
-            if blocks is not None:
-                self._new_stores.append(blocks)
+            end = min(computed + step, request.num_tokens)
+            block_hashes = request.block_hashes
+            for group_id, size, ratio in groups:
+                first, last = computed // size, min(end // size, len(block_hashes) // ratio)
+                if first >= last:
+                    continue
+                blocks = tables(req_id, group_id)
+                for q in range(first, last):
+                    block_id = blocks[q].block_id
+                    if block_id != NULL_BLOCK_ID:
+                        group_ids.append(group_id)
+                        positions.append(q)
+                        block_ids.append(block_id)
+                        hashes.append(block_hashes[(q + 1) * ratio - 1])
+        return StoreBatch.of_arrays(group_ids, positions, block_ids, hashes)
+
+    def _decode_stores(self, filling: list, group: tuple) -> StoreBatch:
+        """_schedule_stores of a decode step of one group: each request of
+        `filling` ((req_id, computed tokens)) fills the one block its
+        computed token ends, if that block has its hash yet."""
+        known, tables = self._known, self._block_tables()
+        group_id, size, ratio = group
+        positions, block_ids, hashes = array.array("Q"), uint32_array(), []
+        for req_id, computed in filling:
+            request = known.get(req_id)
+            if request is None:
+                continue
+            q = computed // size
+            block_hashes = request.block_hashes
+            # A block whose tokens are not all known yet (speculative) has no hash.
+            if (q + 1) * ratio > len(block_hashes):
+                continue
+            block_id = tables(req_id, group_id)[q].block_id
+            if block_id != NULL_BLOCK_ID:
+                positions.append(q)
+                block_ids.append(block_id)
+                hashes.append(block_hashes[(q + 1) * ratio - 1])
+        return StoreBatch.of_arrays(uint32_array([group_id]) * len(block_ids), positions, block_ids, hashes)
 
     def _tier_load(self, request: "Request", first: int, end: int, groups: set, is_async: bool) -> None:
         blocks = self._hashed_blocks(request, first, end, full_only=False, groups=groups)

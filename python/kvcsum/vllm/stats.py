@@ -16,7 +16,8 @@ Prometheus metrics):
   sent request's blocks once the wrapped connector reports it sent
   (kvcsum.vllm.source_check): "sources_rechecked", "sources_changed",
   "sources_changed_blocks", "sources_unchecked";
-- consumer: "sync_loads_declined";
+- consumer: "sync_loads_declined", "sync_loads_as_async"
+  (kvcsum.vllm.load_order);
 - workers: "checksum_seconds" ({kind: [seconds of each checksum call]},
   kinds `CHECKSUM_KINDS`).
 """

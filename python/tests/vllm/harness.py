@@ -79,9 +79,10 @@ EOS = 2
 _hash_ready = False
 
 
-def model_dir() -> str:
+def model_dir(kv_heads: int = TOTAL_KV_HEADS) -> str:
     """A model directory holding only a tiny Llama config.json."""
-    path = os.path.join(tempfile.gettempdir(), f"kvcsum-vllm-tiny-llama-{os.getpid()}")
+    suffix = "" if kv_heads == TOTAL_KV_HEADS else f"-kv{kv_heads}"
+    path = os.path.join(tempfile.gettempdir(), f"kvcsum-vllm-tiny-llama-{os.getpid()}{suffix}")
     os.makedirs(path, exist_ok=True)
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -89,7 +90,7 @@ def model_dir() -> str:
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_attention_heads": 4,
-        "num_key_value_heads": TOTAL_KV_HEADS,
+        "num_key_value_heads": kv_heads,
         "head_dim": HEAD_SIZE,
         "num_hidden_layers": NUM_LAYERS,
         "vocab_size": 1024,
@@ -114,21 +115,30 @@ def sampled_token(position: int) -> int:
 
 
 @contextlib.contextmanager
-def place(tp_rank: int, tp_size: int):
-    """vLLM's parallel state as one TP rank sees it (one process plays all)."""
+def place(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1, dcp_size: int = 1):
+    """vLLM's parallel state as one TP rank of one PP stage sees it (one
+    process plays all); with DCP, the rank's DCP group is consecutive TP
+    ranks (vLLM's parallel_state: dcp_rank = tp_rank % dcp)."""
 
     class _PP:
-        rank_in_group = 0
-        world_size = 1
+        rank_in_group = pp_rank
+        world_size = pp_size
+
+    class _DCP:
+        rank_in_group = tp_rank % dcp_size
+        world_size = dcp_size
 
     saved = (
         parallel_state.get_tensor_model_parallel_rank,
         parallel_state.get_tensor_model_parallel_world_size,
         parallel_state.get_pp_group,
+        parallel_state.get_dcp_group,
     )
     parallel_state.get_tensor_model_parallel_rank = lambda: tp_rank
     parallel_state.get_tensor_model_parallel_world_size = lambda: tp_size
     parallel_state.get_pp_group = lambda: _PP()
+    if dcp_size > 1:
+        parallel_state.get_dcp_group = lambda: _DCP()
     try:
         yield
     finally:
@@ -136,6 +146,7 @@ def place(tp_rank: int, tp_size: int):
             parallel_state.get_tensor_model_parallel_rank,
             parallel_state.get_tensor_model_parallel_world_size,
             parallel_state.get_pp_group,
+            parallel_state.get_dcp_group,
         ) = saved
 
 
@@ -149,11 +160,20 @@ class InProcessRecordExchange:
         self._num_workers = num_workers
         self._held: list = []
         self.judges: list = []  # the worker that judged, per gather
+        self.bounds: list = []  # (packed bytes, bound) per gather
 
-    def gather(self, worker_key: str, records: list):
-        from kvcsum.vllm.record_exchange import WorkerRecords
+    def gather(self, worker_key: str, records: list, bound: int | None = None):
+        from kvcsum.vllm.record_exchange import WorkerRecords, pack_records, unpack_records
 
-        self._held.append(WorkerRecords(worker_key, tuple(records)))
+        if bound is not None:
+            # As TorchRecordExchange does: packed into the bound (none when
+            # they do not fit), then unpacked.
+            message = pack_records(worker_key, records)
+            self.bounds.append((len(message), bound))
+            held = unpack_records(message) if len(message) <= bound else WorkerRecords(worker_key, ())
+        else:
+            held = WorkerRecords(worker_key, tuple(records))
+        self._held.append(held)
         if len(self._held) < self._num_workers:
             return None
         gathered, self._held = self._held, []
@@ -166,6 +186,10 @@ class RankState:
     connector: object
     caches: dict
     tables: dict = field(default_factory=dict)  # req_id -> {group: [block ids]}
+    tp_rank: int = 0
+    pp_rank: int = 0
+    #: This worker's KV cache config (with several PP stages: its stage's layers).
+    kv_cache_config: object = None
 
 
 @dataclass
@@ -217,6 +241,10 @@ class Engine:
         defer_finalize: bool = False,
         record_layout: bool = False,
         attn_metadata: object = None,
+        pp: int = 1,
+        dcp: int = 1,
+        kv_heads: int = TOTAL_KV_HEADS,
+        interleave: int = 1,
     ):
         """record_exchange: the ranks share an InProcessRecordExchange (off:
         they have none, as the workers of an engine with several PP stages).
@@ -229,12 +257,19 @@ class Engine:
         (an inner connector that reads it, as LMCache does, needs it).
         attn_metadata: the forward context's attention metadata in each step
         (None, the default, as in a step with no attention; LMCache loads
-        nothing in such a step)."""
+        nothing in such a step). pp: PP stages, each with `tp` workers whose
+        KV cache config holds only the stage's layers (as vLLM gives each
+        stage's worker), layers split in consecutive runs. dcp: vLLM's
+        decode context parallel size (the scheduler's blocks cover
+        block_size x dcp tokens, `interleave` of them at a time on each DCP
+        rank); kv_heads: the model's KV heads (DCP needs TP >= dcp x KV
+        heads)."""
         global _hash_ready
         if not _hash_ready:
             init_none_hash(sha256)
             _hash_ready = True
-        self.name, self.tp, self.block_size = name, tp, block_size
+        self.name, self.tp, self.block_size, self.pp = name, tp, block_size, pp
+        self.dcp, self.interleave = dcp, interleave
         if inner is None:
             inner = {
                 "kv_connector": "StoreConnector",
@@ -251,7 +286,7 @@ class Engine:
             )
         else:
             ktc = KVTransferConfig(kv_role=role, kv_load_failure_policy=policy, **inner)
-        model_config = ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=2048)
+        model_config = ModelConfig(model=model_dir(kv_heads), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=2048)
         self.vllm_config = VllmConfig(
             model_config=model_config,
             cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
@@ -263,7 +298,10 @@ class Engine:
                 is_encoder_decoder=False,
                 disable_hybrid_kv_cache_manager=True if sliding_window is None else None,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=tp),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=tp, pipeline_parallel_size=pp, decode_context_parallel_size=dcp,
+                cp_kv_cache_interleave_size=interleave,
+            ),
             kv_transfer_config=ktc,
             device_config=DeviceConfig("cpu"),
         )
@@ -275,16 +313,18 @@ class Engine:
             vllm_config=self.vllm_config,
             kv_cache_config=self.kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
-            block_size=block_size,
+            block_size=block_size * dcp,  # the scheduler's block (resolve_kv_cache_block_sizes)
             log_stats=True,
         )
         self.ranks: list[RankState] = []
-        for rank in range(tp):
-            with place(rank, tp):
-                connector = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
-                caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), layout)
-                connector.register_kv_caches(caches)
-            self.ranks.append(RankState(connector, caches))
+        for stage in range(pp):
+            stage_config = self.stage_config(stage)
+            for rank in range(tp):
+                with place(rank, tp, stage, pp, dcp):
+                    connector = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER, stage_config)
+                    caches = allocate_kv_cache(stage_config, torch.device("cpu"), layout)
+                    connector.register_kv_caches(caches)
+                self.ranks.append(RankState(connector, caches, tp_rank=rank, pp_rank=stage, kv_cache_config=stage_config))
         self.exchange = None
         if wrap and record_exchange and tp > 1:
             self.exchange = InProcessRecordExchange(tp)
@@ -293,7 +333,7 @@ class Engine:
         self.wire, self.defer_finalize = wire, defer_finalize
         #: {engine step: the block ids vLLM got as load errors in its output}.
         self.load_errors: dict = {}
-        self.aggregator = KVOutputAggregator(tp)
+        self.aggregator = KVOutputAggregator(tp * pp)
         self.traces: dict[str, Trace] = {}
         self.steps_run = 0
         # Nonzero: the stand-in model's KV differs in its last bits, as a
@@ -304,6 +344,23 @@ class Engine:
         self.stats: list = []
         self.track_kv = track_kv
         self.attn_metadata = attn_metadata
+
+    def stage_layers(self, stage: int) -> set:
+        """The layer names of PP stage `stage` (consecutive runs of layers)."""
+        names = sorted({n for g in self.kv_cache_config.kv_cache_groups for n in g.layer_names}, key=lambda n: int(n.split(".")[2]))
+        per = -(-len(names) // self.pp)
+        return set(names[stage * per : (stage + 1) * per])
+
+    def stage_config(self, stage: int) -> KVCacheConfig:
+        """The KV cache config of a worker of PP stage `stage`: its layers only."""
+        if self.pp == 1:
+            return self.kv_cache_config
+        own = self.stage_layers(stage)
+        groups = [
+            KVCacheGroupSpec([n for n in g.layer_names if n in own], g.kv_cache_spec) for g in self.kv_cache_config.kv_cache_groups
+        ]
+        tensors = [t for t in self.kv_cache_config.kv_cache_tensors if t.layers[0] in own]
+        return KVCacheConfig(num_blocks=self.kv_cache_config.num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
     def _kv_cache_config(self, num_blocks: int, sliding_window: int | None) -> KVCacheConfig:
         heads = TOTAL_KV_HEADS // self.tp
@@ -340,7 +397,7 @@ class Engine:
             prompt_token_ids=list(prompt),
             sampling_params=params,
             pooling_params=None,
-            block_hasher=get_request_block_hasher(self.block_size, sha256),
+            block_hasher=get_request_block_hasher(self.block_size * self.dcp, sha256),
         )
         request.kv_transfer_params = kv_transfer_params
         self.prompts[req_id] = list(prompt)
@@ -371,7 +428,7 @@ class Engine:
         for req_id, (start, count) in self._step_tokens.items():
             table = state.tables[req_id]
             positions = torch.arange(start, start + count)
-            for group_id, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            for group_id, group in enumerate((state.kv_cache_config or self.kv_cache_config).kv_cache_groups):
                 ids = torch.tensor(table[group_id])
                 blocks = ids[positions // self.block_size]
                 offsets = positions % self.block_size
@@ -390,7 +447,7 @@ class Engine:
         heads = TOTAL_KV_HEADS // self.tp
         table = state.tables[req_id]
         positions = torch.arange(num_tokens)
-        for group_id, group in enumerate(self.kv_cache_config.kv_cache_groups):
+        for group_id, group in enumerate((state.kv_cache_config or self.kv_cache_config).kv_cache_groups):
             ids = torch.tensor(table[group_id])
             for name in group.layer_names:
                 layer = int(name.split(".")[2])
@@ -428,14 +485,15 @@ class Engine:
                 self.traces[req_id].scheduled.append((start, count))
                 self.traces[req_id].steps.append(self.steps_run)
         outputs = []
-        for rank, state in enumerate(self.ranks):
+        for state in self.ranks:
+            rank = state.tp_rank
             self._update_tables(state, sched)
             kv_transfer_state._KV_CONNECTOR_AGENT = state.connector
             rank_sched = sched
             if self.wire:
                 rank_sched = copy.copy(sched)
                 rank_sched.kv_connector_metadata = pickle.loads(pickle.dumps(sched.kv_connector_metadata))
-            with place(rank, self.tp), set_forward_context(self.attn_metadata, self.vllm_config):
+            with place(rank, self.tp, state.pp_rank, self.pp, self.dcp), set_forward_context(self.attn_metadata, self.vllm_config):
                 with KVConnectorModelRunnerMixin._get_kv_connector_output(rank_sched, defer_finalize=self.defer_finalize) as kv_out:
                     self._forward(rank, state, kv_out)
                 if self.defer_finalize:

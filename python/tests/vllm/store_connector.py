@@ -11,8 +11,13 @@ token ids aligned to its own block size and stores each layer's whole
 tensor, so engines of different block or TP sizes never find each other's
 KV.
 
-Fault injection: set `CORRUPT["token"]` (and optionally "layer", "head") and
-the consumer changes one byte of that token's KV as it loads it.
+Fault injection: set `CORRUPT["token"]` (and optionally "layer", "head",
+"byte": the byte of the cell, 3 unless set) and the consumer changes one
+byte of that token's KV as it loads it; `CORRUPT["state"]` (a byte index,
+optionally "layer") changes one byte of a state layer's loaded state.
+
+State groups (MambaSpec: a request's state is one block, raw bytes): each
+layer's state block is moved whole.
 
 Held sends: with `SEND["held"]` set, the producer sends as a pull-based
 connector (NIXL) does: request_finished asks vLLM to keep the request's
@@ -186,19 +191,35 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches):
         self._caches = dict(kv_caches)
         self._rank = parallel_state.get_tensor_model_parallel_rank()
+        parallel = self._vllm_config.parallel_config
+        self._dcp = (int(parallel.decode_context_parallel_size), int(parallel.cp_kv_cache_interleave_size))
 
     def _slots(self, group: int, table: dict, first: int, num_tokens: int):
-        size = self._groups[group].kv_cache_spec.block_size
+        """(positions this rank holds, their blocks, their slots); with DCP a
+        block covers block_size x dcp tokens, spread over the DCP ranks
+        (vllm.v1.worker.block_table)."""
+        spec = self._groups[group].kv_cache_spec
+        size = spec.block_size
         positions = torch.arange(first, num_tokens)
-        blocks = torch.tensor(table[group])[positions // size]
-        return positions, blocks, positions % size
+        dcp, interleave = self._dcp
+        if dcp == 1 or not getattr(spec, "dcp_sharded", False):
+            return positions, torch.tensor(table[group])[positions // size], positions % size
+        offsets = positions % (size * dcp)
+        mine = (offsets // interleave) % dcp == self._rank % dcp
+        positions, offsets = positions[mine], offsets[mine]
+        slots = (offsets // (dcp * interleave)) * interleave + offsets % interleave
+        return positions, torch.tensor(table[group])[positions // (size * dcp)], slots
 
     def _layers(self):
         for group, spec in self._groups.items():
             for name in spec.layer_names:
                 cache = self._caches[name]
                 heads = cache.shape[1]
-                yield group, name, cache, heads, self._rank * heads
+                # The ranks of a DCP group hold the same heads.
+                yield group, name, cache, heads, (self._rank // self._dcp[0]) * heads
+
+    def _is_state(self, group: int) -> bool:
+        return type(self._groups[group].kv_cache_spec).__name__ == "MambaSpec"
 
     def _path(self, key: str, layer: str, head: int) -> str:
         return os.path.join(self._dir, key, f"{layer}.h{head}.pt")
@@ -207,18 +228,26 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         for req_id, key, first, num_tokens, table in meta.loads:
             for group, name, cache, heads, first_head in self._layers():
+                if self._is_state(group):
+                    stored = torch.load(self._path(key, name, first_head)).clone()
+                    byte = CORRUPT.get("state")
+                    if byte is not None and CORRUPT.get("layer", name) == name:
+                        stored.view(-1).view(torch.uint8)[byte] ^= 0x08
+                        CORRUPT["done"] = CORRUPT.get("done", 0) + 1
+                    cache[table[group][0]] = stored
+                    continue
                 positions, blocks, offsets = self._slots(group, table, first, num_tokens)
                 for h in range(heads):
-                    stored = torch.load(self._path(key, name, first_head + h))[first:num_tokens].clone()
+                    stored = torch.load(self._path(key, name, first_head + h))[positions].clone()
                     token = CORRUPT.get("token")
                     if (
                         token is not None
-                        and first <= token < num_tokens
+                        and token in positions.tolist()
                         and CORRUPT.get("layer", name) == name
                         and CORRUPT.get("head", first_head + h) == first_head + h
                     ):
-                        raw = stored[token - first].view(torch.uint8)
-                        raw[3] ^= 0x10
+                        raw = stored[positions.tolist().index(token)].view(torch.uint8)
+                        raw[CORRUPT.get("byte", 3)] ^= 0x10
                         CORRUPT["done"] = CORRUPT.get("done", 0) + 1
                     cache[blocks, h, offsets] = stored
             if not self._sync:
@@ -249,6 +278,9 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
     def _save(self, key: str, num_tokens: int, table: dict) -> None:
         os.makedirs(os.path.join(self._dir, key), exist_ok=True)
         for group, name, cache, heads, first_head in self._layers():
+            if self._is_state(group):
+                torch.save(cache[table[group][0]].clone(), self._path(key, name, first_head))
+                continue
             _, blocks, offsets = self._slots(group, table, 0, num_tokens)
             for h in range(heads):
                 torch.save(cache[blocks, h, offsets].clone(), self._path(key, name, first_head + h))

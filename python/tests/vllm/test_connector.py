@@ -274,31 +274,44 @@ def test_hybrid_two_groups(store, corrupt, policy):
 
 
 @pytest.mark.parametrize("corrupt", [False, True])
-def test_sync_load_with_several_kv_cache_groups_is_declined_and_computed(store, corrupt):
+def test_sync_load_with_several_kv_cache_groups_goes_to_vllm_as_async_and_is_used_only_intact(store, corrupt):
     # vLLM 0.33 cannot fail a sync load of a model with several KV cache
     # groups (failed_recving is read only for requests waiting for an async
-    # load; invalid_block_ids raise there). A verified sync load is declined
-    # up front: the wrapped connector loads nothing and vLLM computes the
-    # prompt, so corrupted KV is never used and no request id is kept.
+    # load; invalid_block_ids raise there). The wrapped connector's sync
+    # load goes to vLLM as an async load (kvcsum.vllm.load_order): loaded in
+    # the step it is allocated, checked against the payload in that step,
+    # used when intact (as many tokens as the sync load would reuse) and
+    # failed (recomputed from token 0) when not.
     p = producer(store, sliding_window=64)
-    c = consumer(store, sliding_window=64, load_mode="sync")
+    c = consumer(store, sliding_window=64, load_mode="sync", track_kv=True)
     params = prefill(p, "req-hybrid-sync")
     if corrupt:
         store_connector.CORRUPT.update(token=20, layer="model.layers.1.self_attn.attn", head=3)
     trace = decode(c, "req-hybrid-sync", params)
-    count, first = recomputed(trace, len(PROMPT))
-    state = c.request_status("req-hybrid-sync")
-    print(
-        f"\nCASE {'hybrid sync load, ' + ('corrupted' if corrupt else 'intact'):<44} | declined                   | "
-        f"vLLM computed prompt tokens {first}..{len(PROMPT)} ({count} of {len(PROMPT)}), request {state} | stats {totals(c)}",
-        flush=True,
-    )
-    assert "req-hybrid-sync" not in c.connector().last_verdicts
-    assert all(rank.connector.inner.loads_done == 0 for rank in c.ranks)
-    assert store_connector.CORRUPT.get("done") is None
-    assert (count, first) == (len(PROMPT), 0)
+    name, count, first, state = show("hybrid sync load, " + ("corrupted" if corrupt else "intact"), c, "req-hybrid-sync")
+    assert all(rank.connector.inner.loads_done == 1 for rank in c.ranks)
+    assert totals(c).get("sync_loads_as_async") == 1 and not totals(c).get("sync_loads_declined")
+    assert trace.bad_kv_steps == []
+    if corrupt:
+        assert store_connector.CORRUPT.get("done") == 1
+        assert name == kvcsum.MISMATCH and (count, first) == (len(PROMPT), 0)
+    else:
+        # The sync load leaves the prompt's last token to compute, as alone.
+        assert name == kvcsum.MATCH and (count, first) == (1, len(PROMPT) - 1)
     assert state == "FINISHED_LENGTH_CAPPED" and trace.output_tokens == expected_tokens(PROMPT, 3)
     assert kv_equal(p, "req-hybrid-sync", c, "req-hybrid-sync", len(PROMPT))
+    nothing_left_behind(c)
+
+
+def test_sync_load_with_several_kv_cache_groups_is_declined_where_the_setting_says_so(store):
+    p = producer(store, sliding_window=64)
+    c = consumer(store, sliding_window=64, load_mode="sync", extra={"unfailable_sync_loads": "decline"})
+    params = prefill(p, "req-hybrid-sync")
+    trace = decode(c, "req-hybrid-sync", params)
+    count, first = recomputed(trace, len(PROMPT))
+    assert "req-hybrid-sync" not in c.connector().last_verdicts
+    assert all(rank.connector.inner.loads_done == 0 for rank in c.ranks)
+    assert (count, first) == (len(PROMPT), 0)
     assert totals(c).get("sync_loads_declined") == 1
     nothing_left_behind(c)
 
@@ -314,7 +327,7 @@ def test_a_bad_sync_load_vllm_cannot_fail_stops_the_step_before_its_tokens(store
 
     p = producer(store, sliding_window=64)
     c = consumer(store, sliding_window=64, load_mode="sync", tp=tp)
-    c.connector().scheduler_role._multi_group = False  # the decline bypassed
+    c.connector().scheduler_role._order.multi_group = False  # the async hand-over bypassed
     params = prefill(p, "req-hybrid-bypass")
     if not corrupt:
         trace = decode(c, "req-hybrid-bypass", params)
@@ -464,7 +477,7 @@ def test_an_exchange_that_raises_leaves_the_sync_load_unverified_in_its_step(sto
     # (WORKERS_MISSING), never a match, in the step of the load; under
     # unverified=fail its blocks are load errors of that step.
     class Broken:
-        def gather(self, worker_key, records):
+        def gather(self, worker_key, records, bound=None):
             raise RuntimeError("the exchange is down")
 
     prompt = prompt_of(49)

@@ -51,6 +51,7 @@ def test_an_unknown_key_is_refused_naming_the_valid_ones(key, hint):
     accepted = {
         "inner": {"kv_connector": "x"}, "unverified": "log", "checksum_requests": "all", "verify_loads": "all",
         "verify_tiers": False, "unverified_tier": "fail", "tier_values": 8, "log_matches": True, "algorithm": "mixed",
+        "unfailable_sync_loads": "decline",
     }
     assert set(accepted) == set(KNOWN_KEYS)
     Settings.of(accepted)
@@ -132,3 +133,12 @@ def test_a_weighted_consumer_verifies_a_plain_payload_as_a_vllm_fork_producer_se
         assert name == want
         if want == kvcsum.UNVERIFIED:
             assert verdict(c, "req-plain")[1] == "ALGORITHM_DIFFERS"
+
+
+def test_the_unfailable_sync_loads_setting_takes_async_or_decline():
+    from kvcsum.vllm.config import Settings
+
+    assert Settings.of({}).async_unfailable_sync_loads is True
+    assert Settings.of({"unfailable_sync_loads": "decline"}).async_unfailable_sync_loads is False
+    with pytest.raises(ValueError, match="unfailable_sync_loads"):
+        Settings.of({"unfailable_sync_loads": "sync"})

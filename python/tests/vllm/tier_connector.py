@@ -16,7 +16,9 @@ its earlier copy).
 
 Fault injection, set by the test in FAULT: {"flip": position} flips one
 bit of the tier's copy of the block at that position as it is loaded
-(optionally only on TP rank FAULT["rank"]); {"stale": position} loads the
+(optionally only on TP rank FAULT["rank"]; of layer FAULT["layer"],
+layer 1's attention unless set; at byte FAULT["byte"] of the block, 5
+unless set); {"stale": position} loads the
 bytes of the tier's block at position + 1 into that position's slot (a
 stale tier slot holding another hash's bytes).
 """
@@ -30,7 +32,12 @@ from typing import Any
 import torch
 
 from vllm.distributed import parallel_state
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
 
 #: The tier's blocks: {(tp_rank, block hash): {layer name: block tensor}}.
 TIER: dict = {}
@@ -42,18 +49,27 @@ FAULT: dict = {}
 
 @dataclass
 class TierMetadata(KVConnectorMetadata):
-    saves: list = field(default_factory=list)  # (block hash, block id)
+    saves: list = field(default_factory=list)  # (block hash, {group: block id})
     evictions: list = field(default_factory=list)  # block hashes
-    loads: list = field(default_factory=list)  # (req_id, [(position, block hash, block id)])
+    loads: list = field(default_factory=list)  # (req_id, [(position, block hash, {group: block id})])
 
 
-class TierConnector(KVConnectorBase_V1):
+class TierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._sync = extra.get("load_mode", "async") == "sync"
         self._capacity = int(extra.get("capacity", 1024))
-        self._block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        dcp = int(vllm_config.parallel_config.decode_context_parallel_size)
+        # A manager block: with DCP it covers block_size x dcp tokens (each
+        # rank keeps its own part of it, as every rank keeps its heads).
+        self._block_size = spec.block_size * (dcp if getattr(spec, "dcp_sharded", False) else 1)
+        # Every group's block at a position (one block size for all groups).
+        self._groups = tuple(range(len(kv_cache_config.kv_cache_groups)))
+        self._group_of = {
+            name: g for g, group in enumerate(kv_cache_config.kv_cache_groups) for name in group.layer_names
+        }
         self._known: dict = {}
         self._matched: dict = {}
         self._pending_loads: dict = {}
@@ -89,11 +105,11 @@ class TierConnector(KVConnectorBase_V1):
         hits = self._matched.pop(request.request_id, [])
         if num_external_tokens <= 0 or not hits:
             return
-        ids = list(self._kv_cache_manager.get_block_ids(request.request_id)[0])
+        table = self._kv_cache_manager.get_block_ids(request.request_id)
         hits = hits[: num_external_tokens // self._block_size]
         for _, block_hash in hits:
             INDEX.move_to_end(block_hash)
-        self._pending_loads[request.request_id] = [(q, h, ids[q]) for q, h in hits]
+        self._pending_loads[request.request_id] = [(q, h, {g: table[g][q] for g in self._groups}) for q, h in hits]
 
     def build_connector_meta(self, scheduler_output) -> TierMetadata:
         meta = TierMetadata()
@@ -107,7 +123,7 @@ class TierConnector(KVConnectorBase_V1):
             if request is None:
                 continue
             end = min(computed + scheduler_output.num_scheduled_tokens.get(req_id, 0), request.num_tokens)
-            ids = list(self._kv_cache_manager.get_block_ids(req_id)[0])
+            table = self._kv_cache_manager.get_block_ids(req_id)
             for position in range(computed // self._block_size, end // self._block_size):
                 if position >= len(request.block_hashes):
                     break
@@ -115,7 +131,7 @@ class TierConnector(KVConnectorBase_V1):
                 if block_hash in INDEX:
                     continue
                 INDEX[block_hash] = True
-                meta.saves.append((block_hash, ids[position]))
+                meta.saves.append((block_hash, {g: table[g][position] for g in self._groups}))
                 while len(INDEX) > self._capacity:
                     evicted, _ = INDEX.popitem(last=False)
                     meta.evictions.append(evicted)
@@ -124,6 +140,9 @@ class TierConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids):
         self._known.pop(request.request_id, None)
         return False, None
+
+    def request_finished_all_groups(self, request, block_ids):
+        return self.request_finished(request, block_ids)
 
     def evict(self, block_hash) -> None:
         """Drops a hash from the tier (the test's eviction of one block)."""
@@ -141,7 +160,7 @@ class TierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         for req_id, blocks in meta.loads:
             by_position = {q: h for q, h, _ in blocks}
-            for position, block_hash, block_id in blocks:
+            for position, block_hash, block_ids in blocks:
                 source = block_hash
                 if FAULT.get("stale") == position and position + 1 in by_position:
                     source = by_position[position + 1]
@@ -149,11 +168,13 @@ class TierConnector(KVConnectorBase_V1):
                 stored = TIER[(self._rank, source)]
                 for name, cache in self._caches.items():
                     block = stored[name].contiguous().clone()
-                    if FAULT.get("flip") == position and FAULT.get("rank", self._rank) == self._rank and name.endswith(".1.self_attn.attn"):
+                    layer = FAULT.get("layer")
+                    hit = name == layer if layer is not None else name.endswith(".1.self_attn.attn")
+                    if FAULT.get("flip") == position and FAULT.get("rank", self._rank) == self._rank and hit:
                         raw = block.view(-1).view(torch.uint8)
-                        raw[5] ^= 0x01
+                        raw[FAULT.get("byte", 5)] ^= 0x01
                         FAULT["done"] = FAULT.get("done", 0) + 1
-                    cache[block_id].copy_(block)
+                    cache[block_ids[self._group_of[name]]].copy_(block)
                 self.blocks_loaded += 1
             if not self._sync:
                 self._done.add(req_id)
@@ -169,8 +190,10 @@ class TierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         for block_hash in meta.evictions:
             TIER.pop((self._rank, block_hash), None)
-        for block_hash, block_id in meta.saves:
-            TIER[(self._rank, block_hash)] = {name: cache[block_id].clone() for name, cache in self._caches.items()}
+        for block_hash, block_ids in meta.saves:
+            TIER[(self._rank, block_hash)] = {
+                name: cache[block_ids[self._group_of[name]]].clone() for name, cache in self._caches.items()
+            }
             self.blocks_saved += 1
 
     def get_finished(self, finished_req_ids):

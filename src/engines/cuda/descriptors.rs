@@ -73,6 +73,17 @@ pub struct DevLayer {
     pub head_shift: u32,
     /// log2 of one head's vectors per token where heads are grouped, else 31.
     pub head_vector_shift: u32,
+    /// The group's DCP size (SPEC section 16); 1: slots are numbered
+    /// consecutively from the row's first unit (every kernel but
+    /// `kvcs_checksum_placed` assumes it).
+    pub dcp_size: u32,
+    /// This worker's DCP rank.
+    pub dcp_rank: u32,
+    /// The group's interleave.
+    pub interleave: u32,
+    /// The step between the units of consecutive slots of one run: the DCP
+    /// size where the interleave is 1, else 1.
+    pub unit_step: u32,
 }
 
 /// A group's layers in one role (`struct kvcs_dev_group`).

@@ -85,7 +85,8 @@ pub fn layout_asserts() -> String {
     });
     assert_layout!(&mut out, DevLayer => "kvcs_dev_layer" {
         segments, first_slice_weight, pieces_per_token, num_segments, num_heads, kernel_blocks,
-        tokens_per_kernel_block, column, unit_start, head_shift, head_vector_shift,
+        tokens_per_kernel_block, column, unit_start, head_shift, head_vector_shift, dcp_size, dcp_rank,
+        interleave, unit_step,
     });
     assert_layout!(&mut out, DevGroup => "kvcs_dev_group" { layers_begin, layers_end, units, layer_units });
     assert_layout!(&mut out, Row => "kvcs_dev_row" {
@@ -131,7 +132,7 @@ mod tests {
     fn the_prelude_checks_every_field() {
         let asserts = layout_asserts();
         // One size check per struct and one offset check per field.
-        let fields = 10 + 11 + 4 + 7 + 16 + 7 + 5 + 15 + 4 + 7;
+        let fields = 10 + 15 + 4 + 7 + 16 + 7 + 5 + 15 + 4 + 7;
         assert_eq!(asserts.matches("static_assert(sizeof").count(), 10, "{asserts}");
         assert_eq!(
             asserts.matches("static_assert(KVCS_OFFSETOF").count(),

@@ -45,6 +45,9 @@ pub struct Kernels {
     /// `kvcs_checksum_single_head`: the same for calls whose layers all hold
     /// one head (more loads in flight per lane).
     pub checksum_single_head: CudaFunction,
+    /// `kvcs_checksum_placed`: the same for calls with a layer whose tokens
+    /// are spread over DCP ranks (SPEC section 16).
+    pub checksum_placed: CudaFunction,
     /// `kvcs_store`.
     pub store: CudaFunction,
     /// `kvcs_state`.
@@ -77,6 +80,9 @@ pub fn kernels(context: &Arc<CudaContext>) -> Result<Arc<Kernels>> {
             "device {ordinal}: loading kvcs_checksum_single_head failed: {e}"
         )
     })?;
+    let checksum_placed = module
+        .load_function("kvcs_checksum_placed")
+        .map_err(|e| err!(Device, "device {ordinal}: loading kvcs_checksum_placed failed: {e}"))?;
     let store = module
         .load_function("kvcs_store")
         .map_err(|e| err!(Device, "device {ordinal}: loading kvcs_store failed: {e}"))?;
@@ -88,6 +94,7 @@ pub fn kernels(context: &Arc<CudaContext>) -> Result<Arc<Kernels>> {
         checksum,
         checksum_unpaired,
         checksum_single_head,
+        checksum_placed,
         store,
         state,
     });

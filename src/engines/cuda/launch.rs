@@ -24,6 +24,8 @@ pub struct ResidentWarps {
     pub unpaired: u64,
     /// `kvcs_checksum_single_head`.
     pub single_head: u64,
+    /// `kvcs_checksum_placed`.
+    pub placed: u64,
     /// `kvcs_state`.
     pub state: u64,
 }
@@ -57,6 +59,9 @@ pub enum ChecksumKernel {
     SingleHead,
     /// `kvcs_checksum_unpaired`: the others (fewer registers, more warps).
     Unpaired,
+    /// `kvcs_checksum_placed`: some layer's tokens are spread over DCP
+    /// ranks (SPEC section 16); its K and V are read apart.
+    Placed,
 }
 
 /// Where a kernel reads its rows.
@@ -197,7 +202,9 @@ pub fn plan_launch(inputs: &CallInputs<'_>) -> CallLaunch {
         }
     }
     let attention_rows = num_rows - state_rows;
-    let (kernel, resident_warps) = if table.paired[role] {
+    let (kernel, resident_warps) = if table.placed[role] {
+        (ChecksumKernel::Placed, inputs.resident.placed)
+    } else if table.paired[role] {
         (ChecksumKernel::Paired, inputs.resident.checksum)
     } else if table.single_head(inputs.role) {
         (ChecksumKernel::SingleHead, inputs.resident.single_head)
@@ -529,6 +536,7 @@ mod tests {
         }
         let r = role_index(role);
         table.paired[r] = random.chance(40);
+        table.placed[r] = random.chance(10);
         table.multi_head[r] = random.chance(50);
         table.any_layer[r] = random.chance(90);
         table
@@ -592,6 +600,7 @@ mod tests {
                     checksum: 1 + random.below(20_000),
                     unpaired: 1 + random.below(20_000),
                     single_head: 1 + random.below(20_000),
+                    placed: 1 + random.below(20_000),
                     state: 1 + random.below(20_000),
                 },
             };
@@ -628,7 +637,9 @@ mod tests {
             assert_eq!(checksum.attention_rows, attention.len(), "{context}");
 
             // The kernel's form, and the shape for that form's card.
-            let (kernel, resident) = if table.paired[r] {
+            let (kernel, resident) = if table.placed[r] {
+                (ChecksumKernel::Placed, inputs.resident.placed)
+            } else if table.paired[r] {
                 (ChecksumKernel::Paired, inputs.resident.checksum)
             } else if table.any_layer[r] && !table.multi_head[r] {
                 (ChecksumKernel::SingleHead, inputs.resident.single_head)

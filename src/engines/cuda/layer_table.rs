@@ -32,6 +32,9 @@ pub struct LayerTable {
     pub multi_head: [bool; 2],
     /// Per role: whether there is any attention layer.
     pub any_layer: [bool; 2],
+    /// Per role: whether some layer's tokens are spread over DCP ranks
+    /// (SPEC section 16), which only `kvcs_checksum_placed` numbers.
+    pub placed: [bool; 2],
     /// Per group slot: its state tensors (none for attention groups).
     pub state_groups: Vec<DevStateGroup>,
     /// The state tensors of every state group, by slot, layer and tensor.
@@ -68,6 +71,7 @@ impl LayerTable {
                     table.paired[role_index(role)] |= pairs(&device_layer);
                     table.multi_head[role_index(role)] |= device_layer.num_heads > 1;
                     table.any_layer[role_index(role)] = true;
+                    table.placed[role_index(role)] |= device_layer.dcp_size > 1;
                     for segment in &device_layer.segments[..device_layer.num_segments as usize] {
                         let tokens_per_batch = (WARP >> segment.lane_shift) * BATCH;
                         let useful = (device_layer.tokens_per_kernel_block / tokens_per_batch).max(1);
@@ -258,8 +262,12 @@ fn dev_layer(layer: &Layer, column: u32, unit_start: u64) -> DevLayer {
         segments[i] = dev_segment(segment, layer.segment_piece_offsets[i], layer.pieces_per_token);
     }
     for segment in &mut segments {
-        // The kernel counts a flat unit's vectors in 32 bits.
-        if spec.tokens_per_kernel_block as u64 * segment.vectors_per_token as u64 >= 1 << 31 {
+        // The kernel counts a flat unit's vectors in 32 bits; a flat unit's
+        // pieces are numbered in one run, which slots a DCP step apart
+        // (interleave 1) are not.
+        if spec.tokens_per_kernel_block as u64 * segment.vectors_per_token as u64 >= 1 << 31
+            || layer.placement.unit_step() != 1
+        {
             segment.flat = 0;
         }
     }
@@ -287,6 +295,10 @@ fn dev_layer(layer: &Layer, column: u32, unit_start: u64) -> DevLayer {
         unit_start: unit_start as u32,
         head_shift,
         head_vector_shift,
+        dcp_size: layer.placement.dcp_size,
+        dcp_rank: layer.placement.dcp_rank,
+        interleave: layer.placement.interleave,
+        unit_step: layer.placement.unit_step() as u32,
     }
 }
 

@@ -120,6 +120,7 @@ impl DeviceEngine {
         let checksum_blocks = blocks_per_processor(&kernels.checksum)?;
         let unpaired_blocks = blocks_per_processor(&kernels.checksum_unpaired)?;
         let single_head_blocks = blocks_per_processor(&kernels.checksum_single_head)?;
+        let placed_blocks = blocks_per_processor(&kernels.checksum_placed)?;
         let state_blocks = blocks_per_processor(&kernels.state)?;
         let (major, minor) = context.compute_capability().unwrap_or((0, 0));
         let description = format!(
@@ -144,6 +145,7 @@ impl DeviceEngine {
                 checksum: resident(checksum_blocks),
                 unpaired: resident(unpaired_blocks),
                 single_head: resident(single_head_blocks),
+                placed: resident(placed_blocks),
                 state: resident(state_blocks),
             },
             description,
@@ -480,6 +482,7 @@ impl DeviceEngine {
                     ChecksumKernel::Paired => &self.kernels.checksum,
                     ChecksumKernel::SingleHead => &self.kernels.checksum_single_head,
                     ChecksumKernel::Unpaired => &self.kernels.checksum_unpaired,
+                    ChecksumKernel::Placed => &self.kernels.checksum_placed,
                 };
                 let mut params = [(call as *mut DevCall).cast::<std::ffi::c_void>()];
                 let grid = (launch.shape.blocks, 1, 1);

@@ -16,12 +16,16 @@ pub(super) fn item_checksum<F: PieceFn>(f: F, row: &Row, layer: &Layer, scratch:
     let per_kernel_block = spec.tokens_per_kernel_block;
     let mut sum = 0u64;
     let mut token = 0u32;
+    // Under a placement (SPEC section 16) local slots are numbered by their
+    // unit in the request: runs of slots whose numbers step alike.
+    let placement = layer.placement;
+    let index_stride = layer.pieces_per_token.wrapping_mul(placement.unit_step());
     // Walk the valid tokens kernel block by kernel block.
     while token < row.valid_tokens {
         let kernel_block = token / per_kernel_block;
         let first_slot = token % per_kernel_block;
-        let count = (per_kernel_block - first_slot).min(row.valid_tokens - token);
-        let first_index = (row.first_token + token as u64).wrapping_mul(layer.pieces_per_token);
+        let count = placement.run_length(token, (per_kernel_block - first_slot).min(row.valid_tokens - token));
+        let first_index = (row.first_token + placement.unit_offset(token)).wrapping_mul(layer.pieces_per_token);
         for (segment, &piece_offset) in spec.segments.iter().zip(&layer.segment_piece_offsets) {
             let base = segment.address as i64
                 + row.block_id as i64 * segment.block_stride
@@ -31,6 +35,7 @@ pub(super) fn item_checksum<F: PieceFn>(f: F, row: &Row, layer: &Layer, scratch:
                 address: base,
                 count,
                 first_index: first_index + piece_offset,
+                index_stride,
             };
             sum = sum.wrapping_add(segment_heads(f, layer, segment, &tokens, scratch));
         }
@@ -40,11 +45,14 @@ pub(super) fn item_checksum<F: PieceFn>(f: F, row: &Row, layer: &Layer, scratch:
 }
 
 /// `count` consecutive tokens of one kernel block in one segment: head 0's
-/// first token at `address`, its first piece numbered `first_index`.
+/// first token at `address`, its first piece numbered `first_index`, each
+/// next token's `index_stride` further (`P`, or `P` times the placement's
+/// unit step).
 struct TokenRun {
     address: i64,
     count: u32,
     first_index: u64,
+    index_stride: u64,
 }
 
 /// `sum over heads of m * (the slice contribution of the tokens)` for one
@@ -83,9 +91,12 @@ fn segment_heads<F: PieceFn>(
             )
         }
     };
-    let slice_sum = |sums: &RowSums| sums.weighted(pieces as u64, tokens.first_index, layer.pieces_per_token);
+    let slice_sum = |sums: &RowSums| sums.weighted(pieces as u64, tokens.first_index, tokens.index_stride);
     let mut sum = 0u64;
-    if spec.segments.len() == 1 && token_stride == segment.bytes_per_token as i64 {
+    if spec.segments.len() == 1
+        && token_stride == segment.bytes_per_token as i64
+        && tokens.index_stride == layer.pieces_per_token
+    {
         // A head's tokens are one run of consecutive pieces.
         for head in 0..spec.num_heads {
             // SAFETY: as above; the run is the head's `count` cells.
@@ -102,7 +113,7 @@ fn segment_heads<F: PieceFn>(
         let row_index = |slot: u32| {
             tokens
                 .first_index
-                .wrapping_add((slot as u64).wrapping_mul(layer.pieces_per_token))
+                .wrapping_add((slot as u64).wrapping_mul(tokens.index_stride))
         };
         let row_sum =
             |head: u32, slot: u32| weight(head).wrapping_mul(run_checksum(f, row(head, slot), row_index(slot)));

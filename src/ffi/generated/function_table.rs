@@ -22,9 +22,12 @@ use crate::ffi::repair::kvcs_repair_block;
 use crate::ffi::report::{kvcs_layer_difference, kvcs_mismatch, kvcs_report};
 use crate::ffi::result::kvcs_result;
 use crate::ffi::status::kvcs_status;
+use crate::ffi::tier_index::kvcs_tier_index;
 use crate::ffi::topology::{kvcs_head_source, kvcs_local_engine, kvcs_remote_engine, kvcs_topology};
 use crate::ffi::verifier::kvcs_verifier;
-use crate::ffi::worker::{kvcs_layer, kvcs_segment, kvcs_state, kvcs_worker, kvcs_worker_options};
+use crate::ffi::worker::{
+    kvcs_group_placement, kvcs_layer, kvcs_segment, kvcs_state, kvcs_worker, kvcs_worker_options,
+};
 
 /// The type of `kvcs_abi_version`.
 pub type kvcs_abi_version_fn = unsafe extern "C" fn() -> u32;
@@ -634,6 +637,61 @@ pub type kvcs_result_check_entries_buf_fn = unsafe extern "C" fn(
     cap: usize,
     len: *mut usize,
 ) -> kvcs_status;
+/// The type of `kvcs_worker_set_group_placement`.
+pub type kvcs_worker_set_group_placement_fn = unsafe extern "C" fn(
+    worker: *mut kvcs_worker,
+    group_id: u32,
+    placement: *const kvcs_group_placement,
+) -> kvcs_status;
+/// The type of `kvcs_tier_index_create`.
+pub type kvcs_tier_index_create_fn = unsafe extern "C" fn(capacity: u64, out: *mut *mut kvcs_tier_index) -> kvcs_status;
+/// The type of `kvcs_tier_index_destroy`.
+pub type kvcs_tier_index_destroy_fn = unsafe extern "C" fn(index: *mut kvcs_tier_index);
+/// The type of `kvcs_tier_index_store`.
+pub type kvcs_tier_index_store_fn = unsafe extern "C" fn(
+    index: *mut kvcs_tier_index,
+    worker: *mut kvcs_worker,
+    num_blocks: usize,
+    group_ids: *const u32,
+    positions: *const u64,
+    block_ids: *const u32,
+    hashes: *const u8,
+    hash_bytes: usize,
+    cuda_stream: *mut c_void,
+) -> kvcs_status;
+/// The type of `kvcs_tier_index_check`.
+pub type kvcs_tier_index_check_fn = unsafe extern "C" fn(
+    index: *mut kvcs_tier_index,
+    worker: *mut kvcs_worker,
+    num_blocks: usize,
+    group_ids: *const u32,
+    positions: *const u64,
+    block_ids: *const u32,
+    hashes: *const u8,
+    hash_bytes: usize,
+    hashed: *const u8,
+    cuda_stream: *mut c_void,
+    outcomes: *mut u8,
+) -> kvcs_status;
+/// The type of `kvcs_tier_index_info`.
+pub type kvcs_tier_index_info_fn = unsafe extern "C" fn(
+    index: *const kvcs_tier_index,
+    entries: *mut u64,
+    dropped: *mut u64,
+    lost_stores: *mut u64,
+    memory_bytes: *mut u64,
+) -> kvcs_status;
+/// The type of `kvcs_tier_index_values`.
+pub type kvcs_tier_index_values_fn = unsafe extern "C" fn(
+    index: *const kvcs_tier_index,
+    group_id: u32,
+    hash: *const u8,
+    hash_bytes: usize,
+    position: *mut u64,
+    values: *mut u64,
+    cap: usize,
+    len: *mut usize,
+) -> kvcs_status;
 /// The type of `kvcs_api_get`.
 pub type kvcs_api_get_fn = unsafe extern "C" fn(abi_version: u32, out: *mut *const kvcs_api) -> kvcs_status;
 
@@ -903,6 +961,20 @@ pub struct kvcs_api {
     pub kvcs_result_entries_buf: kvcs_result_entries_buf_fn,
     /// Slot 123: `kvcs_result_check_entries_buf`.
     pub kvcs_result_check_entries_buf: kvcs_result_check_entries_buf_fn,
+    /// Slot 124: `kvcs_worker_set_group_placement`.
+    pub kvcs_worker_set_group_placement: kvcs_worker_set_group_placement_fn,
+    /// Slot 125: `kvcs_tier_index_create`.
+    pub kvcs_tier_index_create: kvcs_tier_index_create_fn,
+    /// Slot 126: `kvcs_tier_index_destroy`.
+    pub kvcs_tier_index_destroy: kvcs_tier_index_destroy_fn,
+    /// Slot 127: `kvcs_tier_index_store`.
+    pub kvcs_tier_index_store: kvcs_tier_index_store_fn,
+    /// Slot 128: `kvcs_tier_index_check`.
+    pub kvcs_tier_index_check: kvcs_tier_index_check_fn,
+    /// Slot 129: `kvcs_tier_index_info`.
+    pub kvcs_tier_index_info: kvcs_tier_index_info_fn,
+    /// Slot 130: `kvcs_tier_index_values`.
+    pub kvcs_tier_index_values: kvcs_tier_index_values_fn,
 }
 
 /// The table `kvcs_api_get` gives out.
@@ -1033,4 +1105,11 @@ pub(crate) static API: kvcs_api = kvcs_api {
     kvcs_result_stored_buf: crate::ffi::result::kvcs_result_stored_buf,
     kvcs_result_entries_buf: crate::ffi::result::kvcs_result_entries_buf,
     kvcs_result_check_entries_buf: crate::ffi::result::kvcs_result_check_entries_buf,
+    kvcs_worker_set_group_placement: crate::ffi::worker::kvcs_worker_set_group_placement,
+    kvcs_tier_index_create: crate::ffi::tier_index::kvcs_tier_index_create,
+    kvcs_tier_index_destroy: crate::ffi::tier_index::kvcs_tier_index_destroy,
+    kvcs_tier_index_store: crate::ffi::tier_index::kvcs_tier_index_store,
+    kvcs_tier_index_check: crate::ffi::tier_index::kvcs_tier_index_check,
+    kvcs_tier_index_info: crate::ffi::tier_index::kvcs_tier_index_info,
+    kvcs_tier_index_values: crate::ffi::tier_index::kvcs_tier_index_values,
 };

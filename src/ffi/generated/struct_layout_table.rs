@@ -12,7 +12,9 @@ use crate::ffi::payload::{kvcs_group_checksums, kvcs_layer_checksums, kvcs_layer
 use crate::ffi::repair::kvcs_repair_block;
 use crate::ffi::report::{kvcs_layer_difference, kvcs_mismatch};
 use crate::ffi::topology::{kvcs_head_source, kvcs_local_engine, kvcs_remote_engine};
-use crate::ffi::worker::{kvcs_layer, kvcs_segment, kvcs_state, kvcs_state_tensor, kvcs_worker_options};
+use crate::ffi::worker::{
+    kvcs_group_placement, kvcs_layer, kvcs_segment, kvcs_state, kvcs_state_tensor, kvcs_worker_options,
+};
 
 /// The layout of one struct of the ABI in this build.
 pub(crate) struct StructLayout {
@@ -547,6 +549,32 @@ pub(crate) static STRUCT_LAYOUTS: &[StructLayout] = &[
                 name: c"identity_len",
                 offset: offset_of!(kvcs_layer, identity_len),
                 size: size_of::<usize>(),
+            },
+        ],
+    },
+    StructLayout {
+        name: c"kvcs_group_placement",
+        size: size_of::<kvcs_group_placement>(),
+        fields: &[
+            FieldLayout {
+                name: c"dcp_size",
+                offset: offset_of!(kvcs_group_placement, dcp_size),
+                size: size_of::<u32>(),
+            },
+            FieldLayout {
+                name: c"dcp_rank",
+                offset: offset_of!(kvcs_group_placement, dcp_rank),
+                size: size_of::<u32>(),
+            },
+            FieldLayout {
+                name: c"interleave",
+                offset: offset_of!(kvcs_group_placement, interleave),
+                size: size_of::<u32>(),
+            },
+            FieldLayout {
+                name: c"tokens_per_slot",
+                offset: offset_of!(kvcs_group_placement, tokens_per_slot),
+                size: size_of::<u32>(),
             },
         ],
     },

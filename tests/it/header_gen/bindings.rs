@@ -61,6 +61,12 @@ const PYTHON_ENUMS: &[(&str, &str, &[&str], &str)] = &[
         &["KVCS_STORED_"],
         "the values of Result.stored",
     ),
+    (
+        "kvcs_tier_outcome",
+        "TierOutcome",
+        &["KVCS_TIER_"],
+        "the values TierIndex.check gives",
+    ),
 ];
 
 /// The C spelling of the Rust integer types.

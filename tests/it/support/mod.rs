@@ -26,6 +26,7 @@ mod reference;
 mod requests;
 mod shards;
 pub mod state;
+pub mod token_placement;
 mod workers;
 
 pub use layouts::*;

@@ -1,0 +1,201 @@
+"""The kinds of KV cache vLLM 0.33 hands the connector, and how kvcsum
+registers each (the per-kind rules of kvcsum.vllm.cache_checksums). Needs
+torch and kvcsum, never vLLM: the rules read LayerSpec's plain fields.
+
+What vLLM 0.33 allocates (vllm.v1.kv_cache_interface.create_kv_cache_views:
+one `[B, H, N, C]` view per layer, C the bytes of one cell viewed as the
+spec's dtype) and what kvcsum makes of it:
+
+- attention, dense K/V (`FullAttentionSpec`, `SlidingWindowSpec`, ...):
+  H KV heads, each cell K then V: one kvcsum layer per cache.
+- quantized per-token-head cells (`kv_quant_mode` int8/fp8 per token head,
+  Triton): the spec sets `state_content_bytes`, each head's cell is K, its
+  scale, V, its scale (72 bytes for 32-element heads). The cell is
+  checksummed whole, as **opaque cells**: the scales are bytes of the cell,
+  computed from the token's KV with it, so a flipped scale byte is a
+  changed cell (MISMATCH), and two sides that read the same bytes
+  differently (another kv_cache_dtype or head size) are told apart by the
+  declared decodings (kvcsum.vllm.decoding: DECODING_DIFFERS, UNVERIFIED),
+  never by the sums. Per-tensor fp8 scales (`fp8` kv_cache_dtype) are no
+  cell bytes: they are declared decodings too (a scale that differs is
+  UNVERIFIED DECODING_DIFFERS, never MISMATCH).
+- head slots (`num_head_slots`, nvfp4 on FlashInfer: 2·H slots, the H K
+  slots then the H V slots, each slot's cell packed fp4 data and its fp8
+  block scales): two caches of one layer, the K slots numbered as heads
+  `0..H_total` and the V slots `H_total..2·H_total` (SPEC section 1,
+  several caches of one layer: heads one cache after the other), so that
+  TP shards add up alike at any TP size.
+- MLA (`MLAAttentionSpec`: one latent head, replicated on every TP rank)
+  and several caches of one layer number (DeepSeek V3.2: the MLA cache
+  `....self_attn.attn` and its indexer's k-cache `....self_attn.indexer.k_cache`,
+  one group, `UniformTypeKVCacheSpecs`): the caches of one layer number
+  get consecutive heads in layer-name order (the definition's cache order).
+- Mamba state (`MambaSpec`): a raw `[B, 1, 1, content]` int8 page per
+  layer (conv state then ssm state packed at the page's front, the page
+  padded to the attention page size; a request's state is one block).
+  Registered as a state layer (kvcs_worker_add_state, SPEC section 6), its
+  tensors conv then ssm, each row its first dimension. MambaSpec does not
+  say along which dimension TP splits the state, so the state is
+  **shard-keyed**: compared between equal TP sizes only (another TP size is
+  UNVERIFIED, never MISMATCH).
+
+- DCP-sharded token positions (`decode_context_parallel_size` > 1: a
+  manager block covers block_size x dcp tokens, the token at in-block
+  offset o on DCP rank (o // I) % dcp at local slot (o // (dcp I)) I + o % I)
+  and compressed states (`tokens_per_state` > 1): the group's token
+  placement registered with the library (Worker.set_group_placement,
+  where this kvcsum has it: `PLACEMENT`), each token numbered by its place
+  in the request, so the DCP ranks' sums add up to the block's value.
+
+What kvcsum still cannot checksum is named (`unsupported`) and never
+silent (kvcsum.vllm.load_verdict): compressed states and DCP without the
+library's token placement, fractional tokens_per_state (several states a
+token), host-resident groups (not in memory the workers read), and state
+elements of other than 2 or 4 bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import kvcsum
+
+__all__ = ["describe_spec", "state_tensors", "global_heads", "group_block_size", "PLACEMENT", "DTYPE_BYTES"]
+
+#: Whether this kvcsum registers a group's token placement (DCP shards,
+#: compressed states: Worker.set_group_placement, SPEC section 16).
+PLACEMENT = callable(getattr(kvcsum.Worker, "set_group_placement", None))
+
+
+def group_block_size(spec, dcp: int = 1) -> int:
+    """The tokens of one of the KV cache manager's blocks of a group: with
+    DCP, a DCP-sharded group's block covers block_size x dcp tokens
+    (vllm.v1.worker.block_table; AttentionSpec.max_num_blocks_per_req)."""
+    size = int(spec.block_size)
+    return size * dcp if dcp > 1 and getattr(spec, "dcp_sharded", False) else size
+
+#: Element sizes of the dtypes vLLM's specs name.
+DTYPE_BYTES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8": 1,
+    "uint8": 1,
+    "int8": 1,
+    "fp8": 1,
+}
+
+
+def dtype_bytes(dtype: str) -> int | None:
+    text = str(dtype).replace("torch.", "")
+    for name, size in DTYPE_BYTES.items():
+        if text.startswith(name):
+            return size
+    return None
+
+
+def describe_spec(
+    name: str, group_id: int, spec, total_kv_heads: int | None, dcp_size: int = 1, is_mla: bool = False
+) -> dict:
+    """The LayerSpec fields of one layer's vLLM spec (duck-typed: any object
+    with vLLM 0.33's spec attributes), `unsupported` naming why kvcsum
+    cannot checksum it ("" where it can)."""
+    type_name = type(spec).__name__
+    common = dict(
+        name=name,
+        group_id=group_id,
+        spec_type=type_name,
+        block_size=int(spec.block_size),
+        dtype=str(getattr(spec, "dtype", None)),
+    )
+    unsupported = ""
+    if hasattr(spec, "shapes") and hasattr(spec, "dtypes"):  # MambaSpec
+        shapes = tuple(tuple(int(n) for n in shape) for shape in spec.shapes)
+        dtypes = tuple(str(d) for d in spec.dtypes)
+        sizes = [dtype_bytes(d) for d in dtypes]
+        if any(size not in (2, 4) for size in sizes):
+            unsupported = f"{type_name} has state elements of {dtypes}: kvcsum reads 2- or 4-byte state elements"
+        elif int(getattr(spec, "num_speculative_blocks", 0) or 0) or str(getattr(spec, "mamba_cache_mode", "none")) != "none":
+            unsupported = (
+                f"{type_name} keeps several states per request (mamba_cache_mode "
+                f"{getattr(spec, 'mamba_cache_mode', None)!r}, {getattr(spec, 'num_speculative_blocks', 0)} speculative blocks)"
+            )
+        return dict(common, kind="state", state_shapes=shapes, state_dtypes=dtypes, unsupported=unsupported)
+    is_attention = hasattr(spec, "num_kv_heads") and hasattr(spec, "head_size")
+    if not is_attention or not getattr(spec, "has_layer_views", True):
+        return dict(common, kind="state", unsupported=f"{type_name} has no per-token KV blocks")
+    tokens_per_state = getattr(spec, "tokens_per_state", 1)
+    dcp_sharded = dcp_size > 1 and bool(getattr(spec, "dcp_sharded", False))
+    if tokens_per_state != 1 and not (PLACEMENT and isinstance(tokens_per_state, int) and tokens_per_state > 1):
+        unsupported = f"{type_name} stores {tokens_per_state} tokens per state (no token placement registered)"
+    elif dcp_sharded and not PLACEMENT:
+        unsupported = f"DCP shards its token positions across {dcp_size} ranks (no token placement registered)"
+    heads = int(spec.num_kv_heads)
+    slots = getattr(spec, "num_head_slots", None)
+    num_slots = 0
+    if slots is not None and int(slots) != heads:
+        if int(slots) == 2 * heads:
+            num_slots = int(slots)  # K slots then V slots
+        elif not unsupported:
+            unsupported = f"its {heads} KV heads are packed into {slots} head slots, a packing kvcsum does not know"
+    cell = getattr(spec, "state_content_bytes", None)
+    if cell is None and num_slots:
+        # A slot holds K or V alone.
+        cell = int(spec.state_content_size_bytes)
+    return dict(
+        common,
+        num_kv_heads=heads,
+        head_size=int(spec.head_size),
+        head_size_v=int(getattr(spec, "head_size_v", spec.head_size) or 0),
+        is_mla=bool(is_mla),
+        total_kv_heads=total_kv_heads,
+        num_slots=num_slots,
+        cell_bytes=int(cell) if cell is not None else 0,
+        tokens_per_state=int(tokens_per_state) if isinstance(tokens_per_state, int) else 1,
+        dcp_size=dcp_size if dcp_sharded else 1,
+        unsupported=unsupported,
+    )
+
+
+def global_heads(spec, tp_size: int) -> int:
+    """Heads the cache holds across TP (the next cache of its layer number
+    is numbered after them)."""
+    if spec.is_mla:
+        return 1
+    total = spec.total_kv_heads or spec.num_kv_heads * tp_size
+    return 2 * total if spec.num_slots else total
+
+
+def state_tensors(tensor, spec, tp_rank: int):
+    """The kvcsum.StateTensors of a Mamba layer's raw `[B, 1, 1, content]`
+    page view (or any view whose dim 0 is the block): each state packed
+    from the page's front in the spec's order (conv, then ssm), each row its
+    first dimension. Shard-keyed: rows are this rank's."""
+    address = int(tensor.data_ptr())
+    block_stride = int(tensor.stride(0)) * int(tensor.element_size())
+    out, offset = [], 0
+    for shape, dtype in zip(spec.state_shapes, spec.state_dtypes):
+        size = dtype_bytes(dtype)
+        rows = int(shape[0]) if shape else 1
+        per_row = math.prod(shape[1:]) * size if len(shape) > 1 else size
+        if offset % size:
+            raise ValueError(f"layer {spec.name}: a {dtype} state starts at byte {offset} of its page, not a multiple of {size}")
+        out.append(
+            kvcsum.StateTensor(
+                address=address + offset,
+                block_stride=block_stride,
+                row_stride=per_row,
+                first_row=0,
+                num_rows=rows,
+                total_rows=rows,
+                bytes_per_row=per_row,
+                element_size=size,
+            )
+        )
+        offset += rows * per_row
+    page = int(tensor[0].numel()) * int(tensor.element_size()) if tensor.dim() > 1 else block_stride
+    if offset > max(page, 0):
+        raise ValueError(f"layer {spec.name}: its states take {offset} bytes, its cache page {page}")
+    return out

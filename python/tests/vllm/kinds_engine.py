@@ -1,0 +1,173 @@
+"""KindEngine: the harness's engine (vLLM's real Scheduler and worker glue)
+over any kind of KV cache vLLM 0.33 allocates, built from vLLM's own spec
+classes (a KVCacheConfig of `groups`, each layer a region of one backing
+allocation, viewed by allocate_kv_cache / create_kv_cache_views).
+
+The stand-in model works on bytes, whatever the kind:
+
+- a per-token cache ([B, H, N, C] view, any dtype): the cell of (token,
+  position, layer, head slot) is bytes that depend only on them (so a
+  quantized cell's scales, a head slot's packed data, an MLA latent and an
+  indexer key are all "what the model computes" for that token);
+- a state cache (MambaSpec: a raw [B, 1, 1, content] page): after a step,
+  the request's state block holds bytes that depend only on the layer and
+  the tokens computed so far; a forward reads it first and finds it is
+  not what the model computed (then `Trace.bad_kv_steps` gets the step).
+  A state one token ahead of the step's first token is what the model
+  computed too: vLLM computes a fully loaded prompt's last token again,
+  reading the state after it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from harness import Engine, RankState
+from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MambaSpec, UniformTypeKVCacheSpecs
+
+
+def kinds_config(groups, num_blocks: int) -> KVCacheConfig:
+    """vLLM's KV cache config of `groups` ([(layer names, spec)])."""
+    pages = []
+    for names, spec in groups:
+        for name in names:
+            own = spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+            pages.append((name, own.page_size_bytes))
+    total = sum(page * num_blocks for _, page in pages)
+    tensors, offset = [], 0
+    for name, page in pages:
+        tensors.append(KVCacheTensor(size=total, layers=[name], layer_stride=page * num_blocks, block_stride=page, offset=offset))
+        offset += page * num_blocks
+    return KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=[KVCacheGroupSpec(list(n), s) for n, s in groups]
+    )
+
+
+def layer_of(name: str) -> int:
+    return next(int(part) for part in name.split(".") if part.isdigit())
+
+
+class KindEngine(Engine):
+    """An engine whose KV cache is `groups(tp)` ([(layer names, spec)])."""
+
+    def __init__(self, name: str, *, groups, **kw):
+        self._groups_of = groups
+        # Several groups: vLLM's hybrid KV cache manager (the harness turns
+        # it on with a sliding window; the groups are ours).
+        kw.setdefault("sliding_window", -1)
+        # vLLM's scheduler gets one representative spec per group where the
+        # workers' group is a UniformTypeKVCacheSpecs
+        # (generate_scheduler_kv_cache_config), as vLLM's engine core does.
+        import harness
+
+        real = harness.Scheduler
+
+        def scheduler(*args, kv_cache_config, **kwargs):
+            return real(*args, kv_cache_config=generate_scheduler_kv_cache_config([kv_cache_config]), **kwargs)
+
+        harness.Scheduler = scheduler
+        try:
+            super().__init__(name, **kw)
+        finally:
+            harness.Scheduler = real
+
+    def _kv_cache_config(self, num_blocks: int, sliding_window) -> KVCacheConfig:
+        return kinds_config(self._groups_of(self.tp), num_blocks)
+
+    # --- the stand-in model ----------------------------------------------------------
+
+    def _is_state(self, group_id: int) -> bool:
+        return isinstance(self.kv_cache_config.kv_cache_groups[group_id].kv_cache_spec, MambaSpec)
+
+    def cells(self, req_id: str, positions: torch.Tensor, layer: int, first_slot: int, slots: int, width: int) -> torch.Tensor:
+        """[tokens, slots, width] bytes of the given positions."""
+        tokens = torch.tensor([self.token_at(req_id, int(p)) for p in positions], dtype=torch.int64)
+        slot = torch.arange(first_slot, first_slot + slots, dtype=torch.int64).view(1, slots, 1)
+        byte = torch.arange(width, dtype=torch.int64).view(1, 1, -1)
+        value = tokens.view(-1, 1, 1) * 131 + positions.view(-1, 1, 1) * 7 + layer * 1009 + slot * 97 + byte * 13
+        return (value % 251).to(torch.uint8)
+
+    def state(self, req_id: str, layer: int, rank: int, num_tokens: int, width: int) -> torch.Tensor:
+        """The state bytes after the request's first `num_tokens` tokens."""
+        tokens = [self.token_at(req_id, p) for p in range(num_tokens)]
+        seed = int.from_bytes(hashlib.sha256(repr((layer, rank, tokens)).encode()).digest()[:4], "little")
+        return torch.randint(0, 256, (width,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+    def _first_slot(self, name: str, rank: int, slots: int) -> int:
+        """The stand-in's number of the rank's first head slot: an MLA
+        cache (one latent, or an indexer's key) is the same on every rank."""
+        group = next(g for g in self.kv_cache_config.kv_cache_groups if name in g.layer_names)
+        spec = group.kv_cache_spec
+        spec = spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+        if type(spec).__name__ == "MLAAttentionSpec":
+            return 0
+        # The ranks of a DCP group hold the same heads (their tokens differ).
+        return (rank // self.dcp) * slots
+
+    def token_slots(self, spec, rank: int, positions: torch.Tensor, ids):
+        """(the positions this rank holds, their blocks, their slots): with
+        DCP a manager block covers block_size x dcp tokens, the token at
+        in-block offset o on DCP rank (o // I) % dcp at local slot
+        (o // (dcp I)) I + o % I (vllm.v1.worker.block_table)."""
+        size, dcp, interleave = int(spec.block_size), self.dcp, self.interleave
+        if dcp == 1 or not getattr(spec, "dcp_sharded", False):
+            return positions, torch.tensor(ids)[positions // size], positions % size
+        span = size * dcp
+        offsets = positions % span
+        mine = (offsets // interleave) % dcp == rank % dcp
+        positions, offsets = positions[mine], offsets[mine]
+        slots = (offsets // (dcp * interleave)) * interleave + offsets % interleave
+        return positions, torch.tensor(ids)[positions // span], slots
+
+    def _state_view(self, cache: torch.Tensor) -> torch.Tensor:
+        return cache.view(torch.uint8).reshape(cache.shape[0], -1)
+
+    def _forward(self, rank: int, state: RankState, out) -> None:
+        self._read_bad = getattr(self, "_read_bad", set())
+        for req_id, (start, count) in self._step_tokens.items():
+            table = state.tables[req_id]
+            positions = torch.arange(start, start + count)
+            for group_id, group in enumerate(self.kv_cache_config.kv_cache_groups):
+                ids = table[group_id]
+                for name in group.layer_names:
+                    if name not in state.caches:
+                        continue  # another PP stage's
+                    layer, cache = layer_of(name), state.caches[name]
+                    if self._is_state(group_id):
+                        page = self._state_view(cache)
+                        width = page.shape[1]
+                        if start > 0:
+                            got = page[ids[0]]
+                            if not any(torch.equal(got, self.state(req_id, layer, rank, n, width)) for n in (start, start + 1)):
+                                self._read_bad.add((req_id, rank))
+                        page[ids[0]] = self.state(req_id, layer, rank, start + count, width)
+                        continue
+                    raw = cache.view(torch.uint8)
+                    slots, width = raw.shape[1], raw.shape[3]
+                    held, blocks, local = self.token_slots(group.kv_cache_spec, rank, positions, ids)
+                    first = self._first_slot(name, rank, slots)
+                    raw[blocks, :, local] = self.cells(req_id, held, layer, first, slots, width)
+
+    def _kv_as_computed(self, rank: int, state: RankState, req_id: str, num_tokens: int) -> bool:
+        if (req_id, rank) in getattr(self, "_read_bad", set()):
+            self._read_bad.discard((req_id, rank))
+            return False
+        table = state.tables[req_id]
+        positions = torch.arange(num_tokens)
+        for group_id, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            if self._is_state(group_id):
+                continue  # read (and judged) by the forward, before it writes
+            held, blocks, local = self.token_slots(group.kv_cache_spec, rank, positions, table[group_id])
+            for name in group.layer_names:
+                if name not in state.caches:
+                    continue
+                raw = state.caches[name].view(torch.uint8)
+                slots, width = raw.shape[1], raw.shape[3]
+                got = raw[blocks, :, local]
+                first = self._first_slot(name, rank, slots)
+                if not torch.equal(got, self.cells(req_id, held, layer_of(name), first, slots, width)):
+                    return False
+        return True
