@@ -61,8 +61,34 @@
 // The odd 32-bit multiplier `K3` of the MIXED2 algorithm's third round.
 #define KVCS_MIX2_MULTIPLIER_3 3266489917
 
+// The largest TP size the topology helpers take. A TP size comes from a
+// remote engine's handshake; a wild one (2^31, say) is an error here rather
+// than gigabytes of ranks or head runs, and every answer then fits in
+// memory: at most this many remote ranks or head runs.
+#define KVCS_MAX_TP_SIZE 65536
+
 // The longest element type name, in bytes.
 #define KVCS_MAX_DTYPE_LEN 32
+
+// The most threads a host worker may use (`num_threads` or
+// `KVCS_HOST_THREADS`); a bound, so that a wild value is an error rather
+// than thousands of threads.
+#define KVCS_MAX_HOST_THREADS 256
+
+// The record encoding this library writes and reads; it also reads
+// versions 4 to 6 (kvcsum 0.3.0's development builds: no `short_last`,
+// no geometry; no placement).
+#define KVCS_RECORD_VERSION 7
+
+// The payload version this library writes and reads.
+#define KVCS_PAYLOAD_VERSION 1
+
+// The newest extension version, which this library writes where a group
+// has a geometry (every group a producer of this release checksummed); it
+// also reads versions 1 (without `algorithm`, which means weighted, and
+// without coverage), 2 (without marks and decodings), 3 (without short
+// last values) and 4 (without geometry).
+#define KVCS_EXTENSION_VERSION 5
 
 // The C ABI version; a loader checks it equals `kvcs_abi_version()`.
 // Version 2: stored checksums take `KVCS_BLOCK_CHECKSUM_BYTES` (16) bytes
@@ -102,32 +128,6 @@
 // bytes (its smallest table), and holds less while it is not full (`kvcs_tier_index_info` gives the bytes
 // held).
 #define KVCS_TIER_INDEX_ENTRY_BYTES 112
-
-// The most threads a host worker may use (`num_threads` or
-// `KVCS_HOST_THREADS`); a bound, so that a wild value is an error rather
-// than thousands of threads.
-#define KVCS_MAX_HOST_THREADS 256
-
-// The payload version this library writes and reads.
-#define KVCS_PAYLOAD_VERSION 1
-
-// The newest extension version, which this library writes where a group
-// has a geometry (every group a producer of this release checksummed); it
-// also reads versions 1 (without `algorithm`, which means weighted, and
-// without coverage), 2 (without marks and decodings), 3 (without short
-// last values) and 4 (without geometry).
-#define KVCS_EXTENSION_VERSION 5
-
-// The record encoding this library writes and reads; it also reads
-// versions 4 to 6 (kvcsum 0.3.0's development builds: no `short_last`,
-// no geometry; no placement).
-#define KVCS_RECORD_VERSION 7
-
-// The largest TP size the topology helpers take. A TP size comes from a
-// remote engine's handshake; a wild one (2^31, say) is an error here rather
-// than gigabytes of ranks or head runs, and every answer then fits in
-// memory: at most this many remote ranks or head runs.
-#define KVCS_MAX_TP_SIZE 65536
 
 // The outcome of a call. Values are fixed and never renumbered; a retired
 // value stays reserved. Calls that take a status from C take `uint32_t`.

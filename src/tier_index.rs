@@ -21,11 +21,11 @@
 //! queued on its stream: its values are read at the next call on the index
 //! that finds the work done, and by every check before it compares.
 
-use crate::blocks::BlockSet;
-use crate::error::{err, Result};
-use crate::layout::Role;
-use crate::result::Checksums;
-use crate::stream::StreamHandle;
+use crate::base::error::{err, Result};
+use crate::inputs::blocks::BlockSet;
+use crate::inputs::role::Role;
+use crate::inputs::stream::StreamHandle;
+use crate::results::checksums::Checksums;
 use crate::worker::Worker;
 
 /// Most distinct values kept per block hash.

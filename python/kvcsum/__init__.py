@@ -17,7 +17,8 @@ Status), their values the header's; the plain names (kvcsum.MATCH, ...)
 are the same members. The package is split by job like src/ffi:
 _errors.py, _layers.py, _worker.py (Worker, Blocks, Result), _verify.py
 (Verifier, Report and its parts), _topology.py (Topology, Completion and
-the TP helpers), _repair.py, _constants.py (the enums), _base.py (what
+the TP helpers), _repair.py, _constants.py (the enums of the generated
+_enums.py), _base.py (what
 they share) and _lib.py (the ctypes declarations); use them through
 kvcsum.X.
 

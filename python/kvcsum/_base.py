@@ -35,9 +35,9 @@ def version() -> str:
     return library().kvcs_version().decode()
 
 
-_OK = 0
-_NOT_READY = 6
-_BUFFER_TOO_SMALL = 8
+_OK = Status.OK
+_NOT_READY = Status.NOT_READY
+_BUFFER_TOO_SMALL = Status.BUFFER_TOO_SMALL
 
 
 def _check(status: int) -> None:

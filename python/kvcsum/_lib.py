@@ -1,8 +1,8 @@
 """Loads libkvcsum and declares its C ABI to ctypes.
 
-The declarations come from _abi, which scripts/gen-bindings.py generates
-from the library's source with the header (`make header`; a test fails
-when it is stale), so every call, struct, enum and constant of kvcsum.h is
+The declarations come from _abi, which tools/bindgen generates from the
+library's source with the header (`make header`; a test fails when it is
+stale), so every call, struct, enum and constant of kvcsum.h is
 here without a hand-written copy. They are checked against the loaded
 library when it is loaded: its ABI version must equal ABI_VERSION, and
 every struct must have, in the library's own words (kvcs_struct_layout,

@@ -10,8 +10,8 @@ use super::panic::ffi_boundary;
 use super::status::kvcs_status;
 use super::worker::kvcs_worker;
 use super::{c_array, not_null, try_engine, write_out};
-use crate::error::{err, Result};
-use crate::stream::StreamHandle;
+use crate::base::error::{err, Result};
+use crate::inputs::stream::StreamHandle;
 use crate::tier_index::{TierBlock, TierIndex, TierOutcome};
 
 /// A bounded index of block values by (group, block hash), one per worker:

@@ -34,5 +34,5 @@ mod validation;
 mod verdict_property;
 mod verdicts;
 mod verify;
-mod verify_decode;
 mod verify_ffi;
+mod wire_bytes;
