@@ -442,13 +442,12 @@ python-test: install-test python-wheel $(VENV)/.installed
 	cd $(BUILD) && $(INSTALLED_ENV) $(WHEEL_VENV_PY) -m kvcsum --version
 	cd $(BUILD) && $(INSTALLED_ENV) $(WHEEL_VENV_PY) -m pytest -q -p no:cacheprovider -m "not torch" $(abspath python/tests)
 
-# Every binding from src/ffi: scripts/gen-bindings.py writes the function-pointer
-# types, the function table and its slots, and python/kvcsum/_abi.py; then
-# cbindgen writes include/kvcsum.h (tests/gen_header.rs, run --ignored; tests/it/header.rs
-# fails when any is stale).
+# Every binding from src/ffi, read once with syn (tools/bindgen, the code in
+# tests/it/header_gen): the function-pointer types, the function table and its
+# slots, the struct layouts, python/kvcsum/_abi.py and _enums.py; then cbindgen
+# writes include/kvcsum.h. tests/it/header.rs fails when any is stale.
 header:
-	python3 scripts/gen-bindings.py
-	$(CARGO) test --$(PROFILE) --test gen_header -- --ignored
+	$(CARGO) run --$(PROFILE) --quiet -p kvcsum-bindgen
 
 bench:
 	$(CARGO) run --$(PROFILE) --example host_bench

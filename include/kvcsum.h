@@ -61,8 +61,34 @@
 // The odd 32-bit multiplier `K3` of the MIXED2 algorithm's third round.
 #define KVCS_MIX2_MULTIPLIER_3 3266489917
 
+// The largest TP size the topology helpers take. A TP size comes from a
+// remote engine's handshake; a wild one (2^31, say) is an error here rather
+// than gigabytes of ranks or head runs, and every answer then fits in
+// memory: at most this many remote ranks or head runs.
+#define KVCS_MAX_TP_SIZE 65536
+
 // The longest element type name, in bytes.
 #define KVCS_MAX_DTYPE_LEN 32
+
+// The most threads a host worker may use (`num_threads` or
+// `KVCS_HOST_THREADS`); a bound, so that a wild value is an error rather
+// than thousands of threads.
+#define KVCS_MAX_HOST_THREADS 256
+
+// The record encoding this library writes and reads; it also reads
+// versions 4 to 6 (kvcsum 0.3.0's development builds: no `short_last`,
+// no geometry; no placement).
+#define KVCS_RECORD_VERSION 7
+
+// The payload version this library writes and reads.
+#define KVCS_PAYLOAD_VERSION 1
+
+// The newest extension version, which this library writes where a group
+// has a geometry (every group a producer of this release checksummed); it
+// also reads versions 1 (without `algorithm`, which means weighted, and
+// without coverage), 2 (without marks and decodings), 3 (without short
+// last values) and 4 (without geometry).
+#define KVCS_EXTENSION_VERSION 5
 
 // The C ABI version; a loader checks it equals `kvcs_abi_version()`.
 // Version 2: stored checksums take `KVCS_BLOCK_CHECKSUM_BYTES` (16) bytes
@@ -96,31 +122,12 @@
 // The `group_id` of a finding about the whole load rather than one group.
 #define KVCS_WHOLE_LOAD UINT32_MAX
 
-// The most threads a host worker may use (`num_threads` or
-// `KVCS_HOST_THREADS`); a bound, so that a wild value is an error rather
-// than thousands of threads.
-#define KVCS_MAX_HOST_THREADS 256
-
-// The payload version this library writes and reads.
-#define KVCS_PAYLOAD_VERSION 1
-
-// The newest extension version, which this library writes where a group
-// has a geometry (every group a producer of this release checksummed); it
-// also reads versions 1 (without `algorithm`, which means weighted, and
-// without coverage), 2 (without marks and decodings), 3 (without short
-// last values) and 4 (without geometry).
-#define KVCS_EXTENSION_VERSION 5
-
-// The record encoding this library writes and reads; it also reads
-// versions 4 to 6 (kvcsum 0.3.0's development builds: no `short_last`,
-// no geometry; no placement).
-#define KVCS_RECORD_VERSION 7
-
-// The largest TP size the topology helpers take. A TP size comes from a
-// remote engine's handshake; a wild one (2^31, say) is an error here rather
-// than gigabytes of ranks or head runs, and every answer then fits in
-// memory: at most this many remote ranks or head runs.
-#define KVCS_MAX_TP_SIZE 65536
+// The most bytes a tier index holds per entry of its capacity (a slot of
+// 96 bytes and at most four 4-byte buckets of its table): an index of
+// `capacity` entries never holds more than `capacity` times this plus 64
+// bytes (its smallest table), and holds less while it is not full (`kvcs_tier_index_info` gives the bytes
+// held).
+#define KVCS_TIER_INDEX_ENTRY_BYTES 112
 
 // The outcome of a call. Values are fixed and never renumbered; a retired
 // value stays reserved. Calls that take a status from C take `uint32_t`.
@@ -386,6 +393,35 @@ typedef uint8_t kvcs_stored_outcome;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// The outcome of one block of a tier check (`kvcs_tier_index_check`).
+enum kvcs_tier_outcome
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint8_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // Its value is one of those kept for its hash at its position.
+  KVCS_TIER_MATCHED = 1,
+  // Values are kept for its hash at its position and its value is none of them.
+  KVCS_TIER_MISMATCHED = 2,
+  // Unknown: the block has no hash (a partial block; `hashed[i]` 0).
+  KVCS_TIER_NO_BLOCK_HASH = 3,
+  // Unknown: no value is kept for its hash (never stored, or dropped).
+  KVCS_TIER_UNKNOWN_BLOCK = 4,
+  // Unknown: its hash was stored with more than 4 values, or at two positions.
+  KVCS_TIER_TOO_MANY_VALUES = 5,
+  // Unknown: its hash was stored at another position.
+  KVCS_TIER_OTHER_POSITION = 6,
+  // Unknown: the worker does not checksum the block's group (it skips it).
+  KVCS_TIER_NOT_CHECKSUMMED = 7,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvcs_tier_outcome kvcs_tier_outcome;
+#else
+typedef uint8_t kvcs_tier_outcome;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // A request block set (docs/SPEC.md#5-request-block-sets): per request its token count and,
 // per group, the block ids at consecutive positions.
 //
@@ -432,6 +468,22 @@ typedef struct kvcs_report kvcs_report;
 // Thread safety: `const kvcs_result *` calls may run concurrently;
 // `kvcs_result_wait` and `kvcs_result_destroy` need exclusive access.
 typedef struct kvcs_result kvcs_result;
+
+// A bounded index of block values by (group, block hash), one per worker:
+// a tier store keeps the values of the blocks a step filled, a tier check
+// compares loaded blocks with them. At most `capacity` entries (block
+// hashes), each with its position and up to 4 values; the least recently
+// stored or matched goes first when it is full. Memory: at most
+// `KVCS_TIER_INDEX_ENTRY_BYTES` per entry of its capacity, growing with
+// the entries kept (`kvcs_tier_index_info` gives the bytes held), nothing
+// allocated up front.
+//
+// Ownership: created by `kvcs_tier_index_create`, freed by
+// `kvcs_tier_index_destroy`; it may outlive the workers it was used with
+// (a queued store keeps what it reads alive).
+// Thread safety: `kvcs_tier_index *` calls need exclusive access; `const
+// kvcs_tier_index *` calls may run concurrently with each other.
+typedef struct kvcs_tier_index kvcs_tier_index;
 
 // One local worker's view of the engines it transfers with: per remote
 // engine id, what its handshake told (docs/SPEC.md#11-transfer-topology-for-transfer-agents).
@@ -1451,6 +1503,53 @@ typedef kvcs_status (*kvcs_worker_set_group_placement_fn)(kvcs_worker *worker,
                                                           uint32_t group_id,
                                                           const kvcs_group_placement *placement);
 
+// The type of `kvcs_tier_index_create`.
+typedef kvcs_status (*kvcs_tier_index_create_fn)(uint64_t capacity, kvcs_tier_index **out);
+
+// The type of `kvcs_tier_index_destroy`.
+typedef void (*kvcs_tier_index_destroy_fn)(kvcs_tier_index *index);
+
+// The type of `kvcs_tier_index_store`.
+typedef kvcs_status (*kvcs_tier_index_store_fn)(kvcs_tier_index *index,
+                                                kvcs_worker *worker,
+                                                size_t num_blocks,
+                                                const uint32_t *group_ids,
+                                                const uint64_t *positions,
+                                                const uint32_t *block_ids,
+                                                const uint8_t *hashes,
+                                                size_t hash_bytes,
+                                                void *cuda_stream);
+
+// The type of `kvcs_tier_index_check`.
+typedef kvcs_status (*kvcs_tier_index_check_fn)(kvcs_tier_index *index,
+                                                kvcs_worker *worker,
+                                                size_t num_blocks,
+                                                const uint32_t *group_ids,
+                                                const uint64_t *positions,
+                                                const uint32_t *block_ids,
+                                                const uint8_t *hashes,
+                                                size_t hash_bytes,
+                                                const uint8_t *hashed,
+                                                void *cuda_stream,
+                                                uint8_t *outcomes);
+
+// The type of `kvcs_tier_index_info`.
+typedef kvcs_status (*kvcs_tier_index_info_fn)(const kvcs_tier_index *index,
+                                               uint64_t *entries,
+                                               uint64_t *dropped,
+                                               uint64_t *lost_stores,
+                                               uint64_t *memory_bytes);
+
+// The type of `kvcs_tier_index_values`.
+typedef kvcs_status (*kvcs_tier_index_values_fn)(const kvcs_tier_index *index,
+                                                 uint32_t group_id,
+                                                 const uint8_t *hash,
+                                                 size_t hash_bytes,
+                                                 uint64_t *position,
+                                                 uint64_t *values,
+                                                 size_t cap,
+                                                 size_t *len);
+
 // Every call of the library as one table of function pointers, for a
 // program that loads kvcsum at run time: it resolves the one symbol
 // `kvcs_api_get` and calls through the table, whose entries the compiler
@@ -1718,6 +1817,18 @@ typedef struct {
   kvcs_result_check_entries_buf_fn kvcs_result_check_entries_buf;
   // Slot 124: `kvcs_worker_set_group_placement`.
   kvcs_worker_set_group_placement_fn kvcs_worker_set_group_placement;
+  // Slot 125: `kvcs_tier_index_create`.
+  kvcs_tier_index_create_fn kvcs_tier_index_create;
+  // Slot 126: `kvcs_tier_index_destroy`.
+  kvcs_tier_index_destroy_fn kvcs_tier_index_destroy;
+  // Slot 127: `kvcs_tier_index_store`.
+  kvcs_tier_index_store_fn kvcs_tier_index_store;
+  // Slot 128: `kvcs_tier_index_check`.
+  kvcs_tier_index_check_fn kvcs_tier_index_check;
+  // Slot 129: `kvcs_tier_index_info`.
+  kvcs_tier_index_info_fn kvcs_tier_index_info;
+  // Slot 130: `kvcs_tier_index_values`.
+  kvcs_tier_index_values_fn kvcs_tier_index_values;
 } kvcs_api;
 
 // The type of `kvcs_api_get`.
@@ -2361,6 +2472,81 @@ kvcs_status kvcs_struct_field(const char *struct_name,
                               const char **field_name,
                               size_t *offset,
                               size_t *size);
+
+// Creates an empty tier index of at most `capacity` entries (1 to
+// 4294967294; `KVCS_ERR_INVALID_ARGUMENT` otherwise); `*out` owns it.
+kvcs_status kvcs_tier_index_create(uint64_t capacity, kvcs_tier_index **out);
+
+// Frees a tier index. NULL is a no-op.
+void kvcs_tier_index_destroy(kvcs_tier_index *index);
+
+// A tier store, in one call: checksums `num_blocks` full blocks (every
+// column, as `KVCS_ROLE_CONSUMER`), block `i` being `block_ids[i]` at
+// position `positions[i]` of group `group_ids[i]` with the block hash of
+// row `i` of `hashes` (`hash_bytes` bytes each, 8 to 32), and keeps each
+// block's value (the sum of its columns) for its hash. A host worker keeps
+// them before it returns; a device worker queues the checksums on
+// `cuda_stream` (as `kvcs_worker_checksum`) and the index reads them in a
+// later call once they are done (a check waits for them). Blocks of a
+// group the worker skips are checksummed by no one and not kept. Every
+// argument is checked before anything is computed or kept
+// (`KVCS_ERR_INVALID_ARGUMENT` naming the argument and entry: a group the
+// worker does not have, a bad hash length; `KVCS_ERR_OUT_OF_BOUNDS` for a
+// block id past its cache). `num_blocks` 0 reads finished stores only.
+kvcs_status kvcs_tier_index_store(kvcs_tier_index *index,
+                                  kvcs_worker *worker,
+                                  size_t num_blocks,
+                                  const uint32_t *group_ids,
+                                  const uint64_t *positions,
+                                  const uint32_t *block_ids,
+                                  const uint8_t *hashes,
+                                  size_t hash_bytes,
+                                  void *cuda_stream);
+
+// A tier check, in one call: checksums the loaded blocks (as
+// `kvcs_tier_index_store` gives them; `hashed`, NULL or a flag 0/1 per
+// block, says which have a hash: a block without one is not checksummed),
+// waits for them and for every queued store, and writes each block's
+// `kvcs_tier_outcome` to `outcomes[i]` (`num_blocks` bytes). A matched
+// entry becomes the most recently used. On a device worker the checksums
+// are queued on `cuda_stream` and waited for. Every argument is checked
+// before anything is computed; on an error `outcomes` is not written.
+kvcs_status kvcs_tier_index_check(kvcs_tier_index *index,
+                                  kvcs_worker *worker,
+                                  size_t num_blocks,
+                                  const uint32_t *group_ids,
+                                  const uint64_t *positions,
+                                  const uint32_t *block_ids,
+                                  const uint8_t *hashes,
+                                  size_t hash_bytes,
+                                  const uint8_t *hashed,
+                                  void *cuda_stream,
+                                  uint8_t *outcomes);
+
+// The index's counts: `*entries` kept now, `*dropped` pushed out by the
+// bound so far, `*lost_stores` stores whose device work failed (their
+// blocks stay unknown), `*memory_bytes` held now. Any out-pointer may be
+// NULL.
+kvcs_status kvcs_tier_index_info(const kvcs_tier_index *index,
+                                 uint64_t *entries,
+                                 uint64_t *dropped,
+                                 uint64_t *lost_stores,
+                                 uint64_t *memory_bytes);
+
+// The values kept for block hash `hash` (`hash_bytes` bytes, 8 to 32) of
+// group `group_id`: `*len` gets how many (0: none kept, or too many to
+// compare), `*position` (may be NULL) the position they were stored at, and
+// `values` (room for `cap`) the values; `KVCS_ERR_BUFFER_TOO_SMALL` with
+// `*len` set when `cap` is short. For tests and tools: stores still queued
+// on a device are not read.
+kvcs_status kvcs_tier_index_values(const kvcs_tier_index *index,
+                                   uint32_t group_id,
+                                   const uint8_t *hash,
+                                   size_t hash_bytes,
+                                   uint64_t *position,
+                                   uint64_t *values,
+                                   size_t cap,
+                                   size_t *len);
 
 // `local_tp / remote_tp` when `local_tp >= remote_tp`, else `-(remote_tp /
 // local_tp)`, into `*ratio`. `KVCS_ERR_INVALID_ARGUMENT` when a size is 0

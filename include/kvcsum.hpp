@@ -251,6 +251,24 @@ enum class stored_outcome : uint8_t {
   other_format = KVCS_STORED_OTHER_FORMAT,
 };
 
+/// A tier check's outcome of one loaded block (kvcs_tier_outcome).
+enum class tier_outcome : uint8_t {
+  /// Its value is one of those kept for its hash at its position.
+  matched = KVCS_TIER_MATCHED,
+  /// Values are kept for its hash at its position, and its value is none of them.
+  mismatched = KVCS_TIER_MISMATCHED,
+  /// Unknown: the block has no hash (a partial block).
+  no_block_hash = KVCS_TIER_NO_BLOCK_HASH,
+  /// Unknown: no value is kept for its hash (never stored, or dropped).
+  unknown_block = KVCS_TIER_UNKNOWN_BLOCK,
+  /// Unknown: its hash was stored with more than 4 values, or at two positions.
+  too_many_values = KVCS_TIER_TOO_MANY_VALUES,
+  /// Unknown: its hash was stored at another position.
+  other_position = KVCS_TIER_OTHER_POSITION,
+  /// Unknown: the worker does not checksum the block's group.
+  not_checksummed = KVCS_TIER_NOT_CHECKSUMMED,
+};
+
 /// What a verifier does with an unverified load (kvcs_policy).
 enum class policy : uint32_t {
   /// Unverified loads pass.
@@ -873,6 +891,96 @@ class worker : public detail::owner<kvcs_worker, kvcs_worker_destroy> {
   static kvcs_worker *create(const kvcs_worker_options &options) {
     kvcs_worker *handle = nullptr;
     check(kvcs_worker_create(&options, &handle));
+    return handle;
+  }
+};
+
+// --- Tier index --------------------------------------------------------------
+
+/// The blocks of a tier store or check: block `i` is `block_ids[i]` at
+/// position `positions[i]` of group `group_ids[i]`, its block hash bytes
+/// `i * hash_bytes ..` of `hashes` (8 to 32 bytes each); `hashed` (empty:
+/// every block) a 0/1 flag per block, for a check.
+struct tier_blocks {
+  view<uint32_t> group_ids;
+  view<uint64_t> positions;
+  view<uint32_t> block_ids;
+  view<uint8_t> hashes;
+  size_t hash_bytes = 32;
+  view<uint8_t> hashed;
+};
+
+/// The counts of a tier index (kvcs_tier_index_info).
+struct tier_index_info {
+  uint64_t entries = 0;
+  uint64_t dropped = 0;
+  uint64_t lost_stores = 0;
+  uint64_t memory_bytes = 0;
+};
+
+/// The values of a worker's full blocks by block hash (kvcs_tier_index):
+/// at most `capacity` entries of at most KVCS_TIER_INDEX_ENTRY_BYTES each.
+class tier_index : public detail::owner<kvcs_tier_index, kvcs_tier_index_destroy> {
+ public:
+  /// An empty index of at most `capacity` entries (kvcs_tier_index_create).
+  explicit tier_index(uint64_t capacity) : owner(create(capacity)) {}
+
+  /// Checksums the blocks a step filled and keeps their values, in one
+  /// call (kvcs_tier_index_store); the views' lengths are checked first.
+  void store(worker &on, const tier_blocks &blocks, void *cuda_stream = nullptr) {
+    size_t count = checked(blocks);
+    check(kvcs_tier_index_store(get(), on.get(), count, blocks.group_ids.data(), blocks.positions.data(),
+                                blocks.block_ids.data(), blocks.hashes.data(), blocks.hash_bytes, cuda_stream));
+  }
+
+  /// Compares loaded blocks with the values kept: one outcome per block
+  /// (kvcs_tier_index_check).
+  std::vector<tier_outcome> check_loaded(worker &on, const tier_blocks &blocks, void *cuda_stream = nullptr) {
+    size_t count = checked(blocks);
+    if (!blocks.hashed.empty()) {
+      detail::check_entries("hashed", blocks.hashed.size(), "block_ids", count);
+    }
+    std::vector<uint8_t> outcomes(count + 1);  // never empty, so never NULL
+    check(kvcs_tier_index_check(get(), on.get(), count, blocks.group_ids.data(), blocks.positions.data(),
+                                blocks.block_ids.data(), blocks.hashes.data(), blocks.hash_bytes,
+                                blocks.hashed.empty() ? nullptr : blocks.hashed.data(), cuda_stream,
+                                outcomes.data()));
+    std::vector<tier_outcome> out;
+    out.reserve(count);
+    for (size_t i = 0; i < count; i++) {
+      out.push_back(static_cast<tier_outcome>(outcomes[i]));
+    }
+    return out;
+  }
+
+  /// Its counts and the bytes it holds (kvcs_tier_index_info).
+  tier_index_info info() const {
+    tier_index_info out;
+    check(kvcs_tier_index_info(get(), &out.entries, &out.dropped, &out.lost_stores, &out.memory_bytes));
+    return out;
+  }
+
+  /// The position and values kept for a hash of a group, empty when none
+  /// (or too many) are kept (kvcs_tier_index_values).
+  std::vector<uint64_t> values(uint32_t group_id, view<uint8_t> hash, uint64_t *position = nullptr) const {
+    std::vector<uint64_t> out(4);
+    size_t len = 0;
+    check(kvcs_tier_index_values(get(), group_id, hash.data(), hash.size(), position, out.data(), out.size(), &len));
+    out.resize(len);
+    return out;
+  }
+
+ private:
+  static size_t checked(const tier_blocks &blocks) {
+    size_t count = blocks.block_ids.size();
+    detail::check_entries("group_ids", blocks.group_ids.size(), "block_ids", count);
+    detail::check_entries("positions", blocks.positions.size(), "block_ids", count);
+    detail::check_entries("hashes", detail::hash_count(blocks.hashes, blocks.hash_bytes), "block_ids", count);
+    return count;
+  }
+  static kvcs_tier_index *create(uint64_t capacity) {
+    kvcs_tier_index *handle = nullptr;
+    check(kvcs_tier_index_create(capacity, &handle));
     return handle;
   }
 };

@@ -14,7 +14,7 @@
 // host memory and re-zeroes the accumulators, so a call is one launch.
 //
 // descriptors.cuh is prepended to this file by the library, with the shared
-// constants generated from src/cuda/descriptors.rs: KVCS_WARP,
+// constants generated from src/engines/cuda/descriptors.rs: KVCS_WARP,
 // KVCS_THREADS_PER_BLOCK, KVCS_MAX_SPLIT (a row's units at that split fit in
 // 32 bits), KVCS_INLINE_ROWS, KVCS_INLINE_GROUPS and KVCS_BATCH (tokens a
 // lane loads before it adds any of them: loads in flight; overridable by -D).

@@ -1,4 +1,4 @@
-// Descriptors shared by the host (src/cuda/descriptors.rs, #[repr(C)] twins
+// Descriptors shared by the host (src/engines/cuda/descriptors.rs, #[repr(C)] twins
 // of these) and the kernels. The library prepends this file to each kernel
 // source before NVRTC compiles it, so kernels do not #include it. Before it
 // come the shared constants (KVCS_WARP, KVCS_THREADS_PER_BLOCK,

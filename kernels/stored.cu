@@ -6,7 +6,7 @@
 // kernel of the stream, so read past the caches) and writes the entry of
 // SPEC section 8 to the item's 16 bytes: value = sum ^ tag, then stamp =
 // check << 32 | digest with check = f(f(value) ^ key) >> 32 (f = kvcs_mix;
-// src/stored_entry.rs computes the same on the host). The GPU is
+// src/base/stored_entry.rs computes the same on the host). The GPU is
 // little-endian, as SPEC's stored values are.
 //
 // Gather (a load check): one thread per item copies the stored value and

@@ -3,11 +3,12 @@
 
 use std::mem::MaybeUninit;
 
-use crate::blocks::{valid_tokens, BlockSet};
-use crate::error::{err, Result};
-use crate::layout::{Group, Layout, Role};
-use crate::placement::GroupPlacement;
-use crate::result::{Placement, Shape, SkippedGroup};
+use crate::base::error::{err, Result};
+use crate::inputs::blocks::{valid_tokens, BlockSet};
+use crate::inputs::layout::{Group, Layout};
+use crate::inputs::placement::GroupPlacement;
+use crate::inputs::role::Role;
+use crate::results::checksums::{Placement, Shape, SkippedGroup};
 
 /// One block position to checksum in every layer of its group. `repr(C)`
 /// because the device engine uploads rows as they are (`struct kvcs_dev_row`).
@@ -29,7 +30,7 @@ pub struct Row {
     pub out: u32,
     /// Value distance between columns (the group's positions in the request).
     pub column_stride: u32,
-    /// The group's slot on the worker ([`crate::layout::Group::slot`]).
+    /// The group's slot on the worker ([`crate::inputs::layout::Group::slot`]).
     pub group_slot: u32,
     /// Zero.
     pub reserved: u32,

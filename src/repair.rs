@@ -5,8 +5,8 @@
 
 use std::collections::BTreeMap;
 
-use crate::blocks::{GroupBlocks, RequestBlocks};
-use crate::error::{err, Result};
+use crate::base::error::{err, Result};
+use crate::inputs::blocks::{GroupBlocks, RequestBlocks};
 use crate::verify::{Mismatch, Report, Verdict};
 
 /// What a repair plan reads of a mismatch: consumer positions

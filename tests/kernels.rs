@@ -4,7 +4,7 @@
 //!
 //! The kernel source carries a generated prelude: the constants it shares
 //! with the host and a `static_assert` of every descriptor's size and field
-//! offsets as `src/cuda/descriptors.rs` lays them out, so this test also
+//! offsets as `src/engines/cuda/descriptors.rs` lays them out, so this test also
 //! fails when a descriptor drifts on one side. `KVCS_PTX_DIR=dir` writes the
 //! PTX there (`checksum_sm_90.ptx`, ...), to compare kernels across changes.
 

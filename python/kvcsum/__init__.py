@@ -17,7 +17,8 @@ Status), their values the header's; the plain names (kvcsum.MATCH, ...)
 are the same members. The package is split by job like src/ffi:
 _errors.py, _layers.py, _worker.py (Worker, Blocks, Result), _verify.py
 (Verifier, Report and its parts), _topology.py (Topology, Completion and
-the TP helpers), _repair.py, _constants.py (the enums), _base.py (what
+the TP helpers), _repair.py, _constants.py (the enums of the generated
+_enums.py), _base.py (what
 they share) and _lib.py (the ctypes declarations); use them through
 kvcsum.X.
 
@@ -127,6 +128,7 @@ from ._constants import (
     Role,
     Status,
     StoredOutcome,
+    TierOutcome,
     Verdict,
 )
 from ._errors import (
@@ -161,6 +163,7 @@ from ._topology import (
 )
 from ._verify import Finding, LayerDifference, Mismatch, Report, Uncompared, Verifier, base64_decode, base64_encode
 from ._version import __version__  # noqa: F401 (kvcsum.__version__)
+from ._tier import TierIndex
 from ._worker import Blocks, Result, Worker
 
 __all__ = [
@@ -189,6 +192,8 @@ __all__ = [
     "Direction",
     "Reason",
     "StoredOutcome",
+    "TierOutcome",
+    "TierIndex",
     "HOST",
     "PRODUCER",
     "CONSUMER",

@@ -35,9 +35,9 @@ def version() -> str:
     return library().kvcs_version().decode()
 
 
-_OK = 0
-_NOT_READY = 6
-_BUFFER_TOO_SMALL = 8
+_OK = Status.OK
+_NOT_READY = Status.NOT_READY
+_BUFFER_TOO_SMALL = Status.BUFFER_TOO_SMALL
 
 
 def _check(status: int) -> None:
@@ -246,11 +246,10 @@ class _Handle:
             raise ValueError(f"this {type(self).__name__} is closed")
         return self._handle
 
-    @contextlib.contextmanager
-    def _use(self, exclusive: bool = False, wait: bool = True):
-        """The open handle for the length of one call; ValueError once
-        closed. With wait=False, _Busy instead of waiting for another
-        thread's call (a repr must never block)."""
+    def _acquire(self, exclusive: bool = False, wait: bool = True) -> int:
+        """The open handle, taken for one call (each _acquire is followed by
+        one _release); ValueError once closed. With wait=False, _Busy
+        instead of waiting for another thread's call."""
         with self._state:
             while self._handle and (self._exclusive or (exclusive and self._users)):
                 if not wait:
@@ -260,19 +259,31 @@ class _Handle:
                 raise ValueError(f"this {type(self).__name__} is closed")
             self._users += 1
             self._exclusive = exclusive
-            handle = self._handle
+            return self._handle
+
+    def _release(self) -> None:
+        """Ends the call an _acquire began (frees a handle closed meanwhile
+        once its last call ends)."""
+        with self._state:
+            self._users -= 1
+            self._exclusive = False
+            orphan = None
+            if not self._users:
+                orphan, self._orphan = self._orphan, None
+                self._state.notify_all()
+        if orphan:
+            getattr(self._lib, self._destroy)(orphan)
+
+    @contextlib.contextmanager
+    def _use(self, exclusive: bool = False, wait: bool = True):
+        """The open handle for the length of one call; ValueError once
+        closed. With wait=False, _Busy instead of waiting for another
+        thread's call (a repr must never block)."""
+        handle = self._acquire(exclusive, wait)
         try:
             yield handle
         finally:
-            with self._state:
-                self._users -= 1
-                self._exclusive = False
-                orphan = None
-                if not self._users:
-                    orphan, self._orphan = self._orphan, None
-                    self._state.notify_all()
-            if orphan:
-                getattr(self._lib, self._destroy)(orphan)
+            self._release()
 
     def close(self) -> None:
         """Frees the handle; later calls on it raise ValueError. Atomic: from

@@ -1,8 +1,8 @@
 """Loads libkvcsum and declares its C ABI to ctypes.
 
-The declarations come from _abi, which scripts/gen-bindings.py generates
-from the library's source with the header (`make header`; a test fails
-when it is stale), so every call, struct, enum and constant of kvcsum.h is
+The declarations come from _abi, which tools/bindgen generates from the
+library's source with the header (`make header`; a test fails when it is
+stale), so every call, struct, enum and constant of kvcsum.h is
 here without a hand-written copy. They are checked against the loaded
 library when it is loaded: its ABI version must equal ABI_VERSION, and
 every struct must have, in the library's own words (kvcs_struct_layout,
@@ -282,6 +282,7 @@ class Api:
     (checked_int: ctypes would silently wrap -1 to 4294967295)."""
 
     path: str
+    cdll: ctypes.CDLL
 
 
 def _range_checked(name, function, checks):
@@ -336,6 +337,9 @@ def load(path: str | None = None) -> Api:
         raise AbiError(f"kvcsum: {path} lacks {', '.join(missing)} (an older build of ABI {abi}?)")
     api = Api()
     api.path = path
+    # The loaded library itself, for a second declaration of a hot call
+    # (kvcsum._tier) that takes plain addresses.
+    api.cdll = library
     for name, (restype, argtypes) in SIGNATURES.items():
         function = getattr(library, name)
         function.restype = restype

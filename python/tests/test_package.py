@@ -171,6 +171,7 @@ ENUMS = {
     "Direction": ("kvcs_direction", "KVCS_DIRECTION_"),
     "Reason": ("kvcs_unverified_reason", "KVCS_UNVERIFIED_"),
     "StoredOutcome": ("kvcs_stored_outcome", "KVCS_STORED_"),
+    "TierOutcome": ("kvcs_tier_outcome", "KVCS_TIER_"),
 }
 
 

@@ -1,9 +1,9 @@
 //! The one entry point of a program that loads kvcsum with `dlopen`:
 //! `kvcs_api_get` gives the function table generated into
-//! [`super::function_table`], so a plugin resolves one symbol.
+//! [`super::generated::function_table`], so a plugin resolves one symbol.
 
 use super::constants::KVCS_ABI_VERSION;
-use super::function_table::{kvcs_api, kvcs_api_get_fn, API};
+use super::generated::function_table::{kvcs_api, kvcs_api_get_fn, API};
 use super::not_null;
 use super::panic::ffi_boundary;
 use super::status::{fail_with, kvcs_status};

@@ -6,7 +6,7 @@ use super::handle::{free, handle, into_handle, try_handle_mut};
 use super::panic::ffi_boundary;
 use super::status::kvcs_status;
 use super::{c_array, c_str, not_null, try_engine};
-use crate::blocks::{BlockArrays, BlockSet};
+use crate::inputs::blocks::{BlockArrays, BlockSet};
 
 /// A request block set (docs/SPEC.md#5-request-block-sets): per request its token count and,
 /// per group, the block ids at consecutive positions.
@@ -101,7 +101,7 @@ pub extern "C" fn kvcs_blocks_set_hashes(
         // SAFETY: NULL or a NUL-terminated string per the contract.
         let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
         let Some(total) = n.checked_mul(hash_bytes) else {
-            return super::status::fail(&crate::error::Error::InvalidArgument(format!(
+            return super::status::fail(&crate::base::error::Error::InvalidArgument(format!(
                 "n {n} x hash_bytes {hash_bytes} overflows"
             )));
         };
@@ -174,12 +174,12 @@ pub extern "C" fn kvcs_blocks_add_arrays(
             None
         } else {
             if hash_bytes < 8 {
-                return super::status::fail(&crate::error::Error::InvalidArgument(format!(
+                return super::status::fail(&crate::base::error::Error::InvalidArgument(format!(
                     "hash_bytes is {hash_bytes}; a block hash has at least 8 bytes"
                 )));
             }
             let Some(total) = num_block_ids.checked_mul(hash_bytes) else {
-                return super::status::fail(&crate::error::Error::InvalidArgument(format!(
+                return super::status::fail(&crate::base::error::Error::InvalidArgument(format!(
                     "num_block_ids {num_block_ids} x hash_bytes {hash_bytes} overflows"
                 )));
             };

@@ -1,7 +1,7 @@
 //! Variable-size output through `(uint8_t *buf, size_t cap, size_t *len)`.
 
 use super::status::{fail, fail_with, kvcs_status};
-use crate::error::err;
+use crate::base::error::err;
 
 /// Copies `bytes` to `buf` (capacity `cap`) and their length to `*len`.
 ///

@@ -12,7 +12,7 @@
 
 use std::ffi::CStr;
 
-use crate::error::{err, Error};
+use crate::base::error::{err, Error};
 
 /// The C string `text`, which ends in its one NUL (made by [`c_enum!`]
 /// from a variant's name).
@@ -76,7 +76,7 @@ macro_rules! c_enum {
             /// The value `code` of the argument `arg`, or `InvalidArgument`
             /// naming the argument, its value and every valid value.
             #[allow(dead_code)]
-            pub(crate) fn from_arg(code: u32, arg: &str) -> $crate::error::Result<$enum> {
+            pub(crate) fn from_arg(code: u32, arg: &str) -> $crate::base::error::Result<$enum> {
                 $enum::try_from(code).map_err(|code| {
                     $crate::ffi::c_enum::not_one_of(arg, code, $enum::ALL.iter().map(|v| (v.name(), *v as u32)))
                 })
@@ -156,7 +156,7 @@ mod tests {
     fn a_refused_value_lists_the_valid_ones_in_order() {
         assert_eq!(
             kvcs_policy::from_arg(7, "policy").unwrap_err().to_string(),
-            crate::error::err!(
+            crate::base::error::err!(
                 InvalidArgument,
                 "policy 7 is not KVCS_POLICY_FAIL_OPEN (0) or KVCS_POLICY_FAIL_CLOSED (1)"
             )
@@ -164,7 +164,7 @@ mod tests {
         );
         assert_eq!(
             kvcs_algorithm::from_arg(0, "algorithm").unwrap_err().to_string(),
-            crate::error::err!(
+            crate::base::error::err!(
                 InvalidArgument,
                 "algorithm 0 is not KVCS_ALGORITHM_WEIGHTED (1), KVCS_ALGORITHM_MIXED (2) or KVCS_ALGORITHM_MIXED2 (3)"
             )

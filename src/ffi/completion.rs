@@ -10,8 +10,8 @@ use super::handle::{free, handle, into_handle, try_handle, try_handle_mut};
 use super::panic::ffi_boundary;
 use super::status::{fail, kvcs_status};
 use super::{c_array, c_str, not_null, try_engine};
-use crate::error::err;
-use crate::topology::{Completion, Direction};
+use crate::base::error::err;
+use crate::base::topology::{Completion, Direction};
 
 /// Which transfer a worker reports finished (`kvcs_completion_report`).
 /// Values are fixed and never renumbered.
@@ -30,7 +30,7 @@ c_enum!(kvcs_direction {
     KVCS_DIRECTION_RECEIVING
 });
 
-fn direction(value: u32) -> crate::error::Result<Direction> {
+fn direction(value: u32) -> crate::base::error::Result<Direction> {
     Ok(match kvcs_direction::from_arg(value, "direction")? {
         kvcs_direction::KVCS_DIRECTION_SENDING => Direction::Sending,
         kvcs_direction::KVCS_DIRECTION_RECEIVING => Direction::Receiving,

@@ -12,11 +12,11 @@ pub const KVCS_ABI_VERSION: u32 = 2;
 /// Bytes of stored checksum per block id (docs/SPEC.md#8-stored-checksums-for-offloaded-kv):
 /// the value, then the stamp of the configuration that stored it.
 pub const KVCS_BLOCK_CHECKSUM_BYTES: u64 = 16;
-const _: () = assert!(KVCS_BLOCK_CHECKSUM_BYTES == crate::layout::StoredBuffer::BYTES_PER_BLOCK);
+const _: () = assert!(KVCS_BLOCK_CHECKSUM_BYTES == crate::inputs::layout::StoredBuffer::BYTES_PER_BLOCK);
 
 /// `H` of docs/SPEC.md#3-block-checksum: no layer may have more heads than this.
 pub const KVCS_MAX_KV_HEADS_PER_LAYER: u64 = 65536;
-const _: () = assert!(KVCS_MAX_KV_HEADS_PER_LAYER == crate::checksum::MAX_KV_HEADS_PER_LAYER);
+const _: () = assert!(KVCS_MAX_KV_HEADS_PER_LAYER == crate::base::checksum::MAX_KV_HEADS_PER_LAYER);
 
 /// The `device` of a worker whose caches are in host memory.
 pub const KVCS_HOST: i32 = -1;

@@ -9,7 +9,7 @@
 //! pointer itself. (The design follows rustls-ffi's `Castable`: the C type
 //! names its Rust target once, and the casts live in one place.)
 
-use crate::error::{err, Result};
+use crate::base::error::{err, Result};
 
 /// A C handle type whose pointers own a `Box<Self::Target>`.
 pub(crate) trait Handle {

@@ -7,8 +7,8 @@ use super::panic::ffi_boundary;
 use super::status::kvcs_status;
 use super::worker::{kvcs_layer, kvcs_segment};
 use super::{c_array, c_str, not_null, try_engine, try_ref};
-use crate::error::Result;
-use crate::layout_string::{layer_from_layout, TensorView};
+use crate::base::error::Result;
+use crate::inputs::layout_string::{layer_from_layout, TensorView};
 
 /// A strided tensor (a PyTorch tensor, a DLPack `DLTensor`, a numpy array)
 /// as `kvcs_layer_from_layout` reads it: sizes and strides, outermost

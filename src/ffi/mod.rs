@@ -13,7 +13,7 @@ pub mod buffer;
 pub(crate) mod c_enum;
 pub mod completion;
 pub mod constants;
-pub mod function_table;
+pub mod generated;
 pub(crate) mod handle;
 pub mod layout_string;
 pub mod panic;
@@ -23,14 +23,14 @@ pub mod report;
 pub mod result;
 pub mod status;
 pub mod struct_layout;
-pub(crate) mod struct_layout_table;
+pub mod tier_index;
 pub mod topology;
 pub mod verifier;
 pub mod worker;
 
 use std::ffi::{c_char, CStr};
 
-use crate::error::{err, Result};
+use crate::base::error::{err, Result};
 
 /// Turns a NULL pointer to a C struct argument (not a handle: see
 /// [`handle`]) into `KVCS_ERR_INVALID_ARGUMENT` (with a message naming it)
@@ -39,7 +39,7 @@ macro_rules! try_ref {
     ($ptr:expr, $name:literal) => {{
         let ptr = $ptr;
         if ptr.is_null() {
-            return $crate::ffi::status::fail(&$crate::error::Error::InvalidArgument(
+            return $crate::ffi::status::fail(&$crate::base::error::Error::InvalidArgument(
                 concat!($name, " is NULL").to_owned(),
             ));
         }
@@ -55,7 +55,7 @@ pub(crate) use try_ref;
 macro_rules! not_null {
     ($ptr:expr, $name:literal) => {
         if $ptr.is_null() {
-            return $crate::ffi::status::fail(&$crate::error::Error::InvalidArgument(
+            return $crate::ffi::status::fail(&$crate::base::error::Error::InvalidArgument(
                 concat!($name, " is NULL").to_owned(),
             ));
         }

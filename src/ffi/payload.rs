@@ -10,8 +10,8 @@ use super::handle::{free, handle, into_handle, try_handle};
 use super::panic::ffi_boundary;
 use super::status::{fail, kvcs_status};
 use super::{c_array, not_null, try_engine, write_out};
-use crate::error::err;
-use crate::payload::{ExtensionGroup, Payload, PayloadGroup, PAYLOAD_VERSION};
+use crate::base::error::err;
+use crate::wire::payload::{ExtensionGroup, Payload, PayloadGroup, PAYLOAD_VERSION};
 
 /// A decoded payload: its groups, values and (when sent) the kvcsum
 /// extension.
@@ -396,7 +396,7 @@ fn layer_of(
     handle: &PayloadHandle,
     group_index: usize,
     layer_index: usize,
-) -> Result<&crate::payload::LayerPartial, kvcs_status> {
+) -> Result<&crate::wire::payload::LayerPartial, kvcs_status> {
     let (_, extension) = handle.group(group_index)?;
     let layers = extension.map_or(&[][..], |e| &e.layers[..]);
     layers.get(layer_index).ok_or_else(|| {

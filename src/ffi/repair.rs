@@ -10,8 +10,8 @@ use super::panic::ffi_boundary;
 use super::report::{kvcs_mismatch, kvcs_report};
 use super::status::kvcs_status;
 use super::{c_array, c_str, try_engine};
-use crate::blocks::{BlockSet, RequestBlocks};
-use crate::error::{err, Result};
+use crate::base::error::{err, Result};
+use crate::inputs::blocks::{BlockSet, RequestBlocks};
 use crate::repair::{repair_plan, report_repair_plan, DifferingRun, RepairBlock};
 
 /// A consumer block to load again: its group, position and block id, and

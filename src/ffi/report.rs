@@ -10,7 +10,7 @@ use super::handle::{free, handle, into_handle, try_handle};
 use super::panic::ffi_boundary;
 use super::status::{fail, kvcs_status};
 use super::{not_null, write_out};
-use crate::error::err;
+use crate::base::error::err;
 use crate::verify::{Reason, Report, Verdict};
 
 /// A verifier's judgement of one finished load: match, mismatch (groups and

@@ -8,8 +8,8 @@ use super::handle::{free, handle, try_handle};
 use super::panic::ffi_boundary;
 use super::status::kvcs_status;
 use super::{c_array, c_str, not_null, try_engine, write_out};
-use crate::result::{Checksums, StoredOutcome};
-use crate::stored;
+use crate::engines::stored;
+use crate::results::checksums::{Checksums, StoredOutcome};
 
 /// The partial checksums of one `kvcs_worker_checksum` call: per request and
 /// group, one column per replica key, one value per block position.
@@ -34,7 +34,7 @@ pub extern "C" fn kvcs_result_query(result: *const kvcs_result) -> kvcs_status {
         let result = try_handle!(result, "result");
         match try_engine!(result.is_ready()) {
             true => kvcs_status::KVCS_OK,
-            false => super::status::fail(&crate::error::Error::NotReady(
+            false => super::status::fail(&crate::base::error::Error::NotReady(
                 "the result is still being computed on the device".to_owned(),
             )),
         }
@@ -104,7 +104,7 @@ pub extern "C" fn kvcs_result_column(
         let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
         let (key, column_values) = try_engine!(result.column(req_id, group_id, column));
         if values.is_null() && !column_values.is_empty() {
-            return super::status::fail(&crate::error::Error::InvalidArgument(format!(
+            return super::status::fail(&crate::base::error::Error::InvalidArgument(format!(
                 "values is NULL for {} positions", column_values.len()
             )));
         }
@@ -195,7 +195,7 @@ pub extern "C" fn kvcs_result_stored(
         let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
         let verdicts = try_engine!(result.stored_outcomes(req_id, group_id));
         if outcomes.is_null() && !verdicts.is_empty() {
-            return super::status::fail(&crate::error::Error::InvalidArgument(format!(
+            return super::status::fail(&crate::base::error::Error::InvalidArgument(format!(
                 "outcomes is NULL for {} positions", verdicts.len()
             )));
         }
@@ -241,7 +241,7 @@ pub extern "C" fn kvcs_result_entries(
         let req_id = try_engine!(unsafe { c_str(req_id, "req_id") });
         let found = try_engine!(stored::result_entries(result, req_id, group_id));
         if entries.is_null() && !found.is_empty() {
-            return super::status::fail(&crate::error::Error::InvalidArgument(format!(
+            return super::status::fail(&crate::base::error::Error::InvalidArgument(format!(
                 "entries is NULL for {} positions", found.len()
             )));
         }
@@ -284,7 +284,7 @@ pub extern "C" fn kvcs_result_check_entries(
         let (_, blocks) = try_engine!(result.given_blocks(req_id, group_id));
         let positions = blocks.block_ids.len();
         let Some(words) = positions.checked_mul(2) else {
-            return super::status::fail(&crate::error::Error::InvalidArgument(format!(
+            return super::status::fail(&crate::base::error::Error::InvalidArgument(format!(
                 "2 x {positions} positions overflows"
             )));
         };
@@ -293,7 +293,7 @@ pub extern "C" fn kvcs_result_check_entries(
         let pairs: Vec<(u64, u64)> = words.chunks_exact(2).map(|pair| (pair[0], pair[1])).collect();
         let verdicts = try_engine!(stored::check_result_entries(result, req_id, group_id, &pairs));
         if outcomes.is_null() && !verdicts.is_empty() {
-            return super::status::fail(&crate::error::Error::InvalidArgument(format!(
+            return super::status::fail(&crate::base::error::Error::InvalidArgument(format!(
                 "outcomes is NULL for {} positions", verdicts.len()
             )));
         }
@@ -424,7 +424,7 @@ pub extern "C" fn kvcs_result_check_entries_buf(
         let (_, blocks) = try_engine!(result.given_blocks(req_id, group_id));
         let positions = blocks.block_ids.len();
         if positions.checked_mul(2) != Some(num_words) {
-            return super::status::fail(&crate::error::Error::InvalidArgument(format!(
+            return super::status::fail(&crate::base::error::Error::InvalidArgument(format!(
                 "num_words {num_words} is not 2 x the {positions} positions of group_id {group_id} (2 each: value, stamp)"
             )));
         }
@@ -463,7 +463,7 @@ pub extern "C" fn kvcs_result_encode(
     ffi_boundary! {
         let result = try_handle!(result, "result");
         super::not_null!(len, "len");
-        let bytes = try_engine!(crate::record::Record::from_checksums(result)).encode();
+        let bytes = try_engine!(crate::wire::record::Record::from_checksums(result)).encode();
         // SAFETY: `buf` has `cap` writable bytes and `len` is writable per the contract.
         unsafe { super::buffer::write_bytes(&bytes, buf, cap, len) }
     }

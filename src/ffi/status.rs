@@ -5,7 +5,7 @@ use super::c_enum::c_enum;
 use std::cell::RefCell;
 use std::ffi::{c_char, CString};
 
-use crate::error::Error;
+use crate::base::error::Error;
 
 /// The outcome of a call. Values are fixed and never renumbered; a retired
 /// value stays reserved. Calls that take a status from C take `uint32_t`.

@@ -5,18 +5,18 @@
 //! whether the structs still have the shape it knows. `kvcs_<struct>_size`
 //! gives one struct's `sizeof`; `kvcs_struct_layout` and `kvcs_struct_field`
 //! give each struct's size and its fields' names, offsets and sizes in this
-//! build (generated into [`super::struct_layout_table`]), so that a binding
+//! build (generated into [`super::generated::struct_layout_table`]), so that a binding
 //! compares field offsets, not only sizes.
 
 use std::ffi::c_char;
 use std::mem::size_of;
 
+use super::generated::struct_layout_table::{StructLayout, STRUCT_LAYOUTS};
 use super::layout_string::kvcs_tensor;
 use super::panic::ffi_boundary;
 use super::repair::kvcs_repair_block;
 use super::report::{kvcs_layer_difference, kvcs_mismatch};
 use super::status::{fail, fail_with, kvcs_status};
-use super::struct_layout_table::{StructLayout, STRUCT_LAYOUTS};
 use super::topology::{kvcs_head_source, kvcs_local_engine, kvcs_remote_engine};
 use super::worker::{kvcs_layer, kvcs_segment, kvcs_state, kvcs_state_tensor, kvcs_worker_options};
 use super::{c_str, write_out};

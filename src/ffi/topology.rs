@@ -6,7 +6,7 @@
 //! worker and that engine. The completion counter is `completion.rs`.
 //!
 //! Every TP size these calls take runs from 1 to `KVCS_MAX_TP_SIZE`
-//! (`crate::topology::MAX_TP_SIZE`), so that each answer fits in memory.
+//! (`crate::base::topology::MAX_TP_SIZE`), so that each answer fits in memory.
 
 use std::ffi::c_char;
 
@@ -15,8 +15,8 @@ use super::handle::{free, handle, into_handle, try_handle, try_handle_mut};
 use super::panic::ffi_boundary;
 use super::status::{fail, kvcs_status};
 use super::{c_str, not_null, try_engine, try_ref, write_out};
-use crate::error::err;
-use crate::topology::{self, HeadSource, LocalEngine, RemoteEngine, Topology};
+use crate::base::error::err;
+use crate::base::topology::{self, HeadSource, LocalEngine, RemoteEngine, Topology};
 
 /// A run of a local rank's heads and the remote rank that supplies it
 /// (`kvcs_head_sources`).
@@ -365,7 +365,7 @@ unsafe fn engine_answer<T>(
     engine_id: *const c_char,
     out: *mut T,
     out_name: &str,
-    ask: impl FnOnce(&Topology, &str) -> crate::error::Result<T>,
+    ask: impl FnOnce(&Topology, &str) -> crate::base::error::Result<T>,
 ) -> kvcs_status {
     let topology = try_handle!(topology, "topology");
     // SAFETY: NULL or a NUL-terminated string per the contract.

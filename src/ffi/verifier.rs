@@ -14,10 +14,10 @@ use super::panic::ffi_boundary;
 use super::report::{kvcs_report, report_into_handle};
 use super::status::{fail, kvcs_status};
 use super::{c_array, c_str, not_null, try_engine, write_out};
-use crate::error::err;
+use crate::base::error::err;
 
-use crate::payload::{decode_base64, encode_base64};
 use crate::verify::{Policy, Verifier};
+use crate::wire::payload::{decode_base64, encode_base64};
 
 /// Collects every worker's records of requests and verifies loads
 /// (docs/SPEC.md#4-partial-checksums-replicas-roles,

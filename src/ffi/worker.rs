@@ -10,15 +10,15 @@ use super::panic::ffi_boundary;
 use super::result::kvcs_result;
 use super::status::{fail, kvcs_status};
 use super::{c_array, c_str, not_null, try_engine, try_ref, write_out};
-use crate::blocks::BlockSet;
-use crate::checksum::Algorithm;
-use crate::decoding::LayerDecoding;
-use crate::error::err;
-use crate::layout::{Alias, LayerSpec, Region, ReplicaKey, Segment};
-use crate::placement::GroupPlacement;
-use crate::result::Checksums;
-use crate::state::{StateSpec, StateTensor, MAX_STATE_TENSORS};
-use crate::stream::StreamHandle;
+use crate::base::checksum::Algorithm;
+use crate::base::error::err;
+use crate::inputs::blocks::BlockSet;
+use crate::inputs::decoding::LayerDecoding;
+use crate::inputs::layout::{Alias, LayerSpec, Region, ReplicaKey, Segment};
+use crate::inputs::placement::GroupPlacement;
+use crate::inputs::state::{StateSpec, StateTensor, MAX_STATE_TENSORS};
+use crate::inputs::stream::StreamHandle;
+use crate::results::checksums::Checksums;
 use crate::worker::{Worker, WorkerOptions};
 
 /// A worker context: the layout one TP rank / PP stage registered and the
@@ -520,8 +520,8 @@ c_enum!(kvcs_role {
 });
 
 /// The `role` argument (`KVCS_ROLE_*`).
-pub(super) fn role_arg(role: u32) -> crate::error::Result<crate::layout::Role> {
-    use crate::layout::Role;
+pub(super) fn role_arg(role: u32) -> crate::base::error::Result<crate::inputs::role::Role> {
+    use crate::inputs::role::Role;
     Ok(match kvcs_role::from_arg(role, "role")? {
         kvcs_role::KVCS_ROLE_PRODUCER => Role::Producer,
         kvcs_role::KVCS_ROLE_CONSUMER => Role::Consumer,
@@ -624,7 +624,7 @@ unsafe fn call_into_result(
     worker: *mut kvcs_worker,
     blocks: *const kvcs_blocks,
     out: *mut *mut kvcs_result,
-    call: impl FnOnce(&Worker, &BlockSet) -> crate::error::Result<Checksums>,
+    call: impl FnOnce(&Worker, &BlockSet) -> crate::base::error::Result<Checksums>,
 ) -> kvcs_status {
     let worker = try_handle_mut!(worker, "worker");
     let blocks = try_handle!(blocks, "blocks");

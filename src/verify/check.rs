@@ -3,11 +3,11 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use crate::blocks::GroupBlocks;
-use crate::error::Result;
-use crate::layout::ReplicaKey;
-use crate::payload::{ExtensionGroup, FingerprintConvention, Payload, PayloadGroup};
-use crate::record::{LayerPartial, RecordGroup};
+use crate::base::error::Result;
+use crate::inputs::blocks::GroupBlocks;
+use crate::inputs::layout::ReplicaKey;
+use crate::wire::payload::{ExtensionGroup, FingerprintConvention, Payload, PayloadGroup};
+use crate::wire::record::{LayerPartial, RecordGroup};
 
 use super::collect::{add_into, shard_coverage, GroupOutcome, Judged, Load, Unverified, Wording, WorkerPart};
 use super::compare::{consumer_ranges, differing_ranges, producer_ranges, run_tokens, Series};

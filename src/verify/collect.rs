@@ -6,11 +6,12 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
-use crate::blocks::{GroupBlocks, RequestBlocks};
-use crate::checksum::Algorithm;
-use crate::error::{err, Result};
-use crate::layout::{ReplicaKey, Role};
-use crate::record::{GroupInfo, Rank, RecordGroup, RecordRequest};
+use crate::base::checksum::Algorithm;
+use crate::base::error::{err, Result};
+use crate::inputs::blocks::{GroupBlocks, RequestBlocks};
+use crate::inputs::layout::ReplicaKey;
+use crate::inputs::role::Role;
+use crate::wire::record::{GroupInfo, Rank, RecordGroup, RecordRequest};
 
 use super::report::{Finding, Mismatch, Policy, Reason, Report, Uncompared};
 

@@ -11,7 +11,9 @@
 
 use std::collections::BTreeMap;
 
-use crate::decoding::{first_geometry_difference, merge_geometry, GeometryDifference, LayerDecoding, LayerGeometry};
+use crate::inputs::decoding::{
+    first_geometry_difference, merge_geometry, GeometryDifference, LayerDecoding, LayerGeometry,
+};
 
 use super::collect::{Judged, Pending, Unverified};
 use super::report::Reason;

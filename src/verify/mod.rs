@@ -56,11 +56,11 @@ pub mod report;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::blocks::BlockSet;
-use crate::error::{err, Result};
-use crate::layout::Role;
-use crate::payload::Payload;
-use crate::record::{GroupInfo, Record};
+use crate::base::error::{err, Result};
+use crate::inputs::blocks::BlockSet;
+use crate::inputs::role::Role;
+use crate::wire::payload::Payload;
+use crate::wire::record::{GroupInfo, Record};
 
 use collect::{check_rank, Pending, Unverified, WorkerPart};
 use collect::{Load, Settings};
@@ -303,7 +303,7 @@ impl Verifier {
     /// `kv_transfer_params["kv_checksums"]`; text that is not standard padded
     /// base64 makes the load unverified (invalid checksums).
     pub fn check_base64(&self, req_id: &str, text: &[u8]) -> Result<Report> {
-        let decoded = crate::payload::decode_base64(text).and_then(|bytes| Payload::decode(&bytes));
+        let decoded = crate::wire::payload::decode_base64(text).and_then(|bytes| Payload::decode(&bytes));
         self.check_decoded(req_id, Some(decoded))
     }
 

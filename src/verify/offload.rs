@@ -3,9 +3,9 @@
 //! compared the blocks it loaded with the stored checksums copied with them,
 //! and its record says, per block position, whether they matched.
 
-use crate::blocks::{valid_tokens, GroupBlocks};
-use crate::record::Rank;
-use crate::result::StoredOutcome;
+use crate::inputs::blocks::{valid_tokens, GroupBlocks};
+use crate::results::checksums::StoredOutcome;
+use crate::wire::record::Rank;
 
 use super::collect::{GroupOutcome, Judged, Load, Unverified, Wording};
 use super::report::{Mismatch, Reason, Report};

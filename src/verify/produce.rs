@@ -1,11 +1,11 @@
 //! Producing: the payload of SPEC section 9 from every worker's part of a
 //! producer's request.
 
-use crate::blocks::GroupBlocks;
-use crate::checksum::Algorithm;
-use crate::error::{err, Error, Result};
-use crate::payload::{Extension, ExtensionGroup, LayerPartial, Payload, PayloadGroup, FIRST_COPY};
-use crate::record::RecordGroup;
+use crate::base::checksum::Algorithm;
+use crate::base::error::{err, Error, Result};
+use crate::inputs::blocks::GroupBlocks;
+use crate::wire::payload::{Extension, ExtensionGroup, LayerPartial, Payload, PayloadGroup, FIRST_COPY};
+use crate::wire::record::RecordGroup;
 
 use super::collect::{add_into, shard_coverage, Judged, Pending, Unverified, WorkerPart};
 

@@ -5,7 +5,7 @@
 
 use std::fmt::Write as _;
 
-use crate::record_facts::Rank;
+use crate::results::record_facts::Rank;
 
 /// The outcome of comparing a finished load with the producer's checksums.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -774,6 +774,108 @@ static void test_repair_plan(void) {
   kvcs_blocks_destroy(blocks);
 }
 
+/* kvcs_tier_index_*: every bad argument is refused naming it, a refused
+ * store keeps nothing, and a stored block matches, then mismatches once
+ * its bytes change. */
+static void test_tier_index(void) {
+  kvcs_tier_index *index = SENTINEL;
+  EXPECT(kvcs_tier_index_create(0, &index), KVCS_ERR_INVALID_ARGUMENT, "capacity 0");
+  EXPECT(kvcs_tier_index_create(UINT64_MAX, &index), KVCS_ERR_INVALID_ARGUMENT, "capacity 18446744073709551615");
+  CHECK(index == SENTINEL);
+  EXPECT(kvcs_tier_index_create(8, NULL), KVCS_ERR_INVALID_ARGUMENT, "out");
+  EXPECT_OK(kvcs_tier_index_create(8, &index));
+  kvcs_tier_index_destroy(NULL);
+
+  kvcs_worker_options options = host_options();
+  kvcs_worker *worker = NULL;
+  EXPECT_OK(kvcs_worker_create(&options, &worker));
+  EXPECT_OK(kvcs_worker_add_region(worker, (uint64_t)(uintptr_t)cache, CACHE_BYTES));
+  EXPECT_OK(kvcs_worker_add_group(worker, 0, BLOCK_SIZE));
+  kvcs_segment segment = good_segment();
+  kvcs_layer layer = good_layer(&segment);
+  EXPECT_OK(kvcs_worker_add_layer(worker, &layer));
+  for (size_t i = 0; i < CACHE_BYTES / 8; i++) {
+    cache[i] = 0x9E3779B97F4A7C15ull * (i + 1);
+  }
+
+  const uint32_t groups[2] = {0, 0}, bad_groups[2] = {0, 5};
+  const uint64_t positions[2] = {0, 1};
+  const uint32_t ids[2] = {0, 1}, bad_ids[2] = {0, NUM_BLOCKS};
+  uint8_t hashes[2 * 32];
+  for (size_t i = 0; i < sizeof hashes; i++) {
+    hashes[i] = (uint8_t)(i * 7 + 1);
+  }
+  uint64_t entries = 99, dropped = 99, lost = 99, bytes = 99;
+  EXPECT(kvcs_tier_index_store(NULL, worker, 2, groups, positions, ids, hashes, 32, NULL), KVCS_ERR_INVALID_ARGUMENT,
+         "index");
+  EXPECT(kvcs_tier_index_store(index, NULL, 2, groups, positions, ids, hashes, 32, NULL), KVCS_ERR_INVALID_ARGUMENT,
+         "worker");
+  EXPECT(kvcs_tier_index_store(index, worker, 2, NULL, positions, ids, hashes, 32, NULL), KVCS_ERR_INVALID_ARGUMENT,
+         "group_ids is NULL");
+  EXPECT(kvcs_tier_index_store(index, worker, 2, groups, NULL, ids, hashes, 32, NULL), KVCS_ERR_INVALID_ARGUMENT,
+         "positions is NULL");
+  EXPECT(kvcs_tier_index_store(index, worker, 2, groups, positions, NULL, hashes, 32, NULL), KVCS_ERR_INVALID_ARGUMENT,
+         "block_ids is NULL");
+  EXPECT(kvcs_tier_index_store(index, worker, 2, groups, positions, ids, NULL, 32, NULL), KVCS_ERR_INVALID_ARGUMENT,
+         "hashes is NULL");
+  EXPECT(kvcs_tier_index_store(index, worker, 2, groups, positions, ids, hashes, 7, NULL), KVCS_ERR_INVALID_ARGUMENT,
+         "hash_bytes is 7");
+  EXPECT(kvcs_tier_index_store(index, worker, 2, groups, positions, ids, hashes, 33, NULL), KVCS_ERR_INVALID_ARGUMENT,
+         "hash_bytes is 33");
+  EXPECT(kvcs_tier_index_store(index, worker, SIZE_MAX / 4, groups, positions, ids, hashes, 32, NULL),
+         KVCS_ERR_INVALID_ARGUMENT, "too large");
+  EXPECT(kvcs_tier_index_store(index, worker, 2, bad_groups, positions, ids, hashes, 32, NULL),
+         KVCS_ERR_INVALID_ARGUMENT, "group_ids[1] 5");
+  EXPECT(kvcs_tier_index_store(index, worker, 2, groups, positions, bad_ids, hashes, 32, NULL), KVCS_ERR_OUT_OF_BOUNDS,
+         "2");
+  EXPECT_OK(kvcs_tier_index_info(index, &entries, &dropped, &lost, &bytes));
+  CHECK(entries == 0 && dropped == 0 && lost == 0); /* nothing kept by a refused store */
+  EXPECT(kvcs_tier_index_info(NULL, &entries, NULL, NULL, NULL), KVCS_ERR_INVALID_ARGUMENT, "index");
+
+  EXPECT_OK(kvcs_tier_index_store(index, worker, 2, groups, positions, ids, hashes, 32, NULL));
+  EXPECT_OK(kvcs_tier_index_store(index, worker, 0, NULL, NULL, NULL, NULL, 0, NULL)); /* reads finished stores */
+  EXPECT_OK(kvcs_tier_index_info(index, &entries, NULL, NULL, &bytes));
+  CHECK(entries == 2 && bytes > 0 && bytes <= 8 * KVCS_TIER_INDEX_ENTRY_BYTES + 4096);
+
+  uint64_t values[4] = {0}, position = 99;
+  size_t len = 99;
+  EXPECT(kvcs_tier_index_values(index, 0, hashes, 32, &position, values, 0, &len), KVCS_ERR_BUFFER_TOO_SMALL, "cap 0");
+  CHECK(len == 1);
+  EXPECT(kvcs_tier_index_values(index, 0, hashes, 32, &position, values, 4, NULL), KVCS_ERR_INVALID_ARGUMENT, "len");
+  EXPECT(kvcs_tier_index_values(index, 0, NULL, 32, &position, values, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "hash is NULL");
+  EXPECT(kvcs_tier_index_values(index, 0, hashes, 4, &position, values, 4, &len), KVCS_ERR_INVALID_ARGUMENT,
+         "hash_bytes is 4");
+  EXPECT_OK(kvcs_tier_index_values(index, 0, hashes + 32, 32, &position, values, 4, &len));
+  CHECK(len == 1 && position == 1);
+  EXPECT_OK(kvcs_tier_index_values(index, 1, hashes, 32, &position, values, 4, &len));
+  CHECK(len == 0); /* another group's hash */
+
+  uint8_t outcomes[2] = {0, 0};
+  const uint8_t hashed[2] = {1, 0}, bad_hashed[2] = {1, 2};
+  EXPECT(kvcs_tier_index_check(index, worker, 2, groups, positions, ids, hashes, 32, NULL, NULL, NULL),
+         KVCS_ERR_INVALID_ARGUMENT, "outcomes is NULL");
+  EXPECT(kvcs_tier_index_check(index, worker, 2, groups, positions, ids, hashes, 32, bad_hashed, NULL, outcomes),
+         KVCS_ERR_INVALID_ARGUMENT, "hashed[1] is 2");
+  EXPECT(kvcs_tier_index_check(index, worker, 2, bad_groups, positions, ids, hashes, 32, NULL, NULL, outcomes),
+         KVCS_ERR_INVALID_ARGUMENT, "group_ids[1] 5");
+  CHECK(outcomes[0] == 0 && outcomes[1] == 0); /* not written on an error */
+  EXPECT_OK(kvcs_tier_index_check(index, worker, 2, groups, positions, ids, hashes, 32, hashed, NULL, outcomes));
+  CHECK(outcomes[0] == KVCS_TIER_MATCHED && outcomes[1] == KVCS_TIER_NO_BLOCK_HASH);
+  /* Block 1 loaded at position 0 with block 0's hash: other bytes, a mismatch. */
+  const uint32_t swapped[2] = {1, 0};
+  EXPECT_OK(kvcs_tier_index_check(index, worker, 2, groups, positions, swapped, hashes, 32, NULL, NULL, outcomes));
+  CHECK(outcomes[0] == KVCS_TIER_MISMATCHED && outcomes[1] == KVCS_TIER_MISMATCHED);
+  /* A hash stored at position 1 loaded at position 0. */
+  const uint64_t moved[2] = {1, 0};
+  EXPECT_OK(kvcs_tier_index_check(index, worker, 2, groups, moved, ids, hashes, 32, NULL, NULL, outcomes));
+  CHECK(outcomes[0] == KVCS_TIER_OTHER_POSITION && outcomes[1] == KVCS_TIER_OTHER_POSITION);
+
+  kvcs_tier_index_destroy(index);
+  kvcs_worker_destroy(worker);
+  memset(cache, 0, sizeof cache); /* the later tests read an all-zero cache */
+}
+
 void test_errors(void) {
   test_versions_and_names();
   test_last_error_is_per_thread();
@@ -781,6 +883,7 @@ void test_errors(void) {
   test_registration();
   test_blocks();
   test_blocks_add_arrays();
+  test_tier_index();
   test_checksum_and_result();
   test_layer_from_layout();
   test_repair_plan();

@@ -3,7 +3,7 @@
  * and reports, base64, their ownership and buffer rules, and every error
  * path of those calls. What a verdict should be in each situation is the
  * Rust tests' business (tests/verify.rs, tests/verify_ffi.rs,
- * tests/verify_decode.rs); here one end-to-end scenario runs real host
+ * tests/it/wire_bytes.rs); here one end-to-end scenario runs real host
  * workers over a small random logical KV laid out by a producer (TP=2, HND,
  * 4-token blocks) and a consumer (TP=4 with each of the 2 KV heads on 2
  * ranks, cross-layer, K and V apart, 8-token blocks of two kernel blocks):

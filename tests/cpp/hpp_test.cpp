@@ -348,6 +348,42 @@ void test_block_arrays() {
   EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "already", bulk.add_arrays(arrays));
 }
 
+/// tier_index: a stored block's value is the naive checksum of its
+/// position (the sum over the worker's columns, one column here), a check
+/// matches it, another block at that position mismatches, and bad views
+/// throw before any call.
+void test_tier_index() {
+  std::vector<flash_layer> layers(kLayers);
+  kvcs::worker worker = flash_worker(layers, kvcs::algorithm::mixed2, false);
+  kvcs::tier_index index(16);
+  const uint32_t group_ids[2] = {0, 0};
+  const uint64_t positions[2] = {0, 1};
+  const uint32_t block_ids[2] = {4, 1};
+  std::vector<uint8_t> hashes(64);
+  for (size_t i = 0; i < hashes.size(); i++) {
+    hashes[i] = static_cast<uint8_t>(random_bits());
+  }
+  kvcs::tier_blocks blocks{group_ids, positions, block_ids, hashes, 32, {}};
+  index.store(worker, blocks);
+  EXPECT(index.info().entries == 2);
+  uint64_t position = 9;
+  std::vector<uint64_t> kept = index.values(0, kvcs::view<uint8_t>(hashes.data() + 32, 32), &position);
+  std::vector<uint64_t> naive = naive_checksums(layers, {4, 1}, 2 * kBlockSize, kvcs::algorithm::mixed2);
+  EXPECT(kept.size() == 1 && kept[0] == naive[1] && position == 1);
+  std::vector<kvcs::tier_outcome> got = index.check_loaded(worker, blocks);
+  EXPECT(got.size() == 2 && got[0] == kvcs::tier_outcome::matched && got[1] == kvcs::tier_outcome::matched);
+  const uint32_t swapped[2] = {1, 4};
+  const uint8_t hashed[2] = {1, 0};
+  kvcs::tier_blocks loaded{group_ids, positions, swapped, hashes, 32, hashed};
+  got = index.check_loaded(worker, loaded);
+  EXPECT(got[0] == kvcs::tier_outcome::mismatched && got[1] == kvcs::tier_outcome::no_block_hash);
+  kvcs::tier_blocks short_positions{group_ids, kvcs::view<uint64_t>(positions, 1), block_ids, hashes, 32, {}};
+  EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "positions has 1", index.store(worker, short_positions));
+  kvcs::tier_blocks short_hash{group_ids, positions, block_ids, kvcs::view<uint8_t>(hashes.data(), 14), 7, {}};
+  EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "hash_bytes is 7", index.store(worker, short_hash));
+  EXPECT_THROW(KVCS_ERR_INVALID_ARGUMENT, "capacity 0", kvcs::tier_index(0));
+}
+
 /// The registration calls and their errors: regions, layers, state layers,
 /// aliases, skipped groups.
 void test_registration() {
@@ -785,6 +821,7 @@ int main() {
     test_base64();
     test_checksums();
     test_block_arrays();
+    test_tier_index();
     test_registration();
     test_stored();
     test_verification();

@@ -32,6 +32,12 @@ const CALLED_BY_NAME: &[(Binding, &str, &str)] = &[
     ),
     (
         Binding::Python,
+        "kvcs_tier_index_*",
+        "kvcsum._tier declares the store and check a second time from the loaded library by name (cdll[name]), \
+         taking plain addresses for a decode step's hot call",
+    ),
+    (
+        Binding::Python,
         "kvcs_*_size",
         "_lib's layout check calls getattr(api, f\"{c_name}_size\")() for each struct that has one, the names \
          being keys of the generated _abi.CALLS",
@@ -256,11 +262,12 @@ fn the_header_parser_finds_known_calls_and_no_types() {
     assert!(!c_code("a /* kvcs_x( */ b // kvcs_y(\n\"kvcs_z(\"").contains("kvcs_"));
     let by_name = called_by_name(
         Binding::Python,
-        "_destroy = \"kvcs_blocks_destroy\"\nSIZES = {'kvcs_layer_size': L, \"kvcs_add\": 1}\nkvcs_state_size",
+        "_destroy = \"kvcs_blocks_destroy\"\nSIZES = {'kvcs_layer_size': L, \"kvcs_add\": 1}\nkvcs_state_size\n\
+         _raw(\"kvcs_tier_index_store\", ARGS)",
     );
     assert_eq!(
         by_name.into_iter().collect::<Vec<_>>(),
-        ["kvcs_blocks_destroy", "kvcs_layer_size"]
+        ["kvcs_blocks_destroy", "kvcs_layer_size", "kvcs_tier_index_store"]
     );
     assert_eq!(
         python_code("x = 1  # lib.kvcs_a()\n\"\"\"lib.kvcs_b()\"\"\"\nlib.kvcs_c()"),

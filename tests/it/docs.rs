@@ -22,11 +22,11 @@ fn verification_md_names_the_record_version_written_and_the_one_still_read() {
     let text = flat(&read("docs/verification.md"));
     let written = kvcsum::record::RECORD_VERSION;
     // Versions 4 (0.3.0's development builds, no short last values) and 5
-    // (no geometry) are still read (src/record.rs).
+    // (no geometry) are still read (src/wire/record.rs).
     let said = format!("this library writes version {written} and reads versions 4 to {written}");
     assert!(
         text.contains(&said),
-        "docs/verification.md does not say \"{said}\" (src/record.rs writes version {written})"
+        "docs/verification.md does not say \"{said}\" (src/wire/record.rs writes version {written})"
     );
     let header = read("include/kvcsum.h");
     assert!(
@@ -45,7 +45,7 @@ fn errors_md_row(status: &str) -> String {
 }
 
 /// A `bytes_per_token` that is not a multiple of 8 is refused as
-/// INVALID_ARGUMENT (src/layout.rs; tests/c/errors.c checks the status):
+/// INVALID_ARGUMENT (src/inputs/layout.rs; tests/c/errors.c checks the status):
 /// ERRORS.md says so under that status and not under UNSUPPORTED.
 #[test]
 fn errors_md_lists_a_bytes_per_token_not_a_multiple_of_8_as_invalid_argument() {
@@ -57,11 +57,11 @@ fn errors_md_lists_a_bytes_per_token_not_a_multiple_of_8_as_invalid_argument() {
         !errors_md_row("KVCS_ERR_UNSUPPORTED").contains("bytes_per_token"),
         "docs/ERRORS.md's UNSUPPORTED row still names bytes_per_token"
     );
-    let layout = read("src/layout.rs");
+    let layout = read("src/inputs/layout.rs");
     assert!(
         layout.contains("bytes_per_token {bytes} is not a positive multiple of 8")
             && layout.contains("InvalidArgument"),
-        "src/layout.rs no longer refuses bytes_per_token as InvalidArgument: change docs/ERRORS.md too"
+        "src/inputs/layout.rs no longer refuses bytes_per_token as InvalidArgument: change docs/ERRORS.md too"
     );
 }
 

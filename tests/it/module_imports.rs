@@ -1,61 +1,114 @@
-//! The modules are layered (see the crate docs in src/lib.rs): every
-//! `crate::` path in a module names the module itself or one below it. This
-//! reads src/ and fails on a path that runs back up, or on a module that is
-//! not in the order below.
+//! The modules are layered (see the crate docs in src/lib.rs), and the
+//! folders of src/ are the layers: every `crate::` path in a module names
+//! a layer below its own, or a module before it in its own layer. This reads
+//! src/ and fails on a path that runs back up, on a module or layer that is
+//! not in the order below, and on a `mod` list (src/lib.rs, a layer's
+//! mod.rs) in another order.
 
 use std::fs;
 use std::path::{Path, PathBuf};
 
-/// The modules, lowest first. A module may use those before it.
-const ORDER: &[&str] = &[
-    // arithmetic, errors, msgpack, the host engine's thread pool
-    "error",
-    "checksum",
-    "stored_entry",
-    "msgpack",
-    "topology",
-    "pool",
-    // inputs: layer decodings, token placements, state layers, layouts, block sets, fingerprints, the caller's stream
-    "decoding",
-    "placement",
-    "state",
-    "layout",
-    "layout_string",
-    "blocks",
-    "fingerprint",
-    "stream",
-    // results: the worker facts a record carries, a call's checksums
-    "record_facts",
-    "result",
+/// The layers, lowest first, each with its modules, lowest first. A layer
+/// is a folder of src/ (`src/base/`) whose modules are its files and
+/// folders (`src/base/checksum.rs`, `src/engines/cuda/`); a layer without a
+/// list is one module (`src/plan.rs`, or `src/verify/`, whose own modules
+/// `no_module_import_cycle` keeps apart). A module may use the layers
+/// before its own and the modules before it in its layer.
+const ORDER: &[(&str, &[&str])] = &[
+    // arithmetic and plumbing: errors, the checksum arithmetic, the stored
+    // entry's bytes, msgpack, transfer topology
+    ("base", &["error", "checksum", "stored_entry", "msgpack", "topology"]),
+    // layer decodings, token placements, state layers, the worker's role, layouts, block
+    // sets, fingerprints, the caller's stream
+    (
+        "inputs",
+        &[
+            "decoding",
+            "placement",
+            "state",
+            "role",
+            "layout",
+            "layout_string",
+            "blocks",
+            "fingerprint",
+            "stream",
+        ],
+    ),
+    // the worker facts a record carries, a call's checksums
+    ("results", &["record_facts", "checksums"]),
     // the plan of a call
-    "plan",
-    // engines
-    "host",
-    "cuda",
-    "detail",
-    "stored",
+    ("plan", &[]),
+    // the host engine (with its thread pool), the device engine, detail
+    // mode, stored checksums
+    ("engines", &["host", "cuda", "detail", "stored"]),
     // the worker
-    "worker",
+    ("worker", &[]),
+    // the values of a worker's full blocks by block hash
+    ("tier_index", &[]),
     // records and payloads
-    "record",
-    "payload",
+    ("wire", &["record", "payload"]),
     // the verifier
-    "verify",
+    ("verify", &[]),
     // the repair plan of a verifier's report
-    "repair",
+    ("repair", &[]),
     // the C boundary
-    "ffi",
+    ("ffi", &[]),
 ];
 
-/// The top-level module a file under src/ belongs to (`None` for lib.rs).
-fn module_of(src: &Path, file: &Path) -> Option<String> {
-    let relative = file.strip_prefix(src).unwrap();
-    let first = relative.components().next().unwrap().as_os_str().to_str().unwrap();
-    match first.strip_suffix(".rs") {
-        Some("lib") => None,
-        Some(name) => Some(name.to_owned()),
-        None => Some(first.to_owned()),
+/// Where a module sits: its layer's place in `ORDER` and, in a layer of
+/// several modules, its place in the layer's list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Rank {
+    layer: usize,
+    module: Option<usize>,
+}
+
+/// The place of the module that a path's first segments name (`["base",
+/// "checksum", ...]`), or why it has none.
+fn rank(path: &[String]) -> Result<Rank, String> {
+    let Some(first) = path.first() else {
+        return Err("an empty path".to_owned());
+    };
+    let layer = ORDER
+        .iter()
+        .position(|(name, _)| name == first)
+        .ok_or_else(|| format!("`{first}` is not a layer in ORDER"))?;
+    let modules = ORDER[layer].1;
+    if modules.is_empty() {
+        return Ok(Rank { layer, module: None });
     }
+    let Some(second) = path.get(1) else {
+        return Ok(Rank { layer, module: None });
+    };
+    let module = modules
+        .iter()
+        .position(|name| name == second)
+        .ok_or_else(|| format!("`{first}::{second}` is not a module of layer `{first}` in ORDER"))?;
+    Ok(Rank {
+        layer,
+        module: Some(module),
+    })
+}
+
+/// The module a file under src/ belongs to, as its layer and (in a layer
+/// of several modules) the module in it: `["base", "checksum"]` for
+/// src/base/checksum.rs, `["engines", "cuda"]` for src/engines/cuda/launch.rs,
+/// `["base"]` for src/base/mod.rs, `["plan"]` for src/plan.rs and
+/// `["verify"]` for src/verify/check.rs; empty for lib.rs.
+fn module_of(src: &Path, file: &Path) -> Vec<String> {
+    let relative = file.strip_prefix(src).unwrap().with_extension("");
+    let parts: Vec<String> = relative
+        .components()
+        .map(|c| c.as_os_str().to_str().unwrap().to_owned())
+        .collect();
+    if parts == ["lib"] {
+        return Vec::new();
+    }
+    let layered = ORDER
+        .iter()
+        .any(|(name, modules)| *name == parts[0] && !modules.is_empty());
+    let depth = if layered { 2 } else { 1 };
+    parts.into_iter().take(depth).filter(|part| part != "mod").collect()
 }
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
@@ -69,11 +122,12 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// The top-level modules a line names through `crate::` or `$crate::`
-/// (`crate::{a, b::c}` included); comments are skipped.
-fn referenced(line: &str) -> Vec<String> {
+/// The paths a line names through `crate::` or `$crate::`, each cut to its
+/// first two segments (the layer and the module in it; `crate::{a, b::c}`
+/// and use-trees included); comments are skipped.
+fn referenced(line: &str) -> Vec<Vec<String>> {
     let code = line.split("//").next().unwrap();
-    let mut names = Vec::new();
+    let mut paths: Vec<Vec<String>> = Vec::new();
     let mut rest = code;
     while let Some(at) = rest.find("crate::") {
         let before = rest[..at].chars().last();
@@ -81,36 +135,14 @@ fn referenced(line: &str) -> Vec<String> {
         if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
             continue; // e.g. `kvcrate::`, not a crate path
         }
-        if let Some(inner) = rest.strip_prefix('{') {
-            // Top-level names inside the braces (nested braces skipped).
-            let mut depth = 0;
-            let mut word = String::new();
-            let mut at_start = true;
-            for c in inner.chars() {
-                match c {
-                    '{' => depth += 1,
-                    '}' if depth == 0 => break,
-                    '}' => depth -= 1,
-                    ',' if depth == 0 => at_start = true,
-                    c if depth == 0 && at_start && (c.is_alphanumeric() || c == '_') => word.push(c),
-                    c if depth == 0 && at_start && !c.is_whitespace() => {
-                        if !word.is_empty() {
-                            names.push(std::mem::take(&mut word));
-                        }
-                        at_start = false;
-                    }
-                    _ => {}
-                }
+        for mut path in use_tree(rest).0 {
+            path.truncate(2);
+            if !paths.contains(&path) {
+                paths.push(path);
             }
-            if !word.is_empty() {
-                names.push(word);
-            }
-        } else {
-            let name: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
-            names.push(name);
         }
     }
-    names
+    paths
 }
 
 #[test]
@@ -119,38 +151,53 @@ fn imports_run_down_the_layers() {
     let mut files = Vec::new();
     rust_files(&src, &mut files);
     files.sort();
-    let rank = |name: &str| ORDER.iter().position(|m| *m == name);
     let mut problems = Vec::new();
     let mut modules_seen = 0;
     for file in &files {
-        let Some(module) = module_of(&src, file) else { continue };
-        modules_seen += 1;
-        let Some(own) = rank(&module) else {
-            problems.push(format!(
-                "{}: module `{module}` is not in tests/it/module_imports.rs's ORDER; add it at its layer",
-                file.display()
-            ));
+        let module = module_of(&src, file);
+        if module.is_empty() {
             continue;
+        }
+        modules_seen += 1;
+        let own = match rank(&module) {
+            Ok(own) => own,
+            Err(why) => {
+                problems.push(format!(
+                    "{}: {why}; add it at its layer in tests/it/module_imports.rs's ORDER",
+                    file.display()
+                ));
+                continue;
+            }
         };
         let text = fs::read_to_string(file).unwrap();
         for (number, line) in text.lines().enumerate() {
-            for name in referenced(line) {
+            for path in referenced(line) {
                 // Crate-root re-exports (`crate::Result`) name no module.
-                let Some(target) = rank(&name) else {
-                    if name.chars().next().is_some_and(|c| c.is_lowercase()) {
-                        problems.push(format!(
-                            "{}:{}: `crate::{name}` is not a module in ORDER",
-                            file.display(),
-                            number + 1
-                        ));
-                    }
+                if path[0].chars().next().is_some_and(|c| c.is_uppercase()) {
                     continue;
+                }
+                let target = match rank(&path) {
+                    Ok(target) => target,
+                    Err(why) => {
+                        problems.push(format!(
+                            "{}:{}: `crate::{}`: {why}",
+                            file.display(),
+                            number + 1,
+                            path.join("::")
+                        ));
+                        continue;
+                    }
                 };
-                if target > own {
+                let up = target.layer > own.layer
+                    || (target.layer == own.layer && own.module.is_some() && target.module > own.module)
+                    || (target.layer == own.layer && own.module.is_none() && target.module.is_some());
+                if up {
                     problems.push(format!(
-                        "{}:{}: `{module}` uses `{name}`, which is above it in the layering: {}",
+                        "{}:{}: `{}` uses `{}`, which is above it in the layering: {}",
                         file.display(),
                         number + 1,
+                        module.join("::"),
+                        path.join("::"),
                         line.trim()
                     ));
                 }
@@ -169,18 +216,51 @@ fn imports_run_down_the_layers() {
     );
 }
 
+/// The `mod` declarations of a file, in order.
+fn declared_modules(text: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|line| {
+            let declared = line.trim().trim_start_matches("pub(crate) ").trim_start_matches("pub ");
+            declared.strip_prefix("mod ")?.strip_suffix(';').map(str::to_owned)
+        })
+        .collect()
+}
+
+/// src/lib.rs declares the layers in ORDER, and each layer's mod.rs its
+/// modules in ORDER, so that reading either shows the layering.
+#[test]
+fn lib_and_each_layer_declare_their_modules_in_layer_order() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let lib = fs::read_to_string(src.join("lib.rs")).unwrap();
+    let layers: Vec<&str> = ORDER.iter().map(|(name, _)| *name).collect();
+    assert_eq!(
+        declared_modules(&lib),
+        layers,
+        "src/lib.rs's `mod` list is not ORDER's layers"
+    );
+    for (layer, modules) in ORDER.iter().filter(|(_, modules)| !modules.is_empty()) {
+        let text = fs::read_to_string(src.join(layer).join("mod.rs")).unwrap();
+        assert_eq!(
+            declared_modules(&text),
+            *modules,
+            "src/{layer}/mod.rs's `mod` list is not ORDER's modules of `{layer}`"
+        );
+    }
+}
+
 /// Crate-root paths (`crate::Result`) are re-exports of lower modules, but
 /// hide which one; the engine names the module instead.
 #[test]
 fn no_module_uses_root_reexports_of_higher_layers() {
-    // `crate::Result` is the only root path in use, and `error` is the bottom layer.
+    // `crate::Result` is the only root path in use, and `base::error` is the bottom module.
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut files = Vec::new();
     rust_files(&src, &mut files);
     for file in files {
         let text = fs::read_to_string(&file).unwrap();
         for (number, line) in text.lines().enumerate() {
-            for name in referenced(line) {
+            for path in referenced(line) {
+                let name = &path[0];
                 let upper = name.chars().next().is_some_and(|c| c.is_uppercase());
                 assert!(
                     !upper || name == "Result" || name == "Error",
@@ -195,17 +275,54 @@ fn no_module_uses_root_reexports_of_higher_layers() {
 
 #[test]
 fn the_scanner_finds_paths() {
-    assert_eq!(referenced("use crate::layout::{Layout, Role};"), ["layout"]);
+    let paths = |line| {
+        referenced(line)
+            .into_iter()
+            .map(|path| path.join("::"))
+            .collect::<Vec<_>>()
+    };
     assert_eq!(
-        referenced("use crate::{blocks::BlockSet, plan::{Plan, Row}};"),
-        ["blocks", "plan"]
+        paths("use crate::inputs::layout::{Layout, Segment};"),
+        ["inputs::layout"]
     );
     assert_eq!(
-        referenced("    $crate::ffi::status::fail(&$crate::error::Error::X)"),
-        ["ffi", "error"]
+        paths("use crate::{inputs::blocks::BlockSet, plan::{Plan, Row}};"),
+        ["inputs::blocks", "plan::Plan", "plan::Row"]
     );
-    assert_eq!(referenced("// use crate::worker::Worker;"), Vec::<String>::new());
-    assert_eq!(referenced("let x = crate::record::Record::decode(b)?;"), ["record"]);
+    assert_eq!(
+        paths("    $crate::ffi::status::fail(&$crate::base::error::Error::X)"),
+        ["ffi::status", "base::error"]
+    );
+    assert_eq!(paths("// use crate::worker::Worker;"), Vec::<String>::new());
+    assert_eq!(
+        paths("let x = crate::wire::record::Record::decode(b)?;"),
+        ["wire::record"]
+    );
+    assert_eq!(paths("crate::Result<()>"), ["Result"]);
+    let src = Path::new("/r/src");
+    assert_eq!(
+        module_of(src, Path::new("/r/src/base/checksum.rs")),
+        ["base", "checksum"]
+    );
+    assert_eq!(
+        module_of(src, Path::new("/r/src/engines/cuda/launch.rs")),
+        ["engines", "cuda"]
+    );
+    assert_eq!(
+        module_of(src, Path::new("/r/src/engines/host/mod.rs")),
+        ["engines", "host"]
+    );
+    assert_eq!(module_of(src, Path::new("/r/src/base/mod.rs")), ["base"]);
+    assert_eq!(module_of(src, Path::new("/r/src/verify/check.rs")), ["verify"]);
+    assert_eq!(module_of(src, Path::new("/r/src/plan.rs")), ["plan"]);
+    assert!(module_of(src, Path::new("/r/src/lib.rs")).is_empty());
+    // A path within a layer ranks by the module; a plain layer by itself.
+    let rank_of = |path: &str| rank(&path.split("::").map(str::to_owned).collect::<Vec<_>>());
+    assert!(rank_of("base::error").unwrap() < rank_of("base::checksum").unwrap());
+    assert!(rank_of("base::topology").unwrap() < rank_of("inputs::decoding").unwrap());
+    assert!(rank_of("plan::Plan").unwrap() < rank_of("engines::host").unwrap());
+    assert!(rank_of("base::nothing").is_err());
+    assert!(rank_of("nowhere").is_err());
 }
 
 /// Where a path starts: the crate root, or the module `levels` above the
@@ -299,8 +416,9 @@ fn use_tree(text: &str) -> (Vec<Vec<String>>, usize) {
     }
 }
 
-/// The module a file under src/ is (`["cuda", "buffers"]` for
-/// src/cuda/buffers.rs, `["cuda"]` for src/cuda/mod.rs, empty for lib.rs).
+/// The module a file under src/ is (`["engines", "cuda", "buffers"]` for
+/// src/engines/cuda/buffers.rs, `["engines", "cuda"]` for
+/// src/engines/cuda/mod.rs, empty for lib.rs).
 fn module_path(src: &Path, file: &Path) -> Vec<String> {
     let relative = file.strip_prefix(src).unwrap().with_extension("");
     let mut path: Vec<String> = relative
@@ -389,14 +507,14 @@ fn find_cycle(graph: &std::collections::BTreeMap<String, std::collections::BTree
 }
 
 /// No module depends on itself through others: every folder's modules
-/// (src/cuda/, src/verify/, src/ffi/) included, the folder's mod.rs being
+/// (src/engines/cuda/, src/verify/, src/ffi/, and the layers) included, the folder's mod.rs being
 /// a module of its own.
 #[test]
 fn no_module_import_cycle() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let graph = module_graph(&src);
     assert!(
-        graph.contains_key("cuda::buffers") && graph["cuda"].contains("cuda::buffers"),
+        graph.contains_key("engines::cuda::buffers") && graph["engines::cuda"].contains("engines::cuda::buffers"),
         "the scanner reads folder modules: {graph:?}"
     );
     assert_eq!(
@@ -468,19 +586,23 @@ fn the_path_scanner_reads_use_trees() {
     // A declared child names itself; the tail of another path does not.
     assert_eq!(paths("use collect::{Load, Settings};").len(), 2);
     assert_eq!(paths("let x = other::collect::f();"), []);
-    // A module path in src/cuda/buffers.rs: super is cuda.
+    // A module path in src/engines/cuda/buffers.rs: super is cuda.
     let src = Path::new("/r/src");
     assert_eq!(
-        module_path(src, Path::new("/r/src/cuda/buffers.rs")),
-        ["cuda", "buffers"]
+        module_path(src, Path::new("/r/src/engines/cuda/buffers.rs")),
+        ["engines", "cuda", "buffers"]
     );
-    assert_eq!(module_path(src, Path::new("/r/src/cuda/mod.rs")), ["cuda"]);
+    assert_eq!(
+        module_path(src, Path::new("/r/src/engines/cuda/mod.rs")),
+        ["engines", "cuda"]
+    );
     assert!(module_path(src, Path::new("/r/src/lib.rs")).is_empty());
 }
 
 /// docs/ARCHITECTURE.md's numbered list is the one description of the
-/// modules: it names every module of `ORDER`, in that order, so a module
-/// added at a layer cannot go undocumented or documented at another.
+/// layers and modules: it names every layer of `ORDER` and every module in
+/// it, in that order, so a module added at a layer cannot go undocumented
+/// or documented at another.
 #[test]
 fn the_architecture_page_lists_the_modules_in_layer_order() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/ARCHITECTURE.md");
@@ -488,16 +610,24 @@ fn the_architecture_page_lists_the_modules_in_layer_order() {
     let modules = page.split("\n## Modules\n").nth(1).expect("a section `## Modules`");
     let modules = modules.split("\n## ").next().unwrap();
     let list = &modules[modules.find("\n1. ").expect("a numbered list of the layers")..];
-    let mut last: Option<(&str, usize)> = None;
-    for name in ORDER {
-        let at = [format!("`{name}`"), format!("`{name}/`")]
+    let mut last: Option<(String, usize)> = None;
+    let names = ORDER.iter().flat_map(|(layer, modules)| {
+        std::iter::once((layer.to_string(), layer.to_string())).chain(
+            modules
+                .iter()
+                .map(move |module| (format!("{layer}::{module}"), module.to_string())),
+        )
+    });
+    for (name, written) in names {
+        // A layer or module is named as `name` or, if a folder, `name/`.
+        let at = [format!("`{written}`"), format!("`{written}/`")]
             .iter()
-            .filter_map(|written| list.find(written.as_str()))
+            .filter_map(|form| list.find(form.as_str()))
             .min()
             .unwrap_or_else(|| panic!("{}: the list of modules does not name `{name}`", path.display()));
-        if let Some((before, before_at)) = last {
+        if let Some((before, before_at)) = &last {
             assert!(
-                at > before_at,
+                at > *before_at,
                 "{}: `{name}` is listed before `{before}`, but tests/it/module_imports.rs's ORDER has it after",
                 path.display()
             );

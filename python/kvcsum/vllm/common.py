@@ -1,7 +1,7 @@
 """What passes between KvcsumConnector's two roles, each a named dataclass:
 the scheduler's metadata to its workers every step
 (`KvcsumConnectorMetadata`, carrying `ChecksumJob`s, `LoadOutcome`s and
-`HashedBlocks`, and a `BlockBatch` of the blocks that became full), and each worker's metadata back (`KvcsumWorkerMetadata`,
+`HashedBlocks`, and a `StoreBatch` of the blocks that became full), and each worker's metadata back (`KvcsumWorkerMetadata`,
 carrying `WorkerNote`s and `TierNote`s). What a worker judges a load by
 and the verdict it sends back are kvcsum.vllm.load_verdict's `LoadCheck`
 and `LoadVerdict`."""
@@ -12,7 +12,7 @@ import dataclasses
 
 from kvcsum.vllm.cache_checksums import Job
 from kvcsum.vllm.load_verdict import LoadCheck, LoadVerdict
-from kvcsum.vllm.tier_values import EMPTY_BATCH, BlockBatch, HashedBlocks
+from kvcsum.vllm.tier_values import EMPTY_STORES, HashedBlocks, StoreBatch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 from vllm.logger import init_logger
@@ -114,9 +114,9 @@ class KvcsumConnectorMetadata(KVConnectorMetadata):
     async_loads: dict = dataclasses.field(default_factory=dict)
     verdicts: dict = dataclasses.field(default_factory=dict)
     #: Blocks that become full in this step's forward, with their hashes,
-    #: as arrays (BlockBatch: one set of numpy arrays, not an object per
-    #: request or block).
-    stores: BlockBatch = EMPTY_BATCH
+    #: as arrays (StoreBatch: four numpy arrays, not an object per request
+    #: or block).
+    stores: StoreBatch = EMPTY_STORES
     #: Tier loads of this step (sync) and to compare once received (async).
     tier_sync_loads: list = dataclasses.field(default_factory=list)
     tier_async_loads: dict = dataclasses.field(default_factory=dict)
@@ -128,6 +128,15 @@ class KvcsumConnectorMetadata(KVConnectorMetadata):
     #: (kvcsum.vllm.load_order): done in this step's start_load_kv, so the
     #: workers report them received in this step.
     converted: set = dataclasses.field(default_factory=set)
+    #: Nothing in this step but `stores` (and the inner metadata): the
+    #: workers skip every other field (most decode steps).
+    quiet: bool = False
+
+
+#: The empty fields of a quiet step's metadata, shared (never changed).
+NO_JOBS: tuple = ()
+NO_ENTRIES: dict = {}
+NO_BLOCKS: frozenset = frozenset()
 
 
 @dataclasses.dataclass

@@ -25,7 +25,7 @@ Settings (kv_connector_extra_config):
   value is unknown (another engine stored it, or the bounded map dropped
   it) does; counted apart from the P/D loads.
 - "tier_values": the blocks a worker keeps values of (default 1048576,
-  about 150 MB of host memory a worker).
+  at most 112 MiB of host memory a worker: kvcsum.TierIndex).
 - "log_matches": log every verified load at INFO (default false).
 - "algorithm": the checksum algorithm of every worker: "mixed2" (default,
   kvcsum 0.3's), "mixed" (kvcsum 0.2's, to verify against 0.2 engines

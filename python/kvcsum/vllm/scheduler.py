@@ -34,6 +34,7 @@ scheduler's counts and logs.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import math
 from typing import TYPE_CHECKING
@@ -48,6 +49,9 @@ from kvcsum.vllm.common import (
     KvcsumConnectorMetadata,
     KvcsumWorkerMetadata,
     LoadOutcome,
+    NO_BLOCKS,
+    NO_ENTRIES,
+    NO_JOBS,
     TierNote,
     logger,
 )
@@ -68,7 +72,7 @@ from kvcsum.vllm.params import (
 )
 from kvcsum.vllm.source_check import SchedulerSourceCheck
 from kvcsum.vllm.stats import KvcsumStats, load_key
-from kvcsum.vllm.tier_values import EMPTY_BATCH, BlockBatch
+from kvcsum.vllm.tier_values import EMPTY_STORES, StoreBatch, uint32_array
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -192,7 +196,6 @@ class SchedulerRole:
         self._kv_cache_manager = None
         self._tier_loads: dict[str, _TierLoad] = {}
         self._tier_failed: set[str] = set()
-        self._new_stores: list = []
         self._new_tier_sync: list = []
         self._new_tier_async: dict = {}
         self._stats = KvcsumStats()
@@ -209,6 +212,8 @@ class SchedulerRole:
         self._finished_reqs: list = []
         self._logged: set = set()
         self._known: dict = {}
+        self._store_plan = None
+        self._tables = None
         #: The requests whose prompt may complete in a later step (known, not
         #: yet seen past their prompt): only these are looked at for sends.
         self._before_prompt: set = set()
@@ -331,14 +336,17 @@ class SchedulerRole:
 
     def build_meta(self, scheduler_output: "SchedulerOutput", inner) -> KvcsumConnectorMetadata:
         """build_connector_meta, around the inner connector's metadata."""
-        self._give_up_unfilled()
-        for req_id in self._finished_reqs:
-            if self._loads.pop(req_id, None) is not None:
-                self._load_judge.forget(req_id)
-            self._tier_loads.pop(req_id, None)
-            self._tier_failed.discard(req_id)
-        self._finished_reqs = []
-        for req_id in scheduler_output.preempted_req_ids or ():
+        if self._unfilled:
+            self._give_up_unfilled()
+        if self._finished_reqs:
+            for req_id in self._finished_reqs:
+                if self._loads.pop(req_id, None) is not None:
+                    self._load_judge.forget(req_id)
+                self._tier_loads.pop(req_id, None)
+                self._tier_failed.discard(req_id)
+            self._finished_reqs = []
+        preempted = scheduler_output.preempted_req_ids
+        for req_id in preempted or ():
             if req_id in self._known:
                 self._before_prompt.add(req_id)  # computed again from its start
             send = self._sends.get(req_id)
@@ -346,25 +354,45 @@ class SchedulerRole:
                 # Its KV will be computed again: checksum it again then.
                 _forget(self._producer, req_id)
                 self._sends[req_id] = _Send()
-        self._schedule_sends(scheduler_output)
-        if self._settings.verify_tiers:
-            self._schedule_stores(scheduler_output)
+        if self._before_prompt:
+            self._schedule_sends(scheduler_output)
+        stores = self._schedule_stores(scheduler_output) if self._settings.verify_tiers else EMPTY_STORES
+        released = self._sources.released(preempted or ())
+        if not (
+            self._new_sends or self._new_sync_loads or self._new_async_loads or self._verdicts_out or self._new_tier_sync
+            or self._new_tier_async or released or self._new_uncompared or self._new_converted
+        ):
+            # Most decode steps: nothing but the blocks that fill.
+            return KvcsumConnectorMetadata(
+                inner=inner,
+                sends=NO_JOBS,
+                sync_loads=NO_JOBS,
+                async_loads=NO_ENTRIES,
+                verdicts=NO_ENTRIES,
+                stores=stores,
+                tier_sync_loads=NO_JOBS,
+                tier_async_loads=NO_ENTRIES,
+                sources_released=NO_JOBS,
+                uncompared=NO_BLOCKS,
+                converted=NO_BLOCKS,
+                quiet=True,
+            )
         meta = KvcsumConnectorMetadata(
             inner=inner,
             sends=self._new_sends,
             sync_loads=self._new_sync_loads,
             async_loads=self._new_async_loads,
             verdicts=self._verdicts_out,
-            stores=BlockBatch.of(self._new_stores) if self._new_stores else EMPTY_BATCH,
+            stores=stores,
             tier_sync_loads=self._new_tier_sync,
             tier_async_loads=self._new_tier_async,
-            sources_released=self._sources.released(scheduler_output.preempted_req_ids or ()),
+            sources_released=released,
             uncompared=self._new_uncompared,
             converted=self._new_converted,
         )
         self._new_uncompared, self._new_converted = set(), set()
         self._new_sends, self._new_sync_loads, self._new_async_loads, self._verdicts_out = [], [], {}, {}
-        self._new_stores, self._new_tier_sync, self._new_tier_async = [], [], {}
+        self._new_tier_sync, self._new_tier_async = [], {}
         return meta
 
     def workers_reported(self, meta: KvcsumWorkerMetadata) -> None:
@@ -555,39 +583,118 @@ class SchedulerRole:
             return None
         return HashedBlocks(request.request_id, end_token, out)
 
-    def _schedule_stores(self, scheduler_output: "SchedulerOutput") -> None:
+    def _store_groups(self) -> tuple:
+        """(group_id, block_size, hash blocks per block) of the groups whose
+        full blocks have block hashes (a size that is a multiple of the hash
+        block size), and the gcd of every group's size (a step that passes
+        no multiple of it fills no block); computed once."""
+        if self._store_plan is None:
+            unit = self._hash_block_size
+            groups = tuple(
+                (g, size, size // unit) for g, size in sorted(self._block_sizes.items()) if unit > 0 and size % unit == 0
+            )
+            self._store_plan = (groups, math.gcd(*self._block_sizes.values()) if self._block_sizes else 0)
+        return self._store_plan
+
+    def _block_tables(self):
+        """(req_id, group_id) -> the request's KVCacheBlocks of that group:
+        vLLM's own per-group dicts (the coordinator's managers'
+        req_to_blocks, read without a call per request), else its
+        get_blocks."""
+        if self._tables is None:
+            coordinator = getattr(self._kv_cache_manager, "coordinator", None)
+            managers = getattr(coordinator, "single_type_managers", None)
+            dicts = [getattr(m, "req_to_blocks", None) for m in managers or ()]
+            if dicts and all(isinstance(d, dict) for d in dicts):
+                empty = []
+                self._tables = lambda req_id, group_id: dicts[group_id].get(req_id, empty)
+            else:
+                get_blocks = coordinator.get_blocks
+                self._tables = lambda req_id, group_id: get_blocks(req_id)[group_id]
+        return self._tables
+
+    def _schedule_stores(self, scheduler_output: "SchedulerOutput") -> StoreBatch:
         """The blocks that become full in this step's forward (the tokens
-        computed, not loaded): every worker keeps their values. Only the
-        requests that pass a block boundary are looked at, found over the
-        step's arrays at once."""
+        computed, not loaded), with their hashes, as arrays: every worker
+        keeps their values. Only the requests that pass a block boundary
+        are looked at, found over the step's arrays at once."""
         if self._kv_cache_manager is None:
-            return
-        # Every block boundary is a multiple of the sizes' gcd: where no
-        # multiple of it is passed, no block becomes full.
-        unit = math.gcd(*self._block_sizes.values()) if self._block_sizes else 0
-        if unit <= 0:
-            return
+            return EMPTY_STORES
+        groups, unit = self._store_groups()
+        if unit <= 0 or not groups:
+            return EMPTY_STORES
         scheduled = scheduler_output.num_scheduled_tokens
-        progress = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        progress = [(r.req_id, r.num_computed_tokens, scheduled.get(r.req_id, 0)) for r in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs
-        if cached.req_ids:
-            count = len(cached.req_ids)
-            computed = np.fromiter(cached.num_computed_tokens, dtype=np.int64, count=count)
-            step = np.fromiter(map(scheduled.get, cached.req_ids, _zeros(count)), dtype=np.int64, count=count)
-            crossing = np.flatnonzero(computed // unit != (computed + step) // unit)
-            progress += [(cached.req_ids[i], int(computed[i])) for i in crossing.tolist()]
-        for req_id, computed in progress:
-            end = computed + scheduled.get(req_id, 0)
-            if computed // unit == end // unit:
-                continue  # no block becomes full
-            request = self._known.get(req_id)
+        req_ids = cached.req_ids
+        if req_ids:
+            computed = cached.num_computed_tokens
+            if scheduler_output.total_num_scheduled_tokens == len(scheduled):
+                # One token for every request (a decode step): a block fills
+                # where the token computed is a boundary's last.
+                last = unit - 1
+                filling = [(req_ids[i], c) for i, c in enumerate(computed) if c % unit == last]
+                if len(groups) == 1 and not progress:
+                    return self._decode_stores(filling, groups[0])
+                progress += [(req_id, c, 1) for req_id, c in filling]
+            else:
+                # vLLM schedules the running requests first, in the order of
+                # scheduled_cached_reqs: their counts are then the dict's
+                # first values (checked, else looked up one by one).
+                steps = list(scheduled.values()) if list(scheduled)[: len(req_ids)] == req_ids else None
+                if steps is None:
+                    steps = [scheduled.get(r, 0) for r in req_ids]
+                progress += [
+                    (req_ids[i], c, s) for i, (c, s) in enumerate(zip(computed, steps)) if (c + s) // unit != c // unit
+                ]
+        if not progress:
+            return EMPTY_STORES
+        known = self._known
+        tables = self._block_tables()
+        group_ids, positions, block_ids, hashes = uint32_array(), array.array("Q"), uint32_array(), []
+        for req_id, computed, step in progress:
+            request = known.get(req_id)
             if request is None:
                 continue
             # Speculative tokens are scheduled but not yet the request's.
-            end = min(end, request.num_tokens)
-            blocks = self._hashed_blocks(request, computed, end, full_only=True)
-            if blocks is not None:
-                self._new_stores.append(blocks)
+            end = min(computed + step, request.num_tokens)
+            block_hashes = request.block_hashes
+            for group_id, size, ratio in groups:
+                first, last = computed // size, min(end // size, len(block_hashes) // ratio)
+                if first >= last:
+                    continue
+                blocks = tables(req_id, group_id)
+                for q in range(first, last):
+                    block_id = blocks[q].block_id
+                    if block_id != NULL_BLOCK_ID:
+                        group_ids.append(group_id)
+                        positions.append(q)
+                        block_ids.append(block_id)
+                        hashes.append(block_hashes[(q + 1) * ratio - 1])
+        return StoreBatch.of_arrays(group_ids, positions, block_ids, hashes)
+
+    def _decode_stores(self, filling: list, group: tuple) -> StoreBatch:
+        """_schedule_stores of a decode step of one group: each request of
+        `filling` ((req_id, computed tokens)) fills the one block its
+        computed token ends, if that block has its hash yet."""
+        known, tables = self._known, self._block_tables()
+        group_id, size, ratio = group
+        positions, block_ids, hashes = array.array("Q"), uint32_array(), []
+        for req_id, computed in filling:
+            request = known.get(req_id)
+            if request is None:
+                continue
+            q = computed // size
+            block_hashes = request.block_hashes
+            # A block whose tokens are not all known yet (speculative) has no hash.
+            if (q + 1) * ratio > len(block_hashes):
+                continue
+            block_id = tables(req_id, group_id)[q].block_id
+            if block_id != NULL_BLOCK_ID:
+                positions.append(q)
+                block_ids.append(block_id)
+                hashes.append(block_hashes[(q + 1) * ratio - 1])
+        return StoreBatch.of_arrays(uint32_array([group_id]) * len(block_ids), positions, block_ids, hashes)
 
     def _tier_load(self, request: "Request", first: int, end: int, groups: set, is_async: bool) -> None:
         blocks = self._hashed_blocks(request, first, end, full_only=False, groups=groups)

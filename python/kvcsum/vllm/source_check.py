@@ -164,6 +164,11 @@ class WorkerSourceCheck:
                     self._worker_key, self._max_kept, oldest,
                 )
 
+    @property
+    def busy(self) -> bool:
+        """Whether `collect` or `notes` has anything to do this step."""
+        return bool(self._made or self._rechecks)
+
     def collect(self) -> None:
         """Reads the values of the producer checksums queued this step (in
         build_connector_worker_meta, before their records are encoded and

@@ -20,19 +20,20 @@ are unknown, never a mismatch). A loaded block is
   dropped it (it is bounded: the least recently used hashes go first), the
   block has no hash (a partial block), or more than MAX_VALUES were seen.
 
-`TierChecker` does a worker's part over a CacheChecksummer: it checksums
-the blocks that became full (queued on a device: their values are kept once
-ready), and compares a tier load's blocks with the values kept. The blocks
-that became full in a step go to the library in one store call (SPEC
-section 8's store, into a buffer of 16 bytes a block id: host memory, or
-pinned host memory for a device worker), whose values `sum XOR tag` are
-read back with the tags of their hashes.
+`TierChecker` does a worker's part over a CacheChecksummer: the values
+live in the library (kvcsum.TierIndex, bounded, its memory stated there);
+the blocks that became full in a step (a `StoreBatch` of flat arrays) are
+checksummed and kept in one library call (queued on a device: their
+values are kept once ready), and a tier load's blocks are compared in one
+call. `StoredValues` is the same map in Python, kept as a reference the
+tests read.
 
 This module needs neither vLLM nor torch (numpy and kvcsum alone).
 """
 
 from __future__ import annotations
 
+import array
 import dataclasses
 from collections.abc import Sequence
 
@@ -42,7 +43,9 @@ import kvcsum
 from kvcsum.vllm.cache_checksums import Job
 
 __all__ = [
-    "BlockBatch",
+    "StoreBatch",
+    "EMPTY_STORES",
+    "KeptValues",
     "StoredValues",
     "TierChecker",
     "TierComparison",
@@ -76,11 +79,13 @@ UNKNOWN_REASONS = (
 #: batches); a hash seen with more is unknown from then on.
 MAX_VALUES = 4
 
-#: Blocks a worker keeps values of, by default (about 150 MB of host memory
+#: Blocks a worker keeps values of, by default (at most 112 MiB of host memory
 #: a worker per million blocks: docs/vllm-tiers.md).
 DEFAULT_CAPACITY = 1 << 20
 
 _POSITION_SHIFT = 64
+#: array.array's code of a 32-bit unsigned integer.
+_U32_CODE = "I" if array.array("I").itemsize == 4 else "L"
 _VALUE_MASK = (1 << 64) - 1
 #: The entry of a hash seen with more than MAX_VALUES values.
 _TOO_MANY = ()
@@ -111,118 +116,78 @@ def _empty(dtype) -> np.ndarray:
     return array
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockBatch:
-    """The blocks of several requests with their block hashes, as arrays in
-    compressed rows (kvcsum.Blocks.add_arrays): what the scheduler sends the
-    workers each step of the blocks that became full
-    (`KvcsumConnectorMetadata.stores`), one set of numpy arrays however many
-    requests, built by the worker into one block set in one call.
+def uint32_array(values=()) -> array.array:
+    """An array.array of uint32 (StoreBatch's block and group ids)."""
+    return array.array(_U32_CODE, values)
 
-    Request i is `req_ids[i]` with `num_tokens[i]` tokens; its groups are
-    `group_ends[i-1] .. group_ends[i]` of `group_ids` / `first_positions` /
-    `block_ends`, group g's blocks `block_ends[g-1] .. block_ends[g]` of
-    `block_ids`, each with its hash, a row of `hashes` (uint8, one length)."""
 
-    req_ids: tuple = ()
-    num_tokens: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.uint64))
-    group_ends: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.uintp))
-    group_ids: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.uint32))
-    first_positions: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.uint64))
-    block_ends: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.uintp))
-    block_ids: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.uint32))
-    hashes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 8), dtype=np.uint8))
-    #: Per block id, its position in its request and its group (what the
-    #: worker keeps with its value), and the groups present.
-    positions: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.int64))
-    block_groups: np.ndarray = dataclasses.field(default_factory=lambda: _empty(np.uint32))
-    groups: frozenset = frozenset()
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoreBatch:
+    """The blocks that become full in a step, as flat arrays, one entry a
+    block: what the scheduler sends the workers each step
+    (`KvcsumConnectorMetadata.stores`) and a worker hands its
+    kvcsum.TierIndex in one call (block `block_ids[i]` at position
+    `positions[i]` of group `group_ids[i]`, its block hash bytes `i *
+    hash_bytes ..` of `hashes`). Three machine arrays (array.array:
+    uint32, uint64, uint32) and one bytes object however many requests and
+    blocks (56 bytes a block with 32-byte hashes), which the worker passes
+    to the library as they are."""
+
+    group_ids: array.array = dataclasses.field(default_factory=uint32_array)
+    positions: array.array = dataclasses.field(default_factory=lambda: array.array("Q"))
+    block_ids: array.array = dataclasses.field(default_factory=uint32_array)
+    hashes: bytes = b""
+    hash_bytes: int = 8
 
     @property
     def num_blocks(self) -> int:
-        return int(self.block_ids.size)
+        return len(self.block_ids)
 
     @classmethod
-    def of(cls, stores: Sequence[HashedBlocks]) -> "BlockBatch":
-        """The batch of these requests' blocks: the groups whose blocks all
-        have a hash, of the length of the first hash (a group with a block
-        without one, or of another length, is left out, as is a request
-        left with no group)."""
-        req_ids, num_tokens, group_ends = [], [], []
-        group_ids, firsts, block_ends, ids, hashes = [], [], [], [], []
-        positions, block_groups = [], []
-        size = None
+    def of_arrays(cls, group_ids: array.array, positions: array.array, block_ids: array.array, hashes: list) -> "StoreBatch":
+        """The batch of these blocks: machine arrays as StoreBatch holds
+        them and a list of their hashes (bytes of one length; blocks whose
+        hash has another length than the first are left out)."""
+        if not block_ids:
+            return EMPTY_STORES
+        size = len(hashes[0])
+        joined = b"".join(hashes)
+        if len(joined) != size * len(hashes):
+            return cls.of_lists(list(group_ids), list(positions), list(block_ids), hashes)
+        return cls(group_ids, positions, block_ids, joined, size)
+
+    @classmethod
+    def of_lists(cls, group_ids: list, positions: list, block_ids: list, hashes: list) -> "StoreBatch":
+        """The batch of these blocks (lists of one entry a block; hashes
+        bytes of one length). Blocks whose hash has another length than the
+        first are left out."""
+        if not block_ids:
+            return EMPTY_STORES
+        size = len(hashes[0])
+        joined = b"".join(hashes)
+        if len(joined) != size * len(hashes):
+            kept = [i for i, h in enumerate(hashes) if len(h) == size]
+            group_ids, positions, block_ids = ([v[i] for i in kept] for v in (group_ids, positions, block_ids))
+            joined = b"".join(hashes[i] for i in kept)
+        return cls(uint32_array(group_ids), array.array("Q", positions), uint32_array(block_ids), joined, size)
+
+    @classmethod
+    def of(cls, stores: Sequence[HashedBlocks]) -> "StoreBatch":
+        """The batch of these requests' blocks (those with a hash)."""
+        group_ids, positions, block_ids, hashes = [], [], [], []
         for blocks in stores:
-            kept = 0
-            for group_id, (first, block_ids, block_hashes) in blocks.groups.items():
-                if not block_ids or any(h is None for h in block_hashes):
-                    continue
-                if size is None:
-                    size = len(block_hashes[0])
-                if any(len(h) != size for h in block_hashes):
-                    continue
-                group_ids.append(group_id)
-                firsts.append(first)
-                ids.extend(block_ids)
-                hashes.extend(block_hashes)
-                positions.extend(range(first, first + len(block_ids)))
-                block_groups.extend([group_id] * len(block_ids))
-                block_ends.append(len(ids))
-                kept += 1
-            if kept:
-                req_ids.append(blocks.req_id)
-                num_tokens.append(blocks.num_tokens)
-                group_ends.append(len(group_ids))
-        if not req_ids:
-            return EMPTY_BATCH
-        return cls(
-            tuple(req_ids),
-            np.array(num_tokens, dtype=np.uint64),
-            np.array(group_ends, dtype=np.uintp),
-            np.array(group_ids, dtype=np.uint32),
-            np.array(firsts, dtype=np.uint64),
-            np.array(block_ends, dtype=np.uintp),
-            np.array(ids, dtype=np.uint32),
-            np.frombuffer(b"".join(hashes), dtype=np.uint8).reshape(len(ids), size),
-            np.array(positions, dtype=np.int64),
-            np.array(block_groups, dtype=np.uint32),
-            frozenset(group_ids),
-        )
-
-    def only_groups(self, keep) -> "BlockBatch":
-        """The batch without the groups not in `keep` (itself where it has
-        none such)."""
-        if self.groups.issubset(keep):
-            return self
-        groups = self.group_ids.tolist()
-        block_ends = self.block_ends.tolist()
-        stores, start_group = [], 0
-        for i, req_id in enumerate(self.req_ids):
-            end_group = int(self.group_ends[i])
-            out = {}
-            for g in range(start_group, end_group):
-                start = block_ends[g - 1] if g else 0
-                if groups[g] in keep:
-                    out[groups[g]] = (
-                        int(self.first_positions[g]),
-                        self.block_ids[start : block_ends[g]].tolist(),
-                        [bytes(row) for row in self.hashes[start : block_ends[g]]],
-                    )
-            start_group = end_group
-            if out:
-                stores.append(HashedBlocks(req_id, int(self.num_tokens[i]), out))
-        return BlockBatch.of(stores)
-
-    def add_to(self, blocks: "kvcsum.Blocks") -> None:
-        """Adds the batch to a block set, in one call."""
-        blocks.add_arrays(
-            self.req_ids, self.num_tokens, self.group_ends, self.group_ids, self.first_positions,
-            self.block_ends, self.block_ids, self.hashes,
-        )
+            for group_id, (first, ids, block_hashes) in blocks.groups.items():
+                for i, (block_id, block_hash) in enumerate(zip(ids, block_hashes)):
+                    if block_hash is not None:
+                        group_ids.append(group_id)
+                        positions.append(first + i)
+                        block_ids.append(block_id)
+                        hashes.append(bytes(block_hash))
+        return cls.of_lists(group_ids, positions, block_ids, hashes)
 
 
 #: The batch of no blocks (most decode steps).
-EMPTY_BATCH = BlockBatch()
+EMPTY_STORES = StoreBatch()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,125 +297,144 @@ class TierComparison:
     invalid: frozenset
 
 
+#: The library's outcome codes (kvcsum.TierOutcome) of unknown blocks, by reason.
+_REASONS = {
+    int(kvcsum.TierOutcome.NO_BLOCK_HASH): "NO_BLOCK_HASH",
+    int(kvcsum.TierOutcome.UNKNOWN_BLOCK): "UNKNOWN_BLOCK",
+    int(kvcsum.TierOutcome.TOO_MANY_VALUES): "TOO_MANY_VALUES",
+    int(kvcsum.TierOutcome.OTHER_POSITION): "OTHER_POSITION",
+    int(kvcsum.TierOutcome.NOT_CHECKSUMMED): "NOT_CHECKSUMMED",
+}
+_MATCHED, _MISMATCHED = int(kvcsum.TierOutcome.MATCHED), int(kvcsum.TierOutcome.MISMATCHED)
+
+
+class KeptValues:
+    """What a TierChecker's index keeps, for tests and tools: the values
+    of a hash (`values(group, hash)`, None when none or too many), the
+    entries kept (len) and dropped."""
+
+    def __init__(self, index: "kvcsum.TierIndex"):
+        self._index = index
+        self.capacity = index.capacity
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def dropped(self) -> int:
+        return self._index.info()["dropped"]
+
+    def values(self, group_id: int, block_hash: bytes) -> Sequence[int] | None:
+        found = self._index.values(group_id, block_hash)
+        return None if found is None else found[1]
+
+
 class TierChecker:
-    """A worker's stored values over its CacheChecksummer.
+    """A worker's block values over its CacheChecksummer, kept in the
+    library (kvcsum.TierIndex: bounded, its memory stated there).
 
     Args:
         checksummer: the worker's kvcsum.vllm.cache_checksums.CacheChecksummer.
-        capacity: the blocks whose values are kept (StoredValues).
+        capacity: the blocks whose values are kept.
     """
 
     def __init__(self, checksummer, capacity: int = DEFAULT_CAPACITY):
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise ValueError(f"capacity: {capacity!r} is not a positive number of blocks")
         self.checksummer = checksummer
-        self.values = StoredValues(capacity)
-        self._pending: list = []  # (kvcsum.Result, BlockBatch)
-        # A buffer of stored checksums per group the worker checksums.
-        self._buffers: dict = {}
-        for group_id in sorted(checksummer.fingerprints):
-            if checksummer.device == kvcsum.HOST:
-                buffer = np.zeros((checksummer.num_blocks, 2), dtype=np.uint64)
-                view = buffer
-            else:
-                import torch
+        self.index = kvcsum.TierIndex(capacity)
+        self.values = KeptValues(self.index)
+        self._device = checksummer.device != kvcsum.HOST
+        #: Whether a device store may still be queued (read by `settle`).
+        self.queued = False
 
-                buffer = torch.zeros((checksummer.num_blocks, 16), dtype=torch.uint8, pin_memory=True)
-                view = buffer.numpy().view(np.uint64)
-            checksummer.worker.add_stored_of(group_id, buffer)
-            self._buffers[group_id] = view
+    def _stream(self, cuda_stream):
+        if self._device and cuda_stream is None:
+            import torch
 
-    @property
-    def pending(self) -> int:
-        """Checksums of stored blocks not yet read."""
-        return len(self._pending)
+            return torch.cuda.current_stream(self.checksummer.device).cuda_stream
+        return cuda_stream
 
     def store(self, stores, cuda_stream: int | None = None) -> None:
-        """Checksums blocks that became full (a BlockBatch, or a sequence of
-        HashedBlocks; on a device: queued on `cuda_stream`, torch's current
-        stream by default, after the forward that filled them) in one call;
-        their values are kept once read (`settle`)."""
-        batch = stores if isinstance(stores, BlockBatch) else BlockBatch.of(stores)
-        if not batch.num_blocks:
+        """Checksums blocks that became full (a StoreBatch, or a sequence of
+        HashedBlocks; on a device queued on `cuda_stream`, torch's current
+        stream by default, after the forward that filled them) and keeps
+        their values, in one library call (on a device once the work is
+        done: a later call reads them)."""
+        batch = stores if isinstance(stores, StoreBatch) else StoreBatch.of(stores)
+        count = len(batch.block_ids)
+        if not count:
             return
-        batch = batch.only_groups(self._buffers)
-        if not batch.num_blocks:
-            return
-        # A block id freed and filled again would overwrite a value not yet
-        # read: earlier stores are read first (their work is long done).
-        self.settle(wait=True)
-        with kvcsum.Blocks() as call:
-            batch.add_to(call)
-            if self.checksummer.device != kvcsum.HOST and cuda_stream is None:
-                import torch
-
-                cuda_stream = torch.cuda.current_stream(self.checksummer.device).cuda_stream
-            result = self.checksummer.worker.store(call, cuda_stream)
-        self._pending.append((result, batch))
-
-    @staticmethod
-    def sums(result: "kvcsum.Result", req_id: str, group_id: int, first: int, count: int):
-        """The sum of a group's columns per position (numpy uint64, wrapping
-        as the checksums do), None where the worker did not checksum it."""
-        try:
-            got_first, positions, columns = result.group(req_id, group_id)
-        except kvcsum.Error:
-            return None
-        if got_first != first or positions != count or columns == 0:
-            return None
-        total = np.zeros(positions, dtype=np.uint64)
-        for column in range(columns):
-            total += result.column(req_id, group_id, column)
-        return total
+        self.index.store_buffers(
+            self.checksummer.worker, count, batch.group_ids, batch.positions, batch.block_ids, batch.hashes,
+            batch.hash_bytes, self._stream(cuda_stream),
+        )
+        self.queued = self._device
 
     def settle(self, wait: bool) -> None:
-        """Keeps the values of the stored blocks checksummed so far: those
-        whose results are ready, or all of them when `wait`."""
-        kept = []
-        for result, entries in self._pending:
-            if not wait and not result.ready():
-                kept.append((result, entries))
-                continue
-            try:
-                result.wait()
-                self._keep(result, entries)
-            finally:
-                result.close()
-        self._pending = kept
-
-    def _keep(self, result, batch: BlockBatch) -> None:
-        """Keeps the values a store wrote of a batch's blocks (the buffer
-        holds sum XOR tag, SPEC section 8)."""
+        """Keeps the values of the stores queued on a device: those done,
+        or all of them (waiting) when `wait`."""
+        if not self.queued:
+            return
+        empty = EMPTY_STORES
         worker = self.checksummer.worker
-        for group_id in batch.groups:
-            chosen = slice(None) if len(batch.groups) == 1 else batch.block_groups == group_id
-            ids, hashes = batch.block_ids[chosen], batch.hashes[chosen]
-            sums = self._buffers[group_id][ids, 0] ^ worker.block_tags(group_id, hashes)
-            self.values.remember_many(group_id, hashes, batch.positions[chosen], sums)
+        if wait:
+            self.index.check(worker, empty.group_ids, empty.positions, empty.block_ids, np.zeros((0, 8), dtype=np.uint8))
+            self.queued = False
+        else:
+            self.index.store_buffers(worker, 0, empty.group_ids, empty.positions, empty.block_ids, b"", 8)
 
     def check(self, blocks: HashedBlocks, fail_unknown: bool = False, cuda_stream: int | None = None) -> TierComparison:
-        """Compares loaded blocks with the values kept (waiting for the
-        checksums of earlier stores and of these blocks)."""
-        self.settle(wait=True)
-        pending = self.checksummer.checksum([blocks.job()], kvcsum.CONSUMER, cuda_stream)
-        result = pending.result
-        matched, mismatched, unknown, invalid = 0, [], {}, set()
-        try:
-            result.wait()
-            for group_id, (first, ids, hashes) in sorted(blocks.groups.items()):
-                sums = self.sums(result, blocks.req_id, group_id, first, len(ids))
-                for i, (block_id, block_hash) in enumerate(zip(ids, hashes)):
-                    if sums is None:
-                        outcome = BlockOutcome(UNKNOWN, "NOT_CHECKSUMMED")
-                    else:
-                        outcome = self.values.compare(group_id, block_hash, first + i, int(sums[i]))
-                    if outcome.outcome == MATCHED:
-                        matched += 1
-                    elif outcome.outcome == MISMATCHED:
-                        mismatched.append(block_id)
-                        invalid.add(block_id)
-                    else:
-                        unknown[outcome.reason] = unknown.get(outcome.reason, 0) + 1
-                        if fail_unknown:
-                            invalid.add(block_id)
-        finally:
-            result.close()
-        return TierComparison(matched, tuple(mismatched), unknown, frozenset(invalid))
+        """Compares loaded blocks with the values kept, in one library call
+        (which waits for the checksums of earlier stores and of these
+        blocks)."""
+        group_ids, positions, ids, parts, hashed = [], [], [], [], []
+        size = None
+        for group_id, (first, block_ids, hashes) in sorted(blocks.groups.items()):
+            count = len(block_ids)
+            if not count:
+                continue
+            # A group's blocks without a hash (partial) are its last ones.
+            known = count - hashes.count(None)
+            if None in hashes[:known]:
+                known = hashes.index(None)
+            if size is None and known:
+                size = len(hashes[0])
+            flags = np.zeros(count, dtype=np.uint8)
+            flags[:known] = 1
+            data = b"".join(hashes[:known])
+            if len(data) != known * (size or 0):
+                # Hashes of other lengths than the first: no hash here.
+                same = [h if len(h) == size else bytes(size) for h in hashes[:known]]
+                flags[:known] = [len(h) == size for h in hashes[:known]]
+                data = b"".join(same)
+            parts.append(data + bytes((size or 8) * (count - known)))
+            group_ids.append(np.full(count, group_id, dtype=np.uint32))
+            positions.append(np.arange(first, first + count, dtype=np.uint64))
+            ids.append(np.asarray(block_ids, dtype=np.uint32))
+            hashed.append(flags)
+        if not ids:
+            return TierComparison(0, (), {}, frozenset())
+        if size is None:
+            size = 8
+            parts = [bytes(8 * len(i)) for i in ids]
+        data = b"".join(parts)
+        flags = np.concatenate(hashed)
+        block_ids = np.concatenate(ids)
+        outcomes = self.index.check(
+            self.checksummer.worker,
+            np.concatenate(group_ids),
+            np.concatenate(positions),
+            block_ids,
+            np.frombuffer(data, dtype=np.uint8).reshape(block_ids.size, size),
+            flags,
+            self._stream(cuda_stream),
+        )
+        self.queued = False
+        counts = np.bincount(outcomes, minlength=8).tolist()
+        mismatched = tuple(block_ids[outcomes == _MISMATCHED].tolist())
+        unknown = {reason: counts[code] for code, reason in _REASONS.items() if counts[code]}
+        invalid = set(mismatched)
+        if fail_unknown and unknown:
+            invalid |= set(block_ids[(outcomes != _MATCHED) & (outcomes != _MISMATCHED)].tolist())
+        return TierComparison(counts[_MATCHED], mismatched, unknown, frozenset(invalid))

@@ -59,10 +59,10 @@ from kvcsum.vllm.config import (
 )
 from kvcsum.vllm.decoding import LayerDecodings
 from kvcsum.vllm.load_verdict import LoadJudge
-from kvcsum.vllm.record_exchange import LoadRecord, RecordExchange, WorkerRecords, engine_exchange
+from kvcsum.vllm.record_exchange import LoadRecord, RecordExchange, WorkerRecords, engine_exchange, record_bound
 from kvcsum.vllm.source_check import WorkerSourceCheck
 from kvcsum.vllm.stats import KvcsumStats
-from kvcsum.vllm.tier_values import BlockBatch, TierChecker
+from kvcsum.vllm.tier_values import TierChecker
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
@@ -177,12 +177,18 @@ class WorkerRole:
     def bind(self, meta: KvcsumConnectorMetadata) -> None:
         """bind_connector_metadata: the step's jobs and verdicts."""
         self._bound = meta
+        if meta.quiet:
+            # Nothing but blocks to store (after the forward).
+            self._sync_taken = True
+            if self._tier is not None and self._tier.queued:
+                self._tier.settle(wait=False)
+            return
         self._sync_taken = False
         if self._sources is not None:
             self._sources.release(meta.sources_released)
         self._watch_async.update(meta.async_loads)
         self._watch_tier.update(meta.tier_async_loads)
-        if self._tier is not None:
+        if self._tier is not None and self._tier.queued:
             self._tier.settle(wait=False)
         for req_id, outcome in meta.verdicts.items():
             self._watch_async.pop(req_id, None)
@@ -208,13 +214,18 @@ class WorkerRole:
         meta = self._bound
         if meta is None or self._checksummer is None:
             return
+        stores = meta.stores
+        if meta.quiet:
+            if stores.num_blocks and self._tier is not None:
+                self._declare_decodings()
+                self._tier.store(stores)
+            return
         for checksum in meta.sends:
             self._note(kvcsum.PRODUCER, checksum.job, checksum.generation)
         self._take_sync_loads()
-        # The forward that filled them is queued before: their values are
-        # read once ready (next step, or before a tier check).
-        stores = meta.stores
-        if self._tier is not None and (stores.num_blocks if isinstance(stores, BlockBatch) else stores):
+        # The forward that filled them is queued before: on a device their
+        # values are read once ready (next step, or before a tier check).
+        if self._tier is not None and stores.num_blocks:
             self._declare_decodings()
             self._tier.store(stores)
         for blocks in meta.tier_sync_loads:
@@ -290,7 +301,7 @@ class WorkerRole:
             gathered = [WorkerRecords(self._worker_key, tuple(mine))]
         else:
             try:
-                gathered = self._exchange.gather(self._worker_key, mine)
+                gathered = self._exchange.gather(self._worker_key, mine, bound=self._record_bound(pending))
             except Exception:  # noqa: BLE001 - judged here alone; later loads go to the scheduler, a step late
                 logger.exception(
                     "kvcsum: worker %s: the exchange of sync load records failed; this step's sync loads are judged "
@@ -327,6 +338,17 @@ class WorkerRole:
             self._ready_notes.append(
                 WorkerNote(self._worker_key, kvcsum.CONSUMER, job.req_id, checksum.generation, None, verdict=verdict)
             )
+
+    def _record_bound(self, pending: list) -> int:
+        """The bytes every worker's records of this step's sync loads fit
+        in, alike on every worker (the scheduler's jobs, the engine's
+        layers and TP size)."""
+        blocks = sum(len(ids) for checksum, _ in pending for _, ids in checksum.job.groups.values())
+        groups = sum(len(checksum.job.groups) for checksum, _ in pending)
+        layers = sum(len(group.layer_names) for group in self._kv_cache_config.kv_cache_groups)
+        parallel = getattr(self._vllm_config, "parallel_config", None)
+        columns = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+        return record_bound(blocks, groups, layers, columns, len(pending))
 
     def _refuse_unfailable(self, what: str, req_id: str, invalid: set, why: str = "") -> None:
         """A sync load judged bad on a model with several KV cache groups,
@@ -378,6 +400,11 @@ class WorkerRole:
         being verified is checksummed in the step the inner connector
         reports it received, and reported received in that step too (the
         scheduler takes it out again if it fails: SchedulerRole.received)."""
+        if not (
+            inner.finished_sending or inner.finished_recving or self._release_recving or self._release_failed
+            or (finished_req_ids and (self._watch_async or self._watch_tier))
+        ):
+            return inner  # nothing sent, received or held back in this step
         results = KVConnectorTransferResults(
             finished_sending=set(inner.finished_sending or ()),
             finished_recving=set(),
@@ -418,6 +445,8 @@ class WorkerRole:
         """get_block_ids_with_load_errors, with the inner connector's: with
         this step's sync loads judged (vLLM reads these before it emits the
         step's tokens)."""
+        if self._sync_taken and not self._sync_pending and not self._invalid_out:
+            return inner
         self._take_sync_loads()
         if self._sync_pending:
             self._judge_sync_loads()
@@ -427,6 +456,8 @@ class WorkerRole:
 
     def build_meta(self, inner) -> KvcsumWorkerMetadata | None:
         """build_connector_worker_meta, around the inner connector's."""
+        if not (self._ready_notes or self._pending_notes or self._tier_notes or self._sources_busy()):
+            return None if inner is None else KvcsumWorkerMetadata(inner=inner)
         if self._sources is not None:
             self._sources.collect()  # before the records close their results
         notes, self._ready_notes = self._ready_notes, []
@@ -441,6 +472,12 @@ class WorkerRole:
         if inner is None and not notes and not tier_notes and not source_notes:
             return None
         return KvcsumWorkerMetadata(inner=inner, notes=notes, tier_notes=tier_notes, source_notes=source_notes)
+
+    def _sources_busy(self) -> bool:
+        """Whether the re-check of sent requests has anything to collect or
+        note this step."""
+        sources = self._sources
+        return sources is not None and sources.busy
 
     def take_stats(self) -> KvcsumStats | None:
         """The worker's counts since the last call (its checksum times;

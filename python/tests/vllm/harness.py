@@ -160,11 +160,20 @@ class InProcessRecordExchange:
         self._num_workers = num_workers
         self._held: list = []
         self.judges: list = []  # the worker that judged, per gather
+        self.bounds: list = []  # (packed bytes, bound) per gather
 
-    def gather(self, worker_key: str, records: list):
-        from kvcsum.vllm.record_exchange import WorkerRecords
+    def gather(self, worker_key: str, records: list, bound: int | None = None):
+        from kvcsum.vllm.record_exchange import WorkerRecords, pack_records, unpack_records
 
-        self._held.append(WorkerRecords(worker_key, tuple(records)))
+        if bound is not None:
+            # As TorchRecordExchange does: packed into the bound (none when
+            # they do not fit), then unpacked.
+            message = pack_records(worker_key, records)
+            self.bounds.append((len(message), bound))
+            held = unpack_records(message) if len(message) <= bound else WorkerRecords(worker_key, ())
+        else:
+            held = WorkerRecords(worker_key, tuple(records))
+        self._held.append(held)
         if len(self._held) < self._num_workers:
             return None
         gathered, self._held = self._held, []

@@ -112,6 +112,10 @@ def nothing_left_behind(engine: Engine) -> None:
     for rank, state in enumerate(engine.ranks):
         left = state.connector.worker_role.leftovers()
         assert not any(left.values()), (engine.name, rank, left)
+    # Every exchange of sync load records fit the bound the workers computed.
+    exchange = engine.exchange
+    if exchange is not None:
+        assert all(packed <= bound for packed, bound in exchange.bounds), (engine.name, exchange.bounds)
 
 
 def expected_tokens(prompt, n):
@@ -477,7 +481,7 @@ def test_an_exchange_that_raises_leaves_the_sync_load_unverified_in_its_step(sto
     # (WORKERS_MISSING), never a match, in the step of the load; under
     # unverified=fail its blocks are load errors of that step.
     class Broken:
-        def gather(self, worker_key, records):
+        def gather(self, worker_key, records, bound=None):
             raise RuntimeError("the exchange is down")
 
     prompt = prompt_of(49)

@@ -3,7 +3,10 @@ over vLLM's real groups: two processes, spawned by torch.multiprocessing,
 each a TP rank of one engine (vLLM's distributed environment over gloo, on
 the CPU). The engine_exchange of each rank must be the TP group's; in each
 of a few steps the judging rank (TP rank 0) gets both ranks' records, in
-rank order, and the other gets None. Where there can be no exchange (no
+rank order, and the other gets None: through the fixed-size gather (with
+a bound), through gather_object (without), and with a bound that a
+rank's records pass (sent as none: that rank's records are missing, the
+others' arrive). Where there can be no exchange (no
 torch.distributed, several PP stages) engine_exchange says why.
 """
 
@@ -42,9 +45,16 @@ def _rank(rank: int, store: str, seed: int, results) -> None:
             got = []
             rng = random.Random(seed * 2 + rank)
             for step in range(STEPS):
-                records = [LoadRecord(f"req-{step}", step + 1, rng.randbytes(rng.randrange(1, 4096)))]
-                gathered = exchange.gather(f"pp0.tp{rank}", records) if exchange is not None else "no exchange"
-                got.append((records, gathered))
+                records = [
+                    LoadRecord(f"req-{step}", step + 1, rng.randbytes(rng.randrange(1, 4096))),
+                    LoadRecord(f"req-{step}-none", step + 7, None),
+                ]
+                for bound in (None, 8192, 2048):
+                    if exchange is None:
+                        got.append((records, bound, "no exchange"))
+                        continue
+                    gathered = exchange.gather(f"pp0.tp{rank}", records, bound=bound)
+                    got.append((records, bound, gathered))
             results.put((rank, why, got))
         finally:
             parallel_state.destroy_model_parallel()
@@ -53,6 +63,8 @@ def _rank(rank: int, store: str, seed: int, results) -> None:
 
 def test_the_judging_rank_gets_every_ranks_records_over_vllms_tp_group():
     import torch.multiprocessing as mp
+
+    from kvcsum.vllm.record_exchange import pack_records
 
     seed = int(os.environ.get("KVCS_SEED", str(random.SystemRandom().randrange(2**32))), 0)
     print(f"\nseed {seed} (KVCS_SEED={seed} repeats it)", flush=True)
@@ -66,17 +78,25 @@ def test_the_judging_rank_gets_every_ranks_records_over_vllms_tp_group():
             by_rank[rank] = (why, got)
     assert sorted(by_rank) == [0, 1]
     for rank, (why, got) in by_rank.items():
-        assert why == "" and len(got) == STEPS, (rank, why)
-    for step in range(STEPS):
-        sent = {rank: by_rank[rank][1][step][0] for rank in (0, 1)}
-        judged, other = by_rank[0][1][step][1], by_rank[1][1][step][1]
+        assert why == "" and len(got) == 3 * STEPS, (rank, why)
+    for call in range(3 * STEPS):
+        sent = {rank: by_rank[rank][1][call][0] for rank in (0, 1)}
+        bounds = {rank: by_rank[rank][1][call][1] for rank in (0, 1)}
+        judged, other = by_rank[0][1][call][2], by_rank[1][1][call][2]
         print(
-            f"step {step}: rank 0 got {[(w.worker, [len(r.record) for r in w.records]) for w in judged]}, rank 1 got {other}",
+            f"call {call} (bounds {bounds}): rank 0 got "
+            f"{[(w.worker, [None if r.record is None else len(r.record) for r in w.records]) for w in judged]}, rank 1 got {other}",
             flush=True,
         )
         assert other is None, seed
-        assert [w.worker for w in judged] == ["pp0.tp0", "pp0.tp1"], seed
-        assert [list(w.records) for w in judged] == [sent[0], sent[1]], seed
+        assert len(judged) == 2, seed
+        for rank in (0, 1):
+            fits = bounds[rank] is None or len(pack_records(f"pp0.tp{rank}", sent[rank])) <= bounds[rank]
+            if fits:
+                assert judged[rank].worker == f"pp0.tp{rank}" and list(judged[rank].records) == sent[rank], seed
+            else:
+                # Past the bound: sent as none, so that rank's records are missing.
+                assert judged[rank].records == (), seed
 
 
 @pytest.mark.parametrize("pp", [1, 2])

@@ -12,6 +12,7 @@ import random
 import sys
 import tracemalloc
 
+import numpy as np
 import pytest
 import torch
 
@@ -165,3 +166,35 @@ def test_the_memory_of_a_million_kept_blocks():
     print(f"\nMEMORY kept values: {used / count:.0f} bytes a block, {per_million / 2**20:.0f} MiB per million blocks (a worker)")
     assert len(values) == count
     assert used / count < 400  # a dict entry, a 32-byte key and an int
+
+
+def test_the_library_index_refuses_bad_buffers_and_keeps_nothing_of_them():
+    import array
+
+    logical = logical_caches(NUM_LAYERS, NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD, seed=SEED + 5)
+    worker = checksummer(layer_specs(NUM_LAYERS, BLOCK, HEADS, HEAD), lay_out(logical, "LBNHC"), NUM_BLOCKS, BLOCK)
+    index = kvcsum.TierIndex(8)
+    ids, groups, positions = array.array("I", [1, 2]), array.array("I", [0, 0]), array.array("Q", [0, 1])
+    hashes = fake_hash(0) + fake_hash(1)
+    with pytest.raises(ValueError, match="2 blocks need"):
+        index.store_buffers(worker.worker, 2, groups, positions, array.array("I", [1]), hashes, 32)
+    with pytest.raises(ValueError, match="2 blocks need"):
+        index.store_buffers(worker.worker, 2, groups, array.array("I", [0, 1]), ids, hashes, 32)
+    with pytest.raises(ValueError, match="2 blocks need"):
+        index.store_buffers(worker.worker, 2, groups, positions, ids, hashes[:40], 32)
+    with pytest.raises(kvcsum.InvalidArgument, match="hash_bytes is 4"):
+        index.store_buffers(worker.worker, 2, groups, positions, ids, hashes[:8], 4)
+    with pytest.raises(kvcsum.InvalidArgument, match=r"group_ids\[1\] 3"):
+        index.store_buffers(worker.worker, 2, array.array("I", [0, 3]), positions, ids, hashes, 32)
+    with pytest.raises(kvcsum.OutOfBounds):
+        index.store_buffers(worker.worker, 2, groups, positions, array.array("I", [1, NUM_BLOCKS]), hashes, 32)
+    assert len(index) == 0 and index.info()["dropped"] == 0
+    index.store_buffers(worker.worker, 2, groups, positions, ids, hashes, 32)
+    assert len(index) == 2
+    position, kept = index.values(0, fake_hash(1))
+    assert position == 1 and len(kept) == 1
+    outcomes = index.check(worker.worker, [0, 0], [0, 1], [1, 2], np.frombuffer(hashes, dtype=np.uint8).reshape(2, 32), hashed=[1, 0])
+    assert outcomes.tolist() == [kvcsum.TierOutcome.MATCHED, kvcsum.TierOutcome.NO_BLOCK_HASH]
+    with pytest.raises(ValueError, match="hashed has shape"):
+        index.check(worker.worker, [0, 0], [0, 1], [1, 2], np.zeros((2, 32), dtype=np.uint8), hashed=[1])
+    worker.close()

@@ -1,6 +1,10 @@
 //! How `include/kvcsum.h` is made: cbindgen over the crate, with the
-//! prototypes put under `KVCS_NO_PROTOTYPES`. The one definition, shared by
-//! the check (tests/it/header.rs) and the generator (tests/gen_header.rs).
+//! prototypes put under `KVCS_NO_PROTOTYPES`; and every other binding of
+//! the C ABI ([`bindings`], from src/ffi read with syn). The one
+//! definition, shared by the check (tests/it/header.rs) and the generator
+//! (tests/gen_header.rs, `make header`).
+
+pub mod bindings;
 
 use std::path::Path;
 

@@ -1,0 +1,533 @@
+//! The host engine: computes a plan's partial checksums from host memory,
+//! split over threads. Every slice is read once; contributions are added
+//! with wrapping arithmetic, so the order (and the thread count) does not
+//! change any value.
+//!
+//! Each host worker owns one [`HostEngine`], whose helper threads are started
+//! on its first call that is large enough to split, parked between calls, and
+//! joined when the worker is dropped (see [`crate::engines::host::pool`]). One pool per
+//! worker rather than one per process: no thread outlives the workers (so
+//! the library holds nothing once the last is destroyed, and can be
+//! unloaded), and each worker's `num_threads` means what it says. A process
+//! with several host workers that call at once could oversubscribe; it
+//! gives them fewer threads each.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+use crate::base::checksum::{Algorithm, Identity, Mix, Mix2, PIECE_BYTES};
+use crate::base::error::{err, Result};
+use crate::engines::host::pool::Pool;
+use crate::inputs::layout::{Layer, Layout, Region};
+use crate::inputs::role::Role;
+use crate::plan::{Plan, Row};
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod lanes;
+mod pool;
+mod walk;
+
+#[cfg(target_arch = "x86_64")]
+use avx2::{Avx2, Avx2Lanes};
+#[cfg(target_arch = "x86_64")]
+use avx512::{Avx512, Avx512Lanes};
+#[cfg(target_arch = "x86_64")]
+use lanes::Mix2Lanes;
+use walk::{item_checksum, RowSums};
+
+/// Work items handed to a thread at a time.
+const ITEMS_PER_GRAB: usize = 16;
+
+/// Below this many bytes a call runs on the calling thread alone.
+const MIN_BYTES_PER_THREAD: u64 = 4 << 20;
+
+/// The most threads a host worker may use (`num_threads` or
+/// `KVCS_HOST_THREADS`); a bound, so that a wild value is an error rather
+/// than thousands of threads.
+pub const MAX_HOST_THREADS: u32 = 256;
+
+/// The environment variable that sets the thread count of workers created
+/// with `num_threads` 0.
+pub const THREADS_VARIABLE: &str = "KVCS_HOST_THREADS";
+
+/// The environment variable that caps the SIMD form of the host engine's
+/// mixing (`avx512`, `avx2` or `portable`; unset: the best the CPU runs),
+/// read when a host worker is created. For measurements
+/// (`benches/host_bench.rs`) and for ruling a SIMD form out; every form
+/// gives the same values.
+pub const SIMD_VARIABLE: &str = "KVCS_HOST_SIMD";
+
+/// The SIMD form the host engine's mixing runs in (see [`item_checksum_of`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Simd {
+    /// Plain Rust, vectorised only as far as the compiler does by itself.
+    Portable,
+    /// AVX2 builds and intrinsics (x86-64 CPUs that have AVX2).
+    Avx2,
+    /// AVX-512F intrinsics for MIXED2 (x86-64 CPUs that have AVX-512F).
+    Avx512,
+}
+
+impl Simd {
+    /// Its name, for logs and [`SIMD_VARIABLE`]: "avx512", "avx2", "portable".
+    pub fn name(self) -> &'static str {
+        match self {
+            Simd::Portable => "portable",
+            Simd::Avx2 => "avx2",
+            Simd::Avx512 => "avx512",
+        }
+    }
+}
+
+/// A [`Simd`] form with what lets it run: the detection token of its
+/// instruction set (`host/avx2.rs`, `host/avx512.rs`), which exists only
+/// where the CPU has them. The engine picks one when it is created.
+#[derive(Debug, Clone, Copy)]
+enum Form {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2(Avx2),
+    #[cfg(target_arch = "x86_64")]
+    Avx512(Avx512),
+}
+
+impl Form {
+    /// The best form this CPU runs.
+    fn best() -> Form {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if let Some(isa) = Avx512::new() {
+                return Form::Avx512(isa);
+            }
+            if let Some(isa) = Avx2::new() {
+                return Form::Avx2(isa);
+            }
+        }
+        Form::Portable
+    }
+
+    /// Which form it is.
+    fn simd(self) -> Simd {
+        match self {
+            Form::Portable => Simd::Portable,
+            #[cfg(target_arch = "x86_64")]
+            Form::Avx2(_) => Simd::Avx2,
+            #[cfg(target_arch = "x86_64")]
+            Form::Avx512(_) => Simd::Avx512,
+        }
+    }
+
+    /// This form, or the lower `cap` where it is below it (a form is never
+    /// raised: a token is never made up).
+    fn capped(self, cap: Simd) -> Form {
+        match (self, cap) {
+            #[cfg(target_arch = "x86_64")]
+            (Form::Avx512(isa), Simd::Avx2) => Form::Avx2(isa.avx2()),
+            (_, Simd::Portable) => Form::Portable,
+            (form, _) => form,
+        }
+    }
+}
+
+/// At most this many threads by default, however many cores there are:
+/// eight ranks of four threads are 32 streams reading memory at once, which
+/// is about what a server's memory channels feed; more would mostly wait on
+/// memory while taking cores from the serving engine. A host that wants
+/// more sets `KVCS_HOST_THREADS` or `num_threads`.
+const DEFAULT_MAX_THREADS: usize = 4;
+
+/// The default assumes this many rank processes share the host's cores
+/// (one per GPU of a usual 8-GPU server), so that they do not oversubscribe it.
+const DEFAULT_RANKS_PER_HOST: usize = 8;
+
+/// The host engine of a worker: its thread count and, once a call needed
+/// more than one thread, its helper threads (one fewer than the thread
+/// count: the calling thread works too).
+pub struct HostEngine {
+    threads: usize,
+    pool: OnceLock<Pool>,
+    form: Form,
+}
+
+impl HostEngine {
+    /// An engine of `num_threads` threads; 0 picks the default: the value
+    /// of `KVCS_HOST_THREADS` when set, else a share of the cores this
+    /// process may run on (see [`default_threads`]). Starts no thread.
+    pub fn new(num_threads: u32) -> Result<HostEngine> {
+        let threads = match num_threads {
+            0 => match std::env::var(THREADS_VARIABLE) {
+                Ok(text) => match text.trim().parse::<u32>() {
+                    Ok(n) if (1..=MAX_HOST_THREADS).contains(&n) => n as usize,
+                    _ => {
+                        return Err(err!(
+                            InvalidArgument,
+                            "{THREADS_VARIABLE} {text:?} is not a thread count from 1 to {MAX_HOST_THREADS}"
+                        ))
+                    }
+                },
+                Err(_) => default_threads(),
+            },
+            n if n > MAX_HOST_THREADS => {
+                return Err(err!(
+                    InvalidArgument,
+                    "num_threads {n} is above the maximum {MAX_HOST_THREADS}"
+                ))
+            }
+            n => n as usize,
+        };
+        let best = Form::best();
+        let cap = match std::env::var(SIMD_VARIABLE) {
+            Err(_) => best.simd(),
+            Ok(text) => match [Simd::Avx512, Simd::Avx2, Simd::Portable]
+                .into_iter()
+                .find(|form| form.name() == text.trim())
+            {
+                // A cap: a form the CPU lacks is never run.
+                Some(form) => form,
+                None => {
+                    return Err(err!(
+                        InvalidArgument,
+                        "{SIMD_VARIABLE} {text:?} is not avx512, avx2 or portable"
+                    ))
+                }
+            },
+        };
+        Ok(HostEngine {
+            threads,
+            pool: OnceLock::new(),
+            form: best.capped(cap),
+        })
+    }
+
+    /// The SIMD form the engine's mixing runs in.
+    pub fn simd(&self) -> Simd {
+        self.form.simd()
+    }
+
+    /// The most threads a call uses.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Helper threads running: 0 until a call needed more than one thread,
+    /// then one fewer than [`HostEngine::threads`] (fewer where the system
+    /// refused to start some).
+    pub fn helpers(&self) -> usize {
+        self.pool.get().map_or(0, Pool::helpers)
+    }
+
+    /// Computes the values of `plan` (whose rows are `rows`) with
+    /// `algorithm`, on up to [`HostEngine::threads`] threads. Calls may run
+    /// concurrently; each gets what helpers are free.
+    ///
+    /// The layout's registration checks guarantee every address read lies in
+    /// a registered region; the caller of [`crate::Worker::add_region`]
+    /// promised those are readable host memory.
+    pub fn compute(&self, layout: &Layout, plan: &Plan, rows: &[Row], role: Role, algorithm: Algorithm) -> Vec<u64> {
+        let mut items = Vec::new();
+        let mut total_bytes = 0u64;
+        for row in rows {
+            let group = layout.group_in_slot(row.group_slot);
+            let columns = group.columns(role);
+            for layer in &group.layers {
+                if let Ok(column) = columns.binary_search(&layer.spec.replica) {
+                    items.push(Item { row, layer, column });
+                    total_bytes +=
+                        row.valid_tokens as u64 * layer.spec.num_heads as u64 * layer.pieces_per_token * PIECE_BYTES;
+                }
+            }
+        }
+        let values: Vec<AtomicU64> = (0..plan.num_values).map(|_| AtomicU64::new(0)).collect();
+        let useful_threads = (total_bytes / MIN_BYTES_PER_THREAD).max(1) as usize;
+        let threads = self.threads.clamp(1, useful_threads);
+        let next = AtomicUsize::new(0);
+        let work = || {
+            // Per-head accumulators for token-outer walks, reused across items.
+            let mut scratch = Vec::new();
+            loop {
+                let start = next.fetch_add(ITEMS_PER_GRAB, Ordering::Relaxed);
+                if start >= items.len() {
+                    break;
+                }
+                for item in &items[start..(start + ITEMS_PER_GRAB).min(items.len())] {
+                    let sum = item_checksum_of(algorithm, self.form, item.row, item.layer, &mut scratch);
+                    let out = item.row.out as usize + item.column * item.row.column_stride as usize;
+                    values[out].fetch_add(sum, Ordering::Relaxed);
+                }
+            }
+        };
+        if threads == 1 {
+            work();
+        } else {
+            let pool = self.pool.get_or_init(|| Pool::new(self.threads - 1, "kvcsum-host"));
+            pool.run(threads - 1, &work);
+        }
+        let mut values: Vec<u64> = values.into_iter().map(AtomicU64::into_inner).collect();
+        add_states(layout, rows, algorithm, &mut values);
+        values
+    }
+}
+
+/// The thread count of `num_threads` 0 without `KVCS_HOST_THREADS`: the
+/// cores this process may run on (its affinity mask and CPU quota) divided
+/// by 8, the usual number of rank processes per host, between 1 and 4.
+pub fn default_threads() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / DEFAULT_RANKS_PER_HOST).clamp(1, DEFAULT_MAX_THREADS)
+}
+
+/// One (row, layer) pair: a block position in one layer.
+#[derive(Clone, Copy)]
+struct Item<'a> {
+    row: &'a Row,
+    layer: &'a Layer,
+    column: usize,
+}
+
+/// Adds the state layers' checksums (SPEC section 6) of the rows of state
+/// groups among `rows`, on the calling thread.
+fn add_states(layout: &Layout, rows: &[Row], algorithm: Algorithm, values: &mut [u64]) {
+    for row in rows {
+        for state in layout.group_in_slot(row.group_slot).states() {
+            let value = &mut values[row.out as usize];
+            *value = value.wrapping_add(state.block_checksum(row.block_id, algorithm));
+        }
+    }
+}
+
+/// [`item_checksum`] under `algorithm`, in the form `form`.
+///
+/// MIXED's 64-bit products vectorise only with AVX2 (SSE2, the default
+/// target, has no 64-bit lane multiply: in cache the mixed loop ran at 6
+/// GB/s with SSE2 and 24 GB/s with AVX2, against 22 GB/s for WEIGHTED's
+/// adds), so where the CPU has AVX2 it runs an AVX2 build of the same code.
+/// MIXED2's rounds are 32x32->64 multiplies, which the compiler does not
+/// reliably vectorise by itself: [`lanes::Mix2Lanes`] writes them once over
+/// a lane type, with an AVX2 and an AVX-512F lane type (BENCHMARKS.md,
+/// "Mixing function choice").
+///
+/// Each SIMD arm runs only with the detection token its [`Form`] holds, so
+/// no form runs on a CPU without its instructions.
+fn item_checksum_of(algorithm: Algorithm, form: Form, row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
+    match (algorithm, form) {
+        (Algorithm::Weighted, _) => item_checksum(Identity, row, layer, scratch),
+        (Algorithm::Mixed, Form::Portable) => item_checksum(Mix, row, layer, scratch),
+        (Algorithm::Mixed2, Form::Portable) => item_checksum(Mix2, row, layer, scratch),
+        #[cfg(target_arch = "x86_64")]
+        (Algorithm::Mixed, Form::Avx2(isa)) => isa.item_checksum(Mix, row, layer, scratch),
+        #[cfg(target_arch = "x86_64")]
+        (Algorithm::Mixed, Form::Avx512(isa)) => isa.avx2().item_checksum(Mix, row, layer, scratch),
+        #[cfg(target_arch = "x86_64")]
+        (Algorithm::Mixed2, Form::Avx2(isa)) => isa.item_checksum(Mix2Lanes::<Avx2Lanes>(isa), row, layer, scratch),
+        #[cfg(target_arch = "x86_64")]
+        (Algorithm::Mixed2, Form::Avx512(isa)) => isa.item_checksum(Mix2Lanes::<Avx512Lanes>(isa), row, layer, scratch),
+    }
+}
+
+/// Pages whose residency one `mincore` call reports: the vector it fills
+/// is one byte per page, so a region of any size is checked with this
+/// fixed buffer (16 MiB of 4 KiB pages per call; a 100 GiB region takes
+/// 1,600 calls).
+const MINCORE_PAGES: usize = 4096;
+
+/// Fails unless every page of `region` (host memory) is mapped in this
+/// process, so that a host worker never registers memory whose reading
+/// would crash it (address 8, a freed mapping, a range running past a
+/// mapping). `mincore` answers `ENOMEM` for a range holding an unmapped
+/// page; it reads no byte of the region and costs one call per
+/// [`MINCORE_PAGES`] pages. A mapping without read permission
+/// (`PROT_NONE`) is mapped, and is not told apart here.
+///
+/// `InvalidArgument` when the region's first page is not mapped (as for
+/// address 0, it is no memory at all); `OutOfBounds` when a later page is
+/// not, naming that page (the region runs past the memory given).
+pub fn check_mapped(region: Region) -> Result<()> {
+    let page = page_size();
+    let start = region.address - region.address % page;
+    // The region's end does not wrap (checked before), but rounding it up
+    // to a page can: such a range is no mapped memory either.
+    let Some(end) = region
+        .address
+        .checked_add(region.length)
+        .and_then(|end| end.checked_next_multiple_of(page))
+    else {
+        return Err(not_mapped(region, region.address));
+    };
+    let mut residency = [0u8; MINCORE_PAGES];
+    let mut at = start;
+    while at < end {
+        let pages = ((end - at) / page).min(MINCORE_PAGES as u64);
+        if !pages_mapped(at, pages * page, &mut residency)? {
+            // Some page of this chunk is unmapped: find the first by halving,
+            // keeping `at .. at + mapped pages` mapped and `at .. at +
+            // unmapped pages` not.
+            let (mut mapped, mut unmapped) = (0u64, pages);
+            while unmapped - mapped > 1 {
+                let middle = (mapped + unmapped) / 2;
+                if pages_mapped(at, middle * page, &mut residency)? {
+                    mapped = middle;
+                } else {
+                    unmapped = middle;
+                }
+            }
+            let first_unmapped = at + mapped * page;
+            return Err(not_mapped(region, first_unmapped));
+        }
+        at += pages * page;
+    }
+    Ok(())
+}
+
+/// The error for `region`, whose page at `unmapped` is not mapped.
+fn not_mapped(region: Region, unmapped: u64) -> crate::base::error::Error {
+    let page = page_size();
+    if unmapped <= region.address - region.address % page {
+        err!(
+            InvalidArgument,
+            "address {:#x} (region of length {}) is not mapped memory of this process; a host worker would read it and crash",
+            region.address,
+            region.length
+        )
+    } else {
+        err!(
+            OutOfBounds,
+            "region at address {:#x} of length {} runs past mapped memory: the page at {unmapped:#x} is not mapped",
+            region.address,
+            region.length
+        )
+    }
+}
+
+/// Whether the `length` bytes (whole pages) at page-aligned `address` are
+/// all mapped: `mincore` over them, `residency` holding a byte per page.
+fn pages_mapped(address: u64, length: u64, residency: &mut [u8; MINCORE_PAGES]) -> Result<bool> {
+    if length == 0 {
+        return Ok(true);
+    }
+    loop {
+        // SAFETY: mincore reads no memory at `address`, only the page
+        // tables; it writes one byte per page of `length` (at most
+        // MINCORE_PAGES, the callers' bound) into `residency`.
+        let status = unsafe {
+            libc::mincore(
+                address as usize as *mut libc::c_void,
+                length as usize,
+                residency.as_mut_ptr().cast(),
+            )
+        };
+        if status == 0 {
+            return Ok(true);
+        }
+        match std::io::Error::last_os_error().raw_os_error() {
+            Some(libc::ENOMEM) => return Ok(false),
+            // The kernel was short of memory for a moment: ask again.
+            Some(libc::EAGAIN) => continue,
+            other => {
+                return Err(err!(
+                    Internal,
+                    "mincore({address:#x}, {length}) failed with errno {other:?}"
+                ))
+            }
+        }
+    }
+}
+
+/// The size of a page of this process's memory.
+fn page_size() -> u64 {
+    static PAGE: OnceLock<u64> = OnceLock::new();
+    // SAFETY: sysconf reads a constant of the system.
+    *PAGE.get_or_init(|| match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+        size if size > 0 => size as u64,
+        _ => 4096,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The SIMD forms of MIXED2's eight-piece step give `mix2` of each
+    /// piece, for each form the CPU can run (this machine's CI has both),
+    /// called outside any AVX build (so not inlined into one).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn simd_forms_of_mix2_equal_mix2() {
+        use crate::base::checksum::PieceFn;
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        type Step = Box<dyn Fn(&[u64; 8]) -> [u64; 8]>;
+        let mut forms: Vec<(&str, Step)> = Vec::new();
+        if let Some(isa) = Avx2::new() {
+            forms.push(("AVX2", Box::new(move |p| Mix2Lanes::<Avx2Lanes>(isa).lanes(p))));
+        }
+        if let Some(isa) = Avx512::new() {
+            forms.push(("AVX-512F", Box::new(move |p| Mix2Lanes::<Avx512Lanes>(isa).lanes(p))));
+        }
+        assert_eq!(
+            forms.len(),
+            [Simd::Avx2, Simd::Avx512]
+                .iter()
+                .filter(|&&form| form <= Form::best().simd())
+                .count(),
+            "a token for each form the CPU reports"
+        );
+        for _ in 0..10_000 {
+            let pieces: [u64; 8] = std::array::from_fn(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state
+            });
+            for (name, lanes) in &forms {
+                assert_eq!(
+                    lanes(&pieces),
+                    pieces.map(crate::base::checksum::mix2),
+                    "{name} of {pieces:x?}"
+                );
+            }
+        }
+        // Zeros and all-ones edges.
+        for (name, lanes) in &forms {
+            assert_eq!(lanes(&[0; 8]), [0; 8], "{name}");
+            assert_eq!(
+                lanes(&[u64::MAX; 8]),
+                [crate::base::checksum::mix2(u64::MAX); 8],
+                "{name}"
+            );
+        }
+    }
+
+    /// The accumulate step of each SIMD form of MIXED2 gives the portable
+    /// one's lane sums, over rows of several lines.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn simd_forms_of_mix2_accumulate_as_the_portable_one() {
+        use crate::base::checksum::PieceFn;
+        let mut state = 0x0DDB_1A5E_5BAD_5EEDu64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for lines in [1usize, 2, 7, 32] {
+            let pieces: Vec<u64> = (0..8 * lines).map(|_| next()).collect();
+            let start: [u64; 8] = std::array::from_fn(|_| next());
+            let (mut sum, mut running) = (start, start.map(|x| x.rotate_left(7)));
+            Mix2.accumulate(&pieces, &mut sum, &mut running);
+            if let Some(isa) = Avx2::new() {
+                let (mut s, mut r) = (start, start.map(|x| x.rotate_left(7)));
+                Mix2Lanes::<Avx2Lanes>(isa).accumulate(&pieces, &mut s, &mut r);
+                assert_eq!((s, r), (sum, running), "AVX2, {lines} lines");
+            }
+            if let Some(isa) = Avx512::new() {
+                let (mut s, mut r) = (start, start.map(|x| x.rotate_left(7)));
+                Mix2Lanes::<Avx512Lanes>(isa).accumulate(&pieces, &mut s, &mut r);
+                assert_eq!((s, r), (sum, running), "AVX-512F, {lines} lines");
+            }
+        }
+    }
+}
