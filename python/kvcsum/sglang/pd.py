@@ -334,6 +334,12 @@ class _Side:
             worker.add_layer(
                 kvcsum.layer(k, "NHD", layer_number=pool.start_layer + layer, first_head=first_head, v=v)
             )
+            # The element type and head size the engine reads the bytes as: two
+            # engines that differ there (fp16 and bf16 are the same width) are
+            # UNVERIFIED, never a MISMATCH.
+            worker.set_layer_decoding(
+                GROUP, pool.start_layer + layer, dtype=str(pool.dtype).replace("torch.", ""), head_size=int(pool.head_dim)
+            )
         self.worker = worker
         self.lock = threading.Lock()
 
@@ -540,6 +546,8 @@ def decode_judge(scheduler, batch, activation: PdActivation) -> list:
         with side.blocks(req_id, req.origin_input_ids, start, end, page_ids) as blocks:
             records = side.records(blocks, kvcsum.CONSUMER)
             with kvcsum.Verifier(side.tp_size) as verifier:
+                # The policy says what an UNVERIFIED load becomes, as the message tells.
+                verifier.set_policy(kvcsum.FAIL_CLOSED if activation.unverified == "fail" else kvcsum.FAIL_OPEN)
                 verifier.expect(blocks, kvcsum.CONSUMER)
                 for record in records:
                     verifier.add_record(record)

@@ -188,7 +188,7 @@ class _Sender:
         self.sent.extend(int(p) for p in page_indices)
 
 
-def _engine(prefill: bool, pool_type=None):
+def _engine(prefill: bool, pool_type=None, dtype=torch.float16):
     import types
 
     from sglang.srt.disaggregation.decode import SchedulerDisaggregationDecodeMixin
@@ -196,7 +196,7 @@ def _engine(prefill: bool, pool_type=None):
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
-    pool = (pool_type or MHATokenToKVPool)(128, 4, torch.float16, 4, 8, 2, "cpu", False, start_layer=0, end_layer=1)
+    pool = (pool_type or MHATokenToKVPool)(128, 4, dtype, 4, 8, 2, "cpu", False, start_layer=0, end_layer=1)
     mixin = SchedulerDisaggregationPrefillMixin if prefill else SchedulerDisaggregationDecodeMixin
     s = type("Scheduler", (mixin,), {})()
     s.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(128, 4, torch.int64, "cpu", pool, False)
@@ -230,16 +230,19 @@ def _request(s, tokens, rid, prefix):
     ), indices[: len(tokens)]
 
 
-def test_only_the_pages_sent_are_judged_health_checks_are_not_and_an_uncovered_pool_is_unverified(originals):
+@pytest.mark.parametrize("decode_dtype", [torch.float16, torch.bfloat16])
+def test_only_the_pages_sent_are_judged_health_checks_are_not_and_an_uncovered_pool_is_unverified(originals, decode_dtype):
     """A decode that already holds a 1-page prefix: only the rest is sent and
     judged (damage in the prefix is decode's own and not this transfer's);
     a health check carries no payload and is not judged; a pool kvcsum does
-    not cover is UNVERIFIED, and with unverified="fail" goes to the failure path."""
+    not cover is UNVERIFIED, and with unverified="fail" goes to the failure
+    path. A decode whose pool is bf16 against an fp16 prefill (the same
+    bytes, read as other numbers): UNVERIFIED, never MISMATCH or MATCH."""
     seed = int.from_bytes(os.urandom(4), "little")
     generator = torch.Generator().manual_seed(seed)
     activation = activate_pd(max_payload_bytes=1024)
     prefill, ppool = _engine(True)
-    decode, dpool = _engine(False)
+    decode, dpool = _engine(False, dtype=decode_dtype)
     for buffer in (*ppool.k_buffer, *ppool.v_buffer, *dpool.k_buffer, *dpool.v_buffer):
         buffer.view(torch.int16).copy_(torch.randint(-30000, 30000, buffer.shape, generator=generator, dtype=torch.int16))
     tokens = torch.randint(1, 1000, (15,), generator=generator).tolist()
@@ -251,7 +254,7 @@ def test_only_the_pages_sent_are_judged_health_checks_are_not_and_an_uncovered_p
         assert preq.disagg_kv_sender.sent == [int(p) for p in pidx[4::4] // 4], seed  # the pages past the prefix
         for name in ("k_buffer", "v_buffer"):  # the transport
             for p, d in zip(getattr(ppool, name), getattr(dpool, name)):
-                d[didx[4:]] = p[pidx[4:]]
+                d.view(torch.int16)[didx[4:]] = p.view(torch.int16)[pidx[4:]]  # the bytes
         decode.disagg_metadata_buffers.kvcsum_payload[dreq.metadata_buffer_index] = (
             prefill.disagg_metadata_buffers.kvcsum_payload[preq.metadata_buffer_index]
         )
@@ -262,12 +265,19 @@ def test_only_the_pages_sent_are_judged_health_checks_are_not_and_an_uncovered_p
     batch = __import__("types").SimpleNamespace(reqs=[r for r, _ in reqs])
     batch.filter_batch = lambda keep_indices: setattr(batch, "reqs", [batch.reqs[i] for i in keep_indices])
     decode._verify_kv_checksums(batch)
+    assert "HEALTH_CHECK_c" not in activation.verdicts, seed
+    assert not prefill.disagg_metadata_buffers.kvcsum_payload[reqs[2][0].metadata_buffer_index].any(), seed
+    if decode_dtype != torch.float16:
+        for rid in ("a", "b"):
+            got = activation.verdicts[rid]
+            assert got.verdict == "UNVERIFIED" and "bytes differently" in got.message and "fail-open" in got.message, (seed, got.message)
+        assert [r.rid for r in batch.reqs] == ["a", "b", "HEALTH_CHECK_c"] and not decode.failed, seed
+        activation.deactivate()
+        return
     assert activation.verdicts["a"].verdict == "MATCH", (seed, activation.verdicts["a"])
     b = activation.verdicts["b"]
     assert b.verdict == "MISMATCH" and b.bad_positions == (2,) and b.bad_pages == (int(reqs[1][1][8]) // 4,), (seed, b)
-    assert "HEALTH_CHECK_c" not in activation.verdicts, seed
     assert [r.rid for r in batch.reqs] == ["a", "HEALTH_CHECK_c"] and [f[0] for f in decode.failed] == ["b"], seed
-    assert not prefill.disagg_metadata_buffers.kvcsum_payload[reqs[2][0].metadata_buffer_index].any(), seed
     activation.deactivate()
 
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
