@@ -313,6 +313,18 @@ class _Side:
             raise TypeError(
                 f"kvcsum.sglang P/D checks SGLang's MHATokenToKVPool; this engine's pool is {type(pool).__name__}"
             )
+        import torch
+
+        if pool.dtype not in (torch.float16, torch.bfloat16, torch.float32) or any(
+            getattr(pool, name, None) is not None for name in ("k_scale_buffer", "v_scale_buffer")
+        ):
+            # fp8 and the quantized recipes are read with scales kvcsum is not
+            # told of: equal bytes could mean other values, so no verdict.
+            raise TypeError(
+                f"kvcsum.sglang P/D checks float16, bfloat16 and float32 KV pools without scales; this pool "
+                f"holds {str(pool.dtype).replace('torch.', '')}"
+                + (" with scale buffers" if getattr(pool, "k_scale_buffer", None) is not None else "")
+            )
         self.page = int(pool.page_size)
         self.tp_rank, self.tp_size, self.group = tp_rank, tp_size, group
         first_head = kvcsum.rank_heads(tp_rank, tp_size, total_kv_heads).start

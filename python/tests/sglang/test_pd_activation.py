@@ -235,8 +235,8 @@ def test_only_the_pages_sent_are_judged_health_checks_are_not_and_an_uncovered_p
     """A decode that already holds a 1-page prefix: only the rest is sent and
     judged (damage in the prefix is decode's own and not this transfer's);
     a health check carries no payload and is not judged; a pool kvcsum does
-    not cover is UNVERIFIED, and with unverified="fail" goes to the failure
-    path. A decode whose pool is bf16 against an fp16 prefill (the same
+    not cover (another class, an fp8 cache read with scales) is UNVERIFIED,
+    and with unverified="fail" goes to the failure path. A decode whose pool is bf16 against an fp16 prefill (the same
     bytes, read as other numbers): UNVERIFIED, never MISMATCH or MATCH."""
     seed = int.from_bytes(os.urandom(4), "little")
     generator = torch.Generator().manual_seed(seed)
@@ -283,16 +283,19 @@ def test_only_the_pages_sent_are_judged_health_checks_are_not_and_an_uncovered_p
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     other = type("OtherPool", (MHATokenToKVPool,), {})
-    for mode in ("admit", "fail"):
+    for mode, pool_type, dtype, named in (
+        ("admit", other, torch.float16, "OtherPool"), ("fail", other, torch.float16, "OtherPool"),
+        ("admit", MHATokenToKVPool, torch.float8_e4m3fn, "float8_e4m3fn"),
+    ):
         activation = activate_pd(unverified=mode)
-        decode, _ = _engine(False, pool_type=other)
+        decode, _ = _engine(False, pool_type=pool_type, dtype=dtype)
         dreq, _ = _request(decode, tokens, f"d-{mode}", prefix=0)
         dreq._kvcsum_pd_payload = pd.ArrivedPayload(b"not judged")
         batch = __import__("types").SimpleNamespace(reqs=[dreq])
         batch.filter_batch = lambda keep_indices, batch=batch: setattr(batch, "reqs", [batch.reqs[i] for i in keep_indices])
         decode._verify_kv_checksums(batch)
         got = activation.verdicts[f"d-{mode}"]
-        assert got.verdict == "UNVERIFIED" and "OtherPool" in got.message, got
+        assert got.verdict == "UNVERIFIED" and named in got.message, got
         assert got.failed == (mode == "fail") and len(batch.reqs) == (0 if mode == "fail" else 1), got
         assert [f[0] for f in decode.failed] == ([f"d-{mode}"] if mode == "fail" else []), got
         activation.deactivate()
