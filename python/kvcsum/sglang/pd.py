@@ -2,9 +2,12 @@
 (docs/sglang.md, "P/D across TP sizes").
 
 SGLang 0.5.23 has no extension point for this, so `activate_pd()` wraps
-five of its methods, after checking that SGLang is exactly the version
-tested and that each wrapped method has the signature this code was
-written against (anything else fails at startup, naming what differs):
+six of its methods, after checking that SGLang is exactly the version
+tested and that each wrapped method (and the failure path it calls) has
+the signature this code was written against (anything else fails at
+startup, naming what differs). SGLang's general plugin framework runs it
+in every SGLang process: the kvcsum wheel's entry point `kvcsum_pd`
+(`sglang_plugin`), active where KVCSUM_SGLANG_PD is set.
 
 - `MetadataBuffers.__init__`, `get_buf_infos`, `clear_slot`
   (disaggregation/utils.py): one more metadata buffer, a fixed-size row per
@@ -564,21 +567,21 @@ def decode_judge(scheduler, batch, activation: PdActivation) -> list:
                 for record in records:
                     verifier.add_record(record)
                 with verifier.check(req_id, payload) as report:
-                    verdict = report.verdict
+                    verdict, reason = report.verdict, f"reason {getattr(report.reason, 'name', report.reason)}"
                     first_page = start // side.page
                     positions = sorted(
                         {q for m in report.mismatches for q in range(m.first_position, m.first_position + m.num_positions)}
                     )
                     message = report.message if payload is not None else f"{why} ({report.message})"
         bad_pages = tuple(page_ids[q - first_page] for q in positions if 0 <= q - first_page < len(page_ids))
-        judged.append((i, req, verdict, tuple(positions), bad_pages, message))
+        judged.append((i, req, verdict, reason, tuple(positions), bad_pages, message))
 
     def fails(verdict) -> bool:
         return verdict == kvcsum.MISMATCH or (verdict == kvcsum.UNVERIFIED and activation.unverified == "fail")
 
-    flags = _agree([1 if fails(v) else 0 for _, _, v, _, _, _ in judged], side.group, side.tp_size)
+    flags = _agree([1 if fails(j[2]) else 0 for j in judged], side.group, side.tp_size)
     out, drop = [], set()
-    for (i, req, verdict, positions, bad_pages, message), flag in zip(judged, flags):
+    for (i, req, verdict, reason, positions, bad_pages, message), flag in zip(judged, flags):
         name = kvcsum.Verdict(verdict).name
         failed = bool(flag)
         if verdict == kvcsum.MATCH:
@@ -587,7 +590,7 @@ def decode_judge(scheduler, batch, activation: PdActivation) -> list:
             activation.stats.mismatched += 1
         else:
             activation.stats.unverified += 1
-            logger.warning("kvcsum: P/D transfer of %s UNVERIFIED: %s", req.rid, message)
+            _tell_unverified(reason, req.rid, message)
         if failed:
             if verdict == kvcsum.MISMATCH:
                 text = (
@@ -613,6 +616,17 @@ def decode_judge(scheduler, batch, activation: PdActivation) -> list:
     if drop:
         batch.filter_batch(keep_indices=[i for i in range(len(batch.reqs)) if i not in drop])
     return out
+
+
+def _tell_unverified(reason: str, rid, message: str) -> None:
+    """The first UNVERIFIED transfer of each reason at warning level, the
+    rest at debug level (an engine facing a prefill without kvcsum would
+    otherwise log every request); stats().unverified counts them all."""
+    if reason not in _TOLD:
+        _TOLD.add(reason)
+        logger.warning("kvcsum: P/D transfer of %s UNVERIFIED (further ones of this reason at debug level): %s", rid, message)
+    else:
+        logger.debug("kvcsum: P/D transfer of %s UNVERIFIED: %s", rid, message)
 
 
 def _unchecked(scheduler, req, why: str, activation: PdActivation) -> PdVerdict:

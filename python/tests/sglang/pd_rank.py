@@ -134,7 +134,7 @@ class Rank:
 
     def place(self, tokens: int) -> tuple[int, torch.Tensor]:
         """A request row with its pages (the allocator's real pages)."""
-        row = int(self.req_to_token_pool.alloc_rows(1)[0]) if hasattr(self.req_to_token_pool, "alloc_rows") else None
+        row = int(self.req_to_token_pool.alloc_rows(1)[0])
         indices = self.allocator.alloc(-(-tokens // PAGE) * PAGE)
         self.req_to_token_pool.req_to_token[row, : len(indices)] = indices.to(self.req_to_token_pool.req_to_token.dtype)
         return row, indices[:tokens]
@@ -157,7 +157,7 @@ class Rank:
             if state in wanted:
                 return state
             if state == KVPoll.Failed:
-                raise RuntimeError(f"{what}: failed: {self.manager.get_failure_reason(poller.bootstrap_room) if hasattr(self.manager, 'get_failure_reason') else ''}")
+                raise RuntimeError(f"{what}: failed: {self.manager.failure_records.get(poller.bootstrap_room)}")
             time.sleep(0.01)
         raise TimeoutError(f"{what}: still {poller.poll()} after {WAIT_S} s")
 
