@@ -63,5 +63,5 @@ pub use results::checksums::{
     StoredValues,
 };
 /// The values of a worker's full blocks by block hash (docs/vllm-tiers.md).
-pub use tier_index::{TierBlock, TierIndex, TierIndexInfo, TierOutcome};
+pub use tier_index::{TierArrays, TierBlock, TierIndex, TierIndexInfo, TierOutcome};
 pub use worker::{Worker, WorkerOptions};

@@ -281,6 +281,123 @@ impl Plan {
     }
 }
 
+/// One full block of [`full_block_rows`]: block `block_id` of group
+/// `group_id`, at position `position` of its request, every token valid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FullBlock {
+    /// The block's KV cache group.
+    pub group_id: u32,
+    /// Its position in its request.
+    pub position: u64,
+    /// Its block id in the group's caches.
+    pub block_id: u32,
+}
+
+/// The rows [`full_block_rows`] writes, kept by the caller so that calls
+/// reuse their memory.
+#[derive(Debug, Default)]
+pub struct FullBlockRows {
+    /// The rows, each block's at most one.
+    pub rows: Vec<Row>,
+    /// Per block: whether it has a value (false for a group the worker skips).
+    pub computed: Vec<bool>,
+}
+
+/// The rows of full blocks taken one by one, as a call whose requests each
+/// hold one such block (its request's tokens end with it) lays them out,
+/// except that every column of block `i` adds into value `i`: the block's
+/// sum of the worker's columns (with a state group's state).
+/// A block of a group the worker skips has no row and no value. Checks
+/// every block before writing a row; any bad one fails the call (the
+/// arguments named as `group_ids[i]`, `positions[i]`, `block_ids[i]`).
+pub fn full_block_rows(layout: &Layout, blocks: &[FullBlock], out: &mut FullBlockRows) -> Result<()> {
+    if blocks.len() > u32::MAX as usize {
+        return Err(err!(
+            Unsupported,
+            "{} blocks in one call; at most {} are supported",
+            blocks.len(),
+            u32::MAX
+        ));
+    }
+    out.rows.clear();
+    out.computed.clear();
+    // The group of a block, or none where the worker skips it; checked
+    // in the first pass, looked up again in the second (no allocation).
+    let group_of = |block: &FullBlock| match layout.skip_reason(block.group_id) {
+        Some(_) => None,
+        None => layout.group(block.group_id),
+    };
+    for (i, block) in blocks.iter().enumerate() {
+        let group_id = block.group_id;
+        if layout.skip_reason(group_id).is_some() {
+            continue;
+        }
+        let group = layout
+            .group(group_id)
+            .ok_or_else(|| err!(InvalidArgument, "group_ids[{i}] {group_id} is no group of this worker"))?;
+        if block.block_id >= group.num_blocks() {
+            return Err(err!(
+                OutOfBounds,
+                "block_ids[{i}] {} (group_id {group_id}) is not below num_blocks {}",
+                block.block_id,
+                group.num_blocks()
+            ));
+        }
+        if group.is_state() {
+            if block.position != 0 {
+                return Err(err!(
+                    InvalidArgument,
+                    "positions[{i}] {} of group_id {group_id}, a state group: its state is one block at position 0",
+                    block.position
+                ));
+            }
+        } else if block
+            .position
+            .checked_add(1)
+            .and_then(|end| end.checked_mul(group.block_size as u64))
+            .is_none()
+        {
+            return Err(err!(
+                InvalidArgument,
+                "positions[{i}] {} overflows the token count of a {}-token block",
+                block.position,
+                group.block_size
+            ));
+        }
+    }
+    out.rows.reserve(blocks.len());
+    let mut rows = RowWriter {
+        out: out.rows.spare_capacity_mut(),
+        len: 0,
+        streaming: false,
+    };
+    for (i, block) in blocks.iter().enumerate() {
+        let group = group_of(block);
+        out.computed.push(group.is_some());
+        let Some(group) = group else { continue };
+        let block_size = if group.is_state() { 0 } else { group.block_size as u64 };
+        let run = RowRun {
+            rows: 1,
+            group_slot: group.slot,
+            first_token: block.position * block_size,
+            block_size,
+            num_tokens: (block.position + 1) * block_size,
+            out: i as u32,
+            // Every column into the block's one value.
+            column_stride: 0,
+            short_last: None,
+            placement: group.placement,
+        };
+        rows.write_run(&run, std::slice::from_ref(&block.block_id));
+    }
+    let written = rows.len;
+    // SAFETY: the writer initialised the first `written` elements of the
+    // spare capacity (one row a block at most, room reserved above), which
+    // starts at index 0 of the cleared vector.
+    unsafe { out.rows.set_len(written) };
+    Ok(())
+}
+
 /// Where [`Plan::write`] puts a call's rows.
 pub struct RowRoom<'a> {
     /// At least as many rows as the call's set has blocks.

@@ -25,6 +25,7 @@ use crate::base::error::{err, Result};
 use crate::inputs::blocks::BlockSet;
 use crate::inputs::role::Role;
 use crate::inputs::stream::StreamHandle;
+use crate::plan::{FullBlock, FullBlockRows};
 use crate::results::checksums::Checksums;
 use crate::worker::Worker;
 
@@ -77,6 +78,95 @@ pub struct TierBlock<'a> {
     pub block_id: u32,
     /// Its block hash.
     pub hash: Option<&'a [u8]>,
+}
+
+/// The blocks of a store or a check as a C caller has them, read in
+/// place: block `i` is `block_ids[i]` at position `positions[i]` of group
+/// `group_ids[i]`, with row `i` of `hashes` (`hash_bytes` bytes each) as
+/// its hash, or none where `hashed` is given and `hashed[i]` is 0.
+#[derive(Debug, Clone, Copy)]
+pub struct TierArrays<'a> {
+    group_ids: &'a [u32],
+    positions: &'a [u64],
+    block_ids: &'a [u32],
+    hashes: &'a [u8],
+    hash_bytes: usize,
+    hashed: Option<&'a [u8]>,
+}
+
+impl<'a> TierArrays<'a> {
+    /// The arrays' blocks, once their lengths agree, `hash_bytes` is a
+    /// length the index takes (where there are blocks) and every flag of
+    /// `hashed` is 0 or 1 (`InvalidArgument` naming the argument and
+    /// entry otherwise).
+    pub fn new(
+        group_ids: &'a [u32],
+        positions: &'a [u64],
+        block_ids: &'a [u32],
+        hashes: &'a [u8],
+        hash_bytes: usize,
+        hashed: Option<&'a [u8]>,
+    ) -> Result<TierArrays<'a>> {
+        let count = group_ids.len();
+        if positions.len() != count || block_ids.len() != count || hashed.is_some_and(|h| h.len() != count) {
+            return Err(err!(
+                InvalidArgument,
+                "group_ids has {count} entries, positions {}, block_ids {}{}",
+                positions.len(),
+                block_ids.len(),
+                hashed.map_or(String::new(), |h| format!(", hashed {}", h.len()))
+            ));
+        }
+        if count > 0 {
+            TierArrays::check_hash_bytes(hash_bytes)?;
+        }
+        if count.checked_mul(hash_bytes) != Some(hashes.len()) {
+            return Err(err!(
+                InvalidArgument,
+                "hashes has {} bytes, not {count} x hash_bytes {hash_bytes}",
+                hashes.len()
+            ));
+        }
+        if let Some(i) = hashed.and_then(|flags| flags.iter().position(|&f| f > 1)) {
+            let flag = hashed.expect("found")[i];
+            return Err(err!(InvalidArgument, "hashed[{i}] is {flag}, neither 0 nor 1"));
+        }
+        Ok(TierArrays {
+            group_ids,
+            positions,
+            block_ids,
+            hashes,
+            hash_bytes,
+            hashed,
+        })
+    }
+
+    /// Fails unless `hash_bytes` is a hash length the index takes (8 to 32
+    /// bytes): checked before a caller's hashes are taken as that long.
+    pub fn check_hash_bytes(hash_bytes: usize) -> Result<()> {
+        check_hash_len(hash_bytes, "hash_bytes")
+    }
+
+    /// How many blocks.
+    pub fn len(&self) -> usize {
+        self.group_ids.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.group_ids.is_empty()
+    }
+
+    /// Block `i` (below [`TierArrays::len`]).
+    pub fn get(&self, i: usize) -> TierBlock<'a> {
+        let has_hash = self.hashed.is_none_or(|flags| flags[i] == 1);
+        TierBlock {
+            group_id: self.group_ids[i],
+            position: self.positions[i],
+            block_id: self.block_ids[i],
+            hash: has_hash.then(|| &self.hashes[i * self.hash_bytes..(i + 1) * self.hash_bytes]),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -147,6 +237,37 @@ pub struct TierIndex {
     dropped: u64,
     lost_stores: u64,
     pending: Vec<Pending>,
+    /// A host worker's calls, computed at once: their blocks, rows and
+    /// sums, kept so that each call reuses the last one's memory.
+    scratch: Scratch,
+}
+
+/// What [`TierIndex::store`] and [`TierIndex::check`] compute at once on a
+/// host worker (see `Worker::full_block_sums`).
+#[derive(Default)]
+struct Scratch {
+    blocks: Vec<FullBlock>,
+    rows: FullBlockRows,
+    sums: Vec<u64>,
+}
+
+impl Scratch {
+    /// Computes the sums of `blocks` (every one hashed, their hashes
+    /// checked) at once; `Ok(false)` on a worker that queues its work.
+    fn compute<'a>(&mut self, worker: &Worker, blocks: impl Iterator<Item = TierBlock<'a>>) -> Result<bool> {
+        self.blocks.clear();
+        self.blocks.extend(blocks.map(|b| FullBlock {
+            group_id: b.group_id,
+            position: b.position,
+            block_id: b.block_id,
+        }));
+        worker.full_block_sums(&self.blocks, Role::Consumer, &mut self.rows, &mut self.sums)
+    }
+
+    /// The sum of block `i` of the last call, if it has one.
+    fn sum(&self, i: usize) -> Option<u64> {
+        self.rows.computed[i].then(|| self.sums[i])
+    }
 }
 
 impl TierIndex {
@@ -168,6 +289,7 @@ impl TierIndex {
             dropped: 0,
             lost_stores: 0,
             pending: Vec::new(),
+            scratch: Scratch::default(),
         })
     }
 
@@ -201,14 +323,69 @@ impl TierIndex {
     /// read by a later call once it is done. Every block needs a hash. All
     /// arguments are checked before anything is computed or kept.
     pub fn store(&mut self, worker: &Worker, blocks: &[TierBlock<'_>], stream: StreamHandle) -> Result<()> {
+        self.store_each(worker, blocks.len(), |i| blocks[i], stream)
+    }
+
+    /// [`TierIndex::store`] of the blocks of arrays as a C caller has them,
+    /// read in place.
+    pub fn store_arrays(&mut self, worker: &Worker, blocks: &TierArrays<'_>, stream: StreamHandle) -> Result<()> {
+        self.store_each(worker, blocks.len(), |i| blocks.get(i), stream)
+    }
+
+    /// Compares loaded blocks with the values kept: checksums them (every
+    /// column; queued on `stream` on a device, and waited for), waits for
+    /// the stores still queued, and gives each block's outcome. A matched
+    /// entry becomes the most recently used. All arguments are checked
+    /// before anything is computed.
+    pub fn check(
+        &mut self,
+        worker: &Worker,
+        blocks: &[TierBlock<'_>],
+        stream: StreamHandle,
+    ) -> Result<Vec<TierOutcome>> {
+        self.check_each(worker, blocks.len(), |i| blocks[i], stream)
+    }
+
+    /// [`TierIndex::check`] of the blocks of arrays as a C caller has them,
+    /// read in place.
+    pub fn check_arrays(
+        &mut self,
+        worker: &Worker,
+        blocks: &TierArrays<'_>,
+        stream: StreamHandle,
+    ) -> Result<Vec<TierOutcome>> {
+        self.check_each(worker, blocks.len(), |i| blocks.get(i), stream)
+    }
+
+    /// [`TierIndex::store`] of the `count` blocks `block(0..count)`. On a
+    /// host worker nothing is allocated but the entries kept.
+    fn store_each<'a>(
+        &mut self,
+        worker: &Worker,
+        count: usize,
+        block: impl Fn(usize) -> TierBlock<'a>,
+        stream: StreamHandle,
+    ) -> Result<()> {
         self.settle(false);
-        if blocks.is_empty() {
+        if count == 0 {
             return Ok(());
         }
-        if let Some(i) = blocks.iter().position(|b| b.hash.is_none()) {
+        if let Some(i) = (0..count).find(|&i| block(i).hash.is_none()) {
             return Err(err!(InvalidArgument, "hashes: block {i} of a store has no block hash"));
         }
-        let (set, rows) = block_set(worker, blocks)?;
+        check_hashes((0..count).map(&block))?;
+        if self.scratch.compute(worker, (0..count).map(&block))? {
+            // A host worker: computed now, kept now.
+            for i in 0..count {
+                let b = block(i);
+                if let (Some(sum), Some(hash)) = (self.scratch.sum(i), b.hash) {
+                    self.remember(Key::of(b.group_id, hash), b.position, sum);
+                }
+            }
+            return Ok(());
+        }
+        let blocks: Vec<TierBlock<'_>> = (0..count).map(&block).collect();
+        let (set, rows) = block_set(worker, &blocks)?;
         let checksums = worker.checksum(&set, Role::Consumer, stream)?;
         let pending = Pending { checksums, rows };
         if pending.checksums.is_ready().unwrap_or(false) {
@@ -223,31 +400,44 @@ impl TierIndex {
         Ok(())
     }
 
-    /// Compares loaded blocks with the values kept: checksums them (every
-    /// column; queued on `stream` on a device, and waited for), waits for
-    /// the stores still queued, and gives each block's outcome. A matched
-    /// entry becomes the most recently used. All arguments are checked
-    /// before anything is computed.
-    pub fn check(
+    /// [`TierIndex::check`] of the `count` blocks `block(0..count)`.
+    fn check_each<'a>(
         &mut self,
         worker: &Worker,
-        blocks: &[TierBlock<'_>],
+        count: usize,
+        block: impl Fn(usize) -> TierBlock<'a>,
         stream: StreamHandle,
     ) -> Result<Vec<TierOutcome>> {
-        let hashed: Vec<TierBlock<'_>> = blocks.iter().copied().filter(|b| b.hash.is_some()).collect();
-        let computed = if hashed.is_empty() {
-            None
-        } else {
-            let (set, rows) = block_set(worker, &hashed)?;
-            Some((worker.checksum(&set, Role::Consumer, stream)?, rows))
-        };
-        self.settle(true);
-        let mut outcomes = vec![TierOutcome::NoBlockHash; blocks.len()];
-        let Some((checksums, rows)) = computed else {
+        let hashed = || (0..count).map(&block).filter(|b| b.hash.is_some());
+        check_hashes(hashed())?;
+        let mut outcomes = vec![TierOutcome::NoBlockHash; count];
+        if hashed().next().is_none() {
+            self.settle(true);
             return Ok(outcomes);
-        };
+        }
+        if self.scratch.compute(worker, hashed())? {
+            // A host worker: computed now, compared once the stores still
+            // queued are read.
+            self.settle(true);
+            for (next, (i, b)) in (0..count)
+                .map(|i| (i, block(i)))
+                .filter(|(_, b)| b.hash.is_some())
+                .enumerate()
+            {
+                let hash = b.hash.expect("hashed blocks only");
+                outcomes[i] = match self.scratch.sum(next) {
+                    Some(sum) => self.compare(&Key::of(b.group_id, hash), b.position, sum),
+                    None => TierOutcome::NotChecksummed,
+                };
+            }
+            return Ok(outcomes);
+        }
+        let blocks: Vec<TierBlock<'_>> = hashed().collect();
+        let (set, rows) = block_set(worker, &blocks)?;
+        let checksums = worker.checksum(&set, Role::Consumer, stream)?;
+        self.settle(true);
         checksums.wait()?;
-        let mut found = Vec::with_capacity(hashed.len());
+        let mut found = Vec::with_capacity(blocks.len());
         for row in &rows {
             match checksums.position_sums(&row.req_id, row.group_id) {
                 Ok(sums) => {
@@ -259,8 +449,8 @@ impl TierIndex {
             }
         }
         let mut next = found.into_iter();
-        for (outcome, block) in outcomes.iter_mut().zip(blocks) {
-            if block.hash.is_some() {
+        for (i, outcome) in outcomes.iter_mut().enumerate() {
+            if block(i).hash.is_some() {
                 *outcome = next.next().expect("one outcome per hashed block");
             }
         }
@@ -505,6 +695,11 @@ impl Table {
         self.buckets[hole] = NIL;
         self.len -= 1;
     }
+}
+
+/// Every hash of `blocks` has a length the index takes.
+fn check_hashes<'a>(mut blocks: impl Iterator<Item = TierBlock<'a>>) -> Result<()> {
+    blocks.try_for_each(|b| b.hash.map_or(Ok(()), |hash| check_hash_len(hash.len(), "hash_bytes")))
 }
 
 fn check_hash_len(len: usize, name: &str) -> Result<()> {

@@ -12,7 +12,7 @@ use super::worker::kvcs_worker;
 use super::{c_array, not_null, try_engine, write_out};
 use crate::base::error::{err, Result};
 use crate::inputs::stream::StreamHandle;
-use crate::tier_index::{TierBlock, TierIndex, TierOutcome};
+use crate::tier_index::{TierArrays, TierIndex, TierOutcome};
 
 /// A bounded index of block values by (group, block hash), one per worker:
 /// a tier store keeps the values of the blocks a step filled, a tier check
@@ -126,7 +126,7 @@ unsafe fn tier_blocks<'a>(
     hashes: *const u8,
     hash_bytes: usize,
     hashed: *const u8,
-) -> Result<Vec<TierBlock<'a>>> {
+) -> Result<TierArrays<'a>> {
     // SAFETY: the contract gives `num_blocks` readable entries.
     let group_ids = unsafe { c_array(group_ids, num_blocks, "group_ids") }?;
     // SAFETY: as above.
@@ -140,14 +140,8 @@ unsafe fn tier_blocks<'a>(
         // SAFETY: the contract gives `num_blocks` readable flags.
         Some(unsafe { c_array(hashed, num_blocks, "hashed") }?)
     };
-    if num_blocks > 0 && !(crate::tier_index::MIN_HASH_BYTES..=crate::tier_index::MAX_HASH_BYTES).contains(&hash_bytes)
-    {
-        return Err(err!(
-            InvalidArgument,
-            "hash_bytes is {hash_bytes}; a block hash of the tier index has {} to {} bytes",
-            crate::tier_index::MIN_HASH_BYTES,
-            crate::tier_index::MAX_HASH_BYTES
-        ));
+    if num_blocks > 0 {
+        TierArrays::check_hash_bytes(hash_bytes)?;
     }
     let total = num_blocks.checked_mul(hash_bytes).ok_or_else(|| {
         err!(
@@ -157,24 +151,7 @@ unsafe fn tier_blocks<'a>(
     })?;
     // SAFETY: the contract gives `num_blocks * hash_bytes` readable bytes.
     let hashes = unsafe { c_array(hashes, total, "hashes") }?;
-    let mut out = Vec::with_capacity(num_blocks);
-    for i in 0..num_blocks {
-        let has_hash = match hashed {
-            None => true,
-            Some(flags) => match flags[i] {
-                0 => false,
-                1 => true,
-                other => return Err(err!(InvalidArgument, "hashed[{i}] is {other}, neither 0 nor 1")),
-            },
-        };
-        out.push(TierBlock {
-            group_id: group_ids[i],
-            position: positions[i],
-            block_id: block_ids[i],
-            hash: has_hash.then(|| &hashes[i * hash_bytes..(i + 1) * hash_bytes]),
-        });
-    }
-    Ok(out)
+    TierArrays::new(group_ids, positions, block_ids, hashes, hash_bytes, hashed)
 }
 
 /// A tier store, in one call: checksums `num_blocks` full blocks (every
@@ -210,7 +187,7 @@ pub extern "C" fn kvcs_tier_index_store(
         let blocks = try_engine!(unsafe {
             tier_blocks(num_blocks, group_ids, positions, block_ids, hashes, hash_bytes, std::ptr::null())
         });
-        try_engine!(index.store(worker, &blocks, StreamHandle(cuda_stream)));
+        try_engine!(index.store_arrays(worker, &blocks, StreamHandle(cuda_stream)));
         kvcs_status::KVCS_OK
     }
 }
@@ -248,7 +225,7 @@ pub extern "C" fn kvcs_tier_index_check(
         let blocks = try_engine!(unsafe {
             tier_blocks(num_blocks, group_ids, positions, block_ids, hashes, hash_bytes, hashed)
         });
-        let found = try_engine!(index.check(worker, &blocks, StreamHandle(cuda_stream)));
+        let found = try_engine!(index.check_arrays(worker, &blocks, StreamHandle(cuda_stream)));
         for (i, outcome) in found.into_iter().enumerate() {
             // SAFETY: the contract gives `num_blocks` writable bytes.
             unsafe { outcomes.add(i).write(kvcs_tier_outcome::from(outcome) as u8) };

@@ -14,7 +14,7 @@ use crate::inputs::blocks::BlockSet;
 use crate::inputs::layout::{Layout, Region, StoredBuffer};
 use crate::inputs::role::Role;
 use crate::inputs::stream::StreamHandle;
-use crate::plan::Plan;
+use crate::plan::{Plan, Row};
 use crate::results::checksums::{Checksums, StoredExpectation, StoredValues, Values};
 
 impl Engine for HostEngine {
@@ -51,6 +51,22 @@ impl Engine for HostEngine {
         let (plan, rows) = Plan::new(call.layout, blocks, role)?;
         let values = Values::Ready(self.compute(call.layout, &plan, &rows, role, call.algorithm));
         Ok((plan, values))
+    }
+
+    fn computes_at_once(&self) -> bool {
+        true
+    }
+
+    fn compute_at_once(
+        &self,
+        layout: &Layout,
+        rows: &[Row],
+        role: Role,
+        algorithm: Algorithm,
+        values: &mut [u64],
+    ) -> Result<()> {
+        self.compute_into(layout, rows, role, algorithm, values);
+        Ok(())
     }
 
     fn store(&self, call: &Call<'_>, blocks: &BlockSet, checksum_with: ChecksumWith<'_>) -> Result<Checksums> {

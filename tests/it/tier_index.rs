@@ -34,6 +34,11 @@ fn block_of(version: u32, position: u64) -> u32 {
 }
 
 fn fixture(rng: &mut Rng) -> Fixture {
+    fixture_in(rng, LayoutKind::Hnd)
+}
+
+/// [`fixture`] with the caches laid out as `kind`.
+fn fixture_in(rng: &mut Rng, kind: LayoutKind) -> Fixture {
     let shape = KvShape::gqa(3, 2, 32, POSITIONS * BLOCK_SIZE as u64);
     let kvs: Vec<LogicalKv> = (0..VERSIONS).map(|_| LogicalKv::random(rng, shape)).collect();
     let mut worker = host_worker(0, 1, 0, 1);
@@ -41,7 +46,7 @@ fn fixture(rng: &mut Rng) -> Fixture {
         rng,
         &kvs[0],
         &shard(&kvs[0], 0, 1, 0, 1),
-        LayoutKind::Hnd,
+        kind,
         0,
         BLOCK_SIZE,
         NUM_BLOCKS,
@@ -124,37 +129,61 @@ impl Model {
     }
 }
 
+/// In every layout kind, a store keeps each block's naive checksum and a
+/// check of the same blocks matches (a host worker computes both at once,
+/// `Worker::full_block_sums`), and a check of other blocks under those
+/// hashes mismatches.
 #[test]
 fn a_store_keeps_the_naive_checksum_of_each_block_by_its_hash() {
     let mut rng = Rng::for_test("a_store_keeps_the_naive_checksum_of_each_block_by_its_hash");
     let seed = rng.seed();
-    let f = fixture(&mut rng);
-    let mut index = TierIndex::new(64).unwrap();
-    let hashes: Vec<[u8; 32]> = (0..POSITIONS).map(hash_of).collect();
-    // Positions in a shuffled order, some runs consecutive: every block is kept.
-    let mut order: Vec<u64> = (0..POSITIONS).collect();
-    rng.shuffle(&mut order);
-    let blocks: Vec<TierBlock<'_>> = order
-        .iter()
-        .map(|&p| TierBlock {
-            group_id: 0,
-            position: p,
-            block_id: block_of(1, p),
-            hash: Some(&hashes[p as usize]),
-        })
-        .collect();
-    index.store(&f.worker, &blocks, StreamHandle::legacy_default()).unwrap();
-    for p in 0..POSITIONS {
-        let kept = index.values(0, &hashes[p as usize]).unwrap();
-        assert_eq!(
-            kept,
-            Some((p, vec![f.values[1][p as usize]])),
-            "position {p} (seed {seed})"
+    for kind in all_kinds() {
+        let f = fixture_in(&mut rng, kind);
+        let mut index = TierIndex::new(64).unwrap();
+        let hashes: Vec<[u8; 32]> = (0..POSITIONS).map(hash_of).collect();
+        // Positions in a shuffled order, some runs consecutive: every block is kept.
+        let mut order: Vec<u64> = (0..POSITIONS).collect();
+        rng.shuffle(&mut order);
+        let blocks_of = |version: u32| -> Vec<TierBlock<'_>> {
+            order
+                .iter()
+                .map(|&p| TierBlock {
+                    group_id: 0,
+                    position: p,
+                    block_id: block_of(version, p),
+                    hash: Some(&hashes[p as usize]),
+                })
+                .collect()
+        };
+        index
+            .store(&f.worker, &blocks_of(1), StreamHandle::legacy_default())
+            .unwrap();
+        for p in 0..POSITIONS {
+            let kept = index.values(0, &hashes[p as usize]).unwrap();
+            assert_eq!(
+                kept,
+                Some((p, vec![f.values[1][p as usize]])),
+                "{kind:?} position {p} (seed {seed})"
+            );
+        }
+        assert_eq!(index.info().entries, POSITIONS, "{kind:?} seed {seed}");
+        // The same hash in another group is another entry.
+        assert_eq!(index.values(1, &hashes[0]).unwrap(), None, "{kind:?} seed {seed}");
+        let same = index
+            .check(&f.worker, &blocks_of(1), StreamHandle::legacy_default())
+            .unwrap();
+        assert!(
+            same.iter().all(|&o| o == TierOutcome::Matched),
+            "{kind:?} {same:?} seed {seed}"
+        );
+        let other = index
+            .check(&f.worker, &blocks_of(2), StreamHandle::legacy_default())
+            .unwrap();
+        assert!(
+            other.iter().all(|&o| o == TierOutcome::Mismatched),
+            "{kind:?} {other:?} seed {seed}"
         );
     }
-    assert_eq!(index.info().entries, POSITIONS, "seed {seed}");
-    // The same hash in another group is another entry.
-    assert_eq!(index.values(1, &hashes[0]).unwrap(), None, "seed {seed}");
 }
 
 #[test]

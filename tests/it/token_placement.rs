@@ -5,7 +5,7 @@
 
 use kvcsum::record::Record;
 use kvcsum::verify::{Reason, Verdict, Verifier};
-use kvcsum::{BlockSet, GroupPlacement, Role, StreamHandle, Worker};
+use kvcsum::{BlockSet, GroupPlacement, Role, StreamHandle, TierBlock, TierIndex, TierOutcome, Worker};
 
 use crate::support::token_placement::*;
 use crate::support::{host_worker, Rng};
@@ -102,6 +102,53 @@ fn dcp_ranks_partials_sum_to_the_unsharded_value_of_the_naive_reference() {
                     "{p:?} against DCP 1, seed {seed}"
                 );
             }
+        }
+    }
+}
+
+/// A tier store on a placed group keeps each full block's value as the
+/// naive reference gives this rank's share of it, and a check of those
+/// blocks matches (a host worker computes both at once).
+#[test]
+fn a_tier_store_of_placed_blocks_keeps_the_naive_share_of_each() {
+    let mut rng = Rng::for_test("a_tier_store_of_placed_blocks_keeps_the_naive_share_of_each");
+    let seed = rng.seed();
+    for p in cases() {
+        let size = block_size(p);
+        let positions = 1 + rng.below(4) as usize;
+        let num_tokens = positions as u64 * size as u64;
+        let units = Units::random(&mut rng, num_tokens.div_ceil(p.tokens_per_slot as u64) + 1);
+        let mut ids: Vec<u32> = (0..NUM_BLOCKS).collect();
+        rng.shuffle(&mut ids);
+        let ids = &ids[..positions];
+        let caches = rank_caches(&mut rng, &units, p, size, ids);
+        let hashes: Vec<[u8; 8]> = (0..positions as u64).map(|q| (q * 7919 + 13).to_le_bytes()).collect();
+        for (rank, cache) in caches.iter().enumerate() {
+            let worker = rank_worker(cache, p, size, rank as u32);
+            let blocks: Vec<TierBlock<'_>> = (0..positions)
+                .rev()
+                .map(|q| TierBlock {
+                    group_id: GROUP,
+                    position: q as u64,
+                    block_id: ids[q],
+                    hash: Some(&hashes[q]),
+                })
+                .collect();
+            let mut index = TierIndex::new(16).unwrap();
+            index.store(&worker, &blocks, StreamHandle::legacy_default()).unwrap();
+            for (q, hash) in hashes.iter().enumerate() {
+                let naive = naive_partial(&units, p, size, num_tokens, q as u64, Some(rank as u32));
+                assert_eq!(
+                    index.values(GROUP, hash).unwrap(),
+                    Some((q as u64, vec![naive])),
+                    "{p:?} rank {rank} position {q}, seed {seed}"
+                );
+            }
+            let outcomes = index.check(&worker, &blocks, StreamHandle::legacy_default()).unwrap();
+            assert!(
+                outcomes.iter().all(|&o| o == TierOutcome::Matched),
+                "{p:?} rank {rank}: {outcomes:?}, seed {seed}"
+            );
         }
     }
 }

@@ -14,8 +14,17 @@ the caches are in CPU memory: on a GPU that work is a kernel queued on the
 stream, and the worker's CPU time is the call), its value kept, and the
 scheduler's metadata built.
 
-Times are CPU time of this process (time.process_time, which counts the
-host checksum threads too) per decode step, medians over the decode steps:
+Times are CPU time per decode step, medians over the decode steps, of the
+thread that makes the calls (time.thread_time: the harness runs the
+scheduler and every rank on one thread, as vLLM runs each on its own),
+and apart from it the CPU time of kvcsum's own host checksum threads
+("kvcsum-host", read from /proc in clock ticks: their mean per step and
+worker is printed under the table; none start for a step's few full
+blocks here). `--process-time` counts the whole process instead, as
+this benchmark did before 2026-12-02: that also counts torch's OpenMP
+threads spinning after the stand-in forward into whatever call runs
+next, which was about a sixth of the library's store call's samples
+under `perf`:
 
 - vLLM's own scheduler: Scheduler.schedule + Scheduler.update_from_output,
   less the connector calls made inside them, in the run with kvcsum;
@@ -37,7 +46,7 @@ a GPU worker queues as a kernel) to the table, as part of the worker's.
 
     cd build && PYTHONPATH=$PWD/../python KVCSUM_LIBRARY=$PWD/../target/release/libkvcsum.so \\
         VLLM_LOGGING_LEVEL=ERROR ./vllm-venv/bin/python ../python/tests/vllm/bench_connector.py \\
-        [--requests 256 1024] [--steps 48] [--tp 2] [--lockstep] [--tier-loads] [--store-call]
+        [--requests 256 1024] [--steps 48] [--tp 2] [--lockstep] [--tier-loads] [--store-call] [--process-time]
 """
 
 from __future__ import annotations
@@ -95,6 +104,26 @@ WORKER_CALLS = [
 ]
 
 
+#: The clock of the calls (main: --process-time picks time.process_time).
+CLOCK = time.thread_time
+
+
+def helper_seconds() -> float:
+    """CPU seconds so far of kvcsum's host checksum threads in this process."""
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if not f.read().startswith("kvcsum-host"):
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        except OSError:
+            continue
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 class Clock:
     def __init__(self):
         self.seconds = 0.0
@@ -106,11 +135,11 @@ class Clock:
                 continue
 
             def timed(*args, _method=method, **kwargs):
-                start = time.process_time()
+                start = CLOCK()
                 try:
                     return _method(*args, **kwargs)
                 finally:
-                    self.seconds += time.process_time() - start
+                    self.seconds += CLOCK() - start
 
             setattr(connector, name, timed)
 
@@ -130,11 +159,11 @@ class StoreClock:
             return
 
         def timed(*args, **kwargs):
-            start = time.process_time()
+            start = CLOCK()
             try:
                 return method(*args, **kwargs)
             finally:
-                self.seconds += time.process_time() - start
+                self.seconds += CLOCK() - start
 
         index.store_buffers = timed
         self._undo = lambda: setattr(index, "store_buffers", method)
@@ -182,7 +211,7 @@ def measure(wrap: bool, requests: int, steps: int, tp: int, lockstep: bool, tier
     samples = []
     arrivals = 0
     while len(samples) < steps:
-        before = (scheduler_clock.seconds, vllm_clock.seconds, [c.seconds for c in worker_clocks], store_clock.seconds)
+        before = (scheduler_clock.seconds, vllm_clock.seconds, [c.seconds for c in worker_clocks], store_clock.seconds, helper_seconds())
         decoding = all(len(t.output_tokens) > 0 for name, t in engine.traces.items() if name.startswith("r"))
         if tier_loads and decoding:
             # A request whose first 6 blocks another computed: the tier loads them.
@@ -205,6 +234,7 @@ def measure(wrap: bool, requests: int, steps: int, tp: int, lockstep: bool, tier
                 filled,
                 loaded,
                 (store_clock.seconds - before[3]) / max(1, len(worker_clocks)),
+                (helper_seconds() - before[4]) / max(1, len(worker_clocks)),
             ))
     store_clock.close()
     engine.close()
@@ -224,7 +254,10 @@ def main() -> int:
     parser.add_argument("--lockstep", action="store_true", help="equal prompts: most steps fill no block")
     parser.add_argument("--tier-loads", action="store_true", help="the test's tier as the inner connector, a 6-block tier load every step")
     parser.add_argument("--store-call", action="store_true", help="also the time inside the library's store call, per worker")
+    parser.add_argument("--process-time", action="store_true", help="CPU time of the whole process (every thread) instead")
     args = parser.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if args.process_time else time.thread_time
     kinds = [("every step", lambda s: True)]
     if args.lockstep:
         kinds = [("no block fills", lambda s: s[3] == 0), ("blocks fill", lambda s: s[3] > 0)]
@@ -235,13 +268,15 @@ def main() -> int:
         f"TP {args.tp}, 16-token blocks, {args.steps} decode steps a run, "
         + ("prompts of 100 tokens (all fill together)" if args.lockstep else "prompts of 100-115 tokens (a sixteenth fill a step)")
         + (", a 6-block sync tier load every step" if args.tier_loads else "")
-        + "; CPU time per decode step, median, in us"
+        + "; CPU time per decode step, median, in us, "
+        + ("of the whole process" if args.process_time else "of the calling thread plus kvcsum's host threads")
     )
     print()
     store_head, store_rule = (" | of which the library's store call, each worker", "|---:") if args.store_call else ("", "")
     print(f"| running requests | steps | vLLM's own scheduler | {wrapped}, scheduler | {wrapped}, each worker "
           f"| kvcsum, scheduler | kvcsum, each worker | kvcsum adds, scheduler | kvcsum adds, each worker{store_head} |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:" + store_rule + "|")
+    notes = []
     for requests in args.requests:
         alone = measure(False, requests, args.steps, args.tp, args.lockstep, args.tier_loads)
         kvcsum = measure(True, requests, args.steps, args.tp, args.lockstep, args.tier_loads)
@@ -256,6 +291,12 @@ def main() -> int:
                 f"| {add_s:,.0f} ({add_s / own:.1%}) | {add_w:,.0f} ({add_w / own:.1%}){store} |",
                 flush=True,
             )
+        helpers = statistics.mean(s[6] for s in kvcsum) * 1e6
+        notes.append(f"{requests:,} requests: kvcsum's host threads {helpers:,.0f} us per step and worker (mean)")
+    if not args.process_time:
+        print()
+        for note in notes:
+            print(note)
     return 0
 
 

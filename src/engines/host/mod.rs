@@ -228,49 +228,97 @@ impl HostEngine {
     /// a registered region; the caller of [`crate::Worker::add_region`]
     /// promised those are readable host memory.
     pub fn compute(&self, layout: &Layout, plan: &Plan, rows: &[Row], role: Role, algorithm: Algorithm) -> Vec<u64> {
-        let mut items = Vec::new();
-        let mut total_bytes = 0u64;
-        for row in rows {
-            let group = layout.group_in_slot(row.group_slot);
-            let columns = group.columns(role);
-            for layer in &group.layers {
-                if let Ok(column) = columns.binary_search(&layer.spec.replica) {
-                    items.push(Item { row, layer, column });
-                    total_bytes +=
-                        row.valid_tokens as u64 * layer.spec.num_heads as u64 * layer.pieces_per_token * PIECE_BYTES;
-                }
-            }
-        }
-        let values: Vec<AtomicU64> = (0..plan.num_values).map(|_| AtomicU64::new(0)).collect();
-        let useful_threads = (total_bytes / MIN_BYTES_PER_THREAD).max(1) as usize;
-        let threads = self.threads.clamp(1, useful_threads);
-        let next = AtomicUsize::new(0);
-        let work = || {
-            // Per-head accumulators for token-outer walks, reused across items.
-            let mut scratch = Vec::new();
-            loop {
-                let start = next.fetch_add(ITEMS_PER_GRAB, Ordering::Relaxed);
-                if start >= items.len() {
-                    break;
-                }
-                for item in &items[start..(start + ITEMS_PER_GRAB).min(items.len())] {
-                    let sum = item_checksum_of(algorithm, self.form, item.row, item.layer, &mut scratch);
-                    let out = item.row.out as usize + item.column * item.row.column_stride as usize;
-                    values[out].fetch_add(sum, Ordering::Relaxed);
-                }
-            }
-        };
-        if threads == 1 {
-            work();
-        } else {
-            let pool = self.pool.get_or_init(|| Pool::new(self.threads - 1, "kvcsum-host"));
-            pool.run(threads - 1, &work);
-        }
-        let mut values: Vec<u64> = values.into_iter().map(AtomicU64::into_inner).collect();
-        add_states(layout, rows, algorithm, &mut values);
+        let mut values = vec![0u64; plan.num_values];
+        self.compute_into(layout, rows, role, algorithm, &mut values);
         values
     }
+
+    /// [`HostEngine::compute`] into `values` (zeroed by the caller, as long
+    /// as the rows' value indices need). A call whose bytes one thread
+    /// reads allocates nothing but a token-outer walk's per-head sums, so
+    /// that a small call (a step's full blocks) costs its reads.
+    pub fn compute_into(&self, layout: &Layout, rows: &[Row], role: Role, algorithm: Algorithm, values: &mut [u64]) {
+        let total_bytes: u64 = items(layout, rows, role)
+            .map(|(row, layer, _)| item_bytes(row, layer))
+            .sum();
+        let useful_threads = (total_bytes / MIN_BYTES_PER_THREAD).max(1) as usize;
+        let threads = self.threads.clamp(1, useful_threads);
+        if threads == 1 {
+            // The walk reads item by item; the prefetch asks for the items
+            // ahead of it, at most PREFETCH_AHEAD bytes ahead.
+            let mut scratch = Vec::new();
+            let mut ahead = items(layout, rows, role);
+            let mut asked = 0u64;
+            for (row, layer, column) in items(layout, rows, role) {
+                while asked < PREFETCH_AHEAD {
+                    let Some((row, layer, _)) = ahead.next() else { break };
+                    asked += walk::prefetch_item(row, layer);
+                }
+                let sum = item_checksum_of(algorithm, self.form, row, layer, &mut scratch);
+                let out = &mut values[row.out as usize + column * row.column_stride as usize];
+                *out = out.wrapping_add(sum);
+                asked = asked.saturating_sub(item_bytes(row, layer));
+            }
+        } else {
+            let items: Vec<Item> = items(layout, rows, role)
+                .map(|(row, layer, column)| Item { row, layer, column })
+                .collect();
+            let sums: Vec<AtomicU64> = (0..values.len()).map(|_| AtomicU64::new(0)).collect();
+            let next = AtomicUsize::new(0);
+            let work = || {
+                // Per-head accumulators for token-outer walks, reused across items.
+                let mut scratch = Vec::new();
+                loop {
+                    let start = next.fetch_add(ITEMS_PER_GRAB, Ordering::Relaxed);
+                    if start >= items.len() {
+                        break;
+                    }
+                    for item in &items[start..(start + ITEMS_PER_GRAB).min(items.len())] {
+                        let sum = item_checksum_of(algorithm, self.form, item.row, item.layer, &mut scratch);
+                        let out = item.row.out as usize + item.column * item.row.column_stride as usize;
+                        sums[out].fetch_add(sum, Ordering::Relaxed);
+                    }
+                }
+            };
+            let pool = self.pool.get_or_init(|| Pool::new(self.threads - 1, "kvcsum-host"));
+            pool.run(threads - 1, &work);
+            for (value, sum) in values.iter_mut().zip(sums) {
+                *value = value.wrapping_add(sum.into_inner());
+            }
+        }
+        add_states(layout, rows, algorithm, values);
+    }
 }
+
+/// Each (row, layer, column) of `rows` the worker computes in `role`: the
+/// layers of the row's group whose replica is one of the role's columns,
+/// in the group's layer order.
+fn items<'a>(
+    layout: &'a Layout,
+    rows: &'a [Row],
+    role: Role,
+) -> impl Iterator<Item = (&'a Row, &'a Layer, usize)> + 'a {
+    rows.iter().flat_map(move |row| {
+        let group = layout.group_in_slot(row.group_slot);
+        let columns = group.columns(role);
+        group.layers.iter().filter_map(move |layer| {
+            columns
+                .binary_search(&layer.spec.replica)
+                .ok()
+                .map(|column| (row, layer, column))
+        })
+    })
+}
+
+/// The bytes the walk of `row` in `layer` reads.
+fn item_bytes(row: &Row, layer: &Layer) -> u64 {
+    row.valid_tokens as u64 * layer.spec.num_heads as u64 * layer.pieces_per_token * PIECE_BYTES
+}
+
+/// How far ahead of a one-thread walk its prefetch asks for lines: well
+/// inside a core's L2, far enough for the misses of many small chunks to
+/// overlap.
+const PREFETCH_AHEAD: u64 = 128 << 10;
 
 /// The thread count of `num_threads` 0 without `KVCS_HOST_THREADS`: the
 /// cores this process may run on (its affinity mask and CPU quota) divided

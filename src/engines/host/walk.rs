@@ -176,6 +176,61 @@ fn segment_heads<F: PieceFn>(
 /// lines in flight.
 const PREFETCH_TOKENS: u32 = 2;
 
+/// Asks for the cache lines of `row`'s cells in `layer` without reading
+/// them, and gives the bytes its walk reads. A step's full blocks are small
+/// scattered chunks (one block of one layer: a few KiB), too short for the
+/// hardware prefetchers to ramp up on, so each chunk would cost a memory
+/// latency; asked for ahead of the walk, their misses overlap. Each
+/// segment's cells lie between the corners of its (kernel block, slot,
+/// head) box; where that box is no more than [`PREFETCH_SPREAD`] times the
+/// bytes read (a sparse layout would fetch more than it reads) nothing is
+/// asked for that segment.
+pub(super) fn prefetch_item(row: &Row, layer: &Layer) -> u64 {
+    let spec = &layer.spec;
+    let valid = row.valid_tokens;
+    if valid == 0 {
+        return 0;
+    }
+    let per_kernel_block = spec.tokens_per_kernel_block;
+    let kernel_blocks = valid.div_ceil(per_kernel_block) as i64;
+    let slots = valid.min(per_kernel_block) as i64;
+    let heads = spec.num_heads as i64;
+    let mut bytes = 0u64;
+    for segment in &spec.segments {
+        let read = valid as u64 * spec.num_heads as u64 * segment.bytes_per_token as u64;
+        bytes += read;
+        let (mut low, mut high) = (0i64, 0i64);
+        for (count, stride) in [
+            (kernel_blocks, segment.kernel_block_stride),
+            (slots, segment.token_stride),
+            (heads, segment.head_stride),
+        ] {
+            let reach = (count - 1).wrapping_mul(stride);
+            low += reach.min(0);
+            high += reach.max(0);
+        }
+        let span = (high - low) as u64 + segment.bytes_per_token as u64;
+        if span > PREFETCH_SPREAD * read {
+            continue;
+        }
+        let base = (segment.address as i64 + row.block_id as i64 * segment.block_stride + low) as usize as *const u8;
+        for line in (0..span as usize).step_by(64) {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: a prefetch is a hint that never faults, whatever the address.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(base.wrapping_add(line).cast());
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = base.wrapping_add(line);
+        }
+    }
+    bytes
+}
+
+/// How many times the bytes it reads a segment's box of cells may span and
+/// still be asked for whole by [`prefetch_item`].
+const PREFETCH_SPREAD: u64 = 2;
+
 /// Asks for the cache lines of the row that lies `offset` bytes past `row`.
 #[inline(always)]
 fn prefetch_row(row: &[u64], offset: i64) {
