@@ -307,7 +307,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
             return self._inner.shutdown()
         finally:
             if self._worker is not None:
-                self._worker.close()
+                self._worker.shutdown()
 
     def get_kv_connector_kv_cache_events(self):
         return self._inner.get_kv_connector_kv_cache_events()
@@ -370,19 +370,19 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(connector_metadata, KvcsumConnectorMetadata)
         self._inner.bind_connector_metadata(connector_metadata.inner)
         super().bind_connector_metadata(connector_metadata)
-        self._worker.bind(connector_metadata)
+        self._worker.bind_connector_metadata(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
         self._inner.clear_connector_metadata()
         super().clear_connector_metadata()
-        self._worker.clear()
+        self._worker.clear_connector_metadata()
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         self._inner.start_load_kv(forward_context, **kwargs)
 
     def wait_for_save(self):
         self._inner.wait_for_save()
-        self._worker.after_forward()
+        self._worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]):
         results = self.get_transfer_results(finished_req_ids)
@@ -401,17 +401,17 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
             for name in getattr(self, "_layer_names", ()):
                 self._inner.wait_for_layer_load(name)
             inner.finished_recving = set(inner.finished_recving or ()) | set(converted)
-        return self._worker.transfer_results(inner, finished_req_ids)
+        return self._worker.get_transfer_results(inner, finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.load_errors(self._inner.get_block_ids_with_load_errors())
+        return self._worker.get_block_ids_with_load_errors(self._inner.get_block_ids_with_load_errors())
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self._worker.build_meta(self._inner.build_connector_worker_meta())
+        return self._worker.build_connector_worker_meta(self._inner.build_connector_worker_meta())
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         inner = self._inner.get_kv_connector_stats()
-        ours = self._scheduler.take_stats() if self._scheduler is not None else self._worker.take_stats()
+        ours = self._scheduler.get_kv_connector_stats() if self._scheduler is not None else self._worker.get_kv_connector_stats()
         if inner is None and ours is None:
             return None
         data = {}
@@ -427,16 +427,16 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
         tokens, load_async = self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
-        return self._scheduler.matched(request, num_computed_tokens, tokens, load_async)
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens, tokens, load_async)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
         loaded_groups = set(self.get_loaded_kv_cache_group_ids(request))
-        self._scheduler.allocated(request, num_external_tokens, loaded_groups)
+        self._scheduler.update_state_after_alloc(request, num_external_tokens, loaded_groups)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         inner = self._inner.build_connector_meta(scheduler_output)
-        return self._scheduler.build_meta(scheduler_output, inner)
+        return self._scheduler.build_connector_meta(scheduler_output, inner)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
         meta = connector_output.kv_connector_worker_meta
@@ -447,14 +447,11 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
             self._inner.update_connector_output(connector_output)
         finally:
             connector_output.kv_connector_worker_meta = meta
-        if ours is not None:
-            self._scheduler.workers_reported(ours)
-        self._scheduler.received(connector_output)
-        self._scheduler.sent(connector_output.finished_sending, connector_output.expected_finished_count)
+        self._scheduler.update_connector_output(connector_output, ours)
 
     def request_finished(self, request: "Request", block_ids: list[int]):
         delay, params = self._inner.request_finished(request, block_ids)
-        return self._scheduler.finished(request, delay, params)
+        return self._scheduler.request_finished(request, delay, params)
 
     def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]):
         if self._inner_supports_hma:
@@ -462,4 +459,4 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             assert len(block_ids) == 1
             delay, params = self._inner.request_finished(request, block_ids[0])
-        return self._scheduler.finished(request, delay, params)
+        return self._scheduler.request_finished(request, delay, params)
