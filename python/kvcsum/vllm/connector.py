@@ -92,7 +92,9 @@ This module is the facade vLLM loads: it builds the wrapped connector and
 delegates each call to it and to the role's module, kvcsum.vllm.scheduler
 (SchedulerRole) or kvcsum.vllm.worker_role (WorkerRole); what passes
 between the roles is in kvcsum.vllm.common, the settings in
-kvcsum.vllm.config, the counts in kvcsum.vllm.stats.
+kvcsum.vllm.config, the counts in kvcsum.vllm.stats. A connector has one
+role: a hook of the other role raises WrongRoleError (WORKER_HOOKS,
+SCHEDULER_HOOKS below).
 """
 
 
@@ -141,7 +143,77 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["KvcsumConnector", "KvcsumConnectorMetadata", "KvcsumWorkerMetadata", "KvcsumStats"]
+__all__ = ["KvcsumConnector", "KvcsumConnectorMetadata", "KvcsumWorkerMetadata", "KvcsumStats", "WrongRoleError"]
+
+#: vLLM's hooks of the worker role and of the scheduler role (vLLM 0.33's
+#: KVConnectorBase_V1, by where vLLM calls them). KvcsumConnector answers a
+#: hook of the other role with WrongRoleError before anything is done
+#: (the inner connector is not called). shutdown and get_kv_connector_stats
+#: are hooks of both; class methods and properties have no role.
+WORKER_HOOKS = frozenset({
+    "get_mem_pool_context",
+    "register_kv_caches",
+    "unregister_kv_caches",
+    "restore_kv_caches",
+    "set_host_xfer_buffer_ops",
+    "bind_connector_metadata",
+    "clear_connector_metadata",
+    "handle_preemptions",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "finish_forward",
+    "reset_capture_state",
+    "get_finished",
+    "get_transfer_results",
+    "get_block_ids_with_load_errors",
+    "get_kv_connector_kv_cache_events",
+    "get_handshake_metadata",
+    "build_connector_worker_meta",
+})
+SCHEDULER_HOOKS = frozenset({
+    "bind_kv_cache_manager",
+    "bind_gpu_block_pool",
+    "on_new_request",
+    "get_num_new_matched_tokens",
+    "get_loaded_kv_cache_group_ids",
+    "get_external_cache_hit_sources",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "register_finished_partial_tail",
+    "take_events",
+    "has_pending_block_frees",
+    "has_pending_push_work",
+    "get_finished_count",
+    "set_xfer_handshake_metadata",
+    "set_xfer_handshake_metadata_pp_aware",
+    "reset_cache",
+})
+BOTH_ROLES_HOOKS = frozenset({"shutdown", "get_kv_connector_stats"})
+
+
+class WrongRoleError(RuntimeError):
+    """A hook (or a role's property) called on a KvcsumConnector of the
+    other role: a bug in the caller, named with the role it needs."""
+
+
+def _wrong_role(name: str, role: KVConnectorRole, kind: str = "hook") -> WrongRoleError:
+    needed = "scheduler" if role == KVConnectorRole.WORKER else "worker"
+    return WrongRoleError(f"{name} is a {needed} {kind}; this KvcsumConnector has the {role.name} role")
+
+
+def _refusal(name: str, role: KVConnectorRole):
+    """What a connector of `role` holds under the other role's hook `name`."""
+
+    def refuse(*args, **kwargs):
+        raise _wrong_role(name, role)
+
+    refuse.__name__ = refuse.__qualname__ = name
+    return refuse
 
 
 def hash_block_size(kv_cache_config: "KVCacheConfig", vllm_config: "VllmConfig") -> int:
@@ -191,11 +263,18 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
             )
         else:
             self._worker = WorkerRole(kv_cache_config, total_kv_heads(vllm_config), self._settings, vllm_config=vllm_config)
+        # The other role's hooks are shadowed on this instance by ones that
+        # raise: the right role's calls reach the class's methods untouched
+        # (nothing added on the hot path).
+        for hook in WORKER_HOOKS if role == KVConnectorRole.SCHEDULER else SCHEDULER_HOOKS:
+            setattr(self, hook, _refusal(hook, role))
 
     @property
     def last_verdicts(self) -> dict:
         """The scheduler's {req_id: (verdict, reason, message)} of the loads
-        judged so far (for tests and tools; bounded)."""
+        judged so far (for tests and tools; bounded; the scheduler's only)."""
+        if self._scheduler is None:
+            raise _wrong_role("last_verdicts", self._role, "property")
         return self._scheduler.last_verdicts
 
     @property
