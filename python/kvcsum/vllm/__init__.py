@@ -15,7 +15,7 @@ until asked, so `import kvcsum.vllm.cache_checksums` works on a machine
 without vLLM.
 """
 
-__all__ = ["KvcsumConnector", "KvcsumConnectorMetadata", "KvcsumWorkerMetadata", "KvcsumStats"]
+__all__ = ["KvcsumConnector", "KvcsumConnectorMetadata", "KvcsumWorkerMetadata", "KvcsumStats", "WrongRoleError"]
 
 
 def __getattr__(name):

@@ -92,7 +92,9 @@ This module is the facade vLLM loads: it builds the wrapped connector and
 delegates each call to it and to the role's module, kvcsum.vllm.scheduler
 (SchedulerRole) or kvcsum.vllm.worker_role (WorkerRole); what passes
 between the roles is in kvcsum.vllm.common, the settings in
-kvcsum.vllm.config, the counts in kvcsum.vllm.stats.
+kvcsum.vllm.config, the counts in kvcsum.vllm.stats. A connector has one
+role: a hook of the other role raises WrongRoleError (WORKER_HOOKS,
+SCHEDULER_HOOKS below).
 """
 
 
@@ -141,7 +143,77 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["KvcsumConnector", "KvcsumConnectorMetadata", "KvcsumWorkerMetadata", "KvcsumStats"]
+__all__ = ["KvcsumConnector", "KvcsumConnectorMetadata", "KvcsumWorkerMetadata", "KvcsumStats", "WrongRoleError"]
+
+#: vLLM's hooks of the worker role and of the scheduler role (vLLM 0.33's
+#: KVConnectorBase_V1, by where vLLM calls them). KvcsumConnector answers a
+#: hook of the other role with WrongRoleError before anything is done
+#: (the inner connector is not called). shutdown and get_kv_connector_stats
+#: are hooks of both; class methods and properties have no role.
+WORKER_HOOKS = frozenset({
+    "get_mem_pool_context",
+    "register_kv_caches",
+    "unregister_kv_caches",
+    "restore_kv_caches",
+    "set_host_xfer_buffer_ops",
+    "bind_connector_metadata",
+    "clear_connector_metadata",
+    "handle_preemptions",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "finish_forward",
+    "reset_capture_state",
+    "get_finished",
+    "get_transfer_results",
+    "get_block_ids_with_load_errors",
+    "get_kv_connector_kv_cache_events",
+    "get_handshake_metadata",
+    "build_connector_worker_meta",
+})
+SCHEDULER_HOOKS = frozenset({
+    "bind_kv_cache_manager",
+    "bind_gpu_block_pool",
+    "on_new_request",
+    "get_num_new_matched_tokens",
+    "get_loaded_kv_cache_group_ids",
+    "get_external_cache_hit_sources",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "register_finished_partial_tail",
+    "take_events",
+    "has_pending_block_frees",
+    "has_pending_push_work",
+    "get_finished_count",
+    "set_xfer_handshake_metadata",
+    "set_xfer_handshake_metadata_pp_aware",
+    "reset_cache",
+})
+BOTH_ROLES_HOOKS = frozenset({"shutdown", "get_kv_connector_stats"})
+
+
+class WrongRoleError(RuntimeError):
+    """A hook (or a role's property) called on a KvcsumConnector of the
+    other role: a bug in the caller, named with the role it needs."""
+
+
+def _wrong_role(name: str, role: KVConnectorRole, kind: str = "hook") -> WrongRoleError:
+    needed = "scheduler" if role == KVConnectorRole.WORKER else "worker"
+    return WrongRoleError(f"{name} is a {needed} {kind}; this KvcsumConnector has the {role.name} role")
+
+
+def _refusal(name: str, role: KVConnectorRole):
+    """What a connector of `role` holds under the other role's hook `name`."""
+
+    def refuse(*args, **kwargs):
+        raise _wrong_role(name, role)
+
+    refuse.__name__ = refuse.__qualname__ = name
+    return refuse
 
 
 def hash_block_size(kv_cache_config: "KVCacheConfig", vllm_config: "VllmConfig") -> int:
@@ -191,11 +263,18 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
             )
         else:
             self._worker = WorkerRole(kv_cache_config, total_kv_heads(vllm_config), self._settings, vllm_config=vllm_config)
+        # The other role's hooks are shadowed on this instance by ones that
+        # raise: the right role's calls reach the class's methods untouched
+        # (nothing added on the hot path).
+        for hook in WORKER_HOOKS if role == KVConnectorRole.SCHEDULER else SCHEDULER_HOOKS:
+            setattr(self, hook, _refusal(hook, role))
 
     @property
     def last_verdicts(self) -> dict:
         """The scheduler's {req_id: (verdict, reason, message)} of the loads
-        judged so far (for tests and tools; bounded)."""
+        judged so far (for tests and tools; bounded; the scheduler's only)."""
+        if self._scheduler is None:
+            raise _wrong_role("last_verdicts", self._role, "property")
         return self._scheduler.last_verdicts
 
     @property
@@ -307,7 +386,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
             return self._inner.shutdown()
         finally:
             if self._worker is not None:
-                self._worker.close()
+                self._worker.shutdown()
 
     def get_kv_connector_kv_cache_events(self):
         return self._inner.get_kv_connector_kv_cache_events()
@@ -370,19 +449,19 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(connector_metadata, KvcsumConnectorMetadata)
         self._inner.bind_connector_metadata(connector_metadata.inner)
         super().bind_connector_metadata(connector_metadata)
-        self._worker.bind(connector_metadata)
+        self._worker.bind_connector_metadata(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
         self._inner.clear_connector_metadata()
         super().clear_connector_metadata()
-        self._worker.clear()
+        self._worker.clear_connector_metadata()
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         self._inner.start_load_kv(forward_context, **kwargs)
 
     def wait_for_save(self):
         self._inner.wait_for_save()
-        self._worker.after_forward()
+        self._worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]):
         results = self.get_transfer_results(finished_req_ids)
@@ -401,17 +480,17 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
             for name in getattr(self, "_layer_names", ()):
                 self._inner.wait_for_layer_load(name)
             inner.finished_recving = set(inner.finished_recving or ()) | set(converted)
-        return self._worker.transfer_results(inner, finished_req_ids)
+        return self._worker.get_transfer_results(inner, finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.load_errors(self._inner.get_block_ids_with_load_errors())
+        return self._worker.get_block_ids_with_load_errors(self._inner.get_block_ids_with_load_errors())
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self._worker.build_meta(self._inner.build_connector_worker_meta())
+        return self._worker.build_connector_worker_meta(self._inner.build_connector_worker_meta())
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         inner = self._inner.get_kv_connector_stats()
-        ours = self._scheduler.take_stats() if self._scheduler is not None else self._worker.take_stats()
+        ours = self._scheduler.get_kv_connector_stats() if self._scheduler is not None else self._worker.get_kv_connector_stats()
         if inner is None and ours is None:
             return None
         data = {}
@@ -427,16 +506,16 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
         tokens, load_async = self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
-        return self._scheduler.matched(request, num_computed_tokens, tokens, load_async)
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens, tokens, load_async)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
         loaded_groups = set(self.get_loaded_kv_cache_group_ids(request))
-        self._scheduler.allocated(request, num_external_tokens, loaded_groups)
+        self._scheduler.update_state_after_alloc(request, num_external_tokens, loaded_groups)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         inner = self._inner.build_connector_meta(scheduler_output)
-        return self._scheduler.build_meta(scheduler_output, inner)
+        return self._scheduler.build_connector_meta(scheduler_output, inner)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
         meta = connector_output.kv_connector_worker_meta
@@ -447,14 +526,11 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
             self._inner.update_connector_output(connector_output)
         finally:
             connector_output.kv_connector_worker_meta = meta
-        if ours is not None:
-            self._scheduler.workers_reported(ours)
-        self._scheduler.received(connector_output)
-        self._scheduler.sent(connector_output.finished_sending, connector_output.expected_finished_count)
+        self._scheduler.update_connector_output(connector_output, ours)
 
     def request_finished(self, request: "Request", block_ids: list[int]):
         delay, params = self._inner.request_finished(request, block_ids)
-        return self._scheduler.finished(request, delay, params)
+        return self._scheduler.request_finished(request, delay, params)
 
     def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]):
         if self._inner_supports_hma:
@@ -462,4 +538,4 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             assert len(block_ids) == 1
             delay, params = self._inner.request_finished(request, block_ids[0])
-        return self._scheduler.finished(request, delay, params)
+        return self._scheduler.request_finished(request, delay, params)

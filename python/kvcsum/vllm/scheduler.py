@@ -152,6 +152,9 @@ class _Match:
 class SchedulerRole:
     """The scheduler side of KvcsumConnector.
 
+    Each public method is named after the vLLM hook (KVConnectorBase_V1)
+    it serves; KvcsumConnector calls it with the inner connector's answer.
+
     Args:
         settings: the connector's settings.
         kv_cache_config: vLLM's KV cache config.
@@ -244,7 +247,7 @@ class SchedulerRole:
         self._known[request.request_id] = request
         self._before_prompt.add(request.request_id)
 
-    def matched(self, request: "Request", num_computed_tokens: int, tokens, load_async) -> tuple:
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int, tokens, load_async) -> tuple:
         """get_num_new_matched_tokens, after the inner connector answered
         (tokens, load_async): what vLLM gets."""
         if not tokens:
@@ -292,8 +295,9 @@ class SchedulerRole:
         self._matched[request.request_id] = _Match(num_computed_tokens, params, bool(load_async), converted)
         return tokens, load_async
 
-    def allocated(self, request: "Request", num_external_tokens: int, loaded_groups: set) -> None:
-        """update_state_after_alloc, after the inner connector's."""
+    def update_state_after_alloc(self, request: "Request", num_external_tokens: int, loaded_groups: set) -> None:
+        """update_state_after_alloc, after the inner connector's, with the KV
+        cache groups its load restores (get_loaded_kv_cache_group_ids)."""
         req_id = request.request_id
         matched = self._matched.pop(req_id, None)
         if num_external_tokens <= 0 or matched is None:
@@ -334,7 +338,7 @@ class SchedulerRole:
             self._new_sync_loads.append(ChecksumJob(job, load.generation, load.check))
             self._new_uncompared |= handed
 
-    def build_meta(self, scheduler_output: "SchedulerOutput", inner) -> KvcsumConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput", inner) -> KvcsumConnectorMetadata:
         """build_connector_meta, around the inner connector's metadata."""
         if self._unfilled:
             self._give_up_unfilled()
@@ -395,7 +399,17 @@ class SchedulerRole:
         self._new_tier_sync, self._new_tier_async = [], {}
         return meta
 
-    def workers_reported(self, meta: KvcsumWorkerMetadata) -> None:
+    def update_connector_output(self, connector_output, worker_meta: KvcsumWorkerMetadata | None) -> None:
+        """update_connector_output, after the inner connector's (which saw
+        its own worker metadata): the workers' notes of this step
+        (worker_meta, None when no worker sent any), then the loads
+        received and the requests sent in this step."""
+        if worker_meta is not None:
+            self._workers_reported(worker_meta)
+        self._received(connector_output)
+        self._sent(connector_output.finished_sending, connector_output.expected_finished_count)
+
+    def _workers_reported(self, meta: KvcsumWorkerMetadata) -> None:
         """The workers' notes of this step (update_connector_output)."""
         for note in meta.notes:
             if note.role == kvcsum.PRODUCER:
@@ -406,13 +420,13 @@ class SchedulerRole:
             self._tier_note(note)
         self._sources.reported(meta.source_notes)
 
-    def sent(self, finished_sending, expected: int = 0) -> None:
+    def _sent(self, finished_sending, expected: int = 0) -> None:
         """update_connector_output: vLLM's finished_sending of this step and
         its expected count of reports per request (the producer's re-checks
         of those requests are judged)."""
         self._sources.sent(finished_sending, expected)
 
-    def received(self, connector_output) -> None:
+    def _received(self, connector_output) -> None:
         """update_connector_output, after the notes: vLLM reads
         finished_recving after this call, so an async load that arrived in
         this step and passed is released in this very step (no engine step
@@ -445,8 +459,9 @@ class SchedulerRole:
         if held:
             connector_output.finished_recving = set(finished) - held
 
-    def finished(self, request: "Request", delay: bool, params: dict | None):
-        """request_finished, after the inner connector's (delay, params)."""
+    def request_finished(self, request: "Request", delay: bool, params: dict | None):
+        """request_finished (and request_finished_all_groups, where vLLM has
+        several KV cache groups), after the inner connector's (delay, params)."""
         req_id = request.request_id
         self._known.pop(req_id, None)
         self._before_prompt.discard(req_id)
@@ -473,8 +488,9 @@ class SchedulerRole:
             self._unfilled[req_id] = send
         return delay, params
 
-    def take_stats(self) -> KvcsumStats | None:
-        """The counts since the last call (None when there are none)."""
+    def get_kv_connector_stats(self) -> KvcsumStats | None:
+        """get_kv_connector_stats: the counts since the last call (None when
+        there are none), beside the inner connector's."""
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, KvcsumStats()

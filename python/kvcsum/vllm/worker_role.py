@@ -88,7 +88,11 @@ def _num_workers(vllm_config) -> int:
 
 
 class WorkerRole:
-    """The worker side of KvcsumConnector (one per TP rank and PP stage)."""
+    """The worker side of KvcsumConnector (one per TP rank and PP stage).
+
+    Each public method is named after the vLLM hook (KVConnectorBase_V1)
+    it serves; KvcsumConnector calls it after the inner connector's.
+    """
 
     def __init__(
         self,
@@ -126,7 +130,7 @@ class WorkerRole:
         #: record of each ([(ChecksumJob, PendingRecord | None)]).
         self._sync_pending: list = []
         self._sync_taken = False
-        #: Notes whose record or verdict is ready (build_meta sends them).
+        #: Notes whose record or verdict is ready (build_connector_worker_meta sends them).
         self._ready_notes: list = []
 
     def use_record_exchange(self, exchange: RecordExchange) -> None:
@@ -174,8 +178,9 @@ class WorkerRole:
             "the host" if self._checksummer.device == kvcsum.HOST else f"cuda:{self._checksummer.device}",
         )
 
-    def bind(self, meta: KvcsumConnectorMetadata) -> None:
-        """bind_connector_metadata: the step's jobs and verdicts."""
+    def bind_connector_metadata(self, meta: KvcsumConnectorMetadata) -> None:
+        """bind_connector_metadata, after the inner connector's: the step's
+        jobs and verdicts."""
         self._bound = meta
         if meta.quiet:
             # Nothing but blocks to store (after the forward).
@@ -204,13 +209,14 @@ class WorkerRole:
         # step's load errors before it emits the step's tokens.
         self._invalid_out |= set(meta.uncompared)
 
-    def clear(self) -> None:
-        """clear_connector_metadata."""
+    def clear_connector_metadata(self) -> None:
+        """clear_connector_metadata, after the inner connector's."""
         self._bound = None
 
-    def after_forward(self) -> None:
-        """wait_for_save, after the inner connector's: the step's producer
-        jobs and sync loads are checksummed (queued on a device)."""
+    def wait_for_save(self) -> None:
+        """wait_for_save, after the inner connector's (so after the step's
+        forwards, not a save of kvcsum's own): the step's producer jobs and
+        sync loads are checksummed (queued on a device)."""
         meta = self._bound
         if meta is None or self._checksummer is None:
             return
@@ -395,11 +401,12 @@ class WorkerRole:
             self._sources.made(job, pending)
         self._pending_notes.append((role, job.req_id, generation, pending, inner_failed))
 
-    def transfer_results(self, inner: KVConnectorTransferResults, finished_req_ids=()) -> KVConnectorTransferResults:
+    def get_transfer_results(self, inner: KVConnectorTransferResults, finished_req_ids=()) -> KVConnectorTransferResults:
         """get_transfer_results, from the inner connector's: an async load
         being verified is checksummed in the step the inner connector
         reports it received, and reported received in that step too (the
-        scheduler takes it out again if it fails: SchedulerRole.received)."""
+        scheduler takes it out again if it fails:
+        SchedulerRole.update_connector_output)."""
         if not (
             inner.finished_sending or inner.finished_recving or self._release_recving or self._release_failed
             or (finished_req_ids and (self._watch_async or self._watch_tier))
@@ -441,7 +448,7 @@ class WorkerRole:
         self._release_recving.clear()
         return results
 
-    def load_errors(self, inner: set[int]) -> set[int]:
+    def get_block_ids_with_load_errors(self, inner: set[int]) -> set[int]:
         """get_block_ids_with_load_errors, with the inner connector's: with
         this step's sync loads judged (vLLM reads these before it emits the
         step's tokens)."""
@@ -454,7 +461,7 @@ class WorkerRole:
         self._invalid_out = set()
         return out
 
-    def build_meta(self, inner) -> KvcsumWorkerMetadata | None:
+    def build_connector_worker_meta(self, inner) -> KvcsumWorkerMetadata | None:
         """build_connector_worker_meta, around the inner connector's."""
         if not (self._ready_notes or self._pending_notes or self._tier_notes or self._sources_busy()):
             return None if inner is None else KvcsumWorkerMetadata(inner=inner)
@@ -479,9 +486,10 @@ class WorkerRole:
         sources = self._sources
         return sources is not None and sources.busy
 
-    def take_stats(self) -> KvcsumStats | None:
-        """The worker's counts since the last call (its checksum times;
-        None when there are none)."""
+    def get_kv_connector_stats(self) -> KvcsumStats | None:
+        """get_kv_connector_stats: the worker's counts since the last call
+        (its checksum times; None when there are none), beside the inner
+        connector's."""
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, KvcsumStats()
@@ -511,7 +519,9 @@ class WorkerRole:
         (kvcsum.vllm.tier_values.StoredValues; None when it keeps none)."""
         return self._tier.values if self._tier is not None else None
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
+        """shutdown, after the inner connector's: frees the checksummer and
+        the load judge."""
         if self._checksummer is not None:
             self._checksummer.close()
             self._checksummer = None
