@@ -144,6 +144,8 @@ def describe_spec(
     if cell is None and num_slots:
         # A slot holds K or V alone.
         cell = int(spec.state_content_size_bytes)
+    if not unsupported:
+        unsupported = _no_token_cells(type_name, spec, cell, is_mla)
     return dict(
         common,
         num_kv_heads=heads,
@@ -157,6 +159,40 @@ def describe_spec(
         dcp_size=dcp_size if dcp_sharded else 1,
         unsupported=unsupported,
     )
+
+
+def _no_token_cells(type_name: str, spec, cell, is_mla: bool) -> str:
+    """Why a cache's `[B, H, N, C]` view is no cell per token (slot), or "".
+
+    - DeepSeek V4's fp8_ds_mla caches (`model_version` "deepseek_v4" with
+      `state_content_bytes`) store a block's token data (448 fp8 + 128 bf16
+      bytes a state), then all of its states' 8 scale bytes
+      (models/deepseek_v4/common/ops/cache_utils.py,
+      quantize_and_insert_k_kernel): the view's C bytes of a state are not
+      that state's bytes, so the sums would number them by other states
+      and differ between block sizes.
+    - Cells of a size that is no multiple of 8 bytes: the definition's
+      pieces are 8 bytes (SPEC section 1). The sparse-attention indexer's
+      k-cache (DeepSeek V3.2, V4: 128 fp8 keys and a 4-byte scale, C = 132)
+      is one, and vLLM stores a block's keys, then their scales
+      (v1/attention/ops/rocm_aiter_mla_sparse.py,
+      indexer_k_quant_and_cache_triton), not a cell per token either.
+    """
+    if getattr(spec, "model_version", None) == "deepseek_v4" and getattr(spec, "state_content_bytes", None) is not None:
+        return (
+            f"{type_name} (DeepSeek V4, {spec.state_content_bytes}-byte states) stores a block's state data, "
+            "then all of their scales: no cell per state kvcsum can read"
+        )
+    size = dtype_bytes(getattr(spec, "dtype", ""))
+    if cell is None:
+        if size is None:
+            return ""
+        width = int(spec.head_size) + (0 if is_mla else int(getattr(spec, "head_size_v", spec.head_size) or 0))
+        cell = width * size
+    if int(cell) % 8:
+        what = " (a sparse-attention indexer's keys: vLLM stores a block's keys, then their scales)" if is_mla and size == 1 else ""
+        return f"{type_name} has {int(cell)}-byte cells, no multiple of the definition's 8-byte pieces{what}"
+    return ""
 
 
 def global_heads(spec, tp_size: int) -> int:
