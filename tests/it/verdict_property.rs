@@ -31,6 +31,8 @@ mod aliasing;
 mod configuration;
 #[path = "verdict_property/generator.rs"]
 mod generator;
+#[path = "verdict_property/placement.rs"]
+mod placement;
 use crate::support;
 
 use std::collections::BTreeMap;
@@ -171,6 +173,48 @@ fn configuration_changes_are_never_a_mismatch_nor_a_match_without_help() {
     assert!(
         violations.is_empty(),
         "{} violations in {} cases (seed {seed}); the first:\n{}",
+        violations.len(),
+        tally.cases,
+        violations.first().map_or("", String::as_str)
+    );
+}
+
+/// tests/it/verdict_property/placement.rs: group placements (DCP size,
+/// rank, interleave, tokens per slot) changed on one side; the naive rule
+/// and the naive reference of each worker's values.
+/// `KVCS_PLACEMENT_CASES` (default 300).
+#[test]
+fn placement_changes_are_never_a_mismatch_and_corruption_never_a_match() {
+    let seed = support::run_seed();
+    eprintln!(
+        "[placement property] seed {seed}: rerun with KVCS_TEST_SEED={seed} cargo test --release --test it verdict_property:: -- --nocapture"
+    );
+    let indices: Vec<u64> = match env_u64("KVCS_PROPERTY_CASE") {
+        Some(index) => vec![index],
+        None => (0..env_u64("KVCS_PLACEMENT_CASES").unwrap_or(300)).collect(),
+    };
+    let mut tally = placement::PlacementTally::default();
+    let mut violations = Vec::new();
+    let mut by_rule: BTreeMap<&str, u64> = BTreeMap::new();
+    for &index in &indices {
+        let result = placement::run_placement_case(seed, index);
+        tally.add(&result);
+        for (rule, details) in result.violations() {
+            *by_rule.entry(rule).or_default() += 1;
+            violations.push(details);
+        }
+    }
+    eprintln!("{}", tally.table(seed));
+    eprintln!("violations: {}", violations.len());
+    for (rule, count) in &by_rule {
+        eprintln!("  {count:>6}  {rule}");
+    }
+    for violation in violations.iter().take(20) {
+        eprintln!("VIOLATION {violation}");
+    }
+    assert!(
+        violations.is_empty(),
+        "{} violations in {} placement cases (seed {seed}); the first:\n{}",
         violations.len(),
         tally.cases,
         violations.first().map_or("", String::as_str)
