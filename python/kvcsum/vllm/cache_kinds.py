@@ -50,8 +50,14 @@ spec's dtype) and what kvcsum makes of it:
 What kvcsum still cannot checksum is named (`unsupported`) and never
 silent (kvcsum.vllm.load_verdict): compressed states and DCP without the
 library's token placement, fractional tokens_per_state (several states a
-token), host-resident groups (not in memory the workers read), and state
-elements of other than 2 or 4 bytes.
+token), host-resident groups (not in memory the workers read), state
+elements of other than 2 or 4 bytes, Mamba caches of several states a
+request, head slots packed other than K slots then V slots, specs that
+address their pages themselves (`uses_slot_mapping` False: a ring buffer),
+and caches whose `[B, H, N, C]` view is no cell per token (`_no_token_cells`:
+cells of no multiple of 8 bytes, such as the sparse-attention indexer's
+132-byte keys, and DeepSeek V4's fp8_ds_mla states). A group holding one of
+these is not checksummed at all, its other caches included.
 """
 
 from __future__ import annotations
@@ -126,6 +132,12 @@ def describe_spec(
     is_attention = hasattr(spec, "num_kv_heads") and hasattr(spec, "head_size")
     if not is_attention or not getattr(spec, "has_layer_views", True):
         return dict(common, kind="state", unsupported=f"{type_name} has no per-token KV blocks")
+    if not getattr(spec, "uses_slot_mapping", True):
+        # CircularBufferSpec (DeepSeek V4.1's compressor: one block a
+        # request, a ring of the open group's raw keys): vLLM's worker gives
+        # it no slot mapping, the spec addresses its page itself, so no slot
+        # is the token at its place in a block.
+        return dict(common, kind="state", unsupported=f"{type_name} addresses its pages itself (no slot mapping): no per-token KV blocks")
     tokens_per_state = getattr(spec, "tokens_per_state", 1)
     dcp_sharded = dcp_size > 1 and bool(getattr(spec, "dcp_sharded", False))
     if tokens_per_state != 1 and not (PLACEMENT and isinstance(tokens_per_state, int) and tokens_per_state > 1):

@@ -403,3 +403,15 @@ def test_deepseek_v4_fp8_ds_mla_states_are_named_not_checksummed():
     assert "then all of their scales" in groups_not_checksummed(cfg, 1)[0]
     _, worker = engine_side(cfg, seed=4, total_kv_heads=1)
     assert 0 in worker.skipped and worker.layers_registered == 0
+
+
+def test_a_ring_buffer_that_addresses_its_page_itself_is_named_not_checksummed():
+    # DeepSeek V4.1's compressor ring (CircularBufferSpec): one block a
+    # request, no slot mapping (vLLM's uses_slot_mapping False).
+    from kvcsum.vllm.config import groups_not_checksummed
+    from vllm.v1.kv_cache_interface import CircularBufferSpec
+
+    spec = CircularBufferSpec(block_size=BLOCK, num_kv_heads=1, head_size=32, dtype=torch.bfloat16)
+    assert spec.uses_slot_mapping is False
+    cfg = config([(ATTN, spec)])
+    assert "no slot mapping" in groups_not_checksummed(cfg, 1)[0]
