@@ -16,6 +16,12 @@
 //! bit mismatches. `KVCS_TEST_SEED=<seed> KVCS_BLOCK_SIZE_PAIR=<a>,<b>`
 //! reruns one pair.
 //!
+//! A fourth runs group placements (SPEC section 16) as the change
+//! (tests/it/verdict_property/placement.rs): another DCP size or
+//! interleave (MATCH intact), a DCP rank missing or claimed twice, one
+//! worker's placement unlike its side's, another tokens_per_slot
+//! (UNVERIFIED with a reason, or the producer's payload refused for it).
+//!
 //! Beside it, layouts whose cells alias (a real layout with one stride or
 //! address changed, tests/it/verdict_property/aliasing.rs): every one whose
 //! cells share a byte, by a naive reference, is refused at registration.
