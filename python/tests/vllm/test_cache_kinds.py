@@ -371,8 +371,10 @@ STORE = {"kv_connector": "StoreConnector", "kv_connector_module_path": "store_co
 
 def kind_pair(store: str, groups, *, p_tp: int, c_tp: int, block_size: int = BLOCK, wrap: bool = True, **kw):
     inner = dict(STORE, kv_connector_extra_config={"store_dir": store, "load_mode": kw.pop("load_mode", "async")})
-    common = dict(groups=groups, block_size=block_size, layout=KVCacheLayout.LBNHC, store_dir=store, inner=inner, wrap=wrap)
-    p = KindEngine("producer", role="kv_producer", tp=p_tp, **common)
+    p_groups = kw.pop("p_groups", groups)
+    common = dict(block_size=block_size, layout=KVCacheLayout.LBNHC, store_dir=store, inner=inner, wrap=wrap)
+    p = KindEngine("producer", role="kv_producer", tp=p_tp, groups=p_groups, **dict(common, block_size=kw.pop("p_block_size", block_size)))
+    common["groups"] = groups
     c = KindEngine("consumer", role="kv_consumer", tp=c_tp, track_kv=True, **common, **kw)
     return p, c
 
@@ -678,7 +680,7 @@ def test_dcp_tier_round_trip(flip_rank):
 # --- 8. compressed MLA states (DeepSeek V4: 4 tokens per state) -----------------------------
 
 
-def compressed_groups(tp: int, indexer_head: int | None = None):
+def compressed_groups(tp: int, indexer_head: int | None = None, block: int = BLOCK):
     # DeepSeek V4's compressed attention cache as vLLM 0.33 declares it
     # (models/deepseek_v4/attention.py, bf16 rows: no fp8_ds_mla): one
     # replicated latent head (max_tp_shards 1), one state per 4 tokens,
@@ -688,15 +690,15 @@ def compressed_groups(tp: int, indexer_head: int | None = None):
     specs = {}
     for i in range(2):
         specs[f"model.layers.{i}.self_attn.attn"] = MLAAttentionSpec(
-            block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=64, dtype=torch.bfloat16,
+            block_size=block, num_kv_heads=1, max_tp_shards=1, head_size=64, dtype=torch.bfloat16,
             tokens_per_state=4, alignment=512, model_version="deepseek_v4",
         )
         if indexer_head:
             specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
-                block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=indexer_head, dtype=torch.uint8,
+                block_size=block, num_kv_heads=1, max_tp_shards=1, head_size=indexer_head, dtype=torch.uint8,
                 tokens_per_state=4, alignment=512,
             )
-    return [(list(specs), UniformTypeKVCacheSpecs(block_size=BLOCK, kv_cache_specs=specs))]
+    return [(list(specs), UniformTypeKVCacheSpecs(block_size=block, kv_cache_specs=specs))]
 
 
 def test_compressed_states_are_vllms_own_specs():
@@ -721,6 +723,21 @@ def test_compressed_states_pd_round_trip(store, fault):
     else:
         flipped(pair, "req", KIND_PROMPT)
         assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == 16
+
+
+@pytest.mark.parametrize("fault", [None, "state"])
+def test_compressed_states_pd_round_trip_between_block_sizes(store, fault):
+    # Producer blocks of 32 tokens (8 states), consumer blocks of 16 (4):
+    # the states are numbered by their place in the request, so the sides'
+    # runs of blocks line up. Token 30: state 7, the consumer's block 1.
+    corrupt = None if fault is None else {"token": 30, "layer": "model.layers.0.self_attn.attn", "head": 0, "byte": 9}
+    pair = kind_pd(store, f"compressed MLA, P blocks 32 TP 2, C blocks 16 TP 1, {fault or 'intact'}", compressed_groups, corrupt,
+                   p_tp=2, c_tp=1, p_block_size=32, p_groups=lambda tp: compressed_groups(tp, block=32))
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == 0  # the producer's block of tokens 0..32
 
 
 @pytest.mark.parametrize("load_mode", ["sync", "async"])
