@@ -521,7 +521,7 @@ fn check_fingerprint(
             return Err(Unverified(
                 Reason::FingerprintDiffers,
                 format!(
-                    "group {group_id}: the fingerprints agree but their marks differ, the producer's {sent_marks:#018x}, the consumer's {marks:#018x}: a layer is an alias (KV sharing) or shard-keyed state on one side and not on the other, so the sides checksum the same layers differently"
+                    "group {group_id}: the fingerprints agree but their marks differ, the producer's {sent_marks:#018x}, the consumer's {marks:#018x}: a layer is an alias (KV sharing) or shard-keyed state on one side and not on the other, or the group's slots summarise another number of tokens (tokens_per_slot, SPEC section 16), so the sides checksum the same layers differently"
                 ),
             ));
         }

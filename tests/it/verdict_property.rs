@@ -16,6 +16,12 @@
 //! bit mismatches. `KVCS_TEST_SEED=<seed> KVCS_BLOCK_SIZE_PAIR=<a>,<b>`
 //! reruns one pair.
 //!
+//! A fourth runs group placements (SPEC section 16) as the change
+//! (tests/it/verdict_property/placement.rs): another DCP size or
+//! interleave (MATCH intact), a DCP rank missing or claimed twice, one
+//! worker's placement unlike its side's, another tokens_per_slot
+//! (UNVERIFIED with a reason, or the producer's payload refused for it).
+//!
 //! Beside it, layouts whose cells alias (a real layout with one stride or
 //! address changed, tests/it/verdict_property/aliasing.rs): every one whose
 //! cells share a byte, by a naive reference, is refused at registration.
@@ -31,6 +37,8 @@ mod aliasing;
 mod configuration;
 #[path = "verdict_property/generator.rs"]
 mod generator;
+#[path = "verdict_property/placement.rs"]
+mod placement;
 use crate::support;
 
 use std::collections::BTreeMap;
@@ -171,6 +179,48 @@ fn configuration_changes_are_never_a_mismatch_nor_a_match_without_help() {
     assert!(
         violations.is_empty(),
         "{} violations in {} cases (seed {seed}); the first:\n{}",
+        violations.len(),
+        tally.cases,
+        violations.first().map_or("", String::as_str)
+    );
+}
+
+/// tests/it/verdict_property/placement.rs: group placements (DCP size,
+/// rank, interleave, tokens per slot) changed on one side; the naive rule
+/// and the naive reference of each worker's values.
+/// `KVCS_PLACEMENT_CASES` (default 300).
+#[test]
+fn placement_changes_are_never_a_mismatch_and_corruption_never_a_match() {
+    let seed = support::run_seed();
+    eprintln!(
+        "[placement property] seed {seed}: rerun with KVCS_TEST_SEED={seed} cargo test --release --test it verdict_property:: -- --nocapture"
+    );
+    let indices: Vec<u64> = match env_u64("KVCS_PROPERTY_CASE") {
+        Some(index) => vec![index],
+        None => (0..env_u64("KVCS_PLACEMENT_CASES").unwrap_or(300)).collect(),
+    };
+    let mut tally = placement::PlacementTally::default();
+    let mut violations = Vec::new();
+    let mut by_rule: BTreeMap<&str, u64> = BTreeMap::new();
+    for &index in &indices {
+        let result = placement::run_placement_case(seed, index);
+        tally.add(&result);
+        for (rule, details) in result.violations() {
+            *by_rule.entry(rule).or_default() += 1;
+            violations.push(details);
+        }
+    }
+    eprintln!("{}", tally.table(seed));
+    eprintln!("violations: {}", violations.len());
+    for (rule, count) in &by_rule {
+        eprintln!("  {count:>6}  {rule}");
+    }
+    for violation in violations.iter().take(20) {
+        eprintln!("VIOLATION {violation}");
+    }
+    assert!(
+        violations.is_empty(),
+        "{} violations in {} placement cases (seed {seed}); the first:\n{}",
         violations.len(),
         tally.cases,
         violations.first().map_or("", String::as_str)

@@ -50,8 +50,14 @@ spec's dtype) and what kvcsum makes of it:
 What kvcsum still cannot checksum is named (`unsupported`) and never
 silent (kvcsum.vllm.load_verdict): compressed states and DCP without the
 library's token placement, fractional tokens_per_state (several states a
-token), host-resident groups (not in memory the workers read), and state
-elements of other than 2 or 4 bytes.
+token), host-resident groups (not in memory the workers read), state
+elements of other than 2 or 4 bytes, Mamba caches of several states a
+request, head slots packed other than K slots then V slots, specs that
+address their pages themselves (`uses_slot_mapping` False: a ring buffer),
+and caches whose `[B, H, N, C]` view is no cell per token (`_no_token_cells`:
+cells of no multiple of 8 bytes, such as the sparse-attention indexer's
+132-byte keys, and DeepSeek V4's fp8_ds_mla states). A group holding one of
+these is not checksummed at all, its other caches included.
 """
 
 from __future__ import annotations
@@ -126,6 +132,12 @@ def describe_spec(
     is_attention = hasattr(spec, "num_kv_heads") and hasattr(spec, "head_size")
     if not is_attention or not getattr(spec, "has_layer_views", True):
         return dict(common, kind="state", unsupported=f"{type_name} has no per-token KV blocks")
+    if not getattr(spec, "uses_slot_mapping", True):
+        # CircularBufferSpec (DeepSeek V4.1's compressor: one block a
+        # request, a ring of the open group's raw keys): vLLM's worker gives
+        # it no slot mapping, the spec addresses its page itself, so no slot
+        # is the token at its place in a block.
+        return dict(common, kind="state", unsupported=f"{type_name} addresses its pages itself (no slot mapping): no per-token KV blocks")
     tokens_per_state = getattr(spec, "tokens_per_state", 1)
     dcp_sharded = dcp_size > 1 and bool(getattr(spec, "dcp_sharded", False))
     if tokens_per_state != 1 and not (PLACEMENT and isinstance(tokens_per_state, int) and tokens_per_state > 1):
@@ -144,6 +156,8 @@ def describe_spec(
     if cell is None and num_slots:
         # A slot holds K or V alone.
         cell = int(spec.state_content_size_bytes)
+    if not unsupported:
+        unsupported = _no_token_cells(type_name, spec, cell, is_mla)
     return dict(
         common,
         num_kv_heads=heads,
@@ -157,6 +171,40 @@ def describe_spec(
         dcp_size=dcp_size if dcp_sharded else 1,
         unsupported=unsupported,
     )
+
+
+def _no_token_cells(type_name: str, spec, cell, is_mla: bool) -> str:
+    """Why a cache's `[B, H, N, C]` view is no cell per token (slot), or "".
+
+    - DeepSeek V4's fp8_ds_mla caches (`model_version` "deepseek_v4" with
+      `state_content_bytes`) store a block's token data (448 fp8 + 128 bf16
+      bytes a state), then all of its states' 8 scale bytes
+      (models/deepseek_v4/common/ops/cache_utils.py,
+      quantize_and_insert_k_kernel): the view's C bytes of a state are not
+      that state's bytes, so the sums would number them by other states
+      and differ between block sizes.
+    - Cells of a size that is no multiple of 8 bytes: the definition's
+      pieces are 8 bytes (SPEC section 1). The sparse-attention indexer's
+      k-cache (DeepSeek V3.2, V4: 128 fp8 keys and a 4-byte scale, C = 132)
+      is one, and vLLM stores a block's keys, then their scales
+      (v1/attention/ops/rocm_aiter_mla_sparse.py,
+      indexer_k_quant_and_cache_triton), not a cell per token either.
+    """
+    if getattr(spec, "model_version", None) == "deepseek_v4" and getattr(spec, "state_content_bytes", None) is not None:
+        return (
+            f"{type_name} (DeepSeek V4, {spec.state_content_bytes}-byte states) stores a block's state data, "
+            "then all of their scales: no cell per state kvcsum can read"
+        )
+    size = dtype_bytes(getattr(spec, "dtype", ""))
+    if cell is None:
+        if size is None:
+            return ""
+        width = int(spec.head_size) + (0 if is_mla else int(getattr(spec, "head_size_v", spec.head_size) or 0))
+        cell = width * size
+    if int(cell) % 8:
+        what = " (a sparse-attention indexer's keys: vLLM stores a block's keys, then their scales)" if is_mla and size == 1 else ""
+        return f"{type_name} has {int(cell)}-byte cells, no multiple of the definition's 8-byte pieces{what}"
+    return ""
 
 
 def global_heads(spec, tp_size: int) -> int:

@@ -9,6 +9,10 @@ The stand-in model works on bytes, whatever the kind:
   position, layer, head slot) is bytes that depend only on them (so a
   quantized cell's scales, a head slot's packed data, an MLA latent and an
   indexer key are all "what the model computes" for that token);
+- a compressed cache (`tokens_per_state` k > 1, DeepSeek V4's compressed
+  MLA and indexer caches): slot u of the request summarises tokens
+  u*k .. (u+1)*k, written by the step that computes the last of them, its
+  bytes depending only on those tokens, u, the layer and the head slot;
 - a state cache (MambaSpec: a raw [B, 1, 1, content] page): after a step,
   the request's state block holds bytes that depend only on the layer and
   the tokens computed so far; a forward reads it first and finds it is
@@ -85,9 +89,21 @@ class KindEngine(Engine):
     def cells(self, req_id: str, positions: torch.Tensor, layer: int, first_slot: int, slots: int, width: int) -> torch.Tensor:
         """[tokens, slots, width] bytes of the given positions."""
         tokens = torch.tensor([self.token_at(req_id, int(p)) for p in positions], dtype=torch.int64)
+        return self.cells_of(tokens, positions, layer, first_slot, slots, width)
+
+    def unit_cells(self, req_id: str, units: torch.Tensor, k: int, layer: int, first_slot: int, slots: int, width: int) -> torch.Tensor:
+        """[units, slots, width] bytes of compressed states: unit u from the
+        k tokens u*k .. (u+1)*k."""
+        summary = torch.tensor(
+            [sum(self.token_at(req_id, int(u) * k + i) * (2 * i + 1) for i in range(k)) for u in units], dtype=torch.int64
+        )
+        return self.cells_of(summary, units, layer, first_slot, slots, width)
+
+    @staticmethod
+    def cells_of(values: torch.Tensor, places: torch.Tensor, layer: int, first_slot: int, slots: int, width: int) -> torch.Tensor:
         slot = torch.arange(first_slot, first_slot + slots, dtype=torch.int64).view(1, slots, 1)
         byte = torch.arange(width, dtype=torch.int64).view(1, 1, -1)
-        value = tokens.view(-1, 1, 1) * 131 + positions.view(-1, 1, 1) * 7 + layer * 1009 + slot * 97 + byte * 13
+        value = values.view(-1, 1, 1) * 131 + places.view(-1, 1, 1) * 7 + layer * 1009 + slot * 97 + byte * 13
         return (value % 251).to(torch.uint8)
 
     def state(self, req_id: str, layer: int, rank: int, num_tokens: int, width: int) -> torch.Tensor:
@@ -96,23 +112,34 @@ class KindEngine(Engine):
         seed = int.from_bytes(hashlib.sha256(repr((layer, rank, tokens)).encode()).digest()[:4], "little")
         return torch.randint(0, 256, (width,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
+    @staticmethod
+    def _layer_spec(group, name: str):
+        spec = group.kv_cache_spec
+        return spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+
     def _first_slot(self, name: str, rank: int, slots: int) -> int:
         """The stand-in's number of the rank's first head slot: an MLA
         cache (one latent, or an indexer's key) is the same on every rank."""
         group = next(g for g in self.kv_cache_config.kv_cache_groups if name in g.layer_names)
-        spec = group.kv_cache_spec
-        spec = spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+        spec = self._layer_spec(group, name)
         if type(spec).__name__ == "MLAAttentionSpec":
             return 0
         # The ranks of a DCP group hold the same heads (their tokens differ).
         return (rank // self.dcp) * slots
 
+    @staticmethod
+    def tokens_per_state(spec) -> int:
+        k = getattr(spec, "tokens_per_state", 1)
+        return int(k) if isinstance(k, int) and k > 1 else 1
+
     def token_slots(self, spec, rank: int, positions: torch.Tensor, ids):
         """(the positions this rank holds, their blocks, their slots): with
         DCP a manager block covers block_size x dcp tokens, the token at
         in-block offset o on DCP rank (o // I) % dcp at local slot
-        (o // (dcp I)) I + o % I (vllm.v1.worker.block_table)."""
-        size, dcp, interleave = int(spec.block_size), self.dcp, self.interleave
+        (o // (dcp I)) I + o % I (vllm.v1.worker.block_table). A compressed
+        cache's `positions` are its units (slots of k tokens each), placed
+        alike over block_size / k slots a block."""
+        size, dcp, interleave = int(spec.block_size) // self.tokens_per_state(spec), self.dcp, self.interleave
         if dcp == 1 or not getattr(spec, "dcp_sharded", False):
             return positions, torch.tensor(ids)[positions // size], positions % size
         span = size * dcp
@@ -147,8 +174,16 @@ class KindEngine(Engine):
                         continue
                     raw = cache.view(torch.uint8)
                     slots, width = raw.shape[1], raw.shape[3]
-                    held, blocks, local = self.token_slots(group.kv_cache_spec, rank, positions, ids)
                     first = self._first_slot(name, rank, slots)
+                    spec = self._layer_spec(group, name)
+                    k = self.tokens_per_state(spec)
+                    if k > 1:
+                        # The units whose last token this step computes.
+                        units = torch.arange(start // k, (start + count) // k)
+                        held, blocks, local = self.token_slots(spec, rank, units, ids)
+                        raw[blocks, :, local] = self.unit_cells(req_id, held, k, layer, first, slots, width)
+                        continue
+                    held, blocks, local = self.token_slots(spec, rank, positions, ids)
                     raw[blocks, :, local] = self.cells(req_id, held, layer, first, slots, width)
 
     def _kv_as_computed(self, rank: int, state: RankState, req_id: str, num_tokens: int) -> bool:
@@ -156,18 +191,25 @@ class KindEngine(Engine):
             self._read_bad.discard((req_id, rank))
             return False
         table = state.tables[req_id]
-        positions = torch.arange(num_tokens)
         for group_id, group in enumerate(self.kv_cache_config.kv_cache_groups):
             if self._is_state(group_id):
                 continue  # read (and judged) by the forward, before it writes
-            held, blocks, local = self.token_slots(group.kv_cache_spec, rank, positions, table[group_id])
             for name in group.layer_names:
                 if name not in state.caches:
                     continue
+                spec = self._layer_spec(group, name)
+                k = self.tokens_per_state(spec)
+                # A compressed cache: its complete units.
+                places = torch.arange(num_tokens // k)
+                held, blocks, local = self.token_slots(spec, rank, places, table[group_id])
                 raw = state.caches[name].view(torch.uint8)
                 slots, width = raw.shape[1], raw.shape[3]
                 got = raw[blocks, :, local]
                 first = self._first_slot(name, rank, slots)
-                if not torch.equal(got, self.cells(req_id, held, layer_of(name), first, slots, width)):
+                if k > 1:
+                    want = self.unit_cells(req_id, held, k, layer_of(name), first, slots, width)
+                else:
+                    want = self.cells(req_id, held, layer_of(name), first, slots, width)
+                if not torch.equal(got, want):
                     return False
         return True

@@ -16,6 +16,11 @@ Fault injection: set `CORRUPT["token"]` (and optionally "layer", "head",
 byte of that token's KV as it loads it; `CORRUPT["state"]` (a byte index,
 optionally "layer") changes one byte of a state layer's loaded state.
 
+Compressed caches (`tokens_per_state` k > 1): each slot holds one state of
+k tokens; the states of the tokens moved (those whose k tokens are all
+among them) are moved, and `CORRUPT["token"]` changes the state holding
+that token.
+
 State groups (MambaSpec: a request's state is one block, raw bytes): each
 layer's state block is moved whole.
 
@@ -194,13 +199,14 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
         parallel = self._vllm_config.parallel_config
         self._dcp = (int(parallel.decode_context_parallel_size), int(parallel.cp_kv_cache_interleave_size))
 
-    def _slots(self, group: int, table: dict, first: int, num_tokens: int):
+    def _slots(self, group: int, table: dict, first: int, num_tokens: int, k: int = 1):
         """(positions this rank holds, their blocks, their slots); with DCP a
         block covers block_size x dcp tokens, spread over the DCP ranks
-        (vllm.v1.worker.block_table)."""
+        (vllm.v1.worker.block_table). A compressed cache (k tokens a state):
+        its states' numbers instead of positions, block_size / k a block."""
         spec = self._groups[group].kv_cache_spec
-        size = spec.block_size
-        positions = torch.arange(first, num_tokens)
+        size = spec.block_size // k
+        positions = torch.arange(first // k, num_tokens // k)
         dcp, interleave = self._dcp
         if dcp == 1 or not getattr(spec, "dcp_sharded", False):
             return positions, torch.tensor(table[group])[positions // size], positions % size
@@ -215,8 +221,13 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
             for name in spec.layer_names:
                 cache = self._caches[name]
                 heads = cache.shape[1]
-                # The ranks of a DCP group hold the same heads.
-                yield group, name, cache, heads, (self._rank // self._dcp[0]) * heads
+                own = getattr(spec.kv_cache_spec, "kv_cache_specs", {}).get(name, spec.kv_cache_spec)
+                k = getattr(own, "tokens_per_state", 1)
+                k = int(k) if isinstance(k, int) and k > 1 else 1
+                # The ranks of a DCP group hold the same heads; every rank
+                # holds an MLA cache's one latent (or indexer key) whole.
+                first_head = 0 if type(own).__name__ == "MLAAttentionSpec" else (self._rank // self._dcp[0]) * heads
+                yield group, name, cache, heads, first_head, k
 
     def _is_state(self, group: int) -> bool:
         return type(self._groups[group].kv_cache_spec).__name__ == "MambaSpec"
@@ -227,7 +238,7 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         for req_id, key, first, num_tokens, table in meta.loads:
-            for group, name, cache, heads, first_head in self._layers():
+            for group, name, cache, heads, first_head, k in self._layers():
                 if self._is_state(group):
                     stored = torch.load(self._path(key, name, first_head)).clone()
                     byte = CORRUPT.get("state")
@@ -236,10 +247,12 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
                         CORRUPT["done"] = CORRUPT.get("done", 0) + 1
                     cache[table[group][0]] = stored
                     continue
-                positions, blocks, offsets = self._slots(group, table, first, num_tokens)
+                positions, blocks, offsets = self._slots(group, table, first, num_tokens, k)
                 for h in range(heads):
                     stored = torch.load(self._path(key, name, first_head + h))[positions].clone()
                     token = CORRUPT.get("token")
+                    if token is not None:
+                        token //= k  # the state holding it
                     if (
                         token is not None
                         and token in positions.tolist()
@@ -277,11 +290,11 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _save(self, key: str, num_tokens: int, table: dict) -> None:
         os.makedirs(os.path.join(self._dir, key), exist_ok=True)
-        for group, name, cache, heads, first_head in self._layers():
+        for group, name, cache, heads, first_head, k in self._layers():
             if self._is_state(group):
                 torch.save(cache[table[group][0]].clone(), self._path(key, name, first_head))
                 continue
-            _, blocks, offsets = self._slots(group, table, 0, num_tokens)
+            _, blocks, offsets = self._slots(group, table, 0, num_tokens, k)
             for h in range(heads):
                 torch.save(cache[blocks, h, offsets].clone(), self._path(key, name, first_head + h))
 

@@ -371,8 +371,10 @@ STORE = {"kv_connector": "StoreConnector", "kv_connector_module_path": "store_co
 
 def kind_pair(store: str, groups, *, p_tp: int, c_tp: int, block_size: int = BLOCK, wrap: bool = True, **kw):
     inner = dict(STORE, kv_connector_extra_config={"store_dir": store, "load_mode": kw.pop("load_mode", "async")})
-    common = dict(groups=groups, block_size=block_size, layout=KVCacheLayout.LBNHC, store_dir=store, inner=inner, wrap=wrap)
-    p = KindEngine("producer", role="kv_producer", tp=p_tp, **common)
+    p_groups = kw.pop("p_groups", groups)
+    common = dict(block_size=block_size, layout=KVCacheLayout.LBNHC, store_dir=store, inner=inner, wrap=wrap)
+    p = KindEngine("producer", role="kv_producer", tp=p_tp, groups=p_groups, **dict(common, block_size=kw.pop("p_block_size", block_size)))
+    common["groups"] = groups
     c = KindEngine("consumer", role="kv_consumer", tp=c_tp, track_kv=True, **common, **kw)
     return p, c
 
@@ -568,7 +570,7 @@ def mla_groups(tp: int):
 @pytest.mark.parametrize("fault", [None, "mla", "indexer"])
 def test_mla_with_indexer_pd_round_trip(store, fault):
     layer = "model.layers.1.self_attn." + ("attn" if fault == "mla" else "indexer.k_cache")
-    corrupt = None if fault is None else {"token": 30, "layer": layer, "head": 1}
+    corrupt = None if fault is None else {"token": 30, "layer": layer, "head": 0}
     pair = kind_pd(store, f"MLA + indexer TP 2, {fault or 'intact'}", mla_groups, corrupt, p_tp=2, c_tp=2)
     if fault is None:
         intact(pair, "req", KIND_PROMPT)
@@ -673,3 +675,107 @@ def test_dcp_tier_round_trip(flip_rank):
         intact(results, "again", PROMPT)
     else:
         flipped(results, "again", PROMPT)
+
+
+# --- 8. compressed MLA states (DeepSeek V4: 4 tokens per state) -----------------------------
+
+
+def compressed_groups(tp: int, indexer_head: int | None = None, block: int = BLOCK):
+    # DeepSeek V4's compressed attention cache as vLLM 0.33 declares it
+    # (models/deepseek_v4/attention.py, bf16 rows: no fp8_ds_mla): one
+    # replicated latent head (max_tp_shards 1), one state per 4 tokens,
+    # pages aligned to 512 bytes. With `indexer_head`, a C4A layer's
+    # indexer k-cache beside it in the group (vLLM's: 132 bytes, 128 fp8
+    # keys and a 4-byte scale, the page padded to the alignment).
+    specs = {}
+    for i in range(2):
+        specs[f"model.layers.{i}.self_attn.attn"] = MLAAttentionSpec(
+            block_size=block, num_kv_heads=1, max_tp_shards=1, head_size=64, dtype=torch.bfloat16,
+            tokens_per_state=4, alignment=512, model_version="deepseek_v4",
+        )
+        if indexer_head:
+            specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
+                block_size=block, num_kv_heads=1, max_tp_shards=1, head_size=indexer_head, dtype=torch.uint8,
+                tokens_per_state=4, alignment=512,
+            )
+    return [(list(specs), UniformTypeKVCacheSpecs(block_size=block, kv_cache_specs=specs))]
+
+
+def test_compressed_states_are_vllms_own_specs():
+    # The stand-in's caches, from vLLM's spec classes themselves: 16-token
+    # blocks of 4 states; the indexer's 528-byte page padded to 1024.
+    (names, group), = compressed_groups(1, indexer_head=132)
+    mla, indexer = group.kv_cache_specs[names[0]], group.kv_cache_specs[names[1]]
+    assert mla.tokens_per_state == indexer.tokens_per_state == 4 and mla.num_states == 4
+    assert mla.page_size_bytes == 4 * 64 * 2 and indexer.real_page_size_bytes == 4 * 132
+    assert indexer.page_size_bytes == 1024
+
+
+@pytest.mark.parametrize("fault", [None, "state"])
+def test_compressed_states_pd_round_trip(store, fault):
+    # Producer TP 1, consumer TP 2 (the latent replicated on both ranks).
+    # Token 30 is in state 7 (tokens 28..31), in block 1 (tokens 16..31).
+    corrupt = None if fault is None else {"token": 30, "layer": "model.layers.1.self_attn.attn", "head": 0, "byte": 5}
+    pair = kind_pd(store, f"compressed MLA (4 tokens a state) P TP 1, C TP 2, {fault or 'intact'}", compressed_groups, corrupt,
+                   p_tp=1, c_tp=2)
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == 16
+
+
+@pytest.mark.parametrize("fault", [None, "state"])
+def test_compressed_states_pd_round_trip_between_block_sizes(store, fault):
+    # Producer blocks of 32 tokens (8 states), consumer blocks of 16 (4):
+    # the states are numbered by their place in the request, so the sides'
+    # runs of blocks line up. Token 30: state 7, the consumer's block 1.
+    corrupt = None if fault is None else {"token": 30, "layer": "model.layers.0.self_attn.attn", "head": 0, "byte": 9}
+    pair = kind_pd(store, f"compressed MLA, P blocks 32 TP 2, C blocks 16 TP 1, {fault or 'intact'}", compressed_groups, corrupt,
+                   p_tp=2, c_tp=1, p_block_size=32, p_groups=lambda tp: compressed_groups(tp, block=32))
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == 0  # the producer's block of tokens 0..32
+
+
+@pytest.mark.parametrize("load_mode", ["sync", "async"])
+@pytest.mark.parametrize("fault", [None, "state"])
+def test_compressed_states_tier_round_trip(fault, load_mode):
+    # Byte 40 of block 2's page: its first state (tokens 32..35).
+    fault_spec = None if fault is None else {"flip": 2, "layer": "model.layers.0.self_attn.attn", "byte": 40}
+    pair = kind_tier(f"compressed MLA TP 2, {fault or 'intact'}", compressed_groups, fault_spec, tp=2, load_mode=load_mode)
+    if fault is None:
+        intact(pair, "again", PROMPT)
+    else:
+        flipped(pair, "again", PROMPT)
+        assert computed(pair["wrapped"], "again")[1] == 2 * BLOCK
+
+
+@pytest.mark.parametrize("fault", [None, "indexer"])
+def test_a_c4a_group_with_vllms_indexer_keys_is_unverified_and_a_flip_never_used_under_unverified_fail(store, fault):
+    # A DeepSeek V4 C4A group as vLLM 0.33 declares it: the compressed MLA
+    # cache and its indexer's 132-byte keys (stored as the block's keys,
+    # then their scales: no cell per state). kvcsum names the group at
+    # startup and never registers it on a misread view; a P/D load that
+    # fills it is UNVERIFIED, a load error under unverified=fail, so a
+    # flipped key is never used.
+    groups = lambda tp: compressed_groups(tp, indexer_head=132)  # noqa: E731
+    corrupt = None if fault is None else {"token": 30, "layer": "model.layers.1.self_attn.indexer.k_cache", "head": 0, "byte": 5}
+    pair = kind_pd(store, f"C4A with vLLM's indexer keys, {fault or 'intact'}, unverified=fail", groups, corrupt, p_tp=1, c_tp=2,
+                   extra={"unverified": "fail"})
+    wrapped = pair["wrapped"]
+    verdict, reason, message = wrapped.connector().last_verdicts["req"]
+    # Its one group skipped on both sides: no position in common.
+    assert (verdict, reason) == (kvcsum.UNVERIFIED, "NO_COMMON_POSITION"), message
+    assert "every group is skipped" in message and "the load fails" in message
+    from kvcsum.vllm.config import groups_not_checksummed
+
+    assert "132-byte cells" in groups_not_checksummed(wrapped.kv_cache_config, 1)[0]
+    trace = wrapped.traces["req"]
+    assert not set(trace.bad_kv_steps) & set(trace.token_steps)
+    assert trace.output_tokens == expected(3, KIND_PROMPT)
+    assert computed(wrapped, "req", len(KIND_PROMPT)) == (len(KIND_PROMPT), 0)
+    if fault:
+        assert set(pair["bare"].traces["req"].bad_kv_steps) & set(pair["bare"].traces["req"].token_steps)

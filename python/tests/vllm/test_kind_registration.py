@@ -364,3 +364,54 @@ def test_without_the_token_placement_dcp_and_compressed_groups_are_named_not_che
     assert "4 tokens per state" in groups_not_checksummed(compressed, 1)[0]
     _, worker = engine_side(compressed, seed=1, total_kv_heads=1)
     assert "4 tokens per state" in worker.skipped[0]
+
+
+# --- 7. caches whose view is no cell per token: named, never registered --------------------
+
+
+def test_vllms_own_indexer_k_cache_is_named_not_checksummed_and_the_worker_starts():
+    # vLLM's real indexer key (DeepSeek V3.2 and V4): 128 fp8 bytes and a
+    # 4-byte scale, C = 132, stored as the block's keys then their scales.
+    # The library's pieces are 8 bytes: the group is named and skipped at
+    # startup (the worker starts; its loads are UNVERIFIED), never
+    # registered on a misread view.
+    from kvcsum.vllm.config import groups_not_checksummed
+
+    specs = {}
+    for i in range(2):
+        specs[f"model.layers.{i}.self_attn.attn"] = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+        specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
+            block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=132, dtype=torch.uint8, cache_role=SparseCacheRole.INDEXER,
+        )
+    cfg = config([(list(specs), UniformTypeKVCacheSpecs(block_size=BLOCK, kv_cache_specs=specs))])
+    assert "132-byte cells" in groups_not_checksummed(cfg, 1)[0]
+    _, worker = engine_side(cfg, seed=3, total_kv_heads=1)
+    assert "132-byte cells" in worker.skipped[0] and "indexer" in worker.skipped[0]
+    assert worker.layers_registered == 0
+
+
+def test_deepseek_v4_fp8_ds_mla_states_are_named_not_checksummed():
+    # fp8_ds_mla (models/deepseek_v4/attention.py): 584-byte states stored
+    # as the block's state data, then every state's scales.
+    from kvcsum.vllm.config import groups_not_checksummed
+
+    spec = MLAAttentionSpec(
+        block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=torch.uint8, tokens_per_state=4,
+        alignment=576, model_version="deepseek_v4", state_content_bytes=584, cache_dtype_str="fp8_ds_mla",
+    )
+    cfg = config([(ATTN, spec)])
+    assert "then all of their scales" in groups_not_checksummed(cfg, 1)[0]
+    _, worker = engine_side(cfg, seed=4, total_kv_heads=1)
+    assert 0 in worker.skipped and worker.layers_registered == 0
+
+
+def test_a_ring_buffer_that_addresses_its_page_itself_is_named_not_checksummed():
+    # DeepSeek V4.1's compressor ring (CircularBufferSpec): one block a
+    # request, no slot mapping (vLLM's uses_slot_mapping False).
+    from kvcsum.vllm.config import groups_not_checksummed
+    from vllm.v1.kv_cache_interface import CircularBufferSpec
+
+    spec = CircularBufferSpec(block_size=BLOCK, num_kv_heads=1, head_size=32, dtype=torch.bfloat16)
+    assert spec.uses_slot_mapping is False
+    cfg = config([(ATTN, spec)])
+    assert "no slot mapping" in groups_not_checksummed(cfg, 1)[0]
