@@ -72,14 +72,22 @@ def _empty(value: Any) -> bool:
 
 @dataclasses.dataclass
 class KvcsumStats(KVConnectorStats):
-    """Verification counts (the module's doc lists the keys)."""
+    """Verification counts (the module's doc lists the keys).
+
+    `is_empty` is asked every engine step, on both roles, and almost always
+    finds nothing counted: the dict `reset` made is remembered
+    (`_untouched`) until a count changes it, so that answer is one
+    identity check instead of a walk over the nested counts."""
+
+    #: Not a field: a copy made without __post_init__ just walks its counts.
+    _untouched = None
 
     def __post_init__(self):
         if not self.data:
             self.reset()
 
     def reset(self):
-        self.data = {
+        self._untouched = self.data = {
             "verified": 0,
             "mismatched": 0,
             "unverified": 0,
@@ -90,9 +98,11 @@ class KvcsumStats(KVConnectorStats):
         }
 
     def add(self, key: str, n: int = 1) -> None:
+        self._untouched = None
         self.data[key] = self.data.get(key, 0) + n
 
     def add_reason(self, reason: str, path: str = "pd") -> None:
+        self._untouched = None
         reasons = self.data.setdefault(load_key(path, "unverified_reasons"), {})
         reasons[reason] = reasons.get(reason, 0) + 1
 
@@ -112,9 +122,11 @@ class KvcsumStats(KVConnectorStats):
         """One worker checksum call of `kind` (CHECKSUM_KINDS) took `seconds`."""
         if kind not in CHECKSUM_KINDS:
             raise ValueError(f"kind {kind!r} is none of {CHECKSUM_KINDS}")
+        self._untouched = None
         self.data.setdefault("checksum_seconds", {}).setdefault(kind, []).append(float(seconds))
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        self._untouched = None
         for key, value in other.data.items():
             self.data[key] = _merge(self.data.get(key), value)
         return self
@@ -136,7 +148,8 @@ class KvcsumStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return _empty(self.data)
+        # A dict replaced or counted into since reset is walked.
+        return self.data is self._untouched or _empty(self.data)
 
 
 @dataclasses.dataclass
