@@ -217,6 +217,7 @@ class SchedulerRole:
         self._known: dict = {}
         self._store_plan = None
         self._tables = None
+        self._group_getters: dict = {}
         #: The requests whose prompt may complete in a later step (known, not
         #: yet seen past their prompt): only these are looked at for sends.
         self._before_prompt: set = set()
@@ -406,8 +407,12 @@ class SchedulerRole:
         received and the requests sent in this step."""
         if worker_meta is not None:
             self._workers_reported(worker_meta)
-        self._received(connector_output)
-        self._sent(connector_output.finished_sending, connector_output.expected_finished_count)
+        # Most decode steps receive, send and fail nothing: no call then.
+        if connector_output.finished_recving or getattr(connector_output, "invalid_block_ids", None):
+            self._received(connector_output)
+        finished_sending = connector_output.finished_sending
+        if finished_sending:
+            self._sent(finished_sending, connector_output.expected_finished_count)
 
     def _workers_reported(self, meta: KvcsumWorkerMetadata) -> None:
         """The workers' notes of this step (update_connector_output)."""
@@ -629,6 +634,24 @@ class SchedulerRole:
                 self._tables = lambda req_id, group_id: get_blocks(req_id)[group_id]
         return self._tables
 
+    def _group_blocks(self, group_id: int) -> tuple:
+        """(blocks_of, empty): blocks_of(req_id, empty) is the request's
+        KVCacheBlocks of `group_id`, as _block_tables reads them: where
+        vLLM's per-group dict is there, its own get (no Python call per
+        request); found once per group."""
+        found = self._group_getters.get(group_id)
+        if found is None:
+            coordinator = getattr(self._kv_cache_manager, "coordinator", None)
+            managers = getattr(coordinator, "single_type_managers", None) or ()
+            dicts = [getattr(m, "req_to_blocks", None) for m in managers]
+            if dicts and all(isinstance(d, dict) for d in dicts):
+                found = dicts[group_id].get, []
+            else:
+                tables = self._block_tables()
+                found = (lambda req_id, _empty: tables(req_id, group_id)), None
+            self._group_getters[group_id] = found
+        return found
+
     def _schedule_stores(self, scheduler_output: "SchedulerOutput") -> StoreBatch:
         """The blocks that become full in this step's forward (the tokens
         computed, not loaded), with their hashes, as arrays: every worker
@@ -636,23 +659,24 @@ class SchedulerRole:
         are looked at, found over the step's arrays at once."""
         if self._kv_cache_manager is None:
             return EMPTY_STORES
-        groups, unit = self._store_groups()
+        groups, unit = self._store_plan or self._store_groups()
         if unit <= 0 or not groups:
             return EMPTY_STORES
         scheduled = scheduler_output.num_scheduled_tokens
-        progress = [(r.req_id, r.num_computed_tokens, scheduled.get(r.req_id, 0)) for r in scheduler_output.scheduled_new_reqs]
+        new_reqs = scheduler_output.scheduled_new_reqs
         cached = scheduler_output.scheduled_cached_reqs
         req_ids = cached.req_ids
+        # One token for every request (a decode step): a block fills where
+        # the token computed is a boundary's last.
+        decode = scheduler_output.total_num_scheduled_tokens == len(scheduled)
+        if decode and req_ids and not new_reqs and len(groups) == 1:
+            return self._decode_stores(req_ids, cached.num_computed_tokens, unit, groups[0])
+        progress = [(r.req_id, r.num_computed_tokens, scheduled.get(r.req_id, 0)) for r in new_reqs] if new_reqs else []
         if req_ids:
             computed = cached.num_computed_tokens
-            if scheduler_output.total_num_scheduled_tokens == len(scheduled):
-                # One token for every request (a decode step): a block fills
-                # where the token computed is a boundary's last.
+            if decode:
                 last = unit - 1
-                filling = [(req_ids[i], c) for i, c in enumerate(computed) if c % unit == last]
-                if len(groups) == 1 and not progress:
-                    return self._decode_stores(filling, groups[0])
-                progress += [(req_id, c, 1) for req_id, c in filling]
+                progress += [(req_ids[i], c, 1) for i, c in enumerate(computed) if c % unit == last]
             else:
                 # vLLM schedules the running requests first, in the order of
                 # scheduled_cached_reqs: their counts are then the dict's
@@ -689,28 +713,41 @@ class SchedulerRole:
                         hashes.append(block_hashes[(q + 1) * ratio - 1])
         return StoreBatch.of_arrays(group_ids, positions, block_ids, hashes)
 
-    def _decode_stores(self, filling: list, group: tuple) -> StoreBatch:
-        """_schedule_stores of a decode step of one group: each request of
-        `filling` ((req_id, computed tokens)) fills the one block its
-        computed token ends, if that block has its hash yet."""
-        known, tables = self._known, self._block_tables()
+    def _decode_stores(self, req_ids: list, computed: list, unit: int, group: tuple) -> StoreBatch:
+        """_schedule_stores of a decode step of one group (`unit` its block
+        size): the requests whose computed token (`computed`, beside
+        `req_ids`) is a block's last fill that block, if it has its hash
+        yet. Runs every decode step over every running request: the scan is
+        one comprehension, and only the few requests found are looked up."""
+        last = unit - 1
+        filling = [i for i, c in enumerate(computed) if c % unit == last]
+        if not filling:
+            return EMPTY_STORES
         group_id, size, ratio = group
-        positions, block_ids, hashes = array.array("Q"), uint32_array(), []
-        for req_id, computed in filling:
-            request = known.get(req_id)
+        known_get = self._known.get
+        blocks_of, empty = self._group_blocks(group_id)
+        positions, block_ids, hashes = [], [], []
+        for i in filling:
+            req_id = req_ids[i]
+            request = known_get(req_id)
             if request is None:
                 continue
-            q = computed // size
+            q = computed[i] // size
+            end = (q + 1) * ratio
             block_hashes = request.block_hashes
             # A block whose tokens are not all known yet (speculative) has no hash.
-            if (q + 1) * ratio > len(block_hashes):
+            if end > len(block_hashes):
                 continue
-            block_id = tables(req_id, group_id)[q].block_id
+            block_id = blocks_of(req_id, empty)[q].block_id
             if block_id != NULL_BLOCK_ID:
                 positions.append(q)
                 block_ids.append(block_id)
-                hashes.append(block_hashes[(q + 1) * ratio - 1])
-        return StoreBatch.of_arrays(uint32_array([group_id]) * len(block_ids), positions, block_ids, hashes)
+                hashes.append(block_hashes[end - 1])
+        if not block_ids:
+            return EMPTY_STORES
+        return StoreBatch.of_arrays(
+            uint32_array((group_id,)) * len(block_ids), array.array("Q", positions), uint32_array(block_ids), hashes
+        )
 
     def _tier_load(self, request: "Request", first: int, end: int, groups: set, is_async: bool) -> None:
         blocks = self._hashed_blocks(request, first, end, full_only=False, groups=groups)

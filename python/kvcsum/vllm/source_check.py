@@ -294,6 +294,8 @@ class SchedulerSourceCheck:
     def released(self, preempted: Iterable[str] = ()) -> list:
         """The requests whose checksums the workers drop, for this step's
         metadata: those freed without a send, and the preempted."""
+        if not (self._released or preempted):
+            return []
         out = self._released + [r for r in preempted if r not in self._sending]
         self._released = []
         return out
