@@ -72,7 +72,7 @@ from kvcsum.vllm.params import (
 )
 from kvcsum.vllm.source_check import SchedulerSourceCheck
 from kvcsum.vllm.stats import KvcsumStats, load_key
-from kvcsum.vllm.tier_values import EMPTY_STORES, StoreBatch, uint32_array
+from kvcsum.vllm.tier_values import EMPTY_STORES, UINT32_CODE, StoreBatch, uint32_array
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -717,22 +717,22 @@ class SchedulerRole:
         """_schedule_stores of a decode step of one group (`unit` its block
         size): the requests whose computed token (`computed`, beside
         `req_ids`) is a block's last fill that block, if it has its hash
-        yet. Runs every decode step over every running request: the scan is
-        one comprehension, and only the few requests found are looked up."""
+        yet. It runs every decode step over every running request, so it
+        is one loop in one frame: only the few requests found are looked
+        up, and the arrays are made once at the end."""
         last = unit - 1
-        filling = [i for i, c in enumerate(computed) if c % unit == last]
-        if not filling:
-            return EMPTY_STORES
         group_id, size, ratio = group
         known_get = self._known.get
-        blocks_of, empty = self._group_blocks(group_id)
+        blocks_of, empty = self._group_getters.get(group_id) or self._group_blocks(group_id)
         positions, block_ids, hashes = [], [], []
-        for i in filling:
+        for i, c in enumerate(computed):
+            if c % unit != last:
+                continue
             req_id = req_ids[i]
             request = known_get(req_id)
             if request is None:
                 continue
-            q = computed[i] // size
+            q = c // size
             end = (q + 1) * ratio
             block_hashes = request.block_hashes
             # A block whose tokens are not all known yet (speculative) has no hash.
@@ -746,7 +746,10 @@ class SchedulerRole:
         if not block_ids:
             return EMPTY_STORES
         return StoreBatch.of_arrays(
-            uint32_array((group_id,)) * len(block_ids), array.array("Q", positions), uint32_array(block_ids), hashes
+            array.array(UINT32_CODE, (group_id,)) * len(block_ids),
+            array.array("Q", positions),
+            array.array(UINT32_CODE, block_ids),
+            hashes,
         )
 
     def _tier_load(self, request: "Request", first: int, end: int, groups: set, is_async: bool) -> None:

@@ -57,6 +57,7 @@ __all__ = [
     "MAX_VALUES",
     "DEFAULT_CAPACITY",
     "UNKNOWN_REASONS",
+    "UINT32_CODE",
 ]
 
 #: The outcomes of one loaded block.
@@ -84,8 +85,9 @@ MAX_VALUES = 4
 DEFAULT_CAPACITY = 1 << 20
 
 _POSITION_SHIFT = 64
-#: array.array's code of a 32-bit unsigned integer.
-_U32_CODE = "I" if array.array("I").itemsize == 4 else "L"
+#: array.array's code of a 32-bit unsigned integer (StoreBatch's block and
+#: group ids).
+UINT32_CODE = "I" if array.array("I").itemsize == 4 else "L"
 _VALUE_MASK = (1 << 64) - 1
 #: The entry of a hash seen with more than MAX_VALUES values.
 _TOO_MANY = ()
@@ -118,7 +120,7 @@ def _empty(dtype) -> np.ndarray:
 
 def uint32_array(values=()) -> array.array:
     """An array.array of uint32 (StoreBatch's block and group ids)."""
-    return array.array(_U32_CODE, values)
+    return array.array(UINT32_CODE, values)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
