@@ -519,7 +519,8 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
         meta = connector_output.kv_connector_worker_meta
-        ours = meta if isinstance(meta, KvcsumWorkerMetadata) else None
+        # Most steps bring no worker metadata: no ABC isinstance check then.
+        ours = meta if meta is not None and isinstance(meta, KvcsumWorkerMetadata) else None
         if ours is not None:
             connector_output.kv_connector_worker_meta = ours.inner
         try:
