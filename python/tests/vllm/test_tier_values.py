@@ -198,3 +198,42 @@ def test_the_library_index_refuses_bad_buffers_and_keeps_nothing_of_them():
     with pytest.raises(ValueError, match="hashed has shape"):
         index.check(worker.worker, [0, 0], [0, 1], [1, 2], np.zeros((2, 32), dtype=np.uint8), hashed=[1])
     worker.close()
+
+
+def test_a_batch_made_of_arrays_is_the_one_its_constructor_makes():
+    """StoreBatch.of_arrays sets the frozen batch's slots itself (the
+    scheduler makes one every decode step): the batch is equal to the one
+    made field by field, stays frozen, and a hash of another length leaves
+    its block out, as of_lists does."""
+    import array
+    import dataclasses
+
+    from kvcsum.vllm.tier_values import UINT32_CODE, StoreBatch
+
+    rng = random.Random(SEED + 9)
+    print(f"\nseed {SEED} (KVCSUM_SEED)")
+    count = rng.randrange(1, 40)
+    group_ids = [rng.randrange(4) for _ in range(count)]
+    positions = [rng.randrange(1 << 40) for _ in range(count)]
+    block_ids = [rng.randrange(1 << 32) for _ in range(count)]
+    hashes = [rng.randbytes(32) for _ in range(count)]
+    made = StoreBatch.of_arrays(
+        array.array(UINT32_CODE, group_ids), array.array("Q", positions), array.array(UINT32_CODE, block_ids), hashes
+    )
+    expected = StoreBatch(
+        array.array(UINT32_CODE, group_ids), array.array("Q", positions), array.array(UINT32_CODE, block_ids),
+        b"".join(hashes), 32,
+    )
+    assert type(made) is StoreBatch and made == expected
+    names = [f.name for f in dataclasses.fields(StoreBatch)]
+    assert [getattr(made, n) for n in names] == [getattr(expected, n) for n in names]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.hashes = b""
+    odd = rng.randrange(count)
+    hashes[odd] = hashes[odd][:31]
+    short = StoreBatch.of_arrays(
+        array.array(UINT32_CODE, group_ids), array.array("Q", positions), array.array(UINT32_CODE, block_ids), hashes
+    )
+    assert short == StoreBatch.of_lists(group_ids, positions, block_ids, hashes)
+    # The first hash's length is the batch's: a short first leaves the others out.
+    assert short.num_blocks == (count - 1 if odd else 1)
