@@ -351,18 +351,8 @@ pub fn full_block_rows(layout: &Layout, blocks: &[FullBlock], out: &mut FullBloc
                     block.position
                 ));
             }
-        } else if block
-            .position
-            .checked_add(1)
-            .and_then(|end| end.checked_mul(group.block_size as u64))
-            .is_none()
-        {
-            return Err(err!(
-                InvalidArgument,
-                "positions[{i}] {} overflows the token count of a {}-token block",
-                block.position,
-                group.block_size
-            ));
+        } else {
+            check_full_position(i, block.position, group.block_size)?;
         }
     }
     out.rows.reserve(blocks.len());
@@ -395,6 +385,22 @@ pub fn full_block_rows(layout: &Layout, blocks: &[FullBlock], out: &mut FullBloc
     // spare capacity (one row a block at most, room reserved above), which
     // starts at index 0 of the cleared vector.
     unsafe { out.rows.set_len(written) };
+    Ok(())
+}
+
+/// Fails unless the tokens of full blocks up to `position` (entry `i` of a
+/// call's `positions`) of `block_size` tokens each can be counted.
+pub(crate) fn check_full_position(i: usize, position: u64, block_size: u32) -> Result<()> {
+    if position
+        .checked_add(1)
+        .and_then(|end| end.checked_mul(block_size as u64))
+        .is_none()
+    {
+        return Err(err!(
+            InvalidArgument,
+            "positions[{i}] {position} overflows the token count of a {block_size}-token block"
+        ));
+    }
     Ok(())
 }
 

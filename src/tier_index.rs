@@ -25,7 +25,7 @@ use crate::base::error::{err, Result};
 use crate::inputs::blocks::BlockSet;
 use crate::inputs::role::Role;
 use crate::inputs::stream::StreamHandle;
-use crate::plan::{FullBlock, FullBlockRows};
+use crate::plan::{check_full_position, FullBlock, FullBlockRows};
 use crate::results::checksums::Checksums;
 use crate::worker::Worker;
 
@@ -730,19 +730,7 @@ fn block_set(worker: &Worker, blocks: &[TierBlock<'_>]) -> Result<(BlockSet, Vec
                 block.group_id
             )
         })?;
-        if block
-            .position
-            .checked_add(1)
-            .and_then(|end| end.checked_mul(group.block_size as u64))
-            .is_none()
-        {
-            return Err(err!(
-                InvalidArgument,
-                "positions[{i}] {} overflows the token count of a {}-token block",
-                block.position,
-                group.block_size
-            ));
-        }
+        check_full_position(i, block.position, group.block_size)?;
         let key = Key::of(block.group_id, hash);
         match rows.last_mut() {
             Some((g, first, ids, keys)) if *g == block.group_id && *first + ids.len() as u64 == block.position => {

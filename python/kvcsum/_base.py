@@ -225,7 +225,11 @@ class _Handle:
 
     def __init__(self, handle: int):
         self._lib = library()
-        self._state = threading.Condition(threading.Lock())
+        # Taken alone (a C-level `with`) on the fast path; the condition
+        # over it only where a call must wait.
+        self._lock = threading.Lock()
+        self._state = threading.Condition(self._lock)
+        self._waiting = 0  # calls waiting on the condition
         self._users = 0  # calls using the handle now
         self._exclusive = False  # whether the one user has it alone
         self._orphan = None  # a handle closed while in use, freed by the last user
@@ -250,11 +254,15 @@ class _Handle:
         """The open handle, taken for one call (each _acquire is followed by
         one _release); ValueError once closed. With wait=False, _Busy
         instead of waiting for another thread's call."""
-        with self._state:
+        with self._lock:
             while self._handle and (self._exclusive or (exclusive and self._users)):
                 if not wait:
                     raise _Busy
-                self._state.wait()
+                self._waiting += 1
+                try:
+                    self._state.wait()
+                finally:
+                    self._waiting -= 1
             if not self._handle:
                 raise ValueError(f"this {type(self).__name__} is closed")
             self._users += 1
@@ -264,13 +272,14 @@ class _Handle:
     def _release(self) -> None:
         """Ends the call an _acquire began (frees a handle closed meanwhile
         once its last call ends)."""
-        with self._state:
+        with self._lock:
             self._users -= 1
             self._exclusive = False
             orphan = None
             if not self._users:
                 orphan, self._orphan = self._orphan, None
-                self._state.notify_all()
+                if self._waiting:
+                    self._state.notify_all()
         if orphan:
             getattr(self._lib, self._destroy)(orphan)
 

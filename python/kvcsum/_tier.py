@@ -124,10 +124,11 @@ class TierIndex(_Handle):
         array.array objects (typecodes "I"/"L" of 4 bytes, "Q"), `hashes`
         bytes of `count * hash_bytes` (what kvcsum.vllm's StoreBatch holds).
         Lengths and item sizes are checked (ValueError) before the call."""
+        # What the C call reads of each buffer is checked here (it cannot
+        # know their lengths); the values it checks itself.
         if not (
             len(group_ids) == len(positions) == len(block_ids) == count
-            and group_ids.itemsize == 4 and block_ids.itemsize == 4 and positions.itemsize == 8
-            and group_ids.typecode in "IL" and block_ids.typecode in "IL" and positions.typecode == "Q"
+            and group_ids.itemsize == block_ids.itemsize == 4 and positions.itemsize == 8
             and type(hashes) is bytes and type(hash_bytes) is int and len(hashes) == count * hash_bytes
         ):
             raise ValueError(

@@ -194,6 +194,13 @@ SCHEDULER_HOOKS = frozenset({
     "reset_cache",
 })
 BOTH_ROLES_HOOKS = frozenset({"shutdown", "get_kv_connector_stats"})
+#: Hooks called every step (or every layer) that kvcsum only passes on to
+#: the wrapped connector: on an instance of their role they are the wrapped
+#: connector's own bound methods, so that passing them on adds no call.
+PASSED_ON_HOOKS = {
+    KVConnectorRole.WORKER: ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "get_kv_connector_kv_cache_events"),
+    KVConnectorRole.SCHEDULER: ("take_events",),
+}
 
 
 class WrongRoleError(RuntimeError):
@@ -268,6 +275,8 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
         # (nothing added on the hot path).
         for hook in WORKER_HOOKS if role == KVConnectorRole.SCHEDULER else SCHEDULER_HOOKS:
             setattr(self, hook, _refusal(hook, role))
+        for hook in PASSED_ON_HOOKS.get(role, ()):
+            setattr(self, hook, getattr(self._inner, hook))
 
     @property
     def last_verdicts(self) -> dict:
@@ -448,12 +457,14 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(connector_metadata, KvcsumConnectorMetadata)
         self._inner.bind_connector_metadata(connector_metadata.inner)
-        super().bind_connector_metadata(connector_metadata)
+        # What KVConnectorBase_V1's bind_connector_metadata does, without its call.
+        self._connector_metadata = connector_metadata
         self._worker.bind_connector_metadata(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
         self._inner.clear_connector_metadata()
-        super().clear_connector_metadata()
+        # KVConnectorBase_V1's clear_connector_metadata, without its call.
+        self._connector_metadata = None
         self._worker.clear_connector_metadata()
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:

@@ -383,13 +383,13 @@ class TierChecker:
         stream by default, after the forward that filled them) and keeps
         their values, in one library call (on a device once the work is
         done: a later call reads them)."""
-        batch = stores if isinstance(stores, StoreBatch) else StoreBatch.of(stores)
+        batch = stores if type(stores) is StoreBatch or isinstance(stores, StoreBatch) else StoreBatch.of(stores)
         count = len(batch.block_ids)
         if not count:
             return
         self.index.store_buffers(
             self.checksummer.worker, count, batch.group_ids, batch.positions, batch.block_ids, batch.hashes,
-            batch.hash_bytes, self._stream(cuda_stream),
+            batch.hash_bytes, self._stream(cuda_stream) if self._device else cuda_stream,
         )
         self.queued = self._device
 

@@ -222,9 +222,12 @@ class WorkerRole:
             return
         stores = meta.stores
         if meta.quiet:
-            if stores.num_blocks and self._tier is not None:
-                self._declare_decodings()
-                self._tier.store(stores)
+            # A decode step's whole work: the blocks that filled, stored.
+            tier = self._tier
+            if tier is not None and stores.block_ids:
+                if self._decodings is not None:
+                    self._decodings.declare()
+                tier.store(stores)
             return
         for checksum in meta.sends:
             self._note(kvcsum.PRODUCER, checksum.job, checksum.generation)
@@ -463,7 +466,8 @@ class WorkerRole:
 
     def build_connector_worker_meta(self, inner) -> KvcsumWorkerMetadata | None:
         """build_connector_worker_meta, around the inner connector's."""
-        if not (self._ready_notes or self._pending_notes or self._tier_notes or self._sources_busy()):
+        sources = self._sources
+        if not (self._ready_notes or self._pending_notes or self._tier_notes or (sources is not None and sources.busy)):
             return None if inner is None else KvcsumWorkerMetadata(inner=inner)
         if self._sources is not None:
             self._sources.collect()  # before the records close their results
@@ -479,12 +483,6 @@ class WorkerRole:
         if inner is None and not notes and not tier_notes and not source_notes:
             return None
         return KvcsumWorkerMetadata(inner=inner, notes=notes, tier_notes=tier_notes, source_notes=source_notes)
-
-    def _sources_busy(self) -> bool:
-        """Whether the re-check of sent requests has anything to collect or
-        note this step."""
-        sources = self._sources
-        return sources is not None and sources.busy
 
     def get_kv_connector_stats(self) -> KvcsumStats | None:
         """get_kv_connector_stats: the worker's counts since the last call

@@ -26,7 +26,11 @@ from harness import Engine, KVCacheLayout  # noqa: E402
 import vllm  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA  # noqa: E402
 
-from kvcsum.vllm.connector import BOTH_ROLES_HOOKS, SCHEDULER_HOOKS, WORKER_HOOKS, KvcsumConnector, WrongRoleError  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+
+from kvcsum.vllm.connector import (  # noqa: E402
+    BOTH_ROLES_HOOKS, PASSED_ON_HOOKS, SCHEDULER_HOOKS, WORKER_HOOKS, KvcsumConnector, WrongRoleError,
+)
 
 #: Public methods of KVConnectorBase_V1 that are no hook vLLM calls: a
 #: connector's own helper.
@@ -100,12 +104,18 @@ def test_a_hook_of_both_roles_works_on_both(engine):
 
 def test_the_right_roles_hooks_are_the_classs_own_methods(engine):
     """Nothing stands between vLLM and the hooks of the connector's own
-    role (they are called every step)."""
+    role (they are called every step): each is the class's method, or,
+    where kvcsum only passes it on, the wrapped connector's own."""
     scheduler, worker = engine.connector(), engine.ranks[0].connector
-    for hook in SCHEDULER_HOOKS | BOTH_ROLES_HOOKS:
-        assert hook not in vars(scheduler), hook
-    for hook in WORKER_HOOKS | BOTH_ROLES_HOOKS:
-        assert hook not in vars(worker), hook
+    for connector, hooks, role in (
+        (scheduler, SCHEDULER_HOOKS | BOTH_ROLES_HOOKS, KVConnectorRole.SCHEDULER),
+        (worker, WORKER_HOOKS | BOTH_ROLES_HOOKS, KVConnectorRole.WORKER),
+    ):
+        for hook in hooks:
+            if hook in PASSED_ON_HOOKS[role]:
+                assert getattr(connector, hook) == getattr(connector.inner, hook), hook
+            else:
+                assert hook not in vars(connector), hook
 
 
 def test_every_hook_of_vllm_has_one_role():
