@@ -311,6 +311,52 @@ pub struct FullBlockRows {
 /// every block before writing a row; any bad one fails the call (the
 /// arguments named as `group_ids[i]`, `positions[i]`, `block_ids[i]`).
 pub fn full_block_rows(layout: &Layout, blocks: &[FullBlock], out: &mut FullBlockRows) -> Result<()> {
+    out.rows.clear();
+    out.rows.reserve(blocks.len());
+    let room = RowRoom {
+        rows: out.rows.spare_capacity_mut(),
+        streaming: false,
+    };
+    let (written, _) = write_full_blocks(layout, blocks, room, &mut out.computed)?;
+    // SAFETY: the writer initialised the first `written` elements of the
+    // spare capacity (one row a block at most, room reserved above), which
+    // starts at index 0 of the cleared vector.
+    unsafe { out.rows.set_len(written) };
+    Ok(())
+}
+
+/// [`full_block_rows`] into `room` (at least a row a block), as the plan of
+/// a call of `blocks.len()` values and no requests: what a device engine
+/// queues (`DeviceEngine::checksum_planned`). `computed[i]` says whether
+/// block `i` has a value.
+pub fn full_block_plan(
+    layout: &Layout,
+    blocks: &[FullBlock],
+    room: RowRoom<'_>,
+    computed: &mut Vec<bool>,
+) -> Result<Plan> {
+    let (num_rows, rows_per_slot) = write_full_blocks(layout, blocks, room, computed)?;
+    Ok(Plan {
+        shape: Shape {
+            requests: Default::default(),
+            placements: Vec::new(),
+            columns: Vec::new(),
+            skipped: Vec::new(),
+        },
+        num_rows,
+        rows_per_slot,
+        num_values: blocks.len(),
+    })
+}
+
+/// Checks `blocks` and writes their rows into `room`: the rows written and
+/// the rows of each group slot.
+fn write_full_blocks(
+    layout: &Layout,
+    blocks: &[FullBlock],
+    room: RowRoom<'_>,
+    computed: &mut Vec<bool>,
+) -> Result<(usize, Vec<u64>)> {
     if blocks.len() > u32::MAX as usize {
         return Err(err!(
             Unsupported,
@@ -319,8 +365,15 @@ pub fn full_block_rows(layout: &Layout, blocks: &[FullBlock], out: &mut FullBloc
             u32::MAX
         ));
     }
-    out.rows.clear();
-    out.computed.clear();
+    if room.rows.len() < blocks.len() {
+        return Err(err!(
+            Internal,
+            "room for {} rows, for {} full blocks",
+            room.rows.len(),
+            blocks.len()
+        ));
+    }
+    computed.clear();
     // The group of a block, or none where the worker skips it; checked
     // in the first pass, looked up again in the second (no allocation).
     let group_of = |block: &FullBlock| match layout.skip_reason(block.group_id) {
@@ -355,15 +408,15 @@ pub fn full_block_rows(layout: &Layout, blocks: &[FullBlock], out: &mut FullBloc
             check_full_position(i, block.position, group.block_size)?;
         }
     }
-    out.rows.reserve(blocks.len());
+    let mut rows_per_slot = vec![0u64; layout.groups().count()];
     let mut rows = RowWriter {
-        out: out.rows.spare_capacity_mut(),
+        out: room.rows,
         len: 0,
-        streaming: false,
+        streaming: room.streaming,
     };
     for (i, block) in blocks.iter().enumerate() {
         let group = group_of(block);
-        out.computed.push(group.is_some());
+        computed.push(group.is_some());
         let Some(group) = group else { continue };
         let block_size = if group.is_state() { 0 } else { group.block_size as u64 };
         let run = RowRun {
@@ -378,19 +431,17 @@ pub fn full_block_rows(layout: &Layout, blocks: &[FullBlock], out: &mut FullBloc
             short_last: None,
             placement: group.placement,
         };
+        let before = rows.len;
         rows.write_run(&run, std::slice::from_ref(&block.block_id));
+        rows_per_slot[group.slot as usize] += (rows.len - before) as u64;
     }
-    let written = rows.len;
-    // SAFETY: the writer initialised the first `written` elements of the
-    // spare capacity (one row a block at most, room reserved above), which
-    // starts at index 0 of the cleared vector.
-    unsafe { out.rows.set_len(written) };
-    Ok(())
+    rows.finish();
+    Ok((rows.len, rows_per_slot))
 }
 
 /// Fails unless the tokens of full blocks up to `position` (entry `i` of a
 /// call's `positions`) of `block_size` tokens each can be counted.
-pub(crate) fn check_full_position(i: usize, position: u64, block_size: u32) -> Result<()> {
+fn check_full_position(i: usize, position: u64, block_size: u32) -> Result<()> {
     if position
         .checked_add(1)
         .and_then(|end| end.checked_mul(block_size as u64))

@@ -22,11 +22,10 @@
 //! that finds the work done, and by every check before it compares.
 
 use crate::base::error::{err, Result};
-use crate::inputs::blocks::BlockSet;
 use crate::inputs::role::Role;
 use crate::inputs::stream::StreamHandle;
-use crate::plan::{check_full_position, FullBlock, FullBlockRows};
-use crate::results::checksums::Checksums;
+use crate::plan::{FullBlock, FullBlockRows};
+use crate::results::checksums::Values;
 use crate::worker::Worker;
 
 /// Most distinct values kept per block hash.
@@ -200,18 +199,12 @@ struct Entry {
     newer: u32,
 }
 
-/// A device store whose values are not read yet.
+/// A device store whose values are not read yet: block `i`'s key and
+/// position, where it has a value (`None` for a group the worker skips),
+/// and value `i` once the work is done.
 struct Pending {
-    checksums: Checksums,
-    /// Per row of its block set: (request id, group) and its blocks' keys
-    /// and positions.
-    rows: Vec<Row>,
-}
-
-struct Row {
-    req_id: String,
-    group_id: u32,
-    blocks: Vec<(Key, u64)>,
+    values: Values,
+    blocks: Vec<Option<(Key, u64)>>,
 }
 
 /// Counts of an index: what [`TierIndex::info`] gives.
@@ -252,21 +245,27 @@ struct Scratch {
 }
 
 impl Scratch {
-    /// Computes the sums of `blocks` (every one hashed, their hashes
-    /// checked) at once; `Ok(false)` on a worker that queues its work.
-    fn compute<'a>(&mut self, worker: &Worker, blocks: impl Iterator<Item = TierBlock<'a>>) -> Result<bool> {
+    /// The sums of `blocks` (every one hashed, their hashes checked):
+    /// computed now into `sums` (`None`, a host worker), or queued on
+    /// `stream` (a device worker).
+    fn compute<'a>(
+        &mut self,
+        worker: &Worker,
+        blocks: impl Iterator<Item = TierBlock<'a>>,
+        stream: StreamHandle,
+    ) -> Result<Option<Values>> {
         self.blocks.clear();
         self.blocks.extend(blocks.map(|b| FullBlock {
             group_id: b.group_id,
             position: b.position,
             block_id: b.block_id,
         }));
-        worker.full_block_sums(&self.blocks, Role::Consumer, &mut self.rows, &mut self.sums)
+        worker.full_block_sums(&self.blocks, Role::Consumer, stream, &mut self.rows, &mut self.sums)
     }
 
-    /// The sum of block `i` of the last call, if it has one.
-    fn sum(&self, i: usize) -> Option<u64> {
-        self.rows.computed[i].then(|| self.sums[i])
+    /// Whether block `i` of the last call has a value.
+    fn computed(&self, i: usize) -> bool {
+        self.rows.computed[i]
     }
 }
 
@@ -374,27 +373,27 @@ impl TierIndex {
             return Err(err!(InvalidArgument, "hashes: block {i} of a store has no block hash"));
         }
         check_hashes((0..count).map(&block))?;
-        if self.scratch.compute(worker, (0..count).map(&block))? {
-            // A host worker: computed now, kept now.
-            for i in 0..count {
-                let b = block(i);
-                if let (Some(sum), Some(hash)) = (self.scratch.sum(i), b.hash) {
-                    self.remember(Key::of(b.group_id, hash), b.position, sum);
+        let key = |i: usize| {
+            let b = block(i);
+            (Key::of(b.group_id, b.hash.expect("hashed blocks only")), b.position)
+        };
+        match self.scratch.compute(worker, (0..count).map(&block), stream)? {
+            None => {
+                // A host worker: computed now, kept now.
+                for i in 0..count {
+                    if self.scratch.computed(i) {
+                        let (k, position) = key(i);
+                        self.remember(k, position, self.scratch.sums[i]);
+                    }
                 }
             }
-            return Ok(());
-        }
-        let blocks: Vec<TierBlock<'_>> = (0..count).map(&block).collect();
-        let (set, rows) = block_set(worker, &blocks)?;
-        let checksums = worker.checksum(&set, Role::Consumer, stream)?;
-        let pending = Pending { checksums, rows };
-        if pending.checksums.is_ready().unwrap_or(false) {
-            self.keep(&pending);
-        } else {
-            self.pending.push(pending);
-            if self.pending.len() > MAX_PENDING {
-                let oldest = self.pending.remove(0);
-                self.read(oldest);
+            Some(values) => {
+                let blocks = (0..count).map(|i| self.scratch.computed(i).then(|| key(i))).collect();
+                self.pending.push(Pending { values, blocks });
+                if self.pending.len() > MAX_PENDING {
+                    let oldest = self.pending.remove(0);
+                    self.read(oldest);
+                }
             }
         }
         Ok(())
@@ -415,44 +414,30 @@ impl TierIndex {
             self.settle(true);
             return Ok(outcomes);
         }
-        if self.scratch.compute(worker, hashed())? {
-            // A host worker: computed now, compared once the stores still
-            // queued are read.
-            self.settle(true);
-            for (next, (i, b)) in (0..count)
-                .map(|i| (i, block(i)))
-                .filter(|(_, b)| b.hash.is_some())
-                .enumerate()
-            {
-                let hash = b.hash.expect("hashed blocks only");
-                outcomes[i] = match self.scratch.sum(next) {
-                    Some(sum) => self.compare(&Key::of(b.group_id, hash), b.position, sum),
-                    None => TierOutcome::NotChecksummed,
-                };
-            }
-            return Ok(outcomes);
-        }
-        let blocks: Vec<TierBlock<'_>> = hashed().collect();
-        let (set, rows) = block_set(worker, &blocks)?;
-        let checksums = worker.checksum(&set, Role::Consumer, stream)?;
+        let queued = self.scratch.compute(worker, hashed(), stream)?;
+        // The stores still queued are read first (a check compares with
+        // every value stored before it).
         self.settle(true);
-        checksums.wait()?;
-        let mut found = Vec::with_capacity(blocks.len());
-        for row in &rows {
-            match checksums.position_sums(&row.req_id, row.group_id) {
-                Ok(sums) => {
-                    for (&(key, position), sum) in row.blocks.iter().zip(sums) {
-                        found.push(self.compare(&key, position, sum));
-                    }
-                }
-                Err(_) => found.extend(row.blocks.iter().map(|_| TierOutcome::NotChecksummed)),
+        let sums: &[u64] = match &queued {
+            None => &self.scratch.sums,
+            Some(values) => {
+                values.wait()?;
+                values.get()?
             }
-        }
-        let mut next = found.into_iter();
-        for (i, outcome) in outcomes.iter_mut().enumerate() {
-            if block(i).hash.is_some() {
-                *outcome = next.next().expect("one outcome per hashed block");
-            }
+        };
+        let found: Vec<Option<u64>> = (0..sums.len())
+            .map(|i| self.scratch.computed(i).then(|| sums[i]))
+            .collect();
+        for (next, (i, b)) in (0..count)
+            .map(|i| (i, block(i)))
+            .filter(|(_, b)| b.hash.is_some())
+            .enumerate()
+        {
+            let hash = b.hash.expect("hashed blocks only");
+            outcomes[i] = match found[next] {
+                Some(sum) => self.compare(&Key::of(b.group_id, hash), b.position, sum),
+                None => TierOutcome::NotChecksummed,
+            };
         }
         Ok(outcomes)
     }
@@ -465,7 +450,7 @@ impl TierIndex {
         }
         let pending = std::mem::take(&mut self.pending);
         for store in pending {
-            if wait || store.checksums.is_ready().unwrap_or(true) {
+            if wait || store.values.is_ready().unwrap_or(true) {
                 self.read(store);
             } else {
                 self.pending.push(store);
@@ -476,20 +461,17 @@ impl TierIndex {
     /// Waits for a queued store and keeps its values (none where its work
     /// failed: those blocks are then unknown, never mismatched).
     fn read(&mut self, store: Pending) {
-        match store.checksums.wait() {
-            Ok(()) => self.keep(&store),
-            Err(_) => self.lost_stores += 1,
-        }
-    }
-
-    fn keep(&mut self, store: &Pending) {
-        for row in &store.rows {
-            // A group the worker skips has no sums: its values stay unknown.
-            let Ok(sums) = store.checksums.position_sums(&row.req_id, row.group_id) else {
-                continue;
-            };
-            for (&(key, position), sum) in row.blocks.iter().zip(sums) {
-                self.remember(key, position, sum);
+        let values = match store.values.wait().and_then(|()| store.values.get()) {
+            Ok(values) => values,
+            Err(_) => {
+                self.lost_stores += 1;
+                return;
+            }
+        };
+        for (block, &value) in store.blocks.iter().zip(values) {
+            // A group the worker skips has no sum: its values stay unknown.
+            if let Some((key, position)) = *block {
+                self.remember(key, position, value);
             }
         }
     }
@@ -710,53 +692,4 @@ fn check_hash_len(len: usize, name: &str) -> Result<()> {
         ));
     }
     Ok(())
-}
-
-/// The block set of a store or check: one request per run of blocks of one
-/// group at consecutive positions, whose tokens fill its last block (every
-/// block full), and each run's keys and positions.
-fn block_set(worker: &Worker, blocks: &[TierBlock<'_>]) -> Result<(BlockSet, Vec<Row>)> {
-    let layout = worker.layout();
-    // Per run: its group, first position, block ids and keys.
-    type Run = (u32, u64, Vec<u32>, Vec<(Key, u64)>);
-    let mut rows: Vec<Run> = Vec::new();
-    for (i, block) in blocks.iter().enumerate() {
-        let hash = block.hash.expect("hashed blocks only");
-        check_hash_len(hash.len(), "hash_bytes")?;
-        let group = layout.group(block.group_id).ok_or_else(|| {
-            err!(
-                InvalidArgument,
-                "group_ids[{i}] {} is no group of this worker",
-                block.group_id
-            )
-        })?;
-        check_full_position(i, block.position, group.block_size)?;
-        let key = Key::of(block.group_id, hash);
-        match rows.last_mut() {
-            Some((g, first, ids, keys)) if *g == block.group_id && *first + ids.len() as u64 == block.position => {
-                ids.push(block.block_id);
-                keys.push((key, block.position));
-            }
-            _ => rows.push((
-                block.group_id,
-                block.position,
-                vec![block.block_id],
-                vec![(key, block.position)],
-            )),
-        }
-    }
-    let mut set = BlockSet::new();
-    let mut out = Vec::with_capacity(rows.len());
-    for (index, (group_id, first, ids, keys)) in rows.into_iter().enumerate() {
-        let block_size = layout.group(group_id).expect("checked above").block_size as u64;
-        let req_id = format!("tier{index}");
-        set.add_request(&req_id, (first + ids.len() as u64) * block_size)?;
-        set.add_group(&req_id, group_id, first, &ids)?;
-        out.push(Row {
-            req_id,
-            group_id,
-            blocks: keys,
-        });
-    }
-    Ok((set, out))
 }

@@ -14,7 +14,7 @@ use crate::inputs::blocks::BlockSet;
 use crate::inputs::layout::{Layout, Region, StoredBuffer};
 use crate::inputs::role::Role;
 use crate::inputs::stream::StreamHandle;
-use crate::plan::Plan;
+use crate::plan::{full_block_plan, FullBlock, FullBlockRows, Plan, RowRoom};
 use crate::results::checksums::{Checksums, StoredExpectation, StoredValues, Values};
 
 impl Engine for DeviceEngine {
@@ -70,6 +70,32 @@ impl Engine for DeviceEngine {
             }
         };
         DeviceEngine::checksum(self, call.layout, blocks, role, algorithm, stream, stored_work)
+    }
+
+    fn full_block_values(
+        &self,
+        call: &Call<'_>,
+        blocks: &[FullBlock],
+        role: Role,
+        stream: StreamHandle,
+        rows: &mut FullBlockRows,
+        _values: &mut Vec<u64>,
+    ) -> Result<Option<Values>> {
+        // The rows go straight into the call's pinned memory.
+        let computed = &mut rows.computed;
+        let write = |room: RowRoom<'_>| full_block_plan(call.layout, blocks, room, computed);
+        let (_, values) = DeviceEngine::checksum_planned(
+            self,
+            call.layout,
+            blocks.len(),
+            blocks.len(),
+            role,
+            call.algorithm,
+            stream,
+            write,
+            |_| Ok(None),
+        )?;
+        Ok(Some(values))
     }
 
     fn store(&self, _call: &Call<'_>, _blocks: &BlockSet, checksum_with: ChecksumWith<'_>) -> Result<Checksums> {

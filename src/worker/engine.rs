@@ -6,14 +6,14 @@
 use std::sync::Arc;
 
 use crate::base::checksum::Algorithm;
-use crate::base::error::{err, Result};
+use crate::base::error::Result;
 use crate::engines::cuda::{DeviceEngine, StoredMode};
 use crate::engines::detail::Shadow;
 use crate::inputs::blocks::BlockSet;
 use crate::inputs::layout::{Layout, Region, StoredBuffer};
 use crate::inputs::role::Role;
 use crate::inputs::stream::StreamHandle;
-use crate::plan::{Plan, Row};
+use crate::plan::{FullBlock, FullBlockRows, Plan};
 use crate::results::checksums::{Checksums, StoredExpectation, Values};
 use crate::results::record_facts::GroupInfo;
 
@@ -74,29 +74,21 @@ pub(super) trait Engine: Send + Sync {
         expectations: &mut Vec<StoredExpectation>,
     ) -> Result<(Plan, Values)>;
 
-    /// Whether [`Engine::compute_at_once`] computes on the calling thread
-    /// (the host engine; a device engine queues its work instead).
-    fn computes_at_once(&self) -> bool {
-        false
-    }
-
-    /// Adds the values of `rows` (planned against `layout`) in `role`
-    /// under `algorithm` into `values`, on the calling thread, before it
-    /// returns; only where [`Engine::computes_at_once`].
-    fn compute_at_once(
+    /// The sums of the worker's columns in `role` of full blocks taken one
+    /// by one (`plan::full_block_rows`), block `i`'s into value `i`, with
+    /// `rows.computed[i]` saying which have one: computed into `values`
+    /// before it returns (`None`, the host engine), or queued on `stream`
+    /// and given as values read once the work is done (a device engine).
+    /// `rows` and `values` are the caller's, reused.
+    fn full_block_values(
         &self,
-        layout: &Layout,
-        rows: &[Row],
+        call: &Call<'_>,
+        blocks: &[FullBlock],
         role: Role,
-        algorithm: Algorithm,
-        values: &mut [u64],
-    ) -> Result<()> {
-        let _ = (layout, rows, role, algorithm, values);
-        Err(err!(
-            Internal,
-            "this engine queues its work: it computes nothing at once"
-        ))
-    }
+        stream: StreamHandle,
+        rows: &mut FullBlockRows,
+        values: &mut Vec<u64>,
+    ) -> Result<Option<Values>>;
 
     /// `Worker::store` on this engine: `blocks` checksummed through
     /// `checksum_with` and each block's stored checksum written.

@@ -14,7 +14,7 @@ use crate::inputs::blocks::BlockSet;
 use crate::inputs::layout::{Layout, Region, StoredBuffer};
 use crate::inputs::role::Role;
 use crate::inputs::stream::StreamHandle;
-use crate::plan::{Plan, Row};
+use crate::plan::{full_block_rows, FullBlock, FullBlockRows, Plan};
 use crate::results::checksums::{Checksums, StoredExpectation, StoredValues, Values};
 
 impl Engine for HostEngine {
@@ -53,20 +53,20 @@ impl Engine for HostEngine {
         Ok((plan, values))
     }
 
-    fn computes_at_once(&self) -> bool {
-        true
-    }
-
-    fn compute_at_once(
+    fn full_block_values(
         &self,
-        layout: &Layout,
-        rows: &[Row],
+        call: &Call<'_>,
+        blocks: &[FullBlock],
         role: Role,
-        algorithm: Algorithm,
-        values: &mut [u64],
-    ) -> Result<()> {
-        self.compute_into(layout, rows, role, algorithm, values);
-        Ok(())
+        _stream: StreamHandle,
+        rows: &mut FullBlockRows,
+        values: &mut Vec<u64>,
+    ) -> Result<Option<Values>> {
+        full_block_rows(call.layout, blocks, rows)?;
+        values.clear();
+        values.resize(blocks.len(), 0);
+        self.compute_into(call.layout, &rows.rows, role, call.algorithm, values);
+        Ok(None)
     }
 
     fn store(&self, call: &Call<'_>, blocks: &BlockSet, checksum_with: ChecksumWith<'_>) -> Result<Checksums> {

@@ -24,7 +24,7 @@ use crate::inputs::placement::GroupPlacement;
 use crate::inputs::role::Role;
 use crate::inputs::state::StateSpec;
 use crate::inputs::stream::StreamHandle;
-use crate::plan::{full_block_rows, FullBlock, FullBlockRows, Plan};
+use crate::plan::{FullBlock, FullBlockRows, Plan};
 use crate::results::checksums::{Checksums, DetailValues, RecordInfo, StoredExpectation, Values};
 use crate::results::record_facts::{GroupInfo, Rank};
 use engine::{Call, Detail, Engine};
@@ -315,31 +315,27 @@ impl Worker {
 
     /// The sums of the worker's columns in `role` of full blocks, each at
     /// its position with every token valid (the values a call whose
-    /// requests each end with one of them gives, its columns added), into
-    /// `values[i]` for `blocks[i]` where `rows.computed[i]` (not for a
-    /// group the worker skips): computed at once, with no result built.
-    /// `Ok(false)` on a worker whose engine queues its work (a device
-    /// worker: use [`Worker::checksum`]), which computes nothing.
+    /// requests each end with one of them gives, its columns added), block
+    /// `i`'s as value `i`, where `rows.computed[i]` (not for a group the
+    /// worker skips), with no result built: computed into `values` before
+    /// it returns on a host worker (`None`); queued on `stream` on a device
+    /// worker, whose values are read once the work is done (`Some`).
     /// `rows` and `values` are the caller's, so that calls reuse their
     /// memory. Every block is checked before anything is computed.
     pub(crate) fn full_block_sums(
         &self,
         blocks: &[FullBlock],
         role: Role,
+        stream: StreamHandle,
         rows: &mut FullBlockRows,
         values: &mut Vec<u64>,
-    ) -> Result<bool> {
-        if !self.engine.computes_at_once() {
-            return Ok(false);
-        }
-        full_block_rows(&self.layout, blocks, rows)?;
-        values.clear();
-        values.resize(blocks.len(), 0);
-        self.engine
-            .compute_at_once(&self.layout, &rows.rows, role, self.algorithm, values)?;
-        // Values exist under this algorithm: it is fixed now.
+    ) -> Result<Option<Values>> {
+        let queued = self
+            .engine
+            .full_block_values(&self.call(), blocks, role, stream, rows, values)?;
+        // Values exist (or are queued) under this algorithm: it is fixed now.
         self.computed.store(true, Ordering::Relaxed);
-        Ok(true)
+        Ok(queued)
     }
 
     /// The result of a call: its shape and values, with what its record needs.

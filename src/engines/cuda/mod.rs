@@ -273,16 +273,37 @@ impl DeviceEngine {
         stream: StreamHandle,
         stored: impl FnOnce(&Plan) -> Result<Option<StoredWork>>,
     ) -> Result<(Plan, Values)> {
+        let write = |rows: RowRoom<'_>| Plan::write(layout, blocks, role, rows);
+        self.checksum_planned(layout, blocks.max_rows(role), 1, role, algorithm, stream, write, stored)
+    }
+
+    /// [`DeviceEngine::checksum`] of the plan and rows `write` lays out
+    /// into the call's room (at most `max_rows` rows, and values for at
+    /// least `min_values`), such as full blocks taken one by one
+    /// (`plan::full_block_plan`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn checksum_planned(
+        &self,
+        layout: &Layout,
+        max_rows: usize,
+        min_values: usize,
+        role: Role,
+        algorithm: Algorithm,
+        stream: StreamHandle,
+        write: impl FnOnce(RowRoom<'_>) -> Result<Plan>,
+        stored: impl FnOnce(&Plan) -> Result<Option<StoredWork>>,
+    ) -> Result<(Plan, Values)> {
         self.context.bind_to_thread().map_err(device_error("cuCtxSetCurrent"))?;
         let max_columns = layout.groups().map(|group| group.columns(role).len()).max();
-        let room = call_room(blocks.max_rows(role), max_columns.unwrap_or(0));
+        let mut room = call_room(max_rows, max_columns.unwrap_or(0));
+        room.values = room.values.max(min_values);
         let mut slot = self.pool.take(room.rows, room.values)?;
         let queue = |slot: &mut Slot| -> Result<(Plan, CallLaunch, usize)> {
             let rows = RowRoom {
                 rows: slot.row_room(),
                 streaming: room.stream_rows,
             };
-            let plan = Plan::write(layout, blocks, role, rows)?;
+            let plan = write(rows)?;
             let work = stored(&plan)?;
             let launch = plan_launch(&CallInputs {
                 table: &self.table,
