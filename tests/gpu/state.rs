@@ -463,3 +463,38 @@ fn device_state_reads_a_large_state_at_a_memory_rate() {
         );
     });
 }
+
+/// A tier store of a state group's block on the device (one row, queued
+/// as one launch) keeps the naive state checksum, as the host's does, and
+/// a check of it matches.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_tier_store_of_a_state_block_keeps_the_naive_value() {
+    use kvcsum::{TierBlock, TierIndex, TierOutcome};
+    let mut rng = Rng::for_test("device_tier_store_of_a_state_block_keeps_the_naive_value");
+    println!("seed {} ({NEEDS_GPU})", rng.seed());
+    let seed = rng.seed();
+    let state = mixed_state(&mut rng, &[1, 4, 6]);
+    let block_id = rng.below(5) as u32;
+    let caches = place_rank(&mut rng, &state, 0, 1, 3, true, block_id + 2, block_id);
+    let pair = StatePair::new(&caches, 0, 1, 3);
+    let hash = [9u8; 32];
+    let block = [TierBlock {
+        group_id: 3,
+        position: 0,
+        block_id,
+        hash: Some(&hash[..]),
+    }];
+    for (worker, what) in [(&pair.host, "host"), (&pair.device, "device")] {
+        let mut index = TierIndex::new(4).unwrap();
+        index.store(worker, &block, StreamHandle::legacy_default()).unwrap();
+        let outcomes = index.check(worker, &block, StreamHandle::legacy_default()).unwrap();
+        assert_eq!(outcomes, vec![TierOutcome::Matched], "{what} (seed {seed})");
+        assert_eq!(
+            index.values(3, &hash).unwrap(),
+            Some((0, vec![naive_unsplit(&state)])),
+            "{what} (seed {seed})"
+        );
+    }
+    let _ = &pair.copy;
+}

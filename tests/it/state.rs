@@ -64,6 +64,49 @@ fn known_split_ranks_sum_to_the_unsplit_checksum_for_tp_1_2_4() {
     }
 }
 
+/// A tier store of a state group's block keeps the naive state checksum
+/// (its one block at position 0), a check of it matches, and a state
+/// block at another position is refused, naming it.
+#[test]
+fn a_tier_store_of_a_state_block_keeps_its_naive_checksum() {
+    use kvcsum::{StreamHandle, TierBlock, TierIndex, TierOutcome};
+    let mut rng = Rng::for_test("a_tier_store_of_a_state_block_keeps_its_naive_checksum");
+    let seed = rng.seed();
+    let state = random_state(&mut rng, &[2, 5, 9]);
+    let block_id = rng.below(6) as u32;
+    let side = deploy(&mut rng, &state, 1, true, block_id);
+    let hash = [7u8; 32];
+    let block = |position| TierBlock {
+        group_id: 3,
+        position,
+        block_id,
+        hash: Some(&hash[..]),
+    };
+    let mut index = TierIndex::new(8).unwrap();
+    index
+        .store(&side.workers[0], &[block(0)], StreamHandle::legacy_default())
+        .unwrap();
+    assert_eq!(
+        index.values(3, &hash).unwrap(),
+        Some((0, vec![naive_unsplit(&state)])),
+        "seed {seed}"
+    );
+    let outcomes = index
+        .check(&side.workers[0], &[block(0)], StreamHandle::legacy_default())
+        .unwrap();
+    assert_eq!(outcomes, vec![TierOutcome::Matched], "seed {seed}");
+    let error = index
+        .store(&side.workers[0], &[block(1)], StreamHandle::legacy_default())
+        .unwrap_err();
+    assert!(
+        error
+            .to_string()
+            .contains("positions[0] 1 of group_id 3, a state group"),
+        "{error} (seed {seed})"
+    );
+    assert_eq!(index.info().entries, 1, "seed {seed}");
+}
+
 #[test]
 fn shard_keyed_state_is_the_ranks_one_slice() {
     let mut rng = Rng::for_test("shard_keyed_state_is_the_ranks_one_slice");
