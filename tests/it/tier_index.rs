@@ -360,3 +360,31 @@ fn bad_arguments_are_refused_and_change_nothing() {
         .to_string();
     assert!(error.contains("group_ids[0] 9"), "{error}");
 }
+
+/// The arrays of a C caller are refused, naming the argument, where their
+/// lengths disagree, the hash length is one the index does not take, or a
+/// `hashed` flag is neither 0 nor 1; arrays that agree read in place.
+#[test]
+fn tier_arrays_refuse_arrays_that_disagree() {
+    use kvcsum::TierArrays;
+    let groups = [0u32, 0];
+    let positions = [0u64, 1];
+    let ids = [1u32, 2];
+    let hashes = [5u8; 64];
+    let refused = |r: kvcsum::Result<TierArrays<'_>>| r.unwrap_err().to_string();
+    assert!(refused(TierArrays::new(&groups, &positions[..1], &ids, &hashes, 32, None)).contains("positions 1"));
+    assert!(refused(TierArrays::new(&groups, &positions, &ids[..1], &hashes, 32, None)).contains("block_ids 1"));
+    assert!(refused(TierArrays::new(&groups, &positions, &ids, &hashes, 32, Some(&[1]))).contains("hashed 1"));
+    assert!(
+        refused(TierArrays::new(&groups, &positions, &ids, &hashes[..40], 32, None)).contains("hashes has 40 bytes")
+    );
+    assert!(refused(TierArrays::new(&groups, &positions, &ids, &hashes[..8], 4, None)).contains("hash_bytes is 4"));
+    assert!(refused(TierArrays::new(&groups, &positions, &ids, &hashes, 32, Some(&[1, 2]))).contains("hashed[1] is 2"));
+    let arrays = TierArrays::new(&groups, &positions, &ids, &hashes, 32, Some(&[1, 0])).unwrap();
+    assert_eq!(arrays.len(), 2);
+    assert_eq!(arrays.get(0).hash, Some(&hashes[..32]));
+    assert_eq!(arrays.get(1).hash, None);
+    assert_eq!((arrays.get(1).position, arrays.get(1).block_id), (1, 2));
+    // No blocks: nothing to check of the hash length.
+    assert!(TierArrays::new(&[], &[], &[], &[], 0, None).unwrap().is_empty());
+}
