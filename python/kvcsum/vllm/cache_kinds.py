@@ -121,13 +121,13 @@ def describe_spec(
         shapes = tuple(tuple(int(n) for n in shape) for shape in spec.shapes)
         dtypes = tuple(str(d) for d in spec.dtypes)
         sizes = [dtype_bytes(d) for d in dtypes]
+        # vLLM's Mamba state dtypes are its model dtypes and MambaDType
+        # (float16, bfloat16, float32: config/cache.py, config/model.py):
+        # this guards a spec built some other way.
         if any(size not in (2, 4) for size in sizes):
             unsupported = f"{type_name} has state elements of {dtypes}: kvcsum reads 2- or 4-byte state elements"
-        elif int(getattr(spec, "num_speculative_blocks", 0) or 0) or str(getattr(spec, "mamba_cache_mode", "none")) != "none":
-            unsupported = (
-                f"{type_name} keeps several states per request (mamba_cache_mode "
-                f"{getattr(spec, 'mamba_cache_mode', None)!r}, {getattr(spec, 'num_speculative_blocks', 0)} speculative blocks)"
-            )
+        elif str(getattr(spec, "mamba_cache_mode", "none")) not in ("none", "align"):
+            unsupported = f"{type_name} has mamba_cache_mode {spec.mamba_cache_mode!r}, a mode kvcsum does not know"
         return dict(common, kind="state", state_shapes=shapes, state_dtypes=dtypes, unsupported=unsupported)
     is_attention = hasattr(spec, "num_kv_heads") and hasattr(spec, "head_size")
     if not is_attention or not getattr(spec, "has_layer_views", True):

@@ -188,11 +188,13 @@ class SchedulerRole:
         self._inner_name = inner_name
         self._failure_policy = failure_policy
         self._hash_block_size = hash_block_size or min(self._block_sizes.values(), default=0)
-        #: State (Mamba) groups: a request's state is its first block (the
-        #: state index vLLM's Mamba kernels read, column 0 of its block
-        #: table), at position 0 (SPEC section 6).
+        #: State (Mamba) groups, each True where vLLM keeps a state per block
+        #: (mamba_cache_mode "align"): a request's state, at position 0 of
+        #: its block set (SPEC section 6), is the block vLLM's Mamba kernels
+        #: read it from (state_column).
         self._state_groups = {
-            g for g in self._block_sizes
+            g: str(getattr(kv_cache_config.kv_cache_groups[g].kv_cache_spec, "mamba_cache_mode", "none")) == "align"
+            for g in self._block_sizes
             if g < len(kv_cache_config.kv_cache_groups)
             and type(kv_cache_config.kv_cache_groups[g].kv_cache_spec).__name__ == "MambaSpec"
         }
@@ -531,7 +533,8 @@ class SchedulerRole:
             if groups is not None and group_id not in groups:
                 continue
             if group_id in self._state_groups:
-                ids = list(table[group_id])[:1]
+                column = self._state_column(group_id, num_tokens)
+                ids = list(table[group_id])[column : column + 1]
                 if ids and ids[0] != NULL_BLOCK_ID:
                     out[group_id] = (0, ids)
                 continue
@@ -544,6 +547,20 @@ class SchedulerRole:
         if not out:
             return None
         return Job(req_id, num_tokens, out)
+
+    def _state_column(self, group_id: int, num_tokens: int) -> int:
+        """The column of a request's block list of state group `group_id`
+        holding its state after `num_tokens` tokens: 0 (its one state, then
+        any speculative blocks) with mamba_cache_mode "none"; with "align"
+        (a state per block, position-indexed) the column a step's kernels
+        read the state after num_computed_tokens from and write it to,
+        (num_tokens - 1) // block_size (vllm/v1/worker/mamba_utils.py,
+        preprocess_mamba; v1/attention/backends/utils.py,
+        mamba_get_block_table_tensor): the block vLLM's connectors move
+        (kv_connector/utils.py, clip_ssm_state_blocks)."""
+        if not self._state_groups.get(group_id):
+            return 0
+        return max(0, num_tokens - 1) // self._block_sizes[group_id]
 
     # --- offload tiers -------------------------------------------------------------------
 
@@ -583,7 +600,8 @@ class SchedulerRole:
             if group_id in self._state_groups:
                 # A state has no block hash: no value is kept of it, and a
                 # tier load's state is unknown to the check (NO_BLOCK_HASH).
-                state = table(group_id, 0, 1)
+                column = self._state_column(group_id, end_token)
+                state = table(group_id, column, column + 1)
                 if not full_only and state and state[0] != NULL_BLOCK_ID:
                     out[group_id] = (0, tuple(state), (None,))
                 continue
@@ -608,11 +626,16 @@ class SchedulerRole:
         """(group_id, block_size, hash blocks per block) of the groups whose
         full blocks have block hashes (a size that is a multiple of the hash
         block size), and the gcd of every group's size (a step that passes
-        no multiple of it fills no block); computed once."""
+        no multiple of it fills no block); computed once. State groups keep
+        no values: a state is one block at position 0 (SPEC section 6),
+        while with mamba_cache_mode "align" vLLM keeps one per full block,
+        so a tier load's state is unverified (NO_BLOCK_HASH), never MATCH."""
         if self._store_plan is None:
             unit = self._hash_block_size
             groups = tuple(
-                (g, size, size // unit) for g, size in sorted(self._block_sizes.items()) if unit > 0 and size % unit == 0
+                (g, size, size // unit)
+                for g, size in sorted(self._block_sizes.items())
+                if unit > 0 and size % unit == 0 and g not in self._state_groups
             )
             self._store_plan = (groups, math.gcd(*self._block_sizes.values()) if self._block_sizes else 0)
         return self._store_plan

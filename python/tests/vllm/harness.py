@@ -245,6 +245,7 @@ class Engine:
         dcp: int = 1,
         kv_heads: int = TOTAL_KV_HEADS,
         interleave: int = 1,
+        cache: dict | None = None,
     ):
         """record_exchange: the ranks share an InProcessRecordExchange (off:
         they have none, as the workers of an engine with several PP stages).
@@ -263,7 +264,9 @@ class Engine:
         decode context parallel size (the scheduler's blocks cover
         block_size x dcp tokens, `interleave` of them at a time on each DCP
         rank); kv_heads: the model's KV heads (DCP needs TP >= dcp x KV
-        heads)."""
+        heads). cache: more CacheConfig fields (mamba_cache_mode "align"
+        with enable_prefix_caching, as vLLM sets them for Mamba prefix
+        caching)."""
         global _hash_ready
         if not _hash_ready:
             init_none_hash(sha256)
@@ -289,7 +292,7 @@ class Engine:
         model_config = ModelConfig(model=model_dir(kv_heads), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=2048)
         self.vllm_config = VllmConfig(
             model_config=model_config,
-            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
+            cache_config=CacheConfig(**dict(dict(block_size=block_size, enable_prefix_caching=False), **(cache or {}))),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_batched_tokens,

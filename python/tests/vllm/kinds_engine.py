@@ -149,6 +149,17 @@ class KindEngine(Engine):
         slots = (offsets // (dcp * interleave)) * interleave + offsets % interleave
         return positions, torch.tensor(ids)[positions // span], slots
 
+    def state_column(self, group_id: int, num_tokens: int) -> int:
+        """The column of a request's block list holding its state after
+        `num_tokens` tokens: 0 with mamba_cache_mode "none"; with "align"
+        (a state per block) (num_tokens - 1) // block_size, where vLLM's
+        kernels read and write it (vllm/v1/worker/mamba_utils.py,
+        preprocess_mamba)."""
+        spec = self.kv_cache_config.kv_cache_groups[group_id].kv_cache_spec
+        if spec.mamba_cache_mode != "align":
+            return 0
+        return max(0, num_tokens - 1) // spec.block_size
+
     def _state_view(self, cache: torch.Tensor) -> torch.Tensor:
         return cache.view(torch.uint8).reshape(cache.shape[0], -1)
 
@@ -167,10 +178,10 @@ class KindEngine(Engine):
                         page = self._state_view(cache)
                         width = page.shape[1]
                         if start > 0:
-                            got = page[ids[0]]
+                            got = page[ids[self.state_column(group_id, start)]]
                             if not any(torch.equal(got, self.state(req_id, layer, rank, n, width)) for n in (start, start + 1)):
                                 self._read_bad.add((req_id, rank))
-                        page[ids[0]] = self.state(req_id, layer, rank, start + count, width)
+                        page[ids[self.state_column(group_id, start + count)]] = self.state(req_id, layer, rank, start + count, width)
                         continue
                     raw = cache.view(torch.uint8)
                     slots, width = raw.shape[1], raw.shape[3]

@@ -232,6 +232,15 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
     def _is_state(self, group: int) -> bool:
         return type(self._groups[group].kv_cache_spec).__name__ == "MambaSpec"
 
+    def _state_block(self, group: int, table: dict, num_tokens: int) -> int:
+        """The block holding the state after `num_tokens` tokens: the first
+        with mamba_cache_mode "none", the one at column (num_tokens - 1) //
+        block_size with "align" (where vLLM's kernels keep it, the block
+        its connectors move: kv_connector/utils.py clip_ssm_state_blocks)."""
+        spec = self._groups[group].kv_cache_spec
+        column = max(0, num_tokens - 1) // spec.block_size if spec.mamba_cache_mode == "align" else 0
+        return table[group][column]
+
     def _path(self, key: str, layer: str, head: int) -> str:
         return os.path.join(self._dir, key, f"{layer}.h{head}.pt")
 
@@ -245,7 +254,7 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
                     if byte is not None and CORRUPT.get("layer", name) == name:
                         stored.view(-1).view(torch.uint8)[byte] ^= 0x08
                         CORRUPT["done"] = CORRUPT.get("done", 0) + 1
-                    cache[table[group][0]] = stored
+                    cache[self._state_block(group, table, num_tokens)] = stored
                     continue
                 positions, blocks, offsets = self._slots(group, table, first, num_tokens, k)
                 for h in range(heads):
@@ -292,7 +301,7 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
         os.makedirs(os.path.join(self._dir, key), exist_ok=True)
         for group, name, cache, heads, first_head, k in self._layers():
             if self._is_state(group):
-                torch.save(cache[table[group][0]].clone(), self._path(key, name, first_head))
+                torch.save(cache[self._state_block(group, table, num_tokens)].clone(), self._path(key, name, first_head))
                 continue
             _, blocks, offsets = self._slots(group, table, 0, num_tokens, k)
             for h in range(heads):

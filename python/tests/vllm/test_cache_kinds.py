@@ -452,12 +452,12 @@ def flipped(pair: dict, req_id: str, prompt, want=kvcsum.MISMATCH) -> None:
 MAMBA_LEN = 2048  # vLLM's mamba_block_size without prefix caching: max_model_len
 
 
-def mamba_groups(tp: int):
+def mamba_groups(tp: int, speculative: int = 0):
     full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=4 // tp, head_size=16, dtype=torch.float16)
     # conv bf16 then ssm fp32, TP-split, padded to the attention page.
     mamba = MambaSpec(
         block_size=MAMBA_LEN, shapes=((3, 64 // tp), (4 // tp, 8, 4)), dtypes=(torch.bfloat16, torch.float32),
-        page_size_padded=full.page_size_bytes,
+        page_size_padded=full.page_size_bytes, num_speculative_blocks=speculative,
     )
     return [
         ([f"model.layers.{i}.self_attn.attn" for i in (0, 2)], full),
@@ -480,6 +480,79 @@ def test_attention_plus_mamba_pd_round_trip(store, tp, fault):
         flipped(pair, "req", KIND_PROMPT)
         # Several groups: the whole load failed, computed from token 0.
         assert computed(pair["wrapped"], "req", len(KIND_PROMPT)) == (len(KIND_PROMPT), 0)
+        assert "group 1 position 0" in pair["wrapped"].connector().last_verdicts["req"][2]
+
+
+def mamba_align_groups(tp: int, speculative: int = 0):
+    # vLLM's Mamba prefix caching: mamba_cache_mode "align", the Mamba
+    # block the attention block (platforms/interface.py,
+    # update_block_size_for_backend), a state per block.
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=4 // tp, head_size=16, dtype=torch.float16)
+    mamba = MambaSpec(
+        block_size=BLOCK, shapes=((3, 64 // tp), (4 // tp, 8, 4)), dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=full.page_size_bytes, mamba_cache_mode="align", num_speculative_blocks=speculative,
+    )
+    return [
+        ([f"model.layers.{i}.self_attn.attn" for i in (0, 2)], full),
+        ([f"model.layers.{i}.mixer" for i in (1, 3)], mamba),
+    ]
+
+
+#: 50 tokens: vLLM computes a fully loaded prompt's last token again, its
+#: state read from column (49 - 1) // 16, where the loaded state after 50
+#: tokens lies, (50 - 1) // 16 (NIXL instead loads one token fewer).
+ALIGN_PROMPT = [11 + (i * 7) % 500 for i in range(50)]
+
+
+@pytest.mark.parametrize("speculative", [0, 2])
+@pytest.mark.parametrize("fault", [None, "conv", "ssm"])
+def test_a_mamba_state_in_align_mode_is_its_block_at_the_state_column(store, fault, speculative):
+    # With mamba_cache_mode "align" the request's block list of the Mamba
+    # group is position-indexed; its state after n tokens is the block at
+    # column (n - 1) // block_size, which vLLM's kernels read and connectors
+    # move, not column 0 (the state after the first block's tokens).
+    conv_bytes = 3 * 64 * 2
+    corrupt = None if fault is None else {"state": 5 if fault == "conv" else conv_bytes + 11, "layer": "model.layers.1.mixer"}
+    out = {}
+    for wrap in (False, True):
+        store_connector.CORRUPT.clear()
+        path = os.path.join(store, "wrapped" if wrap else "bare")
+        p, c = kind_pair(
+            path, lambda tp: mamba_align_groups(tp, speculative), p_tp=1, c_tp=1, wrap=wrap,
+            cache=dict(mamba_cache_mode="align", enable_prefix_caching=True),
+        )
+        if corrupt:
+            store_connector.CORRUPT.update(corrupt)
+        pd_round_trip(p, c, "req", ALIGN_PROMPT)
+        if corrupt:
+            assert store_connector.CORRUPT.get("done"), "the fault was made"
+        line(f"attention + Mamba align, {speculative} speculative blocks, {fault or 'intact'}, P/D, {'wrapped' if wrap else 'bare'}", c, "req", len(ALIGN_PROMPT))
+        out["wrapped" if wrap else "bare"] = c
+    verdict = out["wrapped"].connector().last_verdicts["req"]
+    if fault is None:
+        intact(out, "req", ALIGN_PROMPT)
+        assert verdict[2].endswith("(5 block positions compared)"), verdict  # 4 attention blocks and the state
+    else:
+        flipped(out, "req", ALIGN_PROMPT)
+        assert computed(out["wrapped"], "req", len(ALIGN_PROMPT)) == (len(ALIGN_PROMPT), 0)
+        assert "group 1 position 0" in verdict[2], verdict
+
+
+@pytest.mark.parametrize("fault", [None, "ssm"])
+def test_a_mamba_state_with_speculative_blocks_is_its_first_block(store, fault):
+    # mamba_cache_mode "none" with speculative blocks (MTP/EAGLE): a
+    # request's list is its state, then the scratch blocks, which vLLM's
+    # connectors drop (kv_connector/utils.py clip_ssm_state_blocks).
+    corrupt = None if fault is None else {"state": 3 * 64 * 2 + 9, "layer": "model.layers.3.mixer"}
+    pair = kind_pd(
+        store, f"attention + Mamba, 2 speculative blocks, {fault or 'intact'}", lambda tp: mamba_groups(tp, 2), corrupt,
+        p_tp=1, c_tp=1, block_size=MAMBA_LEN,
+    )
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+        assert "5 block positions compared" in pair["wrapped"].connector().last_verdicts["req"][2]
+    else:
+        flipped(pair, "req", KIND_PROMPT)
         assert "group 1 position 0" in pair["wrapped"].connector().last_verdicts["req"][2]
 
 
