@@ -83,6 +83,9 @@ class LayerSpec:
     #: Head slots of the cache where they are not one per KV head (nvfp4:
     #: 2 * num_kv_heads, K slots then V slots); 0 otherwise.
     num_slots: int = 0
+    #: Two slots, K then V, each holding every head of the rank (b12x:
+    #: num_head_slots 2, a slot's cell num_kv_heads x head_size elements).
+    folded_slots: bool = False
     #: Bytes of one head's (slot's) cell where the spec packs it
     #: (`state_content_bytes`: quantized cells with their scales); 0: dense.
     cell_bytes: int = 0
@@ -390,7 +393,14 @@ class CacheChecksummer:
             next_head[target] = offset + cache_kinds.global_heads(spec, self.tp_size)
             first_head, replicas, replica_index = self._heads(spec)
             parts = [(tensor, first_head + offset)]
-            if spec.num_slots:
+            part_layout = layout
+            if spec.folded_slots:
+                # The K slot then the V slot, each [B, N, heads x head_size]:
+                # numbered as K slots then V slots, a head each.
+                total = cache_kinds.global_heads(spec, self.tp_size) // 2
+                k, v = (tensor[:, i].unflatten(-1, (spec.num_kv_heads, -1)) for i in (0, 1))
+                parts, part_layout = [(k, first_head + offset), (v, first_head + offset + total)], "BTHD"
+            elif spec.num_slots:
                 # K slots then V slots: the V slots' heads after every K slot's.
                 half = spec.num_slots // 2
                 total = cache_kinds.global_heads(spec, self.tp_size) // 2
@@ -399,7 +409,7 @@ class CacheChecksummer:
                 layers.append(
                     kvcsum.layer(
                         view,
-                        layout,
+                        part_layout,
                         layer_number=target,
                         group_id=group_id,
                         first_head=head,

@@ -146,13 +146,29 @@ def describe_spec(
         unsupported = f"DCP shards its token positions across {dcp_size} ranks (no token placement registered)"
     heads = int(spec.num_kv_heads)
     slots = getattr(spec, "num_head_slots", None)
-    num_slots = 0
-    if slots is not None and int(slots) != heads:
+    num_slots, folded = 0, False
+    cell = getattr(spec, "state_content_bytes", None)
+    size = dtype_bytes(getattr(spec, "dtype", ""))
+    # Two slots, K then V, each a token's K (V) of every head of the rank
+    # (b12x, ROCm's paged attention and AITER shuffle: `customize_spec`
+    # sets num_head_slots 2, state_content_bytes num_kv_heads x head_size x
+    # element size).
+    whole_side = (
+        slots is not None and int(slots) == 2 and cell is not None and size is not None
+        and int(cell) == heads * int(spec.head_size) * size
+        and int(getattr(spec, "head_size_v", spec.head_size) or 0) == int(spec.head_size)
+    )
+    if whole_side and _on_rocm() and not unsupported:
+        # ROCm's (rocm_attn.py: x-packed K, split_kv_cache; rocm_aiter_fa.py:
+        # a head_size x block_size tile a side): no cell per token.
+        unsupported = f"its K and V head slots hold ROCm's tiled layout ({heads} KV heads, {cell}-byte slots): no cell per token"
+    elif whole_side and heads > 1:
+        num_slots, folded = 2, True  # the K slot then the V slot, heads inside each
+    elif slots is not None and int(slots) != heads:
         if int(slots) == 2 * heads:
             num_slots = int(slots)  # K slots then V slots
         elif not unsupported:
             unsupported = f"its {heads} KV heads are packed into {slots} head slots, a packing kvcsum does not know"
-    cell = getattr(spec, "state_content_bytes", None)
     if cell is None and num_slots:
         # A slot holds K or V alone.
         cell = int(spec.state_content_size_bytes)
@@ -166,11 +182,19 @@ def describe_spec(
         is_mla=bool(is_mla),
         total_kv_heads=total_kv_heads,
         num_slots=num_slots,
+        folded_slots=folded,
         cell_bytes=int(cell) if cell is not None else 0,
         tokens_per_state=int(tokens_per_state) if isinstance(tokens_per_state, int) else 1,
         dcp_size=dcp_size if dcp_sharded else 1,
         unsupported=unsupported,
     )
+
+
+def _on_rocm() -> bool:
+    """Whether torch is ROCm's build (vLLM's ROCm attention backends)."""
+    import torch
+
+    return getattr(torch.version, "hip", None) is not None
 
 
 def _no_token_cells(type_name: str, spec, cell, is_mla: bool) -> str:

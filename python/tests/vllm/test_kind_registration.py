@@ -244,6 +244,57 @@ def test_packed_cells_of_tp_shards_add_up_at_another_tp_size(make):
     assert report.verdict == kvcsum.MATCH, report.message
 
 
+def b12x(heads=4) -> FullAttentionSpec:
+    # vLLM's own b12x backend: two head slots, the K slot then the V slot,
+    # each a token's K (V) of every head of the rank.
+    import vllm.config  # noqa: F401  (vLLM's import order)
+    from vllm.v1.attention.backends.b12x import B12xPagedAttentionBackend
+
+    spec = B12xPagedAttentionBackend.customize_spec(full(heads))
+    assert (spec.num_head_slots, spec.state_content_bytes) == (2, heads * 32 * 2), spec
+    return spec
+
+
+@pytest.mark.parametrize("heads", [4, 2])
+@pytest.mark.parametrize("flip", [None, "k", "v"])
+def test_b12x_k_and_v_slots_of_tp_shards_add_up_at_another_tp_size(heads, flip):
+    # Producer TP 1 (`heads` heads), consumer TP 2 (heads / 2 each): the
+    # consumer's caches are filled head by head, token by token, from the
+    # producer's (rank r holds heads r*h .. (r+1)*h); a flipped byte of one
+    # head's K or V is a mismatch at its block.
+    whole = config([(ATTN, b12x(heads))])
+    p_caches, producer = engine_side(whole, seed=23, total_kv_heads=heads)
+    assert not producer.skipped, producer.skipped
+    half = config([(ATTN, b12x(heads // 2))])
+    local, width = heads // 2, 32  # heads a rank, elements of one head's K
+    consumers = []
+    for rank in range(2):
+        caches, worker = engine_side(half, seed=None, total_kv_heads=heads, tp_rank=rank, tp_size=2)
+        assert not worker.skipped, worker.skipped
+        for name in ATTN:
+            src, dst = p_caches[name], caches[name]
+            for side in (0, 1):
+                for h in range(local):
+                    g = rank * local + h
+                    for t in range(BLOCK):
+                        dst[:, side, t, h * width : (h + 1) * width] = src[:, side, t, g * width : (g + 1) * width]
+        consumers.append((caches, worker))
+    if flip is not None:
+        caches = consumers[1][0]
+        caches[ATTN[0]].view(torch.uint8)[IDS[2], 0 if flip == "k" else 1, 4, 3] ^= 0x20
+    report = verdict([producer], [w for _, w in consumers], job(whole), 1)
+    print(f"\nCASE {f'b12x K/V slots, {heads} heads, TP 1 -> 2, flip {flip}':<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}")
+    check(report, flip is not None, IDS[2])
+
+
+def test_rocm_k_and_v_slots_are_named_not_checksummed(monkeypatch):
+    # ROCm's two-slot packings (rocm_attn's x-packed K, AITER's shuffled
+    # tiles) set the same spec fields as b12x but hold no cell per token.
+    monkeypatch.setattr(torch.version, "hip", "6.4", raising=False)
+    layers, _ = layer_specs(config([(ATTN, b12x(4))]), 4)
+    assert all("ROCm's tiled layout" in layer.unsupported for layer in layers), [layer.unsupported for layer in layers]
+
+
 # --- 4. MLA plus its indexer's k-cache ------------------------------------------------------
 
 
