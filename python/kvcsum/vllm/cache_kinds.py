@@ -24,7 +24,11 @@ spec's dtype) and what kvcsum makes of it:
   block scales): two caches of one layer, the K slots numbered as heads
   `0..H_total` and the V slots `H_total..2·H_total` (SPEC section 1,
   several caches of one layer: heads one cache after the other), so that
-  TP shards add up alike at any TP size.
+  TP shards add up alike at any TP size. b12x's two slots (the K slot,
+  then the V slot, each a token's K (V) of every head of the rank,
+  `state_content_bytes` H x head_size x element size) are numbered the
+  same way, each slot viewed as `[B, N, H, head_size]`; ROCm's two slots
+  (the same spec fields, tiled: no cell per token) are not checksummed.
 - MLA (`MLAAttentionSpec`: one latent head, replicated on every TP rank)
   and several caches of one layer number (DeepSeek V3.2: the MLA cache
   `....self_attn.attn` and its indexer's k-cache `....self_attn.indexer.k_cache`,
@@ -32,7 +36,9 @@ spec's dtype) and what kvcsum makes of it:
   get consecutive heads in layer-name order (the definition's cache order).
 - Mamba state (`MambaSpec`): a raw `[B, 1, 1, content]` int8 page per
   layer (conv state then ssm state packed at the page's front, the page
-  padded to the attention page size; a request's state is one block).
+  padded to the attention page size; a request's state is one block: the
+  first of its list, or with mamba_cache_mode "align" (a state per block)
+  the one at column (n - 1) // block_size, kvcsum.vllm.scheduler).
   Registered as a state layer (kvcs_worker_add_state, SPEC section 6), its
   tensors conv then ssm, each row its first dimension. MambaSpec does not
   say along which dimension TP splits the state, so the state is
@@ -51,8 +57,8 @@ What kvcsum still cannot checksum is named (`unsupported`) and never
 silent (kvcsum.vllm.load_verdict): compressed states and DCP without the
 library's token placement, fractional tokens_per_state (several states a
 token), host-resident groups (not in memory the workers read), state
-elements of other than 2 or 4 bytes, Mamba caches of several states a
-request, head slots packed other than K slots then V slots, specs that
+elements of other than 2 or 4 bytes, an unknown mamba_cache_mode, head
+slots packed other than K slots then V slots (and ROCm's), specs that
 address their pages themselves (`uses_slot_mapping` False: a ring buffer),
 and caches whose `[B, H, N, C]` view is no cell per token (`_no_token_cells`:
 cells of no multiple of 8 bytes, such as the sparse-attention indexer's
