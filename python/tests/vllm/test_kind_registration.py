@@ -466,3 +466,51 @@ def test_a_ring_buffer_that_addresses_its_page_itself_is_named_not_checksummed()
     assert spec.uses_slot_mapping is False
     cfg = config([(ATTN, spec)])
     assert "no slot mapping" in groups_not_checksummed(cfg, 1)[0]
+
+
+# --- what vLLM allows that kvcsum names, and what vLLM itself refuses ------------------------
+
+
+def test_whisper_pooled_states_are_named_not_checksummed():
+    # Whisper's block pooling: several states a token, each token's
+    # block_pool_size states consecutive slots (whisper_causal.py).
+    from fractions import Fraction
+
+    from kvcsum.vllm.config import groups_not_checksummed
+
+    cfg = config([(ATTN, full(tokens_per_state=Fraction(1, 4)))])
+    assert "stores 1/4 tokens per state" in groups_not_checksummed(cfg, 4)[0]
+
+
+def test_a_host_resident_group_is_named_not_checksummed():
+    # HiSparse's source group (v1/hisparse/layout.py: host_resident, KV
+    # transfer on): its KV is in the host pool, not the workers' caches.
+    from kvcsum.vllm.config import groups_not_checksummed
+
+    cfg = config([(ATTN, full())])
+    cfg.kv_cache_groups[0] = KVCacheGroupSpec(list(ATTN), full(), host_resident=True)
+    assert "host-resident" in groups_not_checksummed(cfg, 4)[0]
+    # A group without host_resident is checksummed.
+    assert groups_not_checksummed(config([(ATTN, full())]), 4) == {}
+
+
+@pytest.mark.parametrize("field, value", [("mamba_cache_mode", "all"), ("mamba_cache_dtype", "int8"), ("mamba_ssm_cache_dtype", "float64")])
+def test_vllm_refuses_mamba_modes_and_state_dtypes_kvcsum_would_not_read(field, value):
+    # vLLM's CacheConfig: MambaCacheMode "align" or "none", MambaDType
+    # auto, float32, float16, bfloat16 (config/cache.py): no state element
+    # of other than 2 or 4 bytes, no third mode.
+    from vllm.config import CacheConfig
+
+    with pytest.raises(Exception, match=field):
+        CacheConfig(**{field: value})
+    CacheConfig(**{field: {"mamba_cache_mode": "align", "mamba_cache_dtype": "float32", "mamba_ssm_cache_dtype": "bfloat16"}[field]})
+
+
+def test_vllm_refuses_dcp_with_a_mamba_group():
+    # vLLM's MambaManager: "DCP not support mamba now."
+    # (v1/core/single_type_kv_cache_manager.py, find_longest_cache_hit).
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    spec = MambaSpec(block_size=BLOCK, shapes=((3, 64),), dtypes=(torch.bfloat16,))
+    with pytest.raises(AssertionError, match="DCP not support mamba"):
+        MambaManager.find_longest_cache_hit([], 64, [0], None, spec, False, BLOCK, dcp_world_size=2)
