@@ -504,21 +504,22 @@ def mamba_align_groups(tp: int, speculative: int = 0):
 ALIGN_PROMPT = [11 + (i * 7) % 500 for i in range(50)]
 
 
+@pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("speculative", [0, 2])
 @pytest.mark.parametrize("fault", [None, "conv", "ssm"])
-def test_a_mamba_state_in_align_mode_is_its_block_at_the_state_column(store, fault, speculative):
+def test_a_mamba_state_in_align_mode_is_its_block_at_the_state_column(store, fault, speculative, tp):
     # With mamba_cache_mode "align" the request's block list of the Mamba
     # group is position-indexed; its state after n tokens is the block at
     # column (n - 1) // block_size, which vLLM's kernels read and connectors
     # move, not column 0 (the state after the first block's tokens).
-    conv_bytes = 3 * 64 * 2
+    conv_bytes = 3 * (64 // tp) * 2
     corrupt = None if fault is None else {"state": 5 if fault == "conv" else conv_bytes + 11, "layer": "model.layers.1.mixer"}
     out = {}
     for wrap in (False, True):
         store_connector.CORRUPT.clear()
         path = os.path.join(store, "wrapped" if wrap else "bare")
         p, c = kind_pair(
-            path, lambda tp: mamba_align_groups(tp, speculative), p_tp=1, c_tp=1, wrap=wrap,
+            path, lambda tp: mamba_align_groups(tp, speculative), p_tp=tp, c_tp=tp, wrap=wrap,
             cache=dict(mamba_cache_mode="align", enable_prefix_caching=True),
         )
         if corrupt:
@@ -526,7 +527,7 @@ def test_a_mamba_state_in_align_mode_is_its_block_at_the_state_column(store, fau
         pd_round_trip(p, c, "req", ALIGN_PROMPT)
         if corrupt:
             assert store_connector.CORRUPT.get("done"), "the fault was made"
-        line(f"attention + Mamba align, {speculative} speculative blocks, {fault or 'intact'}, P/D, {'wrapped' if wrap else 'bare'}", c, "req", len(ALIGN_PROMPT))
+        line(f"attention + Mamba align TP {tp}, {speculative} speculative blocks, {fault or 'intact'}, P/D, {'wrapped' if wrap else 'bare'}", c, "req", len(ALIGN_PROMPT))
         out["wrapped" if wrap else "bare"] = c
     verdict = out["wrapped"].connector().last_verdicts["req"]
     if fault is None:
