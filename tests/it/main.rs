@@ -17,6 +17,7 @@ mod cost;
 mod decoding;
 mod docs;
 mod fault_catalogue;
+mod four_byte_pieces;
 mod ffi_boundary;
 mod header;
 mod layer_from_layout;
