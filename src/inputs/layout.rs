@@ -903,6 +903,15 @@ fn cell_piece_bytes(spec: &LayerSpec) -> Result<u64> {
     let layer_number = spec.layer_number;
     let cell_bytes: u64 = spec.segments.iter().map(|s| s.bytes_per_token as u64).sum();
     piece_bytes_of(cell_bytes).ok_or_else(|| {
+        // A segment of no bytes, or a cell of one segment, is named by its field.
+        let named = spec.segments.iter().position(|s| s.bytes_per_token == 0).or((spec.segments.len() == 1).then_some(0));
+        if let Some(index) = named {
+            let bytes = spec.segments[index].bytes_per_token;
+            return err!(
+                InvalidArgument,
+                "segments[{index}].bytes_per_token {bytes} is not a positive multiple of 4: a cell is a whole number of 8- or 4-byte pieces (layer_number {layer_number})"
+            );
+        }
         let parts = spec.segments.iter().map(|s| s.bytes_per_token.to_string()).collect::<Vec<_>>().join(" + ");
         err!(
             InvalidArgument,

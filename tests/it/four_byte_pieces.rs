@@ -401,7 +401,7 @@ fn registration_takes_4_byte_aligned_cells_of_4_byte_pieces_and_refuses_the_rest
     refused(keys_then_scales(base + 2), "address");
     refused(
         vec![segment(base, 16 * 130, 130, 130)],
-        "the cell of layer_number 7 is 130 bytes (130 bytes per token of its segments), not a positive multiple of 4",
+        "segments[0].bytes_per_token 130 is not a positive multiple of 4",
     );
     refused(
         vec![segment(base, block, 128, 126), segment(base + 16 * 128, block, 8, 6)],
