@@ -856,7 +856,7 @@ pub(crate) fn check_geometry(geometry: &[LayerGeometry], place: &str) -> Result<
         // A cell is whole pieces, and so is K (SPEC section 1): 8-byte ones
         // in a cell of a multiple of 8 bytes, else 4-byte ones.
         let piece = piece_bytes_of(run.cell_bytes as u64);
-        if piece.is_none_or(|piece| run.k_bytes as u64 % piece != 0) || run.k_bytes >= run.cell_bytes {
+        if piece.is_none_or(|piece| !(run.k_bytes as u64).is_multiple_of(piece)) || run.k_bytes >= run.cell_bytes {
             return Err(err!(
                 Malformed,
                 "{what}: cell_bytes {} and k_bytes {} are not a cell of whole pieces (a positive multiple of 8, or of 4 and not of 8) and a K of whole pieces below it",

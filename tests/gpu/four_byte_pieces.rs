@@ -26,8 +26,15 @@ fn a_device_worker_refuses_cells_of_4_byte_pieces_naming_the_layer_and_cell_size
         num_tokens: 40,
     };
     let kv = LogicalKv::random(&mut rng, indexer);
-    let mut placement =
-        Placement::for_shard(&mut rng, &kv, &shard(&kv, 0, 1, 0, 1), LayoutKind::KeysThenScales, 0, block_size, 4);
+    let mut placement = Placement::for_shard(
+        &mut rng,
+        &kv,
+        &shard(&kv, 0, 1, 0, 1),
+        LayoutKind::KeysThenScales,
+        0,
+        block_size,
+        4,
+    );
     placement.write_request(&kv, 0, &[2, 0, 3]);
     let copy = DeviceCopy::new(&placement);
     let mut worker = device_worker(0, 1);
@@ -36,10 +43,21 @@ fn a_device_worker_refuses_cells_of_4_byte_pieces_naming_the_layer_and_cell_size
     for needle in ["layer_number 3", "group_id 0", "132 bytes", "4-byte pieces"] {
         assert!(message.contains(needle), "seed {seed}: {needle:?} in {message:?}");
     }
-    assert!(worker.layout().group(0).is_some_and(|g| g.layers().is_empty()), "seed {seed}: nothing registered");
+    assert!(
+        worker.layout().group(0).is_some_and(|g| g.layers().is_empty()),
+        "seed {seed}: nothing registered"
+    );
     // The same worker still takes a layer of 8-byte pieces, and computes it.
     let mla = LogicalKv::random(&mut rng, KvShape::mla(1, 136, 40));
-    let mut other = Placement::for_shard(&mut rng, &mla, &shard(&mla, 0, 1, 0, 1), LayoutKind::Hnd, 1, block_size, 4);
+    let mut other = Placement::for_shard(
+        &mut rng,
+        &mla,
+        &shard(&mla, 0, 1, 0, 1),
+        LayoutKind::Hnd,
+        1,
+        block_size,
+        4,
+    );
     other.write_request(&mla, 0, &[1, 3, 0]);
     let other_copy = DeviceCopy::new(&other);
     register_at(&mut worker, &other, &other_copy.bases).expect("8-byte pieces");

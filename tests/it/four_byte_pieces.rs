@@ -94,7 +94,7 @@ fn vllms_indexer_cells_keys_then_scales_give_the_reference() {
         for block_size in [16u32, 32, 64] {
             // Never a whole number of blocks: the last one is partial.
             let mut num_tokens = rng.range(block_size as u64 + 1..5 * block_size as u64);
-            if num_tokens % block_size as u64 == 0 {
+            if num_tokens.is_multiple_of(block_size as u64) {
                 num_tokens += 1;
             }
             let mut shape = indexer_shape(3, num_tokens);
@@ -159,7 +159,8 @@ fn twelve_byte_cells_in_every_layout_give_the_reference_and_shards_add_up() {
                         first_position: 0,
                         block_ids: BlockAllocator::new(&mut rng, num_blocks).take(num_positions),
                     };
-                    let context = format!("seed {seed}, {algorithm:?}, {k_bytes}+{v_bytes} bytes, {kind:?}, TP {tp_size}");
+                    let context =
+                        format!("seed {seed}, {algorithm:?}, {k_bytes}+{v_bytes} bytes, {kind:?}, TP {tp_size}");
                     let total = deployed_total(
                         &mut rng,
                         &context,
@@ -260,7 +261,10 @@ fn a_changed_key_byte_or_scale_byte_changes_the_value() {
             let context = format!("seed {seed}, {algorithm:?}, {what} byte {byte} of token {token}, layer {layer}");
             let clean = naive_full(&kv, block_size, 0, num_positions);
             assert_eq!(values, &naive_full(&changed, block_size, 0, num_positions), "{context}");
-            assert_ne!(values[position as usize], clean[position as usize], "{context}: not seen");
+            assert_ne!(
+                values[position as usize], clean[position as usize],
+                "{context}: not seen"
+            );
             for q in (0..num_positions).filter(|&q| q as u64 != position) {
                 assert_eq!(values[q], clean[q], "{context}: position {q} changed");
             }
@@ -382,12 +386,7 @@ fn registration_takes_4_byte_aligned_cells_of_4_byte_pieces_and_refuses_the_rest
     let len = buffer.len() as u64;
     let block = 16 * 132;
     // vLLM's split at an address 4 modulo 8.
-    let keys_then_scales = |at: u64| {
-        vec![
-            segment(at, block, 128, 128),
-            segment(at + 16 * 128, block, 4, 4),
-        ]
-    };
+    let keys_then_scales = |at: u64| vec![segment(at, block, 128, 128), segment(at + 16 * 128, block, 4, 4)];
     register(keys_then_scales(base + 4), base, len).expect("4-byte aligned indexer cells");
     register(vec![segment(base + 4, block, 132, 132)], base, len).expect("one 132-byte cell segment");
     let refused = |segments: Vec<Segment>, needle: &str| {
@@ -414,4 +413,98 @@ fn registration_takes_4_byte_aligned_cells_of_4_byte_pieces_and_refuses_the_rest
     );
     // An 8-byte piece cell keeps its 8-byte alignment.
     refused(vec![segment(base + 4, 16 * 16, 16, 16)], "address");
+}
+
+/// The layout string's call (SPEC section 14) takes vLLM's indexer cache
+/// as it is stored, each block's keys `[blocks, tokens, 128]` then their
+/// scales `[blocks, tokens, 4]` (`v`), of one block stride: two segments,
+/// the cell 132 bytes, the segments the hand-built ones the host engine
+/// checks against the reference above; and a `D` of 132 one-byte
+/// elements as one 132-byte cell. Both register on a host worker.
+#[test]
+fn the_layout_string_call_takes_indexer_keys_then_scales_and_one_132_byte_cell() {
+    use kvcsum::ffi::layout_string::*;
+    use kvcsum::ffi::status::kvcs_status::KVCS_OK;
+    use kvcsum::ffi::worker::{kvcs_layer, kvcs_segment};
+    use std::ffi::CString;
+
+    let mut rng = Rng::for_test("the_layout_string_call_takes_indexer_keys_then_scales_and_one_132_byte_cell");
+    let seed = rng.seed();
+    let (blocks, tokens) = (5i64, 16i64);
+    let kv = LogicalKv::random(&mut rng, indexer_shape(1, 1));
+    let placement = Placement::for_shard(
+        &mut rng,
+        &kv,
+        &shard(&kv, 0, 1, 0, 1),
+        LayoutKind::KeysThenScales,
+        0,
+        tokens as u32,
+        blocks as u32,
+    );
+    let base = placement.host_bases()[0];
+    let page = tokens * 132;
+    let from_layout = |cache: kvcs_tensor, v: Option<kvcs_tensor>| {
+        let layout = CString::new("BTD").unwrap();
+        // SAFETY: an all-zero kvcs_layer and kvcs_segment are valid values.
+        let mut layer: kvcs_layer = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let mut segments: [kvcs_segment; 2] = unsafe { std::mem::zeroed() };
+        let v_ptr = v.as_ref().map_or(std::ptr::null(), |v| v as *const kvcs_tensor);
+        let status = kvcs_layer_from_layout(layout.as_ptr(), &cache, v_ptr, 1, &mut layer, segments.as_mut_ptr());
+        assert_eq!(status, KVCS_OK, "seed {seed}");
+        segments[..layer.num_segments as usize]
+            .iter()
+            .map(|s| Segment {
+                address: s.address,
+                block_stride: s.block_stride,
+                kernel_block_stride: s.kernel_block_stride,
+                head_stride: s.head_stride,
+                token_stride: s.token_stride,
+                bytes_per_token: s.bytes_per_token,
+            })
+            .collect::<Vec<_>>()
+    };
+    let keys_shape = [blocks, tokens, 128];
+    let keys_strides = [page, 128, 1];
+    let scales_shape = [blocks, tokens, 4];
+    let scales_strides = [page, 4, 1];
+    let tensor = |address: u64, shape: &[i64; 3], strides: &[i64; 3]| kvcs_tensor {
+        address,
+        shape: shape.as_ptr(),
+        strides: strides.as_ptr(),
+        ndim: 3,
+        element_size: 1,
+    };
+    let split = from_layout(
+        tensor(base, &keys_shape, &keys_strides),
+        Some(tensor(base + tokens as u64 * 128, &scales_shape, &scales_strides)),
+    );
+    // One head and one kernel block: their strides are never used.
+    let used = |segments: &[Segment]| -> Vec<(u64, i64, i64, u32)> {
+        segments
+            .iter()
+            .map(|s| (s.address, s.block_stride, s.token_stride, s.bytes_per_token))
+            .collect()
+    };
+    let hand = &placement.host_layer_specs()[0].segments;
+    assert_eq!(
+        used(&split),
+        used(hand),
+        "seed {seed}: the split's segments are the hand-built ones"
+    );
+    let cell_shape = [blocks, tokens, 132];
+    let cell_strides = [page, 132, 1];
+    let whole = from_layout(tensor(base, &cell_shape, &cell_strides), None);
+    assert_eq!(whole.len(), 1, "seed {seed}");
+    assert_eq!(whole[0].bytes_per_token, 132, "seed {seed}");
+    for segments in [split, whole] {
+        let mut spec = placement.host_layer_specs()[0].clone();
+        spec.segments = segments;
+        let mut worker = host_worker(0, 1, 0, 1);
+        for region in placement.regions(&placement.host_bases()) {
+            worker.add_region(region).unwrap();
+        }
+        worker.add_group(0, tokens as u32).unwrap();
+        worker.add_layer(spec).expect("registers");
+    }
 }

@@ -1539,7 +1539,11 @@ fn sides_whose_cells_have_pieces_of_other_widths_are_unverified_never_a_mismatch
         v_bytes,
         num_tokens,
     };
-    for (producer_cell, consumer_cell) in [((128u32, 4u32), (128u32, 4u32)), ((128, 4), (128, 8)), ((128, 8), (128, 4))] {
+    for (producer_cell, consumer_cell) in [
+        ((128u32, 4u32), (128u32, 4u32)),
+        ((128, 4), (128, 8)),
+        ((128, 8), (128, 4)),
+    ] {
         let num_tokens = 20 + rng.below(60);
         let block_size = 16;
         let p_kv = LogicalKv::random(&mut rng, indexer(producer_cell.0, producer_cell.1, num_tokens));
@@ -1576,19 +1580,29 @@ fn sides_whose_cells_have_pieces_of_other_widths_are_unverified_never_a_mismatch
                 let block_id = table.block_ids[(token / block_size as u64) as usize];
                 let slot = (token % block_size as u64) as u32;
                 for rank in 0..2 {
-                    consumer.ranks[rank].placements[0].1.xor_byte(1, 0, block_id, slot, 129, 0x04);
+                    consumer.ranks[rank].placements[0]
+                        .1
+                        .xor_byte(1, 0, block_id, slot, 129, 0x04);
                 }
             }
             let report = check(&consumer, &payload);
             if same {
                 let expected = if corrupted { Verdict::Mismatch } else { Verdict::Match };
-                assert_eq!(report.verdict, expected, "{context}, corrupted {corrupted}: {}", report.message);
+                assert_eq!(
+                    report.verdict, expected,
+                    "{context}, corrupted {corrupted}: {}",
+                    report.message
+                );
                 continue;
             }
             assert_unverified(&report, Reason::GeometryDiffers, seed);
             assert!(report.mismatches.is_empty(), "{context}: never a mismatch");
             let needle = format!("the producer's {p_bytes}, the consumer's {c_bytes}");
-            assert!(report.message.contains(&needle), "{context}: {needle:?} in {}", report.message);
+            assert!(
+                report.message.contains(&needle),
+                "{context}: {needle:?} in {}",
+                report.message
+            );
         }
     }
 }

@@ -337,8 +337,16 @@ fn valid_inputs_decode() {
         ),
         ("no heads", vec![run(0, 0, 0, 256, 0)], "num_heads 0"),
         ("a cell of 10 bytes", vec![run(0, 0, 4, 10, 0)], "cell_bytes 10"),
-        ("K of 4 bytes in a cell of 8-byte pieces", vec![run(0, 0, 4, 256, 4)], "k_bytes 4"),
-        ("K of 2 bytes in a cell of 4-byte pieces", vec![run(0, 0, 1, 132, 2)], "k_bytes 2"),
+        (
+            "K of 4 bytes in a cell of 8-byte pieces",
+            vec![run(0, 0, 4, 256, 4)],
+            "k_bytes 4",
+        ),
+        (
+            "K of 2 bytes in a cell of 4-byte pieces",
+            vec![run(0, 0, 1, 132, 2)],
+            "k_bytes 2",
+        ),
         ("K as long as the cell", vec![run(0, 0, 4, 256, 256)], "k_bytes 256"),
     ] {
         malformed(with_geometry(runs), needle, case);

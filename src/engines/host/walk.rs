@@ -14,7 +14,9 @@ use crate::plan::Row;
 #[inline(always)]
 pub(super) fn item_checksum<F: PieceFn>(f: F, row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
     debug_assert_eq!(layer.piece_bytes, PIECE_BYTES);
-    token_runs(row, layer, |segment, tokens| segment_heads(f, layer, segment, tokens, scratch))
+    token_runs(row, layer, |segment, tokens| {
+        segment_heads(f, layer, segment, tokens, scratch)
+    })
 }
 
 /// `visit`'s sum over the runs of `row`'s valid tokens that are
@@ -76,7 +78,9 @@ pub(super) fn narrow_item_checksum<F: PieceFn>(f: F, row: &Row, layer: &Layer) -
                 // registered region (readable host memory, by the promise of
                 // `add_region`'s caller) at 4-byte aligned addresses.
                 let cell = unsafe { std::slice::from_raw_parts(address as usize as *const u32, pieces) };
-                let row_index = tokens.first_index.wrapping_add((slot as u64).wrapping_mul(tokens.index_stride));
+                let row_index = tokens
+                    .first_index
+                    .wrapping_add((slot as u64).wrapping_mul(tokens.index_stride));
                 for (chunk, part) in cell.chunks(NARROW_CHUNK).enumerate() {
                     for (wide, &piece) in widened.iter_mut().zip(part) {
                         *wide = u32::from_le(piece) as u64;

@@ -220,10 +220,10 @@ pub fn naive_piece(algorithm: Algorithm, x: u64) -> u64 {
 /// where the cell is a multiple of 8 bytes, 4 where it is a multiple of 4
 /// and not of 8. Panics on any other size.
 pub fn naive_piece_bytes(cell_bytes: u32) -> u32 {
-    if cell_bytes % 8 == 0 {
+    if cell_bytes.is_multiple_of(8) {
         8
     } else {
-        assert!(cell_bytes % 4 == 0, "a cell of {cell_bytes} bytes has no pieces");
+        assert!(cell_bytes.is_multiple_of(4), "a cell of {cell_bytes} bytes has no pieces");
         4
     }
 }

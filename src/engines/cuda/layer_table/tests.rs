@@ -283,7 +283,10 @@ fn a_layer_of_4_byte_pieces_is_refused_naming_the_layer_and_cell_size() {
             identity: Vec::new(),
         })
         .unwrap();
-    let message = LayerTable::new(&layout).err().expect("refused").to_string();
+    let Err(error) = LayerTable::new(&layout) else {
+        panic!("a layer of 4-byte pieces was taken")
+    };
+    let message = error.to_string();
     for needle in ["layer_number 5", "group_id 3", "132 bytes", "4-byte pieces"] {
         assert!(message.contains(needle), "{needle:?} in {message:?}");
     }
