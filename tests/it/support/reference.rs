@@ -223,7 +223,10 @@ pub fn naive_piece_bytes(cell_bytes: u32) -> u32 {
     if cell_bytes.is_multiple_of(8) {
         8
     } else {
-        assert!(cell_bytes.is_multiple_of(4), "a cell of {cell_bytes} bytes has no pieces");
+        assert!(
+            cell_bytes.is_multiple_of(4),
+            "a cell of {cell_bytes} bytes has no pieces"
+        );
         4
     }
 }
