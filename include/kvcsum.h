@@ -1055,7 +1055,9 @@ typedef struct {
   // Between tokens of a kernel block.
   int64_t token_stride;
   // Contiguous bytes per (head, token) in this segment; a positive
-  // multiple of 8. Per segment: where K and V are two segments, each
+  // multiple of 8 (of 4 where the cell, every segment's bytes together,
+  // is a multiple of 4 and not of 8: 4-byte pieces, SPEC section 1;
+  // addresses and strides then need 4-byte alignment only). Per segment: where K and V are two segments, each
   // says its own part's bytes (K's head size times the element size,
   // say), not those of K and V together.
   uint32_t bytes_per_token;
@@ -2012,7 +2014,8 @@ const char *kvcs_version(void);
 // stride 0, tokens closer than a cell, `v` over the cache: the rule of
 // `kvcs_worker_add_layer`). Nothing is read at `address`;
 // `kvcs_worker_add_layer` checks the rest (alignment, bytes per token a
-// multiple of 8, registered regions).
+// whole number of the cell's pieces, 8 or 4 bytes: SPEC section 1,
+// registered regions).
 kvcs_status kvcs_layer_from_layout(const char *layout,
                                    const kvcs_tensor *cache,
                                    const kvcs_tensor *v,

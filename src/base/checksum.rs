@@ -7,8 +7,29 @@
 //! arithmetic is modulo 2^64 (wrapping), so any order of accumulation gives
 //! the same value.
 
-/// Bytes per piece: a piece is 8 bytes read as a little-endian `u64`.
+/// Bytes per piece: a piece is 8 bytes read as a little-endian `u64`
+/// (SPEC section 1), except in a cell whose bytes are a multiple of 4 and
+/// not of 8.
 pub(crate) const PIECE_BYTES: u64 = 8;
+
+/// Bytes per piece of a cell whose bytes are a multiple of 4 and not of 8
+/// (SPEC section 1): 4 bytes read as a little-endian `u32`, zero-extended.
+pub(crate) const NARROW_PIECE_BYTES: u64 = 4;
+
+/// The bytes of each piece of a cell of `cell_bytes` bytes (SPEC section
+/// 1): [`PIECE_BYTES`] where they are a multiple of 8, else
+/// [`NARROW_PIECE_BYTES`]; `None` for a size of neither kind (or 0).
+pub fn piece_bytes_of(cell_bytes: u64) -> Option<u64> {
+    if cell_bytes == 0 {
+        None
+    } else if cell_bytes.is_multiple_of(PIECE_BYTES) {
+        Some(PIECE_BYTES)
+    } else if cell_bytes.is_multiple_of(NARROW_PIECE_BYTES) {
+        Some(NARROW_PIECE_BYTES)
+    } else {
+        None
+    }
+}
 
 /// `H` of docs/SPEC.md#3-block-checksum: no layer may have more heads than this.
 pub(crate) const MAX_KV_HEADS_PER_LAYER: u64 = 65536;

@@ -87,7 +87,8 @@ unsafe fn view<'a>(tensor: &'a kvcs_tensor, name: &str) -> Result<TensorView<'a>
 /// stride 0, tokens closer than a cell, `v` over the cache: the rule of
 /// `kvcs_worker_add_layer`). Nothing is read at `address`;
 /// `kvcs_worker_add_layer` checks the rest (alignment, bytes per token a
-/// multiple of 8, registered regions).
+/// whole number of the cell's pieces, 8 or 4 bytes: SPEC section 1,
+/// registered regions).
 #[no_mangle]
 pub extern "C" fn kvcs_layer_from_layout(
     layout: *const c_char,

@@ -80,7 +80,9 @@ pub struct kvcs_segment {
     /// Between tokens of a kernel block.
     pub token_stride: i64,
     /// Contiguous bytes per (head, token) in this segment; a positive
-    /// multiple of 8. Per segment: where K and V are two segments, each
+    /// multiple of 8 (of 4 where the cell, every segment's bytes together,
+    /// is a multiple of 4 and not of 8: 4-byte pieces, SPEC section 1;
+    /// addresses and strides then need 4-byte alignment only). Per segment: where K and V are two segments, each
     /// says its own part's bytes (K's head size times the element size,
     /// say), not those of K and V together.
     pub bytes_per_token: u32,

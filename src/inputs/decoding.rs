@@ -155,7 +155,8 @@ pub struct LayerGeometry {
     pub first_head: u32,
     /// Heads in the run, at least 1.
     pub num_heads: u32,
-    /// Bytes of one cell: a head's K then V of one token (a multiple of 8).
+    /// Bytes of one cell: a head's K then V of one token (whole pieces,
+    /// SPEC section 1: a multiple of 8, or of 4 and not of 8).
     pub cell_bytes: u32,
     /// Bytes of K in a cell where K and V are two segments; 0 where not
     /// known (one segment: the split is not registered).

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use crate::base::checksum::{mix, slice_weight, MAX_KV_HEADS_PER_LAYER, PIECE_BYTES};
+use crate::base::checksum::{mix, piece_bytes_of, slice_weight, MAX_KV_HEADS_PER_LAYER, PIECE_BYTES};
 use crate::base::error::{err, Result};
 use crate::inputs::decoding::{LayerDecoding, LayerGeometry};
 use crate::inputs::placement::GroupPlacement;
@@ -35,7 +35,9 @@ pub struct Segment {
     pub head_stride: i64,
     /// Between tokens of one kernel block.
     pub token_stride: i64,
-    /// Contiguous bytes of one (head, token) in this segment; a multiple of 8.
+    /// Contiguous bytes of one (head, token) in this segment; a multiple of
+    /// the cell's piece bytes (8, or 4 in a cell of a multiple of 4 and not
+    /// of 8 bytes: SPEC section 1).
     pub bytes_per_token: u32,
 }
 
@@ -88,6 +90,9 @@ pub struct Layer {
     pub spec: LayerSpec,
     /// Pieces per token of one slice (`P` of SPEC section 2).
     pub pieces_per_token: u64,
+    /// Bytes of each piece (SPEC section 1): 8, or 4 where the cell's bytes
+    /// are a multiple of 4 and not of 8.
+    pub piece_bytes: u64,
     /// Per segment, the index of its first piece within a token's cell.
     pub segment_piece_offsets: Vec<u64>,
     /// Where its group's tokens sit (SPEC section 16), as the group had it
@@ -785,12 +790,13 @@ impl Layout {
                 spec.segments.len()
             ));
         }
+        let piece_bytes = cell_piece_bytes(&spec)?;
         let mut segment_piece_offsets = Vec::with_capacity(spec.segments.len());
         let mut pieces_per_token = 0u64;
         for (index, segment) in spec.segments.iter().enumerate() {
-            check_segment_fields(&spec, index, segment)?;
+            check_segment_fields(&spec, index, segment, piece_bytes)?;
             segment_piece_offsets.push(pieces_per_token);
-            pieces_per_token += segment.bytes_per_token as u64 / PIECE_BYTES;
+            pieces_per_token += segment.bytes_per_token as u64 / piece_bytes;
         }
         // Cells that share bytes are refused whatever memory they lie in.
         check_cells_disjoint(&CellCounts::of(&spec), &spec.segments, &SEGMENT_NAMES)
@@ -823,6 +829,7 @@ impl Layout {
         Ok(Layer {
             spec,
             pieces_per_token,
+            piece_bytes,
             segment_piece_offsets,
             placement,
         })
@@ -888,15 +895,45 @@ impl Layout {
     }
 }
 
-/// Fails unless the segment's fields are a cell of whole pieces at 8-byte
-/// aligned addresses (SPEC section 1).
-fn check_segment_fields(spec: &LayerSpec, index: usize, segment: &Segment) -> Result<()> {
+/// The bytes of each piece of `spec`'s cells (SPEC section 1): 8 where
+/// the cell (its segments' bytes per token together) is a multiple of 8
+/// bytes, 4 where it is a multiple of 4 and not of 8; anything else is
+/// refused, naming the cell size.
+fn cell_piece_bytes(spec: &LayerSpec) -> Result<u64> {
+    let layer_number = spec.layer_number;
+    let cell_bytes: u64 = spec.segments.iter().map(|s| s.bytes_per_token as u64).sum();
+    piece_bytes_of(cell_bytes).ok_or_else(|| {
+        // A segment of no bytes, or a cell of one segment, is named by its field.
+        let named = spec.segments.iter().position(|s| s.bytes_per_token == 0).or((spec.segments.len() == 1).then_some(0));
+        if let Some(index) = named {
+            let bytes = spec.segments[index].bytes_per_token;
+            return err!(
+                InvalidArgument,
+                "segments[{index}].bytes_per_token {bytes} is not a positive multiple of 4: a cell is a whole number of 8- or 4-byte pieces (layer_number {layer_number})"
+            );
+        }
+        let parts = spec.segments.iter().map(|s| s.bytes_per_token.to_string()).collect::<Vec<_>>().join(" + ");
+        err!(
+            InvalidArgument,
+            "the cell of layer_number {layer_number} is {cell_bytes} bytes ({parts} bytes per token of its segments), not a positive multiple of 4"
+        )
+    })
+}
+
+/// Fails unless the segment's fields are a cell of whole pieces of
+/// `piece_bytes` bytes at addresses aligned to them (SPEC section 1).
+fn check_segment_fields(spec: &LayerSpec, index: usize, segment: &Segment, piece_bytes: u64) -> Result<()> {
     let layer_number = spec.layer_number;
     let bytes = segment.bytes_per_token;
-    if bytes == 0 || !(bytes as u64).is_multiple_of(PIECE_BYTES) {
+    if bytes == 0 || !(bytes as u64).is_multiple_of(piece_bytes) {
+        let why = if piece_bytes == PIECE_BYTES {
+            ", as its cell is a multiple of 8 bytes and so read in 8-byte pieces"
+        } else {
+            ""
+        };
         return Err(err!(
             InvalidArgument,
-            "segments[{index}].bytes_per_token {bytes} is not a positive multiple of 8 (layer_number {layer_number})"
+            "segments[{index}].bytes_per_token {bytes} is not a positive multiple of {piece_bytes}{why} (layer_number {layer_number})"
         ));
     }
     let fields = [
@@ -907,10 +944,10 @@ fn check_segment_fields(spec: &LayerSpec, index: usize, segment: &Segment) -> Re
         ("token_stride", segment.token_stride as i128),
     ];
     for (name, value) in fields {
-        if value % PIECE_BYTES as i128 != 0 {
+        if value % piece_bytes as i128 != 0 {
             return Err(err!(
                 Unsupported,
-                "segments[{index}].{name} {value} is not a multiple of 8 (layer_number {layer_number})"
+                "segments[{index}].{name} {value} is not a multiple of {piece_bytes}, the bytes of its cell's pieces (layer_number {layer_number})"
             ));
         }
     }

@@ -220,8 +220,8 @@ fn segments_of(axes: &Axes, tensor: &TensorView, kernel_blocks: u32, name: &str)
 /// `cache` and `v` agreeing in blocks, tokens and heads, every field
 /// fitting its type, and distinct cells sharing no byte (registration's
 /// rule, [`check_cells_disjoint`]). Registering the layer checks the rest
-/// (alignment, bytes per token a multiple of 8, every byte in a registered
-/// region).
+/// (alignment, bytes per token a whole number of the cell's 8- or 4-byte
+/// pieces, every byte in a registered region).
 pub fn layer_from_layout(
     layout: &str,
     cache: &TensorView,

@@ -27,7 +27,7 @@
 
 use std::collections::HashSet;
 
-use crate::base::checksum::{Algorithm, KNOWN_ALGORITHMS, MAX_KV_HEADS_PER_LAYER};
+use crate::base::checksum::{piece_bytes_of, Algorithm, KNOWN_ALGORITHMS, MAX_KV_HEADS_PER_LAYER};
 use crate::base::error::{err, Result};
 use crate::base::msgpack::{initial_capacity, Reader, Writer};
 use crate::inputs::decoding::{LayerDecoding, LayerGeometry};
@@ -836,8 +836,9 @@ pub(crate) fn read_geometry(r: &mut Reader<'_>) -> Result<Vec<LayerGeometry>> {
 }
 
 /// Geometry runs hold at least one head and none at or past
-/// `MAX_KV_HEADS_PER_LAYER`, cells of a positive multiple of 8 bytes with
-/// K (where known) shorter than the cell, and are sorted by (layer, first
+/// `MAX_KV_HEADS_PER_LAYER`, cells of whole pieces (SPEC section 1: a
+/// positive multiple of 8 bytes, or of 4 and not of 8) with K (where
+/// known) of whole pieces and shorter than the cell, and are sorted by (layer, first
 /// head) without overlap.
 pub(crate) fn check_geometry(geometry: &[LayerGeometry], place: &str) -> Result<()> {
     for run in geometry {
@@ -852,10 +853,13 @@ pub(crate) fn check_geometry(geometry: &[LayerGeometry], place: &str) -> Result<
                 run.num_heads
             ));
         }
-        if run.cell_bytes == 0 || run.cell_bytes % 8 != 0 || run.k_bytes % 8 != 0 || run.k_bytes >= run.cell_bytes {
+        // A cell is whole pieces, and so is K (SPEC section 1): 8-byte ones
+        // in a cell of a multiple of 8 bytes, else 4-byte ones.
+        let piece = piece_bytes_of(run.cell_bytes as u64);
+        if piece.is_none_or(|piece| !(run.k_bytes as u64).is_multiple_of(piece)) || run.k_bytes >= run.cell_bytes {
             return Err(err!(
                 Malformed,
-                "{what}: cell_bytes {} and k_bytes {} are not a positive multiple of 8 and a multiple of 8 below it",
+                "{what}: cell_bytes {} and k_bytes {} are not a cell of whole pieces (a positive multiple of 8, or of 4 and not of 8) and a K of whole pieces below it",
                 run.cell_bytes,
                 run.k_bytes
             ));

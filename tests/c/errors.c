@@ -241,7 +241,7 @@ static void test_registration(void) {
     kvcs_status want;
     const char *needle;
   } bad_segments[] = {
-      {good_segment(), KVCS_ERR_INVALID_ARGUMENT, "segments[0].bytes_per_token 12"},
+      {good_segment(), KVCS_ERR_INVALID_ARGUMENT, "segments[0].bytes_per_token 10"},
       {good_segment(), KVCS_ERR_INVALID_ARGUMENT, "segments[0].bytes_per_token 0"},
       {good_segment(), KVCS_ERR_UNSUPPORTED, "segments[0].address"},
       {good_segment(), KVCS_ERR_UNSUPPORTED, "segments[0].block_stride 132"},
@@ -249,7 +249,8 @@ static void test_registration(void) {
       {good_segment(), KVCS_ERR_UNSUPPORTED, "segments[0].head_stride 68"},
       {good_segment(), KVCS_ERR_UNSUPPORTED, "segments[0].token_stride 20"},
   };
-  bad_segments[0].segment.bytes_per_token = 12;
+  /* 10 bytes: no whole number of 8- or 4-byte pieces (SPEC section 1). */
+  bad_segments[0].segment.bytes_per_token = 10;
   bad_segments[1].segment.bytes_per_token = 0;
   bad_segments[2].segment.address += 4;
   bad_segments[3].segment.block_stride += 4;

@@ -15,6 +15,7 @@ mod support;
 
 mod attention;
 mod common;
+mod four_byte_pieces;
 mod placement;
 mod state;
 mod stored;

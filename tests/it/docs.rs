@@ -59,7 +59,7 @@ fn errors_md_lists_a_bytes_per_token_not_a_multiple_of_8_as_invalid_argument() {
     );
     let layout = read("src/inputs/layout.rs");
     assert!(
-        layout.contains("bytes_per_token {bytes} is not a positive multiple of 8")
+        layout.contains("bytes_per_token {bytes} is not a positive multiple of {piece_bytes}")
             && layout.contains("InvalidArgument"),
         "src/inputs/layout.rs no longer refuses bytes_per_token as InvalidArgument: change docs/ERRORS.md too"
     );

@@ -18,6 +18,7 @@ mod decoding;
 mod docs;
 mod fault_catalogue;
 mod ffi_boundary;
+mod four_byte_pieces;
 mod header;
 mod layer_from_layout;
 mod layouts;

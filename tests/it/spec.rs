@@ -722,3 +722,100 @@ fn the_properties_hold_under_every_algorithm() {
         writes_past_num_tokens_are_invisible();
     });
 }
+
+/// SPEC section 12's small block again with 12-byte cells, read in 4-byte
+/// pieces (SPEC section 1): layer 3, heads 0 and 1, 2-token blocks, `P` =
+/// 3, 3 tokens; piece `p` of head `h` at token `t` is `(16h + 4t + p + 1)
+/// * 0x01010101` with bit 31 flipped, as `LE_u32` bytes. The worker's
+/// values are the table's, and the naive reference's.
+#[test]
+fn four_byte_piece_test_vectors() {
+    let piece = |h: u64, t: u64, p: u64| ((16 * h + 4 * t + p + 1) as u32).wrapping_mul(0x0101_0101) ^ (1 << 31);
+    // [block][head][token][piece], block q of the request is block id q.
+    let mut cache = [0u32; 2 * 2 * 2 * 3];
+    for q in 0..2u64 {
+        for h in 0..2u64 {
+            for i in 0..2u64 {
+                for p in 0..3u64 {
+                    cache[(((q * 2 + h) * 2 + i) * 3 + p) as usize] = piece(h, q * 2 + i, p).to_le();
+                }
+            }
+        }
+    }
+    assert_eq!((cache[0], cache[23]), (0x8101_0101, 0x9f1f_1f1f));
+    let expected = [
+        (
+            kvcsum::Algorithm::Weighted,
+            [0x00ee_66b8_2009_b9b0u64, 0x0134_4eb7_e5bf_9788],
+        ),
+        (kvcsum::Algorithm::Mixed, [0xdaae_4d11_c957_725c, 0x7ff3_64e2_a02b_e13d]),
+        (
+            kvcsum::Algorithm::Mixed2,
+            [0xa5dc_bf8f_cb95_9bf0, 0x1b7f_1207_9334_1f3e],
+        ),
+    ];
+    for (algorithm, values) in expected {
+        let mut worker = kvcsum::Worker::new(kvcsum::WorkerOptions {
+            tp_rank: 0,
+            tp_size: 1,
+            pp_rank: 0,
+            device: None,
+            num_threads: 1,
+        })
+        .unwrap();
+        worker.set_algorithm(algorithm).unwrap();
+        let address = cache.as_ptr() as u64;
+        worker
+            .add_region(kvcsum::Region {
+                address,
+                length: 4 * cache.len() as u64,
+            })
+            .unwrap();
+        worker.add_group(0, 2).unwrap();
+        worker
+            .add_layer(kvcsum::LayerSpec {
+                group_id: 0,
+                layer_number: 3,
+                first_head: 0,
+                num_heads: 2,
+                replica: UNREPLICATED,
+                num_blocks: 2,
+                kernel_blocks: 1,
+                tokens_per_kernel_block: 2,
+                segments: vec![kvcsum::Segment {
+                    address,
+                    block_stride: 48,
+                    kernel_block_stride: 0,
+                    head_stride: 24,
+                    token_stride: 12,
+                    bytes_per_token: 12,
+                }],
+                identity: Vec::new(),
+            })
+            .unwrap();
+        let mut blocks = kvcsum::BlockSet::new();
+        blocks.add_request("v", 3).unwrap();
+        blocks.add_group("v", 0, 0, &[0, 1]).unwrap();
+        let result = checksum(&worker, &blocks, Role::Producer);
+        let computed = only_column(&result, "v", 0);
+        // The naive reference: SPEC sections 2-3 with f, one piece at a time.
+        let naive: Vec<u64> = (0..2u64)
+            .map(|q| {
+                let mut c = 0u64;
+                for h in 0..2u64 {
+                    let mut s = 0u64;
+                    for t in (2 * q..2 * q + 2).filter(|&t| t < 3) {
+                        for p in 0..3u64 {
+                            let j = t * 3 + p;
+                            s = s.wrapping_add(naive_piece(algorithm, piece(h, t, p) as u64).wrapping_mul(2 * j + 1));
+                        }
+                    }
+                    c = c.wrapping_add((2 * (3 * 65536 + h) + 1).wrapping_mul(s));
+                }
+                c
+            })
+            .collect();
+        assert_eq!(computed, naive, "{algorithm:?}: the naive reference");
+        assert_eq!(computed, values.to_vec(), "{algorithm:?}: {computed:#018x?}");
+    }
+}

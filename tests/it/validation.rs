@@ -185,13 +185,14 @@ fn malformed_layers_are_rejected_and_change_nothing() {
     let named = format!("layer_number {layer}");
 
     let mut spec = good.clone();
-    spec.segments[0].bytes_per_token = 12;
+    // 10 bytes are no whole number of pieces, 8- or 4-byte (SPEC section 1).
+    spec.segments[0].bytes_per_token = 10;
     reject_layer(
         &mut worker,
         spec,
         "InvalidArgument",
-        &["segments[0].bytes_per_token 12", &named],
-        "12 bytes",
+        &["segments[0].bytes_per_token 10", &named],
+        "10 bytes",
     );
     let mut spec = good.clone();
     spec.segments[0].bytes_per_token = 0;

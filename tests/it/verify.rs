@@ -1518,6 +1518,95 @@ fn hand_wired_engines_of_another_head_size_or_element_width_are_unverified_never
     }
 }
 
+/// The width of a cell's pieces follows from its bytes (SPEC section 1: 8,
+/// or 4 in a cell of a multiple of 4 and not of 8), which the geometry
+/// carries: an indexer cache of 132-byte cells (vLLM's: 128 key bytes then
+/// a 4-byte scale, 4-byte pieces) against one of 136 (8-byte pieces), on
+/// engines wired by hand with no identity, is UNVERIFIED
+/// (`GeometryDiffers`) naming both cell sizes, intact or corrupted, never
+/// a MISMATCH; 132 against 132 matches and a corrupted scale mismatches.
+#[test]
+fn sides_whose_cells_have_pieces_of_other_widths_are_unverified_never_a_mismatch() {
+    let mut rng = Rng::for_test("sides_whose_cells_have_pieces_of_other_widths_are_unverified_never_a_mismatch");
+    let seed = rng.seed();
+    let no_identity = |_: u32, _: u32| Vec::new();
+    let indexer = |k_bytes: u32, v_bytes: u32, num_tokens: u64| KvShape {
+        first_layer: 0,
+        num_layers: 2,
+        first_head: 0,
+        total_kv_heads: 1,
+        k_bytes,
+        v_bytes,
+        num_tokens,
+    };
+    for (producer_cell, consumer_cell) in [
+        ((128u32, 4u32), (128u32, 4u32)),
+        ((128, 4), (128, 8)),
+        ((128, 8), (128, 4)),
+    ] {
+        let num_tokens = 20 + rng.below(60);
+        let block_size = 16;
+        let p_kv = LogicalKv::random(&mut rng, indexer(producer_cell.0, producer_cell.1, num_tokens));
+        let same = producer_cell == consumer_cell;
+        let c_kv = if same {
+            p_kv.clone()
+        } else {
+            LogicalKv::random(&mut rng, indexer(consumer_cell.0, consumer_cell.1, num_tokens))
+        };
+        let producer = deploy(
+            &mut rng,
+            1,
+            1,
+            num_tokens,
+            &one_group(&p_kv, LayoutKind::KeysThenScales, block_size, 0),
+            &no_identity,
+        );
+        let mut consumer = deploy(
+            &mut rng,
+            2,
+            1,
+            num_tokens,
+            &one_group(&c_kv, LayoutKind::KeysThenScales, block_size, 0),
+            &no_identity,
+        );
+        let payload = produce(&producer, true);
+        let (p_bytes, c_bytes) = (producer_cell.0 + producer_cell.1, consumer_cell.0 + consumer_cell.1);
+        let context = format!("seed {seed}: cells of {p_bytes} and {c_bytes} bytes");
+        for corrupted in [false, true] {
+            if corrupted {
+                // A byte of the scale (past the 128 key bytes) of a valid token.
+                let token = rng.below(num_tokens);
+                let table = consumer.table(0).clone();
+                let block_id = table.block_ids[(token / block_size as u64) as usize];
+                let slot = (token % block_size as u64) as u32;
+                for rank in 0..2 {
+                    consumer.ranks[rank].placements[0]
+                        .1
+                        .xor_byte(1, 0, block_id, slot, 129, 0x04);
+                }
+            }
+            let report = check(&consumer, &payload);
+            if same {
+                let expected = if corrupted { Verdict::Mismatch } else { Verdict::Match };
+                assert_eq!(
+                    report.verdict, expected,
+                    "{context}, corrupted {corrupted}: {}",
+                    report.message
+                );
+                continue;
+            }
+            assert_unverified(&report, Reason::GeometryDiffers, seed);
+            assert!(report.mismatches.is_empty(), "{context}: never a mismatch");
+            let needle = format!("the producer's {p_bytes}, the consumer's {c_bytes}");
+            assert!(
+                report.message.contains(&needle),
+                "{context}: {needle:?} in {}",
+                report.message
+            );
+        }
+    }
+}
+
 /// A plain payload (vLLM's, WEIGHTED, no extension) carries no geometry:
 /// the limit SPEC section 10 states. Such hand-wired engines then compare
 /// their values, and the difference is a MISMATCH as corrupted data would

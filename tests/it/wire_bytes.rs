@@ -305,7 +305,8 @@ fn valid_inputs_decode() {
     }
     assert_eq!(Record::decode(&as_version_5.bytes()).unwrap(), decoded);
     // A version-6 record's geometry runs: sorted, not overlapping, cells of
-    // a positive multiple of 8 bytes with K shorter.
+    // whole pieces (a positive multiple of 8 bytes, or of 4 and not of 8)
+    // with K of whole pieces and shorter.
     let run = |layer: u64, first: u64, heads: u64, cell: u64, k: u64| {
         V::A(vec![V::U(layer), V::U(first), V::U(heads), V::U(cell), V::U(k)])
     };
@@ -314,8 +315,14 @@ fn valid_inputs_decode() {
         *record.at(&[5, 0, 9]) = V::A(runs);
         Record::decode(&record.bytes())
     };
-    let good = with_geometry(vec![run(0, 0, 4, 256, 128), run(0, 4, 1, 136, 0), run(2, 0, 4, 256, 0)]).unwrap();
-    assert_eq!(good.groups[0].geometry.len(), 3);
+    let good = with_geometry(vec![
+        run(0, 0, 4, 256, 128),
+        run(0, 4, 1, 136, 0),
+        run(1, 0, 1, 132, 128),
+        run(2, 0, 4, 12, 0),
+    ])
+    .unwrap();
+    assert_eq!(good.groups[0].geometry.len(), 4);
     assert_eq!(Record::decode(&good.encode()).unwrap(), good);
     for (case, runs, needle) in [
         (
@@ -329,7 +336,17 @@ fn valid_inputs_decode() {
             "follows or overlaps",
         ),
         ("no heads", vec![run(0, 0, 0, 256, 0)], "num_heads 0"),
-        ("a cell of 12 bytes", vec![run(0, 0, 4, 12, 0)], "cell_bytes 12"),
+        ("a cell of 10 bytes", vec![run(0, 0, 4, 10, 0)], "cell_bytes 10"),
+        (
+            "K of 4 bytes in a cell of 8-byte pieces",
+            vec![run(0, 0, 4, 256, 4)],
+            "k_bytes 4",
+        ),
+        (
+            "K of 2 bytes in a cell of 4-byte pieces",
+            vec![run(0, 0, 1, 132, 2)],
+            "k_bytes 2",
+        ),
         ("K as long as the cell", vec![run(0, 0, 4, 256, 256)], "k_bytes 256"),
     ] {
         malformed(with_geometry(runs), needle, case);

@@ -96,6 +96,10 @@ class LayerSpec:
     #: the DCP ranks its tokens are spread over (1: not DCP-sharded).
     tokens_per_state: int = 1
     dcp_size: int = 1
+    #: A sparse-attention indexer's k-cache, which vLLM stores as each
+    #: block's keys (this many bytes a token), then their 4-byte scales
+    #: (kvcsum.vllm.cache_kinds._indexer_key_bytes); 0 for any other cache.
+    key_bytes: int = 0
 
 
 @dataclasses.dataclass
@@ -136,6 +140,12 @@ def layer_number(layer_name: str) -> int:
     if len(numbers) != 1:
         raise ValueError(f"layer {layer_name!r} has {len(numbers)} numbers in its name, not one")
     return numbers[0]
+
+
+#: Whether this kvcsum's device engine checksums cells of 4-byte pieces
+#: (SPEC section 1); its host engine does. Not yet: a device worker names
+#: a group holding an indexer's k-cache not checksummed.
+DEVICE_READS_4_BYTE_PIECES = False
 
 
 def _is_cuda(tensor) -> bool:
@@ -194,6 +204,29 @@ def _describe(tensor, spec: LayerSpec, num_blocks: int):
         f"its cache of shape {shape} is no layout kvcsum knows for {heads} heads, "
         f"{tokens}-token blocks and {cell}-byte cells over {num_blocks} blocks"
     )
+
+
+def _keys_then_scales(tensor, spec: LayerSpec):
+    """The keys `[B, N, K]` and the scales `[B, N, 4]` of an indexer's
+    k-cache (vLLM's view `[B, 1, N, C]` or `[B, N, C]` of uint8, C = K + 4),
+    as vLLM lays each block's page out: token t's key at byte t*K, its
+    scale at N*K + t*4 (kvcsum.vllm.cache_kinds._indexer_key_bytes); the
+    block stride is the view's (a page padded to its alignment stays so).
+    ValueError where the view is no such cache."""
+    view = tensor.view(tensor.shape[0], *tensor.shape[2:]) if tensor.dim() == 4 and tensor.shape[1] == 1 else tensor
+    shape = tuple(int(n) for n in view.shape)
+    keys = spec.key_bytes
+    cell = keys + cache_kinds.INDEXER_SCALE_BYTES
+    if len(shape) != 3 or int(view.element_size()) != 1 or shape[2] != cell or int(view.stride(2)) != 1 or int(view.stride(1)) != cell:
+        raise ValueError(
+            f"its indexer k-cache view of shape {shape} and strides {tuple(view.stride())} is no [blocks, tokens, {cell}] uint8 page"
+        )
+    blocks, tokens = shape[0], shape[1]
+    page = int(view.stride(0))
+    start = int(view.storage_offset())
+    base = view.as_strided((blocks, tokens, keys), (page, keys, 1), start)
+    scales = view.as_strided((blocks, tokens, cache_kinds.INDEXER_SCALE_BYTES), (page, cache_kinds.INDEXER_SCALE_BYTES, 1), start + tokens * keys)
+    return base, scales
 
 
 def _dtype_bytes(spec: LayerSpec, item: int) -> int:
@@ -360,6 +393,11 @@ class CacheChecksummer:
             if spec.kind == "state" and not spec.state_shapes:
                 raise ValueError(f"layer {spec.name} is a {spec.spec_type} kvcsum has no rule for")
             tensor = kv_caches[spec.name]
+            if spec.key_bytes and self.device != kvcsum.HOST and not DEVICE_READS_4_BYTE_PIECES:
+                raise ValueError(
+                    f"layer {spec.name} is a sparse-attention indexer's k-cache of {spec.key_bytes + cache_kinds.INDEXER_SCALE_BYTES}-byte "
+                    "cells (keys then scales), read in 4-byte pieces, which this kvcsum's device engine does not checksum yet"
+                )
             number = layer_number(spec.name)
             key = (int(tensor.data_ptr()), tuple(tensor.stride()), tuple(tensor.shape))
             # Under DCP a rank's spec has its local block (block_size / dcp):
@@ -388,13 +426,20 @@ class CacheChecksummer:
                 used_states.add(target)
                 states.append((target, cache_kinds.state_tensors(tensor, spec, self.tp_rank), target_ident))
                 continue
-            layout, kernel_blocks = _describe(tensor, spec, num_blocks)
+            if spec.key_bytes:
+                layout, kernel_blocks = "BTD", 1
+            else:
+                layout, kernel_blocks = _describe(tensor, spec, num_blocks)
             offset = next_head.get(target, 0)
             next_head[target] = offset + cache_kinds.global_heads(spec, self.tp_size)
             first_head, replicas, replica_index = self._heads(spec)
             parts = [(tensor, first_head + offset)]
             part_layout = layout
-            if spec.folded_slots:
+            v_part = None
+            if spec.key_bytes:
+                (tensor_keys, v_part) = _keys_then_scales(tensor, spec)
+                parts = [(tensor_keys, first_head + offset)]
+            elif spec.folded_slots:
                 # The K slot then the V slot, each [B, N, heads x head_size]:
                 # numbered as K slots then V slots, a head each.
                 total = cache_kinds.global_heads(spec, self.tp_size) // 2
@@ -417,6 +462,7 @@ class CacheChecksummer:
                         replicas=replicas,
                         replica_index=replica_index,
                         identity=target_ident if head == parts[0][1] else b"",
+                        v=v_part,
                     )
                 )
         return {

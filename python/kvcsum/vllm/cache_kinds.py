@@ -61,9 +61,18 @@ elements of other than 2 or 4 bytes, an unknown mamba_cache_mode, head
 slots packed other than K slots then V slots (and ROCm's), specs that
 address their pages themselves (`uses_slot_mapping` False: a ring buffer),
 and caches whose `[B, H, N, C]` view is no cell per token (`_no_token_cells`:
-cells of no multiple of 8 bytes, such as the sparse-attention indexer's
-132-byte keys, and DeepSeek V4's fp8_ds_mla states). A group holding one of
+cells of no multiple of 8 bytes other than the indexer's below, and
+DeepSeek V4's fp8_ds_mla states), the indexer's keys on ROCm (tiled in a
+block) and on a device worker of a kvcsum whose device engine does not
+read 4-byte pieces (this one's: SPEC section 1). A group holding one of
 these is not checksummed at all, its other caches included.
+
+- the sparse-attention indexer's k-cache (DeepSeek V3.2's
+  DeepseekV32IndexerCache, V4's C4A indexer: `_indexer_key_bytes`): each
+  block's page holds its tokens' keys (K bytes each), then their 4-byte
+  scales. Registered as one cell of two segments, the keys (K) and the
+  scales (V), so the cell is a token's key then its scale: 132 bytes,
+  read in 4-byte pieces (SPEC section 1).
 """
 
 from __future__ import annotations
@@ -178,7 +187,10 @@ def describe_spec(
     if cell is None and num_slots:
         # A slot holds K or V alone.
         cell = int(spec.state_content_size_bytes)
-    if not unsupported:
+    key_bytes = _indexer_key_bytes(name, spec, is_mla)
+    if not unsupported and key_bytes:
+        unsupported = _indexer_layout_unknown(type_name)
+    if not unsupported and not key_bytes:
         unsupported = _no_token_cells(type_name, spec, cell, is_mla)
     return dict(
         common,
@@ -192,6 +204,7 @@ def describe_spec(
         cell_bytes=int(cell) if cell is not None else 0,
         tokens_per_state=int(tokens_per_state) if isinstance(tokens_per_state, int) else 1,
         dcp_size=dcp_size if dcp_sharded else 1,
+        key_bytes=key_bytes,
         unsupported=unsupported,
     )
 
@@ -201,6 +214,55 @@ def _on_rocm() -> bool:
     import torch
 
     return getattr(torch.version, "hip", None) is not None
+
+
+#: Bytes of the scale vLLM stores after each token's indexer key: one fp32
+#: (or four packed ue8m0 bytes) per token, FP8 and MXFP4 keys alike
+#: (model_executor/models/deepseek_v2.py:724-736, head_dim + head_dim //
+#: 128 * 4 with quant_block_size 128; models/deepseek_v41/common/ops/
+#: indexer_k_store.py:70-75, scale_dim 4).
+INDEXER_SCALE_BYTES = 4
+
+
+def _indexer_key_bytes(name: str, spec, is_mla: bool) -> int:
+    """The key bytes per token of a sparse-attention indexer's k-cache
+    that vLLM stores as a block's keys, then their scales; 0 for any other
+    cache.
+
+    DeepSeek V3.2's DeepseekV32IndexerCache (model_executor/models/
+    deepseek_v2.py:638-667: an MLAAttentionSpec of one head, uint8,
+    head_size 132, cache_role INDEXER) and DeepSeek V4's indexer cache
+    (models/deepseek_v4/attention.py:911-924: the same spec with
+    tokens_per_state, no cache_role) hold per token 128 fp8 key bytes (64
+    with MXFP4) and a 4-byte scale, C = 132 (68). vLLM writes token t's key
+    at byte t*K of its block's page and its scale at block_size*K + t*4
+    (v1/attention/ops/rocm_aiter_mla_sparse.py:190-192: "the first portion
+    as kv cache value and second portion as kv cache scale", its kernel at
+    :156-175; models/deepseek_v41/common/ops/indexer_k_store.py:196-213;
+    the CUDA op _custom_ops.py:3191 indexer_k_quant_and_cache, called from
+    model_executor/layers/sparse_attn_indexer.py:573). The two parts are
+    registered as two segments of one cell, K = the keys, V = the scales
+    (SPEC section 1: a 132-byte cell is read in 4-byte pieces).
+    """
+    if not is_mla or dtype_bytes(getattr(spec, "dtype", "")) != 1 or int(getattr(spec, "num_kv_heads", 1)) != 1:
+        return 0
+    role = str(getattr(getattr(spec, "cache_role", None), "value", getattr(spec, "cache_role", "")))
+    if role != "indexer" and not name.endswith(".indexer.k_cache"):
+        return 0
+    cell = int(spec.head_size)
+    keys = cell - INDEXER_SCALE_BYTES
+    return keys if keys > 0 and keys % 8 == 0 else 0
+
+
+def _indexer_layout_unknown(type_name: str) -> str:
+    """Why an indexer k-cache's keys-then-scales pages cannot be read as
+    such here, or "": on ROCm, vLLM tiles a block's keys in 16 x 16-byte
+    tiles above block size 1 (models/deepseek_v32/amd/rocm.py:28-31,
+    models/deepseek_v41/common/ops/indexer_k_store.py:76-85), no key per
+    token at t*K."""
+    if _on_rocm():
+        return f"{type_name} (a sparse-attention indexer's keys) is tiled within a block on ROCm: no key per token kvcsum can read"
+    return ""
 
 
 def _no_token_cells(type_name: str, spec, cell, is_mla: bool) -> str:
@@ -213,12 +275,11 @@ def _no_token_cells(type_name: str, spec, cell, is_mla: bool) -> str:
       quantize_and_insert_k_kernel): the view's C bytes of a state are not
       that state's bytes, so the sums would number them by other states
       and differ between block sizes.
-    - Cells of a size that is no multiple of 8 bytes: the definition's
-      pieces are 8 bytes (SPEC section 1). The sparse-attention indexer's
-      k-cache (DeepSeek V3.2, V4: 128 fp8 keys and a 4-byte scale, C = 132)
-      is one, and vLLM stores a block's keys, then their scales
-      (v1/attention/ops/rocm_aiter_mla_sparse.py,
-      indexer_k_quant_and_cache_triton), not a cell per token either.
+    - Cells of a size that is no multiple of 8 bytes, other than the
+      sparse-attention indexer's keys then scales (`_indexer_key_bytes`,
+      registered as two segments): a view of C bytes per token where the
+      page holds something else (a block's keys, then their scales) is no
+      cell per token.
     """
     if getattr(spec, "model_version", None) == "deepseek_v4" and getattr(spec, "state_content_bytes", None) is not None:
         return (

@@ -29,6 +29,7 @@ import hashlib
 import torch
 
 from harness import Engine, RankState
+from indexer_pages import read_rows, split_pages, write_rows
 from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MambaSpec, UniformTypeKVCacheSpecs
 
@@ -192,9 +193,20 @@ class KindEngine(Engine):
                         # The units whose last token this step computes.
                         units = torch.arange(start // k, (start + count) // k)
                         held, blocks, local = self.token_slots(spec, rank, units, ids)
+                        parts = split_pages(name, spec, cache)
+                        if parts is not None:
+                            width = int(spec.head_size)
+                            write_rows(parts, blocks, local, self.unit_cells(req_id, held, k, layer, first, slots, width)[:, 0])
+                            continue
                         raw[blocks, :, local] = self.unit_cells(req_id, held, k, layer, first, slots, width)
                         continue
                     held, blocks, local = self.token_slots(spec, rank, positions, ids)
+                    parts = split_pages(name, spec, cache)
+                    if parts is not None:
+                        # An indexer's keys, then their scales, as vLLM writes them.
+                        width = int(spec.head_size)
+                        write_rows(parts, blocks, local, self.cells(req_id, held, layer, first, slots, width)[:, 0])
+                        continue
                     raw[blocks, :, local] = self.cells(req_id, held, layer, first, slots, width)
 
     def _kv_as_computed(self, rank: int, state: RankState, req_id: str, num_tokens: int) -> bool:
@@ -215,7 +227,12 @@ class KindEngine(Engine):
                 held, blocks, local = self.token_slots(spec, rank, places, table[group_id])
                 raw = state.caches[name].view(torch.uint8)
                 slots, width = raw.shape[1], raw.shape[3]
-                got = raw[blocks, :, local]
+                parts = split_pages(name, spec, state.caches[name])
+                if parts is not None:
+                    width = int(spec.head_size)
+                    got = read_rows(parts, blocks, local).unsqueeze(1)
+                else:
+                    got = raw[blocks, :, local]
                 first = self._first_slot(name, rank, slots)
                 if k > 1:
                     want = self.unit_cells(req_id, held, k, layer_of(name), first, slots, width)

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from indexer_pages import read_rows, split_pages, write_rows
 from vllm.distributed import parallel_state
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -229,6 +230,10 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
                 first_head = 0 if type(own).__name__ == "MLAAttentionSpec" else (self._rank // self._dcp[0]) * heads
                 yield group, name, cache, heads, first_head, k
 
+    def _own_spec(self, group: int, name: str):
+        spec = self._groups[group].kv_cache_spec
+        return getattr(spec, "kv_cache_specs", {}).get(name, spec)
+
     def _is_state(self, group: int) -> bool:
         return type(self._groups[group].kv_cache_spec).__name__ == "MambaSpec"
 
@@ -257,6 +262,7 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
                     cache[self._state_block(group, table, num_tokens)] = stored
                     continue
                 positions, blocks, offsets = self._slots(group, table, first, num_tokens, k)
+                parts = split_pages(name, self._own_spec(group, name), cache)
                 for h in range(heads):
                     stored = torch.load(self._path(key, name, first_head + h))[positions].clone()
                     token = CORRUPT.get("token")
@@ -271,7 +277,10 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
                         raw = stored[positions.tolist().index(token)].view(torch.uint8)
                         raw[CORRUPT.get("byte", 3)] ^= 0x10
                         CORRUPT["done"] = CORRUPT.get("done", 0) + 1
-                    cache[blocks, h, offsets] = stored
+                    if parts is not None:
+                        write_rows(parts, blocks, offsets, stored)
+                    else:
+                        cache[blocks, h, offsets] = stored
             if not self._sync:
                 self._done.add(req_id)
             self.loads_done += 1
@@ -304,8 +313,10 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
                 torch.save(cache[self._state_block(group, table, num_tokens)].clone(), self._path(key, name, first_head))
                 continue
             _, blocks, offsets = self._slots(group, table, 0, num_tokens, k)
+            parts = split_pages(name, self._own_spec(group, name), cache)
             for h in range(heads):
-                torch.save(cache[blocks, h, offsets].clone(), self._path(key, name, first_head + h))
+                rows = read_rows(parts, blocks, offsets) if parts is not None else cache[blocks, h, offsets]
+                torch.save(rows.clone(), self._path(key, name, first_head + h))
 
     def wait_for_save(self):
         meta = self._get_connector_metadata()

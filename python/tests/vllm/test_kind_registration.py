@@ -303,18 +303,23 @@ def mla_with_indexer():
     for i in range(2):
         specs[f"model.layers.{i}.self_attn.attn"] = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
         specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
-            block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=136, dtype=torch.uint8, cache_role=SparseCacheRole.INDEXER,
+            block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=132, dtype=torch.uint8, cache_role=SparseCacheRole.INDEXER,
         )
     return list(specs), UniformTypeKVCacheSpecs(block_size=BLOCK, kv_cache_specs=specs)
 
 
-@pytest.mark.parametrize("where", [None, "mla", "indexer"])
+@pytest.mark.parametrize("where", [None, "mla", "indexer key", "indexer scale"])
 def test_mla_and_its_indexer_cache_are_one_group_with_consecutive_heads(where):
+    # vLLM's indexer cache (DeepSeek V3.2): 132-byte cells, each block's
+    # page its keys (token t's 128 bytes at t*128), then their 4-byte
+    # scales (at BLOCK*128 + t*4).
     names, spec = mla_with_indexer()
 
     def flip(caches):
         name = "model.layers.1.self_attn." + ("attn" if where == "mla" else "indexer.k_cache")
-        caches[name].view(torch.uint8)[IDS[1], 0, 5, 11] ^= 0x02
+        page = caches[name].view(torch.uint8)[IDS[1]].reshape(-1)
+        at = {"mla": 5 * 1152 + 11, "indexer key": 5 * 128 + 11, "indexer scale": BLOCK * 128 + 5 * 4 + 1}[where]
+        page[at] ^= 0x02
 
     report = round_trip(f"MLA + indexer (one group), flip in {where}", [(names, spec)], flip if where else None, total_kv_heads=1)
     check(report, where is not None, IDS[1])
@@ -420,25 +425,34 @@ def test_without_the_token_placement_dcp_and_compressed_groups_are_named_not_che
 # --- 7. caches whose view is no cell per token: named, never registered --------------------
 
 
-def test_vllms_own_indexer_k_cache_is_named_not_checksummed_and_the_worker_starts():
+def test_vllms_own_indexer_k_cache_is_checksummed_as_keys_then_scales():
     # vLLM's real indexer key (DeepSeek V3.2 and V4): 128 fp8 bytes and a
     # 4-byte scale, C = 132, stored as the block's keys then their scales.
-    # The library's pieces are 8 bytes: the group is named and skipped at
-    # startup (the worker starts; its loads are UNVERIFIED), never
-    # registered on a misread view.
+    # Registered as one cell of two segments (keys, then scales: 4-byte
+    # pieces, SPEC section 1), so the MLA + indexer group is checksummed.
     from kvcsum.vllm.config import groups_not_checksummed
 
-    specs = {}
-    for i in range(2):
-        specs[f"model.layers.{i}.self_attn.attn"] = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
-        specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
-            block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=132, dtype=torch.uint8, cache_role=SparseCacheRole.INDEXER,
-        )
-    cfg = config([(list(specs), UniformTypeKVCacheSpecs(block_size=BLOCK, kv_cache_specs=specs))])
-    assert "132-byte cells" in groups_not_checksummed(cfg, 1)[0]
+    names, spec = mla_with_indexer()
+    cfg = config([(names, spec)])
+    assert groups_not_checksummed(cfg, 1) == {}
     _, worker = engine_side(cfg, seed=3, total_kv_heads=1)
-    assert "132-byte cells" in worker.skipped[0] and "indexer" in worker.skipped[0]
-    assert worker.layers_registered == 0
+    assert worker.skipped == {}
+    assert worker.layers_registered == 4
+
+
+def test_vllms_own_indexer_k_cache_on_a_device_worker_is_named_not_checksummed():
+    # This kvcsum's device engine reads 8-byte pieces only (it refuses a
+    # cell of 4-byte pieces at registration): a device worker's plan of the
+    # group refuses it, naming the layer and its cell size, so the group is
+    # skipped at startup (its loads UNVERIFIED), never registered. (No GPU
+    # here: the plan of a host-built checksummer taken as a device one's.)
+    names, spec = mla_with_indexer()
+    cfg = config([(names, spec)])
+    caches, worker = engine_side(cfg, seed=3, total_kv_heads=1)
+    layers, _ = layer_specs(cfg, 1)
+    worker.device = 0
+    with pytest.raises(ValueError, match="132-byte cells .* device engine does not checksum"):
+        worker._plan_group(0, [s for s in layers if s.group_id == 0], caches, cfg.num_blocks)
 
 
 def test_deepseek_v4_fp8_ds_mla_states_are_named_not_checksummed():

@@ -5,7 +5,7 @@
 use super::descriptors::{
     DevGroup, DevLayer, DevSegment, DevStateGroup, DevStateTensor, BATCH, MAX_SPLIT, STATE_LOADS, WARP,
 };
-use crate::base::checksum::slice_weight;
+use crate::base::checksum::{slice_weight, PIECE_BYTES};
 use crate::base::error::{err, Result};
 use crate::inputs::layout::{Layer, LayerSpec, Layout, Segment};
 use crate::inputs::role::Role;
@@ -56,6 +56,19 @@ impl LayerTable {
     /// Builds the tables of `layout`.
     pub fn new(layout: &Layout) -> Result<LayerTable> {
         let mut table = LayerTable::default();
+        // The kernel reads 8-byte pieces only: a cell of 4-byte pieces (SPEC
+        // section 1) is refused rather than given a value of other pieces.
+        for group in layout.groups() {
+            if let Some(layer) = group.layers.iter().find(|layer| layer.piece_bytes != PIECE_BYTES) {
+                let cell_bytes: u64 = layer.spec.segments.iter().map(|s| s.bytes_per_token as u64).sum();
+                return Err(err!(
+                    Unsupported,
+                    "layer_number {} of group_id {} has cells of {cell_bytes} bytes, read in 4-byte pieces, which the device engine does not checksum yet (a host worker does)",
+                    layer.spec.layer_number,
+                    group.group_id
+                ));
+            }
+        }
         for group in layout.groups() {
             for role in [Role::Producer, Role::Consumer] {
                 let columns = group.columns(role);

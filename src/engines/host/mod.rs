@@ -37,7 +37,7 @@ use avx2::{Avx2, Avx2Lanes};
 use avx512::{Avx512, Avx512Lanes};
 #[cfg(target_arch = "x86_64")]
 use lanes::Mix2Lanes;
-use walk::{item_checksum, RowSums};
+use walk::{item_checksum, narrow_item_checksum, RowSums};
 
 /// Work items handed to a thread at a time.
 const ITEMS_PER_GRAB: usize = 16;
@@ -318,7 +318,7 @@ fn items<'a>(
 
 /// The bytes the walk of `row` in `layer` reads.
 fn item_bytes(row: &Row, layer: &Layer) -> u64 {
-    row.valid_tokens as u64 * layer.spec.num_heads as u64 * layer.pieces_per_token * PIECE_BYTES
+    row.valid_tokens as u64 * layer.spec.num_heads as u64 * layer.pieces_per_token * layer.piece_bytes
 }
 
 /// How far ahead of a one-thread walk its prefetch asks for lines: well
@@ -371,7 +371,17 @@ fn add_states(layout: &Layout, rows: &[Row], algorithm: Algorithm, values: &mut 
 ///
 /// Each SIMD arm runs only with the detection token its [`Form`] holds, so
 /// no form runs on a CPU without its instructions.
+///
+/// A layer of 4-byte pieces (SPEC section 1) takes the portable
+/// [`narrow_item_checksum`] instead, decided once per item.
 fn item_checksum_of(algorithm: Algorithm, form: Form, row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
+    if layer.piece_bytes != PIECE_BYTES {
+        return match algorithm {
+            Algorithm::Weighted => narrow_item_checksum(Identity, row, layer),
+            Algorithm::Mixed => narrow_item_checksum(Mix, row, layer),
+            Algorithm::Mixed2 => narrow_item_checksum(Mix2, row, layer),
+        };
+    }
     match (algorithm, form) {
         (Algorithm::Weighted, _) => item_checksum(Identity, row, layer, scratch),
         (Algorithm::Mixed, Form::Portable) => item_checksum(Mix, row, layer, scratch),

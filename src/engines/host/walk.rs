@@ -3,15 +3,26 @@
 //! each of its callers so that the AVX2 and AVX-512F builds
 //! (`avx2.rs`, `avx512.rs`) build the whole walk with their instructions.
 
-use crate::base::checksum::{piece_weight, run_checksum, slice_weight, PieceFn, PIECE_BYTES};
+use crate::base::checksum::{piece_weight, run_checksum, slice_weight, PieceFn, NARROW_PIECE_BYTES, PIECE_BYTES};
 use crate::inputs::layout::{Layer, Segment};
 use crate::plan::Row;
 
 /// `sum over heads of m * s` for one block position of one layer, `f` of
 /// SPEC section 12 fixed at compile time (`F`). Inlined into its callers,
-/// so that an AVX2 caller (`host/avx2.rs`) builds it with AVX2.
+/// so that an AVX2 caller (`host/avx2.rs`) builds it with AVX2. The layer's
+/// pieces are 8 bytes (see [`narrow_item_checksum`] for 4-byte ones).
 #[inline(always)]
 pub(super) fn item_checksum<F: PieceFn>(f: F, row: &Row, layer: &Layer, scratch: &mut Vec<RowSums>) -> u64 {
+    debug_assert_eq!(layer.piece_bytes, PIECE_BYTES);
+    token_runs(row, layer, |segment, tokens| {
+        segment_heads(f, layer, segment, tokens, scratch)
+    })
+}
+
+/// `visit`'s sum over the runs of `row`'s valid tokens that are
+/// consecutive in one kernel block and numbered alike, segment by segment.
+#[inline(always)]
+fn token_runs(row: &Row, layer: &Layer, mut visit: impl FnMut(&Segment, &TokenRun) -> u64) -> u64 {
     let spec = &layer.spec;
     let per_kernel_block = spec.tokens_per_kernel_block;
     let mut sum = 0u64;
@@ -37,12 +48,55 @@ pub(super) fn item_checksum<F: PieceFn>(f: F, row: &Row, layer: &Layer, scratch:
                 first_index: first_index + piece_offset,
                 index_stride,
             };
-            sum = sum.wrapping_add(segment_heads(f, layer, segment, &tokens, scratch));
+            sum = sum.wrapping_add(visit(segment, &tokens));
         }
         token += count;
     }
     sum
 }
+
+/// [`item_checksum`] of a layer of 4-byte pieces (a cell of a multiple of
+/// 4 and not of 8 bytes, SPEC section 1): each piece a little-endian `u32`
+/// zero-extended to 64 bits, then through `f`. Rows are widened into a
+/// stack buffer and summed as runs of 8-byte pieces are, so the
+/// arithmetic is `run_checksum`'s, the definition's.
+pub(super) fn narrow_item_checksum<F: PieceFn>(f: F, row: &Row, layer: &Layer) -> u64 {
+    debug_assert_eq!(layer.piece_bytes, NARROW_PIECE_BYTES);
+    let spec = &layer.spec;
+    token_runs(row, layer, |segment, tokens| {
+        let pieces = (segment.bytes_per_token as u64 / NARROW_PIECE_BYTES) as usize;
+        let mut widened = [0u64; NARROW_CHUNK];
+        let mut sum = 0u64;
+        for head in 0..spec.num_heads {
+            let weight = slice_weight(spec.layer_number, spec.first_head + head);
+            let mut slice = 0u64;
+            for slot in 0..tokens.count {
+                let address = tokens.address + head as i64 * segment.head_stride + slot as i64 * segment.token_stride;
+                // SAFETY: the head is below `num_heads` and the slot below the
+                // run's count, and registration checked that every (block,
+                // kernel block, head, token) cell of this segment lies in a
+                // registered region (readable host memory, by the promise of
+                // `add_region`'s caller) at 4-byte aligned addresses.
+                let cell = unsafe { std::slice::from_raw_parts(address as usize as *const u32, pieces) };
+                let row_index = tokens
+                    .first_index
+                    .wrapping_add((slot as u64).wrapping_mul(tokens.index_stride));
+                for (chunk, part) in cell.chunks(NARROW_CHUNK).enumerate() {
+                    for (wide, &piece) in widened.iter_mut().zip(part) {
+                        *wide = u32::from_le(piece) as u64;
+                    }
+                    let first = row_index.wrapping_add((chunk * NARROW_CHUNK) as u64);
+                    slice = slice.wrapping_add(run_checksum(f, &widened[..part.len()], first));
+                }
+            }
+            sum = sum.wrapping_add(weight.wrapping_mul(slice));
+        }
+        sum
+    })
+}
+
+/// 4-byte pieces widened at a time by [`narrow_item_checksum`].
+const NARROW_CHUNK: usize = 64;
 
 /// `count` consecutive tokens of one kernel block in one segment: head 0's
 /// first token at `address`, its first piece numbered `first_index`, each

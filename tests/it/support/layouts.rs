@@ -69,6 +69,10 @@ pub enum LayoutKind {
     /// `[nb][h][bs][C]` with blocks, heads and tokens in reverse order, so
     /// that every stride is negative.
     NegativeStride,
+    /// vLLM's sparse-attention indexer cache: one buffer per layer, each
+    /// block its K part `[h][bs][K]` then its V part `[h][bs][V]` (the
+    /// keys of every token, then their scales: two segments).
+    KeysThenScales,
     /// HND with 8 bytes of junk before the cache and padding after each
     /// token, head and block; addresses are 8 but not always 16 modulo 16.
     Padded,
@@ -82,6 +86,7 @@ pub fn all_kinds() -> Vec<LayoutKind> {
         LayoutKind::Nhd,
         LayoutKind::KvSplit,
         LayoutKind::HndKvSplit,
+        LayoutKind::KeysThenScales,
         LayoutKind::KernelBlocks { kernel_blocks: 2 },
         LayoutKind::KernelBlocks { kernel_blocks: 4 },
         LayoutKind::CrossLayer,
@@ -94,7 +99,12 @@ pub fn all_kinds() -> Vec<LayoutKind> {
 pub fn single_segment_kinds() -> Vec<LayoutKind> {
     all_kinds()
         .into_iter()
-        .filter(|kind| !matches!(kind, LayoutKind::KvSplit | LayoutKind::HndKvSplit))
+        .filter(|kind| {
+            !matches!(
+                kind,
+                LayoutKind::KvSplit | LayoutKind::HndKvSplit | LayoutKind::KeysThenScales
+            )
+        })
         .collect()
 }
 
@@ -187,7 +197,9 @@ impl Placement {
         assert!(layers > 0 && nb > 0 && h > 0, "empty cache spec {spec:?}");
         let per_layer = nb * h * bs * c;
         let sizes: Vec<usize> = match spec.kind {
-            LayoutKind::Hnd | LayoutKind::Nhd | LayoutKind::NegativeStride => vec![per_layer; layers],
+            LayoutKind::Hnd | LayoutKind::Nhd | LayoutKind::NegativeStride | LayoutKind::KeysThenScales => {
+                vec![per_layer; layers]
+            }
             LayoutKind::KvSplit => {
                 assert!(
                     spec.k_bytes == spec.v_bytes,
@@ -319,6 +331,14 @@ impl Placement {
                 let (kernel, kt) = (t / per_kernel, t % per_kernel);
                 (l, (((kernel * nb + b) * h + hd) * per_kernel + kt) * c + byte)
             }
+            LayoutKind::KeysThenScales => {
+                if byte < k {
+                    (l, b * h * bs * c + (hd * bs + t) * k + byte)
+                } else {
+                    let v = s.v_bytes as usize;
+                    (l, b * h * bs * c + h * bs * k + (hd * bs + t) * v + byte - k)
+                }
+            }
             LayoutKind::CrossLayer => (0, (((b * layers + l) * h + hd) * bs + t) * c + byte),
             LayoutKind::NegativeStride => (l, (((nb - 1 - b) * h + (h - 1 - hd)) * bs + (bs - 1 - t)) * c + byte),
             LayoutKind::Padded => {
@@ -342,9 +362,11 @@ impl Placement {
                     for slot in 0..valid {
                         let token = position * spec.block_size as u64 + slot as u64;
                         let cell = kv.cell(layer, head, token);
-                        for piece in (0..cell.len()).step_by(8) {
+                        // 4 bytes at a time: every part of a cell is a
+                        // multiple of 4 bytes (SPEC section 1).
+                        for piece in (0..cell.len()).step_by(4) {
                             let (buffer, at) = self.locate(layer, head, block_id, slot, piece as u32);
-                            self.buffers[buffer].bytes_mut()[at..at + 8].copy_from_slice(&cell[piece..piece + 8]);
+                            self.buffers[buffer].bytes_mut()[at..at + 4].copy_from_slice(&cell[piece..piece + 4]);
                         }
                     }
                 }
@@ -402,6 +424,10 @@ impl Placement {
                     LayoutKind::HndKvSplit => vec![
                         segment(base, h * bs * k, 0, bs * k, k, k),
                         segment(bases[2 * l + 1], h * bs * v, 0, bs * v, v, v),
+                    ],
+                    LayoutKind::KeysThenScales => vec![
+                        segment(base, h * bs * c, 0, bs * k, k, k),
+                        segment(at(base, h * bs * k), h * bs * c, 0, bs * v, v, v),
                     ],
                     LayoutKind::KernelBlocks { .. } => {
                         let per_kernel = bs / kernel_blocks as i64;

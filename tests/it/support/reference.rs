@@ -23,9 +23,11 @@ pub struct KvShape {
     pub first_head: u32,
     /// KV heads of the whole model (across TP).
     pub total_kv_heads: u32,
-    /// K bytes of a cell (the whole latent row for MLA); a multiple of 8.
+    /// K bytes of a cell (the whole latent row for MLA); a multiple of 8,
+    /// or of 4 in a cell of 4-byte pieces (SPEC section 1).
     pub k_bytes: u32,
-    /// V bytes of a cell (0 for MLA); a multiple of 8.
+    /// V bytes of a cell (0 for MLA; the scales of an fp8 indexer's keys);
+    /// a multiple of 8, or of 4 in a cell of 4-byte pieces.
     pub v_bytes: u32,
     /// Tokens whose KV the request holds.
     pub num_tokens: u64,
@@ -77,14 +79,11 @@ pub struct LogicalKv {
 impl LogicalKv {
     /// Fresh random KV of `shape`.
     pub fn random(rng: &mut Rng, shape: KvShape) -> LogicalKv {
+        let piece = naive_piece_bytes(shape.cell_bytes());
         assert!(
-            shape.k_bytes > 0 && shape.k_bytes.is_multiple_of(8),
-            "k_bytes {} must be a positive multiple of 8",
-            shape.k_bytes
-        );
-        assert!(
-            shape.v_bytes.is_multiple_of(8),
-            "v_bytes {} must be a multiple of 8",
+            shape.k_bytes > 0 && shape.k_bytes.is_multiple_of(piece) && shape.v_bytes.is_multiple_of(piece),
+            "k_bytes {} and v_bytes {} must be multiples of the cell's {piece}-byte pieces",
+            shape.k_bytes,
             shape.v_bytes
         );
         let len = shape.num_layers as usize
@@ -217,6 +216,21 @@ pub fn naive_piece(algorithm: Algorithm, x: u64) -> u64 {
     }
 }
 
+/// The bytes of each piece of a cell of `cell_bytes` (SPEC section 1): 8
+/// where the cell is a multiple of 8 bytes, 4 where it is a multiple of 4
+/// and not of 8. Panics on any other size.
+pub fn naive_piece_bytes(cell_bytes: u32) -> u32 {
+    if cell_bytes.is_multiple_of(8) {
+        8
+    } else {
+        assert!(
+            cell_bytes.is_multiple_of(4),
+            "a cell of {cell_bytes} bytes has no pieces"
+        );
+        4
+    }
+}
+
 /// Valid tokens of the block at `position`, straight from SPEC section 5.
 pub fn naive_valid_tokens(num_tokens: u64, block_size: u32, position: u64) -> u32 {
     let start = position as u128 * block_size as u128;
@@ -238,7 +252,8 @@ pub fn naive_block_checksum(
     first_token: u64,
     valid_tokens: u32,
 ) -> u64 {
-    let pieces_per_token = kv.cell_bytes() as u64 / 8;
+    let piece_bytes = naive_piece_bytes(kv.cell_bytes()) as usize;
+    let pieces_per_token = (kv.cell_bytes() as usize / piece_bytes) as u64;
     let algorithm = algorithm();
     let mut block = 0u64;
     for &layer in layer_numbers {
@@ -247,8 +262,11 @@ pub fn naive_block_checksum(
             for token in first_token..first_token + valid_tokens as u64 {
                 let cell = kv.cell(layer, head, token);
                 for piece in 0..pieces_per_token {
-                    let at = piece as usize * 8;
-                    let x = naive_piece(algorithm, u64::from_le_bytes(cell[at..at + 8].try_into().unwrap()));
+                    // The piece's bytes as a little-endian unsigned number
+                    // (zero-extended when it has 4 of them), byte by byte.
+                    let at = piece as usize * piece_bytes;
+                    let value = (0..piece_bytes).fold(0u64, |value, i| value | (cell[at + i] as u64) << (8 * i));
+                    let x = naive_piece(algorithm, value);
                     let j = token.wrapping_mul(pieces_per_token).wrapping_add(piece);
                     let weight = j.wrapping_mul(2).wrapping_add(1);
                     slice = slice.wrapping_add(x.wrapping_mul(weight));

@@ -132,6 +132,9 @@ fn real_layout(rng: &mut Rng) -> Placement {
     let v_bytes = match kind {
         LayoutKind::KvSplit => k_bytes,
         LayoutKind::HndKvSplit => 8 * rng.range(1..5) as u32,
+        // Scales of 4 to 16 bytes: cells of 4-byte pieces where they are an
+        // odd number of 4 bytes (SPEC section 1).
+        LayoutKind::KeysThenScales => 4 * rng.range(1..5) as u32,
         _ => 8 * rng.below(4) as u32,
     };
     let layers = rng.range(1..4) as u32;

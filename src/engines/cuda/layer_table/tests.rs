@@ -242,3 +242,52 @@ mod state_kernel {
         assert!(seen_shifts[..5].iter().flatten().any(|&seen| seen), "no narrow rows");
     }
 }
+
+/// The kernel reads 8-byte pieces only: a layout holding a layer of 4-byte
+/// pieces (vLLM's indexer cells: 128 key bytes then a 4-byte scale, SPEC
+/// section 1) is refused, naming the layer and its cell size, rather than
+/// given a value of other pieces.
+#[test]
+fn a_layer_of_4_byte_pieces_is_refused_naming_the_layer_and_cell_size() {
+    let mut layout = Layout::default();
+    layout
+        .add_region(crate::inputs::layout::Region {
+            address: 1 << 20,
+            length: 1 << 20,
+        })
+        .unwrap();
+    layout.add_group(3, 16).unwrap();
+    let block = 16 * 132;
+    let segment = |address: u64, token_stride: i64, bytes_per_token: u32| Segment {
+        address,
+        block_stride: block,
+        kernel_block_stride: 0,
+        head_stride: 0,
+        token_stride,
+        bytes_per_token,
+    };
+    layout
+        .add_layer(LayerSpec {
+            group_id: 3,
+            layer_number: 5,
+            first_head: 0,
+            num_heads: 1,
+            replica: crate::inputs::layout::ReplicaKey {
+                replicas: 1,
+                replica_index: 0,
+            },
+            num_blocks: 4,
+            kernel_blocks: 1,
+            tokens_per_kernel_block: 16,
+            segments: vec![segment(1 << 20, 128, 128), segment((1 << 20) + 16 * 128, 4, 4)],
+            identity: Vec::new(),
+        })
+        .unwrap();
+    let Err(error) = LayerTable::new(&layout) else {
+        panic!("a layer of 4-byte pieces was taken")
+    };
+    let message = error.to_string();
+    for needle in ["layer_number 5", "group_id 3", "132 bytes", "4-byte pieces"] {
+        assert!(message.contains(needle), "{needle:?} in {message:?}");
+    }
+}
