@@ -204,14 +204,20 @@ fn changed(rng: &mut Rng, spec: &LayerSpec, change: Change) -> Option<LayerSpec>
             let candidates: Vec<usize> = large
                 .iter()
                 .copied()
-                .filter(|&d| dims(spec, &segment)[d].0.unsigned_abs() > 8)
+                .filter(|&d| {
+                    let stride = dims(spec, &segment)[d].0.unsigned_abs();
+                    stride / piece_step(stride) >= 2
+                })
                 .collect();
             if candidates.is_empty() {
                 return None;
             }
             let dim = *rng.pick(&candidates);
             let stride = dims(spec, &segment)[dim].0;
-            let smaller = 8 * rng.range(1..stride.unsigned_abs() / 8) as i64;
+            // A smaller stride in the stride's own pieces (4-byte pieces'
+            // strides need not be multiples of 8).
+            let step = piece_step(stride.unsigned_abs());
+            let smaller = (step * rng.range(1..stride.unsigned_abs() / step)) as i64;
             set_stride(&mut out.segments[s], dim, smaller * stride.signum());
         }
         Change::VIntoK => {
@@ -219,14 +225,16 @@ fn changed(rng: &mut Rng, spec: &LayerSpec, change: Change) -> Option<LayerSpec>
                 return None;
             }
             let k = spec.segments[0];
-            out.segments[1].address = k.address + 8 * rng.below(k.bytes_per_token as u64 / 8);
+            let step = piece_step(k.bytes_per_token as u64);
+            out.segments[1].address = k.address + step * rng.below(k.bytes_per_token as u64 / step);
         }
         Change::VOverK => {
             if spec.segments.len() > 1 {
                 return None;
             }
             let mut v = segment;
-            v.address += 8 * rng.below(segment.bytes_per_token as u64 / 8);
+            let step = piece_step(segment.bytes_per_token as u64);
+            v.address += step * rng.below(segment.bytes_per_token as u64 / step);
             v.bytes_per_token = 8 * rng.range(1..5) as u32;
             out.segments.push(v);
         }
@@ -621,5 +629,15 @@ impl AliasingTally {
             );
         }
         out
+    }
+}
+
+/// The piece width a stride is a whole number of: 8, or 4 for the strides
+/// of cells of 4-byte pieces.
+fn piece_step(stride: u64) -> u64 {
+    if stride.is_multiple_of(8) {
+        8
+    } else {
+        4
     }
 }
