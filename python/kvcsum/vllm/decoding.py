@@ -117,6 +117,11 @@ class LayerDecodings:
         #: others only.
         self._settled: set = set()
         self._context_size = -1
+        #: The forward context last looked at, while every layer is settled
+        #: (None otherwise): vLLM fills one dict while it builds the model
+        #: and keeps it (compilation_config.static_forward_context; its
+        #: layers hold it too), so while its size holds nothing can change.
+        self._quiet_context: Mapping | None = None
 
     def _forward_context(self) -> Mapping:
         compilation = getattr(self._config, "compilation_config", None)
@@ -139,12 +144,17 @@ class LayerDecodings:
         """Declares every layer whose facts are new or changed. A layer the
         worker refuses is logged once and left undeclared (it then compares
         as if nothing were declared)."""
+        quiet = self._quiet_context
+        if quiet is not None and len(quiet) == self._context_size:
+            return  # a decode step's call: every layer settled, none came
         context = self._forward_context()
         if len(context) != self._context_size:
             # Layers came or went: look at every layer again.
             self._context_size = len(context)
             self._settled.clear()
+        self._quiet_context = None
         if len(self._settled) == len(self._layers):
+            self._quiet_context = context
             return
         for spec in self._layers:
             key = (spec.group_id, spec.name)
@@ -168,3 +178,5 @@ class LayerDecodings:
                 logger.warning("kvcsum: layer %s: its decoding is not declared: %s", spec.name, error)
                 continue
             self._declared[key] = facts
+        if len(self._settled) == len(self._layers):
+            self._quiet_context = context
