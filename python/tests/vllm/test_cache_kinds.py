@@ -837,6 +837,26 @@ def test_compressed_states_tier_round_trip(fault, load_mode):
         assert computed(pair["wrapped"], "again")[1] == 2 * BLOCK
 
 
+@pytest.mark.parametrize("interleave", [1, 2])
+@pytest.mark.parametrize("flip_rank", [None, 0, 1])
+def test_compressed_states_on_dcp_ranks_compare_by_their_place_in_the_request(store, interleave, flip_rank):
+    # Consumer TP 2 with DCP 2, producer TP 1: a manager block of 2 x 16
+    # tokens holds 8 states of 4 tokens, state u at offset u on DCP rank
+    # (u // I) % 2 (SPEC section 16, units of k tokens). A flip in a state
+    # of block 0 on the rank chosen.
+    corrupt = None
+    if flip_rank is not None:
+        state = next(u for u in range(8) if (u // interleave) % 2 == flip_rank)
+        corrupt = {"token": 4 * state + 2, "layer": "model.layers.1.self_attn.attn", "head": 0, "byte": 5}
+    pair = kind_pd(store, f"compressed MLA, P TP 1, C TP 2 DCP 2 (I {interleave}), flip on rank {flip_rank}", compressed_groups,
+                   corrupt, p_tp=1, c_tp=2, dcp=2, interleave=interleave, kv_heads=1)
+    if flip_rank is None:
+        intact(pair, "req", KIND_PROMPT)
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == 0  # the manager block of tokens 0..32
+
+
 @pytest.mark.parametrize("fault", [None, "indexer key", "indexer scale"])
 def test_a_c4a_group_with_vllms_indexer_keys_is_checksummed_and_a_flip_never_used(store, fault):
     # A DeepSeek V4 C4A group as vLLM 0.33 declares it: the compressed MLA
