@@ -546,6 +546,121 @@ static void test_dcp_placement(void) {
   }
 }
 
+/* Several caches of one layer number (SPEC section 1: their heads one
+ * cache after the other, in the layer's cache order): layer 5 holds an
+ * MLA-like cache of one 16-byte cell a token (head 0, 8-byte pieces) and
+ * an indexer-like cache of 8 key bytes then a 4-byte scale a token, kept
+ * as each block's keys then their scales (head 1, 12-byte cells of
+ * 4-byte pieces, two segments). 8-token blocks, 2 blocks, 13 tokens. The
+ * reference walks logical (head, token, piece) indices. */
+enum { TWO_BLOCK = 8, TWO_BLOCKS = 2, TWO_LAYER = 5, MLA_PIECES = 2, KEY_BYTES = 8, SCALE_BYTES = 4 };
+
+static void test_two_caches_of_one_layer(void) {
+  const uint32_t block_ids[TWO_BLOCKS] = {1, 0};
+  const uint64_t num_tokens = TWO_BLOCK + 5;
+  static uint64_t mla[TWO_BLOCKS][TWO_BLOCK][MLA_PIECES];
+  /* A page a block: every token's key, then every token's scale. */
+  static uint8_t indexer[TWO_BLOCKS][TWO_BLOCK * (KEY_BYTES + SCALE_BYTES)];
+  for (size_t i = 0; i < sizeof mla / sizeof mla[0][0][0]; i++) {
+    (&mla[0][0][0])[i] = next_random();
+  }
+  for (size_t i = 0; i < sizeof indexer; i++) {
+    (&indexer[0][0])[i] = (uint8_t)next_random();
+  }
+  uint64_t want[TWO_BLOCKS] = {0, 0};
+  for (uint64_t q = 0; q < TWO_BLOCKS; q++) {
+    uint64_t mla_slice = 0, indexer_slice = 0;
+    for (uint64_t i = 0; i < TWO_BLOCK; i++) {
+      uint64_t t = q * TWO_BLOCK + i;
+      if (t >= num_tokens) {
+        break;
+      }
+      for (uint64_t p = 0; p < MLA_PIECES; p++) {
+        mla_slice += piece_value(mla[block_ids[q]][i][p]) * (2 * (t * MLA_PIECES + p) + 1);
+      }
+      /* The 12-byte cell: the token's key bytes, then its scale bytes. */
+      uint8_t cell[KEY_BYTES + SCALE_BYTES];
+      memcpy(cell, &indexer[block_ids[q]][i * KEY_BYTES], KEY_BYTES);
+      memcpy(cell + KEY_BYTES, &indexer[block_ids[q]][TWO_BLOCK * KEY_BYTES + i * SCALE_BYTES], SCALE_BYTES);
+      const uint64_t pieces = (KEY_BYTES + SCALE_BYTES) / 4;
+      for (uint64_t p = 0; p < pieces; p++) {
+        uint64_t x = (uint64_t)cell[4 * p] | (uint64_t)cell[4 * p + 1] << 8 | (uint64_t)cell[4 * p + 2] << 16 |
+                     (uint64_t)cell[4 * p + 3] << 24;
+        indexer_slice += piece_value(x) * (2 * (t * pieces + p) + 1);
+      }
+    }
+    const uint64_t m0 = 2 * ((uint64_t)TWO_LAYER * 65536 + 0) + 1;
+    const uint64_t m1 = 2 * ((uint64_t)TWO_LAYER * 65536 + 1) + 1;
+    want[q] = m0 * mla_slice + m1 * indexer_slice;
+  }
+  kvcs_blocks *blocks = NULL;
+  EXPECT_OK(kvcs_blocks_create(&blocks));
+  EXPECT_OK(kvcs_blocks_add_request(blocks, "two", num_tokens));
+  EXPECT_OK(kvcs_blocks_add_group(blocks, "two", 0, 0, block_ids, TWO_BLOCKS));
+  kvcs_worker_options options = KVCS_WORKER_OPTIONS_INIT;
+  kvcs_worker *worker = NULL;
+  EXPECT_OK(kvcs_worker_create(&options, &worker));
+  EXPECT_OK(kvcs_worker_set_algorithm(worker, algorithm));
+  EXPECT_OK(kvcs_worker_add_region(worker, (uint64_t)(uintptr_t)mla, sizeof mla));
+  EXPECT_OK(kvcs_worker_add_region(worker, (uint64_t)(uintptr_t)indexer, sizeof indexer));
+  EXPECT_OK(kvcs_worker_add_group(worker, 0, TWO_BLOCK));
+  kvcs_segment mla_segment = {
+      .address = (uint64_t)(uintptr_t)mla,
+      .block_stride = sizeof mla[0],
+      .kernel_block_stride = 0,
+      .head_stride = 0,
+      .token_stride = sizeof mla[0][0],
+      .bytes_per_token = sizeof mla[0][0],
+  };
+  kvcs_layer layer = KVCS_LAYER_INIT;
+  layer.layer_number = TWO_LAYER;
+  layer.first_head = 0;
+  layer.num_heads = 1;
+  layer.num_blocks = TWO_BLOCKS;
+  layer.tokens_per_kernel_block = TWO_BLOCK;
+  layer.segments = &mla_segment;
+  EXPECT_OK(kvcs_worker_add_layer(worker, &layer));
+  kvcs_segment indexer_segments[2] = {
+      {.address = (uint64_t)(uintptr_t)indexer,
+       .block_stride = sizeof indexer[0],
+       .kernel_block_stride = 0,
+       .head_stride = 0,
+       .token_stride = KEY_BYTES,
+       .bytes_per_token = KEY_BYTES},
+      {.address = (uint64_t)(uintptr_t)indexer + TWO_BLOCK * KEY_BYTES,
+       .block_stride = sizeof indexer[0],
+       .kernel_block_stride = 0,
+       .head_stride = 0,
+       .token_stride = SCALE_BYTES,
+       .bytes_per_token = SCALE_BYTES},
+  };
+  layer.first_head = 1;
+  layer.num_segments = 2;
+  layer.segments = indexer_segments;
+  /* Head 0 of layer 5 is the first cache's: a second cache claiming it is refused. */
+  layer.first_head = 0;
+  CHECK(kvcs_worker_add_layer(worker, &layer) != KVCS_OK);
+  layer.first_head = 1;
+  EXPECT_OK(kvcs_worker_add_layer(worker, &layer));
+  kvcs_result *result = NULL;
+  EXPECT_OK(kvcs_worker_checksum(worker, blocks, KVCS_ROLE_PRODUCER, NULL, &result));
+  uint64_t values[TWO_BLOCKS] = {0, 0};
+  EXPECT_OK(kvcs_result_column(result, "two", 0, 0, NULL, NULL, values));
+  for (uint64_t q = 0; q < TWO_BLOCKS; q++) {
+    CHECK(values[q] == want[q]);
+  }
+  kvcs_result_destroy(result);
+  /* A scale byte changed changes the value of its block only. */
+  indexer[block_ids[1]][TWO_BLOCK * KEY_BYTES + 2 * SCALE_BYTES + 1] ^= 0x10;
+  EXPECT_OK(kvcs_worker_checksum(worker, blocks, KVCS_ROLE_PRODUCER, NULL, &result));
+  uint64_t changed[TWO_BLOCKS] = {0, 0};
+  EXPECT_OK(kvcs_result_column(result, "two", 0, 0, NULL, NULL, changed));
+  CHECK(changed[0] == want[0] && changed[1] != want[1]);
+  kvcs_result_destroy(result);
+  kvcs_worker_destroy(worker);
+  kvcs_blocks_destroy(blocks);
+}
+
 void test_checksums(uint64_t seed) {
   rng_state = seed | 1;
   uint64_t *all = &logical[0][0][0][0][0];
@@ -565,6 +680,7 @@ void test_checksums(uint64_t seed) {
       test_past_num_tokens();
       test_shards_add_up();
       test_dcp_placement();
+      test_two_caches_of_one_layer();
     }
   }
 }
