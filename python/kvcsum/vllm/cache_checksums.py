@@ -96,10 +96,12 @@ class LayerSpec:
     #: the DCP ranks its tokens are spread over (1: not DCP-sharded).
     tokens_per_state: int = 1
     dcp_size: int = 1
-    #: A sparse-attention indexer's k-cache, which vLLM stores as each
-    #: block's keys (this many bytes a token), then their 4-byte scales
-    #: (kvcsum.vllm.cache_kinds._indexer_key_bytes); 0 for any other cache.
-    key_bytes: int = 0
+    #: A cache vLLM stores as each block's data (`data_bytes` a slot), then
+    #: their scales (`scale_bytes` a slot): a sparse-attention indexer's
+    #: k-cache, DeepSeek V4's fp8_ds_mla states
+    #: (kvcsum.vllm.cache_kinds._data_then_scales_bytes); 0 for any other.
+    data_bytes: int = 0
+    scale_bytes: int = 0
 
 
 @dataclasses.dataclass
@@ -144,7 +146,7 @@ def layer_number(layer_name: str) -> int:
 
 #: Whether this kvcsum's device engine checksums cells of 4-byte pieces
 #: (SPEC section 1); its host engine does. Not yet: a device worker names
-#: a group holding an indexer's k-cache not checksummed.
+#: a group holding an indexer's k-cache (132-byte cells) not checksummed.
 DEVICE_READS_4_BYTE_PIECES = False
 
 
@@ -206,27 +208,40 @@ def _describe(tensor, spec: LayerSpec, num_blocks: int):
     )
 
 
-def _keys_then_scales(tensor, spec: LayerSpec):
-    """The keys `[B, N, K]` and the scales `[B, N, 4]` of an indexer's
-    k-cache (vLLM's view `[B, 1, N, C]` or `[B, N, C]` of uint8, C = K + 4),
-    as vLLM lays each block's page out: token t's key at byte t*K, its
-    scale at N*K + t*4 (kvcsum.vllm.cache_kinds._indexer_key_bytes); the
-    block stride is the view's (a page padded to its alignment stays so).
-    ValueError where the view is no such cache."""
+def _data_then_scales(tensor, spec: LayerSpec, num_blocks: int):
+    """(data `[B, N, D]`, scales `[B, N, S]`, kernel blocks) of a cache vLLM
+    stores as each block's data, then their scales (an indexer's k-cache,
+    DeepSeek V4's fp8_ds_mla states: kvcsum.vllm.cache_kinds.
+    _data_then_scales_bytes), from vLLM's view `[B, 1, N, C]` or `[B, N, C]`
+    of bytes, C = D + S: slot t's data at byte t*D of its block's page, its
+    scale at N*D + t*S. The block stride is the view's (a page padded to its
+    alignment stays so); where the view splits a manager block into kernel
+    blocks, each kernel block is such a page, N and the page the view's (as
+    the fp8_ds_mla writer takes them: models/deepseek_v4/common/ops/
+    fused_compress_quant_cache.py:129, :141). ValueError where the view is
+    no such cache."""
     view = tensor.view(tensor.shape[0], *tensor.shape[2:]) if tensor.dim() == 4 and tensor.shape[1] == 1 else tensor
     shape = tuple(int(n) for n in view.shape)
-    keys = spec.key_bytes
-    cell = keys + cache_kinds.INDEXER_SCALE_BYTES
+    data, scale = spec.data_bytes, spec.scale_bytes
+    cell = data + scale
     if len(shape) != 3 or int(view.element_size()) != 1 or shape[2] != cell or int(view.stride(2)) != 1 or int(view.stride(1)) != cell:
         raise ValueError(
-            f"its indexer k-cache view of shape {shape} and strides {tuple(view.stride())} is no [blocks, tokens, {cell}] uint8 page"
+            f"its view of shape {shape} and strides {tuple(view.stride())} is no [blocks, slots, {cell}] page of bytes "
+            f"({data} data bytes, then {scale} scale bytes, a slot)"
         )
-    blocks, tokens = shape[0], shape[1]
+    blocks, slots = shape[0], shape[1]
+    # The slots of one of this rank's manager blocks (a compressed cache
+    # holds one per tokens_per_state tokens).
+    wanted = spec.block_size // max(1, spec.tokens_per_state)
+    if blocks % num_blocks or slots * (blocks // num_blocks) != wanted:
+        raise ValueError(
+            f"its {blocks} blocks of {slots} slots are no kernel blocks of the {num_blocks} manager blocks of {wanted} slots"
+        )
     page = int(view.stride(0))
     start = int(view.storage_offset())
-    base = view.as_strided((blocks, tokens, keys), (page, keys, 1), start)
-    scales = view.as_strided((blocks, tokens, cache_kinds.INDEXER_SCALE_BYTES), (page, cache_kinds.INDEXER_SCALE_BYTES, 1), start + tokens * keys)
-    return base, scales
+    data_view = view.as_strided((blocks, slots, data), (page, data, 1), start)
+    scales = view.as_strided((blocks, slots, scale), (page, scale, 1), start + slots * data)
+    return data_view, scales, blocks // num_blocks
 
 
 def _dtype_bytes(spec: LayerSpec, item: int) -> int:
@@ -393,10 +408,11 @@ class CacheChecksummer:
             if spec.kind == "state" and not spec.state_shapes:
                 raise ValueError(f"layer {spec.name} is a {spec.spec_type} kvcsum has no rule for")
             tensor = kv_caches[spec.name]
-            if spec.key_bytes and self.device != kvcsum.HOST and not DEVICE_READS_4_BYTE_PIECES:
+            cell = spec.data_bytes + spec.scale_bytes
+            if cell % 8 and self.device != kvcsum.HOST and not DEVICE_READS_4_BYTE_PIECES:
                 raise ValueError(
-                    f"layer {spec.name} is a sparse-attention indexer's k-cache of {spec.key_bytes + cache_kinds.INDEXER_SCALE_BYTES}-byte "
-                    "cells (keys then scales), read in 4-byte pieces, which this kvcsum's device engine does not checksum yet"
+                    f"layer {spec.name} has {cell}-byte cells (a block's data, then its scales: {spec.data_bytes} + "
+                    f"{spec.scale_bytes} bytes a slot), read in 4-byte pieces, which this kvcsum's device engine does not checksum yet"
                 )
             number = layer_number(spec.name)
             key = (int(tensor.data_ptr()), tuple(tensor.stride()), tuple(tensor.shape))
@@ -426,8 +442,11 @@ class CacheChecksummer:
                 used_states.add(target)
                 states.append((target, cache_kinds.state_tensors(tensor, spec, self.tp_rank), target_ident))
                 continue
-            if spec.key_bytes:
-                layout, kernel_blocks = "BTD", 1
+            v_part = None
+            if spec.data_bytes:
+                # A block's data, then its scales: one cell of two segments.
+                tensor, v_part, kernel_blocks = _data_then_scales(tensor, spec, num_blocks)
+                layout = "BTD"
             else:
                 layout, kernel_blocks = _describe(tensor, spec, num_blocks)
             offset = next_head.get(target, 0)
@@ -435,11 +454,7 @@ class CacheChecksummer:
             first_head, replicas, replica_index = self._heads(spec)
             parts = [(tensor, first_head + offset)]
             part_layout = layout
-            v_part = None
-            if spec.key_bytes:
-                (tensor_keys, v_part) = _keys_then_scales(tensor, spec)
-                parts = [(tensor_keys, first_head + offset)]
-            elif spec.folded_slots:
+            if spec.folded_slots:
                 # The K slot then the V slot, each [B, N, heads x head_size]:
                 # numbered as K slots then V slots, a head each.
                 total = cache_kinds.global_heads(spec, self.tp_size) // 2

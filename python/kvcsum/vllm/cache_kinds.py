@@ -53,6 +53,24 @@ spec's dtype) and what kvcsum makes of it:
   where this kvcsum has it: `PLACEMENT`), each token numbered by its place
   in the request, so the DCP ranks' sums add up to the block's value.
 
+- a block's data, then its scales (`_data_then_scales_bytes`): each
+  block's page holds its slots' data (D bytes each, slot t's at byte
+  t*D), then their scales (S bytes each, slot t's at N*D + t*S, N the
+  slots of the block), the rest of the page padding. Registered as one
+  cell of two segments, the data (K) and the scales (V), so the cell is a
+  slot's data then its scale, D + S bytes, whatever the page's padding or
+  the block size. Two kinds of vLLM's caches are stored so:
+  - the sparse-attention indexer's k-cache (DeepSeek V3.2's
+    DeepseekV32IndexerCache, V4's C4A indexer: `_indexer_key_bytes`): a
+    token's (state's) 128-byte fp8 key (64 with MXFP4), then its 4-byte
+    scale: 132-byte cells, read in 4-byte pieces (SPEC section 1);
+  - DeepSeek V4's fp8_ds_mla compressed MLA states (`_is_ds_mla_states`):
+    a state's 576 data bytes (448 fp8 NoPE, 64 bf16 RoPE), then its 8
+    UE8M0 scale bytes: 584-byte cells, read in 8-byte pieces
+    (models/deepseek_v4/common/ops/cache_utils.py:64-104).
+  Compressed (`tokens_per_state` > 1) caches of either kind take the
+  token placement above, the slots being states.
+
 What kvcsum still cannot checksum is named (`unsupported`) and never
 silent (kvcsum.vllm.load_verdict): compressed states and DCP without the
 library's token placement, fractional tokens_per_state (several states a
@@ -61,18 +79,13 @@ elements of other than 2 or 4 bytes, an unknown mamba_cache_mode, head
 slots packed other than K slots then V slots (and ROCm's), specs that
 address their pages themselves (`uses_slot_mapping` False: a ring buffer),
 and caches whose `[B, H, N, C]` view is no cell per token (`_no_token_cells`:
-cells of no multiple of 8 bytes other than the indexer's below, and
-DeepSeek V4's fp8_ds_mla states), the indexer's keys on ROCm (tiled in a
-block) and on a device worker of a kvcsum whose device engine does not
-read 4-byte pieces (this one's: SPEC section 1). A group holding one of
-these is not checksummed at all, its other caches included.
-
-- the sparse-attention indexer's k-cache (DeepSeek V3.2's
-  DeepseekV32IndexerCache, V4's C4A indexer: `_indexer_key_bytes`): each
-  block's page holds its tokens' keys (K bytes each), then their 4-byte
-  scales. Registered as one cell of two segments, the keys (K) and the
-  scales (V), so the cell is a token's key then its scale: 132 bytes,
-  read in 4-byte pieces (SPEC section 1).
+cells of no multiple of 8 bytes other than the indexer's above, and
+DeepSeek V4's packed records other than fp8_ds_mla's compressed states:
+V4.1's 528- and 288-byte records and the sliding-window cache's), the
+indexer's keys on ROCm (tiled in a block) and on a device worker of a
+kvcsum whose device engine does not read 4-byte pieces (this one's: SPEC
+section 1). A group holding one of these is not checksummed at all, its
+other caches included.
 """
 
 from __future__ import annotations
@@ -187,10 +200,10 @@ def describe_spec(
     if cell is None and num_slots:
         # A slot holds K or V alone.
         cell = int(spec.state_content_size_bytes)
-    key_bytes = _indexer_key_bytes(name, spec, is_mla)
-    if not unsupported and key_bytes:
+    data_bytes, scale_bytes = _data_then_scales_bytes(name, spec, is_mla)
+    if not unsupported and _indexer_key_bytes(name, spec, is_mla):
         unsupported = _indexer_layout_unknown(type_name)
-    if not unsupported and not key_bytes:
+    if not unsupported and not data_bytes:
         unsupported = _no_token_cells(type_name, spec, cell, is_mla)
     return dict(
         common,
@@ -204,7 +217,8 @@ def describe_spec(
         cell_bytes=int(cell) if cell is not None else 0,
         tokens_per_state=int(tokens_per_state) if isinstance(tokens_per_state, int) else 1,
         dcp_size=dcp_size if dcp_sharded else 1,
-        key_bytes=key_bytes,
+        data_bytes=data_bytes,
+        scale_bytes=scale_bytes,
         unsupported=unsupported,
     )
 
@@ -214,6 +228,30 @@ def _on_rocm() -> bool:
     import torch
 
     return getattr(torch.version, "hip", None) is not None
+
+
+def _data_then_scales_bytes(name: str, spec, is_mla: bool) -> tuple[int, int]:
+    """(D, S): the data and the scale bytes of one slot (a token, or a
+    state of `tokens_per_state` tokens) of a cache that vLLM stores as each
+    block's data, then their scales: slot t's data at byte t*D of its
+    block's page, its scale at N*D + t*S (N the page's slots, the view's
+    `[B, H, N, C]` N, C = D + S), the rest of the page padding. (0, 0) for
+    any other cache.
+
+    Registered as one cell of two segments, K = the data, V = the scales
+    (kvcsum.vllm.cache_checksums._data_then_scales), read in 8-byte pieces
+    where D + S is a multiple of 8, else in 4-byte pieces, each segment a
+    whole number of them (SPEC section 1). The caches vLLM 0.33 stores so:
+    the sparse-attention indexer's k-cache (`_indexer_key_bytes`: D = 128
+    or 64, S = 4) and DeepSeek V4's fp8_ds_mla compressed MLA states
+    (`_is_ds_mla_states`: D = 576, S = 8).
+    """
+    keys = _indexer_key_bytes(name, spec, is_mla)
+    if keys:
+        return keys, INDEXER_SCALE_BYTES
+    if _is_ds_mla_states(spec, is_mla):
+        return DS_MLA_DATA_BYTES, DS_MLA_SCALE_BYTES
+    return 0, 0
 
 
 #: Bytes of the scale vLLM stores after each token's indexer key: one fp32
@@ -265,16 +303,74 @@ def _indexer_layout_unknown(type_name: str) -> str:
     return ""
 
 
+#: DeepSeek V4's fp8_ds_mla record: a state's 576 data bytes (448 fp8
+#: e4m3 NoPE, then 64 bf16 RoPE), then, after the block's data, its 8
+#: UE8M0 scale bytes (7 and a pad byte) (models/deepseek_v4/common/ops/
+#: cache_utils.py:64-69, :200-210, TOKEN_DATA_SIZE 576, TOKEN_SCALE_DIM 8).
+DS_MLA_DATA_BYTES = 576
+DS_MLA_SCALE_BYTES = 8
+#: Its width, the spec's `state_content_bytes`, which names the record
+#: (models/deepseek_v41/common/ops/cache_utils.py:39-49).
+DS_MLA_RECORD_BYTES = DS_MLA_DATA_BYTES + DS_MLA_SCALE_BYTES
+
+
+def _is_ds_mla_states(spec, is_mla: bool) -> bool:
+    """Whether `spec` is DeepSeek V4's compressed MLA cache in fp8_ds_mla
+    records, which vLLM stores as each block's states' data, then their
+    scales.
+
+    The spec (models/deepseek_v4/attention.py:860-883): an MLAAttentionSpec
+    of one head, uint8, `tokens_per_state` the layer's compress ratio,
+    `model_version` "deepseek_v4", `state_content_bytes` 584, pages padded
+    to a multiple of 576 bytes (`alignment`: v1/kv_cache_interface.py:
+    719-725, the padding after the page's 584 N bytes); V4.1's compressed
+    cache in the same 584-byte records (without MXFP8 records) likewise
+    (models/deepseek_v41/attention.py:521-531, :1206-1231). Its view is `[B, 1, N, 584]`, N =
+    block_size // tokens_per_state states a block (v1/kv_cache_interface.py:
+    268-275, 360-376). Its writers put state t of a block's page (the
+    view's block stride) at t*576 and its scales at N*576 + t*8, N the
+    view's states a block: the Triton kernels (models/deepseek_v4/common/
+    ops/fused_compress_quant_cache.py:129 N = kv_cache.shape[1], :141 the
+    page stride, :192-194, :263-272) and CUDA's CuTe DSL compressor
+    (models/deepseek_v4/compressor.py:472-480; models/deepseek_v4/nvidia/
+    ops/sparse_attn_compress_cutedsl.py:286-293, :1667-1690 N =
+    block_size // compress_ratio, the page round_up(N*(576 + 8), 576));
+    its readers alike (models/deepseek_v4/common/ops/cache_utils.py:
+    298-310; models/deepseek_v4/sparse_mla.py:262, N). ROCm's kernels keep
+    the layout (models/deepseek_v4/amd/mono/attention/plan.py:17-20), the
+    Triton writer's FNUZ mode only the fp8 encoding (cache_utils.py:
+    138-142). "A page puts its whole data region ahead of its whole scale
+    region" (models/deepseek_v41/common/ops/cache_utils.py:41-43).
+
+    The sliding-window cache's records of the same width
+    (SlidingWindowMLASpec, v1/attention/backends/mla/sparse_swa.py:120-147)
+    are no MLAAttentionSpec (kvcsum numbers their heads as no MLA cache's),
+    and V4.1's 528- and 288-byte records are
+    interleaved (models/deepseek_v41/common/ops/cache_utils.py:44-49): none
+    of them is this rule's (`_no_token_cells` names them).
+    """
+    return (
+        is_mla
+        and getattr(spec, "model_version", None) == "deepseek_v4"
+        and getattr(spec, "state_content_bytes", None) == DS_MLA_RECORD_BYTES
+        and dtype_bytes(getattr(spec, "dtype", "")) == 1
+        and int(getattr(spec, "num_kv_heads", 1)) == 1
+    )
+
+
 def _no_token_cells(type_name: str, spec, cell, is_mla: bool) -> str:
     """Why a cache's `[B, H, N, C]` view is no cell per token (slot), or "".
 
-    - DeepSeek V4's fp8_ds_mla caches (`model_version` "deepseek_v4" with
-      `state_content_bytes`) store a block's token data (448 fp8 + 128 bf16
-      bytes a state), then all of its states' 8 scale bytes
-      (models/deepseek_v4/common/ops/cache_utils.py,
-      quantize_and_insert_k_kernel): the view's C bytes of a state are not
-      that state's bytes, so the sums would number them by other states
-      and differ between block sizes.
+    - DeepSeek V4's packed records (`model_version` "deepseek_v4" with
+      `state_content_bytes`) other than fp8_ds_mla's compressed states
+      (`_is_ds_mla_states`, registered as a block's data then its scales):
+      the sliding-window cache's 584-byte records (a SlidingWindowMLASpec,
+      v1/attention/backends/mla/sparse_swa.py:120-147, no MLA spec to
+      kvcsum; on XPU written by the same kernel, models/deepseek_v4/xpu/
+      xpu_qnorm_rope_kv_fp8_insert.py:153-162, on CUDA by a compiled op
+      not read here) and V4.1's 528- and 288-byte records (interleaved, a
+      token's scales after its own data: models/deepseek_v41/common/ops/
+      cache_utils.py:44-49). kvcsum has no rule for them yet.
     - Cells of a size that is no multiple of 8 bytes, other than the
       sparse-attention indexer's keys then scales (`_indexer_key_bytes`,
       registered as two segments): a view of C bytes per token where the
@@ -283,8 +379,8 @@ def _no_token_cells(type_name: str, spec, cell, is_mla: bool) -> str:
     """
     if getattr(spec, "model_version", None) == "deepseek_v4" and getattr(spec, "state_content_bytes", None) is not None:
         return (
-            f"{type_name} (DeepSeek V4, {spec.state_content_bytes}-byte states) stores a block's state data, "
-            "then all of their scales: no cell per state kvcsum can read"
+            f"{type_name} (DeepSeek V4, {spec.state_content_bytes}-byte records) packs its records in a layout "
+            "kvcsum has no rule for (only fp8_ds_mla's compressed MLA states are registered)"
         )
     size = dtype_bytes(getattr(spec, "dtype", ""))
     if cell is None:

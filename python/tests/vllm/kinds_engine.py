@@ -8,7 +8,10 @@ The stand-in model works on bytes, whatever the kind:
 - a per-token cache ([B, H, N, C] view, any dtype): the cell of (token,
   position, layer, head slot) is bytes that depend only on them (so a
   quantized cell's scales, a head slot's packed data, an MLA latent and an
-  indexer key are all "what the model computes" for that token);
+  indexer key are all "what the model computes" for that token); a cache
+  vLLM stores as each block's data, then their scales (an indexer's keys,
+  fp8_ds_mla states: data_scale_pages.py) gets the C bytes of a slot as
+  its data (the first D) and its scales (the rest), where vLLM puts them;
 - a compressed cache (`tokens_per_state` k > 1, DeepSeek V4's compressed
   MLA and indexer caches): slot u of the request summarises tokens
   u*k .. (u+1)*k, written by the step that computes the last of them, its
@@ -29,7 +32,7 @@ import hashlib
 import torch
 
 from harness import Engine, RankState
-from indexer_pages import read_rows, split_pages, write_rows
+from data_scale_pages import read_rows, split_pages, write_rows
 from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MambaSpec, UniformTypeKVCacheSpecs
 
@@ -195,7 +198,7 @@ class KindEngine(Engine):
                         held, blocks, local = self.token_slots(spec, rank, units, ids)
                         parts = split_pages(name, spec, cache)
                         if parts is not None:
-                            width = int(spec.head_size)
+                            # A block's states' data, then their scales, as vLLM writes them.
                             write_rows(parts, blocks, local, self.unit_cells(req_id, held, k, layer, first, slots, width)[:, 0])
                             continue
                         raw[blocks, :, local] = self.unit_cells(req_id, held, k, layer, first, slots, width)
@@ -203,8 +206,7 @@ class KindEngine(Engine):
                     held, blocks, local = self.token_slots(spec, rank, positions, ids)
                     parts = split_pages(name, spec, cache)
                     if parts is not None:
-                        # An indexer's keys, then their scales, as vLLM writes them.
-                        width = int(spec.head_size)
+                        # A block's data (an indexer's keys), then their scales, as vLLM writes them.
                         write_rows(parts, blocks, local, self.cells(req_id, held, layer, first, slots, width)[:, 0])
                         continue
                     raw[blocks, :, local] = self.cells(req_id, held, layer, first, slots, width)
@@ -229,7 +231,6 @@ class KindEngine(Engine):
                 slots, width = raw.shape[1], raw.shape[3]
                 parts = split_pages(name, spec, state.caches[name])
                 if parts is not None:
-                    width = int(spec.head_size)
                     got = read_rows(parts, blocks, local).unsqueeze(1)
                 else:
                     got = raw[blocks, :, local]

@@ -21,6 +21,11 @@ k tokens; the states of the tokens moved (those whose k tokens are all
 among them) are moved, and `CORRUPT["token"]` changes the state holding
 that token.
 
+Caches vLLM stores as each block's data, then their scales (an indexer's
+keys, fp8_ds_mla states: data_scale_pages.py) are read and written where
+vLLM puts them; a stored row is a slot's data, then its scales, and
+`CORRUPT["byte"]` a byte of that row.
+
 State groups (MambaSpec: a request's state is one block, raw bytes): each
 layer's state block is moved whole.
 
@@ -48,7 +53,7 @@ from typing import Any
 
 import torch
 
-from indexer_pages import read_rows, split_pages, write_rows
+from data_scale_pages import read_rows, split_pages, write_rows
 from vllm.distributed import parallel_state
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,

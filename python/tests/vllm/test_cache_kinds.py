@@ -644,7 +644,7 @@ def mla_groups(tp: int):
 # vLLM's indexer cache (DeepSeek V3.2's DeepseekV32IndexerCache): 132-byte
 # cells, each block's page its keys (token t's 128 bytes at t*128), then
 # their 4-byte scales (at BLOCK*128 + t*4); the stand-in model and the test
-# connectors write and move it so (indexer_pages.py). A stored row is a
+# connectors write and move it so (data_scale_pages.py). A stored row is a
 # token's key then its scale: byte 129 is a scale byte.
 INDEXER_BYTE = {"mla": 3, "indexer key": 3, "indexer scale": 129}
 
@@ -874,6 +874,149 @@ def test_a_c4a_group_with_vllms_indexer_keys_is_checksummed_and_a_flip_never_use
         "token": 30, "layer": "model.layers.1.self_attn.indexer.k_cache", "head": 0, "byte": INDEXER_BYTE[fault],
     }
     pair = kind_pd(store, f"C4A with vLLM's indexer keys, {fault or 'intact'}", groups, corrupt, p_tp=1, c_tp=2)
+    assert groups_not_checksummed(pair["wrapped"].kv_cache_config, 1) == {}
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == 16
+
+# --- 9. DeepSeek V4's fp8_ds_mla compressed states: each block's data, then its scales -------
+
+import random  # noqa: E402
+
+#: The seed of the flipped bytes below (KVCS_SEED changes it); printed.
+DS_MLA_SEED = int(os.environ.get("KVCS_SEED", "0x64736D6C"), 0)
+DS_MLA_DATA, DS_MLA_SCALES = 576, 8
+
+
+def ds_mla_groups(tp: int, block: int = BLOCK, indexer: bool = False):
+    # DeepSeek V4's compressed MLA cache in fp8_ds_mla records as vLLM 0.33
+    # declares it (models/deepseek_v4/attention.py:860-883): uint8, one
+    # replicated head, one state per 4 tokens, 584-byte states, pages padded
+    # to a multiple of 576 bytes. vLLM writes each block's page as its
+    # states' 576 data bytes (state t's at t*576), then their 8 scale bytes
+    # (at states*576 + t*8) (models/deepseek_v4/common/ops/cache_utils.py:
+    # 64-69, fused_compress_quant_cache.py:263-272); the stand-in model and
+    # the test connectors write and move them so (data_scale_pages.py). A
+    # stored row is a state's data then its scales: bytes 576.. are scales.
+    # With `indexer`, a C4A layer's indexer k-cache beside it, as vLLM
+    # declares it with fp8_ds_mla (models/deepseek_v4/attention.py:911-924:
+    # 132 bytes, the page aligned to 576).
+    from vllm.v1.kv_cache_interface import get_kv_quant_mode
+
+    specs = {}
+    for i in range(2):
+        specs[f"model.layers.{i}.self_attn.attn"] = MLAAttentionSpec(
+            block_size=block, num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=torch.uint8, tokens_per_state=4,
+            cache_dtype_str="fp8_ds_mla", alignment=576, model_version="deepseek_v4",
+            kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"), state_content_bytes=584,
+        )
+        if indexer:
+            specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
+                block_size=block, num_kv_heads=1, max_tp_shards=1, head_size=132, dtype=torch.uint8,
+                tokens_per_state=4, alignment=576,
+            )
+    return [(list(specs), UniformTypeKVCacheSpecs(block_size=block, kv_cache_specs=specs))]
+
+
+def ds_mla_fault(case: str, fault: str | None, states: int = 0) -> tuple[dict, str]:
+    """A seeded fault ({"token", "position", "byte"}) and the case's line
+    naming it and the seed: a byte of a stored row (a state's data, then
+    its scales) or, with `states`, of a block's page (its states' data,
+    then their scales), in the data or in the scales."""
+    rng = random.Random(f"{DS_MLA_SEED}:{case}:{fault}")
+    data, scales = (states * DS_MLA_DATA, states * DS_MLA_SCALES) if states else (DS_MLA_DATA, DS_MLA_SCALES)
+    where = {
+        "token": rng.randrange(48),  # of KIND_PROMPT's 48 loaded tokens
+        "position": rng.randrange(4),  # of PROMPT's 4 full blocks
+        "byte": rng.randrange(data) if fault == "data" else data + rng.randrange(scales),
+    }
+    if fault is None:
+        return where, f"{case}, intact"
+    at = f"block {where['position']}" if states else f"token {where['token']}"
+    return where, f"{case}, {fault} ({at}, byte {where['byte']}; seed {DS_MLA_SEED:#x}, KVCS_SEED)"
+
+
+def test_fp8_ds_mla_states_are_vllms_own_specs():
+    # vLLM's own spec and view: 16-token blocks of 4 states, 4 x 584 bytes
+    # padded to 2880 (5 x 576); the view [B, 1, 4, 584] over each page.
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from kinds_engine import kinds_config
+
+    (names, group), = ds_mla_groups(1)
+    spec = group.kv_cache_specs[names[0]]
+    assert (spec.num_states, spec.real_page_size_bytes, spec.page_size_bytes) == (4, 4 * 584, 2880)
+    cache = allocate_kv_cache(kinds_config(ds_mla_groups(1), 3), torch.device("cpu"), KVCacheLayout.LBNHC)[names[0]]
+    assert tuple(cache.shape) == (3, 1, 4, 584) and cache.stride(0) == 2880 and cache.dtype == torch.uint8
+
+
+@pytest.mark.parametrize("fault", [None, "data", "scale"])
+def test_fp8_ds_mla_states_pd_round_trip(store, fault):
+    # Producer TP 1, consumer TP 2 (the replicated latent on both ranks): a
+    # flipped data or scale byte of one state's row is a MISMATCH of its
+    # block, never used; intact: the bare connector's tokens reused.
+    where, case = ds_mla_fault("fp8_ds_mla states P TP 1, C TP 2", fault)
+    token = where["token"]
+    corrupt = None if fault is None else {"token": token, "layer": "model.layers.1.self_attn.attn", "head": 0, "byte": where["byte"]}
+    pair = kind_pd(store, case, ds_mla_groups, corrupt, p_tp=1, c_tp=2)
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        # One group: computed again from the block of the state holding the token.
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == token // BLOCK * BLOCK, case
+
+
+@pytest.mark.parametrize("fault", [None, "data", "scale"])
+def test_fp8_ds_mla_states_pd_round_trip_between_block_sizes(store, fault):
+    # Producer blocks of 32 tokens (8 states: scales at 8*576), consumer
+    # blocks of 16 (4 states: scales at 4*576): the cell is a state's data
+    # then its scales whatever the page, numbered by its place in the
+    # request, so the sides' runs of blocks line up.
+    where, case = ds_mla_fault("fp8_ds_mla states, P blocks 32 TP 2, C blocks 16 TP 1", fault)
+    token = where["token"]
+    corrupt = None if fault is None else {"token": token, "layer": "model.layers.0.self_attn.attn", "head": 0, "byte": where["byte"]}
+    pair = kind_pd(store, case, ds_mla_groups, corrupt, p_tp=2, c_tp=1, p_block_size=32,
+                   p_groups=lambda tp: ds_mla_groups(tp, block=32))
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        # Computed again from the producer's block (32 tokens) holding it.
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == token // 32 * 32, case
+
+
+@pytest.mark.parametrize("load_mode", ["sync", "async"])
+@pytest.mark.parametrize("fault", [None, "data", "scale"])
+def test_fp8_ds_mla_states_tier_round_trip(fault, load_mode):
+    # The tier moves whole pages (4 states' data, then their 4 x 8 scale
+    # bytes); the flip is a byte of one block's page, on both ranks.
+    where, case = ds_mla_fault("fp8_ds_mla states TP 2", fault, states=BLOCK // 4)
+    position = where["position"]
+    fault_spec = None if fault is None else {"flip": position, "layer": "model.layers.0.self_attn.attn", "byte": where["byte"]}
+    pair = kind_tier(case, ds_mla_groups, fault_spec, tp=2, load_mode=load_mode)
+    if fault is None:
+        intact(pair, "again", PROMPT)
+    else:
+        flipped(pair, "again", PROMPT)
+        assert computed(pair["wrapped"], "again")[1] == position * BLOCK, case
+
+
+@pytest.mark.parametrize("fault", [None, "state scale", "indexer scale"])
+def test_a_c4a_group_in_fp8_ds_mla_records_is_checksummed_and_a_flip_never_used(store, fault):
+    # DeepSeek V4's C4A group with fp8_ds_mla: the compressed MLA states
+    # (576 + 8 bytes, 8-byte pieces) and the indexer's keys (128 + 4 bytes,
+    # 4-byte pieces), each a block's data then its scales, in one group, on
+    # host workers. Token 30: state 7, block 1; byte 579 of a state's row
+    # is a scale byte (576..583), byte 129 of the indexer's (128..131).
+    from kvcsum.vllm.config import groups_not_checksummed
+
+    groups = lambda tp: ds_mla_groups(tp, indexer=True)  # noqa: E731
+    layer = "model.layers.1.self_attn." + ("indexer.k_cache" if fault == "indexer scale" else "attn")
+    corrupt = None if fault is None else {"token": 30, "layer": layer, "head": 0, "byte": 129 if fault == "indexer scale" else 579}
+    pair = kind_pd(store, f"C4A in fp8_ds_mla records, {fault or 'intact'}", groups, corrupt, p_tp=1, c_tp=2)
     assert groups_not_checksummed(pair["wrapped"].kv_cache_config, 1) == {}
     if fault is None:
         intact(pair, "req", KIND_PROMPT)

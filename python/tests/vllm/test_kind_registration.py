@@ -455,19 +455,98 @@ def test_vllms_own_indexer_k_cache_on_a_device_worker_is_named_not_checksummed()
         worker._plan_group(0, [s for s in layers if s.group_id == 0], caches, cfg.num_blocks)
 
 
-def test_deepseek_v4_fp8_ds_mla_states_are_named_not_checksummed():
-    # fp8_ds_mla (models/deepseek_v4/attention.py): 584-byte states stored
-    # as the block's state data, then every state's scales.
+#: The seed of the fp8_ds_mla cases' flipped bytes (KVCS_SEED changes it); printed.
+DS_MLA_SEED = int(os.environ.get("KVCS_SEED", "0x64736D6C"), 0)
+
+
+def fp8_ds_mla(block: int = BLOCK) -> MLAAttentionSpec:
+    # DeepSeek V4's compressed MLA cache in fp8_ds_mla records
+    # (models/deepseek_v4/attention.py:860-883): 584-byte states, 4 tokens
+    # a state, pages padded to a multiple of 576 bytes; each block's page
+    # its states' 576 data bytes (state t's at t*576), then their 8 scale
+    # bytes (at states*576 + t*8) (models/deepseek_v4/common/ops/
+    # cache_utils.py:64-69, fused_compress_quant_cache.py:263-272).
+    from vllm.v1.kv_cache_interface import get_kv_quant_mode
+
+    return MLAAttentionSpec(
+        block_size=block, num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=torch.uint8, tokens_per_state=4,
+        alignment=576, model_version="deepseek_v4", state_content_bytes=584, cache_dtype_str="fp8_ds_mla",
+        kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"),
+    )
+
+
+def test_deepseek_v4_fp8_ds_mla_states_are_registered_as_their_data_then_their_scales():
+    # One 584-byte cell of two segments over each block's page: K the
+    # state's 576 data bytes (at t*576), V its 8 scale bytes (at 4*576 +
+    # t*8), the page's stride the padded 2880 bytes. Both are 8-byte pieces,
+    # so a device worker's plan takes it too (the indexer's 4-byte pieces it
+    # refuses: test_vllms_own_indexer_k_cache_on_a_device_worker_*).
     from kvcsum.vllm.config import groups_not_checksummed
 
-    spec = MLAAttentionSpec(
-        block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=torch.uint8, tokens_per_state=4,
-        alignment=576, model_version="deepseek_v4", state_content_bytes=584, cache_dtype_str="fp8_ds_mla",
+    cfg = config([(ATTN, fp8_ds_mla())])
+    assert groups_not_checksummed(cfg, 1) == {}
+    caches, worker = engine_side(cfg, seed=4, total_kv_heads=1)
+    assert worker.skipped == {} and worker.layers_registered == 2
+    layers, _ = layer_specs(cfg, 1)
+    assert {(layer.data_bytes, layer.scale_bytes) for layer in layers} == {(576, 8)}
+    for device in (kvcsum.HOST, 0):
+        worker.device = device
+        plan = worker._plan_group(0, layers, caches, cfg.num_blocks)
+        for layer, name in zip(plan["layers"], ATTN):
+            page = caches[name]
+            assert tuple(page.shape) == (NUM_BLOCKS, 1, 4, 584) and page.stride(0) == 2880
+            k, v = layer.segments
+            assert (k.bytes_per_token, k.token_stride, k.block_stride) == (576, 576, 2880)
+            assert (v.bytes_per_token, v.token_stride, v.block_stride) == (8, 8, 2880)
+            assert (k.address, v.address) == (page.data_ptr(), page.data_ptr() + 4 * 576)
+            assert layer.tokens_per_kernel_block == 4 and layer.kernel_blocks == 1
+    worker.device = kvcsum.HOST
+
+
+@pytest.mark.parametrize("where", [None, "data", "scale", "padding"])
+def test_deepseek_v4_fp8_ds_mla_states_verify_and_a_flipped_data_or_scale_byte_is_a_mismatch(where):
+    # Seeded random pages, the consumer's a copy of the producer's; a
+    # flipped byte of block IDS[1]'s page: in a state's data (bytes
+    # 0..2304), in the scales (2304..2336): a MISMATCH of that block; in
+    # the page's padding (2336..2880), no state's byte: MATCH.
+    import random
+
+    rng = random.Random(f"{DS_MLA_SEED}:{where}")
+    at = {"data": (0, 4 * 576), "scale": (4 * 576, 4 * 584), "padding": (4 * 584, 2880)}.get(where)
+    byte = rng.randrange(*at) if at else None
+
+    def flip(caches):
+        view = caches[ATTN[1]].view(torch.uint8)
+        page = view.as_strided((view.stride(0),), (1,), view.storage_offset() + IDS[1] * view.stride(0))
+        page[byte] ^= 1 << rng.randrange(8)
+
+    case = f"fp8_ds_mla states, flip in {where}" + (f" (byte {byte}, seed {DS_MLA_SEED:#x}, KVCS_SEED)" if at else "")
+    report = round_trip(case, [(ATTN, fp8_ds_mla())], flip if where else None, total_kv_heads=1)
+    check(report, where in ("data", "scale"), IDS[1])
+
+
+def test_deepseek_v4_records_kvcsum_has_no_rule_for_are_named_not_checksummed():
+    # V4.1's 528-byte compressed records (interleaved: models/deepseek_v41/
+    # common/ops/cache_utils.py:44-49, attention.py:1206-1231) and the
+    # sliding-window cache's 584-byte records (a SlidingWindowMLASpec:
+    # v1/attention/backends/mla/sparse_swa.py:120-147) are no rule's:
+    # named, never registered.
+    from kvcsum.vllm.config import groups_not_checksummed
+    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
+
+    v41 = MLAAttentionSpec(
+        block_size=BLOCK, num_kv_heads=1, head_size=512, dtype=torch.uint8, tokens_per_state=4, alignment=512,
+        model_version="deepseek_v4", state_content_bytes=528, cache_dtype_str="fp8_ds_mla",
     )
-    cfg = config([(ATTN, spec)])
-    assert "then all of their scales" in groups_not_checksummed(cfg, 1)[0]
-    _, worker = engine_side(cfg, seed=4, total_kv_heads=1)
-    assert 0 in worker.skipped and worker.layers_registered == 0
+    swa = SlidingWindowMLASpec(
+        block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=torch.uint8, sliding_window=128,
+        cache_dtype_str="fp8_ds_mla", state_content_bytes=584, alignment=576, model_version="deepseek_v4",
+    )
+    for spec, size in ((v41, 528), (swa, 584)):
+        cfg = config([(ATTN, spec)])
+        assert f"{size}-byte records) packs its records in a layout kvcsum has no rule for" in groups_not_checksummed(cfg, 1)[0]
+        _, worker = engine_side(cfg, seed=4, total_kv_heads=1)
+        assert 0 in worker.skipped and worker.layers_registered == 0
 
 
 def test_a_ring_buffer_that_addresses_its_page_itself_is_named_not_checksummed():
