@@ -64,12 +64,18 @@ spec's dtype) and what kvcsum makes of it:
     DeepseekV32IndexerCache, V4's C4A indexer: `_indexer_key_bytes`): a
     token's (state's) 128-byte fp8 key (64 with MXFP4), then its 4-byte
     scale: 132-byte cells, read in 4-byte pieces (SPEC section 1);
-  - DeepSeek V4's fp8_ds_mla compressed MLA states (`_is_ds_mla_states`):
-    a state's 576 data bytes (448 fp8 NoPE, 64 bf16 RoPE), then its 8
+  - DeepSeek V4's fp8_ds_mla records (`_is_ds_mla_states`): a state's
+    (a token's) 576 data bytes (448 fp8 NoPE, 64 bf16 RoPE), then its 8
     UE8M0 scale bytes: 584-byte cells, read in 8-byte pieces
-    (models/deepseek_v4/common/ops/cache_utils.py:64-104).
+    (models/deepseek_v4/common/ops/cache_utils.py:64-104), in its
+    compressed MLA cache and in its sliding-window cache (a
+    SlidingWindowMLASpec, one latent head like MLA's, a token a slot).
   Compressed (`tokens_per_state` > 1) caches of either kind take the
   token placement above, the slots being states.
+- DeepSeek V4.1's interleaved records (`_is_v41_records`: 528 bytes, 512
+  fp8 then 16 UE8M0 scales; 288 bytes, 256 packed fp4 then 32 e4m3
+  scales; a slot's scales right after its own data): opaque cells of the
+  record's bytes, one latent head, as any packed cell above.
 
 What kvcsum still cannot checksum is named (`unsupported`) and never
 silent (kvcsum.vllm.load_verdict): compressed states and DCP without the
@@ -80,8 +86,8 @@ slots packed other than K slots then V slots (and ROCm's), specs that
 address their pages themselves (`uses_slot_mapping` False: a ring buffer),
 and caches whose `[B, H, N, C]` view is no cell per token (`_no_token_cells`:
 cells of no multiple of 8 bytes other than the indexer's above, and
-DeepSeek V4's packed records other than fp8_ds_mla's compressed states:
-V4.1's 528- and 288-byte records and the sliding-window cache's), the
+DeepSeek V4's packed records of another width than 584, 528 or 288 bytes,
+or not one latent head of bytes), the
 indexer's keys on ROCm (tiled in a block) and on a device worker of a
 kvcsum whose device engine does not read 4-byte pieces (this one's: SPEC
 section 1). A group holding one of these is not checksummed at all, its
@@ -342,12 +348,32 @@ def _is_ds_mla_states(spec, is_mla: bool) -> bool:
     138-142). "A page puts its whole data region ahead of its whole scale
     region" (models/deepseek_v41/common/ops/cache_utils.py:41-43).
 
-    The sliding-window cache's records of the same width
-    (SlidingWindowMLASpec, v1/attention/backends/mla/sparse_swa.py:120-147)
-    are no MLAAttentionSpec (kvcsum numbers their heads as no MLA cache's),
-    and V4.1's 528- and 288-byte records are
-    interleaved (models/deepseek_v41/common/ops/cache_utils.py:44-49): none
-    of them is this rule's (`_no_token_cells` names them).
+    The sliding-window cache in fp8_ds_mla or nvfp4_ds_mla (a
+    SlidingWindowMLASpec, v1/attention/backends/mla/sparse_swa.py:120-147:
+    uint8, one head, `max_tp_shards` 1, `state_content_bytes` 584 where the
+    record is V4's, pages padded to 576 bytes; kvcsum.vllm.config takes it
+    as MLA) is this rule's too, a token a slot (N = block_size): its
+    writers are the CUDA op torch.ops._C.
+    fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert (models/deepseek_v4/
+    attention.py:797-814, compiled, not read here) and on XPU the Triton
+    writer of the compressed states (models/deepseek_v4/xpu/
+    xpu_qnorm_rope_kv_fp8_insert.py:153-162 -> cache_utils.py:168-230,
+    block_stride = the view's stride(0), cache_block_size = block_size);
+    its readers take the same layout: FlashMLA reads it and the
+    compressed cache in one call (models/deepseek_v4/nvidia/flashmla.py:
+    217-262, k_cache and extra_k_cache), the prefill gathers it with the
+    compressed cache's gather at N = block_size (flashmla.py:340-348;
+    cache_utils.py:499-545: CuTe DSL's nvidia/ops/
+    dequant_gather_k_cutedsl.py:55-60, "V4 puts all of a block's data
+    rows ahead of its scale rows", scale_offset block_size * 576), ROCm's
+    likewise (amd/rocm.py:1674-1684). On gfx942 ROCm's C++ writer encodes
+    the SWA records' fp8 as FNUZ (use_fnuz there; the compressed states
+    stay OCP): the declared decoding names it (kvcsum.vllm.decoding), so
+    such a side and an OCP one compare UNVERIFIED, never MISMATCH. V4.1
+    off SM100 keeps these 584-byte records (models/deepseek_v41/
+    attention.py:131-138, :521); its 528- and 288-byte records are
+    interleaved (models/deepseek_v41/common/ops/cache_utils.py:44-49):
+    `_is_v41_records`.
     """
     return (
         is_mla
@@ -358,29 +384,63 @@ def _is_ds_mla_states(spec, is_mla: bool) -> bool:
     )
 
 
+#: DeepSeek V4.1's interleaved record widths: MXFP8 (512 fp8 e4m3 dims,
+#: then 16 UE8M0 scales) and NVFP4 (256 bytes of e2m1 pairs, then 32 e4m3
+#: scales, the compressed cache only) (models/deepseek_v41/common/ops/
+#: cache_utils.py:44-54).
+V41_RECORD_BYTES = (528, 288)
+
+
+def _is_v41_records(spec, is_mla: bool) -> bool:
+    """Whether `spec` is a DeepSeek V4.1 cache of interleaved records: a
+    slot's scales right after its own data, slot t's record at t*C of its
+    block's page (C = `state_content_bytes`, 528 or 288), the view's
+    `[B, 1, N, C]` a cell per slot: opaque cells, one latent head.
+
+    V4.1 declares them on SM100 (`_use_v41_mxfp8_kv_record`, models/
+    deepseek_v41/attention.py:131-138): the sliding-window cache
+    (DeepseekV4SWACache, attention.py:521-531, :562-579: 528 bytes,
+    `model_version` "deepseek_v4", 32-token blocks, pages padded to 512,
+    the block stride to lcm(528, the compressed record)) and the
+    compressed MLA cache (attention.py:1206-1231: 528, or 288 with
+    nvfp4_ds_mla). Their writers put slot t at page + (slot % N) * C, N =
+    the view's slots a block, page = the view's stride(0) (models/
+    deepseek_v41/common/ops/fused_compress_quant_cache.py:325-342,
+    :464-466, :527-529; cache_utils.py:216, :570, :629), the CuTe DSL
+    gather its scales at data_dim (models/deepseek_v4/nvidia/ops/
+    dequant_gather_k_cutedsl.py:55-60).
+    """
+    return (
+        is_mla
+        and getattr(spec, "model_version", None) == "deepseek_v4"
+        and getattr(spec, "state_content_bytes", None) in V41_RECORD_BYTES
+        and dtype_bytes(getattr(spec, "dtype", "")) == 1
+        and int(getattr(spec, "num_kv_heads", 1)) == 1
+    )
+
+
 def _no_token_cells(type_name: str, spec, cell, is_mla: bool) -> str:
     """Why a cache's `[B, H, N, C]` view is no cell per token (slot), or "".
 
     - DeepSeek V4's packed records (`model_version` "deepseek_v4" with
-      `state_content_bytes`) other than fp8_ds_mla's compressed states
-      (`_is_ds_mla_states`, registered as a block's data then its scales):
-      the sliding-window cache's 584-byte records (a SlidingWindowMLASpec,
-      v1/attention/backends/mla/sparse_swa.py:120-147, no MLA spec to
-      kvcsum; on XPU written by the same kernel, models/deepseek_v4/xpu/
-      xpu_qnorm_rope_kv_fp8_insert.py:153-162, on CUDA by a compiled op
-      not read here) and V4.1's 528- and 288-byte records (interleaved, a
-      token's scales after its own data: models/deepseek_v41/common/ops/
-      cache_utils.py:44-49). kvcsum has no rule for them yet.
+      `state_content_bytes`) other than fp8_ds_mla's (`_is_ds_mla_states`,
+      registered as a block's data then its scales) and V4.1's interleaved
+      ones (`_is_v41_records`, opaque cells): another width, or no one
+      latent head of bytes. kvcsum has no rule for them.
     - Cells of a size that is no multiple of 8 bytes, other than the
       sparse-attention indexer's keys then scales (`_indexer_key_bytes`,
       registered as two segments): a view of C bytes per token where the
       page holds something else (a block's keys, then their scales) is no
       cell per token.
     """
-    if getattr(spec, "model_version", None) == "deepseek_v4" and getattr(spec, "state_content_bytes", None) is not None:
+    if (
+        getattr(spec, "model_version", None) == "deepseek_v4"
+        and getattr(spec, "state_content_bytes", None) is not None
+        and not _is_v41_records(spec, is_mla)
+    ):
         return (
             f"{type_name} (DeepSeek V4, {spec.state_content_bytes}-byte records) packs its records in a layout "
-            "kvcsum has no rule for (only fp8_ds_mla's compressed MLA states are registered)"
+            "kvcsum has no rule for (only fp8_ds_mla's 584-byte and V4.1's 528- and 288-byte records, one latent head, are registered)"
         )
     size = dtype_bytes(getattr(spec, "dtype", ""))
     if cell is None:

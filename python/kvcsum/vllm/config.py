@@ -181,9 +181,15 @@ def total_kv_heads(vllm_config: "VllmConfig") -> int | None:
 def layer_specs(kv_cache_config: "KVCacheConfig", total_kv_heads: int | None, dcp_size: int = 1) -> tuple[list, dict]:
     """LayerSpecs of every layer in the transfer groups (each kind's fields:
     kvcsum.vllm.cache_kinds), and {group: block size}."""
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec, UniformTypeKVCacheSpecs
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec, UniformTypeKVCacheSpecs
 
     from kvcsum.vllm.cache_kinds import describe_spec, group_block_size
+
+    # MLA caches: one latent head, replicated on every TP rank. DeepSeek
+    # V4's sliding-window cache is one too (a SlidingWindowMLASpec, no
+    # MLAAttentionSpec: num_kv_heads 1, max_tp_shards 1,
+    # v1/attention/backends/mla/sparse_swa.py:127-146).
+    mla = (MLAAttentionSpec, SlidingWindowMLASpec)
 
     specs, block_sizes = [], {}
     for group_id in kv_cache_config.transfer_group_ids:
@@ -193,7 +199,7 @@ def layer_specs(kv_cache_config: "KVCacheConfig", total_kv_heads: int | None, dc
             spec = group.kv_cache_spec
             if isinstance(spec, UniformTypeKVCacheSpecs):
                 spec = spec.kv_cache_specs[name]
-            fields = describe_spec(name, group_id, spec, total_kv_heads, dcp_size, isinstance(spec, MLAAttentionSpec))
+            fields = describe_spec(name, group_id, spec, total_kv_heads, dcp_size, isinstance(spec, mla))
             if getattr(group, "host_resident", False):
                 fields["unsupported"] = "its KV is host-resident"
             specs.append(LayerSpec(**fields))

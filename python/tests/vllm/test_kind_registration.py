@@ -525,25 +525,177 @@ def test_deepseek_v4_fp8_ds_mla_states_verify_and_a_flipped_data_or_scale_byte_i
     check(report, where in ("data", "scale"), IDS[1])
 
 
-def test_deepseek_v4_records_kvcsum_has_no_rule_for_are_named_not_checksummed():
-    # V4.1's 528-byte compressed records (interleaved: models/deepseek_v41/
-    # common/ops/cache_utils.py:44-49, attention.py:1206-1231) and the
-    # sliding-window cache's 584-byte records (a SlidingWindowMLASpec:
-    # v1/attention/backends/mla/sparse_swa.py:120-147) are no rule's:
-    # named, never registered.
-    from kvcsum.vllm.config import groups_not_checksummed
-    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
+def swa_fp8_ds_mla(block: int = BLOCK, record: int = 584):
+    # DeepSeek V4's sliding-window cache as DeepseekV4SWACache declares it
+    # (v1/attention/backends/mla/sparse_swa.py:120-147): one head, uint8, a
+    # token a record; V4's 584-byte records in pages padded to 576 bytes,
+    # V4.1's 528-byte ones on SM100 in pages padded to 512, the block
+    # stride to lcm(528, the compressed record) (models/deepseek_v41/
+    # attention.py:521-531, :562-579).
+    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec, get_kv_quant_mode
 
-    v41 = MLAAttentionSpec(
+    v41 = record != 584
+    return SlidingWindowMLASpec(
+        block_size=block, num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=torch.uint8, sliding_window=128,
+        cache_dtype_str="fp8_ds_mla", state_content_bytes=record, alignment=512 if v41 else 576,
+        block_stride_alignment=record if v41 else None, model_version="deepseek_v4",
+        kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"),
+    )
+
+
+def v41_compressed(record: int = 528, block: int = BLOCK) -> MLAAttentionSpec:
+    # DeepSeek V4.1's compressed MLA cache on SM100 (models/deepseek_v41/
+    # attention.py:1206-1231): 528-byte MXFP8 records (288-byte NVFP4 ones
+    # with nvfp4_ds_mla), 4 tokens a state, pages padded to 512 bytes.
+    from vllm.v1.kv_cache_interface import get_kv_quant_mode
+
+    dtype = "nvfp4_ds_mla" if record == 288 else "fp8_ds_mla"
+    return MLAAttentionSpec(
+        block_size=block, num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=torch.uint8, tokens_per_state=4,
+        alignment=512, model_version="deepseek_v4", state_content_bytes=record, cache_dtype_str=dtype,
+        kv_quant_mode=get_kv_quant_mode(dtype),
+    )
+
+
+def strided_config(groups) -> KVCacheConfig:
+    """`config`, each block's stride rounded up to its spec's block stride
+    alignment as vLLM's planner does (v1/core/kv_cache_planning.py:571)."""
+    cfg = config(groups)
+    pages = []
+    for names, spec in groups:
+        stride = -(-spec.page_size_bytes // spec.get_block_stride_alignment()) * spec.get_block_stride_alignment()
+        pages += [(name, stride) for name in names]
+    total = sum(page * NUM_BLOCKS for _, page in pages)
+    tensors, offset = [], 0
+    for name, page in pages:
+        tensors.append(KVCacheTensor(size=total, layers=[name], layer_stride=page * NUM_BLOCKS, block_stride=page, offset=offset))
+        offset += page * NUM_BLOCKS
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=cfg.kv_cache_groups)
+
+
+def test_deepseek_v4_sliding_window_records_are_registered_as_their_data_then_their_scales():
+    # The SlidingWindowMLASpec is one latent head like MLA's (is_mla: heads
+    # not numbered as KV heads), its 584-byte records the fp8_ds_mla rule's
+    # at a token a slot: K the token's 576 data bytes (at t*576), V its 8
+    # scale bytes (at 16*576 + t*8), the page's stride the padded 9792.
+    from kvcsum.vllm.config import groups_not_checksummed
+
+    cfg = config([(ATTN, swa_fp8_ds_mla())])
+    assert groups_not_checksummed(cfg, 1) == {}
+    caches, worker = engine_side(cfg, seed=4, total_kv_heads=1)
+    assert worker.skipped == {} and worker.layers_registered == 2
+    layers, _ = layer_specs(cfg, 1)
+    assert {(layer.is_mla, layer.data_bytes, layer.scale_bytes, layer.tokens_per_state) for layer in layers} == {(True, 576, 8, 1)}
+    for device in (kvcsum.HOST, 0):
+        worker.device = device
+        plan = worker._plan_group(0, layers, caches, cfg.num_blocks)
+        for layer, name in zip(plan["layers"], ATTN):
+            page = caches[name]
+            assert tuple(page.shape) == (NUM_BLOCKS, 1, BLOCK, 584) and page.stride(0) == 9792
+            k, v = layer.segments
+            assert (k.bytes_per_token, k.token_stride, k.block_stride) == (576, 576, 9792)
+            assert (v.bytes_per_token, v.token_stride, v.block_stride) == (8, 8, 9792)
+            assert (k.address, v.address) == (page.data_ptr(), page.data_ptr() + BLOCK * 576)
+            assert layer.tokens_per_kernel_block == BLOCK and layer.kernel_blocks == 1
+    worker.device = kvcsum.HOST
+
+
+@pytest.mark.parametrize("record, tokens", [(528, 1), (528, 4), (288, 4)])
+def test_deepseek_v41_interleaved_records_are_registered_as_opaque_cells(record, tokens):
+    # V4.1's records keep a token's scales after its own data: one cell of
+    # the record's bytes a slot (token or state), one segment, the block
+    # stride the view's (the sliding window's rounded up to 528 bytes).
+    spec = swa_fp8_ds_mla(record=record) if tokens == 1 else v41_compressed(record)
+    cfg = strided_config([(ATTN, spec)])
+    caches, worker = engine_side(cfg, seed=4, total_kv_heads=1)
+    assert worker.skipped == {} and worker.layers_registered == 2
+    layers, _ = layer_specs(cfg, 1)
+    assert {(layer.is_mla, layer.cell_bytes, layer.data_bytes) for layer in layers} == {(True, record, 0)}
+    slots = BLOCK // tokens
+    stride = -(-(-(-slots * record // 512) * 512) // spec.get_block_stride_alignment()) * spec.get_block_stride_alignment()
+    for device in (kvcsum.HOST, 0):
+        worker.device = device
+        plan = worker._plan_group(0, layers, caches, cfg.num_blocks)
+        for layer, name in zip(plan["layers"], ATTN):
+            page = caches[name]
+            assert tuple(page.shape) == (NUM_BLOCKS, 1, slots, record) and page.stride(0) == stride
+            (cell,) = layer.segments
+            assert (cell.bytes_per_token, cell.token_stride, cell.block_stride) == (record, record, stride)
+            assert cell.address == page.data_ptr() and layer.tokens_per_kernel_block == slots
+    worker.device = kvcsum.HOST
+
+
+@pytest.mark.parametrize("where", [None, "data", "scale"])
+@pytest.mark.parametrize("record", [584, 528])
+def test_deepseek_v4_sliding_window_records_verify_and_a_flipped_byte_is_a_mismatch(record, where):
+    # Seeded random pages, the consumer's a copy of the producer's; a
+    # flipped byte of block IDS[1]'s page: a MISMATCH of that block. V4's
+    # data region is bytes 0..16*576, its scales 16*576..16*584; V4.1's
+    # record t holds data at t*528 .. +512, its scales at +512 .. +528.
+    import random
+
+    rng = random.Random(f"{DS_MLA_SEED}:swa:{record}:{where}")
+    if record == 584:
+        at = {"data": (0, BLOCK * 576), "scale": (BLOCK * 576, BLOCK * 584)}.get(where)
+        byte = rng.randrange(*at) if at else None
+    else:
+        t = rng.randrange(BLOCK)
+        byte = t * 528 + (rng.randrange(512) if where == "data" else 512 + rng.randrange(16)) if where else None
+
+    def flip(caches):
+        view = caches[ATTN[1]].view(torch.uint8)
+        page = view.as_strided((view.stride(0),), (1,), view.storage_offset() + IDS[1] * view.stride(0))
+        page[byte] ^= 1 << rng.randrange(8)
+
+    case = f"{record}-byte SWA records, flip in {where}" + (f" (byte {byte}, seed {DS_MLA_SEED:#x}, KVCS_SEED)" if where else "")
+    groups = [(ATTN, swa_fp8_ds_mla(record=record))]
+    cfg = strided_config(groups)
+    p_caches, producer = engine_side(cfg, seed=11, total_kv_heads=1)
+    c_caches, consumer = engine_side(cfg, seed=None, total_kv_heads=1)
+    raw(c_caches).copy_(raw(p_caches))
+    if where:
+        flip(c_caches)
+    report = verdict([producer], [consumer], job(cfg), 1)
+    print(f"\nCASE {case:<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}", flush=True)
+    check(report, where is not None, IDS[1])
+
+
+@pytest.mark.parametrize("pair", ["swa 584 -> 528", "compressed 528 -> 288", "compressed 584 -> 528"])
+def test_deepseek_v4_sides_of_another_record_format_are_unverified_never_a_mismatch(pair):
+    # One layer name, spec type, block size and dtype (uint8) on both sides,
+    # the fork's identity alike: the record's geometry (a cell's bytes, K's
+    # bytes) tells them apart, UNVERIFIED (GEOMETRY_DIFFERS), never MISMATCH.
+    specs = {
+        "swa 584 -> 528": (swa_fp8_ds_mla(), swa_fp8_ds_mla(record=528)),
+        "compressed 528 -> 288": (v41_compressed(528), v41_compressed(288)),
+        "compressed 584 -> 528": (fp8_ds_mla(), v41_compressed(528)),
+    }[pair]
+    p_cfg, c_cfg = (strided_config([(ATTN, spec)]) for spec in specs)
+    _, producer = engine_side(p_cfg, seed=11, total_kv_heads=1)
+    _, consumer = engine_side(c_cfg, seed=11, total_kv_heads=1)
+    assert not producer.skipped and not consumer.skipped
+    assert producer.fingerprints == consumer.fingerprints
+    report = verdict([producer], [consumer], job(p_cfg), 1)
+    print(f"\nCASE {pair:<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}", flush=True)
+    assert report.verdict == kvcsum.UNVERIFIED, report.message
+    assert report.reason == kvcsum.GEOMETRY_DIFFERS, report.message
+
+
+def test_deepseek_v4_records_kvcsum_has_no_rule_for_are_named_not_checksummed():
+    # A DeepSeek V4 packed record of another width, or of a spec that is no
+    # one latent head (none vLLM 0.33 declares): named, never registered.
+    v4 = MLAAttentionSpec(
         block_size=BLOCK, num_kv_heads=1, head_size=512, dtype=torch.uint8, tokens_per_state=4, alignment=512,
-        model_version="deepseek_v4", state_content_bytes=528, cache_dtype_str="fp8_ds_mla",
+        model_version="deepseek_v4", state_content_bytes=656, cache_dtype_str="fp8_ds_mla",
     )
-    swa = SlidingWindowMLASpec(
-        block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=torch.uint8, sliding_window=128,
-        cache_dtype_str="fp8_ds_mla", state_content_bytes=584, alignment=576, model_version="deepseek_v4",
+    wide = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=1, head_size=512, dtype=torch.uint8, state_content_bytes=528,
     )
-    for spec, size in ((v41, 528), (swa, 584)):
+    object.__setattr__(wide, "model_version", "deepseek_v4")
+    for spec, size in ((v4, 656), (wide, 528)):
         cfg = config([(ATTN, spec)])
+        from kvcsum.vllm.config import groups_not_checksummed
+
         assert f"{size}-byte records) packs its records in a layout kvcsum has no rule for" in groups_not_checksummed(cfg, 1)[0]
         _, worker = engine_side(cfg, seed=4, total_kv_heads=1)
         assert 0 in worker.skipped and worker.layers_registered == 0
