@@ -12,7 +12,10 @@ its N slots' data (D bytes each, slot t's at byte t*D), then their scales
 - DeepSeek V4's fp8_ds_mla compressed MLA states (584-byte records):
   D = 576 (448 fp8 + 64 bf16), S = 8, N = block_size // tokens_per_state
   (models/deepseek_v4/common/ops/cache_utils.py:64-69, :86-104;
-  fused_compress_quant_cache.py:129, :263-272).
+  fused_compress_quant_cache.py:129, :263-272), and its sliding-window
+  cache's in the same records (a SlidingWindowMLASpec, N = block_size:
+  cache_utils.py:168-230 via xpu/xpu_qnorm_rope_kv_fp8_insert.py:153-162,
+  nvidia/ops/dequant_gather_k_cutedsl.py:55-60).
 
 A row, as the stand-in model computes it and the test connectors move it,
 is a slot's data then its scales (C = D + S bytes): a byte below D is a
@@ -30,7 +33,7 @@ DS_MLA_DATA_BYTES, DS_MLA_SCALE_BYTES = 576, 8
 def data_and_scale_bytes(name: str, spec) -> tuple[int, int] | None:
     """(D, S) of a cache vLLM stores as each block's data then its scales,
     or None for any other cache."""
-    if type(spec).__name__ != "MLAAttentionSpec" or str(spec.dtype) != "torch.uint8":
+    if type(spec).__name__ not in ("MLAAttentionSpec", "SlidingWindowMLASpec") or str(spec.dtype) != "torch.uint8":
         return None
     if getattr(spec, "model_version", None) == "deepseek_v4" and spec.state_content_bytes == DS_MLA_DATA_BYTES + DS_MLA_SCALE_BYTES:
         return DS_MLA_DATA_BYTES, DS_MLA_SCALE_BYTES

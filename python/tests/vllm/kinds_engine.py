@@ -126,7 +126,7 @@ class KindEngine(Engine):
         cache (one latent, or an indexer's key) is the same on every rank."""
         group = next(g for g in self.kv_cache_config.kv_cache_groups if name in g.layer_names)
         spec = self._layer_spec(group, name)
-        if type(spec).__name__ == "MLAAttentionSpec":
+        if type(spec).__name__ in ("MLAAttentionSpec", "SlidingWindowMLASpec"):
             return 0
         # The ranks of a DCP group hold the same heads (their tokens differ).
         return (rank // self.dcp) * slots

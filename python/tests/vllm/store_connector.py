@@ -232,7 +232,7 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
                 k = int(k) if isinstance(k, int) and k > 1 else 1
                 # The ranks of a DCP group hold the same heads; every rank
                 # holds an MLA cache's one latent (or indexer key) whole.
-                first_head = 0 if type(own).__name__ == "MLAAttentionSpec" else (self._rank // self._dcp[0]) * heads
+                first_head = 0 if type(own).__name__ in ("MLAAttentionSpec", "SlidingWindowMLASpec") else (self._rank // self._dcp[0]) * heads
                 yield group, name, cache, heads, first_head, k
 
     def _own_spec(self, group: int, name: str):

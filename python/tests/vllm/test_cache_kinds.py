@@ -1023,3 +1023,84 @@ def test_a_c4a_group_in_fp8_ds_mla_records_is_checksummed_and_a_flip_never_used(
     else:
         flipped(pair, "req", KIND_PROMPT)
         assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == 16
+
+
+# --- 10. DeepSeek V4's sliding-window cache and V4.1's interleaved records --------------------
+
+
+def swa_groups(tp: int, block: int = BLOCK):
+    # DeepSeek V4's sliding-window cache with fp8_ds_mla as vLLM 0.33
+    # declares it (v1/attention/backends/mla/sparse_swa.py:120-147): a
+    # SlidingWindowMLASpec, uint8, one replicated head (max_tp_shards 1),
+    # 584-byte records a token, pages padded to a multiple of 576 bytes.
+    # vLLM writes each block's page as its tokens' 576 data bytes, then
+    # their 8 scale bytes (models/deepseek_v4/common/ops/cache_utils.py:
+    # 168-230 via xpu/xpu_qnorm_rope_kv_fp8_insert.py:153-162); the
+    # stand-in model and the test connectors write and move them so
+    # (data_scale_pages.py). A window of 128 tokens holds the prompt whole.
+    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec, get_kv_quant_mode
+
+    spec = SlidingWindowMLASpec(
+        block_size=block, num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=torch.uint8, sliding_window=128,
+        cache_dtype_str="fp8_ds_mla", state_content_bytes=584, alignment=576, model_version="deepseek_v4",
+        kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"),
+    )
+    return [([f"model.layers.{i}.self_attn.swa_cache" for i in range(2)], spec)]
+
+
+def v41_groups(tp: int, block: int = BLOCK):
+    # DeepSeek V4.1's compressed MLA cache on SM100 (models/deepseek_v41/
+    # attention.py:1206-1231): 528-byte records (512 fp8 dims, then 16
+    # UE8M0 scales), each state's scales right after its own data
+    # (models/deepseek_v41/common/ops/cache_utils.py:44-49,
+    # fused_compress_quant_cache.py:464-466), 4 tokens a state, pages
+    # padded to 512 bytes: a row as the stand-in writes it, bytes 512.. the
+    # scales.
+    from vllm.v1.kv_cache_interface import get_kv_quant_mode
+
+    spec = MLAAttentionSpec(
+        block_size=block, num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=torch.uint8, tokens_per_state=4,
+        cache_dtype_str="fp8_ds_mla", alignment=512, model_version="deepseek_v4",
+        kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"), state_content_bytes=528,
+    )
+    return [([f"model.layers.{i}.self_attn.attn" for i in range(2)], spec)]
+
+
+@pytest.mark.parametrize("fault", [None, "data", "scale"])
+def test_deepseek_v4_sliding_window_records_pd_round_trip(store, fault):
+    # Producer TP 1, consumer TP 2 (the replicated latent on both ranks): a
+    # seeded flip of a data or a scale byte of one token's row is a
+    # MISMATCH of its block, never used; intact: the bare connector's
+    # tokens reused.
+    from kvcsum.vllm.config import groups_not_checksummed
+
+    where, case = ds_mla_fault("V4 sliding-window fp8_ds_mla P TP 1, C TP 2", fault)
+    token = where["token"]
+    layer = "model.layers.1.self_attn.swa_cache"
+    corrupt = None if fault is None else {"token": token, "layer": layer, "head": 0, "byte": where["byte"]}
+    pair = kind_pd(store, case, swa_groups, corrupt, p_tp=1, c_tp=2)
+    assert groups_not_checksummed(pair["wrapped"].kv_cache_config, 1) == {}
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == token // BLOCK * BLOCK, case
+
+
+@pytest.mark.parametrize("fault", [None, "data", "scale"])
+def test_deepseek_v41_528_byte_records_pd_round_trip(store, fault):
+    # V4.1's interleaved 528-byte states, opaque cells: producer TP 1,
+    # consumer TP 2; a seeded flip of a state's data byte (0..511) or of
+    # its scale bytes (512..527): MISMATCH, never used.
+    rng = random.Random(f"{DS_MLA_SEED}:v41:{fault}")
+    token, byte = rng.randrange(48), (rng.randrange(512) if fault == "data" else 512 + rng.randrange(16))
+    case = "V4.1 528-byte states P TP 1, C TP 2, " + (
+        "intact" if fault is None else f"{fault} (token {token}, byte {byte}; seed {DS_MLA_SEED:#x}, KVCS_SEED)"
+    )
+    corrupt = None if fault is None else {"token": token, "layer": "model.layers.1.self_attn.attn", "head": 0, "byte": byte}
+    pair = kind_pd(store, case, v41_groups, corrupt, p_tp=1, c_tp=2)
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == token // BLOCK * BLOCK, case
