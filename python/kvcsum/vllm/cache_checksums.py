@@ -92,6 +92,12 @@ class LayerSpec:
     #: A state layer's tensors (MambaSpec: conv, then ssm): shapes and dtypes.
     state_shapes: tuple = ()
     state_dtypes: tuple = ()
+    #: A state layer's mamba_type ("MAMBA2", "GDN_ATTN", ...), and how TP
+    #: splits its state where that is known (kvcsum.vllm.cache_kinds.
+    #: state_split: StateParts in numbering order), else () and why not.
+    state_type: str = ""
+    state_parts: tuple = ()
+    state_unsplit: str = ""
     #: Tokens one slot of the cache summarises (compressed states), and
     #: the DCP ranks its tokens are spread over (1: not DCP-sharded).
     tokens_per_state: int = 1
@@ -119,15 +125,18 @@ class Job:
             blocks.add_group(self.req_id, int(group_id), list(block_ids), int(first_position))
 
 
-def identity(layer_name: str, spec_type: str, block_size: int, dtype: str) -> bytes:
+def identity(layer_name: str, spec_type: str, block_size: int, dtype: str, split: str = "") -> bytes:
     """The vLLM fork's identity of a layer: the repr of
-    `(layer_name, spec_type, block_size, dtype)`."""
-    return repr((layer_name, spec_type, int(block_size), str(dtype))).encode()
+    `(layer_name, spec_type, block_size, dtype)`; a state layer whose rows
+    are numbered along TP's split adds the split
+    (kvcsum.vllm.cache_kinds.split_identity) as a fifth element."""
+    fields = (layer_name, spec_type, int(block_size), str(dtype)) + ((split,) if split else ())
+    return repr(fields).encode()
 
 
-def layer_fingerprint(layer_name: str, spec_type: str, block_size: int, dtype: str) -> int:
+def layer_fingerprint(layer_name: str, spec_type: str, block_size: int, dtype: str, split: str = "") -> int:
     """First 8 bytes, little-endian, of the SHA-256 of the identity."""
-    digest = hashlib.sha256(identity(layer_name, spec_type, block_size, dtype)).digest()
+    digest = hashlib.sha256(identity(layer_name, spec_type, block_size, dtype, split)).digest()
     return int.from_bytes(digest[:8], "little")
 
 
@@ -315,6 +324,9 @@ class CacheChecksummer:
         self.tp_rank, self.tp_size, self.pp_rank = tp_rank, tp_size, pp_rank
         self.dcp_rank, self.dcp_interleave = dcp_rank, dcp_interleave
         self.skipped: dict[int, str] = {}
+        #: {group: why}: state groups registered shard-keyed (compared
+        #: between equal TP sizes only), where TP's split is not known.
+        self.shard_keyed: dict[int, str] = {}
         self.fingerprints: dict[int, int] = {}
         self.group_block_sizes = dict(group_block_sizes)
         present = [spec for spec in layers if spec.name in kv_caches]
@@ -379,10 +391,13 @@ class CacheChecksummer:
                 worker.add_layer(layer)
                 self.layers_registered += 1
             for number, tensors, ident in plan["states"]:
-                # MambaSpec does not say along which dimension TP splits the
-                # state: shard-keyed (compared between equal TP sizes only).
-                worker.add_state(group_id, number, tensors, num_blocks, split_known=False, identity=ident)
+                # Rows numbered along TP's split where it is known
+                # (cache_kinds.state_split), else shard-keyed (compared
+                # between equal TP sizes only).
+                worker.add_state(group_id, number, tensors, num_blocks, split_known=plan["split_known"], identity=ident)
                 self.layers_registered += 1
+            if plan["states"] and not plan["split_known"]:
+                self.shard_keyed[group_id] = plan["unsplit"]
             for number, target, ident in plan["aliases"]:
                 worker.add_alias(group_id, number, target, ident)
             self.fingerprints[group_id] = sum(
@@ -398,6 +413,11 @@ class CacheChecksummer:
         kinds = {spec.kind for spec in specs}
         if len(kinds) > 1:
             raise ValueError(f"it holds layers of kinds {sorted(kinds)}")
+        # A group's state layers are all numbered along TP's split or all
+        # shard-keyed (kvcs_state.split_known).
+        state_specs = [spec for spec in specs if spec.kind == "state" and spec.state_shapes]
+        unsplit = cache_kinds.state_split_refused(state_specs, self.tp_size) if state_specs else ""
+        split_known = bool(state_specs) and not unsplit
         for spec in specs:
             if spec.unsupported:
                 raise ValueError(spec.unsupported)
@@ -419,7 +439,8 @@ class CacheChecksummer:
             # Under DCP a rank's spec has its local block (block_size / dcp):
             # the identity names the block every rank's slots belong to, the
             # scheduler's, as a DCP-1 engine's of the same block size does.
-            ident = identity(spec.name, spec.spec_type, spec.block_size * max(1, spec.dcp_size), spec.dtype)
+            split = cache_kinds.split_identity(spec, self.tp_size) if split_known else ""
+            ident = identity(spec.name, spec.spec_type, spec.block_size * max(1, spec.dcp_size), spec.dtype, split)
             entry = caches.setdefault(key, {"numbers": [], "spec": spec, "tensor": tensor, "idents": []})
             entry["numbers"].append(number)
             entry["idents"].append((number, ident))
@@ -440,7 +461,8 @@ class CacheChecksummer:
                 if target in used_states:
                     raise ValueError(f"two of its state caches share layer number {target}")
                 used_states.add(target)
-                states.append((target, cache_kinds.state_tensors(tensor, spec, self.tp_rank), target_ident))
+                tensors = cache_kinds.state_tensors(tensor, spec, self.tp_rank, self.tp_size, split=split_known)
+                states.append((target, tensors, target_ident))
                 continue
             v_part = None
             if spec.data_bytes:
@@ -483,6 +505,8 @@ class CacheChecksummer:
         return {
             "layers": layers,
             "states": states,
+            "split_known": split_known,
+            "unsplit": unsplit,
             "aliases": aliases,
             "tensors": [e["tensor"] for e in caches.values()],
         }

@@ -39,11 +39,22 @@ spec's dtype) and what kvcsum makes of it:
   padded to the attention page size; a request's state is one block: the
   first of its list, or with mamba_cache_mode "align" (a state per block)
   the one at column (n - 1) // block_size, kvcsum.vllm.scheduler).
-  Registered as a state layer (kvcs_worker_add_state, SPEC section 6), its
-  tensors conv then ssm, each row its first dimension. MambaSpec does not
-  say along which dimension TP splits the state, so the state is
-  **shard-keyed**: compared between equal TP sizes only (another TP size is
-  UNVERIFIED, never MISMATCH).
+  Registered as a state layer (kvcs_worker_add_state, SPEC section 6).
+  Where vLLM's NIXL connector derives how TP splits the state
+  (`state_split`: Mamba1, Mamba2 and GDN with the conv state in the DS
+  layout `(dim, state_len)`, not tp_replicated), each conv sub-projection
+  (x; x, B, C; Q, K, V) is a tensor whose rows are its channels, then the
+  temporal (ssm) state, rows along its first dimension, each numbered
+  globally (rank r's rows of a tensor of R rows a rank are r·R .. r·R + R):
+  compared at any TP size. The layer's identity then names the split and
+  each tensor's global shape (`split_identity`), so two sides that derive
+  other global shapes (Mamba2 groups vLLM replicates at a TP size that
+  n_groups does not divide) differ in fingerprint: UNVERIFIED, never
+  MISMATCH. Anywhere else (ShortConv, linear attention, KDA, ReplaySSM's
+  extra states, the SD layout, a shape that does not decompose, a
+  tp_replicated state) the tensors are conv then ssm, each row its first
+  dimension, and the state is **shard-keyed**: compared between equal TP
+  sizes only (another TP size is UNVERIFIED, never MISMATCH).
 
 - DCP-sharded token positions (`decode_context_parallel_size` > 1: a
   manager block covers block_size x dcp tokens, the token at in-block
@@ -96,11 +107,23 @@ other caches included.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import kvcsum
 
-__all__ = ["describe_spec", "state_tensors", "global_heads", "group_block_size", "PLACEMENT", "DTYPE_BYTES"]
+__all__ = [
+    "describe_spec",
+    "state_split",
+    "state_split_refused",
+    "split_identity",
+    "state_tensors",
+    "StatePart",
+    "global_heads",
+    "group_block_size",
+    "PLACEMENT",
+    "DTYPE_BYTES",
+]
 
 #: Whether this kvcsum registers a group's token placement (DCP shards,
 #: compressed states: Worker.set_group_placement, SPEC section 16).
@@ -137,11 +160,19 @@ def dtype_bytes(dtype: str) -> int | None:
 
 
 def describe_spec(
-    name: str, group_id: int, spec, total_kv_heads: int | None, dcp_size: int = 1, is_mla: bool = False
+    name: str,
+    group_id: int,
+    spec,
+    total_kv_heads: int | None,
+    dcp_size: int = 1,
+    is_mla: bool = False,
+    conv_dim_first: bool = False,
 ) -> dict:
     """The LayerSpec fields of one layer's vLLM spec (duck-typed: any object
     with vLLM 0.33's spec attributes), `unsupported` naming why kvcsum
-    cannot checksum it ("" where it can)."""
+    cannot checksum it ("" where it can). `conv_dim_first`: vLLM stores
+    Mamba conv states as `(dim, state_len)` (its DS layout,
+    kvcsum.vllm.config.conv_state_dim_first)."""
     type_name = type(spec).__name__
     common = dict(
         name=name,
@@ -162,7 +193,17 @@ def describe_spec(
             unsupported = f"{type_name} has state elements of {dtypes}: kvcsum reads 2- or 4-byte state elements"
         elif str(getattr(spec, "mamba_cache_mode", "none")) not in ("none", "align"):
             unsupported = f"{type_name} has mamba_cache_mode {spec.mamba_cache_mode!r}, a mode kvcsum does not know"
-        return dict(common, kind="state", state_shapes=shapes, state_dtypes=dtypes, unsupported=unsupported)
+        parts, unsplit = state_split(spec, conv_dim_first)
+        return dict(
+            common,
+            kind="state",
+            state_shapes=shapes,
+            state_dtypes=dtypes,
+            state_type=_mamba_type(spec),
+            state_parts=parts,
+            state_unsplit=unsplit,
+            unsupported=unsupported,
+        )
     is_attention = hasattr(spec, "num_kv_heads") and hasattr(spec, "head_size")
     if not is_attention or not getattr(spec, "has_layer_views", True):
         return dict(common, kind="state", unsupported=f"{type_name} has no per-token KV blocks")
@@ -463,34 +504,191 @@ def global_heads(spec, tp_size: int) -> int:
     return 2 * total if spec.num_slots else total
 
 
-def state_tensors(tensor, spec, tp_rank: int):
+#: The Mamba types whose TP split vLLM's NIXL connector derives from a
+#: MambaSpec (distributed/kv_transfer/kv_connector/v1/
+#: ssm_conv_transfer_utils.py:107-219, derive_mamba_conv_split), by the
+#: name of their MambaAttentionBackendEnum member.
+SPLIT_STATE_TYPES = ("MAMBA1", "MAMBA2", "GDN_ATTN")
+
+#: Rows one state layer may number across TP: SPEC section 3's H (the
+#: heads of one layer; a state row's number is its head number).
+MAX_ROWS_PER_LAYER = 65536
+
+
+@dataclasses.dataclass(frozen=True)
+class StatePart:
+    """One tensor of a state layer whose TP split is known: a conv
+    sub-projection (its rows the channels, each `state_len` elements in
+    the DS layout) or the temporal (ssm) state (rows along its first
+    dimension). Each rank holds `rows` of its rows, rank r the global rows
+    r·rows .. r·rows + rows."""
+
+    #: "x", "B", "C" (Mamba2), "Q", "K", "V" (GDN), "x" (Mamba1), "ssm".
+    label: str
+    #: The spec's state it lies in (0: conv, 1: temporal).
+    state: int
+    #: Its first row in that state, on every rank.
+    first_row: int
+    #: Its rows on every rank.
+    rows: int
+
+
+def _mamba_type(spec) -> str:
+    """The name of a MambaSpec's mamba_type (a MambaAttentionBackendEnum
+    member: "MAMBA2", "GDN_ATTN", ...)."""
+    kind = getattr(spec, "mamba_type", "MAMBA2")
+    return str(getattr(kind, "name", kind))
+
+
+def state_split(spec, conv_dim_first: bool) -> tuple[tuple, str]:
+    """(the StateParts of a MambaSpec's state in numbering order, "") where
+    TP's split of it is known exactly as vLLM's NIXL connector, which moves
+    Mamba state between engines of different TP sizes, derives it
+    (ssm_conv_transfer_utils.py:107-219, derive_mamba_conv_split, called
+    at nixl/base_worker.py:699-719; each D rank reads its slice of each
+    sub-projection and of the temporal state, :2047-2096); otherwise ((),
+    why not): the state is then shard-keyed.
+
+    - Mamba1: conv = [x], x of `intermediate_size / TP` channels (asserted
+      equal to the temporal state's first dimension); temporal (x channels,
+      state_size), rows its channels.
+    - Mamba2: conv = [x, B, C], x the temporal state's heads times head_dim
+      (intermediate_size / TP), B and C the rest halved (n_groups x
+      state_size / TP each); temporal (heads, head_dim, state_size), rows
+      its heads.
+    - GDN: conv = [Q, K, V], V the temporal state's v heads times head_v_dim,
+      Q and K the rest halved; temporal (v heads, head_v_dim, head_k_dim),
+      rows its v heads.
+
+    Each sub-projection and the temporal state is split contiguously along
+    its rows by TP (mamba_utils.py:171-211, :272-293; the weight loaders
+    mamba_mixer2.py:344-420, gdn/qwen_gdn_linear_attn.py:596-603, :629-640).
+    The conv state must be in vLLM's DS layout `(dim, state_len)`, where a
+    channel is one contiguous row (NIXL asserts it: base_worker.py:705-708);
+    in the default SD layout `(state_len, dim)` a row holds every channel.
+
+    Not derived (shard-keyed): another mamba_type (ShortConv, linear
+    attention, KDA, a custom one), ReplaySSM's extra states (more than two
+    states), a tp_replicated state (every rank holds it whole, vLLM's PLE
+    conv state: kvcsum's state layer has one column, no replica keys, so
+    TP copies would count TP times), and shapes that do not decompose.
+    """
+    kind = _mamba_type(spec)
+    shapes = tuple(tuple(int(n) for n in shape) for shape in spec.shapes)
+    if kind not in SPLIT_STATE_TYPES:
+        return (), f"vLLM derives no TP split of a {kind} state (only {', '.join(SPLIT_STATE_TYPES)})"
+    if getattr(spec, "tp_replicated", False):
+        return (), "every TP rank holds the whole state (tp_replicated), and kvcsum's state layers have no replicas"
+    if len(shapes) != 2 or len(shapes[0]) != 2 or len(shapes[1]) < 2:
+        return (), f"its states have shapes {shapes}, not a 2-D conv state and a temporal state"
+    if not conv_dim_first:
+        return (), (
+            "its conv state is in vLLM's SD layout (state_len, dim), where a row holds every channel "
+            "(VLLM_SSM_CONV_STATE_LAYOUT is not DS)"
+        )
+    (channels, _), temporal = shapes
+    if kind == "MAMBA1":
+        if temporal[0] != channels:
+            return (), f"its Mamba1 temporal state's {temporal[0]} rows are not its conv state's {channels} channels"
+        projections = (("x", channels),)
+    else:
+        # Mamba2's x (GDN's V): the temporal state's heads times their dim.
+        first = temporal[0] * temporal[1]
+        rest = channels - first
+        if rest <= 0 or rest % 2:
+            what, named = ("x + 2 B", "x") if kind == "MAMBA2" else ("2 Q + V", "V")
+            return (), f"its {channels} conv channels do not decompose into {what} with {first} channels of {named}"
+        half = rest // 2
+        projections = (("x", first), ("B", half), ("C", half)) if kind == "MAMBA2" else (("Q", half), ("K", half), ("V", first))
+    parts, row = [], 0
+    for label, rows in projections:
+        parts.append(StatePart(label, 0, row, rows))
+        row += rows
+    parts.append(StatePart("ssm", 1, 0, temporal[0]))
+    return tuple(parts), ""
+
+
+def state_split_refused(specs, tp_size: int) -> str:
+    """Why the state layers `specs` (LayerSpecs of one group) are
+    registered shard-keyed, "" where each has its TP split (`state_split`)
+    and its rows fit a layer (SPEC section 3): a group's state layers
+    agree (kvcs_state.split_known)."""
+    for spec in specs:
+        if not spec.state_parts:
+            return f"layer {spec.name}: {spec.state_unsplit or 'no TP split is known'}"
+        rows = sum(part.rows for part in spec.state_parts) * tp_size
+        if rows > MAX_ROWS_PER_LAYER:
+            return f"layer {spec.name}: its state has {rows} rows across TP, more than {MAX_ROWS_PER_LAYER} a layer"
+    return ""
+
+
+def split_identity(spec, tp_size: int) -> str:
+    """What the identity of a state layer whose rows are numbered along
+    TP's split adds (SPEC section 7): the split and, per tensor in
+    numbering order, its global rows, the elements of a row and their
+    dtype. Two sides that number rows alike name the same; sides that
+    derive other global shapes (a Mamba2 of n_groups 1 at TP 2, whose B
+    and C vLLM replicates to 2 groups, against TP 1, 1 group:
+    mamba_utils.py:199, :261-269) differ in fingerprint, so they are
+    UNVERIFIED, never compared row by misnumbered row."""
+    tensors = []
+    for part in spec.state_parts:
+        shape = spec.state_shapes[part.state]
+        elements = math.prod(shape[1:])
+        dtype = str(spec.state_dtypes[part.state]).replace("torch.", "")
+        tensors.append(f"{part.label} {part.rows * tp_size}x{elements} {dtype}")
+    return f"kvcsum state rows along TP of {spec.state_type}, conv channels as rows (DS): {', '.join(tensors)}"
+
+
+def state_tensors(tensor, spec, tp_rank: int, tp_size: int = 1, split: bool = False):
     """The kvcsum.StateTensors of a Mamba layer's raw `[B, 1, 1, content]`
     page view (or any view whose dim 0 is the block): each state packed
-    from the page's front in the spec's order (conv, then ssm), each row its
-    first dimension. Shard-keyed: rows are this rank's."""
+    from the page's front in the spec's order (conv, then ssm), as vLLM
+    binds them (model_executor/layers/mamba/abstract.py:28-42, each state
+    C-contiguous). With `split` (the spec's StateParts known), one tensor
+    per part, its rows this rank's slice of the part's global rows;
+    otherwise each state whole, each row its first dimension (shard-keyed:
+    rows are this rank's)."""
     address = int(tensor.data_ptr())
     block_stride = int(tensor.stride(0)) * int(tensor.element_size())
-    out, offset = [], 0
+    out, offset, starts = [], 0, []
     for shape, dtype in zip(spec.state_shapes, spec.state_dtypes):
         size = dtype_bytes(dtype)
         rows = int(shape[0]) if shape else 1
         per_row = math.prod(shape[1:]) * size if len(shape) > 1 else size
         if offset % size:
             raise ValueError(f"layer {spec.name}: a {dtype} state starts at byte {offset} of its page, not a multiple of {size}")
-        out.append(
-            kvcsum.StateTensor(
-                address=address + offset,
-                block_stride=block_stride,
-                row_stride=per_row,
-                first_row=0,
-                num_rows=rows,
-                total_rows=rows,
-                bytes_per_row=per_row,
-                element_size=size,
+        starts.append((offset, per_row, size))
+        if not split:
+            out.append(
+                kvcsum.StateTensor(
+                    address=address + offset,
+                    block_stride=block_stride,
+                    row_stride=per_row,
+                    first_row=0,
+                    num_rows=rows,
+                    total_rows=rows,
+                    bytes_per_row=per_row,
+                    element_size=size,
+                )
             )
-        )
         offset += rows * per_row
     page = int(tensor[0].numel()) * int(tensor.element_size()) if tensor.dim() > 1 else block_stride
     if offset > max(page, 0):
         raise ValueError(f"layer {spec.name}: its states take {offset} bytes, its cache page {page}")
+    if split:
+        for part in spec.state_parts:
+            start, per_row, size = starts[part.state]
+            out.append(
+                kvcsum.StateTensor(
+                    address=address + start + part.first_row * per_row,
+                    block_stride=block_stride,
+                    row_stride=per_row,
+                    first_row=tp_rank * part.rows,
+                    num_rows=part.rows,
+                    total_rows=part.rows * tp_size,
+                    bytes_per_row=per_row,
+                    element_size=size,
+                )
+            )
     return out

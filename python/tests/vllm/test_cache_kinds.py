@@ -483,6 +483,99 @@ def test_attention_plus_mamba_pd_round_trip(store, tp, fault):
         assert "group 1 position 0" in pair["wrapped"].connector().last_verdicts["req"][2]
 
 
+def split_mamba_groups(kind: str, mamba_len: int = MAMBA_LEN):
+    """Attention + a Mamba2 (or GDN) layer pair whose state vLLM's NIXL
+    connector splits across TP (DS conv layout: the ds_conv_layout
+    fixture), shapes from vLLM's own MambaStateShapeCalculator."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as calc
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    def groups(tp: int):
+        full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=4 // tp, head_size=16, dtype=torch.float16)
+        if kind == "MAMBA2":
+            # x 32 channels, B and C 2 groups of 4, conv kernel 4; 4 heads of 8 x 4.
+            shapes = calc.mamba2_state_shape(tp, 32, 2, num_heads=4, head_dim=8, state_size=4, conv_kernel=4)
+        else:
+            # Q and K 2 heads of 4, V 4 heads of 8; temporal 4 v heads of 8 x 4.
+            shapes = calc.gated_delta_net_state_shape(tp, 2, 4, head_k_dim=4, head_v_dim=8, conv_kernel_size=4)
+        mamba = MambaSpec(
+            block_size=mamba_len, shapes=tuple(shapes), dtypes=(torch.bfloat16, torch.float32),
+            page_size_padded=full.page_size_bytes, mamba_type=getattr(MambaAttentionBackendEnum, kind),
+        )
+        return [
+            ([f"model.layers.{i}.self_attn.attn" for i in (0, 2)], full),
+            ([f"model.layers.{i}.mixer" for i in (1, 3)], mamba),
+        ]
+
+    return groups
+
+
+#: (kind, P TP, C TP, the consumer rank with the fault, fault): intact loads
+#: both ways, then a flipped byte of the conv state (its last
+#: sub-projection, C or V) and of the ssm state on each consumer rank.
+SPLIT_CASES = [
+    ("MAMBA2", 1, 2, None, None),
+    ("MAMBA2", 2, 1, None, None),
+    ("GDN_ATTN", 1, 2, None, None),
+    ("GDN_ATTN", 2, 1, None, None),
+    ("MAMBA2", 1, 2, 0, "conv"),
+    ("MAMBA2", 1, 2, 1, "conv"),
+    ("MAMBA2", 1, 2, 0, "ssm"),
+    ("MAMBA2", 1, 2, 1, "ssm"),
+    ("MAMBA2", 2, 1, 0, "conv"),
+    ("MAMBA2", 2, 1, 0, "ssm"),
+    ("GDN_ATTN", 1, 2, 1, "conv"),
+    ("GDN_ATTN", 2, 1, 0, "ssm"),
+]
+
+
+@pytest.mark.parametrize("kind, p_tp, c_tp, rank, fault", SPLIT_CASES)
+def test_a_mamba_state_vllm_splits_across_tp_round_trips_between_tp_sizes(store, ds_conv_layout, kind, p_tp, c_tp, rank, fault):
+    # vLLM's NIXL connector moves Mamba state between engines of different
+    # TP sizes (each sub-projection's slice, then the ssm state's:
+    # ssm_conv_transfer_utils.py derive_mamba_conv_split); the test's
+    # connector moves it row by global row the same way, and kvcsum
+    # numbers the rows alike (cache_kinds.state_split), so the state
+    # verifies at another TP size and a flipped byte is a MISMATCH.
+    import mamba_states
+
+    groups = split_mamba_groups(kind)
+    corrupt = None
+    if fault is not None:
+        split = mamba_states.nixl_split(groups(c_tp)[1][1], c_tp)
+        conv_bytes = sum(rows * row for rows, row in split[:-1])
+        byte = conv_bytes - 3 if fault == "conv" else conv_bytes + 9
+        corrupt = {"state": byte, "layer": "model.layers.3.mixer", "rank": rank}
+    where = "intact" if fault is None else f"{fault} on rank {rank}"
+    case = f"attention + {kind} (DS), P TP {p_tp} -> C TP {c_tp}, {where}"
+    pair = kind_pd(store, case, groups, corrupt, p_tp=p_tp, c_tp=c_tp, block_size=MAMBA_LEN)
+    verdict = pair["wrapped"].connector().last_verdicts["req"]
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+        assert "5 block positions compared" in verdict[2], verdict
+    else:
+        assert store_connector.CORRUPT.get("done") == 1
+        flipped(pair, "req", KIND_PROMPT)
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT)) == (len(KIND_PROMPT), 0)
+        assert "group 1 position 0" in verdict[2], verdict
+
+
+def test_a_mamba_state_vllm_splits_verifies_between_tp_sizes_and_state_block_sizes(store, ds_conv_layout):
+    # The producer's Mamba block (max_model_len without prefix caching)
+    # twice the consumer's: vLLM's layer identities hold the block size, so
+    # the consumer rewrites the producer's fingerprint of the state group
+    # (kvcsum.vllm.load_verdict), which it computes with the split's global
+    # rows at its own TP size (config.group_fingerprint): the state is
+    # compared, not FINGERPRINT_DIFFERS.
+    groups = split_mamba_groups("MAMBA2")
+    pair = kind_pd(
+        store, "attention + MAMBA2 (DS), P TP 1 Mamba block 4096 -> C TP 2 2048, intact", groups, None, p_tp=1, c_tp=2,
+        block_size=MAMBA_LEN, p_block_size=2 * MAMBA_LEN, p_groups=split_mamba_groups("MAMBA2", 2 * MAMBA_LEN),
+    )
+    intact(pair, "req", KIND_PROMPT)
+    assert "5 block positions compared" in pair["wrapped"].connector().last_verdicts["req"][2]
+
+
 def mamba_align_groups(tp: int, speculative: int = 0):
     # vLLM's Mamba prefix caching: mamba_cache_mode "align", the Mamba
     # block the attention block (platforms/interface.py,

@@ -164,13 +164,216 @@ def test_an_attention_plus_mamba_model_verifies_its_state_group(where):
 
 
 def test_a_mamba_state_is_shard_keyed_and_another_tp_size_is_unverified_never_a_mismatch():
+    # vLLM's default SD conv layout (state_len, dim): no channel is a row,
+    # so no TP split is known (cache_kinds.state_split).
     groups = [(MAMBA, mamba())]
     cfg = config(groups)
     _, producer = engine_side(cfg, seed=3, total_kv_heads=4)
     consumers = [engine_side(cfg, seed=3, total_kv_heads=4, tp_rank=r, tp_size=2)[1] for r in range(2)]
+    assert "SD layout" in producer.shard_keyed[0], producer.shard_keyed
     report = verdict([producer], consumers, job(cfg), 1)
     print(f"\nCASE {'Mamba state, producer TP 1, consumer TP 2':<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}")
     assert report.verdict == kvcsum.UNVERIFIED
+    assert report.findings[0].reason_name == "KVCS_UNVERIFIED_STATE_TP_DIFFERS", report.message
+
+
+# --- 2b. Mamba states whose TP split vLLM derives (its NIXL connector's) --------------------
+
+
+def mamba_kind(kind: str, tp: int, n_groups: int = 2) -> MambaSpec:
+    """vLLM's MambaSpec of a Mamba1, Mamba2 or GDN layer at TP size `tp`,
+    its shapes from vLLM's own MambaStateShapeCalculator (the layout the
+    environment sets: DS under the ds_conv_layout fixture), conv bf16 and
+    temporal fp32."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as calc
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    if kind == "MAMBA1":
+        shapes = calc.mamba1_state_shape(tp, intermediate_size=32, state_size=4, conv_kernel=4)
+    elif kind == "MAMBA2":
+        shapes = calc.mamba2_state_shape(tp, 32, n_groups, num_heads=4, head_dim=8, state_size=4, conv_kernel=4)
+    else:
+        shapes = calc.gated_delta_net_state_shape(tp, 2, 4, head_k_dim=4, head_v_dim=8, conv_kernel_size=4)
+    return MambaSpec(
+        block_size=BLOCK * 64, shapes=tuple(shapes), dtypes=(torch.bfloat16, torch.float32),
+        mamba_type=getattr(MambaAttentionBackendEnum, kind),
+    )
+
+
+#: Per kind, each tensor's global rows in numbering order (the conv state's
+#: sub-projections, then the temporal state), and the elements of a row.
+GLOBAL_ROWS = {
+    "MAMBA1": [("x", 32, 3), ("ssm", 32, 4)],
+    "MAMBA2": [("x", 32, 3), ("B", 8, 3), ("C", 8, 3), ("ssm", 4, 32)],
+    "GDN_ATTN": [("Q", 8, 3), ("K", 8, 3), ("V", 32, 3), ("ssm", 4, 32)],
+}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("kind", sorted(GLOBAL_ROWS))
+def test_a_state_of_a_tp_split_vllm_derives_registers_each_sub_projection_and_the_ssm_rows_globally(ds_conv_layout, kind, tp):
+    import mamba_states
+    from kvcsum.vllm import cache_kinds
+
+    cfg = config([(MAMBA, mamba_kind(kind, tp))])
+    vllm_split = mamba_states.nixl_split(cfg.kv_cache_groups[0].kv_cache_spec, tp)
+    for rank in range(tp):
+        caches, worker = engine_side(cfg, seed=None, total_kv_heads=4, tp_rank=rank, tp_size=tp)
+        assert not worker.skipped and worker.shard_keyed == {}, (worker.skipped, worker.shard_keyed)
+        spec = next(s for s in layer_specs(cfg, 4)[0] if s.name == MAMBA[0])
+        tensors = cache_kinds.state_tensors(caches[MAMBA[0]], spec, rank, tp, split=True)
+        base = int(caches[MAMBA[0]].data_ptr())
+        got = [
+            (part.label, t.first_row, t.num_rows, t.total_rows, t.bytes_per_row, t.element_size, t.address - base)
+            for part, t in zip(spec.state_parts, tensors)
+        ]
+        want, offset = [], 0
+        for (label, total, elements), (rows, row_bytes) in zip(GLOBAL_ROWS[kind], vllm_split):
+            size = 2 if label != "ssm" else 4
+            # vLLM's NIXL split, rank by rank: `rows` of the tensor's rows.
+            assert rows * tp == total and row_bytes == elements * size
+            want.append((label, rank * rows, rows, total, elements * size, size, offset))
+            offset += rows * row_bytes
+        print(f"\nCASE {kind} TP {tp} rank {rank}: {got}")
+        assert got == want
+        assert spec.state_type == kind
+
+
+def global_state(split, tp: int, seed: int) -> torch.Tensor:
+    """A layer's global state (every tensor's global rows), random bytes."""
+    import mamba_states
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (mamba_states.global_bytes(split, tp),), dtype=torch.uint8, generator=generator)
+
+
+def state_side(cfg, tp: int, states: dict, rank_content=None):
+    """The workers of one engine of TP size `tp` whose layers' pages hold
+    their rank's slice of `states` ({layer: global state}) at STATE_BLOCK
+    (or `rank_content(layer, rank)`)."""
+    import mamba_states
+
+    split = mamba_states.nixl_split(cfg.kv_cache_groups[0].kv_cache_spec, tp)
+    sides = []
+    for rank in range(tp):
+        caches, worker = engine_side(cfg, seed=None, total_kv_heads=4, tp_rank=rank, tp_size=tp)
+        for name, state in states.items():
+            content = rank_content(name, rank) if rank_content else mamba_states.rank_slice(state, split, tp, rank)
+            caches[name][STATE_BLOCK].view(-1).view(torch.uint8)[: content.numel()] = content
+        sides.append((caches, worker))
+    return sides
+
+
+@pytest.mark.parametrize("flip", [None, "conv", "ssm"])
+@pytest.mark.parametrize("p_tp, c_tp", [(1, 2), (2, 1), (2, 2)])
+@pytest.mark.parametrize("kind", sorted(GLOBAL_ROWS))
+def test_a_state_of_a_tp_split_vllm_derives_verifies_across_tp_sizes(ds_conv_layout, kind, p_tp, c_tp, flip):
+    import mamba_states
+
+    seed = 1000 * len(kind) + 10 * p_tp + c_tp
+    split = mamba_states.nixl_split(mamba_kind(kind, 1), 1)
+    states = {name: global_state(split, 1, seed + i) for i, name in enumerate(MAMBA)}
+    producers = state_side(config([(MAMBA, mamba_kind(kind, p_tp))]), p_tp, states)
+    c_cfg = config([(MAMBA, mamba_kind(kind, c_tp))])
+    consumers = state_side(c_cfg, c_tp, states)
+    if flip:
+        # A byte of the last consumer rank's conv state (its last
+        # sub-projection: B's twin C, GDN's V) or of its ssm state.
+        c_split = mamba_states.nixl_split(c_cfg.kv_cache_groups[0].kv_cache_spec, c_tp)
+        conv_bytes = sum(rows * row for rows, row in c_split[:-1])
+        byte = conv_bytes - 5 if flip == "conv" else conv_bytes + 13
+        caches, _ = consumers[-1]
+        caches[MAMBA[1]][STATE_BLOCK].view(-1).view(torch.uint8)[byte] ^= 0x04
+    report = verdict([w for _, w in producers], [w for _, w in consumers], job(c_cfg), p_tp)
+    case = f"{kind} state, P TP {p_tp}, C TP {c_tp}, flip {flip} (seed {seed})"
+    print(f"\nCASE {case:<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}", flush=True)
+    check(report, flip is not None, STATE_BLOCK)
+
+
+@pytest.mark.parametrize("p_tp, c_tp", [(1, 2), (2, 1)])
+def test_mamba2_groups_vllm_replicates_at_one_tp_size_are_unverified_never_a_mismatch(ds_conv_layout, p_tp, c_tp):
+    # n_groups 1: at TP 2 vLLM extends the groups to 2 so that each head
+    # shard has its group (mamba_utils.py:199, :261-269, extra_groups_for_
+    # head_shards): both ranks hold group 0's B and C, so B and C have 4
+    # rows at TP 1 and 8 across TP 2. Numbered as a split, rows would
+    # differ; the identity names each tensor's global rows, so the
+    # fingerprints differ: UNVERIFIED, never MISMATCH (here over the same
+    # model state on both sides).
+    import mamba_states
+
+    one = mamba_kind("MAMBA2", 1, n_groups=1)
+    split = mamba_states.nixl_split(one, 1)
+    assert [rows for rows, _ in split] == [32, 4, 4, 4]
+    states = {name: global_state(split, 1, 77 + i) for i, name in enumerate(MAMBA)}
+
+    def tp2_content(name, rank):
+        # x and the ssm heads: the rank's half; B and C: the one group, whole.
+        (x, row), (b, _), (c, _), (heads, ssm_row) = split
+        state = states[name]
+        x_part = state[rank * x // 2 * row : (rank + 1) * x // 2 * row]
+        bc = state[x * row : (x + b + c) * row]
+        ssm = state[(x + b + c) * row :]
+        return torch.cat([x_part, bc, ssm[rank * heads // 2 * ssm_row : (rank + 1) * heads // 2 * ssm_row]])
+
+    sides = {}
+    for tp in {p_tp, c_tp}:
+        cfg = config([(MAMBA, mamba_kind("MAMBA2", tp, n_groups=1))])
+        sides[tp] = (cfg, state_side(cfg, tp, states, tp2_content if tp == 2 else None))
+        assert all(w.shard_keyed == {} for _, w in sides[tp][1])
+    producers, consumers = sides[p_tp][1], sides[c_tp][1]
+    report = verdict([w for _, w in producers], [w for _, w in consumers], job(sides[c_tp][0]), p_tp)
+    print(f"\nCASE {f'Mamba2 n_groups 1, P TP {p_tp}, C TP {c_tp}':<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}")
+    assert report.verdict == kvcsum.UNVERIFIED, report.message
+    assert report.findings[0].reason_name == "KVCS_UNVERIFIED_FINGERPRINT_DIFFERS", report.message
+
+
+def test_a_state_of_known_split_against_a_shard_keyed_one_is_unverified(ds_conv_layout, monkeypatch):
+    # The same Mamba2 state at TP 1: the producer in the DS layout (split
+    # known), the consumer where vLLM keeps the SD layout (shard-keyed).
+    # Their identities and marks differ (SPEC section 7): UNVERIFIED.
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    cfg = config([(MAMBA, mamba_kind("MAMBA2", 1))])
+    _, producer = engine_side(cfg, seed=5, total_kv_heads=4)
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "SD")
+    get_conv_state_layout.cache_clear()
+    _, consumer = engine_side(cfg, seed=5, total_kv_heads=4)
+    assert producer.shard_keyed == {} and "SD layout" in consumer.shard_keyed[0]
+    report = verdict([producer], [consumer], job(cfg), 1)
+    print(f"\nCASE {'Mamba2, split known against shard-keyed, TP 1':<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}")
+    assert report.verdict == kvcsum.UNVERIFIED, report.message
+    assert report.findings[0].reason_name == "KVCS_UNVERIFIED_FINGERPRINT_DIFFERS", report.message
+
+
+@pytest.mark.parametrize(
+    "make, why",
+    [
+        # vLLM's ShortConv (and the PLE's tp_replicated conv state): no split derived.
+        (lambda tp: MambaSpec(block_size=BLOCK * 64, shapes=((64 // tp, 3),), dtypes=(torch.bfloat16,),
+                              mamba_type=_backend("SHORT_CONV")), "SHORT_CONV"),
+        (lambda tp: MambaSpec(block_size=BLOCK * 64, shapes=((64, 3),), dtypes=(torch.bfloat16,),
+                              mamba_type=_backend("MAMBA1"), tp_replicated=True), "tp_replicated"),
+        # A Mamba2 whose conv channels do not decompose into x + 2 B (fewer
+        # than the heads' 32 x channels).
+        (lambda tp: MambaSpec(block_size=BLOCK * 64, shapes=((16 // tp, 3), (4 // tp, 8, 4)),
+                              dtypes=(torch.bfloat16, torch.float32)), "do not decompose"),
+    ],
+    ids=["short_conv", "tp_replicated", "no_decomposition"],
+)
+def test_a_state_whose_split_is_not_derived_stays_shard_keyed_and_another_tp_size_is_unverified(ds_conv_layout, make, why):
+    p_cfg, c_cfg = config([(MAMBA, make(1))]), config([(MAMBA, make(2))])
+    _, producer = engine_side(p_cfg, seed=3, total_kv_heads=4)
+    consumers = [engine_side(c_cfg, seed=3, total_kv_heads=4, tp_rank=r, tp_size=2)[1] for r in range(2)]
+    assert why in producer.shard_keyed[0], producer.shard_keyed
+    report = verdict([producer], consumers, job(c_cfg), 1)
+    print(f"\nCASE {f'state not split ({why}), P TP 1, C TP 2':<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}")
+    assert report.verdict == kvcsum.UNVERIFIED, report.message
+
+
+def _backend(name: str):
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    return getattr(MambaAttentionBackendEnum, name)
 
 
 # --- 3. quantized cells --------------------------------------------------------------------
