@@ -143,9 +143,10 @@ def layer_number(layer_name: str) -> int:
 
 
 #: Whether this kvcsum's device engine checksums cells of 4-byte pieces
-#: (SPEC section 1); its host engine does. Not yet: a device worker names
-#: a group holding an indexer's k-cache not checksummed.
-DEVICE_READS_4_BYTE_PIECES = False
+#: (SPEC section 1), as its host engine does: it does, so a device worker
+#: registers an indexer's k-cache. The one switch of that rule: False names
+#: a group holding such a cache not checksummed on device workers.
+DEVICE_READS_4_BYTE_PIECES = True
 
 
 def _is_cuda(tensor) -> bool:
@@ -396,7 +397,7 @@ class CacheChecksummer:
             if spec.key_bytes and self.device != kvcsum.HOST and not DEVICE_READS_4_BYTE_PIECES:
                 raise ValueError(
                     f"layer {spec.name} is a sparse-attention indexer's k-cache of {spec.key_bytes + cache_kinds.INDEXER_SCALE_BYTES}-byte "
-                    "cells (keys then scales), read in 4-byte pieces, which this kvcsum's device engine does not checksum yet"
+                    "cells (keys then scales), read in 4-byte pieces, which device workers are set not to checksum (DEVICE_READS_4_BYTE_PIECES)"
                 )
             number = layer_number(spec.name)
             key = (int(tensor.data_ptr()), tuple(tensor.stride()), tuple(tensor.shape))

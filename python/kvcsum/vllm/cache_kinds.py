@@ -60,19 +60,19 @@ token), host-resident groups (not in memory the workers read), state
 elements of other than 2 or 4 bytes, an unknown mamba_cache_mode, head
 slots packed other than K slots then V slots (and ROCm's), specs that
 address their pages themselves (`uses_slot_mapping` False: a ring buffer),
-and caches whose `[B, H, N, C]` view is no cell per token (`_no_token_cells`:
+caches whose `[B, H, N, C]` view is no cell per token (`_no_token_cells`:
 cells of no multiple of 8 bytes other than the indexer's below, and
-DeepSeek V4's fp8_ds_mla states), the indexer's keys on ROCm (tiled in a
-block) and on a device worker of a kvcsum whose device engine does not
-read 4-byte pieces (this one's: SPEC section 1). A group holding one of
-these is not checksummed at all, its other caches included.
+DeepSeek V4's fp8_ds_mla states), and the indexer's keys on ROCm (tiled
+in a block). A group holding one of these is not checksummed at all, its
+other caches included.
 
 - the sparse-attention indexer's k-cache (DeepSeek V3.2's
   DeepseekV32IndexerCache, V4's C4A indexer: `_indexer_key_bytes`): each
   block's page holds its tokens' keys (K bytes each), then their 4-byte
   scales. Registered as one cell of two segments, the keys (K) and the
   scales (V), so the cell is a token's key then its scale: 132 bytes,
-  read in 4-byte pieces (SPEC section 1).
+  read in 4-byte pieces (SPEC section 1), by host and device workers
+  alike.
 """
 
 from __future__ import annotations
