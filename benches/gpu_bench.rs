@@ -572,6 +572,18 @@ fn main() {
         v_bytes: 256,
         block_size: 16,
     };
+    // vLLM's sparse-attention indexer (DeepSeek V3.2): 128 fp8 key bytes
+    // and a 4-byte scale a token, each block its keys then their scales
+    // (HND with V after K), 64-token blocks: cells of 4-byte pieces, which
+    // `kvcs_checksum_narrow` reads.
+    let indexer = Model {
+        name: "DeepSeek V3.2 indexer 61x(128+4) fp8",
+        layers: 61,
+        heads: 1,
+        k_bytes: 128,
+        v_bytes: 4,
+        block_size: 64,
+    };
     println!(
         "device: {name}; cache buffer {} GiB; date-stamped by the caller",
         cache_bytes >> 30
@@ -591,7 +603,7 @@ fn main() {
         "| cache | layout | case | bytes read | read ceiling GB/s | WEIGHTED GB/s | fraction | MIXED2 GB/s | fraction | MIXED2 - WEIGHTED |"
     );
     println!("|---|---|---|---:|---:|---:|---:|---:|---:|---:|");
-    let cases: [(&Model, Layout, &str, usize, usize); 11] = [
+    let cases: [(&Model, Layout, &str, usize, usize); 12] = [
         (&llama, Layout::Hnd, "2048 blocks (128 req x 16)", 128, 16),
         (&llama, Layout::Nhd, "2048 blocks (128 req x 16)", 128, 16),
         (&llama, Layout::KvSplit, "2048 blocks (128 req x 16)", 128, 16),
@@ -603,6 +615,7 @@ fn main() {
         (&fp8, Layout::KvSplit, "2048 blocks (128 req x 16)", 128, 16),
         (&tp8, Layout::Hnd, "2048 blocks (128 req x 16)", 128, 16),
         (&tp8, Layout::KvSplit, "2048 blocks (128 req x 16)", 128, 16),
+        (&indexer, Layout::Hnd, "2048 blocks, keys then scales", 128, 16),
     ];
     for (i, (model, layout, label, requests, per_request)) in cases.into_iter().enumerate() {
         if host_only || only.is_some_and(|n| n != i) {

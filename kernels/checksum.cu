@@ -43,6 +43,11 @@
 #ifndef KVCS_PAIR_SUMS
 #define KVCS_PAIR_SUMS 0
 #endif
+// Loads a lane has in flight in kvcs_checksum_narrow, the kernel of calls
+// with a layer of 4-byte pieces (tuning; measured on no device yet).
+#ifndef KVCS_NARROW_BATCH
+#define KVCS_NARROW_BATCH KVCS_BATCH
+#endif
 // Blocks per SM the compiler must leave room for (registers), 0 = its choice.
 #ifndef KVCS_MIN_BLOCKS
 #define KVCS_MIN_BLOCKS 0
@@ -366,6 +371,172 @@ __device__ __forceinline__ kvcs_u64 kvcs_segment_unit(
         + 2 * step_pieces * sums.step_weighted;
 }
 
+// Cells of 4-byte pieces (SPEC section 1: a cell of a multiple of 4 and not
+// of 8 bytes, vLLM's indexer keys then their scales), read by
+// kvcs_checksum_narrow only: the other kernels are compiled without this
+// code, so calls without such a layer run exactly what they ran before.
+// A vector holds PIECES whole pieces (1, 2 or 4: a 4-, 8- or 16-byte load,
+// the widest every address of the segment is aligned to, so that no load
+// straddles two tokens or leaves the segment), each LE_u32 zero-extended
+// to 64 bits before f.
+
+// As kvcs_accumulate, for vectors of PIECES 4-byte pieces: `high` sums,
+// over the vectors, sum_h h f(piece h) (a piece's place in its vector; for
+// 2 pieces the high one, as kvcs_accumulate's `high`).
+template <int BATCH, bool FULL, int MIX, int PIECES>
+__device__ __forceinline__ void kvcs_accumulate_narrow(
+    struct kvcs_lane_sums &sums, kvcs_i64 lane_address, kvcs_i64 step_bytes, kvcs_u32 steps,
+    kvcs_u32 first_vector, kvcs_u32 vectors, kvcs_u32 lanes)
+{
+    for (kvcs_u32 k = 0; k < steps; k += BATCH) {
+        kvcs_u32 round = 0;
+        for (kvcs_u32 vector = first_vector; vector < vectors; vector += lanes, ++round) {
+            const kvcs_i64 base = lane_address + (kvcs_i64)k * step_bytes + (kvcs_i64)(vector - first_vector) * (4 * PIECES);
+            kvcs_u32 piece[BATCH][PIECES];
+#pragma unroll
+            for (int b = 0; b < BATCH; ++b) {
+#pragma unroll
+                for (int h = 0; h < PIECES; ++h) piece[b][h] = 0;
+                if (FULL || k + b < steps) {
+                    const kvcs_i64 at = base + b * step_bytes;
+                    if constexpr (PIECES == 4) {
+                        const uint4 v = __ldcs((const uint4 *)at);
+                        piece[b][0] = v.x; piece[b][1] = v.y; piece[b][2] = v.z; piece[b][3] = v.w;
+                    } else if constexpr (PIECES == 2) {
+                        const uint2 v = __ldcs((const uint2 *)at);
+                        piece[b][0] = v.x; piece[b][1] = v.y;
+                    } else {
+                        piece[b][0] = __ldcs((const kvcs_u32 *)at);
+                    }
+                }
+            }
+            kvcs_u64 batch_total = 0;
+#pragma unroll
+            for (int b = 0; b < BATCH; ++b) {
+                kvcs_u64 y = 0;
+#pragma unroll
+                for (int h = 0; h < PIECES; ++h) {
+                    const kvcs_u64 x = kvcs_piece<MIX>((kvcs_u64)piece[b][h]);
+                    y += x;
+                    sums.high += (kvcs_u64)h * x;
+                }
+                batch_total += y;
+                sums.step_weighted += (kvcs_u64)b * y;
+            }
+            sums.total += batch_total;
+            sums.round_weighted += (kvcs_u64)round * batch_total;
+            sums.step_weighted += (kvcs_u64)k * batch_total;
+        }
+    }
+}
+
+// kvcs_accumulate_narrow with no per-load bound check where the steps are
+// a whole number of batches.
+template <int BATCH, int MIX, int PIECES>
+__device__ __forceinline__ void kvcs_accumulate_narrow_steps(
+    struct kvcs_lane_sums &sums, kvcs_i64 lane_address, kvcs_i64 step_bytes, kvcs_u32 steps,
+    kvcs_u32 first_vector, kvcs_u32 vectors, kvcs_u32 lanes)
+{
+#if KVCS_FULL_BATCHES
+    if (steps % BATCH == 0)
+        kvcs_accumulate_narrow<BATCH, true, MIX, PIECES>(sums, lane_address, step_bytes, steps, first_vector, vectors, lanes);
+    else
+#endif
+        kvcs_accumulate_narrow<BATCH, false, MIX, PIECES>(sums, lane_address, step_bytes, steps, first_vector, vectors, lanes);
+}
+
+// kvcs_segment_unit of a segment of 4-byte pieces (same arguments, same
+// lanes and steps). A flat segment's unit, one run of `tokens *
+// vectors_per_token` vectors numbered in order (kvcs_flat_unit), is read as
+// that many one-vector tokens of one lane each: lane l reads vectors l,
+// l + 32, ..., every lane busy.
+template <int MIX, int BATCH>
+__device__ __forceinline__ kvcs_u64 kvcs_narrow_unit(
+    const struct kvcs_dev_segment *segment, kvcs_u64 pieces_per_token,
+    kvcs_i64 address, kvcs_u64 first_token, kvcs_u32 tokens, kvcs_u32 lane, kvcs_u32 head_vector_shift,
+    kvcs_u64 token_pieces)
+{
+    const kvcs_u32 vector_shift = segment->vector_shift;
+    const kvcs_u64 pieces_per_vector = 1ull << (vector_shift - 2);
+    kvcs_u32 lanes, first_vector, vectors, steps;
+    kvcs_i64 lane_address, step_bytes;
+    kvcs_u64 j0, step_pieces;
+    if (segment->flat) {
+        const kvcs_u32 count = tokens * segment->vectors_per_token;
+        if (lane >= count) return 0;
+        lanes = 1;
+        first_vector = 0;
+        vectors = 1;
+        steps = (count - lane + KVCS_WARP - 1) / KVCS_WARP;
+        lane_address = address + ((kvcs_i64)lane << vector_shift);
+        step_bytes = (kvcs_i64)KVCS_WARP << vector_shift;
+        j0 = first_token * pieces_per_token + lane * pieces_per_vector;
+        step_pieces = KVCS_WARP * pieces_per_vector;
+    } else {
+        lanes = 1u << segment->lane_shift;
+        const kvcs_u32 tokens_per_step = KVCS_WARP >> segment->lane_shift;
+        const kvcs_u32 token = lane >> segment->lane_shift;
+        first_vector = lane & (lanes - 1);
+        vectors = segment->vectors_per_token;
+        if (token >= tokens || first_vector >= vectors) return 0;
+        steps = (tokens - token + tokens_per_step - 1) >> (5 - segment->lane_shift);
+        step_bytes = (kvcs_i64)tokens_per_step * segment->token_stride;
+        lane_address = address + (kvcs_i64)token * segment->token_stride
+            + kvcs_vector_offset(segment, first_vector, head_vector_shift);
+        const kvcs_u32 head_vector_mask = (1u << head_vector_shift) - 1;
+        j0 = first_token * pieces_per_token + token * token_pieces + segment->piece_offset
+            + (first_vector & head_vector_mask) * pieces_per_vector;
+        step_pieces = (kvcs_u64)tokens_per_step * token_pieces;
+    }
+
+    struct kvcs_lane_sums sums = {0, 0, 0, 0};
+    if (vector_shift == 4)
+        kvcs_accumulate_narrow_steps<BATCH, MIX, 4>(sums, lane_address, step_bytes, steps, first_vector, vectors, lanes);
+    else if (vector_shift == 3)
+        kvcs_accumulate_narrow_steps<BATCH, MIX, 2>(sums, lane_address, step_bytes, steps, first_vector, vectors, lanes);
+    else
+        kvcs_accumulate_narrow_steps<BATCH, MIX, 1>(sums, lane_address, step_bytes, steps, first_vector, vectors, lanes);
+
+    // Piece index of (step k, round i, piece h of the vector):
+    //   j = j0 + k * step_pieces + i * lanes * pieces_per_vector + h,
+    // as in kvcs_segment_unit, `high` holding the h terms.
+    return (2 * j0 + 1) * sums.total + 2 * sums.high
+        + 2 * (kvcs_u64)lanes * pieces_per_vector * sums.round_weighted
+        + 2 * step_pieces * sums.step_weighted;
+}
+
+// Whether `layer`'s pieces are 4 bytes: its cell (one head's bytes of a
+// token, K then V) is not a multiple of 8 bytes (SPEC section 1). The
+// descriptor holds the cell's size as each segment's vectors per token,
+// of 2^vector_shift bytes over the unit's 2^head_shift heads; it has no
+// field of its own, so that the other kernels' descriptors, and so their
+// code, stay as they were.
+__device__ __forceinline__ bool kvcs_reads_4_byte_pieces(const struct kvcs_dev_layer *layer)
+{
+    kvcs_u32 cell_bytes = 0;
+    for (kvcs_u32 s = 0; s < layer->num_segments; ++s)
+        cell_bytes += (layer->segments[s].vectors_per_token << layer->segments[s].vector_shift) >> layer->head_shift;
+    return cell_bytes % 8 != 0;
+}
+
+// kvcs_segment_unit, or where NARROW (kvcs_checksum_narrow) and the
+// unit's layer is of 4-byte pieces (`narrow`), kvcs_narrow_unit. Without
+// NARROW it is kvcs_segment_unit's very code.
+template <int MIX, int BATCH, bool NARROW>
+__device__ __forceinline__ kvcs_u64 kvcs_unit(
+    bool narrow, const struct kvcs_dev_segment *segment, kvcs_u64 pieces_per_token,
+    kvcs_i64 address, kvcs_u64 first_token, kvcs_u32 tokens, kvcs_u32 lane, kvcs_u32 head_vector_shift,
+    kvcs_u64 token_pieces)
+{
+    if constexpr (NARROW) {
+        if (narrow)
+            return kvcs_narrow_unit<MIX, BATCH>(segment, pieces_per_token, address, first_token, tokens, lane,
+                                                head_vector_shift, token_pieces);
+    }
+    return kvcs_segment_unit<MIX, BATCH>(segment, pieces_per_token, address, first_token, tokens, lane,
+                                         head_vector_shift, token_pieces);
+}
+
 // The last index i of [low, high] with key(i) <= value, for keys ascending in
 // i and key(low) <= value: the one search over rows (their first units) and
 // over a group's layers (theirs).
@@ -412,7 +583,7 @@ __device__ __forceinline__ kvcs_i64 kvcs_segment_address(
 // Adds to `total` this warp's units of `layer` in `row`, from the layer's
 // unit `in_layer` on, while `unit` is below `end` (`unit` advances past
 // them): each head's share weighed by its slice weight (SPEC section 3).
-template <bool PAIRS, int MIX, int BATCH, bool PLACED>
+template <bool PAIRS, int MIX, int BATCH, bool PLACED, bool NARROW>
 __device__ __forceinline__ void kvcs_layer_units(
     const struct kvcs_dev_layer *layer, const struct kvcs_dev_row &row, kvcs_u32 split, kvcs_u32 in_layer,
     kvcs_u64 &unit, kvcs_u64 end, kvcs_u32 lane, kvcs_u64 &total)
@@ -435,6 +606,7 @@ __device__ __forceinline__ void kvcs_layer_units(
     kvcs_u32 kernel_block = rest / split;
     const kvcs_u32 per_kernel_block = layer->tokens_per_kernel_block;
     const kvcs_u32 per_unit = (per_kernel_block + split - 1) / split;
+    const bool narrow = NARROW && kvcs_reads_4_byte_pieces(layer);
     kvcs_u64 head_sum = 0;
 #if KVCS_PAIR_MODE > 0
     const struct kvcs_dev_segment *pair = layer->segments;
@@ -466,7 +638,7 @@ __device__ __forceinline__ void kvcs_layer_units(
                 const kvcs_u32 tokens = min(min(per_unit, per_kernel_block - slot), row.valid_tokens - first);
                 const struct kvcs_dev_segment *segment = &layer->segments[s];
                 if (!PLACED || layer->dcp_size == 1) {
-                    head_sum += kvcs_segment_unit<MIX, BATCH>(segment, layer->pieces_per_token,
+                    head_sum += kvcs_unit<MIX, BATCH, NARROW>(narrow, segment, layer->pieces_per_token,
                                                   kvcs_segment_address(segment, row.block_id, kernel_block, first_head, slot),
                                                   row.first_token + first, tokens, lane, layer->head_vector_shift,
                                                   layer->pieces_per_token);
@@ -482,7 +654,7 @@ __device__ __forceinline__ void kvcs_layer_units(
                         const kvcs_u32 run = interleave == 1 ? tokens - done : min(tokens - done, interleave - t % interleave);
                         const kvcs_u64 unit_offset = (kvcs_u64)(t / interleave) * layer->dcp_size * interleave
                             + (kvcs_u64)layer->dcp_rank * interleave + t % interleave;
-                        head_sum += kvcs_segment_unit<MIX, BATCH>(segment, layer->pieces_per_token,
+                        head_sum += kvcs_unit<MIX, BATCH, NARROW>(narrow, segment, layer->pieces_per_token,
                                                       kvcs_segment_address(segment, row.block_id, kernel_block, first_head, slot + done),
                                                       row.first_token + unit_offset, run, lane, layer->head_vector_shift,
                                                       token_pieces);
@@ -525,7 +697,7 @@ __device__ __forceinline__ void kvcs_publish(
 // The kernel's work: PAIRS says whether a layer's two segments may be read
 // as one unit (more registers: see kvcs_checksum_unpaired), MIX which f
 // (KVCS_F_*) pieces pass through (the call's algorithm).
-template <bool PAIRS, int MIX, int BATCH, bool PLACED = false>
+template <bool PAIRS, int MIX, int BATCH, bool PLACED = false, bool NARROW = false>
 __device__ __forceinline__ void kvcs_checksum_call(const struct kvcs_dev_call &call)
 {
     const kvcs_u32 lane = threadIdx.x % KVCS_WARP;
@@ -557,7 +729,7 @@ __device__ __forceinline__ void kvcs_checksum_call(const struct kvcs_dev_call &c
                     out = layer_out;
                 }
                 const kvcs_u32 in_layer = (kvcs_u32)(unit - row_start) - layer->unit_start * split;
-                kvcs_layer_units<PAIRS, MIX, BATCH, PLACED>(layer, row, split, in_layer, unit, end, lane, total);
+                kvcs_layer_units<PAIRS, MIX, BATCH, PLACED, NARROW>(layer, row, split, in_layer, unit, end, lane, total);
             }
         }
         total = kvcs_warp_sum(total);
@@ -614,4 +786,16 @@ kvcs_checksum_placed(const __grid_constant__ struct kvcs_dev_call call)
     if (call.algorithm == KVCS_ALGORITHM_MIXED2) kvcs_checksum_call<false, KVCS_F_MIX2, KVCS_BATCH, true>(call);
     else if (call.algorithm == KVCS_ALGORITHM_MIXED) kvcs_checksum_call<false, KVCS_F_MIX, KVCS_BATCH, true>(call);
     else kvcs_checksum_call<false, KVCS_F_IDENTITY, KVCS_BATCH, true>(call);
+}
+
+// Calls with a layer of 4-byte pieces (SPEC section 1) in a group they
+// read: such layers take kvcs_narrow_unit, chosen per layer; the call's
+// other layers read as in kvcs_checksum_placed (K and V apart, DCP
+// placements numbered), which this kernel also covers.
+extern "C" __global__ void __launch_bounds__(KVCS_THREADS_PER_BLOCK, KVCS_MIN_BLOCKS)
+kvcs_checksum_narrow(const __grid_constant__ struct kvcs_dev_call call)
+{
+    if (call.algorithm == KVCS_ALGORITHM_MIXED2) kvcs_checksum_call<false, KVCS_F_MIX2, KVCS_NARROW_BATCH, true, true>(call);
+    else if (call.algorithm == KVCS_ALGORITHM_MIXED) kvcs_checksum_call<false, KVCS_F_MIX, KVCS_NARROW_BATCH, true, true>(call);
+    else kvcs_checksum_call<false, KVCS_F_IDENTITY, KVCS_NARROW_BATCH, true, true>(call);
 }

@@ -66,7 +66,7 @@ struct kvcs_dev_segment {
     kvcs_i64 token_stride;        // bytes between tokens of a kernel block
     kvcs_u64 piece_offset;        // index of the segment's first piece in a token's cell
     kvcs_u32 vectors_per_token;   // bytes_per_token >> vector_shift
-    kvcs_u32 vector_shift;        // 4: 16-byte loads; 3: 8-byte loads
+    kvcs_u32 vector_shift;        // 4: 16-byte loads; 3: 8-byte loads; 2: 4-byte loads (4-byte pieces only)
     kvcs_u32 lane_shift;          // log2(lanes per token): min(32, next power of 2 of vectors_per_token)
     kvcs_u32 flat;                // 1: tokens are contiguous whole cells, so a unit is one run of pieces
 };

@@ -17,6 +17,7 @@ fn checksum_kernel_compiles_with_nvrtc() {
             "kvcs_checksum",
             "kvcs_checksum_unpaired",
             "kvcs_checksum_placed",
+            "kvcs_checksum_narrow",
             "kvcs_store",
             "kvcs_state",
         ] {

@@ -171,14 +171,27 @@ pub fn requests_for(
 pub fn assert_device_matches_reference(
     rng: &mut Rng,
     kv: &LogicalKv,
+    tp: (u32, u32),
+    kind: LayoutKind,
+    count: usize,
+    what: &str,
+) {
+    assert_device_matches_reference_in_blocks_of(rng, kv, tp, kind, 16, count, what);
+}
+
+/// [`assert_device_matches_reference`] with `block_size`-token blocks.
+pub fn assert_device_matches_reference_in_blocks_of(
+    rng: &mut Rng,
+    kv: &LogicalKv,
     (tp_rank, tp_size): (u32, u32),
     kind: LayoutKind,
+    block_size: u32,
     count: usize,
     what: &str,
 ) {
     let seed = rng.seed();
     let shard = shard(kv, tp_rank, tp_size, 0, 1);
-    let mut placement = Placement::for_shard(rng, kv, &shard, kind, 0, 16, 24);
+    let mut placement = Placement::for_shard(rng, kv, &shard, kind, 0, block_size, 24);
     let requests = &requests_for(rng, kv, &mut [&mut placement], count);
     let placement = &placement;
     let pair = Pair::new(shard.tp_rank, shard.tp_size, &[placement]);
@@ -189,7 +202,7 @@ pub fn assert_device_matches_reference(
             kv,
             &shard.layer_numbers,
             &shard.heads(),
-            16,
+            block_size,
             table.first_position,
             table.block_ids.len(),
         );

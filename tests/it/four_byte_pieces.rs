@@ -4,10 +4,12 @@
 //! gives the naive reference's value for vLLM's sparse-attention indexer
 //! cache (132-byte cells: 128 fp8 key bytes, then a 4-byte scale, each
 //! block its keys then their scales) and for plain 12-byte cells, in every
-//! layout, under every algorithm, with partial last blocks; shards add up,
-//! block sizes do not matter, and one changed piece (a key's or a scale's)
-//! changes the value. Registration takes 4-byte aligned cells of 4-byte
-//! pieces and refuses what is no cell of whole pieces.
+//! layout, under every algorithm, with partial last blocks; so for the
+//! cells the device tests read (tests/gpu/four_byte_pieces.rs), and under
+//! DCP placements; shards add up, block sizes do not matter, and one
+//! changed piece (a key's or a scale's) changes the value. Registration
+//! takes 4-byte aligned cells of 4-byte pieces and refuses what is no cell
+//! of whole pieces.
 //!
 //! Reproduce a failure with the seed it printed:
 //! `KVCS_TEST_SEED=<seed> cargo test --test it four_byte_pieces::<name>`.
@@ -169,6 +171,120 @@ fn twelve_byte_cells_in_every_layout_give_the_reference_and_shards_add_up() {
                         &table,
                     );
                     assert_eq!(total, full, "{context}: the shards do not add up to c");
+                }
+            }
+        }
+    });
+}
+
+/// The cells the device tests read (tests/gpu/four_byte_pieces.rs), on host
+/// workers: 4 + 8 bytes apart, vLLM's MXFP4 indexer (64 + 4), a 132-byte
+/// cell in one segment in every layout, 4-byte cells of 8 heads, and the
+/// indexer in 17-token blocks (a block of 2244 bytes: every other block's
+/// keys 4 modulo 8).
+#[test]
+fn cells_of_4_68_and_132_bytes_and_odd_block_sizes_give_the_reference() {
+    let mut rng = Rng::for_test("cells_of_4_68_and_132_bytes_and_odd_block_sizes_give_the_reference");
+    let seed = rng.seed();
+    let kv_split = [LayoutKind::HndKvSplit, LayoutKind::KeysThenScales];
+    for_each_algorithm(|algorithm| {
+        let cases: [(u32, u32, u32, u32, Vec<LayoutKind>); 6] = [
+            (4, 8, 2, 16, vec![LayoutKind::HndKvSplit]),
+            (64, 4, 1, 16, kv_split.to_vec()),
+            (132, 0, 1, 16, single_segment_kinds()),
+            (4, 0, 8, 16, vec![LayoutKind::Nhd, LayoutKind::Hnd, LayoutKind::Padded]),
+            (128, 4, 1, 17, vec![LayoutKind::KeysThenScales]),
+            (128, 4, 1, 64, vec![LayoutKind::KeysThenScales]),
+        ];
+        for (k_bytes, v_bytes, heads, block_size, kinds) in cases {
+            let shape = KvShape {
+                first_layer: rng.below(20) as u32,
+                num_layers: 2,
+                first_head: 0,
+                total_kv_heads: heads,
+                k_bytes,
+                v_bytes,
+                num_tokens: rng.range(block_size as u64 + 1..4 * block_size as u64) | 1,
+            };
+            let kv = LogicalKv::random(&mut rng, shape);
+            let num_positions = positions_for(kv.num_tokens(), block_size, 0, 0);
+            let full = naive_full(&kv, block_size, 0, num_positions);
+            for kind in kinds {
+                for tp_size in [1, 2].into_iter().filter(|&tp| tp <= heads) {
+                    let num_blocks = num_positions as u32 + 2;
+                    let table = GroupTable {
+                        group_id: 2,
+                        first_position: 0,
+                        block_ids: BlockAllocator::new(&mut rng, num_blocks).take(num_positions),
+                    };
+                    let context = format!(
+                        "seed {seed}, {algorithm:?}, {k_bytes}+{v_bytes} bytes, {heads} heads, {block_size}-token blocks, {kind:?}, TP {tp_size}"
+                    );
+                    let total = deployed_total(
+                        &mut rng,
+                        &context,
+                        &kv,
+                        deploy(kind, tp_size, block_size, num_blocks),
+                        &table,
+                    );
+                    assert_eq!(total, full, "{context}: the shards do not add up to c");
+                }
+            }
+        }
+    });
+}
+
+/// Token placement (SPEC section 16) of cells of 4-byte pieces: each DCP
+/// rank's values (sizes 1, 2 and 4, interleaves 1 and 2; 1 and 4 tokens a
+/// slot) are the naive partials that walk vLLM's forward map, and the
+/// ranks' partials add up to the unsharded value.
+#[test]
+fn dcp_placed_cells_of_4_byte_pieces_give_the_naive_partials_and_add_up() {
+    use kvcsum::{BlockSet, GroupPlacement};
+    use support::token_placement::narrow::*;
+
+    let mut rng = Rng::for_test("dcp_placed_cells_of_4_byte_pieces_give_the_naive_partials_and_add_up");
+    let seed = rng.seed();
+    for_each_algorithm(|algorithm| {
+        for dcp_size in [1u32, 2, 4] {
+            for interleave in [1u32, 2] {
+                for tokens_per_slot in [1u32, 4] {
+                    let p = GroupPlacement {
+                        dcp_size,
+                        dcp_rank: 0,
+                        interleave,
+                        tokens_per_slot,
+                    };
+                    let size = 8 * dcp_size * tokens_per_slot;
+                    let positions = 1 + rng.below(4) as usize;
+                    let num_tokens = rng.range(1..positions as u64 * size as u64 + 1);
+                    let units = Units::random(&mut rng, num_tokens.div_ceil(tokens_per_slot as u64) + 1);
+                    let mut ids: Vec<u32> = (0..NUM_BLOCKS).collect();
+                    rng.shuffle(&mut ids);
+                    let ids = &ids[..positions];
+                    let mut blocks = BlockSet::new();
+                    blocks.add_request(REQ, num_tokens).unwrap();
+                    blocks.add_group(REQ, GROUP, 0, ids).unwrap();
+                    let mut sum = vec![0u64; positions];
+                    for (rank, cache) in rank_caches(&mut rng, &units, p, size, ids).iter().enumerate() {
+                        let rank = rank as u32;
+                        let worker = rank_worker(cache, p, size, rank);
+                        let result = worker
+                            .checksum(&blocks, Role::Consumer, StreamHandle::legacy_default())
+                            .unwrap();
+                        result.wait().unwrap();
+                        let got = result.column(REQ, GROUP, 0).unwrap().1.to_vec();
+                        let naive: Vec<u64> = (0..positions as u64)
+                            .map(|q| naive_partial(&units, p, size, num_tokens, q, Some(rank)))
+                            .collect();
+                        let context = format!("{p:?} rank {rank}, {algorithm:?}, num_tokens {num_tokens}, seed {seed}");
+                        assert_eq!(got, naive, "{context}");
+                        add_values(&mut sum, &got);
+                    }
+                    let whole: Vec<u64> = (0..positions as u64)
+                        .map(|q| naive_partial(&units, p, size, num_tokens, q, None))
+                        .collect();
+                    assert_eq!(sum, whole, "{p:?}, {algorithm:?}: the ranks' sum, seed {seed}");
                 }
             }
         }

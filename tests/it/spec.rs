@@ -725,9 +725,9 @@ fn the_properties_hold_under_every_algorithm() {
 
 /// SPEC section 12's small block again with 12-byte cells, read in 4-byte
 /// pieces (SPEC section 1): layer 3, heads 0 and 1, 2-token blocks, `P` =
-/// 3, 3 tokens; piece `p` of head `h` at token `t` is `(16h + 4t + p + 1)
-/// * 0x01010101` with bit 31 flipped, as `LE_u32` bytes. The worker's
-/// values are the table's, and the naive reference's.
+/// 3, 3 tokens; piece `p` of head `h` at token `t` is
+/// `(16h + 4t + p + 1) * 0x01010101` with bit 31 flipped, as `LE_u32`
+/// bytes. The worker's values are the table's, and the naive reference's.
 #[test]
 fn four_byte_piece_test_vectors() {
     let piece = |h: u64, t: u64, p: u64| ((16 * h + 4 * t + p + 1) as u32).wrapping_mul(0x0101_0101) ^ (1 << 31);

@@ -154,9 +154,10 @@ def layer_number(layer_name: str) -> int:
 
 
 #: Whether this kvcsum's device engine checksums cells of 4-byte pieces
-#: (SPEC section 1); its host engine does. Not yet: a device worker names
-#: a group holding an indexer's k-cache (132-byte cells) not checksummed.
-DEVICE_READS_4_BYTE_PIECES = False
+#: (SPEC section 1), as its host engine does: it does, so a device worker
+#: registers an indexer's k-cache. The one switch of that rule: False names
+#: a group holding such a cache not checksummed on device workers.
+DEVICE_READS_4_BYTE_PIECES = True
 
 
 def _is_cuda(tensor) -> bool:
@@ -432,7 +433,8 @@ class CacheChecksummer:
             if cell % 8 and self.device != kvcsum.HOST and not DEVICE_READS_4_BYTE_PIECES:
                 raise ValueError(
                     f"layer {spec.name} has {cell}-byte cells (a block's data, then its scales: {spec.data_bytes} + "
-                    f"{spec.scale_bytes} bytes a slot), read in 4-byte pieces, which this kvcsum's device engine does not checksum yet"
+                    f"{spec.scale_bytes} bytes a slot), read in 4-byte pieces, which device workers are set not to checksum "
+                    "(DEVICE_READS_4_BYTE_PIECES)"
                 )
             number = layer_number(spec.name)
             key = (int(tensor.data_ptr()), tuple(tensor.stride()), tuple(tensor.shape))

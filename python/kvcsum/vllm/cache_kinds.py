@@ -98,11 +98,10 @@ address their pages themselves (`uses_slot_mapping` False: a ring buffer),
 and caches whose `[B, H, N, C]` view is no cell per token (`_no_token_cells`:
 cells of no multiple of 8 bytes other than the indexer's above, and
 DeepSeek V4's packed records of another width than 584, 528 or 288 bytes,
-or not one latent head of bytes), the
-indexer's keys on ROCm (tiled in a block) and on a device worker of a
-kvcsum whose device engine does not read 4-byte pieces (this one's: SPEC
-section 1). A group holding one of these is not checksummed at all, its
-other caches included.
+or not one latent head of bytes), and the indexer's keys on ROCm (tiled
+in a block). A group holding one of these is not checksummed at all, its
+other caches included. Cells of 4-byte pieces (the indexer's 132 bytes,
+SPEC section 1) are read by host and device workers alike.
 """
 
 from __future__ import annotations

@@ -643,19 +643,29 @@ def test_vllms_own_indexer_k_cache_is_checksummed_as_keys_then_scales():
     assert worker.layers_registered == 4
 
 
-def test_vllms_own_indexer_k_cache_on_a_device_worker_is_named_not_checksummed():
-    # This kvcsum's device engine reads 8-byte pieces only (it refuses a
-    # cell of 4-byte pieces at registration): a device worker's plan of the
-    # group refuses it, naming the layer and its cell size, so the group is
-    # skipped at startup (its loads UNVERIFIED), never registered. (No GPU
-    # here: the plan of a host-built checksummer taken as a device one's.)
+def test_vllms_own_indexer_k_cache_on_a_device_worker_is_registered_as_keys_then_scales(monkeypatch):
+    # This kvcsum's device engine reads cells of 4-byte pieces as its host
+    # engine does (SPEC section 1): a device worker's plan of the MLA +
+    # indexer group registers every cache, the indexer as its keys then
+    # its scales, one 132-byte cell of two segments. (No GPU here: the plan
+    # of a host-built checksummer taken as a device one's.)
+    from kvcsum.vllm import cache_checksums
+
     names, spec = mla_with_indexer()
     cfg = config([(names, spec)])
     caches, worker = engine_side(cfg, seed=3, total_kv_heads=1)
     layers, _ = layer_specs(cfg, 1)
+    group = [s for s in layers if s.group_id == 0]
     worker.device = 0
-    with pytest.raises(ValueError, match="132-byte cells .* device engine does not checksum"):
-        worker._plan_group(0, [s for s in layers if s.group_id == 0], caches, cfg.num_blocks)
+    assert cache_checksums.DEVICE_READS_4_BYTE_PIECES
+    plan = worker._plan_group(0, group, caches, cfg.num_blocks)
+    cells = sorted(tuple(s.bytes_per_token for s in layer.segments) for layer in plan["layers"])
+    assert cells == [(128, 4), (128, 4), (1152,), (1152,)]
+    # The one switch of the rule: off, the plan names the indexer's cells
+    # and the group is skipped at startup (its loads UNVERIFIED).
+    monkeypatch.setattr(cache_checksums, "DEVICE_READS_4_BYTE_PIECES", False)
+    with pytest.raises(ValueError, match="132-byte cells .*DEVICE_READS_4_BYTE_PIECES"):
+        worker._plan_group(0, group, caches, cfg.num_blocks)
 
 
 #: The seed of the fp8_ds_mla cases' flipped bytes (KVCS_SEED changes it); printed.
@@ -682,8 +692,8 @@ def test_deepseek_v4_fp8_ds_mla_states_are_registered_as_their_data_then_their_s
     # One 584-byte cell of two segments over each block's page: K the
     # state's 576 data bytes (at t*576), V its 8 scale bytes (at 4*576 +
     # t*8), the page's stride the padded 2880 bytes. Both are 8-byte pieces,
-    # so a device worker's plan takes it too (the indexer's 4-byte pieces it
-    # refuses: test_vllms_own_indexer_k_cache_on_a_device_worker_*).
+    # so a device worker's plan takes it too (as it takes the indexer's
+    # 4-byte pieces: test_vllms_own_indexer_k_cache_on_a_device_worker_*).
     from kvcsum.vllm.config import groups_not_checksummed
 
     cfg = config([(ATTN, fp8_ds_mla())])

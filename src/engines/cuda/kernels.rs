@@ -48,6 +48,9 @@ pub struct Kernels {
     /// `kvcs_checksum_placed`: the same for calls with a layer whose tokens
     /// are spread over DCP ranks (SPEC section 16).
     pub checksum_placed: CudaFunction,
+    /// `kvcs_checksum_narrow`: the same for calls that read a layer of
+    /// 4-byte pieces (SPEC section 1).
+    pub checksum_narrow: CudaFunction,
     /// `kvcs_store`.
     pub store: CudaFunction,
     /// `kvcs_state`.
@@ -83,6 +86,9 @@ pub fn kernels(context: &Arc<CudaContext>) -> Result<Arc<Kernels>> {
     let checksum_placed = module
         .load_function("kvcs_checksum_placed")
         .map_err(|e| err!(Device, "device {ordinal}: loading kvcs_checksum_placed failed: {e}"))?;
+    let checksum_narrow = module
+        .load_function("kvcs_checksum_narrow")
+        .map_err(|e| err!(Device, "device {ordinal}: loading kvcs_checksum_narrow failed: {e}"))?;
     let store = module
         .load_function("kvcs_store")
         .map_err(|e| err!(Device, "device {ordinal}: loading kvcs_store failed: {e}"))?;
@@ -95,6 +101,7 @@ pub fn kernels(context: &Arc<CudaContext>) -> Result<Arc<Kernels>> {
         checksum_unpaired,
         checksum_single_head,
         checksum_placed,
+        checksum_narrow,
         store,
         state,
     });

@@ -26,6 +26,8 @@ pub struct ResidentWarps {
     pub single_head: u64,
     /// `kvcs_checksum_placed`.
     pub placed: u64,
+    /// `kvcs_checksum_narrow`.
+    pub narrow: u64,
     /// `kvcs_state`.
     pub state: u64,
 }
@@ -62,6 +64,9 @@ pub enum ChecksumKernel {
     /// `kvcs_checksum_placed`: some layer's tokens are spread over DCP
     /// ranks (SPEC section 16); its K and V are read apart.
     Placed,
+    /// `kvcs_checksum_narrow`: the call reads a layer of 4-byte pieces
+    /// (SPEC section 1); otherwise as `Placed`.
+    Narrow,
 }
 
 /// Where a kernel reads its rows.
@@ -170,16 +175,19 @@ impl CallLaunch {
 ///
 /// Rows of state groups go to the state kernel, the others to the checksum
 /// kernel (which skips state slots in its shape); both are counted per
-/// group slot from the plan, not per row. The paired kernel runs where
-/// some layer reads its K and V as one unit; where every layer holds one
-/// head, the one with more loads in flight; else the one with fewer
-/// registers. Rows that fit go inline; rows of one group are read in place
-/// from mapped pinned memory (the kernel reads each once per warp); rows
-/// of several groups, whose starts the kernel binary-searches, are worth a
-/// copy to the device, rows and starts in one. The state kernel reads its
-/// rows many times over: past [`INLINE_STATE_ROWS`], from device memory,
-/// copied there unless the checksum kernel's copy (of every row) carries
-/// them already.
+/// group slot from the plan, not per row. The narrow kernel runs where the
+/// call has rows of a group with a layer of 4-byte pieces, so that the
+/// other kernels, and calls of 8-byte pieces only, run no code of them;
+/// the placed one where a layer's tokens are spread over DCP ranks; the
+/// paired one where some layer reads its K and V as one unit; where every
+/// layer holds one head, the one with more loads in flight; else the one
+/// with fewer registers. Rows that fit go inline; rows of one group are
+/// read in place from mapped pinned memory (the kernel reads each once per
+/// warp); rows of several groups, whose starts the kernel binary-searches,
+/// are worth a copy to the device, rows and starts in one. The state
+/// kernel reads its rows many times over: past [`INLINE_STATE_ROWS`], from
+/// device memory, copied there unless the checksum kernel's copy (of every
+/// row) carries them already.
 pub fn plan_launch(inputs: &CallInputs<'_>) -> CallLaunch {
     let store_blocks =
         (inputs.stored_items > 0).then(|| inputs.stored_items.div_ceil(THREADS_PER_BLOCK as usize) as u32);
@@ -202,7 +210,9 @@ pub fn plan_launch(inputs: &CallInputs<'_>) -> CallLaunch {
         }
     }
     let attention_rows = num_rows - state_rows;
-    let (kernel, resident_warps) = if table.placed[role] {
+    let (kernel, resident_warps) = if table.reads_narrow(inputs.role, inputs.rows_per_slot) {
+        (ChecksumKernel::Narrow, inputs.resident.narrow)
+    } else if table.placed[role] {
         (ChecksumKernel::Placed, inputs.resident.placed)
     } else if table.paired[role] {
         (ChecksumKernel::Paired, inputs.resident.checksum)

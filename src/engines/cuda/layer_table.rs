@@ -33,8 +33,13 @@ pub struct LayerTable {
     /// Per role: whether there is any attention layer.
     pub any_layer: [bool; 2],
     /// Per role: whether some layer's tokens are spread over DCP ranks
-    /// (SPEC section 16), which only `kvcs_checksum_placed` numbers.
+    /// (SPEC section 16), which only `kvcs_checksum_placed` and
+    /// `kvcs_checksum_narrow` number.
     pub placed: [bool; 2],
+    /// Per role, per group slot: whether the group has a layer of 4-byte
+    /// pieces (SPEC section 1), which only `kvcs_checksum_narrow` reads:
+    /// calls with rows of such a group run it.
+    pub narrow: [Vec<bool>; 2],
     /// Per group slot: its state tensors (none for attention groups).
     pub state_groups: Vec<DevStateGroup>,
     /// The state tensors of every state group, by slot, layer and tensor.
@@ -56,19 +61,6 @@ impl LayerTable {
     /// Builds the tables of `layout`.
     pub fn new(layout: &Layout) -> Result<LayerTable> {
         let mut table = LayerTable::default();
-        // The kernel reads 8-byte pieces only: a cell of 4-byte pieces (SPEC
-        // section 1) is refused rather than given a value of other pieces.
-        for group in layout.groups() {
-            if let Some(layer) = group.layers.iter().find(|layer| layer.piece_bytes != PIECE_BYTES) {
-                let cell_bytes: u64 = layer.spec.segments.iter().map(|s| s.bytes_per_token as u64).sum();
-                return Err(err!(
-                    Unsupported,
-                    "layer_number {} of group_id {} has cells of {cell_bytes} bytes, read in 4-byte pieces, which the device engine does not checksum yet (a host worker does)",
-                    layer.spec.layer_number,
-                    group.group_id
-                ));
-            }
-        }
         for group in layout.groups() {
             for role in [Role::Producer, Role::Consumer] {
                 let columns = group.columns(role);
@@ -76,15 +68,19 @@ impl LayerTable {
                 let mut units = 0u64;
                 let mut layer_units = None;
                 let mut max_split = u32::MAX;
+                let mut narrow = false;
                 for layer in &group.layers {
                     let Ok(column) = columns.binary_search(&layer.spec.replica) else {
                         continue;
                     };
                     let device_layer = dev_layer(layer, column as u32, units);
-                    table.paired[role_index(role)] |= pairs(&device_layer);
+                    // Only 8-byte pieces are read in pairs (`kvcs_checksum`);
+                    // two segments of 4-byte pieces never read alike anyway.
+                    table.paired[role_index(role)] |= layer.piece_bytes == PIECE_BYTES && pairs(&device_layer);
                     table.multi_head[role_index(role)] |= device_layer.num_heads > 1;
                     table.any_layer[role_index(role)] = true;
                     table.placed[role_index(role)] |= device_layer.dcp_size > 1;
+                    narrow |= layer.piece_bytes != PIECE_BYTES;
                     for segment in &device_layer.segments[..device_layer.num_segments as usize] {
                         let tokens_per_batch = (WARP >> segment.lane_shift) * BATCH;
                         let useful = (device_layer.tokens_per_kernel_block / tokens_per_batch).max(1);
@@ -110,6 +106,7 @@ impl LayerTable {
                     ));
                 }
                 table.max_split[role_index(role)].push(max_split.min(MAX_SPLIT));
+                table.narrow[role_index(role)].push(narrow);
                 table.groups[role_index(role)].push(DevGroup {
                     layers_begin: begin,
                     layers_end: table.layers.len() as u32,
@@ -146,6 +143,16 @@ impl LayerTable {
             });
         }
         Ok(table)
+    }
+
+    /// Whether a call in `role` with `rows_per_slot[s]` rows of group slot
+    /// `s` reads a layer of 4-byte pieces (and so runs `kvcs_checksum_narrow`).
+    pub fn reads_narrow(&self, role: Role, rows_per_slot: &[u64]) -> bool {
+        let narrow = &self.narrow[role_index(role)];
+        rows_per_slot
+            .iter()
+            .zip(narrow)
+            .any(|(&rows, &narrow)| rows > 0 && narrow)
     }
 
     /// Whether group slot `slot` is a state group (its rows go to the state kernel).
@@ -270,9 +277,15 @@ fn state_tensor_units(tensor: &DevStateTensor) -> u64 {
 
 fn dev_layer(layer: &Layer, column: u32, unit_start: u64) -> DevLayer {
     let spec = &layer.spec;
+    let piece_shift = layer.piece_bytes.trailing_zeros();
     let mut segments = [DevSegment::default(); 2];
     for (i, segment) in spec.segments.iter().enumerate() {
-        segments[i] = dev_segment(segment, layer.segment_piece_offsets[i], layer.pieces_per_token);
+        segments[i] = dev_segment(
+            segment,
+            layer.segment_piece_offsets[i],
+            layer.pieces_per_token,
+            piece_shift,
+        );
     }
     for segment in &mut segments {
         // The kernel counts a flat unit's vectors in 32 bits; a flat unit's
@@ -357,19 +370,29 @@ fn pairs(layer: &DevLayer) -> bool {
         && (layer.head_shift == 0 || first.head_stride == second.head_stride)
 }
 
-fn dev_segment(segment: &Segment, piece_offset: u64, pieces_per_token: u64) -> DevSegment {
-    // 16-byte loads need every address the segment reaches 16-byte aligned.
-    let wide = [
-        segment.address as i64,
-        segment.block_stride,
-        segment.kernel_block_stride,
-        segment.head_stride,
-        segment.token_stride,
-        segment.bytes_per_token as i64,
-    ]
-    .iter()
-    .all(|value| value % 16 == 0);
-    let vector_shift = if wide { 4 } else { 3 };
+/// The device form of `segment`, whose cell has pieces of `1 <<
+/// piece_shift` bytes (registration checked that its address and strides
+/// are multiples of them, SPEC section 1).
+fn dev_segment(segment: &Segment, piece_offset: u64, pieces_per_token: u64, piece_shift: u32) -> DevSegment {
+    // The widest load, 16 bytes down to a piece, that every address the
+    // segment reaches and every token's bytes are aligned to: a load never
+    // straddles two tokens or leaves the segment.
+    let aligned = |shift: u32| {
+        [
+            segment.address as i64,
+            segment.block_stride,
+            segment.kernel_block_stride,
+            segment.head_stride,
+            segment.token_stride,
+            segment.bytes_per_token as i64,
+        ]
+        .iter()
+        .all(|value| value % (1i64 << shift) == 0)
+    };
+    let vector_shift = (piece_shift..=4)
+        .rev()
+        .find(|&shift| aligned(shift))
+        .unwrap_or(piece_shift);
     let vectors_per_token = segment.bytes_per_token >> vector_shift;
     // Lanes per token: enough to cover a token's vectors, at most a warp.
     let lane_shift = vectors_per_token.next_power_of_two().min(32).trailing_zeros();
@@ -384,9 +407,9 @@ fn dev_segment(segment: &Segment, piece_offset: u64, pieces_per_token: u64) -> D
         vector_shift,
         lane_shift,
         // The segment is the whole cell and its tokens follow each other:
-        // piece j of a unit is its j-th 8 bytes, whatever the token.
+        // piece j of a unit is its j-th piece of bytes, whatever the token.
         flat: (piece_offset == 0
-            && segment.bytes_per_token as u64 == pieces_per_token * 8
+            && segment.bytes_per_token as u64 == pieces_per_token << piece_shift
             && segment.token_stride == segment.bytes_per_token as i64) as u32,
     }
 }

@@ -121,16 +121,20 @@ impl DeviceEngine {
         let unpaired_blocks = blocks_per_processor(&kernels.checksum_unpaired)?;
         let single_head_blocks = blocks_per_processor(&kernels.checksum_single_head)?;
         let placed_blocks = blocks_per_processor(&kernels.checksum_placed)?;
+        let narrow_blocks = blocks_per_processor(&kernels.checksum_narrow)?;
         let state_blocks = blocks_per_processor(&kernels.state)?;
         let (major, minor) = context.compute_capability().unwrap_or((0, 0));
         let description = format!(
             "device {ordinal} (sm_{major}{minor}, {processors} SMs): kvcs_checksum uses {} registers, \
              {checksum_blocks} blocks of {THREADS_PER_BLOCK} threads per SM; kvcs_checksum_unpaired {} registers, \
              {unpaired_blocks} blocks per SM; kvcs_checksum_single_head {} registers, {single_head_blocks} blocks \
-             per SM; kvcs_state {} registers, {state_blocks} blocks per SM",
+             per SM; kvcs_checksum_placed {} registers, {placed_blocks} blocks per SM; kvcs_checksum_narrow {} \
+             registers, {narrow_blocks} blocks per SM; kvcs_state {} registers, {state_blocks} blocks per SM",
             registers(&kernels.checksum),
             registers(&kernels.checksum_unpaired),
             registers(&kernels.checksum_single_head),
+            registers(&kernels.checksum_placed),
+            registers(&kernels.checksum_narrow),
             registers(&kernels.state),
         );
         let pool = Arc::new(SlotPool::new(context.clone()));
@@ -146,6 +150,7 @@ impl DeviceEngine {
                 unpaired: resident(unpaired_blocks),
                 single_head: resident(single_head_blocks),
                 placed: resident(placed_blocks),
+                narrow: resident(narrow_blocks),
                 state: resident(state_blocks),
             },
             description,
@@ -504,6 +509,7 @@ impl DeviceEngine {
                     ChecksumKernel::SingleHead => &self.kernels.checksum_single_head,
                     ChecksumKernel::Unpaired => &self.kernels.checksum_unpaired,
                     ChecksumKernel::Placed => &self.kernels.checksum_placed,
+                    ChecksumKernel::Narrow => &self.kernels.checksum_narrow,
                 };
                 let mut params = [(call as *mut DevCall).cast::<std::ffi::c_void>()];
                 let grid = (launch.shape.blocks, 1, 1);

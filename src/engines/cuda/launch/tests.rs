@@ -148,6 +148,11 @@ fn random_table(random: &mut Random, role: Role) -> LayerTable {
             units: if kind == 1 { units } else { 0 },
             ..DevStateGroup::default()
         });
+        // An attention group with a layer of 4-byte pieces now and then.
+        let narrow = kind == 0 && random.chance(15);
+        for r in 0..2 {
+            table.narrow[r].push(narrow);
+        }
     }
     let r = role_index(role);
     table.paired[r] = random.chance(40);
@@ -165,6 +170,7 @@ fn random_table(random: &mut Random, role: Role) -> LayerTable {
 fn plan_launch_keeps_its_invariants_on_random_calls() {
     let (mut random, seed) = Random::seeded();
     let mut seen = [0usize; 6];
+    let mut narrow_calls = 0usize;
     for case in 0..20_000 {
         let role = if random.chance(50) {
             Role::Producer
@@ -216,6 +222,7 @@ fn plan_launch_keeps_its_invariants_on_random_calls() {
                 unpaired: 1 + random.below(20_000),
                 single_head: 1 + random.below(20_000),
                 placed: 1 + random.below(20_000),
+                narrow: 1 + random.below(20_000),
                 state: 1 + random.below(20_000),
             },
         };
@@ -251,8 +258,13 @@ fn plan_launch_keeps_its_invariants_on_random_calls() {
         assert_eq!(checksum.state_rows, state_rows, "{context}");
         assert_eq!(checksum.attention_rows, attention.len(), "{context}");
 
-        // The kernel's form, and the shape for that form's card.
-        let (kernel, resident) = if table.placed[r] {
+        // The kernel's form, and the shape for that form's card: the
+        // narrow one exactly where a row is of a group with a layer of
+        // 4-byte pieces (rows of other groups never run its code).
+        let reads_narrow = attention.iter().any(|row| table.narrow[r][row.group_slot as usize]);
+        let (kernel, resident) = if reads_narrow {
+            (ChecksumKernel::Narrow, inputs.resident.narrow)
+        } else if table.placed[r] {
             (ChecksumKernel::Placed, inputs.resident.placed)
         } else if table.paired[r] {
             (ChecksumKernel::Paired, inputs.resident.checksum)
@@ -262,6 +274,7 @@ fn plan_launch_keeps_its_invariants_on_random_calls() {
             (ChecksumKernel::Unpaired, inputs.resident.unpaired)
         };
         assert_eq!(checksum.kernel, kernel, "{context}");
+        narrow_calls += reads_narrow as usize;
         let expected_shape = launch_shape(
             &rows_per_slot,
             &table.groups[r],
@@ -355,6 +368,10 @@ fn plan_launch_keeps_its_invariants_on_random_calls() {
             (_, true) => 5,
         }] += 1;
     }
+    assert!(
+        narrow_calls > 50,
+        "calls reading 4-byte pieces: {narrow_calls}, seed {seed}"
+    );
     assert!(
         seen.iter().all(|&n| n > 50),
         "every form of call was drawn (none, inline, mapped, searched, state in memory, state inline): {seen:?}, seed {seed}"
