@@ -100,6 +100,9 @@ class LayerSpec:
     #: block's keys (this many bytes a token), then their 4-byte scales
     #: (kvcsum.vllm.cache_kinds._indexer_key_bytes); 0 for any other cache.
     key_bytes: int = 0
+    #: States a token has (Whisper's block pooling: p consecutive slots a
+    #: token, kvcsum.vllm.cache_kinds.states_per_token); 1 for any other cache.
+    states_per_token: int = 1
 
 
 @dataclasses.dataclass
@@ -117,16 +120,31 @@ class Job:
             blocks.add_group(self.req_id, int(group_id), list(block_ids), int(first_position))
 
 
-def identity(layer_name: str, spec_type: str, block_size: int, dtype: str) -> bytes:
+def identity(layer_name: str, spec_type: str, block_size: int, dtype: str, states_per_token: int = 1, state: int = 0) -> bytes:
     """The vLLM fork's identity of a layer: the repr of
-    `(layer_name, spec_type, block_size, dtype)`."""
-    return repr((layer_name, spec_type, int(block_size), str(dtype))).encode()
+    `(layer_name, spec_type, block_size, dtype)`.
+
+    A layer of p > 1 states a token (Whisper's block pooling) is p caches,
+    each registered with its own identity, the fork's four fields then
+    `("states_per_token", p)` and `("state", i)`: those four are the same
+    at any p, so without p a side pooling by another p (or not at all)
+    would be compared, its sums numbering other states; with it the
+    fingerprints differ (UNVERIFIED, never MISMATCH)."""
+    fields = (layer_name, spec_type, int(block_size), str(dtype))
+    if states_per_token != 1:
+        fields += (("states_per_token", int(states_per_token)), ("state", int(state)))
+    return repr(fields).encode()
 
 
-def layer_fingerprint(layer_name: str, spec_type: str, block_size: int, dtype: str) -> int:
-    """First 8 bytes, little-endian, of the SHA-256 of the identity."""
-    digest = hashlib.sha256(identity(layer_name, spec_type, block_size, dtype)).digest()
-    return int.from_bytes(digest[:8], "little")
+def layer_fingerprint(layer_name: str, spec_type: str, block_size: int, dtype: str, states_per_token: int = 1) -> int:
+    """First 8 bytes, little-endian, of the SHA-256 of the identity; of a
+    layer of p > 1 states a token, the sum of its p caches' (SPEC section
+    7: every registered cache counts)."""
+    total = 0
+    for state in range(max(1, states_per_token)):
+        digest = hashlib.sha256(identity(layer_name, spec_type, block_size, dtype, states_per_token, state)).digest()
+        total += int.from_bytes(digest[:8], "little")
+    return total % 2**64
 
 
 _NUMBER = re.compile(r"^\d+$")
@@ -162,8 +180,8 @@ def _describe(tensor, spec: LayerSpec, num_blocks: int):
     cell = spec.cell_bytes or content * _dtype_bytes(spec, item)
     # The slots of one of this rank's blocks (block_size is the rank's own
     # tokens of a block under DCP; a compressed cache holds a slot per
-    # tokens_per_state tokens).
-    tokens = spec.block_size // max(1, spec.tokens_per_state)
+    # tokens_per_state tokens, a pooled one states_per_token slots a token).
+    tokens = spec.block_size * spec.states_per_token // max(1, spec.tokens_per_state)
 
     def kernel_blocks(count: int) -> int:
         if count % num_blocks:
@@ -227,6 +245,29 @@ def _keys_then_scales(tensor, spec: LayerSpec):
     base = view.as_strided((blocks, tokens, keys), (page, keys, 1), start)
     scales = view.as_strided((blocks, tokens, cache_kinds.INDEXER_SCALE_BYTES), (page, cache_kinds.INDEXER_SCALE_BYTES, 1), start + tokens * keys)
     return base, scales
+
+
+def _pooled_states(parts: list, layout: str, spec: LayerSpec, layer_heads: int) -> list:
+    """The caches of a layer of p states a token (Whisper's block pooling:
+    token t's state i at slot t*p + i of its block,
+    kvcsum.vllm.cache_kinds.states_per_token): for each state i, each part
+    `(view, first head)` viewed at slots i, i + p, ... (a token a slot, its
+    token stride p slots), its heads after the `layer_heads` global heads
+    of each state before it (SPEC section 1: heads one cache after the
+    other). ValueError where the layout has no token dimension to stride."""
+    p = spec.states_per_token
+    if spec.key_bytes or "T" not in layout:
+        raise ValueError(f"layer {spec.name}: {p} states a token in a {layout} cache kvcsum cannot stride by token")
+    dim = layout.index("T")
+    out = []
+    for state in range(p):
+        for view, head in parts:
+            if view.shape[dim] % p:
+                raise ValueError(f"layer {spec.name}: {view.shape[dim]} slots a block are no multiple of its {p} states a token")
+            index = [slice(None)] * view.dim()
+            index[dim] = slice(state, None, p)
+            out.append((view[tuple(index)], head + state * layer_heads))
+    return out
 
 
 def _dtype_bytes(spec: LayerSpec, item: int) -> int:
@@ -371,7 +412,7 @@ class CacheChecksummer:
             for number, target, ident in plan["aliases"]:
                 worker.add_alias(group_id, number, target, ident)
             self.fingerprints[group_id] = sum(
-                layer_fingerprint(s.name, s.spec_type, s.block_size, s.dtype) for s in specs
+                layer_fingerprint(s.name, s.spec_type, s.block_size, s.dtype, s.states_per_token) for s in specs
             ) % 2**64
 
     def _plan_group(self, group_id: int, specs: list, kv_caches, num_blocks: int) -> dict:
@@ -403,7 +444,7 @@ class CacheChecksummer:
             # Under DCP a rank's spec has its local block (block_size / dcp):
             # the identity names the block every rank's slots belong to, the
             # scheduler's, as a DCP-1 engine's of the same block size does.
-            ident = identity(spec.name, spec.spec_type, spec.block_size * max(1, spec.dcp_size), spec.dtype)
+            ident = identity(spec.name, spec.spec_type, spec.block_size * max(1, spec.dcp_size), spec.dtype, spec.states_per_token)
             entry = caches.setdefault(key, {"numbers": [], "spec": spec, "tensor": tensor, "idents": []})
             entry["numbers"].append(number)
             entry["idents"].append((number, ident))
@@ -431,7 +472,7 @@ class CacheChecksummer:
             else:
                 layout, kernel_blocks = _describe(tensor, spec, num_blocks)
             offset = next_head.get(target, 0)
-            next_head[target] = offset + cache_kinds.global_heads(spec, self.tp_size)
+            next_head[target] = offset + cache_kinds.global_heads(spec, self.tp_size) * spec.states_per_token
             first_head, replicas, replica_index = self._heads(spec)
             parts = [(tensor, first_head + offset)]
             part_layout = layout
@@ -450,6 +491,19 @@ class CacheChecksummer:
                 half = spec.num_slots // 2
                 total = cache_kinds.global_heads(spec, self.tp_size) // 2
                 parts = [(tensor[:, :half], first_head + offset), (tensor[:, half:], first_head + offset + total)]
+            idents = {parts[0][1]: target_ident}
+            if spec.states_per_token > 1:
+                if len(entry["numbers"]) > 1:
+                    raise ValueError(f"layer {spec.name}: {spec.states_per_token} states a token, read by another layer (KV sharing)")
+                layer_heads = cache_kinds.global_heads(spec, self.tp_size)
+                parts = _pooled_states(parts, part_layout, spec, layer_heads)
+                # Each state's first part carries that state's identity.
+                idents = {
+                    parts[0][1] + state * layer_heads: identity(
+                        spec.name, spec.spec_type, spec.block_size * max(1, spec.dcp_size), spec.dtype, spec.states_per_token, state
+                    )
+                    for state in range(spec.states_per_token)
+                }
             for view, head in parts:
                 layers.append(
                     kvcsum.layer(
@@ -461,7 +515,7 @@ class CacheChecksummer:
                         kernel_blocks=kernel_blocks,
                         replicas=replicas,
                         replica_index=replica_index,
-                        identity=target_ident if head == parts[0][1] else b"",
+                        identity=idents.get(head, b""),
                         v=v_part,
                     )
                 )

@@ -78,10 +78,11 @@ these is not checksummed at all, its other caches included.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import kvcsum
 
-__all__ = ["describe_spec", "state_tensors", "global_heads", "group_block_size", "PLACEMENT", "DTYPE_BYTES"]
+__all__ = ["describe_spec", "state_tensors", "global_heads", "group_block_size", "states_per_token", "PLACEMENT", "DTYPE_BYTES"]
 
 #: Whether this kvcsum registers a group's token placement (DCP shards,
 #: compressed states: Worker.set_group_placement, SPEC section 16).
@@ -154,8 +155,10 @@ def describe_spec(
         # is the token at its place in a block.
         return dict(common, kind="state", unsupported=f"{type_name} addresses its pages itself (no slot mapping): no per-token KV blocks")
     tokens_per_state = getattr(spec, "tokens_per_state", 1)
+    pooled = states_per_token(spec)
     dcp_sharded = dcp_size > 1 and bool(getattr(spec, "dcp_sharded", False))
-    if tokens_per_state != 1 and not (PLACEMENT and isinstance(tokens_per_state, int) and tokens_per_state > 1):
+    # p states a token (pooled > 1) are p caches of the layer, not a placement.
+    if tokens_per_state != 1 and pooled == 1 and not (PLACEMENT and isinstance(tokens_per_state, int) and tokens_per_state > 1):
         unsupported = f"{type_name} stores {tokens_per_state} tokens per state (no token placement registered)"
     elif dcp_sharded and not PLACEMENT:
         unsupported = f"DCP shards its token positions across {dcp_size} ranks (no token placement registered)"
@@ -205,8 +208,29 @@ def describe_spec(
         tokens_per_state=int(tokens_per_state) if isinstance(tokens_per_state, int) else 1,
         dcp_size=dcp_size if dcp_sharded else 1,
         key_bytes=key_bytes,
+        states_per_token=pooled,
         unsupported=unsupported,
     )
+
+
+def states_per_token(spec) -> int:
+    """The states a token has in the cache of `spec`: p where vLLM's
+    `tokens_per_state` is Fraction(1, p), p > 1 (Whisper's block pooling,
+    model_executor/models/whisper_causal.py:414-417); 1 for any other spec.
+
+    vLLM writes token t's p states at p consecutive slots of its block,
+    slot t*p + i for state i (whisper_causal.py:238-241: the slot mapping
+    `slot * block_pool_size + arange(block_pool_size)`, a block of
+    block_size * p slots, `get_num_kernel_states`, v1/kv_cache_interface.py:
+    272-275). kvcsum registers state i of every token as its own cache of
+    the layer, a view of slots i, i + p, i + 2p, ..., its heads numbered
+    after the states before it (SPEC section 1: several caches of one
+    layer), so every token has a cell per (state, head) at its place in the
+    request, and TP shards and block sizes add up as for any cache."""
+    value = getattr(spec, "tokens_per_state", 1)
+    if isinstance(value, Fraction) and value.numerator == 1 and value.denominator > 1:
+        return int(value.denominator)
+    return 1
 
 
 def _on_rocm() -> bool:

@@ -216,13 +216,15 @@ def group_fingerprint(kv_cache_config: "KVCacheConfig", group_id: int, block_siz
     """The vLLM fork's fingerprint of a group's layers at `block_size`."""
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
+    from kvcsum.vllm.cache_kinds import states_per_token
+
     group = kv_cache_config.kv_cache_groups[group_id]
     total = 0
     for name in group.layer_names:
         spec = group.kv_cache_spec
         if isinstance(spec, UniformTypeKVCacheSpecs):
             spec = spec.kv_cache_specs[name]
-        total += layer_fingerprint(name, type(spec).__name__, block_size, str(getattr(spec, "dtype", None)))
+        total += layer_fingerprint(name, type(spec).__name__, block_size, str(getattr(spec, "dtype", None)), states_per_token(spec))
     return total % 2**64
 
 
