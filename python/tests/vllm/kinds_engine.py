@@ -13,6 +13,10 @@ The stand-in model works on bytes, whatever the kind:
   MLA and indexer caches): slot u of the request summarises tokens
   u*k .. (u+1)*k, written by the step that computes the last of them, its
   bytes depending only on those tokens, u, the layer and the head slot;
+- a pooled cache (`tokens_per_state` Fraction(1, p), Whisper's block
+  pooling): token t's p states at slots t*p .. t*p + p of its block
+  (whisper_causal.py:238-241), state i's bytes depending only on the
+  token, its position, i, the layer and the head slot;
 - a state cache (MambaSpec: a raw [B, 1, 1, content] page): after a step,
   the request's state block holds bytes that depend only on the layer and
   the tokens computed so far; a forward reads it first and finds it is
@@ -99,6 +103,19 @@ class KindEngine(Engine):
             [sum(self.token_at(req_id, int(u) * k + i) * (2 * i + 1) for i in range(k)) for u in units], dtype=torch.int64
         )
         return self.cells_of(summary, units, layer, first_slot, slots, width)
+
+    def state_cells(self, req_id: str, positions: torch.Tensor, state: int, p: int, layer: int, first_slot: int, slots: int, width: int) -> torch.Tensor:
+        """[tokens, slots, width] bytes of state `state` of the given
+        positions' tokens, of p states a token (a pooled cache)."""
+        tokens = torch.tensor([self.token_at(req_id, int(t)) for t in positions], dtype=torch.int64)
+        return self.cells_of(tokens, positions * p + state, layer, first_slot, slots, width)
+
+    @staticmethod
+    def states_per_token(spec) -> int:
+        """p of a pooled cache (tokens_per_state Fraction(1, p)); 1 otherwise."""
+        from kvcsum.vllm.cache_kinds import states_per_token
+
+        return states_per_token(spec)
 
     @staticmethod
     def cells_of(values: torch.Tensor, places: torch.Tensor, layer: int, first_slot: int, slots: int, width: int) -> torch.Tensor:
@@ -201,6 +218,12 @@ class KindEngine(Engine):
                         raw[blocks, :, local] = self.unit_cells(req_id, held, k, layer, first, slots, width)
                         continue
                     held, blocks, local = self.token_slots(spec, rank, positions, ids)
+                    p = self.states_per_token(spec)
+                    if p > 1:
+                        # Whisper's block pooling: token t's state i at slot t*p + i.
+                        for i in range(p):
+                            raw[blocks, :, local * p + i] = self.state_cells(req_id, held, i, p, layer, first, slots, width)
+                        continue
                     parts = split_pages(name, spec, cache)
                     if parts is not None:
                         # An indexer's keys, then their scales, as vLLM writes them.
@@ -227,6 +250,14 @@ class KindEngine(Engine):
                 held, blocks, local = self.token_slots(spec, rank, places, table[group_id])
                 raw = state.caches[name].view(torch.uint8)
                 slots, width = raw.shape[1], raw.shape[3]
+                p = self.states_per_token(spec)
+                if p > 1:
+                    first = self._first_slot(name, rank, slots)
+                    for i in range(p):
+                        want = self.state_cells(req_id, held, i, p, layer_of(name), first, slots, width)
+                        if not torch.equal(raw[blocks, :, local * p + i], want):
+                            return False
+                    continue
                 parts = split_pages(name, spec, state.caches[name])
                 if parts is not None:
                     width = int(spec.head_size)

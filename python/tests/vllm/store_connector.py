@@ -21,6 +21,10 @@ k tokens; the states of the tokens moved (those whose k tokens are all
 among them) are moved, and `CORRUPT["token"]` changes the state holding
 that token.
 
+Pooled caches (`tokens_per_state` Fraction(1, p), Whisper's block
+pooling): a token's p states (slots t*p .. t*p + p of its block) are moved
+as its row, [p, C] a head; `CORRUPT["byte"]` counts bytes of that row.
+
 State groups (MambaSpec: a request's state is one block, raw bytes): each
 layer's state block is moved whole.
 
@@ -63,6 +67,13 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 CORRUPT: dict = {}
 #: Send mode, set by the test: {"held": True} holds the blocks until sent.
 SEND: dict = {}
+
+
+def _states_per_token(spec) -> int:
+    """p of a pooled cache (tokens_per_state Fraction(1, p)); 1 otherwise."""
+    from kvcsum.vllm.cache_kinds import states_per_token
+
+    return states_per_token(spec)
 
 
 @dataclass
@@ -274,10 +285,14 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
                         and CORRUPT.get("layer", name) == name
                         and CORRUPT.get("head", first_head + h) == first_head + h
                     ):
-                        raw = stored[positions.tolist().index(token)].view(torch.uint8)
+                        raw = stored[positions.tolist().index(token)].view(torch.uint8).view(-1)
                         raw[CORRUPT.get("byte", 3)] ^= 0x10
                         CORRUPT["done"] = CORRUPT.get("done", 0) + 1
-                    if parts is not None:
+                    p = _states_per_token(self._own_spec(group, name))
+                    if p > 1:
+                        for i in range(p):
+                            cache[blocks, h, offsets * p + i] = stored[:, i]
+                    elif parts is not None:
                         write_rows(parts, blocks, offsets, stored)
                     else:
                         cache[blocks, h, offsets] = stored
@@ -314,8 +329,11 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             _, blocks, offsets = self._slots(group, table, 0, num_tokens, k)
             parts = split_pages(name, self._own_spec(group, name), cache)
+            p = _states_per_token(self._own_spec(group, name))
             for h in range(heads):
                 rows = read_rows(parts, blocks, offsets) if parts is not None else cache[blocks, h, offsets]
+                if p > 1:
+                    rows = torch.stack([cache[blocks, h, offsets * p + i] for i in range(p)], dim=1)
                 torch.save(rows.clone(), self._path(key, name, first_head + h))
 
     def wait_for_save(self):

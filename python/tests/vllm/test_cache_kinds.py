@@ -860,3 +860,48 @@ def test_a_c4a_group_with_vllms_indexer_keys_is_checksummed_and_a_flip_never_use
     else:
         flipped(pair, "req", KIND_PROMPT)
         assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == 16
+
+# --- 9. Whisper's block pooling: p states a token --------------------------------------------
+
+from fractions import Fraction  # noqa: E402
+
+
+def pooled_groups(tp: int, block: int = BLOCK):
+    # Whisper's block pooling as vLLM 0.33 declares it (model_executor/
+    # models/whisper_causal.py:411-417): 4 KV heads, 4 states a token,
+    # token t's states at slots 4t .. 4t + 4 of its block (:238-241).
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=4 // tp, head_size=16, dtype=torch.float16, tokens_per_state=Fraction(1, 4))
+    return [([f"model.layers.{i}.self_attn.attn" for i in range(2)], spec)]
+
+
+@pytest.mark.parametrize("fault", [None, "state 0", "state 3"])
+def test_whisper_pooled_states_pd_round_trip_between_tp_and_block_sizes(store, fault):
+    # Producer TP 1 with 32-token blocks, consumer TP 2 with 16-token
+    # blocks: each state of a token is a cache of its layer, numbered by
+    # the token's place in the request. Token 30 (the consumer's block 1):
+    # byte 5 of state 0 or 3 of head 3 (rank 1) of layer 1; a stored row
+    # is a token's 4 states of 64 bytes.
+    state = None if fault is None else int(fault.split()[1])
+    corrupt = None if fault is None else {"token": 30, "layer": "model.layers.1.self_attn.attn", "head": 3, "byte": state * 64 + 5}
+    pair = kind_pd(store, f"Whisper pooling P TP 1 x 32, C TP 2 x 16, {fault or 'intact'}", pooled_groups, corrupt,
+                   p_tp=1, c_tp=2, p_block_size=32, p_groups=lambda tp: pooled_groups(tp, block=32))
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == 0  # the producer's block of tokens 0..32
+
+
+@pytest.mark.parametrize("fault", [None, "state 2"])
+def test_whisper_pooled_states_tier_round_trip(fault):
+    # The tier keeps a block as its [H, N, C] view's bytes (2 heads a
+    # rank, N = 64 slots, 64-byte cells): byte 7 of head 1, slot 4*3 + 2,
+    # token 35's (block 2's token 3) state 2.
+    byte = (1 * 64 + 3 * 4 + 2) * 64 + 7
+    fault_spec = None if fault is None else {"flip": 2, "layer": "model.layers.0.self_attn.attn", "byte": byte}
+    pair = kind_tier(f"Whisper pooling TP 2, {fault or 'intact'}", pooled_groups, fault_spec, tp=2)
+    if fault is None:
+        intact(pair, "again", PROMPT)
+    else:
+        flipped(pair, "again", PROMPT)
+        assert computed(pair["wrapped"], "again")[1] == 2 * BLOCK
