@@ -571,24 +571,29 @@ def naive_pooled(cells: torch.Tensor, num_tokens: int, block: int) -> list:
 POOLED_IDS = {16: [3, 7, 1], 8: [3, 7, 1, 9, 4, 10]}
 
 
-def pooled_ranks(cells: torch.Tensor, block: int, tp: int, layout=KVCacheLayout.LBNHC):
+def pooled_ranks(cells: torch.Tensor, block: int, tp: int, layout=KVCacheLayout.LBNHC, kernel: int | None = None):
     """A TP `tp` engine's caches holding `cells` (token t's state i of
     global head g at slot t*p + i of its block, on rank g // (H / tp)),
-    the rest of every page random, and each rank's CacheChecksummer."""
+    the rest of every page random, and each rank's CacheChecksummer. With
+    `kernel`, vLLM splits each block into kernel blocks of that many tokens
+    (token o of a block: kernel block o // kernel, slot (o % kernel)*p + i)."""
     _, tokens, p, heads, width = cells.shape
     local = heads // tp
     cfg = config([(ATTN, pooled(p, local, block))])
     ids = torch.tensor(POOLED_IDS[block])
     out = []
     for rank in range(tp):
-        caches = allocate_kv_cache(cfg, torch.device("cpu"), layout)
+        caches = allocate_kv_cache(cfg, torch.device("cpu"), layout, [kernel] if kernel else None)
         buffer = raw(caches)
         buffer.copy_(torch.randint(0, 256, buffer.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(SEED + 1 + rank)))
         positions = torch.arange(tokens)
+        size = kernel or block
+        assert tuple(caches[ATTN[0]].shape)[:3] == (NUM_BLOCKS * (block // size), local, size * p), caches[ATTN[0]].shape
+        kernel_blocks = ids[positions // block] * (block // size) + (positions % block) // size
         for layer, name in enumerate(ATTN):
             page = caches[name].view(torch.uint8)
             for i in range(p):
-                page[ids[positions // block], :, (positions % block) * p + i] = cells[layer, :, i, rank * local : (rank + 1) * local]
+                page[kernel_blocks, :, (positions % size) * p + i] = cells[layer, :, i, rank * local : (rank + 1) * local]
         layers, sizes = layer_specs(cfg, heads)
         worker = CacheChecksummer(layers, caches, cfg.num_blocks, sizes, tp_rank=rank, tp_size=tp)
         assert worker.skipped == {}, worker.skipped
@@ -596,11 +601,12 @@ def pooled_ranks(cells: torch.Tensor, block: int, tp: int, layout=KVCacheLayout.
     return out
 
 
-@pytest.mark.parametrize("layout", [KVCacheLayout.LBNHC, KVCacheLayout.LBHNC])
-def test_pooled_caches_give_the_naive_reference_at_two_block_sizes_and_tp_1_and_2(layout):
+@pytest.mark.parametrize("layout, kernel", [(KVCacheLayout.LBNHC, None), (KVCacheLayout.LBHNC, None), (KVCacheLayout.LBNHC, 4)])
+def test_pooled_caches_give_the_naive_reference_at_two_block_sizes_and_tp_1_and_2(layout, kernel):
     # Seeded random cells of 2 layers, 45 tokens, 4 states a token, 4 KV
-    # heads, 64-byte cells (K then V of 16 fp16): the sum of the ranks' values at each block
-    # position is the naive reference's, at blocks of 16 and of 8 tokens,
+    # heads, 64-byte cells (K then V of 16 fp16): the sum of the ranks'
+    # values at each block position is the naive reference's, at blocks of
+    # 16 and of 8 tokens (with `kernel`, split into kernel blocks of 4),
     # TP 1 and TP 2; slots past the 45 tokens (random) are never read.
     print(f"\nrandom cells seed {SEED} (KVCSUM_SEED)")
     cells = torch.randint(0, 256, (2, NUM_TOKENS, 4, 4, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(SEED))
@@ -609,7 +615,7 @@ def test_pooled_caches_give_the_naive_reference_at_two_block_sizes_and_tp_1_and_
         want = naive_pooled(cells, NUM_TOKENS, block)
         for tp in (1, 2):
             total = [0] * len(want)
-            for _, worker in pooled_ranks(cells, block, tp, layout):
+            for _, worker in pooled_ranks(cells, block, tp, layout, kernel):
                 job = Job("req", NUM_TOKENS, {0: (0, POOLED_IDS[block])})
                 pending = worker.checksum([job], kvcsum.PRODUCER)
                 pending.wait()
