@@ -103,6 +103,10 @@ class LayerSpec:
     #: States a token has (Whisper's block pooling: p consecutive slots a
     #: token, kvcsum.vllm.cache_kinds.states_per_token); 1 for any other cache.
     states_per_token: int = 1
+    #: A ring (CircularBufferSpec): a state layer whose state is the
+    #: request's one block, each head slot's rows a state tensor
+    #: (kvcsum.vllm.cache_kinds.ring_tensors).
+    ring: bool = False
 
 
 @dataclasses.dataclass
@@ -406,7 +410,8 @@ class CacheChecksummer:
                 self.layers_registered += 1
             for number, tensors, ident in plan["states"]:
                 # MambaSpec does not say along which dimension TP splits the
-                # state: shard-keyed (compared between equal TP sizes only).
+                # state, and a ring's stale slots differ between ranks:
+                # shard-keyed (compared between equal TP sizes only).
                 worker.add_state(group_id, number, tensors, num_blocks, split_known=False, identity=ident)
                 self.layers_registered += 1
             for number, target, ident in plan["aliases"]:
@@ -465,6 +470,13 @@ class CacheChecksummer:
                 if target in used_states:
                     raise ValueError(f"two of its state caches share layer number {target}")
                 used_states.add(target)
+                if spec.ring:
+                    if len(entry["numbers"]) > 1:
+                        raise ValueError(f"layer {spec.name}: a ring read by another layer (KV sharing)")
+                    # The attention layer of its number has a cache of its
+                    # own, in another group (kvcsum.vllm.cache_kinds.RING_LAYER_NUMBERS).
+                    states.append((cache_kinds.RING_LAYER_NUMBERS + target, cache_kinds.ring_tensors(tensor, spec), target_ident))
+                    continue
                 states.append((target, cache_kinds.state_tensors(tensor, spec, self.tp_rank), target_ident))
                 continue
             if spec.key_bytes:

@@ -82,7 +82,7 @@ from fractions import Fraction
 
 import kvcsum
 
-__all__ = ["describe_spec", "state_tensors", "global_heads", "group_block_size", "states_per_token", "PLACEMENT", "DTYPE_BYTES"]
+__all__ = ["describe_spec", "state_tensors", "ring_tensors", "global_heads", "group_block_size", "states_per_token", "PLACEMENT", "DTYPE_BYTES"]
 
 #: Whether this kvcsum registers a group's token placement (DCP shards,
 #: compressed states: Worker.set_group_placement, SPEC section 16).
@@ -149,10 +149,10 @@ def describe_spec(
     if not is_attention or not getattr(spec, "has_layer_views", True):
         return dict(common, kind="state", unsupported=f"{type_name} has no per-token KV blocks")
     if not getattr(spec, "uses_slot_mapping", True):
-        # CircularBufferSpec (DeepSeek V4.1's compressor: one block a
-        # request, a ring of the open group's raw keys): vLLM's worker gives
-        # it no slot mapping, the spec addresses its page itself, so no slot
-        # is the token at its place in a block.
+        if type_name == "CircularBufferSpec":
+            return dict(common, **_ring_state(type_name, spec))
+        # A spec that addresses its pages itself: vLLM's worker gives it no
+        # slot mapping, so no slot is the token at its place in a block.
         return dict(common, kind="state", unsupported=f"{type_name} addresses its pages itself (no slot mapping): no per-token KV blocks")
     tokens_per_state = getattr(spec, "tokens_per_state", 1)
     pooled = states_per_token(spec)
@@ -231,6 +231,72 @@ def states_per_token(spec) -> int:
     if isinstance(value, Fraction) and value.numerator == 1 and value.denominator > 1:
         return int(value.denominator)
     return 1
+
+
+def _ring_state(type_name: str, spec) -> dict:
+    """The LayerSpec fields of a ring (`CircularBufferSpec`): a state layer
+    whose state is the request's one block, compared whole, shard-keyed.
+
+    vLLM 0.33's rings (DeepSeek V4.1's compressor, models/deepseek_v41/
+    compressor.py:86-94, 231-237; GLM-5 Next's indexer tail, models/
+    glm5next/common/attention.py:125-180; Qwen4's QSA cache, Step5's CSA
+    tail) hold one block a request (v1/core/single_type_kv_cache_manager.py:
+    1186-1229), its rows written at `position % capacity` as the request
+    advances, drafts included; the block is never zeroed (:115-120), so
+    slots no row reached hold what the block held before. NIXL moves the
+    whole page (nixl/base_worker.py:241-250, its regions :1780-1786), from
+    the TP rank of the same number at equal TP (nixl/tp_mapping.py:107-126),
+    as does every connector that restores the transfer groups
+    (get_loaded_kv_cache_group_ids: nixl/connector.py:175, mooncake, moriio).
+    The rows are the same on every TP rank (DeepSeek V4.1's wkv has
+    disable_tp), the stale slots are not: compared as the rank's own bytes
+    (shard-keyed, SPEC section 6), between equal TP sizes only. Each head
+    slot's rows are one state tensor, read through the view's strides, so
+    the bytes are numbered head, slot, element whatever the layout."""
+    size = dtype_bytes(getattr(spec, "dtype", ""))
+    heads = int(getattr(spec, "num_head_slots", None) or spec.num_kv_heads)
+    content = int(spec.state_content_size_bytes)
+    if size not in (2, 4) or content % size:
+        return dict(kind="state", unsupported=f"{type_name} holds {spec.dtype} rows of {content} bytes: kvcsum reads 2- or 4-byte state elements")
+    shapes = tuple((int(spec.num_states), content // size) for _ in range(heads))
+    return dict(kind="state", state_shapes=shapes, state_dtypes=(str(spec.dtype),) * heads, ring=True, unsupported="")
+
+
+#: What a ring's layer number is registered under: this plus the number in
+#: its name. A ring lives inside an attention layer (DeepSeek V4.1's
+#: `model.layers.N.self_attn.compressor.state_cache` beside
+#: `model.layers.N.self_attn`, whose cache is in another group), and the
+#: library keeps a layer number to one kind of cache (an attention cache,
+#: or a state, or an alias: SPEC section 7), so the ring's state takes a
+#: number no model's layer has. Every side running this kvcsum numbers it
+#: alike; the fingerprint is the ring's own name's (its identity).
+RING_LAYER_NUMBERS = 1 << 24
+
+
+def ring_tensors(tensor, spec):
+    """The kvcsum.StateTensors of a ring's `[B, H, N, C]` view (vLLM's, any
+    stride order): one per head slot, its N rows of C elements in slot
+    order (kvcsum.vllm.cache_kinds._ring_state). Shard-keyed: this rank's."""
+    if tensor.dim() != 4 or int(tensor.stride(3)) != 1:
+        raise ValueError(f"layer {spec.name}: its ring view of shape {tuple(tensor.shape)} and strides {tuple(tensor.stride())} has no contiguous rows")
+    item = int(tensor.element_size())
+    size = dtype_bytes(spec.state_dtypes[0])
+    heads, rows, width = (int(n) for n in tensor.shape[1:])
+    if (heads, (rows, width * item // size)) != (len(spec.state_shapes), spec.state_shapes[0]) or width * item % size:
+        raise ValueError(f"layer {spec.name}: its ring view of shape {tuple(tensor.shape)} is not its spec's {spec.state_shapes}")
+    return [
+        kvcsum.StateTensor(
+            address=int(tensor.data_ptr()) + h * int(tensor.stride(1)) * item,
+            block_stride=int(tensor.stride(0)) * item,
+            row_stride=int(tensor.stride(2)) * item,
+            first_row=0,
+            num_rows=rows,
+            total_rows=rows,
+            bytes_per_row=width * item,
+            element_size=size,
+        )
+        for h in range(heads)
+    ]
 
 
 def _on_rocm() -> bool:

@@ -17,6 +17,12 @@ The stand-in model works on bytes, whatever the kind:
   pooling): token t's p states at slots t*p .. t*p + p of its block
   (whisper_causal.py:238-241), state i's bytes depending only on the
   token, its position, i, the layer and the head slot;
+- a ring (CircularBufferSpec: one block a request): a step writes the row
+  of each of its positions at slot position % capacity (bytes depending
+  only on the token, its position and the layer, alike on every rank), and
+  first reads the rows of the RING_READS positions before its first (a
+  compressor's open group): a row that is not what the model computed is
+  noted as for a state;
 - a state cache (MambaSpec: a raw [B, 1, 1, content] page): after a step,
   the request's state block holds bytes that depend only on the layer and
   the tokens computed so far; a forward reads it first and finds it is
@@ -35,7 +41,18 @@ import torch
 from harness import Engine, RankState
 from indexer_pages import read_rows, split_pages, write_rows
 from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MambaSpec, UniformTypeKVCacheSpecs
+from vllm.v1.kv_cache_interface import (
+    CircularBufferSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    UniformTypeKVCacheSpecs,
+)
+
+#: The ring rows a step reads before its first position (the stand-in
+#: compressor's open group).
+RING_READS = 3
 
 
 def kinds_config(groups, num_blocks: int) -> KVCacheConfig:
@@ -88,6 +105,9 @@ class KindEngine(Engine):
 
     # --- the stand-in model ----------------------------------------------------------
 
+    def _is_ring(self, group_id: int) -> bool:
+        return isinstance(self.kv_cache_config.kv_cache_groups[group_id].kv_cache_spec, CircularBufferSpec)
+
     def _is_state(self, group_id: int) -> bool:
         return isinstance(self.kv_cache_config.kv_cache_groups[group_id].kv_cache_spec, MambaSpec)
 
@@ -109,6 +129,11 @@ class KindEngine(Engine):
         positions' tokens, of p states a token (a pooled cache)."""
         tokens = torch.tensor([self.token_at(req_id, int(t)) for t in positions], dtype=torch.int64)
         return self.cells_of(tokens, positions * p + state, layer, first_slot, slots, width)
+
+    def ring_rows(self, req_id: str, positions: torch.Tensor, layer: int, ring: torch.Tensor) -> torch.Tensor:
+        """[positions, H, C] bytes of the ring rows of the given positions
+        (the same on every rank)."""
+        return self.cells(req_id, positions, layer, 0, ring.shape[0], ring.shape[2])
 
     @staticmethod
     def states_per_token(spec) -> int:
@@ -192,6 +217,15 @@ class KindEngine(Engine):
                     if name not in state.caches:
                         continue  # another PP stage's
                     layer, cache = layer_of(name), state.caches[name]
+                    if self._is_ring(group_id):
+                        ring = cache.view(torch.uint8)[ids[0]]  # [H, capacity, C]
+                        capacity = ring.shape[1]
+                        read = torch.arange(max(0, start - RING_READS), start)
+                        if len(read) and not torch.equal(ring[:, read % capacity], self.ring_rows(req_id, read, layer, ring).transpose(0, 1)):
+                            self._read_bad.add((req_id, rank))
+                        written = positions[-capacity:]
+                        ring[:, written % capacity] = self.ring_rows(req_id, written, layer, ring).transpose(0, 1)
+                        continue
                     if self._is_state(group_id):
                         page = self._state_view(cache)
                         width = page.shape[1]
@@ -238,7 +272,7 @@ class KindEngine(Engine):
             return False
         table = state.tables[req_id]
         for group_id, group in enumerate(self.kv_cache_config.kv_cache_groups):
-            if self._is_state(group_id):
+            if self._is_state(group_id) or self._is_ring(group_id):
                 continue  # read (and judged) by the forward, before it writes
             for name in group.layer_names:
                 if name not in state.caches:

@@ -25,8 +25,9 @@ Pooled caches (`tokens_per_state` Fraction(1, p), Whisper's block
 pooling): a token's p states (slots t*p .. t*p + p of its block) are moved
 as its row, [p, C] a head; `CORRUPT["byte"]` counts bytes of that row.
 
-State groups (MambaSpec: a request's state is one block, raw bytes): each
-layer's state block is moved whole.
+State groups (MambaSpec: a request's state is one block, raw bytes) and
+rings (CircularBufferSpec: one block a request): each layer's block is
+moved whole, as NIXL moves a ring's page.
 
 Held sends: with `SEND["held"]` set, the producer sends as a pull-based
 connector (NIXL) does: request_finished asks vLLM to keep the request's
@@ -246,7 +247,9 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
         return getattr(spec, "kv_cache_specs", {}).get(name, spec)
 
     def _is_state(self, group: int) -> bool:
-        return type(self._groups[group].kv_cache_spec).__name__ == "MambaSpec"
+        """A MambaSpec group, or a ring (CircularBufferSpec: one block a
+        request, moved whole as a connector moving the block does)."""
+        return type(self._groups[group].kv_cache_spec).__name__ in ("MambaSpec", "CircularBufferSpec")
 
     def _state_block(self, group: int, table: dict, num_tokens: int) -> int:
         """The block holding the state after `num_tokens` tokens: the first
@@ -254,7 +257,7 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
         block_size with "align" (where vLLM's kernels keep it, the block
         its connectors move: kv_connector/utils.py clip_ssm_state_blocks)."""
         spec = self._groups[group].kv_cache_spec
-        column = max(0, num_tokens - 1) // spec.block_size if spec.mamba_cache_mode == "align" else 0
+        column = max(0, num_tokens - 1) // spec.block_size if getattr(spec, "mamba_cache_mode", "none") == "align" else 0
         return table[group][column]
 
     def _path(self, key: str, layer: str, head: int) -> str:

@@ -905,3 +905,41 @@ def test_whisper_pooled_states_tier_round_trip(fault):
     else:
         flipped(pair, "again", PROMPT)
         assert computed(pair["wrapped"], "again")[1] == 2 * BLOCK
+
+
+# --- 10. rings (CircularBufferSpec: one block a request, moved whole) ------------------------
+
+from vllm.v1.kv_cache_interface import CircularBufferSpec  # noqa: E402
+
+
+def ring_groups(tp: int):
+    # Attention layers 0 and 1, and in each a compressor ring as DeepSeek
+    # V4.1 declares it (models/deepseek_v41/compressor.py:231-237: one
+    # head, fp32 rows, head_size_v 0), 8 rows: every TP rank holds it whole.
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=4 // tp, head_size=16, dtype=torch.float16)
+    ring = CircularBufferSpec(block_size=8, num_kv_heads=1, head_size=16, head_size_v=0, dtype=torch.float32)
+    return [
+        ([f"model.layers.{i}.self_attn.attn" for i in range(2)], full),
+        ([f"model.layers.{i}.self_attn.compressor.state_cache" for i in range(2)], ring),
+    ]
+
+
+@pytest.mark.parametrize("fault", [None, "ring row"])
+def test_a_ring_pd_round_trip_at_equal_tp(store, fault):
+    # P and D at TP 2; the ring's block moved whole (as NIXL moves it, from
+    # the rank of the same number). D loads 48 tokens and its first forward
+    # reads the rows of positions 45..47: a flipped byte of position 46's
+    # row (slot 6: byte 6*64 + 5 of the block) is a MISMATCH of the ring
+    # (group 1 position 0) and never used; intact, a MATCH with the bare
+    # connector's tokens reused.
+    corrupt = None if fault is None else {"state": 6 * 64 + 5, "layer": "model.layers.1.self_attn.compressor.state_cache"}
+    pair = kind_pd(store, f"attention + compressor ring TP 2, {fault or 'intact'}", ring_groups, corrupt, p_tp=2, c_tp=2)
+    verdict = pair["wrapped"].connector().last_verdicts["req"]
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+        assert verdict[2].endswith("(5 block positions compared)"), verdict  # 4 attention blocks and the ring
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        # Several groups: the whole load failed, computed from token 0.
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT)) == (len(KIND_PROMPT), 0)
+        assert "group 1 position 0" in verdict[2], verdict

@@ -21,6 +21,7 @@ import kvcsum  # noqa: E402
 from kvcsum.vllm.cache_checksums import CacheChecksummer, Job  # noqa: E402
 from kvcsum.vllm.config import layer_specs  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
+    CircularBufferSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -76,7 +77,7 @@ def engine_side(cfg: KVCacheConfig, seed: int | None, total_kv_heads: int, tp_ra
 def job(cfg: KVCacheConfig) -> Job:
     groups = {}
     for g, group in enumerate(cfg.kv_cache_groups):
-        groups[g] = (0, [STATE_BLOCK]) if isinstance(group.kv_cache_spec, MambaSpec) else (0, list(IDS))
+        groups[g] = (0, [STATE_BLOCK]) if isinstance(group.kv_cache_spec, (MambaSpec, CircularBufferSpec)) else (0, list(IDS))
     return Job("req", NUM_TOKENS, groups)
 
 
@@ -471,18 +472,6 @@ def test_deepseek_v4_fp8_ds_mla_states_are_named_not_checksummed():
     assert 0 in worker.skipped and worker.layers_registered == 0
 
 
-def test_a_ring_buffer_that_addresses_its_page_itself_is_named_not_checksummed():
-    # DeepSeek V4.1's compressor ring (CircularBufferSpec): one block a
-    # request, no slot mapping (vLLM's uses_slot_mapping False).
-    from kvcsum.vllm.config import groups_not_checksummed
-    from vllm.v1.kv_cache_interface import CircularBufferSpec
-
-    spec = CircularBufferSpec(block_size=BLOCK, num_kv_heads=1, head_size=32, dtype=torch.bfloat16)
-    assert spec.uses_slot_mapping is False
-    cfg = config([(ATTN, spec)])
-    assert "no slot mapping" in groups_not_checksummed(cfg, 1)[0]
-
-
 # --- 8. Whisper's block pooling: p states a token, p caches of the layer ----------------------
 
 from fractions import Fraction  # noqa: E402
@@ -690,6 +679,83 @@ def test_a_side_pooling_by_another_p_is_unverified_never_a_mismatch(other):
     assert layer_fingerprint(name, "FullAttentionSpec", BLOCK, "torch.float16", 4) != layer_fingerprint(name, "FullAttentionSpec", BLOCK, "torch.float16")
     report = verdict([producer], [consumer], job(p_cfg), 1)
     print(f"\nCASE {f'Whisper pooling 4 -> {other}':<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}")
+    assert report.verdict == kvcsum.UNVERIFIED, report.message
+
+
+# --- 9. rings (CircularBufferSpec): one block a request, compared whole -------------------------
+
+RING = [f"model.layers.{i}.self_attn.compressor.state_cache" for i in range(2)]
+
+
+def compressor_ring(capacity: int = 8) -> CircularBufferSpec:
+    # DeepSeek V4.1's compressor ring as vLLM 0.33 declares it
+    # (models/deepseek_v41/compressor.py:231-237: one head, the [kv, score]
+    # state of 2 x head_dim fp32, head_size_v 0; head_dim 512 there),
+    # `capacity` rows.
+    return CircularBufferSpec(block_size=capacity, num_kv_heads=1, head_size=64, head_size_v=0, dtype=torch.float32)
+
+
+def tail_ring() -> CircularBufferSpec:
+    # GLM-5 Next's indexer tail (models/glm5next/common/attention.py:170-180):
+    # two head slots (raw K, gate score) of bf16, not DCP-sharded.
+    return CircularBufferSpec(block_size=8, num_kv_heads=2, head_size=32, head_size_v=0, dtype=torch.bfloat16, dcp_sharded=False)
+
+
+@pytest.mark.parametrize("make", [compressor_ring, tail_ring])
+@pytest.mark.parametrize("where", [None, "row", "stale slot", "attention"])
+def test_a_ring_is_a_state_whose_block_is_compared_whole(make, where):
+    # A ring's block is the request's state (SPEC section 6: position 0),
+    # every byte of it: the rows written at position % capacity and the
+    # slots no row reached (vLLM does not zero a ring's block), which a
+    # connector moving the block moves too. A flipped byte of either is a
+    # MISMATCH of the ring's position 0; intact, a MATCH.
+    from kvcsum.vllm.config import groups_not_checksummed
+
+    groups = [(ATTN, full()), (RING, make())]
+    assert groups_not_checksummed(config(groups), 4) == {}
+
+    def flip(caches):
+        if where == "attention":
+            caches[ATTN[0]].view(torch.uint8)[IDS[2], 1, 3, 7] ^= 0x01
+            return
+        ring = caches[RING[1]].view(torch.uint8)
+        assert tuple(ring.shape)[:3] == (NUM_BLOCKS, make().num_kv_heads, 8)
+        ring[STATE_BLOCK, ring.shape[1] - 1, 2 if where == "row" else 7, 5] ^= 0x20
+
+    report = round_trip(f"{make.__name__} ring + attention, flip in {where}", groups, flip if where else None)
+    check(report, where is not None, IDS[2] if where == "attention" else STATE_BLOCK)
+
+
+def test_a_ring_is_numbered_by_head_slot_row_and_element_whatever_the_layout():
+    # The same logical ring (head slot, row, element) in vLLM's LBNHC and
+    # LBHNC views (row-major and head-major pages): equal checksums.
+    groups = [(ATTN, full()), (RING, tail_ring())]
+    cfg = config(groups)
+    p_caches, producer = engine_side(cfg, seed=21, total_kv_heads=4)
+    c_caches = allocate_kv_cache(cfg, torch.device("cpu"), KVCacheLayout.LBHNC)
+    for name in ATTN + RING:
+        c_caches[name].copy_(p_caches[name])
+    layers, sizes = layer_specs(cfg, 4)
+    consumer = CacheChecksummer(layers, c_caches, cfg.num_blocks, sizes)
+    report = verdict([producer], [consumer], job(cfg), 1)
+    print(f"\nCASE {'ring of 2 head slots, LBNHC -> LBHNC':<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}")
+    assert report.verdict == kvcsum.MATCH, report.message
+
+
+def test_a_ring_at_another_tp_size_or_capacity_is_unverified_never_a_mismatch():
+    # Shard-keyed: the rows are the same on every rank, the stale slots are
+    # not, so only equal TP sizes compare; another capacity (another
+    # speculative lookahead) is another block size in the identity.
+    cfg = config([(RING, compressor_ring())])
+    _, producer = engine_side(cfg, seed=3, total_kv_heads=4)
+    consumers = [engine_side(cfg, seed=3, total_kv_heads=4, tp_rank=r, tp_size=2)[1] for r in range(2)]
+    report = verdict([producer], consumers, job(cfg), 1)
+    print(f"\nCASE {'ring, producer TP 1, consumer TP 2':<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}")
+    assert report.verdict == kvcsum.UNVERIFIED, report.message
+    other = config([(RING, compressor_ring(16))])
+    _, consumer = engine_side(other, seed=3, total_kv_heads=4)
+    report = verdict([producer], [consumer], job(cfg), 1)
+    print(f"\nCASE {'ring of 8 rows -> ring of 16':<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}")
     assert report.verdict == kvcsum.UNVERIFIED, report.message
 
 
