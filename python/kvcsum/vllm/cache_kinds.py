@@ -44,6 +44,19 @@ spec's dtype) and what kvcsum makes of it:
   say along which dimension TP splits the state, so the state is
   **shard-keyed**: compared between equal TP sizes only (another TP size is
   UNVERIFIED, never MISMATCH).
+- rings (`CircularBufferSpec`: DeepSeek V4.1's compressor, GLM-5 Next's
+  indexer tail, one block a request, rows written at position % capacity,
+  never zeroed): a state layer too, its state the request's one block,
+  compared whole (stale slots included, as connectors move the whole
+  page), each head slot's rows a state tensor in slot order whatever the
+  layout (`ring_tensors`), shard-keyed, registered under layer number
+  RING_LAYER_NUMBERS + n (`_ring_state`).
+- pooled states (`tokens_per_state` Fraction(1, p), Whisper's block
+  pooling: token t's state i at slot t*p + i of its block): p caches of
+  the layer, state i a view of slots i, i + p, ..., its heads after the
+  states before it (SPEC section 1), so each token has a cell per (state,
+  head) at its place in the request; the identity carries p
+  (`states_per_token`, cache_checksums.identity).
 
 - DCP-sharded token positions (`decode_context_parallel_size` > 1: a
   manager block covers block_size x dcp tokens, the token at in-block
@@ -55,12 +68,12 @@ spec's dtype) and what kvcsum makes of it:
 
 What kvcsum still cannot checksum is named (`unsupported`) and never
 silent (kvcsum.vllm.load_verdict): compressed states and DCP without the
-library's token placement, fractional tokens_per_state (several states a
-token), host-resident groups (not in memory the workers read), state
-elements of other than 2 or 4 bytes, an unknown mamba_cache_mode, head
-slots packed other than K slots then V slots (and ROCm's), specs that
-address their pages themselves (`uses_slot_mapping` False: a ring buffer),
-and caches whose `[B, H, N, C]` view is no cell per token (`_no_token_cells`:
+library's token placement, a tokens_per_state fraction other than 1/p,
+host-resident groups (not in memory the workers read), state elements of
+other than 2 or 4 bytes (a ring's too), an unknown mamba_cache_mode, head
+slots packed other than K slots then V slots (and ROCm's), specs other
+than a ring that address their pages themselves (`uses_slot_mapping`
+False), and caches whose `[B, H, N, C]` view is no cell per token (`_no_token_cells`:
 cells of no multiple of 8 bytes other than the indexer's below, and
 DeepSeek V4's fp8_ds_mla states), the indexer's keys on ROCm (tiled in a
 block) and on a device worker of a kvcsum whose device engine does not
@@ -244,7 +257,7 @@ def _ring_state(type_name: str, spec) -> dict:
     1186-1229), its rows written at `position % capacity` as the request
     advances, drafts included; the block is never zeroed (:115-120), so
     slots no row reached hold what the block held before. NIXL moves the
-    whole page (nixl/base_worker.py:241-250, its regions :1780-1786), from
+    whole page (nixl/base_worker.py:241-251, its regions :1782-1786), from
     the TP rank of the same number at equal TP (nixl/tp_mapping.py:107-126),
     as does every connector that restores the transfer groups
     (get_loaded_kv_cache_group_ids: nixl/connector.py:175, mooncake, moriio).
