@@ -389,22 +389,24 @@ static void test_shards_add_up(void) {
   free_cache(&high);
 }
 
-/* DCP token placement (docs/SPEC.md#16-token-placement): D = 2 ranks,
- * interleave I, local blocks of 4 slots (scheduler blocks of 8 tokens),
- * one layer of one head, 2 pieces per cell. Each rank's cache is filled
- * through vLLM's forward map (offset o on rank (o / I) % D, slot
- * (o / (D*I))*I + o % I); the reference numbers each token by its place
- * in the request. Also the call's error paths. */
-enum { DCP = 2, LOCAL = 4, DCP_BLOCK = LOCAL * DCP, DCP_BLOCKS = 2, DCP_PIECES = 2 };
+/* DCP token placement (docs/SPEC.md#16-token-placement): D = 1, 2 and 4
+ * ranks, interleave I = 1 and 2, local blocks of 4 slots (scheduler blocks
+ * of 4 * D tokens), one layer of one head, 2 pieces per cell. Each rank's
+ * cache is filled through vLLM's forward map (offset o on rank (o / I) % D,
+ * slot (o / (D*I))*I + o % I); the reference numbers each token by its
+ * place in the request, and the ranks' values add up to one worker's
+ * holding every token. Also the call's error paths (at D = 2). */
+enum { MAX_DCP = 4, LOCAL = 4, MAX_DCP_BLOCK = LOCAL * MAX_DCP, DCP_BLOCKS = 2, DCP_PIECES = 2 };
 
-static uint64_t dcp_reference(const uint64_t units[][DCP_PIECES], uint64_t position, uint64_t num_tokens,
-                              uint32_t interleave, int rank) {
+static uint64_t dcp_reference(const uint64_t units[][DCP_PIECES], uint32_t dcp, uint64_t position,
+                              uint64_t num_tokens, uint32_t interleave, int rank) {
+  const uint64_t block = (uint64_t)LOCAL * dcp;
   uint64_t slice = 0;
-  for (uint64_t o = 0; o < DCP_BLOCK; o++) {
-    if (rank >= 0 && (o / interleave) % DCP != (uint64_t)rank) {
+  for (uint64_t o = 0; o < block; o++) {
+    if (rank >= 0 && (o / interleave) % dcp != (uint64_t)rank) {
       continue;
     }
-    uint64_t token = position * DCP_BLOCK + o;
+    uint64_t token = position * block + o;
     if (token >= num_tokens) {
       continue;
     }
@@ -415,107 +417,247 @@ static uint64_t dcp_reference(const uint64_t units[][DCP_PIECES], uint64_t posit
   return 1 * slice; /* m of layer 0, head 0 */
 }
 
+/* The placement call's error paths, on a worker of group 0 with no layer
+ * yet (D = 2, local blocks of 4 slots); leaves `placement` valid for
+ * `rank`. */
+static void check_placement_errors(kvcs_worker *worker, kvcs_group_placement *placement, uint32_t rank,
+                                   uint32_t interleave) {
+  EXPECT(kvcs_worker_set_group_placement(NULL, 0, placement), KVCS_ERR_INVALID_ARGUMENT, "worker is NULL");
+  EXPECT(kvcs_worker_set_group_placement(worker, 0, NULL), KVCS_ERR_INVALID_ARGUMENT, "placement is NULL");
+  EXPECT(kvcs_worker_set_group_placement(worker, 9, placement), KVCS_ERR_NOT_FOUND, "group_id 9");
+  placement->dcp_size = 2;
+  placement->dcp_rank = 2;
+  EXPECT(kvcs_worker_set_group_placement(worker, 0, placement), KVCS_ERR_INVALID_ARGUMENT,
+         "dcp_rank 2 is not below placement.dcp_size 2");
+  placement->dcp_rank = rank;
+  placement->dcp_size = 0;
+  EXPECT(kvcs_worker_set_group_placement(worker, 0, placement), KVCS_ERR_INVALID_ARGUMENT, "dcp_size is 0");
+  placement->dcp_size = 3;
+  EXPECT(kvcs_worker_set_group_placement(worker, 0, placement), KVCS_ERR_INVALID_ARGUMENT,
+         "not a multiple of placement.dcp_size 3");
+  placement->dcp_size = 2;
+  placement->interleave = 3;
+  EXPECT(kvcs_worker_set_group_placement(worker, 0, placement), KVCS_ERR_INVALID_ARGUMENT,
+         "interleave 3 does not divide the local block of 4 slots");
+  placement->interleave = 0;
+  EXPECT(kvcs_worker_set_group_placement(worker, 0, placement), KVCS_ERR_INVALID_ARGUMENT, "interleave is 0");
+  placement->interleave = interleave;
+  placement->tokens_per_slot = 3;
+  EXPECT(kvcs_worker_set_group_placement(worker, 0, placement), KVCS_ERR_INVALID_ARGUMENT,
+         "not a multiple of placement.tokens_per_slot 3");
+  placement->tokens_per_slot = 0;
+  EXPECT(kvcs_worker_set_group_placement(worker, 0, placement), KVCS_ERR_INVALID_ARGUMENT,
+         "tokens_per_slot is 0");
+  placement->tokens_per_slot = 1;
+}
+
 static void test_dcp_placement(void) {
   const uint32_t block_ids[DCP_BLOCKS] = {1, 0};
-  const uint64_t num_tokens = 11;
-  uint64_t units[DCP_BLOCKS * DCP_BLOCK][DCP_PIECES];
-  for (size_t u = 0; u < DCP_BLOCKS * DCP_BLOCK; u++) {
+  static uint64_t units[DCP_BLOCKS * MAX_DCP_BLOCK][DCP_PIECES];
+  for (size_t u = 0; u < DCP_BLOCKS * MAX_DCP_BLOCK; u++) {
     for (size_t p = 0; p < DCP_PIECES; p++) {
       units[u][p] = next_random();
     }
   }
-  kvcs_blocks *blocks = NULL;
-  EXPECT_OK(kvcs_blocks_create(&blocks));
-  EXPECT_OK(kvcs_blocks_add_request(blocks, "dcp", num_tokens));
-  EXPECT_OK(kvcs_blocks_add_group(blocks, "dcp", 0, 0, block_ids, DCP_BLOCKS));
-  for (uint32_t interleave = 1; interleave <= 2; interleave++) {
-    uint64_t sum[DCP_BLOCKS] = {0, 0};
-    for (uint32_t rank = 0; rank < DCP; rank++) {
-      static uint64_t cache[DCP_BLOCKS][LOCAL][DCP_PIECES];
-      for (size_t i = 0; i < sizeof cache / sizeof cache[0][0][0]; i++) {
-        (&cache[0][0][0])[i] = next_random(); /* junk where no token is */
-      }
-      for (uint64_t q = 0; q < DCP_BLOCKS; q++) {
-        for (uint64_t o = 0; o < DCP_BLOCK; o++) {
-          if ((o / interleave) % DCP == rank) {
-            uint64_t slot = (o / (DCP * interleave)) * interleave + o % interleave;
-            memcpy(cache[block_ids[q]][slot], units[q * DCP_BLOCK + o], sizeof units[0]);
+  const uint32_t dcp_sizes[] = {1, 2, 4};
+  for (size_t d = 0; d < sizeof dcp_sizes / sizeof dcp_sizes[0]; d++) {
+    const uint32_t dcp = dcp_sizes[d];
+    const uint32_t dcp_block = LOCAL * dcp;
+    /* The second block partly filled: 3 of its tokens have KV. */
+    const uint64_t num_tokens = dcp_block + 3;
+    kvcs_blocks *blocks = NULL;
+    EXPECT_OK(kvcs_blocks_create(&blocks));
+    EXPECT_OK(kvcs_blocks_add_request(blocks, "dcp", num_tokens));
+    EXPECT_OK(kvcs_blocks_add_group(blocks, "dcp", 0, 0, block_ids, DCP_BLOCKS));
+    for (uint32_t interleave = 1; interleave <= 2; interleave++) {
+      uint64_t sum[DCP_BLOCKS] = {0, 0};
+      for (uint32_t rank = 0; rank < dcp; rank++) {
+        static uint64_t cache[DCP_BLOCKS][LOCAL][DCP_PIECES];
+        for (size_t i = 0; i < sizeof cache / sizeof cache[0][0][0]; i++) {
+          (&cache[0][0][0])[i] = next_random(); /* junk where no token is */
+        }
+        for (uint64_t q = 0; q < DCP_BLOCKS; q++) {
+          for (uint64_t o = 0; o < dcp_block; o++) {
+            if ((o / interleave) % dcp == rank) {
+              uint64_t slot = (o / (dcp * interleave)) * interleave + o % interleave;
+              memcpy(cache[block_ids[q]][slot], units[q * dcp_block + o], sizeof units[0]);
+            }
           }
         }
+        kvcs_worker_options options = KVCS_WORKER_OPTIONS_INIT;
+        options.tp_rank = rank;
+        options.tp_size = dcp;
+        kvcs_worker *worker = NULL;
+        EXPECT_OK(kvcs_worker_create(&options, &worker));
+        EXPECT_OK(kvcs_worker_set_algorithm(worker, algorithm));
+        EXPECT_OK(kvcs_worker_add_region(worker, (uint64_t)(uintptr_t)cache, sizeof cache));
+        EXPECT_OK(kvcs_worker_add_group(worker, 0, dcp_block));
+        kvcs_group_placement placement = KVCS_GROUP_PLACEMENT_INIT;
+        CHECK(placement.dcp_size == 1 && placement.dcp_rank == 0 && placement.interleave == 1 &&
+              placement.tokens_per_slot == 1);
+        if (dcp == 2) {
+          check_placement_errors(worker, &placement, rank, interleave);
+        }
+        placement.dcp_size = dcp;
+        placement.dcp_rank = rank;
+        placement.interleave = interleave;
+        EXPECT_OK(kvcs_worker_set_group_placement(worker, 0, &placement));
+        kvcs_segment segment = {
+            .address = (uint64_t)(uintptr_t)cache,
+            .block_stride = 8 * LOCAL * DCP_PIECES,
+            .kernel_block_stride = 0,
+            .head_stride = 0,
+            .token_stride = 8 * DCP_PIECES,
+            .bytes_per_token = 8 * DCP_PIECES,
+        };
+        kvcs_layer layer = KVCS_LAYER_INIT;
+        layer.num_heads = 1;
+        layer.num_blocks = DCP_BLOCKS;
+        if (dcp > 1) {
+          layer.tokens_per_kernel_block = dcp_block; /* the scheduler's block: not the local one */
+          layer.segments = &segment;
+          EXPECT(kvcs_worker_add_layer(worker, &layer), KVCS_ERR_INVALID_ARGUMENT, "the 4 local slots per block");
+        }
+        layer.tokens_per_kernel_block = LOCAL;
+        layer.segments = &segment;
+        EXPECT_OK(kvcs_worker_add_layer(worker, &layer));
+        if (dcp == 2) {
+          EXPECT(kvcs_worker_set_group_placement(worker, 0, &placement), KVCS_ERR_INVALID_ARGUMENT,
+                 "set its placement before registering them");
+        }
+        kvcs_result *result = NULL;
+        EXPECT_OK(kvcs_worker_checksum(worker, blocks, KVCS_ROLE_CONSUMER, NULL, &result));
+        EXPECT_OK(kvcs_result_wait(result));
+        uint64_t values[DCP_BLOCKS] = {0, 0};
+        EXPECT_OK(kvcs_result_column(result, "dcp", 0, 0, NULL, NULL, values));
+        for (uint64_t q = 0; q < DCP_BLOCKS; q++) {
+          CHECK(values[q] == dcp_reference((const uint64_t(*)[DCP_PIECES])units, dcp, q, num_tokens, interleave,
+                                           (int)rank));
+          sum[q] += values[q];
+        }
+        kvcs_result_destroy(result);
+        kvcs_worker_destroy(worker);
       }
-      kvcs_worker_options options = KVCS_WORKER_OPTIONS_INIT;
-      options.tp_rank = rank;
-      options.tp_size = DCP;
-      kvcs_worker *worker = NULL;
-      EXPECT_OK(kvcs_worker_create(&options, &worker));
-      EXPECT_OK(kvcs_worker_set_algorithm(worker, algorithm));
-      EXPECT_OK(kvcs_worker_add_region(worker, (uint64_t)(uintptr_t)cache, sizeof cache));
-      EXPECT_OK(kvcs_worker_add_group(worker, 0, DCP_BLOCK));
-      kvcs_group_placement placement = KVCS_GROUP_PLACEMENT_INIT;
-      CHECK(placement.dcp_size == 1 && placement.dcp_rank == 0 && placement.interleave == 1 &&
-            placement.tokens_per_slot == 1);
-      EXPECT(kvcs_worker_set_group_placement(NULL, 0, &placement), KVCS_ERR_INVALID_ARGUMENT, "worker is NULL");
-      EXPECT(kvcs_worker_set_group_placement(worker, 0, NULL), KVCS_ERR_INVALID_ARGUMENT, "placement is NULL");
-      EXPECT(kvcs_worker_set_group_placement(worker, 9, &placement), KVCS_ERR_NOT_FOUND, "group_id 9");
-      placement.dcp_size = DCP;
-      placement.dcp_rank = DCP;
-      EXPECT(kvcs_worker_set_group_placement(worker, 0, &placement), KVCS_ERR_INVALID_ARGUMENT,
-             "dcp_rank 2 is not below placement.dcp_size 2");
-      placement.dcp_rank = rank;
-      placement.dcp_size = 0;
-      EXPECT(kvcs_worker_set_group_placement(worker, 0, &placement), KVCS_ERR_INVALID_ARGUMENT, "dcp_size is 0");
-      placement.dcp_size = 3;
-      EXPECT(kvcs_worker_set_group_placement(worker, 0, &placement), KVCS_ERR_INVALID_ARGUMENT,
-             "not a multiple of placement.dcp_size 3");
-      placement.dcp_size = DCP;
-      placement.interleave = 3;
-      EXPECT(kvcs_worker_set_group_placement(worker, 0, &placement), KVCS_ERR_INVALID_ARGUMENT,
-             "interleave 3 does not divide the local block of 4 slots");
-      placement.interleave = 0;
-      EXPECT(kvcs_worker_set_group_placement(worker, 0, &placement), KVCS_ERR_INVALID_ARGUMENT, "interleave is 0");
-      placement.interleave = interleave;
-      placement.tokens_per_slot = 3;
-      EXPECT(kvcs_worker_set_group_placement(worker, 0, &placement), KVCS_ERR_INVALID_ARGUMENT,
-             "not a multiple of placement.tokens_per_slot 3");
-      placement.tokens_per_slot = 0;
-      EXPECT(kvcs_worker_set_group_placement(worker, 0, &placement), KVCS_ERR_INVALID_ARGUMENT,
-             "tokens_per_slot is 0");
-      placement.tokens_per_slot = 1;
-      EXPECT_OK(kvcs_worker_set_group_placement(worker, 0, &placement));
-      kvcs_segment segment = {
-          .address = (uint64_t)(uintptr_t)cache,
-          .block_stride = 8 * LOCAL * DCP_PIECES,
-          .kernel_block_stride = 0,
-          .head_stride = 0,
-          .token_stride = 8 * DCP_PIECES,
-          .bytes_per_token = 8 * DCP_PIECES,
-      };
-      kvcs_layer layer = KVCS_LAYER_INIT;
-      layer.num_heads = 1;
-      layer.num_blocks = DCP_BLOCKS;
-      layer.tokens_per_kernel_block = DCP_BLOCK; /* the scheduler's block: not the local one */
-      layer.segments = &segment;
-      EXPECT(kvcs_worker_add_layer(worker, &layer), KVCS_ERR_INVALID_ARGUMENT, "the 4 local slots per block");
-      layer.tokens_per_kernel_block = LOCAL;
-      EXPECT_OK(kvcs_worker_add_layer(worker, &layer));
-      EXPECT(kvcs_worker_set_group_placement(worker, 0, &placement), KVCS_ERR_INVALID_ARGUMENT,
-             "set its placement before registering them");
-      kvcs_result *result = NULL;
-      EXPECT_OK(kvcs_worker_checksum(worker, blocks, KVCS_ROLE_CONSUMER, NULL, &result));
-      EXPECT_OK(kvcs_result_wait(result));
-      uint64_t values[DCP_BLOCKS] = {0, 0};
-      EXPECT_OK(kvcs_result_column(result, "dcp", 0, 0, NULL, NULL, values));
       for (uint64_t q = 0; q < DCP_BLOCKS; q++) {
-        CHECK(values[q] == dcp_reference((const uint64_t(*)[DCP_PIECES])units, q, num_tokens, interleave, (int)rank));
-        sum[q] += values[q];
+        CHECK(sum[q] == dcp_reference((const uint64_t(*)[DCP_PIECES])units, dcp, q, num_tokens, interleave, -1));
       }
-      kvcs_result_destroy(result);
-      kvcs_worker_destroy(worker);
     }
-    for (uint64_t q = 0; q < DCP_BLOCKS; q++) {
-      CHECK(sum[q] == dcp_reference((const uint64_t(*)[DCP_PIECES])units, q, num_tokens, interleave, -1));
-    }
+    kvcs_blocks_destroy(blocks);
   }
+}
+
+/* Several caches of one layer number (SPEC section 1: their heads one
+ * cache after the other, in the layer's cache order): layer 5 holds an
+ * MLA-like cache of one 16-byte cell a token (head 0, 8-byte pieces) and
+ * an indexer-like cache of 8 key bytes then a 4-byte scale a token, kept
+ * as each block's keys then their scales (head 1, 12-byte cells of
+ * 4-byte pieces, two segments). 8-token blocks, 2 blocks, 13 tokens. The
+ * reference walks logical (head, token, piece) indices. */
+enum { TWO_BLOCK = 8, TWO_BLOCKS = 2, TWO_LAYER = 5, MLA_PIECES = 2, KEY_BYTES = 8, SCALE_BYTES = 4 };
+
+static void test_two_caches_of_one_layer(void) {
+  const uint32_t block_ids[TWO_BLOCKS] = {1, 0};
+  const uint64_t num_tokens = TWO_BLOCK + 5;
+  static uint64_t mla[TWO_BLOCKS][TWO_BLOCK][MLA_PIECES];
+  /* A page a block: every token's key, then every token's scale. */
+  static uint8_t indexer[TWO_BLOCKS][TWO_BLOCK * (KEY_BYTES + SCALE_BYTES)];
+  for (size_t i = 0; i < sizeof mla / sizeof mla[0][0][0]; i++) {
+    (&mla[0][0][0])[i] = next_random();
+  }
+  for (size_t i = 0; i < sizeof indexer; i++) {
+    (&indexer[0][0])[i] = (uint8_t)next_random();
+  }
+  uint64_t want[TWO_BLOCKS] = {0, 0};
+  for (uint64_t q = 0; q < TWO_BLOCKS; q++) {
+    uint64_t mla_slice = 0, indexer_slice = 0;
+    for (uint64_t i = 0; i < TWO_BLOCK; i++) {
+      uint64_t t = q * TWO_BLOCK + i;
+      if (t >= num_tokens) {
+        break;
+      }
+      for (uint64_t p = 0; p < MLA_PIECES; p++) {
+        mla_slice += piece_value(mla[block_ids[q]][i][p]) * (2 * (t * MLA_PIECES + p) + 1);
+      }
+      /* The 12-byte cell: the token's key bytes, then its scale bytes. */
+      uint8_t cell[KEY_BYTES + SCALE_BYTES];
+      memcpy(cell, &indexer[block_ids[q]][i * KEY_BYTES], KEY_BYTES);
+      memcpy(cell + KEY_BYTES, &indexer[block_ids[q]][TWO_BLOCK * KEY_BYTES + i * SCALE_BYTES], SCALE_BYTES);
+      const uint64_t pieces = (KEY_BYTES + SCALE_BYTES) / 4;
+      for (uint64_t p = 0; p < pieces; p++) {
+        uint64_t x = (uint64_t)cell[4 * p] | (uint64_t)cell[4 * p + 1] << 8 | (uint64_t)cell[4 * p + 2] << 16 |
+                     (uint64_t)cell[4 * p + 3] << 24;
+        indexer_slice += piece_value(x) * (2 * (t * pieces + p) + 1);
+      }
+    }
+    const uint64_t m0 = 2 * ((uint64_t)TWO_LAYER * 65536 + 0) + 1;
+    const uint64_t m1 = 2 * ((uint64_t)TWO_LAYER * 65536 + 1) + 1;
+    want[q] = m0 * mla_slice + m1 * indexer_slice;
+  }
+  kvcs_blocks *blocks = NULL;
+  EXPECT_OK(kvcs_blocks_create(&blocks));
+  EXPECT_OK(kvcs_blocks_add_request(blocks, "two", num_tokens));
+  EXPECT_OK(kvcs_blocks_add_group(blocks, "two", 0, 0, block_ids, TWO_BLOCKS));
+  kvcs_worker_options options = KVCS_WORKER_OPTIONS_INIT;
+  kvcs_worker *worker = NULL;
+  EXPECT_OK(kvcs_worker_create(&options, &worker));
+  EXPECT_OK(kvcs_worker_set_algorithm(worker, algorithm));
+  EXPECT_OK(kvcs_worker_add_region(worker, (uint64_t)(uintptr_t)mla, sizeof mla));
+  EXPECT_OK(kvcs_worker_add_region(worker, (uint64_t)(uintptr_t)indexer, sizeof indexer));
+  EXPECT_OK(kvcs_worker_add_group(worker, 0, TWO_BLOCK));
+  kvcs_segment mla_segment = {
+      .address = (uint64_t)(uintptr_t)mla,
+      .block_stride = sizeof mla[0],
+      .kernel_block_stride = 0,
+      .head_stride = 0,
+      .token_stride = sizeof mla[0][0],
+      .bytes_per_token = sizeof mla[0][0],
+  };
+  kvcs_layer layer = KVCS_LAYER_INIT;
+  layer.layer_number = TWO_LAYER;
+  layer.first_head = 0;
+  layer.num_heads = 1;
+  layer.num_blocks = TWO_BLOCKS;
+  layer.tokens_per_kernel_block = TWO_BLOCK;
+  layer.segments = &mla_segment;
+  EXPECT_OK(kvcs_worker_add_layer(worker, &layer));
+  kvcs_segment indexer_segments[2] = {
+      {.address = (uint64_t)(uintptr_t)indexer,
+       .block_stride = sizeof indexer[0],
+       .kernel_block_stride = 0,
+       .head_stride = 0,
+       .token_stride = KEY_BYTES,
+       .bytes_per_token = KEY_BYTES},
+      {.address = (uint64_t)(uintptr_t)indexer + TWO_BLOCK * KEY_BYTES,
+       .block_stride = sizeof indexer[0],
+       .kernel_block_stride = 0,
+       .head_stride = 0,
+       .token_stride = SCALE_BYTES,
+       .bytes_per_token = SCALE_BYTES},
+  };
+  layer.first_head = 1;
+  layer.num_segments = 2;
+  layer.segments = indexer_segments;
+  /* Head 0 of layer 5 is the first cache's: a second cache claiming it is refused. */
+  layer.first_head = 0;
+  CHECK(kvcs_worker_add_layer(worker, &layer) != KVCS_OK);
+  layer.first_head = 1;
+  EXPECT_OK(kvcs_worker_add_layer(worker, &layer));
+  kvcs_result *result = NULL;
+  EXPECT_OK(kvcs_worker_checksum(worker, blocks, KVCS_ROLE_PRODUCER, NULL, &result));
+  uint64_t values[TWO_BLOCKS] = {0, 0};
+  EXPECT_OK(kvcs_result_column(result, "two", 0, 0, NULL, NULL, values));
+  for (uint64_t q = 0; q < TWO_BLOCKS; q++) {
+    CHECK(values[q] == want[q]);
+  }
+  kvcs_result_destroy(result);
+  /* A scale byte changed changes the value of its block only. */
+  indexer[block_ids[1]][TWO_BLOCK * KEY_BYTES + 2 * SCALE_BYTES + 1] ^= 0x10;
+  EXPECT_OK(kvcs_worker_checksum(worker, blocks, KVCS_ROLE_PRODUCER, NULL, &result));
+  uint64_t changed[TWO_BLOCKS] = {0, 0};
+  EXPECT_OK(kvcs_result_column(result, "two", 0, 0, NULL, NULL, changed));
+  CHECK(changed[0] == want[0] && changed[1] != want[1]);
+  kvcs_result_destroy(result);
+  kvcs_worker_destroy(worker);
   kvcs_blocks_destroy(blocks);
 }
 
@@ -538,6 +680,7 @@ void test_checksums(uint64_t seed) {
       test_past_num_tokens();
       test_shards_add_up();
       test_dcp_placement();
+      test_two_caches_of_one_layer();
     }
   }
 }

@@ -16,8 +16,9 @@ vLLM passed to `register_kv_caches` to `CacheChecksummer`, which
   manager has, each manager block one run of them);
 - gives each layer the identity the vLLM fork fingerprints
   (`repr((layer_name, spec_type, block_size, dtype))`, SPEC section 7), so
-  payloads interoperate with it; layers that share another layer's cache
-  (KV sharing) count in the fingerprint and are checksummed once, under the
+  payloads interoperate with it (kvcsum adds what those fields do not
+  tell apart: `identity`); layers that share another layer's cache (KV
+  sharing) count in the fingerprint and are checksummed once, under the
   lowest layer number, as the fork does;
 - uses a host worker for CPU tensors and a device worker for CUDA tensors,
   queueing on torch's current stream;
@@ -92,14 +93,22 @@ class LayerSpec:
     #: A state layer's tensors (MambaSpec: conv, then ssm): shapes and dtypes.
     state_shapes: tuple = ()
     state_dtypes: tuple = ()
+    #: A state layer's mamba_type ("MAMBA2", "GDN_ATTN", ...), and how TP
+    #: splits its state where that is known (kvcsum.vllm.cache_kinds.
+    #: state_split: StateParts in numbering order), else () and why not.
+    state_type: str = ""
+    state_parts: tuple = ()
+    state_unsplit: str = ""
     #: Tokens one slot of the cache summarises (compressed states), and
     #: the DCP ranks its tokens are spread over (1: not DCP-sharded).
     tokens_per_state: int = 1
     dcp_size: int = 1
-    #: A sparse-attention indexer's k-cache, which vLLM stores as each
-    #: block's keys (this many bytes a token), then their 4-byte scales
-    #: (kvcsum.vllm.cache_kinds._indexer_key_bytes); 0 for any other cache.
-    key_bytes: int = 0
+    #: A cache vLLM stores as each block's data (`data_bytes` a slot), then
+    #: their scales (`scale_bytes` a slot): a sparse-attention indexer's
+    #: k-cache, DeepSeek V4's fp8_ds_mla states
+    #: (kvcsum.vllm.cache_kinds._data_then_scales_bytes); 0 for any other.
+    data_bytes: int = 0
+    scale_bytes: int = 0
     #: States a token has (Whisper's block pooling: p consecutive slots a
     #: token, kvcsum.vllm.cache_kinds.states_per_token); 1 for any other cache.
     states_per_token: int = 1
@@ -124,30 +133,37 @@ class Job:
             blocks.add_group(self.req_id, int(group_id), list(block_ids), int(first_position))
 
 
-def identity(layer_name: str, spec_type: str, block_size: int, dtype: str, states_per_token: int = 1, state: int = 0) -> bytes:
+def identity(
+    layer_name: str, spec_type: str, block_size: int, dtype: str, split: str = "", *, states_per_token: int = 1, state: int = 0
+) -> bytes:
     """The vLLM fork's identity of a layer: the repr of
-    `(layer_name, spec_type, block_size, dtype)`.
+    `(layer_name, spec_type, block_size, dtype)`, to which kvcsum adds
+    what the fork's four fields do not tell apart:
 
-    A layer of p > 1 states a token (Whisper's block pooling) is p caches,
-    each registered with its own identity, the fork's four fields then
-    `("states_per_token", p)` and `("state", i)`: those four are the same
-    at any p, so without p a side pooling by another p (or not at all)
-    would be compared, its sums numbering other states; with it the
-    fingerprints differ (UNVERIFIED, never MISMATCH)."""
-    fields = (layer_name, spec_type, int(block_size), str(dtype))
+    - a state layer whose rows are numbered along TP's split adds the split
+      (kvcsum.vllm.cache_kinds.split_identity) as a fifth element;
+    - a layer of p > 1 states a token (Whisper's block pooling) is p caches,
+      each registered with its own identity, the fields then
+      `("states_per_token", p)` and `("state", i)`: the fork's four are the
+      same at any p, so without p a side pooling by another p (or not at
+      all) would be compared, its sums numbering other states; with it the
+      fingerprints differ (UNVERIFIED, never MISMATCH)."""
+    fields = (layer_name, spec_type, int(block_size), str(dtype)) + ((split,) if split else ())
     if states_per_token != 1:
         fields += (("states_per_token", int(states_per_token)), ("state", int(state)))
     return repr(fields).encode()
 
 
-def layer_fingerprint(layer_name: str, spec_type: str, block_size: int, dtype: str, states_per_token: int = 1) -> int:
+def layer_fingerprint(
+    layer_name: str, spec_type: str, block_size: int, dtype: str, split: str = "", *, states_per_token: int = 1
+) -> int:
     """First 8 bytes, little-endian, of the SHA-256 of the identity; of a
     layer of p > 1 states a token, the sum of its p caches' (SPEC section
     7: every registered cache counts)."""
     total = 0
     for state in range(max(1, states_per_token)):
-        digest = hashlib.sha256(identity(layer_name, spec_type, block_size, dtype, states_per_token, state)).digest()
-        total += int.from_bytes(digest[:8], "little")
+        ident = identity(layer_name, spec_type, block_size, dtype, split, states_per_token=states_per_token, state=state)
+        total += int.from_bytes(hashlib.sha256(ident).digest()[:8], "little")
     return total % 2**64
 
 
@@ -166,12 +182,20 @@ def layer_number(layer_name: str) -> int:
 
 #: Whether this kvcsum's device engine checksums cells of 4-byte pieces
 #: (SPEC section 1); its host engine does. Not yet: a device worker names
-#: a group holding an indexer's k-cache not checksummed.
+#: a group holding an indexer's k-cache (132-byte cells) not checksummed.
 DEVICE_READS_4_BYTE_PIECES = False
 
 
 def _is_cuda(tensor) -> bool:
     return getattr(getattr(tensor, "device", None), "type", "cpu") == "cuda"
+
+
+def _block_slots(spec: LayerSpec) -> int:
+    """The slots of one of this rank's manager blocks of a layer's cache
+    (block_size is the rank's own tokens of a block under DCP; a compressed
+    cache holds a slot per tokens_per_state tokens, a pooled one
+    states_per_token slots a token)."""
+    return spec.block_size * spec.states_per_token // max(1, spec.tokens_per_state)
 
 
 def _describe(tensor, spec: LayerSpec, num_blocks: int):
@@ -182,10 +206,7 @@ def _describe(tensor, spec: LayerSpec, num_blocks: int):
     heads = spec.num_slots or (1 if spec.is_mla else spec.num_kv_heads)
     content = spec.head_size + spec.head_size_v
     cell = spec.cell_bytes or content * _dtype_bytes(spec, item)
-    # The slots of one of this rank's blocks (block_size is the rank's own
-    # tokens of a block under DCP; a compressed cache holds a slot per
-    # tokens_per_state tokens, a pooled one states_per_token slots a token).
-    tokens = spec.block_size * spec.states_per_token // max(1, spec.tokens_per_state)
+    tokens = _block_slots(spec)
 
     def kernel_blocks(count: int) -> int:
         if count % num_blocks:
@@ -228,27 +249,56 @@ def _describe(tensor, spec: LayerSpec, num_blocks: int):
     )
 
 
-def _keys_then_scales(tensor, spec: LayerSpec):
-    """The keys `[B, N, K]` and the scales `[B, N, 4]` of an indexer's
-    k-cache (vLLM's view `[B, 1, N, C]` or `[B, N, C]` of uint8, C = K + 4),
-    as vLLM lays each block's page out: token t's key at byte t*K, its
-    scale at N*K + t*4 (kvcsum.vllm.cache_kinds._indexer_key_bytes); the
-    block stride is the view's (a page padded to its alignment stays so).
-    ValueError where the view is no such cache."""
+def _data_then_scales(tensor, spec: LayerSpec, num_blocks: int):
+    """(data `[B, N, D]`, scales `[B, N, S]`, kernel blocks) of a cache vLLM
+    stores as each block's data, then their scales (an indexer's k-cache,
+    DeepSeek V4's fp8_ds_mla states: kvcsum.vllm.cache_kinds.
+    _data_then_scales_bytes), from vLLM's view `[B, 1, N, C]` or `[B, N, C]`
+    of bytes, C = D + S: slot t's data at byte t*D of its block's page, its
+    scale at N*D + t*S. The block stride is the view's (a page padded to its
+    alignment stays so); where the view splits a manager block into kernel
+    blocks, each kernel block is such a page, N and the page the view's (as
+    the fp8_ds_mla writer takes them: models/deepseek_v4/common/ops/
+    fused_compress_quant_cache.py:129, :141). ValueError where the view is
+    no such cache."""
     view = tensor.view(tensor.shape[0], *tensor.shape[2:]) if tensor.dim() == 4 and tensor.shape[1] == 1 else tensor
     shape = tuple(int(n) for n in view.shape)
-    keys = spec.key_bytes
-    cell = keys + cache_kinds.INDEXER_SCALE_BYTES
+    data, scale = spec.data_bytes, spec.scale_bytes
+    cell = data + scale
     if len(shape) != 3 or int(view.element_size()) != 1 or shape[2] != cell or int(view.stride(2)) != 1 or int(view.stride(1)) != cell:
         raise ValueError(
-            f"its indexer k-cache view of shape {shape} and strides {tuple(view.stride())} is no [blocks, tokens, {cell}] uint8 page"
+            f"its view of shape {shape} and strides {tuple(view.stride())} is no [blocks, slots, {cell}] page of bytes "
+            f"({data} data bytes, then {scale} scale bytes, a slot)"
         )
-    blocks, tokens = shape[0], shape[1]
+    blocks, slots = shape[0], shape[1]
+    wanted = _block_slots(spec)
+    if blocks % num_blocks or slots * (blocks // num_blocks) != wanted:
+        raise ValueError(
+            f"its {blocks} blocks of {slots} slots are no kernel blocks of the {num_blocks} manager blocks of {wanted} slots"
+        )
     page = int(view.stride(0))
     start = int(view.storage_offset())
-    base = view.as_strided((blocks, tokens, keys), (page, keys, 1), start)
-    scales = view.as_strided((blocks, tokens, cache_kinds.INDEXER_SCALE_BYTES), (page, cache_kinds.INDEXER_SCALE_BYTES, 1), start + tokens * keys)
-    return base, scales
+    data_view = view.as_strided((blocks, slots, data), (page, data, 1), start)
+    scales = view.as_strided((blocks, slots, scale), (page, scale, 1), start + slots * data)
+    return data_view, scales, blocks // num_blocks
+
+
+def _identity_block_size(spec: LayerSpec) -> int:
+    """The block size a layer's identity names: under DCP a rank's spec has
+    its local block (block_size / dcp), the identity the block every rank's
+    slots belong to, the scheduler's, as a DCP-1 engine's of the same block
+    size does."""
+    return spec.block_size * max(1, spec.dcp_size)
+
+
+def _registered_identity(spec: LayerSpec, split: str = "", state: int = 0) -> bytes:
+    """The identity a worker registers for a layer's cache (of a pooled
+    layer, for its state `state`); `split` a state layer's
+    (kvcsum.vllm.cache_kinds.split_identity) where its rows are numbered
+    along TP's split."""
+    return identity(
+        spec.name, spec.spec_type, _identity_block_size(spec), spec.dtype, split, states_per_token=spec.states_per_token, state=state
+    )
 
 
 def _pooled_states(parts: list, layout: str, spec: LayerSpec, layer_heads: int) -> list:
@@ -260,7 +310,7 @@ def _pooled_states(parts: list, layout: str, spec: LayerSpec, layer_heads: int) 
     of each state before it (SPEC section 1: heads one cache after the
     other). ValueError where the layout has no token dimension to stride."""
     p = spec.states_per_token
-    if spec.key_bytes or "T" not in layout:
+    if spec.data_bytes or "T" not in layout:
         raise ValueError(f"layer {spec.name}: {p} states a token in a {layout} cache kvcsum cannot stride by token")
     dim = layout.index("T")
     out = []
@@ -345,6 +395,12 @@ class CacheChecksummer:
         self.tp_rank, self.tp_size, self.pp_rank = tp_rank, tp_size, pp_rank
         self.dcp_rank, self.dcp_interleave = dcp_rank, dcp_interleave
         self.skipped: dict[int, str] = {}
+        #: {group: why}: state groups registered shard-keyed (compared
+        #: between equal TP sizes only), where TP's split is not known.
+        self.shard_keyed: dict[int, str] = {}
+        #: {group: fingerprint} of the identities registered for each
+        #: group (the library's sum, SPEC section 7: config.group_fingerprint's
+        #: at this TP size and the group's block size).
         self.fingerprints: dict[int, int] = {}
         self.group_block_sizes = dict(group_block_sizes)
         present = [spec for spec in layers if spec.name in kv_caches]
@@ -409,16 +465,17 @@ class CacheChecksummer:
                 worker.add_layer(layer)
                 self.layers_registered += 1
             for number, tensors, ident in plan["states"]:
-                # MambaSpec does not say along which dimension TP splits the
-                # state, and a ring's stale slots differ between ranks:
-                # shard-keyed (compared between equal TP sizes only).
-                worker.add_state(group_id, number, tensors, num_blocks, split_known=False, identity=ident)
+                # Rows numbered along TP's split where it is known
+                # (cache_kinds.state_split), else shard-keyed (compared
+                # between equal TP sizes only; a ring's stale slots differ
+                # between ranks).
+                worker.add_state(group_id, number, tensors, num_blocks, split_known=plan["split_known"], identity=ident)
                 self.layers_registered += 1
+            if plan["states"] and not plan["split_known"]:
+                self.shard_keyed[group_id] = plan["unsplit"]
             for number, target, ident in plan["aliases"]:
                 worker.add_alias(group_id, number, target, ident)
-            self.fingerprints[group_id] = sum(
-                layer_fingerprint(s.name, s.spec_type, s.block_size, s.dtype, s.states_per_token) for s in specs
-            ) % 2**64
+            self.fingerprints[group_id] = plan["fingerprint"]
 
     def _plan_group(self, group_id: int, specs: list, kv_caches, num_blocks: int) -> dict:
         """The kvcsum layers, state layers and aliases of one group
@@ -429,6 +486,12 @@ class CacheChecksummer:
         kinds = {spec.kind for spec in specs}
         if len(kinds) > 1:
             raise ValueError(f"it holds layers of kinds {sorted(kinds)}")
+        # A group's state layers are all numbered along TP's split or all
+        # shard-keyed (kvcs_state.split_known).
+        state_specs = [spec for spec in specs if spec.kind == "state" and spec.state_shapes]
+        unsplit = cache_kinds.state_split_refused(state_specs, self.tp_size) if state_specs else ""
+        split_known = bool(state_specs) and not unsplit
+        fingerprint = 0  # of every identity registered (SPEC section 7)
         for spec in specs:
             if spec.unsupported:
                 raise ValueError(spec.unsupported)
@@ -439,17 +502,19 @@ class CacheChecksummer:
             if spec.kind == "state" and not spec.state_shapes:
                 raise ValueError(f"layer {spec.name} is a {spec.spec_type} kvcsum has no rule for")
             tensor = kv_caches[spec.name]
-            if spec.key_bytes and self.device != kvcsum.HOST and not DEVICE_READS_4_BYTE_PIECES:
+            cell = spec.data_bytes + spec.scale_bytes
+            if cell % 8 and self.device != kvcsum.HOST and not DEVICE_READS_4_BYTE_PIECES:
                 raise ValueError(
-                    f"layer {spec.name} is a sparse-attention indexer's k-cache of {spec.key_bytes + cache_kinds.INDEXER_SCALE_BYTES}-byte "
-                    "cells (keys then scales), read in 4-byte pieces, which this kvcsum's device engine does not checksum yet"
+                    f"layer {spec.name} has {cell}-byte cells (a block's data, then its scales: {spec.data_bytes} + "
+                    f"{spec.scale_bytes} bytes a slot), read in 4-byte pieces, which this kvcsum's device engine does not checksum yet"
                 )
             number = layer_number(spec.name)
             key = (int(tensor.data_ptr()), tuple(tensor.stride()), tuple(tensor.shape))
-            # Under DCP a rank's spec has its local block (block_size / dcp):
-            # the identity names the block every rank's slots belong to, the
-            # scheduler's, as a DCP-1 engine's of the same block size does.
-            ident = identity(spec.name, spec.spec_type, spec.block_size * max(1, spec.dcp_size), spec.dtype, spec.states_per_token)
+            split = cache_kinds.split_identity(spec, self.tp_size) if split_known else ""
+            ident = _registered_identity(spec, split)
+            fingerprint += layer_fingerprint(
+                spec.name, spec.spec_type, _identity_block_size(spec), spec.dtype, split, states_per_token=spec.states_per_token
+            )
             entry = caches.setdefault(key, {"numbers": [], "spec": spec, "tensor": tensor, "idents": []})
             entry["numbers"].append(number)
             entry["idents"].append((number, ident))
@@ -477,10 +542,14 @@ class CacheChecksummer:
                     # own, in another group (kvcsum.vllm.cache_kinds.RING_LAYER_NUMBERS).
                     states.append((cache_kinds.RING_LAYER_NUMBERS + target, cache_kinds.ring_tensors(tensor, spec), target_ident))
                     continue
-                states.append((target, cache_kinds.state_tensors(tensor, spec, self.tp_rank), target_ident))
+                tensors = cache_kinds.state_tensors(tensor, spec, self.tp_rank, self.tp_size, split=split_known)
+                states.append((target, tensors, target_ident))
                 continue
-            if spec.key_bytes:
-                layout, kernel_blocks = "BTD", 1
+            v_part = None
+            if spec.data_bytes:
+                # A block's data, then its scales: one cell of two segments.
+                tensor, v_part, kernel_blocks = _data_then_scales(tensor, spec, num_blocks)
+                layout = "BTD"
             else:
                 layout, kernel_blocks = _describe(tensor, spec, num_blocks)
             offset = next_head.get(target, 0)
@@ -488,11 +557,7 @@ class CacheChecksummer:
             first_head, replicas, replica_index = self._heads(spec)
             parts = [(tensor, first_head + offset)]
             part_layout = layout
-            v_part = None
-            if spec.key_bytes:
-                (tensor_keys, v_part) = _keys_then_scales(tensor, spec)
-                parts = [(tensor_keys, first_head + offset)]
-            elif spec.folded_slots:
+            if spec.folded_slots:
                 # The K slot then the V slot, each [B, N, heads x head_size]:
                 # numbered as K slots then V slots, a head each.
                 total = cache_kinds.global_heads(spec, self.tp_size) // 2
@@ -511,9 +576,7 @@ class CacheChecksummer:
                 parts = _pooled_states(parts, part_layout, spec, layer_heads)
                 # Each state's first part carries that state's identity.
                 idents = {
-                    parts[0][1] + state * layer_heads: identity(
-                        spec.name, spec.spec_type, spec.block_size * max(1, spec.dcp_size), spec.dtype, spec.states_per_token, state
-                    )
+                    parts[0][1] + state * layer_heads: _registered_identity(spec, state=state)
                     for state in range(spec.states_per_token)
                 }
             for view, head in parts:
@@ -534,6 +597,9 @@ class CacheChecksummer:
         return {
             "layers": layers,
             "states": states,
+            "split_known": split_known,
+            "unsplit": unsplit,
+            "fingerprint": fingerprint % 2**64,
             "aliases": aliases,
             "tensors": [e["tensor"] for e in caches.values()],
         }

@@ -39,11 +39,22 @@ spec's dtype) and what kvcsum makes of it:
   padded to the attention page size; a request's state is one block: the
   first of its list, or with mamba_cache_mode "align" (a state per block)
   the one at column (n - 1) // block_size, kvcsum.vllm.scheduler).
-  Registered as a state layer (kvcs_worker_add_state, SPEC section 6), its
-  tensors conv then ssm, each row its first dimension. MambaSpec does not
-  say along which dimension TP splits the state, so the state is
-  **shard-keyed**: compared between equal TP sizes only (another TP size is
-  UNVERIFIED, never MISMATCH).
+  Registered as a state layer (kvcs_worker_add_state, SPEC section 6).
+  Where vLLM's NIXL connector derives how TP splits the state
+  (`state_split`: Mamba1, Mamba2 and GDN with the conv state in the DS
+  layout `(dim, state_len)`, not tp_replicated), each conv sub-projection
+  (x; x, B, C; Q, K, V) is a tensor whose rows are its channels, then the
+  temporal (ssm) state, rows along its first dimension, each numbered
+  globally (rank r's rows of a tensor of R rows a rank are r·R .. r·R + R):
+  compared at any TP size. The layer's identity then names the split and
+  each tensor's global shape (`split_identity`), so two sides that derive
+  other global shapes (Mamba2 groups vLLM replicates at a TP size that
+  n_groups does not divide) differ in fingerprint: UNVERIFIED, never
+  MISMATCH. Anywhere else (ShortConv, linear attention, KDA, ReplaySSM's
+  extra states, the SD layout, a shape that does not decompose, a
+  tp_replicated state) the tensors are conv then ssm, each row its first
+  dimension, and the state is **shard-keyed**: compared between equal TP
+  sizes only (another TP size is UNVERIFIED, never MISMATCH).
 - rings (`CircularBufferSpec`: DeepSeek V4.1's compressor, GLM-5 Next's
   indexer tail, one block a request, rows written at position % capacity,
   never zeroed): a state layer too, its state the request's one block,
@@ -66,6 +77,30 @@ spec's dtype) and what kvcsum makes of it:
   where this kvcsum has it: `PLACEMENT`), each token numbered by its place
   in the request, so the DCP ranks' sums add up to the block's value.
 
+- a block's data, then its scales (`_data_then_scales_bytes`): each
+  block's page holds its slots' data (D bytes each, slot t's at byte
+  t*D), then their scales (S bytes each, slot t's at N*D + t*S, N the
+  slots of the block), the rest of the page padding. Registered as one
+  cell of two segments, the data (K) and the scales (V), so the cell is a
+  slot's data then its scale, D + S bytes, whatever the page's padding or
+  the block size. Two kinds of vLLM's caches are stored so:
+  - the sparse-attention indexer's k-cache (DeepSeek V3.2's
+    DeepseekV32IndexerCache, V4's C4A indexer: `_indexer_key_bytes`): a
+    token's (state's) 128-byte fp8 key (64 with MXFP4), then its 4-byte
+    scale: 132-byte cells, read in 4-byte pieces (SPEC section 1);
+  - DeepSeek V4's fp8_ds_mla records (`_is_ds_mla_states`): a state's
+    (a token's) 576 data bytes (448 fp8 NoPE, 64 bf16 RoPE), then its 8
+    UE8M0 scale bytes: 584-byte cells, read in 8-byte pieces
+    (models/deepseek_v4/common/ops/cache_utils.py:64-104), in its
+    compressed MLA cache and in its sliding-window cache (a
+    SlidingWindowMLASpec, one latent head like MLA's, a token a slot).
+  Compressed (`tokens_per_state` > 1) caches of either kind take the
+  token placement above, the slots being states.
+- DeepSeek V4.1's interleaved records (`_is_v41_records`: 528 bytes, 512
+  fp8 then 16 UE8M0 scales; 288 bytes, 256 packed fp4 then 32 e4m3
+  scales; a slot's scales right after its own data): opaque cells of the
+  record's bytes, one latent head, as any packed cell above.
+
 What kvcsum still cannot checksum is named (`unsupported`) and never
 silent (kvcsum.vllm.load_verdict): compressed states and DCP without the
 library's token placement, a tokens_per_state fraction other than 1/p,
@@ -73,29 +108,39 @@ host-resident groups (not in memory the workers read), state elements of
 other than 2 or 4 bytes (a ring's too), an unknown mamba_cache_mode, head
 slots packed other than K slots then V slots (and ROCm's), specs other
 than a ring that address their pages themselves (`uses_slot_mapping`
-False), and caches whose `[B, H, N, C]` view is no cell per token (`_no_token_cells`:
-cells of no multiple of 8 bytes other than the indexer's below, and
-DeepSeek V4's fp8_ds_mla states), the indexer's keys on ROCm (tiled in a
-block) and on a device worker of a kvcsum whose device engine does not
-read 4-byte pieces (this one's: SPEC section 1). A group holding one of
-these is not checksummed at all, its other caches included.
-
-- the sparse-attention indexer's k-cache (DeepSeek V3.2's
-  DeepseekV32IndexerCache, V4's C4A indexer: `_indexer_key_bytes`): each
-  block's page holds its tokens' keys (K bytes each), then their 4-byte
-  scales. Registered as one cell of two segments, the keys (K) and the
-  scales (V), so the cell is a token's key then its scale: 132 bytes,
-  read in 4-byte pieces (SPEC section 1).
+False), and caches whose `[B, H, N, C]` view is no cell per token
+(`_no_token_cells`: cells of no multiple of 8 bytes other than the
+indexer's above, and DeepSeek V4's packed records of another width than
+584, 528 or 288 bytes, or not one latent head of bytes), the indexer's
+keys on ROCm (tiled in a block) and on a device worker of a kvcsum whose
+device engine does not read 4-byte pieces (this one's: SPEC section 1). A
+group holding one of these is not checksummed at all, its other caches
+included.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from fractions import Fraction
 
 import kvcsum
 
-__all__ = ["describe_spec", "state_tensors", "ring_tensors", "global_heads", "group_block_size", "states_per_token", "PLACEMENT", "DTYPE_BYTES"]
+__all__ = [
+    "describe_spec",
+    "state_split",
+    "state_split_refused",
+    "split_identity",
+    "state_tensors",
+    "ring_tensors",
+    "StatePart",
+    "global_heads",
+    "group_block_size",
+    "states_per_token",
+    "RING_LAYER_NUMBERS",
+    "PLACEMENT",
+    "DTYPE_BYTES",
+]
 
 #: Whether this kvcsum registers a group's token placement (DCP shards,
 #: compressed states: Worker.set_group_placement, SPEC section 16).
@@ -132,11 +177,19 @@ def dtype_bytes(dtype: str) -> int | None:
 
 
 def describe_spec(
-    name: str, group_id: int, spec, total_kv_heads: int | None, dcp_size: int = 1, is_mla: bool = False
+    name: str,
+    group_id: int,
+    spec,
+    total_kv_heads: int | None,
+    dcp_size: int = 1,
+    is_mla: bool = False,
+    conv_dim_first: bool = False,
 ) -> dict:
     """The LayerSpec fields of one layer's vLLM spec (duck-typed: any object
     with vLLM 0.33's spec attributes), `unsupported` naming why kvcsum
-    cannot checksum it ("" where it can)."""
+    cannot checksum it ("" where it can). `conv_dim_first`: vLLM stores
+    Mamba conv states as `(dim, state_len)` (its DS layout,
+    kvcsum.vllm.config.conv_state_dim_first)."""
     type_name = type(spec).__name__
     common = dict(
         name=name,
@@ -157,7 +210,17 @@ def describe_spec(
             unsupported = f"{type_name} has state elements of {dtypes}: kvcsum reads 2- or 4-byte state elements"
         elif str(getattr(spec, "mamba_cache_mode", "none")) not in ("none", "align"):
             unsupported = f"{type_name} has mamba_cache_mode {spec.mamba_cache_mode!r}, a mode kvcsum does not know"
-        return dict(common, kind="state", state_shapes=shapes, state_dtypes=dtypes, unsupported=unsupported)
+        parts, unsplit = state_split(spec, conv_dim_first)
+        return dict(
+            common,
+            kind="state",
+            state_shapes=shapes,
+            state_dtypes=dtypes,
+            state_type=_mamba_type(spec),
+            state_parts=parts,
+            state_unsplit=unsplit,
+            unsupported=unsupported,
+        )
     is_attention = hasattr(spec, "num_kv_heads") and hasattr(spec, "head_size")
     if not is_attention or not getattr(spec, "has_layer_views", True):
         return dict(common, kind="state", unsupported=f"{type_name} has no per-token KV blocks")
@@ -203,10 +266,10 @@ def describe_spec(
     if cell is None and num_slots:
         # A slot holds K or V alone.
         cell = int(spec.state_content_size_bytes)
-    key_bytes = _indexer_key_bytes(name, spec, is_mla)
-    if not unsupported and key_bytes:
+    data_bytes, scale_bytes = _data_then_scales_bytes(name, spec, is_mla)
+    if not unsupported and _indexer_key_bytes(name, spec, is_mla):
         unsupported = _indexer_layout_unknown(type_name)
-    if not unsupported and not key_bytes:
+    if not unsupported and not data_bytes:
         unsupported = _no_token_cells(type_name, spec, cell, is_mla)
     return dict(
         common,
@@ -220,7 +283,8 @@ def describe_spec(
         cell_bytes=int(cell) if cell is not None else 0,
         tokens_per_state=int(tokens_per_state) if isinstance(tokens_per_state, int) else 1,
         dcp_size=dcp_size if dcp_sharded else 1,
-        key_bytes=key_bytes,
+        data_bytes=data_bytes,
+        scale_bytes=scale_bytes,
         states_per_token=pooled,
         unsupported=unsupported,
     )
@@ -272,7 +336,14 @@ def _ring_state(type_name: str, spec) -> dict:
     if size not in (2, 4) or content % size:
         return dict(kind="state", unsupported=f"{type_name} holds {spec.dtype} rows of {content} bytes: kvcsum reads 2- or 4-byte state elements")
     shapes = tuple((int(spec.num_states), content // size) for _ in range(heads))
-    return dict(kind="state", state_shapes=shapes, state_dtypes=(str(spec.dtype),) * heads, ring=True, unsupported="")
+    return dict(
+        kind="state",
+        state_shapes=shapes,
+        state_dtypes=(str(spec.dtype),) * heads,
+        state_unsplit="a ring: its stale slots differ between TP ranks",
+        ring=True,
+        unsupported="",
+    )
 
 
 #: What a ring's layer number is registered under: this plus the number in
@@ -282,7 +353,8 @@ def _ring_state(type_name: str, spec) -> dict:
 #: library keeps a layer number to one kind of cache (an attention cache,
 #: or a state, or an alias: SPEC section 7), so the ring's state takes a
 #: number no model's layer has. Every side running this kvcsum numbers it
-#: alike; the fingerprint is the ring's own name's (its identity).
+#: alike (SPEC section 1, "Layer number"); the fingerprint is the ring's
+#: own name's (its identity).
 RING_LAYER_NUMBERS = 1 << 24
 
 
@@ -317,6 +389,30 @@ def _on_rocm() -> bool:
     import torch
 
     return getattr(torch.version, "hip", None) is not None
+
+
+def _data_then_scales_bytes(name: str, spec, is_mla: bool) -> tuple[int, int]:
+    """(D, S): the data and the scale bytes of one slot (a token, or a
+    state of `tokens_per_state` tokens) of a cache that vLLM stores as each
+    block's data, then their scales: slot t's data at byte t*D of its
+    block's page, its scale at N*D + t*S (N the page's slots, the view's
+    `[B, H, N, C]` N, C = D + S), the rest of the page padding. (0, 0) for
+    any other cache.
+
+    Registered as one cell of two segments, K = the data, V = the scales
+    (kvcsum.vllm.cache_checksums._data_then_scales), read in 8-byte pieces
+    where D + S is a multiple of 8, else in 4-byte pieces, each segment a
+    whole number of them (SPEC section 1). The caches vLLM 0.33 stores so:
+    the sparse-attention indexer's k-cache (`_indexer_key_bytes`: D = 128
+    or 64, S = 4) and DeepSeek V4's fp8_ds_mla compressed MLA states
+    (`_is_ds_mla_states`: D = 576, S = 8).
+    """
+    keys = _indexer_key_bytes(name, spec, is_mla)
+    if keys:
+        return keys, INDEXER_SCALE_BYTES
+    if _is_ds_mla_states(spec, is_mla):
+        return DS_MLA_DATA_BYTES, DS_MLA_SCALE_BYTES
+    return 0, 0
 
 
 #: Bytes of the scale vLLM stores after each token's indexer key: one fp32
@@ -368,26 +464,138 @@ def _indexer_layout_unknown(type_name: str) -> str:
     return ""
 
 
+#: DeepSeek V4's fp8_ds_mla record: a state's 576 data bytes (448 fp8
+#: e4m3 NoPE, then 64 bf16 RoPE), then, after the block's data, its 8
+#: UE8M0 scale bytes (7 and a pad byte) (models/deepseek_v4/common/ops/
+#: cache_utils.py:64-69, :200-210, TOKEN_DATA_SIZE 576, TOKEN_SCALE_DIM 8).
+DS_MLA_DATA_BYTES = 576
+DS_MLA_SCALE_BYTES = 8
+#: Its width, the spec's `state_content_bytes`, which names the record
+#: (models/deepseek_v41/common/ops/cache_utils.py:39-49).
+DS_MLA_RECORD_BYTES = DS_MLA_DATA_BYTES + DS_MLA_SCALE_BYTES
+
+
+def _is_ds_mla_states(spec, is_mla: bool) -> bool:
+    """Whether `spec` is DeepSeek V4's compressed MLA cache in fp8_ds_mla
+    records, which vLLM stores as each block's states' data, then their
+    scales.
+
+    The spec (models/deepseek_v4/attention.py:860-883): an MLAAttentionSpec
+    of one head, uint8, `tokens_per_state` the layer's compress ratio,
+    `model_version` "deepseek_v4", `state_content_bytes` 584, pages padded
+    to a multiple of 576 bytes (`alignment`: v1/kv_cache_interface.py:
+    719-725, the padding after the page's 584 N bytes); V4.1's compressed
+    cache in the same 584-byte records (without MXFP8 records) likewise
+    (models/deepseek_v41/attention.py:521-531, :1206-1231). Its view is `[B, 1, N, 584]`, N =
+    block_size // tokens_per_state states a block (v1/kv_cache_interface.py:
+    268-275, 360-376). Its writers put state t of a block's page (the
+    view's block stride) at t*576 and its scales at N*576 + t*8, N the
+    view's states a block: the Triton kernels (models/deepseek_v4/common/
+    ops/fused_compress_quant_cache.py:129 N = kv_cache.shape[1], :141 the
+    page stride, :192-194, :263-272) and CUDA's CuTe DSL compressor
+    (models/deepseek_v4/compressor.py:472-480; models/deepseek_v4/nvidia/
+    ops/sparse_attn_compress_cutedsl.py:286-293, :1667-1690 N =
+    block_size // compress_ratio, the page round_up(N*(576 + 8), 576));
+    its readers alike (models/deepseek_v4/common/ops/cache_utils.py:
+    298-310; models/deepseek_v4/sparse_mla.py:262, N). ROCm's kernels keep
+    the layout (models/deepseek_v4/amd/mono/attention/plan.py:17-20), the
+    Triton writer's FNUZ mode only the fp8 encoding (cache_utils.py:
+    138-142). "A page puts its whole data region ahead of its whole scale
+    region" (models/deepseek_v41/common/ops/cache_utils.py:41-43).
+
+    The sliding-window cache in fp8_ds_mla or nvfp4_ds_mla (a
+    SlidingWindowMLASpec, v1/attention/backends/mla/sparse_swa.py:120-147:
+    uint8, one head, `max_tp_shards` 1, `state_content_bytes` 584 where the
+    record is V4's, pages padded to 576 bytes; kvcsum.vllm.config takes it
+    as MLA) is this rule's too, a token a slot (N = block_size): its
+    writers are the CUDA op torch.ops._C.
+    fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert (models/deepseek_v4/
+    attention.py:797-814, compiled, not read here) and on XPU the Triton
+    writer of the compressed states (models/deepseek_v4/xpu/
+    xpu_qnorm_rope_kv_fp8_insert.py:153-162 -> cache_utils.py:168-230,
+    block_stride = the view's stride(0), cache_block_size = block_size);
+    its readers take the same layout: FlashMLA reads it and the
+    compressed cache in one call (models/deepseek_v4/nvidia/flashmla.py:
+    217-262, k_cache and extra_k_cache), the prefill gathers it with the
+    compressed cache's gather at N = block_size (flashmla.py:340-348;
+    cache_utils.py:499-545: CuTe DSL's nvidia/ops/
+    dequant_gather_k_cutedsl.py:55-60, "V4 puts all of a block's data
+    rows ahead of its scale rows", scale_offset block_size * 576), ROCm's
+    likewise (amd/rocm.py:1674-1684). On gfx942 ROCm's C++ writer encodes
+    the SWA records' fp8 as FNUZ (use_fnuz there; the compressed states
+    stay OCP): the declared decoding names it (kvcsum.vllm.decoding), so
+    such a side and an OCP one compare UNVERIFIED, never MISMATCH. V4.1
+    off SM100 keeps these 584-byte records (models/deepseek_v41/
+    attention.py:131-138, :521); its 528- and 288-byte records are
+    interleaved (models/deepseek_v41/common/ops/cache_utils.py:44-49):
+    `_is_v41_records`.
+    """
+    return (
+        is_mla
+        and getattr(spec, "model_version", None) == "deepseek_v4"
+        and getattr(spec, "state_content_bytes", None) == DS_MLA_RECORD_BYTES
+        and dtype_bytes(getattr(spec, "dtype", "")) == 1
+        and int(getattr(spec, "num_kv_heads", 1)) == 1
+    )
+
+
+#: DeepSeek V4.1's interleaved record widths: MXFP8 (512 fp8 e4m3 dims,
+#: then 16 UE8M0 scales) and NVFP4 (256 bytes of e2m1 pairs, then 32 e4m3
+#: scales, the compressed cache only) (models/deepseek_v41/common/ops/
+#: cache_utils.py:44-54).
+V41_RECORD_BYTES = (528, 288)
+
+
+def _is_v41_records(spec, is_mla: bool) -> bool:
+    """Whether `spec` is a DeepSeek V4.1 cache of interleaved records: a
+    slot's scales right after its own data, slot t's record at t*C of its
+    block's page (C = `state_content_bytes`, 528 or 288), the view's
+    `[B, 1, N, C]` a cell per slot: opaque cells, one latent head.
+
+    V4.1 declares them on SM100 (`_use_v41_mxfp8_kv_record`, models/
+    deepseek_v41/attention.py:131-138): the sliding-window cache
+    (DeepseekV4SWACache, attention.py:521-531, :562-579: 528 bytes,
+    `model_version` "deepseek_v4", 32-token blocks, pages padded to 512,
+    the block stride to lcm(528, the compressed record)) and the
+    compressed MLA cache (attention.py:1206-1231: 528, or 288 with
+    nvfp4_ds_mla). Their writers put slot t at page + (slot % N) * C, N =
+    the view's slots a block, page = the view's stride(0) (models/
+    deepseek_v41/common/ops/fused_compress_quant_cache.py:325-342,
+    :464-466, :527-529; cache_utils.py:216, :570, :629), the CuTe DSL
+    gather its scales at data_dim (models/deepseek_v4/nvidia/ops/
+    dequant_gather_k_cutedsl.py:55-60).
+    """
+    return (
+        is_mla
+        and getattr(spec, "model_version", None) == "deepseek_v4"
+        and getattr(spec, "state_content_bytes", None) in V41_RECORD_BYTES
+        and dtype_bytes(getattr(spec, "dtype", "")) == 1
+        and int(getattr(spec, "num_kv_heads", 1)) == 1
+    )
+
+
 def _no_token_cells(type_name: str, spec, cell, is_mla: bool) -> str:
     """Why a cache's `[B, H, N, C]` view is no cell per token (slot), or "".
 
-    - DeepSeek V4's fp8_ds_mla caches (`model_version` "deepseek_v4" with
-      `state_content_bytes`) store a block's token data (448 fp8 + 128 bf16
-      bytes a state), then all of its states' 8 scale bytes
-      (models/deepseek_v4/common/ops/cache_utils.py,
-      quantize_and_insert_k_kernel): the view's C bytes of a state are not
-      that state's bytes, so the sums would number them by other states
-      and differ between block sizes.
+    - DeepSeek V4's packed records (`model_version` "deepseek_v4" with
+      `state_content_bytes`) other than fp8_ds_mla's (`_is_ds_mla_states`,
+      registered as a block's data then its scales) and V4.1's interleaved
+      ones (`_is_v41_records`, opaque cells): another width, or no one
+      latent head of bytes. kvcsum has no rule for them.
     - Cells of a size that is no multiple of 8 bytes, other than the
       sparse-attention indexer's keys then scales (`_indexer_key_bytes`,
       registered as two segments): a view of C bytes per token where the
       page holds something else (a block's keys, then their scales) is no
       cell per token.
     """
-    if getattr(spec, "model_version", None) == "deepseek_v4" and getattr(spec, "state_content_bytes", None) is not None:
+    if (
+        getattr(spec, "model_version", None) == "deepseek_v4"
+        and getattr(spec, "state_content_bytes", None) is not None
+        and not _is_v41_records(spec, is_mla)
+    ):
         return (
-            f"{type_name} (DeepSeek V4, {spec.state_content_bytes}-byte states) stores a block's state data, "
-            "then all of their scales: no cell per state kvcsum can read"
+            f"{type_name} (DeepSeek V4, {spec.state_content_bytes}-byte records) packs its records in a layout "
+            "kvcsum has no rule for (only fp8_ds_mla's 584-byte and V4.1's 528- and 288-byte records, one latent head, are registered)"
         )
     size = dtype_bytes(getattr(spec, "dtype", ""))
     if cell is None:
@@ -410,34 +618,191 @@ def global_heads(spec, tp_size: int) -> int:
     return 2 * total if spec.num_slots else total
 
 
-def state_tensors(tensor, spec, tp_rank: int):
+#: The Mamba types whose TP split vLLM's NIXL connector derives from a
+#: MambaSpec (distributed/kv_transfer/kv_connector/v1/
+#: ssm_conv_transfer_utils.py:107-219, derive_mamba_conv_split), by the
+#: name of their MambaAttentionBackendEnum member.
+SPLIT_STATE_TYPES = ("MAMBA1", "MAMBA2", "GDN_ATTN")
+
+#: Rows one state layer may number across TP: SPEC section 3's H (the
+#: heads of one layer; a state row's number is its head number).
+MAX_ROWS_PER_LAYER = 65536
+
+
+@dataclasses.dataclass(frozen=True)
+class StatePart:
+    """One tensor of a state layer whose TP split is known: a conv
+    sub-projection (its rows the channels, each `state_len` elements in
+    the DS layout) or the temporal (ssm) state (rows along its first
+    dimension). Each rank holds `rows` of its rows, rank r the global rows
+    r·rows .. r·rows + rows."""
+
+    #: "x", "B", "C" (Mamba2), "Q", "K", "V" (GDN), "x" (Mamba1), "ssm".
+    label: str
+    #: The spec's state it lies in (0: conv, 1: temporal).
+    state: int
+    #: Its first row in that state, on every rank.
+    first_row: int
+    #: Its rows on every rank.
+    rows: int
+
+
+def _mamba_type(spec) -> str:
+    """The name of a MambaSpec's mamba_type (a MambaAttentionBackendEnum
+    member: "MAMBA2", "GDN_ATTN", ...)."""
+    kind = getattr(spec, "mamba_type", "MAMBA2")
+    return str(getattr(kind, "name", kind))
+
+
+def state_split(spec, conv_dim_first: bool) -> tuple[tuple, str]:
+    """(the StateParts of a MambaSpec's state in numbering order, "") where
+    TP's split of it is known exactly as vLLM's NIXL connector, which moves
+    Mamba state between engines of different TP sizes, derives it
+    (ssm_conv_transfer_utils.py:107-219, derive_mamba_conv_split, called
+    at nixl/base_worker.py:699-719; each D rank reads its slice of each
+    sub-projection and of the temporal state, :2047-2096); otherwise ((),
+    why not): the state is then shard-keyed.
+
+    - Mamba1: conv = [x], x of `intermediate_size / TP` channels (asserted
+      equal to the temporal state's first dimension); temporal (x channels,
+      state_size), rows its channels.
+    - Mamba2: conv = [x, B, C], x the temporal state's heads times head_dim
+      (intermediate_size / TP), B and C the rest halved (n_groups x
+      state_size / TP each); temporal (heads, head_dim, state_size), rows
+      its heads.
+    - GDN: conv = [Q, K, V], V the temporal state's v heads times head_v_dim,
+      Q and K the rest halved; temporal (v heads, head_v_dim, head_k_dim),
+      rows its v heads.
+
+    Each sub-projection and the temporal state is split contiguously along
+    its rows by TP (mamba_utils.py:171-211, :272-293; the weight loaders
+    mamba_mixer2.py:344-420, gdn/qwen_gdn_linear_attn.py:596-603, :629-640).
+    The conv state must be in vLLM's DS layout `(dim, state_len)`, where a
+    channel is one contiguous row (NIXL asserts it: base_worker.py:705-708);
+    in the default SD layout `(state_len, dim)` a row holds every channel.
+
+    Not derived (shard-keyed): another mamba_type (ShortConv, linear
+    attention, KDA, a custom one), ReplaySSM's extra states (more than two
+    states), a tp_replicated state (every rank holds it whole, vLLM's PLE
+    conv state: kvcsum's state layer has one column, no replica keys, so
+    TP copies would count TP times), and shapes that do not decompose.
+    """
+    kind = _mamba_type(spec)
+    shapes = tuple(tuple(int(n) for n in shape) for shape in spec.shapes)
+    if kind not in SPLIT_STATE_TYPES:
+        return (), f"vLLM derives no TP split of a {kind} state (only {', '.join(SPLIT_STATE_TYPES)})"
+    if getattr(spec, "tp_replicated", False):
+        return (), "every TP rank holds the whole state (tp_replicated), and kvcsum's state layers have no replicas"
+    if len(shapes) != 2 or len(shapes[0]) != 2 or len(shapes[1]) < 2:
+        return (), f"its states have shapes {shapes}, not a 2-D conv state and a temporal state"
+    if not conv_dim_first:
+        return (), (
+            "its conv state is in vLLM's SD layout (state_len, dim), where a row holds every channel "
+            "(VLLM_SSM_CONV_STATE_LAYOUT is not DS)"
+        )
+    (channels, _), temporal = shapes
+    if kind == "MAMBA1":
+        if temporal[0] != channels:
+            return (), f"its Mamba1 temporal state's {temporal[0]} rows are not its conv state's {channels} channels"
+        projections = (("x", channels),)
+    else:
+        # Mamba2's x (GDN's V): the temporal state's heads times their dim.
+        first = temporal[0] * temporal[1]
+        rest = channels - first
+        if rest <= 0 or rest % 2:
+            what, named = ("x + 2 B", "x") if kind == "MAMBA2" else ("2 Q + V", "V")
+            return (), f"its {channels} conv channels do not decompose into {what} with {first} channels of {named}"
+        half = rest // 2
+        projections = (("x", first), ("B", half), ("C", half)) if kind == "MAMBA2" else (("Q", half), ("K", half), ("V", first))
+    parts, row = [], 0
+    for label, rows in projections:
+        parts.append(StatePart(label, 0, row, rows))
+        row += rows
+    parts.append(StatePart("ssm", 1, 0, temporal[0]))
+    return tuple(parts), ""
+
+
+def state_split_refused(specs, tp_size: int) -> str:
+    """Why the state layers `specs` (LayerSpecs of one group) are
+    registered shard-keyed, "" where each has its TP split (`state_split`)
+    and its rows fit a layer (SPEC section 3): a group's state layers
+    agree (kvcs_state.split_known)."""
+    for spec in specs:
+        if not spec.state_parts:
+            return f"layer {spec.name}: {spec.state_unsplit or 'no TP split is known'}"
+        rows = sum(part.rows for part in spec.state_parts) * tp_size
+        if rows > MAX_ROWS_PER_LAYER:
+            return f"layer {spec.name}: its state has {rows} rows across TP, more than {MAX_ROWS_PER_LAYER} a layer"
+    return ""
+
+
+def split_identity(spec, tp_size: int) -> str:
+    """What the identity of a state layer whose rows are numbered along
+    TP's split adds (SPEC section 7): the split and, per tensor in
+    numbering order, its global rows, the elements of a row and their
+    dtype. Two sides that number rows alike name the same; sides that
+    derive other global shapes (a Mamba2 of n_groups 1 at TP 2, whose B
+    and C vLLM replicates to 2 groups, against TP 1, 1 group:
+    mamba_utils.py:199, :261-269) differ in fingerprint, so they are
+    UNVERIFIED, never compared row by misnumbered row."""
+    tensors = []
+    for part in spec.state_parts:
+        shape = spec.state_shapes[part.state]
+        elements = math.prod(shape[1:])
+        dtype = str(spec.state_dtypes[part.state]).replace("torch.", "")
+        tensors.append(f"{part.label} {part.rows * tp_size}x{elements} {dtype}")
+    return f"kvcsum state rows along TP of {spec.state_type}, conv channels as rows (DS): {', '.join(tensors)}"
+
+
+def state_tensors(tensor, spec, tp_rank: int, tp_size: int = 1, split: bool = False):
     """The kvcsum.StateTensors of a Mamba layer's raw `[B, 1, 1, content]`
     page view (or any view whose dim 0 is the block): each state packed
-    from the page's front in the spec's order (conv, then ssm), each row its
-    first dimension. Shard-keyed: rows are this rank's."""
+    from the page's front in the spec's order (conv, then ssm), as vLLM
+    binds them (model_executor/layers/mamba/abstract.py:28-42, each state
+    C-contiguous). With `split` (the spec's StateParts known), one tensor
+    per part, its rows this rank's slice of the part's global rows;
+    otherwise each state whole, each row its first dimension (shard-keyed:
+    rows are this rank's)."""
     address = int(tensor.data_ptr())
     block_stride = int(tensor.stride(0)) * int(tensor.element_size())
-    out, offset = [], 0
+    out, offset, starts = [], 0, []
     for shape, dtype in zip(spec.state_shapes, spec.state_dtypes):
         size = dtype_bytes(dtype)
         rows = int(shape[0]) if shape else 1
         per_row = math.prod(shape[1:]) * size if len(shape) > 1 else size
         if offset % size:
             raise ValueError(f"layer {spec.name}: a {dtype} state starts at byte {offset} of its page, not a multiple of {size}")
-        out.append(
-            kvcsum.StateTensor(
-                address=address + offset,
-                block_stride=block_stride,
-                row_stride=per_row,
-                first_row=0,
-                num_rows=rows,
-                total_rows=rows,
-                bytes_per_row=per_row,
-                element_size=size,
+        starts.append((offset, per_row, size))
+        if not split:
+            out.append(
+                kvcsum.StateTensor(
+                    address=address + offset,
+                    block_stride=block_stride,
+                    row_stride=per_row,
+                    first_row=0,
+                    num_rows=rows,
+                    total_rows=rows,
+                    bytes_per_row=per_row,
+                    element_size=size,
+                )
             )
-        )
         offset += rows * per_row
     page = int(tensor[0].numel()) * int(tensor.element_size()) if tensor.dim() > 1 else block_stride
     if offset > max(page, 0):
         raise ValueError(f"layer {spec.name}: its states take {offset} bytes, its cache page {page}")
+    if split:
+        for part in spec.state_parts:
+            start, per_row, size = starts[part.state]
+            out.append(
+                kvcsum.StateTensor(
+                    address=address + start + part.first_row * per_row,
+                    block_stride=block_stride,
+                    row_stride=per_row,
+                    first_row=tp_rank * part.rows,
+                    num_rows=part.rows,
+                    total_rows=part.rows * tp_size,
+                    bytes_per_row=per_row,
+                    element_size=size,
+                )
+            )
     return out

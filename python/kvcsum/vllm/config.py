@@ -178,25 +178,58 @@ def total_kv_heads(vllm_config: "VllmConfig") -> int | None:
         return None
 
 
+def conv_state_dim_first() -> bool:
+    """Whether vLLM stores Mamba conv states as `(dim, state_len)`, its DS
+    layout (VLLM_SSM_CONV_STATE_LAYOUT=DS; model_executor/layers/mamba/
+    mamba_utils.py:28-50), where each channel is a row that TP's split
+    moves whole (kvcsum.vllm.cache_kinds.state_split)."""
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    except ImportError:
+        return False
+    return bool(is_conv_state_dim_first())
+
+
+def _group_layer_specs(
+    kv_cache_config: "KVCacheConfig", group_id: int, total_kv_heads: int | None, dcp_size: int, conv_dim_first
+) -> list:
+    """LayerSpecs of one group's layers; `conv_dim_first` a callable asked
+    only where the group holds a Mamba state."""
+    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, SlidingWindowMLASpec, UniformTypeKVCacheSpecs
+
+    from kvcsum.vllm.cache_kinds import describe_spec
+
+    # MLA caches: one latent head, replicated on every TP rank. DeepSeek
+    # V4's sliding-window cache is one too (a SlidingWindowMLASpec, no
+    # MLAAttentionSpec: num_kv_heads 1, max_tp_shards 1,
+    # v1/attention/backends/mla/sparse_swa.py:127-146).
+    mla = (MLAAttentionSpec, SlidingWindowMLASpec)
+    group = kv_cache_config.kv_cache_groups[group_id]
+    specs = []
+    for name in group.layer_names:
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            spec = spec.kv_cache_specs[name]
+        fields = describe_spec(
+            name, group_id, spec, total_kv_heads, dcp_size, isinstance(spec, mla),
+            conv_dim_first=isinstance(spec, MambaSpec) and conv_dim_first(),
+        )
+        if getattr(group, "host_resident", False):
+            fields["unsupported"] = "its KV is host-resident"
+        specs.append(LayerSpec(**fields))
+    return specs
+
+
 def layer_specs(kv_cache_config: "KVCacheConfig", total_kv_heads: int | None, dcp_size: int = 1) -> tuple[list, dict]:
     """LayerSpecs of every layer in the transfer groups (each kind's fields:
     kvcsum.vllm.cache_kinds), and {group: block size}."""
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec, UniformTypeKVCacheSpecs
-
-    from kvcsum.vllm.cache_kinds import describe_spec, group_block_size
+    from kvcsum.vllm.cache_kinds import group_block_size
 
     specs, block_sizes = [], {}
     for group_id in kv_cache_config.transfer_group_ids:
         group = kv_cache_config.kv_cache_groups[group_id]
         block_sizes[group_id] = group_block_size(group.kv_cache_spec, dcp_size)
-        for name in group.layer_names:
-            spec = group.kv_cache_spec
-            if isinstance(spec, UniformTypeKVCacheSpecs):
-                spec = spec.kv_cache_specs[name]
-            fields = describe_spec(name, group_id, spec, total_kv_heads, dcp_size, isinstance(spec, MLAAttentionSpec))
-            if getattr(group, "host_resident", False):
-                fields["unsupported"] = "its KV is host-resident"
-            specs.append(LayerSpec(**fields))
+        specs.extend(_group_layer_specs(kv_cache_config, group_id, total_kv_heads, dcp_size, conv_state_dim_first))
     return specs, block_sizes
 
 
@@ -212,19 +245,23 @@ def groups_not_checksummed(kv_cache_config: "KVCacheConfig", total_kv_heads: int
     return out
 
 
-def group_fingerprint(kv_cache_config: "KVCacheConfig", group_id: int, block_size: int) -> int:
-    """The vLLM fork's fingerprint of a group's layers at `block_size`."""
-    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+def group_fingerprint(kv_cache_config: "KVCacheConfig", group_id: int, block_size: int, tp_size: int = 1) -> int:
+    """The fingerprint this engine's workers (TP size `tp_size`) would
+    register for a group's layers at `block_size`: the vLLM fork's, a state
+    layer's identity naming its split where its rows are numbered along TP
+    (kvcsum.vllm.cache_checksums.CacheChecksummer, cache_kinds.split_identity),
+    a pooled layer's p caches each its own (cache_kinds.states_per_token)."""
+    from kvcsum.vllm.cache_kinds import split_identity, state_split_refused
 
-    from kvcsum.vllm.cache_kinds import states_per_token
-
-    group = kv_cache_config.kv_cache_groups[group_id]
+    specs = _group_layer_specs(kv_cache_config, group_id, None, 1, conv_state_dim_first)
+    states = [s for s in specs if s.kind == "state" and s.state_shapes and not s.unsupported]
+    split = len(states) == len(specs) and bool(states) and not state_split_refused(states, tp_size)
     total = 0
-    for name in group.layer_names:
-        spec = group.kv_cache_spec
-        if isinstance(spec, UniformTypeKVCacheSpecs):
-            spec = spec.kv_cache_specs[name]
-        total += layer_fingerprint(name, type(spec).__name__, block_size, str(getattr(spec, "dtype", None)), states_per_token(spec))
+    for s in specs:
+        # A pooled layer's p identities (cache_checksums.layer_fingerprint).
+        total += layer_fingerprint(
+            s.name, s.spec_type, block_size, s.dtype, split_identity(s, tp_size) if split else "", states_per_token=s.states_per_token
+        )
     return total % 2**64
 
 

@@ -267,6 +267,7 @@ class KvcsumConnector(KVConnectorBase_V1, SupportsHMA):
                 hash_block_size=hash_block_size(kv_cache_config, vllm_config),
                 records_meet=records_meet_in_step(vllm_config),
                 not_checksummed=groups_not_checksummed(kv_cache_config, total_kv_heads(vllm_config), dcp_size(vllm_config)),
+                tp_size=int(parallel.tensor_parallel_size),
             )
         else:
             self._worker = WorkerRole(kv_cache_config, total_kv_heads(vllm_config), self._settings, vllm_config=vllm_config)

@@ -135,6 +135,14 @@ class LayerDecodings:
         cache = getattr(self._config, "cache_config", None)
         cache_dtype = getattr(layer, "kv_cache_dtype", None) or getattr(cache, "cache_dtype", None)
         dtype = dtype_name(cache_dtype, spec.dtype, self._fp8)
+        if dtype is not None and dtype.endswith("_ds_mla") and spec.spec_type == "SlidingWindowMLASpec" and self._fp8.endswith("fnuz"):
+            # DeepSeek V4's sliding-window records on an FNUZ platform
+            # (gfx942): vLLM's C++ writer encodes their fp8 as FNUZ, its
+            # readers decode them so (models/deepseek_v4/amd/rocm.py:
+            # 1674-1684, use_fnuz=current_platform.is_fp8_fnuz(); its
+            # compressed states stay OCP, :1662): another record than an
+            # OCP engine's of the same bytes' width.
+            dtype += "_fnuz"
         k_scale = v_scale = None
         if dtype is not None and dtype.startswith("fp8") and layer is not None:
             k_scale, v_scale = _scale(layer, "_k_scale_float"), _scale(layer, "_v_scale_float")

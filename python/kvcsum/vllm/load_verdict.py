@@ -104,6 +104,8 @@ class LoadJudge:
         num_workers: the records a load needs (TP size times PP size).
         fail_unverified: unverified=fail: every loaded block of an
             unverified load is a load error.
+        tp_size: this engine's TP size (a state layer whose rows are
+            numbered along TP names their global count in its identity).
     """
 
     def __init__(
@@ -113,8 +115,12 @@ class LoadJudge:
         num_workers: int,
         fail_unverified: bool,
         not_checksummed: dict | None = None,
+        tp_size: int = 1,
     ):
         self._kv_cache_config = kv_cache_config
+        self._tp_size = tp_size
+        #: {(group, block size): fingerprint} computed so far (config.group_fingerprint).
+        self._fingerprints: dict = {}
         #: {group: reason} of the groups kvcsum cannot checksum: a load that
         #: covers one is never a MATCH (GROUP_NOT_CHECKSUMMED).
         self._not_checksummed = dict(not_checksummed or {})
@@ -127,6 +133,16 @@ class LoadJudge:
         # UNVERIFIED): judge() hands exactly those blocks to vLLM as load
         # errors, whatever the policy, so it opts out explicitly.
         self._verifier.set_require_coverage(False)
+
+    def _fingerprint(self, group: int, block_size: int) -> int:
+        """This engine's fingerprint of a group's layers at `block_size`
+        (the one a producer of that block size sent), kept once computed."""
+        key = (group, block_size)
+        if key not in self._fingerprints:
+            if len(self._fingerprints) >= 256:
+                self._fingerprints.clear()  # a producer's block sizes are its params': bounded
+            self._fingerprints[key] = group_fingerprint(self._kv_cache_config, group, block_size, self._tp_size)
+        return self._fingerprints[key]
 
     def expect(self, job: Job) -> None:
         """The load's blocks, before any of its records."""
@@ -210,10 +226,7 @@ class LoadJudge:
             for group, size in producer_sizes.items():
                 own = self._block_sizes.get(group)
                 if own is not None and size != own:
-                    replace[group] = (
-                        group_fingerprint(self._kv_cache_config, group, size),
-                        group_fingerprint(self._kv_cache_config, group, own),
-                    )
+                    replace[group] = (self._fingerprint(group, size), self._fingerprint(group, own))
             if replace:
                 try:
                     payload = rewrite_fingerprints(raw, replace)

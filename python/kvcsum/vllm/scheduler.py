@@ -167,6 +167,7 @@ class SchedulerRole:
         num_workers: TP size times PP size (every worker sends a note).
         inner_name: the wrapped connector's class name (for logs).
         failure_policy: vLLM's kv_load_failure_policy (for logs).
+        tp_size: this engine's TP size (kvcsum.vllm.load_verdict.LoadJudge).
     """
 
     def __init__(
@@ -180,6 +181,7 @@ class SchedulerRole:
         hash_block_size: int | None = None,
         records_meet: tuple = (True, ""),
         not_checksummed: dict | None = None,
+        tp_size: int = 1,
     ):
         self._settings = settings
         self._kv_cache_config = kv_cache_config
@@ -247,7 +249,7 @@ class SchedulerRole:
             )
             self._stats.add("groups_not_checksummed")
         self._load_judge = LoadJudge(
-            kv_cache_config, self._block_sizes, num_workers, settings.fail_unverified, self.not_checksummed
+            kv_cache_config, self._block_sizes, num_workers, settings.fail_unverified, self.not_checksummed, tp_size
         )
         self._sources = SchedulerSourceCheck(lambda: self._stats, self._block_sizes, num_workers)
 

@@ -87,6 +87,12 @@ def _num_workers(vllm_config) -> int:
     return int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
 
 
+def _tp_size(vllm_config) -> int:
+    """vLLM's TP size (1 without a parallel config)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    return int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+
+
 class WorkerRole:
     """The worker side of KvcsumConnector (one per TP rank and PP stage).
 
@@ -387,6 +393,7 @@ class WorkerRole:
                 self._num_workers,
                 self._settings.fail_unverified,
                 groups_not_checksummed(self._kv_cache_config, self._total_kv_heads, dcp_size(self._vllm_config)),
+                tp_size=_tp_size(self._vllm_config),
             )
         return self._load_judge
 

@@ -8,7 +8,10 @@ The stand-in model works on bytes, whatever the kind:
 - a per-token cache ([B, H, N, C] view, any dtype): the cell of (token,
   position, layer, head slot) is bytes that depend only on them (so a
   quantized cell's scales, a head slot's packed data, an MLA latent and an
-  indexer key are all "what the model computes" for that token);
+  indexer key are all "what the model computes" for that token); a cache
+  vLLM stores as each block's data, then their scales (an indexer's keys,
+  fp8_ds_mla states: data_scale_pages.py) gets the C bytes of a slot as
+  its data (the first D) and its scales (the rest), where vLLM puts them;
 - a compressed cache (`tokens_per_state` k > 1, DeepSeek V4's compressed
   MLA and indexer caches): slot u of the request summarises tokens
   u*k .. (u+1)*k, written by the step that computes the last of them, its
@@ -29,7 +32,13 @@ The stand-in model works on bytes, whatever the kind:
   not what the model computed (then `Trace.bad_kv_steps` gets the step).
   A state one token ahead of the step's first token is what the model
   computed too: vLLM computes a fully loaded prompt's last token again,
-  reading the state after it.
+  reading the state after it. Where vLLM's NIXL connector derives how TP
+  splits the state (Mamba1, Mamba2, GDN in the DS conv layout:
+  mamba_states.nixl_split), the state is one global state and each rank's
+  page holds its slice (each conv sub-projection's channels, then the ssm
+  state's first dimension), so that engines of any TP size hold the same
+  global state; otherwise each rank's bytes are its own. Only the state's
+  bytes count, not the page's padding.
 """
 
 from __future__ import annotations
@@ -38,8 +47,9 @@ import hashlib
 
 import torch
 
+import mamba_states
 from harness import Engine, RankState
-from indexer_pages import read_rows, split_pages, write_rows
+from data_scale_pages import read_rows, split_pages, write_rows
 from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 from vllm.v1.kv_cache_interface import (
     CircularBufferSpec,
@@ -149,11 +159,27 @@ class KindEngine(Engine):
         value = values.view(-1, 1, 1) * 131 + places.view(-1, 1, 1) * 7 + layer * 1009 + slot * 97 + byte * 13
         return (value % 251).to(torch.uint8)
 
-    def state(self, req_id: str, layer: int, rank: int, num_tokens: int, width: int) -> torch.Tensor:
-        """The state bytes after the request's first `num_tokens` tokens."""
+    def state(self, req_id: str, layer: int, rank: int, num_tokens: int, width: int, split=None) -> torch.Tensor:
+        """The state bytes after the request's first `num_tokens` tokens: with
+        `split` (mamba_states.nixl_split), the rank's slice of one global
+        state, the page's padding zeros."""
         tokens = [self.token_at(req_id, p) for p in range(num_tokens)]
-        seed = int.from_bytes(hashlib.sha256(repr((layer, rank, tokens)).encode()).digest()[:4], "little")
-        return torch.randint(0, 256, (width,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+        if split is None:
+            seed = int.from_bytes(hashlib.sha256(repr((layer, rank, tokens)).encode()).digest()[:4], "little")
+            return torch.randint(0, 256, (width,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+        seed = int.from_bytes(hashlib.sha256(repr((layer, tokens)).encode()).digest()[:4], "little")
+        generator = torch.Generator().manual_seed(seed)
+        whole = torch.randint(0, 256, (mamba_states.global_bytes(split, self.tp),), dtype=torch.uint8, generator=generator)
+        content = mamba_states.rank_slice(whole, split, self.tp, rank)
+        return torch.cat([content, torch.zeros(width - content.numel(), dtype=torch.uint8)])
+
+    def state_split(self, group_id: int):
+        """mamba_states.nixl_split of a state group's spec at this engine's
+        TP size (None where vLLM derives no split)."""
+        splits = self.__dict__.setdefault("_state_splits", {})
+        if group_id not in splits:
+            splits[group_id] = mamba_states.nixl_split(self.kv_cache_config.kv_cache_groups[group_id].kv_cache_spec, self.tp)
+        return splits[group_id]
 
     @staticmethod
     def _layer_spec(group, name: str):
@@ -165,7 +191,7 @@ class KindEngine(Engine):
         cache (one latent, or an indexer's key) is the same on every rank."""
         group = next(g for g in self.kv_cache_config.kv_cache_groups if name in g.layer_names)
         spec = self._layer_spec(group, name)
-        if type(spec).__name__ == "MLAAttentionSpec":
+        if type(spec).__name__ in ("MLAAttentionSpec", "SlidingWindowMLASpec"):
             return 0
         # The ranks of a DCP group hold the same heads (their tokens differ).
         return (rank // self.dcp) * slots
@@ -228,12 +254,15 @@ class KindEngine(Engine):
                         continue
                     if self._is_state(group_id):
                         page = self._state_view(cache)
-                        width = page.shape[1]
+                        width, split = page.shape[1], self.state_split(group_id)
+                        content = group.kv_cache_spec.state_content_size_bytes
                         if start > 0:
-                            got = page[ids[self.state_column(group_id, start)]]
-                            if not any(torch.equal(got, self.state(req_id, layer, rank, n, width)) for n in (start, start + 1)):
+                            got = page[ids[self.state_column(group_id, start)]][:content]
+                            wants = (self.state(req_id, layer, rank, n, width, split)[:content] for n in (start, start + 1))
+                            if not any(torch.equal(got, want) for want in wants):
                                 self._read_bad.add((req_id, rank))
-                        page[ids[self.state_column(group_id, start + count)]] = self.state(req_id, layer, rank, start + count, width)
+                        state_after = self.state(req_id, layer, rank, start + count, width, split)
+                        page[ids[self.state_column(group_id, start + count)]] = state_after
                         continue
                     raw = cache.view(torch.uint8)
                     slots, width = raw.shape[1], raw.shape[3]
@@ -246,7 +275,7 @@ class KindEngine(Engine):
                         held, blocks, local = self.token_slots(spec, rank, units, ids)
                         parts = split_pages(name, spec, cache)
                         if parts is not None:
-                            width = int(spec.head_size)
+                            # A block's states' data, then their scales, as vLLM writes them.
                             write_rows(parts, blocks, local, self.unit_cells(req_id, held, k, layer, first, slots, width)[:, 0])
                             continue
                         raw[blocks, :, local] = self.unit_cells(req_id, held, k, layer, first, slots, width)
@@ -260,8 +289,7 @@ class KindEngine(Engine):
                         continue
                     parts = split_pages(name, spec, cache)
                     if parts is not None:
-                        # An indexer's keys, then their scales, as vLLM writes them.
-                        width = int(spec.head_size)
+                        # A block's data (an indexer's keys), then their scales, as vLLM writes them.
                         write_rows(parts, blocks, local, self.cells(req_id, held, layer, first, slots, width)[:, 0])
                         continue
                     raw[blocks, :, local] = self.cells(req_id, held, layer, first, slots, width)
@@ -294,7 +322,6 @@ class KindEngine(Engine):
                     continue
                 parts = split_pages(name, spec, state.caches[name])
                 if parts is not None:
-                    width = int(spec.head_size)
                     got = read_rows(parts, blocks, local).unsqueeze(1)
                 else:
                     got = raw[blocks, :, local]

@@ -14,20 +14,31 @@ KV.
 Fault injection: set `CORRUPT["token"]` (and optionally "layer", "head",
 "byte": the byte of the cell, 3 unless set) and the consumer changes one
 byte of that token's KV as it loads it; `CORRUPT["state"]` (a byte index,
-optionally "layer") changes one byte of a state layer's loaded state.
+optionally "layer" and "rank") changes one byte of a state layer's loaded
+state.
 
 Compressed caches (`tokens_per_state` k > 1): each slot holds one state of
 k tokens; the states of the tokens moved (those whose k tokens are all
 among them) are moved, and `CORRUPT["token"]` changes the state holding
 that token.
 
+Caches vLLM stores as each block's data, then their scales (an indexer's
+keys, fp8_ds_mla states: data_scale_pages.py) are read and written where
+vLLM puts them; a stored row is a slot's data, then its scales, and
+`CORRUPT["byte"]` a byte of that row.
+
 Pooled caches (`tokens_per_state` Fraction(1, p), Whisper's block
 pooling): a token's p states (slots t*p .. t*p + p of its block) are moved
 as its row, [p, C] a head; `CORRUPT["byte"]` counts bytes of that row.
 
-State groups (MambaSpec: a request's state is one block, raw bytes) and
-rings (CircularBufferSpec: one block a request): each layer's block is
-moved whole, as NIXL moves a ring's page.
+State groups (MambaSpec: a request's state is one block, raw bytes): each
+layer's state block is moved whole, between equal TP sizes; where vLLM's
+NIXL connector derives how TP splits the state (mamba_states.nixl_split:
+Mamba1, Mamba2, GDN in the DS conv layout), row by global row (each conv
+sub-projection's channels, then the ssm state's first dimension), as NIXL
+moves each sub-projection's slice, so between any TP sizes. Rings
+(CircularBufferSpec: one block a request): each layer's block is moved
+whole, as NIXL moves a ring's page.
 
 Held sends: with `SEND["held"]` set, the producer sends as a pull-based
 connector (NIXL) does: request_finished asks vLLM to keep the request's
@@ -53,7 +64,8 @@ from typing import Any
 
 import torch
 
-from indexer_pages import read_rows, split_pages, write_rows
+import mamba_states
+from data_scale_pages import read_rows, split_pages, write_rows
 from vllm.distributed import parallel_state
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -209,6 +221,7 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches):
         self._caches = dict(kv_caches)
         self._rank = parallel_state.get_tensor_model_parallel_rank()
+        self._tp = parallel_state.get_tensor_model_parallel_world_size()
         parallel = self._vllm_config.parallel_config
         self._dcp = (int(parallel.decode_context_parallel_size), int(parallel.cp_kv_cache_interleave_size))
 
@@ -239,7 +252,7 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
                 k = int(k) if isinstance(k, int) and k > 1 else 1
                 # The ranks of a DCP group hold the same heads; every rank
                 # holds an MLA cache's one latent (or indexer key) whole.
-                first_head = 0 if type(own).__name__ == "MLAAttentionSpec" else (self._rank // self._dcp[0]) * heads
+                first_head = 0 if type(own).__name__ in ("MLAAttentionSpec", "SlidingWindowMLASpec") else (self._rank // self._dcp[0]) * heads
                 yield group, name, cache, heads, first_head, k
 
     def _own_spec(self, group: int, name: str):
@@ -263,17 +276,48 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
     def _path(self, key: str, layer: str, head: int) -> str:
         return os.path.join(self._dir, key, f"{layer}.h{head}.pt")
 
+    def _state_rows(self, group: int):
+        """(global row, byte offset in this rank's state, bytes) of each
+        state row this rank holds where vLLM's NIXL split applies, else None
+        (a ring's block is moved whole)."""
+        spec = self._groups[group].kv_cache_spec
+        if type(spec).__name__ != "MambaSpec":
+            return None
+        split = mamba_states.nixl_split(spec, self._tp)
+        return None if split is None else mamba_states.rows_of(split, self._tp, self._rank)
+
+    def _row_path(self, key: str, layer: str, row: int) -> str:
+        return os.path.join(self._dir, key, f"{layer}.r{row}.pt")
+
+    def _load_state(self, key: str, group: int, name: str, block) -> None:
+        """A state block: whole (this rank's file) or row by global row."""
+        rows = self._state_rows(group)
+        page = block.view(-1).view(torch.uint8)
+        if rows is None:
+            stored = torch.load(self._path(key, name, self._rank)).view(-1).view(torch.uint8).clone()
+        else:
+            stored = torch.cat([torch.load(self._row_path(key, name, row)) for row, _, _ in rows])
+        byte = CORRUPT.get("state")
+        if byte is not None and CORRUPT.get("layer", name) == name and CORRUPT.get("rank", self._rank) == self._rank:
+            stored[byte] ^= 0x08
+            CORRUPT["done"] = CORRUPT.get("done", 0) + 1
+        page[: stored.numel()] = stored
+
+    def _save_state(self, key: str, group: int, name: str, block) -> None:
+        rows = self._state_rows(group)
+        page = block.view(-1).view(torch.uint8)
+        if rows is None:
+            torch.save(page.clone(), self._path(key, name, self._rank))
+            return
+        for row, offset, size in rows:
+            torch.save(page[offset : offset + size].clone(), self._row_path(key, name, row))
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         for req_id, key, first, num_tokens, table in meta.loads:
             for group, name, cache, heads, first_head, k in self._layers():
                 if self._is_state(group):
-                    stored = torch.load(self._path(key, name, first_head)).clone()
-                    byte = CORRUPT.get("state")
-                    if byte is not None and CORRUPT.get("layer", name) == name:
-                        stored.view(-1).view(torch.uint8)[byte] ^= 0x08
-                        CORRUPT["done"] = CORRUPT.get("done", 0) + 1
-                    cache[self._state_block(group, table, num_tokens)] = stored
+                    self._load_state(key, group, name, cache[self._state_block(group, table, num_tokens)])
                     continue
                 positions, blocks, offsets = self._slots(group, table, first, num_tokens, k)
                 parts = split_pages(name, self._own_spec(group, name), cache)
@@ -328,7 +372,7 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
         os.makedirs(os.path.join(self._dir, key), exist_ok=True)
         for group, name, cache, heads, first_head, k in self._layers():
             if self._is_state(group):
-                torch.save(cache[self._state_block(group, table, num_tokens)].clone(), self._path(key, name, first_head))
+                self._save_state(key, group, name, cache[self._state_block(group, table, num_tokens)])
                 continue
             _, blocks, offsets = self._slots(group, table, 0, num_tokens, k)
             parts = split_pages(name, self._own_spec(group, name), cache)

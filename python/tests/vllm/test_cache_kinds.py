@@ -483,6 +483,99 @@ def test_attention_plus_mamba_pd_round_trip(store, tp, fault):
         assert "group 1 position 0" in pair["wrapped"].connector().last_verdicts["req"][2]
 
 
+def split_mamba_groups(kind: str, mamba_len: int = MAMBA_LEN):
+    """Attention + a Mamba2 (or GDN) layer pair whose state vLLM's NIXL
+    connector splits across TP (DS conv layout: the ds_conv_layout
+    fixture), shapes from vLLM's own MambaStateShapeCalculator."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as calc
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    def groups(tp: int):
+        full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=4 // tp, head_size=16, dtype=torch.float16)
+        if kind == "MAMBA2":
+            # x 32 channels, B and C 2 groups of 4, conv kernel 4; 4 heads of 8 x 4.
+            shapes = calc.mamba2_state_shape(tp, 32, 2, num_heads=4, head_dim=8, state_size=4, conv_kernel=4)
+        else:
+            # Q and K 2 heads of 4, V 4 heads of 8; temporal 4 v heads of 8 x 4.
+            shapes = calc.gated_delta_net_state_shape(tp, 2, 4, head_k_dim=4, head_v_dim=8, conv_kernel_size=4)
+        mamba = MambaSpec(
+            block_size=mamba_len, shapes=tuple(shapes), dtypes=(torch.bfloat16, torch.float32),
+            page_size_padded=full.page_size_bytes, mamba_type=getattr(MambaAttentionBackendEnum, kind),
+        )
+        return [
+            ([f"model.layers.{i}.self_attn.attn" for i in (0, 2)], full),
+            ([f"model.layers.{i}.mixer" for i in (1, 3)], mamba),
+        ]
+
+    return groups
+
+
+#: (kind, P TP, C TP, the consumer rank with the fault, fault): intact loads
+#: both ways, then a flipped byte of the conv state (its last
+#: sub-projection, C or V) and of the ssm state on each consumer rank.
+SPLIT_CASES = [
+    ("MAMBA2", 1, 2, None, None),
+    ("MAMBA2", 2, 1, None, None),
+    ("GDN_ATTN", 1, 2, None, None),
+    ("GDN_ATTN", 2, 1, None, None),
+    ("MAMBA2", 1, 2, 0, "conv"),
+    ("MAMBA2", 1, 2, 1, "conv"),
+    ("MAMBA2", 1, 2, 0, "ssm"),
+    ("MAMBA2", 1, 2, 1, "ssm"),
+    ("MAMBA2", 2, 1, 0, "conv"),
+    ("MAMBA2", 2, 1, 0, "ssm"),
+    ("GDN_ATTN", 1, 2, 1, "conv"),
+    ("GDN_ATTN", 2, 1, 0, "ssm"),
+]
+
+
+@pytest.mark.parametrize("kind, p_tp, c_tp, rank, fault", SPLIT_CASES)
+def test_a_mamba_state_vllm_splits_across_tp_round_trips_between_tp_sizes(store, ds_conv_layout, kind, p_tp, c_tp, rank, fault):
+    # vLLM's NIXL connector moves Mamba state between engines of different
+    # TP sizes (each sub-projection's slice, then the ssm state's:
+    # ssm_conv_transfer_utils.py derive_mamba_conv_split); the test's
+    # connector moves it row by global row the same way, and kvcsum
+    # numbers the rows alike (cache_kinds.state_split), so the state
+    # verifies at another TP size and a flipped byte is a MISMATCH.
+    import mamba_states
+
+    groups = split_mamba_groups(kind)
+    corrupt = None
+    if fault is not None:
+        split = mamba_states.nixl_split(groups(c_tp)[1][1], c_tp)
+        conv_bytes = sum(rows * row for rows, row in split[:-1])
+        byte = conv_bytes - 3 if fault == "conv" else conv_bytes + 9
+        corrupt = {"state": byte, "layer": "model.layers.3.mixer", "rank": rank}
+    where = "intact" if fault is None else f"{fault} on rank {rank}"
+    case = f"attention + {kind} (DS), P TP {p_tp} -> C TP {c_tp}, {where}"
+    pair = kind_pd(store, case, groups, corrupt, p_tp=p_tp, c_tp=c_tp, block_size=MAMBA_LEN)
+    verdict = pair["wrapped"].connector().last_verdicts["req"]
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+        assert "5 block positions compared" in verdict[2], verdict
+    else:
+        assert store_connector.CORRUPT.get("done") == 1
+        flipped(pair, "req", KIND_PROMPT)
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT)) == (len(KIND_PROMPT), 0)
+        assert "group 1 position 0" in verdict[2], verdict
+
+
+def test_a_mamba_state_vllm_splits_verifies_between_tp_sizes_and_state_block_sizes(store, ds_conv_layout):
+    # The producer's Mamba block (max_model_len without prefix caching)
+    # twice the consumer's: vLLM's layer identities hold the block size, so
+    # the consumer rewrites the producer's fingerprint of the state group
+    # (kvcsum.vllm.load_verdict), which it computes with the split's global
+    # rows at its own TP size (config.group_fingerprint): the state is
+    # compared, not FINGERPRINT_DIFFERS.
+    groups = split_mamba_groups("MAMBA2")
+    pair = kind_pd(
+        store, "attention + MAMBA2 (DS), P TP 1 Mamba block 4096 -> C TP 2 2048, intact", groups, None, p_tp=1, c_tp=2,
+        block_size=MAMBA_LEN, p_block_size=2 * MAMBA_LEN, p_groups=split_mamba_groups("MAMBA2", 2 * MAMBA_LEN),
+    )
+    intact(pair, "req", KIND_PROMPT)
+    assert "5 block positions compared" in pair["wrapped"].connector().last_verdicts["req"][2]
+
+
 def mamba_align_groups(tp: int, speculative: int = 0):
     # vLLM's Mamba prefix caching: mamba_cache_mode "align", the Mamba
     # block the attention block (platforms/interface.py,
@@ -644,7 +737,7 @@ def mla_groups(tp: int):
 # vLLM's indexer cache (DeepSeek V3.2's DeepseekV32IndexerCache): 132-byte
 # cells, each block's page its keys (token t's 128 bytes at t*128), then
 # their 4-byte scales (at BLOCK*128 + t*4); the stand-in model and the test
-# connectors write and move it so (indexer_pages.py). A stored row is a
+# connectors write and move it so (data_scale_pages.py). A stored row is a
 # token's key then its scale: byte 129 is a scale byte.
 INDEXER_BYTE = {"mla": 3, "indexer key": 3, "indexer scale": 129}
 
@@ -837,6 +930,26 @@ def test_compressed_states_tier_round_trip(fault, load_mode):
         assert computed(pair["wrapped"], "again")[1] == 2 * BLOCK
 
 
+@pytest.mark.parametrize("interleave", [1, 2])
+@pytest.mark.parametrize("flip_rank", [None, 0, 1])
+def test_compressed_states_on_dcp_ranks_compare_by_their_place_in_the_request(store, interleave, flip_rank):
+    # Consumer TP 2 with DCP 2, producer TP 1: a manager block of 2 x 16
+    # tokens holds 8 states of 4 tokens, state u at offset u on DCP rank
+    # (u // I) % 2 (SPEC section 16, units of k tokens). A flip in a state
+    # of block 0 on the rank chosen.
+    corrupt = None
+    if flip_rank is not None:
+        state = next(u for u in range(8) if (u // interleave) % 2 == flip_rank)
+        corrupt = {"token": 4 * state + 2, "layer": "model.layers.1.self_attn.attn", "head": 0, "byte": 5}
+    pair = kind_pd(store, f"compressed MLA, P TP 1, C TP 2 DCP 2 (I {interleave}), flip on rank {flip_rank}", compressed_groups,
+                   corrupt, p_tp=1, c_tp=2, dcp=2, interleave=interleave, kv_heads=1)
+    if flip_rank is None:
+        intact(pair, "req", KIND_PROMPT)
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == 0  # the manager block of tokens 0..32
+
+
 @pytest.mark.parametrize("fault", [None, "indexer key", "indexer scale"])
 def test_a_c4a_group_with_vllms_indexer_keys_is_checksummed_and_a_flip_never_used(store, fault):
     # A DeepSeek V4 C4A group as vLLM 0.33 declares it: the compressed MLA
@@ -861,7 +974,232 @@ def test_a_c4a_group_with_vllms_indexer_keys_is_checksummed_and_a_flip_never_use
         flipped(pair, "req", KIND_PROMPT)
         assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == 16
 
-# --- 9. Whisper's block pooling: p states a token --------------------------------------------
+# --- 9. DeepSeek V4's fp8_ds_mla compressed states: each block's data, then its scales -------
+
+import random  # noqa: E402
+
+#: The seed of the flipped bytes below (KVCS_SEED changes it); printed.
+DS_MLA_SEED = int(os.environ.get("KVCS_SEED", "0x64736D6C"), 0)
+DS_MLA_DATA, DS_MLA_SCALES = 576, 8
+
+
+def ds_mla_groups(tp: int, block: int = BLOCK, indexer: bool = False):
+    # DeepSeek V4's compressed MLA cache in fp8_ds_mla records as vLLM 0.33
+    # declares it (models/deepseek_v4/attention.py:860-883): uint8, one
+    # replicated head, one state per 4 tokens, 584-byte states, pages padded
+    # to a multiple of 576 bytes. vLLM writes each block's page as its
+    # states' 576 data bytes (state t's at t*576), then their 8 scale bytes
+    # (at states*576 + t*8) (models/deepseek_v4/common/ops/cache_utils.py:
+    # 64-69, fused_compress_quant_cache.py:263-272); the stand-in model and
+    # the test connectors write and move them so (data_scale_pages.py). A
+    # stored row is a state's data then its scales: bytes 576.. are scales.
+    # With `indexer`, a C4A layer's indexer k-cache beside it, as vLLM
+    # declares it with fp8_ds_mla (models/deepseek_v4/attention.py:911-924:
+    # 132 bytes, the page aligned to 576).
+    from vllm.v1.kv_cache_interface import get_kv_quant_mode
+
+    specs = {}
+    for i in range(2):
+        specs[f"model.layers.{i}.self_attn.attn"] = MLAAttentionSpec(
+            block_size=block, num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=torch.uint8, tokens_per_state=4,
+            cache_dtype_str="fp8_ds_mla", alignment=576, model_version="deepseek_v4",
+            kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"), state_content_bytes=584,
+        )
+        if indexer:
+            specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
+                block_size=block, num_kv_heads=1, max_tp_shards=1, head_size=132, dtype=torch.uint8,
+                tokens_per_state=4, alignment=576,
+            )
+    return [(list(specs), UniformTypeKVCacheSpecs(block_size=block, kv_cache_specs=specs))]
+
+
+def ds_mla_fault(case: str, fault: str | None, states: int = 0) -> tuple[dict, str]:
+    """A seeded fault ({"token", "position", "byte"}) and the case's line
+    naming it and the seed: a byte of a stored row (a state's data, then
+    its scales) or, with `states`, of a block's page (its states' data,
+    then their scales), in the data or in the scales."""
+    rng = random.Random(f"{DS_MLA_SEED}:{case}:{fault}")
+    data, scales = (states * DS_MLA_DATA, states * DS_MLA_SCALES) if states else (DS_MLA_DATA, DS_MLA_SCALES)
+    where = {
+        "token": rng.randrange(48),  # of KIND_PROMPT's 48 loaded tokens
+        "position": rng.randrange(4),  # of PROMPT's 4 full blocks
+        "byte": rng.randrange(data) if fault == "data" else data + rng.randrange(scales),
+    }
+    if fault is None:
+        return where, f"{case}, intact"
+    at = f"block {where['position']}" if states else f"token {where['token']}"
+    return where, f"{case}, {fault} ({at}, byte {where['byte']}; seed {DS_MLA_SEED:#x}, KVCS_SEED)"
+
+
+def test_fp8_ds_mla_states_are_vllms_own_specs():
+    # vLLM's own spec and view: 16-token blocks of 4 states, 4 x 584 bytes
+    # padded to 2880 (5 x 576); the view [B, 1, 4, 584] over each page.
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from kinds_engine import kinds_config
+
+    (names, group), = ds_mla_groups(1)
+    spec = group.kv_cache_specs[names[0]]
+    assert (spec.num_states, spec.real_page_size_bytes, spec.page_size_bytes) == (4, 4 * 584, 2880)
+    cache = allocate_kv_cache(kinds_config(ds_mla_groups(1), 3), torch.device("cpu"), KVCacheLayout.LBNHC)[names[0]]
+    assert tuple(cache.shape) == (3, 1, 4, 584) and cache.stride(0) == 2880 and cache.dtype == torch.uint8
+
+
+@pytest.mark.parametrize("fault", [None, "data", "scale"])
+def test_fp8_ds_mla_states_pd_round_trip(store, fault):
+    # Producer TP 1, consumer TP 2 (the replicated latent on both ranks): a
+    # flipped data or scale byte of one state's row is a MISMATCH of its
+    # block, never used; intact: the bare connector's tokens reused.
+    where, case = ds_mla_fault("fp8_ds_mla states P TP 1, C TP 2", fault)
+    token = where["token"]
+    corrupt = None if fault is None else {"token": token, "layer": "model.layers.1.self_attn.attn", "head": 0, "byte": where["byte"]}
+    pair = kind_pd(store, case, ds_mla_groups, corrupt, p_tp=1, c_tp=2)
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        # One group: computed again from the block of the state holding the token.
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == token // BLOCK * BLOCK, case
+
+
+@pytest.mark.parametrize("fault", [None, "data", "scale"])
+def test_fp8_ds_mla_states_pd_round_trip_between_block_sizes(store, fault):
+    # Producer blocks of 32 tokens (8 states: scales at 8*576), consumer
+    # blocks of 16 (4 states: scales at 4*576): the cell is a state's data
+    # then its scales whatever the page, numbered by its place in the
+    # request, so the sides' runs of blocks line up.
+    where, case = ds_mla_fault("fp8_ds_mla states, P blocks 32 TP 2, C blocks 16 TP 1", fault)
+    token = where["token"]
+    corrupt = None if fault is None else {"token": token, "layer": "model.layers.0.self_attn.attn", "head": 0, "byte": where["byte"]}
+    pair = kind_pd(store, case, ds_mla_groups, corrupt, p_tp=2, c_tp=1, p_block_size=32,
+                   p_groups=lambda tp: ds_mla_groups(tp, block=32))
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        # Computed again from the producer's block (32 tokens) holding it.
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == token // 32 * 32, case
+
+
+@pytest.mark.parametrize("load_mode", ["sync", "async"])
+@pytest.mark.parametrize("fault", [None, "data", "scale"])
+def test_fp8_ds_mla_states_tier_round_trip(fault, load_mode):
+    # The tier moves whole pages (4 states' data, then their 4 x 8 scale
+    # bytes); the flip is a byte of one block's page, on both ranks.
+    where, case = ds_mla_fault("fp8_ds_mla states TP 2", fault, states=BLOCK // 4)
+    position = where["position"]
+    fault_spec = None if fault is None else {"flip": position, "layer": "model.layers.0.self_attn.attn", "byte": where["byte"]}
+    pair = kind_tier(case, ds_mla_groups, fault_spec, tp=2, load_mode=load_mode)
+    if fault is None:
+        intact(pair, "again", PROMPT)
+    else:
+        flipped(pair, "again", PROMPT)
+        assert computed(pair["wrapped"], "again")[1] == position * BLOCK, case
+
+
+@pytest.mark.parametrize("fault", [None, "state scale", "indexer scale"])
+def test_a_c4a_group_in_fp8_ds_mla_records_is_checksummed_and_a_flip_never_used(store, fault):
+    # DeepSeek V4's C4A group with fp8_ds_mla: the compressed MLA states
+    # (576 + 8 bytes, 8-byte pieces) and the indexer's keys (128 + 4 bytes,
+    # 4-byte pieces), each a block's data then its scales, in one group, on
+    # host workers. Token 30: state 7, block 1; byte 579 of a state's row
+    # is a scale byte (576..583), byte 129 of the indexer's (128..131).
+    from kvcsum.vllm.config import groups_not_checksummed
+
+    groups = lambda tp: ds_mla_groups(tp, indexer=True)  # noqa: E731
+    layer = "model.layers.1.self_attn." + ("indexer.k_cache" if fault == "indexer scale" else "attn")
+    corrupt = None if fault is None else {"token": 30, "layer": layer, "head": 0, "byte": 129 if fault == "indexer scale" else 579}
+    pair = kind_pd(store, f"C4A in fp8_ds_mla records, {fault or 'intact'}", groups, corrupt, p_tp=1, c_tp=2)
+    assert groups_not_checksummed(pair["wrapped"].kv_cache_config, 1) == {}
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == 16
+
+
+# --- 10. DeepSeek V4's sliding-window cache and V4.1's interleaved records --------------------
+
+
+def swa_groups(tp: int, block: int = BLOCK):
+    # DeepSeek V4's sliding-window cache with fp8_ds_mla as vLLM 0.33
+    # declares it (v1/attention/backends/mla/sparse_swa.py:120-147): a
+    # SlidingWindowMLASpec, uint8, one replicated head (max_tp_shards 1),
+    # 584-byte records a token, pages padded to a multiple of 576 bytes.
+    # vLLM writes each block's page as its tokens' 576 data bytes, then
+    # their 8 scale bytes (models/deepseek_v4/common/ops/cache_utils.py:
+    # 168-230 via xpu/xpu_qnorm_rope_kv_fp8_insert.py:153-162); the
+    # stand-in model and the test connectors write and move them so
+    # (data_scale_pages.py). A window of 128 tokens holds the prompt whole.
+    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec, get_kv_quant_mode
+
+    spec = SlidingWindowMLASpec(
+        block_size=block, num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=torch.uint8, sliding_window=128,
+        cache_dtype_str="fp8_ds_mla", state_content_bytes=584, alignment=576, model_version="deepseek_v4",
+        kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"),
+    )
+    return [([f"model.layers.{i}.self_attn.swa_cache" for i in range(2)], spec)]
+
+
+def v41_groups(tp: int, block: int = BLOCK):
+    # DeepSeek V4.1's compressed MLA cache on SM100 (models/deepseek_v41/
+    # attention.py:1206-1231): 528-byte records (512 fp8 dims, then 16
+    # UE8M0 scales), each state's scales right after its own data
+    # (models/deepseek_v41/common/ops/cache_utils.py:44-49,
+    # fused_compress_quant_cache.py:464-466), 4 tokens a state, pages
+    # padded to 512 bytes: a row as the stand-in writes it, bytes 512.. the
+    # scales.
+    from vllm.v1.kv_cache_interface import get_kv_quant_mode
+
+    spec = MLAAttentionSpec(
+        block_size=block, num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=torch.uint8, tokens_per_state=4,
+        cache_dtype_str="fp8_ds_mla", alignment=512, model_version="deepseek_v4",
+        kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"), state_content_bytes=528,
+    )
+    return [([f"model.layers.{i}.self_attn.attn" for i in range(2)], spec)]
+
+
+@pytest.mark.parametrize("fault", [None, "data", "scale"])
+def test_deepseek_v4_sliding_window_records_pd_round_trip(store, fault):
+    # Producer TP 1, consumer TP 2 (the replicated latent on both ranks): a
+    # seeded flip of a data or a scale byte of one token's row is a
+    # MISMATCH of its block, never used; intact: the bare connector's
+    # tokens reused.
+    from kvcsum.vllm.config import groups_not_checksummed
+
+    where, case = ds_mla_fault("V4 sliding-window fp8_ds_mla P TP 1, C TP 2", fault)
+    token = where["token"]
+    layer = "model.layers.1.self_attn.swa_cache"
+    corrupt = None if fault is None else {"token": token, "layer": layer, "head": 0, "byte": where["byte"]}
+    pair = kind_pd(store, case, swa_groups, corrupt, p_tp=1, c_tp=2)
+    assert groups_not_checksummed(pair["wrapped"].kv_cache_config, 1) == {}
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == token // BLOCK * BLOCK, case
+
+
+@pytest.mark.parametrize("fault", [None, "data", "scale"])
+def test_deepseek_v41_528_byte_records_pd_round_trip(store, fault):
+    # V4.1's interleaved 528-byte states, opaque cells: producer TP 1,
+    # consumer TP 2; a seeded flip of a state's data byte (0..511) or of
+    # its scale bytes (512..527): MISMATCH, never used.
+    rng = random.Random(f"{DS_MLA_SEED}:v41:{fault}")
+    token, byte = rng.randrange(48), (rng.randrange(512) if fault == "data" else 512 + rng.randrange(16))
+    case = "V4.1 528-byte states P TP 1, C TP 2, " + (
+        "intact" if fault is None else f"{fault} (token {token}, byte {byte}; seed {DS_MLA_SEED:#x}, KVCS_SEED)"
+    )
+    corrupt = None if fault is None else {"token": token, "layer": "model.layers.1.self_attn.attn", "head": 0, "byte": byte}
+    pair = kind_pd(store, case, v41_groups, corrupt, p_tp=1, c_tp=2)
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == token // BLOCK * BLOCK, case
+
+
+# --- 11. Whisper's block pooling: p states a token --------------------------------------------
 
 from fractions import Fraction  # noqa: E402
 
@@ -907,7 +1245,7 @@ def test_whisper_pooled_states_tier_round_trip(fault):
         assert computed(pair["wrapped"], "again")[1] == 2 * BLOCK
 
 
-# --- 10. rings (CircularBufferSpec: one block a request, moved whole) ------------------------
+# --- 12. rings (CircularBufferSpec: one block a request, moved whole) ------------------------
 
 from vllm.v1.kv_cache_interface import CircularBufferSpec  # noqa: E402
 

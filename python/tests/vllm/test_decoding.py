@@ -143,3 +143,23 @@ def test_dtype_names_follow_the_spec():
     assert dtype_name("auto", "torch.float8_e4m3fn") == "fp8_e4m3"
     assert dtype_name("auto", None) is None
     assert dtype_name("Weird-Type!", None) is None
+
+
+def test_deepseek_v4_sliding_window_records_name_their_fnuz_encoding():
+    # vLLM writes DeepSeek V4's sliding-window fp8_ds_mla records in FNUZ
+    # fp8 on gfx942 (its compressed states in OCP): the declared dtype says
+    # so, an OCP side of the same layer then UNVERIFIED (DECODING_DIFFERS).
+    from kvcsum.vllm.cache_checksums import LayerSpec
+    from kvcsum.vllm.decoding import LayerDecodings
+
+    config = types.SimpleNamespace(cache_config=types.SimpleNamespace(cache_dtype="fp8_ds_mla"))
+    swa = LayerSpec(name="model.layers.0.attn.swa_cache", group_id=0, spec_type="SlidingWindowMLASpec", block_size=64,
+                    dtype="torch.uint8", head_size=512, is_mla=True)
+    states = LayerSpec(name="model.layers.0.attn", group_id=1, spec_type="MLAAttentionSpec", block_size=64,
+                       dtype="torch.uint8", head_size=512, is_mla=True)
+    decodings = LayerDecodings.__new__(LayerDecodings)
+    decodings._config = config
+    for fp8, want_swa in (("fp8_e4m3", "fp8_ds_mla"), ("fp8_e4m3fnuz", "fp8_ds_mla_fnuz")):
+        decodings._fp8 = fp8
+        assert decodings.facts(swa, None)[0] == want_swa
+        assert decodings.facts(states, None)[0] == "fp8_ds_mla"

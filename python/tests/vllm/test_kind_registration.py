@@ -166,13 +166,220 @@ def test_an_attention_plus_mamba_model_verifies_its_state_group(where):
 
 
 def test_a_mamba_state_is_shard_keyed_and_another_tp_size_is_unverified_never_a_mismatch():
+    # vLLM's default SD conv layout (state_len, dim): no channel is a row,
+    # so no TP split is known (cache_kinds.state_split).
     groups = [(MAMBA, mamba())]
     cfg = config(groups)
     _, producer = engine_side(cfg, seed=3, total_kv_heads=4)
     consumers = [engine_side(cfg, seed=3, total_kv_heads=4, tp_rank=r, tp_size=2)[1] for r in range(2)]
+    assert "SD layout" in producer.shard_keyed[0], producer.shard_keyed
     report = verdict([producer], consumers, job(cfg), 1)
     print(f"\nCASE {'Mamba state, producer TP 1, consumer TP 2':<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}")
     assert report.verdict == kvcsum.UNVERIFIED
+    assert report.findings[0].reason_name == "KVCS_UNVERIFIED_STATE_TP_DIFFERS", report.message
+
+
+# --- 2b. Mamba states whose TP split vLLM derives (its NIXL connector's) --------------------
+
+
+def mamba_kind(kind: str, tp: int, n_groups: int = 2) -> MambaSpec:
+    """vLLM's MambaSpec of a Mamba1, Mamba2 or GDN layer at TP size `tp`,
+    its shapes from vLLM's own MambaStateShapeCalculator (the layout the
+    environment sets: DS under the ds_conv_layout fixture), conv bf16 and
+    temporal fp32."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as calc
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    if kind == "MAMBA1":
+        shapes = calc.mamba1_state_shape(tp, intermediate_size=32, state_size=4, conv_kernel=4)
+    elif kind == "MAMBA2":
+        shapes = calc.mamba2_state_shape(tp, 32, n_groups, num_heads=4, head_dim=8, state_size=4, conv_kernel=4)
+    else:
+        shapes = calc.gated_delta_net_state_shape(tp, 2, 4, head_k_dim=4, head_v_dim=8, conv_kernel_size=4)
+    return MambaSpec(
+        block_size=BLOCK * 64, shapes=tuple(shapes), dtypes=(torch.bfloat16, torch.float32),
+        mamba_type=getattr(MambaAttentionBackendEnum, kind),
+    )
+
+
+#: Per kind, each tensor's global rows in numbering order (the conv state's
+#: sub-projections, then the temporal state), and the elements of a row.
+GLOBAL_ROWS = {
+    "MAMBA1": [("x", 32, 3), ("ssm", 32, 4)],
+    "MAMBA2": [("x", 32, 3), ("B", 8, 3), ("C", 8, 3), ("ssm", 4, 32)],
+    "GDN_ATTN": [("Q", 8, 3), ("K", 8, 3), ("V", 32, 3), ("ssm", 4, 32)],
+}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("kind", sorted(GLOBAL_ROWS))
+def test_a_state_of_a_tp_split_vllm_derives_registers_each_sub_projection_and_the_ssm_rows_globally(ds_conv_layout, kind, tp):
+    import mamba_states
+    from kvcsum.vllm import cache_kinds
+    from kvcsum.vllm.config import group_fingerprint
+
+    cfg = config([(MAMBA, mamba_kind(kind, tp))])
+    vllm_split = mamba_states.nixl_split(cfg.kv_cache_groups[0].kv_cache_spec, tp)
+    for rank in range(tp):
+        caches, worker = engine_side(cfg, seed=None, total_kv_heads=4, tp_rank=rank, tp_size=tp)
+        assert not worker.skipped and worker.shard_keyed == {}, (worker.skipped, worker.shard_keyed)
+        # The identities registered (each naming its split) sum to the
+        # fingerprint the scheduler computes at this TP size.
+        assert worker.fingerprints[0] == group_fingerprint(cfg, 0, cfg.kv_cache_groups[0].kv_cache_spec.block_size, tp)
+        spec = next(s for s in layer_specs(cfg, 4)[0] if s.name == MAMBA[0])
+        tensors = cache_kinds.state_tensors(caches[MAMBA[0]], spec, rank, tp, split=True)
+        base = int(caches[MAMBA[0]].data_ptr())
+        got = [
+            (part.label, t.first_row, t.num_rows, t.total_rows, t.bytes_per_row, t.element_size, t.address - base)
+            for part, t in zip(spec.state_parts, tensors)
+        ]
+        want, offset = [], 0
+        for (label, total, elements), (rows, row_bytes) in zip(GLOBAL_ROWS[kind], vllm_split):
+            size = 2 if label != "ssm" else 4
+            # vLLM's NIXL split, rank by rank: `rows` of the tensor's rows.
+            assert rows * tp == total and row_bytes == elements * size
+            want.append((label, rank * rows, rows, total, elements * size, size, offset))
+            offset += rows * row_bytes
+        print(f"\nCASE {kind} TP {tp} rank {rank}: {got}")
+        assert got == want
+        assert spec.state_type == kind
+
+
+def global_state(split, tp: int, seed: int) -> torch.Tensor:
+    """A layer's global state (every tensor's global rows), random bytes."""
+    import mamba_states
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (mamba_states.global_bytes(split, tp),), dtype=torch.uint8, generator=generator)
+
+
+def state_side(cfg, tp: int, states: dict, rank_content=None):
+    """The workers of one engine of TP size `tp` whose layers' pages hold
+    their rank's slice of `states` ({layer: global state}) at STATE_BLOCK
+    (or `rank_content(layer, rank)`)."""
+    import mamba_states
+
+    split = mamba_states.nixl_split(cfg.kv_cache_groups[0].kv_cache_spec, tp)
+    sides = []
+    for rank in range(tp):
+        caches, worker = engine_side(cfg, seed=None, total_kv_heads=4, tp_rank=rank, tp_size=tp)
+        for name, state in states.items():
+            content = rank_content(name, rank) if rank_content else mamba_states.rank_slice(state, split, tp, rank)
+            caches[name][STATE_BLOCK].view(-1).view(torch.uint8)[: content.numel()] = content
+        sides.append((caches, worker))
+    return sides
+
+
+@pytest.mark.parametrize("flip", [None, "conv", "ssm"])
+@pytest.mark.parametrize("p_tp, c_tp", [(1, 2), (2, 1), (2, 2)])
+@pytest.mark.parametrize("kind", sorted(GLOBAL_ROWS))
+def test_a_state_of_a_tp_split_vllm_derives_verifies_across_tp_sizes(ds_conv_layout, kind, p_tp, c_tp, flip):
+    import mamba_states
+
+    seed = 1000 * len(kind) + 10 * p_tp + c_tp
+    split = mamba_states.nixl_split(mamba_kind(kind, 1), 1)
+    states = {name: global_state(split, 1, seed + i) for i, name in enumerate(MAMBA)}
+    producers = state_side(config([(MAMBA, mamba_kind(kind, p_tp))]), p_tp, states)
+    c_cfg = config([(MAMBA, mamba_kind(kind, c_tp))])
+    consumers = state_side(c_cfg, c_tp, states)
+    if flip:
+        # A byte of the last consumer rank's conv state (its last
+        # sub-projection: B's twin C, GDN's V) or of its ssm state.
+        c_split = mamba_states.nixl_split(c_cfg.kv_cache_groups[0].kv_cache_spec, c_tp)
+        conv_bytes = sum(rows * row for rows, row in c_split[:-1])
+        byte = conv_bytes - 5 if flip == "conv" else conv_bytes + 13
+        caches, _ = consumers[-1]
+        caches[MAMBA[1]][STATE_BLOCK].view(-1).view(torch.uint8)[byte] ^= 0x04
+    report = verdict([w for _, w in producers], [w for _, w in consumers], job(c_cfg), p_tp)
+    case = f"{kind} state, P TP {p_tp}, C TP {c_tp}, flip {flip} (seed {seed})"
+    print(f"\nCASE {case:<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}", flush=True)
+    check(report, flip is not None, STATE_BLOCK)
+
+
+@pytest.mark.parametrize("p_tp, c_tp", [(1, 2), (2, 1)])
+def test_mamba2_groups_vllm_replicates_at_one_tp_size_are_unverified_never_a_mismatch(ds_conv_layout, p_tp, c_tp):
+    # n_groups 1: at TP 2 vLLM extends the groups to 2 so that each head
+    # shard has its group (mamba_utils.py:199, :261-269, extra_groups_for_
+    # head_shards): both ranks hold group 0's B and C, so B and C have 4
+    # rows at TP 1 and 8 across TP 2. Numbered as a split, rows would
+    # differ; the identity names each tensor's global rows, so the
+    # fingerprints differ: UNVERIFIED, never MISMATCH (here over the same
+    # model state on both sides).
+    import mamba_states
+
+    one = mamba_kind("MAMBA2", 1, n_groups=1)
+    split = mamba_states.nixl_split(one, 1)
+    assert [rows for rows, _ in split] == [32, 4, 4, 4]
+    states = {name: global_state(split, 1, 77 + i) for i, name in enumerate(MAMBA)}
+
+    def tp2_content(name, rank):
+        # x and the ssm heads: the rank's half; B and C: the one group, whole.
+        (x, row), (b, _), (c, _), (heads, ssm_row) = split
+        state = states[name]
+        x_part = state[rank * x // 2 * row : (rank + 1) * x // 2 * row]
+        bc = state[x * row : (x + b + c) * row]
+        ssm = state[(x + b + c) * row :]
+        return torch.cat([x_part, bc, ssm[rank * heads // 2 * ssm_row : (rank + 1) * heads // 2 * ssm_row]])
+
+    sides = {}
+    for tp in {p_tp, c_tp}:
+        cfg = config([(MAMBA, mamba_kind("MAMBA2", tp, n_groups=1))])
+        sides[tp] = (cfg, state_side(cfg, tp, states, tp2_content if tp == 2 else None))
+        assert all(w.shard_keyed == {} for _, w in sides[tp][1])
+    producers, consumers = sides[p_tp][1], sides[c_tp][1]
+    report = verdict([w for _, w in producers], [w for _, w in consumers], job(sides[c_tp][0]), p_tp)
+    print(f"\nCASE {f'Mamba2 n_groups 1, P TP {p_tp}, C TP {c_tp}':<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}")
+    assert report.verdict == kvcsum.UNVERIFIED, report.message
+    assert report.findings[0].reason_name == "KVCS_UNVERIFIED_FINGERPRINT_DIFFERS", report.message
+
+
+def test_a_state_of_known_split_against_a_shard_keyed_one_is_unverified(ds_conv_layout, monkeypatch):
+    # The same Mamba2 state at TP 1: the producer in the DS layout (split
+    # known), the consumer where vLLM keeps the SD layout (shard-keyed).
+    # Their identities and marks differ (SPEC section 7): UNVERIFIED.
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    cfg = config([(MAMBA, mamba_kind("MAMBA2", 1))])
+    _, producer = engine_side(cfg, seed=5, total_kv_heads=4)
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "SD")
+    get_conv_state_layout.cache_clear()
+    _, consumer = engine_side(cfg, seed=5, total_kv_heads=4)
+    assert producer.shard_keyed == {} and "SD layout" in consumer.shard_keyed[0]
+    report = verdict([producer], [consumer], job(cfg), 1)
+    print(f"\nCASE {'Mamba2, split known against shard-keyed, TP 1':<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}")
+    assert report.verdict == kvcsum.UNVERIFIED, report.message
+    assert report.findings[0].reason_name == "KVCS_UNVERIFIED_FINGERPRINT_DIFFERS", report.message
+
+
+@pytest.mark.parametrize(
+    "make, why",
+    [
+        # vLLM's ShortConv (and the PLE's tp_replicated conv state): no split derived.
+        (lambda tp: MambaSpec(block_size=BLOCK * 64, shapes=((64 // tp, 3),), dtypes=(torch.bfloat16,),
+                              mamba_type=_backend("SHORT_CONV")), "SHORT_CONV"),
+        (lambda tp: MambaSpec(block_size=BLOCK * 64, shapes=((64, 3),), dtypes=(torch.bfloat16,),
+                              mamba_type=_backend("MAMBA1"), tp_replicated=True), "tp_replicated"),
+        # A Mamba2 whose conv channels do not decompose into x + 2 B (fewer
+        # than the heads' 32 x channels).
+        (lambda tp: MambaSpec(block_size=BLOCK * 64, shapes=((16 // tp, 3), (4 // tp, 8, 4)),
+                              dtypes=(torch.bfloat16, torch.float32)), "do not decompose"),
+    ],
+    ids=["short_conv", "tp_replicated", "no_decomposition"],
+)
+def test_a_state_whose_split_is_not_derived_stays_shard_keyed_and_another_tp_size_is_unverified(ds_conv_layout, make, why):
+    p_cfg, c_cfg = config([(MAMBA, make(1))]), config([(MAMBA, make(2))])
+    _, producer = engine_side(p_cfg, seed=3, total_kv_heads=4)
+    consumers = [engine_side(c_cfg, seed=3, total_kv_heads=4, tp_rank=r, tp_size=2)[1] for r in range(2)]
+    assert why in producer.shard_keyed[0], producer.shard_keyed
+    report = verdict([producer], consumers, job(c_cfg), 1)
+    print(f"\nCASE {f'state not split ({why}), P TP 1, C TP 2':<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}")
+    assert report.verdict == kvcsum.UNVERIFIED, report.message
+
+
+def _backend(name: str):
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    return getattr(MambaAttentionBackendEnum, name)
 
 
 # --- 3. quantized cells --------------------------------------------------------------------
@@ -457,19 +664,250 @@ def test_vllms_own_indexer_k_cache_on_a_device_worker_is_named_not_checksummed()
         worker._plan_group(0, [s for s in layers if s.group_id == 0], caches, cfg.num_blocks)
 
 
-def test_deepseek_v4_fp8_ds_mla_states_are_named_not_checksummed():
-    # fp8_ds_mla (models/deepseek_v4/attention.py): 584-byte states stored
-    # as the block's state data, then every state's scales.
+#: The seed of the fp8_ds_mla cases' flipped bytes (KVCS_SEED changes it); printed.
+DS_MLA_SEED = int(os.environ.get("KVCS_SEED", "0x64736D6C"), 0)
+
+
+def fp8_ds_mla(block: int = BLOCK) -> MLAAttentionSpec:
+    # DeepSeek V4's compressed MLA cache in fp8_ds_mla records
+    # (models/deepseek_v4/attention.py:860-883): 584-byte states, 4 tokens
+    # a state, pages padded to a multiple of 576 bytes; each block's page
+    # its states' 576 data bytes (state t's at t*576), then their 8 scale
+    # bytes (at states*576 + t*8) (models/deepseek_v4/common/ops/
+    # cache_utils.py:64-69, fused_compress_quant_cache.py:263-272).
+    from vllm.v1.kv_cache_interface import get_kv_quant_mode
+
+    return MLAAttentionSpec(
+        block_size=block, num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=torch.uint8, tokens_per_state=4,
+        alignment=576, model_version="deepseek_v4", state_content_bytes=584, cache_dtype_str="fp8_ds_mla",
+        kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"),
+    )
+
+
+def test_deepseek_v4_fp8_ds_mla_states_are_registered_as_their_data_then_their_scales():
+    # One 584-byte cell of two segments over each block's page: K the
+    # state's 576 data bytes (at t*576), V its 8 scale bytes (at 4*576 +
+    # t*8), the page's stride the padded 2880 bytes. Both are 8-byte pieces,
+    # so a device worker's plan takes it too (the indexer's 4-byte pieces it
+    # refuses: test_vllms_own_indexer_k_cache_on_a_device_worker_*).
     from kvcsum.vllm.config import groups_not_checksummed
 
-    spec = MLAAttentionSpec(
-        block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=torch.uint8, tokens_per_state=4,
-        alignment=576, model_version="deepseek_v4", state_content_bytes=584, cache_dtype_str="fp8_ds_mla",
+    cfg = config([(ATTN, fp8_ds_mla())])
+    assert groups_not_checksummed(cfg, 1) == {}
+    caches, worker = engine_side(cfg, seed=4, total_kv_heads=1)
+    assert worker.skipped == {} and worker.layers_registered == 2
+    layers, _ = layer_specs(cfg, 1)
+    assert {(layer.data_bytes, layer.scale_bytes) for layer in layers} == {(576, 8)}
+    for device in (kvcsum.HOST, 0):
+        worker.device = device
+        plan = worker._plan_group(0, layers, caches, cfg.num_blocks)
+        for layer, name in zip(plan["layers"], ATTN):
+            page = caches[name]
+            assert tuple(page.shape) == (NUM_BLOCKS, 1, 4, 584) and page.stride(0) == 2880
+            k, v = layer.segments
+            assert (k.bytes_per_token, k.token_stride, k.block_stride) == (576, 576, 2880)
+            assert (v.bytes_per_token, v.token_stride, v.block_stride) == (8, 8, 2880)
+            assert (k.address, v.address) == (page.data_ptr(), page.data_ptr() + 4 * 576)
+            assert layer.tokens_per_kernel_block == 4 and layer.kernel_blocks == 1
+    worker.device = kvcsum.HOST
+
+
+@pytest.mark.parametrize("where", [None, "data", "scale", "padding"])
+def test_deepseek_v4_fp8_ds_mla_states_verify_and_a_flipped_data_or_scale_byte_is_a_mismatch(where):
+    # Seeded random pages, the consumer's a copy of the producer's; a
+    # flipped byte of block IDS[1]'s page: in a state's data (bytes
+    # 0..2304), in the scales (2304..2336): a MISMATCH of that block; in
+    # the page's padding (2336..2880), no state's byte: MATCH.
+    import random
+
+    rng = random.Random(f"{DS_MLA_SEED}:{where}")
+    at = {"data": (0, 4 * 576), "scale": (4 * 576, 4 * 584), "padding": (4 * 584, 2880)}.get(where)
+    byte = rng.randrange(*at) if at else None
+
+    def flip(caches):
+        view = caches[ATTN[1]].view(torch.uint8)
+        page = view.as_strided((view.stride(0),), (1,), view.storage_offset() + IDS[1] * view.stride(0))
+        page[byte] ^= 1 << rng.randrange(8)
+
+    case = f"fp8_ds_mla states, flip in {where}" + (f" (byte {byte}, seed {DS_MLA_SEED:#x}, KVCS_SEED)" if at else "")
+    report = round_trip(case, [(ATTN, fp8_ds_mla())], flip if where else None, total_kv_heads=1)
+    check(report, where in ("data", "scale"), IDS[1])
+
+
+def swa_fp8_ds_mla(block: int = BLOCK, record: int = 584):
+    # DeepSeek V4's sliding-window cache as DeepseekV4SWACache declares it
+    # (v1/attention/backends/mla/sparse_swa.py:120-147): one head, uint8, a
+    # token a record; V4's 584-byte records in pages padded to 576 bytes,
+    # V4.1's 528-byte ones on SM100 in pages padded to 512, the block
+    # stride to lcm(528, the compressed record) (models/deepseek_v41/
+    # attention.py:521-531, :562-579).
+    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec, get_kv_quant_mode
+
+    v41 = record != 584
+    return SlidingWindowMLASpec(
+        block_size=block, num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=torch.uint8, sliding_window=128,
+        cache_dtype_str="fp8_ds_mla", state_content_bytes=record, alignment=512 if v41 else 576,
+        block_stride_alignment=record if v41 else None, model_version="deepseek_v4",
+        kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"),
     )
-    cfg = config([(ATTN, spec)])
-    assert "then all of their scales" in groups_not_checksummed(cfg, 1)[0]
-    _, worker = engine_side(cfg, seed=4, total_kv_heads=1)
-    assert 0 in worker.skipped and worker.layers_registered == 0
+
+
+def v41_compressed(record: int = 528, block: int = BLOCK) -> MLAAttentionSpec:
+    # DeepSeek V4.1's compressed MLA cache on SM100 (models/deepseek_v41/
+    # attention.py:1206-1231): 528-byte MXFP8 records (288-byte NVFP4 ones
+    # with nvfp4_ds_mla), 4 tokens a state, pages padded to 512 bytes.
+    from vllm.v1.kv_cache_interface import get_kv_quant_mode
+
+    dtype = "nvfp4_ds_mla" if record == 288 else "fp8_ds_mla"
+    return MLAAttentionSpec(
+        block_size=block, num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=torch.uint8, tokens_per_state=4,
+        alignment=512, model_version="deepseek_v4", state_content_bytes=record, cache_dtype_str=dtype,
+        kv_quant_mode=get_kv_quant_mode(dtype),
+    )
+
+
+def strided_config(groups) -> KVCacheConfig:
+    """`config`, each block's stride rounded up to its spec's block stride
+    alignment as vLLM's planner does (v1/core/kv_cache_planning.py:571)."""
+    cfg = config(groups)
+    pages = []
+    for names, spec in groups:
+        stride = -(-spec.page_size_bytes // spec.get_block_stride_alignment()) * spec.get_block_stride_alignment()
+        pages += [(name, stride) for name in names]
+    total = sum(page * NUM_BLOCKS for _, page in pages)
+    tensors, offset = [], 0
+    for name, page in pages:
+        tensors.append(KVCacheTensor(size=total, layers=[name], layer_stride=page * NUM_BLOCKS, block_stride=page, offset=offset))
+        offset += page * NUM_BLOCKS
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=cfg.kv_cache_groups)
+
+
+def test_deepseek_v4_sliding_window_records_are_registered_as_their_data_then_their_scales():
+    # The SlidingWindowMLASpec is one latent head like MLA's (is_mla: heads
+    # not numbered as KV heads), its 584-byte records the fp8_ds_mla rule's
+    # at a token a slot: K the token's 576 data bytes (at t*576), V its 8
+    # scale bytes (at 16*576 + t*8), the page's stride the padded 9792.
+    from kvcsum.vllm.config import groups_not_checksummed
+
+    cfg = config([(ATTN, swa_fp8_ds_mla())])
+    assert groups_not_checksummed(cfg, 1) == {}
+    caches, worker = engine_side(cfg, seed=4, total_kv_heads=1)
+    assert worker.skipped == {} and worker.layers_registered == 2
+    layers, _ = layer_specs(cfg, 1)
+    assert {(layer.is_mla, layer.data_bytes, layer.scale_bytes, layer.tokens_per_state) for layer in layers} == {(True, 576, 8, 1)}
+    for device in (kvcsum.HOST, 0):
+        worker.device = device
+        plan = worker._plan_group(0, layers, caches, cfg.num_blocks)
+        for layer, name in zip(plan["layers"], ATTN):
+            page = caches[name]
+            assert tuple(page.shape) == (NUM_BLOCKS, 1, BLOCK, 584) and page.stride(0) == 9792
+            k, v = layer.segments
+            assert (k.bytes_per_token, k.token_stride, k.block_stride) == (576, 576, 9792)
+            assert (v.bytes_per_token, v.token_stride, v.block_stride) == (8, 8, 9792)
+            assert (k.address, v.address) == (page.data_ptr(), page.data_ptr() + BLOCK * 576)
+            assert layer.tokens_per_kernel_block == BLOCK and layer.kernel_blocks == 1
+    worker.device = kvcsum.HOST
+
+
+@pytest.mark.parametrize("record, tokens", [(528, 1), (528, 4), (288, 4)])
+def test_deepseek_v41_interleaved_records_are_registered_as_opaque_cells(record, tokens):
+    # V4.1's records keep a token's scales after its own data: one cell of
+    # the record's bytes a slot (token or state), one segment, the block
+    # stride the view's (the sliding window's rounded up to 528 bytes).
+    spec = swa_fp8_ds_mla(record=record) if tokens == 1 else v41_compressed(record)
+    cfg = strided_config([(ATTN, spec)])
+    caches, worker = engine_side(cfg, seed=4, total_kv_heads=1)
+    assert worker.skipped == {} and worker.layers_registered == 2
+    layers, _ = layer_specs(cfg, 1)
+    assert {(layer.is_mla, layer.cell_bytes, layer.data_bytes) for layer in layers} == {(True, record, 0)}
+    slots = BLOCK // tokens
+    stride = -(-(-(-slots * record // 512) * 512) // spec.get_block_stride_alignment()) * spec.get_block_stride_alignment()
+    for device in (kvcsum.HOST, 0):
+        worker.device = device
+        plan = worker._plan_group(0, layers, caches, cfg.num_blocks)
+        for layer, name in zip(plan["layers"], ATTN):
+            page = caches[name]
+            assert tuple(page.shape) == (NUM_BLOCKS, 1, slots, record) and page.stride(0) == stride
+            (cell,) = layer.segments
+            assert (cell.bytes_per_token, cell.token_stride, cell.block_stride) == (record, record, stride)
+            assert cell.address == page.data_ptr() and layer.tokens_per_kernel_block == slots
+    worker.device = kvcsum.HOST
+
+
+@pytest.mark.parametrize("where", [None, "data", "scale"])
+@pytest.mark.parametrize("record", [584, 528])
+def test_deepseek_v4_sliding_window_records_verify_and_a_flipped_byte_is_a_mismatch(record, where):
+    # Seeded random pages, the consumer's a copy of the producer's; a
+    # flipped byte of block IDS[1]'s page: a MISMATCH of that block. V4's
+    # data region is bytes 0..16*576, its scales 16*576..16*584; V4.1's
+    # record t holds data at t*528 .. +512, its scales at +512 .. +528.
+    import random
+
+    rng = random.Random(f"{DS_MLA_SEED}:swa:{record}:{where}")
+    if record == 584:
+        at = {"data": (0, BLOCK * 576), "scale": (BLOCK * 576, BLOCK * 584)}.get(where)
+        byte = rng.randrange(*at) if at else None
+    else:
+        t = rng.randrange(BLOCK)
+        byte = t * 528 + (rng.randrange(512) if where == "data" else 512 + rng.randrange(16)) if where else None
+
+    def flip(caches):
+        view = caches[ATTN[1]].view(torch.uint8)
+        page = view.as_strided((view.stride(0),), (1,), view.storage_offset() + IDS[1] * view.stride(0))
+        page[byte] ^= 1 << rng.randrange(8)
+
+    case = f"{record}-byte SWA records, flip in {where}" + (f" (byte {byte}, seed {DS_MLA_SEED:#x}, KVCS_SEED)" if where else "")
+    groups = [(ATTN, swa_fp8_ds_mla(record=record))]
+    cfg = strided_config(groups)
+    p_caches, producer = engine_side(cfg, seed=11, total_kv_heads=1)
+    c_caches, consumer = engine_side(cfg, seed=None, total_kv_heads=1)
+    raw(c_caches).copy_(raw(p_caches))
+    if where:
+        flip(c_caches)
+    report = verdict([producer], [consumer], job(cfg), 1)
+    print(f"\nCASE {case:<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}", flush=True)
+    check(report, where is not None, IDS[1])
+
+
+@pytest.mark.parametrize("pair", ["swa 584 -> 528", "compressed 528 -> 288", "compressed 584 -> 528"])
+def test_deepseek_v4_sides_of_another_record_format_are_unverified_never_a_mismatch(pair):
+    # One layer name, spec type, block size and dtype (uint8) on both sides,
+    # the fork's identity alike: the record's geometry (a cell's bytes, K's
+    # bytes) tells them apart, UNVERIFIED (GEOMETRY_DIFFERS), never MISMATCH.
+    specs = {
+        "swa 584 -> 528": (swa_fp8_ds_mla(), swa_fp8_ds_mla(record=528)),
+        "compressed 528 -> 288": (v41_compressed(528), v41_compressed(288)),
+        "compressed 584 -> 528": (fp8_ds_mla(), v41_compressed(528)),
+    }[pair]
+    p_cfg, c_cfg = (strided_config([(ATTN, spec)]) for spec in specs)
+    _, producer = engine_side(p_cfg, seed=11, total_kv_heads=1)
+    _, consumer = engine_side(c_cfg, seed=11, total_kv_heads=1)
+    assert not producer.skipped and not consumer.skipped
+    assert producer.fingerprints == consumer.fingerprints
+    report = verdict([producer], [consumer], job(p_cfg), 1)
+    print(f"\nCASE {pair:<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}", flush=True)
+    assert report.verdict == kvcsum.UNVERIFIED, report.message
+    assert report.reason == kvcsum.GEOMETRY_DIFFERS, report.message
+
+
+def test_deepseek_v4_records_kvcsum_has_no_rule_for_are_named_not_checksummed():
+    # A DeepSeek V4 packed record of another width, or of a spec that is no
+    # one latent head (none vLLM 0.33 declares): named, never registered.
+    v4 = MLAAttentionSpec(
+        block_size=BLOCK, num_kv_heads=1, head_size=512, dtype=torch.uint8, tokens_per_state=4, alignment=512,
+        model_version="deepseek_v4", state_content_bytes=656, cache_dtype_str="fp8_ds_mla",
+    )
+    wide = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=1, head_size=512, dtype=torch.uint8, state_content_bytes=528,
+    )
+    object.__setattr__(wide, "model_version", "deepseek_v4")
+    for spec, size in ((v4, 656), (wide, 528)):
+        cfg = config([(ATTN, spec)])
+        from kvcsum.vllm.config import groups_not_checksummed
+
+        assert f"{size}-byte records) packs its records in a layout kvcsum has no rule for" in groups_not_checksummed(cfg, 1)[0]
+        _, worker = engine_side(cfg, seed=4, total_kv_heads=1)
+        assert 0 in worker.skipped and worker.layers_registered == 0
 
 
 # --- 8. Whisper's block pooling: p states a token, p caches of the layer ----------------------
@@ -676,7 +1114,9 @@ def test_a_side_pooling_by_another_p_is_unverified_never_a_mismatch(other):
     _, consumer = engine_side(c_cfg, seed=9, total_kv_heads=4)
     assert producer.fingerprints[0] == group_fingerprint(p_cfg, 0, BLOCK) != consumer.fingerprints[0] == group_fingerprint(c_cfg, 0, BLOCK)
     name = ATTN[0]
-    assert layer_fingerprint(name, "FullAttentionSpec", BLOCK, "torch.float16", 4) != layer_fingerprint(name, "FullAttentionSpec", BLOCK, "torch.float16")
+    assert layer_fingerprint(name, "FullAttentionSpec", BLOCK, "torch.float16", states_per_token=4) != layer_fingerprint(
+        name, "FullAttentionSpec", BLOCK, "torch.float16"
+    )
     report = verdict([producer], [consumer], job(p_cfg), 1)
     print(f"\nCASE {f'Whisper pooling 4 -> {other}':<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}")
     assert report.verdict == kvcsum.UNVERIFIED, report.message
@@ -746,8 +1186,11 @@ def test_a_ring_at_another_tp_size_or_capacity_is_unverified_never_a_mismatch():
     # Shard-keyed: the rows are the same on every rank, the stale slots are
     # not, so only equal TP sizes compare; another capacity (another
     # speculative lookahead) is another block size in the identity.
+    from kvcsum.vllm.config import group_fingerprint
+
     cfg = config([(RING, compressor_ring())])
     _, producer = engine_side(cfg, seed=3, total_kv_heads=4)
+    assert producer.shard_keyed and producer.fingerprints[0] == group_fingerprint(cfg, 0, 8, 1)
     consumers = [engine_side(cfg, seed=3, total_kv_heads=4, tp_rank=r, tp_size=2)[1] for r in range(2)]
     report = verdict([producer], consumers, job(cfg), 1)
     print(f"\nCASE {'ring, producer TP 1, consumer TP 2':<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}")

@@ -18,7 +18,9 @@ Fault injection, set by the test in FAULT: {"flip": position} flips one
 bit of the tier's copy of the block at that position as it is loaded
 (optionally only on TP rank FAULT["rank"]; of layer FAULT["layer"],
 layer 1's attention unless set; at byte FAULT["byte"] of the block, 5
-unless set); {"stale": position} loads the
+unless set: the block is the layer view's `[H, N, C]` bytes, so a
+page of a block's data then its scales is its data and its scales, its
+padding left); {"stale": position} loads the
 bytes of the tier's block at position + 1 into that position's slot (a
 stale tier slot holding another hash's bytes).
 """
