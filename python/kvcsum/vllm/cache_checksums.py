@@ -16,8 +16,9 @@ vLLM passed to `register_kv_caches` to `CacheChecksummer`, which
   manager has, each manager block one run of them);
 - gives each layer the identity the vLLM fork fingerprints
   (`repr((layer_name, spec_type, block_size, dtype))`, SPEC section 7), so
-  payloads interoperate with it; layers that share another layer's cache
-  (KV sharing) count in the fingerprint and are checksummed once, under the
+  payloads interoperate with it (kvcsum adds what those fields do not
+  tell apart: `identity`); layers that share another layer's cache (KV
+  sharing) count in the fingerprint and are checksummed once, under the
   lowest layer number, as the fork does;
 - uses a host worker for CPU tensors and a device worker for CUDA tensors,
   queueing on torch's current stream;
@@ -108,6 +109,13 @@ class LayerSpec:
     #: (kvcsum.vllm.cache_kinds._data_then_scales_bytes); 0 for any other.
     data_bytes: int = 0
     scale_bytes: int = 0
+    #: States a token has (Whisper's block pooling: p consecutive slots a
+    #: token, kvcsum.vllm.cache_kinds.states_per_token); 1 for any other cache.
+    states_per_token: int = 1
+    #: A ring (CircularBufferSpec): a state layer whose state is the
+    #: request's one block, each head slot's rows a state tensor
+    #: (kvcsum.vllm.cache_kinds.ring_tensors).
+    ring: bool = False
 
 
 @dataclasses.dataclass
@@ -125,19 +133,38 @@ class Job:
             blocks.add_group(self.req_id, int(group_id), list(block_ids), int(first_position))
 
 
-def identity(layer_name: str, spec_type: str, block_size: int, dtype: str, split: str = "") -> bytes:
+def identity(
+    layer_name: str, spec_type: str, block_size: int, dtype: str, split: str = "", *, states_per_token: int = 1, state: int = 0
+) -> bytes:
     """The vLLM fork's identity of a layer: the repr of
-    `(layer_name, spec_type, block_size, dtype)`; a state layer whose rows
-    are numbered along TP's split adds the split
-    (kvcsum.vllm.cache_kinds.split_identity) as a fifth element."""
+    `(layer_name, spec_type, block_size, dtype)`, to which kvcsum adds
+    what the fork's four fields do not tell apart:
+
+    - a state layer whose rows are numbered along TP's split adds the split
+      (kvcsum.vllm.cache_kinds.split_identity) as a fifth element;
+    - a layer of p > 1 states a token (Whisper's block pooling) is p caches,
+      each registered with its own identity, the fields then
+      `("states_per_token", p)` and `("state", i)`: the fork's four are the
+      same at any p, so without p a side pooling by another p (or not at
+      all) would be compared, its sums numbering other states; with it the
+      fingerprints differ (UNVERIFIED, never MISMATCH)."""
     fields = (layer_name, spec_type, int(block_size), str(dtype)) + ((split,) if split else ())
+    if states_per_token != 1:
+        fields += (("states_per_token", int(states_per_token)), ("state", int(state)))
     return repr(fields).encode()
 
 
-def layer_fingerprint(layer_name: str, spec_type: str, block_size: int, dtype: str, split: str = "") -> int:
-    """First 8 bytes, little-endian, of the SHA-256 of the identity."""
-    digest = hashlib.sha256(identity(layer_name, spec_type, block_size, dtype, split)).digest()
-    return int.from_bytes(digest[:8], "little")
+def layer_fingerprint(
+    layer_name: str, spec_type: str, block_size: int, dtype: str, split: str = "", *, states_per_token: int = 1
+) -> int:
+    """First 8 bytes, little-endian, of the SHA-256 of the identity; of a
+    layer of p > 1 states a token, the sum of its p caches' (SPEC section
+    7: every registered cache counts)."""
+    total = 0
+    for state in range(max(1, states_per_token)):
+        ident = identity(layer_name, spec_type, block_size, dtype, split, states_per_token=states_per_token, state=state)
+        total += int.from_bytes(hashlib.sha256(ident).digest()[:8], "little")
+    return total % 2**64
 
 
 _NUMBER = re.compile(r"^\d+$")
@@ -164,6 +191,14 @@ def _is_cuda(tensor) -> bool:
     return getattr(getattr(tensor, "device", None), "type", "cpu") == "cuda"
 
 
+def _block_slots(spec: LayerSpec) -> int:
+    """The slots of one of this rank's manager blocks of a layer's cache
+    (block_size is the rank's own tokens of a block under DCP; a compressed
+    cache holds a slot per tokens_per_state tokens, a pooled one
+    states_per_token slots a token)."""
+    return spec.block_size * spec.states_per_token // max(1, spec.tokens_per_state)
+
+
 def _describe(tensor, spec: LayerSpec, num_blocks: int):
     """(layout, kernel_blocks) of a layer's cache tensor; ValueError when the
     shape is not one vLLM uses for this spec."""
@@ -172,10 +207,7 @@ def _describe(tensor, spec: LayerSpec, num_blocks: int):
     heads = spec.num_slots or (1 if spec.is_mla else spec.num_kv_heads)
     content = spec.head_size + spec.head_size_v
     cell = spec.cell_bytes or content * _dtype_bytes(spec, item)
-    # The slots of one of this rank's blocks (block_size is the rank's own
-    # tokens of a block under DCP; a compressed cache holds a slot per
-    # tokens_per_state tokens).
-    tokens = spec.block_size // max(1, spec.tokens_per_state)
+    tokens = _block_slots(spec)
 
     def kernel_blocks(count: int) -> int:
         if count % num_blocks:
@@ -240,9 +272,7 @@ def _data_then_scales(tensor, spec: LayerSpec, num_blocks: int):
             f"({data} data bytes, then {scale} scale bytes, a slot)"
         )
     blocks, slots = shape[0], shape[1]
-    # The slots of one of this rank's manager blocks (a compressed cache
-    # holds one per tokens_per_state tokens).
-    wanted = spec.block_size // max(1, spec.tokens_per_state)
+    wanted = _block_slots(spec)
     if blocks % num_blocks or slots * (blocks // num_blocks) != wanted:
         raise ValueError(
             f"its {blocks} blocks of {slots} slots are no kernel blocks of the {num_blocks} manager blocks of {wanted} slots"
@@ -252,6 +282,47 @@ def _data_then_scales(tensor, spec: LayerSpec, num_blocks: int):
     data_view = view.as_strided((blocks, slots, data), (page, data, 1), start)
     scales = view.as_strided((blocks, slots, scale), (page, scale, 1), start + slots * data)
     return data_view, scales, blocks // num_blocks
+
+
+def _identity_block_size(spec: LayerSpec) -> int:
+    """The block size a layer's identity names: under DCP a rank's spec has
+    its local block (block_size / dcp), the identity the block every rank's
+    slots belong to, the scheduler's, as a DCP-1 engine's of the same block
+    size does."""
+    return spec.block_size * max(1, spec.dcp_size)
+
+
+def _registered_identity(spec: LayerSpec, split: str = "", state: int = 0) -> bytes:
+    """The identity a worker registers for a layer's cache (of a pooled
+    layer, for its state `state`); `split` a state layer's
+    (kvcsum.vllm.cache_kinds.split_identity) where its rows are numbered
+    along TP's split."""
+    return identity(
+        spec.name, spec.spec_type, _identity_block_size(spec), spec.dtype, split, states_per_token=spec.states_per_token, state=state
+    )
+
+
+def _pooled_states(parts: list, layout: str, spec: LayerSpec, layer_heads: int) -> list:
+    """The caches of a layer of p states a token (Whisper's block pooling:
+    token t's state i at slot t*p + i of its block,
+    kvcsum.vllm.cache_kinds.states_per_token): for each state i, each part
+    `(view, first head)` viewed at slots i, i + p, ... (a token a slot, its
+    token stride p slots), its heads after the `layer_heads` global heads
+    of each state before it (SPEC section 1: heads one cache after the
+    other). ValueError where the layout has no token dimension to stride."""
+    p = spec.states_per_token
+    if spec.data_bytes or "T" not in layout:
+        raise ValueError(f"layer {spec.name}: {p} states a token in a {layout} cache kvcsum cannot stride by token")
+    dim = layout.index("T")
+    out = []
+    for state in range(p):
+        for view, head in parts:
+            if view.shape[dim] % p:
+                raise ValueError(f"layer {spec.name}: {view.shape[dim]} slots a block are no multiple of its {p} states a token")
+            index = [slice(None)] * view.dim()
+            index[dim] = slice(state, None, p)
+            out.append((view[tuple(index)], head + state * layer_heads))
+    return out
 
 
 def _dtype_bytes(spec: LayerSpec, item: int) -> int:
@@ -328,6 +399,9 @@ class CacheChecksummer:
         #: {group: why}: state groups registered shard-keyed (compared
         #: between equal TP sizes only), where TP's split is not known.
         self.shard_keyed: dict[int, str] = {}
+        #: {group: fingerprint} of the identities registered for each
+        #: group (the library's sum, SPEC section 7: config.group_fingerprint's
+        #: at this TP size and the group's block size).
         self.fingerprints: dict[int, int] = {}
         self.group_block_sizes = dict(group_block_sizes)
         present = [spec for spec in layers if spec.name in kv_caches]
@@ -394,16 +468,15 @@ class CacheChecksummer:
             for number, tensors, ident in plan["states"]:
                 # Rows numbered along TP's split where it is known
                 # (cache_kinds.state_split), else shard-keyed (compared
-                # between equal TP sizes only).
+                # between equal TP sizes only; a ring's stale slots differ
+                # between ranks).
                 worker.add_state(group_id, number, tensors, num_blocks, split_known=plan["split_known"], identity=ident)
                 self.layers_registered += 1
             if plan["states"] and not plan["split_known"]:
                 self.shard_keyed[group_id] = plan["unsplit"]
             for number, target, ident in plan["aliases"]:
                 worker.add_alias(group_id, number, target, ident)
-            self.fingerprints[group_id] = sum(
-                layer_fingerprint(s.name, s.spec_type, s.block_size, s.dtype) for s in specs
-            ) % 2**64
+            self.fingerprints[group_id] = plan["fingerprint"]
 
     def _plan_group(self, group_id: int, specs: list, kv_caches, num_blocks: int) -> dict:
         """The kvcsum layers, state layers and aliases of one group
@@ -419,6 +492,7 @@ class CacheChecksummer:
         state_specs = [spec for spec in specs if spec.kind == "state" and spec.state_shapes]
         unsplit = cache_kinds.state_split_refused(state_specs, self.tp_size) if state_specs else ""
         split_known = bool(state_specs) and not unsplit
+        fingerprint = 0  # of every identity registered (SPEC section 7)
         for spec in specs:
             if spec.unsupported:
                 raise ValueError(spec.unsupported)
@@ -438,11 +512,11 @@ class CacheChecksummer:
                 )
             number = layer_number(spec.name)
             key = (int(tensor.data_ptr()), tuple(tensor.stride()), tuple(tensor.shape))
-            # Under DCP a rank's spec has its local block (block_size / dcp):
-            # the identity names the block every rank's slots belong to, the
-            # scheduler's, as a DCP-1 engine's of the same block size does.
             split = cache_kinds.split_identity(spec, self.tp_size) if split_known else ""
-            ident = identity(spec.name, spec.spec_type, spec.block_size * max(1, spec.dcp_size), spec.dtype, split)
+            ident = _registered_identity(spec, split)
+            fingerprint += layer_fingerprint(
+                spec.name, spec.spec_type, _identity_block_size(spec), spec.dtype, split, states_per_token=spec.states_per_token
+            )
             entry = caches.setdefault(key, {"numbers": [], "spec": spec, "tensor": tensor, "idents": []})
             entry["numbers"].append(number)
             entry["idents"].append((number, ident))
@@ -463,6 +537,13 @@ class CacheChecksummer:
                 if target in used_states:
                     raise ValueError(f"two of its state caches share layer number {target}")
                 used_states.add(target)
+                if spec.ring:
+                    if len(entry["numbers"]) > 1:
+                        raise ValueError(f"layer {spec.name}: a ring read by another layer (KV sharing)")
+                    # The attention layer of its number has a cache of its
+                    # own, in another group (kvcsum.vllm.cache_kinds.RING_LAYER_NUMBERS).
+                    states.append((cache_kinds.RING_LAYER_NUMBERS + target, cache_kinds.ring_tensors(tensor, spec), target_ident))
+                    continue
                 tensors = cache_kinds.state_tensors(tensor, spec, self.tp_rank, self.tp_size, split=split_known)
                 states.append((target, tensors, target_ident))
                 continue
@@ -474,7 +555,7 @@ class CacheChecksummer:
             else:
                 layout, kernel_blocks = _describe(tensor, spec, num_blocks)
             offset = next_head.get(target, 0)
-            next_head[target] = offset + cache_kinds.global_heads(spec, self.tp_size)
+            next_head[target] = offset + cache_kinds.global_heads(spec, self.tp_size) * spec.states_per_token
             first_head, replicas, replica_index = self._heads(spec)
             parts = [(tensor, first_head + offset)]
             part_layout = layout
@@ -489,6 +570,17 @@ class CacheChecksummer:
                 half = spec.num_slots // 2
                 total = cache_kinds.global_heads(spec, self.tp_size) // 2
                 parts = [(tensor[:, :half], first_head + offset), (tensor[:, half:], first_head + offset + total)]
+            idents = {parts[0][1]: target_ident}
+            if spec.states_per_token > 1:
+                if len(entry["numbers"]) > 1:
+                    raise ValueError(f"layer {spec.name}: {spec.states_per_token} states a token, read by another layer (KV sharing)")
+                layer_heads = cache_kinds.global_heads(spec, self.tp_size)
+                parts = _pooled_states(parts, part_layout, spec, layer_heads)
+                # Each state's first part carries that state's identity.
+                idents = {
+                    parts[0][1] + state * layer_heads: _registered_identity(spec, state=state)
+                    for state in range(spec.states_per_token)
+                }
             for view, head in parts:
                 layers.append(
                     kvcsum.layer(
@@ -500,7 +592,7 @@ class CacheChecksummer:
                         kernel_blocks=kernel_blocks,
                         replicas=replicas,
                         replica_index=replica_index,
-                        identity=target_ident if head == parts[0][1] else b"",
+                        identity=idents.get(head, b""),
                         v=v_part,
                     )
                 )
@@ -509,6 +601,7 @@ class CacheChecksummer:
             "states": states,
             "split_known": split_known,
             "unsplit": unsplit,
+            "fingerprint": fingerprint % 2**64,
             "aliases": aliases,
             "tensors": [e["tensor"] for e in caches.values()],
         }

@@ -55,6 +55,19 @@ spec's dtype) and what kvcsum makes of it:
   tp_replicated state) the tensors are conv then ssm, each row its first
   dimension, and the state is **shard-keyed**: compared between equal TP
   sizes only (another TP size is UNVERIFIED, never MISMATCH).
+- rings (`CircularBufferSpec`: DeepSeek V4.1's compressor, GLM-5 Next's
+  indexer tail, one block a request, rows written at position % capacity,
+  never zeroed): a state layer too, its state the request's one block,
+  compared whole (stale slots included, as connectors move the whole
+  page), each head slot's rows a state tensor in slot order whatever the
+  layout (`ring_tensors`), shard-keyed, registered under layer number
+  RING_LAYER_NUMBERS + n (`_ring_state`).
+- pooled states (`tokens_per_state` Fraction(1, p), Whisper's block
+  pooling: token t's state i at slot t*p + i of its block): p caches of
+  the layer, state i a view of slots i, i + p, ..., its heads after the
+  states before it (SPEC section 1), so each token has a cell per (state,
+  head) at its place in the request; the identity carries p
+  (`states_per_token`, cache_checksums.identity).
 
 - DCP-sharded token positions (`decode_context_parallel_size` > 1: a
   manager block covers block_size x dcp tokens, the token at in-block
@@ -90,24 +103,26 @@ spec's dtype) and what kvcsum makes of it:
 
 What kvcsum still cannot checksum is named (`unsupported`) and never
 silent (kvcsum.vllm.load_verdict): compressed states and DCP without the
-library's token placement, fractional tokens_per_state (several states a
-token), host-resident groups (not in memory the workers read), state
-elements of other than 2 or 4 bytes, an unknown mamba_cache_mode, head
-slots packed other than K slots then V slots (and ROCm's), specs that
-address their pages themselves (`uses_slot_mapping` False: a ring buffer),
-and caches whose `[B, H, N, C]` view is no cell per token (`_no_token_cells`:
-cells of no multiple of 8 bytes other than the indexer's above, and
-DeepSeek V4's packed records of another width than 584, 528 or 288 bytes,
-or not one latent head of bytes), and the indexer's keys on ROCm (tiled
-in a block). A group holding one of these is not checksummed at all, its
-other caches included. Cells of 4-byte pieces (the indexer's 132 bytes,
-SPEC section 1) are read by host and device workers alike.
+library's token placement, a tokens_per_state fraction other than 1/p,
+host-resident groups (not in memory the workers read), state elements of
+other than 2 or 4 bytes (a ring's too), an unknown mamba_cache_mode, head
+slots packed other than K slots then V slots (and ROCm's), specs other
+than a ring that address their pages themselves (`uses_slot_mapping`
+False), and caches whose `[B, H, N, C]` view is no cell per token
+(`_no_token_cells`: cells of no multiple of 8 bytes other than the
+indexer's above, and DeepSeek V4's packed records of another width than
+584, 528 or 288 bytes, or not one latent head of bytes), and the
+indexer's keys on ROCm (tiled in a block). A group holding one of these
+is not checksummed at all, its other caches included. Cells of 4-byte
+pieces (the indexer's 132 bytes, SPEC section 1) are read by host and
+device workers alike.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from fractions import Fraction
 
 import kvcsum
 
@@ -117,9 +132,12 @@ __all__ = [
     "state_split_refused",
     "split_identity",
     "state_tensors",
+    "ring_tensors",
     "StatePart",
     "global_heads",
     "group_block_size",
+    "states_per_token",
+    "RING_LAYER_NUMBERS",
     "PLACEMENT",
     "DTYPE_BYTES",
 ]
@@ -207,14 +225,16 @@ def describe_spec(
     if not is_attention or not getattr(spec, "has_layer_views", True):
         return dict(common, kind="state", unsupported=f"{type_name} has no per-token KV blocks")
     if not getattr(spec, "uses_slot_mapping", True):
-        # CircularBufferSpec (DeepSeek V4.1's compressor: one block a
-        # request, a ring of the open group's raw keys): vLLM's worker gives
-        # it no slot mapping, the spec addresses its page itself, so no slot
-        # is the token at its place in a block.
+        if type_name == "CircularBufferSpec":
+            return dict(common, **_ring_state(type_name, spec))
+        # A spec that addresses its pages itself: vLLM's worker gives it no
+        # slot mapping, so no slot is the token at its place in a block.
         return dict(common, kind="state", unsupported=f"{type_name} addresses its pages itself (no slot mapping): no per-token KV blocks")
     tokens_per_state = getattr(spec, "tokens_per_state", 1)
+    pooled = states_per_token(spec)
     dcp_sharded = dcp_size > 1 and bool(getattr(spec, "dcp_sharded", False))
-    if tokens_per_state != 1 and not (PLACEMENT and isinstance(tokens_per_state, int) and tokens_per_state > 1):
+    # p states a token (pooled > 1) are p caches of the layer, not a placement.
+    if tokens_per_state != 1 and pooled == 1 and not (PLACEMENT and isinstance(tokens_per_state, int) and tokens_per_state > 1):
         unsupported = f"{type_name} stores {tokens_per_state} tokens per state (no token placement registered)"
     elif dcp_sharded and not PLACEMENT:
         unsupported = f"DCP shards its token positions across {dcp_size} ranks (no token placement registered)"
@@ -265,8 +285,103 @@ def describe_spec(
         dcp_size=dcp_size if dcp_sharded else 1,
         data_bytes=data_bytes,
         scale_bytes=scale_bytes,
+        states_per_token=pooled,
         unsupported=unsupported,
     )
+
+
+def states_per_token(spec) -> int:
+    """The states a token has in the cache of `spec`: p where vLLM's
+    `tokens_per_state` is Fraction(1, p), p > 1 (Whisper's block pooling,
+    model_executor/models/whisper_causal.py:414-417); 1 for any other spec.
+
+    vLLM writes token t's p states at p consecutive slots of its block,
+    slot t*p + i for state i (whisper_causal.py:238-241: the slot mapping
+    `slot * block_pool_size + arange(block_pool_size)`, a block of
+    block_size * p slots, `get_num_kernel_states`, v1/kv_cache_interface.py:
+    272-275). kvcsum registers state i of every token as its own cache of
+    the layer, a view of slots i, i + p, i + 2p, ..., its heads numbered
+    after the states before it (SPEC section 1: several caches of one
+    layer), so every token has a cell per (state, head) at its place in the
+    request, and TP shards and block sizes add up as for any cache."""
+    value = getattr(spec, "tokens_per_state", 1)
+    if isinstance(value, Fraction) and value.numerator == 1 and value.denominator > 1:
+        return int(value.denominator)
+    return 1
+
+
+def _ring_state(type_name: str, spec) -> dict:
+    """The LayerSpec fields of a ring (`CircularBufferSpec`): a state layer
+    whose state is the request's one block, compared whole, shard-keyed.
+
+    vLLM 0.33's rings (DeepSeek V4.1's compressor, models/deepseek_v41/
+    compressor.py:86-94, 231-237; GLM-5 Next's indexer tail, models/
+    glm5next/common/attention.py:125-180; Qwen4's QSA cache, Step5's CSA
+    tail) hold one block a request (v1/core/single_type_kv_cache_manager.py:
+    1186-1229), its rows written at `position % capacity` as the request
+    advances, drafts included; the block is never zeroed (:115-120), so
+    slots no row reached hold what the block held before. NIXL moves the
+    whole page (nixl/base_worker.py:241-251, its regions :1782-1786), from
+    the TP rank of the same number at equal TP (nixl/tp_mapping.py:107-126),
+    as does every connector that restores the transfer groups
+    (get_loaded_kv_cache_group_ids: nixl/connector.py:175, mooncake, moriio).
+    The rows are the same on every TP rank (DeepSeek V4.1's wkv has
+    disable_tp), the stale slots are not: compared as the rank's own bytes
+    (shard-keyed, SPEC section 6), between equal TP sizes only. Each head
+    slot's rows are one state tensor, read through the view's strides, so
+    the bytes are numbered head, slot, element whatever the layout."""
+    size = dtype_bytes(getattr(spec, "dtype", ""))
+    heads = int(getattr(spec, "num_head_slots", None) or spec.num_kv_heads)
+    content = int(spec.state_content_size_bytes)
+    if size not in (2, 4) or content % size:
+        return dict(kind="state", unsupported=f"{type_name} holds {spec.dtype} rows of {content} bytes: kvcsum reads 2- or 4-byte state elements")
+    shapes = tuple((int(spec.num_states), content // size) for _ in range(heads))
+    return dict(
+        kind="state",
+        state_shapes=shapes,
+        state_dtypes=(str(spec.dtype),) * heads,
+        state_unsplit="a ring: its stale slots differ between TP ranks",
+        ring=True,
+        unsupported="",
+    )
+
+
+#: What a ring's layer number is registered under: this plus the number in
+#: its name. A ring lives inside an attention layer (DeepSeek V4.1's
+#: `model.layers.N.self_attn.compressor.state_cache` beside
+#: `model.layers.N.self_attn`, whose cache is in another group), and the
+#: library keeps a layer number to one kind of cache (an attention cache,
+#: or a state, or an alias: SPEC section 7), so the ring's state takes a
+#: number no model's layer has. Every side running this kvcsum numbers it
+#: alike (SPEC section 1, "Layer number"); the fingerprint is the ring's
+#: own name's (its identity).
+RING_LAYER_NUMBERS = 1 << 24
+
+
+def ring_tensors(tensor, spec):
+    """The kvcsum.StateTensors of a ring's `[B, H, N, C]` view (vLLM's, any
+    stride order): one per head slot, its N rows of C elements in slot
+    order (kvcsum.vllm.cache_kinds._ring_state). Shard-keyed: this rank's."""
+    if tensor.dim() != 4 or int(tensor.stride(3)) != 1:
+        raise ValueError(f"layer {spec.name}: its ring view of shape {tuple(tensor.shape)} and strides {tuple(tensor.stride())} has no contiguous rows")
+    item = int(tensor.element_size())
+    size = dtype_bytes(spec.state_dtypes[0])
+    heads, rows, width = (int(n) for n in tensor.shape[1:])
+    if (heads, (rows, width * item // size)) != (len(spec.state_shapes), spec.state_shapes[0]) or width * item % size:
+        raise ValueError(f"layer {spec.name}: its ring view of shape {tuple(tensor.shape)} is not its spec's {spec.state_shapes}")
+    return [
+        kvcsum.StateTensor(
+            address=int(tensor.data_ptr()) + h * int(tensor.stride(1)) * item,
+            block_stride=int(tensor.stride(0)) * item,
+            row_stride=int(tensor.stride(2)) * item,
+            first_row=0,
+            num_rows=rows,
+            total_rows=rows,
+            bytes_per_row=width * item,
+            element_size=size,
+        )
+        for h in range(heads)
+    ]
 
 
 def _on_rocm() -> bool:

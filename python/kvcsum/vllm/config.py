@@ -249,7 +249,8 @@ def group_fingerprint(kv_cache_config: "KVCacheConfig", group_id: int, block_siz
     """The fingerprint this engine's workers (TP size `tp_size`) would
     register for a group's layers at `block_size`: the vLLM fork's, a state
     layer's identity naming its split where its rows are numbered along TP
-    (kvcsum.vllm.cache_checksums.CacheChecksummer, cache_kinds.split_identity)."""
+    (kvcsum.vllm.cache_checksums.CacheChecksummer, cache_kinds.split_identity),
+    a pooled layer's p caches each its own (cache_kinds.states_per_token)."""
     from kvcsum.vllm.cache_kinds import split_identity, state_split_refused
 
     specs = _group_layer_specs(kv_cache_config, group_id, None, 1, conv_state_dim_first)
@@ -257,7 +258,10 @@ def group_fingerprint(kv_cache_config: "KVCacheConfig", group_id: int, block_siz
     split = len(states) == len(specs) and bool(states) and not state_split_refused(states, tp_size)
     total = 0
     for s in specs:
-        total += layer_fingerprint(s.name, s.spec_type, block_size, s.dtype, split_identity(s, tp_size) if split else "")
+        # A pooled layer's p identities (cache_checksums.layer_fingerprint).
+        total += layer_fingerprint(
+            s.name, s.spec_type, block_size, s.dtype, split_identity(s, tp_size) if split else "", states_per_token=s.states_per_token
+        )
     return total % 2**64
 
 

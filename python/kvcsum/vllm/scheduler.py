@@ -87,6 +87,12 @@ def _zeros(count: int):
     return (0,) * count
 
 
+def _is_ring(spec) -> bool:
+    """Whether a group's spec is a ring (CircularBufferSpec: one block a
+    request), or vLLM's UniformTypeKVCacheSpecs of rings."""
+    return type(getattr(spec, "first_spec", spec)).__name__ == "CircularBufferSpec"
+
+
 def _forget(verifier: "kvcsum.Verifier", req_id: str) -> None:
     try:
         verifier.forget(req_id)
@@ -193,12 +199,16 @@ class SchedulerRole:
         #: State (Mamba) groups, each True where vLLM keeps a state per block
         #: (mamba_cache_mode "align"): a request's state, at position 0 of
         #: its block set (SPEC section 6), is the block vLLM's Mamba kernels
-        #: read it from (state_column).
+        #: read it from (state_column). A ring group (CircularBufferSpec) is
+        #: one too: its state is the request's one block.
         self._state_groups = {
             g: str(getattr(kv_cache_config.kv_cache_groups[g].kv_cache_spec, "mamba_cache_mode", "none")) == "align"
             for g in self._block_sizes
             if g < len(kv_cache_config.kv_cache_groups)
-            and type(kv_cache_config.kv_cache_groups[g].kv_cache_spec).__name__ == "MambaSpec"
+            and (
+                type(kv_cache_config.kv_cache_groups[g].kv_cache_spec).__name__ == "MambaSpec"
+                or _is_ring(kv_cache_config.kv_cache_groups[g].kv_cache_spec)
+            )
         }
         self._kv_cache_manager = None
         self._tier_loads: dict[str, _TierLoad] = {}

@@ -16,6 +16,16 @@ The stand-in model works on bytes, whatever the kind:
   MLA and indexer caches): slot u of the request summarises tokens
   u*k .. (u+1)*k, written by the step that computes the last of them, its
   bytes depending only on those tokens, u, the layer and the head slot;
+- a pooled cache (`tokens_per_state` Fraction(1, p), Whisper's block
+  pooling): token t's p states at slots t*p .. t*p + p of its block
+  (whisper_causal.py:238-241), state i's bytes depending only on the
+  token, its position, i, the layer and the head slot;
+- a ring (CircularBufferSpec: one block a request): a step writes the row
+  of each of its positions at slot position % capacity (bytes depending
+  only on the token, its position and the layer, alike on every rank), and
+  first reads the rows of the RING_READS positions before its first (a
+  compressor's open group): a row that is not what the model computed is
+  noted as for a state;
 - a state cache (MambaSpec: a raw [B, 1, 1, content] page): after a step,
   the request's state block holds bytes that depend only on the layer and
   the tokens computed so far; a forward reads it first and finds it is
@@ -41,7 +51,18 @@ import mamba_states
 from harness import Engine, RankState
 from data_scale_pages import read_rows, split_pages, write_rows
 from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MambaSpec, UniformTypeKVCacheSpecs
+from vllm.v1.kv_cache_interface import (
+    CircularBufferSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    UniformTypeKVCacheSpecs,
+)
+
+#: The ring rows a step reads before its first position (the stand-in
+#: compressor's open group).
+RING_READS = 3
 
 
 def kinds_config(groups, num_blocks: int) -> KVCacheConfig:
@@ -94,6 +115,9 @@ class KindEngine(Engine):
 
     # --- the stand-in model ----------------------------------------------------------
 
+    def _is_ring(self, group_id: int) -> bool:
+        return isinstance(self.kv_cache_config.kv_cache_groups[group_id].kv_cache_spec, CircularBufferSpec)
+
     def _is_state(self, group_id: int) -> bool:
         return isinstance(self.kv_cache_config.kv_cache_groups[group_id].kv_cache_spec, MambaSpec)
 
@@ -109,6 +133,24 @@ class KindEngine(Engine):
             [sum(self.token_at(req_id, int(u) * k + i) * (2 * i + 1) for i in range(k)) for u in units], dtype=torch.int64
         )
         return self.cells_of(summary, units, layer, first_slot, slots, width)
+
+    def state_cells(self, req_id: str, positions: torch.Tensor, state: int, p: int, layer: int, first_slot: int, slots: int, width: int) -> torch.Tensor:
+        """[tokens, slots, width] bytes of state `state` of the given
+        positions' tokens, of p states a token (a pooled cache)."""
+        tokens = torch.tensor([self.token_at(req_id, int(t)) for t in positions], dtype=torch.int64)
+        return self.cells_of(tokens, positions * p + state, layer, first_slot, slots, width)
+
+    def ring_rows(self, req_id: str, positions: torch.Tensor, layer: int, ring: torch.Tensor) -> torch.Tensor:
+        """[positions, H, C] bytes of the ring rows of the given positions
+        (the same on every rank)."""
+        return self.cells(req_id, positions, layer, 0, ring.shape[0], ring.shape[2])
+
+    @staticmethod
+    def states_per_token(spec) -> int:
+        """p of a pooled cache (tokens_per_state Fraction(1, p)); 1 otherwise."""
+        from kvcsum.vllm.cache_kinds import states_per_token
+
+        return states_per_token(spec)
 
     @staticmethod
     def cells_of(values: torch.Tensor, places: torch.Tensor, layer: int, first_slot: int, slots: int, width: int) -> torch.Tensor:
@@ -201,6 +243,15 @@ class KindEngine(Engine):
                     if name not in state.caches:
                         continue  # another PP stage's
                     layer, cache = layer_of(name), state.caches[name]
+                    if self._is_ring(group_id):
+                        ring = cache.view(torch.uint8)[ids[0]]  # [H, capacity, C]
+                        capacity = ring.shape[1]
+                        read = torch.arange(max(0, start - RING_READS), start)
+                        if len(read) and not torch.equal(ring[:, read % capacity], self.ring_rows(req_id, read, layer, ring).transpose(0, 1)):
+                            self._read_bad.add((req_id, rank))
+                        written = positions[-capacity:]
+                        ring[:, written % capacity] = self.ring_rows(req_id, written, layer, ring).transpose(0, 1)
+                        continue
                     if self._is_state(group_id):
                         page = self._state_view(cache)
                         width, split = page.shape[1], self.state_split(group_id)
@@ -230,6 +281,12 @@ class KindEngine(Engine):
                         raw[blocks, :, local] = self.unit_cells(req_id, held, k, layer, first, slots, width)
                         continue
                     held, blocks, local = self.token_slots(spec, rank, positions, ids)
+                    p = self.states_per_token(spec)
+                    if p > 1:
+                        # Whisper's block pooling: token t's state i at slot t*p + i.
+                        for i in range(p):
+                            raw[blocks, :, local * p + i] = self.state_cells(req_id, held, i, p, layer, first, slots, width)
+                        continue
                     parts = split_pages(name, spec, cache)
                     if parts is not None:
                         # A block's data (an indexer's keys), then their scales, as vLLM writes them.
@@ -243,7 +300,7 @@ class KindEngine(Engine):
             return False
         table = state.tables[req_id]
         for group_id, group in enumerate(self.kv_cache_config.kv_cache_groups):
-            if self._is_state(group_id):
+            if self._is_state(group_id) or self._is_ring(group_id):
                 continue  # read (and judged) by the forward, before it writes
             for name in group.layer_names:
                 if name not in state.caches:
@@ -255,6 +312,14 @@ class KindEngine(Engine):
                 held, blocks, local = self.token_slots(spec, rank, places, table[group_id])
                 raw = state.caches[name].view(torch.uint8)
                 slots, width = raw.shape[1], raw.shape[3]
+                p = self.states_per_token(spec)
+                if p > 1:
+                    first = self._first_slot(name, rank, slots)
+                    for i in range(p):
+                        want = self.state_cells(req_id, held, i, p, layer_of(name), first, slots, width)
+                        if not torch.equal(raw[blocks, :, local * p + i], want):
+                            return False
+                    continue
                 parts = split_pages(name, spec, state.caches[name])
                 if parts is not None:
                     got = read_rows(parts, blocks, local).unsqueeze(1)

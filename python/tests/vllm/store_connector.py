@@ -27,12 +27,18 @@ keys, fp8_ds_mla states: data_scale_pages.py) are read and written where
 vLLM puts them; a stored row is a slot's data, then its scales, and
 `CORRUPT["byte"]` a byte of that row.
 
+Pooled caches (`tokens_per_state` Fraction(1, p), Whisper's block
+pooling): a token's p states (slots t*p .. t*p + p of its block) are moved
+as its row, [p, C] a head; `CORRUPT["byte"]` counts bytes of that row.
+
 State groups (MambaSpec: a request's state is one block, raw bytes): each
 layer's state block is moved whole, between equal TP sizes; where vLLM's
 NIXL connector derives how TP splits the state (mamba_states.nixl_split:
 Mamba1, Mamba2, GDN in the DS conv layout), row by global row (each conv
 sub-projection's channels, then the ssm state's first dimension), as NIXL
-moves each sub-projection's slice, so between any TP sizes.
+moves each sub-projection's slice, so between any TP sizes. Rings
+(CircularBufferSpec: one block a request): each layer's block is moved
+whole, as NIXL moves a ring's page.
 
 Held sends: with `SEND["held"]` set, the producer sends as a pull-based
 connector (NIXL) does: request_finished asks vLLM to keep the request's
@@ -74,6 +80,13 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 CORRUPT: dict = {}
 #: Send mode, set by the test: {"held": True} holds the blocks until sent.
 SEND: dict = {}
+
+
+def _states_per_token(spec) -> int:
+    """p of a pooled cache (tokens_per_state Fraction(1, p)); 1 otherwise."""
+    from kvcsum.vllm.cache_kinds import states_per_token
+
+    return states_per_token(spec)
 
 
 @dataclass
@@ -247,7 +260,9 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
         return getattr(spec, "kv_cache_specs", {}).get(name, spec)
 
     def _is_state(self, group: int) -> bool:
-        return type(self._groups[group].kv_cache_spec).__name__ == "MambaSpec"
+        """A MambaSpec group, or a ring (CircularBufferSpec: one block a
+        request, moved whole as a connector moving the block does)."""
+        return type(self._groups[group].kv_cache_spec).__name__ in ("MambaSpec", "CircularBufferSpec")
 
     def _state_block(self, group: int, table: dict, num_tokens: int) -> int:
         """The block holding the state after `num_tokens` tokens: the first
@@ -255,7 +270,7 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
         block_size with "align" (where vLLM's kernels keep it, the block
         its connectors move: kv_connector/utils.py clip_ssm_state_blocks)."""
         spec = self._groups[group].kv_cache_spec
-        column = max(0, num_tokens - 1) // spec.block_size if spec.mamba_cache_mode == "align" else 0
+        column = max(0, num_tokens - 1) // spec.block_size if getattr(spec, "mamba_cache_mode", "none") == "align" else 0
         return table[group][column]
 
     def _path(self, key: str, layer: str, head: int) -> str:
@@ -263,8 +278,12 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _state_rows(self, group: int):
         """(global row, byte offset in this rank's state, bytes) of each
-        state row this rank holds where vLLM's NIXL split applies, else None."""
-        split = mamba_states.nixl_split(self._groups[group].kv_cache_spec, self._tp)
+        state row this rank holds where vLLM's NIXL split applies, else None
+        (a ring's block is moved whole)."""
+        spec = self._groups[group].kv_cache_spec
+        if type(spec).__name__ != "MambaSpec":
+            return None
+        split = mamba_states.nixl_split(spec, self._tp)
         return None if split is None else mamba_states.rows_of(split, self._tp, self._rank)
 
     def _row_path(self, key: str, layer: str, row: int) -> str:
@@ -313,10 +332,14 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
                         and CORRUPT.get("layer", name) == name
                         and CORRUPT.get("head", first_head + h) == first_head + h
                     ):
-                        raw = stored[positions.tolist().index(token)].view(torch.uint8)
+                        raw = stored[positions.tolist().index(token)].view(torch.uint8).view(-1)
                         raw[CORRUPT.get("byte", 3)] ^= 0x10
                         CORRUPT["done"] = CORRUPT.get("done", 0) + 1
-                    if parts is not None:
+                    p = _states_per_token(self._own_spec(group, name))
+                    if p > 1:
+                        for i in range(p):
+                            cache[blocks, h, offsets * p + i] = stored[:, i]
+                    elif parts is not None:
                         write_rows(parts, blocks, offsets, stored)
                     else:
                         cache[blocks, h, offsets] = stored
@@ -353,8 +376,11 @@ class StoreConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             _, blocks, offsets = self._slots(group, table, 0, num_tokens, k)
             parts = split_pages(name, self._own_spec(group, name), cache)
+            p = _states_per_token(self._own_spec(group, name))
             for h in range(heads):
                 rows = read_rows(parts, blocks, offsets) if parts is not None else cache[blocks, h, offsets]
+                if p > 1:
+                    rows = torch.stack([cache[blocks, h, offsets * p + i] for i in range(p)], dim=1)
                 torch.save(rows.clone(), self._path(key, name, first_head + h))
 
     def wait_for_save(self):

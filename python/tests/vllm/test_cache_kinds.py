@@ -1197,3 +1197,87 @@ def test_deepseek_v41_528_byte_records_pd_round_trip(store, fault):
     else:
         flipped(pair, "req", KIND_PROMPT)
         assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == token // BLOCK * BLOCK, case
+
+
+# --- 11. Whisper's block pooling: p states a token --------------------------------------------
+
+from fractions import Fraction  # noqa: E402
+
+
+def pooled_groups(tp: int, block: int = BLOCK):
+    # Whisper's block pooling as vLLM 0.33 declares it (model_executor/
+    # models/whisper_causal.py:411-417): 4 KV heads, 4 states a token,
+    # token t's states at slots 4t .. 4t + 4 of its block (:238-241).
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=4 // tp, head_size=16, dtype=torch.float16, tokens_per_state=Fraction(1, 4))
+    return [([f"model.layers.{i}.self_attn.attn" for i in range(2)], spec)]
+
+
+@pytest.mark.parametrize("fault", [None, "state 0", "state 3"])
+def test_whisper_pooled_states_pd_round_trip_between_tp_and_block_sizes(store, fault):
+    # Producer TP 1 with 32-token blocks, consumer TP 2 with 16-token
+    # blocks: each state of a token is a cache of its layer, numbered by
+    # the token's place in the request. Token 30 (the consumer's block 1):
+    # byte 5 of state 0 or 3 of head 3 (rank 1) of layer 1; a stored row
+    # is a token's 4 states of 64 bytes.
+    state = None if fault is None else int(fault.split()[1])
+    corrupt = None if fault is None else {"token": 30, "layer": "model.layers.1.self_attn.attn", "head": 3, "byte": state * 64 + 5}
+    pair = kind_pd(store, f"Whisper pooling P TP 1 x 32, C TP 2 x 16, {fault or 'intact'}", pooled_groups, corrupt,
+                   p_tp=1, c_tp=2, p_block_size=32, p_groups=lambda tp: pooled_groups(tp, block=32))
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT))[1] == 0  # the producer's block of tokens 0..32
+
+
+@pytest.mark.parametrize("fault", [None, "state 2"])
+def test_whisper_pooled_states_tier_round_trip(fault):
+    # The tier keeps a block as its [H, N, C] view's bytes (2 heads a
+    # rank, N = 64 slots, 64-byte cells): byte 7 of head 1, slot 4*3 + 2,
+    # token 35's (block 2's token 3) state 2.
+    byte = (1 * 64 + 3 * 4 + 2) * 64 + 7
+    fault_spec = None if fault is None else {"flip": 2, "layer": "model.layers.0.self_attn.attn", "byte": byte}
+    pair = kind_tier(f"Whisper pooling TP 2, {fault or 'intact'}", pooled_groups, fault_spec, tp=2)
+    if fault is None:
+        intact(pair, "again", PROMPT)
+    else:
+        flipped(pair, "again", PROMPT)
+        assert computed(pair["wrapped"], "again")[1] == 2 * BLOCK
+
+
+# --- 12. rings (CircularBufferSpec: one block a request, moved whole) ------------------------
+
+from vllm.v1.kv_cache_interface import CircularBufferSpec  # noqa: E402
+
+
+def ring_groups(tp: int):
+    # Attention layers 0 and 1, and in each a compressor ring as DeepSeek
+    # V4.1 declares it (models/deepseek_v41/compressor.py:231-237: one
+    # head, fp32 rows, head_size_v 0), 8 rows: every TP rank holds it whole.
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=4 // tp, head_size=16, dtype=torch.float16)
+    ring = CircularBufferSpec(block_size=8, num_kv_heads=1, head_size=16, head_size_v=0, dtype=torch.float32)
+    return [
+        ([f"model.layers.{i}.self_attn.attn" for i in range(2)], full),
+        ([f"model.layers.{i}.self_attn.compressor.state_cache" for i in range(2)], ring),
+    ]
+
+
+@pytest.mark.parametrize("fault", [None, "ring row"])
+def test_a_ring_pd_round_trip_at_equal_tp(store, fault):
+    # P and D at TP 2; the ring's block moved whole (as NIXL moves it, from
+    # the rank of the same number). D loads 48 tokens and its first forward
+    # reads the rows of positions 45..47: a flipped byte of position 46's
+    # row (slot 6: byte 6*64 + 5 of the block) is a MISMATCH of the ring
+    # (group 1 position 0) and never used; intact, a MATCH with the bare
+    # connector's tokens reused.
+    corrupt = None if fault is None else {"state": 6 * 64 + 5, "layer": "model.layers.1.self_attn.compressor.state_cache"}
+    pair = kind_pd(store, f"attention + compressor ring TP 2, {fault or 'intact'}", ring_groups, corrupt, p_tp=2, c_tp=2)
+    verdict = pair["wrapped"].connector().last_verdicts["req"]
+    if fault is None:
+        intact(pair, "req", KIND_PROMPT)
+        assert verdict[2].endswith("(5 block positions compared)"), verdict  # 4 attention blocks and the ring
+    else:
+        flipped(pair, "req", KIND_PROMPT)
+        # Several groups: the whole load failed, computed from token 0.
+        assert computed(pair["wrapped"], "req", len(KIND_PROMPT)) == (len(KIND_PROMPT), 0)
+        assert "group 1 position 0" in verdict[2], verdict

@@ -9,6 +9,7 @@ of head slots add up at another TP size. Each case prints one line."""
 from __future__ import annotations
 
 import os
+import random
 import sys
 
 import pytest
@@ -20,6 +21,7 @@ import kvcsum  # noqa: E402
 from kvcsum.vllm.cache_checksums import CacheChecksummer, Job  # noqa: E402
 from kvcsum.vllm.config import layer_specs  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
+    CircularBufferSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -75,7 +77,7 @@ def engine_side(cfg: KVCacheConfig, seed: int | None, total_kv_heads: int, tp_ra
 def job(cfg: KVCacheConfig) -> Job:
     groups = {}
     for g, group in enumerate(cfg.kv_cache_groups):
-        groups[g] = (0, [STATE_BLOCK]) if isinstance(group.kv_cache_spec, MambaSpec) else (0, list(IDS))
+        groups[g] = (0, [STATE_BLOCK]) if isinstance(group.kv_cache_spec, (MambaSpec, CircularBufferSpec)) else (0, list(IDS))
     return Job("req", NUM_TOKENS, groups)
 
 
@@ -214,12 +216,16 @@ GLOBAL_ROWS = {
 def test_a_state_of_a_tp_split_vllm_derives_registers_each_sub_projection_and_the_ssm_rows_globally(ds_conv_layout, kind, tp):
     import mamba_states
     from kvcsum.vllm import cache_kinds
+    from kvcsum.vllm.config import group_fingerprint
 
     cfg = config([(MAMBA, mamba_kind(kind, tp))])
     vllm_split = mamba_states.nixl_split(cfg.kv_cache_groups[0].kv_cache_spec, tp)
     for rank in range(tp):
         caches, worker = engine_side(cfg, seed=None, total_kv_heads=4, tp_rank=rank, tp_size=tp)
         assert not worker.skipped and worker.shard_keyed == {}, (worker.skipped, worker.shard_keyed)
+        # The identities registered (each naming its split) sum to the
+        # fingerprint the scheduler computes at this TP size.
+        assert worker.fingerprints[0] == group_fingerprint(cfg, 0, cfg.kv_cache_groups[0].kv_cache_spec.block_size, tp)
         spec = next(s for s in layer_specs(cfg, 4)[0] if s.name == MAMBA[0])
         tensors = cache_kinds.state_tensors(caches[MAMBA[0]], spec, rank, tp, split=True)
         base = int(caches[MAMBA[0]].data_ptr())
@@ -914,30 +920,299 @@ def test_deepseek_v4_records_kvcsum_has_no_rule_for_are_named_not_checksummed():
         assert 0 in worker.skipped and worker.layers_registered == 0
 
 
-def test_a_ring_buffer_that_addresses_its_page_itself_is_named_not_checksummed():
-    # DeepSeek V4.1's compressor ring (CircularBufferSpec): one block a
-    # request, no slot mapping (vLLM's uses_slot_mapping False).
-    from kvcsum.vllm.config import groups_not_checksummed
-    from vllm.v1.kv_cache_interface import CircularBufferSpec
+# --- 8. Whisper's block pooling: p states a token, p caches of the layer ----------------------
 
-    spec = CircularBufferSpec(block_size=BLOCK, num_kv_heads=1, head_size=32, dtype=torch.bfloat16)
-    assert spec.uses_slot_mapping is False
+from fractions import Fraction  # noqa: E402
+
+#: The random cells of the naive-reference test (printed: a failure names it).
+SEED = int(os.environ.get("KVCSUM_SEED", random.SystemRandom().randrange(2**31)))
+MASK = 2**64 - 1
+
+
+def pooled(p: int = 4, heads: int = 4, block: int = BLOCK) -> FullAttentionSpec:
+    # Whisper's block pooling as vLLM 0.33 declares it (model_executor/
+    # models/whisper_causal.py:411-417): the layer's attention spec with
+    # tokens_per_state Fraction(1, p).
+    return FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=16, dtype=torch.float16, tokens_per_state=Fraction(1, p))
+
+
+def test_whisper_pooled_states_are_checksummed_as_p_caches_of_each_layer():
+    # vLLM's view of a pooled cache: [B, H, block_size * p, C], token t's
+    # state i at slot t*p + i of its block (whisper_causal.py:238-241;
+    # num_states, v1/kv_cache_interface.py:272-275). kvcsum registers
+    # state i of every token as a cache of the layer (slots i, i+p, ...).
+    from kvcsum.vllm.config import groups_not_checksummed
+
+    spec = pooled()
     cfg = config([(ATTN, spec)])
-    assert "no slot mapping" in groups_not_checksummed(cfg, 1)[0]
+    caches = allocate_kv_cache(cfg, torch.device("cpu"), KVCacheLayout.LBNHC)
+    assert spec.num_states == BLOCK * 4 and tuple(caches[ATTN[0]].shape) == (NUM_BLOCKS, 4, BLOCK * 4, 32)
+    assert groups_not_checksummed(cfg, 4) == {}
+    _, worker = engine_side(cfg, seed=2, total_kv_heads=4)
+    assert worker.skipped == {} and worker.layers_registered == 2 * 4  # 4 caches a layer
+
+
+def test_a_tokens_per_state_fraction_other_than_one_over_p_is_named_not_checksummed():
+    from kvcsum.vllm.config import groups_not_checksummed
+
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=4, head_size=16, dtype=torch.float16, tokens_per_state=Fraction(2, 3))
+    assert "stores 2/3 tokens per state" in groups_not_checksummed(config([(ATTN, spec)]), 4)[0]
+
+
+@pytest.mark.parametrize("state", [None, 0, 3])
+def test_whisper_pooled_states_round_trip(state):
+    # Token 21 (block 1, offset 5): its state `state`, head 2.
+    def flip(caches):
+        caches[ATTN[1]].view(torch.uint8)[IDS[1], 2, 5 * 4 + state, 9] ^= 0x10
+
+    report = round_trip(f"Whisper pooling (4 states a token), flip in state {state}", [(ATTN, pooled())], None if state is None else flip)
+    check(report, state is not None, IDS[1])
+
+
+def mix2(x: int) -> int:
+    """f of SPEC section 12 for MIXED2 (the default), written again here."""
+    lo, hi = x & 0xFFFFFFFF, x >> 32
+    for r, k in enumerate((0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D)):
+        product = lo * k
+        lo, hi = (hi + (product >> 32)) & 0xFFFFFFFF, product & 0xFFFFFFFF
+        if r > 0:
+            lo ^= hi
+    return (hi << 32) | lo
+
+
+def naive_pooled(cells: torch.Tensor, num_tokens: int, block: int) -> list:
+    """SPEC sections 1-3 over logical cells, loops over logical indices:
+    c(q) of each block position q, where state i of a token is a cache of
+    its layer whose heads come after the states before it (global head i*H
+    + h). cells: [layers, tokens, states, heads, cell bytes]."""
+    layers, _, states, heads, width = cells.shape
+    pieces = width // 8
+    out = []
+    for q in range(-(-num_tokens // block)):
+        total = 0
+        for layer in range(layers):
+            for i in range(states):
+                for h in range(heads):
+                    slice_sum = 0
+                    for t in range(q * block, min((q + 1) * block, num_tokens)):
+                        cell = bytes(cells[layer, t, i, h].tolist())
+                        for piece in range(pieces):
+                            x = int.from_bytes(cell[8 * piece : 8 * piece + 8], "little")
+                            slice_sum += mix2(x) * (2 * (t * pieces + piece) + 1)
+                    total += (2 * (layer * 65536 + i * heads + h) + 1) * slice_sum
+        out.append(total & MASK)
+    return out
+
+
+#: The request's blocks at block size 16 (45 tokens: 3) and 8 (6).
+POOLED_IDS = {16: [3, 7, 1], 8: [3, 7, 1, 9, 4, 10]}
+
+
+def pooled_ranks(cells: torch.Tensor, block: int, tp: int, layout=KVCacheLayout.LBNHC, kernel: int | None = None):
+    """A TP `tp` engine's caches holding `cells` (token t's state i of
+    global head g at slot t*p + i of its block, on rank g // (H / tp)),
+    the rest of every page random, and each rank's CacheChecksummer. With
+    `kernel`, vLLM splits each block into kernel blocks of that many tokens
+    (token o of a block: kernel block o // kernel, slot (o % kernel)*p + i)."""
+    _, tokens, p, heads, width = cells.shape
+    local = heads // tp
+    cfg = config([(ATTN, pooled(p, local, block))])
+    ids = torch.tensor(POOLED_IDS[block])
+    out = []
+    for rank in range(tp):
+        caches = allocate_kv_cache(cfg, torch.device("cpu"), layout, [kernel] if kernel else None)
+        buffer = raw(caches)
+        buffer.copy_(torch.randint(0, 256, buffer.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(SEED + 1 + rank)))
+        positions = torch.arange(tokens)
+        size = kernel or block
+        assert tuple(caches[ATTN[0]].shape)[:3] == (NUM_BLOCKS * (block // size), local, size * p), caches[ATTN[0]].shape
+        kernel_blocks = ids[positions // block] * (block // size) + (positions % block) // size
+        for layer, name in enumerate(ATTN):
+            page = caches[name].view(torch.uint8)
+            for i in range(p):
+                page[kernel_blocks, :, (positions % size) * p + i] = cells[layer, :, i, rank * local : (rank + 1) * local]
+        layers, sizes = layer_specs(cfg, heads)
+        worker = CacheChecksummer(layers, caches, cfg.num_blocks, sizes, tp_rank=rank, tp_size=tp)
+        assert worker.skipped == {}, worker.skipped
+        out.append((caches, worker))
+    return out
+
+
+@pytest.mark.parametrize("layout, kernel", [(KVCacheLayout.LBNHC, None), (KVCacheLayout.LBHNC, None), (KVCacheLayout.LBNHC, 4)])
+def test_pooled_caches_give_the_naive_reference_at_two_block_sizes_and_tp_1_and_2(layout, kernel):
+    # Seeded random cells of 2 layers, 45 tokens, 4 states a token, 4 KV
+    # heads, 64-byte cells (K then V of 16 fp16): the sum of the ranks'
+    # values at each block position is the naive reference's, at blocks of
+    # 16 and of 8 tokens (with `kernel`, split into kernel blocks of 4),
+    # TP 1 and TP 2; slots past the 45 tokens (random) are never read.
+    print(f"\nrandom cells seed {SEED} (KVCSUM_SEED)")
+    cells = torch.randint(0, 256, (2, NUM_TOKENS, 4, 4, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(SEED))
+    got = {}
+    for block in (16, 8):
+        want = naive_pooled(cells, NUM_TOKENS, block)
+        for tp in (1, 2):
+            total = [0] * len(want)
+            for _, worker in pooled_ranks(cells, block, tp, layout, kernel):
+                job = Job("req", NUM_TOKENS, {0: (0, POOLED_IDS[block])})
+                pending = worker.checksum([job], kvcsum.PRODUCER)
+                pending.wait()
+                columns = pending.result.columns("req", 0)
+                pending.result.close()
+                for column in columns.values():
+                    total = [(a + int(b)) & MASK for a, b in zip(total, column)]
+            assert total == want, f"block size {block}, TP {tp}, seed {SEED} (KVCSUM_SEED)"
+            got[block] = total
+    # Block size does not matter: two 8-token positions add up to the 16-token one.
+    assert got[16] == [(got[8][2 * q] + got[8][2 * q + 1]) & MASK for q in range(3)], f"seed {SEED}"
+
+
+@pytest.mark.parametrize("flip", [None, "state 2"])
+def test_pooled_caches_verify_from_tp_1_blocks_of_16_to_tp_2_blocks_of_8(flip):
+    # Through kvcsum.Verifier: a producer at TP 1 with 16-token blocks, a
+    # consumer at TP 2 with 8-token blocks holding the same cells; a flipped
+    # byte of token 21's state 2 (head 3: rank 1) is a MISMATCH at the
+    # producer's position 1 (tokens 16..32). The consumer takes the
+    # producer's fingerprint of its own layers at 16-token blocks for its
+    # own, as the connector does (kvcsum.vllm.load_verdict): the identity's
+    # block size is vLLM's.
+    from kvcsum.vllm.config import group_fingerprint
+    from kvcsum.vllm.load_verdict import rewrite_fingerprints
+
+    print(f"\nrandom cells seed {SEED} (KVCSUM_SEED)")
+    cells = torch.randint(0, 256, (2, NUM_TOKENS, 4, 4, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(SEED))
+    (_, producer), = pooled_ranks(cells, 16, 1)
+    consumers = pooled_ranks(cells, 8, 2)
+    if flip:
+        caches = consumers[1][0]
+        caches[ATTN[0]].view(torch.uint8)[POOLED_IDS[8][2], 1, (21 % 8) * 4 + 2, 17] ^= 0x04
+    p_job, c_job = (Job("req", NUM_TOKENS, {0: (0, POOLED_IDS[b])}) for b in (16, 8))
+    with kvcsum.Blocks() as p_blocks, kvcsum.Blocks() as c_blocks:
+        p_job.to_blocks(p_blocks)
+        c_job.to_blocks(c_blocks)
+        with kvcsum.Verifier(1) as p:
+            p.expect(p_blocks, kvcsum.PRODUCER)
+            p.add_record(producer.checksum([p_job], kvcsum.PRODUCER).record())
+            payload = p.payload("req")
+        own = config([(ATTN, pooled(4, 2, 8))])
+        payload = rewrite_fingerprints(payload, {0: (group_fingerprint(own, 0, 16), group_fingerprint(own, 0, 8))})
+        with kvcsum.Verifier(2) as c:
+            c.set_producer_tp_size(1)
+            c.set_producer_block_size(0, 16)
+            c.expect(c_blocks, kvcsum.CONSUMER)
+            for _, worker in consumers:
+                c.add_record(worker.checksum([c_job], kvcsum.CONSUMER).record())
+            report = c.check("req", payload)
+    print(f"\nCASE {f'Whisper pooling, TP 1 x 16 -> TP 2 x 8, flip {flip}':<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}")
+    if flip is None:
+        assert report.verdict == kvcsum.MATCH, f"{report.message} (seed {SEED})"
+    else:
+        assert report.verdict == kvcsum.MISMATCH, f"{report.message} (seed {SEED})"
+        assert {(m.first_token, m.num_tokens) for m in report.mismatches} == {(16, 16)}, report.mismatches
+
+
+@pytest.mark.parametrize("other", [1, 2])
+def test_a_side_pooling_by_another_p_is_unverified_never_a_mismatch(other):
+    # The layer identity carries p (vLLM's four fields are the same at any
+    # p), so a producer pooling 4 states a token and a consumer pooling
+    # `other` (1: none) have other fingerprints: UNVERIFIED, never MISMATCH.
+    from kvcsum.vllm.cache_checksums import layer_fingerprint
+    from kvcsum.vllm.config import group_fingerprint
+
+    p_cfg = config([(ATTN, pooled(4))])
+    c_cfg = config([(ATTN, pooled(other) if other > 1 else full(heads=4))])
+    _, producer = engine_side(p_cfg, seed=9, total_kv_heads=4)
+    _, consumer = engine_side(c_cfg, seed=9, total_kv_heads=4)
+    assert producer.fingerprints[0] == group_fingerprint(p_cfg, 0, BLOCK) != consumer.fingerprints[0] == group_fingerprint(c_cfg, 0, BLOCK)
+    name = ATTN[0]
+    assert layer_fingerprint(name, "FullAttentionSpec", BLOCK, "torch.float16", states_per_token=4) != layer_fingerprint(
+        name, "FullAttentionSpec", BLOCK, "torch.float16"
+    )
+    report = verdict([producer], [consumer], job(p_cfg), 1)
+    print(f"\nCASE {f'Whisper pooling 4 -> {other}':<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}")
+    assert report.verdict == kvcsum.UNVERIFIED, report.message
+
+
+# --- 9. rings (CircularBufferSpec): one block a request, compared whole -------------------------
+
+RING = [f"model.layers.{i}.self_attn.compressor.state_cache" for i in range(2)]
+
+
+def compressor_ring(capacity: int = 8) -> CircularBufferSpec:
+    # DeepSeek V4.1's compressor ring as vLLM 0.33 declares it
+    # (models/deepseek_v41/compressor.py:231-237: one head, the [kv, score]
+    # state of 2 x head_dim fp32, head_size_v 0; head_dim 512 there),
+    # `capacity` rows.
+    return CircularBufferSpec(block_size=capacity, num_kv_heads=1, head_size=64, head_size_v=0, dtype=torch.float32)
+
+
+def tail_ring() -> CircularBufferSpec:
+    # GLM-5 Next's indexer tail (models/glm5next/common/attention.py:170-180):
+    # two head slots (raw K, gate score) of bf16, not DCP-sharded.
+    return CircularBufferSpec(block_size=8, num_kv_heads=2, head_size=32, head_size_v=0, dtype=torch.bfloat16, dcp_sharded=False)
+
+
+@pytest.mark.parametrize("make", [compressor_ring, tail_ring])
+@pytest.mark.parametrize("where", [None, "row", "stale slot", "attention"])
+def test_a_ring_is_a_state_whose_block_is_compared_whole(make, where):
+    # A ring's block is the request's state (SPEC section 6: position 0),
+    # every byte of it: the rows written at position % capacity and the
+    # slots no row reached (vLLM does not zero a ring's block), which a
+    # connector moving the block moves too. A flipped byte of either is a
+    # MISMATCH of the ring's position 0; intact, a MATCH.
+    from kvcsum.vllm.config import groups_not_checksummed
+
+    groups = [(ATTN, full()), (RING, make())]
+    assert groups_not_checksummed(config(groups), 4) == {}
+
+    def flip(caches):
+        if where == "attention":
+            caches[ATTN[0]].view(torch.uint8)[IDS[2], 1, 3, 7] ^= 0x01
+            return
+        ring = caches[RING[1]].view(torch.uint8)
+        assert tuple(ring.shape)[:3] == (NUM_BLOCKS, make().num_kv_heads, 8)
+        ring[STATE_BLOCK, ring.shape[1] - 1, 2 if where == "row" else 7, 5] ^= 0x20
+
+    report = round_trip(f"{make.__name__} ring + attention, flip in {where}", groups, flip if where else None)
+    check(report, where is not None, IDS[2] if where == "attention" else STATE_BLOCK)
+
+
+def test_a_ring_is_numbered_by_head_slot_row_and_element_whatever_the_layout():
+    # The same logical ring (head slot, row, element) in vLLM's LBNHC and
+    # LBHNC views (row-major and head-major pages): equal checksums.
+    groups = [(ATTN, full()), (RING, tail_ring())]
+    cfg = config(groups)
+    p_caches, producer = engine_side(cfg, seed=21, total_kv_heads=4)
+    c_caches = allocate_kv_cache(cfg, torch.device("cpu"), KVCacheLayout.LBHNC)
+    for name in ATTN + RING:
+        c_caches[name].copy_(p_caches[name])
+    layers, sizes = layer_specs(cfg, 4)
+    consumer = CacheChecksummer(layers, c_caches, cfg.num_blocks, sizes)
+    report = verdict([producer], [consumer], job(cfg), 1)
+    print(f"\nCASE {'ring of 2 head slots, LBNHC -> LBHNC':<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}")
+    assert report.verdict == kvcsum.MATCH, report.message
+
+
+def test_a_ring_at_another_tp_size_or_capacity_is_unverified_never_a_mismatch():
+    # Shard-keyed: the rows are the same on every rank, the stale slots are
+    # not, so only equal TP sizes compare; another capacity (another
+    # speculative lookahead) is another block size in the identity.
+    from kvcsum.vllm.config import group_fingerprint
+
+    cfg = config([(RING, compressor_ring())])
+    _, producer = engine_side(cfg, seed=3, total_kv_heads=4)
+    assert producer.shard_keyed and producer.fingerprints[0] == group_fingerprint(cfg, 0, 8, 1)
+    consumers = [engine_side(cfg, seed=3, total_kv_heads=4, tp_rank=r, tp_size=2)[1] for r in range(2)]
+    report = verdict([producer], consumers, job(cfg), 1)
+    print(f"\nCASE {'ring, producer TP 1, consumer TP 2':<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}")
+    assert report.verdict == kvcsum.UNVERIFIED, report.message
+    other = config([(RING, compressor_ring(16))])
+    _, consumer = engine_side(other, seed=3, total_kv_heads=4)
+    report = verdict([producer], [consumer], job(cfg), 1)
+    print(f"\nCASE {'ring of 8 rows -> ring of 16':<52} | {NAMES[report.verdict]:<10} | {report.message[:110]}")
+    assert report.verdict == kvcsum.UNVERIFIED, report.message
 
 
 # --- what vLLM allows that kvcsum names, and what vLLM itself refuses ------------------------
-
-
-def test_whisper_pooled_states_are_named_not_checksummed():
-    # Whisper's block pooling: several states a token, each token's
-    # block_pool_size states consecutive slots (whisper_causal.py).
-    from fractions import Fraction
-
-    from kvcsum.vllm.config import groups_not_checksummed
-
-    cfg = config([(ATTN, full(tokens_per_state=Fraction(1, 4)))])
-    assert "stores 1/4 tokens per state" in groups_not_checksummed(cfg, 4)[0]
 
 
 def test_a_host_resident_group_is_named_not_checksummed():
