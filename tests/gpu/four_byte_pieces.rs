@@ -343,6 +343,14 @@ fn device_tier_store_of_4_byte_piece_blocks_keeps_the_naive_value() {
         for (worker, what) in [(&pair.host, "host"), (&pair.device, "device")] {
             let mut index = TierIndex::new(64).unwrap();
             index.store(worker, &blocks, StreamHandle::legacy_default()).unwrap();
+            // A device worker's stores are queued: the check waits for them
+            // and reads their values (the host's are kept at once).
+            let outcomes = index.check(worker, &blocks, StreamHandle::legacy_default()).unwrap();
+            assert_eq!(
+                outcomes,
+                vec![TierOutcome::Matched; positions as usize],
+                "{what} (seed {seed})"
+            );
             for p in 0..positions {
                 assert_eq!(
                     index.values(0, &hashes[p as usize]).unwrap(),
@@ -350,12 +358,6 @@ fn device_tier_store_of_4_byte_piece_blocks_keeps_the_naive_value() {
                     "{what}, position {p} (seed {seed})"
                 );
             }
-            let outcomes = index.check(worker, &blocks, StreamHandle::legacy_default()).unwrap();
-            assert_eq!(
-                outcomes,
-                vec![TierOutcome::Matched; positions as usize],
-                "{what} (seed {seed})"
-            );
         }
     });
 }
