@@ -146,19 +146,38 @@ pub fn rank_worker(cache: &RankCache, p: GroupPlacement, block_size: u32, rank: 
 /// Registers `cache` (its words at `base`: host memory, or a device copy)
 /// on `worker` as DCP rank `rank`'s cache of group [`GROUP`], placed by `p`.
 pub fn register_rank(worker: &mut Worker, base: u64, cache: &RankCache, p: GroupPlacement, block_size: u32, rank: u32) {
+    let cell = PIECES as i64 * 8;
+    let region = cache.words.len() as u64 * 8;
+    register_placed_layers(worker, base, region, cell, cache.local, p, block_size, rank);
+}
+
+/// Registers the `[layer][head]` cells of `cell` bytes a token of a rank's
+/// cache (`region` bytes at `base`, `local` slots a block) on `worker` as
+/// DCP rank `rank`'s cache of group [`GROUP`], placed by `p`: the one
+/// registration of both piece widths.
+#[allow(clippy::too_many_arguments)]
+pub fn register_placed_layers(
+    worker: &mut Worker,
+    base: u64,
+    region: u64,
+    cell: i64,
+    local: u32,
+    p: GroupPlacement,
+    block_size: u32,
+    rank: u32,
+) {
     worker
         .add_region(Region {
             address: base,
-            length: cache.words.len() as u64 * 8,
+            length: region,
         })
         .unwrap();
     worker.add_group(GROUP, block_size).unwrap();
     worker
         .set_group_placement(GROUP, GroupPlacement { dcp_rank: rank, ..p })
         .unwrap();
-    let cell = PIECES as i64 * 8;
     let token_stride = cell * (LAYERS * HEADS) as i64;
-    let tokens_per_kernel_block = cache.local / KERNEL_BLOCKS;
+    let tokens_per_kernel_block = local / KERNEL_BLOCKS;
     for layer in 0..LAYERS {
         worker
             .add_layer(LayerSpec {
@@ -175,7 +194,7 @@ pub fn register_rank(worker: &mut Worker, base: u64, cache: &RankCache, p: Group
                 tokens_per_kernel_block,
                 segments: vec![Segment {
                     address: base + (layer as i64 * HEADS as i64 * cell) as u64,
-                    block_stride: token_stride * cache.local as i64,
+                    block_stride: token_stride * local as i64,
                     kernel_block_stride: token_stride * tokens_per_kernel_block as i64,
                     head_stride: cell,
                     token_stride,
@@ -192,18 +211,19 @@ pub fn register_rank(worker: &mut Worker, base: u64, cache: &RankCache, p: Group
 /// NHD cache of two kernel blocks a local block placed by vLLM's forward
 /// map, and the naive partial that walks that map.
 pub mod narrow {
-    use kvcsum::{GroupPlacement, LayerSpec, Region, ReplicaKey, Segment, Worker};
+    use kvcsum::{GroupPlacement, Worker};
 
     use super::super::{algorithm, host_worker, naive_piece, Rng, HEADS_PER_LAYER};
     use super::forward;
 
-    pub const LAYERS: u32 = 2;
-    pub const HEADS: u32 = 2;
+    // The same layers, heads, blocks and group as 8-byte pieces' (one
+    // registration serves both: `super::register_placed_layers`).
+    pub const LAYERS: u32 = super::LAYERS;
+    pub const HEADS: u32 = super::HEADS;
+    pub const NUM_BLOCKS: u32 = super::NUM_BLOCKS;
+    pub const GROUP: u32 = super::GROUP;
+    pub const REQ: &str = super::REQ;
     pub const PIECES: u32 = 3;
-    pub const KERNEL_BLOCKS: u32 = 2;
-    pub const NUM_BLOCKS: u32 = 8;
-    pub const GROUP: u32 = 0;
-    pub const REQ: &str = "req";
 
     /// One request's units: `[layer][head][unit][piece]`, random.
     pub struct Units {
@@ -341,44 +361,8 @@ pub mod narrow {
         block_size: u32,
         rank: u32,
     ) {
-        worker
-            .add_region(Region {
-                address: base,
-                length: cache.words.len() as u64 * 4,
-            })
-            .unwrap();
-        worker.add_group(GROUP, block_size).unwrap();
-        worker
-            .set_group_placement(GROUP, GroupPlacement { dcp_rank: rank, ..p })
-            .unwrap();
         let cell = PIECES as i64 * 4;
-        let token_stride = cell * (LAYERS * HEADS) as i64;
-        let tokens_per_kernel_block = cache.local / KERNEL_BLOCKS;
-        for layer in 0..LAYERS {
-            worker
-                .add_layer(LayerSpec {
-                    group_id: GROUP,
-                    layer_number: layer,
-                    first_head: 0,
-                    num_heads: HEADS,
-                    replica: ReplicaKey {
-                        replicas: 1,
-                        replica_index: 0,
-                    },
-                    num_blocks: NUM_BLOCKS,
-                    kernel_blocks: KERNEL_BLOCKS,
-                    tokens_per_kernel_block,
-                    segments: vec![Segment {
-                        address: base + (layer as i64 * HEADS as i64 * cell) as u64,
-                        block_stride: token_stride * cache.local as i64,
-                        kernel_block_stride: token_stride * tokens_per_kernel_block as i64,
-                        head_stride: cell,
-                        token_stride,
-                        bytes_per_token: cell as u32,
-                    }],
-                    identity: format!("layer {layer}").into_bytes(),
-                })
-                .unwrap();
-        }
+        let region = cache.words.len() as u64 * 4;
+        super::register_placed_layers(worker, base, region, cell, cache.local, p, block_size, rank);
     }
 }
