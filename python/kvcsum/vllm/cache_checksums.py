@@ -155,16 +155,31 @@ def identity(
 
 
 def layer_fingerprint(
-    layer_name: str, spec_type: str, block_size: int, dtype: str, split: str = "", *, states_per_token: int = 1
+    layer_name: str, spec_type: str, block_size: int, dtype: str, split: str = "", *, states_per_token: int = 1,
+    slot_parts: int = 1,
 ) -> int:
     """First 8 bytes, little-endian, of the SHA-256 of the identity; of a
     layer of p > 1 states a token, the sum of its p caches' (SPEC section
-    7: every registered cache counts)."""
+    7: every registered cache counts). A head-slot cache registers its K
+    slots and its V slots as `slot_parts` (2) caches, the V slots' with no
+    identity: each of those counts the SHA-256 of no bytes, as the library
+    counts it (kvcs_layer.identity NULL)."""
     total = 0
     for state in range(max(1, states_per_token)):
         ident = identity(layer_name, spec_type, block_size, dtype, split, states_per_token=states_per_token, state=state)
         total += int.from_bytes(hashlib.sha256(ident).digest()[:8], "little")
+        total += (slot_parts - 1) * _NO_IDENTITY
     return total % 2**64
+
+
+#: What a cache registered with no identity adds to its group's fingerprint.
+_NO_IDENTITY = int.from_bytes(hashlib.sha256(b"").digest()[:8], "little")
+
+
+def slot_parts(spec: "LayerSpec") -> int:
+    """The caches one layer's cache is registered as per state: its K slots
+    and its V slots where it holds head slots (`num_slots`), else one."""
+    return 2 if spec.num_slots else 1
 
 
 _NUMBER = re.compile(r"^\d+$")
@@ -515,7 +530,8 @@ class CacheChecksummer:
             split = cache_kinds.split_identity(spec, self.tp_size) if split_known else ""
             ident = _registered_identity(spec, split)
             fingerprint += layer_fingerprint(
-                spec.name, spec.spec_type, _identity_block_size(spec), spec.dtype, split, states_per_token=spec.states_per_token
+                spec.name, spec.spec_type, _identity_block_size(spec), spec.dtype, split, states_per_token=spec.states_per_token,
+                slot_parts=slot_parts(spec),
             )
             entry = caches.setdefault(key, {"numbers": [], "spec": spec, "tensor": tensor, "idents": []})
             entry["numbers"].append(number)

@@ -10,7 +10,7 @@ import difflib
 from typing import TYPE_CHECKING, Any
 
 import kvcsum
-from kvcsum.vllm.cache_checksums import LayerSpec, layer_fingerprint
+from kvcsum.vllm.cache_checksums import LayerSpec, layer_fingerprint, slot_parts
 from kvcsum.vllm.tier_values import DEFAULT_CAPACITY
 
 from vllm.config.kv_transfer import KVTransferConfig
@@ -260,7 +260,8 @@ def group_fingerprint(kv_cache_config: "KVCacheConfig", group_id: int, block_siz
     for s in specs:
         # A pooled layer's p identities (cache_checksums.layer_fingerprint).
         total += layer_fingerprint(
-            s.name, s.spec_type, block_size, s.dtype, split_identity(s, tp_size) if split else "", states_per_token=s.states_per_token
+            s.name, s.spec_type, block_size, s.dtype, split_identity(s, tp_size) if split else "", states_per_token=s.states_per_token,
+            slot_parts=slot_parts(s),
         )
     return total % 2**64
 

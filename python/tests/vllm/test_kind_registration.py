@@ -464,6 +464,31 @@ def b12x(heads=4) -> FullAttentionSpec:
     return spec
 
 
+@pytest.mark.parametrize("make", [nvfp4, b12x], ids=["nvfp4", "b12x"])
+def test_a_head_slot_cache_fingerprints_as_the_library_registers_it(make):
+    # Its K slots and V slots are two caches, the V slots' with no
+    # identity; the library counts that entry too (SPEC section 7). The
+    # scheduler's fingerprint of the group at a block size (what a load
+    # across block sizes is compared under: load_verdict) must be the
+    # library's, or such loads would be UNVERIFIED for nothing.
+    from kvcsum.vllm.config import group_fingerprint
+
+    cfg = config([(ATTN, make())])
+    _, producer = engine_side(cfg, seed=5, total_kv_heads=4)
+    assert not producer.skipped, producer.skipped
+    with kvcsum.Blocks() as blocks:
+        job(cfg).to_blocks(blocks)
+        with kvcsum.Verifier(1) as p:
+            p.expect(blocks, kvcsum.PRODUCER)
+            p.add_record(producer.checksum([job(cfg)], kvcsum.PRODUCER).record())
+            library = kvcsum.decode_payload(p.payload("req")).group(0).fingerprint
+    assert library == producer.fingerprints[0] == group_fingerprint(cfg, 0, BLOCK)
+    # Without the V slots' entry it would not be.
+    from kvcsum.vllm.cache_checksums import layer_fingerprint
+
+    assert library != sum(layer_fingerprint(name, type(make()).__name__, BLOCK, str(make().dtype)) for name in ATTN) % 2**64
+
+
 @pytest.mark.parametrize("heads", [4, 2])
 @pytest.mark.parametrize("flip", [None, "k", "v"])
 def test_b12x_k_and_v_slots_of_tp_shards_add_up_at_another_tp_size(heads, flip):
