@@ -361,9 +361,7 @@ class WorkerRole:
         blocks = sum(len(ids) for checksum, _ in pending for _, ids in checksum.job.groups.values())
         groups = sum(len(checksum.job.groups) for checksum, _ in pending)
         layers = sum(len(group.layer_names) for group in self._kv_cache_config.kv_cache_groups)
-        parallel = getattr(self._vllm_config, "parallel_config", None)
-        columns = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
-        return record_bound(blocks, groups, layers, columns, len(pending))
+        return record_bound(blocks, groups, layers, _tp_size(self._vllm_config), len(pending))
 
     def _refuse_unfailable(self, what: str, req_id: str, invalid: set, why: str = "") -> None:
         """A sync load judged bad on a model with several KV cache groups,
