@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import sys
 from ctypes import byref, c_int64, c_uint8
 
 import numpy as np
@@ -67,8 +68,9 @@ def _has_dlpack(array) -> bool:
     return callable(getattr(array, "__dlpack__", None))
 
 
-def _dlpack_info(array) -> tuple[int, tuple, tuple, int, str]:
-    """(address, shape, byte strides, item size, numpy kind) of a DLPack
+def _dlpack_info(array) -> tuple[int, tuple, tuple, int, str, str]:
+    """(address, shape, byte strides, item size, numpy kind, device name of
+    _DL_DEVICES) of a DLPack
     producer (`__dlpack__`: JAX, CuPy, TensorFlow, numpy ...). Only the
     description is read: the capsule is left unconsumed, so its own
     destructor releases the producer's export, and the caller keeps the
@@ -113,7 +115,7 @@ def _dlpack_info(array) -> tuple[int, tuple, tuple, int, str]:
         strides = tuple(reversed(steps))
     address = int(tensor.data or 0) + int(tensor.byte_offset)
     del capsule
-    return address, shape, strides, item, kind
+    return address, shape, strides, item, kind, device
 
 
 def _array_info(array) -> tuple[int, tuple, tuple, int]:
@@ -143,6 +145,27 @@ def _array_info(array) -> tuple[int, tuple, tuple, int]:
     )
 
 
+def _memory_of(array) -> str:
+    """Where the bytes of `array` live, as far as it says: "host" (numpy,
+    a CPU torch tensor, pinned or not, `__array_interface__`, DLPack's CPU,
+    pinned and managed memory), "cuda" (a torch tensor on a CUDA device,
+    `__cuda_array_interface__`, DLPack's CUDA device memory), "rocm" (a
+    torch tensor on a GPU of ROCm's torch, whose device type is also
+    "cuda"), or a torch tensor's other device type ("xpu", "mps", "meta",
+    ...). The interface `_array_info` takes its address from decides."""
+    if hasattr(array, "data_ptr") and hasattr(array, "element_size") and callable(array.stride):
+        kind = str(getattr(getattr(array, "device", None), "type", "cpu"))
+        if kind == "cpu":
+            return "host"
+        if kind == "cuda" and getattr(getattr(sys.modules.get("torch"), "version", None), "hip", None):
+            return "rocm"
+        return kind
+    if not hasattr(array, "__cuda_array_interface__") and not hasattr(array, "__array_interface__") and _has_dlpack(array):
+        # _dlpack_info refuses device types other than these.
+        return "cuda" if _dlpack_info(array)[5] == "cuda" else "host"
+    return "cuda" if hasattr(array, "__cuda_array_interface__") else "host"
+
+
 def region_of(array) -> tuple[int, int]:
     """(address, length) of the bytes `array` can reach, for Worker.add_region."""
     address, shape, strides, item = _array_info(array)
@@ -169,7 +192,7 @@ def _elements(array) -> tuple[str, bool, bool, str]:
             kind = "i" if dtype.is_signed else "u"
         return kind, True, True, str(dtype)
     if not hasattr(array, "__cuda_array_interface__") and not hasattr(array, "__array_interface__") and _has_dlpack(array):
-        *_, item, kind = _dlpack_info(array)
+        _, _, _, item, kind, _ = _dlpack_info(array)
         # DLPack says nothing of writability (1.x's read-only flag aside): a
         # stored-checksum buffer takes a numpy array or a torch tensor.
         return kind, True, False, f"DLPack {kind}{8 * item}"

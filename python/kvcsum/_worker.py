@@ -31,7 +31,7 @@ from ._base import (
 )
 from ._constants import HOST, PRODUCER, Algorithm, Role, Status
 from ._errors import InvalidArgument
-from ._layers import Layer, StateTensor, _stored_buffer, region_of
+from ._layers import Layer, StateTensor, _stored_buffer, _memory_of, region_of
 from ._lib import BLOCK_CHECKSUM_BYTES
 
 # --- Handles -------------------------------------------------------------------
@@ -401,9 +401,35 @@ class Worker(_Handle):
 
     def add_region_of(self, array) -> None:
         """Registers the bytes a numpy array or torch tensor spans, and
-        keeps the array for the worker's lifetime."""
+        keeps the array for the worker's lifetime. Memory this worker cannot
+        read raises kvcsum.InvalidArgument naming where it lives (see
+        `_check_readable`)."""
+        self._check_readable(array, "array")
         self.add_region(*region_of(array))
         self._kept.append(array)
+
+    def _check_readable(self, array, name: str) -> None:
+        """kvcsum.InvalidArgument unless this worker's engine can read the
+        memory `array` says it lives in: a host worker
+        host memory, a device worker CUDA device memory or host memory
+        (which the library then checks is pinned, mapped for the device).
+        The library cannot tell a device address from a host one on a host
+        worker (both may be mapped in the process), so it is decided here
+        where the array says. ROCm's and other devices' memory (XPU, MPS,
+        ...) no engine of kvcsum reads."""
+        where = _memory_of(array)
+        if where == "host" or (where == "cuda" and not self._on_host):
+            return
+        engine = "host memory" if self._on_host else "CUDA device memory or pinned host memory"
+        what = {"cuda": "CUDA device memory", "rocm": "a ROCm GPU (kvcsum's device engine is CUDA's)"}.get(
+            where, f"a {where!r} device"
+        )
+        raise InvalidArgument(
+            1,
+            "KVCS_ERR_INVALID_ARGUMENT",
+            f"{name}: a {type(array).__name__} in {what}; this {'host' if self._on_host else 'device'} worker reads "
+            f"{engine}",
+        )
 
     def add_group(self, group_id: int, block_size: int) -> None:
         """Registers group `group_id` with `block_size` tokens per block."""
@@ -452,6 +478,8 @@ class Worker(_Handle):
     def add_layer(self, layer: Layer) -> None:
         """Registers a layer (see kvcsum.layer) and keeps its arrays."""
         _of_type(layer, Layer, "layer")
+        for i, array in enumerate(layer.arrays):
+            self._check_readable(array, f"layer.arrays[{i}]")
         struct, keep_alive = layer._struct()
         with self._use(exclusive=True) as handle:
             _check(self._lib.kvcs_worker_add_layer(handle, byref(struct)))
@@ -576,6 +604,7 @@ class Worker(_Handle):
         host worker the array's bytes are registered as a region too (a host
         buffer must lie in one)."""
         address, num_blocks = _stored_buffer(array, "array")
+        self._check_readable(array, "array")
         if self._on_host:
             self.add_region(address, num_blocks * BLOCK_CHECKSUM_BYTES)
         self.add_stored(group_id, address, num_blocks)
