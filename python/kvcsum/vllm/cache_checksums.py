@@ -20,8 +20,9 @@ vLLM passed to `register_kv_caches` to `CacheChecksummer`, which
   tell apart: `identity`); layers that share another layer's cache (KV
   sharing) count in the fingerprint and are checksummed once, under the
   lowest layer number, as the fork does;
-- uses a host worker for CPU tensors and a device worker for CUDA tensors,
-  queueing on torch's current stream;
+- uses a host worker for CPU tensors and a device worker for CUDA tensors
+  (and pinned host tensors beside them), queueing on torch's current
+  stream (`worker_device`: what no engine of kvcsum reads is refused);
 - declares the groups it cannot checksum (state layers, packed head slots,
   layers without one layer number in their name) as skipped, with the
   reason, so the verifier knows their sums are partial.
@@ -36,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
+import sys
 import time
 from typing import Iterable, Mapping, Sequence
 
@@ -202,8 +204,50 @@ def layer_number(layer_name: str) -> int:
 DEVICE_READS_4_BYTE_PIECES = True
 
 
-def _is_cuda(tensor) -> bool:
-    return getattr(getattr(tensor, "device", None), "type", "cpu") == "cuda"
+def worker_device(layers: Sequence[LayerSpec], kv_caches: Mapping[str, object]) -> int:
+    """The kvcsum worker the caches of `layers` need: kvcsum.HOST where they
+    are all in host memory, else the CUDA device ordinal they are on, whose
+    device worker also reads pinned host memory (a cache in host memory
+    beside CUDA ones must be pinned). Layers kvcsum does not checksum
+    (`unsupported`: HiSparse's host-resident group, whose pages are in
+    HiSparse's pinned host pool) are never read and do not count. ValueError,
+    naming the layer and its device, for caches no engine of kvcsum reads:
+    a GPU of ROCm's torch (kvcsum's device engine is CUDA's), another
+    device type (XPU, HPU, ...), host memory that is not pinned beside CUDA
+    caches, or caches on several CUDA devices."""
+    hip = getattr(getattr(sys.modules.get("torch"), "version", None), "hip", None)
+    cuda: dict[int, str] = {}
+    host: list[str] = []
+    for spec in layers:
+        tensor = kv_caches.get(spec.name)
+        if tensor is None or spec.unsupported:
+            continue
+        device = getattr(tensor, "device", None)
+        kind = getattr(device, "type", "cpu")
+        if kind == "cuda" and hip:
+            raise ValueError(
+                f"layer {spec.name}'s KV cache is on a GPU of ROCm's torch (HIP {hip}): kvcsum's device engine runs "
+                "on CUDA only, so no KV on ROCm GPUs can be checksummed"
+            )
+        if kind == "cuda":
+            index = getattr(device, "index", None)
+            cuda.setdefault(0 if index is None else int(index), spec.name)
+        elif kind == "cpu":
+            if not tensor.is_pinned():
+                host.append(spec.name)
+        else:
+            raise ValueError(
+                f"layer {spec.name}'s KV cache is on device {device}: kvcsum checksums KV in host memory or on CUDA "
+                "devices"
+            )
+    if len(cuda) > 1:
+        raise ValueError(f"the KV caches are on several CUDA devices: {sorted(cuda)} (layers {sorted(cuda.values())})")
+    if cuda and host:
+        raise ValueError(
+            f"layer {host[0]}'s KV cache is in host memory that is not pinned, beside caches on CUDA device "
+            f"{next(iter(cuda))}: a device worker reads device memory and pinned host memory only"
+        )
+    return next(iter(cuda)) if cuda else kvcsum.HOST
 
 
 def _block_slots(spec: LayerSpec) -> int:
@@ -423,14 +467,7 @@ class CacheChecksummer:
         tensors = [kv_caches[spec.name] for spec in present]
         # The worker reads these tensors' memory: keep them alive with it.
         self._tensors = tensors
-        devices = {(t.device.type, t.device.index) for t in tensors if _is_cuda(t)}
-        if len(devices) > 1:
-            raise ValueError(f"the KV caches are on several devices: {sorted(devices)}")
-        self.device = next(iter(devices))[1] if devices else kvcsum.HOST
-        if devices and any(not _is_cuda(t) for t in tensors):
-            raise ValueError("the KV caches are partly on a CUDA device, partly on the host")
-        if self.device != kvcsum.HOST and self.device is None:
-            self.device = 0
+        self.device = worker_device(present, kv_caches)
         self.worker = kvcsum.Worker(
             tp_rank=tp_rank,
             tp_size=tp_size,

@@ -110,6 +110,44 @@ def check_tp_on_device() -> str:
     return f"{len(got)} payloads of TP 2 on the device verify against TP 1 on the host"
 
 
+def check_pinned_host_cache_beside_cuda(role: int) -> str:
+    """A layer's cache in pinned host memory beside CUDA caches (as
+    HiSparse's host pool is): the device worker reads it across the bus,
+    with the values and record a host worker gives over the same bytes.
+    Unpinned host memory there is refused by name, and a host worker
+    refuses a CUDA tensor (the library alone cannot tell its address from
+    a host one)."""
+    logical = logical_caches(NUM_LAYERS, NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD, seed=17)
+    specs = layer_specs(NUM_LAYERS, BLOCK, HEADS, HEAD)
+    host, host_record = _values(checksummer(specs, lay_out(logical, "LBHNC"), NUM_BLOCKS, BLOCK), role, _jobs())
+    caches = lay_out(logical, "LBHNC", device="cuda")
+    caches[1] = caches[1].cpu().pin_memory()
+    assert caches[1].is_pinned()
+    worker = checksummer(specs, caches, NUM_BLOCKS, BLOCK)
+    assert worker.device == torch.cuda.current_device(), worker.device
+    device, device_record = _values(worker, role, _jobs())
+    assert device.keys() == host.keys()
+    for key in host:
+        assert (device[key] == host[key]).all(), f"device with a pinned layer differs from host at {key}"
+    assert device_record == host_record, "device (a pinned layer) and host records differ"
+    caches[1] = caches[1].clone()  # unpinned
+    assert not caches[1].is_pinned()
+    try:
+        checksummer(specs, caches, NUM_BLOCKS, BLOCK)
+    except ValueError as error:
+        assert "not pinned" in str(error), error
+    else:
+        raise AssertionError("unpinned host memory beside CUDA caches was taken")
+    with kvcsum.Worker() as host_worker:
+        try:
+            host_worker.add_region_of(torch.zeros(64, device="cuda"))
+        except kvcsum.InvalidArgument as error:
+            assert "CUDA device memory" in str(error), error
+        else:
+            raise AssertionError("a host worker took a CUDA tensor")
+    return f"{len(host)} columns equal the host worker's; unpinned host memory and a host worker's CUDA tensor refused"
+
+
 def _payloads(records, num_workers):
     out = []
     with kvcsum.Verifier(num_workers) as verifier, kvcsum.Blocks() as blocks:
@@ -136,6 +174,9 @@ def main() -> int:
         for layout in MLA_LAYOUTS:
             checks.append((f"{layout} {'producer' if role == kvcsum.PRODUCER else 'consumer'}", lambda l=layout, r=role: check_layout(l, r, mla=True)))
     checks.append(("TP 2 on the device = TP 1 on the host", check_tp_on_device))
+    for role in (kvcsum.PRODUCER, kvcsum.CONSUMER):
+        name = f"a pinned host cache beside CUDA caches, {'producer' if role == kvcsum.PRODUCER else 'consumer'}"
+        checks.append((name, lambda r=role: check_pinned_host_cache_beside_cuda(r)))
     passed = failed = 0
     for name, check in checks:
         try:

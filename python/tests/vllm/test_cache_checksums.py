@@ -132,3 +132,89 @@ def test_unsupported_groups_are_skipped_with_a_reason():
     assert worker.skipped == {1: "MambaSpec has no per-token KV blocks"}
     record = worker.checksum([Job("a", 45, {0: (0, [3, 1, 6])})], kvcsum.PRODUCER).record()
     assert record
+
+
+# --- which engine reads the caches (cache_checksums.worker_device) ---------------------------
+
+
+class _Device:
+    def __init__(self, kind, index=None):
+        self.type, self.index = kind, index
+
+    def __str__(self):
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+
+class _Cache:
+    """What worker_device reads of a torch tensor: its device and, in host
+    memory, whether it is pinned (duck-typed: no GPU needed)."""
+
+    def __init__(self, kind, index=None, pinned=False):
+        self.device, self._pinned = _Device(kind, index), pinned
+
+    def is_pinned(self):
+        return self._pinned
+
+
+def _specs(*unsupported):
+    return [
+        LayerSpec(name=f"model.layers.{i}.attn", group_id=i, spec_type="FullAttentionSpec", block_size=BLOCK,
+                  dtype="torch.bfloat16", unsupported=why)
+        for i, why in enumerate(unsupported)
+    ]
+
+
+def test_the_worker_device_is_the_caches_cuda_device_or_the_host():
+    from kvcsum.vllm.cache_checksums import worker_device
+
+    specs = _specs("", "", "")
+    names = [s.name for s in specs]
+    assert worker_device(specs, dict.fromkeys(names, _Cache("cpu"))) == kvcsum.HOST
+    assert worker_device(specs, dict.fromkeys(names, _Cache("cuda", 1))) == 1
+    assert worker_device(specs, dict.fromkeys(names, _Cache("cuda"))) == 0  # torch's "cuda", no index
+    # A pinned host cache beside CUDA ones is read by the device worker.
+    mixed = {names[0]: _Cache("cuda", 2), names[1]: _Cache("cpu", pinned=True), names[2]: _Cache("cuda", 2)}
+    assert worker_device(specs, mixed) == 2
+
+
+def test_a_host_resident_group_beside_cuda_caches_does_not_refuse_the_worker():
+    # HiSparse's source group: its pages in HiSparse's host pool (CPU
+    # views, v1/hisparse/binding.py allocate_hisparse_kv_caches), the other
+    # groups on the GPU. The group is named not checksummed and never
+    # read, so its tensors decide nothing: before, the worker refused to
+    # start ("partly on a CUDA device, partly on the host").
+    from kvcsum.vllm.cache_checksums import worker_device
+
+    specs = _specs("its KV is host-resident", "")
+    caches = {specs[0].name: _Cache("cpu"), specs[1].name: _Cache("cuda", 0)}
+    assert worker_device(specs, caches) == 0
+    # Were it checksummed, its unpinned host memory would be refused, named.
+    with pytest.raises(ValueError, match=r"model.layers.0.attn's KV cache is in host memory that is not pinned.*device 0"):
+        worker_device(_specs("", ""), caches)
+
+
+@pytest.mark.parametrize(
+    "caches, match",
+    [
+        ([_Cache("xpu", 0), _Cache("xpu", 0)], r"model.layers.0.attn's KV cache is on device xpu:0: kvcsum checksums KV in host memory or on CUDA"),
+        ([_Cache("cuda", 0), _Cache("hpu")], r"model.layers.1.attn's KV cache is on device hpu"),
+        ([_Cache("cuda", 0), _Cache("cuda", 1)], r"several CUDA devices: \[0, 1\]"),
+    ],
+)
+def test_caches_no_engine_reads_are_refused_naming_the_layer(caches, match):
+    from kvcsum.vllm.cache_checksums import worker_device
+
+    specs = _specs("", "")
+    with pytest.raises(ValueError, match=match):
+        worker_device(specs, {s.name: c for s, c in zip(specs, caches)})
+
+
+def test_caches_on_a_gpu_of_rocms_torch_are_refused_naming_rocm(monkeypatch):
+    from kvcsum.vllm.cache_checksums import worker_device
+
+    monkeypatch.setattr(sys.modules["torch"].version, "hip", "6.4.0", raising=False)
+    specs = _specs("")
+    with pytest.raises(ValueError, match=r"model.layers.0.attn's KV cache is on a GPU of ROCm's torch \(HIP 6.4.0\): kvcsum's device engine runs on CUDA only"):
+        worker_device(specs, {specs[0].name: _Cache("cuda", 0)})
+    # ROCm's torch on the host (vLLM's CPU backend): a host worker.
+    assert worker_device(specs, {specs[0].name: _Cache("cpu")}) == kvcsum.HOST
