@@ -2854,9 +2854,15 @@ void kvcs_worker_destroy(kvcs_worker *worker);
 // of the range is mapped in the process (`mincore`, one call per 16 MiB of
 // 4 KiB pages; nothing is read): an unmapped first page (address 8, memory
 // already freed) gives `KVCS_ERR_INVALID_ARGUMENT`, a range running past a
-// mapping `KVCS_ERR_OUT_OF_BOUNDS` naming the first unmapped page. A
-// mapping without read permission (`PROT_NONE`) is not told apart: the
-// caller keeps the memory readable.
+// mapping `KVCS_ERR_OUT_OF_BOUNDS` naming the first unmapped page. It
+// also checks the mappings' permissions (`/proc/self/maps`, read once a
+// call): a range starting in memory mapped without read permission
+// (`PROT_NONE`: a guard page, a reservation, CUDA device memory, which
+// unified addressing reserves so in the host process) gives
+// `KVCS_ERR_INVALID_ARGUMENT`, one running into such memory
+// `KVCS_ERR_OUT_OF_BOUNDS`. Without procfs that check is skipped; either
+// way the caller keeps the memory mapped and readable while the worker
+// lives.
 kvcs_status kvcs_worker_add_region(kvcs_worker *worker, uint64_t address, uint64_t length);
 
 // Registers group `group_id` with `block_size` tokens per logical block.

@@ -196,7 +196,7 @@ impl Worker {
     /// worker's kind). The caller keeps it readable while the worker lives.
     /// A device worker checks that the range lies in one CUDA allocation of
     /// its device (or in pinned host memory); a host worker checks that
-    /// every page of it is mapped in this process ([`host::check_mapped`]).
+    /// every page of it is mapped in this process and readable ([`host::check_mapped`]).
     pub fn add_region(&mut self, region: Region) -> Result<()> {
         // The layout's rules first (address 0, empty, wrapping), then the
         // engine's: CUDA's for device memory, the page tables' for host memory.

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use cudarc::driver::{result as cu, sys, CudaContext};
 use kvcsum::record::Record;
-use kvcsum::{Error, ReplicaKey, Role, StreamHandle, Worker};
+use kvcsum::{Error, ReplicaKey, Role, StreamHandle, Worker, WorkerOptions};
 
 use super::common::*;
 use super::streams::*;
@@ -463,6 +463,56 @@ fn device_worker_rejects_memory_it_cannot_read() {
     drop(worker);
     // SAFETY: allocated above; the worker that registered it is gone.
     unsafe { cu::free_sync(base).expect("free") };
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn host_worker_rejects_device_memory() {
+    // Device memory, which CUDA's unified addressing reserves in the host
+    // process: a host worker took it as mapped before (mincore), and its
+    // checksum then died reading it. Now the mapping's missing read
+    // permission refuses it; pinned host memory stays accepted.
+    let mut worker = Worker::new(WorkerOptions {
+        tp_rank: 0,
+        tp_size: 1,
+        pp_rank: 0,
+        device: None,
+        num_threads: 1,
+    })
+    .expect("host worker");
+    let context = CudaContext::new(0).expect("context");
+    context.bind_to_thread().expect("bind");
+    // SAFETY: fresh allocations, freed below.
+    let (device, pinned) = unsafe {
+        (
+            cu::malloc_sync(1 << 20).expect("cuMemAlloc"),
+            cu::malloc_host(1 << 20, 0).expect("cuMemHostAlloc") as u64,
+        )
+    };
+    let error = worker
+        .add_region(kvcsum::Region {
+            address: device,
+            length: 1 << 20,
+        })
+        .expect_err("device memory on a host worker");
+    eprintln!("a host worker on device memory: {error}");
+    assert!(matches!(error, Error::InvalidArgument(_)), "{error:?}");
+    assert!(
+        error.to_string().contains("without read permission") || error.to_string().contains("not mapped"),
+        "{error}"
+    );
+    worker
+        .add_region(kvcsum::Region {
+            address: pinned,
+            length: 1 << 20,
+        })
+        .expect("pinned host memory on a host worker");
+    drop(worker);
+    // SAFETY: allocated above; the worker that registered them is gone.
+    unsafe {
+        cu::free_sync(device).expect("free");
+        cu::free_host(pinned as *mut std::ffi::c_void).expect("free host");
+    }
 }
 
 /// The stream rule: the checksum runs after everything already queued on the

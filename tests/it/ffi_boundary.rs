@@ -478,7 +478,7 @@ fn host_regions_that_are_not_mapped_memory_are_refused() {
     // A large reservation (more pages than one mincore call takes) with one
     // page unmapped at a random place: found exactly, whatever the chunk.
     let pages = 3 * 4096 + rng.below(4096) as usize;
-    let large = Mapping::new(pages, libc::PROT_NONE);
+    let large = Mapping::new(pages, libc::PROT_READ);
     let index = rng.range(1..pages as u64) as usize;
     let large_hole = large.punch(index);
     expect_region(
@@ -511,6 +511,79 @@ fn host_regions_that_are_not_mapped_memory_are_refused() {
     assert_eq!(worker.add_layer(0, 1, 0, 4, 16), KVCS_OK, "{}", last_error());
     let scheduled = blocks(&[("req", 64, vec![(0, 0, vec![3, 1, 2, 0])])]);
     assert!(worker.record(&scheduled, CONSUMER).is_ok(), "seed {seed}");
+}
+
+#[test]
+fn host_regions_mapped_without_read_permission_are_refused() {
+    // PROT_NONE is what CUDA's unified addressing reserves for device memory
+    // in a host process, and guard pages are: mapped for mincore, so a host
+    // worker took such a region before, and a checksum then died reading it.
+    let mut rng = Rng::for_test("host_regions_mapped_without_read_permission_are_refused");
+    let seed = rng.seed();
+    let page = page() as u64;
+    let worker = HostWorker::new(&mut rng, 1, 4, 16);
+    let pages = 4 + rng.below(12) as usize;
+    let none = Mapping::new(pages, libc::PROT_NONE);
+    let address = none.address + 8 * rng.below(page / 8);
+    expect_region(
+        &worker,
+        address,
+        64,
+        KVCS_ERR_INVALID_ARGUMENT,
+        &[
+            &format!("address {address:#x}"),
+            "without read permission (---p)",
+            "device worker",
+        ],
+    );
+    // Write-only (no 'r' in /proc/self/maps): refused alike.
+    let write_only = Mapping::new(2, libc::PROT_WRITE);
+    expect_region(
+        &worker,
+        write_only.address,
+        page,
+        KVCS_ERR_INVALID_ARGUMENT,
+        &["without read permission (-w-p)"],
+    );
+    // A readable mapping with one page made unreadable at a random place: a
+    // region running into it is refused naming that page; one ending just
+    // before it, and one starting just after it, are taken.
+    let mapping = Mapping::new(pages, libc::PROT_READ | libc::PROT_WRITE);
+    let index = rng.range(1..pages as u64 - 1);
+    let guard = mapping.address + index * page;
+    // SAFETY: one page of the test's own mapping, which nothing reads.
+    let status = unsafe { libc::mprotect(guard as usize as *mut libc::c_void, page as usize, libc::PROT_NONE) };
+    assert_eq!(status, 0, "seed {seed}");
+    let start = mapping.address + 8 * rng.below(page / 8);
+    expect_region(
+        &worker,
+        start,
+        guard - start + 8,
+        KVCS_ERR_OUT_OF_BOUNDS,
+        &[
+            &format!("address {start:#x}"),
+            &format!("page at {guard:#x}"),
+            "without read permission",
+        ],
+    );
+    expect_region(&worker, start, guard - start, KVCS_OK, &[]);
+    expect_region(&worker, guard + page, page, KVCS_OK, &[]);
+    // The refused regions registered nothing: a layer over the guard page
+    // reaches memory no region holds.
+    assert_eq!(kvcs_worker_add_group(worker.handle, 0, 16), KVCS_OK);
+    let segment = kvcs_segment {
+        address: guard,
+        block_stride: 256,
+        kernel_block_stride: 0,
+        head_stride: 16,
+        token_stride: 16,
+        bytes_per_token: 16,
+    };
+    assert_eq!(
+        worker.add_segment(0, 0, 4, 16, segment),
+        KVCS_ERR_OUT_OF_BOUNDS,
+        "seed {seed}"
+    );
 }
 
 // ---------------------------------------------------------------------------

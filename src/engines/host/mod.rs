@@ -404,16 +404,19 @@ fn item_checksum_of(algorithm: Algorithm, form: Form, row: &Row, layer: &Layer, 
 const MINCORE_PAGES: usize = 4096;
 
 /// Fails unless every page of `region` (host memory) is mapped in this
-/// process, so that a host worker never registers memory whose reading
-/// would crash it (address 8, a freed mapping, a range running past a
-/// mapping). `mincore` answers `ENOMEM` for a range holding an unmapped
-/// page; it reads no byte of the region and costs one call per
-/// [`MINCORE_PAGES`] pages. A mapping without read permission
-/// (`PROT_NONE`) is mapped, and is not told apart here.
+/// process and may be read, so that a host worker never registers memory
+/// whose reading would crash it (address 8, a freed mapping, a range
+/// running past a mapping, a mapping without read permission). `mincore`
+/// answers `ENOMEM` for a range holding an unmapped page; it reads no byte
+/// of the region and costs one call per [`MINCORE_PAGES`] pages. A mapping
+/// without read permission (`PROT_NONE`: a guard page, a reservation, and
+/// CUDA's device memory, which unified addressing reserves so in the host
+/// process) is mapped for `mincore`; [`check_readable`] tells it apart.
 ///
-/// `InvalidArgument` when the region's first page is not mapped (as for
-/// address 0, it is no memory at all); `OutOfBounds` when a later page is
-/// not, naming that page (the region runs past the memory given).
+/// `InvalidArgument` when the region's first page is not mapped or not
+/// readable (as for address 0, it is no memory a host worker reads);
+/// `OutOfBounds` when a later page is not, naming that page (the region
+/// runs past the memory given).
 pub fn check_mapped(region: Region) -> Result<()> {
     let page = page_size();
     let start = region.address - region.address % page;
@@ -448,7 +451,67 @@ pub fn check_mapped(region: Region) -> Result<()> {
         }
         at += pages * page;
     }
+    match std::fs::read_to_string("/proc/self/maps") {
+        Ok(maps) => check_readable(region, start, end, &maps),
+        // No procfs (a sandbox without /proc): the permission is the
+        // caller's to keep, as kvcs_worker_add_region says.
+        Err(_) => Ok(()),
+    }
+}
+
+/// Fails where a mapping of `maps` (the text of `/proc/self/maps`: one
+/// mapping a line, `start-end perms ...` in hexadecimal, in address order)
+/// without read permission overlaps the pages `start .. end` of `region`,
+/// naming the first such page as [`check_mapped`] names an unmapped one.
+/// Work is linear in the text: it is the process's mappings, read once a
+/// region is registered.
+fn check_readable(region: Region, start: u64, end: u64, maps: &str) -> Result<()> {
+    for line in maps.lines() {
+        let mut fields = line.split_ascii_whitespace();
+        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        let Some((low, high)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(low), Ok(high)) = (u64::from_str_radix(low, 16), u64::from_str_radix(high, 16)) else {
+            continue;
+        };
+        if high <= start {
+            continue;
+        }
+        if low >= end {
+            break;
+        }
+        if !perms.starts_with('r') {
+            return Err(not_readable(region, low.max(start), perms));
+        }
+    }
     Ok(())
+}
+
+/// The error for `region`, whose page at `page_at` is mapped with
+/// permissions `perms`, none to read.
+fn not_readable(region: Region, page_at: u64, perms: &str) -> crate::base::error::Error {
+    let page = page_size();
+    if page_at <= region.address - region.address % page {
+        err!(
+            InvalidArgument,
+            "address {:#x} (region of length {}) is mapped without read permission ({perms}): a host worker would \
+             read it and crash; device memory (CUDA's unified addressing reserves it so in the host process) is \
+             read by a device worker",
+            region.address,
+            region.length
+        )
+    } else {
+        err!(
+            OutOfBounds,
+            "region at address {:#x} of length {} runs into memory mapped without read permission ({perms}): the \
+             page at {page_at:#x}",
+            region.address,
+            region.length
+        )
+    }
 }
 
 /// The error for `region`, whose page at `unmapped` is not mapped.
@@ -518,6 +581,49 @@ fn page_size() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `check_readable` over a made-up `/proc/self/maps`: a mapping without
+    /// 'r' refuses the regions overlapping it, naming the first page it
+    /// holds of them (the region's first page: InvalidArgument, a later
+    /// one: OutOfBounds); regions beside it pass; lines it cannot read are
+    /// passed over.
+    #[test]
+    fn check_readable_refuses_what_overlaps_a_mapping_without_read() {
+        let page = page_size();
+        let at = |n: u64| 0x7f00_0000_0000 + n * page;
+        let maps = format!(
+            "{:x}-{:x} r--p 00000000 00:00 0 /lib/x.so\nnot a mapping\n{:x}-{:x} ---p 00000000 00:00 0\n\
+             {:x}-{:x} rw-p 00000000 00:00 0 [heap]\n",
+            at(0),
+            at(2),
+            at(2),
+            at(3),
+            at(3),
+            at(8)
+        );
+        let check = |address: u64, length: u64| {
+            let region = Region { address, length };
+            let start = address - address % page;
+            let end = (address + length).next_multiple_of(page);
+            check_readable(region, start, end, &maps)
+        };
+        assert!(check(at(0) + 8, 2 * page - 8).is_ok());
+        assert!(check(at(3), 5 * page).is_ok());
+        match check(at(1) + 16, page) {
+            Err(crate::Error::OutOfBounds(message)) => {
+                assert!(message.contains(&format!("page at {:#x}", at(2))), "{message}")
+            }
+            other => panic!("{other:?}"),
+        }
+        for (address, length) in [(at(2), 8), (at(2) + page - 8, 16), (at(2) + 64, 8 * page)] {
+            match check(address, length) {
+                Err(crate::Error::InvalidArgument(message)) => {
+                    assert!(message.contains("without read permission (---p)"), "{message}")
+                }
+                other => panic!("{address:#x} + {length}: {other:?}"),
+            }
+        }
+    }
 
     /// The SIMD forms of MIXED2's eight-piece step give `mix2` of each
     /// piece, for each form the CPU can run (this machine's CI has both),
