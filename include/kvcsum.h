@@ -2862,7 +2862,9 @@ void kvcs_worker_destroy(kvcs_worker *worker);
 // `KVCS_ERR_INVALID_ARGUMENT`, one running into such memory
 // `KVCS_ERR_OUT_OF_BOUNDS`. Without procfs that check is skipped; either
 // way the caller keeps the memory mapped and readable while the worker
-// lives.
+// lives. Reading the process's mappings is most of a host region's cost:
+// about 1.3 ms a call in a Python process with torch loaded (550
+// mappings) on a 2-core VM, once per region at registration.
 kvcs_status kvcs_worker_add_region(kvcs_worker *worker, uint64_t address, uint64_t length);
 
 // Registers group `group_id` with `block_size` tokens per logical block.

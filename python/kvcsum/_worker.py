@@ -413,10 +413,12 @@ class Worker(_Handle):
         memory `array` says it lives in: a host worker
         host memory, a device worker CUDA device memory or host memory
         (which the library then checks is pinned, mapped for the device).
-        The library cannot tell a device address from a host one on a host
-        worker (both may be mapped in the process), so it is decided here
-        where the array says. ROCm's and other devices' memory (XPU, MPS,
-        ...) no engine of kvcsum reads."""
+        The library checks a host worker's region is mapped, readable memory
+        (kvcs_worker_add_region), which CUDA's reservations of device memory
+        are not; what the array says is checked here first, so that the
+        error names the device, and so that device memory a process has
+        mapped readable is refused too. ROCm's and other devices' memory
+        (XPU, MPS, ...) no engine of kvcsum reads."""
         where = _memory_of(array)
         if where == "host" or (where == "cuda" and not self._on_host):
             return

@@ -179,7 +179,9 @@ pub extern "C" fn kvcs_worker_destroy(worker: *mut kvcs_worker) {
 /// `KVCS_ERR_INVALID_ARGUMENT`, one running into such memory
 /// `KVCS_ERR_OUT_OF_BOUNDS`. Without procfs that check is skipped; either
 /// way the caller keeps the memory mapped and readable while the worker
-/// lives.
+/// lives. Reading the process's mappings is most of a host region's cost:
+/// about 1.3 ms a call in a Python process with torch loaded (550
+/// mappings) on a 2-core VM, once per region at registration.
 #[no_mangle]
 pub extern "C" fn kvcs_worker_add_region(worker: *mut kvcs_worker, address: u64, length: u64) -> kvcs_status {
     ffi_boundary! {
