@@ -283,12 +283,20 @@ def test_only_the_pages_sent_are_judged_health_checks_are_not_and_an_uncovered_p
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     other = type("OtherPool", (MHATokenToKVPool,), {})
-    for mode, pool_type, dtype, named in (
-        ("admit", other, torch.float16, "OtherPool"), ("fail", other, torch.float16, "OtherPool"),
-        ("admit", MHATokenToKVPool, torch.float8_e4m3fn, "float8_e4m3fn"),
+    # A pool on a device no engine of kvcsum reads (its buffers moved to
+    # torch's "meta" device, standing in for an NPU's or XPU's; SGLang's
+    # pool cannot be built there): named, UNVERIFIED, the step goes on.
+    for mode, pool_type, dtype, named, device in (
+        ("admit", other, torch.float16, "OtherPool", "cpu"), ("fail", other, torch.float16, "OtherPool", "cpu"),
+        ("admit", MHATokenToKVPool, torch.float8_e4m3fn, "float8_e4m3fn", "cpu"),
+        ("admit", MHATokenToKVPool, torch.float16, "this engine's pool is on device meta", "meta"),
+        ("fail", MHATokenToKVPool, torch.float16, "this engine's pool is on device meta", "meta"),
     ):
         activation = activate_pd(unverified=mode)
-        decode, _ = _engine(False, pool_type=pool_type, dtype=dtype)
+        decode, pool = _engine(False, pool_type=pool_type, dtype=dtype)
+        if device != "cpu":
+            pool.k_buffer = [b.to(device) for b in pool.k_buffer]
+            pool.v_buffer = [b.to(device) for b in pool.v_buffer]
         dreq, _ = _request(decode, tokens, f"d-{mode}", prefix=0)
         dreq._kvcsum_pd_payload = pd.ArrivedPayload(b"not judged")
         batch = __import__("types").SimpleNamespace(reqs=[dreq])
