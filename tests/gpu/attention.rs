@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use cudarc::driver::{result as cu, sys, CudaContext};
 use kvcsum::record::Record;
-use kvcsum::{Error, ReplicaKey, Role, StreamHandle, Worker, WorkerOptions};
+use kvcsum::{Error, ReplicaKey, Role, StreamHandle, Worker};
 
 use super::common::*;
 use super::streams::*;
@@ -472,14 +472,7 @@ fn host_worker_rejects_device_memory() {
     // process: a host worker took it as mapped before (mincore), and its
     // checksum then died reading it. Now the mapping's missing read
     // permission refuses it; pinned host memory stays accepted.
-    let mut worker = Worker::new(WorkerOptions {
-        tp_rank: 0,
-        tp_size: 1,
-        pp_rank: 0,
-        device: None,
-        num_threads: 1,
-    })
-    .expect("host worker");
+    let mut worker = host_worker(0, 1, 0, 1);
     let context = CudaContext::new(0).expect("context");
     context.bind_to_thread().expect("bind");
     // SAFETY: fresh allocations, freed below.

@@ -493,20 +493,7 @@ fn host_regions_that_are_not_mapped_memory_are_refused() {
     // A refused region registered nothing: a layer there reaches memory no
     // region holds, so no checksum can read it.
     assert_eq!(kvcs_worker_add_group(worker.handle, 0, 16), KVCS_OK);
-    let segment = kvcs_segment {
-        address: 0x100,
-        block_stride: 256,
-        kernel_block_stride: 0,
-        head_stride: 16,
-        token_stride: 16,
-        bytes_per_token: 16,
-    };
-    assert_eq!(
-        worker.add_segment(0, 0, 4, 16, segment),
-        KVCS_ERR_OUT_OF_BOUNDS,
-        "seed {seed}"
-    );
-    assert!(last_error().contains("no registered region"), "{}", last_error());
+    expect_no_region_holds(&worker, 0x100, seed);
     // The worker's own (mapped) region still works.
     assert_eq!(worker.add_layer(0, 1, 0, 4, 16), KVCS_OK, "{}", last_error());
     let scheduled = blocks(&[("req", 64, vec![(0, 0, vec![3, 1, 2, 0])])]);
@@ -571,8 +558,14 @@ fn host_regions_mapped_without_read_permission_are_refused() {
     // The refused regions registered nothing: a layer over the guard page
     // reaches memory no region holds.
     assert_eq!(kvcs_worker_add_group(worker.handle, 0, 16), KVCS_OK);
+    expect_no_region_holds(&worker, guard, seed);
+}
+
+/// A one-head layer of 4 blocks of 16 tokens at `address` (group 0, which
+/// the caller added) is refused: no registered region holds it.
+fn expect_no_region_holds(worker: &HostWorker, address: u64, seed: u64) {
     let segment = kvcs_segment {
-        address: guard,
+        address,
         block_stride: 256,
         kernel_block_stride: 0,
         head_stride: 16,
@@ -584,6 +577,7 @@ fn host_regions_mapped_without_read_permission_are_refused() {
         KVCS_ERR_OUT_OF_BOUNDS,
         "seed {seed}"
     );
+    assert!(last_error().contains("no registered region"), "{}", last_error());
 }
 
 // ---------------------------------------------------------------------------
