@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import kvcsum
+from test_checksums import mix2 as mix  # the tests' one naive MIXED2 (SPEC section 12)
 
 MASK = (1 << 64) - 1
 SEED = int(os.environ.get("KVCS_SEED", "0x666561"), 0)
@@ -20,20 +21,6 @@ def rng(request):
     seed = SEED + sum(map(ord, request.node.name))
     print(f"random data seed {seed:#x} (KVCS_SEED={SEED:#x})")
     return np.random.default_rng(seed)
-
-
-def mix(x):
-    """f of SPEC section 12 for MIXED2 (the default): state elements
-    zero-extended, then three rounds on the 32-bit halves (low half times
-    the round's multiplier, high half added to the product's high half,
-    halves swapped), the high half folded into the low one after the last two."""
-    lo, hi = x & 0xFFFFFFFF, x >> 32
-    for r, k in enumerate((0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D)):
-        product = lo * k
-        lo, hi = (hi + (product >> 32)) & 0xFFFFFFFF, product & 0xFFFFFFFF
-        if r > 0:
-            lo ^= hi
-    return (hi << 32) | lo
 
 
 def fingerprint_of(identities):

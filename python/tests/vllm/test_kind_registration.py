@@ -16,8 +16,10 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # python/tests: the naive references
 
 import kvcsum  # noqa: E402
+from test_checksums import mix2  # noqa: E402 - the tests' one naive MIXED2 (SPEC section 12)
 from kvcsum.vllm.cache_checksums import CacheChecksummer, Job  # noqa: E402
 from kvcsum.vllm.config import layer_specs  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
@@ -992,17 +994,6 @@ def test_whisper_pooled_states_round_trip(state):
 
     report = round_trip(f"Whisper pooling (4 states a token), flip in state {state}", [(ATTN, pooled())], None if state is None else flip)
     check(report, state is not None, IDS[1])
-
-
-def mix2(x: int) -> int:
-    """f of SPEC section 12 for MIXED2 (the default), written again here."""
-    lo, hi = x & 0xFFFFFFFF, x >> 32
-    for r, k in enumerate((0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D)):
-        product = lo * k
-        lo, hi = (hi + (product >> 32)) & 0xFFFFFFFF, product & 0xFFFFFFFF
-        if r > 0:
-            lo ^= hi
-    return (hi << 32) | lo
 
 
 def naive_pooled(cells: torch.Tensor, num_tokens: int, block: int) -> list:
