@@ -145,6 +145,12 @@ def _array_info(array) -> tuple[int, tuple, tuple, int]:
     )
 
 
+def _hip_version() -> str | None:
+    """ROCm's HIP version where the loaded torch is ROCm's build (whose GPUs
+    are also "cuda" devices), else None; torch is not imported here."""
+    return getattr(getattr(sys.modules.get("torch"), "version", None), "hip", None)
+
+
 def _memory_of(array) -> str:
     """Where the bytes of `array` live, as far as it says: "host" (numpy,
     a CPU torch tensor, pinned or not, `__array_interface__`, DLPack's CPU,
@@ -157,7 +163,7 @@ def _memory_of(array) -> str:
         kind = str(getattr(getattr(array, "device", None), "type", "cpu"))
         if kind == "cpu":
             return "host"
-        if kind == "cuda" and getattr(getattr(sys.modules.get("torch"), "version", None), "hip", None):
+        if kind == "cuda" and _hip_version():
             return "rocm"
         return kind
     if not hasattr(array, "__cuda_array_interface__") and not hasattr(array, "__array_interface__") and _has_dlpack(array):

@@ -48,6 +48,7 @@ from typing import Callable, Optional
 import numpy as np
 
 import kvcsum
+from kvcsum._layers import _hip_version, _memory_of
 
 logger = logging.getLogger("kvcsum.sglang.pd")
 
@@ -329,20 +330,21 @@ class _Side:
                 + (" with scale buffers" if getattr(pool, "k_scale_buffer", None) is not None else "")
             )
         device = pool.k_buffer[0].device
-        if device.type not in ("cuda", "cpu") or (device.type == "cuda" and getattr(torch.version, "hip", None)):
+        where = _memory_of(pool.k_buffer[0])  # the binding's one rule (Worker._check_readable)
+        if where not in ("cuda", "host"):
             # No engine of kvcsum reads it: kvcsum's device engine is CUDA's
             # (ROCm's torch calls its GPUs "cuda" too), its host engine host
             # memory. Refused here, as a pool kind, so every rank says why.
-            where = f"a GPU of ROCm's torch (HIP {torch.version.hip})" if device.type == "cuda" else f"device {device}"
+            place = f"a GPU of ROCm's torch (HIP {_hip_version()})" if where == "rocm" else f"device {device}"
             raise TypeError(
-                f"kvcsum.sglang P/D checks KV pools on CUDA GPUs or in host memory; this engine's pool is on {where}"
+                f"kvcsum.sglang P/D checks KV pools on CUDA GPUs or in host memory; this engine's pool is on {place}"
             )
         self.page = int(pool.page_size)
         self.tp_rank, self.tp_size, self.group = tp_rank, tp_size, group
         first_head = kvcsum.rank_heads(tp_rank, tp_size, total_kv_heads).start
         # A GPU pool is read where it lives, on the stream SGLang is on when it
         # computes its own digest at the same two points (not run on the CPU test).
-        self.cuda = device.type == "cuda"
+        self.cuda = where == "cuda"
         worker = kvcsum.Worker(
             tp_rank=tp_rank, tp_size=tp_size, device=device.index if self.cuda else kvcsum.HOST
         )

@@ -37,11 +37,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-import sys
 import time
 from typing import Iterable, Mapping, Sequence
 
 import kvcsum
+from kvcsum._layers import _hip_version, _memory_of
 from kvcsum.vllm import cache_kinds
 
 __all__ = [
@@ -215,30 +215,28 @@ def worker_device(layers: Sequence[LayerSpec], kv_caches: Mapping[str, object]) 
     a GPU of ROCm's torch (kvcsum's device engine is CUDA's), another
     device type (XPU, HPU, ...), host memory that is not pinned beside CUDA
     caches, or caches on several CUDA devices."""
-    hip = getattr(getattr(sys.modules.get("torch"), "version", None), "hip", None)
     cuda: dict[int, str] = {}
     host: list[str] = []
     for spec in layers:
         tensor = kv_caches.get(spec.name)
         if tensor is None or spec.unsupported:
             continue
-        device = getattr(tensor, "device", None)
-        kind = getattr(device, "type", "cpu")
-        if kind == "cuda" and hip:
+        where = _memory_of(tensor)  # the binding's one rule (Worker._check_readable)
+        if where == "rocm":
             raise ValueError(
-                f"layer {spec.name}'s KV cache is on a GPU of ROCm's torch (HIP {hip}): kvcsum's device engine runs "
-                "on CUDA only, so no KV on ROCm GPUs can be checksummed"
+                f"layer {spec.name}'s KV cache is on a GPU of ROCm's torch (HIP {_hip_version()}): kvcsum's device "
+                "engine runs on CUDA only, so no KV on ROCm GPUs can be checksummed"
             )
-        if kind == "cuda":
-            index = getattr(device, "index", None)
+        if where == "cuda":
+            index = tensor.device.index
             cuda.setdefault(0 if index is None else int(index), spec.name)
-        elif kind == "cpu":
+        elif where == "host":
             if not tensor.is_pinned():
                 host.append(spec.name)
         else:
             raise ValueError(
-                f"layer {spec.name}'s KV cache is on device {device}: kvcsum checksums KV in host memory or on CUDA "
-                "devices"
+                f"layer {spec.name}'s KV cache is on device {tensor.device}: kvcsum checksums KV in host memory or on "
+                "CUDA devices"
             )
     if len(cuda) > 1:
         raise ValueError(f"the KV caches are on several CUDA devices: {sorted(cuda)} (layers {sorted(cuda.values())})")

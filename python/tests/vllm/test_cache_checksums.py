@@ -146,11 +146,21 @@ class _Device:
 
 
 class _Cache:
-    """What worker_device reads of a torch tensor: its device and, in host
+    """What worker_device reads of a torch tensor: what makes it one to
+    kvcsum (data_ptr, element_size, stride), its device and, in host
     memory, whether it is pinned (duck-typed: no GPU needed)."""
 
     def __init__(self, kind, index=None, pinned=False):
         self.device, self._pinned = _Device(kind, index), pinned
+
+    def data_ptr(self):
+        return 0
+
+    def element_size(self):
+        return 2
+
+    def stride(self):
+        return (1,)
 
     def is_pinned(self):
         return self._pinned
